@@ -1,0 +1,1 @@
+//! Shared helpers for the side-by-side benchmarks.

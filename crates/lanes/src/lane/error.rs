@@ -1,0 +1,505 @@
+//! Errors of run lanes: admission (no run id, no finalizer) and run failures (owned runs).
+
+use std::error::Error;
+use std::fmt;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::run::{Participation, RunId};
+use crate::BoxError;
+
+/// Why an admission was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum AdmissionErrorKind {
+    /// The lane owns `concurrent + queued` runs already.
+    Full,
+    /// The set was closed.
+    Closed,
+    /// The set was poisoned by a job that ignored cancellation.
+    Poisoned,
+    /// The set has no lane of that name.
+    UnknownLane,
+}
+
+impl AdmissionErrorKind {
+    /// The lowercase name used in snapshots and messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Full => "full",
+            Self::Closed => "closed",
+            Self::Poisoned => "poisoned",
+            Self::UnknownLane => "unknown lane",
+        }
+    }
+}
+
+/// A run was not admitted. Nothing was started: there is no [`RunId`], no finalizer call and no
+/// audit event. The run is handed back.
+pub struct AdmissionError<R> {
+    kind: AdmissionErrorKind,
+    lane: String,
+    participation: Participation,
+    run: R,
+}
+
+impl<R> AdmissionError<R> {
+    pub(crate) fn new(
+        kind: AdmissionErrorKind,
+        lane: &str,
+        participation: Participation,
+        run: R,
+    ) -> Self {
+        Self {
+            kind,
+            lane: lane.to_owned(),
+            participation,
+            run,
+        }
+    }
+
+    /// Why the run was refused.
+    pub fn kind(&self) -> AdmissionErrorKind {
+        self.kind
+    }
+
+    /// The lane that refused it.
+    pub fn lane(&self) -> &str {
+        &self.lane
+    }
+
+    /// How the caller asked to participate.
+    pub fn participation(&self) -> Participation {
+        self.participation
+    }
+
+    /// The lane was full.
+    pub fn is_full(&self) -> bool {
+        self.kind == AdmissionErrorKind::Full
+    }
+
+    /// The set was closed.
+    pub fn is_closed(&self) -> bool {
+        self.kind == AdmissionErrorKind::Closed
+    }
+
+    /// The set was poisoned.
+    pub fn is_poisoned(&self) -> bool {
+        self.kind == AdmissionErrorKind::Poisoned
+    }
+
+    /// Gives the refused run back.
+    pub fn into_run(self) -> R {
+        self.run
+    }
+
+    /// Drops the run, keeping the rest of the error (for example to box it).
+    pub fn without_run(self) -> AdmissionError<()> {
+        AdmissionError {
+            kind: self.kind,
+            lane: self.lane,
+            participation: self.participation,
+            run: (),
+        }
+    }
+}
+
+impl<R> fmt::Debug for AdmissionError<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdmissionError")
+            .field("kind", &self.kind)
+            .field("lane", &self.lane)
+            .field("participation", &self.participation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R> fmt::Display for AdmissionError<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "lane {:?} refused a run: {}",
+            self.lane,
+            self.kind.as_str()
+        )
+    }
+}
+
+impl<R> Error for AdmissionError<R> {}
+
+/// Where in its life a run failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Stage {
+    /// Waiting for an execution slot.
+    Queue,
+    /// Recording the `started` audit event, before the job.
+    Start,
+    /// Running the job.
+    Execution,
+    /// Recording the terminal audit event.
+    Terminal,
+    /// Running the finalizer.
+    Finalization,
+    /// Running the run's cleanup.
+    Cleanup,
+}
+
+impl Stage {
+    /// The lowercase name used in snapshots and messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Queue => "queue",
+            Self::Start => "start",
+            Self::Execution => "execution",
+            Self::Terminal => "terminal",
+            Self::Finalization => "finalization",
+            Self::Cleanup => "cleanup",
+        }
+    }
+}
+
+/// Why an owned run failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Reason {
+    /// The caller dropped its [`RunHandle`](super::RunHandle).
+    Canceled,
+    /// The queue timeout or the execution timeout elapsed.
+    Timeout,
+    /// The set was closed.
+    Closed,
+    /// The set was poisoned (by this run or another one).
+    Poisoned,
+    /// The job returned an error.
+    Job,
+    /// The job panicked.
+    Panic,
+    /// An audit call failed or timed out.
+    Audit,
+    /// The finalizer failed, panicked or timed out on a successful run.
+    Finalizer,
+    /// The cleanup failed, panicked or timed out on an otherwise successful run.
+    Cleanup,
+}
+
+impl Reason {
+    /// The lowercase name used in snapshots and messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Canceled => "canceled",
+            Self::Timeout => "timeout",
+            Self::Closed => "closed",
+            Self::Poisoned => "poisoned",
+            Self::Job => "job",
+            Self::Panic => "panic",
+            Self::Audit => "audit",
+            Self::Finalizer => "finalizer",
+            Self::Cleanup => "cleanup",
+        }
+    }
+}
+
+/// A callback (job, finalizer, audit hook, cleanup) panicked. The panic payload was discarded
+/// unread: it can carry user data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PanicError {
+    stage: Stage,
+}
+
+impl PanicError {
+    pub(crate) fn new(stage: Stage) -> Self {
+        Self { stage }
+    }
+
+    /// The stage whose callback panicked.
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+}
+
+impl fmt::Display for PanicError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "callback panicked during {}", self.stage.as_str())
+    }
+}
+
+impl Error for PanicError {}
+
+/// A bounded step did not finish in time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimeoutError {
+    stage: Stage,
+    after: Duration,
+}
+
+impl TimeoutError {
+    pub(crate) fn new(stage: Stage, after: Duration) -> Self {
+        Self { stage, after }
+    }
+
+    /// The stage that timed out.
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    /// The bound that elapsed.
+    pub fn after(&self) -> Duration {
+        self.after
+    }
+}
+
+impl fmt::Display for TimeoutError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} timed out after {:?}",
+            self.stage.as_str(),
+            self.after
+        )
+    }
+}
+
+impl Error for TimeoutError {}
+
+/// The set was poisoned: run `by` ignored cancellation for longer than `worker_drain_timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoisonError {
+    by: RunId,
+}
+
+impl PoisonError {
+    pub(crate) fn new(by: RunId) -> Self {
+        Self { by }
+    }
+
+    /// The run whose job ignored cancellation.
+    pub fn by(&self) -> RunId {
+        self.by
+    }
+}
+
+impl fmt::Display for PoisonError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "lane set poisoned: {} ignored cancellation", self.by)
+    }
+}
+
+impl Error for PoisonError {}
+
+/// A secondary failure (terminal audit, finalizer, cleanup) attached to a run's primary failure.
+///
+/// Its [`source`](Error::source) is the next attached failure if there is one, else its own
+/// cause; [`cause`](AttachedError::cause) always gives its own cause.
+pub struct AttachedError {
+    stage: Stage,
+    cause: BoxError,
+    next: OnceLock<Box<AttachedError>>,
+}
+
+impl AttachedError {
+    /// The stage that failed: [`Stage::Terminal`], [`Stage::Finalization`] or [`Stage::Cleanup`].
+    pub fn stage(&self) -> Stage {
+        self.stage
+    }
+
+    /// What went wrong.
+    pub fn cause(&self) -> &(dyn Error + Send + Sync + 'static) {
+        &*self.cause
+    }
+}
+
+impl fmt::Debug for AttachedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AttachedError")
+            .field("stage", &self.stage)
+            .field("cause", &self.cause)
+            .field("next", &self.next.get())
+            .finish()
+    }
+}
+
+impl fmt::Display for AttachedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} also failed", self.stage.as_str())
+    }
+}
+
+impl Error for AttachedError {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        match self.next.get() {
+            Some(next) => Some(&**next),
+            None => Some(&*self.cause),
+        }
+    }
+}
+
+struct FailureInner {
+    run_id: RunId,
+    lane: Arc<str>,
+    participation: Participation,
+    stage: Stage,
+    reason: Reason,
+    cause: Option<BoxError>,
+    attached: OnceLock<Box<AttachedError>>,
+}
+
+/// Why an owned run did not succeed.
+///
+/// Cheap to clone: the finalizer and the caller hold the *same* failure
+/// ([`RunFailure::ptr_eq`]). Secondary failures that happen after the finalizer saw it (the
+/// finalizer's own error, a cleanup error) are attached to it, never replacing it.
+///
+/// Messages are constant and content-free: no job output, no panic payload, no cause text.
+/// Read the cause with [`cause`](RunFailure::cause) or through [`source`](Error::source).
+///
+/// # Source chain
+///
+/// `source()` yields the attached failures in the order they happened (terminal audit,
+/// finalizer, cleanup), then the last one's cause; with nothing attached it yields the primary
+/// cause.
+#[derive(Clone)]
+pub struct RunFailure {
+    inner: Arc<FailureInner>,
+}
+
+impl RunFailure {
+    pub(crate) fn new(
+        run_id: RunId,
+        lane: Arc<str>,
+        participation: Participation,
+        stage: Stage,
+        reason: Reason,
+        cause: Option<BoxError>,
+    ) -> Self {
+        Self {
+            inner: Arc::new(FailureInner {
+                run_id,
+                lane,
+                participation,
+                stage,
+                reason,
+                cause,
+                attached: OnceLock::new(),
+            }),
+        }
+    }
+
+    /// Attaches a secondary failure at the end of the chain.
+    pub(crate) fn attach(&self, stage: Stage, cause: BoxError) {
+        let attached = Box::new(AttachedError {
+            stage,
+            cause,
+            next: OnceLock::new(),
+        });
+        let mut slot = &self.inner.attached;
+        while let Some(existing) = slot.get() {
+            slot = &existing.next;
+        }
+        // The driver is the only writer and attaches sequentially, so the tail is free.
+        let _ = slot.set(attached);
+    }
+
+    /// The failed run.
+    pub fn run_id(&self) -> RunId {
+        self.inner.run_id
+    }
+
+    /// The lane the run was owned by.
+    pub fn lane(&self) -> &str {
+        &self.inner.lane
+    }
+
+    /// Blocking (the caller awaited) or background (spawned).
+    pub fn participation(&self) -> Participation {
+        self.inner.participation
+    }
+
+    /// Where the run failed.
+    pub fn stage(&self) -> Stage {
+        self.inner.stage
+    }
+
+    /// Why the run failed.
+    pub fn reason(&self) -> Reason {
+        self.inner.reason
+    }
+
+    /// The run failed while waiting for an execution slot; its job never ran.
+    pub fn is_queue_failure(&self) -> bool {
+        self.inner.stage == Stage::Queue
+    }
+
+    /// The queue timeout or the execution timeout elapsed.
+    pub fn is_timeout(&self) -> bool {
+        self.inner.reason == Reason::Timeout
+    }
+
+    /// The primary cause: the job's error, a [`PanicError`], a [`TimeoutError`], a
+    /// [`PoisonError`], or the failing audit / finalizer / cleanup error.
+    pub fn cause(&self) -> Option<&(dyn Error + Send + Sync + 'static)> {
+        self.inner.cause.as_deref()
+    }
+
+    /// The secondary failures attached so far, in the order they happened.
+    pub fn attached(&self) -> impl Iterator<Item = &AttachedError> {
+        std::iter::successors(self.inner.attached.get().map(|b| &**b), |a| {
+            a.next.get().map(|b| &**b)
+        })
+    }
+
+    /// The attached failure of `stage`, if any.
+    pub fn attached_at(&self, stage: Stage) -> Option<&AttachedError> {
+        self.attached().find(|a| a.stage == stage)
+    }
+
+    /// Whether two failures are the same one (the finalizer's and the caller's always are).
+    pub fn ptr_eq(a: &Self, b: &Self) -> bool {
+        Arc::ptr_eq(&a.inner, &b.inner)
+    }
+}
+
+impl fmt::Debug for RunFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RunFailure")
+            .field("run_id", &self.inner.run_id)
+            .field("lane", &self.inner.lane)
+            .field("participation", &self.inner.participation)
+            .field("stage", &self.inner.stage)
+            .field("reason", &self.inner.reason)
+            .field("cause", &self.inner.cause)
+            .field("attached", &self.inner.attached.get())
+            .finish()
+    }
+}
+
+impl fmt::Display for RunFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} on lane {:?} failed in {}: {}",
+            self.inner.run_id,
+            self.inner.lane,
+            self.inner.stage.as_str(),
+            self.inner.reason.as_str()
+        )
+    }
+}
+
+impl Error for RunFailure {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        match self.inner.attached.get() {
+            Some(attached) => Some(&**attached),
+            None => self
+                .inner
+                .cause
+                .as_deref()
+                .map(|c| c as &(dyn Error + 'static)),
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! Run lanes: bounded owned-run scheduling with strict FIFO grants and a finalizer that is
+//! called exactly once.
+//!
+//! A [`LaneSet`] holds named lanes. Each lane has `concurrent` execution slots and `queued`
+//! waiting slots ([`LaneLimits`]); lanes never borrow each other's capacity. A [`Run`] is a job
+//! plus a finalizer: the job runs once it holds an execution slot, the finalizer receives its
+//! [`Outcome`] exactly once, whatever happens.
+//!
+//! A caller takes part in one of two ways:
+//! - **blocking** ([`LaneSet::run`]): it awaits the returned [`RunHandle`] and receives what the
+//!   finalizer returned, or the same [`RunFailure`] the finalizer saw;
+//! - **background** ([`LaneSet::spawn`]): it gets the [`RunId`] back and only the finalizer sees
+//!   the outcome.
+//!
+//! # Ownership
+//!
+//! An admitted run *owns* a slot of its lane from admission until its finalizer and cleanup
+//! have finished, so at most `concurrent + queued` runs are owned at once: a slow finalizer
+//! cannot let unbounded new work in. The *execution* slot is given back earlier, as soon as the
+//! job ends and before the finalizer runs, so the next queued run can start meanwhile.
+//!
+//! # Ordering
+//!
+//! Execution slots are granted in strict admission (FIFO) order per lane: a run admitted later
+//! never starts before one admitted earlier that is still waiting. Queue wait does not count
+//! against the execution timeout, whose clock starts at grant.
+//!
+//! # Overflow
+//!
+//! Admission never waits. It is all-or-nothing: a run is either owned (it gets a [`RunId`] and
+//! its finalizer will be called) or refused with an [`AdmissionError`] — [`Full`], [`Closed`] or
+//! [`Poisoned`] — that hands the run back, with no id, no finalizer call and no audit event. The
+//! lane's `rejected` counter for that reason moves.
+//!
+//! [`Full`]: AdmissionErrorKind::Full
+//! [`Closed`]: AdmissionErrorKind::Closed
+//! [`Poisoned`]: AdmissionErrorKind::Poisoned
+//!
+//! # Failures
+//!
+//! A run that fails while waiting is a *queue failure* ([`Stage::Queue`]) with reason
+//! [`Canceled`](Reason::Canceled), [`Timeout`](Reason::Timeout), [`Closed`](Reason::Closed) or
+//! [`Poisoned`](Reason::Poisoned); its job never ran. A run that fails later carries the
+//! [`Stage`] and [`Reason`] of the failure. Every [`RunFailure`] names its run, lane and
+//! participation. Secondary failures (terminal audit, finalizer, cleanup) are attached to the
+//! primary failure and reachable through `source()`; they never replace it. Panics in any
+//! callback are contained and reported as [`PanicError`]; their payloads never appear in a
+//! message.
+//!
+//! # Cancel safety
+//!
+//! Dropping a [`RunHandle`] cancels its run: a queued run fails with [`Reason::Canceled`] at
+//! [`Stage::Queue`]; an executing job sees [`RunContext::cancelled`] resolve. The finalizer still
+//! runs exactly once, in the run's own task.
+//!
+//! # Shutdown
+//!
+//! [`LaneSet::close`] refuses new admission at once, fails every queued run with
+//! [`Reason::Closed`] through its finalizer, and asks every executing job to stop.
+//! [`LaneSet::drained`] resolves once every owned run is fully finalized.
+//!
+//! A cancelled job must return within the set's `worker_drain_timeout`. One that does not
+//! *poisons* the set: every lane refuses admission with [`Poisoned`], queued runs fail with
+//! [`Reason::Poisoned`], executing jobs are asked to stop, and the stuck job's future is dropped,
+//! so its late result is never seen. Poison is permanent for the set.
+//!
+//! Jobs must not block the thread: a job that never yields cannot be timed out or cancelled.
+//! Move blocking work to `tokio::task::spawn_blocking`.
+//!
+//! The runtime must outlive the set's runs: close the set and await
+//! [`drained`](LaneSet::drained) before shutting the runtime down, or finalizers of unfinished
+//! runs will not run.
+
+mod audit;
+mod config;
+mod error;
+mod run;
+mod set;
+mod signal;
+mod snapshot;
+mod state;
+
+pub use audit::{Audit, AuditEvent, AuditKind};
+pub use config::{ConfigError, ConfigRule, LaneLimits, LaneSetBuilder, MAX_QUEUED};
+pub use error::{
+    AdmissionError, AdmissionErrorKind, AttachedError, PanicError, PoisonError, Reason, RunFailure,
+    Stage, TimeoutError,
+};
+pub use run::{
+    Finalize, Job, Outcome, Participation, Passthrough, Run, RunContext, RunHandle, RunId,
+};
+pub use set::{Lane, LaneSet};
+pub use snapshot::{FailedCounts, LaneSetSnapshot, LaneSnapshot, RejectedCounts, SetState};

@@ -1,0 +1,376 @@
+//! A run: a job, a finalizer, an optional cleanup and per-run timeouts; its context and handle.
+
+use std::fmt;
+use std::future::{Future, Ready, ready};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::task::JoinHandle;
+
+use super::error::{Reason, RunFailure, Stage};
+use super::signal::RunSignal;
+use crate::{BoxError, BoxFuture};
+
+/// Identifies an admitted run. Unique within its [`LaneSet`](super::LaneSet) and increasing in
+/// admission order within a lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct RunId(u64);
+
+impl RunId {
+    pub(crate) fn new(id: u64) -> Self {
+        Self(id)
+    }
+
+    /// The numeric id.
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for RunId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "run {}", self.0)
+    }
+}
+
+/// How the caller takes part in a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Participation {
+    /// The caller awaits the run's [`RunHandle`]; dropping the handle cancels the run.
+    Blocking,
+    /// The run was spawned; only its finalizer sees the outcome.
+    Background,
+}
+
+/// What a run's finalizer receives: the job's value, or why the run failed.
+pub type Outcome<T> = Result<T, RunFailure>;
+
+/// The async work of a run. Implemented for every `FnOnce(RunContext) -> impl Future<Output =
+/// Result<T, E>>` with `E: Into<BoxError>`.
+pub trait Job: Send + 'static {
+    /// The job's value.
+    type Output: Send + 'static;
+    /// The job's error.
+    type Error: Into<BoxError> + Send + 'static;
+    /// The job's future.
+    type Future: Future<Output = Result<Self::Output, Self::Error>> + Send + 'static;
+
+    /// Starts the job. Called once the run holds an execution slot.
+    fn start(self, cx: RunContext) -> Self::Future;
+}
+
+impl<F, Fut, T, E> Job for F
+where
+    F: FnOnce(RunContext) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<T, E>> + Send + 'static,
+    T: Send + 'static,
+    E: Into<BoxError> + Send + 'static,
+{
+    type Output = T;
+    type Error = E;
+    type Future = Fut;
+
+    fn start(self, cx: RunContext) -> Fut {
+        self(cx)
+    }
+}
+
+/// Receives a run's [`Outcome`] exactly once. Implemented for every `FnOnce(Outcome<T>) -> impl
+/// Future<Output = Result<U, E>>` with `E: Into<BoxError>`; `U` is what a blocking caller
+/// receives.
+pub trait Finalize<T>: Send + 'static {
+    /// What a blocking caller receives on success.
+    type Output: Send + 'static;
+    /// The finalizer's error.
+    type Error: Into<BoxError> + Send + 'static;
+    /// The finalizer's future.
+    type Future: Future<Output = Result<Self::Output, Self::Error>> + Send + 'static;
+
+    /// Consumes the outcome.
+    fn finalize(self, outcome: Outcome<T>) -> Self::Future;
+}
+
+impl<F, Fut, T, U, E> Finalize<T> for F
+where
+    F: FnOnce(Outcome<T>) -> Fut + Send + 'static,
+    Fut: Future<Output = Result<U, E>> + Send + 'static,
+    U: Send + 'static,
+    E: Into<BoxError> + Send + 'static,
+{
+    type Output = U;
+    type Error = E;
+    type Future = Fut;
+
+    fn finalize(self, outcome: Outcome<T>) -> Fut {
+        self(outcome)
+    }
+}
+
+/// The default finalizer: hands the outcome to the caller unchanged.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Passthrough;
+
+impl<T: Send + 'static> Finalize<T> for Passthrough {
+    type Output = T;
+    type Error = RunFailure;
+    type Future = Ready<Outcome<T>>;
+
+    fn finalize(self, outcome: Outcome<T>) -> Self::Future {
+        ready(outcome)
+    }
+}
+
+pub(crate) type Cleanup = Box<dyn FnOnce() -> BoxFuture<Result<(), BoxError>> + Send>;
+
+/// A unit of work for a lane: a job plus a finalizer that receives its outcome exactly once.
+///
+/// The finalizer runs after the job's execution slot was released, in a task independent of the
+/// caller (dropping the caller's handle does not stop it), bounded by the set's
+/// `finalization_timeout`. What it returns on success is what a blocking caller receives; on
+/// failure the caller receives the same [`RunFailure`] the finalizer saw.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use lanes::Run;
+///
+/// let run = Run::new(|cx| async move {
+///     tokio::select! {
+///         _ = cx.cancelled() => Err("cancelled"),
+///         _ = tokio::time::sleep(Duration::from_millis(5)) => Ok(7),
+///     }
+/// })
+/// .finalizer(|outcome| async move {
+///     // Commit the result somewhere; the caller gets what this returns.
+///     outcome.map(|n| n * 2)
+/// })
+/// .queue_timeout(Duration::from_secs(1))
+/// .execution_timeout(Duration::from_secs(5));
+/// # drop(run);
+/// ```
+#[must_use = "a run does nothing until it is given to a lane"]
+pub struct Run<J, F = Passthrough> {
+    pub(crate) job: J,
+    pub(crate) finalizer: F,
+    pub(crate) cleanup: Option<Cleanup>,
+    pub(crate) queue_timeout: Option<Duration>,
+    pub(crate) execution_timeout: Option<Duration>,
+}
+
+impl<J> Run<J> {
+    /// A run of `job` whose outcome goes to the caller unchanged ([`Passthrough`]).
+    pub fn new<Fut, T, E>(job: J) -> Self
+    where
+        J: FnOnce(RunContext) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
+        E: Into<BoxError> + Send + 'static,
+    {
+        Self {
+            job,
+            finalizer: Passthrough,
+            cleanup: None,
+            queue_timeout: None,
+            execution_timeout: None,
+        }
+    }
+}
+
+impl<J: Job, F> Run<J, F> {
+    /// Sets the finalizer: it receives the run's [`Outcome`] exactly once, and what it returns
+    /// on success is what a blocking caller receives.
+    pub fn finalizer<G, Fut, U, E>(self, finalizer: G) -> Run<J, G>
+    where
+        G: FnOnce(Outcome<J::Output>) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<U, E>> + Send + 'static,
+        U: Send + 'static,
+        E: Into<BoxError> + Send + 'static,
+    {
+        self.with_finalizer(finalizer)
+    }
+
+    /// Sets a finalizer given as a [`Finalize`] implementation.
+    pub fn with_finalizer<G: Finalize<J::Output>>(self, finalizer: G) -> Run<J, G> {
+        Run {
+            job: self.job,
+            finalizer,
+            cleanup: self.cleanup,
+            queue_timeout: self.queue_timeout,
+            execution_timeout: self.execution_timeout,
+        }
+    }
+
+    /// A last step after the finalizer, bounded by the set's `audit_timeout`. The run owns its
+    /// lane slot until the cleanup has finished; a cleanup failure is attached to the run's
+    /// failure (or becomes it, on an otherwise successful run).
+    pub fn cleanup<C, Fut, E>(mut self, cleanup: C) -> Self
+    where
+        C: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Into<BoxError> + 'static,
+    {
+        self.cleanup = Some(Box::new(move || {
+            let fut = cleanup();
+            Box::pin(async move { fut.await.map_err(Into::into) })
+        }));
+        self
+    }
+
+    /// Fails the run with [`Reason::Timeout`] at [`Stage::Queue`] if it waits longer than
+    /// `timeout` for an execution slot.
+    pub fn queue_timeout(mut self, timeout: Duration) -> Self {
+        self.queue_timeout = Some(timeout);
+        self
+    }
+
+    /// Cancels the job with [`Reason::Timeout`] if it runs longer than `timeout`. The clock
+    /// starts at grant: queue wait does not count.
+    pub fn execution_timeout(mut self, timeout: Duration) -> Self {
+        self.execution_timeout = Some(timeout);
+        self
+    }
+}
+
+impl<J, F> fmt::Debug for Run<J, F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Run")
+            .field("queue_timeout", &self.queue_timeout)
+            .field("execution_timeout", &self.execution_timeout)
+            .field("cleanup", &self.cleanup.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a job knows about its run: its id, its lane, and whether it should stop.
+#[derive(Clone)]
+pub struct RunContext {
+    pub(crate) run_id: RunId,
+    pub(crate) lane: Arc<str>,
+    pub(crate) participation: Participation,
+    pub(crate) queue_wait: Duration,
+    pub(crate) signal: Arc<RunSignal>,
+}
+
+impl RunContext {
+    /// The run's id.
+    pub fn run_id(&self) -> RunId {
+        self.run_id
+    }
+
+    /// The lane the run executes in.
+    pub fn lane(&self) -> &str {
+        &self.lane
+    }
+
+    /// Blocking or background.
+    pub fn participation(&self) -> Participation {
+        self.participation
+    }
+
+    /// How long the run waited for its execution slot.
+    pub fn queue_wait(&self) -> Duration {
+        self.queue_wait
+    }
+
+    /// Whether the run was asked to stop.
+    pub fn is_cancelled(&self) -> bool {
+        self.signal.cancel_reason().is_some()
+    }
+
+    /// Why the run was asked to stop, if it was: [`Reason::Canceled`] (the caller dropped its
+    /// handle), [`Reason::Timeout`], [`Reason::Closed`] or [`Reason::Poisoned`].
+    pub fn cancel_reason(&self) -> Option<Reason> {
+        self.signal.cancel_reason()
+    }
+
+    /// Resolves when the run is asked to stop, with the reason. A job should return soon after:
+    /// one that keeps running past the set's `worker_drain_timeout` poisons the set.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future loses nothing.
+    pub async fn cancelled(&self) -> Reason {
+        self.signal.cancelled().await
+    }
+}
+
+impl fmt::Debug for RunContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RunContext")
+            .field("run_id", &self.run_id)
+            .field("lane", &self.lane)
+            .field("participation", &self.participation)
+            .field("cancelled", &self.cancel_reason())
+            .finish()
+    }
+}
+
+/// The caller's side of a blocking run: resolves to what the finalizer returned, or to the
+/// [`RunFailure`] the finalizer saw, once the finalizer and cleanup have finished.
+///
+/// # Cancel safety
+///
+/// Dropping the handle before it resolves cancels the run: a queued run fails in the queue with
+/// [`Reason::Canceled`], an executing job is asked to stop. Either way the finalizer still runs
+/// exactly once.
+#[must_use = "dropping a RunHandle cancels the run"]
+pub struct RunHandle<U> {
+    pub(crate) run_id: RunId,
+    pub(crate) lane: Arc<str>,
+    pub(crate) join: JoinHandle<Result<U, RunFailure>>,
+    pub(crate) signal: Arc<RunSignal>,
+    pub(crate) finished: bool,
+}
+
+impl<U> RunHandle<U> {
+    /// The run's id.
+    pub fn run_id(&self) -> RunId {
+        self.run_id
+    }
+}
+
+impl<U> Future for RunHandle<U> {
+    type Output = Result<U, RunFailure>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = &mut *self;
+        let joined = std::task::ready!(Pin::new(&mut this.join).poll(cx));
+        this.finished = true;
+        Poll::Ready(match joined {
+            Ok(result) => result,
+            Err(err) if err.is_panic() => std::panic::resume_unwind(err.into_panic()),
+            // The runtime shut down under the run: its finalizer could not run.
+            Err(_) => Err(RunFailure::new(
+                this.run_id,
+                this.lane.clone(),
+                super::Participation::Blocking,
+                Stage::Execution,
+                Reason::Canceled,
+                Some("the runtime shut down before the run finished".into()),
+            )),
+        })
+    }
+}
+
+impl<U> Drop for RunHandle<U> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.signal.cancel(Reason::Canceled);
+        }
+    }
+}
+
+impl<U> fmt::Debug for RunHandle<U> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RunHandle")
+            .field("run_id", &self.run_id)
+            .field("lane", &self.lane)
+            .field("finished", &self.finished)
+            .finish()
+    }
+}

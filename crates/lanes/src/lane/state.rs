@@ -1,0 +1,363 @@
+//! The pure lane scheduler: admission, strict FIFO grants, ownership and counters.
+//!
+//! No I/O, no clock, no tasks: the async shell in `set.rs` drives it under one mutex per lane and
+//! turns its answers into wake-ups. Each run carries a payload `W` (the shell's signal handle)
+//! that the core hands back when the run is granted, detached or cancelled.
+//!
+//! # Invariants
+//!
+//! 1. `owned <= concurrent + queued`: ownership is taken at admission and given back only by
+//!    [`LaneCore::complete`], after the run's finalizer and cleanup.
+//! 2. `executing <= concurrent`: an execution slot is taken at grant and given back by
+//!    [`LaneCore::release_execution`], *before* the finalizer runs.
+//! 3. `queue.len() + executing <= owned`; the rest of `owned` are runs finalizing.
+//! 4. Grants follow admission order: only the queue head may be granted, and
+//!    [`LaneCore::grant`] runs after every change that frees a slot. Hence while
+//!    `executing < concurrent` the queue is empty, and a new admission either starts at once
+//!    (empty queue) or waits behind everyone admitted before it.
+//! 5. Once closed (or poisoned) the lane admits and grants nothing; closing detaches the queue.
+
+use std::collections::BTreeMap;
+
+use super::config::LaneLimits;
+use super::error::{AdmissionErrorKind, Reason};
+use super::snapshot::{FailedCounts, LaneCounters, RejectedCounts};
+
+/// Why a lane stopped admitting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shut {
+    Closed,
+    Poisoned,
+}
+
+/// Where an admitted run starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admitted {
+    /// The run holds an execution slot already.
+    Executing(u64),
+    /// The run waits in the queue.
+    Queued(u64),
+}
+
+#[derive(Debug)]
+pub(crate) struct LaneCore<W> {
+    limits: LaneLimits,
+    shut: Option<Shut>,
+    next_seq: u64,
+    owned: usize,
+    executing: usize,
+    /// Waiting runs by admission sequence: the first entry is the head.
+    queue: BTreeMap<u64, W>,
+    /// Executing runs, so that close and poison can cancel them.
+    running: BTreeMap<u64, W>,
+    counters: LaneCounters,
+}
+
+impl<W: Clone> LaneCore<W> {
+    pub(crate) fn new(limits: LaneLimits) -> Self {
+        Self {
+            limits,
+            shut: None,
+            next_seq: 0,
+            owned: 0,
+            executing: 0,
+            queue: BTreeMap::new(),
+            running: BTreeMap::new(),
+            counters: LaneCounters::default(),
+        }
+    }
+
+    /// Admits a run, or says why not. `make` builds the run's payload only once the run is
+    /// admitted, so a rejection costs no allocation.
+    pub(crate) fn admit(
+        &mut self,
+        make: impl FnOnce(u64) -> W,
+    ) -> Result<(Admitted, W), AdmissionErrorKind> {
+        let rejection = match self.shut {
+            Some(Shut::Closed) => Some(AdmissionErrorKind::Closed),
+            Some(Shut::Poisoned) => Some(AdmissionErrorKind::Poisoned),
+            None if self.owned >= self.limits.capacity() => Some(AdmissionErrorKind::Full),
+            None => None,
+        };
+        if let Some(kind) = rejection {
+            self.counters.rejected.count(kind);
+            return Err(kind);
+        }
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        let payload = make(seq);
+        self.owned += 1;
+        self.counters.admitted += 1;
+        self.counters.max_owned = self.counters.max_owned.max(self.owned);
+        if self.queue.is_empty() && self.executing < self.limits.concurrent {
+            self.start(seq, payload.clone());
+            Ok((Admitted::Executing(seq), payload))
+        } else {
+            self.queue.insert(seq, payload.clone());
+            Ok((Admitted::Queued(seq), payload))
+        }
+    }
+
+    fn start(&mut self, seq: u64, payload: W) {
+        self.executing += 1;
+        self.counters.max_executing = self.counters.max_executing.max(self.executing);
+        self.running.insert(seq, payload);
+    }
+
+    /// Grants execution slots to the queue head while slots are free; `on_grant` is called for
+    /// each granted run, in admission order.
+    fn grant(&mut self, mut on_grant: impl FnMut(u64, &W)) {
+        if self.shut.is_some() {
+            return;
+        }
+        while self.executing < self.limits.concurrent {
+            let Some((seq, payload)) = self.queue.pop_first() else {
+                break;
+            };
+            on_grant(seq, &payload);
+            self.start(seq, payload);
+        }
+    }
+
+    /// An executing run is done executing: its slot goes to the queue head. Returns false if
+    /// `seq` was not executing.
+    pub(crate) fn release_execution(&mut self, seq: u64, on_grant: impl FnMut(u64, &W)) -> bool {
+        if self.running.remove(&seq).is_none() {
+            return false;
+        }
+        self.executing -= 1;
+        self.grant(on_grant);
+        true
+    }
+
+    /// Takes a queued run out of the queue (cancelled or timed out while waiting). Returns
+    /// false if it is no longer queued (granted or detached meanwhile). Removing a waiter frees
+    /// no execution slot, so nothing is granted.
+    pub(crate) fn withdraw(&mut self, seq: u64) -> bool {
+        self.queue.remove(&seq).is_some()
+    }
+
+    /// The run's finalizer and cleanup are done: its ownership is given back. `failure` is
+    /// `None` for a completed run.
+    pub(crate) fn complete(&mut self, failure: Option<Reason>) {
+        debug_assert!(self.owned > 0, "complete without ownership");
+        self.owned -= 1;
+        match failure {
+            None => self.counters.completed += 1,
+            Some(reason) => self.counters.failed.count(reason),
+        }
+    }
+
+    /// Stops admission. Queued runs are detached and handed to `on_queued`; executing runs are
+    /// handed to `on_running` so they can be cancelled. Closing a closed lane only upgrades
+    /// `Closed` to `Poisoned` (and then finds no queued runs).
+    pub(crate) fn shut(
+        &mut self,
+        why: Shut,
+        mut on_queued: impl FnMut(W),
+        on_running: impl FnMut(&W),
+    ) {
+        if self.shut != Some(Shut::Poisoned) {
+            self.shut = Some(why);
+        }
+        for (_, payload) in std::mem::take(&mut self.queue) {
+            on_queued(payload);
+        }
+        self.running.values().for_each(on_running);
+    }
+
+    pub(crate) fn shut_state(&self) -> Option<Shut> {
+        self.shut
+    }
+
+    pub(crate) fn owned(&self) -> usize {
+        self.owned
+    }
+
+    pub(crate) fn executing(&self) -> usize {
+        self.executing
+    }
+
+    pub(crate) fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub(crate) fn counters(&self) -> &LaneCounters {
+        &self.counters
+    }
+}
+
+impl RejectedCounts {
+    fn count(&mut self, kind: AdmissionErrorKind) {
+        match kind {
+            AdmissionErrorKind::Full => self.full += 1,
+            AdmissionErrorKind::Closed => self.closed += 1,
+            AdmissionErrorKind::Poisoned => self.poisoned += 1,
+            AdmissionErrorKind::UnknownLane => {}
+        }
+    }
+}
+
+impl FailedCounts {
+    fn count(&mut self, reason: Reason) {
+        let slot = match reason {
+            Reason::Canceled => &mut self.canceled,
+            Reason::Timeout => &mut self.timeout,
+            Reason::Closed => &mut self.closed,
+            Reason::Poisoned => &mut self.poisoned,
+            Reason::Job => &mut self.job,
+            Reason::Panic => &mut self.panic,
+            Reason::Audit => &mut self.audit,
+            Reason::Finalizer => &mut self.finalizer,
+            Reason::Cleanup => &mut self.cleanup,
+        };
+        *slot += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn core(concurrent: usize, queued: usize) -> LaneCore<u64> {
+        LaneCore::new(LaneLimits::new(concurrent, queued))
+    }
+
+    #[test]
+    fn grants_in_admission_order() {
+        let mut lane = core(1, 2);
+        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Executing(1));
+        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued(2));
+        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued(3));
+        assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Full));
+        let mut granted = Vec::new();
+        assert!(lane.release_execution(1, |s, _| granted.push(s)));
+        assert_eq!(granted, [2]);
+        // Run 1 still owns its slot while it finalizes: the lane is still full.
+        assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Full));
+        lane.complete(None);
+        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued(4));
+    }
+
+    #[test]
+    fn withdraw_does_not_grant_and_close_detaches() {
+        let mut lane = core(1, 3);
+        lane.admit(|s| s).unwrap();
+        lane.admit(|s| s).unwrap();
+        lane.admit(|s| s).unwrap();
+        assert!(lane.withdraw(2));
+        assert!(!lane.withdraw(2));
+        let (mut detached, mut cancelled) = (Vec::new(), Vec::new());
+        lane.shut(Shut::Closed, |w| detached.push(w), |w| cancelled.push(*w));
+        assert_eq!((detached, cancelled), (vec![3], vec![1]));
+        assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Closed));
+        lane.shut(Shut::Poisoned, |_| {}, |_| {});
+        assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Poisoned));
+        assert_eq!(lane.counters().rejected.closed, 1);
+        assert_eq!(lane.counters().rejected.poisoned, 1);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Admit,
+        /// Finish executing the n-th executing run (modulo the count).
+        Release(usize),
+        /// Complete the n-th finalizing run.
+        Complete(usize),
+        /// Withdraw the n-th queued run.
+        Withdraw(usize),
+        Close,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => Just(Op::Admit),
+            3 => any::<usize>().prop_map(Op::Release),
+            3 => any::<usize>().prop_map(Op::Complete),
+            1 => any::<usize>().prop_map(Op::Withdraw),
+            1 => Just(Op::Close),
+        ]
+    }
+
+    proptest! {
+        /// The core against a reference model: a plain FIFO list, a set of executing runs and a
+        /// count of finalizing ones.
+        #[test]
+        fn matches_reference_model(
+            concurrent in 1usize..4,
+            queued in 0usize..4,
+            ops in proptest::collection::vec(op(), 1..200),
+        ) {
+            let mut lane = core(concurrent, queued);
+            let mut model_queue: Vec<u64> = Vec::new();
+            let mut model_running: Vec<u64> = Vec::new();
+            let mut finalizing: Vec<u64> = Vec::new();
+            let mut closed = false;
+            let mut next = 0u64;
+            let mut grant_order: Vec<u64> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Admit => {
+                        let owned = model_queue.len() + model_running.len() + finalizing.len();
+                        let answer = lane.admit(|s| s);
+                        if closed {
+                            prop_assert_eq!(answer, Err(AdmissionErrorKind::Closed));
+                        } else if owned >= concurrent + queued {
+                            prop_assert_eq!(answer, Err(AdmissionErrorKind::Full));
+                        } else {
+                            next += 1;
+                            if model_queue.is_empty() && model_running.len() < concurrent {
+                                prop_assert_eq!(answer, Ok((Admitted::Executing(next), next)));
+                                model_running.push(next);
+                                grant_order.push(next);
+                            } else {
+                                prop_assert_eq!(answer, Ok((Admitted::Queued(next), next)));
+                                model_queue.push(next);
+                            }
+                        }
+                    }
+                    Op::Release(i) if !model_running.is_empty() => {
+                        let seq = model_running.remove(i % model_running.len());
+                        let mut granted = Vec::new();
+                        prop_assert!(lane.release_execution(seq, |s, _| granted.push(s)));
+                        finalizing.push(seq);
+                        let mut expected = Vec::new();
+                        while !closed && model_running.len() < concurrent && !model_queue.is_empty() {
+                            let head = model_queue.remove(0);
+                            model_running.push(head);
+                            expected.push(head);
+                        }
+                        prop_assert_eq!(&granted, &expected);
+                        grant_order.extend(granted);
+                    }
+                    Op::Complete(i) if !finalizing.is_empty() => {
+                        finalizing.remove(i % finalizing.len());
+                        lane.complete(None);
+                    }
+                    Op::Withdraw(i) if !model_queue.is_empty() => {
+                        let seq = model_queue.remove(i % model_queue.len());
+                        prop_assert!(lane.withdraw(seq));
+                        finalizing.push(seq);
+                    }
+                    Op::Close => {
+                        let mut detached = Vec::new();
+                        lane.shut(Shut::Closed, |w| detached.push(w), |_| {});
+                        prop_assert_eq!(&detached, &model_queue);
+                        finalizing.append(&mut model_queue);
+                        closed = true;
+                    }
+                    _ => {}
+                }
+                let owned = model_queue.len() + model_running.len() + finalizing.len();
+                prop_assert_eq!(lane.owned(), owned);
+                prop_assert_eq!(lane.executing(), model_running.len());
+                prop_assert_eq!(lane.queued(), model_queue.len());
+                prop_assert!(lane.owned() <= concurrent + queued);
+                prop_assert!(lane.executing() <= concurrent);
+            }
+            // Grants happened in admission order.
+            prop_assert!(grant_order.windows(2).all(|w| w[0] < w[1]));
+        }
+    }
+}

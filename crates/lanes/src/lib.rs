@@ -1,0 +1,64 @@
+//! Bounded, fair, observable, durable work admission for tokio services.
+//!
+//! `lanes` decides how much work a service accepts, in what order it runs, what happens on
+//! overload and shutdown, and reports all of it through one [`Registry`].
+//!
+//! | module | primitive | what it bounds |
+//! |---|---|---|
+//! | [`lane`] | [`LaneSet`], [`Lane`] | owned runs: `concurrent` execution slots + `queued` waiting slots, strict FIFO, finalizer exactly once |
+//! | [`registry`] | [`Registry`], [`Snapshot`] | nothing: it reports what the others hold, as serde JSON |
+//!
+//! # Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use lanes::{LaneLimits, LaneSet, Run};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let lanes = LaneSet::builder()
+//!     .lane("interactive", LaneLimits::new(2, 8))
+//!     .lane("batch", LaneLimits::new(1, 100))
+//!     .audit_timeout(Duration::from_secs(1))
+//!     .finalization_timeout(Duration::from_secs(1))
+//!     .worker_drain_timeout(Duration::from_secs(5))
+//!     .build()?;
+//!
+//! // Blocking participation: the caller awaits the outcome.
+//! let answer = lanes
+//!     .run("interactive", Run::new(|_cx| async { Ok::<_, std::io::Error>(42) }))?
+//!     .await?;
+//! assert_eq!(answer, 42);
+//!
+//! // Background participation: the finalizer receives the outcome.
+//! lanes.spawn(
+//!     "batch",
+//!     Run::new(|_cx| async { Ok::<_, std::io::Error>("indexed") })
+//!         .finalizer(|outcome| async move { outcome.map(|_| ()) }),
+//! )?;
+//!
+//! lanes.close();
+//! lanes.drained().await;
+//! # Ok(())
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+#![doc(test(attr(deny(warnings))))]
+
+pub mod lane;
+pub mod registry;
+
+mod util;
+
+pub use lane::{
+    AdmissionError, AdmissionErrorKind, Audit, AuditEvent, AuditKind, ConfigError, ConfigRule,
+    Lane, LaneLimits, LaneSet, LaneSetBuilder, LaneSetSnapshot, LaneSnapshot, MAX_QUEUED, Outcome,
+    Participation, Reason, Run, RunContext, RunFailure, RunHandle, RunId, Stage,
+};
+pub use registry::{Registry, Snapshot};
+
+/// A type-erased error, as returned by jobs, finalizers, audit hooks and cleanups.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A boxed, sendable future, as returned by [`Audit`] hooks.
+pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;

@@ -1,0 +1,70 @@
+//! Small shared helpers: panic containment for futures and callbacks.
+
+use std::future::Future;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::pin::Pin;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
+
+/// A panic was caught. The payload is dropped on the spot: it can carry user data, so it never
+/// reaches an error message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Panicked;
+
+/// Drops a panic payload without letting a panicking `Drop` escape.
+fn discard(payload: Box<dyn std::any::Any + Send>) {
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
+}
+
+/// Calls `f`, turning a panic into [`Panicked`].
+pub(crate) fn call_contained<R>(f: impl FnOnce() -> R) -> Result<R, Panicked> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|payload| {
+        discard(payload);
+        Panicked
+    })
+}
+
+pin_project_lite::pin_project! {
+    /// Polls `inner`, turning a panic into [`Panicked`]. After a panic the inner future is never
+    /// polled again.
+    #[derive(Debug)]
+    pub(crate) struct CatchUnwind<F> {
+        #[pin]
+        inner: F,
+        panicked: bool,
+    }
+}
+
+impl<F> CatchUnwind<F> {
+    pub(crate) fn new(inner: F) -> Self {
+        Self {
+            inner,
+            panicked: false,
+        }
+    }
+}
+
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, Panicked>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if *this.panicked {
+            return Poll::Ready(Err(Panicked));
+        }
+        let inner = this.inner;
+        match call_contained(move || inner.poll(cx)) {
+            Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(Panicked) => {
+                *this.panicked = true;
+                Poll::Ready(Err(Panicked))
+            }
+        }
+    }
+}
+
+/// Locks a mutex whose critical sections never panic; a poisoned lock is still consistent.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}

@@ -1,0 +1,1041 @@
+//! Run lanes: the scenarios of the Hustle lane runtime's test suite, ported, plus our own.
+//!
+//! Every wait uses paused tokio time or explicit gates; nothing sleeps on the wall clock.
+
+use std::error::Error as _;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lanes::lane::{AttachedError, PanicError, PoisonError, SetState, TimeoutError};
+use lanes::{
+    AdmissionErrorKind, AuditEvent, AuditKind, ConfigRule, LaneLimits, LaneSet, LaneSetBuilder,
+    Participation, Reason, Registry, Run, RunFailure, Stage,
+};
+use tokio::sync::{Semaphore, oneshot};
+use tokio::time::sleep;
+
+type Res<T> = Result<T, std::io::Error>;
+
+fn builder() -> LaneSetBuilder {
+    LaneSet::builder()
+        .audit_timeout(Duration::from_secs(1))
+        .finalization_timeout(Duration::from_secs(1))
+        .worker_drain_timeout(Duration::from_secs(2))
+}
+
+fn set(lanes: &[(&str, usize, usize)]) -> LaneSet {
+    lanes
+        .iter()
+        .fold(builder(), |b, (name, c, q)| {
+            b.lane(*name, LaneLimits::new(*c, *q))
+        })
+        .build()
+        .unwrap()
+}
+
+/// A gate a test opens to let a job (or finalizer) finish.
+#[derive(Clone)]
+struct Gate(Arc<Semaphore>);
+
+impl Gate {
+    fn new() -> Self {
+        Self(Arc::new(Semaphore::new(0)))
+    }
+    fn open(&self) {
+        self.0.add_permits(1_000_000);
+    }
+    async fn wait(&self) {
+        self.0.acquire().await.unwrap().forget();
+    }
+}
+
+/// Records every finalizer call's outcome.
+#[derive(Clone, Default)]
+struct Finals(Arc<Mutex<Vec<Result<u32, RunFailure>>>>);
+
+impl Finals {
+    fn push(&self, outcome: Result<u32, RunFailure>) {
+        self.0.lock().unwrap().push(outcome);
+    }
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn failures(&self) -> Vec<RunFailure> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|o| o.clone().err())
+            .collect()
+    }
+}
+
+/// A run whose job records its start in `log` under `tag`, waits for `gate`, and returns `tag`;
+/// its finalizer records into `finals`.
+fn gated(
+    tag: u32,
+    gate: &Gate,
+    log: &Arc<Mutex<Vec<u32>>>,
+    finals: &Finals,
+) -> Run<impl lanes::lane::Job<Output = u32>, impl lanes::lane::Finalize<u32, Output = u32>> {
+    let (gate, log, finals) = (gate.clone(), log.clone(), finals.clone());
+    Run::new(move |_cx| async move {
+        log.lock().unwrap().push(tag);
+        gate.wait().await;
+        Res::Ok(tag)
+    })
+    .finalizer(move |outcome: Result<u32, RunFailure>| async move {
+        finals.push(outcome.clone());
+        outcome
+    })
+}
+
+async fn settle() {
+    // Let every ready task run; with paused time this does not move the clock much.
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn grants_execution_in_admission_fifo_order() {
+    for lane in ["blocking", "background"] {
+        let lanes = set(&[("blocking", 1, 2), ("background", 1, 2)]);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let finals = Finals::default();
+        let gates: Vec<Gate> = (0..3).map(|_| Gate::new()).collect();
+        let mut handles = Vec::new();
+        for (i, gate) in gates.iter().enumerate() {
+            handles.push(
+                lanes
+                    .run(lane, gated(i as u32 + 1, gate, &log, &finals))
+                    .unwrap(),
+            );
+        }
+        settle().await;
+        assert_eq!(
+            *log.lock().unwrap(),
+            [1],
+            "only the first run holds the slot"
+        );
+        gates[2].open(); // the last run is ready to finish, but must still wait its turn
+        settle().await;
+        assert_eq!(*log.lock().unwrap(), [1]);
+        gates[0].open();
+        settle().await;
+        assert_eq!(*log.lock().unwrap(), [1, 2]);
+        gates[1].open();
+        for (handle, expected) in handles.into_iter().zip(1..) {
+            assert_eq!(handle.await.unwrap(), expected);
+        }
+        assert_eq!(*log.lock().unwrap(), [1, 2, 3]);
+        assert_eq!(finals.len(), 3);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn execution_slot_is_released_before_the_finalizer_but_ownership_is_not() {
+    let lanes = set(&[("work", 1, 1)]);
+    let finalizer_gate = Gate::new();
+    let a_finalizing = Arc::new(tokio::sync::Notify::new());
+    let (b_started_tx, b_started) = oneshot::channel();
+    let a = {
+        let (gate, notify) = (finalizer_gate.clone(), a_finalizing.clone());
+        Run::new(|_cx| async { Res::Ok(1) }).finalizer(move |outcome| async move {
+            notify.notify_one();
+            gate.wait().await;
+            outcome
+        })
+    };
+    let a = lanes.run("work", a).unwrap();
+    a_finalizing.notified().await;
+    // A is finalizing: B can be admitted (A's queue slot is free? no: A still owns one of the two
+    // slots, B takes the other) and is granted execution right away.
+    let b_gate = Gate::new();
+    let b = {
+        let b_gate = b_gate.clone();
+        Run::new(move |_cx| async move {
+            b_started_tx.send(()).unwrap();
+            b_gate.wait().await;
+            Res::Ok(2)
+        })
+    };
+    let b = lanes.run("work", b).unwrap();
+    b_started.await.unwrap();
+    // Both slots are owned (A finalizing, B executing or finalizing): a third is refused.
+    let third = lanes
+        .run("work", Run::new(|_cx| async { Res::Ok(3) }))
+        .unwrap_err();
+    assert_eq!(third.kind(), AdmissionErrorKind::Full);
+    b_gate.open();
+    assert_eq!(b.await.unwrap(), 2);
+    // B is done, A still finalizes: one slot free now.
+    let snapshot = lanes.snapshot();
+    assert_eq!(snapshot.lanes[0].owned, 1);
+    assert_eq!(snapshot.lanes[0].executing, 0);
+    finalizer_gate.open();
+    assert_eq!(a.await.unwrap(), 1);
+    assert_eq!(lanes.snapshot().lanes[0].owned, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn lanes_do_not_borrow_capacity() {
+    let lanes = set(&[("blocking", 1, 0), ("background", 1, 0)]);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let finals = Finals::default();
+    let gate = Gate::new();
+    let held = lanes
+        .run("blocking", gated(1, &gate, &log, &finals))
+        .unwrap();
+    settle().await;
+    // The saturated lane refuses even though the other lane has a spare slot.
+    let refused = lanes
+        .run("blocking", gated(2, &gate, &log, &finals))
+        .unwrap_err();
+    assert!(refused.is_full());
+    // The spare lane grants on its own.
+    let free = Gate::new();
+    free.open();
+    let other = lanes
+        .run("background", gated(3, &free, &log, &finals))
+        .unwrap();
+    assert_eq!(other.await.unwrap(), 3);
+    gate.open();
+    assert_eq!(held.await.unwrap(), 1);
+    assert_eq!(*log.lock().unwrap(), [1, 3]);
+    assert_eq!(finals.len(), 2, "the refused run was never finalized");
+}
+
+#[tokio::test(start_paused = true)]
+async fn concurrent_capacity_grants_exactly_the_limit() {
+    for concurrent in [1usize, 3] {
+        let lanes = set(&[("work", concurrent, 5)]);
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let finals = Finals::default();
+        let gates: Vec<Gate> = (0..=concurrent).map(|_| Gate::new()).collect();
+        let handles: Vec<_> = gates
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                lanes
+                    .run("work", gated(i as u32, g, &log, &finals))
+                    .unwrap()
+            })
+            .collect();
+        settle().await;
+        assert_eq!(log.lock().unwrap().len(), concurrent);
+        assert_eq!(lanes.snapshot().lanes[0].executing, concurrent);
+        gates[0].open();
+        settle().await;
+        assert_eq!(log.lock().unwrap().len(), concurrent + 1);
+        gates.iter().for_each(Gate::open);
+        for handle in handles {
+            handle.await.unwrap();
+        }
+        assert_eq!(lanes.snapshot().lanes[0].max_executing, concurrent);
+    }
+}
+
+#[test]
+fn configuration_is_validated() {
+    let ok = || {
+        LaneSet::builder()
+            .audit_timeout(Duration::from_secs(1))
+            .finalization_timeout(Duration::from_secs(1))
+            .worker_drain_timeout(Duration::from_secs(1))
+    };
+    let zero = Duration::ZERO;
+    let cases: Vec<(LaneSetBuilder, &str, ConfigRule)> = vec![
+        (ok(), "lanes", ConfigRule::NoLanes),
+        (
+            ok().lane("a", LaneLimits::new(0, 1)),
+            "lanes.a.concurrent",
+            ConfigRule::Zero,
+        ),
+        (
+            ok().lane("a", LaneLimits::new(1, 10_001)),
+            "lanes.a.queued",
+            ConfigRule::OverMax { max: 10_000 },
+        ),
+        (
+            ok().lane("a", LaneLimits::new(1, 1))
+                .lane("a", LaneLimits::new(1, 1)),
+            "lanes.a",
+            ConfigRule::Duplicate,
+        ),
+        (
+            ok().lane("a", LaneLimits::new(1, 1)).audit_timeout(zero),
+            "audit_timeout",
+            ConfigRule::ZeroTimeout,
+        ),
+        (
+            ok().lane("a", LaneLimits::new(1, 1))
+                .finalization_timeout(zero),
+            "finalization_timeout",
+            ConfigRule::ZeroTimeout,
+        ),
+        (
+            ok().lane("a", LaneLimits::new(1, 1))
+                .worker_drain_timeout(zero),
+            "worker_drain_timeout",
+            ConfigRule::ZeroTimeout,
+        ),
+        (
+            LaneSet::builder()
+                .lane("a", LaneLimits::new(1, 1))
+                .finalization_timeout(Duration::from_secs(1))
+                .worker_drain_timeout(Duration::from_secs(1)),
+            "audit_timeout",
+            ConfigRule::Missing,
+        ),
+    ];
+    for (builder, field, rule) in cases {
+        let err = builder.build().unwrap_err();
+        assert_eq!((err.field(), err.rule()), (field, rule), "{err}");
+        assert!(err.to_string().starts_with("invalid configuration: "));
+    }
+    // Zero queued and the maximum are both valid.
+    ok().lane("a", LaneLimits::new(1, 0))
+        .lane("b", LaneLimits::new(1, 10_000))
+        .build()
+        .unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn rejection_happens_before_ownership() {
+    let audits = Arc::new(Mutex::new(Vec::<AuditEvent>::new()));
+    let lanes = {
+        let audits = audits.clone();
+        builder()
+            .lane("work", LaneLimits::new(1, 0))
+            .audit(move |event| {
+                let audits = audits.clone();
+                async move {
+                    audits.lock().unwrap().push(event);
+                    Res::Ok(())
+                }
+            })
+            .build()
+            .unwrap()
+    };
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let finals = Finals::default();
+    let gate = Gate::new();
+    let held = lanes.run("work", gated(1, &gate, &log, &finals)).unwrap();
+    settle().await;
+    let full = lanes
+        .run("work", gated(2, &gate, &log, &finals))
+        .unwrap_err();
+    assert_eq!(full.kind(), AdmissionErrorKind::Full);
+    assert_eq!(full.participation(), Participation::Blocking);
+    let unknown = lanes
+        .spawn("nope", gated(3, &gate, &log, &finals))
+        .unwrap_err();
+    assert_eq!(unknown.kind(), AdmissionErrorKind::UnknownLane);
+    assert_eq!(unknown.participation(), Participation::Background);
+    // The refused run is handed back intact and can be admitted later.
+    let returned = full.into_run();
+    gate.open();
+    held.await.unwrap();
+    assert_eq!(lanes.run("work", returned).unwrap().await.unwrap(), 2);
+    lanes.close();
+    let closed = lanes
+        .run("work", gated(4, &gate, &log, &finals))
+        .unwrap_err();
+    assert!(closed.is_closed());
+    assert_eq!(closed.to_string(), "lane \"work\" refused a run: closed");
+    lanes.drained().await;
+    assert_eq!(*log.lock().unwrap(), [1, 2], "refused runs never ran");
+    assert_eq!(finals.len(), 2, "refused runs were never finalized");
+    let events = audits.lock().unwrap();
+    assert_eq!(
+        events.len(),
+        4,
+        "started + completed for the two owned runs only"
+    );
+    let snapshot = lanes.snapshot();
+    let lane = &snapshot.lanes[0];
+    assert_eq!(
+        (lane.admitted, lane.rejected.full, lane.rejected.closed),
+        (2, 1, 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn queued_cancellation_finalizes_exactly_once_with_the_callers_error() {
+    let lanes = set(&[("work", 1, 2)]);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let finals = Finals::default();
+    let gate = Gate::new();
+    let held = lanes.run("work", gated(1, &gate, &log, &finals)).unwrap();
+    // Dropped while queued: the finalizer sees a queue failure with reason canceled.
+    let dropped = lanes.run("work", gated(2, &gate, &log, &finals)).unwrap();
+    let dropped_id = dropped.run_id();
+    drop(dropped);
+    settle().await;
+    let failures = finals.failures();
+    assert_eq!(failures.len(), 1);
+    assert_eq!(failures[0].run_id(), dropped_id);
+    assert_eq!(
+        (failures[0].stage(), failures[0].reason()),
+        (Stage::Queue, Reason::Canceled)
+    );
+    assert!(failures[0].is_queue_failure());
+    assert_eq!(failures[0].lane(), "work");
+    assert_eq!(failures[0].participation(), Participation::Blocking);
+    // A queue timeout: the caller receives the very failure the finalizer saw.
+    let timed = lanes
+        .run(
+            "work",
+            gated(3, &gate, &log, &finals).queue_timeout(Duration::from_secs(1)),
+        )
+        .unwrap();
+    let err = timed.await.unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Queue, Reason::Timeout));
+    assert!(
+        err.cause()
+            .unwrap()
+            .downcast_ref::<TimeoutError>()
+            .is_some()
+    );
+    let seen = finals.failures();
+    assert_eq!(seen.len(), 2);
+    assert!(
+        RunFailure::ptr_eq(&seen[1], &err),
+        "same failure, not a copy"
+    );
+    gate.open();
+    held.await.unwrap();
+    assert_eq!(*log.lock().unwrap(), [1], "cancelled runs never ran");
+    assert_eq!(finals.len(), 3);
+    let lane = &lanes.snapshot().lanes[0];
+    assert_eq!(
+        (lane.failed.canceled, lane.failed.timeout, lane.completed),
+        (1, 1, 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn close_resolves_queued_runs_and_refuses_later_admission() {
+    let lanes = set(&[("blocking", 1, 3), ("background", 1, 3)]);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let finals = Finals::default();
+    let gate = Gate::new();
+    let running = lanes
+        .run("blocking", gated(1, &gate, &log, &finals))
+        .unwrap();
+    let queued: Vec<_> = (2..4)
+        .map(|i| {
+            lanes
+                .run("blocking", gated(i, &gate, &log, &finals))
+                .unwrap()
+        })
+        .collect();
+    let background = lanes
+        .spawn("background", gated(9, &gate, &log, &finals))
+        .unwrap();
+    settle().await;
+    lanes.close();
+    for handle in queued {
+        let err = handle.await.unwrap_err();
+        assert_eq!((err.stage(), err.reason()), (Stage::Queue, Reason::Closed));
+    }
+    // The executing runs were asked to stop; they ignore it, but finish when the gate opens.
+    let err_before = running;
+    gate.open();
+    let err = err_before.await.unwrap_err();
+    assert_eq!(
+        (err.stage(), err.reason()),
+        (Stage::Execution, Reason::Closed)
+    );
+    for lane in ["blocking", "background"] {
+        assert!(
+            lanes
+                .run(lane, gated(5, &gate, &log, &finals))
+                .unwrap_err()
+                .is_closed()
+        );
+    }
+    lanes.drained().await;
+    assert_eq!(finals.len(), 4);
+    assert!(finals.failures().iter().any(|f| f.run_id() == background));
+    assert_eq!(lanes.snapshot().state, SetState::Closed);
+    lanes.close(); // idempotent
+    assert_eq!(finals.len(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_path_finalizes_exactly_once() {
+    // Success, job error, job panic, finalizer error, finalizer panic, finalizer timeout,
+    // execution timeout, caller dropped while executing: one finalizer call each.
+    let lanes = set(&[("work", 8, 8)]);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counting = |calls: &Arc<AtomicUsize>| {
+        let calls = calls.clone();
+        move |outcome: Result<u32, RunFailure>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async move { outcome }
+        }
+    };
+    let ok = lanes.run(
+        "work",
+        Run::new(|_| async { Res::Ok(1) }).finalizer(counting(&calls)),
+    );
+    let job_err = lanes.run(
+        "work",
+        Run::new(|_| async { Err::<u32, _>(std::io::Error::other("boom")) })
+            .finalizer(counting(&calls)),
+    );
+    let panics = lanes.run(
+        "work",
+        Run::new(|_| async {
+            if true {
+                panic!("secret payload");
+            }
+            Res::Ok(1)
+        })
+        .finalizer(counting(&calls)),
+    );
+    let exec_timeout = lanes.run(
+        "work",
+        Run::new(|cx| async move {
+            cx.cancelled().await;
+            Res::Ok(1)
+        })
+        .execution_timeout(Duration::from_secs(3))
+        .finalizer(counting(&calls)),
+    );
+    assert_eq!(ok.unwrap().await.unwrap(), 1);
+    let err = job_err.unwrap().await.unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Execution, Reason::Job));
+    assert_eq!(err.cause().unwrap().to_string(), "boom");
+    assert!(
+        !err.to_string().contains("boom"),
+        "messages are content-free"
+    );
+    let err = panics.unwrap().await.unwrap_err();
+    assert_eq!(err.reason(), Reason::Panic);
+    assert!(err.cause().unwrap().downcast_ref::<PanicError>().is_some());
+    assert!(
+        !format!("{err} {err:?}").contains("secret"),
+        "panic payloads never leak"
+    );
+    let err = exec_timeout.unwrap().await.unwrap_err();
+    assert_eq!(
+        (err.stage(), err.reason()),
+        (Stage::Execution, Reason::Timeout)
+    );
+    assert_eq!(
+        err.cause()
+            .unwrap()
+            .downcast_ref::<TimeoutError>()
+            .unwrap()
+            .after(),
+        Duration::from_secs(3)
+    );
+
+    // Caller dropped while executing: the job sees the cancellation, the finalizer still runs.
+    let (seen_tx, seen_rx) = oneshot::channel();
+    let (started_tx, started_rx) = oneshot::channel();
+    let dropped = lanes
+        .run(
+            "work",
+            Run::new(move |cx| async move {
+                started_tx.send(()).unwrap();
+                let reason = cx.cancelled().await;
+                Res::Ok(reason)
+            })
+            .finalizer(move |outcome| async move {
+                seen_tx.send(outcome.map(|_| ())).unwrap();
+                Res::Ok(())
+            }),
+        )
+        .unwrap();
+    started_rx.await.unwrap();
+    drop(dropped);
+    let seen = seen_rx.await.unwrap().unwrap_err();
+    assert_eq!(
+        (seen.stage(), seen.reason()),
+        (Stage::Execution, Reason::Canceled)
+    );
+
+    // Finalizer failures on a success become the failure; its panic is redacted.
+    let fin_err = lanes
+        .run(
+            "work",
+            Run::new(|_| async { Res::Ok(1) })
+                .finalizer(|_| async { Err::<(), _>(std::io::Error::other("fin")) }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (fin_err.stage(), fin_err.reason()),
+        (Stage::Finalization, Reason::Finalizer)
+    );
+    let fin_panic = lanes
+        .run(
+            "work",
+            Run::new(|_| async { Res::Ok(1) }).finalizer(|_: Result<u32, RunFailure>| async {
+                if true {
+                    panic!("finalizer secret");
+                }
+                Res::Ok(())
+            }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert!(
+        fin_panic
+            .cause()
+            .unwrap()
+            .downcast_ref::<PanicError>()
+            .is_some()
+    );
+    assert!(!format!("{fin_panic}").contains("secret"));
+    let fin_slow = lanes
+        .run(
+            "work",
+            Run::new(|_| async { Res::Ok(1) }).finalizer(|_| async {
+                sleep(Duration::from_secs(60)).await;
+                Res::Ok(())
+            }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    let timeout = fin_slow
+        .cause()
+        .unwrap()
+        .downcast_ref::<TimeoutError>()
+        .unwrap();
+    assert_eq!(
+        (timeout.stage(), timeout.after()),
+        (Stage::Finalization, Duration::from_secs(1))
+    );
+
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    lanes.close();
+    lanes.drained().await;
+    let lane = &lanes.snapshot().lanes[0];
+    assert_eq!(lane.admitted, 8);
+    assert_eq!(lane.completed, 1);
+    assert_eq!(lane.failed.total(), 7);
+    assert_eq!(
+        (
+            lane.failed.job,
+            lane.failed.panic,
+            lane.failed.timeout,
+            lane.failed.canceled
+        ),
+        (1, 1, 1, 1)
+    );
+    assert_eq!(lane.failed.finalizer, 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn secondary_failures_are_attached_never_replacing_the_primary() {
+    let lanes = builder()
+        .lane("work", LaneLimits::new(1, 1))
+        .audit(|event: AuditEvent| async move {
+            match event.kind {
+                AuditKind::Failed { .. } => Err(std::io::Error::other("audit down")),
+                _ => Ok(()),
+            }
+        })
+        .build()
+        .unwrap();
+    let err = lanes
+        .run(
+            "work",
+            Run::new(|_| async { Err::<u32, _>(std::io::Error::other("primary")) })
+                .finalizer(|outcome: Result<u32, RunFailure>| async move {
+                    outcome.map_err(|_| std::io::Error::other("finalizer"))
+                })
+                .cleanup(|| async { Err::<(), _>(std::io::Error::other("cleanup")) }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), Reason::Job);
+    assert_eq!(err.cause().unwrap().to_string(), "primary");
+    let attached: Vec<(Stage, String)> = err
+        .attached()
+        .map(|a| (a.stage(), a.cause().to_string()))
+        .collect();
+    assert_eq!(
+        attached,
+        [
+            (Stage::Terminal, "audit down".to_owned()),
+            (Stage::Finalization, "finalizer".to_owned()),
+            (Stage::Cleanup, "cleanup".to_owned()),
+        ]
+    );
+    // The source chain walks the attachments in order.
+    let first = err
+        .source()
+        .unwrap()
+        .downcast_ref::<AttachedError>()
+        .unwrap();
+    assert_eq!(first.stage(), Stage::Terminal);
+    let second = first
+        .source()
+        .unwrap()
+        .downcast_ref::<AttachedError>()
+        .unwrap();
+    assert_eq!(second.stage(), Stage::Finalization);
+    assert!(err.attached_at(Stage::Cleanup).is_some());
+    // A finalizer that passes the failure on is not a failure of its own.
+    let passed = lanes
+        .run(
+            "work",
+            Run::new(|_| async { Err::<u32, _>(std::io::Error::other("x")) }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    let stages: Vec<Stage> = passed.attached().map(AttachedError::stage).collect();
+    assert_eq!(
+        stages,
+        [Stage::Terminal],
+        "only the failing audit is attached"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn audit_events_precede_the_finalizer_and_failures_are_handled() {
+    let events = Arc::new(Mutex::new(Vec::<String>::new()));
+    let fail_started = Arc::new(AtomicUsize::new(0));
+    let lanes = {
+        let (events, fail_started) = (events.clone(), fail_started.clone());
+        builder()
+            .lane("work", LaneLimits::new(1, 1))
+            .audit(move |event: AuditEvent| {
+                let (events, fail_started) = (events.clone(), fail_started.clone());
+                async move {
+                    events.lock().unwrap().push(format!("{:?}", event.kind));
+                    match event.kind {
+                        AuditKind::Started if fail_started.load(Ordering::SeqCst) == 1 => {
+                            Err(std::io::Error::other("refused"))
+                        }
+                        AuditKind::Started if fail_started.load(Ordering::SeqCst) == 2 => {
+                            sleep(Duration::from_secs(10)).await;
+                            Ok(())
+                        }
+                        _ => Ok(()),
+                    }
+                }
+            })
+            .build()
+            .unwrap()
+    };
+    let finalizer = |events: &Arc<Mutex<Vec<String>>>| {
+        let events = events.clone();
+        move |outcome: Result<u32, RunFailure>| async move {
+            events.lock().unwrap().push("finalizer".into());
+            outcome
+        }
+    };
+    let ran = Arc::new(AtomicUsize::new(0));
+    let job = |ran: &Arc<AtomicUsize>| {
+        let ran = ran.clone();
+        move |_cx| async move {
+            ran.fetch_add(1, Ordering::SeqCst);
+            Res::Ok(1)
+        }
+    };
+    lanes
+        .run("work", Run::new(job(&ran)).finalizer(finalizer(&events)))
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(
+        *events.lock().unwrap(),
+        ["Started", "Completed", "finalizer"]
+    );
+
+    events.lock().unwrap().clear();
+    fail_started.store(1, Ordering::SeqCst);
+    let err = lanes
+        .run("work", Run::new(job(&ran)).finalizer(finalizer(&events)))
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Start, Reason::Audit));
+    assert_eq!(
+        *events.lock().unwrap(),
+        ["Started", "finalizer"],
+        "no terminal event"
+    );
+
+    events.lock().unwrap().clear();
+    fail_started.store(2, Ordering::SeqCst);
+    let err = lanes
+        .run("work", Run::new(job(&ran)).finalizer(finalizer(&events)))
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Start, Reason::Audit));
+    assert!(
+        err.cause()
+            .unwrap()
+            .downcast_ref::<TimeoutError>()
+            .is_some()
+    );
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        1,
+        "a failed start audit means the job never ran"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn queue_wait_does_not_consume_the_execution_timeout() {
+    let lanes = set(&[("work", 1, 2)]);
+    let first = lanes
+        .run(
+            "work",
+            Run::new(|_| async {
+                sleep(Duration::from_secs(5)).await;
+                Res::Ok(0)
+            }),
+        )
+        .unwrap();
+    // Waits 5 s in the queue, then runs 1 s under a 2 s execution timeout: succeeds.
+    let patient = lanes
+        .run(
+            "work",
+            Run::new(|cx| async move {
+                assert_eq!(cx.queue_wait(), Duration::from_secs(5));
+                sleep(Duration::from_secs(1)).await;
+                Res::Ok(1)
+            })
+            .execution_timeout(Duration::from_secs(2)),
+        )
+        .unwrap();
+    // Then runs 3 s under the same timeout: fails at execution, 2 s after its grant.
+    let slow = lanes
+        .run(
+            "work",
+            Run::new(|cx| async move {
+                tokio::select! {
+                    _ = sleep(Duration::from_secs(3)) => Res::Ok(2),
+                    _ = cx.cancelled() => Res::Ok(99),
+                }
+            })
+            .execution_timeout(Duration::from_secs(2)),
+        )
+        .unwrap();
+    let start = tokio::time::Instant::now();
+    assert_eq!(first.await.unwrap(), 0);
+    assert_eq!(patient.await.unwrap(), 1);
+    let err = slow.await.unwrap_err();
+    assert_eq!(
+        (err.stage(), err.reason()),
+        (Stage::Execution, Reason::Timeout)
+    );
+    assert_eq!(start.elapsed(), Duration::from_secs(8));
+}
+
+#[tokio::test(start_paused = true)]
+async fn queued_deadline_fails_in_the_queue_without_running_the_job() {
+    let lanes = set(&[("work", 1, 1)]);
+    let gate = Gate::new();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let finals = Finals::default();
+    let held = lanes.run("work", gated(1, &gate, &log, &finals)).unwrap();
+    let start = tokio::time::Instant::now();
+    let err = lanes
+        .run(
+            "work",
+            gated(2, &gate, &log, &finals).queue_timeout(Duration::from_secs(1)),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!(start.elapsed(), Duration::from_secs(1));
+    assert_eq!((err.stage(), err.reason()), (Stage::Queue, Reason::Timeout));
+    gate.open();
+    held.await.unwrap();
+    assert_eq!(*log.lock().unwrap(), [1]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn ignored_cancellation_poisons_every_lane_and_drain_waits_for_finalizers() {
+    let lanes = set(&[("blocking", 1, 2), ("background", 1, 2)]);
+    let late = Arc::new(AtomicUsize::new(0));
+    let stuck = {
+        let late = late.clone();
+        Run::new(move |_cx| async move {
+            // Ignores cancellation entirely.
+            sleep(Duration::from_secs(3600)).await;
+            late.fetch_add(1, Ordering::SeqCst);
+            Res::Ok(1)
+        })
+        .execution_timeout(Duration::from_secs(1))
+    };
+    let stuck = lanes.run("blocking", stuck).unwrap();
+    let stuck_id = stuck.run_id();
+    let finals = Finals::default();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let gate = Gate::new();
+    let queued = lanes
+        .run("blocking", gated(2, &gate, &log, &finals))
+        .unwrap();
+    // A well-behaved job on the other lane, with a slow finalizer.
+    let fin_gate = Gate::new();
+    let other = {
+        let fin_gate = fin_gate.clone();
+        Run::new(|cx| async move {
+            let reason = cx.cancelled().await;
+            Res::Ok(reason)
+        })
+        .finalizer(move |outcome| async move {
+            fin_gate.wait().await;
+            outcome.map(|_| ())
+        })
+    };
+    let other = lanes.run("background", other).unwrap();
+
+    // 1 s execution timeout + 2 s drain timeout.
+    let err = stuck.await.unwrap_err();
+    assert_eq!(
+        (err.stage(), err.reason()),
+        (Stage::Execution, Reason::Poisoned)
+    );
+    assert_eq!(
+        err.cause()
+            .unwrap()
+            .downcast_ref::<PoisonError>()
+            .unwrap()
+            .by(),
+        stuck_id
+    );
+    let err = queued.await.unwrap_err();
+    assert_eq!(
+        (err.stage(), err.reason()),
+        (Stage::Queue, Reason::Poisoned)
+    );
+    assert_eq!(
+        err.cause()
+            .unwrap()
+            .downcast_ref::<PoisonError>()
+            .unwrap()
+            .by(),
+        stuck_id
+    );
+    assert!(lanes.is_poisoned());
+    for lane in ["blocking", "background"] {
+        let refused = lanes.run(lane, gated(3, &gate, &log, &finals)).unwrap_err();
+        assert_eq!(refused.kind(), AdmissionErrorKind::Poisoned);
+    }
+    // Drained waits for the other lane's finalizer.
+    let drained = tokio::spawn({
+        let lanes = lanes.clone();
+        async move { lanes.drained().await }
+    });
+    settle().await;
+    assert!(!drained.is_finished());
+    fin_gate.open();
+    let err = other.await.unwrap_err();
+    assert_eq!(err.reason(), Reason::Poisoned);
+    drained.await.unwrap();
+    // The stuck job's late result never shows up.
+    sleep(Duration::from_secs(7200)).await;
+    assert_eq!(late.load(Ordering::SeqCst), 0);
+    lanes.close();
+    assert_eq!(lanes.snapshot().state, SetState::Poisoned);
+}
+
+#[tokio::test(start_paused = true)]
+async fn close_cancels_executing_work_and_drain_joins_finalization() {
+    let lanes = set(&[("work", 1, 1)]);
+    let fin_gate = Gate::new();
+    let (fin_started_tx, fin_started) = oneshot::channel();
+    let run = {
+        let fin_gate = fin_gate.clone();
+        Run::new(|cx| async move { Res::Ok(cx.cancelled().await) }).finalizer(
+            move |outcome: Result<Reason, RunFailure>| async move {
+                fin_started_tx.send(outcome.clone().map(|_| ())).unwrap();
+                // The finalizer is live after close: it can still wait on timers.
+                sleep(Duration::from_millis(100)).await;
+                fin_gate.wait().await;
+                outcome.map(|_| ())
+            },
+        )
+    };
+    lanes.spawn("work", run).unwrap();
+    settle().await;
+    lanes.close();
+    let seen = fin_started.await.unwrap().unwrap_err();
+    assert_eq!(
+        (seen.stage(), seen.reason()),
+        (Stage::Execution, Reason::Closed)
+    );
+    let drained = tokio::spawn({
+        let lanes = lanes.clone();
+        async move { lanes.drained().await }
+    });
+    sleep(Duration::from_millis(500)).await;
+    assert!(
+        !drained.is_finished(),
+        "drain waits for the blocked finalizer"
+    );
+    fin_gate.open();
+    drained.await.unwrap();
+    assert_eq!(lanes.snapshot().owned, 0);
+}
+
+#[tokio::test]
+async fn snapshot_registers_and_serializes() {
+    let registry = Registry::new();
+    let lanes = builder()
+        .lane("blocking", LaneLimits::new(1, 2))
+        .registry(&registry, "session")
+        .build()
+        .unwrap();
+    let dup = builder()
+        .lane("x", LaneLimits::new(1, 1))
+        .registry(&registry, "session")
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        (dup.field(), dup.rule()),
+        ("registry.session", ConfigRule::Duplicate)
+    );
+    lanes
+        .run("blocking", Run::new(|_| async { Res::Ok(1) }))
+        .unwrap()
+        .await
+        .unwrap();
+    let json = registry.snapshot().to_json();
+    let value: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let lane = &value["lane_sets"]["session"]["lanes"][0];
+    assert_eq!(lane["name"], "blocking");
+    assert_eq!(lane["admitted"], 1);
+    assert_eq!(lane["completed"], 1);
+    assert_eq!(lane["limits"]["concurrent"], 1);
+    let back: lanes::Snapshot = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, registry.snapshot());
+    drop(lanes);
+    assert!(
+        registry.snapshot().lane_sets.is_empty(),
+        "dropped sets leave the registry"
+    );
+}
+
+#[test]
+fn public_types_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<LaneSet>();
+    send_sync::<lanes::Lane>();
+    send_sync::<RunFailure>();
+    send_sync::<Registry>();
+    send_sync::<lanes::RunContext>();
+    send::<lanes::RunHandle<u32>>();
+    send_sync::<lanes::AdmissionError<()>>();
+    send_sync::<lanes::ConfigError>();
+}
