@@ -1,1 +1,212 @@
-fn main() {}
+//! Suite 2, run lane: admit → run → finalize of a no-op job, and the reject path when full,
+//! against a hand-rolled two-semaphore lane and tokio mpsc + N workers, in the same run.
+
+#![allow(missing_docs)] // criterion_group! generates an undocumented function
+use std::convert::Infallible;
+use std::future::ready;
+use std::hint::black_box;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use lanes::{Lane, LaneLimits, LaneSet, Run};
+use lanes_benches::{Done, Flavor, calibrate, config};
+use tokio::sync::{Semaphore, mpsc};
+
+/// Runs per measured batch.
+const RUNS: u64 = 1_000;
+/// Execution slots of every lane under test.
+const CONCURRENT: usize = 8;
+/// Waiting room: enough for a whole batch, so nothing is refused in the throughput scenario.
+const QUEUED: usize = 2_000;
+
+fn lane(concurrent: usize, queued: usize) -> Lane {
+    LaneSet::builder()
+        .lane("bench", LaneLimits::new(concurrent, queued))
+        .audit_timeout(Duration::from_secs(1))
+        .finalization_timeout(Duration::from_secs(1))
+        .worker_drain_timeout(Duration::from_secs(1))
+        .build()
+        .expect("valid lane")
+        .lane("bench")
+        .expect("lane exists")
+}
+
+/// lanes: background runs whose finalizer counts completion.
+async fn ours(lane: Lane, runs: u64) {
+    let done = Done::new(runs);
+    for _ in 0..runs {
+        let done = done.clone();
+        let run = Run::new(|_cx| ready(Ok::<(), Infallible>(()))).finalizer(move |_outcome| {
+            done.finish_one();
+            ready(Ok::<(), Infallible>(()))
+        });
+        if lane.spawn(run).is_err() {
+            panic!("the bench lane refused a run");
+        }
+    }
+    done.wait().await;
+}
+
+/// The hand-rolled lane users write today: an outer semaphore of `concurrent + queued` taken
+/// with `try_acquire` at admission, an inner one of `concurrent` awaited in the spawned task.
+#[derive(Clone)]
+struct HandRolled {
+    outer: Arc<Semaphore>,
+    inner: Arc<Semaphore>,
+}
+
+impl HandRolled {
+    fn new(concurrent: usize, queued: usize) -> Self {
+        Self {
+            outer: Arc::new(Semaphore::new(concurrent + queued)),
+            inner: Arc::new(Semaphore::new(concurrent)),
+        }
+    }
+}
+
+async fn hand_rolled(lane: HandRolled, runs: u64) {
+    let done = Done::new(runs);
+    for _ in 0..runs {
+        let owned = lane.outer.clone().try_acquire_owned().expect("the hand-rolled lane refused");
+        let (inner, done) = (lane.inner.clone(), done.clone());
+        tokio::spawn(async move {
+            let slot = inner.acquire_owned().await.expect("open");
+            black_box(ready(Ok::<(), Infallible>(())).await).ok();
+            drop(slot);
+            done.finish_one(); // the "finalizer"
+            drop(owned);
+        });
+    }
+    done.wait().await;
+}
+
+/// A bounded mpsc queue drained by `CONCURRENT` worker tasks.
+async fn mpsc_workers(runs: u64) {
+    let done = Done::new(runs);
+    let (tx, rx) = mpsc::channel::<()>(QUEUED);
+    let rx = Arc::new(tokio::sync::Mutex::new(rx));
+    let workers: Vec<_> = (0..CONCURRENT)
+        .map(|_| {
+            let (rx, done) = (rx.clone(), done.clone());
+            tokio::spawn(async move {
+                loop {
+                    let job = rx.lock().await.recv().await;
+                    match job {
+                        Some(()) => {
+                            black_box(ready(Ok::<(), Infallible>(())).await).ok();
+                            done.finish_one();
+                        }
+                        None => return,
+                    }
+                }
+            })
+        })
+        .collect();
+    for _ in 0..runs {
+        tx.try_send(()).expect("the channel refused");
+    }
+    done.wait().await;
+    drop(tx);
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+}
+
+fn throughput(c: &mut Criterion) {
+    let mut group = c.benchmark_group("lane_admit_run_finalize");
+    group.throughput(Throughput::Elements(RUNS));
+    for flavor in Flavor::ALL {
+        let rt = flavor.runtime();
+        let ours_lane = lane(CONCURRENT, QUEUED);
+        group.bench_function(BenchmarkId::new("lanes", flavor.name()), |b| {
+            b.iter_custom(|iters| {
+                let lane = ours_lane.clone();
+                rt.block_on(async move {
+                    tokio::spawn(async move {
+                        let start = Instant::now();
+                        for _ in 0..iters {
+                            ours(lane.clone(), RUNS).await;
+                        }
+                        start.elapsed()
+                    })
+                    .await
+                    .expect("bench task")
+                })
+            })
+        });
+        let hand = HandRolled::new(CONCURRENT, QUEUED);
+        group.bench_function(BenchmarkId::new("hand_rolled_two_semaphores", flavor.name()), |b| {
+            b.iter_custom(|iters| {
+                let hand = hand.clone();
+                rt.block_on(async move {
+                    tokio::spawn(async move {
+                        let start = Instant::now();
+                        for _ in 0..iters {
+                            hand_rolled(hand.clone(), RUNS).await;
+                        }
+                        start.elapsed()
+                    })
+                    .await
+                    .expect("bench task")
+                })
+            })
+        });
+        group.bench_function(BenchmarkId::new("tokio_mpsc_workers", flavor.name()), |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async move {
+                    tokio::spawn(async move {
+                        let start = Instant::now();
+                        for _ in 0..iters {
+                            mpsc_workers(RUNS).await;
+                        }
+                        start.elapsed()
+                    })
+                    .await
+                    .expect("bench task")
+                })
+            })
+        });
+    }
+    group.finish();
+}
+
+fn reject(c: &mut Criterion) {
+    let mut group = c.benchmark_group("lane_reject_when_full");
+    let rt = Flavor::CurrentThread.runtime();
+    let _guard = rt.enter();
+    // One slot, no waiting room, held by a job that never ends while we measure.
+    let full = lane(1, 0);
+    let hold = Arc::new(Semaphore::new(0));
+    {
+        let hold = hold.clone();
+        full.spawn(Run::new(move |_cx| async move {
+            let _ = hold.acquire().await;
+            Ok::<(), Infallible>(())
+        }))
+        .expect("first run admitted");
+    }
+    group.bench_function("lanes", |b| {
+        b.iter(|| {
+            let refused = full.spawn(Run::new(|_cx| ready(Ok::<(), Infallible>(()))));
+            black_box(refused.is_err())
+        })
+    });
+    let hand = HandRolled::new(1, 0);
+    let _held = hand.outer.clone().try_acquire_owned().expect("first permit");
+    group.bench_function("hand_rolled_two_semaphores", |b| {
+        b.iter(|| black_box(hand.outer.clone().try_acquire_owned().is_err()))
+    });
+    let (tx, _rx) = mpsc::channel::<()>(1);
+    tx.try_send(()).expect("first message");
+    group.bench_function("tokio_mpsc_try_send", |b| b.iter(|| black_box(tx.try_send(()).is_err())));
+    group.finish();
+    hold.add_permits(1);
+}
+
+criterion_group! {
+    name = benches;
+    config = config();
+    targets = calibrate, throughput, reject
+}
+criterion_main!(benches);

@@ -60,10 +60,7 @@ impl Registry {
         let mut entries = lock(&self.entries);
         entries.retain(|_, entry| entry.strong_count() > 0);
         if entries.contains_key(&name) {
-            return Err(ConfigError::new(
-                format!("registry.{name}"),
-                ConfigRule::Duplicate,
-            ));
+            return Err(ConfigError::new(format!("registry.{name}"), ConfigRule::Duplicate));
         }
         entries.insert(name, source);
         Ok(())
@@ -100,9 +97,7 @@ impl Registry {
 
 impl fmt::Debug for Registry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Registry")
-            .field("names", &self.names())
-            .finish()
+        f.debug_struct("Registry").field("names", &self.names()).finish()
     }
 }
 

@@ -37,10 +37,7 @@ pin_project_lite::pin_project! {
 
 impl<F> CatchUnwind<F> {
     pub(crate) fn new(inner: F) -> Self {
-        Self {
-            inner,
-            panicked: false,
-        }
+        Self { inner, panicked: false }
     }
 }
 

@@ -106,13 +106,7 @@ async fn stress(seed: u64, runs: usize) {
                     Ok(id) => *id,
                     Err(failure) => failure.run_id(),
                 };
-                record
-                    .lock()
-                    .unwrap()
-                    .finalized
-                    .entry(id)
-                    .or_default()
-                    .push(outcome.clone());
+                record.lock().unwrap().finalized.entry(id).or_default().push(outcome.clone());
                 outcome
             }
         };
@@ -166,22 +160,14 @@ async fn stress(seed: u64, runs: usize) {
     let snapshot = set.snapshot();
     assert_eq!(snapshot.owned, 0);
     // Every admitted run finalized exactly once; nothing else was finalized.
-    assert!(
-        record.admitted.len() > runs / 4,
-        "the workload admitted too little to mean much"
-    );
+    assert!(record.admitted.len() > runs / 4, "the workload admitted too little to mean much");
     assert_eq!(
         record.finalized.keys().collect::<Vec<_>>(),
         record.admitted.keys().collect::<Vec<_>>(),
         "seed {seed}: finalized runs differ from admitted runs"
     );
     for (id, calls) in &record.finalized {
-        assert_eq!(
-            calls.len(),
-            1,
-            "seed {seed}: {id} finalized {} times",
-            calls.len()
-        );
+        assert_eq!(calls.len(), 1, "seed {seed}: {id} finalized {} times", calls.len());
     }
     // The caller received exactly what the finalizer saw.
     for (id, seen) in &record.caller_saw {
@@ -194,19 +180,9 @@ async fn stress(seed: u64, runs: usize) {
     // Bounds held, grants were FIFO, counters reconcile.
     let mut admitted_total = 0;
     for (lane, (name, limits)) in snapshot.lanes.iter().zip(&limits) {
-        assert!(
-            lane.max_executing <= limits.concurrent,
-            "seed {seed}: {name} executing"
-        );
-        assert!(
-            lane.max_owned <= limits.capacity(),
-            "seed {seed}: {name} owned"
-        );
-        assert_eq!(
-            lane.admitted,
-            lane.completed + lane.failed.total(),
-            "seed {seed}: {name}"
-        );
+        assert!(lane.max_executing <= limits.concurrent, "seed {seed}: {name} executing");
+        assert!(lane.max_owned <= limits.capacity(), "seed {seed}: {name} owned");
+        assert_eq!(lane.admitted, lane.completed + lane.failed.total(), "seed {seed}: {name}");
         let admitted_here = record.admitted.values().filter(|l| l == name).count() as u64;
         assert_eq!(lane.admitted, admitted_here);
         admitted_total += lane.admitted;
@@ -215,16 +191,10 @@ async fn stress(seed: u64, runs: usize) {
         // execution slot, the next grant needs the previous run to end, so order is strict.)
         let mut starts = record.starts.get(*name).cloned().unwrap_or_default();
         if limits.concurrent == 1 {
-            assert!(
-                starts.windows(2).all(|w| w[0].0 < w[1].0),
-                "seed {seed}: {name} not FIFO"
-            );
+            assert!(starts.windows(2).all(|w| w[0].0 < w[1].0), "seed {seed}: {name} not FIFO");
         }
         starts.sort();
-        assert!(
-            starts.windows(2).all(|w| w[0].1 <= w[1].1),
-            "seed {seed}: {name} not FIFO"
-        );
+        assert!(starts.windows(2).all(|w| w[0].1 <= w[1].1), "seed {seed}: {name} not FIFO");
     }
     let rejected: u64 = snapshot.lanes.iter().map(|l| l.rejected.total()).sum();
     assert_eq!(rejected, record.rejected as u64);
@@ -241,7 +211,7 @@ async fn random_workloads_keep_every_invariant() {
     // The jobs panic on purpose; keep the output readable but show any other panic.
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        if info.payload().downcast_ref::<&str>() != Some(&"job panicked") {
+        if info.payload_as_str() != Some("job panicked") {
             previous(info);
         }
     }));

@@ -95,10 +95,7 @@ pub struct ConfigError {
 
 impl ConfigError {
     pub(crate) fn new(field: impl Into<String>, rule: ConfigRule) -> Self {
-        Self {
-            field: field.into(),
-            rule,
-        }
+        Self { field: field.into(), rule }
     }
 
     /// The offending field, as a dotted path (`lanes.blocking.queued`).
@@ -222,16 +219,10 @@ impl LaneSetBuilder {
         }
         for (index, (name, limits)) in self.lanes.iter().enumerate() {
             if self.lanes[..index].iter().any(|(other, _)| other == name) {
-                return Err(ConfigError::new(
-                    format!("lanes.{name}"),
-                    ConfigRule::Duplicate,
-                ));
+                return Err(ConfigError::new(format!("lanes.{name}"), ConfigRule::Duplicate));
             }
             if limits.concurrent == 0 {
-                return Err(ConfigError::new(
-                    format!("lanes.{name}.concurrent"),
-                    ConfigRule::Zero,
-                ));
+                return Err(ConfigError::new(format!("lanes.{name}.concurrent"), ConfigRule::Zero));
             }
             if limits.queued > MAX_QUEUED {
                 return Err(ConfigError::new(

@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use sync_wrapper::SyncWrapper;
 
 use super::run::{Participation, RunId};
 use crate::BoxError;
@@ -39,26 +40,24 @@ impl AdmissionErrorKind {
 
 /// A run was not admitted. Nothing was started: there is no [`RunId`], no finalizer call and no
 /// audit event. The run is handed back.
+///
+/// The error is `Send + Sync` whenever the run is `Send` (the run is only reachable by value),
+/// so `?` converts it into a [`BoxError`].
 pub struct AdmissionError<R> {
     kind: AdmissionErrorKind,
-    lane: String,
+    lane: Arc<str>,
     participation: Participation,
-    run: R,
+    run: SyncWrapper<R>,
 }
 
 impl<R> AdmissionError<R> {
     pub(crate) fn new(
         kind: AdmissionErrorKind,
-        lane: &str,
+        lane: Arc<str>,
         participation: Participation,
         run: R,
     ) -> Self {
-        Self {
-            kind,
-            lane: lane.to_owned(),
-            participation,
-            run,
-        }
+        Self { kind, lane, participation, run: SyncWrapper::new(run) }
     }
 
     /// Why the run was refused.
@@ -93,7 +92,7 @@ impl<R> AdmissionError<R> {
 
     /// Gives the refused run back.
     pub fn into_run(self) -> R {
-        self.run
+        self.run.into_inner()
     }
 
     /// Drops the run, keeping the rest of the error (for example to box it).
@@ -102,7 +101,7 @@ impl<R> AdmissionError<R> {
             kind: self.kind,
             lane: self.lane,
             participation: self.participation,
-            run: (),
+            run: SyncWrapper::new(()),
         }
     }
 }
@@ -119,12 +118,7 @@ impl<R> fmt::Debug for AdmissionError<R> {
 
 impl<R> fmt::Display for AdmissionError<R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "lane {:?} refused a run: {}",
-            self.lane,
-            self.kind.as_str()
-        )
+        write!(f, "lane {:?} refused a run: {}", self.lane, self.kind.as_str())
     }
 }
 
@@ -256,12 +250,7 @@ impl TimeoutError {
 
 impl fmt::Display for TimeoutError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} timed out after {:?}",
-            self.stage.as_str(),
-            self.after
-        )
+        write!(f, "{} timed out after {:?}", self.stage.as_str(), self.after)
     }
 }
 
@@ -392,11 +381,7 @@ impl RunFailure {
 
     /// Attaches a secondary failure at the end of the chain.
     pub(crate) fn attach(&self, stage: Stage, cause: BoxError) {
-        let attached = Box::new(AttachedError {
-            stage,
-            cause,
-            next: OnceLock::new(),
-        });
+        let attached = Box::new(AttachedError { stage, cause, next: OnceLock::new() });
         let mut slot = &self.inner.attached;
         while let Some(existing) = slot.get() {
             slot = &existing.next;
@@ -495,11 +480,7 @@ impl Error for RunFailure {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
         match self.inner.attached.get() {
             Some(attached) => Some(&**attached),
-            None => self
-                .inner
-                .cause
-                .as_deref()
-                .map(|c| c as &(dyn Error + 'static)),
+            None => self.inner.cause.as_deref().map(|c| c as &(dyn Error + 'static)),
         }
     }
 }

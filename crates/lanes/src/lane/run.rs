@@ -252,7 +252,6 @@ pub struct RunContext {
     pub(crate) run_id: RunId,
     pub(crate) lane: Arc<str>,
     pub(crate) participation: Participation,
-    pub(crate) queue_wait: Duration,
     pub(crate) signal: Arc<RunSignal>,
 }
 
@@ -270,11 +269,6 @@ impl RunContext {
     /// Blocking or background.
     pub fn participation(&self) -> Participation {
         self.participation
-    }
-
-    /// How long the run waited for its execution slot.
-    pub fn queue_wait(&self) -> Duration {
-        self.queue_wait
     }
 
     /// Whether the run was asked to stop.

@@ -19,14 +19,15 @@
 //!    cannot resolve under its feet.
 
 use std::fmt;
-use std::future::{Future, pending};
-use std::pin::pin;
+use std::future::{Future, poll_fn};
+use std::pin::{Pin, pin};
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tokio::time::{Instant, sleep_until, timeout};
+use tokio::time::{Instant, Sleep, sleep_until, timeout};
 
 use super::audit::{Audit, AuditEvent, AuditKind};
 use super::config::{ConfigError, LaneLimits, LaneSetBuilder};
@@ -34,7 +35,7 @@ use super::error::{
     AdmissionError, AdmissionErrorKind, PanicError, PoisonError, Reason, RunFailure, Stage,
     TimeoutError,
 };
-use super::run::{Finalize, Job, Participation, Run, RunContext, RunHandle, RunId};
+use super::run::{Cleanup, Finalize, Job, Participation, Run, RunContext, RunHandle, RunId};
 use super::signal::{Grant, RunSignal};
 use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use super::state::{Admitted, LaneCore, Shut};
@@ -123,10 +124,7 @@ impl LaneSet {
 
     /// The lane called `name`.
     pub fn lane(&self, name: &str) -> Option<Lane> {
-        self.shared.index_of(name).map(|index| Lane {
-            shared: self.shared.clone(),
-            index,
-        })
+        self.shared.index_of(name).map(|index| Lane { shared: self.shared.clone(), index })
     }
 
     /// The lanes' names, in configuration order.
@@ -295,15 +293,12 @@ impl Lane {
 
 impl fmt::Debug for Lane {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lane")
-            .field("name", &self.name())
-            .field("limits", &self.limits())
-            .finish()
+        f.debug_struct("Lane").field("name", &self.name()).field("limits", &self.limits()).finish()
     }
 }
 
 fn unknown_lane<R>(lane: &str, participation: Participation, run: R) -> AdmissionError<R> {
-    AdmissionError::new(AdmissionErrorKind::UnknownLane, lane, participation, run)
+    AdmissionError::new(AdmissionErrorKind::UnknownLane, lane.into(), participation, run)
 }
 
 fn admit_blocking<J, F>(
@@ -315,16 +310,10 @@ where
     J: Job,
     F: Finalize<J::Output>,
 {
-    let ticket = shared.admit(index, Participation::Blocking, run)?;
-    let (run_id, signal) = (ticket.run_id, ticket.signal.clone());
-    let join = tokio::spawn(drive(shared.clone(), ticket));
-    Ok(RunHandle {
-        run_id,
-        lane: shared.lanes[index].name.clone(),
-        join,
-        signal,
-        finished: false,
-    })
+    let (ticket, callbacks) = shared.admit(index, Participation::Blocking, run)?;
+    let (run_id, signal) = (ticket.info.run_id, ticket.signal.clone());
+    let join = tokio::spawn(drive(ticket, callbacks));
+    Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
 }
 
 fn admit_background<J, F>(
@@ -336,22 +325,41 @@ where
     J: Job,
     F: Finalize<J::Output>,
 {
-    let ticket = shared.admit(index, Participation::Background, run)?;
-    let run_id = ticket.run_id;
-    drop(tokio::spawn(drive(shared.clone(), ticket)));
+    let (ticket, callbacks) = shared.admit(index, Participation::Background, run)?;
+    let run_id = ticket.info.run_id;
+    drop(tokio::spawn(drive(ticket, callbacks)));
     Ok(run_id)
 }
 
-/// An admitted run, on its way to its driver task.
-struct Ticket<J, F> {
-    lane: usize,
-    seq: u64,
-    run_id: RunId,
-    participation: Participation,
-    /// `None` if the run was granted at admission, else when it started waiting.
-    queued_since: Option<Instant>,
+/// An admitted run, on its way to its driver task, without its job and finalizer.
+///
+/// `drive` keeps it as its one argument for its whole life (an async fn's arguments stay in its
+/// state machine), so the run's data lives there once instead of being copied into locals.
+struct Ticket {
+    shared: Arc<SetShared>,
+    info: TicketInfo,
+    start: Start,
     signal: Arc<RunSignal>,
-    run: Run<J, F>,
+    queue_timeout: Option<Duration>,
+    execution_timeout: Option<Duration>,
+}
+
+/// An admitted run, split into what `drive` borrows and what it consumes.
+type Admission<J, F> = (Ticket, Callbacks<J, F>);
+
+/// What `drive` consumes besides the ticket.
+struct Callbacks<J, F> {
+    job: J,
+    finalizer: F,
+    cleanup: Option<Cleanup>,
+}
+
+/// Where an admitted run starts.
+enum Start {
+    /// In execution slot `slot`, granted at admission.
+    Executing { slot: usize },
+    /// Waiting in the queue, until the queue timeout's deadline if there is one.
+    Queued { seq: u64, deadline: Option<Instant> },
 }
 
 impl SetShared {
@@ -360,39 +368,44 @@ impl SetShared {
     }
 
     fn admit<J, F>(
-        &self,
+        self: &Arc<Self>,
         index: usize,
         participation: Participation,
         run: Run<J, F>,
-    ) -> Result<Ticket<J, F>, AdmissionError<Run<J, F>>> {
+    ) -> Result<Admission<J, F>, AdmissionError<Run<J, F>>> {
         let lane = &self.lanes[index];
         let admitted = {
             let mut core = lock(&lane.core);
-            core.admit(|_| Arc::new(RunSignal::new()))
-                .map(|(admitted, signal)| {
-                    // Counted under the lane lock (invariant 3); ids increase in admission order.
-                    self.owned.fetch_add(1, Ordering::AcqRel);
-                    let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
-                    (admitted, signal, run_id)
-                })
+            core.admit(|_| Arc::new(RunSignal::new())).map(|(admitted, signal)| {
+                // Counted under the lane lock (invariant 3); ids increase in admission order.
+                self.owned.fetch_add(1, Ordering::AcqRel);
+                let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
+                (admitted, signal, run_id)
+            })
         };
         match admitted {
             Ok((admitted, signal, run_id)) => {
-                let (seq, queued_since) = match admitted {
-                    Admitted::Executing(seq) => (seq, None),
-                    Admitted::Queued(seq) => (seq, Some(Instant::now())),
+                let start = match admitted {
+                    Admitted::Executing { slot, .. } => Start::Executing { slot },
+                    Admitted::Queued { seq } => Start::Queued {
+                        seq,
+                        // The clock is read only for runs that wait with a timeout.
+                        deadline: run.queue_timeout.map(|limit| Instant::now() + limit),
+                    },
                 };
-                Ok(Ticket {
-                    lane: index,
-                    seq,
-                    run_id,
-                    participation,
-                    queued_since,
+                let info = TicketInfo { lane: index, run_id, participation };
+                let Run { job, finalizer, cleanup, queue_timeout, execution_timeout } = run;
+                let ticket = Ticket {
+                    shared: self.clone(),
+                    info,
+                    start,
                     signal,
-                    run,
-                })
+                    queue_timeout,
+                    execution_timeout,
+                };
+                Ok((ticket, Callbacks { job, finalizer, cleanup }))
             }
-            Err(kind) => Err(AdmissionError::new(kind, &lane.name, participation, run)),
+            Err(kind) => Err(AdmissionError::new(kind, lane.name.clone(), participation, run)),
         }
     }
 
@@ -435,14 +448,12 @@ impl SetShared {
     }
 
     fn poison_error(&self) -> Option<BoxError> {
-        self.poisoned_by
-            .get()
-            .map(|by| Box::new(PoisonError::new(*by)) as BoxError)
+        self.poisoned_by.get().map(|by| Box::new(PoisonError::new(*by)) as BoxError)
     }
 
     /// Gives a run's execution slot back; the next queued run is granted.
-    fn release_execution(&self, lane: usize, seq: u64) {
-        lock(&self.lanes[lane].core).release_execution(seq, |_, signal| signal.grant());
+    fn release_execution(&self, lane: usize, slot: usize) {
+        lock(&self.lanes[lane].core).release_execution(slot, grant);
     }
 
     /// Gives a run's ownership back (the run is over).
@@ -479,33 +490,8 @@ impl SetShared {
         LaneSetSnapshot {
             state: self.set_state(),
             owned: self.owned.load(Ordering::Acquire),
-            lanes: (0..self.lanes.len())
-                .map(|index| self.lane_snapshot(index))
-                .collect(),
+            lanes: (0..self.lanes.len()).map(|index| self.lane_snapshot(index)).collect(),
         }
-    }
-
-    /// Records an audit event, bounded by `audit_timeout`. `Ok` without a hook.
-    async fn audit(&self, ticket: &TicketInfo, kind: AuditKind) -> Result<(), BoxError> {
-        let Some(audit) = &self.audit else {
-            return Ok(());
-        };
-        let event = AuditEvent {
-            run_id: ticket.run_id,
-            lane: self.lanes[ticket.lane].name.clone(),
-            participation: ticket.participation,
-            kind,
-        };
-        let stage = match kind {
-            AuditKind::Started => Stage::Start,
-            _ => Stage::Terminal,
-        };
-        bounded(
-            stage,
-            self.audit_timeout,
-            call_contained(|| audit.record(event)),
-        )
-        .await
     }
 }
 
@@ -527,11 +513,20 @@ where
     E: Into<BoxError>,
 {
     let fut = started.map_err(|Panicked| Box::new(PanicError::new(stage)) as BoxError)?;
-    match timeout(limit, CatchUnwind::new(fut)).await {
-        Ok(Ok(Ok(value))) => Ok(value),
-        Ok(Ok(Err(err))) => Err(err.into()),
-        Ok(Err(Panicked)) => Err(Box::new(PanicError::new(stage))),
-        Err(_elapsed) => Err(Box::new(TimeoutError::new(stage, limit))),
+    let mut fut = pin!(CatchUnwind::new(fut));
+    // Most callbacks finish on their first poll: the timer (and its clock read) is only armed,
+    // and boxed to keep the run's future small, for those that do not.
+    let ended = match poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
+        Poll::Ready(ended) => ended,
+        Poll::Pending => match Box::pin(timeout(limit, fut)).await {
+            Ok(ended) => ended,
+            Err(_elapsed) => return Err(Box::new(TimeoutError::new(stage, limit))),
+        },
+    };
+    match ended {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(err)) => Err(err.into()),
+        Err(Panicked) => Err(Box::new(PanicError::new(stage))),
     }
 }
 
@@ -539,177 +534,169 @@ where
 #[derive(Clone, Copy)]
 struct TicketInfo {
     lane: usize,
-    seq: u64,
     run_id: RunId,
     participation: Participation,
+}
+
+/// Tells a queued run it holds execution slot `slot` (called under the lane lock).
+fn grant(_seq: u64, slot: usize, signal: &Arc<RunSignal>) {
+    signal.grant(slot);
 }
 
 /// Where and why a run failed before its finalizer, and the cause.
 type Failed = (Stage, Reason, Option<BoxError>);
 
+impl Ticket {
+    fn lane_name(&self) -> Arc<str> {
+        self.shared.lanes[self.info.lane].name.clone()
+    }
+
+    fn failure(&self, stage: Stage, reason: Reason, cause: Option<BoxError>) -> RunFailure {
+        let TicketInfo { run_id, participation, .. } = self.info;
+        RunFailure::new(run_id, self.lane_name(), participation, stage, reason, cause)
+    }
+
+    /// Records an audit event, bounded by `audit_timeout`. `Ok` without a hook; boxed with one,
+    /// to keep the run's state machine small for the common case.
+    async fn audit(&self, kind: AuditKind) -> Result<(), BoxError> {
+        match &self.shared.audit {
+            None => Ok(()),
+            Some(audit) => Box::pin(self.record(audit, kind)).await,
+        }
+    }
+
+    async fn record(&self, audit: &Arc<dyn Audit>, kind: AuditKind) -> Result<(), BoxError> {
+        let event = AuditEvent {
+            run_id: self.info.run_id,
+            lane: self.lane_name(),
+            participation: self.info.participation,
+            kind,
+        };
+        let stage = match kind {
+            AuditKind::Started => Stage::Start,
+            _ => Stage::Terminal,
+        };
+        let limit = self.shared.audit_timeout;
+        bounded(stage, limit, call_contained(|| audit.record(event))).await
+    }
+}
+
 /// Drives one run from admission to the end of its cleanup (invariant 1).
-async fn drive<J, F>(shared: Arc<SetShared>, ticket: Ticket<J, F>) -> Result<F::Output, RunFailure>
+///
+/// An `async` block rather than an `async fn`: an async fn copies its arguments into locals, so
+/// its state machine would hold them twice.
+#[allow(clippy::manual_async_fn, reason = "an async fn would hold its arguments twice")]
+fn drive<J, F>(
+    t: Ticket,
+    callbacks: Callbacks<J, F>,
+) -> impl Future<Output = Result<F::Output, RunFailure>> + Send
 where
     J: Job,
     F: Finalize<J::Output>,
 {
-    let Ticket {
-        lane,
-        seq,
-        run_id,
-        participation,
-        queued_since,
-        signal,
-        run,
-    } = ticket;
-    let info = TicketInfo {
-        lane,
-        seq,
-        run_id,
-        participation,
-    };
-    let Run {
-        job,
-        finalizer,
-        cleanup,
-        queue_timeout,
-        execution_timeout,
-    } = run;
-    let lane_name = shared.lanes[lane].name.clone();
-    let failure = |stage, reason, cause| {
-        RunFailure::new(
-            run_id,
-            lane_name.clone(),
-            participation,
-            stage,
-            reason,
-            cause,
-        )
-    };
+    async move {
+        let (job, finalizer, cleanup) = (callbacks.job, callbacks.finalizer, callbacks.cleanup);
+        // Queue, start audit and execution; the execution slot goes back before anything else.
+        let executed = match t.start {
+            Start::Executing { slot } => Ok(slot),
+            Start::Queued { seq, deadline } => await_grant(&t, seq, deadline).await,
+        };
+        let executed = match executed {
+            Err(failed) => Err(failed),
+            Ok(slot) => {
+                let executed = match t.audit(AuditKind::Started).await {
+                    Err(err) => Err((Stage::Start, Reason::Audit, Some(err))),
+                    Ok(()) => execute(&t, job).await,
+                };
+                t.shared.release_execution(t.info.lane, slot);
+                executed
+            }
+        };
 
-    // Queue, start audit and execution; the execution slot goes back before anything else.
-    let executed = match queued_since {
-        None => Ok(()),
-        Some(since) => await_grant(&shared, info, &signal, since, queue_timeout).await,
-    };
-    let executed = match executed {
-        Err(failed) => Err(failed),
-        Ok(()) => {
-            let executed = match shared.audit(&info, AuditKind::Started).await {
-                Err(err) => Err((Stage::Start, Reason::Audit, Some(err))),
-                Ok(()) => {
-                    let queue_wait = queued_since.map_or(Duration::ZERO, |since| since.elapsed());
-                    let cx = RunContext {
-                        run_id,
-                        lane: lane_name.clone(),
-                        participation,
-                        queue_wait,
-                        signal: signal.clone(),
-                    };
-                    execute(&shared, info, &signal, job, cx, execution_timeout).await
-                }
-            };
-            shared.release_execution(lane, seq);
-            executed
-        }
-    };
-
-    // Terminal audit, before the finalizer. A run whose start audit failed gets none.
-    let outcome = match executed {
-        Ok(value) => match shared.audit(&info, AuditKind::Completed).await {
-            Ok(()) => Ok(value),
-            Err(err) => Err(failure(Stage::Terminal, Reason::Audit, Some(err))),
-        },
-        Err((stage, reason, cause)) => {
-            let fail = failure(stage, reason, cause);
-            if stage != Stage::Start {
-                let kind = AuditKind::Failed { stage, reason };
-                if let Err(err) = shared.audit(&info, kind).await {
+        // Terminal audit, before the finalizer. A run whose start audit failed gets none.
+        let outcome = match executed {
+            Ok(value) => match t.audit(AuditKind::Completed).await {
+                Ok(()) => Ok(value),
+                Err(err) => Err(t.failure(Stage::Terminal, Reason::Audit, Some(err))),
+            },
+            Err((stage, reason, cause)) => {
+                let fail = t.failure(stage, reason, cause);
+                if stage != Stage::Start
+                    && let Err(err) = t.audit(AuditKind::Failed { stage, reason }).await
+                {
                     fail.attach(Stage::Terminal, err);
                 }
+                Err(fail)
             }
-            Err(fail)
-        }
-    };
+        };
 
-    // Finalizer: exactly once, independent of the caller, bounded.
-    let primary_failure = outcome.as_ref().err().cloned();
-    let finalized = bounded(
-        Stage::Finalization,
-        shared.finalization_timeout,
-        call_contained(|| finalizer.finalize(outcome)),
-    )
-    .await;
-    let mut result = match (primary_failure, finalized) {
-        (None, Ok(value)) => Ok(value),
-        (None, Err(err)) => Err(failure(Stage::Finalization, Reason::Finalizer, Some(err))),
-        (Some(fail), Ok(_)) => Err(fail),
-        (Some(fail), Err(err)) => {
-            // A finalizer that passes the failure on has not failed itself.
-            let same = err
-                .downcast_ref::<RunFailure>()
-                .is_some_and(|e| RunFailure::ptr_eq(e, &fail));
-            if !same {
-                fail.attach(Stage::Finalization, err);
+        // Finalizer: exactly once, independent of the caller, bounded.
+        let primary = outcome.as_ref().err().cloned();
+        let limit = t.shared.finalization_timeout;
+        let finalized =
+            bounded(Stage::Finalization, limit, call_contained(|| finalizer.finalize(outcome)))
+                .await;
+        let mut result = match (primary, finalized) {
+            (None, Ok(value)) => Ok(value),
+            (None, Err(err)) => Err(t.failure(Stage::Finalization, Reason::Finalizer, Some(err))),
+            (Some(fail), Ok(_)) => Err(fail),
+            (Some(fail), Err(err)) => {
+                // A finalizer that passes the failure on has not failed itself.
+                let same =
+                    err.downcast_ref::<RunFailure>().is_some_and(|e| RunFailure::ptr_eq(e, &fail));
+                if !same {
+                    fail.attach(Stage::Finalization, err);
+                }
+                Err(fail)
             }
-            Err(fail)
-        }
-    };
+        };
 
-    // Cleanup, then ownership goes back.
-    let cleaned = match cleanup {
-        Some(cleanup) => {
-            bounded(
-                Stage::Cleanup,
-                shared.audit_timeout,
-                call_contained(cleanup),
-            )
-            .await
+        // Cleanup, then ownership goes back.
+        if let Some(cleanup) = cleanup {
+            let limit = t.shared.audit_timeout;
+            if let Err(err) = bounded(Stage::Cleanup, limit, call_contained(cleanup)).await {
+                match &result {
+                    Err(fail) => fail.attach(Stage::Cleanup, err),
+                    Ok(_) => result = Err(t.failure(Stage::Cleanup, Reason::Cleanup, Some(err))),
+                }
+            }
         }
-        None => Ok(()),
-    };
-    if let Err(err) = cleaned {
-        match &result {
-            Err(fail) => fail.attach(Stage::Cleanup, err),
-            Ok(_) => result = Err(failure(Stage::Cleanup, Reason::Cleanup, Some(err))),
-        }
+        t.shared.complete(t.info.lane, result.as_ref().err().map(RunFailure::reason));
+        result
     }
-    shared.complete(lane, result.as_ref().err().map(RunFailure::reason));
-    result
 }
 
-/// Waits in the queue until granted, or fails with the stage/reason of the queue failure.
-async fn await_grant(
-    shared: &SetShared,
-    info: TicketInfo,
-    signal: &RunSignal,
-    since: Instant,
-    queue_timeout: Option<Duration>,
-) -> Result<(), Failed> {
+/// Waits in the queue until granted (answering the execution slot), or fails with the stage and
+/// reason of the queue failure.
+async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<usize, Failed> {
     enum Woke {
         Decided(Grant),
         Cancelled(Reason),
     }
-    let deadline = queue_timeout.map(|limit| since + limit);
-    let woke = tokio::select! {
-        biased;
-        woke = signal.wait_for(|s| match s.grant_state() {
+    let signal = &t.signal;
+    let mut deadline = Deadline::new(deadline);
+    let woke = poll_fn(|cx| {
+        let decided = signal.poll_driver(cx, |s| match s.grant_state() {
             Grant::Waiting => s.cancel_reason().map(Woke::Cancelled),
             decided => Some(Woke::Decided(decided)),
-        }) => woke,
-        () = sleep_or_pending(deadline) => Woke::Cancelled(Reason::Timeout),
-    };
+        });
+        if decided.is_ready() {
+            return decided;
+        }
+        deadline.poll_elapsed(cx).map(|()| Woke::Cancelled(Reason::Timeout))
+    })
+    .await;
     let shut_failure = |why: Shut| match why {
         Shut::Closed => Err((Stage::Queue, Reason::Closed, None)),
-        Shut::Poisoned => Err((Stage::Queue, Reason::Poisoned, shared.poison_error())),
+        Shut::Poisoned => Err((Stage::Queue, Reason::Poisoned, t.shared.poison_error())),
     };
     let reason = match woke {
-        Woke::Decided(Grant::Granted) => return Ok(()),
+        Woke::Decided(Grant::Granted(slot)) => return Ok(slot),
         Woke::Decided(Grant::Shut(why)) => return shut_failure(why),
-        Woke::Decided(Grant::Waiting) => unreachable!("wait_for only returns decisions"),
+        Woke::Decided(Grant::Waiting) => unreachable!("only decisions wake the queue wait"),
         Woke::Cancelled(reason) => reason,
     };
-    let cause = match (reason, queue_timeout) {
+    let cause = match (reason, t.queue_timeout) {
         (Reason::Timeout, Some(limit)) => {
             Some(Box::new(TimeoutError::new(Stage::Queue, limit)) as BoxError)
         }
@@ -717,77 +704,89 @@ async fn await_grant(
     };
     // Leave the queue, unless the lane decided first: the grant latch is only set under the
     // lane lock, so it is final while we hold it.
-    let mut core = lock(&shared.lanes[info.lane].core);
-    if core.withdraw(info.seq) {
+    let mut core = lock(&t.shared.lanes[t.info.lane].core);
+    if core.withdraw(seq) {
         return Err((Stage::Queue, reason, cause));
     }
     match signal.grant_state() {
         Grant::Shut(why) => shut_failure(why),
         // Granted at the same time: give the slot back, the job never started.
-        _ => {
-            core.release_execution(info.seq, |_, next| next.grant());
+        Grant::Granted(slot) => {
+            core.release_execution(slot, grant);
             Err((Stage::Queue, reason, cause))
         }
+        Grant::Waiting => unreachable!("a run out of the queue was granted or shut"),
     }
 }
 
 /// Runs the job until it ends, or until it is cancelled and then ends within the drain timeout.
 /// A job that outlives the drain timeout poisons the set and is dropped.
-async fn execute<J: Job>(
-    shared: &SetShared,
-    info: TicketInfo,
-    signal: &RunSignal,
-    job: J,
-    cx: RunContext,
-    execution_timeout: Option<Duration>,
-) -> Result<J::Output, Failed> {
+async fn execute<J: Job>(t: &Ticket, job: J) -> Result<J::Output, Failed> {
     let panicked = || {
-        Err((
-            Stage::Execution,
-            Reason::Panic,
-            Some(Box::new(PanicError::new(Stage::Execution)) as BoxError),
-        ))
+        let cause = Box::new(PanicError::new(Stage::Execution)) as BoxError;
+        Err((Stage::Execution, Reason::Panic, Some(cause)))
+    };
+    let cx = RunContext {
+        run_id: t.info.run_id,
+        lane: t.lane_name(),
+        participation: t.info.participation,
+        signal: t.signal.clone(),
     };
     let Ok(fut) = call_contained(|| job.start(cx)) else {
         return panicked();
     };
     let mut fut = pin!(CatchUnwind::new(fut));
-    let deadline = execution_timeout.map(|limit| Instant::now() + limit);
-    let (reason, ended) = tokio::select! {
-        biased;
-        ended = &mut fut => match signal.cancel_reason() {
-            None => return match ended {
-                Ok(Ok(value)) => Ok(value),
-                Ok(Err(err)) => Err((Stage::Execution, Reason::Job, Some(err.into()))),
-                Err(Panicked) => panicked(),
-            },
+    let signal = &t.signal;
+    let mut deadline = Deadline::new(t.execution_timeout.map(|limit| Instant::now() + limit));
+    enum Woke<T> {
+        Ended(T),
+        Cancelled(Reason),
+    }
+    let woke = poll_fn(|cx| {
+        if let Poll::Ready(ended) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Woke::Ended(ended));
+        }
+        if let Poll::Ready(reason) = signal.poll_driver(cx, RunSignal::cancel_reason) {
+            return Poll::Ready(Woke::Cancelled(reason));
+        }
+        deadline.poll_elapsed(cx).map(|()| {
+            signal.cancel(Reason::Timeout);
+            Woke::Cancelled(signal.cancel_reason().unwrap_or(Reason::Timeout))
+        })
+    })
+    .await;
+    let (reason, ended) = match woke {
+        Woke::Ended(ended) => match signal.cancel_reason() {
+            None => {
+                return match ended {
+                    Ok(Ok(value)) => Ok(value),
+                    Ok(Err(err)) => Err((Stage::Execution, Reason::Job, Some(err.into()))),
+                    Err(Panicked) => panicked(),
+                };
+            }
             // A job that ends because it was cancelled, even successfully, did not succeed.
             Some(reason) => (reason, Some(ended)),
         },
-        reason = signal.cancelled() => (reason, None),
-        () = sleep_or_pending(deadline) => {
-            signal.cancel(Reason::Timeout);
-            (signal.cancel_reason().unwrap_or(Reason::Timeout), None)
-        }
+        Woke::Cancelled(reason) => (reason, None),
     };
     // Cancelled: the job gets `worker_drain_timeout` to notice. Whatever it returns now, the run
     // failed with the cancellation's reason.
     let ended = match ended {
         Some(ended) => ended,
-        None => match timeout(shared.worker_drain_timeout, &mut fut).await {
+        None => match Box::pin(timeout(t.shared.worker_drain_timeout, &mut fut)).await {
             Ok(ended) => ended,
             Err(_elapsed) => {
-                shared.poison(info.run_id);
-                let cause = Box::new(PoisonError::new(info.run_id));
+                t.shared.poison(t.info.run_id);
+                let cause = Box::new(PoisonError::new(t.info.run_id));
                 return Err((Stage::Execution, Reason::Poisoned, Some(cause)));
             }
         },
     };
-    let cause = match (reason, execution_timeout) {
+    let cause = match (reason, t.execution_timeout) {
         (Reason::Timeout, Some(limit)) => {
             Some(Box::new(TimeoutError::new(Stage::Execution, limit)) as BoxError)
         }
-        (Reason::Poisoned, _) => shared.poison_error(),
+        (Reason::Poisoned, _) => t.shared.poison_error(),
         _ => match ended {
             Ok(Err(err)) => Some(err.into()),
             Err(Panicked) => Some(Box::new(PanicError::new(Stage::Execution)) as BoxError),
@@ -797,9 +796,20 @@ async fn execute<J: Job>(
     Err((Stage::Execution, reason, cause))
 }
 
-async fn sleep_or_pending(deadline: Option<Instant>) {
-    match deadline {
-        Some(deadline) => sleep_until(deadline).await,
-        None => pending().await,
+/// An optional deadline. Its timer is allocated only if there is one, so that runs without
+/// timeouts keep a small future.
+struct Deadline(Option<Pin<Box<Sleep>>>);
+
+impl Deadline {
+    fn new(at: Option<Instant>) -> Self {
+        Self(at.map(|at| Box::pin(sleep_until(at))))
+    }
+
+    /// `Ready` once the deadline has passed; never without one.
+    fn poll_elapsed(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        match &mut self.0 {
+            Some(sleep) => sleep.as_mut().poll(cx),
+            None => Poll::Pending,
+        }
     }
 }

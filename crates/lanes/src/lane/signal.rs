@@ -6,13 +6,19 @@
 //! - the *cancel* latch moves once from none to a reason (set by the caller's handle, the
 //!   execution timeout, close or poison); the first reason wins.
 //!
-//! Waiters register with the `Notify` *before* reading the latches, so a change between the
-//! read and the wait cannot be missed.
+//! The run's driver task waits through a single waker slot, polled in place (no future to
+//! store); anyone else (a job awaiting [`RunContext::cancelled`](super::RunContext::cancelled),
+//! possibly from other tasks) waits on the `Notify`. Both register *before* re-reading the
+//! latches, so a change between the read and the wait cannot be missed.
 
 use std::pin::pin;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::task::{Context, Poll, Waker};
 
 use tokio::sync::Notify;
+
+use crate::util::lock;
 
 use super::error::Reason;
 use super::state::Shut;
@@ -26,14 +32,20 @@ const POISONED: u8 = 3;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Grant {
     Waiting,
-    Granted,
+    /// Granted execution slot `slot`.
+    Granted(usize),
     Shut(Shut),
 }
 
 #[derive(Debug)]
 pub(crate) struct RunSignal {
     grant: AtomicU8,
+    /// The execution slot, valid once `grant` is `GRANTED`.
+    slot: AtomicUsize,
     cancel: AtomicU8,
+    /// The driver task's waker.
+    driver: Mutex<Option<Waker>>,
+    /// Other waiters: only ever wait for cancellation.
     notify: Notify,
 }
 
@@ -41,12 +53,16 @@ impl RunSignal {
     pub(crate) fn new() -> Self {
         Self {
             grant: AtomicU8::new(WAITING),
+            slot: AtomicUsize::new(0),
             cancel: AtomicU8::new(0),
+            driver: Mutex::new(None),
             notify: Notify::new(),
         }
     }
 
-    pub(crate) fn grant(&self) {
+    pub(crate) fn grant(&self, slot: usize) {
+        // Published by the release of the latch below.
+        self.slot.store(slot, Ordering::Relaxed);
         self.set_grant(GRANTED);
     }
 
@@ -58,19 +74,22 @@ impl RunSignal {
     }
 
     fn set_grant(&self, value: u8) {
-        if self
-            .grant
-            .compare_exchange(WAITING, value, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
+        if self.grant.compare_exchange(WAITING, value, Ordering::AcqRel, Ordering::Acquire).is_ok()
         {
-            self.notify.notify_waiters();
+            self.wake_driver();
+        }
+    }
+
+    fn wake_driver(&self) {
+        if let Some(waker) = lock(&self.driver).take() {
+            waker.wake();
         }
     }
 
     pub(crate) fn grant_state(&self) -> Grant {
         match self.grant.load(Ordering::Acquire) {
             WAITING => Grant::Waiting,
-            GRANTED => Grant::Granted,
+            GRANTED => Grant::Granted(self.slot.load(Ordering::Relaxed)),
             CLOSED => Grant::Shut(Shut::Closed),
             _ => Grant::Shut(Shut::Poisoned),
         }
@@ -79,11 +98,10 @@ impl RunSignal {
     /// Requests cancellation; the first reason wins. Returns whether this call set it.
     pub(crate) fn cancel(&self, reason: Reason) -> bool {
         let code = encode(reason);
-        let first = self
-            .cancel
-            .compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok();
+        let first =
+            self.cancel.compare_exchange(0, code, Ordering::AcqRel, Ordering::Acquire).is_ok();
         if first {
+            self.wake_driver();
             self.notify.notify_waiters();
         }
         first
@@ -93,20 +111,37 @@ impl RunSignal {
         decode(self.cancel.load(Ordering::Acquire))
     }
 
-    /// Waits until `ready` returns `Some`, re-checking on every notification.
-    pub(crate) async fn wait_for<T>(&self, mut ready: impl FnMut(&Self) -> Option<T>) -> T {
+    /// For the driver task: `Ready` once `ready` returns `Some`, else registers the task to be
+    /// woken on the next change of either latch.
+    pub(crate) fn poll_driver<T>(
+        &self,
+        cx: &mut Context<'_>,
+        ready: impl Fn(&Self) -> Option<T>,
+    ) -> Poll<T> {
+        if let Some(value) = ready(self) {
+            return Poll::Ready(value);
+        }
+        {
+            let mut slot = lock(&self.driver);
+            match &*slot {
+                Some(waker) if waker.will_wake(cx.waker()) => {}
+                _ => *slot = Some(cx.waker().clone()),
+            }
+        }
+        // Re-read: a latch set before the registration did not see this waker.
+        ready(self).map_or(Poll::Pending, Poll::Ready)
+    }
+
+    /// For anyone but the driver: resolves on cancellation.
+    pub(crate) async fn cancelled(&self) -> Reason {
         loop {
             let mut notified = pin!(self.notify.notified());
             notified.as_mut().enable();
-            if let Some(value) = ready(self) {
-                return value;
+            if let Some(reason) = self.cancel_reason() {
+                return reason;
             }
             notified.await;
         }
-    }
-
-    pub(crate) async fn cancelled(&self) -> Reason {
-        self.wait_for(Self::cancel_reason).await
     }
 }
 

@@ -17,7 +17,7 @@
 //!    (empty queue) or waits behind everyone admitted before it.
 //! 5. Once closed (or poisoned) the lane admits and grants nothing; closing detaches the queue.
 
-use std::collections::BTreeMap;
+use std::collections::VecDeque;
 
 use super::config::LaneLimits;
 use super::error::{AdmissionErrorKind, Reason};
@@ -33,10 +33,101 @@ pub(crate) enum Shut {
 /// Where an admitted run starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Admitted {
-    /// The run holds an execution slot already.
-    Executing(u64),
+    /// The run holds execution slot `slot` already.
+    Executing { seq: u64, slot: usize },
     /// The run waits in the queue.
-    Queued(u64),
+    Queued { seq: u64 },
+}
+
+/// The waiting runs in admission order. Withdrawn runs leave a tombstone (found by binary
+/// search, since sequences only grow) that the head skips; tombstones are compacted away once
+/// they outnumber the live entries, so memory stays within twice the queue bound.
+#[derive(Debug)]
+struct Fifo<W> {
+    entries: VecDeque<(u64, Option<W>)>,
+    live: usize,
+}
+
+impl<W> Fifo<W> {
+    fn new() -> Self {
+        Self { entries: VecDeque::new(), live: 0 }
+    }
+
+    fn push(&mut self, seq: u64, payload: W) {
+        debug_assert!(self.entries.back().is_none_or(|(last, _)| *last < seq));
+        self.entries.push_back((seq, Some(payload)));
+        self.live += 1;
+    }
+
+    fn pop(&mut self) -> Option<(u64, W)> {
+        while let Some((seq, payload)) = self.entries.pop_front() {
+            if let Some(payload) = payload {
+                self.live -= 1;
+                return Some((seq, payload));
+            }
+        }
+        None
+    }
+
+    fn remove(&mut self, seq: u64) -> Option<W> {
+        let index = self.entries.binary_search_by_key(&seq, |(s, _)| *s).ok()?;
+        let payload = self.entries[index].1.take()?;
+        self.live -= 1;
+        let tombstones = self.entries.len() - self.live;
+        if tombstones > self.live + 16 {
+            self.entries.retain(|(_, payload)| payload.is_some());
+        }
+        Some(payload)
+    }
+
+    fn drain(&mut self) -> impl Iterator<Item = W> + '_ {
+        self.live = 0;
+        self.entries.drain(..).filter_map(|(_, payload)| payload)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    fn len(&self) -> usize {
+        self.live
+    }
+}
+
+/// Executing runs by slot, reused through a free list: O(1) insert and remove.
+#[derive(Debug)]
+struct Slots<W> {
+    slots: Vec<Option<W>>,
+    free: Vec<usize>,
+}
+
+impl<W> Slots<W> {
+    fn new() -> Self {
+        Self { slots: Vec::new(), free: Vec::new() }
+    }
+
+    fn insert(&mut self, payload: W) -> usize {
+        match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot] = Some(payload);
+                slot
+            }
+            None => {
+                self.slots.push(Some(payload));
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    fn remove(&mut self, slot: usize) -> Option<W> {
+        let payload = self.slots.get_mut(slot)?.take()?;
+        self.free.push(slot);
+        Some(payload)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &W> {
+        self.slots.iter().flatten()
+    }
 }
 
 #[derive(Debug)]
@@ -46,10 +137,10 @@ pub(crate) struct LaneCore<W> {
     next_seq: u64,
     owned: usize,
     executing: usize,
-    /// Waiting runs by admission sequence: the first entry is the head.
-    queue: BTreeMap<u64, W>,
+    /// Waiting runs in admission order.
+    queue: Fifo<W>,
     /// Executing runs, so that close and poison can cancel them.
-    running: BTreeMap<u64, W>,
+    running: Slots<W>,
     counters: LaneCounters,
 }
 
@@ -61,8 +152,8 @@ impl<W: Clone> LaneCore<W> {
             next_seq: 0,
             owned: 0,
             executing: 0,
-            queue: BTreeMap::new(),
-            running: BTreeMap::new(),
+            queue: Fifo::new(),
+            running: Slots::new(),
             counters: LaneCounters::default(),
         }
     }
@@ -90,39 +181,43 @@ impl<W: Clone> LaneCore<W> {
         self.counters.admitted += 1;
         self.counters.max_owned = self.counters.max_owned.max(self.owned);
         if self.queue.is_empty() && self.executing < self.limits.concurrent {
-            self.start(seq, payload.clone());
-            Ok((Admitted::Executing(seq), payload))
+            let slot = self.start(payload.clone());
+            Ok((Admitted::Executing { seq, slot }, payload))
         } else {
-            self.queue.insert(seq, payload.clone());
-            Ok((Admitted::Queued(seq), payload))
+            self.queue.push(seq, payload.clone());
+            Ok((Admitted::Queued { seq }, payload))
         }
     }
 
-    fn start(&mut self, seq: u64, payload: W) {
+    fn start(&mut self, payload: W) -> usize {
         self.executing += 1;
         self.counters.max_executing = self.counters.max_executing.max(self.executing);
-        self.running.insert(seq, payload);
+        self.running.insert(payload)
     }
 
-    /// Grants execution slots to the queue head while slots are free; `on_grant` is called for
-    /// each granted run, in admission order.
-    fn grant(&mut self, mut on_grant: impl FnMut(u64, &W)) {
+    /// Grants execution slots to the queue head while slots are free; `on_grant(seq, slot,
+    /// payload)` is called for each granted run, in admission order.
+    fn grant(&mut self, mut on_grant: impl FnMut(u64, usize, &W)) {
         if self.shut.is_some() {
             return;
         }
         while self.executing < self.limits.concurrent {
-            let Some((seq, payload)) = self.queue.pop_first() else {
+            let Some((seq, payload)) = self.queue.pop() else {
                 break;
             };
-            on_grant(seq, &payload);
-            self.start(seq, payload);
+            let slot = self.start(payload.clone());
+            on_grant(seq, slot, &payload);
         }
     }
 
-    /// An executing run is done executing: its slot goes to the queue head. Returns false if
-    /// `seq` was not executing.
-    pub(crate) fn release_execution(&mut self, seq: u64, on_grant: impl FnMut(u64, &W)) -> bool {
-        if self.running.remove(&seq).is_none() {
+    /// The run in execution slot `slot` is done executing: the slot goes to the queue head.
+    /// Returns false if the slot was not in use.
+    pub(crate) fn release_execution(
+        &mut self,
+        slot: usize,
+        on_grant: impl FnMut(u64, usize, &W),
+    ) -> bool {
+        if self.running.remove(slot).is_none() {
             return false;
         }
         self.executing -= 1;
@@ -134,7 +229,7 @@ impl<W: Clone> LaneCore<W> {
     /// false if it is no longer queued (granted or detached meanwhile). Removing a waiter frees
     /// no execution slot, so nothing is granted.
     pub(crate) fn withdraw(&mut self, seq: u64) -> bool {
-        self.queue.remove(&seq).is_some()
+        self.queue.remove(seq).is_some()
     }
 
     /// The run's finalizer and cleanup are done: its ownership is given back. `failure` is
@@ -160,10 +255,8 @@ impl<W: Clone> LaneCore<W> {
         if self.shut != Some(Shut::Poisoned) {
             self.shut = Some(why);
         }
-        for (_, payload) in std::mem::take(&mut self.queue) {
-            on_queued(payload);
-        }
-        self.running.values().for_each(on_running);
+        self.queue.drain().for_each(&mut on_queued);
+        self.running.iter().for_each(on_running);
     }
 
     pub(crate) fn shut_state(&self) -> Option<Shut> {
@@ -227,17 +320,18 @@ mod tests {
     #[test]
     fn grants_in_admission_order() {
         let mut lane = core(1, 2);
-        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Executing(1));
-        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued(2));
-        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued(3));
+        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Executing { seq: 1, slot: 0 });
+        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued { seq: 2 });
+        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued { seq: 3 });
         assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Full));
         let mut granted = Vec::new();
-        assert!(lane.release_execution(1, |s, _| granted.push(s)));
-        assert_eq!(granted, [2]);
+        assert!(lane.release_execution(0, |s, slot, _| granted.push((s, slot))));
+        assert!(!lane.release_execution(1, |_, _, _| {}), "slot 1 was never used");
+        assert_eq!(granted, [(2, 0)]);
         // Run 1 still owns its slot while it finalizes: the lane is still full.
         assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Full));
         lane.complete(None);
-        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued(4));
+        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued { seq: 4 });
     }
 
     #[test]
@@ -292,6 +386,7 @@ mod tests {
             let mut lane = core(concurrent, queued);
             let mut model_queue: Vec<u64> = Vec::new();
             let mut model_running: Vec<u64> = Vec::new();
+            let mut slot_of = std::collections::BTreeMap::new();
             let mut finalizing: Vec<u64> = Vec::new();
             let mut closed = false;
             let mut next = 0u64;
@@ -308,11 +403,16 @@ mod tests {
                         } else {
                             next += 1;
                             if model_queue.is_empty() && model_running.len() < concurrent {
-                                prop_assert_eq!(answer, Ok((Admitted::Executing(next), next)));
+                                let Ok((Admitted::Executing { seq, slot }, payload)) = answer else {
+                                    return Err(TestCaseError::fail(format!("{answer:?}")));
+                                };
+                                prop_assert_eq!((seq, payload), (next, next));
+                                prop_assert!(!slot_of.values().any(|s| *s == slot), "slot reused");
+                                slot_of.insert(next, slot);
                                 model_running.push(next);
                                 grant_order.push(next);
                             } else {
-                                prop_assert_eq!(answer, Ok((Admitted::Queued(next), next)));
+                                prop_assert_eq!(answer, Ok((Admitted::Queued { seq: next }, next)));
                                 model_queue.push(next);
                             }
                         }
@@ -320,8 +420,14 @@ mod tests {
                     Op::Release(i) if !model_running.is_empty() => {
                         let seq = model_running.remove(i % model_running.len());
                         let mut granted = Vec::new();
-                        prop_assert!(lane.release_execution(seq, |s, _| granted.push(s)));
+                        let slot = slot_of.remove(&seq).unwrap();
+                        prop_assert!(lane.release_execution(slot, |s, slot, _| granted.push((s, slot))));
                         finalizing.push(seq);
+                        for (seq, slot) in &granted {
+                            prop_assert!(!slot_of.values().any(|s| s == slot), "slot reused");
+                            slot_of.insert(*seq, *slot);
+                        }
+                        let granted: Vec<u64> = granted.into_iter().map(|(s, _)| s).collect();
                         let mut expected = Vec::new();
                         while !closed && model_running.len() < concurrent && !model_queue.is_empty() {
                             let head = model_queue.remove(0);

@@ -1,0 +1,29 @@
+//! `lanes demo` end to end: the real binary, a smaller workload, its exit status and its table.
+
+use std::process::Command;
+
+#[test]
+fn demo_runs_and_every_admitted_run_is_finalized() {
+    let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["demo", "--runs", "1500", "--burst", "400", "--seed", "3"])
+        .output()
+        .expect("run the lanes binary");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "lanes demo failed:\n{stdout}\n{stderr}");
+    let reconciles = stdout.lines().find(|l| l.starts_with("reconciles")).expect("table row");
+    assert_eq!(reconciles.split_whitespace().collect::<Vec<_>>(), ["reconciles", "yes", "yes"]);
+    assert!(stdout.contains("admitted runs was finalized exactly once"), "{stdout}");
+    assert!(!stderr.contains("simulated job panic"), "simulated panics are kept quiet");
+}
+
+#[test]
+fn unknown_arguments_are_refused_with_usage() {
+    let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["demo", "--runs", "lots"])
+        .output()
+        .expect("run the lanes binary");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("invalid value 'lots'"), "{stderr}");
+}
