@@ -6,6 +6,7 @@
 //! | module | primitive | what it bounds |
 //! |---|---|---|
 //! | [`lane`] | [`LaneSet`], [`Lane`] | owned runs: `concurrent` execution slots + `queued` waiting slots, strict FIFO, finalizer exactly once |
+//! | [`limit`] | [`Limits`], [`LimitSpec`], [`Permit`] | permits held at once and granted per second, waiters ordered by [`Priority`] |
 //! | [`registry`] | [`Registry`], [`Snapshot`] | nothing: it reports what the others hold, as serde JSON |
 //!
 //! # Example
@@ -46,6 +47,7 @@
 #![doc(test(attr(deny(warnings))))]
 
 pub mod lane;
+pub mod limit;
 pub mod registry;
 
 mod util;
@@ -55,13 +57,17 @@ pub use lane::{
     Lane, LaneLimits, LaneSet, LaneSetBuilder, LaneSetSnapshot, LaneSnapshot, MAX_QUEUED, Outcome,
     Participation, Reason, Run, RunContext, RunFailure, RunHandle, RunId, Stage,
 };
+pub use limit::{
+    Acquire, AcquireError, Answer, LimitBackend, LimitError, LimitInfo, LimitSpec, LimitTable,
+    Limits, Permit, Priority, WaitQueue,
+};
 pub use registry::{Registry, Snapshot};
 
 /// A type-erased error, as returned by jobs, finalizers, audit hooks and cleanups.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// A boxed, sendable future, as returned by [`Audit`] hooks.
-pub type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;
+/// A boxed, sendable future, as returned by [`Audit`] hooks and [`LimitBackend`]s.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
 
 /// The README's example, compiled and run as a doctest.
 #[doc = include_str!("../../../README.md")]

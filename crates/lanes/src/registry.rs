@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex, Weak};
 use serde::{Deserialize, Serialize};
 
 use crate::lane::{ConfigError, ConfigRule, LaneSetSnapshot};
+use crate::limit::LimitInfo;
 use crate::util::lock;
 
 /// Something that reports into a [`Snapshot`].
@@ -107,6 +108,8 @@ impl fmt::Debug for Registry {
 pub struct Snapshot {
     /// Lane sets by registered name.
     pub lane_sets: BTreeMap<String, LaneSetSnapshot>,
+    /// Limits by registered name, each in limit-name order.
+    pub limits: BTreeMap<String, Vec<LimitInfo>>,
 }
 
 impl Snapshot {

@@ -71,7 +71,7 @@ pub struct AuditEvent {
 /// ```
 pub trait Audit: Send + Sync + 'static {
     /// Records one event.
-    fn record(&self, event: AuditEvent) -> BoxFuture<Result<(), BoxError>>;
+    fn record(&self, event: AuditEvent) -> BoxFuture<'static, Result<(), BoxError>>;
 }
 
 impl<F, Fut, E> Audit for F
@@ -80,7 +80,7 @@ where
     Fut: Future<Output = Result<(), E>> + Send + 'static,
     E: Into<BoxError> + 'static,
 {
-    fn record(&self, event: AuditEvent) -> BoxFuture<Result<(), BoxError>> {
+    fn record(&self, event: AuditEvent) -> BoxFuture<'static, Result<(), BoxError>> {
         let fut = self(event);
         Box::pin(async move { fut.await.map_err(Into::into) })
     }

@@ -66,6 +66,8 @@ pub enum ConfigRule {
     NoLanes,
     /// The name is already taken.
     Duplicate,
+    /// The operation is not supported by this configuration.
+    Unsupported,
 }
 
 /// An invalid configuration: names the field and the rule it broke.
@@ -119,6 +121,7 @@ impl fmt::Display for ConfigError {
             ConfigRule::Missing => f.write_str("must be set (it has no default)"),
             ConfigRule::NoLanes => f.write_str("must name at least one lane"),
             ConfigRule::Duplicate => f.write_str("is already taken"),
+            ConfigRule::Unsupported => f.write_str("is not supported here"),
         }
     }
 }

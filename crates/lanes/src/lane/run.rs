@@ -124,7 +124,7 @@ impl<T: Send + 'static> Finalize<T> for Passthrough {
     }
 }
 
-pub(crate) type Cleanup = Box<dyn FnOnce() -> BoxFuture<Result<(), BoxError>> + Send>;
+pub(crate) type Cleanup = Box<dyn FnOnce() -> BoxFuture<'static, Result<(), BoxError>> + Send>;
 
 /// A unit of work for a lane: a job plus a finalizer that receives its outcome exactly once.
 ///

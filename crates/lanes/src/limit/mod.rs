@@ -1,0 +1,59 @@
+//! Limits: named concurrency + rate limits with a fair, prioritized wait queue.
+//!
+//! A limit ([`LimitSpec`]) allows at most `concurrent` permits at once and, optionally, at most
+//! `burst + per_second × t` grants in any window of length `t`. A [`Permit`] is taken before the
+//! work runs and returned when it is dropped. Waiters are ordered by [`Priority`].
+//!
+//! The rules live in two pure state machines that take time as an argument and do no I/O:
+//! [`WaitQueue`] (who is served next) and [`LimitTable`] (a semaphore and a token bucket per
+//! limit in front of one wait queue). [`Limits`] is the async facade; it keeps the table in
+//! process or uses any [`LimitBackend`].
+//!
+//! # Ordering
+//!
+//! - The highest [`Priority::level`] is served first. Levels are strict: a busy higher level
+//!   can starve lower ones.
+//! - Within a level, fairness keys take turns by weighted round-robin: a key takes up to its
+//!   weight in grants per turn, then the next key in the rotation (a key that was idle joins
+//!   the end of it). One key's backlog cannot starve the others.
+//! - Within a key, arrival order. The default priority is plain arrival order.
+//! - No barging: only the ticket the queue serves next may be granted, even when a later
+//!   ticket arrives while the head waits for a token.
+//! - A waiter keeps the priority it first asked with.
+//!
+//! # Overflow
+//!
+//! Waiting is bounded: a limit accepts at most a configured number of waiters
+//! ([`LimitTable::DEFAULT_MAX_WAITERS`] by default); one more acquire fails at once with
+//! [`LimitError::TooManyWaiters`], and nothing is queued. `try_acquire` never queues.
+//!
+//! # Cancel safety
+//!
+//! Dropping a waiting acquire withdraws its ticket; if a permit was granted on its behalf
+//! meanwhile, the permit is returned. No permit leaks.
+//!
+//! # Wake-ups
+//!
+//! A release wakes only the waiter(s) it lets in. Only the queue head ever waits for the bucket
+//! to refill, so a limit needs one timer, not one per waiter.
+//!
+//! # Redefinition
+//!
+//! Redefining a limit takes effect for the next grants. Shrinking `concurrent` never revokes a
+//! held permit; it only delays the next grants.
+
+mod backend;
+mod handle;
+mod local;
+mod priority;
+mod queue;
+mod spec;
+mod table;
+
+pub use backend::{Answer, LimitBackend};
+pub use handle::{AcquireError, Limits, Permit};
+pub use local::LocalLimits;
+pub use priority::Priority;
+pub use queue::WaitQueue;
+pub use spec::{LimitSpec, SpecError};
+pub use table::{Acquire, Grant, LimitError, LimitInfo, LimitTable, Next, Released};

@@ -1,0 +1,562 @@
+//! The wait queue of a limit: priority levels, weighted round-robin over fairness keys, arrival
+//! order within a key. A pure, deterministic state machine.
+//!
+//! # Invariants
+//!
+//! 1. Every waiting ticket is in exactly one key queue, and `index` maps it there.
+//! 2. A key is in its level's `ring` iff its queue is non-empty; a level is in `levels` iff it
+//!    has a key. Ring positions only grow, so a key that empties and comes back joins the end of
+//!    the rotation.
+//! 4. A level with a single key has no turn: a lone key is served in arrival order, and when a
+//!    second key arrives the rotation starts with a fresh turn of the first. (So the turn never
+//!    needs saving for a default-priority queue, whose saved form is a plain list.)
+//! 3. Every collection is ordered (`BTreeMap`): identical operation sequences give identical
+//!    answers, which is what lets a replicated store apply the same queue.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::priority::Priority;
+
+type FairKey = Option<Arc<str>>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Loc {
+    level: i32,
+    seq: u64,
+}
+
+#[derive(Debug, Clone)]
+struct KeyQueue {
+    pos: u64,
+    weight: u32,
+    /// Arrival sequence → ticket.
+    tickets: BTreeMap<u64, u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Turn {
+    pos: u64,
+    used: u32,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Level {
+    keys: BTreeMap<FairKey, KeyQueue>,
+    /// Rotation order: ring position → key.
+    ring: BTreeMap<u64, FairKey>,
+    next_pos: u64,
+    turn: Option<Turn>,
+}
+
+impl Level {
+    /// The key whose head is served next.
+    fn next_key(&self) -> Option<&FairKey> {
+        if let Some(turn) = self.turn {
+            if let Some(key) = self.ring.get(&turn.pos)
+                && turn.used < self.keys[key].weight
+            {
+                return Some(key);
+            }
+            if let Some((_, key)) = self.ring.range(turn.pos + 1..).next() {
+                return Some(key);
+            }
+        }
+        self.ring.values().next()
+    }
+}
+
+/// Waiters of one limit, in the order they are served. See the [module docs](super) for the
+/// ordering rules.
+///
+/// Serializes (serde) as the plain arrival-order list of tickets when every waiter has the
+/// default priority, and as its levels otherwise.
+///
+/// # Examples
+///
+/// ```
+/// use lanes::{Priority, WaitQueue};
+///
+/// let mut queue = WaitQueue::new();
+/// queue.push(1, &Priority::default().key("a"));
+/// queue.push(2, &Priority::default().key("a"));
+/// queue.push(3, &Priority::default().key("b"));
+/// queue.push(4, &Priority::level(5));
+/// assert_eq!(queue.pop(), Some(4)); // the highest level first
+/// assert_eq!(queue.pop(), Some(1)); // then "a" and "b" take turns
+/// assert_eq!(queue.pop(), Some(3));
+/// assert_eq!(queue.pop(), Some(2));
+/// assert_eq!(queue.pop(), None);
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct WaitQueue {
+    levels: BTreeMap<i32, Level>,
+    index: BTreeMap<u64, (Loc, FairKey)>,
+    next_seq: u64,
+}
+
+impl WaitQueue {
+    /// An empty queue.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Waiters in the queue.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether nobody waits.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Whether `ticket` waits here.
+    pub fn contains(&self, ticket: u64) -> bool {
+        self.index.contains_key(&ticket)
+    }
+
+    /// Adds `ticket` at `priority`. Returns false (and changes nothing) if it already waits: a
+    /// waiter keeps the priority it first asked with. O(log n).
+    pub fn push(&mut self, ticket: u64, priority: &Priority) -> bool {
+        if self.index.contains_key(&ticket) {
+            return false;
+        }
+        self.next_seq += 1;
+        let seq = self.next_seq;
+        let key = priority.fairness_key.clone();
+        let level = self.levels.entry(priority.level).or_default();
+        let weight = priority.effective_weight();
+        match level.keys.get_mut(&key) {
+            Some(queue) => {
+                queue.weight = weight;
+                queue.tickets.insert(seq, ticket);
+            }
+            None => {
+                let pos = level.next_pos;
+                level.next_pos += 1;
+                level.ring.insert(pos, key.clone());
+                let tickets = BTreeMap::from([(seq, ticket)]);
+                level.keys.insert(key.clone(), KeyQueue { pos, weight, tickets });
+            }
+        }
+        self.index.insert(ticket, (Loc { level: priority.level, seq }, key));
+        true
+    }
+
+    /// The ticket served next, if any. O(log n).
+    pub fn peek(&self) -> Option<u64> {
+        let (_, level) = self.levels.last_key_value()?;
+        let key = level.next_key()?;
+        level.keys[key].tickets.first_key_value().map(|(_, ticket)| *ticket)
+    }
+
+    /// Serves the next ticket. O(log n).
+    pub fn pop(&mut self) -> Option<u64> {
+        let ticket = self.peek()?;
+        let (loc, key) = self.index.remove(&ticket)?;
+        let level = self.levels.get_mut(&loc.level)?;
+        let queue = &level.keys[&key];
+        let pos = queue.pos;
+        level.turn = Some(match level.turn {
+            Some(turn) if turn.pos == pos && turn.used < queue.weight => {
+                Turn { pos, used: turn.used + 1 }
+            }
+            _ => Turn { pos, used: 1 },
+        });
+        Self::unlink(&mut self.levels, loc, &key);
+        Some(ticket)
+    }
+
+    /// Takes `ticket` out of the queue wherever it is. Returns whether it was waiting. O(log n).
+    pub fn remove(&mut self, ticket: u64) -> bool {
+        let Some((loc, key)) = self.index.remove(&ticket) else {
+            return false;
+        };
+        Self::unlink(&mut self.levels, loc, &key);
+        true
+    }
+
+    /// Drops one waiter from its key queue, and the key and level if they empty (invariant 2).
+    fn unlink(levels: &mut BTreeMap<i32, Level>, loc: Loc, key: &FairKey) {
+        let Some(level) = levels.get_mut(&loc.level) else {
+            return;
+        };
+        let Some(queue) = level.keys.get_mut(key) else {
+            return;
+        };
+        queue.tickets.remove(&loc.seq);
+        if queue.tickets.is_empty() {
+            let pos = queue.pos;
+            level.keys.remove(key);
+            level.ring.remove(&pos);
+            // The turn moves on to the next key, which starts its turn.
+            if level.turn.is_some_and(|turn| turn.pos == pos) {
+                let next = level.ring.range(pos + 1..).next().map(|(next, _)| *next);
+                level.turn = next.map(|pos| Turn { pos, used: 0 });
+            }
+            if level.keys.is_empty() {
+                levels.remove(&loc.level);
+                return;
+            }
+        }
+        if level.keys.len() == 1 {
+            level.turn = None;
+        }
+    }
+
+    /// Every waiting ticket, in no particular order of service (ascending ticket).
+    pub fn tickets(&self) -> impl Iterator<Item = u64> + '_ {
+        self.index.keys().copied()
+    }
+
+    fn repr(&self) -> Repr {
+        let only_default = self.levels.len() <= 1
+            && self.levels.iter().all(|(level, l)| {
+                *level == 0
+                    && l.keys.len() == 1
+                    && l.keys.iter().all(|(key, q)| key.is_none() && q.weight == 1)
+            });
+        if only_default {
+            let tickets = self
+                .levels
+                .values()
+                .flat_map(|l| l.keys.values())
+                .flat_map(|q| q.tickets.values().copied())
+                .collect();
+            return Repr::Fifo(tickets);
+        }
+        let levels = self
+            .levels
+            .iter()
+            .rev()
+            .map(|(level, l)| LevelRepr {
+                level: *level,
+                turn: l.turn.and_then(|turn| {
+                    let key = l.ring.get(&turn.pos)?;
+                    Some(TurnRepr { key: key.clone(), used: turn.used })
+                }),
+                keys: l
+                    .ring
+                    .values()
+                    .map(|key| {
+                        let q = &l.keys[key];
+                        KeyRepr {
+                            key: key.clone(),
+                            weight: q.weight,
+                            tickets: q.tickets.values().copied().collect(),
+                        }
+                    })
+                    .collect(),
+            })
+            .collect();
+        Repr::Levels(levels)
+    }
+
+    fn from_repr(repr: Repr) -> Result<Self, String> {
+        let mut queue = WaitQueue::new();
+        let duplicate = |t: u64| format!("ticket {t} appears twice");
+        match repr {
+            Repr::Fifo(tickets) => {
+                for ticket in tickets {
+                    if !queue.push(ticket, &Priority::default()) {
+                        return Err(duplicate(ticket));
+                    }
+                }
+            }
+            Repr::Levels(levels) => {
+                for level in levels {
+                    for key in &level.keys {
+                        if key.tickets.is_empty() {
+                            return Err("a key with no tickets".to_owned());
+                        }
+                        let priority = Priority {
+                            level: level.level,
+                            fairness_key: key.key.clone(),
+                            fairness_weight: key.weight,
+                        };
+                        for ticket in &key.tickets {
+                            if !queue.push(*ticket, &priority) {
+                                return Err(duplicate(*ticket));
+                            }
+                        }
+                    }
+                    if let Some(turn) = level.turn
+                        && let Some(l) = queue.levels.get_mut(&level.level)
+                        && let Some(q) = l.keys.get(&turn.key)
+                    {
+                        l.turn = Some(Turn { pos: q.pos, used: turn.used });
+                    }
+                }
+            }
+        }
+        Ok(queue)
+    }
+}
+
+/// Two queues are equal when they serve the same tickets in the same order from now on.
+impl PartialEq for WaitQueue {
+    fn eq(&self, other: &Self) -> bool {
+        self.repr() == other.repr()
+    }
+}
+
+impl Eq for WaitQueue {}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+enum Repr {
+    /// Default priority only: the arrival order.
+    Fifo(Vec<u64>),
+    /// Highest level first; keys in rotation order.
+    Levels(Vec<LevelRepr>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct LevelRepr {
+    level: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    turn: Option<TurnRepr>,
+    keys: Vec<KeyRepr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct TurnRepr {
+    key: FairKey,
+    used: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct KeyRepr {
+    key: FairKey,
+    weight: u32,
+    tickets: Vec<u64>,
+}
+
+impl Serialize for WaitQueue {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        self.repr().serialize(serializer)
+    }
+}
+
+impl<'de> Deserialize<'de> for WaitQueue {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let repr = Repr::deserialize(deserializer)?;
+        WaitQueue::from_repr(repr).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn key(k: &str) -> Priority {
+        Priority::default().key(k)
+    }
+
+    fn drain(queue: &mut WaitQueue) -> Vec<u64> {
+        std::iter::from_fn(|| queue.pop()).collect()
+    }
+
+    #[test]
+    fn default_priority_is_arrival_order() {
+        let mut queue = WaitQueue::new();
+        for ticket in [5, 3, 9, 1] {
+            assert!(queue.push(ticket, &Priority::default()));
+        }
+        assert!(!queue.push(3, &Priority::level(9)), "a waiter keeps its first priority");
+        assert!(queue.remove(9));
+        assert!(!queue.remove(9));
+        assert_eq!(drain(&mut queue), [5, 3, 1]);
+    }
+
+    #[test]
+    fn weights_set_grants_per_turn() {
+        let mut queue = WaitQueue::new();
+        for t in 0..6 {
+            queue.push(t, &key("heavy").weight(3));
+        }
+        for t in 10..13 {
+            queue.push(t, &key("light"));
+        }
+        assert_eq!(drain(&mut queue), [0, 1, 2, 10, 3, 4, 5, 11, 12]);
+    }
+
+    #[test]
+    fn a_returning_key_joins_the_end_of_the_rotation() {
+        let mut queue = WaitQueue::new();
+        queue.push(1, &key("a"));
+        queue.push(2, &key("b"));
+        queue.push(3, &key("c"));
+        assert_eq!(queue.pop(), Some(1)); // "a" empties and leaves the ring
+        queue.push(4, &key("a"));
+        assert_eq!(drain(&mut queue), [2, 3, 4]);
+    }
+
+    #[test]
+    fn serializes_default_queues_as_a_plain_list() {
+        let mut queue = WaitQueue::new();
+        queue.push(7, &Priority::default());
+        queue.push(8, &Priority::default());
+        let json = serde_json::to_string(&queue).unwrap();
+        assert_eq!(json, "[7,8]");
+        let back: WaitQueue = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, queue);
+
+        queue.push(9, &Priority::level(2).key("t").weight(2));
+        let json = serde_json::to_string(&queue).unwrap();
+        assert_eq!(
+            json,
+            r#"[{"level":2,"keys":[{"key":"t","weight":2,"tickets":[9]}]},{"level":0,"keys":[{"key":null,"weight":1,"tickets":[7,8]}]}]"#
+        );
+        let mut back: WaitQueue = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, queue);
+        assert_eq!(drain(&mut back), drain(&mut queue));
+        assert!(serde_json::from_str::<WaitQueue>("[1,1]").is_err(), "duplicates are refused");
+    }
+
+    /// Per level of the model: keys in rotation order with their activation number, and the
+    /// turn as (activation number, grants used).
+    type ModelLevel = (Vec<(u64, Option<String>)>, Option<(u64, u32)>);
+
+    /// A reference model: a flat list of (ticket, level, key, weight, arrival), served by brute
+    /// force scans.
+    #[derive(Default, Clone)]
+    struct Model {
+        waiting: Vec<(u64, i32, Option<String>, u32, u64)>,
+        arrivals: u64,
+        ring: BTreeMap<i32, ModelLevel>,
+    }
+
+    impl Model {
+        fn push(&mut self, ticket: u64, level: i32, key: Option<String>, weight: u32) {
+            if self.waiting.iter().any(|w| w.0 == ticket) {
+                return;
+            }
+            self.arrivals += 1;
+            let (ring, _) = self.ring.entry(level).or_default();
+            if !ring.iter().any(|(_, k)| *k == key) {
+                ring.push((self.arrivals, key.clone()));
+            }
+            for w in self.waiting.iter_mut().filter(|w| w.1 == level && w.2 == key) {
+                w.3 = weight.max(1);
+            }
+            self.waiting.push((ticket, level, key, weight.max(1), self.arrivals));
+        }
+
+        fn remove(&mut self, ticket: u64) {
+            if let Some(i) = self.waiting.iter().position(|w| w.0 == ticket) {
+                let (_, level, key, _, _) = self.waiting.remove(i);
+                self.forget_if_empty(level, &key);
+            }
+        }
+
+        fn forget_if_empty(&mut self, level: i32, key: &Option<String>) {
+            if self.waiting.iter().any(|w| w.1 == level && &w.2 == key) {
+                return;
+            }
+            let (ring, turn) = self.ring.get_mut(&level).unwrap();
+            let i = ring.iter().position(|(_, k)| k == key).unwrap();
+            let (pos, _) = ring.remove(i);
+            if turn.is_some_and(|(p, _)| p == pos) {
+                *turn = ring.iter().find(|(p, _)| *p > pos).map(|(p, _)| (*p, 0));
+            }
+            if ring.len() == 1 {
+                *turn = None;
+            }
+            if ring.is_empty() {
+                self.ring.remove(&level);
+            }
+        }
+
+        fn pop(&mut self) -> Option<u64> {
+            let level = *self.ring.keys().next_back()?;
+            let (ring, turn) = self.ring.get(&level).unwrap().clone();
+            let weight = |k: &Option<String>| {
+                self.waiting.iter().find(|w| w.1 == level && &w.2 == k).map(|w| w.3).unwrap()
+            };
+            let (pos, key) = match turn {
+                Some((p, used)) => match ring.iter().find(|(q, _)| *q == p) {
+                    Some((_, k)) if used < weight(k) => (p, k.clone()),
+                    _ => ring.iter().find(|(q, _)| *q > p).unwrap_or(&ring[0]).clone(),
+                },
+                None => ring[0].clone(),
+            };
+            let (i, _) = self
+                .waiting
+                .iter()
+                .enumerate()
+                .filter(|(_, w)| w.1 == level && w.2 == key)
+                .min_by_key(|(_, w)| w.4)
+                .unwrap();
+            let key_weight = weight(&key);
+            let (ticket, ..) = self.waiting.remove(i);
+            let used = match turn {
+                Some((p, used)) if p == pos && used < key_weight => used + 1,
+                _ => 1,
+            };
+            self.ring.get_mut(&level).unwrap().1 = Some((pos, used));
+            self.forget_if_empty(level, &key);
+            let single = self.ring.get(&level).is_some_and(|(ring, _)| ring.len() == 1);
+            if single {
+                self.ring.get_mut(&level).unwrap().1 = None;
+            }
+            Some(ticket)
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Push(u64, i32, Option<u8>, u32),
+        Pop,
+        Remove(u64),
+        RoundTrip,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            5 => (0u64..60, 0i32..3, proptest::option::of(0u8..4), 0u32..4)
+                .prop_map(|(t, l, k, w)| Op::Push(t, l, k, w)),
+            4 => Just(Op::Pop),
+            1 => (0u64..60).prop_map(Op::Remove),
+            1 => Just(Op::RoundTrip),
+        ]
+    }
+
+    proptest! {
+        /// The queue serves exactly what the brute-force model serves, and survives a serde round
+        /// trip at any point without changing what it serves.
+        #[test]
+        fn matches_the_reference_model(ops in proptest::collection::vec(op(), 1..300)) {
+            let mut queue = WaitQueue::new();
+            let mut model = Model::default();
+            for op in ops {
+                match op {
+                    Op::Push(t, level, key, weight) => {
+                        let name = key.map(|k| format!("k{k}"));
+                        let mut priority = Priority::level(level).weight(weight);
+                        priority.fairness_key = name.as_deref().map(Arc::from);
+                        queue.push(t, &priority);
+                        model.push(t, level, name, weight);
+                    }
+                    Op::Pop => prop_assert_eq!(queue.pop(), model.pop()),
+                    Op::Remove(t) => {
+                        let expected = model.waiting.iter().any(|w| w.0 == t);
+                        prop_assert_eq!(queue.remove(t), expected);
+                        model.remove(t);
+                    }
+                    Op::RoundTrip => {
+                        let json = serde_json::to_string(&queue).unwrap();
+                        let back: WaitQueue = serde_json::from_str(&json).unwrap();
+                        prop_assert_eq!(&back, &queue);
+                        queue = back;
+                    }
+                }
+                prop_assert_eq!(queue.len(), model.waiting.len());
+            }
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! The specification of a limit and its validation.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// A named limit: at most `concurrent` permits held at once, and — if `per_second` is set — at
+/// most `burst + per_second × t` permits granted in any window of length `t`.
+///
+/// The rate is enforced with GCRA (the generic cell rate algorithm, a token bucket of `burst`
+/// tokens refilled at `per_second`) in integer nanoseconds, so it is exact and deterministic.
+/// A permit returned does not return its token.
+///
+/// # Examples
+///
+/// ```
+/// use lanes::LimitSpec;
+///
+/// let stripe = LimitSpec::concurrent(10).per_second(100.0).burst(20);
+/// assert!(stripe.validate().is_ok());
+/// assert!(LimitSpec::concurrent(0).validate().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LimitSpec {
+    /// Permits held at once; at least 1.
+    pub concurrent: u32,
+    /// Grants per second, finite and above zero; `None` is unlimited.
+    pub per_second: Option<f64>,
+    /// Grants that may happen at once after an idle period; at least 1.
+    pub burst: u32,
+}
+
+impl LimitSpec {
+    /// At most `concurrent` permits at once, no rate limit.
+    pub const fn concurrent(concurrent: u32) -> Self {
+        Self { concurrent, per_second: None, burst: 1 }
+    }
+
+    /// Adds a rate limit. The burst becomes `max(1, ceil(per_second))` unless set afterwards.
+    #[must_use]
+    pub fn per_second(mut self, per_second: f64) -> Self {
+        self.per_second = Some(per_second);
+        self.burst = if per_second.is_finite() && per_second >= 1.0 {
+            per_second.ceil().min(f64::from(u32::MAX)) as u32
+        } else {
+            1
+        };
+        self
+    }
+
+    /// Sets the burst.
+    #[must_use]
+    pub const fn burst(mut self, burst: u32) -> Self {
+        self.burst = burst;
+        self
+    }
+
+    /// Checks the rules of every field.
+    ///
+    /// # Errors
+    ///
+    /// A [`SpecError`] naming the field: `concurrent` of 0, a `per_second` that is not finite
+    /// and above zero, a `burst` of 0.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        if self.concurrent == 0 {
+            return Err(SpecError { field: "concurrent", rule: "must be at least 1" });
+        }
+        if let Some(rate) = self.per_second
+            && !(rate.is_finite() && rate > 0.0)
+        {
+            return Err(SpecError { field: "per_second", rule: "must be finite and above zero" });
+        }
+        if self.burst == 0 {
+            return Err(SpecError { field: "burst", rule: "must be at least 1" });
+        }
+        Ok(())
+    }
+
+    /// The time between two grants at the sustained rate, rounded up so the rate is never
+    /// exceeded; `None` without a rate limit.
+    pub(crate) fn emission_interval(&self) -> Option<Duration> {
+        let rate = self.per_second?;
+        let nanos = (1e9 / rate).ceil();
+        Some(Duration::from_nanos(if nanos >= u64::MAX as f64 { u64::MAX } else { nanos as u64 }))
+    }
+}
+
+/// A [`LimitSpec`] broke a rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecError {
+    field: &'static str,
+    rule: &'static str,
+}
+
+impl SpecError {
+    /// The offending field: `concurrent`, `per_second` or `burst`.
+    pub fn field(&self) -> &'static str {
+        self.field
+    }
+
+    /// The rule it broke.
+    pub fn rule(&self) -> &'static str {
+        self.rule
+    }
+}
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "invalid limit: {} {}", self.field, self.rule)
+    }
+}
+
+impl std::error::Error for SpecError {}

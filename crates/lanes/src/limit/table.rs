@@ -1,0 +1,519 @@
+//! The limit table: named limits, each a counting semaphore and a GCRA token bucket in front of
+//! one [`WaitQueue`]. A pure, deterministic state machine: time is an argument.
+//!
+//! # Invariants
+//!
+//! 1. Only the ticket the queue serves next may be granted (no barging), and only while
+//!    `in_use < concurrent` and the bucket has a token.
+//! 2. A held permit is never revoked by a redefinition: shrinking `concurrent` only delays the
+//!    next grants until `in_use` falls below the new bound.
+//! 3. A leased permit whose lease has expired at `now` no longer counts; it is reclaimed by the
+//!    next operation on its limit.
+//! 4. Fencing tokens grow strictly per limit, one per grant.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::priority::Priority;
+use super::queue::WaitQueue;
+use super::spec::{LimitSpec, SpecError};
+
+/// The answer to an acquire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "answer", rename_all = "snake_case")]
+pub enum Acquire {
+    /// The ticket holds a permit.
+    Granted(Grant),
+    /// The ticket waits: other tickets are served first, or every permit is held.
+    Queued,
+    /// The ticket is served next but the bucket is empty: ask again at this time.
+    RetryAt(Duration),
+}
+
+/// A granted permit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// Strictly increasing per limit: hand it to a downstream to fence out stale holders.
+    pub fencing_token: u64,
+    /// When the permit's lease ends, for leased permits.
+    pub expires_at: Option<Duration>,
+}
+
+/// What a release did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Released {
+    /// A held permit was returned.
+    Permit,
+    /// A waiting ticket left the queue.
+    Withdrawn,
+    /// The ticket was unknown (already released, expired, or never asked): nothing changed.
+    Unknown,
+}
+
+/// What the queue of a limit will do next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Next {
+    /// `ticket` can be granted now.
+    Ready(u64),
+    /// `ticket` is served next once the bucket refills at this time.
+    At(u64, Duration),
+    /// `ticket` is served next once a permit is returned.
+    Blocked(u64),
+}
+
+impl Next {
+    /// The ticket served next.
+    pub fn ticket(self) -> u64 {
+        match self {
+            Self::Ready(t) | Self::At(t, _) | Self::Blocked(t) => t,
+        }
+    }
+}
+
+/// A limit's state, as reported by `info`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct LimitInfo {
+    /// The limit's name.
+    pub name: String,
+    /// Its current spec.
+    pub spec: LimitSpec,
+    /// Permits held now.
+    pub in_use: u32,
+    /// Tickets waiting.
+    pub waiting: usize,
+    /// Permits granted since the limit was defined.
+    pub granted_total: u64,
+    /// The most permits ever held at once (never above the largest `concurrent` it had).
+    pub max_in_use: u32,
+}
+
+/// Why a limit operation failed.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum LimitError {
+    /// No limit has this name.
+    UnknownLimit(String),
+    /// The spec broke a rule.
+    InvalidSpec(SpecError),
+    /// The limit already has its maximum of waiters.
+    TooManyWaiters {
+        /// The limit.
+        limit: String,
+        /// The configured maximum.
+        max: usize,
+    },
+    /// The limit cannot be removed while permits are held or tickets wait.
+    InUse(String),
+    /// The backend could not answer (I/O, timeout, outage): see the message.
+    Backend(String),
+}
+
+impl LimitError {
+    /// No such limit.
+    pub fn is_unknown_limit(&self) -> bool {
+        matches!(self, Self::UnknownLimit(_))
+    }
+
+    /// The waiting room is full.
+    pub fn is_too_many_waiters(&self) -> bool {
+        matches!(self, Self::TooManyWaiters { .. })
+    }
+}
+
+impl fmt::Display for LimitError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::UnknownLimit(name) => write!(f, "unknown limit {name:?}"),
+            Self::InvalidSpec(err) => err.fmt(f),
+            Self::TooManyWaiters { limit, max } => {
+                write!(f, "limit {limit:?} already has {max} waiters")
+            }
+            Self::InUse(name) => write!(f, "limit {name:?} has permits held or tickets waiting"),
+            Self::Backend(message) => write!(f, "limit backend failed: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for LimitError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::InvalidSpec(err) => Some(err),
+            _ => None,
+        }
+    }
+}
+
+impl From<SpecError> for LimitError {
+    fn from(err: SpecError) -> Self {
+        Self::InvalidSpec(err)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+struct Held {
+    grant: Grant,
+}
+
+/// One limit's state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct LimitState {
+    spec: LimitSpec,
+    held: BTreeMap<u64, Held>,
+    queue: WaitQueue,
+    /// GCRA's theoretical arrival time.
+    tat: Duration,
+    granted_total: u64,
+    max_in_use: u32,
+    fencing: u64,
+    /// The earliest lease expiry among held permits, to skip needless scans.
+    next_expiry: Option<Duration>,
+}
+
+impl LimitState {
+    fn new(spec: LimitSpec) -> Self {
+        Self {
+            spec,
+            held: BTreeMap::new(),
+            queue: WaitQueue::new(),
+            tat: Duration::ZERO,
+            granted_total: 0,
+            max_in_use: 0,
+            fencing: 0,
+            next_expiry: None,
+        }
+    }
+
+    fn in_use(&self) -> u32 {
+        u32::try_from(self.held.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Reclaims permits whose lease ended at or before `now` (invariant 3).
+    fn expire(&mut self, now: Duration, reclaimed: &mut Vec<u64>) {
+        if self.next_expiry.is_none_or(|at| at > now) {
+            return;
+        }
+        self.held.retain(|ticket, held| {
+            let alive = held.grant.expires_at.is_none_or(|at| at > now);
+            if !alive {
+                reclaimed.push(*ticket);
+            }
+            alive
+        });
+        self.next_expiry = self.held.values().filter_map(|h| h.grant.expires_at).min();
+    }
+
+    /// GCRA: `Ok` if a token is available at `now`, else the time one will be.
+    fn rate_check(&self, now: Duration) -> Result<Duration, Duration> {
+        let Some(interval) = self.spec.emission_interval() else {
+            return Ok(self.tat);
+        };
+        let tolerance = interval.saturating_mul(self.spec.burst.saturating_sub(1));
+        let tat = self.tat.max(now);
+        let earliest = tat.saturating_sub(tolerance);
+        if earliest <= now { Ok(tat.saturating_add(interval)) } else { Err(earliest) }
+    }
+
+    fn next(&self, now: Duration) -> Option<Next> {
+        let ticket = self.queue.peek()?;
+        if self.in_use() >= self.spec.concurrent {
+            return Some(Next::Blocked(ticket));
+        }
+        Some(match self.rate_check(now) {
+            Ok(_) => Next::Ready(ticket),
+            Err(at) => Next::At(ticket, at),
+        })
+    }
+
+    fn grant(&mut self, ticket: u64, now: Duration, lease: Option<Duration>) -> Grant {
+        if let Ok(tat) = self.rate_check(now) {
+            self.tat = tat;
+        }
+        self.fencing += 1;
+        let expires_at = lease.map(|lease| now.saturating_add(lease));
+        let grant = Grant { fencing_token: self.fencing, expires_at };
+        self.held.insert(ticket, Held { grant });
+        if let Some(at) = expires_at {
+            self.next_expiry = Some(self.next_expiry.map_or(at, |next| next.min(at)));
+        }
+        self.granted_total += 1;
+        self.max_in_use = self.max_in_use.max(self.in_use());
+        grant
+    }
+}
+
+/// Named limits and their waiters, as a pure state machine. See the [module docs](super).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use lanes::{Acquire, LimitSpec, LimitTable, Priority};
+///
+/// let mut table = LimitTable::new();
+/// table.define("db", LimitSpec::concurrent(1))?;
+/// let now = Duration::ZERO;
+/// let first = table.acquire("db", 1, &Priority::default(), now)?;
+/// assert!(matches!(first, Acquire::Granted(_)));
+/// assert_eq!(table.acquire("db", 2, &Priority::default(), now)?, Acquire::Queued);
+/// table.release("db", 1, now)?;
+/// assert!(matches!(table.acquire("db", 2, &Priority::default(), now)?, Acquire::Granted(_)));
+/// # Ok::<(), lanes::LimitError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LimitTable {
+    limits: BTreeMap<String, LimitState>,
+    max_waiters: usize,
+}
+
+impl Default for LimitTable {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LimitTable {
+    /// The default maximum of waiters per limit.
+    pub const DEFAULT_MAX_WAITERS: usize = 100_000;
+
+    /// An empty table allowing [`DEFAULT_MAX_WAITERS`](Self::DEFAULT_MAX_WAITERS) waiters per
+    /// limit.
+    pub fn new() -> Self {
+        Self::with_max_waiters(Self::DEFAULT_MAX_WAITERS)
+    }
+
+    /// An empty table allowing `max_waiters` waiters per limit.
+    pub fn with_max_waiters(max_waiters: usize) -> Self {
+        Self { limits: BTreeMap::new(), max_waiters }
+    }
+
+    /// The maximum of waiters per limit.
+    pub fn max_waiters(&self) -> usize {
+        self.max_waiters
+    }
+
+    /// Defines `name`, or redefines it: a new spec takes effect for the next grants and never
+    /// revokes a held permit.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::InvalidSpec`] if the spec breaks a rule.
+    pub fn define(&mut self, name: &str, spec: LimitSpec) -> Result<(), LimitError> {
+        spec.validate()?;
+        match self.limits.get_mut(name) {
+            Some(state) => state.spec = spec,
+            None => {
+                self.limits.insert(name.to_owned(), LimitState::new(spec));
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes `name`.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::UnknownLimit`], or [`LimitError::InUse`] while permits are held (leases
+    /// expired at `now` do not count) or tickets wait.
+    pub fn remove(&mut self, name: &str, now: Duration) -> Result<LimitSpec, LimitError> {
+        let state = self.state(name)?;
+        state.expire(now, &mut Vec::new());
+        if !state.held.is_empty() || !state.queue.is_empty() {
+            return Err(LimitError::InUse(name.to_owned()));
+        }
+        Ok(self.limits.remove(name).map(|s| s.spec).expect("present"))
+    }
+
+    fn state(&mut self, name: &str) -> Result<&mut LimitState, LimitError> {
+        self.limits.get_mut(name).ok_or_else(|| LimitError::UnknownLimit(name.to_owned()))
+    }
+
+    /// Asks for the permit of `ticket` (no lease). See [`acquire_leased`](Self::acquire_leased).
+    ///
+    /// # Errors
+    ///
+    /// As for [`acquire_leased`](Self::acquire_leased).
+    pub fn acquire(
+        &mut self,
+        name: &str,
+        ticket: u64,
+        priority: &Priority,
+        now: Duration,
+    ) -> Result<Acquire, LimitError> {
+        self.acquire_leased(name, ticket, priority, now, None)
+    }
+
+    /// Asks for the permit of `ticket`. The first ask queues the ticket at `priority`; later asks
+    /// keep that priority. Asking again for a granted ticket answers the same `Granted`.
+    ///
+    /// The ticket is granted only if it is the one the queue serves next, a permit is free and
+    /// the bucket has a token; a granted permit is leased until `now + lease` if a lease is
+    /// given.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::UnknownLimit`], or [`LimitError::TooManyWaiters`] if a new ticket finds the
+    /// waiting room full.
+    pub fn acquire_leased(
+        &mut self,
+        name: &str,
+        ticket: u64,
+        priority: &Priority,
+        now: Duration,
+        lease: Option<Duration>,
+    ) -> Result<Acquire, LimitError> {
+        let max_waiters = self.max_waiters;
+        let state = self.state(name)?;
+        state.expire(now, &mut Vec::new());
+        if let Some(held) = state.held.get(&ticket) {
+            return Ok(Acquire::Granted(held.grant));
+        }
+        if !state.queue.contains(ticket) {
+            if state.queue.len() >= max_waiters {
+                return Err(LimitError::TooManyWaiters {
+                    limit: name.to_owned(),
+                    max: max_waiters,
+                });
+            }
+            state.queue.push(ticket, priority);
+        }
+        Ok(match state.next(now) {
+            Some(Next::Ready(next)) if next == ticket => {
+                state.queue.pop();
+                Acquire::Granted(state.grant(ticket, now, lease))
+            }
+            Some(Next::At(next, at)) if next == ticket => Acquire::RetryAt(at),
+            _ => Acquire::Queued,
+        })
+    }
+
+    /// Grants the ticket the queue serves next if it can be granted now, on behalf of its
+    /// waiter (who will find it granted when it asks again).
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::UnknownLimit`].
+    pub fn grant_next(
+        &mut self,
+        name: &str,
+        now: Duration,
+        lease: Option<Duration>,
+    ) -> Result<Option<(u64, Grant)>, LimitError> {
+        let state = self.state(name)?;
+        state.expire(now, &mut Vec::new());
+        Ok(match state.next(now) {
+            Some(Next::Ready(ticket)) => {
+                state.queue.pop();
+                Some((ticket, state.grant(ticket, now, lease)))
+            }
+            _ => None,
+        })
+    }
+
+    /// What the queue of `name` will do next at `now`, if anyone waits.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::UnknownLimit`].
+    pub fn next(&mut self, name: &str, now: Duration) -> Result<Option<Next>, LimitError> {
+        let state = self.state(name)?;
+        state.expire(now, &mut Vec::new());
+        Ok(state.next(now))
+    }
+
+    /// Returns the permit of `ticket`, or withdraws it from the queue. An unknown ticket is a
+    /// no-op. The returned permit does not return its token.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::UnknownLimit`].
+    pub fn release(
+        &mut self,
+        name: &str,
+        ticket: u64,
+        now: Duration,
+    ) -> Result<Released, LimitError> {
+        let state = self.state(name)?;
+        state.expire(now, &mut Vec::new());
+        if state.held.remove(&ticket).is_some() {
+            return Ok(Released::Permit);
+        }
+        Ok(if state.queue.remove(ticket) { Released::Withdrawn } else { Released::Unknown })
+    }
+
+    /// Extends the lease of a held permit to `now + lease`. Returns false if the ticket holds no
+    /// permit (never granted, released, or already expired at `now`).
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::UnknownLimit`].
+    pub fn renew(
+        &mut self,
+        name: &str,
+        ticket: u64,
+        now: Duration,
+        lease: Duration,
+    ) -> Result<bool, LimitError> {
+        let state = self.state(name)?;
+        state.expire(now, &mut Vec::new());
+        let Some(held) = state.held.get_mut(&ticket) else {
+            return Ok(false);
+        };
+        let at = now.saturating_add(lease);
+        held.grant.expires_at = Some(at);
+        state.next_expiry = state.held.values().filter_map(|h| h.grant.expires_at).min();
+        Ok(true)
+    }
+
+    /// Reclaims every permit whose lease ended at or before `now`, returning `(limit, ticket)`
+    /// pairs in name then ticket order.
+    pub fn expire(&mut self, now: Duration) -> Vec<(String, u64)> {
+        let mut out = Vec::new();
+        for (name, state) in &mut self.limits {
+            let mut reclaimed = Vec::new();
+            state.expire(now, &mut reclaimed);
+            out.extend(reclaimed.into_iter().map(|ticket| (name.clone(), ticket)));
+        }
+        out
+    }
+
+    /// The earliest lease expiry across all limits, if any permit is leased.
+    pub fn next_expiry(&self) -> Option<Duration> {
+        self.limits.values().filter_map(|s| s.next_expiry).min()
+    }
+
+    /// Whether `ticket` holds a permit of `name` (ignoring lease expiry).
+    pub fn holds(&self, name: &str, ticket: u64) -> bool {
+        self.limits.get(name).is_some_and(|s| s.held.contains_key(&ticket))
+    }
+
+    /// Whether `ticket` waits in the queue of `name`.
+    pub fn is_waiting(&self, name: &str, ticket: u64) -> bool {
+        self.limits.get(name).is_some_and(|s| s.queue.contains(ticket))
+    }
+
+    /// The state of `name`.
+    pub fn info(&self, name: &str) -> Option<LimitInfo> {
+        self.limits.get(name).map(|state| LimitInfo {
+            name: name.to_owned(),
+            spec: state.spec,
+            in_use: state.in_use(),
+            waiting: state.queue.len(),
+            granted_total: state.granted_total,
+            max_in_use: state.max_in_use,
+        })
+    }
+
+    /// Every limit's name and spec, in name order.
+    pub fn list(&self) -> impl Iterator<Item = (&str, &LimitSpec)> {
+        self.limits.iter().map(|(name, state)| (name.as_str(), &state.spec))
+    }
+
+    /// Every limit's state, in name order.
+    pub fn infos(&self) -> Vec<LimitInfo> {
+        self.limits.keys().filter_map(|name| self.info(name)).collect()
+    }
+}
