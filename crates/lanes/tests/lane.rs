@@ -833,3 +833,75 @@ fn public_types_are_send_and_sync() {
     send_sync::<lanes::AdmissionError<()>>();
     send_sync::<lanes::ConfigError>();
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_run_takes_its_limit_after_grant_and_returns_it_before_the_finalizer() {
+    let lanes = set(&[("work", 4, 8)]);
+    let limits = lanes::Limits::new();
+    limits.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
+    let running = Arc::new(AtomicUsize::new(0));
+    let max_running = Arc::new(AtomicUsize::new(0));
+    let mut handles = Vec::new();
+    for _ in 0..6 {
+        let (running, max_running) = (running.clone(), max_running.clone());
+        let run = Run::new(move |_cx| async move {
+            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+            max_running.fetch_max(now, Ordering::SeqCst);
+            sleep(Duration::from_millis(10)).await;
+            running.fetch_sub(1, Ordering::SeqCst);
+            Res::Ok(())
+        })
+        .limit(&limits, "db", lanes::Priority::default());
+        handles.push(lanes.run("work", run).unwrap());
+    }
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    // Alone, a run finds its permit already returned when its finalizer runs.
+    let seen = limits.clone();
+    let held_in_finalizer = lanes
+        .run(
+            "work",
+            Run::new(|_| async { Res::Ok(()) }).limit(&limits, "db", Default::default()).finalizer(
+                move |outcome| async move {
+                    let held = seen.info("db").await.unwrap().unwrap().in_use;
+                    outcome.map(|()| held)
+                },
+            ),
+        )
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(held_in_finalizer, 0);
+    assert_eq!(max_running.load(Ordering::SeqCst), 1, "the limit, not the lane, bounded the jobs");
+    assert_eq!(lanes.snapshot().lanes[0].max_executing, 4);
+
+    // An unknown limit fails the run with reason `limit`; a wait longer than the execution
+    // timeout fails it with `timeout`, and the job never runs.
+    let err = lanes
+        .run("work", Run::new(|_| async { Res::Ok(()) }).limit(&limits, "nope", Default::default()))
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Execution, Reason::Limit));
+    assert!(err.cause().unwrap().downcast_ref::<lanes::LimitError>().is_some());
+    let _held = limits.acquire("db", lanes::Priority::default()).await.unwrap();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let ran2 = ran.clone();
+    let err = lanes
+        .run(
+            "work",
+            Run::new(move |_| async move {
+                ran2.fetch_add(1, Ordering::SeqCst);
+                Res::Ok(())
+            })
+            .limit(&limits, "db", Default::default())
+            .execution_timeout(Duration::from_secs(1)),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Execution, Reason::Timeout));
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "the wait was withdrawn");
+}

@@ -180,6 +180,8 @@ pub enum Reason {
     Finalizer,
     /// The cleanup failed, panicked or timed out on an otherwise successful run.
     Cleanup,
+    /// The run's limit refused it (unknown limit, too many waiters, backend failure).
+    Limit,
 }
 
 impl Reason {
@@ -195,6 +197,7 @@ impl Reason {
             Self::Audit => "audit",
             Self::Finalizer => "finalizer",
             Self::Cleanup => "cleanup",
+            Self::Limit => "limit",
         }
     }
 }

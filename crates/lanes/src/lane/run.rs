@@ -12,6 +12,7 @@ use tokio::task::JoinHandle;
 
 use super::error::{Reason, RunFailure, Stage};
 use super::signal::RunSignal;
+use crate::limit::{Limits, Priority};
 use crate::{BoxError, BoxFuture};
 
 /// Identifies an admitted run. Unique within its [`LaneSet`](super::LaneSet) and increasing in
@@ -160,6 +161,15 @@ pub struct Run<J, F = Passthrough> {
     pub(crate) cleanup: Option<Cleanup>,
     pub(crate) queue_timeout: Option<Duration>,
     pub(crate) execution_timeout: Option<Duration>,
+    pub(crate) limit: Option<RunLimit>,
+}
+
+/// A limit a run takes a permit of before its job starts.
+#[derive(Debug, Clone)]
+pub(crate) struct RunLimit {
+    pub(crate) limits: Limits,
+    pub(crate) name: Arc<str>,
+    pub(crate) priority: Priority,
 }
 
 impl<J> Run<J> {
@@ -177,6 +187,7 @@ impl<J> Run<J> {
             cleanup: None,
             queue_timeout: None,
             execution_timeout: None,
+            limit: None,
         }
     }
 }
@@ -202,6 +213,7 @@ impl<J: Job, F> Run<J, F> {
             cleanup: self.cleanup,
             queue_timeout: self.queue_timeout,
             execution_timeout: self.execution_timeout,
+            limit: self.limit,
         }
     }
 
@@ -229,9 +241,18 @@ impl<J: Job, F> Run<J, F> {
     }
 
     /// Cancels the job with [`Reason::Timeout`] if it runs longer than `timeout`. The clock
-    /// starts at grant: queue wait does not count.
+    /// starts at grant: queue wait does not count, the wait for the run's limit does.
     pub fn execution_timeout(mut self, timeout: Duration) -> Self {
         self.execution_timeout = Some(timeout);
+        self
+    }
+
+    /// Takes a permit of limit `name` at `priority` once the lane grants execution and before
+    /// the job starts; the permit is returned when the job ends, before the finalizer. The wait
+    /// for the permit is cancelled like the job (close, timeout, a dropped handle); a refusal
+    /// fails the run with [`Reason::Limit`].
+    pub fn limit(mut self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
+        self.limit = Some(RunLimit { limits: limits.clone(), name: name.into(), priority });
         self
     }
 }

@@ -35,11 +35,14 @@ use super::error::{
     AdmissionError, AdmissionErrorKind, PanicError, PoisonError, Reason, RunFailure, Stage,
     TimeoutError,
 };
-use super::run::{Cleanup, Finalize, Job, Participation, Run, RunContext, RunHandle, RunId};
+use super::run::{
+    Cleanup, Finalize, Job, Participation, Run, RunContext, RunHandle, RunId, RunLimit,
+};
 use super::signal::{Grant, RunSignal};
 use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use super::state::{Admitted, LaneCore, Shut};
 use crate::BoxError;
+use crate::limit::Permit;
 use crate::registry::{Snapshot, Source};
 use crate::util::{CatchUnwind, Panicked, call_contained, lock};
 
@@ -342,6 +345,7 @@ struct Ticket {
     signal: Arc<RunSignal>,
     queue_timeout: Option<Duration>,
     execution_timeout: Option<Duration>,
+    limit: Option<RunLimit>,
 }
 
 /// An admitted run, split into what `drive` borrows and what it consumes.
@@ -394,7 +398,7 @@ impl SetShared {
                     },
                 };
                 let info = TicketInfo { lane: index, run_id, participation };
-                let Run { job, finalizer, cleanup, queue_timeout, execution_timeout } = run;
+                let Run { job, finalizer, cleanup, queue_timeout, execution_timeout, limit } = run;
                 let ticket = Ticket {
                     shared: self.clone(),
                     info,
@@ -402,6 +406,7 @@ impl SetShared {
                     signal,
                     queue_timeout,
                     execution_timeout,
+                    limit,
                 };
                 Ok((ticket, Callbacks { job, finalizer, cleanup }))
             }
@@ -719,6 +724,44 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
     }
 }
 
+/// Takes the run's permit, if it names a limit, unless the run is cancelled or times out first.
+async fn take_permit(t: &Ticket, deadline: &mut Deadline) -> Result<Option<Permit>, Failed> {
+    let Some(limit) = &t.limit else {
+        return Ok(None);
+    };
+    // Boxed: most runs name no limit, and their state machine stays small.
+    let mut acquire = Box::pin(limit.limits.acquire(&limit.name, limit.priority.clone()));
+    let signal = &t.signal;
+    let woke = poll_fn(|cx| {
+        if let Poll::Ready(acquired) = acquire.as_mut().poll(cx) {
+            return Poll::Ready(
+                acquired.map_err(|err| (Reason::Limit, Some(Box::new(err) as BoxError))),
+            );
+        }
+        if let Poll::Ready(reason) = signal.poll_driver(cx, RunSignal::cancel_reason) {
+            return Poll::Ready(Err((reason, None)));
+        }
+        deadline.poll_elapsed(cx).map(|()| {
+            signal.cancel(Reason::Timeout);
+            Err((signal.cancel_reason().unwrap_or(Reason::Timeout), None))
+        })
+    })
+    .await;
+    match woke {
+        Ok(permit) => Ok(Some(permit)),
+        Err((reason, cause)) => {
+            let cause = match (reason, t.execution_timeout) {
+                (Reason::Timeout, Some(limit)) => {
+                    Some(Box::new(TimeoutError::new(Stage::Execution, limit)) as BoxError)
+                }
+                (Reason::Poisoned, _) => t.shared.poison_error(),
+                _ => cause,
+            };
+            Err((Stage::Execution, reason, cause))
+        }
+    }
+}
+
 /// Runs the job until it ends, or until it is cancelled and then ends within the drain timeout.
 /// A job that outlives the drain timeout poisons the set and is dropped.
 async fn execute<J: Job>(t: &Ticket, job: J) -> Result<J::Output, Failed> {
@@ -726,6 +769,10 @@ async fn execute<J: Job>(t: &Ticket, job: J) -> Result<J::Output, Failed> {
         let cause = Box::new(PanicError::new(Stage::Execution)) as BoxError;
         Err((Stage::Execution, Reason::Panic, Some(cause)))
     };
+    // The execution clock starts at grant: it covers the wait for the run's limit.
+    let mut deadline = Deadline::new(t.execution_timeout.map(|limit| Instant::now() + limit));
+    // Dropped when this function returns: after the job, before the finalizer.
+    let _permit = take_permit(t, &mut deadline).await?;
     let cx = RunContext {
         run_id: t.info.run_id,
         lane: t.lane_name(),
@@ -737,7 +784,6 @@ async fn execute<J: Job>(t: &Ticket, job: J) -> Result<J::Output, Failed> {
     };
     let mut fut = pin!(CatchUnwind::new(fut));
     let signal = &t.signal;
-    let mut deadline = Deadline::new(t.execution_timeout.map(|limit| Instant::now() + limit));
     enum Woke<T> {
         Ended(T),
         Cancelled(Reason),

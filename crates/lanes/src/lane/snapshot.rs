@@ -45,6 +45,8 @@ pub struct FailedCounts {
     pub finalizer: u64,
     /// The cleanup failed on an otherwise successful run.
     pub cleanup: u64,
+    /// The run's limit refused it.
+    pub limit: u64,
 }
 
 impl FailedCounts {
@@ -59,6 +61,7 @@ impl FailedCounts {
             + self.audit
             + self.finalizer
             + self.cleanup
+            + self.limit
     }
 }
 

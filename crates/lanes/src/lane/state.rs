@@ -303,6 +303,7 @@ impl FailedCounts {
             Reason::Audit => &mut self.audit,
             Reason::Finalizer => &mut self.finalizer,
             Reason::Cleanup => &mut self.cleanup,
+            Reason::Limit => &mut self.limit,
         };
         *slot += 1;
     }

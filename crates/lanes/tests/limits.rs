@@ -1,0 +1,271 @@
+//! The `Limits` facade in process: waiting, wake-ups, cancel safety, timeouts, rate, fairness,
+//! and a randomized stress. Paused time throughout.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lanes::{LimitError, LimitSpec, Limits, Priority, Registry};
+use tokio::sync::Mutex;
+use tokio::time::{Instant, sleep};
+
+async fn settle() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_are_let_in_one_release_at_a_time_in_order() {
+    let limits = Limits::new();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let first = limits.acquire("db", Priority::default()).await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for i in 0..3 {
+        let (limits, order) = (limits.clone(), order.clone());
+        waiters.push(tokio::spawn(async move {
+            let permit = limits.acquire("db", Priority::default()).await.unwrap();
+            order.lock().await.push(i);
+            sleep(Duration::from_millis(10)).await;
+            drop(permit);
+        }));
+        settle().await;
+    }
+    assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 3);
+    assert!(order.lock().await.is_empty());
+    drop(first);
+    for waiter in waiters {
+        waiter.await.unwrap();
+    }
+    assert_eq!(*order.lock().await, [0, 1, 2]);
+    let info = limits.info("db").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting, info.granted_total, info.max_in_use), (0, 0, 4, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_a_waiting_acquire_withdraws_it_and_leaks_nothing() {
+    let limits = Limits::new();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = limits.acquire("db", Priority::default()).await.unwrap();
+    let waiting = tokio::spawn({
+        let limits = limits.clone();
+        async move { limits.acquire("db", Priority::default()).await }
+    });
+    settle().await;
+    assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 1);
+    waiting.abort();
+    let _ = waiting.await;
+    assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0);
+
+    // A waiter whose permit was granted on its behalf, then dropped before it looked: the
+    // permit goes back.
+    let limits2 = limits.clone();
+    let mut late = Box::pin(async move { limits2.acquire("db", Priority::default()).await });
+    assert!(futures_poll(&mut late).is_none());
+    drop(held); // grants the waiting ticket on its behalf
+    assert_eq!(limits.info("db").await.unwrap().unwrap().in_use, 1);
+    drop(late);
+    let info = limits.info("db").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (0, 0));
+    assert!(limits.try_acquire("db", Priority::default()).await.unwrap().is_some());
+}
+
+/// Polls a future once with a no-op waker.
+fn futures_poll<F: std::future::Future + Unpin>(fut: &mut F) -> Option<F::Output> {
+    let waker = std::task::Waker::noop();
+    let mut cx = std::task::Context::from_waker(waker);
+    match std::pin::Pin::new(fut).poll(&mut cx) {
+        std::task::Poll::Ready(out) => Some(out),
+        std::task::Poll::Pending => None,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn timeouts_try_acquire_and_the_waiting_room() {
+    let limits = Limits::with_max_waiters(2);
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = limits.acquire("db", Priority::default()).await.unwrap();
+    let start = Instant::now();
+    let err = limits
+        .acquire_timeout("db", Priority::default(), Duration::from_secs(2))
+        .await
+        .unwrap_err();
+    assert!(err.is_timeout());
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+    assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "the ticket was withdrawn");
+    assert!(limits.try_acquire("db", Priority::default()).await.unwrap().is_none());
+    assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "try_acquire never queues");
+
+    let mut queued = Vec::new();
+    for _ in 0..2 {
+        let limits = limits.clone();
+        queued.push(tokio::spawn(async move { limits.acquire("db", Priority::default()).await }));
+    }
+    settle().await;
+    let err = limits.acquire("db", Priority::default()).await.unwrap_err();
+    assert_eq!(err, LimitError::TooManyWaiters { limit: "db".into(), max: 2 });
+    assert!(limits.acquire("nope", Priority::default()).await.unwrap_err().is_unknown_limit());
+    drop(held);
+    for q in queued {
+        drop(q.await.unwrap().unwrap());
+    }
+    assert_eq!(limits.remove("db").await, Ok(()));
+    assert!(limits.info("db").await.unwrap().is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_rate_is_held_with_one_sleeper() {
+    let limits = Limits::new();
+    limits.define("api", LimitSpec::concurrent(100).per_second(10.0).burst(2)).await.unwrap();
+    let start = Instant::now();
+    let mut handles = Vec::new();
+    for _ in 0..12 {
+        let limits = limits.clone();
+        handles.push(tokio::spawn(async move {
+            let permit = limits.acquire("api", Priority::default()).await.unwrap();
+            let at = start.elapsed();
+            drop(permit);
+            at
+        }));
+    }
+    let mut times = Vec::new();
+    for h in handles {
+        times.push(h.await.unwrap());
+    }
+    times.sort();
+    // A burst of 2 at once, then one every 100 ms.
+    let expected: Vec<Duration> = [0, 0, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]
+        .into_iter()
+        .map(Duration::from_millis)
+        .collect();
+    assert_eq!(times, expected);
+}
+
+#[tokio::test(start_paused = true)]
+async fn redefining_a_limit_lets_waiters_in() {
+    let limits = Limits::new();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let _held = limits.acquire("db", Priority::default()).await.unwrap();
+    let waiter = tokio::spawn({
+        let limits = limits.clone();
+        async move { limits.acquire("db", Priority::default()).await.map(|p| p.fencing_token()) }
+    });
+    settle().await;
+    assert!(!waiter.is_finished());
+    limits.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn tenants_share_by_weight_not_by_demand() {
+    let limits = Limits::new();
+    limits.define("downstream", LimitSpec::concurrent(1)).await.unwrap();
+    let blocker = limits.acquire("downstream", Priority::default()).await.unwrap();
+    let served = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    // Tenant "big" queues 90 requests, "small" 10; weights 1:1.
+    for i in 0..100 {
+        let tenant = if i % 10 == 0 { "small" } else { "big" };
+        let (limits, served) = (limits.clone(), served.clone());
+        tasks.push(tokio::spawn(async move {
+            let p = limits.acquire("downstream", Priority::default().key(tenant)).await.unwrap();
+            served.lock().unwrap().push(tenant);
+            sleep(Duration::from_millis(1)).await;
+            drop(p);
+        }));
+        settle().await;
+    }
+    drop(blocker);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let served = served.lock().unwrap();
+    // While both tenants wait, they alternate: the first 20 grants split 10/10.
+    let small_first_20 = served[..20].iter().filter(|t| **t == "small").count();
+    assert_eq!(small_first_20, 10);
+}
+
+#[tokio::test(start_paused = true)]
+async fn snapshots_report_limits() {
+    let registry = Registry::new();
+    let limits = Limits::new();
+    limits.register(&registry, "fleet").unwrap();
+    limits.define("a", LimitSpec::concurrent(2)).await.unwrap();
+    let _p = limits.acquire("a", Priority::default()).await.unwrap();
+    let snapshot = registry.snapshot();
+    let info = &snapshot.limits["fleet"][0];
+    assert_eq!((info.name.as_str(), info.in_use, info.spec.concurrent), ("a", 1, 2));
+    let json: serde_json::Value = serde_json::from_str(&snapshot.to_json()).unwrap();
+    assert_eq!(json["limits"]["fleet"][0]["in_use"], 1);
+}
+
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Thousands of tasks acquire, hold, drop and cancel at random; the bound is never exceeded and
+/// nothing leaks.
+#[tokio::test(start_paused = true)]
+async fn stress_keeps_the_bound_and_leaks_nothing() {
+    let limits = Limits::new();
+    let concurrent = 5;
+    limits.define("s", LimitSpec::concurrent(concurrent).per_second(2_000.0)).await.unwrap();
+    let holding = Arc::new(AtomicUsize::new(0));
+    let max_holding = Arc::new(AtomicUsize::new(0));
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut tasks = Vec::new();
+    for i in 0..3_000u64 {
+        let r = next();
+        let (limits, holding, max_holding) = (limits.clone(), holding.clone(), max_holding.clone());
+        let priority = Priority::level((r % 3) as i32)
+            .key(format!("t{}", (r >> 8) % 7))
+            .weight((r >> 16) as u32 % 3 + 1);
+        let hold = Duration::from_micros((r >> 24) % 3_000);
+        let give_up = Duration::from_micros((r >> 40) % 20_000);
+        tasks.push(tokio::spawn(async move {
+            let acquired = match i % 4 {
+                // Cancelled by a timeout while waiting.
+                0 => limits.acquire_timeout("s", priority, give_up).await.ok(),
+                _ => Some(limits.acquire("s", priority).await.unwrap()),
+            };
+            if let Some(permit) = acquired {
+                let now = holding.fetch_add(1, Ordering::SeqCst) + 1;
+                max_holding.fetch_max(now, Ordering::SeqCst);
+                // Declared after the permit, so dropped before it, even when the task is
+                // aborted mid-sleep.
+                let _counted = Counted(holding);
+                sleep(hold).await;
+                drop(_counted);
+                drop(permit);
+            }
+        }));
+        if r % 5 == 0 {
+            sleep(Duration::from_micros(r % 500)).await;
+        }
+    }
+    // Abort some tasks mid-flight: their acquires (or permits) are dropped.
+    for (i, task) in tasks.iter().enumerate() {
+        if i % 7 == 0 {
+            task.abort();
+        }
+    }
+    for task in tasks {
+        let _ = task.await;
+    }
+    let info = limits.info("s").await.unwrap().unwrap();
+    assert!(max_holding.load(Ordering::SeqCst) <= concurrent as usize);
+    assert!(info.max_in_use <= concurrent);
+    assert_eq!((info.in_use, info.waiting), (0, 0), "nothing leaked");
+    assert!(info.granted_total > 1_000);
+}
