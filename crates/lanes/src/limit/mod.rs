@@ -43,7 +43,11 @@
 //! held permit; it only delays the next grants.
 
 mod backend;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 mod handle;
+#[cfg(feature = "tower")]
+mod layer;
 mod local;
 mod priority;
 mod queue;
@@ -52,6 +56,8 @@ mod table;
 
 pub use backend::{Answer, LimitBackend};
 pub use handle::{AcquireError, Limits, Permit};
+#[cfg(feature = "tower")]
+pub use layer::{DefaultPriority, LimitLayer, LimitService, Overloaded, PriorityOf, WhenBusy};
 pub use local::LocalLimits;
 pub use priority::Priority;
 pub use queue::WaitQueue;

@@ -1,0 +1,215 @@
+//! A tower [`Layer`] that puts a limit in front of any [`Service`] (feature `tower`).
+
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::handle::Limits;
+use super::priority::Priority;
+use crate::{BoxError, BoxFuture};
+
+/// What a [`LimitService`] does when no permit is free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WhenBusy {
+    /// Wait in the limit's fair queue (the default).
+    #[default]
+    Wait,
+    /// Fail the request at once with [`Overloaded`].
+    Reject,
+}
+
+/// Takes a permit of a limit for every request, at a priority extracted from the request, and
+/// holds it until the response is ready.
+///
+/// # Examples
+///
+/// ```
+/// use lanes::limit::{LimitLayer, WhenBusy};
+/// use lanes::{Limits, Priority};
+///
+/// let limits = Limits::new();
+/// let layer = LimitLayer::new(&limits, "backend")
+///     .priority(|req: &String| Priority::default().key(req.clone()))
+///     .when_busy(WhenBusy::Reject);
+/// # let _ = layer;
+/// ```
+pub struct LimitLayer<P = DefaultPriority> {
+    limits: Limits,
+    name: Arc<str>,
+    priority: P,
+    when_busy: WhenBusy,
+}
+
+/// Every request at the default priority.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DefaultPriority;
+
+/// How a [`LimitService`] orders a request.
+pub trait PriorityOf<Req> {
+    /// The request's priority.
+    fn priority_of(&self, req: &Req) -> Priority;
+}
+
+impl<Req> PriorityOf<Req> for DefaultPriority {
+    fn priority_of(&self, _req: &Req) -> Priority {
+        Priority::default()
+    }
+}
+
+impl<Req, F: Fn(&Req) -> Priority> PriorityOf<Req> for F {
+    fn priority_of(&self, req: &Req) -> Priority {
+        self(req)
+    }
+}
+
+impl LimitLayer {
+    /// Limits requests with limit `name` of `limits`, waiting at the default priority.
+    pub fn new(limits: &Limits, name: impl Into<Arc<str>>) -> Self {
+        Self {
+            limits: limits.clone(),
+            name: name.into(),
+            priority: DefaultPriority,
+            when_busy: WhenBusy::Wait,
+        }
+    }
+}
+
+impl<P> LimitLayer<P> {
+    /// Orders requests by `priority(&request)`.
+    pub fn priority<Q>(self, priority: Q) -> LimitLayer<Q> {
+        LimitLayer { limits: self.limits, name: self.name, priority, when_busy: self.when_busy }
+    }
+
+    /// What to do when no permit is free.
+    #[must_use]
+    pub fn when_busy(mut self, when_busy: WhenBusy) -> Self {
+        self.when_busy = when_busy;
+        self
+    }
+}
+
+impl<P: Clone> Clone for LimitLayer<P> {
+    fn clone(&self) -> Self {
+        Self {
+            limits: self.limits.clone(),
+            name: self.name.clone(),
+            priority: self.priority.clone(),
+            when_busy: self.when_busy,
+        }
+    }
+}
+
+impl<P> fmt::Debug for LimitLayer<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimitLayer")
+            .field("limit", &self.name)
+            .field("when_busy", &self.when_busy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, P: Clone> Layer<S> for LimitLayer<P> {
+    type Service = LimitService<S, P>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        LimitService {
+            inner,
+            limits: self.limits.clone(),
+            name: self.name.clone(),
+            priority: self.priority.clone(),
+            when_busy: self.when_busy,
+        }
+    }
+}
+
+/// The service made by [`LimitLayer`]. Its errors are boxed: the inner service's, a
+/// [`LimitError`](super::LimitError), or [`Overloaded`].
+pub struct LimitService<S, P = DefaultPriority> {
+    inner: S,
+    limits: Limits,
+    name: Arc<str>,
+    priority: P,
+    when_busy: WhenBusy,
+}
+
+impl<S: Clone, P: Clone> Clone for LimitService<S, P> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            limits: self.limits.clone(),
+            name: self.name.clone(),
+            priority: self.priority.clone(),
+            when_busy: self.when_busy,
+        }
+    }
+}
+
+impl<S, P> fmt::Debug for LimitService<S, P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimitService")
+            .field("limit", &self.name)
+            .field("when_busy", &self.when_busy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, P, Req> Service<Req> for LimitService<S, P>
+where
+    S: Service<Req> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Error: Into<BoxError>,
+    P: PriorityOf<Req>,
+    Req: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = BoxFuture<'static, Result<S::Response, BoxError>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let priority = self.priority.priority_of(&req);
+        // The ready service goes into the future; a fresh clone stays for the next poll_ready.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let (limits, name, when_busy) = (self.limits.clone(), self.name.clone(), self.when_busy);
+        Box::pin(async move {
+            let permit = match when_busy {
+                WhenBusy::Wait => limits.acquire(&name, priority).await?,
+                WhenBusy::Reject => limits
+                    .try_acquire(&name, priority)
+                    .await?
+                    .ok_or_else(|| Overloaded { limit: name.clone() })?,
+            };
+            let response = inner.call(req).await.map_err(Into::into);
+            drop(permit);
+            response
+        })
+    }
+}
+
+/// A [`LimitService`] set to [`WhenBusy::Reject`] found no free permit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Overloaded {
+    limit: Arc<str>,
+}
+
+impl Overloaded {
+    /// The limit that had no free permit.
+    pub fn limit(&self) -> &str {
+        &self.limit
+    }
+}
+
+impl fmt::Display for Overloaded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "limit {:?} has no free permit", self.limit)
+    }
+}
+
+impl std::error::Error for Overloaded {}

@@ -1,0 +1,62 @@
+//! The tower layer: waiting and rejecting modes, priorities from the request, permits held
+//! until the response.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lanes::limit::{LimitLayer, Overloaded, WhenBusy};
+use lanes::{LimitSpec, Limits, Priority};
+use tower::{Layer, ServiceExt, service_fn};
+
+#[tokio::test(start_paused = true)]
+async fn waiting_mode_bounds_in_flight_requests() {
+    let limits = Limits::new();
+    limits.define("backend", LimitSpec::concurrent(2)).await.unwrap();
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let max = Arc::new(AtomicUsize::new(0));
+    let service = {
+        let (in_flight, max) = (in_flight.clone(), max.clone());
+        service_fn(move |req: u32| {
+            let (in_flight, max) = (in_flight.clone(), max.clone());
+            async move {
+                let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                max.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                in_flight.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, Infallible>(req * 2)
+            }
+        })
+    };
+    let service = LimitLayer::new(&limits, "backend")
+        .priority(|req: &u32| Priority::default().key(format!("user-{}", req % 3)))
+        .layer(service);
+    let calls: Vec<_> = (0..20).map(|i| tokio::spawn(service.clone().oneshot(i))).collect();
+    for (i, call) in calls.into_iter().enumerate() {
+        assert_eq!(call.await.unwrap().unwrap(), i as u32 * 2);
+    }
+    assert_eq!(max.load(Ordering::SeqCst), 2);
+    assert_eq!(limits.info("backend").await.unwrap().unwrap().in_use, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn reject_mode_fails_fast_with_a_typed_error() {
+    let limits = Limits::new();
+    limits.define("backend", LimitSpec::concurrent(1)).await.unwrap();
+    let service = LimitLayer::new(&limits, "backend")
+        .when_busy(WhenBusy::Reject)
+        .layer(service_fn(|()| async { Ok::<_, Infallible>("ok") }));
+    let held = limits.acquire("backend", Priority::default()).await.unwrap();
+    let err = service.clone().oneshot(()).await.unwrap_err();
+    let overloaded = err.downcast_ref::<Overloaded>().expect("an Overloaded error");
+    assert_eq!(overloaded.limit(), "backend");
+    drop(held);
+    assert_eq!(service.oneshot(()).await.unwrap(), "ok");
+    let unknown = LimitLayer::new(&limits, "missing")
+        .layer(service_fn(|()| async { Ok::<_, Infallible>(()) }));
+    let err = unknown.oneshot(()).await.unwrap_err();
+    assert!(
+        err.downcast_ref::<lanes::LimitError>().is_some_and(lanes::LimitError::is_unknown_limit)
+    );
+}
