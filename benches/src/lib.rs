@@ -114,3 +114,28 @@ pub fn calibrate(c: &mut Criterion) {
     });
     group.finish();
 }
+
+/// Resident memory of this process in bytes (from `/proc/self/statm`), 0 where unavailable.
+pub fn rss_bytes() -> usize {
+    let Ok(statm) = std::fs::read_to_string("/proc/self/statm") else {
+        return 0;
+    };
+    let pages: usize = statm.split_whitespace().nth(1).and_then(|p| p.parse().ok()).unwrap_or(0);
+    pages * 4096
+}
+
+/// Where benchmarks leave results that are not times (correctness, memory) for the report.
+pub fn results_dir() -> std::path::PathBuf {
+    let workspace = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace");
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| workspace.join("target"), std::path::PathBuf::from)
+        .join("lanes-bench")
+}
+
+/// Writes one named result as JSON into [`results_dir`].
+pub fn write_result(name: &str, value: &serde_json::Value) {
+    let dir = results_dir();
+    std::fs::create_dir_all(&dir).expect("create the results directory");
+    let text = serde_json::to_string_pretty(value).expect("serialize");
+    std::fs::write(dir.join(format!("{name}.json")), text).expect("write a result");
+}

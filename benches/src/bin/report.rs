@@ -134,6 +134,180 @@ impl Report {
     }
 }
 
+fn result(name: &str) -> Option<Value> {
+    let text =
+        std::fs::read_to_string(lanes_benches::results_dir().join(format!("{name}.json"))).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+fn pass(ok: bool) -> &'static str {
+    if ok { "pass" } else { "FAIL" }
+}
+
+impl Report {
+    /// A row comparing times: ratio = ours / anchor (lower is better).
+    fn time_row(&mut self, label: &str, ours: &str, anchor: &str, bar: &str) {
+        let (o, a) = (self.get(ours), self.get(anchor));
+        let ratio = match (o, a) {
+            (Some(o), Some(a)) => format!("{:.2}×", o / a),
+            _ => "—".to_owned(),
+        };
+        let cell = |t: Option<f64>| t.map_or("—".to_owned(), fmt_ns);
+        let row = format!("| {label} | {} | {} | {ratio} | {bar} |", cell(o), cell(a));
+        self.line(&row);
+    }
+
+    /// A row comparing throughputs of `elements` per iteration: ratio = ours / anchor.
+    fn rate_row(&mut self, label: &str, elements: f64, ours: &str, anchor: &str, bar: &str) {
+        let (o, a) = (self.get(ours), self.get(anchor));
+        let rate = |t: Option<f64>| t.map_or("—".to_owned(), |t| fmt_rate(elements / (t / 1e9)));
+        let ratio = match (o, a) {
+            (Some(o), Some(a)) => format!("{:.2}×", a / o),
+            _ => "—".to_owned(),
+        };
+        let row = format!("| {label} | {} | {} | {ratio} | {bar} |", rate(o), rate(a));
+        self.line(&row);
+    }
+
+    /// Suites 1, 6 and 7: limits.
+    fn limits(&mut self) {
+        self.line(
+            "## Suite 1 — permits
+",
+        );
+        self.line("Acquire + release of one permit (time per pair; ratio = lanes / tokio, lower is better):
+");
+        self.line("| scenario | lanes | `tokio::sync::Semaphore` | ratio | bar |");
+        self.line("|---|---|---|---|---|");
+        self.time_row(
+            "uncontended, current_thread",
+            "permits_uncontended/lanes",
+            "permits_uncontended/tokio_semaphore",
+            "≤ 1.3×",
+        );
+        self.line("");
+        self.line(
+            "Contended: N tasks on a 2-worker runtime share 2 permits, each taking and returning one 64 times with a yield while holding it (throughput; ratio = lanes / tokio, higher is better):
+",
+        );
+        self.line("| tasks | lanes | `tokio::sync::Semaphore` | ratio | bar |");
+        self.line("|---|---|---|---|---|");
+        for tasks in [2u32, 8, 64, 1024] {
+            let elements = f64::from(tasks) * 64.0;
+            self.rate_row(
+                &tasks.to_string(),
+                elements,
+                &format!("permits_contended/lanes/{tasks}"),
+                &format!("permits_contended/tokio_semaphore/{tasks}"),
+                "≥ 1.0×",
+            );
+        }
+        self.line("");
+
+        self.line(
+            "## Suite 6 — rate check
+",
+        );
+        self.line("One check of a rate that every check passes (time per check; ratio = lanes / governor, lower is better). `Limits` is the async facade with its permit; `LimitTable` is the pure core the facade locks:
+");
+        self.line("| scenario | lanes | governor | ratio | bar |");
+        self.line("|---|---|---|---|---|");
+        self.time_row(
+            "direct, `Limits::try_acquire`",
+            "rate_check_direct/lanes_limits",
+            "rate_check_direct/governor",
+            "≤ 2×",
+        );
+        self.time_row(
+            "direct, `LimitTable` acquire + release",
+            "rate_check_direct/lanes_table",
+            "rate_check_direct/governor",
+            "≤ 2×",
+        );
+        self.time_row(
+            "keyed, 100k keys, `Limits::try_acquire`",
+            "rate_check_keyed_100k/lanes_limits",
+            "rate_check_keyed_100k/governor",
+            "≤ 2×",
+        );
+        self.line("");
+        if let Some(memory) = result("rate_memory") {
+            let ours = memory["lanes_bytes_per_key"].as_f64().unwrap_or(f64::NAN);
+            let theirs = memory["governor_bytes_per_key"].as_f64().unwrap_or(f64::NAN);
+            self.line("Memory per key after 100k keyed limits, resident bytes measured in a fresh process:
+");
+            self.line("| lanes | governor (keyed, DashMap) | within bar (≤ governor) |");
+            self.line("|---|---|---|");
+            let row = format!("| {ours:.0} B | {theirs:.0} B | {} |", pass(ours <= theirs));
+            self.line(&row);
+            self.line("");
+        }
+
+        self.line(
+            "## Suite 7 — fair wait queue
+",
+        );
+        if let Some(f) = result("fairness") {
+            let grants = f["measured_grants"].as_u64().unwrap_or(0);
+            let requests = f["requests"].as_u64().unwrap_or(0);
+            self.line(&format!(
+                "{requests} requests from 10 tenants, one sending 90%, all queued on one permit; the first {grants} grants, through the async facades (a correctness result):
+"
+            ));
+            let counts = |key: &str| {
+                f[key].as_array().map_or(String::new(), |a| {
+                    a.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(" / ")
+                })
+            };
+            let jain_eq = f["lanes_equal_jain"].as_f64().unwrap_or(0.0);
+            let jain_fifo = f["tokio_fifo_jain"].as_f64().unwrap_or(0.0);
+            let err = f["lanes_weighted_max_share_error"].as_f64().unwrap_or(1.0);
+            self.line("| queue | grants per tenant (heavy tenant first) | result | bar | |");
+            self.line("|---|---|---|---|---|");
+            let rows = [
+                format!(
+                    "| lanes, weights 1:1 | {} | Jain index {jain_eq:.3} | ≥ 0.99 | {} |",
+                    counts("lanes_equal_counts"),
+                    pass(jain_eq >= 0.99)
+                ),
+                format!(
+                    "| lanes, weights 3:1 (heavy tenant 3) | {} | max share error {:.1}% | ±2% | {} |",
+                    counts("lanes_weighted_counts"),
+                    err * 100.0,
+                    pass(err <= 0.02)
+                ),
+                format!(
+                    "| tokio `Semaphore` (FIFO baseline) | {} | Jain index {jain_fifo:.3} | — | unfair by design |",
+                    counts("tokio_fifo_counts")
+                ),
+            ];
+            for row in rows {
+                self.line(&row);
+            }
+            self.line("");
+        }
+        self.line("Per-dequeue cost of the wait queue with every key holding 2 waiters (pop + push, time per pair), against a `VecDeque` FIFO floor:
+");
+        self.line("| keys | lanes `WaitQueue` | `VecDeque` floor | ratio |");
+        self.line("|---|---|---|---|");
+        let floor = self.get("wait_queue_dequeue/vecdeque_floor");
+        for keys in [10u32, 1_000, 100_000] {
+            let ours = self.get(&format!("wait_queue_dequeue/lanes_pop_push/{keys}"));
+            let ratio = match (ours, floor) {
+                (Some(o), Some(f)) => format!("{:.0}×", o / f),
+                _ => "—".to_owned(),
+            };
+            let row = format!(
+                "| {keys} | {} | {} | {ratio} |",
+                ours.map_or("—".to_owned(), fmt_ns),
+                floor.map_or("—".to_owned(), fmt_ns)
+            );
+            self.line(&row);
+        }
+        self.line("");
+    }
+}
+
 fn main() {
     let workspace =
         Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_owned();
@@ -176,6 +350,7 @@ fn main() {
 
     let (cas, _mutex) = report.calibration();
     report.lanes(cas);
+    report.limits();
 
     if !report.missing.is_empty() {
         let mut note = String::from("Not measured in this run: ");

@@ -5,7 +5,7 @@ use std::process::Command;
 #[test]
 fn demo_runs_and_every_admitted_run_is_finalized() {
     let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
-        .args(["demo", "--runs", "1500", "--burst", "400", "--seed", "3"])
+        .args(["demo", "lanes", "--runs", "1500", "--burst", "400", "--seed", "3"])
         .output()
         .expect("run the lanes binary");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -15,6 +15,28 @@ fn demo_runs_and_every_admitted_run_is_finalized() {
     assert_eq!(reconciles.split_whitespace().collect::<Vec<_>>(), ["reconciles", "yes", "yes"]);
     assert!(stdout.contains("admitted runs was finalized exactly once"), "{stdout}");
     assert!(!stderr.contains("simulated job panic"), "simulated panics are kept quiet");
+}
+
+#[test]
+fn demo_limits_shares_the_downstream_fairly() {
+    let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["demo", "limits", "--seconds", "1.5"])
+        .output()
+        .expect("run the lanes binary");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let line = stdout.lines().find(|l| l.starts_with("fairness")).expect("a fairness line");
+    let index: f64 = line
+        .split(": ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("an index");
+    assert!(index > 0.9, "{line}");
+    assert!(line.contains("most held at once: 10 of 10") || line.contains("of 10"), "{line}");
+    for tenant in ["acme", "globex", "initech", "umbrella"] {
+        assert!(stdout.contains(tenant), "{stdout}");
+    }
 }
 
 #[test]

@@ -7,11 +7,12 @@
 //!
 //! Every check panics with a message naming the scenario, as a test assertion does.
 //!
-//! ```no_run
-//! # async fn demo() {
+//! ```
 //! use std::sync::Arc;
 //! use lanes::limit::{LocalLimits, conformance};
 //!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
 //! conformance::run_all("local", |max_waiters| Arc::new(LocalLimits::with_max_waiters(max_waiters))).await;
 //! # }
 //! ```

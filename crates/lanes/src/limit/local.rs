@@ -10,7 +10,6 @@
 //! which sleeps until the refill. Only the head ever sleeps on a refill, so a limit has one
 //! timer, not one per waiter.
 
-use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::future::poll_fn;
 use std::pin::Pin;
@@ -24,18 +23,16 @@ use tokio::time::{Instant, Sleep, sleep_until};
 use super::backend::{Answer, LimitBackend};
 use super::priority::Priority;
 use super::spec::LimitSpec;
-use super::table::{Acquire, Grant, LimitError, LimitInfo, LimitTable, Next};
+use super::table::{Acquire, FastMap, Grant, LimitError, LimitInfo, LimitTable, Next};
 use crate::BoxFuture;
 use crate::util::lock;
 
 #[derive(Debug)]
 struct Inner {
     table: LimitTable,
-    /// Interned limit names, handed to permits.
-    names: BTreeMap<String, Arc<str>>,
     /// Waiters' wakers by ticket (tickets are unique per backend). Only looked up, never
     /// iterated, so the map's order cannot leak into answers.
-    wakers: HashMap<u64, Waker>,
+    wakers: FastMap<u64, Waker>,
 }
 
 /// Limits held in this process. Reachable directly through [`Limits::new`](super::Limits::new)
@@ -69,8 +66,7 @@ impl LocalLimits {
         Self {
             inner: Mutex::new(Inner {
                 table: LimitTable::with_max_waiters(max_waiters),
-                names: BTreeMap::new(),
-                wakers: HashMap::new(),
+                wakers: FastMap::default(),
             }),
             origin: Instant::now(),
             tickets: AtomicU64::new(1),
@@ -88,9 +84,6 @@ impl LocalLimits {
     pub(crate) fn define_now(&self, name: &str, spec: LimitSpec) -> Result<(), LimitError> {
         let mut inner = lock(&self.inner);
         inner.table.define(name, spec)?;
-        if !inner.names.contains_key(name) {
-            inner.names.insert(name.to_owned(), Arc::from(name));
-        }
         // A larger spec may let waiters in.
         Self::pump(&mut inner, name, self.now());
         Ok(())
@@ -99,7 +92,6 @@ impl LocalLimits {
     pub(crate) fn remove_now(&self, name: &str) -> Result<(), LimitError> {
         let mut inner = lock(&self.inner);
         inner.table.remove(name, self.now())?;
-        inner.names.remove(name);
         Ok(())
     }
 
@@ -115,7 +107,9 @@ impl LocalLimits {
         let answer = inner.table.acquire(name, ticket, priority, self.now())?;
         match answer {
             Acquire::Granted(_) => {
-                inner.wakers.remove(&ticket);
+                if !inner.wakers.is_empty() {
+                    inner.wakers.remove(&ticket);
+                }
             }
             Acquire::Queued | Acquire::RetryAt(_) => match inner.wakers.get_mut(&ticket) {
                 Some(existing) if existing.will_wake(waker) => {}
@@ -125,7 +119,7 @@ impl LocalLimits {
                 }
             },
         }
-        let name = inner.names.get(name).cloned().unwrap_or_else(|| Arc::from(name));
+        let name = inner.table.name(name).unwrap_or_else(|| Arc::from(name));
         Ok((answer, name))
     }
 
@@ -183,7 +177,7 @@ impl LocalLimits {
         let now = self.now();
         match inner.table.acquire(name, ticket, priority, now)? {
             Acquire::Granted(grant) => {
-                let name = inner.names.get(name).cloned().unwrap_or_else(|| Arc::from(name));
+                let name = inner.table.name(name).unwrap_or_else(|| Arc::from(name));
                 Ok(Some((name, ticket, grant)))
             }
             Acquire::Queued | Acquire::RetryAt(_) => {
@@ -200,7 +194,9 @@ impl LocalLimits {
     pub(crate) fn release_now(&self, name: &str, ticket: u64) {
         let mut inner = lock(&self.inner);
         let now = self.now();
-        inner.wakers.remove(&ticket);
+        if !inner.wakers.is_empty() {
+            inner.wakers.remove(&ticket);
+        }
         if inner.table.release(name, ticket, now).is_ok() {
             Self::pump(&mut inner, name, now);
         }
@@ -209,6 +205,10 @@ impl LocalLimits {
     /// Grants the queue head(s) on their waiters' behalf and wakes them; wakes a head that waits
     /// for a refill so it (re)arms the limit's one timer.
     fn pump(inner: &mut Inner, name: &str, now: Duration) {
+        if inner.wakers.is_empty() {
+            // Nobody waits in this backend: nothing to grant on anyone's behalf.
+            return;
+        }
         while let Ok(Some((ticket, _))) = inner.table.grant_next(name, now, None) {
             if let Some(waker) = inner.wakers.remove(&ticket) {
                 waker.wake();
@@ -244,8 +244,8 @@ impl LocalLimits {
         })
     }
 
-    /// Resolves when the answer for `ticket` may have changed (a pump granted it or made it the
-    /// head waiting for a refill; it is no longer waiting), or after `at_most`.
+    /// Resolves when the answer for `ticket` may have changed (it was granted on its behalf, it
+    /// is the head and not blocked by held permits, it no longer waits), or after `at_most`.
     pub(crate) async fn wait_now(&self, name: &str, ticket: u64, at_most: Duration) {
         let sleep = tokio::time::sleep(at_most);
         tokio::pin!(sleep);
@@ -255,9 +255,12 @@ impl LocalLimits {
             }
             let mut inner = lock(&self.inner);
             let now = self.now();
-            let head_waits_for_refill =
-                matches!(inner.table.next(name, now), Ok(Some(Next::At(head, _))) if head == ticket);
-            if !inner.table.is_waiting(name, ticket) || head_waits_for_refill {
+            // Served next and not blocked by held permits: asking again answers something new.
+            let head_can_move = matches!(
+                inner.table.next(name, now),
+                Ok(Some(Next::Ready(head) | Next::At(head, _))) if head == ticket
+            );
+            if !inner.table.is_waiting(name, ticket) || head_can_move {
                 return Poll::Ready(());
             }
             match inner.wakers.get_mut(&ticket) {

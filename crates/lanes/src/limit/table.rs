@@ -10,12 +10,16 @@
 //! 3. A leased permit whose lease has expired at `now` no longer counts; it is reclaimed by the
 //!    next operation on its limit.
 //! 4. Fencing tokens grow strictly per limit, one per grant.
+//! 5. Limits are found by hashing their name, but nothing iterates the hash map in its own
+//!    order: listings, expiries and the saved form are sorted by name, so answers and saved
+//!    bytes stay deterministic.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::priority::Priority;
 use super::queue::WaitQueue;
@@ -158,11 +162,19 @@ struct Held {
     grant: Grant,
 }
 
+/// A hash map with a fast, per-process-seeded hasher (limit names can come from clients).
+pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+fn sorted_held<S: Serializer>(held: &FastMap<u64, Held>, serializer: S) -> Result<S::Ok, S::Error> {
+    held.iter().collect::<BTreeMap<_, _>>().serialize(serializer)
+}
+
 /// One limit's state.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct LimitState {
     spec: LimitSpec,
-    held: BTreeMap<u64, Held>,
+    #[serde(serialize_with = "sorted_held")]
+    held: FastMap<u64, Held>,
     queue: WaitQueue,
     /// GCRA's theoretical arrival time.
     tat: Duration,
@@ -177,7 +189,7 @@ impl LimitState {
     fn new(spec: LimitSpec) -> Self {
         Self {
             spec,
-            held: BTreeMap::new(),
+            held: FastMap::default(),
             queue: WaitQueue::new(),
             tat: Duration::ZERO,
             granted_total: 0,
@@ -265,8 +277,22 @@ impl LimitState {
 /// ```
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LimitTable {
-    limits: BTreeMap<String, LimitState>,
+    #[serde(serialize_with = "sorted", deserialize_with = "unsorted")]
+    limits: FastMap<Arc<str>, LimitState>,
     max_waiters: usize,
+}
+
+fn sorted<S: Serializer>(
+    limits: &FastMap<Arc<str>, LimitState>,
+    serializer: S,
+) -> Result<S::Ok, S::Error> {
+    limits.iter().collect::<BTreeMap<_, _>>().serialize(serializer)
+}
+
+fn unsorted<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<FastMap<Arc<str>, LimitState>, D::Error> {
+    BTreeMap::<Arc<str>, LimitState>::deserialize(deserializer).map(|m| m.into_iter().collect())
 }
 
 impl Default for LimitTable {
@@ -287,7 +313,7 @@ impl LimitTable {
 
     /// An empty table allowing `max_waiters` waiters per limit.
     pub fn with_max_waiters(max_waiters: usize) -> Self {
-        Self { limits: BTreeMap::new(), max_waiters }
+        Self { limits: FastMap::default(), max_waiters }
     }
 
     /// The maximum of waiters per limit.
@@ -306,7 +332,7 @@ impl LimitTable {
         match self.limits.get_mut(name) {
             Some(state) => state.spec = spec,
             None => {
-                self.limits.insert(name.to_owned(), LimitState::new(spec));
+                self.limits.insert(Arc::from(name), LimitState::new(spec));
             }
         }
         Ok(())
@@ -370,6 +396,22 @@ impl LimitTable {
         state.expire(now, &mut Vec::new());
         if let Some(held) = state.held.get(&ticket) {
             return Ok(Acquire::Granted(held.grant));
+        }
+        // Nobody waits: the ticket would be the head at once, so skip the queue.
+        if state.queue.is_empty() && state.in_use() < state.spec.concurrent {
+            return Ok(match state.rate_check(now) {
+                Ok(_) => Acquire::Granted(state.grant(ticket, now, lease)),
+                Err(at) => {
+                    if max_waiters == 0 {
+                        return Err(LimitError::TooManyWaiters {
+                            limit: name.to_owned(),
+                            max: max_waiters,
+                        });
+                    }
+                    state.queue.push(ticket, priority);
+                    Acquire::RetryAt(at)
+                }
+            });
         }
         if !state.queue.contains(ticket) {
             if state.queue.len() >= max_waiters {
@@ -475,8 +517,9 @@ impl LimitTable {
         for (name, state) in &mut self.limits {
             let mut reclaimed = Vec::new();
             state.expire(now, &mut reclaimed);
-            out.extend(reclaimed.into_iter().map(|ticket| (name.clone(), ticket)));
+            out.extend(reclaimed.into_iter().map(|ticket| (name.to_string(), ticket)));
         }
+        out.sort();
         out
     }
 
@@ -508,12 +551,20 @@ impl LimitTable {
     }
 
     /// Every limit's name and spec, in name order.
-    pub fn list(&self) -> impl Iterator<Item = (&str, &LimitSpec)> {
-        self.limits.iter().map(|(name, state)| (name.as_str(), &state.spec))
+    pub fn list(&self) -> Vec<(&str, &LimitSpec)> {
+        let mut list: Vec<_> =
+            self.limits.iter().map(|(name, state)| (&**name, &state.spec)).collect();
+        list.sort_by(|a, b| a.0.cmp(b.0));
+        list
     }
 
     /// Every limit's state, in name order.
     pub fn infos(&self) -> Vec<LimitInfo> {
-        self.limits.keys().filter_map(|name| self.info(name)).collect()
+        self.list().into_iter().filter_map(|(name, _)| self.info(name)).collect()
+    }
+
+    /// The shared name of limit `name`, if defined (to hand out without allocating).
+    pub fn name(&self, name: &str) -> Option<Arc<str>> {
+        self.limits.get_key_value(name).map(|(name, _)| name.clone())
     }
 }

@@ -1,5 +1,5 @@
-//! `lanes demo`: a short, realistic workload through the library, with live progress and a final
-//! table read from the registry's snapshot.
+//! The run-lane scenario: 10k varied jobs through a blocking and a background lane, an overload
+//! burst, then a close.
 
 use std::fmt::Write as _;
 use std::io::{IsTerminal, Write as _};
@@ -9,34 +9,7 @@ use std::time::{Duration, Instant};
 use lanes::{BoxError, LaneLimits, LaneSet, LaneSetSnapshot, Registry, Run, RunContext};
 use tokio::time::sleep;
 
-/// Options of `lanes demo`.
-#[derive(Debug, clap::Args)]
-pub(crate) struct DemoArgs {
-    /// Jobs submitted in the steady phase.
-    #[arg(long, default_value_t = 10_000)]
-    runs: usize,
-    /// Jobs submitted at once in the overload burst.
-    #[arg(long, default_value_t = 3_000)]
-    burst: usize,
-    /// Seed of the workload's randomness (the same seed gives the same workload).
-    #[arg(long, default_value_t = 7)]
-    seed: u64,
-}
-
-/// xorshift64*: the demo needs repeatable variety, not statistical quality.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
-    }
-}
+use super::{DemoArgs, Rng, percentile};
 
 /// What the jobs and finalizers saw.
 #[derive(Default)]
@@ -50,15 +23,8 @@ struct Waits {
 
 const PANIC_MESSAGE: &str = "demo: simulated job panic";
 
-pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
-    // Simulated panics are part of the workload; any other panic still prints.
-    let previous = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        if info.payload_as_str() != Some(PANIC_MESSAGE) {
-            previous(info);
-        }
-    }));
-
+pub(super) async fn run(args: &DemoArgs) -> Result<(), BoxError> {
+    super::quiet_panics(PANIC_MESSAGE);
     let registry = Registry::new();
     let lanes = LaneSet::builder()
         .lane("blocking", LaneLimits::new(8, 64))
@@ -73,7 +39,7 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
     let progress = tokio::spawn(progress(registry.clone(), started));
 
     println!(
-        "lanes demo: {} jobs through a blocking lane (8 running + 64 queued) and a background \
+        "run lanes: {} jobs through a blocking lane (8 running + 64 queued) and a background \
          lane (4 + 512), then a burst of {}, then a close.\n",
         args.runs, args.burst
     );
@@ -228,14 +194,6 @@ async fn progress(registry: Registry, started: Instant) {
         }
         let _ = out.flush();
     }
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[rank.min(sorted.len() - 1)]
 }
 
 /// How one row of the final table reads a lane.
