@@ -7,6 +7,7 @@
 //! |---|---|---|
 //! | [`lane`] | [`LaneSet`], [`Lane`] | owned runs: `concurrent` execution slots + `queued` waiting slots, strict FIFO, finalizer exactly once |
 //! | [`limit`] | [`Limits`], [`LimitSpec`], [`Permit`] | permits held at once and granted per second, waiters ordered by [`Priority`] |
+//! | [`pool`] | [`Dispatcher`](pool::Dispatcher), [`KeyedPool`](pool::KeyedPool) | items queued and in flight; per-key order |
 //! | [`registry`] | [`Registry`], [`Snapshot`] | nothing: it reports what the others hold, as serde JSON |
 //!
 //! # Example
@@ -48,6 +49,7 @@
 
 pub mod lane;
 pub mod limit;
+pub mod pool;
 pub mod registry;
 
 mod util;

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::lane::{ConfigError, ConfigRule, LaneSetSnapshot};
 use crate::limit::LimitInfo;
+use crate::pool::PoolSnapshot;
 use crate::util::lock;
 
 /// Something that reports into a [`Snapshot`].
@@ -110,6 +111,8 @@ pub struct Snapshot {
     pub lane_sets: BTreeMap<String, LaneSetSnapshot>,
     /// Limits by registered name, each in limit-name order.
     pub limits: BTreeMap<String, Vec<LimitInfo>>,
+    /// Dispatchers and keyed pools by registered name.
+    pub pools: BTreeMap<String, PoolSnapshot>,
 }
 
 impl Snapshot {

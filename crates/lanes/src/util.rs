@@ -1,5 +1,6 @@
 //! Small shared helpers: panic containment for futures and callbacks.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
@@ -64,4 +65,51 @@ impl<F: Future> Future for CatchUnwind<F> {
 /// Locks a mutex whose critical sections never panic; a poisoned lock is still consistent.
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A hash map with a fast, per-map-seeded hasher (keys can come from clients). Never iterate
+/// it where the order could reach an answer.
+pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+/// A panic payload, kept for a caller that asked for it (a pool's `on_panic`).
+pub(crate) type PanicPayload = Box<dyn std::any::Any + Send>;
+
+pin_project_lite::pin_project! {
+    /// Polls `inner`, turning a panic into its payload. After a panic the inner future is never
+    /// polled again.
+    #[derive(Debug)]
+    pub(crate) struct CatchPanic<F> {
+        #[pin]
+        inner: F,
+        done: bool,
+    }
+}
+
+impl<F> CatchPanic<F> {
+    pub(crate) fn new(inner: F) -> Self {
+        Self { inner, done: false }
+    }
+}
+
+impl<F: Future> Future for CatchPanic<F> {
+    type Output = Result<F::Output, PanicPayload>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        assert!(!*this.done, "CatchPanic polled after a panic");
+        let inner = this.inner;
+        match catch_unwind(AssertUnwindSafe(move || inner.poll(cx))) {
+            Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(payload) => {
+                *this.done = true;
+                Poll::Ready(Err(payload))
+            }
+        }
+    }
+}
+
+/// Drops a value (a panic payload, an item) without letting a panicking `Drop` escape.
+pub(crate) fn drop_contained<T>(value: T) {
+    let _ = catch_unwind(AssertUnwindSafe(move || drop(value)));
 }

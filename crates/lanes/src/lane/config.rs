@@ -68,6 +68,8 @@ pub enum ConfigRule {
     Duplicate,
     /// The operation is not supported by this configuration.
     Unsupported,
+    /// Building needs a tokio runtime (call it inside one).
+    NoRuntime,
 }
 
 /// An invalid configuration: names the field and the rule it broke.
@@ -122,6 +124,7 @@ impl fmt::Display for ConfigError {
             ConfigRule::NoLanes => f.write_str("must name at least one lane"),
             ConfigRule::Duplicate => f.write_str("is already taken"),
             ConfigRule::Unsupported => f.write_str("is not supported here"),
+            ConfigRule::NoRuntime => f.write_str("needs a tokio runtime (build inside one)"),
         }
     }
 }

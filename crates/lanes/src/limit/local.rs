@@ -23,8 +23,9 @@ use tokio::time::{Instant, Sleep, sleep_until};
 use super::backend::{Answer, LimitBackend};
 use super::priority::Priority;
 use super::spec::LimitSpec;
-use super::table::{Acquire, FastMap, Grant, LimitError, LimitInfo, LimitTable, Next};
+use super::table::{Acquire, Grant, LimitError, LimitInfo, LimitTable, Next};
 use crate::BoxFuture;
+use crate::util::FastMap;
 use crate::util::lock;
 
 #[derive(Debug)]

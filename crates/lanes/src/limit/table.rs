@@ -14,7 +14,7 @@
 //!    order: listings, expiries and the saved form are sorted by name, so answers and saved
 //!    bytes stay deterministic.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +24,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::priority::Priority;
 use super::queue::WaitQueue;
 use super::spec::{LimitSpec, SpecError};
+use crate::util::FastMap;
 
 /// The answer to an acquire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -161,9 +162,6 @@ impl From<SpecError> for LimitError {
 struct Held {
     grant: Grant,
 }
-
-/// A hash map with a fast, per-process-seeded hasher (limit names can come from clients).
-pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 fn sorted_held<S: Serializer>(held: &FastMap<u64, Held>, serializer: S) -> Result<S::Ok, S::Error> {
     held.iter().collect::<BTreeMap<_, _>>().serialize(serializer)

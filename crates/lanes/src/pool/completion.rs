@@ -1,0 +1,214 @@
+//! Completion tracking: items are processed here, but *completed* by another processor that
+//! signals it by writing the item's key somewhere (a NATS KV bucket in `lanes-nats`).
+
+use std::fmt;
+use std::future::{Future, poll_fn};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_core::Stream;
+use serde::{Deserialize, Serialize};
+use tokio::task::AbortHandle;
+
+use crate::util::{CatchPanic, FastMap, call_contained, drop_contained, lock};
+use crate::{BoxError, BoxFuture};
+
+/// Completion signals: the key of each completed item, or an error that broke the watch (the
+/// stream ends after it).
+pub type CompletionStream = Pin<Box<dyn Stream<Item = Result<String, BoxError>> + Send>>;
+
+/// Where completion signals come from.
+pub trait CompletionSource: Send + Sync + 'static {
+    /// Starts watching. When the future resolves, the watch is established: every signal
+    /// written from then on is delivered. Signals written before (what a store would replay
+    /// first) are not delivered, and neither are deletions.
+    fn watch(&self) -> BoxFuture<'_, Result<CompletionStream, BoxError>>;
+}
+
+/// The state of a dispatcher's completion tracking, in its snapshot.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct CompletionSnapshot {
+    /// Items waiting for their completion signal.
+    pub tracked: usize,
+    /// The bound on tracked items.
+    pub max_tracked: usize,
+    /// Signals that matched a tracked item (each fired `on_complete` once).
+    pub completed: u64,
+    /// Signals for keys nobody tracks (ignored).
+    pub untracked: u64,
+    /// Times the watch broke (each reported to `on_watch_error`).
+    pub watch_failures: u64,
+    /// The last error that broke the watch, while it is broken.
+    pub broken: Option<String>,
+}
+
+type OnComplete<T> = Box<dyn Fn(T) -> BoxFuture<'static, Result<(), BoxError>> + Send + Sync>;
+
+pub(crate) struct Tracker<T> {
+    items: Mutex<FastMap<String, T>>,
+    pub(crate) max: usize,
+    pub(crate) key_of: Box<dyn Fn(&T) -> String + Send + Sync>,
+    /// Tracked items are clones: the original goes to the process function.
+    pub(crate) clone_item: Box<dyn Fn(&T) -> T + Send + Sync>,
+    on_complete: OnComplete<T>,
+    on_watch_error: Option<Box<dyn Fn(BoxError) + Send + Sync>>,
+    on_error: Option<Arc<dyn Fn(BoxError) + Send + Sync>>,
+    status: Mutex<CompletionSnapshot>,
+    watcher: Mutex<Option<AbortHandle>>,
+}
+
+impl<T> fmt::Debug for Tracker<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tracker").field("status", &*lock(&self.status)).finish_non_exhaustive()
+    }
+}
+
+/// Why an item could not be tracked.
+pub(crate) enum Untracked {
+    Duplicate,
+    Full,
+}
+
+impl<T: Send + 'static> Tracker<T> {
+    pub(crate) fn new<C, Fut, E>(
+        max: usize,
+        key_of: Box<dyn Fn(&T) -> String + Send + Sync>,
+        clone_item: Box<dyn Fn(&T) -> T + Send + Sync>,
+        on_complete: C,
+        on_watch_error: Option<Box<dyn Fn(BoxError) + Send + Sync>>,
+        on_error: Option<Arc<dyn Fn(BoxError) + Send + Sync>>,
+    ) -> Self
+    where
+        C: Fn(T) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Into<BoxError> + 'static,
+    {
+        let on_complete: OnComplete<T> = Box::new(move |item| {
+            let fut = on_complete(item);
+            Box::pin(async move { fut.await.map_err(Into::into) })
+        });
+        Self {
+            items: Mutex::new(FastMap::default()),
+            max,
+            key_of,
+            clone_item,
+            on_complete,
+            on_watch_error,
+            on_error,
+            status: Mutex::new(CompletionSnapshot { max_tracked: max, ..Default::default() }),
+            watcher: Mutex::new(None),
+        }
+    }
+
+    /// Registers `item` under `key` before it is enqueued.
+    pub(crate) fn track(&self, key: String, item: T) -> Result<(), Untracked> {
+        let mut items = lock(&self.items);
+        if items.contains_key(&key) {
+            return Err(Untracked::Duplicate);
+        }
+        if items.len() >= self.max {
+            return Err(Untracked::Full);
+        }
+        items.insert(key, item);
+        Ok(())
+    }
+
+    /// Rolls a registration back (the submit was refused).
+    pub(crate) fn forget(&self, key: &str) {
+        let removed = lock(&self.items).remove(key);
+        drop_contained(removed);
+    }
+
+    pub(crate) fn snapshot(&self) -> CompletionSnapshot {
+        let mut status = lock(&self.status).clone();
+        status.tracked = lock(&self.items).len();
+        status
+    }
+
+    /// Watches `stream`, then re-establishes the watch with back-off whenever it breaks, until
+    /// stopped.
+    pub(crate) fn spawn_watcher(
+        self: &Arc<Self>,
+        source: Arc<dyn CompletionSource>,
+        first: CompletionStream,
+    ) {
+        let tracker = self.clone();
+        let handle = tokio::spawn(async move {
+            let mut stream = Some(first);
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                if let Some(watch) = stream.take() {
+                    let broke = tracker.consume(watch).await;
+                    tracker.broken(broke);
+                    backoff = Duration::from_millis(50);
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                match source.watch().await {
+                    Ok(watch) => {
+                        lock(&tracker.status).broken = None;
+                        stream = Some(watch);
+                    }
+                    Err(err) => tracker.broken(err),
+                }
+            }
+        });
+        *lock(&self.watcher) = Some(handle.abort_handle());
+    }
+
+    /// Consumes signals until the watch breaks; returns why.
+    async fn consume(&self, mut watch: CompletionStream) -> BoxError {
+        loop {
+            match poll_fn(|cx| watch.as_mut().poll_next(cx)).await {
+                Some(Ok(key)) => self.complete(&key).await,
+                Some(Err(err)) => return err,
+                None => return "the completion watch ended".into(),
+            }
+        }
+    }
+
+    async fn complete(&self, key: &str) {
+        let Some(item) = lock(&self.items).remove(key) else {
+            lock(&self.status).untracked += 1;
+            return;
+        };
+        lock(&self.status).completed += 1;
+        let result = match call_contained(|| (self.on_complete)(item)) {
+            Ok(fut) => CatchPanic::new(fut).await.unwrap_or_else(|payload| {
+                drop_contained(payload);
+                Err("on_complete panicked".into())
+            }),
+            Err(_) => Err("on_complete panicked".into()),
+        };
+        if let (Err(err), Some(on_error)) = (result, &self.on_error) {
+            let _ = call_contained(|| on_error(err));
+        }
+    }
+
+    fn broken(&self, err: BoxError) {
+        {
+            let mut status = lock(&self.status);
+            status.watch_failures += 1;
+            status.broken = Some(err.to_string());
+        }
+        match &self.on_watch_error {
+            Some(report) => {
+                let _ = call_contained(|| report(err));
+            }
+            None => drop_contained(err),
+        }
+    }
+
+    pub(crate) fn stop_watching(&self) {
+        if let Some(watcher) = lock(&self.watcher).take() {
+            watcher.abort();
+        }
+    }
+
+    /// How many items wait for their signal (for tests and the snapshot).
+    pub(crate) fn tracked(&self) -> usize {
+        lock(&self.items).len()
+    }
+}

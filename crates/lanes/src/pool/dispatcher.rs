@@ -1,0 +1,466 @@
+//! `Dispatcher`: a bounded queue drained by a fixed number of workers, in no particular order,
+//! with optional completion tracking.
+
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::completion::{CompletionSource, Tracker, Untracked};
+use super::engine::{self, Core, Engine, Hooks, ItemLimit, Phase, PoolStats, Queued, Unkeyed};
+use super::error::{AbortReport, StopTimeout, SubmitError};
+use super::report::{PoolKind, Reporter};
+use super::sched::Fifo;
+use crate::BoxError;
+use crate::lane::{ConfigError, ConfigRule};
+use crate::limit::{Limits, Priority};
+use crate::registry::{Registry, Source};
+use crate::util::PanicPayload;
+
+/// A bounded work queue drained by `workers` tasks: at most `workers` items in flight, in no
+/// particular order.
+///
+/// # Overflow
+///
+/// [`submit`](Dispatcher::submit) never waits: a full queue hands the item back in
+/// [`SubmitError::Full`] and the `rejected` counter moves. [`submit_blocking`]
+/// (Dispatcher::submit_blocking) waits for room instead.
+///
+/// # Shutdown
+///
+/// [`stop`](Dispatcher::stop) refuses new items at once (handing them back in
+/// [`SubmitError::Stopped`], including to producers parked in `submit_blocking`) and waits for
+/// every accepted item to be processed. A stop that times out keeps draining; a later stop can
+/// observe the end. Every `submit` that returned `Ok` is processed before `stop` returns `Ok`.
+/// [`abort`](Dispatcher::abort) discards queued items and cancels in-flight ones, counting both.
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use lanes::pool::Dispatcher;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let dispatcher = Dispatcher::builder()
+///     .workers(4)
+///     .queue_size(100)
+///     .build(|n: u64| async move {
+///         // process the item
+///         Ok::<_, std::io::Error>(())
+///     })?;
+/// for n in 0..10 {
+///     dispatcher.submit(n)?;
+/// }
+/// dispatcher.stop(Duration::from_secs(5)).await?;
+/// assert_eq!(dispatcher.stats().completed, 10);
+/// # Ok(())
+/// # }
+/// ```
+pub struct Dispatcher<T> {
+    core: Arc<dyn Core<T>>,
+    tracker: Option<Arc<Tracker<T>>>,
+    _reporter: Arc<dyn Source>,
+}
+
+impl<T: Send + 'static> Dispatcher<T> {
+    /// Starts configuring a dispatcher.
+    pub fn builder() -> DispatcherBuilder<T> {
+        DispatcherBuilder::new()
+    }
+
+    /// Enqueues `item` without waiting.
+    ///
+    /// # Errors
+    ///
+    /// Hands the item back: [`SubmitError::Full`], [`SubmitError::Stopped`], and with
+    /// completion tracking [`SubmitError::DuplicateKey`] (an item with the same key is in
+    /// flight) or [`SubmitError::TrackingFull`].
+    pub fn submit(&self, item: T) -> Result<(), SubmitError<T>> {
+        let Some(tracker) = &self.tracker else {
+            return self.core.submit(item);
+        };
+        self.submit_tracked(tracker, item, |core, item| core.submit(item))
+    }
+
+    /// Enqueues `item`, waiting for room.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves drops the item without enqueuing it; nothing
+    /// else changes.
+    ///
+    /// # Errors
+    ///
+    /// [`SubmitError::Stopped`] once the dispatcher stops accepting (a producer parked here is
+    /// released at once), or the tracking errors of [`submit`](Self::submit).
+    pub async fn submit_blocking(&self, item: T) -> Result<(), SubmitError<T>> {
+        let Some(tracker) = &self.tracker else {
+            return engine::submit_blocking(&*self.core, item).await;
+        };
+        // Registered before waiting, so a completion written while the producer waits for
+        // room still matches.
+        let key = (tracker.key_of)(&item);
+        let item = Self::register(tracker, &key, item)?;
+        let submitted = engine::submit_blocking(&*self.core, item).await;
+        if submitted.is_err() {
+            tracker.forget(&key);
+        }
+        submitted
+    }
+
+    fn submit_tracked(
+        &self,
+        tracker: &Tracker<T>,
+        item: T,
+        submit: impl FnOnce(&dyn Core<T>, T) -> Result<(), SubmitError<T>>,
+    ) -> Result<(), SubmitError<T>> {
+        let key = (tracker.key_of)(&item);
+        let item = Self::register(tracker, &key, item)?;
+        let submitted = submit(&*self.core, item);
+        if submitted.is_err() {
+            tracker.forget(&key);
+        }
+        submitted
+    }
+
+    /// Registers a clone of `item` under `key` (before it is enqueued), handing the item back.
+    fn register(tracker: &Tracker<T>, key: &str, item: T) -> Result<T, SubmitError<T>> {
+        match tracker.track(key.to_owned(), (tracker.clone_item)(&item)) {
+            Ok(()) => Ok(item),
+            Err(Untracked::Duplicate) => Err(SubmitError::DuplicateKey(item)),
+            Err(Untracked::Full) => Err(SubmitError::TrackingFull(item)),
+        }
+    }
+
+    /// Stops accepting and waits up to `timeout` for every accepted item to be processed, then
+    /// stops completion tracking. Idempotent; safe to call again after a timeout.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future stops the waiting only: the dispatcher keeps draining.
+    ///
+    /// # Errors
+    ///
+    /// [`StopTimeout`] if items are still queued or in flight after `timeout`; draining goes
+    /// on.
+    pub async fn stop(&self, timeout: Duration) -> Result<(), StopTimeout> {
+        self.core.begin_stop();
+        engine::wait_finished(&*self.core, timeout).await?;
+        if let Some(tracker) = &self.tracker {
+            tracker.stop_watching();
+        }
+        Ok(())
+    }
+
+    /// Stops at once without draining: queued items are discarded, in-flight ones cancelled;
+    /// both are counted as `dropped`.
+    pub fn abort(&self) -> AbortReport {
+        let report = self.core.abort();
+        if let Some(tracker) = &self.tracker {
+            tracker.stop_watching();
+        }
+        report
+    }
+
+    /// The counters, as they are now.
+    pub fn stats(&self) -> PoolStats {
+        self.core.stats()
+    }
+
+    /// Where the dispatcher is in its life.
+    pub fn phase(&self) -> Phase {
+        self.core.phase()
+    }
+
+    /// Items waiting for their completion signal (0 without completion tracking).
+    pub fn tracked(&self) -> usize {
+        self.tracker.as_ref().map_or(0, |t| t.tracked())
+    }
+}
+
+impl<T> fmt::Debug for Dispatcher<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dispatcher")
+            .field("stats", &self.core.stats())
+            .field("phase", &self.core.phase())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Configures a [`Dispatcher`]. `workers` and `queue_size` are required.
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct DispatcherBuilder<T> {
+    workers: Option<usize>,
+    queue_size: Option<usize>,
+    common: Common<T>,
+    _item: PhantomData<fn(T)>,
+}
+
+/// What both pool builders configure the same way.
+pub(crate) struct Common<T> {
+    pub(crate) name: Option<String>,
+    pub(crate) registry: Option<(Registry, String)>,
+    pub(crate) limit: Option<ItemLimit>,
+    pub(crate) hooks: Hooks<T>,
+    pub(crate) on_error: Option<Arc<dyn Fn(BoxError) + Send + Sync>>,
+}
+
+impl<T> Default for Common<T> {
+    fn default() -> Self {
+        Self { name: None, registry: None, limit: None, hooks: Hooks::default(), on_error: None }
+    }
+}
+
+impl<T: Send + 'static> Common<T> {
+    pub(crate) fn on_error(&mut self, on_error: impl Fn(BoxError) + Send + Sync + 'static) {
+        let shared: Arc<dyn Fn(BoxError) + Send + Sync> = Arc::new(on_error);
+        let for_engine = shared.clone();
+        self.hooks.on_error = Some(Box::new(move |err| for_engine(err)));
+        self.on_error = Some(shared);
+    }
+
+    pub(crate) fn on_panic(&mut self, on_panic: impl Fn(T, PanicPayload) + Send + Sync + 'static)
+    where
+        T: Clone,
+    {
+        self.hooks.on_panic = Some((Box::new(T::clone), Box::new(on_panic)));
+    }
+
+    pub(crate) fn limit(&mut self, limits: &Limits, name: Arc<str>, priority: Priority) {
+        self.limit = Some(ItemLimit { limits: limits.clone(), name, priority });
+    }
+
+    /// The metrics label: the explicit name, else the registry name, else "unnamed".
+    pub(crate) fn label(&self) -> String {
+        self.name
+            .clone()
+            .or_else(|| self.registry.as_ref().map(|(_, name)| name.clone()))
+            .unwrap_or_else(|| "unnamed".to_owned())
+    }
+}
+
+pub(crate) fn require(value: Option<usize>, field: &str) -> Result<usize, ConfigError> {
+    match value {
+        None => Err(ConfigError::new(field, ConfigRule::Missing)),
+        Some(0) => Err(ConfigError::new(field, ConfigRule::Zero)),
+        Some(n) => Ok(n),
+    }
+}
+
+pub(crate) fn runtime() -> Result<(), ConfigError> {
+    tokio::runtime::Handle::try_current()
+        .map(drop)
+        .map_err(|_| ConfigError::new("runtime", ConfigRule::NoRuntime))
+}
+
+impl<T: Send + 'static> DispatcherBuilder<T> {
+    fn new() -> Self {
+        Self { workers: None, queue_size: None, common: Common::default(), _item: PhantomData }
+    }
+
+    /// Worker tasks: items in flight at most. At least 1.
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.workers = Some(workers);
+        self
+    }
+
+    /// Items that may wait. At least 1.
+    pub fn queue_size(mut self, queue_size: usize) -> Self {
+        self.queue_size = Some(queue_size);
+        self
+    }
+
+    /// The name of the dispatcher in metrics (`pool` label); defaults to the registry name.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.common.name = Some(name.into());
+        self
+    }
+
+    /// Reports the dispatcher in `registry` under `name`.
+    pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
+        self.common.registry = Some((registry.clone(), name.into()));
+        self
+    }
+
+    /// Every item takes a permit of limit `name` before it is processed.
+    pub fn limit(mut self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
+        self.common.limit(limits, name.into(), priority);
+        self
+    }
+
+    /// Called with the error of every item whose processing failed (and of every refused
+    /// permit, and of every failed `on_complete`).
+    pub fn on_error(mut self, on_error: impl Fn(BoxError) + Send + Sync + 'static) -> Self {
+        self.common.on_error(on_error);
+        self
+    }
+
+    /// Called with the item and the panic payload of every item whose processing panicked.
+    /// Keeps a clone of each item while it is processed.
+    pub fn on_panic(mut self, on_panic: impl Fn(T, PanicPayload) + Send + Sync + 'static) -> Self
+    where
+        T: Clone,
+    {
+        self.common.on_panic(on_panic);
+        self
+    }
+
+    /// Tracks completion signals from `source`: every item is registered under `key_of(&item)`
+    /// before it is enqueued, and `on_complete` runs once when a signal for its key arrives.
+    pub fn completion<K, C, Fut, E>(
+        self,
+        source: impl CompletionSource,
+        key_of: K,
+        on_complete: C,
+    ) -> TrackedDispatcherBuilder<T>
+    where
+        T: Clone,
+        K: Fn(&T) -> String + Send + Sync + 'static,
+        C: Fn(T) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Into<BoxError> + 'static,
+    {
+        let on_error = self.common.on_error.clone();
+        let make: MakeTracker<T> = Box::new(move |max, on_watch_error| {
+            let (key_of, clone_item) = (Box::new(key_of), Box::new(T::clone));
+            Tracker::new(max, key_of, clone_item, on_complete, on_watch_error, on_error)
+        });
+        TrackedDispatcherBuilder {
+            inner: self,
+            source: Arc::new(source),
+            make,
+            max_tracked: 10_000,
+            on_watch_error: None,
+        }
+    }
+
+    fn validate(&self) -> Result<(usize, usize), ConfigError> {
+        let workers = require(self.workers, "workers")?;
+        let queue_size = require(self.queue_size, "queue_size")?;
+        runtime()?;
+        Ok((workers, queue_size))
+    }
+
+    /// Builds the dispatcher and starts its workers. `process` is called once per item.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`]: `workers` or `queue_size` missing or zero, no tokio runtime, or a
+    /// registry name already taken.
+    pub fn build<P, Fut, E>(self, process: P) -> Result<Dispatcher<T>, ConfigError>
+    where
+        P: Fn(T) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Into<BoxError> + 'static,
+    {
+        self.finish(process, None)
+    }
+
+    fn finish<P, Fut, E>(
+        self,
+        process: P,
+        tracker: Option<Arc<Tracker<T>>>,
+    ) -> Result<Dispatcher<T>, ConfigError>
+    where
+        P: Fn(T) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Into<BoxError> + 'static,
+    {
+        let (workers, queue_size) = self.validate()?;
+        let label = self.common.label();
+        let Common { registry, limit, hooks, .. } = self.common;
+        let sched: Fifo<Queued<T>> = Fifo::new(queue_size);
+        let core: Arc<dyn Core<T>> =
+            Engine::start(sched, workers, Unkeyed(process), hooks, limit, &label);
+        let reporter: Arc<dyn Source> = Arc::new(Reporter {
+            kind: PoolKind::Dispatcher,
+            core: core.clone(),
+            tracker: tracker.clone(),
+        });
+        if let Some((registry, name)) = registry
+            && let Err(err) = registry.register(name, Arc::downgrade(&reporter))
+        {
+            core.abort();
+            return Err(err);
+        }
+        Ok(Dispatcher { core, tracker, _reporter: reporter })
+    }
+}
+
+impl<T> fmt::Debug for DispatcherBuilder<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DispatcherBuilder")
+            .field("workers", &self.workers)
+            .field("queue_size", &self.queue_size)
+            .finish_non_exhaustive()
+    }
+}
+
+type MakeTracker<T> =
+    Box<dyn FnOnce(usize, Option<Box<dyn Fn(BoxError) + Send + Sync>>) -> Tracker<T> + Send>;
+
+/// Configures a [`Dispatcher`] with completion tracking; see
+/// [`DispatcherBuilder::completion`].
+#[must_use = "a builder does nothing until `build` is called"]
+pub struct TrackedDispatcherBuilder<T> {
+    inner: DispatcherBuilder<T>,
+    source: Arc<dyn CompletionSource>,
+    make: MakeTracker<T>,
+    max_tracked: usize,
+    on_watch_error: Option<Box<dyn Fn(BoxError) + Send + Sync>>,
+}
+
+impl<T: Send + 'static> TrackedDispatcherBuilder<T> {
+    /// Items that may wait for their completion signal at once (default 10,000); one more is
+    /// refused with [`SubmitError::TrackingFull`]. At least 1.
+    pub fn max_tracked(mut self, max_tracked: usize) -> Self {
+        self.max_tracked = max_tracked;
+        self
+    }
+
+    /// Called whenever the completion watch breaks (it is re-established with back-off); the
+    /// break also shows in the snapshot.
+    pub fn on_watch_error(
+        mut self,
+        on_watch_error: impl Fn(BoxError) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_watch_error = Some(Box::new(on_watch_error));
+        self
+    }
+
+    /// Establishes the completion watch, then builds the dispatcher and starts its workers: a
+    /// signal written after this returns is never missed.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] as for [`DispatcherBuilder::build`] (and `max_tracked` of zero), or
+    /// the source's error if the watch cannot be established.
+    pub async fn build<P, Fut, E>(self, process: P) -> Result<Dispatcher<T>, BoxError>
+    where
+        P: Fn(T) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), E>> + Send + 'static,
+        E: Into<BoxError> + 'static,
+    {
+        let max = require(Some(self.max_tracked), "max_tracked")?;
+        self.inner.validate()?;
+        let first = self.source.watch().await?;
+        let tracker = Arc::new((self.make)(max, self.on_watch_error));
+        tracker.spawn_watcher(self.source, first);
+        let built = self.inner.finish(process, Some(tracker.clone()));
+        if built.is_err() {
+            tracker.stop_watching();
+        }
+        Ok(built?)
+    }
+}
+
+impl<T> fmt::Debug for TrackedDispatcherBuilder<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TrackedDispatcherBuilder")
+            .field("inner", &self.inner)
+            .field("max_tracked", &self.max_tracked)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,53 @@
+//! Pools in the registry's snapshot.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::completion::{CompletionSnapshot, Tracker};
+use super::engine::{Core, Phase, PoolStats};
+use crate::registry::{Snapshot, Source};
+
+/// Which kind of pool a snapshot describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolKind {
+    /// A [`Dispatcher`](super::Dispatcher).
+    Dispatcher,
+    /// A [`KeyedPool`](super::KeyedPool) in per-key mode.
+    PerKey,
+    /// A [`KeyedPool`](super::KeyedPool) in hashed-shards mode.
+    Hashed,
+}
+
+/// One pool, as it is now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct PoolSnapshot {
+    /// Dispatcher, per-key or hashed.
+    pub kind: PoolKind,
+    /// Running, stopping, stopped or aborted.
+    pub phase: Phase,
+    /// Counters and gauges.
+    pub stats: PoolStats,
+    /// Completion tracking, for dispatchers that track completions.
+    pub completion: Option<CompletionSnapshot>,
+}
+
+pub(crate) struct Reporter<T> {
+    pub(crate) kind: PoolKind,
+    pub(crate) core: Arc<dyn Core<T>>,
+    pub(crate) tracker: Option<Arc<Tracker<T>>>,
+}
+
+impl<T: Send + 'static> Source for Reporter<T> {
+    fn report(&self, name: &str, snapshot: &mut Snapshot) {
+        let pool = PoolSnapshot {
+            kind: self.kind,
+            phase: self.core.phase(),
+            stats: self.core.stats(),
+            completion: self.tracker.as_ref().map(|t| t.snapshot()),
+        };
+        snapshot.pools.insert(name.to_owned(), pool);
+    }
+}

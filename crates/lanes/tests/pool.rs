@@ -1,0 +1,547 @@
+//! The dispatcher and the keyed pool: the seed's dispatch test suite (§2.7), ported, plus the
+//! per-key mode's own guarantees.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lanes::pool::{Dispatcher, KeyedMode, KeyedPool, Phase, SubmitError, fnv1a64};
+use lanes::{ConfigRule, LimitSpec, Limits, Priority, Registry};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use tokio::sync::{Barrier, Semaphore};
+use tokio::time::{sleep, timeout};
+
+type Res = Result<(), std::io::Error>;
+
+#[derive(Clone)]
+struct Gate(Arc<Semaphore>);
+
+impl Gate {
+    fn new() -> Self {
+        Self(Arc::new(Semaphore::new(0)))
+    }
+    fn open(&self) {
+        self.0.add_permits(1_000_000);
+    }
+    async fn wait(&self) {
+        self.0.acquire().await.unwrap().forget();
+    }
+}
+
+async fn settle() {
+    for _ in 0..50 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn dispatcher_configuration_is_validated() {
+    let process = |_: u32| async { Res::Ok(()) };
+    let cases = [
+        (
+            Dispatcher::builder().queue_size(1).build(process).unwrap_err(),
+            "workers",
+            ConfigRule::Missing,
+        ),
+        (
+            Dispatcher::builder().workers(0).queue_size(1).build(process).unwrap_err(),
+            "workers",
+            ConfigRule::Zero,
+        ),
+        (
+            Dispatcher::builder().workers(1).build(process).unwrap_err(),
+            "queue_size",
+            ConfigRule::Missing,
+        ),
+        (
+            Dispatcher::builder().workers(1).queue_size(0).build(process).unwrap_err(),
+            "queue_size",
+            ConfigRule::Zero,
+        ),
+    ];
+    for (err, field, rule) in cases {
+        assert_eq!((err.field(), err.rule()), (field, rule));
+    }
+    let outside = std::thread::spawn(|| {
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(1)
+            .build(|_: u32| async { Res::Ok(()) })
+            .unwrap_err()
+    })
+    .join()
+    .unwrap();
+    assert_eq!((outside.field(), outside.rule()), ("runtime", ConfigRule::NoRuntime));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispatcher_processes_every_item_within_its_concurrency() {
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let max = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(AtomicUsize::new(0));
+    let dispatcher = {
+        let (in_flight, max, done) = (in_flight.clone(), max.clone(), done.clone());
+        Dispatcher::builder().workers(3).queue_size(50).build(move |_: u32| {
+            let (in_flight, max, done) = (in_flight.clone(), max.clone(), done.clone());
+            async move {
+                let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                max.fetch_max(now, Ordering::SeqCst);
+                sleep(Duration::from_millis(2)).await;
+                in_flight.fetch_sub(1, Ordering::SeqCst);
+                done.fetch_add(1, Ordering::SeqCst);
+                Res::Ok(())
+            }
+        })
+    }
+    .unwrap();
+    for i in 0..50 {
+        dispatcher.submit(i).unwrap();
+    }
+    dispatcher.stop(Duration::from_secs(10)).await.unwrap();
+    assert_eq!(done.load(Ordering::SeqCst), 50);
+    let max = max.load(Ordering::SeqCst);
+    assert!((2..=3).contains(&max), "max in flight {max}");
+    let stats = dispatcher.stats();
+    assert_eq!((stats.submitted, stats.completed, stats.inflight, stats.queued), (50, 50, 0, 0));
+    assert_eq!(dispatcher.phase(), Phase::Stopped);
+    assert!(dispatcher.submit(7).unwrap_err().is_stopped(), "submit after stop");
+    assert!(dispatcher.submit_blocking(7).await.unwrap_err().is_stopped());
+    dispatcher.stop(Duration::from_secs(1)).await.unwrap(); // idempotent
+}
+
+#[tokio::test(start_paused = true)]
+async fn errors_and_panics_are_counted_and_reported() {
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    let panics = Arc::new(Mutex::new(Vec::new()));
+    let dispatcher = {
+        let (errors, panics) = (errors.clone(), panics.clone());
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(10)
+            .on_error(move |err| errors.lock().unwrap().push(err.to_string()))
+            .on_panic(move |item: u32, payload| {
+                let text = payload.downcast_ref::<&str>().copied().unwrap_or("?").to_owned();
+                panics.lock().unwrap().push((item, text));
+            })
+            .build(|n: u32| async move {
+                match n % 4 {
+                    1 => Err(std::io::Error::other(format!("bad {n}"))),
+                    2 if n == 2 => panic!("kaboom"),
+                    _ => Ok(()),
+                }
+            })
+            .unwrap()
+    };
+    for n in 0..8 {
+        dispatcher.submit(n).unwrap();
+    }
+    dispatcher.stop(Duration::from_secs(1)).await.unwrap();
+    let stats = dispatcher.stats();
+    assert_eq!((stats.completed, stats.failed, stats.panicked), (5, 2, 1));
+    assert_eq!(*errors.lock().unwrap(), ["bad 1", "bad 5"]);
+    assert_eq!(*panics.lock().unwrap(), [(2, "kaboom".to_owned())], "later items still ran");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_timed_out_stop_keeps_draining_and_a_later_stop_sees_it_finish() {
+    let gate = Gate::new();
+    let dispatcher = {
+        let gate = gate.clone();
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(2)
+            .build(move |_: u32| {
+                let gate = gate.clone();
+                async move {
+                    gate.wait().await;
+                    Res::Ok(())
+                }
+            })
+            .unwrap()
+    };
+    dispatcher.submit(1).unwrap();
+    settle().await; // the worker takes item 1
+    dispatcher.submit(2).unwrap();
+    dispatcher.submit(3).unwrap();
+    assert!(dispatcher.submit(4).unwrap_err().is_full());
+    // A producer parked for room is released with Stopped when the stop begins.
+    let parked = {
+        let dispatcher = Arc::new(dispatcher);
+        let d = dispatcher.clone();
+        (
+            tokio::spawn(
+                async move { d.submit_blocking(5).await.map_err(SubmitError::into_inner) },
+            ),
+            dispatcher,
+        )
+    };
+    let (parked, dispatcher) = parked;
+    settle().await;
+    let err = dispatcher.stop(Duration::from_millis(100)).await.unwrap_err();
+    assert_eq!((err.queued, err.inflight), (2, 1));
+    assert_eq!(parked.await.unwrap(), Err(5));
+    assert_eq!(dispatcher.phase(), Phase::Stopping);
+    gate.open();
+    dispatcher.stop(Duration::from_secs(1)).await.unwrap();
+    assert_eq!(dispatcher.stats().completed, 3, "every accepted item was processed");
+}
+
+#[tokio::test(start_paused = true)]
+async fn abort_discards_and_cancels_counting_both() {
+    let gate = Gate::new();
+    let dispatcher = {
+        let gate = gate.clone();
+        Dispatcher::builder()
+            .workers(2)
+            .queue_size(10)
+            .build(move |_: u32| {
+                let gate = gate.clone();
+                async move {
+                    gate.wait().await;
+                    Res::Ok(())
+                }
+            })
+            .unwrap()
+    };
+    for n in 0..6 {
+        dispatcher.submit(n).unwrap();
+    }
+    settle().await;
+    let report = dispatcher.abort();
+    assert_eq!((report.discarded, report.cancelled), (4, 2));
+    gate.open();
+    settle().await;
+    let stats = dispatcher.stats();
+    assert_eq!((stats.dropped, stats.completed, stats.inflight, stats.queued), (6, 0, 0, 0));
+    assert_eq!(dispatcher.phase(), Phase::Aborted);
+    assert!(dispatcher.submit(9).unwrap_err().is_stopped());
+    dispatcher.stop(Duration::from_secs(1)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_and_submit_race_loses_nothing() {
+    for round in 0..20 {
+        let processed = Arc::new(AtomicUsize::new(0));
+        let pool = {
+            let processed = processed.clone();
+            KeyedPool::builder()
+                .workers(4)
+                .queue_size(64)
+                .key_of(|n: &u64| n % 16)
+                .build(move |_, _: u64| {
+                    let processed = processed.clone();
+                    async move {
+                        processed.fetch_add(1, Ordering::SeqCst);
+                        Res::Ok(())
+                    }
+                })
+                .unwrap()
+        };
+        let pool = Arc::new(pool);
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let producers: Vec<_> = (0..8u64)
+            .map(|p| {
+                let (pool, accepted) = (pool.clone(), accepted.clone());
+                tokio::spawn(async move {
+                    for i in 0.. {
+                        let item = p * 1_000_000 + i;
+                        let result = if i % 2 == 0 {
+                            pool.submit(item)
+                        } else {
+                            pool.submit_blocking(item).await
+                        };
+                        match result {
+                            Ok(()) => {
+                                accepted.fetch_add(1, Ordering::SeqCst);
+                            }
+                            Err(SubmitError::Stopped(_)) => return,
+                            Err(_) => tokio::task::yield_now().await,
+                        }
+                    }
+                })
+            })
+            .collect();
+        sleep(Duration::from_millis(2 + round % 5)).await;
+        pool.stop(Duration::from_secs(10)).await.unwrap();
+        for p in producers {
+            p.await.unwrap();
+        }
+        let accepted = accepted.load(Ordering::SeqCst);
+        assert!(accepted > 0);
+        assert_eq!(processed.load(Ordering::SeqCst), accepted, "round {round}");
+        assert_eq!(pool.stats().completed as usize, accepted);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn same_key_runs_in_submit_order_and_different_keys_in_parallel() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let barrier = Arc::new(Barrier::new(4));
+    for mode in [KeyedMode::PerKey, KeyedMode::Hashed] {
+        seen.lock().unwrap().clear();
+        let pool = {
+            let seen = seen.clone();
+            let builder =
+                KeyedPool::builder().queue_size(32).key_of(|item: &(String, u32)| item.0.clone());
+            let builder = match mode {
+                KeyedMode::PerKey => builder.workers(4),
+                KeyedMode::Hashed => builder.hashed_shards(4),
+            };
+            builder
+                .build(move |shard, (key, n): (String, u32)| {
+                    let seen = seen.clone();
+                    async move {
+                        sleep(Duration::from_millis(u64::from(5 - n))).await;
+                        seen.lock().unwrap().push((key, n, shard));
+                        Res::Ok(())
+                    }
+                })
+                .unwrap()
+        };
+        for n in 0..5 {
+            pool.submit(("k".to_owned(), n)).unwrap();
+        }
+        pool.stop(Duration::from_secs(5)).await.unwrap();
+        let seen = seen.lock().unwrap();
+        let order: Vec<u32> = seen.iter().map(|(_, n, _)| *n).collect();
+        assert_eq!(order, [0, 1, 2, 3, 4], "{mode:?}");
+        if mode == KeyedMode::Hashed {
+            let shard = (fnv1a64(b"k") % 4) as usize;
+            assert!(seen.iter().all(|(_, _, s)| *s == shard), "the same key, the same shard");
+        }
+    }
+    // Different keys are inside `process` at the same time: a barrier of 4 only opens then.
+    for mode in [KeyedMode::PerKey, KeyedMode::Hashed] {
+        let builder = KeyedPool::builder().queue_size(8).key_of(|k: &String| k.clone());
+        let builder = match mode {
+            KeyedMode::PerKey => builder.workers(4),
+            KeyedMode::Hashed => builder.hashed_shards(4),
+        };
+        let barrier = barrier.clone();
+        let pool = builder
+            .build(move |_, _: String| {
+                let barrier = barrier.clone();
+                async move {
+                    barrier.wait().await;
+                    Res::Ok(())
+                }
+            })
+            .unwrap();
+        // Keys chosen to land on distinct shards in hashed mode.
+        let mut keys = Vec::new();
+        let mut shards = std::collections::BTreeSet::new();
+        for i in 0.. {
+            let key = format!("entity-{i}");
+            if shards.insert(fnv1a64(key.as_bytes()) % 4) {
+                keys.push(key);
+            }
+            if keys.len() == 4 {
+                break;
+            }
+        }
+        for key in keys {
+            pool.submit(key).unwrap();
+        }
+        timeout(Duration::from_secs(5), pool.stop(Duration::from_secs(5))).await.unwrap().unwrap();
+    }
+}
+
+fn gated_pool(
+    gate: &Gate,
+    workers: usize,
+    queue: usize,
+    per_key: usize,
+    keys: usize,
+) -> KeyedPool<(u8, u8)> {
+    let gate = gate.clone();
+    KeyedPool::builder()
+        .workers(workers)
+        .queue_size(queue)
+        .key_queue_size(per_key)
+        .max_keys(keys)
+        .key_of(|item: &(u8, u8)| item.0)
+        .build(move |_, _: (u8, u8)| {
+            let gate = gate.clone();
+            async move {
+                gate.wait().await;
+                Res::Ok(())
+            }
+        })
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn backpressure_is_typed_per_key_and_overall() {
+    let gate = Gate::new();
+    let pool = gated_pool(&gate, 2, 3, 2, 10);
+    pool.submit((1, 0)).unwrap(); // runs
+    settle().await;
+    pool.submit((1, 1)).unwrap(); // waits behind it
+    pool.submit((1, 2)).unwrap();
+    assert!(pool.submit((1, 3)).unwrap_err().is_key_full(), "the key's queue is full");
+    pool.submit((2, 0)).unwrap(); // runs
+    settle().await;
+    pool.submit((2, 1)).unwrap();
+    assert!(pool.submit((3, 0)).unwrap_err().is_full(), "the pool's queue is full");
+    // submit_blocking waits for room instead of failing.
+    assert!(timeout(Duration::from_millis(100), pool.submit_blocking((3, 0))).await.is_err());
+    gate.open();
+    pool.submit_blocking((3, 0)).await.unwrap();
+    pool.stop(Duration::from_secs(1)).await.unwrap();
+    let stats = pool.stats();
+    assert_eq!((stats.completed, stats.rejected, stats.keys), (6, 2, 0));
+
+    let gate = Gate::new();
+    let pool = gated_pool(&gate, 1, 10, 10, 2);
+    pool.submit((1, 0)).unwrap();
+    pool.submit((2, 0)).unwrap();
+    assert!(matches!(pool.submit((3, 0)), Err(SubmitError::TooManyKeys((3, 0)))));
+    pool.submit((1, 1)).unwrap(); // a tracked key still has room
+    gate.open();
+    pool.stop(Duration::from_secs(1)).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_key_never_delays_another_key_in_per_key_mode() {
+    let finished = Arc::new(Mutex::new(BTreeMap::new()));
+    let pool = {
+        let finished = finished.clone();
+        KeyedPool::builder()
+            .workers(4)
+            .queue_size(1_000)
+            .key_of(|item: &(u32, u32)| item.0)
+            .build(move |_, (key, n): (u32, u32)| {
+                let finished = finished.clone();
+                async move {
+                    let cost = if key == 0 { 1_000 } else { 1 };
+                    sleep(Duration::from_millis(cost)).await;
+                    finished.lock().unwrap().insert((key, n), tokio::time::Instant::now());
+                    Res::Ok(())
+                }
+            })
+            .unwrap()
+    };
+    let start = tokio::time::Instant::now();
+    for n in 0..10 {
+        pool.submit((0, n)).unwrap(); // the slow key: 10 s of work
+        for key in 1..20 {
+            pool.submit((key, n)).unwrap();
+        }
+    }
+    pool.stop(Duration::from_secs(60)).await.unwrap();
+    let finished = finished.lock().unwrap();
+    let others_done =
+        finished.iter().filter(|((k, _), _)| *k != 0).map(|(_, at)| *at - start).max().unwrap();
+    // 190 fast items on 3 free workers: ~64 ms; the slow key never held them up.
+    assert!(others_done < Duration::from_millis(200), "{others_done:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn items_take_a_limit_permit_before_processing() {
+    let limits = Limits::new();
+    limits.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    let in_flight = Arc::new(AtomicUsize::new(0));
+    let max = Arc::new(AtomicUsize::new(0));
+    let pool = {
+        let (in_flight, max) = (in_flight.clone(), max.clone());
+        KeyedPool::builder()
+            .workers(8)
+            .queue_size(100)
+            .key_of(|n: &u32| *n)
+            .limit(&limits, "db", Priority::default())
+            .build(move |_, _: u32| {
+                let (in_flight, max) = (in_flight.clone(), max.clone());
+                async move {
+                    let now = in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+                    max.fetch_max(now, Ordering::SeqCst);
+                    sleep(Duration::from_millis(5)).await;
+                    in_flight.fetch_sub(1, Ordering::SeqCst);
+                    Res::Ok(())
+                }
+            })
+            .unwrap()
+    };
+    for n in 0..40 {
+        pool.submit(n).unwrap();
+    }
+    pool.stop(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(max.load(Ordering::SeqCst), 2);
+    assert_eq!(pool.stats().completed, 40);
+}
+
+#[test]
+fn metrics_move() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        rt.block_on(async {
+            let pool = KeyedPool::builder()
+                .workers(2)
+                .queue_size(100)
+                .name("ingest")
+                .key_of(|n: &u32| n % 5)
+                .build(|_, _: u32| async { Res::Ok(()) })
+                .unwrap();
+            for n in 0..50 {
+                pool.submit(n).unwrap();
+            }
+            pool.stop(Duration::from_secs(5)).await.unwrap();
+        })
+    });
+    let snapshot = snapshotter.snapshot().into_vec();
+    let find = |name: &str| {
+        snapshot
+            .iter()
+            .find(|(key, ..)| {
+                key.key().name() == name
+                    && key.key().labels().any(|l| l.key() == "pool" && l.value() == "ingest")
+            })
+            .map(|(.., value)| value)
+            .unwrap_or_else(|| panic!("{name} missing"))
+    };
+    assert_eq!(find("lanes_pool_submitted_total"), &DebugValue::Counter(50));
+    assert_eq!(find("lanes_pool_completed_total"), &DebugValue::Counter(50));
+    for histogram in ["lanes_pool_queue_wait_seconds", "lanes_pool_processing_seconds"] {
+        match find(histogram) {
+            DebugValue::Histogram(samples) => assert_eq!(samples.len(), 50, "{histogram}"),
+            other => panic!("{histogram}: {other:?}"),
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn pools_report_in_the_registry() {
+    let registry = Registry::new();
+    let dispatcher = Dispatcher::builder()
+        .workers(1)
+        .queue_size(4)
+        .registry(&registry, "uploads")
+        .build(|_: u32| async { Res::Ok(()) })
+        .unwrap();
+    let keyed = KeyedPool::builder()
+        .workers(2)
+        .queue_size(4)
+        .registry(&registry, "entities")
+        .key_of(|n: &u32| *n)
+        .build(|_, _: u32| async { Res::Ok(()) })
+        .unwrap();
+    dispatcher.submit(1).unwrap();
+    keyed.submit(1).unwrap();
+    dispatcher.stop(Duration::from_secs(1)).await.unwrap();
+    keyed.stop(Duration::from_secs(1)).await.unwrap();
+    let json: serde_json::Value = serde_json::from_str(&registry.snapshot().to_json()).unwrap();
+    assert_eq!(json["pools"]["uploads"]["kind"], "dispatcher");
+    assert_eq!(json["pools"]["uploads"]["stats"]["completed"], 1);
+    assert_eq!(json["pools"]["entities"]["kind"], "per_key");
+    assert_eq!(json["pools"]["entities"]["phase"], "stopped");
+}
+
+#[test]
+fn pools_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Dispatcher<u32>>();
+    send_sync::<KeyedPool<String>>();
+    send_sync::<SubmitError<u32>>();
+}

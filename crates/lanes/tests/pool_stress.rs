@@ -1,0 +1,117 @@
+//! Randomized stress of the keyed pool: per-key order over a million items and 10k keys with
+//! random durations (0 violations), and a burst of a million distinct keys that leaves nothing
+//! tracked behind.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lanes::pool::{KeyedMode, KeyedPool};
+
+type Res = Result<(), std::io::Error>;
+
+const KEYS: usize = 10_000;
+
+async fn order_holds(mode: KeyedMode, items: u64, producers: u64) {
+    // `expected[k]` is the sequence number key k must see next.
+    let expected: Arc<Vec<AtomicU64>> = Arc::new((0..KEYS).map(|_| AtomicU64::new(0)).collect());
+    let violations = Arc::new(AtomicUsize::new(0));
+    let processed = Arc::new(AtomicU64::new(0));
+    let builder = KeyedPool::builder().queue_size(4_096).key_of(|item: &(u32, u64)| item.0);
+    let builder = match mode {
+        KeyedMode::PerKey => builder.workers(16),
+        KeyedMode::Hashed => builder.hashed_shards(16),
+    };
+    let pool = {
+        let (expected, violations, processed) =
+            (expected.clone(), violations.clone(), processed.clone());
+        builder
+            .build(move |_, (key, seq): (u32, u64)| {
+                let (expected, violations, processed) =
+                    (expected.clone(), violations.clone(), processed.clone());
+                async move {
+                    // A pseudo-random duration from the item itself: most items finish at
+                    // once, some yield, a few sleep.
+                    let r = (u64::from(key) * 2_654_435_761 + seq * 40_503) % 1_000;
+                    if r < 100 {
+                        tokio::task::yield_now().await;
+                    } else if r < 101 {
+                        tokio::time::sleep(Duration::from_micros(r)).await;
+                    }
+                    let slot = &expected[key as usize];
+                    if slot.load(Ordering::SeqCst) != seq {
+                        violations.fetch_add(1, Ordering::SeqCst);
+                    }
+                    slot.store(seq + 1, Ordering::SeqCst);
+                    processed.fetch_add(1, Ordering::SeqCst);
+                    Res::Ok(())
+                }
+            })
+            .unwrap()
+    };
+    let pool = Arc::new(pool);
+    let per_producer = items / producers;
+    let tasks: Vec<_> = (0..producers)
+        .map(|p| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                // Producer p owns the keys k with k % producers == p, so each key's submit
+                // order is this producer's order.
+                let own: Vec<u32> =
+                    (0..KEYS as u32).filter(|k| u64::from(*k) % producers == p).collect();
+                let mut next = vec![0u64; own.len()];
+                for i in 0..per_producer {
+                    let slot = (i as usize * 7919) % own.len();
+                    let item = (own[slot], next[slot]);
+                    next[slot] += 1;
+                    pool.submit_blocking(item).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    pool.stop(Duration::from_secs(120)).await.unwrap();
+    assert_eq!(violations.load(Ordering::SeqCst), 0, "{mode:?}: per-key order violated");
+    assert_eq!(processed.load(Ordering::SeqCst), per_producer * producers);
+    let stats = pool.stats();
+    assert_eq!(stats.completed, per_producer * producers);
+    assert_eq!((stats.keys, stats.queued, stats.inflight), (0, 0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_million_items_over_10k_keys_keep_per_key_order() {
+    order_holds(KeyedMode::PerKey, 1_000_000, 4).await;
+    order_holds(KeyedMode::Hashed, 200_000, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_a_million_keys_leaves_nothing_tracked() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let pool = {
+        let gate = gate.clone();
+        KeyedPool::builder()
+            .workers(4)
+            .queue_size(1_000_000)
+            .key_of(|n: &u64| *n)
+            .build(move |_, _: u64| {
+                let gate = gate.clone();
+                async move {
+                    let _ = gate.acquire().await.unwrap();
+                    Res::Ok(())
+                }
+            })
+            .unwrap()
+    };
+    for n in 0..1_000_000u64 {
+        pool.submit(n).unwrap();
+    }
+    // Every key is tracked at the peak...
+    assert_eq!(pool.stats().keys, 1_000_000);
+    gate.add_permits(usize::MAX >> 4);
+    pool.stop(Duration::from_secs(120)).await.unwrap();
+    // ...and none once their items are done.
+    let stats = pool.stats();
+    assert_eq!((stats.keys, stats.completed), (0, 1_000_000));
+}
