@@ -545,3 +545,85 @@ fn pools_are_send_and_sync() {
     send_sync::<KeyedPool<String>>();
     send_sync::<SubmitError<u32>>();
 }
+
+/// An in-memory completion source: each watch takes the next prepared channel.
+struct ChannelSource {
+    watches: Mutex<Vec<tokio::sync::mpsc::UnboundedReceiver<Result<String, lanes::BoxError>>>>,
+}
+
+struct ChannelStream(tokio::sync::mpsc::UnboundedReceiver<Result<String, lanes::BoxError>>);
+
+impl futures_core::Stream for ChannelStream {
+    type Item = Result<String, lanes::BoxError>;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+impl lanes::pool::CompletionSource for ChannelSource {
+    fn watch(
+        &self,
+    ) -> lanes::BoxFuture<'_, Result<lanes::pool::CompletionStream, lanes::BoxError>> {
+        let next = self.watches.lock().unwrap().pop();
+        Box::pin(async move {
+            match next {
+                Some(rx) => Ok(Box::pin(ChannelStream(rx)) as lanes::pool::CompletionStream),
+                None => Err("no more watches".into()),
+            }
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_broken_watch_is_reported_and_re_established() {
+    let (first_tx, first_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (second_tx, second_rx) = tokio::sync::mpsc::unbounded_channel();
+    // Popped from the end: the first watch gets `first_rx`.
+    let source = ChannelSource { watches: Mutex::new(vec![second_rx, first_rx]) };
+    let registry = Registry::new();
+    let completed = Arc::new(Mutex::new(Vec::new()));
+    let watch_errors = Arc::new(Mutex::new(Vec::new()));
+    let dispatcher = {
+        let (completed, watch_errors) = (completed.clone(), watch_errors.clone());
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(8)
+            .registry(&registry, "tracked")
+            .completion(
+                source,
+                |item: &String| item.clone(),
+                move |item: String| {
+                    completed.lock().unwrap().push(item);
+                    async { Res::Ok(()) }
+                },
+            )
+            .max_tracked(2)
+            .on_watch_error(move |err| watch_errors.lock().unwrap().push(err.to_string()))
+            .build(|_: String| async { Res::Ok(()) })
+            .await
+            .unwrap()
+    };
+    dispatcher.submit("a".to_owned()).unwrap();
+    dispatcher.submit("b".to_owned()).unwrap();
+    assert!(
+        matches!(dispatcher.submit("c".to_owned()), Err(SubmitError::TrackingFull(c)) if c == "c")
+    );
+    first_tx.send(Ok("a".to_owned())).unwrap();
+    first_tx.send(Err("connection lost".into())).unwrap();
+    settle().await;
+    assert_eq!(*completed.lock().unwrap(), ["a"]);
+    assert_eq!(*watch_errors.lock().unwrap(), ["connection lost"]);
+    let broken = registry.snapshot().pools["tracked"].completion.clone().unwrap();
+    assert_eq!((broken.watch_failures, broken.broken.as_deref()), (1, Some("connection lost")));
+    // The tracker re-watches after a back-off and completions flow again.
+    sleep(Duration::from_millis(200)).await;
+    second_tx.send(Ok("b".to_owned())).unwrap();
+    settle().await;
+    assert_eq!(*completed.lock().unwrap(), ["a", "b"]);
+    let healed = registry.snapshot().pools["tracked"].completion.clone().unwrap();
+    assert_eq!((healed.completed, healed.broken), (2, None));
+    dispatcher.stop(Duration::from_secs(1)).await.unwrap();
+}

@@ -1,0 +1,124 @@
+//! Completion tracking for [`lanes`] dispatchers over a NATS JetStream key-value bucket.
+//!
+//! Work is processed by a [`Dispatcher`](lanes::pool::Dispatcher), but completed elsewhere:
+//! another processor signals that an item is done by writing the item's key into a KV bucket.
+//! [`KvCompletions`] is the [`CompletionSource`] that watches the bucket.
+//!
+//! - The watch is established before the dispatcher is built, and every item's key is
+//!   registered before the item is enqueued, so a completion written at any time after the
+//!   submit — even before the item is processed — is matched.
+//! - Only writes (`put`) made after the watch started count: values already in the bucket are
+//!   not replayed, and deletes and purges are ignored. Writes for keys nobody tracks are
+//!   ignored (and counted in the dispatcher's snapshot).
+//! - A broken watch is reported to `on_watch_error` and in the snapshot, and re-established
+//!   with back-off.
+//!
+//! # Examples
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use lanes::pool::Dispatcher;
+//! use lanes_nats::KvCompletions;
+//!
+//! # async fn demo() -> Result<(), lanes::BoxError> {
+//! let client = async_nats::connect("nats://127.0.0.1:4222").await?;
+//! let completions = KvCompletions::open(client, "uploads-done").await?;
+//! let dispatcher = Dispatcher::builder()
+//!     .workers(8)
+//!     .queue_size(1_000)
+//!     .completion(completions, |upload: &String| upload.clone(), |upload| async move {
+//!         println!("{upload} was completed downstream");
+//!         Ok::<_, std::io::Error>(())
+//!     })
+//!     .build(|upload: String| async move {
+//!         // hand the upload to the processor that will write its key when done
+//!         Ok::<_, std::io::Error>(())
+//!     })
+//!     .await?;
+//! dispatcher.submit("photo-1".to_owned())?;
+//! dispatcher.stop(Duration::from_secs(5)).await?;
+//! # Ok(())
+//! # }
+//! ```
+#![forbid(unsafe_code)]
+
+use std::fmt;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use async_nats::jetstream;
+use async_nats::jetstream::kv::{Operation, Store, Watch};
+use futures_core::Stream;
+use lanes::pool::{CompletionSource, CompletionStream};
+use lanes::{BoxError, BoxFuture};
+
+pub use async_nats;
+
+/// Completion signals from a NATS JetStream KV bucket: every `put` of a key after the watch
+/// started completes the tracked item with that key.
+#[derive(Clone)]
+pub struct KvCompletions {
+    store: Store,
+}
+
+impl fmt::Debug for KvCompletions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KvCompletions").field("bucket", &self.store.name).finish()
+    }
+}
+
+impl KvCompletions {
+    /// Watches an existing bucket.
+    pub fn new(store: Store) -> Self {
+        Self { store }
+    }
+
+    /// Opens the existing bucket `bucket` through `client`'s JetStream.
+    ///
+    /// # Errors
+    ///
+    /// The bucket does not exist, or JetStream cannot be reached.
+    pub async fn open(client: async_nats::Client, bucket: &str) -> Result<Self, BoxError> {
+        let store = jetstream::new(client).get_key_value(bucket).await?;
+        Ok(Self::new(store))
+    }
+
+    /// The bucket's name.
+    pub fn bucket(&self) -> &str {
+        &self.store.name
+    }
+}
+
+impl CompletionSource for KvCompletions {
+    fn watch(&self) -> BoxFuture<'_, Result<CompletionStream, BoxError>> {
+        Box::pin(async move {
+            // `watch_all` delivers only what is written after the consumer exists: no replay.
+            let watch = self.store.watch_all().await?;
+            Ok(Box::pin(Puts { watch }) as CompletionStream)
+        })
+    }
+}
+
+/// The keys of new `put`s in a KV watch; deletes and purges are skipped.
+struct Puts {
+    watch: Watch,
+}
+
+impl Stream for Puts {
+    type Item = Result<String, BoxError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            match Pin::new(&mut self.watch).poll_next(cx) {
+                Poll::Ready(Some(Ok(entry))) => {
+                    if entry.operation == Operation::Put {
+                        return Poll::Ready(Some(Ok(entry.key)));
+                    }
+                }
+                Poll::Ready(Some(Err(err))) => return Poll::Ready(Some(Err(Box::new(err)))),
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Makes sure the services the tests talk to are up: Redis on REDIS_URL (default
+# redis://127.0.0.1:6379) and NATS with JetStream on NATS_URL (default nats://127.0.0.1:4222).
+# A service that is down on its default local address is started; a remote one is only checked.
+set -euo pipefail
+
+up() { # host port
+  (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null
+}
+
+wait_up() { # name host port
+  for _ in $(seq 1 50); do
+    if up "$2" "$3"; then return 0; fi
+    sleep 0.1
+  done
+  echo "services: $1 at $2:$3 did not come up" >&2
+  return 1
+}
+
+host_port() { # url default-port -> "host port"
+  local rest=${1#*://}
+  rest=${rest%%/*}
+  rest=${rest##*@}
+  local host=${rest%%:*} port=${rest##*:}
+  [ "$port" = "$rest" ] && port=$2
+  echo "$host $port"
+}
+
+read -r redis_host redis_port <<<"$(host_port "${REDIS_URL:-redis://127.0.0.1:6379}" 6379)"
+read -r nats_host nats_port <<<"$(host_port "${NATS_URL:-nats://127.0.0.1:4222}" 4222)"
+
+if ! up "$redis_host" "$redis_port"; then
+  if [ "$redis_host" = 127.0.0.1 ] && command -v redis-server >/dev/null; then
+    echo "services: starting redis-server on $redis_host:$redis_port"
+    redis-server --daemonize yes --bind 127.0.0.1 --port "$redis_port" --save "" --appendonly no >/dev/null
+    wait_up redis "$redis_host" "$redis_port"
+  else
+    echo "services: Redis is not reachable at $redis_host:$redis_port (set REDIS_URL)" >&2
+    exit 1
+  fi
+fi
+
+if ! up "$nats_host" "$nats_port"; then
+  if [ "$nats_host" = 127.0.0.1 ] && [ -x /usr/sbin/nats-server ]; then
+    echo "services: starting nats-server (JetStream) on $nats_host:$nats_port"
+    mkdir -p /var/lib/nats-server
+    start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- \
+      -a 127.0.0.1 -p "$nats_port" -js -sd /var/lib/nats-server
+    wait_up nats "$nats_host" "$nats_port"
+  else
+    echo "services: NATS is not reachable at $nats_host:$nats_port (set NATS_URL)" >&2
+    exit 1
+  fi
+fi
