@@ -75,6 +75,11 @@ impl Done {
         Self { inner: Arc::new((AtomicU64::new(count), Notify::new())) }
     }
 
+    /// Expects `count` more completions (between runs, when none is pending).
+    pub fn reset(&self, count: u64) {
+        self.inner.0.store(count, Ordering::Release);
+    }
+
     /// One completion.
     pub fn finish_one(&self) {
         if self.inner.0.fetch_sub(1, Ordering::AcqRel) == 1 {

@@ -308,6 +308,92 @@ impl Report {
     }
 }
 
+impl Report {
+    /// Suite 8 (keyed pool) and the dispatcher.
+    fn pools(&mut self) {
+        const ITEMS: f64 = 10_000.0;
+        self.line("## Suite 8 — keyed pool\n");
+        self.line("10,000 no-op items over N keys, 8 workers (or shards), 2-worker runtime (throughput; ratio = per-key / anchor, higher is better):\n");
+        self.line("| keys | lanes per-key | lanes hashed (the seed's design) | ratio (bar ≥ 1.0) | `DashMap<Key, mpsc>` + task per key | ratio |");
+        self.line("|---|---|---|---|---|---|");
+        for keys in [1u32, 16, 10_000] {
+            let ours = self.get(&format!("keyed_uniform/lanes_per_key/{keys}"));
+            let hashed = self.get(&format!("keyed_uniform/lanes_hashed/{keys}"));
+            let dash = self.get(&format!("keyed_uniform/dashmap_task_per_key/{keys}"));
+            let rate = |t: Option<f64>| t.map_or("—".to_owned(), |t| fmt_rate(ITEMS / (t / 1e9)));
+            let ratio = |a: Option<f64>| match (ours, a) {
+                (Some(o), Some(a)) => format!("{:.2}×", a / o),
+                _ => "—".to_owned(),
+            };
+            let row = format!(
+                "| {keys} | {} | {} | {} | {} | {} |",
+                rate(ours),
+                rate(hashed),
+                ratio(hashed),
+                rate(dash),
+                ratio(dash)
+            );
+            self.line(&row);
+        }
+        self.line("");
+        let violations: u64 = result("keyed_order")
+            .and_then(|v| v.as_object().map(|o| o.values().filter_map(Value::as_u64).sum()))
+            .unwrap_or(u64::MAX);
+        if let Some(slow) = result("keyed_slow_key") {
+            let f = |k: &str| slow[k].as_f64().unwrap_or(f64::NAN);
+            let violations =
+                violations.saturating_add(slow["violations"].as_u64().unwrap_or(u64::MAX));
+            let (p50, p99, h50, h99) =
+                (f("per_key_p50_us"), f("per_key_p99_us"), f("hashed_p50_us"), f("hashed_p99_us"));
+            self.line("Zipf keys (1,000 keys, weight 1/(k+1)), key 0 slow (5 ms per item), 4,000 items arriving over time, 8 workers/shards: latency from submit to processed of the *other* keys' items (a correctness-style result, one run):\n");
+            self.line("| mode | p50 | p99 | |");
+            self.line("|---|---|---|---|");
+            let us = |v: f64| fmt_ns(v * 1e3);
+            let rows = [
+                format!("| lanes per-key | {} | {} | |", us(p50), us(p99)),
+                format!("| lanes hashed shards | {} | {} | |", us(h50), us(h99)),
+                format!(
+                    "| p99 hashed / per-key | | {:.0}× | bar ≥ 10×: {} |",
+                    h99 / p99,
+                    pass(h99 / p99 >= 10.0)
+                ),
+            ];
+            for row in rows {
+                self.line(&row);
+            }
+            self.line("");
+            self.line(&format!(
+                "Per-key order violations across every keyed run above: **{violations}** ({}).\n",
+                pass(violations == 0)
+            ));
+            self.line(&format!(
+                "Memory: a burst of 1,000,000 distinct keys queued at once took {:.0} MB resident ({:.0} B per key); \
+                 once drained, {:.0} MB remained above the starting point (idle keys are evicted and the key table shrinks; \
+                 the remainder is allocator retention).\n",
+                f("million_keys_peak_mb"),
+                f("million_keys_peak_mb") * 1e6 / 1e6,
+                f("million_keys_after_mb"),
+            ));
+        }
+        self.line("## Suite 2 — dispatcher\n");
+        self.line("10,000 no-op items through 8 workers (throughput; ratio = lanes / anchor, higher is better):\n");
+        self.line("| runtime | lanes `Dispatcher` | tokio mpsc + 8 workers | ratio |");
+        self.line("|---|---|---|---|");
+        for runtime in ["current_thread", "multi_thread_2"] {
+            let ours = self.get(&format!("dispatcher/lanes_dispatcher/{runtime}"));
+            let anchor = self.get(&format!("dispatcher/tokio_mpsc_workers/{runtime}"));
+            let rate = |t: Option<f64>| t.map_or("—".to_owned(), |t| fmt_rate(ITEMS / (t / 1e9)));
+            let ratio = match (ours, anchor) {
+                (Some(o), Some(a)) => format!("{:.2}×", a / o),
+                _ => "—".to_owned(),
+            };
+            let row = format!("| {runtime} | {} | {} | {ratio} |", rate(ours), rate(anchor));
+            self.line(&row);
+        }
+        self.line("");
+    }
+}
+
 fn main() {
     let workspace =
         Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_owned();
@@ -351,6 +437,7 @@ fn main() {
     let (cas, _mutex) = report.calibration();
     report.lanes(cas);
     report.limits();
+    report.pools();
 
     if !report.missing.is_empty() {
         let mut note = String::from("Not measured in this run: ");

@@ -40,6 +40,23 @@ fn demo_limits_shares_the_downstream_fairly() {
 }
 
 #[test]
+fn demo_keyed_holds_per_key_order_in_both_modes() {
+    let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["demo", "keyed"])
+        .output()
+        .expect("run the lanes binary");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for mode in ["per-key", "hashed shards"] {
+        let row =
+            stdout.lines().find(|l| l.starts_with(mode)).unwrap_or_else(|| panic!("{stdout}"));
+        let cells: Vec<&str> = row.trim_start_matches(mode).split_whitespace().collect();
+        assert_eq!(cells[0], "3000", "every update applied: {row}");
+        assert_eq!(cells[1], "0", "no order violation: {row}");
+    }
+}
+
+#[test]
 fn unknown_arguments_are_refused_with_usage() {
     let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
         .args(["demo", "--runs", "lots"])

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use lanes::BoxError;
 
+mod keyed;
 mod limits;
 mod runs;
 
@@ -17,6 +18,8 @@ pub(crate) enum Scenario {
     Lanes,
     /// Limits: tenants with skewed load sharing one downstream limit.
     Limits,
+    /// Keyed pool: versioned entity updates with one slow entity, per-key vs hashed shards.
+    Keyed,
 }
 
 /// Options of `lanes demo`.
@@ -49,6 +52,12 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             println!("\n{}\n", "─".repeat(72));
         }
         limits::run(&args).await?;
+    }
+    if all || args.scenario == Scenario::Keyed {
+        if all {
+            println!("\n{}\n", "─".repeat(72));
+        }
+        keyed::run(&args).await?;
     }
     Ok(())
 }

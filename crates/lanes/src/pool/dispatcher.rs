@@ -24,8 +24,8 @@ use crate::util::PanicPayload;
 /// # Overflow
 ///
 /// [`submit`](Dispatcher::submit) never waits: a full queue hands the item back in
-/// [`SubmitError::Full`] and the `rejected` counter moves. [`submit_blocking`]
-/// (Dispatcher::submit_blocking) waits for room instead.
+/// [`SubmitError::Full`] and the `rejected` counter moves.
+/// [`submit_blocking`](Dispatcher::submit_blocking) waits for room instead.
 ///
 /// # Shutdown
 ///
@@ -46,7 +46,7 @@ use crate::util::PanicPayload;
 /// let dispatcher = Dispatcher::builder()
 ///     .workers(4)
 ///     .queue_size(100)
-///     .build(|n: u64| async move {
+///     .build(|_n: u64| async move {
 ///         // process the item
 ///         Ok::<_, std::io::Error>(())
 ///     })?;

@@ -14,6 +14,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -147,8 +148,11 @@ pub(crate) trait Core<T>: Send + Sync {
     /// Submits; a refusal moves the `rejected` counter only if `count` (a blocking submit's
     /// retries are not refusals).
     fn offer(&self, item: T, count: bool) -> Result<(), SubmitError<T>>;
-    /// Notified whenever room may have appeared or the pool stopped accepting.
+    /// Notified whenever room may have appeared (while a producer is parked) or the pool
+    /// stopped accepting.
     fn space(&self) -> &Notify;
+    /// Producers parked for room; `space` is only notified while this is above zero.
+    fn parked(&self) -> &AtomicUsize;
     fn begin_stop(&self);
     fn abort(&self) -> AbortReport;
     fn finished(&self) -> &Notify;
@@ -161,6 +165,8 @@ pub(crate) struct Engine<T, S, P> {
     state: Mutex<State<S>>,
     wake: Box<[Notify]>,
     space: Notify,
+    /// Producers parked in `submit_blocking`: workers only notify `space` when some wait.
+    parked: AtomicUsize,
     finished: Notify,
     tasks: Mutex<Vec<AbortHandle>>,
     process: P,
@@ -206,6 +212,7 @@ where
             }),
             wake: (0..workers).map(|_| Notify::new()).collect(),
             space: Notify::new(),
+            parked: AtomicUsize::new(0),
             finished: Notify::new(),
             tasks: Mutex::new(Vec::with_capacity(workers)),
             process,
@@ -232,12 +239,22 @@ where
     }
 
     /// One worker: take an item, process it, report it; park when there is nothing to take.
+    /// Reporting an item and taking the next share one critical section.
     async fn work(self: Arc<Self>, worker: usize) {
+        let mut finished: Option<(S::Slot, Outcome)> = None;
         loop {
             let taken = {
                 let mut state = lock(&self.state);
                 if state.phase == Phase::Aborted {
+                    // The abort counted an item in flight as dropped.
                     return;
+                }
+                if let Some((slot, outcome)) = finished.take() {
+                    self.record(&mut state, outcome);
+                    // The worker takes the next item itself: a key made ready again needs no
+                    // extra wake.
+                    let _ = state.sched.done(slot);
+                    state.stats.keys = state.sched.keys();
                 }
                 match state.sched.pop(worker) {
                     Some(taken) => {
@@ -263,34 +280,32 @@ where
                 self.wake[worker].notified().await;
                 continue;
             };
-            self.space.notify_waiters();
+            if self.parked.load(Ordering::SeqCst) > 0 {
+                self.space.notify_waiters();
+            }
             self.metrics.queued.decrement(1.0);
             self.metrics.inflight.increment(1.0);
             let outcome = self.run(worker, queued).await;
-            let mut state = lock(&self.state);
-            if state.phase == Phase::Aborted {
-                // The abort counted this item as dropped.
-                return;
+            finished = Some((slot, outcome));
+        }
+    }
+
+    fn record(&self, state: &mut State<S>, outcome: Outcome) {
+        state.stats.inflight -= 1;
+        self.metrics.inflight.decrement(1.0);
+        match outcome {
+            Outcome::Completed => {
+                state.stats.completed += 1;
+                self.metrics.completed.increment(1);
             }
-            state.stats.inflight -= 1;
-            self.metrics.inflight.decrement(1.0);
-            match outcome {
-                Outcome::Completed => {
-                    state.stats.completed += 1;
-                    self.metrics.completed.increment(1);
-                }
-                Outcome::Failed => {
-                    state.stats.failed += 1;
-                    self.metrics.failed.increment(1);
-                }
-                Outcome::Panicked => {
-                    state.stats.panicked += 1;
-                    self.metrics.panicked.increment(1);
-                }
+            Outcome::Failed => {
+                state.stats.failed += 1;
+                self.metrics.failed.increment(1);
             }
-            // The worker takes the next item itself; a key made ready again needs no extra wake.
-            let _ = state.sched.done(slot);
-            state.stats.keys = state.sched.keys();
+            Outcome::Panicked => {
+                state.stats.panicked += 1;
+                self.metrics.panicked.increment(1);
+            }
         }
     }
 
@@ -407,6 +422,10 @@ where
         &self.space
     }
 
+    fn parked(&self) -> &AtomicUsize {
+        &self.parked
+    }
+
     fn begin_stop(&self) {
         let idle = {
             let mut state = lock(&self.state);
@@ -500,6 +519,16 @@ pub(crate) async fn submit_blocking<T>(
     core: &dyn Core<T>,
     mut item: T,
 ) -> Result<(), SubmitError<T>> {
+    // Counted before the first try, so a worker that frees room after the try sees a parked
+    // producer and notifies.
+    struct Parked<'a>(&'a AtomicUsize);
+    impl Drop for Parked<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    core.parked().fetch_add(1, Ordering::SeqCst);
+    let _parked = Parked(core.parked());
     loop {
         let mut room = std::pin::pin!(core.space().notified());
         room.as_mut().enable();

@@ -70,7 +70,7 @@ pub enum KeyedMode {
 ///     .workers(8)
 ///     .queue_size(1_000)
 ///     .key_of(|update: &(String, u64)| update.0.clone())
-///     .build(|_worker, (entity, version): (String, u64)| async move {
+///     .build(|_worker, (_entity, _version): (String, u64)| async move {
 ///         // apply updates of one entity in order
 ///         Ok::<_, std::io::Error>(())
 ///     })?;

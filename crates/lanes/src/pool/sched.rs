@@ -163,9 +163,30 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for Sharded<T, K> {
     }
 }
 
+/// A key's queue. A key with a single queued item (the common case) keeps it inline, so a
+/// burst of distinct keys allocates nothing per key beyond the key table itself.
 struct KeyState<T> {
-    queue: VecDeque<T>,
+    first: Option<T>,
+    more: VecDeque<T>,
     running: bool,
+}
+
+impl<T> KeyState<T> {
+    fn len(&self) -> usize {
+        usize::from(self.first.is_some()) + self.more.len()
+    }
+
+    fn push(&mut self, item: T) {
+        if self.first.is_none() && self.more.is_empty() {
+            self.first = Some(item);
+        } else {
+            self.more.push_back(item);
+        }
+    }
+
+    fn pop(&mut self) -> Option<T> {
+        self.first.take().or_else(|| self.more.pop_front())
+    }
 }
 
 /// Per-key FIFO queues scheduled onto any worker, one item per key at a time.
@@ -198,14 +219,17 @@ impl<T, K: PoolKey> PerKey<T, K> {
         }
     }
 
-    /// Gives memory back once the key table is mostly empty (after a burst of keys).
+    /// Gives memory back once the key table is mostly empty after a burst of keys. Tables up
+    /// to `SHRINK_FLOOR` entries are kept, so steady traffic does not grow and shrink them over
+    /// and over; that floor is the baseline memory returns to.
     fn shrink(&mut self) {
+        const SHRINK_FLOOR: usize = 16_384;
         let (len, capacity) = (self.keys.len(), self.keys.capacity());
-        if capacity > 64 && len < capacity / 8 {
-            self.keys.shrink_to(len * 2);
+        if capacity > SHRINK_FLOOR && len < capacity / 8 {
+            self.keys.shrink_to((len * 2).max(SHRINK_FLOOR));
         }
-        if self.ready.capacity() > 64 && self.ready.len() < self.ready.capacity() / 8 {
-            self.ready.shrink_to(self.ready.len() * 2);
+        if self.ready.capacity() > SHRINK_FLOOR && self.ready.len() < self.ready.capacity() / 8 {
+            self.ready.shrink_to((self.ready.len() * 2).max(SHRINK_FLOOR));
         }
     }
 }
@@ -217,7 +241,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         let key = (self.key_of)(&item);
         let known = self.keys.get(&key);
         match known {
-            Some(state) if state.queue.len() >= self.max_per_key => {
+            Some(state) if state.len() >= self.max_per_key => {
                 return Err((Refused::KeyFull, item));
             }
             None if self.keys.len() >= self.max_keys => return Err((Refused::TooManyKeys, item)),
@@ -227,12 +251,13 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
             return Err((Refused::Full, item));
         }
         self.queued += 1;
-        let state = self
-            .keys
-            .entry(key.clone())
-            .or_insert_with(|| KeyState { queue: VecDeque::new(), running: false });
-        state.queue.push_back(item);
-        if !state.running && state.queue.len() == 1 {
+        let state = self.keys.entry(key.clone()).or_insert_with(|| KeyState {
+            first: None,
+            more: VecDeque::new(),
+            running: false,
+        });
+        state.push(item);
+        if !state.running && state.len() == 1 {
             self.ready.push_back(key);
             Ok(Wake::Any)
         } else {
@@ -243,7 +268,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
     fn pop(&mut self, _worker: usize) -> Option<(K, T)> {
         let key = self.ready.pop_front()?;
         let state = self.keys.get_mut(&key).expect("a ready key is tracked");
-        let item = state.queue.pop_front().expect("a ready key has an item");
+        let item = state.pop().expect("a ready key has an item");
         state.running = true;
         self.queued -= 1;
         Some((key, item))
@@ -254,7 +279,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
             return Wake::None;
         };
         state.running = false;
-        if state.queue.is_empty() {
+        if state.len() == 0 {
             self.keys.remove(&key);
             self.shrink();
             Wake::None
@@ -277,7 +302,8 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         self.ready.clear();
         let mut out = Vec::new();
         self.keys.retain(|_, state| {
-            out.extend(state.queue.drain(..));
+            out.extend(state.first.take());
+            out.extend(state.more.drain(..));
             state.running
         });
         out
@@ -330,7 +356,8 @@ mod tests {
             s.done(key);
         }
         assert_eq!(s.keys(), 0);
-        assert!(s.keys.capacity() < peak / 100, "{} of {peak}", s.keys.capacity());
+        assert!(s.keys.capacity() < peak / 3, "{} of {peak}", s.keys.capacity());
+        assert!(s.keys.capacity() <= 2 * 16_384, "back to the floor: {}", s.keys.capacity());
     }
 
     proptest! {
