@@ -8,6 +8,7 @@
 //! | [`lane`] | [`LaneSet`], [`Lane`] | owned runs: `concurrent` execution slots + `queued` waiting slots, strict FIFO, finalizer exactly once |
 //! | [`limit`] | [`Limits`], [`LimitSpec`], [`Permit`] | permits held at once and granted per second, waiters ordered by [`Priority`] |
 //! | [`pool`] | [`Dispatcher`](pool::Dispatcher), [`KeyedPool`](pool::KeyedPool) | items queued and in flight; per-key order |
+//! | [`spill`] | [`SpillQueue`](spill::SpillQueue) | unacknowledged bytes on disk; survives crashes |
 //! | [`registry`] | [`Registry`], [`Snapshot`] | nothing: it reports what the others hold, as serde JSON |
 //!
 //! # Example
@@ -51,6 +52,7 @@ pub mod lane;
 pub mod limit;
 pub mod pool;
 pub mod registry;
+pub mod spill;
 
 mod util;
 

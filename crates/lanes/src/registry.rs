@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::lane::{ConfigError, ConfigRule, LaneSetSnapshot};
 use crate::limit::LimitInfo;
 use crate::pool::PoolSnapshot;
+use crate::spill::SpillSnapshot;
 use crate::util::lock;
 
 /// Something that reports into a [`Snapshot`].
@@ -113,6 +114,8 @@ pub struct Snapshot {
     pub limits: BTreeMap<String, Vec<LimitInfo>>,
     /// Dispatchers and keyed pools by registered name.
     pub pools: BTreeMap<String, PoolSnapshot>,
+    /// Spill queues by registered name.
+    pub spill: BTreeMap<String, SpillSnapshot>,
 }
 
 impl Snapshot {

@@ -1,0 +1,112 @@
+//! `lanes spill check DIR [--repair]`: what a spill queue directory holds, and what recovery
+//! would discard.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use lanes::spill::{self, CheckReport, SpillError};
+
+/// Options of `lanes spill`.
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum SpillCommand {
+    /// Report segments, records, bytes, the committed position and any corruption, without
+    /// changing anything (unless --repair). Exits 0 when clean, 3 when something is corrupt
+    /// (and not repaired), 1 on errors.
+    Check {
+        /// The queue's directory.
+        dir: PathBuf,
+        /// Truncate torn tails and drop foreign or acknowledged segments, as opening would.
+        #[arg(long)]
+        repair: bool,
+        /// The largest record the queue accepts (frames claiming more are corrupt).
+        #[arg(long, default_value_t = 8 << 20)]
+        max_record: u32,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub(crate) fn run(command: SpillCommand) -> ExitCode {
+    let SpillCommand::Check { dir, repair, max_record, json } = command;
+    let result =
+        if repair { spill::repair(&dir, max_record) } else { spill::check(&dir, max_record) };
+    match result {
+        Ok(report) => {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report).unwrap_or_default());
+            } else {
+                print!("{}", describe(&dir, &report, repair));
+            }
+            if report.is_clean() || repair { ExitCode::SUCCESS } else { ExitCode::from(3) }
+        }
+        Err(err) => {
+            eprintln!("lanes spill check: {}", explain(&err));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn explain(err: &SpillError) -> String {
+    match err {
+        SpillError::Locked => {
+            "the queue is open in another process (it holds the directory's LOCK); stop it first"
+                .to_owned()
+        }
+        other => other.to_string(),
+    }
+}
+
+fn describe(dir: &std::path::Path, report: &CheckReport, repaired: bool) -> String {
+    let verb = if repaired { "repaired" } else { "found" };
+    let committed = report.committed.map_or("none".to_owned(), |p| p.to_string());
+    let mut out = format!(
+        "spill queue {}\n  segments            {}\n  records             {}\n  bytes               {}\n  committed position  {}\n",
+        dir.display(),
+        report.segments,
+        report.records,
+        report.bytes,
+        committed,
+    );
+    if report.is_clean() {
+        out.push_str("  corruption          none\n");
+        return out;
+    }
+    let lines = [
+        (
+            report.state_reset,
+            format!("  state file          unreadable: every record is delivered again ({verb})\n"),
+        ),
+        (
+            report.corrupt_regions > 0,
+            format!(
+                "  corrupt regions     {} ({} bytes), skipped\n",
+                report.corrupt_regions, report.corrupt_bytes
+            ),
+        ),
+        (
+            report.torn_tails > 0,
+            format!(
+                "  torn tails          {} ({} bytes), {}\n",
+                report.torn_tails,
+                report.torn_bytes,
+                if repaired { "truncated" } else { "to truncate (--repair)" }
+            ),
+        ),
+        (
+            report.bad_segments > 0,
+            format!(
+                "  foreign segments    {} ({} bytes), {}\n",
+                report.bad_segments,
+                report.bad_segment_bytes,
+                if repaired { "dropped" } else { "to drop (--repair)" }
+            ),
+        ),
+    ];
+    for (show, line) in lines {
+        if show {
+            out.push_str(&line);
+        }
+    }
+    out
+}

@@ -1,0 +1,95 @@
+//! Errors of the spill queue.
+
+use std::fmt;
+use std::io;
+use std::sync::Arc;
+
+use crate::lane::ConfigError;
+
+/// Why a spill queue operation failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SpillError {
+    /// The queue holds `max_bytes` of unacknowledged data already.
+    Full {
+        /// The configured bound.
+        max_bytes: u64,
+    },
+    /// The record is larger than the configured maximum.
+    TooLarge {
+        /// The record's length.
+        len: usize,
+        /// The configured maximum.
+        max: u32,
+    },
+    /// An earlier write or sync failed: the queue refuses further appends until it is
+    /// reopened (recovery then repairs what the failure left). Appends acknowledged before the
+    /// failure are safe.
+    Failed(Arc<str>),
+    /// An I/O error.
+    Io(io::Error),
+    /// Another process owns the directory.
+    Locked,
+    /// The directory does not exist.
+    Missing(String),
+    /// The directory exists but holds no spill queue.
+    NotAQueue(String),
+    /// Another reader is open on this queue.
+    ReaderTaken,
+    /// The queue was closed.
+    Closed,
+    /// The options broke a rule.
+    InvalidOptions(ConfigError),
+    /// A record read back failed its checksum (the data changed on disk after it was written).
+    Corrupt {
+        /// Where.
+        position: super::Position,
+    },
+}
+
+impl SpillError {
+    /// The queue is full.
+    pub fn is_full(&self) -> bool {
+        matches!(self, Self::Full { .. })
+    }
+}
+
+impl fmt::Display for SpillError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Full { max_bytes } => {
+                write!(f, "spill queue full ({max_bytes} bytes unacknowledged)")
+            }
+            Self::TooLarge { len, max } => {
+                write!(f, "record of {len} bytes is over the maximum of {max}")
+            }
+            Self::Failed(cause) => {
+                write!(f, "spill queue failed earlier ({cause}); reopen it to recover")
+            }
+            Self::Io(err) => write!(f, "spill queue I/O: {err}"),
+            Self::Locked => f.write_str("spill queue directory is locked by another process"),
+            Self::Missing(dir) => write!(f, "spill queue directory {dir} does not exist"),
+            Self::NotAQueue(dir) => write!(f, "{dir} does not hold a spill queue"),
+            Self::ReaderTaken => f.write_str("spill queue already has a reader"),
+            Self::Closed => f.write_str("spill queue is closed"),
+            Self::InvalidOptions(err) => err.fmt(f),
+            Self::Corrupt { position } => write!(f, "spill record at {position} is corrupt"),
+        }
+    }
+}
+
+impl std::error::Error for SpillError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Io(err) => Some(err),
+            Self::InvalidOptions(err) => Some(err),
+            _ => None,
+        }
+    }
+}
+
+impl From<io::Error> for SpillError {
+    fn from(err: io::Error) -> Self {
+        if err.kind() == io::ErrorKind::WouldBlock { Self::Locked } else { Self::Io(err) }
+    }
+}

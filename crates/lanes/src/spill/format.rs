@@ -1,0 +1,114 @@
+//! File names, the segment header and the state (manifest) file. See `FORMAT.md` beside this
+//! module for the whole on-disk format.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The on-disk format version, in every segment header and in the state file.
+pub const FORMAT_VERSION: u16 = 1;
+
+/// The lock file: held (advisory `flock`) by the process that owns the queue.
+pub(crate) const LOCK: &str = "LOCK";
+/// The state file: the committed position.
+pub(crate) const STATE: &str = "STATE";
+
+const SEGMENT_MAGIC: [u8; 4] = *b"LSEG";
+const STATE_MAGIC: [u8; 4] = *b"LSPQ";
+
+/// Bytes of a segment header.
+pub(crate) const SEGMENT_HEADER: u64 = 16;
+const STATE_LEN: usize = 28;
+
+/// A place in the queue: a segment and a byte offset in it. Positions order records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Position {
+    /// The segment's id (its file is `{segment:020}.seg`).
+    pub segment: u64,
+    /// A byte offset in the segment file, at a frame boundary.
+    pub offset: u64,
+}
+
+impl Position {
+    /// The first record's place in segment `segment`.
+    pub(crate) fn start_of(segment: u64) -> Self {
+        Self { segment, offset: SEGMENT_HEADER }
+    }
+}
+
+impl fmt::Display for Position {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.segment, self.offset)
+    }
+}
+
+/// The file name of segment `id`.
+pub(crate) fn segment_name(id: u64) -> String {
+    format!("{id:020}.seg")
+}
+
+/// The id of a segment file name, if `name` is one.
+pub(crate) fn segment_id(name: &str) -> Option<u64> {
+    let digits = name.strip_suffix(".seg")?;
+    (digits.len() == 20 && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())?
+}
+
+/// The header of segment `id`.
+pub(crate) fn segment_header(id: u64) -> [u8; SEGMENT_HEADER as usize] {
+    let mut header = [0u8; SEGMENT_HEADER as usize];
+    header[0..4].copy_from_slice(&SEGMENT_MAGIC);
+    header[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    header[8..16].copy_from_slice(&id.to_le_bytes());
+    header
+}
+
+/// Whether `bytes` start with the header of segment `id`.
+pub(crate) fn segment_header_ok(bytes: &[u8], id: u64) -> bool {
+    bytes.len() >= SEGMENT_HEADER as usize && bytes[..SEGMENT_HEADER as usize] == segment_header(id)
+}
+
+/// The state file's bytes for a committed position.
+pub(crate) fn encode_state(committed: Position) -> [u8; STATE_LEN] {
+    let mut out = [0u8; STATE_LEN];
+    out[0..4].copy_from_slice(&STATE_MAGIC);
+    out[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out[8..16].copy_from_slice(&committed.segment.to_le_bytes());
+    out[16..24].copy_from_slice(&committed.offset.to_le_bytes());
+    let crc = crc32c::crc32c(&out[0..24]);
+    out[24..28].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// The committed position in a state file, if it is valid.
+pub(crate) fn decode_state(bytes: &[u8]) -> Option<Position> {
+    let bytes: &[u8; STATE_LEN] = bytes.try_into().ok()?;
+    let u64_at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+    let crc = u32::from_le_bytes(bytes[24..28].try_into().expect("4 bytes"));
+    let ok = bytes[0..4] == STATE_MAGIC
+        && u16::from_le_bytes([bytes[4], bytes[5]]) == FORMAT_VERSION
+        && crc32c::crc32c(&bytes[0..24]) == crc;
+    ok.then(|| Position { segment: u64_at(8), offset: u64_at(16) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_headers_and_state_round_trip() {
+        assert_eq!(segment_name(7), "00000000000000000007.seg");
+        assert_eq!(segment_id("00000000000000000007.seg"), Some(7));
+        assert_eq!(segment_id("7.seg"), None);
+        assert_eq!(segment_id("0000000000000000000x.seg"), None);
+        assert!(segment_header_ok(&segment_header(9), 9));
+        assert!(!segment_header_ok(&segment_header(9), 8));
+        let position = Position { segment: 3, offset: 1234 };
+        let state = encode_state(position);
+        assert_eq!(decode_state(&state), Some(position));
+        let mut broken = state;
+        broken[10] ^= 1;
+        assert_eq!(decode_state(&broken), None);
+        assert_eq!(decode_state(&state[..20]), None);
+    }
+}
