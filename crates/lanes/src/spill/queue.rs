@@ -42,7 +42,7 @@ use crate::util::lock;
 ///
 /// | policy | an append returns after | lost by a process crash (kill -9) | lost by an OS crash or power loss |
 /// |---|---|---|---|
-/// | `Always` | write + `fdatasync` | nothing acknowledged | nothing acknowledged |
+/// | `Always` | its own write + `fdatasync` | nothing acknowledged | nothing acknowledged |
 /// | `Batch` | write + one `fdatasync` shared with concurrent appends | nothing acknowledged | nothing acknowledged |
 /// | `Interval(d)` | write | nothing acknowledged | up to `d` of acknowledged appends |
 /// | `Never` | write | nothing acknowledged | whatever the OS had not flushed |
@@ -53,9 +53,9 @@ use crate::util::lock;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SyncPolicy {
-    /// Every append is synced before it returns.
+    /// Every append is written and synced on its own before it returns.
     Always,
-    /// Group commit: appends arriving within `batch_window` share one sync, and each returns
+    /// Group commit: the appends waiting when a write starts share one sync, and each returns
     /// after it.
     Batch,
     /// Synced every interval; appends return after their write.
@@ -70,7 +70,8 @@ pub enum SyncPolicy {
 pub struct SpillOptions {
     /// When appends are made durable. Default: [`SyncPolicy::Batch`].
     pub sync: SyncPolicy,
-    /// How long a `Batch` group waits for more appends. Default: 1 ms.
+    /// How long a `Batch` group lingers for more appends after taking every append already
+    /// waiting. Default: zero (appends that arrive while a sync runs form the next group).
     pub batch_window: Duration,
     /// Unacknowledged bytes (frames included) the queue may hold; one more append fails with
     /// [`SpillError::Full`]. Default: 1 GiB.
@@ -85,7 +86,7 @@ impl Default for SpillOptions {
     fn default() -> Self {
         Self {
             sync: SyncPolicy::Batch,
-            batch_window: Duration::from_millis(1),
+            batch_window: Duration::ZERO,
             max_bytes: 1 << 30,
             max_record: 8 << 20,
             segment_size: 64 << 20,
@@ -828,7 +829,7 @@ impl Writer {
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
                 }
             }
-            if self.options.sync == SyncPolicy::Batch {
+            if self.options.sync == SyncPolicy::Batch && !self.options.batch_window.is_zero() {
                 let deadline = Instant::now() + self.options.batch_window;
                 while bytes < GROUP_BYTES {
                     let left = deadline.saturating_duration_since(Instant::now());
@@ -860,7 +861,19 @@ impl Writer {
                     Err(RecvTimeoutError::Disconnected) => Next::Done,
                 }
             }
-            _ => requests.recv().map_or(Next::Done, Next::Request),
+            _ => {
+                // A short spin first: a producer answered a moment ago often sends its next
+                // append right away, and catching it here saves a thread wake-up.
+                let spin_until = Instant::now() + Duration::from_micros(30);
+                while Instant::now() < spin_until {
+                    match requests.try_recv() {
+                        Ok(request) => return Next::Request(request),
+                        Err(TryRecvError::Disconnected) => return Next::Done,
+                        Err(TryRecvError::Empty) => std::hint::spin_loop(),
+                    }
+                }
+                requests.recv().map_or(Next::Done, Next::Request)
+            }
         }
     }
 
@@ -872,7 +885,9 @@ impl Writer {
         self.last_sync = Instant::now();
     }
 
-    /// Handles a group of requests; false once the queue was closed.
+    /// Handles a group of requests; false once the queue was closed. Under `Always` every
+    /// append is written and synced on its own; otherwise the group's appends are written
+    /// together and share one sync (`Batch`) or none (`Interval`, `Never`).
     fn handle(&mut self, group: Vec<Request>) -> bool {
         let mut appended = Vec::new();
         let mut commits = Vec::new();
@@ -890,20 +905,25 @@ impl Writer {
                     let full = self.active_len + (buf.len() + frames.len()) as u64
                         > self.options.segment_size;
                     if full && self.active_len + buf.len() as u64 > SEGMENT_HEADER {
-                        if let Err(err) = self.write(&buf).and_then(|()| self.rotate()) {
+                        // Seal the segment (rotate syncs it) with what the group has so far.
+                        let sealed = self.write(&buf).and_then(|()| self.rotate());
+                        buf.clear();
+                        if let Err(err) = sealed {
                             failure = Some(self.fail(&err.to_string()));
-                            for (reply, _) in appended.drain(..) {
-                                Self::answer(reply, failure.clone());
-                            }
-                            let _ =
-                                reply.send(Err(SpillError::Failed(failure.clone().expect("set"))));
-                            buf.clear();
+                        }
+                        for (reply, _) in appended.drain(..) {
+                            Self::answer(reply, failure.clone());
+                        }
+                        if let Some(cause) = &failure {
+                            let _ = reply.send(Err(SpillError::Failed(cause.clone())));
                             continue;
                         }
-                        buf.clear();
                     }
                     buf.extend_from_slice(&frames);
                     appended.push((reply, frames.len()));
+                    if self.options.sync == SyncPolicy::Always {
+                        self.flush(&mut buf, &mut appended, &mut failure);
+                    }
                 }
                 Request::Commit { to, reply } => {
                     self.wanted = self.wanted.max(to);
@@ -912,17 +932,7 @@ impl Writer {
                 Request::Close { reply } => close = Some(reply),
             }
         }
-        if failure.is_none() && !buf.is_empty() {
-            let durable = matches!(self.options.sync, SyncPolicy::Always | SyncPolicy::Batch);
-            let written =
-                self.write(&buf).and_then(|()| if durable { self.sync() } else { Ok(()) });
-            if let Err(err) = written {
-                failure = Some(self.fail(&err.to_string()));
-            }
-        }
-        for (reply, _) in appended {
-            Self::answer(reply, failure.clone());
-        }
+        self.flush(&mut buf, &mut appended, &mut failure);
         if !commits.is_empty() {
             let durable = matches!(self.options.sync, SyncPolicy::Always | SyncPolicy::Batch);
             let persisted = if durable { self.persist() } else { Ok(()) };
@@ -943,6 +953,26 @@ impl Writer {
             return false;
         }
         true
+    }
+
+    /// Writes what `buf` holds (synced under `Always` and `Batch`), then answers its appends.
+    fn flush(
+        &mut self,
+        buf: &mut Vec<u8>,
+        appended: &mut Vec<(oneshot::Sender<Result<(), SpillError>>, usize)>,
+        failure: &mut Option<Arc<str>>,
+    ) {
+        if failure.is_none() && !buf.is_empty() {
+            let durable = matches!(self.options.sync, SyncPolicy::Always | SyncPolicy::Batch);
+            let written = self.write(buf).and_then(|()| if durable { self.sync() } else { Ok(()) });
+            if let Err(err) = written {
+                *failure = Some(self.fail(&err.to_string()));
+            }
+        }
+        buf.clear();
+        for (reply, _) in appended.drain(..) {
+            Self::answer(reply, failure.clone());
+        }
     }
 
     fn answer(reply: oneshot::Sender<Result<(), SpillError>>, failure: Option<Arc<str>>) {
