@@ -18,7 +18,7 @@ use serde_json::{Map, Value, json};
 
 const SIZES: [usize; 3] = [64, 1024, 64 * 1024];
 const APPENDERS: usize = 64;
-const TABLE: TableDefinition<u64, &[u8]> = TableDefinition::new("queue");
+const TABLE: TableDefinition<'_, u64, &[u8]> = TableDefinition::new("queue");
 
 fn window() -> Duration {
     if quick() { Duration::from_millis(700) } else { Duration::from_secs(3) }
