@@ -8,6 +8,7 @@
 //! | [`lane`] | [`LaneSet`], [`Lane`] | owned runs: `concurrent` execution slots + `queued` waiting slots, strict FIFO, finalizer exactly once |
 //! | [`limit`] | [`Limits`], [`LimitSpec`], [`Permit`] | permits held at once and granted per second, waiters ordered by [`Priority`] |
 //! | [`pool`] | [`Dispatcher`](pool::Dispatcher), [`KeyedPool`](pool::KeyedPool) | items queued and in flight; per-key order |
+//! | [`channel`] | [`Channel`](channel::Channel), [`Channels`](channel::Channels) | records queued per channel and across dynamic channels; overflow blocks, drops or spills |
 //! | [`spill`] | [`SpillQueue`](spill::SpillQueue) | unacknowledged bytes on disk; survives crashes |
 //! | [`registry`] | [`Registry`], [`Snapshot`] | nothing: it reports what the others hold, as serde JSON |
 //!
@@ -48,6 +49,7 @@
 #![forbid(unsafe_code)]
 #![doc(test(attr(deny(warnings))))]
 
+pub mod channel;
 pub mod lane;
 pub mod limit;
 pub mod pool;

@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use serde::{Deserialize, Serialize};
 
+use crate::channel::ChannelsSnapshot;
 use crate::lane::{ConfigError, ConfigRule, LaneSetSnapshot};
 use crate::limit::LimitInfo;
 use crate::pool::PoolSnapshot;
@@ -116,6 +117,9 @@ pub struct Snapshot {
     pub pools: BTreeMap<String, PoolSnapshot>,
     /// Spill queues by registered name.
     pub spill: BTreeMap<String, SpillSnapshot>,
+    /// Channel registries (and single channels) by registered name.
+    #[serde(default)]
+    pub channels: BTreeMap<String, ChannelsSnapshot>,
 }
 
 impl Snapshot {

@@ -61,7 +61,9 @@ use std::path::Path;
 
 pub use error::SpillError;
 pub use format::{FORMAT_VERSION, Position};
-pub use queue::{SpillOptions, SpillQueue, SpillReader, SpillRecord, SpillSnapshot, SyncPolicy};
+pub use queue::{
+    PendingAppend, SpillOptions, SpillQueue, SpillReader, SpillRecord, SpillSnapshot, SyncPolicy,
+};
 pub use recover::CheckReport;
 pub use storage::{AppendFile, Fault, FsStorage, MemStorage, Storage};
 

@@ -234,6 +234,24 @@ impl fmt::Debug for SpillQueue {
     }
 }
 
+/// Records handed to a [`SpillQueue`]'s writer; resolves once their sync policy is satisfied.
+#[must_use = "the append happens anyway; await this to learn when it is durable"]
+#[derive(Debug)]
+pub struct PendingAppend {
+    answer: oneshot::Receiver<Result<(), SpillError>>,
+}
+
+impl std::future::Future for PendingAppend {
+    type Output = Result<(), SpillError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.answer).poll(cx).map(|r| r.unwrap_or(Err(SpillError::Closed)))
+    }
+}
+
 /// One record read from a [`SpillQueue`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SpillRecord {
@@ -423,6 +441,20 @@ impl SpillQueue {
         &self,
         records: impl IntoIterator<Item = R>,
     ) -> Result<(), SpillError> {
+        self.start_append(records)?.await
+    }
+
+    /// Hands records to the writer without waiting: once this returns `Ok`, they are in the
+    /// queue's write path (in order, ahead of any later append); the returned [`PendingAppend`]
+    /// resolves when their sync policy is satisfied. Dropping it does not withdraw them.
+    ///
+    /// # Errors
+    ///
+    /// As for [`append`](Self::append), for the checks made before handing over.
+    pub fn start_append<R: AsRef<[u8]>>(
+        &self,
+        records: impl IntoIterator<Item = R>,
+    ) -> Result<PendingAppend, SpillError> {
         let max = self.inner.options.max_record;
         let mut frames = Vec::new();
         let mut count = 0u64;
@@ -435,7 +467,9 @@ impl SpillQueue {
             count += 1;
         }
         if count == 0 {
-            return Ok(());
+            let (reply, answer) = oneshot::channel();
+            let _ = reply.send(Ok(()));
+            return Ok(PendingAppend { answer });
         }
         {
             let mut shared = lock(&self.inner.shared);
@@ -455,7 +489,12 @@ impl SpillQueue {
         }
         let (reply, answer) = oneshot::channel();
         self.send(Request::Append { frames, reply })?;
-        answer.await.map_err(|_| SpillError::Closed)?
+        Ok(PendingAppend { answer })
+    }
+
+    /// Whether two handles are the same queue.
+    pub fn same_queue(a: &Self, b: &Self) -> bool {
+        Arc::ptr_eq(&a.inner, &b.inner)
     }
 
     /// The reader of this queue, starting at the committed position.

@@ -1,0 +1,558 @@
+//! The consumer: batches out, settlements back.
+
+use std::fmt;
+use std::future::poll_fn;
+use std::ops::Deref;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::{Instant, Sleep};
+
+use super::codec::{Codec, Envelope};
+use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
+use super::receipt::{ReceiptState, Settlement};
+use super::shared::{Entry, Shared};
+use crate::limit::{LimitError, Permit};
+use crate::spill::{SpillError, SpillQueue};
+use crate::util::lock;
+use crate::{BoxError, BoxFuture};
+
+const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// How a consumer's batches are formed and settled; shared with its batches.
+pub(crate) struct Plan<T> {
+    batch_max: usize,
+    batch_flush: Duration,
+    on_failure: FailurePolicy,
+    output: Option<SpillQueue>,
+    codec: Option<Arc<dyn Codec<T>>>,
+    limit: Option<ConsumerLimit>,
+}
+
+/// The receiving end of a [`Channel`](super::Channel): delivers records in [`Batch`]es of up
+/// to `batch_max`, a partial batch once its oldest record has waited `batch_flush`, and what is
+/// left when the channel closes. Also a [`Stream`](futures_core::Stream) of batches.
+///
+/// Dropping the consumer closes the channel; records still queued are dropped (counted, their
+/// receipts settle [`Dropped`](Settlement::Dropped)).
+///
+/// # Examples
+///
+/// ```
+/// use std::time::Duration;
+/// use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let channel = Channel::new(ChannelConfig::new(1024))?;
+/// let mut consumer = channel.consumer(
+///     ConsumerOptions::new().batch_max(64).batch_flush(Duration::from_millis(10)),
+/// )?;
+/// tokio::spawn(async move {
+///     for n in 0..100u64 {
+///         channel.emit(n).await.expect("open");
+///     }
+/// });
+///
+/// let mut seen = 0;
+/// while let Some(batch) = consumer.next_batch().await {
+///     assert!(batch.len() <= 64);
+///     seen += batch.len();
+///     batch.ack().await?;
+/// }
+/// assert_eq!(seen, 100);
+/// # Ok(())
+/// # }
+/// ```
+pub struct Consumer<T> {
+    shared: Arc<Shared<T>>,
+    plan: Arc<Plan<T>>,
+    linger: Option<Pin<Box<Sleep>>>,
+    acquiring: Option<BoxFuture<'static, Result<Vec<Permit>, LimitError>>>,
+    permits: Vec<Permit>,
+    backoff: Option<Pin<Box<Sleep>>>,
+    next_backoff: Duration,
+}
+
+impl<T: Send + 'static> Consumer<T> {
+    pub(crate) fn new(shared: Arc<Shared<T>>, options: ConsumerOptions<T>) -> Self {
+        let ConsumerOptions { batch_max, batch_flush, on_failure, output, codec, limit } = options;
+        Self {
+            shared,
+            plan: Arc::new(Plan { batch_max, batch_flush, on_failure, output, codec, limit }),
+            linger: None,
+            acquiring: None,
+            permits: Vec::new(),
+            backoff: None,
+            next_backoff: BACKOFF_FIRST,
+        }
+    }
+
+    /// The next batch, or `None` once the channel is closed and drained.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: records stay queued until a batch is returned.
+    pub async fn next_batch(&mut self) -> Option<Batch<T>> {
+        poll_fn(|cx| self.poll_next_batch(cx)).await
+    }
+
+    /// The next record on its own, ignoring `batch_max` and `batch_flush`: a plain channel read.
+    /// Taking a record settles it: its receipt (if any) settles
+    /// [`Processed`](Settlement::Processed) and it counts as processed. A consumer limit
+    /// applies as usual (the permit is released on return).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn recv(&mut self) -> Option<T> {
+        let mut out = Vec::with_capacity(1);
+        poll_fn(|cx| self.poll_take(cx, 1, Duration::ZERO, &mut out)).await?;
+        self.settle_taken(&out);
+        self.permits.clear();
+        out.pop().map(|entry| entry.record)
+    }
+
+    /// Moves up to `limit` queued records into `buffer` (waiting for at least one), settling
+    /// them as [`recv`](Self::recv) does. Returns how many were added; 0 once the channel is
+    /// closed and drained (or for a `limit` of 0).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn recv_many(&mut self, buffer: &mut Vec<T>, limit: usize) -> usize {
+        if limit == 0 {
+            return 0;
+        }
+        let mut out = Vec::new();
+        if poll_fn(|cx| self.poll_take(cx, limit, Duration::ZERO, &mut out)).await.is_none() {
+            return 0;
+        }
+        self.settle_taken(&out);
+        self.permits.clear();
+        let n = out.len();
+        buffer.extend(out.into_iter().map(|entry| entry.record));
+        n
+    }
+
+    fn settle_taken(&self, taken: &[Entry<T>]) {
+        let late = taken.iter().filter(|entry| !entry.settle(Settlement::Processed)).count();
+        let mut st = lock(&self.shared.state);
+        st.counters.processed += taken.len() as u64;
+        st.counters.late_settlements += late as u64;
+        drop(st);
+        self.shared.metrics.processed.increment(taken.len() as u64);
+    }
+
+    /// Polls for the next batch.
+    pub fn poll_next_batch(&mut self, cx: &mut Context<'_>) -> Poll<Option<Batch<T>>> {
+        let mut taken = Vec::new();
+        let (max, flush) = (self.plan.batch_max, self.plan.batch_flush);
+        if ready!(self.poll_take(cx, max, flush, &mut taken)).is_none() {
+            return Poll::Ready(None);
+        }
+        let mut records = Vec::with_capacity(taken.len());
+        let mut receipts = Vec::new();
+        for (i, entry) in taken.into_iter().enumerate() {
+            if let Some(receipt) = entry.receipt {
+                receipts.resize(i, None);
+                receipts.push(Some(receipt));
+            }
+            records.push(entry.record);
+        }
+        receipts.resize(if receipts.is_empty() { 0 } else { records.len() }, None);
+        Poll::Ready(Some(Batch {
+            records,
+            receipts,
+            permits: std::mem::take(&mut self.permits),
+            shared: self.shared.clone(),
+            plan: self.plan.clone(),
+            settled: false,
+        }))
+    }
+
+    /// Takes up to `max` records once a batch is due, with the permits it needs.
+    fn poll_take(
+        &mut self,
+        cx: &mut Context<'_>,
+        max: usize,
+        flush: Duration,
+        out: &mut Vec<Entry<T>>,
+    ) -> Poll<Option<()>> {
+        loop {
+            if let Some(sleep) = &mut self.backoff {
+                ready!(sleep.as_mut().poll(cx));
+                self.backoff = None;
+            }
+            if let Some(acquiring) = &mut self.acquiring {
+                let answer = ready!(acquiring.as_mut().poll(cx));
+                self.acquiring = None;
+                match answer {
+                    Ok(permits) => {
+                        self.permits.extend(permits);
+                        self.next_backoff = BACKOFF_FIRST;
+                    }
+                    Err(_) => {
+                        lock(&self.shared.state).counters.limit_errors += 1;
+                        let wait = self.next_backoff;
+                        self.next_backoff = (wait * 2).min(BACKOFF_MAX);
+                        self.backoff = Some(Box::pin(tokio::time::sleep(wait)));
+                        continue;
+                    }
+                }
+            }
+            let mut st = lock(&self.shared.state);
+            let len = st.buf.len();
+            if len == 0 {
+                if st.closed {
+                    drop(st);
+                    self.permits.clear();
+                    return Poll::Ready(None);
+                }
+                st.wait_for(1, cx.waker());
+                return Poll::Pending;
+            }
+            let due = len >= max || st.closed || flush.is_zero() || {
+                let deadline = st.oldest_enqueued().map_or_else(Instant::now, |at| at + flush);
+                if Instant::now() >= deadline {
+                    true
+                } else {
+                    st.wait_for(max, cx.waker());
+                    drop(st);
+                    let linger = match &mut self.linger {
+                        Some(linger) => {
+                            if linger.deadline() != deadline {
+                                linger.as_mut().reset(deadline);
+                            }
+                            linger
+                        }
+                        None => self.linger.insert(Box::pin(tokio::time::sleep_until(deadline))),
+                    };
+                    if linger.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    continue;
+                }
+            };
+            debug_assert!(due);
+            let mut n = len.min(max);
+            if let Some(limit) = &self.plan.limit {
+                if self.permits.is_empty() {
+                    drop(st);
+                    let want = match limit.per {
+                        PermitPer::Batch => 1,
+                        PermitPer::Record => n,
+                    };
+                    self.acquiring = Some(acquire(limit, want));
+                    continue;
+                }
+                if limit.per == PermitPer::Record {
+                    n = n.min(self.permits.len());
+                    self.permits.truncate(n);
+                }
+            }
+            let wakers = self.shared.take(&mut st, n, out);
+            drop(st);
+            self.shared.after_take(n, wakers);
+            return Poll::Ready(Some(()));
+        }
+    }
+}
+
+/// Acquires one permit (waiting), then up to `want - 1` more that are free right now.
+fn acquire(
+    limit: &ConsumerLimit,
+    want: usize,
+) -> BoxFuture<'static, Result<Vec<Permit>, LimitError>> {
+    let (limits, name, priority) =
+        (limit.limits.clone(), limit.name.clone(), limit.priority.clone());
+    Box::pin(async move {
+        let mut permits = vec![limits.acquire(&name, priority.clone()).await?];
+        while permits.len() < want {
+            match limits.try_acquire(&name, priority.clone()).await? {
+                Some(permit) => permits.push(permit),
+                None => break,
+            }
+        }
+        Ok(permits)
+    })
+}
+
+impl<T: Send + 'static> futures_core::Stream for Consumer<T> {
+    type Item = Batch<T>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Batch<T>>> {
+        self.get_mut().poll_next_batch(cx)
+    }
+}
+
+impl<T> Drop for Consumer<T> {
+    fn drop(&mut self) {
+        self.shared.close_with(true);
+    }
+}
+
+impl<T> fmt::Debug for Consumer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("channel", &self.shared.name)
+            .field("batch_max", &self.plan.batch_max)
+            .field("batch_flush", &self.plan.batch_flush)
+            .finish()
+    }
+}
+
+/// Records delivered together, in channel order. Read them through `Deref<Target = [T]>`, then
+/// settle them: [`ack`](Self::ack) (all processed), [`settle`](Self::settle) (an outcome per
+/// record) or [`fail_all`](Self::fail_all). A batch dropped unsettled counts its records as
+/// `abandoned` and settles their receipts [`Dropped`](Settlement::Dropped). Permits taken for
+/// the batch are held until it is settled or dropped.
+pub struct Batch<T> {
+    records: Vec<T>,
+    /// Empty when no record has a receipt; else one slot per record.
+    receipts: Vec<Option<Arc<ReceiptState>>>,
+    permits: Vec<Permit>,
+    shared: Arc<Shared<T>>,
+    plan: Arc<Plan<T>>,
+    settled: bool,
+}
+
+/// What a [`Batch`] settlement did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SettleReport {
+    /// Records processed (and, with an output queue, written there).
+    pub processed: usize,
+    /// Records failed: tagged, dead-lettered, ignored, or not written.
+    pub failed: usize,
+    /// Failed records re-emitted to the output queue with a tag.
+    pub tagged: usize,
+    /// Failed records written to the dead-letter queue.
+    pub dead_lettered: usize,
+    /// Failed records counted and dropped.
+    pub ignored: usize,
+    /// Records that could not be encoded or written (counted in `failed`).
+    pub unwritten: usize,
+    /// Receipts that had timed out before this settlement.
+    pub late: usize,
+}
+
+/// A settlement whose output or dead-letter write failed: the records concerned are counted
+/// failed (`unwritten`), the rest settled as reported.
+#[derive(Debug)]
+pub struct SettleError {
+    /// What the settlement did.
+    pub report: SettleReport,
+    /// The first write error.
+    pub error: SpillError,
+}
+
+impl fmt::Display for SettleError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} records could not be written: {}", self.report.unwritten, self.error)
+    }
+}
+
+impl std::error::Error for SettleError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    Processed,
+    Tagged,
+    DeadLettered,
+    Ignored,
+    Unwritten,
+}
+
+impl Fate {
+    fn settlement(self) -> Settlement {
+        match self {
+            Self::Processed => Settlement::Processed,
+            Self::DeadLettered => Settlement::DeadLettered,
+            Self::Tagged | Self::Ignored | Self::Unwritten => Settlement::Failed,
+        }
+    }
+}
+
+impl<T> Batch<T> {
+    /// The permits held for this batch.
+    pub fn permits(&self) -> &[Permit] {
+        &self.permits
+    }
+
+    /// Settles every record as processed.
+    ///
+    /// # Errors
+    ///
+    /// As for [`settle`](Self::settle).
+    pub async fn ack(self) -> Result<SettleReport, SettleError> {
+        let n = self.records.len();
+        self.settle(std::iter::repeat_with(|| Ok(())).take(n)).await
+    }
+
+    /// Settles every record as failed with `error`'s message, under the failure policy.
+    ///
+    /// # Errors
+    ///
+    /// As for [`settle`](Self::settle).
+    pub async fn fail_all(self, error: impl fmt::Display) -> Result<SettleReport, SettleError> {
+        let message = error.to_string();
+        let n = self.records.len();
+        self.settle(std::iter::repeat_with(|| Err(message.as_str().into())).take(n)).await
+    }
+
+    /// Settles the records in order, one outcome each: `Ok` processed (written to the output
+    /// queue, if any), `Err` failed under the consumer's [`FailurePolicy`]. A record without an
+    /// outcome (the iterator ended early) fails with "no outcome given"; extra outcomes are
+    /// ignored. Returns once the output and dead-letter writes are durable under their queues'
+    /// sync policies; receipts settle then.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future part-way counts the batch as abandoned; writes already handed to a
+    /// queue stay there (delivery downstream is at least once).
+    ///
+    /// # Errors
+    ///
+    /// A [`SettleError`] if a write failed: those records are counted failed.
+    pub async fn settle(
+        mut self,
+        outcomes: impl IntoIterator<Item = Result<(), BoxError>>,
+    ) -> Result<SettleReport, SettleError> {
+        let plan = self.plan.clone();
+        let mut outcomes = outcomes.into_iter();
+        let mut fates = Vec::with_capacity(self.records.len());
+        let (mut out, mut out_at, mut dead, mut dead_at) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (i, record) in self.records.iter().enumerate() {
+            let outcome = outcomes.next().unwrap_or_else(|| Err("no outcome given".into()));
+            let (fate, tags, to_dead) = match (outcome, &plan.on_failure) {
+                (Ok(()), _) if plan.output.is_none() => {
+                    fates.push(Fate::Processed);
+                    continue;
+                }
+                (Ok(()), _) => (Fate::Processed, Vec::new(), false),
+                (Err(_), FailurePolicy::Ignore) => {
+                    fates.push(Fate::Ignored);
+                    continue;
+                }
+                (Err(err), FailurePolicy::Tag(tag)) => {
+                    (Fate::Tagged, vec![tag.clone(), format!("error={err}")], false)
+                }
+                (Err(err), FailurePolicy::DeadLetter(_)) => {
+                    (Fate::DeadLettered, vec![format!("error={err}")], true)
+                }
+            };
+            let codec = plan.codec.as_ref().expect("validated: writes have a codec");
+            match codec.encode(record) {
+                Ok(payload) => {
+                    let bytes = Envelope { tags, payload }.to_bytes();
+                    if to_dead {
+                        dead.push(bytes);
+                        dead_at.push(i);
+                    } else {
+                        out.push(bytes);
+                        out_at.push(i);
+                    }
+                    fates.push(fate);
+                }
+                Err(_) => fates.push(Fate::Unwritten),
+            }
+        }
+        let dead_queue = match &plan.on_failure {
+            FailurePolicy::DeadLetter(queue) => Some(queue),
+            _ => None,
+        };
+        let mut error = None;
+        for (queue, bytes, at) in [(plan.output.as_ref(), out, out_at), (dead_queue, dead, dead_at)]
+        {
+            let (Some(queue), false) = (queue, bytes.is_empty()) else { continue };
+            let written = match queue.start_append(&bytes) {
+                Ok(pending) => pending.await,
+                Err(err) => Err(err),
+            };
+            if let Err(err) = written {
+                for i in at {
+                    fates[i] = Fate::Unwritten;
+                }
+                error.get_or_insert(err);
+            }
+        }
+        let report = self.finish(&fates);
+        match error {
+            None => Ok(report),
+            Some(error) => Err(SettleError { report, error }),
+        }
+    }
+
+    /// Records the fates, settles the receipts, releases the permits.
+    fn finish(&mut self, fates: &[Fate]) -> SettleReport {
+        let mut report = SettleReport::default();
+        for (i, fate) in fates.iter().enumerate() {
+            match fate {
+                Fate::Processed => report.processed += 1,
+                Fate::Tagged => report.tagged += 1,
+                Fate::DeadLettered => report.dead_lettered += 1,
+                Fate::Ignored => report.ignored += 1,
+                Fate::Unwritten => report.unwritten += 1,
+            }
+            if let Some(Some(receipt)) = self.receipts.get(i)
+                && !receipt.settle(fate.settlement())
+            {
+                report.late += 1;
+            }
+        }
+        report.failed = fates.len() - report.processed;
+        self.settled = true;
+        {
+            let mut st = lock(&self.shared.state);
+            let c = &mut st.counters;
+            c.processed += report.processed as u64;
+            c.failed += report.failed as u64;
+            c.tagged += report.tagged as u64;
+            c.dead_lettered += report.dead_lettered as u64;
+            c.ignored += report.ignored as u64;
+            c.late_settlements += report.late as u64;
+        }
+        self.shared.metrics.processed.increment(report.processed as u64);
+        self.shared.metrics.failed.increment(report.failed as u64);
+        self.permits.clear();
+        report
+    }
+}
+
+impl<T> Deref for Batch<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        &self.records
+    }
+}
+
+impl<T> Drop for Batch<T> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        for receipt in self.receipts.iter().flatten() {
+            receipt.settle(Settlement::Dropped);
+        }
+        lock(&self.shared.state).counters.abandoned += self.records.len() as u64;
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for Batch<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Batch")
+            .field("records", &self.records)
+            .field("permits", &self.permits.len())
+            .finish()
+    }
+}

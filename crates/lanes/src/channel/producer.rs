@@ -1,0 +1,345 @@
+//! The producer's handle: emit records, take the consumer, close.
+
+use std::fmt;
+use std::future::poll_fn;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+
+use std::task::Poll;
+
+use super::config::{ChannelConfig, ChannelError, ConsumerOptions, EmitError, Emitted, Overflow};
+use super::consumer::Consumer;
+use super::receipt::{Receipt, ReceiptState, Settlement};
+use super::shared::{ChannelSnapshot, Entry, Pushed, Shared, Waiter};
+use crate::lane::ConfigError;
+use crate::registry::{Registry, Snapshot, Source};
+use crate::util::lock;
+
+/// A bounded in-process channel of records: the producers' handle. Clones are more producers
+/// of the same channel; one [`Consumer`] receives.
+///
+/// A channel made with [`Channel::new`] closes when its last handle is dropped (the consumer
+/// then drains what is queued); a channel of a [`Channels`](super::Channels) registry stays
+/// open until it is closed.
+///
+/// # Examples
+///
+/// ```
+/// use lanes::channel::{Channel, ChannelConfig, ConsumerOptions, Emitted, Overflow};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let channel = Channel::new(ChannelConfig::new(2).overflow(Overflow::DropOldest))?;
+/// let mut consumer = channel.consumer(ConsumerOptions::new().batch_max(10))?;
+///
+/// for n in 1..=3u32 {
+///     channel.emit(n).await?;
+/// }
+/// // The channel held two records: the third emit dropped the oldest.
+/// assert!(matches!(channel.try_emit(4)?, Emitted::DroppedOldest(2)));
+/// channel.close();
+///
+/// let batch = consumer.next_batch().await.expect("a batch");
+/// assert_eq!(&batch[..], &[3, 4]);
+/// batch.ack().await?;
+/// assert!(consumer.next_batch().await.is_none());
+///
+/// let snapshot = channel.snapshot();
+/// assert_eq!((snapshot.emitted, snapshot.delivered, snapshot.dropped), (4, 2, 2));
+/// # Ok(())
+/// # }
+/// ```
+pub struct Channel<T> {
+    pub(crate) shared: Arc<Shared<T>>,
+}
+
+impl<T: Send + 'static> Channel<T> {
+    /// A standalone channel named `"channel"`.
+    ///
+    /// # Errors
+    ///
+    /// [`ChannelError::Config`] for a zero or oversized capacity or a zero `ack_timeout`.
+    pub fn new(config: ChannelConfig<T>) -> Result<Self, ChannelError> {
+        Self::named("channel", config)
+    }
+
+    /// A standalone channel named `name` (the name labels its metrics and snapshot).
+    ///
+    /// # Errors
+    ///
+    /// As for [`new`](Self::new).
+    pub fn named(
+        name: impl Into<Arc<str>>,
+        config: ChannelConfig<T>,
+    ) -> Result<Self, ChannelError> {
+        let name = name.into();
+        config.validate(&name)?;
+        Ok(Self::from_shared(Arc::new(Shared::new(name, config, false, None, Weak::new()))))
+    }
+
+    pub(crate) fn from_shared(shared: Arc<Shared<T>>) -> Self {
+        shared.producers.fetch_add(1, Ordering::Relaxed);
+        Self { shared }
+    }
+
+    /// Emits `record` without waiting, saying what happened to it.
+    ///
+    /// Under [`Overflow::Spill`], the record is encoded and handed to the spill queue's writer
+    /// (an append that cannot be withdrawn); use [`emit`](Self::emit) to wait until it is there
+    /// under the queue's sync policy.
+    ///
+    /// # Errors
+    ///
+    /// The record is handed back: [`EmitError::Full`] (a full channel under
+    /// [`Overflow::Block`]), [`EmitError::Closed`], or, for a spill,
+    /// [`EmitError::Spill`] / [`EmitError::Encode`].
+    pub fn try_emit(&self, record: T) -> Result<Emitted<T>, EmitError<T>> {
+        let entry = Entry { record, receipt: None };
+        match self.shared.push(entry, None) {
+            Pushed::Spill(entry) => self.spill_now(entry).map(|()| Emitted::Spilled),
+            pushed => finish(pushed),
+        }
+    }
+
+    /// Emits `record`, waiting for room under [`Overflow::Block`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future while it waits for room leaves nothing enqueued (the
+    /// record is dropped with it) and passes its turn to the next waiting producer. Under
+    /// [`Overflow::Spill`], a record handed to the spill queue stays there.
+    ///
+    /// # Errors
+    ///
+    /// As for [`try_emit`](Self::try_emit), except that a full channel waits instead.
+    pub async fn emit(&self, record: T) -> Result<Emitted<T>, EmitError<T>> {
+        match self.push_waiting(Entry { record, receipt: None }).await {
+            Pushed::Spill(entry) => self.spill_waiting(entry).await.map(|()| Emitted::Spilled),
+            pushed => finish(pushed),
+        }
+    }
+
+    /// Emits `record` like [`emit`](Self::emit) and returns its [`Receipt`], which settles
+    /// exactly once: when the consumer settles the record, when the record is dropped or
+    /// spilled, or `TimedOut` after the channel's `ack_timeout`.
+    ///
+    /// # Errors
+    ///
+    /// As for [`emit`](Self::emit); a record dropped by the overflow policy is not an error (its
+    /// receipt settles [`Dropped`](Settlement::Dropped)).
+    pub async fn emit_with_receipt(&self, record: T) -> Result<Receipt, EmitError<T>> {
+        let state = ReceiptState::new(self.shared.config.ack_timeout);
+        let entry = Entry { record, receipt: Some(state.clone()) };
+        match self.push_waiting(entry).await {
+            Pushed::Queued => {}
+            Pushed::DroppedNewest(entry) | Pushed::DroppedOldest(entry) => {
+                entry.settle(Settlement::Dropped);
+            }
+            Pushed::Spill(entry) => self.spill_waiting(entry).await?,
+            Pushed::Full(entry) => return Err(EmitError::Full(entry.record)),
+            Pushed::Closed(entry) => return Err(EmitError::Closed(entry.record)),
+        }
+        Ok(Receipt::new(state))
+    }
+
+    async fn push_waiting(&self, entry: Entry<T>) -> Pushed<T> {
+        let mut entry = Some(entry);
+        let mut guard = WaitGuard { shared: &self.shared, waiter: Waiter::default() };
+        poll_fn(|cx| {
+            let pending = entry.take().expect("polled after completion");
+            match self.shared.push(pending, Some((&mut guard.waiter, cx.waker()))) {
+                Pushed::Full(pending) => {
+                    entry = Some(pending);
+                    Poll::Pending
+                }
+                done => Poll::Ready(done),
+            }
+        })
+        .await
+    }
+
+    /// Hands a record counted as spilled to the spill queue's writer, without waiting.
+    fn spill_now(&self, entry: Entry<T>) -> Result<(), EmitError<T>> {
+        let Overflow::Spill(queue, codec) = &self.shared.config.overflow else {
+            unreachable!("only a spill policy spills");
+        };
+        let bytes = match codec.encode(&entry.record) {
+            Ok(bytes) => bytes,
+            Err(err) => {
+                self.shared.unspill();
+                return Err(EmitError::Encode(entry.record, err));
+            }
+        };
+        match queue.start_append([bytes]) {
+            Ok(_in_write_path) => {
+                entry.settle(Settlement::Spilled);
+                Ok(())
+            }
+            Err(err) => {
+                self.shared.unspill();
+                Err(EmitError::Spill(entry.record, err))
+            }
+        }
+    }
+
+    async fn spill_waiting(&self, entry: Entry<T>) -> Result<(), EmitError<T>> {
+        let Overflow::Spill(queue, codec) = &self.shared.config.overflow else {
+            unreachable!("only a spill policy spills");
+        };
+        let (queue, codec) = (queue.clone(), codec.clone());
+        let bytes = match codec.encode(&entry.record) {
+            Ok(bytes) => bytes,
+            Err(err) => {
+                self.shared.unspill();
+                return Err(EmitError::Encode(entry.record, err));
+            }
+        };
+        let written = match queue.start_append([bytes]) {
+            Ok(pending) => pending.await,
+            Err(err) => Err(err),
+        };
+        match written {
+            Ok(()) => {
+                entry.settle(Settlement::Spilled);
+                Ok(())
+            }
+            Err(err) => {
+                self.shared.unspill();
+                Err(EmitError::Spill(entry.record, err))
+            }
+        }
+    }
+
+    /// Takes the channel's one consumer.
+    ///
+    /// # Errors
+    ///
+    /// [`ChannelError::ConsumerTaken`] if it was taken before, [`ChannelError::Config`] for
+    /// invalid options.
+    pub fn consumer(&self, options: ConsumerOptions<T>) -> Result<Consumer<T>, ChannelError> {
+        options.validate(&self.shared.name)?;
+        {
+            let mut st = lock(&self.shared.state);
+            if st.consumer_taken {
+                return Err(ChannelError::ConsumerTaken(self.shared.name.to_string()));
+            }
+            st.consumer_taken = true;
+        }
+        Ok(Consumer::new(self.shared.clone(), options))
+    }
+
+    /// Registers the channel in `registry` under `name`.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] if `name` is taken.
+    pub fn register(
+        &self,
+        registry: &Registry,
+        name: impl Into<String>,
+    ) -> Result<(), ConfigError> {
+        let source: Arc<dyn Source> = self.shared.clone();
+        registry.register(name.into(), Arc::downgrade(&source))
+    }
+}
+
+impl<T> Channel<T> {
+    /// The channel's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The most records the channel holds.
+    pub fn capacity(&self) -> usize {
+        self.shared.config.capacity
+    }
+
+    /// Records queued now.
+    pub fn len(&self) -> usize {
+        lock(&self.shared.state).buf.len()
+    }
+
+    /// Whether no record is queued.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Closes the channel: emits fail with [`EmitError::Closed`]; the consumer receives what is
+    /// queued (unless the channel discards on close), then `None`. Closing twice does nothing.
+    pub fn close(&self) {
+        self.shared.close_with(false);
+    }
+
+    /// Whether the channel is closed.
+    pub fn is_closed(&self) -> bool {
+        self.shared.is_closed()
+    }
+
+    /// The channel's counters and state now.
+    pub fn snapshot(&self) -> ChannelSnapshot {
+        self.shared.snapshot()
+    }
+}
+
+fn finish<T>(pushed: Pushed<T>) -> Result<Emitted<T>, EmitError<T>> {
+    match pushed {
+        Pushed::Queued => Ok(Emitted::Queued),
+        Pushed::DroppedNewest(entry) => {
+            entry.settle(Settlement::Dropped);
+            Ok(Emitted::Dropped(entry.record))
+        }
+        Pushed::DroppedOldest(entry) => {
+            entry.settle(Settlement::Dropped);
+            Ok(Emitted::DroppedOldest(entry.record))
+        }
+        Pushed::Full(entry) => Err(EmitError::Full(entry.record)),
+        Pushed::Closed(entry) => Err(EmitError::Closed(entry.record)),
+        Pushed::Spill(_) => unreachable!("spills are written by the caller"),
+    }
+}
+
+/// Leaves the wait list when an emit stops waiting for any reason.
+struct WaitGuard<'a, T> {
+    shared: &'a Shared<T>,
+    waiter: Waiter,
+}
+
+impl<T> Drop for WaitGuard<'_, T> {
+    fn drop(&mut self) {
+        self.shared.cancel_wait(&mut self.waiter);
+    }
+}
+
+impl<T> Clone for Channel<T> {
+    fn clone(&self) -> Self {
+        self.shared.producers.fetch_add(1, Ordering::Relaxed);
+        Self { shared: self.shared.clone() }
+    }
+}
+
+impl<T> Drop for Channel<T> {
+    fn drop(&mut self) {
+        if self.shared.producers.fetch_sub(1, Ordering::AcqRel) == 1 && self.shared.auto_close {
+            self.shared.close_with(false);
+        }
+    }
+}
+
+impl<T> fmt::Debug for Channel<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Channel")
+            .field("name", &self.shared.name)
+            .field("capacity", &self.shared.config.capacity)
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl<T: Send + 'static> Source for Shared<T> {
+    fn report(&self, name: &str, snapshot: &mut Snapshot) {
+        snapshot.channels.insert(
+            name.to_owned(),
+            super::ChannelsSnapshot { budget: None, channels: vec![self.snapshot()] },
+        );
+    }
+}

@@ -1,0 +1,322 @@
+//! Channels by name: configured and dynamic, owners, and a budget shared by the dynamic ones.
+
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use super::config::{ChannelConfig, ChannelError};
+use super::producer::Channel;
+use super::shared::{Budget, ChannelSnapshot, Shared};
+use crate::lane::{ConfigError, ConfigRule};
+use crate::registry::{Registry, Snapshot, Source};
+use crate::util::lock;
+
+/// What the registry needs of a channel whatever its record type.
+trait AnyChannel: Send + Sync {
+    fn snapshot(&self) -> ChannelSnapshot;
+    fn close(&self);
+    fn owner(&self) -> Option<&str>;
+}
+
+impl<T: Send + 'static> AnyChannel for Shared<T> {
+    fn snapshot(&self) -> ChannelSnapshot {
+        Shared::snapshot(self)
+    }
+
+    fn close(&self) {
+        self.close_with(false);
+    }
+
+    fn owner(&self) -> Option<&str> {
+        self.config.owner.as_deref()
+    }
+}
+
+struct Slot {
+    any: Arc<dyn Any + Send + Sync>,
+    channel: Arc<dyn AnyChannel>,
+}
+
+pub(crate) struct ChannelsInner {
+    map: Mutex<BTreeMap<Arc<str>, Slot>>,
+    budget: Option<Arc<Budget>>,
+}
+
+impl ChannelsInner {
+    /// Removes `name` if it is still the channel at `ptr` (a closed channel frees its name).
+    pub(crate) fn forget(&self, name: &str, ptr: *const ()) {
+        let mut map = lock(&self.map);
+        if map.get(name).is_some_and(|slot| std::ptr::eq(Arc::as_ptr(&slot.any).cast::<()>(), ptr))
+        {
+            map.remove(name);
+        }
+    }
+}
+
+/// A registry of channels by name.
+///
+/// *Configured* channels ([`configure`](Self::configure)) are declared up front with their own
+/// capacity. *Dynamic* channels ([`create`](Self::create), [`get_or_create`](Self::get_or_create))
+/// come and go at run time and share the registry's `total_budget` of queued records: when the
+/// budget is used up, each applies its own overflow policy as if it were full. A channel leaves
+/// the registry when it is closed (its name is free again); closing an owner closes all of its
+/// channels.
+///
+/// # Examples
+///
+/// ```
+/// use lanes::channel::{ChannelConfig, ChannelError, Channels};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let channels = Channels::with_budget(10_000)?;
+/// let config = ChannelConfig::default().owner("session-7");
+/// let a = channels.get_or_create::<String>("session-7/events", config.clone())?;
+/// let b = channels.get_or_create::<String>("session-7/events", config)?;
+/// a.emit("hello".to_owned()).await?;
+/// assert_eq!(b.len(), 1); // the same channel
+///
+/// // Same name, another configuration: a typed error, not a silent mix-up.
+/// let err = channels
+///     .get_or_create::<String>("session-7/events", ChannelConfig::new(8))
+///     .unwrap_err();
+/// assert!(matches!(err, ChannelError::ConfigMismatch { field: "capacity", .. }));
+///
+/// assert_eq!(channels.close_owner("session-7"), 1);
+/// assert!(a.is_closed());
+/// assert!(channels.names().is_empty());
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct Channels {
+    inner: Arc<ChannelsInner>,
+}
+
+impl Channels {
+    /// A registry without a budget: dynamic channels are bounded only by their capacities.
+    pub fn new() -> Self {
+        Self { inner: Arc::new(ChannelsInner { map: Mutex::new(BTreeMap::new()), budget: None }) }
+    }
+
+    /// A registry whose dynamic channels together hold at most `total_budget` records.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] for a zero budget.
+    pub fn with_budget(total_budget: usize) -> Result<Self, ConfigError> {
+        if total_budget == 0 {
+            return Err(ConfigError::new("channels.total_budget", ConfigRule::Zero));
+        }
+        Ok(Self {
+            inner: Arc::new(ChannelsInner {
+                map: Mutex::new(BTreeMap::new()),
+                budget: Some(Arc::new(Budget::new(total_budget))),
+            }),
+        })
+    }
+
+    /// Declares a configured channel (outside the budget).
+    ///
+    /// # Errors
+    ///
+    /// [`ChannelError::Duplicate`] if the name is taken, [`ChannelError::Config`] for an
+    /// invalid configuration.
+    pub fn configure<T: Send + 'static>(
+        &self,
+        name: &str,
+        config: ChannelConfig<T>,
+    ) -> Result<Channel<T>, ChannelError> {
+        self.insert(name, config, false, true)
+    }
+
+    /// Creates a dynamic channel.
+    ///
+    /// # Errors
+    ///
+    /// [`ChannelError::Duplicate`] if the name is taken, [`ChannelError::Config`] for an
+    /// invalid configuration.
+    pub fn create<T: Send + 'static>(
+        &self,
+        name: &str,
+        config: ChannelConfig<T>,
+    ) -> Result<Channel<T>, ChannelError> {
+        self.insert(name, config, true, true)
+    }
+
+    /// The channel `name`, created (dynamic) if it does not exist. Concurrent callers with the
+    /// same name get the same channel.
+    ///
+    /// # Errors
+    ///
+    /// [`ChannelError::ConfigMismatch`] if it exists with another configuration,
+    /// [`ChannelError::TypeMismatch`] if with another record type, [`ChannelError::Config`]
+    /// for an invalid configuration.
+    pub fn get_or_create<T: Send + 'static>(
+        &self,
+        name: &str,
+        config: ChannelConfig<T>,
+    ) -> Result<Channel<T>, ChannelError> {
+        self.insert(name, config, true, false)
+    }
+
+    fn insert<T: Send + 'static>(
+        &self,
+        name: &str,
+        config: ChannelConfig<T>,
+        dynamic: bool,
+        must_be_new: bool,
+    ) -> Result<Channel<T>, ChannelError> {
+        config.validate(name)?;
+        let mut map = lock(&self.inner.map);
+        if let Some(slot) = map.get(name) {
+            if must_be_new {
+                return Err(ChannelError::Duplicate(name.to_owned()));
+            }
+            let shared = downcast::<T>(name, slot)?;
+            if let Some(field) = shared.config.difference(&config) {
+                return Err(ChannelError::ConfigMismatch { name: name.to_owned(), field });
+            }
+            return Ok(Channel::from_shared(shared));
+        }
+        let budget = if dynamic { self.inner.budget.clone() } else { None };
+        let name: Arc<str> = Arc::from(name);
+        let shared = Arc::new(Shared::new(
+            name.clone(),
+            config,
+            dynamic,
+            budget,
+            Arc::downgrade(&self.inner),
+        ));
+        map.insert(name, Slot { any: shared.clone(), channel: shared.clone() });
+        Ok(Channel::from_shared(shared))
+    }
+
+    /// The channel `name`.
+    ///
+    /// # Errors
+    ///
+    /// [`ChannelError::NotFound`], or [`ChannelError::TypeMismatch`] if its records are of
+    /// another type.
+    pub fn get<T: Send + 'static>(&self, name: &str) -> Result<Channel<T>, ChannelError> {
+        let map = lock(&self.inner.map);
+        let slot = map.get(name).ok_or_else(|| ChannelError::NotFound(name.to_owned()))?;
+        Ok(Channel::from_shared(downcast::<T>(name, slot)?))
+    }
+
+    /// Closes the channel `name` (see [`Channel::close`]); whether it was there.
+    pub fn close(&self, name: &str) -> bool {
+        let slot = lock(&self.inner.map).remove(name);
+        slot.map(|slot| slot.channel.close()).is_some()
+    }
+
+    /// Closes every channel `owner` owns; how many.
+    pub fn close_owner(&self, owner: &str) -> usize {
+        let owned: Vec<Slot> = {
+            let mut map = lock(&self.inner.map);
+            let names: Vec<Arc<str>> = map
+                .iter()
+                .filter(|(_, slot)| slot.channel.owner() == Some(owner))
+                .map(|(name, _)| name.clone())
+                .collect();
+            names.iter().filter_map(|name| map.remove(name)).collect()
+        };
+        for slot in &owned {
+            slot.channel.close();
+        }
+        owned.len()
+    }
+
+    /// The names of the open channels, in order.
+    pub fn names(&self) -> Vec<String> {
+        lock(&self.inner.map).keys().map(|name| name.to_string()).collect()
+    }
+
+    /// Records queued now across the dynamic channels, if there is a budget.
+    pub fn budget_used(&self) -> Option<usize> {
+        self.inner.budget.as_ref().map(|budget| budget.used())
+    }
+
+    /// Every open channel's snapshot, and the budget.
+    pub fn snapshot(&self) -> ChannelsSnapshot {
+        self.inner.snapshot()
+    }
+
+    /// Registers the registry in `registry` under `name`.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] if `name` is taken.
+    pub fn register(
+        &self,
+        registry: &Registry,
+        name: impl Into<String>,
+    ) -> Result<(), ConfigError> {
+        let source: Arc<dyn Source> = self.inner.clone();
+        registry.register(name.into(), Arc::downgrade(&source))
+    }
+}
+
+fn downcast<T: Send + 'static>(name: &str, slot: &Slot) -> Result<Arc<Shared<T>>, ChannelError> {
+    slot.any
+        .clone()
+        .downcast::<Shared<T>>()
+        .map_err(|_| ChannelError::TypeMismatch(name.to_owned()))
+}
+
+impl ChannelsInner {
+    fn snapshot(&self) -> ChannelsSnapshot {
+        let channels: Vec<Arc<dyn AnyChannel>> =
+            lock(&self.map).values().map(|slot| slot.channel.clone()).collect();
+        ChannelsSnapshot {
+            budget: self
+                .budget
+                .as_ref()
+                .map(|budget| BudgetSnapshot { total: budget.max, used: budget.used() }),
+            channels: channels.iter().map(|channel| channel.snapshot()).collect(),
+        }
+    }
+}
+
+impl Source for ChannelsInner {
+    fn report(&self, name: &str, snapshot: &mut Snapshot) {
+        snapshot.channels.insert(name.to_owned(), self.snapshot());
+    }
+}
+
+impl Default for Channels {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for Channels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Channels")
+            .field("names", &self.names())
+            .field("budget_used", &self.budget_used())
+            .finish()
+    }
+}
+
+/// A [`Channels`] registry (or one registered channel), as a snapshot reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ChannelsSnapshot {
+    /// The budget of the dynamic channels, if there is one.
+    pub budget: Option<BudgetSnapshot>,
+    /// The open channels, by name.
+    pub channels: Vec<ChannelSnapshot>,
+}
+
+/// A registry's budget of queued records across its dynamic channels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetSnapshot {
+    /// The most records the dynamic channels hold together.
+    pub total: usize,
+    /// Records they hold now.
+    pub used: usize,
+}

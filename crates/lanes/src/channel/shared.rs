@@ -1,0 +1,667 @@
+//! The state a channel's producers and its consumer share: one lock around the buffer, the
+//! waiters and the counters, so a snapshot always reconciles.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::task::Waker;
+use std::time::Duration;
+
+use metrics::Counter;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::config::{ChannelConfig, OverflowKind};
+use super::receipt::{ReceiptState, Settlement};
+use super::registry::ChannelsInner;
+use crate::util::lock;
+
+/// Every `STAMP_EVERY`th record (and every record that finds the channel empty) has its
+/// enqueue time recorded: enough to know the age of the oldest record within 32 records, without
+/// reading the clock on every emit.
+const STAMP_EVERY: u64 = 32;
+
+/// A queued record and, if its producer asked for one, its receipt.
+pub(crate) struct Entry<T> {
+    pub(crate) record: T,
+    pub(crate) receipt: Option<Arc<ReceiptState>>,
+}
+
+impl<T> Entry<T> {
+    pub(crate) fn settle(&self, outcome: Settlement) -> bool {
+        self.receipt.as_ref().is_none_or(|receipt| receipt.settle(outcome))
+    }
+}
+
+/// Tasks waiting for room, in arrival order. A waiter is removed when it is woken.
+#[derive(Default)]
+pub(crate) struct WaitList {
+    next_id: u64,
+    entries: VecDeque<(u64, Waker)>,
+}
+
+impl WaitList {
+    /// Registers (or refreshes) the waiter in `slot`.
+    fn register(&mut self, slot: &mut Option<u64>, waker: &Waker) {
+        if let Some(id) = *slot
+            && let Some(entry) = self.entries.iter_mut().find(|(e, _)| *e == id)
+        {
+            entry.1.clone_from(waker);
+            return;
+        }
+        let id = *slot.get_or_insert_with(|| {
+            self.next_id += 1;
+            self.next_id
+        });
+        self.entries.push_back((id, waker.clone()));
+    }
+
+    /// Removes the waiter; `false` if it was woken already.
+    fn remove(&mut self, id: u64) -> bool {
+        match self.entries.iter().position(|(e, _)| *e == id) {
+            Some(at) => {
+                self.entries.remove(at);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn wake(&mut self, n: usize, out: &mut Vec<Waker>) {
+        for _ in 0..n {
+            match self.entries.pop_front() {
+                Some((_, waker)) => out.push(waker),
+                None => break,
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+fn wake_all(wakers: Vec<Waker>) {
+    for waker in wakers {
+        waker.wake();
+    }
+}
+
+/// The in-flight records shared by a registry's dynamic channels.
+pub(crate) struct Budget {
+    pub(crate) max: usize,
+    used: AtomicUsize,
+    waiting: AtomicUsize,
+    waiters: Mutex<WaitList>,
+}
+
+impl Budget {
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            max,
+            used: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            waiters: Mutex::new(WaitList::default()),
+        }
+    }
+
+    pub(crate) fn used(&self) -> usize {
+        self.used.load(Ordering::SeqCst)
+    }
+
+    fn try_reserve(&self) -> bool {
+        self.used
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |u| (u < self.max).then_some(u + 1))
+            .is_ok()
+    }
+
+    fn release(&self, n: usize) {
+        if n == 0 {
+            return;
+        }
+        self.used.fetch_sub(n, Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            let mut wakers = Vec::new();
+            {
+                let mut waiters = lock(&self.waiters);
+                waiters.wake(n, &mut wakers);
+                self.waiting.store(waiters.len(), Ordering::SeqCst);
+            }
+            wake_all(wakers);
+        }
+    }
+
+    /// Registers a waiter; `true` if room appeared meanwhile (then it is not registered).
+    fn register(&self, slot: &mut Option<u64>, waker: &Waker) -> bool {
+        let mut waiters = lock(&self.waiters);
+        waiters.register(slot, waker);
+        self.waiting.store(waiters.len(), Ordering::SeqCst);
+        if self.used.load(Ordering::SeqCst) < self.max {
+            if let Some(id) = *slot {
+                waiters.remove(id);
+            }
+            self.waiting.store(waiters.len(), Ordering::SeqCst);
+            *slot = None;
+            return true;
+        }
+        false
+    }
+
+    fn cancel(&self, id: u64) {
+        let mut wakers = Vec::new();
+        {
+            let mut waiters = lock(&self.waiters);
+            if !waiters.remove(id) && self.used.load(Ordering::SeqCst) < self.max {
+                // Woken but gone: pass the turn on.
+                waiters.wake(1, &mut wakers);
+            }
+            self.waiting.store(waiters.len(), Ordering::SeqCst);
+        }
+        wake_all(wakers);
+    }
+
+    fn wake_everyone(&self) {
+        let mut wakers = Vec::new();
+        {
+            let mut waiters = lock(&self.waiters);
+            let n = waiters.len();
+            waiters.wake(n, &mut wakers);
+            self.waiting.store(0, Ordering::SeqCst);
+        }
+        wake_all(wakers);
+    }
+}
+
+/// Where a blocked producer waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum WaitOn {
+    #[default]
+    Nothing,
+    Channel,
+    Budget,
+}
+
+/// A producer's place in a wait list.
+#[derive(Debug, Default)]
+pub(crate) struct Waiter {
+    id: Option<u64>,
+    on: WaitOn,
+    counted: bool,
+}
+
+/// The counters of a channel. All change under the channel's lock, so they reconcile in every
+/// snapshot: `emitted = delivered + dropped + spilled + depth`, and
+/// `delivered = processed + failed + abandoned + (records in unsettled batches)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Counters {
+    pub(crate) emitted: u64,
+    pub(crate) delivered: u64,
+    pub(crate) dropped: u64,
+    pub(crate) spilled: u64,
+    pub(crate) blocked_waits: u64,
+    pub(crate) processed: u64,
+    pub(crate) failed: u64,
+    pub(crate) tagged: u64,
+    pub(crate) dead_lettered: u64,
+    pub(crate) ignored: u64,
+    pub(crate) abandoned: u64,
+    pub(crate) late_settlements: u64,
+    pub(crate) limit_errors: u64,
+}
+
+pub(crate) struct State<T> {
+    pub(crate) buf: VecDeque<Entry<T>>,
+    /// Records ever removed from the front (delivered or dropped as oldest).
+    head_seq: u64,
+    /// `(sequence, enqueue time)` samples; the first is at or before the head.
+    stamps: VecDeque<(u64, Instant)>,
+    pub(crate) closed: bool,
+    pub(crate) consumer_taken: bool,
+    recv_waker: Option<Waker>,
+    recv_want: usize,
+    senders: WaitList,
+    pub(crate) counters: Counters,
+}
+
+impl<T> State<T> {
+    fn enqueue(&mut self, entry: Entry<T>) {
+        let seq = self.head_seq + self.buf.len() as u64;
+        if self.buf.is_empty() {
+            self.stamps.clear();
+            self.stamps.push_back((seq, Instant::now()));
+        } else if seq.is_multiple_of(STAMP_EVERY) {
+            self.stamps.push_back((seq, Instant::now()));
+        }
+        self.buf.push_back(entry);
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.head_seq += n as u64;
+        while self.stamps.len() >= 2 && self.stamps[1].0 <= self.head_seq {
+            self.stamps.pop_front();
+        }
+    }
+
+    /// When the oldest queued record was enqueued (at most 32 records early).
+    pub(crate) fn oldest_enqueued(&self) -> Option<Instant> {
+        if self.buf.is_empty() {
+            return None;
+        }
+        self.stamps.front().map(|&(_, at)| at)
+    }
+
+    fn consumer_waker(&mut self) -> Option<Waker> {
+        if self.buf.len() >= self.recv_want || self.closed { self.recv_waker.take() } else { None }
+    }
+
+    /// Asks to be woken when `want` records are queued (or on close).
+    pub(crate) fn wait_for(&mut self, want: usize, waker: &Waker) {
+        self.recv_want = want.max(1);
+        match &mut self.recv_waker {
+            Some(current) => current.clone_from(waker),
+            None => self.recv_waker = Some(waker.clone()),
+        }
+    }
+}
+
+pub(crate) struct ChannelMetrics {
+    emitted: Counter,
+    delivered: Counter,
+    dropped: Counter,
+    spilled: Counter,
+    blocked_waits: Counter,
+    pub(crate) processed: Counter,
+    pub(crate) failed: Counter,
+}
+
+impl ChannelMetrics {
+    fn new(name: &str) -> Self {
+        let labels = [("channel", name.to_owned())];
+        Self {
+            emitted: metrics::counter!("lanes_channel_emitted_total", &labels),
+            delivered: metrics::counter!("lanes_channel_delivered_total", &labels),
+            dropped: metrics::counter!("lanes_channel_dropped_total", &labels),
+            spilled: metrics::counter!("lanes_channel_spilled_total", &labels),
+            blocked_waits: metrics::counter!("lanes_channel_blocked_waits_total", &labels),
+            processed: metrics::counter!("lanes_channel_processed_total", &labels),
+            failed: metrics::counter!("lanes_channel_failed_total", &labels),
+        }
+    }
+}
+
+/// What [`Shared::push`] did with a record.
+pub(crate) enum Pushed<T> {
+    Queued,
+    /// Dropped under `DropNewest` (or `DropOldest` with nothing of its own to drop).
+    DroppedNewest(Entry<T>),
+    /// Queued; this, the oldest, was dropped.
+    DroppedOldest(Entry<T>),
+    /// Counted as spilled: the caller writes it to the spill queue (or calls `unspill`).
+    Spill(Entry<T>),
+    /// Full under `Block` (registered as a waiter if the caller gave one).
+    Full(Entry<T>),
+    Closed(Entry<T>),
+}
+
+pub(crate) struct Shared<T> {
+    pub(crate) name: Arc<str>,
+    pub(crate) config: ChannelConfig<T>,
+    pub(crate) dynamic: bool,
+    pub(crate) budget: Option<Arc<Budget>>,
+    pub(crate) state: Mutex<State<T>>,
+    pub(crate) producers: AtomicUsize,
+    /// Close when the last producer handle is dropped (standalone channels).
+    pub(crate) auto_close: bool,
+    pub(crate) home: Weak<ChannelsInner>,
+    pub(crate) metrics: ChannelMetrics,
+}
+
+impl<T> Shared<T> {
+    pub(crate) fn new(
+        name: Arc<str>,
+        config: ChannelConfig<T>,
+        dynamic: bool,
+        budget: Option<Arc<Budget>>,
+        home: Weak<ChannelsInner>,
+    ) -> Self {
+        let auto_close = home.strong_count() == 0;
+        Self {
+            metrics: ChannelMetrics::new(&name),
+            name,
+            config,
+            dynamic,
+            budget,
+            state: Mutex::new(State {
+                buf: VecDeque::new(),
+                head_seq: 0,
+                stamps: VecDeque::new(),
+                closed: false,
+                consumer_taken: false,
+                recv_waker: None,
+                recv_want: 1,
+                senders: WaitList::default(),
+                counters: Counters::default(),
+            }),
+            producers: AtomicUsize::new(0),
+            auto_close,
+            home,
+        }
+    }
+
+    /// Puts `entry` in the channel or applies the overflow policy. `wait` registers a blocked
+    /// producer to be woken when room may have appeared.
+    pub(crate) fn push(
+        &self,
+        entry: Entry<T>,
+        mut wait: Option<(&mut Waiter, &Waker)>,
+    ) -> Pushed<T> {
+        let mut st = lock(&self.state);
+        loop {
+            if st.closed {
+                drop(st);
+                if let Some((waiter, _)) = wait {
+                    self.cancel_wait(waiter);
+                }
+                return Pushed::Closed(entry);
+            }
+            let channel_full = st.buf.len() >= self.config.capacity;
+            let budget_full =
+                !channel_full && self.budget.as_ref().is_some_and(|budget| !budget.try_reserve());
+            if !channel_full && !budget_full {
+                st.counters.emitted += 1;
+                st.enqueue(entry);
+                let consumer = st.consumer_waker();
+                let registered = wait.as_mut().map(|(waiter, _)| std::mem::take(&mut **waiter));
+                drop(st);
+                if let Some(waiter) = registered {
+                    self.withdraw(waiter);
+                }
+                if let Some(consumer) = consumer {
+                    consumer.wake();
+                }
+                self.metrics.emitted.increment(1);
+                return Pushed::Queued;
+            }
+            match self.config.overflow.kind() {
+                OverflowKind::Block => {
+                    let Some((waiter, waker)) = wait.as_mut() else {
+                        return Pushed::Full(entry);
+                    };
+                    if !waiter.counted {
+                        waiter.counted = true;
+                        st.counters.blocked_waits += 1;
+                        self.metrics.blocked_waits.increment(1);
+                    }
+                    if channel_full {
+                        if waiter.on == WaitOn::Budget {
+                            self.withdraw(std::mem::take(*waiter));
+                            waiter.counted = true;
+                        }
+                        st.senders.register(&mut waiter.id, waker);
+                        waiter.on = WaitOn::Channel;
+                        return Pushed::Full(entry);
+                    }
+                    if waiter.on == WaitOn::Channel
+                        && let Some(id) = waiter.id.take()
+                    {
+                        st.senders.remove(id);
+                    }
+                    let budget = self.budget.as_ref().expect("only a budget can be full here");
+                    waiter.on = WaitOn::Budget;
+                    if budget.register(&mut waiter.id, waker) {
+                        waiter.on = WaitOn::Nothing;
+                        continue;
+                    }
+                    return Pushed::Full(entry);
+                }
+                OverflowKind::DropNewest => {
+                    st.counters.emitted += 1;
+                    st.counters.dropped += 1;
+                    drop(st);
+                    self.metrics.emitted.increment(1);
+                    self.metrics.dropped.increment(1);
+                    return Pushed::DroppedNewest(entry);
+                }
+                OverflowKind::DropOldest => {
+                    st.counters.emitted += 1;
+                    st.counters.dropped += 1;
+                    let Some(oldest) = st.buf.pop_front() else {
+                        // Nothing of its own to drop: the budget is full of other channels'.
+                        drop(st);
+                        self.metrics.emitted.increment(1);
+                        self.metrics.dropped.increment(1);
+                        return Pushed::DroppedNewest(entry);
+                    };
+                    st.advance(1);
+                    // Under a full budget, the oldest record's unit passes to the new one.
+                    st.enqueue(entry);
+                    let consumer = st.consumer_waker();
+                    drop(st);
+                    if let Some(consumer) = consumer {
+                        consumer.wake();
+                    }
+                    self.metrics.emitted.increment(1);
+                    self.metrics.dropped.increment(1);
+                    return Pushed::DroppedOldest(oldest);
+                }
+                OverflowKind::Spill => {
+                    st.counters.emitted += 1;
+                    st.counters.spilled += 1;
+                    drop(st);
+                    self.metrics.emitted.increment(1);
+                    self.metrics.spilled.increment(1);
+                    return Pushed::Spill(entry);
+                }
+            }
+        }
+    }
+
+    /// A record counted as spilled did not reach the spill queue: it is handed back.
+    pub(crate) fn unspill(&self) {
+        let mut st = lock(&self.state);
+        st.counters.emitted -= 1;
+        st.counters.spilled -= 1;
+    }
+
+    /// Takes `waiter` out of whatever list it is in (it no longer waits).
+    fn withdraw(&self, waiter: Waiter) {
+        let Some(id) = waiter.id else { return };
+        match waiter.on {
+            WaitOn::Nothing => {}
+            WaitOn::Channel => {
+                lock(&self.state).senders.remove(id);
+            }
+            WaitOn::Budget => {
+                if let Some(budget) = &self.budget {
+                    lock(&budget.waiters).remove(id);
+                }
+            }
+        }
+    }
+
+    /// A blocked producer went away: leave the list, passing the turn on if it had been woken.
+    pub(crate) fn cancel_wait(&self, waiter: &mut Waiter) {
+        let waiter = std::mem::take(waiter);
+        let Some(id) = waiter.id else { return };
+        match waiter.on {
+            WaitOn::Nothing => {}
+            WaitOn::Channel => {
+                let mut wakers = Vec::new();
+                {
+                    let mut st = lock(&self.state);
+                    if !st.senders.remove(id) && st.buf.len() < self.config.capacity {
+                        st.senders.wake(1, &mut wakers);
+                    }
+                }
+                wake_all(wakers);
+            }
+            WaitOn::Budget => {
+                if let Some(budget) = &self.budget {
+                    budget.cancel(id);
+                }
+            }
+        }
+    }
+
+    /// Removes up to `n` records from the front, for the consumer.
+    pub(crate) fn take(&self, st: &mut State<T>, n: usize, out: &mut Vec<Entry<T>>) -> Vec<Waker> {
+        let n = n.min(st.buf.len());
+        out.extend(st.buf.drain(..n));
+        st.advance(n);
+        st.counters.delivered += n as u64;
+        let mut wakers = Vec::new();
+        if st.senders.len() > 0 {
+            st.senders.wake(n, &mut wakers);
+        }
+        wakers
+    }
+
+    /// After `take`: outside the lock, wakes producers and returns budget.
+    pub(crate) fn after_take(&self, n: usize, wakers: Vec<Waker>) {
+        wake_all(wakers);
+        if let Some(budget) = &self.budget {
+            budget.release(n);
+        }
+        self.metrics.delivered.increment(n as u64);
+    }
+
+    /// Closes the channel: producers get `Closed`; the consumer drains what is queued (unless
+    /// the channel discards on close, or `discard` is set because the consumer went away).
+    pub(crate) fn close_with(&self, discard: bool) {
+        let (dropped, wakers, consumer, was_closed) = {
+            let mut st = lock(&self.state);
+            let was_closed = st.closed;
+            st.closed = true;
+            let dropped: Vec<Entry<T>> = if discard || self.config.discard_on_close {
+                let n = st.buf.len();
+                st.counters.dropped += n as u64;
+                let dropped = st.buf.drain(..).collect();
+                st.advance(n);
+                dropped
+            } else {
+                Vec::new()
+            };
+            let mut wakers = Vec::new();
+            let n = st.senders.len();
+            st.senders.wake(n, &mut wakers);
+            let consumer = st.recv_waker.take();
+            (dropped, wakers, consumer, was_closed)
+        };
+        self.metrics.dropped.increment(dropped.len() as u64);
+        if let Some(budget) = &self.budget {
+            budget.release(dropped.len());
+            budget.wake_everyone();
+        }
+        for entry in &dropped {
+            entry.settle(Settlement::Dropped);
+        }
+        drop(dropped);
+        wake_all(wakers);
+        if let Some(consumer) = consumer {
+            consumer.wake();
+        }
+        if !was_closed && let Some(home) = self.home.upgrade() {
+            home.forget(&self.name, (self as *const Self).cast());
+        }
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        lock(&self.state).closed
+    }
+
+    pub(crate) fn snapshot(&self) -> ChannelSnapshot {
+        let st = lock(&self.state);
+        let c = st.counters;
+        let oldest_age = st.oldest_enqueued().map_or(Duration::ZERO, |at| at.elapsed());
+        ChannelSnapshot {
+            name: self.name.to_string(),
+            owner: self.config.owner.as_deref().map(str::to_owned),
+            dynamic: self.dynamic,
+            overflow: self.config.overflow.kind(),
+            capacity: self.config.capacity,
+            depth: st.buf.len(),
+            emitted: c.emitted,
+            delivered: c.delivered,
+            dropped: c.dropped,
+            spilled: c.spilled,
+            blocked_waits: c.blocked_waits,
+            processed: c.processed,
+            failed: c.failed,
+            tagged: c.tagged,
+            dead_lettered: c.dead_lettered,
+            ignored: c.ignored,
+            abandoned: c.abandoned,
+            late_settlements: c.late_settlements,
+            limit_errors: c.limit_errors,
+            closed: st.closed,
+            has_consumer: st.consumer_taken,
+            oldest_age_ms: u64::try_from(oldest_age.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+}
+
+/// A channel's state and counters, as a snapshot reports them.
+///
+/// The counters reconcile exactly: `emitted = delivered + dropped + spilled + depth`, and of
+/// the delivered, `processed + failed + abandoned` have been settled (the rest are in batches
+/// the consumer holds).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ChannelSnapshot {
+    /// The channel's name.
+    pub name: String,
+    /// Its owner, if it has one.
+    pub owner: Option<String>,
+    /// Whether it is a dynamic channel (under the registry's budget).
+    pub dynamic: bool,
+    /// Its overflow policy.
+    pub overflow: OverflowKind,
+    /// The most records it holds.
+    pub capacity: usize,
+    /// Records queued now.
+    pub depth: usize,
+    /// Records producers emitted (queued, dropped as newest, or spilled).
+    pub emitted: u64,
+    /// Records handed to the consumer.
+    pub delivered: u64,
+    /// Records dropped: by the overflow policy, on a discarding close, or when the consumer
+    /// went away.
+    pub dropped: u64,
+    /// Records sent to the spill queue.
+    pub spilled: u64,
+    /// Emits that had to wait for room.
+    pub blocked_waits: u64,
+    /// Delivered records the consumer processed.
+    pub processed: u64,
+    /// Delivered records the consumer failed (`tagged + dead_lettered + ignored`, plus records
+    /// whose output write failed).
+    pub failed: u64,
+    /// Failed records re-emitted downstream with a tag.
+    pub tagged: u64,
+    /// Failed records sent to the dead-letter queue.
+    pub dead_lettered: u64,
+    /// Failed records counted and dropped.
+    pub ignored: u64,
+    /// Delivered records whose batch was dropped unsettled.
+    pub abandoned: u64,
+    /// Settlements that came after their receipt had timed out (and were ignored).
+    pub late_settlements: u64,
+    /// Times the consumer's limit refused a permit (the consumer retries with a backoff).
+    pub limit_errors: u64,
+    /// Whether it is closed.
+    pub closed: bool,
+    /// Whether its consumer has been taken.
+    pub has_consumer: bool,
+    /// How long the oldest queued record has waited, in milliseconds (0 when empty). Enqueue
+    /// times are sampled every 32 records (and whenever a record finds the channel empty), so
+    /// this is the age of the nearest sample at or before the oldest record: never younger than
+    /// the truth, older by at most the time 31 records took to arrive.
+    pub oldest_age_ms: u64,
+}
+
+impl ChannelSnapshot {
+    /// Whether `emitted = delivered + dropped + spilled + depth`.
+    pub fn reconciles(&self) -> bool {
+        self.emitted == self.delivered + self.dropped + self.spilled + self.depth as u64
+    }
+}

@@ -1,0 +1,925 @@
+//! Channels: every overflow policy at the boundary, cancellation, batching by size, time and
+//! close, failure policies, receipts and `AckSet`, the consumer's limit, the registry (budget,
+//! cascade), counter reconciliation under stress, and spill end to end.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lanes::channel::{
+    AckSet, BinaryCodec, Channel, ChannelConfig, ChannelError, Channels, Codec, ConsumerOptions,
+    EmitError, Emitted, Envelope, FailurePolicy, JsonCodec, Overflow, PermitPer, Settlement,
+};
+use lanes::spill::{MemStorage, SpillError, SpillOptions, SpillQueue};
+use lanes::{ConfigRule, LimitSpec, Limits, Priority, Registry};
+use tokio::time::Instant;
+
+async fn mem_queue() -> SpillQueue {
+    SpillQueue::open_with(MemStorage::new(), SpillOptions::default()).await.unwrap().0
+}
+
+async fn read_envelopes(queue: &SpillQueue) -> Vec<Envelope> {
+    let mut reader = queue.reader().unwrap();
+    let mut out = Vec::new();
+    loop {
+        let batch = reader.try_next_batch(1000).await.unwrap();
+        if batch.is_empty() {
+            return out;
+        }
+        out.extend(batch.iter().map(|r| Envelope::from_bytes(r.data()).unwrap()));
+    }
+}
+
+async fn read_records<T: serde::Serialize + serde::de::DeserializeOwned>(
+    queue: &SpillQueue,
+) -> Vec<T> {
+    let mut reader = queue.reader().unwrap();
+    let mut out = Vec::new();
+    loop {
+        let batch = reader.try_next_batch(1000).await.unwrap();
+        if batch.is_empty() {
+            return out;
+        }
+        out.extend(batch.iter().map(|r| BinaryCodec::new().decode(r.data()).unwrap()));
+    }
+}
+
+fn options<T>(batch_max: usize) -> ConsumerOptions<T> {
+    ConsumerOptions::new().batch_max(batch_max)
+}
+
+// ---------------------------------------------------------------- overflow at the boundary
+
+#[tokio::test]
+async fn block_try_emit_on_a_full_channel_hands_the_record_back() {
+    let channel = Channel::new(ChannelConfig::new(2)).unwrap();
+    assert!(channel.try_emit(1).unwrap().is_queued());
+    assert!(channel.try_emit(2).unwrap().is_queued());
+    let err = channel.try_emit(3).unwrap_err();
+    assert!(err.is_full());
+    assert_eq!(err.into_record(), 3);
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.depth, s.dropped), (2, 2, 0));
+    assert!(s.reconciles());
+}
+
+#[tokio::test(start_paused = true)]
+async fn block_emit_waits_for_room_and_counts_the_wait() {
+    let channel = Channel::new(ChannelConfig::new(1)).unwrap();
+    let mut consumer = channel.consumer(options(1)).unwrap();
+    channel.emit(1).await.unwrap();
+    let producer = channel.clone();
+    let waiting = tokio::spawn(async move { producer.emit(2).await.map(|e| e.is_queued()) });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(!waiting.is_finished());
+    assert_eq!(channel.snapshot().blocked_waits, 1);
+
+    assert_eq!(consumer.recv().await, Some(1));
+    assert!(waiting.await.unwrap().unwrap());
+    assert_eq!(consumer.recv().await, Some(2));
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.blocked_waits), (2, 2, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_blocked_emit_leaves_nothing_enqueued_and_passes_its_turn() {
+    let channel = Channel::new(ChannelConfig::new(1)).unwrap();
+    let mut consumer = channel.consumer(options(1)).unwrap();
+    channel.emit("first").await.unwrap();
+
+    // A waiting emit cancelled by a deadline.
+    let cancelled = tokio::time::timeout(Duration::from_millis(5), channel.emit("cancelled")).await;
+    assert!(cancelled.is_err());
+    assert_eq!(channel.len(), 1);
+
+    // Two waiters: the first is woken by a free slot, then dropped before it runs; the
+    // second must get the slot.
+    let first = {
+        let channel = channel.clone();
+        tokio::spawn(async move { channel.emit("a").await.map(|_| ()) })
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let second = {
+        let channel = channel.clone();
+        tokio::spawn(async move { channel.emit("b").await.map(|_| ()) })
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    first.abort();
+    assert_eq!(consumer.recv().await, Some("first"));
+    let _ = first.await;
+    tokio::time::timeout(Duration::from_secs(1), second)
+        .await
+        .expect("b got the slot")
+        .unwrap()
+        .unwrap();
+    assert_eq!(consumer.recv().await, Some("b"));
+    assert!(channel.is_empty());
+    let s = channel.snapshot();
+    assert_eq!(s.emitted, 2, "only first and b were enqueued");
+    assert!(s.reconciles());
+}
+
+#[tokio::test]
+async fn drop_newest_hands_back_the_new_record() {
+    let channel = Channel::new(ChannelConfig::new(2).overflow(Overflow::DropNewest)).unwrap();
+    let mut consumer = channel.consumer(options(10)).unwrap();
+    channel.emit(1).await.unwrap();
+    channel.emit(2).await.unwrap();
+    assert!(matches!(channel.emit(3).await.unwrap(), Emitted::Dropped(3)));
+    assert!(matches!(channel.try_emit(4).unwrap(), Emitted::Dropped(4)));
+    channel.close();
+    let batch = consumer.next_batch().await.unwrap();
+    assert_eq!(&batch[..], &[1, 2]);
+    batch.ack().await.unwrap();
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.dropped, s.processed), (4, 2, 2, 2));
+    assert!(s.reconciles());
+}
+
+#[tokio::test]
+async fn drop_oldest_evicts_the_head() {
+    let channel = Channel::new(ChannelConfig::new(2).overflow(Overflow::DropOldest)).unwrap();
+    let mut consumer = channel.consumer(options(10)).unwrap();
+    channel.emit(1).await.unwrap();
+    channel.emit(2).await.unwrap();
+    assert!(matches!(channel.emit(3).await.unwrap(), Emitted::DroppedOldest(1)));
+    assert!(matches!(channel.try_emit(4).unwrap(), Emitted::DroppedOldest(2)));
+    channel.close();
+    let batch = consumer.next_batch().await.unwrap();
+    assert_eq!(&batch[..], &[3, 4]);
+    drop(batch);
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.dropped, s.abandoned), (4, 2, 2, 2));
+    assert!(s.reconciles());
+}
+
+#[tokio::test]
+async fn spill_sends_overflow_to_the_queue_once_and_never_back() {
+    let queue = mem_queue().await;
+    let channel = Channel::new(
+        ChannelConfig::new(2).overflow(Overflow::spill(queue.clone(), BinaryCodec::new())),
+    )
+    .unwrap();
+    let mut consumer = channel.consumer(options(10)).unwrap();
+    for n in 0..5u64 {
+        let emitted = channel.emit(n).await.unwrap();
+        assert_eq!(emitted.is_queued(), n < 2, "record {n}");
+    }
+    assert!(matches!(channel.try_emit(5).unwrap(), Emitted::Spilled));
+    channel.close();
+    let batch = consumer.next_batch().await.unwrap();
+    assert_eq!(&batch[..], &[0, 1]);
+    batch.ack().await.unwrap();
+    assert!(consumer.next_batch().await.is_none());
+    assert_eq!(read_records::<u64>(&queue).await, [2, 3, 4, 5]);
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.spilled, s.depth), (6, 2, 4, 0));
+}
+
+#[tokio::test]
+async fn a_refused_spill_hands_the_record_back_uncounted() {
+    let (queue, _) =
+        SpillQueue::open_with(MemStorage::new(), SpillOptions::default().max_record(16))
+            .await
+            .unwrap();
+    let channel = Channel::new(
+        ChannelConfig::new(1).overflow(Overflow::spill(queue.clone(), JsonCodec::new())),
+    )
+    .unwrap();
+    channel.emit("short".to_owned()).await.unwrap();
+    let err =
+        channel.emit("this record is longer than sixteen bytes".to_owned()).await.unwrap_err();
+    assert!(matches!(err, EmitError::Spill(_, SpillError::TooLarge { .. })), "{err}");
+    assert_eq!(err.into_record(), "this record is longer than sixteen bytes");
+    let err = channel.try_emit("and this one is too, by far".to_owned()).unwrap_err();
+    assert!(matches!(err, EmitError::Spill(..)));
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.spilled, s.depth), (1, 0, 1));
+    assert!(s.reconciles());
+}
+
+#[tokio::test]
+async fn a_closed_channel_refuses_records_and_closing_twice_is_a_no_op() {
+    let channel = Channel::new(ChannelConfig::new(4)).unwrap();
+    let mut consumer = channel.consumer(options(4)).unwrap();
+    channel.emit(1).await.unwrap();
+    channel.close();
+    channel.close();
+    assert!(channel.emit(2).await.unwrap_err().is_closed());
+    assert!(matches!(channel.try_emit(3), Err(EmitError::Closed(3))));
+    assert_eq!(&consumer.next_batch().await.unwrap()[..], &[1]);
+    assert!(consumer.next_batch().await.is_none());
+}
+
+#[tokio::test]
+async fn dropping_every_producer_closes_a_standalone_channel() {
+    let channel = Channel::new(ChannelConfig::new(4)).unwrap();
+    let mut consumer = channel.consumer(options(4)).unwrap();
+    let other = channel.clone();
+    channel.emit(1).await.unwrap();
+    drop(channel);
+    other.emit(2).await.unwrap();
+    drop(other);
+    let mut got = Vec::new();
+    assert_eq!(consumer.recv_many(&mut got, 10).await, 2);
+    assert_eq!(got, [1, 2]);
+    assert_eq!(consumer.recv_many(&mut got, 10).await, 0);
+}
+
+#[tokio::test]
+async fn dropping_the_consumer_closes_and_drops_what_is_queued() {
+    let channel = Channel::new(ChannelConfig::new(4)).unwrap();
+    let consumer = channel.consumer(options(4)).unwrap();
+    let receipt = channel.emit_with_receipt(1).await.unwrap();
+    channel.emit(2).await.unwrap();
+    drop(consumer);
+    assert_eq!(receipt.await, Settlement::Dropped);
+    assert!(channel.emit(3).await.unwrap_err().is_closed());
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.dropped, s.depth), (2, 2, 0));
+    assert!(matches!(channel.consumer(options(1)), Err(ChannelError::ConsumerTaken(_))));
+}
+
+#[tokio::test]
+async fn discard_on_close_drops_the_queue_at_close() {
+    let channel = Channel::new(ChannelConfig::new(4).discard_on_close()).unwrap();
+    let mut consumer = channel.consumer(options(4)).unwrap();
+    channel.emit(1).await.unwrap();
+    channel.close();
+    assert!(consumer.next_batch().await.is_none());
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.dropped, s.delivered), (1, 1, 0));
+}
+
+#[test]
+fn invalid_configurations_are_typed_errors() {
+    let err = Channel::<u8>::new(ChannelConfig::new(0)).unwrap_err();
+    let ChannelError::Config(err) = err else { panic!("{err:?}") };
+    assert_eq!((err.field(), err.rule()), ("channels.channel.capacity", ConfigRule::Zero));
+    let err = Channel::<u8>::new(ChannelConfig::new(usize::MAX)).unwrap_err();
+    assert!(
+        matches!(err, ChannelError::Config(e) if matches!(e.rule(), ConfigRule::OverMax { .. }))
+    );
+    let err = Channel::<u8>::new(ChannelConfig::new(1).ack_timeout(Duration::ZERO)).unwrap_err();
+    assert!(matches!(err, ChannelError::Config(e) if e.rule() == ConfigRule::ZeroTimeout));
+
+    let channel = Channel::<u8>::new(ChannelConfig::new(1)).unwrap();
+    let err = channel.consumer(options(0)).unwrap_err();
+    assert!(
+        matches!(&err, ChannelError::Config(e) if e.field() == "channels.channel.consumer.batch_max")
+    );
+    let err = channel
+        .consumer(ConsumerOptions::new().on_failure(FailurePolicy::Tag("bad".into())))
+        .unwrap_err();
+    assert!(
+        matches!(&err, ChannelError::Config(e) if e.field().ends_with("output") && e.rule() == ConfigRule::Missing)
+    );
+}
+
+#[tokio::test]
+async fn writing_consumers_need_a_codec() {
+    let channel = Channel::<u8>::new(ChannelConfig::new(1)).unwrap();
+    let err = channel.consumer(ConsumerOptions::new().output(mem_queue().await)).unwrap_err();
+    assert!(matches!(&err, ChannelError::Config(e) if e.field().ends_with("codec")), "{err}");
+}
+
+// ---------------------------------------------------------------- batching
+
+#[tokio::test]
+async fn batches_flush_at_batch_max() {
+    let channel = Channel::new(ChannelConfig::new(16)).unwrap();
+    let mut consumer = channel.consumer(options(3).batch_flush(Duration::from_secs(3600))).unwrap();
+    for n in 0..7 {
+        channel.emit(n).await.unwrap();
+    }
+    assert_eq!(&consumer.next_batch().await.unwrap()[..], &[0, 1, 2]);
+    assert_eq!(&consumer.next_batch().await.unwrap()[..], &[3, 4, 5]);
+    // The seventh waits for its linger (an hour) or a close.
+    let early = tokio::time::timeout(Duration::from_millis(20), consumer.next_batch()).await;
+    assert!(early.is_err(), "a partial batch must not be delivered early");
+    channel.close();
+    assert_eq!(&consumer.next_batch().await.unwrap()[..], &[6]);
+    assert!(consumer.next_batch().await.is_none());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_partial_batch_flushes_when_its_oldest_record_has_waited_batch_flush() {
+    let channel = Channel::new(ChannelConfig::new(16)).unwrap();
+    let mut consumer =
+        channel.consumer(options(10).batch_flush(Duration::from_millis(50))).unwrap();
+    let start = Instant::now();
+    channel.emit(1).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    channel.emit(2).await.unwrap();
+    let batch = consumer.next_batch().await.unwrap();
+    assert_eq!(&batch[..], &[1, 2]);
+    // Measured from the first record, not the last.
+    assert_eq!(start.elapsed(), Duration::from_millis(50));
+
+    // And the consumer waiting first: the clock starts with the record.
+    let producer = channel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        producer.emit(3).await.unwrap();
+    });
+    let start = Instant::now();
+    let batch = consumer.next_batch().await.unwrap();
+    assert_eq!(&batch[..], &[3]);
+    assert_eq!(start.elapsed(), Duration::from_millis(150));
+}
+
+#[tokio::test]
+async fn the_consumer_is_a_stream_of_batches() {
+    use futures_core::Stream;
+    let channel = Channel::new(ChannelConfig::new(16)).unwrap();
+    let mut consumer = channel.consumer(options(4)).unwrap();
+    for n in 0..10 {
+        channel.emit(n).await.unwrap();
+    }
+    drop(channel);
+    let mut sizes = Vec::new();
+    let mut all = Vec::new();
+    while let Some(batch) =
+        std::future::poll_fn(|cx| std::pin::Pin::new(&mut consumer).poll_next(cx)).await
+    {
+        sizes.push(batch.len());
+        all.extend_from_slice(&batch);
+        batch.ack().await.unwrap();
+    }
+    assert_eq!(sizes, [4, 4, 2]);
+    assert_eq!(all, (0..10).collect::<Vec<_>>());
+}
+
+// ---------------------------------------------------------------- failure policies
+
+fn fail_odd(batch: &[u64]) -> Vec<Result<(), lanes::BoxError>> {
+    batch.iter().map(|n| if n % 2 == 1 { Err(format!("odd {n}").into()) } else { Ok(()) }).collect()
+}
+
+#[tokio::test]
+async fn ignore_counts_failures_and_drops_them() {
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel.consumer(options(8)).unwrap();
+    for n in 0..4u64 {
+        channel.emit(n).await.unwrap();
+    }
+    channel.close();
+    let batch = consumer.next_batch().await.unwrap();
+    let outcomes = fail_odd(&batch);
+    let report = batch.settle(outcomes).await.unwrap();
+    assert_eq!((report.processed, report.failed, report.ignored), (2, 2, 2));
+    let s = channel.snapshot();
+    assert_eq!((s.processed, s.failed, s.ignored, s.tagged), (2, 2, 2, 0));
+}
+
+#[tokio::test]
+async fn tag_re_emits_failures_downstream_with_the_tag() {
+    let output = mem_queue().await;
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel
+        .consumer(
+            options(8)
+                .output(output.clone())
+                .codec(BinaryCodec::new())
+                .on_failure(FailurePolicy::Tag("enrich-failed".into())),
+        )
+        .unwrap();
+    for n in 0..4u64 {
+        channel.emit(n).await.unwrap();
+    }
+    channel.close();
+    let batch = consumer.next_batch().await.unwrap();
+    let outcomes = fail_odd(&batch);
+    let report = batch.settle(outcomes).await.unwrap();
+    assert_eq!((report.processed, report.tagged), (2, 2));
+    let envelopes = read_envelopes(&output).await;
+    assert_eq!(envelopes.len(), 4);
+    for (n, envelope) in envelopes.iter().enumerate() {
+        let record: u64 = BinaryCodec::new().decode(&envelope.payload).unwrap();
+        assert_eq!(record, n as u64, "order kept");
+        if n % 2 == 1 {
+            assert_eq!(envelope.tags, ["enrich-failed".to_owned(), format!("error=odd {n}")]);
+        } else {
+            assert!(envelope.tags.is_empty());
+        }
+    }
+    assert_eq!(channel.snapshot().tagged, 2);
+}
+
+#[tokio::test]
+async fn dead_letter_sends_failures_to_their_queue() {
+    let dead = mem_queue().await;
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel
+        .consumer(
+            options(8).codec(JsonCodec::new()).on_failure(FailurePolicy::DeadLetter(dead.clone())),
+        )
+        .unwrap();
+    let mut acks = AckSet::new();
+    for n in 0..4u64 {
+        acks.push(channel.emit_with_receipt(n).await.unwrap());
+    }
+    let batch = consumer.next_batch().await.unwrap();
+    let outcomes = fail_odd(&batch);
+    // One outcome short: the last record fails with "no outcome given".
+    let report = batch.settle(outcomes.into_iter().take(3)).await.unwrap();
+    assert_eq!((report.processed, report.dead_lettered), (2, 2));
+    let envelopes = read_envelopes(&dead).await;
+    let records: Vec<u64> =
+        envelopes.iter().map(|e| JsonCodec::new().decode(&e.payload).unwrap()).collect();
+    assert_eq!(records, [1, 3]);
+    assert_eq!(envelopes[1].tags, ["error=no outcome given"]);
+    let summary = acks.wait().await;
+    assert_eq!((summary.processed, summary.dead_lettered), (2, 2));
+    assert!(summary.may_commit());
+    assert_eq!(channel.snapshot().dead_lettered, 2);
+}
+
+#[tokio::test]
+async fn a_failed_output_write_fails_the_records_it_carried() {
+    let storage = MemStorage::new();
+    let (output, _) =
+        SpillQueue::open_with(storage.clone(), SpillOptions::default()).await.unwrap();
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer =
+        channel.consumer(options(8).output(output.clone()).codec(BinaryCodec::new())).unwrap();
+    let receipt = channel.emit_with_receipt(7u64).await.unwrap();
+    output.close().await.unwrap();
+    let err = consumer.next_batch().await.unwrap().ack().await.unwrap_err();
+    assert!(matches!(err.error, SpillError::Closed));
+    assert_eq!((err.report.processed, err.report.unwritten, err.report.failed), (0, 1, 1));
+    assert_eq!(receipt.await, Settlement::Failed);
+}
+
+// ---------------------------------------------------------------- receipts
+
+#[tokio::test]
+async fn receipts_settle_for_every_outcome() {
+    let spill = mem_queue().await;
+    // Processed and failed.
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel.consumer(options(8)).unwrap();
+    let ok = channel.emit_with_receipt(0u64).await.unwrap();
+    let bad = channel.emit_with_receipt(1u64).await.unwrap();
+    assert_eq!(ok.settlement(), None);
+    let batch = consumer.next_batch().await.unwrap();
+    let outcomes = fail_odd(&batch);
+    batch.settle(outcomes).await.unwrap();
+    assert_eq!(ok.await, Settlement::Processed);
+    assert_eq!(bad.await, Settlement::Failed);
+
+    // Dropped: newest, oldest, and in a batch dropped unsettled.
+    let newest = Channel::new(ChannelConfig::new(1).overflow(Overflow::DropNewest)).unwrap();
+    let _kept = newest.emit_with_receipt(1).await.unwrap();
+    assert_eq!(newest.emit_with_receipt(2).await.unwrap().await, Settlement::Dropped);
+    let oldest = Channel::new(ChannelConfig::new(1).overflow(Overflow::DropOldest)).unwrap();
+    let first = oldest.emit_with_receipt(1).await.unwrap();
+    let second = oldest.emit_with_receipt(2).await.unwrap();
+    assert_eq!(first.await, Settlement::Dropped);
+    let mut consumer = oldest.consumer(options(1)).unwrap();
+    drop(consumer.next_batch().await.unwrap());
+    assert_eq!(second.await, Settlement::Dropped);
+    assert_eq!(oldest.snapshot().abandoned, 1);
+
+    // Spilled.
+    let spilling = Channel::new(
+        ChannelConfig::new(1).overflow(Overflow::spill(spill.clone(), BinaryCodec::new())),
+    )
+    .unwrap();
+    let _kept = spilling.emit_with_receipt(1u64).await.unwrap();
+    assert_eq!(spilling.emit_with_receipt(2u64).await.unwrap().await, Settlement::Spilled);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_receipt_times_out_and_a_late_settlement_is_ignored() {
+    let channel = Channel::new(ChannelConfig::new(8).ack_timeout(Duration::from_secs(2))).unwrap();
+    let mut consumer = channel.consumer(options(8)).unwrap();
+    let mut acks = AckSet::new();
+    let receipt = channel.emit_with_receipt(1).await.unwrap();
+    acks.push(channel.emit_with_receipt(2).await.unwrap());
+    let deadline = receipt.deadline();
+    let start = Instant::now();
+    assert_eq!(receipt.await, Settlement::TimedOut);
+    assert_eq!(start.elapsed(), Duration::from_secs(2));
+    assert_eq!(Instant::now(), deadline);
+    assert!(acks.settled());
+    assert!(!acks.may_commit(), "a timed-out record forbids the commit");
+
+    let report = consumer.next_batch().await.unwrap().ack().await.unwrap();
+    assert_eq!(report.late, 2);
+    assert_eq!(acks.summary().timed_out, 1, "the late ack did not change the settlement");
+    let s = channel.snapshot();
+    assert_eq!((s.processed, s.late_settlements), (2, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_ack_set_waits_for_all_and_gates_the_commit() {
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel.consumer(options(2)).unwrap();
+    let mut acks: AckSet = AckSet::new();
+    for n in 0..4 {
+        acks.push(channel.emit_with_receipt(n).await.unwrap());
+    }
+    assert_eq!(acks.len(), 4);
+    assert!(!acks.settled() && !acks.may_commit());
+    consumer.next_batch().await.unwrap().ack().await.unwrap();
+    let summary = acks.summary();
+    assert_eq!((summary.processed, summary.pending), (2, 2));
+    assert!(!summary.may_commit());
+    let settle = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        consumer.next_batch().await.unwrap().ack().await.unwrap();
+    });
+    let summary = acks.wait().await;
+    settle.await.unwrap();
+    assert_eq!(summary.processed, 4);
+    assert!(summary.may_commit() && acks.may_commit());
+}
+
+// ---------------------------------------------------------------- consumer limits
+
+#[tokio::test]
+async fn a_permit_per_batch_is_held_until_the_batch_settles() {
+    let limits = Limits::new();
+    limits.define("sink", LimitSpec::concurrent(1)).await.unwrap();
+    let channel = Channel::new(ChannelConfig::new(16)).unwrap();
+    let mut consumer = channel
+        .consumer(options(2).limit(&limits, "sink", Priority::default(), PermitPer::Batch))
+        .unwrap();
+    for n in 0..4 {
+        channel.emit(n).await.unwrap();
+    }
+    let first = consumer.next_batch().await.unwrap();
+    assert_eq!(first.permits().len(), 1);
+    let blocked = tokio::time::timeout(Duration::from_millis(20), consumer.next_batch()).await;
+    assert!(blocked.is_err(), "the second batch waits for the permit");
+    assert_eq!(channel.len(), 2, "records stay queued while the consumer waits");
+    first.ack().await.unwrap();
+    assert_eq!(&consumer.next_batch().await.unwrap()[..], &[2, 3]);
+}
+
+#[tokio::test]
+async fn a_permit_per_record_sizes_the_batch() {
+    let limits = Limits::new();
+    limits.define("sink", LimitSpec::concurrent(3)).await.unwrap();
+    let channel = Channel::new(ChannelConfig::new(16)).unwrap();
+    let mut consumer = channel
+        .consumer(options(10).limit(&limits, "sink", Priority::default(), PermitPer::Record))
+        .unwrap();
+    for n in 0..10 {
+        channel.emit(n).await.unwrap();
+    }
+    let batch = consumer.next_batch().await.unwrap();
+    assert_eq!((batch.len(), batch.permits().len()), (3, 3));
+    drop(batch);
+    let batch = consumer.next_batch().await.unwrap();
+    assert_eq!(&batch[..], &[3, 4, 5]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unknown_limit_is_counted_and_retried() {
+    let limits = Limits::new();
+    let channel = Channel::new(ChannelConfig::new(16)).unwrap();
+    let mut consumer = channel
+        .consumer(options(1).limit(&limits, "later", Priority::default(), PermitPer::Batch))
+        .unwrap();
+    channel.emit(1).await.unwrap();
+    let pending = tokio::time::timeout(Duration::from_millis(350), consumer.next_batch()).await;
+    assert!(pending.is_err());
+    assert!(channel.snapshot().limit_errors >= 2);
+    limits.define("later", LimitSpec::concurrent(1)).await.unwrap();
+    assert_eq!(&consumer.next_batch().await.unwrap()[..], &[1]);
+}
+
+// ---------------------------------------------------------------- the registry
+
+#[tokio::test]
+async fn registry_names_are_unique_and_get_or_create_is_strict() {
+    let channels = Channels::new();
+    let a = channels.create::<u64>("a", ChannelConfig::new(4)).unwrap();
+    assert!(matches!(
+        channels.create::<u64>("a", ChannelConfig::new(4)),
+        Err(ChannelError::Duplicate(_))
+    ));
+    assert!(matches!(
+        channels.configure::<u64>("a", ChannelConfig::new(4)),
+        Err(ChannelError::Duplicate(_))
+    ));
+    let same = channels.get_or_create::<u64>("a", ChannelConfig::new(4)).unwrap();
+    same.emit(9).await.unwrap();
+    assert_eq!(a.len(), 1);
+    let err = channels
+        .get_or_create::<u64>("a", ChannelConfig::new(4).overflow(Overflow::DropNewest))
+        .unwrap_err();
+    assert_eq!(err, ChannelError::ConfigMismatch { name: "a".into(), field: "overflow" });
+    let err = channels.get_or_create::<u64>("a", ChannelConfig::new(4).owner("x")).unwrap_err();
+    assert!(matches!(err, ChannelError::ConfigMismatch { field: "owner", .. }));
+    assert!(matches!(
+        channels.get_or_create::<String>("a", ChannelConfig::new(4)),
+        Err(ChannelError::TypeMismatch(_))
+    ));
+    assert!(matches!(channels.get::<u64>("missing"), Err(ChannelError::NotFound(_))));
+    assert_eq!(channels.get::<u64>("a").unwrap().len(), 1);
+
+    // Spill policies compare by queue and codec.
+    let queue = mem_queue().await;
+    let spill = |codec_json: bool| {
+        let overflow = if codec_json {
+            Overflow::spill(queue.clone(), JsonCodec::new())
+        } else {
+            Overflow::spill(queue.clone(), BinaryCodec::new())
+        };
+        ChannelConfig::<u64>::new(4).overflow(overflow)
+    };
+    channels.get_or_create("s", spill(true)).unwrap();
+    channels.get_or_create("s", spill(true)).unwrap();
+    assert!(matches!(
+        channels.get_or_create("s", spill(false)),
+        Err(ChannelError::ConfigMismatch { field: "overflow", .. })
+    ));
+
+    // Closing frees the name.
+    assert!(channels.close("a"));
+    assert!(!channels.close("a"));
+    assert!(a.is_closed());
+    assert!(channels.create::<u64>("a", ChannelConfig::new(4)).unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn concurrent_get_or_create_yields_one_channel() {
+    let channels = Channels::new();
+    let mut tasks = Vec::new();
+    for n in 0..8u64 {
+        let channels = channels.clone();
+        tasks.push(tokio::spawn(async move {
+            let channel = channels.get_or_create::<u64>("shared", ChannelConfig::new(64)).unwrap();
+            channel.emit(n).await.unwrap();
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(channels.names(), ["shared"]);
+    assert_eq!(channels.get::<u64>("shared").unwrap().len(), 8);
+}
+
+#[tokio::test]
+async fn closing_an_owner_cascades() {
+    let channels = Channels::new();
+    let a = channels.create::<u8>("s1/a", ChannelConfig::new(4).owner("s1")).unwrap();
+    let b = channels.create::<u8>("s1/b", ChannelConfig::new(4).owner("s1")).unwrap();
+    let other = channels.create::<u8>("s2/a", ChannelConfig::new(4).owner("s2")).unwrap();
+    let mut consumer = a.consumer(options(4)).unwrap();
+    a.emit(1).await.unwrap();
+    assert_eq!(channels.close_owner("s1"), 2);
+    assert!(a.is_closed() && b.is_closed() && !other.is_closed());
+    assert_eq!(channels.names(), ["s2/a"]);
+    // The owner's records drain.
+    assert_eq!(&consumer.next_batch().await.unwrap()[..], &[1]);
+    assert!(consumer.next_batch().await.is_none());
+    assert_eq!(channels.close_owner("s1"), 0);
+}
+
+#[tokio::test]
+async fn the_budget_spans_dynamic_channels_and_each_applies_its_policy() {
+    let channels = Channels::with_budget(4).unwrap();
+    let block = channels.create::<u32>("block", ChannelConfig::new(10)).unwrap();
+    let newest = channels
+        .create::<u32>("newest", ChannelConfig::new(10).overflow(Overflow::DropNewest))
+        .unwrap();
+    let oldest = channels
+        .create::<u32>("oldest", ChannelConfig::new(10).overflow(Overflow::DropOldest))
+        .unwrap();
+    let configured = channels.configure::<u32>("configured", ChannelConfig::new(10)).unwrap();
+    for n in 0..3 {
+        block.emit(n).await.unwrap();
+    }
+    newest.emit(10).await.unwrap();
+    assert_eq!(channels.budget_used(), Some(4));
+    // Budget exhausted: each channel follows its own policy.
+    assert!(block.try_emit(3).unwrap_err().is_full());
+    assert!(matches!(newest.try_emit(11).unwrap(), Emitted::Dropped(11)));
+    assert!(
+        matches!(oldest.try_emit(20).unwrap(), Emitted::Dropped(20)),
+        "nothing of its own to drop"
+    );
+    assert!(matches!(newest.try_emit(12).unwrap(), Emitted::Dropped(12)));
+    // Configured channels are outside the budget.
+    for n in 0..10 {
+        configured.try_emit(n).unwrap();
+    }
+
+    // A blocked emit waits for budget freed by another channel's consumer.
+    let waiting = {
+        let block = block.clone();
+        tokio::spawn(async move { block.emit(3).await.map(|e| e.is_queued()) })
+    };
+    tokio::task::yield_now().await;
+    assert!(!waiting.is_finished());
+    let mut consumer = newest.consumer(options(10)).unwrap();
+    consumer.next_batch().await.unwrap().ack().await.unwrap();
+    assert!(waiting.await.unwrap().unwrap());
+    assert_eq!(channels.budget_used(), Some(4));
+
+    // Closing a channel with discard returns its share.
+    let mut consumer = block.consumer(options(10)).unwrap();
+    assert_eq!(consumer.next_batch().await.unwrap().len(), 4);
+    assert_eq!(channels.budget_used(), Some(0));
+    let snapshot = channels.snapshot();
+    assert_eq!(snapshot.budget.unwrap().total, 4);
+    assert!(snapshot.channels.iter().all(|c| c.reconciles()));
+    assert!(snapshot.channels.iter().find(|c| c.name == "configured").is_some_and(|c| !c.dynamic));
+}
+
+#[tokio::test]
+async fn channels_report_into_the_registry() {
+    let registry = Registry::new();
+    let channels = Channels::with_budget(100).unwrap();
+    channels.register(&registry, "pipeline").unwrap();
+    let events = channels.create::<u32>("events", ChannelConfig::default().owner("job-1")).unwrap();
+    events.emit(1).await.unwrap();
+    let solo = Channel::<u8>::named("solo", ChannelConfig::new(2)).unwrap();
+    solo.register(&registry, "solo").unwrap();
+
+    let snapshot = registry.snapshot();
+    let pipeline = &snapshot.channels["pipeline"];
+    let events = &pipeline.channels[0];
+    assert_eq!((events.name.as_str(), events.owner.as_deref()), ("events", Some("job-1")));
+    assert_eq!((events.capacity, events.depth, events.emitted), (512, 1, 1));
+    assert!(events.dynamic);
+    assert_eq!(pipeline.budget.unwrap().used, 1);
+    assert_eq!(snapshot.channels["solo"].channels[0].name, "solo");
+    let json = snapshot.to_json();
+    assert!(json.contains("\"blocked_waits\":0") && json.contains("\"oldest_age_ms\""), "{json}");
+    let back: lanes::Snapshot = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, snapshot);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_snapshot_reports_the_age_of_the_oldest_record() {
+    let channel = Channel::new(ChannelConfig::new(128)).unwrap();
+    let mut consumer = channel.consumer(options(1)).unwrap();
+    assert_eq!(channel.snapshot().oldest_age_ms, 0);
+    channel.emit(0).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    for n in 1..100 {
+        channel.emit(n).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(channel.snapshot().oldest_age_ms, 1000);
+    // Ages are sampled every 32 records: the age is that of the nearest sample at or before
+    // the head, never younger than the truth.
+    assert_eq!(consumer.recv().await, Some(0));
+    assert_eq!(channel.snapshot().oldest_age_ms, 1000);
+    for n in 1..32 {
+        assert_eq!(consumer.recv().await, Some(n));
+    }
+    assert_eq!(channel.snapshot().oldest_age_ms, 300);
+    while !channel.is_empty() {
+        consumer.recv().await.unwrap();
+    }
+    assert_eq!(channel.snapshot().oldest_age_ms, 0);
+}
+
+// ---------------------------------------------------------------- stress and end to end
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn counters_reconcile_under_random_stress() {
+    const PRODUCERS: u64 = 4;
+    const EACH: u64 = 5_000;
+    for overflow in [Overflow::Block, Overflow::DropNewest, Overflow::DropOldest] {
+        let kind = overflow.kind();
+        let channel = Channel::new(ChannelConfig::new(16).overflow(overflow)).unwrap();
+        let mut consumer =
+            channel.consumer(options(7).batch_flush(Duration::from_micros(200))).unwrap();
+        let mut producers = Vec::new();
+        for p in 0..PRODUCERS {
+            let channel = channel.clone();
+            producers.push(tokio::spawn(async move {
+                let mut dropped = Vec::new();
+                let mut seed = p + 1;
+                for i in 0..EACH {
+                    let record = p * EACH + i;
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let result = if seed % 3 == 0 {
+                        channel.try_emit(record)
+                    } else {
+                        channel.emit(record).await
+                    };
+                    match result {
+                        Ok(Emitted::Queued) => {}
+                        Ok(Emitted::Dropped(r) | Emitted::DroppedOldest(r)) => dropped.push(r),
+                        Ok(Emitted::Spilled) => unreachable!(),
+                        Err(EmitError::Full(r)) => dropped.push(r),
+                        Err(e) => panic!("{e}"),
+                    }
+                    if seed % 16 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                dropped
+            }));
+        }
+        let watcher = {
+            let channel = channel.clone();
+            tokio::spawn(async move {
+                for _ in 0..200 {
+                    let s = channel.snapshot();
+                    assert!(s.reconciles(), "{s:?}");
+                    assert!(s.depth <= 16);
+                    tokio::task::yield_now().await;
+                }
+            })
+        };
+        drop(channel.clone());
+        let consumer_task = tokio::spawn(async move {
+            let mut delivered = Vec::new();
+            let mut last = [None::<u64>; PRODUCERS as usize];
+            while let Some(batch) = consumer.next_batch().await {
+                for &r in batch.iter() {
+                    let p = (r / EACH) as usize;
+                    assert!(last[p].is_none_or(|l| l < r), "per-producer FIFO");
+                    last[p] = Some(r);
+                }
+                delivered.extend_from_slice(&batch);
+                batch.ack().await.unwrap();
+            }
+            delivered
+        });
+        let mut turned_away = Vec::new();
+        for producer in producers {
+            turned_away.extend(producer.await.unwrap());
+        }
+        watcher.await.unwrap();
+        let snapshot_before_close = channel.snapshot();
+        assert!(snapshot_before_close.reconciles());
+        channel.close();
+        let delivered = consumer_task.await.unwrap();
+        let s = channel.snapshot();
+        assert!(s.reconciles(), "{kind:?}: {s:?}");
+        assert_eq!(s.delivered, delivered.len() as u64);
+        assert_eq!(s.processed, s.delivered);
+        let unique: HashSet<u64> = delivered.iter().copied().collect();
+        assert_eq!(unique.len(), delivered.len(), "{kind:?}: nothing delivered twice");
+        let mut all: Vec<u64> = delivered.into_iter().chain(turned_away).collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..PRODUCERS * EACH).collect::<Vec<_>>(), "{kind:?}: nothing lost");
+        if kind == lanes::channel::OverflowKind::Block {
+            assert_eq!(s.dropped, 0);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spilled_records_are_all_readable_exactly_once() {
+    let queue = mem_queue().await;
+    let channel = Channel::new(
+        ChannelConfig::new(32).overflow(Overflow::spill(queue.clone(), BinaryCodec::new())),
+    )
+    .unwrap();
+    let mut consumer = channel.consumer(options(8)).unwrap();
+    let slow = tokio::spawn(async move {
+        let mut got = Vec::new();
+        while let Some(batch) = consumer.next_batch().await {
+            got.extend_from_slice(&batch);
+            batch.ack().await.unwrap();
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
+        got
+    });
+    let mut tasks = Vec::new();
+    for p in 0..3u64 {
+        let channel = channel.clone();
+        tasks.push(tokio::spawn(async move {
+            for i in 0..3_000u64 {
+                channel.emit(p * 10_000 + i).await.unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    channel.close();
+    let delivered = slow.await.unwrap();
+    let spilled: Vec<u64> = read_records(&queue).await;
+    let s = channel.snapshot();
+    assert!(s.spilled > 0, "the overload spilled");
+    assert_eq!(s.spilled as usize, spilled.len());
+    assert_eq!(s.delivered as usize, delivered.len());
+    let mut all: Vec<u64> = delivered.into_iter().chain(spilled).collect();
+    all.sort_unstable();
+    let expected: Vec<u64> =
+        (0..3u64).flat_map(|p| (0..3_000u64).map(move |i| p * 10_000 + i)).collect();
+    assert_eq!(all, expected, "every record exactly once, on one path");
+}
+
+#[tokio::test]
+async fn recv_settles_receipts_as_processed() {
+    let channel = Channel::new(ChannelConfig::new(4)).unwrap();
+    let mut consumer = channel.consumer(options(4)).unwrap();
+    let receipt = channel.emit_with_receipt(Arc::new(5)).await.unwrap();
+    assert_eq!(*consumer.recv().await.unwrap(), 5);
+    assert_eq!(receipt.await, Settlement::Processed);
+}
