@@ -395,6 +395,156 @@ impl Report {
 }
 
 impl Report {
+    /// Suites 3, 4 and 5: channels.
+    fn channels(&mut self) {
+        const RECORDS: f64 = 10_000.0;
+        let rate = |t: Option<f64>| t.map_or("—".to_owned(), |t| fmt_rate(RECORDS / (t / 1e9)));
+        self.line(
+            "## Suite 3 — channel, block mode
+",
+        );
+        self.line("10,000 records from 1 (SPSC) or 4 (MPSC) producers to one consumer reading one record at a time (`recv`), channel created per run (throughput; ratios = lanes / anchor, higher is better):\n");
+        self.line("| runtime | shape | lanes | tokio mpsc | vs tokio (bar ≥ 1.0) | flume | kanal | async-channel | vs fastest (bar ≥ 0.8) |");
+        self.line("|---|---|---|---|---|---|---|---|---|");
+        let anchors = ["tokio_mpsc", "flume", "kanal", "async_channel"];
+        for flavor in ["current_thread", "multi_thread_2"] {
+            for topology in ["spsc", "mpsc"] {
+                for capacity in [1, 64, 1024] {
+                    for record in ["u64", "256B"] {
+                        if record == "256B" && flavor == "current_thread" {
+                            continue;
+                        }
+                        let shape = format!("{topology}_{capacity}_{record}");
+                        let ours = self.get(&format!("channel_block/{shape}_lanes/{flavor}"));
+                        let times: Vec<Option<f64>> = anchors
+                            .iter()
+                            .map(|a| self.get(&format!("channel_block/{shape}_{a}/{flavor}")))
+                            .collect();
+                        let ratio = |a: Option<f64>| match (ours, a) {
+                            (Some(o), Some(a)) => Some(a / o),
+                            _ => None,
+                        };
+                        let vs_tokio = ratio(times[0]);
+                        let (fastest_name, fastest) = anchors
+                            .iter()
+                            .zip(&times)
+                            .filter_map(|(name, t)| t.map(|t| (*name, t)))
+                            .min_by(|a, b| a.1.total_cmp(&b.1))
+                            .unwrap_or(("—", f64::NAN));
+                        let vs_fastest = ratio(Some(fastest));
+                        let cell = |r: Option<f64>, bar: f64| {
+                            r.map_or("—".to_owned(), |r| format!("{r:.2}× {}", pass(r >= bar)))
+                        };
+                        let row = format!(
+                            "| {flavor} | {shape} | {} | {} | {} | {} | {} | {} | {} ({fastest_name}) |",
+                            rate(ours),
+                            rate(times[0]),
+                            cell(vs_tokio, 1.0),
+                            rate(times[1]),
+                            rate(times[2]),
+                            rate(times[3]),
+                            cell(vs_fastest, 0.8),
+                        );
+                        self.line(&row);
+                    }
+                }
+            }
+        }
+        self.line("");
+        self.line(
+            "## Suite 4 — channel overflow
+",
+        );
+        self.line("A producer emitting 10,000 records without waiting (`try_emit`) into a 64-record channel whose consumer does ~10× the producer's work per record; the time is the producer's (throughput, higher is better):\n");
+        self.line("| policy | lanes | anchor | ratio | bar |");
+        self.line("|---|---|---|---|---|");
+        self.rate_row(
+            "drop-oldest vs async-channel `force_send`",
+            RECORDS,
+            "channel_overflow/lanes_drop_oldest",
+            "channel_overflow/async_channel_force_send",
+            "≥ 1.0",
+        );
+        self.rate_row(
+            "drop-newest vs tokio mpsc `try_send` (refuses, counts nothing)",
+            RECORDS,
+            "channel_overflow/lanes_drop_newest",
+            "channel_overflow/tokio_mpsc_try_send",
+            "—",
+        );
+        self.rate_row(
+            "spill (sync `Never`, ext4) vs async-channel `force_send`",
+            RECORDS,
+            "channel_overflow/lanes_spill",
+            "channel_overflow/async_channel_force_send",
+            "—",
+        );
+        self.line("");
+        if let Some(reconcile) = result("channel_overflow_reconcile") {
+            let all =
+                reconcile.as_object().is_some_and(|o| o.values().all(|v| v == &Value::Bool(true)));
+            self.line(&format!(
+                "Counters after every overflow run reconcile exactly (`emitted = delivered + dropped + spilled + depth`, and emitted = 10,000): **{}** ({}).\n",
+                if all { "yes" } else { "no" },
+                pass(all)
+            ));
+        }
+        self.line(
+            "## Suite 5 — batching
+",
+        );
+        self.line("10,000 records from a producer at full speed, consumed in batches of up to 64 with a 10 ms linger (throughput, higher is better):\n");
+        self.line("| consumer | lanes | anchor | ratio | bar |");
+        self.line("|---|---|---|---|---|");
+        self.rate_row(
+            "`next_batch` + `ack` vs tokio `recv_many`",
+            RECORDS,
+            "channel_batching/lanes_next_batch",
+            "channel_batching/tokio_recv_many",
+            "≥ 1.0",
+        );
+        self.rate_row(
+            "`next_batch` + `ack` vs tokio-stream `chunks_timeout`",
+            RECORDS,
+            "channel_batching/lanes_next_batch",
+            "channel_batching/tokio_stream_chunks_timeout",
+            "≥ 1.0",
+        );
+        self.rate_row(
+            "`recv_many` vs tokio `recv_many`",
+            RECORDS,
+            "channel_batching/lanes_recv_many",
+            "channel_batching/tokio_recv_many",
+            "—",
+        );
+        self.line("");
+        if let Some(latency) = result("channel_batching_latency") {
+            let f = |path: [&str; 2]| latency[path[0]][path[1]].as_f64().unwrap_or(f64::NAN);
+            let linger = latency["linger_ms"].as_f64().unwrap_or(f64::NAN);
+            self.line(&format!(
+                "Added latency, records paced one per {} µs so partial batches leave on the linger (one run):\n",
+                latency["pace_us"]
+            ));
+            self.line("| consumer | p50 | p99 | max | bar: p99 ≤ linger + 1 ms |");
+            self.line("|---|---|---|---|---|");
+            for (label, key) in [
+                ("lanes `next_batch`", "lanes"),
+                ("tokio-stream `chunks_timeout`", "chunks_timeout"),
+            ] {
+                let p99 = f([key, "p99_ms"]);
+                let row = format!(
+                    "| {label} | {:.2} ms | {:.2} ms | {:.2} ms | {} |",
+                    f([key, "p50_ms"]),
+                    p99,
+                    f([key, "max_ms"]),
+                    if key == "lanes" { pass(p99 <= linger + 1.0) } else { "(anchor)" },
+                );
+                self.line(&row);
+            }
+            self.line("");
+        }
+    }
+
     /// Suite 9: the spill queue.
     fn spill(&mut self) {
         self.line("## Suite 9 — spill queue\n");
@@ -529,6 +679,7 @@ fn main() {
     report.lanes(cas);
     report.limits();
     report.pools();
+    report.channels();
     report.spill();
 
     if !report.missing.is_empty() {

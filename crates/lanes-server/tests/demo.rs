@@ -66,3 +66,24 @@ fn unknown_arguments_are_refused_with_usage() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("invalid value 'lots'"), "{stderr}");
 }
+
+#[test]
+fn demo_channel_loses_nothing_acknowledged_across_a_crash() {
+    let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["demo", "channel", "--records", "6000"])
+        .output()
+        .expect("run the lanes binary");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("acknowledged records lost: 0"), "{stdout}");
+    assert!(stdout.contains("6000 distinct orders of 6000"), "{stdout}");
+    assert!(stdout.contains("nothing acknowledged was lost: yes"), "{stdout}");
+    let spilled = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("emitted 3000"))
+        .and_then(|l| l.split("spilled ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse::<u64>().ok())
+        .expect("a spilled count before the crash");
+    assert!(spilled > 0, "the overload spilled: {stdout}");
+}

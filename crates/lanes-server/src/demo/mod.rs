@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use lanes::BoxError;
 
+mod channel;
 mod keyed;
 mod limits;
 mod runs;
@@ -20,6 +21,8 @@ pub(crate) enum Scenario {
     Limits,
     /// Keyed pool: versioned entity updates with one slow entity, per-key vs hashed shards.
     Keyed,
+    /// Channel: a fast producer, a slow batching consumer, spill, a crash and a restart.
+    Channel,
 }
 
 /// Options of `lanes demo`.
@@ -37,6 +40,9 @@ pub(crate) struct DemoArgs {
     /// How long tenants send requests in the limits scenario, in seconds.
     #[arg(long, default_value_t = 4.0)]
     seconds: f64,
+    /// Orders emitted in the channel scenario (the crash comes halfway).
+    #[arg(long, default_value_t = 20_000)]
+    records: u64,
     /// Seed of the workloads' randomness (the same seed gives the same workload).
     #[arg(long, default_value_t = 7)]
     seed: u64,
@@ -58,6 +64,12 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             println!("\n{}\n", "─".repeat(72));
         }
         keyed::run(&args).await?;
+    }
+    if all || args.scenario == Scenario::Channel {
+        if all {
+            println!("\n{}\n", "─".repeat(72));
+        }
+        channel::run(&args).await?;
     }
     Ok(())
 }

@@ -322,6 +322,8 @@ impl<T> ConsumerOptions<T> {
 
     /// The longest the oldest record of a partial batch waits before the batch is delivered
     /// anyway (default zero: whatever is queued is delivered at once, up to `batch_max`).
+    /// To stay within it on tokio's 1 ms timer ticks, a partial batch leaves up to
+    /// `min(1 ms, batch_flush / 10)` early.
     pub fn batch_flush(mut self, linger: Duration) -> Self {
         self.batch_flush = linger;
         self

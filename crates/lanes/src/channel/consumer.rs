@@ -20,6 +20,11 @@ use crate::spill::{SpillError, SpillQueue};
 use crate::util::lock;
 use crate::{BoxError, BoxFuture};
 
+/// The resolution of tokio's timers.
+const TIMER_TICK: Duration = Duration::from_millis(1);
+
+/// The most records `recv` takes under one lock.
+const PREFETCH: usize = 64;
 const BACKOFF_FIRST: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
@@ -76,6 +81,8 @@ pub struct Consumer<T> {
     permits: Vec<Permit>,
     backoff: Option<Pin<Box<Sleep>>>,
     next_backoff: Duration,
+    /// Records `recv` took and has not handed out yet, last first.
+    local: Vec<Entry<T>>,
 }
 
 impl<T: Send + 'static> Consumer<T> {
@@ -89,6 +96,7 @@ impl<T: Send + 'static> Consumer<T> {
             permits: Vec::new(),
             backoff: None,
             next_backoff: BACKOFF_FIRST,
+            local: Vec::new(),
         }
     }
 
@@ -103,18 +111,27 @@ impl<T: Send + 'static> Consumer<T> {
 
     /// The next record on its own, ignoring `batch_max` and `batch_flush`: a plain channel read.
     /// Taking a record settles it: its receipt (if any) settles
-    /// [`Processed`](Settlement::Processed) and it counts as processed. A consumer limit
-    /// applies as usual (the permit is released on return).
+    /// [`Processed`](Settlement::Processed) and it counts as processed.
+    ///
+    /// To take the lock once per burst rather than once per record, `recv` moves up to 64
+    /// queued records at a time into the consumer (they count as delivered then, like a
+    /// batch; records a dropped consumer still holds count as abandoned). With a consumer
+    /// limit it takes one record at a time, each under a permit released on return.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe.
     pub async fn recv(&mut self) -> Option<T> {
-        let mut out = Vec::with_capacity(1);
-        poll_fn(|cx| self.poll_take(cx, 1, Duration::ZERO, &mut out)).await?;
-        self.settle_taken(&out);
-        self.permits.clear();
-        out.pop().map(|entry| entry.record)
+        if self.local.is_empty() {
+            let max = if self.plan.limit.is_some() { 1 } else { PREFETCH };
+            let mut out = std::mem::take(&mut self.local);
+            let taken = poll_fn(|cx| self.poll_take(cx, max, Duration::ZERO, &mut out)).await;
+            out.reverse();
+            self.local = out;
+            taken?;
+            self.permits.clear();
+        }
+        self.local.pop().map(|entry| self.hand_out(entry))
     }
 
     /// Moves up to `limit` queued records into `buffer` (waiting for at least one), settling
@@ -128,31 +145,49 @@ impl<T: Send + 'static> Consumer<T> {
         if limit == 0 {
             return 0;
         }
-        let mut out = Vec::new();
-        if poll_fn(|cx| self.poll_take(cx, limit, Duration::ZERO, &mut out)).await.is_none() {
-            return 0;
+        if self.local.is_empty() {
+            let mut out = std::mem::take(&mut self.local);
+            let taken = poll_fn(|cx| self.poll_take(cx, limit, Duration::ZERO, &mut out)).await;
+            out.reverse();
+            self.local = out;
+            if taken.is_none() {
+                return 0;
+            }
+            self.permits.clear();
         }
-        self.settle_taken(&out);
-        self.permits.clear();
-        let n = out.len();
-        buffer.extend(out.into_iter().map(|entry| entry.record));
+        let n = limit.min(self.local.len());
+        for _ in 0..n {
+            let entry = self.local.pop().expect("counted");
+            buffer.push(self.hand_out(entry));
+        }
         n
     }
 
-    fn settle_taken(&self, taken: &[Entry<T>]) {
-        let late = taken.iter().filter(|entry| !entry.settle(Settlement::Processed)).count();
-        let mut st = lock(&self.shared.state);
-        st.counters.processed += taken.len() as u64;
-        st.counters.late_settlements += late as u64;
-        drop(st);
-        self.shared.metrics.processed.increment(taken.len() as u64);
+    /// Hands out a record taken by `recv`: it counts as processed, its receipt settles.
+    fn hand_out(&self, entry: Entry<T>) -> T {
+        self.shared.count_read(1);
+        if entry.receipt.is_some() && !entry.settle(Settlement::Processed) {
+            lock(&self.shared.state).counters.late_settlements += 1;
+        }
+        entry.record
+    }
+
+    /// Records `recv` took and did not hand out, in order.
+    fn take_back_local(&mut self) -> Vec<Entry<T>> {
+        let mut local = std::mem::take(&mut self.local);
+        local.reverse();
+        local
     }
 
     /// Polls for the next batch.
     pub fn poll_next_batch(&mut self, cx: &mut Context<'_>) -> Poll<Option<Batch<T>>> {
-        let mut taken = Vec::new();
         let (max, flush) = (self.plan.batch_max, self.plan.batch_flush);
-        if ready!(self.poll_take(cx, max, flush, &mut taken)).is_none() {
+        let mut taken = self.take_back_local();
+        if taken.len() > max {
+            let rest = taken.split_off(max);
+            self.local = rest.into_iter().rev().collect();
+        }
+        if taken.is_empty() && ready!(self.poll_take(cx, max, flush, &mut taken)).is_none() {
             return Poll::Ready(None);
         }
         let mut records = Vec::with_capacity(taken.len());
@@ -217,7 +252,11 @@ impl<T: Send + 'static> Consumer<T> {
                 return Poll::Pending;
             }
             let due = len >= max || st.closed || flush.is_zero() || {
-                let deadline = st.oldest_enqueued().map_or_else(Instant::now, |at| at + flush);
+                // tokio's timers fire on 1 ms ticks, rounding up: aim a tick early so the batch
+                // leaves within the linger rather than up to 2 ms after it.
+                let early = TIMER_TICK.min(flush / 10);
+                let deadline =
+                    st.oldest_enqueued().map_or_else(Instant::now, |at| at + flush - early);
                 if Instant::now() >= deadline {
                     true
                 } else {
@@ -290,8 +329,17 @@ impl<T: Send + 'static> futures_core::Stream for Consumer<T> {
     }
 }
 
+// No field is structurally pinned: records are only ever moved in and out of `Vec`s.
+impl<T> Unpin for Consumer<T> {}
+
 impl<T> Drop for Consumer<T> {
     fn drop(&mut self) {
+        if !self.local.is_empty() {
+            lock(&self.shared.state).counters.abandoned += self.local.len() as u64;
+            for entry in self.local.drain(..) {
+                entry.settle(Settlement::Dropped);
+            }
+        }
         self.shared.close_with(true);
     }
 }

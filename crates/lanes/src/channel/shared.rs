@@ -2,7 +2,7 @@
 //! waiters and the counters, so a snapshot always reconciles.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::Waker;
 use std::time::Duration;
@@ -310,6 +310,9 @@ pub(crate) struct Shared<T> {
     pub(crate) budget: Option<Arc<Budget>>,
     pub(crate) state: Mutex<State<T>>,
     pub(crate) producers: AtomicUsize,
+    /// Records the consumer's plain reads handed out: counted processed without the lock
+    /// (only the consumer writes it).
+    read: AtomicU64,
     /// Close when the last producer handle is dropped (standalone channels).
     pub(crate) auto_close: bool,
     pub(crate) home: Weak<ChannelsInner>,
@@ -343,6 +346,7 @@ impl<T> Shared<T> {
                 counters: Counters::default(),
             }),
             producers: AtomicUsize::new(0),
+            read: AtomicU64::new(0),
             auto_close,
             home,
         }
@@ -454,6 +458,12 @@ impl<T> Shared<T> {
                 }
             }
         }
+    }
+
+    /// Counts `n` records handed out by a plain read as processed.
+    pub(crate) fn count_read(&self, n: u64) {
+        self.read.store(self.read.load(Ordering::Relaxed) + n, Ordering::Release);
+        self.metrics.processed.increment(n);
     }
 
     /// A record counted as spilled did not reach the spill queue: it is handed back.
@@ -585,7 +595,7 @@ impl<T> Shared<T> {
             dropped: c.dropped,
             spilled: c.spilled,
             blocked_waits: c.blocked_waits,
-            processed: c.processed,
+            processed: c.processed + self.read.load(Ordering::Acquire),
             failed: c.failed,
             tagged: c.tagged,
             dead_lettered: c.dead_lettered,
