@@ -115,6 +115,14 @@ pub enum LimitError {
     InUse(String),
     /// The backend could not answer (I/O, timeout, outage): see the message.
     Backend(String),
+    /// A leased permit could not be renewed: its lease had ended and the permit was reclaimed
+    /// (another holder may have it now; the fencing token of this one is stale).
+    LeaseExpired {
+        /// The limit.
+        limit: String,
+        /// The ticket whose permit lapsed.
+        ticket: u64,
+    },
 }
 
 impl LimitError {
@@ -126,6 +134,16 @@ impl LimitError {
     /// The waiting room is full.
     pub fn is_too_many_waiters(&self) -> bool {
         matches!(self, Self::TooManyWaiters { .. })
+    }
+
+    /// A renewal came after the lease ended.
+    pub fn is_lease_expired(&self) -> bool {
+        matches!(self, Self::LeaseExpired { .. })
+    }
+
+    /// The backend could not answer.
+    pub fn is_backend(&self) -> bool {
+        matches!(self, Self::Backend(_))
     }
 }
 
@@ -139,6 +157,9 @@ impl fmt::Display for LimitError {
             }
             Self::InUse(name) => write!(f, "limit {name:?} has permits held or tickets waiting"),
             Self::Backend(message) => write!(f, "limit backend failed: {message}"),
+            Self::LeaseExpired { limit, ticket } => {
+                write!(f, "the lease of ticket {ticket} on limit {limit:?} expired")
+            }
         }
     }
 }

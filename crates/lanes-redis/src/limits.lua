@@ -1,0 +1,345 @@
+-- lanes-redis: one limit's state machine, run atomically by Redis.
+--
+-- The same semantics as lanes' in-process LimitTable (crates/lanes/src/limit/table.rs) and
+-- WaitQueue (queue.rs): a counting semaphore and a GCRA token bucket in front of a wait queue
+-- ordered by priority level, then weighted round-robin over fairness keys, then arrival. Every
+-- grant is a lease. Time is the Redis server's (TIME), in microseconds.
+--
+-- KEYS[1] is the limit's base key, "{namespace:limit}"; every key of the limit is derived from
+-- it and shares its hash tag, so the whole limit lives in one Redis Cluster slot.
+--   B:m       hash: concurrent, interval (us, 0 = no rate), rate, burst, tat, fence, granted,
+--             maxuse, seq
+--   B:h       hash: held ticket -> "fence:expires"
+--   B:e       zset: held ticket by lease expiry
+--   B:lv      zset: priority levels with waiters
+--   B:i       hash: waiting ticket -> "level|keytok|seq"
+--   B:r:L     zset: level L's fairness keys by ring position
+--   B:w:L     hash: level L's key weights, plus ~npos (next ring position), ~tpos/~tused (turn)
+--   B:q:L:K   zset: key K's waiting tickets by arrival sequence
+--
+-- ARGV[1] is the operation; ARGV[2] the channel prefix of client notifications; the rest
+-- depends on the operation. Tickets travel as decimal strings; a ticket's client is
+-- floor(ticket / 2^32). Answers to `acquire` are one u64, as 16 hex digits (Lua numbers are
+-- doubles): 0 queued, 1 granted, 2 + ms retry later, or bit 63 + zigzag(granted - asked).
+
+local B = KEYS[1]
+local op = ARGV[1]
+local channels = ARGV[2]
+local M = B .. ':m'
+local H = B .. ':h'
+local E = B .. ':e'
+local LV = B .. ':lv'
+local I = B .. ':i'
+local CLIENT = 4294967296
+
+local function hex(n) return string.format('%016x', n) end
+local function int(n) return string.format('%.0f', n) end
+
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+
+local function num(key, field)
+  return tonumber(redis.call('HGET', key, field) or '0')
+end
+
+local function ring(level) return B .. ':r:' .. level end
+local function weights(level) return B .. ':w:' .. level end
+local function queue(level, keytok) return B .. ':q:' .. level .. ':' .. keytok end
+
+-- Leases ---------------------------------------------------------------------------------
+
+local function expire(now)
+  local dead = redis.call('ZRANGEBYSCORE', E, '-inf', now)
+  for _, ticket in ipairs(dead) do
+    redis.call('HDEL', H, ticket)
+    redis.call('ZREM', E, ticket)
+  end
+  return #dead
+end
+
+local function in_use() return redis.call('HLEN', H) end
+
+-- GCRA: the time the next grant takes the bucket to, or nil and the time a token will be there.
+local function rate_check(now)
+  local interval = num(M, 'interval')
+  local tat = num(M, 'tat')
+  if interval == 0 then return tat, nil end
+  local tolerance = interval * (num(M, 'burst') - 1)
+  if tat < now then tat = now end
+  local earliest = tat - tolerance
+  if earliest <= now then return tat + interval, nil end
+  return nil, earliest
+end
+
+local function grant(ticket, now, lease_us)
+  local tat = rate_check(now)
+  if tat then redis.call('HSET', M, 'tat', tat) end
+  local fence = redis.call('HINCRBY', M, 'fence', 1)
+  local expires = now + lease_us
+  redis.call('HSET', H, ticket, int(fence) .. ':' .. int(expires))
+  redis.call('ZADD', E, expires, ticket)
+  redis.call('HINCRBY', M, 'granted', 1)
+  local used = in_use()
+  if used > num(M, 'maxuse') then redis.call('HSET', M, 'maxuse', used) end
+  return fence, expires
+end
+
+-- The wait queue -------------------------------------------------------------------------
+
+local function top_level()
+  local top = redis.call('ZREVRANGE', LV, 0, 0)
+  return top[1]
+end
+
+local function key_at(level, pos)
+  local found = redis.call('ZRANGEBYSCORE', ring(level), pos, pos)
+  return found[1]
+end
+
+-- The fairness key served next at `level` (WaitQueue's Level::next_key).
+local function next_key(level)
+  local w = weights(level)
+  local tpos = redis.call('HGET', w, '~tpos')
+  if tpos then
+    local key = key_at(level, tpos)
+    if key and num(w, '~tused') < num(w, key) then return key end
+    local after = redis.call('ZRANGEBYSCORE', ring(level), '(' .. tpos, '+inf', 'LIMIT', 0, 1)
+    if after[1] then return after[1] end
+  end
+  return redis.call('ZRANGE', ring(level), 0, 0)[1]
+end
+
+local function peek()
+  local level = top_level()
+  if not level then return nil end
+  local key = next_key(level)
+  if not key then return nil end
+  return redis.call('ZRANGE', queue(level, key), 0, 0)[1], level, key
+end
+
+local function push(ticket, level, keytok, weight)
+  if redis.call('HEXISTS', I, ticket) == 1 then return false end
+  local seq = redis.call('HINCRBY', M, 'seq', 1)
+  local w = weights(level)
+  redis.call('ZADD', LV, level, level)
+  if redis.call('ZSCORE', ring(level), keytok) then
+    redis.call('HSET', w, keytok, weight)
+  else
+    local pos = redis.call('HINCRBY', w, '~npos', 1) - 1
+    redis.call('ZADD', ring(level), pos, keytok)
+    redis.call('HSET', w, keytok, weight)
+  end
+  redis.call('ZADD', queue(level, keytok), seq, ticket)
+  redis.call('HSET', I, ticket, level .. '|' .. keytok .. '|' .. seq)
+  return true
+end
+
+local function locate(ticket)
+  local where = redis.call('HGET', I, ticket)
+  if not where then return nil end
+  local level, keytok = string.match(where, '^([^|]*)|(.*)|[^|]*$')
+  return level, keytok
+end
+
+-- WaitQueue::unlink: drops one waiter, then its key and level if they empty.
+local function unlink(ticket, level, keytok)
+  local q = queue(level, keytok)
+  local w = weights(level)
+  local r = ring(level)
+  redis.call('ZREM', q, ticket)
+  redis.call('HDEL', I, ticket)
+  if redis.call('ZCARD', q) == 0 then
+    local pos = redis.call('ZSCORE', r, keytok)
+    redis.call('ZREM', r, keytok)
+    redis.call('HDEL', w, keytok)
+    if redis.call('HGET', w, '~tpos') == pos then
+      local after = redis.call('ZRANGEBYSCORE', r, '(' .. pos, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      if after[1] then
+        redis.call('HSET', w, '~tpos', after[2], '~tused', 0)
+      else
+        redis.call('HDEL', w, '~tpos', '~tused')
+      end
+    end
+    if redis.call('ZCARD', r) == 0 then
+      redis.call('DEL', r, w)
+      redis.call('ZREM', LV, level)
+      return
+    end
+  end
+  if redis.call('ZCARD', r) == 1 then redis.call('HDEL', w, '~tpos', '~tused') end
+end
+
+-- WaitQueue::pop of the ticket `peek` returned.
+local function pop(ticket, level, keytok)
+  local w = weights(level)
+  local pos = redis.call('ZSCORE', ring(level), keytok)
+  local weight = num(w, keytok)
+  local tpos = redis.call('HGET', w, '~tpos')
+  local tused = num(w, '~tused')
+  if tpos == pos and tused < weight then
+    redis.call('HSET', w, '~tused', tused + 1)
+  else
+    redis.call('HSET', w, '~tpos', pos, '~tused', 1)
+  end
+  unlink(ticket, level, keytok)
+end
+
+local function waiting() return redis.call('HLEN', I) end
+
+local function client_of(ticket) return math.floor(tonumber(ticket) / CLIENT) end
+
+-- Tells the client of the ticket served next that it may be granted now (one client, not
+-- every waiter).
+local function kick(now)
+  local head = peek()
+  if head and in_use() < num(M, 'concurrent') then
+    redis.call('PUBLISH', channels .. client_of(head), string.sub(B, 2, -2))
+  end
+end
+
+
+-- Milliseconds until the earliest lease ends (-1 if none): a queued client wakes then, so a
+-- crashed holder's permit is handed on as soon as it lapses.
+local function expiry_hint(now)
+  local first = redis.call('ZRANGE', E, 0, 0, 'WITHSCORES')
+  if not first[2] then return -1 end
+  local ms = math.ceil((tonumber(first[2]) - now) / 1000)
+  if ms < 0 then ms = 0 end
+  return ms
+end
+
+local function granted_answer(held)
+  local fence, expires = string.match(held, '^(%d+):(%d+)$')
+  return { hex(1), fence, expires }
+end
+
+local function granted_now(ticket, now, lease_us)
+  local fence, expires = grant(ticket, now, lease_us)
+  return int(fence), int(expires)
+end
+
+-- Operations -----------------------------------------------------------------------------
+
+if op == 'define' then
+  -- ARGV: concurrent, interval_us, burst, per_second (as the client wrote it, "" for none)
+  local fresh = redis.call('EXISTS', M) == 0
+  redis.call('HSET', M, 'concurrent', ARGV[3], 'interval', ARGV[4], 'burst', ARGV[5], 'rate', ARGV[6])
+  if fresh then
+    redis.call('HSET', M, 'tat', 0, 'fence', 0, 'granted', 0, 'maxuse', 0, 'seq', 0)
+  end
+  kick(now_us())
+  return 'ok'
+end
+
+if redis.call('EXISTS', M) == 0 then return { 'unknown' } end
+local now = now_us()
+
+if op == 'acquire' then
+  -- ARGV: ticket, level, keytok, weight, lease_ms, max_waiters
+  local ticket, level, keytok, weight = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+  local lease_us = tonumber(ARGV[7]) * 1000
+  local max_waiters = tonumber(ARGV[8])
+  if expire(now) > 0 then kick(now) end
+  local held = redis.call('HGET', H, ticket)
+  if held then return granted_answer(held) end
+  local concurrent = num(M, 'concurrent')
+  if waiting() == 0 and in_use() < concurrent then
+    local _, at = rate_check(now)
+    if not at then
+      local fence, expires = granted_now(ticket, now, lease_us)
+      return { hex(1), fence, expires }
+    end
+    if max_waiters == 0 then return { 'waiters' } end
+    push(ticket, level, keytok, weight)
+    return { hex(2 + math.ceil((at - now) / 1000)) }
+  end
+  if redis.call('HEXISTS', I, ticket) == 0 then
+    if waiting() >= max_waiters then return { 'waiters' } end
+    push(ticket, level, keytok, weight)
+  end
+  local head, hlevel, hkey = peek()
+  if in_use() >= concurrent then
+    return { hex(0), expiry_hint(now) }
+  end
+  local _, at = rate_check(now)
+  if at then
+    if head == ticket then return { hex(2 + math.ceil((at - now) / 1000)) } end
+    return { hex(0), expiry_hint(now) }
+  end
+  if head == ticket then
+    pop(head, hlevel, hkey)
+    local fence, expires = granted_now(head, now, lease_us)
+    kick(now)
+    return { hex(1), fence, expires }
+  end
+  if client_of(head) == client_of(ticket) then
+    -- Another ticket of the same client is served next: grant it instead.
+    pop(head, hlevel, hkey)
+    local fence, expires = granted_now(head, now, lease_us)
+    kick(now)
+    local distance = tonumber(head) - tonumber(ticket)
+    local zigzag
+    if distance >= 0 then zigzag = distance * 2 else zigzag = -distance * 2 - 1 end
+    return { '8' .. string.format('%015x', zigzag), fence, expires, head }
+  end
+  -- The head belongs to a client that has not asked since it became the head.
+  kick(now)
+  return { hex(0), expiry_hint(now) }
+end
+
+if op == 'release' then
+  -- ARGV: ticket
+  local ticket = ARGV[3]
+  expire(now)
+  local answer = 0
+  if redis.call('HDEL', H, ticket) == 1 then
+    redis.call('ZREM', E, ticket)
+    answer = 1
+  else
+    local level, keytok = locate(ticket)
+    if level then
+      unlink(ticket, level, keytok)
+      answer = 2
+    end
+  end
+  kick(now)
+  return answer
+end
+
+if op == 'renew' then
+  -- ARGV: lease_ms, tickets...: extends the leases still held; answers the refused tickets.
+  local lease_us = tonumber(ARGV[3]) * 1000
+  if expire(now) > 0 then kick(now) end
+  local refused = {}
+  for i = 4, #ARGV do
+    local ticket = ARGV[i]
+    local held = redis.call('HGET', H, ticket)
+    if held then
+      local fence = string.match(held, '^(%d+):')
+      redis.call('HSET', H, ticket, fence .. ':' .. int(now + lease_us))
+      redis.call('ZADD', E, now + lease_us, ticket)
+    else
+      table.insert(refused, ticket)
+    end
+  end
+  return refused
+end
+
+if op == 'info' then
+  if expire(now) > 0 then kick(now) end
+  return {
+    num(M, 'concurrent'), redis.call('HGET', M, 'rate') or '', num(M, 'burst'), in_use(),
+    waiting(), num(M, 'granted'), num(M, 'maxuse'),
+  }
+end
+
+if op == 'remove' then
+  expire(now)
+  if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
+  redis.call('DEL', M, H, E, LV, I)
+  return 'ok'
+end
+
+return redis.error_reply('lanes: unknown operation ' .. tostring(op))
