@@ -249,6 +249,8 @@ pub struct RedisStats {
     pub notifications: u64,
     /// Limits defined again after Redis forgot them.
     pub redefinitions: u64,
+    /// Script calls made (acquires, releases, renewals, infos, definitions).
+    pub calls: u64,
 }
 
 #[derive(Default)]
@@ -259,6 +261,7 @@ struct Stats {
     lost_leases: AtomicU64,
     notifications: AtomicU64,
     redefinitions: AtomicU64,
+    calls: AtomicU64,
 }
 
 struct Inner {
@@ -401,6 +404,7 @@ impl Inner {
             invocation.arg(arg);
         }
         let mut conn = self.conn.clone();
+        self.stats.calls.fetch_add(1, Ordering::Relaxed);
         let result =
             tokio::time::timeout(self.op_timeout, invocation.invoke_async(&mut conn)).await;
         match result {
@@ -744,10 +748,15 @@ impl Inner {
         let mut args = vec![self.lease.as_millis().to_string()];
         args.extend(tickets.iter().map(u64::to_string));
         let value = self.call(name, "renew", &args).await?;
-        let Value::Array(items) = value else {
-            return Err(CallError::Other(LimitError::Backend("redis: odd renewal".into())));
+        let refused: Vec<u64> = if error_tag(&value).as_deref() == Some("unknown") {
+            // Redis no longer knows the limit (it restarted empty): nothing is held there.
+            tickets
+        } else {
+            let Value::Array(items) = value else {
+                return Err(CallError::Other(LimitError::Backend("redis: odd renewal".into())));
+            };
+            items.iter().filter_map(|v| text(v)?.parse().ok()).collect()
         };
-        let refused: Vec<u64> = items.iter().filter_map(|v| text(v)?.parse().ok()).collect();
         if !refused.is_empty() {
             self.stats.lost_leases.fetch_add(refused.len() as u64, Ordering::Relaxed);
             let mut state = lock(&self.state);
@@ -910,6 +919,7 @@ impl RedisLimits {
             lost_leases: s.lost_leases.load(Ordering::Relaxed),
             notifications: s.notifications.load(Ordering::Relaxed),
             redefinitions: s.redefinitions.load(Ordering::Relaxed),
+            calls: s.calls.load(Ordering::Relaxed),
         }
     }
 }

@@ -1,1 +1,165 @@
-fn main() {}
+//! RedisLimits across OS processes: this test binary re-spawns itself as children that hammer
+//! one limit or hold a permit until they are killed.
+//!
+//! - Several processes hammering one limit never hold more than `concurrent` permits at once,
+//!   by the server's high-water mark and by the holders' own count; fencing tokens are unique
+//!   and grow within each process.
+//! - A holder killed with SIGKILL loses its permit to a waiter within `lease + 100 ms`.
+//!
+//! A plain `main` (harness = false): a child is this binary with `LANES_REDIS_CHILD` set.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use lanes::{LimitSpec, Limits, Priority};
+use tokio::time::{Instant, sleep, timeout};
+
+const CONCURRENT: u32 = 3;
+const CHILDREN: usize = 4;
+const ITERATIONS: usize = 60;
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    match std::env::var("LANES_REDIS_CHILD").as_deref() {
+        Ok("hammer") => runtime.block_on(hammer()),
+        Ok("hold") => runtime.block_on(hold()),
+        Ok(other) => panic!("unknown child mode {other}"),
+        Err(_) => {
+            println!("test processes_never_exceed_the_limit ...");
+            runtime.block_on(processes_never_exceed_the_limit());
+            println!("test processes_never_exceed_the_limit ... ok");
+            println!("test a_killed_holder_is_reclaimed_within_its_lease ...");
+            runtime.block_on(a_killed_holder_is_reclaimed());
+            println!("test a_killed_holder_is_reclaimed_within_its_lease ... ok");
+        }
+    }
+}
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} is set for children"))
+}
+
+fn child(mode: &str, ns: &str, lease_ms: u64) -> Command {
+    let mut command = Command::new(std::env::current_exe().expect("this binary"));
+    command
+        .env("LANES_REDIS_CHILD", mode)
+        .env("LANES_NS", ns)
+        .env("LANES_LEASE_MS", lease_ms.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    command
+}
+
+async fn child_limits() -> (Limits, redis::aio::MultiplexedConnection, String) {
+    let ns = env("LANES_NS");
+    let lease = Duration::from_millis(env("LANES_LEASE_MS").parse().unwrap());
+    let backend = common::builder(&ns).lease(lease).build().await.expect("redis");
+    let conn = redis::Client::open(common::redis_url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    (Limits::with_backend(backend), conn, format!("{{{ns}}}:holders"))
+}
+
+/// Child: acquire, count ourselves in, hold briefly, count out, release; report.
+async fn hammer() {
+    let (limits, mut conn, holders) = child_limits().await;
+    let mut most = 0i64;
+    let mut tokens = Vec::new();
+    for i in 0..ITERATIONS {
+        let permit = limits.acquire("shared", Priority::default()).await.expect("acquire");
+        let now: i64 = redis::cmd("INCR").arg(&holders).query_async(&mut conn).await.unwrap();
+        most = most.max(now);
+        tokens.push(permit.fencing_token());
+        sleep(Duration::from_millis(1 + (i % 3) as u64)).await;
+        let _: i64 = redis::cmd("DECR").arg(&holders).query_async(&mut conn).await.unwrap();
+        drop(permit);
+    }
+    let tokens: Vec<String> = tokens.iter().map(u64::to_string).collect();
+    println!("MOST {most} TOKENS {}", tokens.join(","));
+}
+
+/// Child: take the permit, say so, and hold it until killed.
+async fn hold() {
+    let (limits, _conn, _) = child_limits().await;
+    let permit = limits.acquire("held", Priority::default()).await.expect("acquire");
+    println!("HELD {}", permit.fencing_token());
+    sleep(Duration::from_secs(3600)).await;
+}
+
+async fn processes_never_exceed_the_limit() {
+    let ns = common::unique_ns("procs");
+    let _cleanup = common::Cleanup(ns.clone());
+    let limits = Limits::with_backend(common::client(&ns).await);
+    limits.define("shared", LimitSpec::concurrent(CONCURRENT)).await.unwrap();
+    let children: Vec<_> =
+        (0..CHILDREN).map(|_| child("hammer", &ns, 3000).spawn().expect("spawn a child")).collect();
+    let mut all_tokens = Vec::new();
+    for child in children {
+        let out = child.wait_with_output().expect("the child finishes");
+        assert!(out.status.success(), "a child failed: {:?}", out.status);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let line = stdout.lines().find(|l| l.starts_with("MOST ")).expect("a report");
+        let mut parts = line.split_whitespace();
+        let most: i64 = parts.nth(1).unwrap().parse().unwrap();
+        assert!(most <= i64::from(CONCURRENT), "holders counted {most} at once");
+        let tokens: Vec<u64> =
+            parts.nth(1).unwrap().split(',').map(|t| t.parse().unwrap()).collect();
+        assert_eq!(tokens.len(), ITERATIONS);
+        assert!(tokens.windows(2).all(|w| w[0] < w[1]), "tokens grow within a process");
+        all_tokens.extend(tokens);
+    }
+    let total = all_tokens.len();
+    all_tokens.sort_unstable();
+    all_tokens.dedup();
+    assert_eq!(all_tokens.len(), total, "no fencing token was handed out twice");
+    let info = limits.info("shared").await.unwrap().unwrap();
+    assert!(info.max_in_use <= CONCURRENT, "server high-water mark {}", info.max_in_use);
+    assert_eq!(info.max_in_use, CONCURRENT, "the hammering did fill the limit");
+    assert_eq!(info.granted_total, (CHILDREN * ITERATIONS) as u64);
+}
+
+async fn a_killed_holder_is_reclaimed() {
+    let ns = common::unique_ns("kill");
+    let _cleanup = common::Cleanup(ns.clone());
+    let lease = Duration::from_millis(500);
+    let limits = Limits::with_backend(common::client(&ns).await);
+    limits.define("held", LimitSpec::concurrent(1)).await.unwrap();
+    let mut holder = child("hold", &ns, lease.as_millis() as u64).spawn().expect("spawn");
+    let stdout = holder.stdout.take().unwrap();
+    let held = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        line
+    })
+    .await
+    .unwrap();
+    let child_token: u64 =
+        held.strip_prefix("HELD ").expect("the child holds").trim().parse().unwrap();
+    let waiter = tokio::spawn({
+        let limits = limits.clone();
+        async move {
+            let permit = limits.acquire("held", Priority::default()).await.unwrap();
+            (Instant::now(), permit.fencing_token())
+        }
+    });
+    // Longer than a lease: the child renews, so nobody gets the permit meanwhile.
+    sleep(lease * 2).await;
+    assert!(!waiter.is_finished(), "the live holder keeps its permit by renewing it");
+    let killed = Instant::now();
+    holder.kill().expect("SIGKILL the holder");
+    let _ = holder.wait();
+    let (granted, token) =
+        timeout(Duration::from_secs(5), waiter).await.expect("the waiter is granted").unwrap();
+    let took = granted - killed;
+    assert!(took <= lease + Duration::from_millis(100), "reclaimed after {took:?}");
+    assert!(token > child_token, "the new holder's token fences the dead one");
+}

@@ -1,0 +1,244 @@
+//! RedisLimits on a real Redis, several clients in one process: pushed waiters that wake only
+//! the client served next, fair order across clients, fencing, leases and renewal, reclaim of
+//! a vanished holder, and O(limits) traffic for a client with many waiters.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lanes::{Answer, LimitBackend, LimitSpec, Limits, Priority};
+use tokio::time::{Instant, sleep, timeout};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_only_the_client_served_next() {
+    let ns = common::unique_ns("push");
+    let _cleanup = common::Cleanup(ns.clone());
+    let backends = [
+        common::client(&ns).await,
+        common::client(&ns).await,
+        common::client(&ns).await,
+        common::client(&ns).await,
+    ];
+    let limits: Vec<Limits> = backends.iter().map(|b| Limits::with_backend(b.clone())).collect();
+    limits[0].define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = limits[0].acquire("db", Priority::default()).await.unwrap();
+    let mut waiters = Vec::new();
+    for l in &limits[1..] {
+        let l = l.clone();
+        waiters.push(tokio::spawn(async move {
+            let permit = l.acquire("db", Priority::default()).await.unwrap();
+            let at = Instant::now();
+            sleep(Duration::from_millis(30)).await;
+            drop(permit);
+            at
+        }));
+        sleep(Duration::from_millis(30)).await;
+    }
+    let before: Vec<u64> = backends.iter().map(|b| b.stats().notifications).collect();
+    let released = Instant::now();
+    drop(held);
+    let first = timeout(Duration::from_secs(2), waiters.remove(0)).await.unwrap().unwrap();
+    assert!(first - released < Duration::from_millis(100), "pushed: {:?}", first - released);
+    let after: Vec<u64> = backends.iter().map(|b| b.stats().notifications).collect();
+    assert!(after[1] > before[1], "the client served next was told");
+    assert_eq!(after[3], before[3], "the last client was not woken by the first release");
+    for waiter in waiters {
+        timeout(Duration::from_secs(3), waiter).await.unwrap().unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fair_keys_take_turns_across_clients() {
+    let ns = common::unique_ns("fair");
+    let _cleanup = common::Cleanup(ns.clone());
+    let (a, b, c) =
+        (common::client(&ns).await, common::client(&ns).await, common::client(&ns).await);
+    let (la, lb, lc) = (Limits::with_backend(a), Limits::with_backend(b), Limits::with_backend(c));
+    la.define("api", LimitSpec::concurrent(1)).await.unwrap();
+    let held = la.acquire("api", Priority::default()).await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for (label, limits, key) in
+        [("b1", &lb, "x"), ("b2", &lb, "x"), ("b3", &lb, "x"), ("c1", &lc, "y"), ("c2", &lc, "y")]
+    {
+        let (limits, order) = (limits.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let permit = limits.acquire("api", Priority::default().key(key)).await.unwrap();
+            order.lock().unwrap().push((label, permit.fencing_token()));
+        }));
+        sleep(Duration::from_millis(20)).await;
+    }
+    drop(held);
+    for task in tasks {
+        timeout(Duration::from_secs(5), task).await.unwrap().unwrap();
+    }
+    let order = order.lock().unwrap().clone();
+    let labels: Vec<&str> = order.iter().map(|(l, _)| *l).collect();
+    assert_eq!(labels, ["b1", "c1", "b2", "c2", "b3"]);
+    assert!(order.windows(2).all(|w| w[0].1 < w[1].1), "fencing tokens grow: {order:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_strictly_increase_across_clients() {
+    let ns = common::unique_ns("fence");
+    let _cleanup = common::Cleanup(ns.clone());
+    let mut tasks = Vec::new();
+    let setup = Limits::with_backend(common::client(&ns).await);
+    setup.define("ledger", LimitSpec::concurrent(2)).await.unwrap();
+    for _ in 0..3 {
+        let limits = Limits::with_backend(common::client(&ns).await);
+        tasks.push(tokio::spawn(async move {
+            let mut tokens = Vec::new();
+            for _ in 0..40 {
+                let permit = limits.acquire("ledger", Priority::default()).await.unwrap();
+                tokens.push(permit.fencing_token());
+            }
+            tokens
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        let tokens = task.await.unwrap();
+        assert!(tokens.windows(2).all(|w| w[0] < w[1]), "per client: {tokens:?}");
+        all.extend(tokens);
+    }
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(all.len(), 120, "every grant has its own token");
+    let info = setup.info("ledger").await.unwrap().unwrap();
+    assert!(info.max_in_use <= 2, "{info:?}");
+    assert_eq!(info.granted_total, 120);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_lease_is_reclaimed_and_its_renewal_refused() {
+    let ns = common::unique_ns("lapse");
+    let _cleanup = common::Cleanup(ns.clone());
+    let lease = Duration::from_millis(200);
+    let holder = common::builder(&ns).lease(lease).auto_renew(false).build().await.unwrap();
+    let other = Limits::with_backend(common::client(&ns).await);
+    other.define("job", LimitSpec::concurrent(1)).await.unwrap();
+    let ticket = holder.ticket();
+    let answer = holder.acquire("job", ticket, &Priority::default()).await.unwrap();
+    let Answer::Granted(first) = answer else { panic!("{answer:?}") };
+    holder.renew("job", ticket).await.expect("a renewal within the lease is fine");
+    let asked = Instant::now();
+    let permit = timeout(Duration::from_secs(2), other.acquire("job", Priority::default()))
+        .await
+        .unwrap()
+        .unwrap();
+    let waited = asked.elapsed();
+    assert!(
+        waited >= lease - Duration::from_millis(20),
+        "reclaimed only after the lease: {waited:?}"
+    );
+    assert!(waited <= lease + Duration::from_millis(100), "reclaimed promptly: {waited:?}");
+    assert!(permit.fencing_token() > first.fencing_token);
+    let err = holder.renew("job", ticket).await.unwrap_err();
+    assert!(err.is_lease_expired(), "{err}");
+    assert_eq!(holder.stats().lost_leases, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_permits_are_renewed_in_the_background() {
+    let ns = common::unique_ns("renew");
+    let _cleanup = common::Cleanup(ns.clone());
+    let holder = Limits::with_backend(
+        common::builder(&ns).lease(Duration::from_millis(300)).build().await.unwrap(),
+    );
+    let other = Limits::with_backend(common::client(&ns).await);
+    holder.define("job", LimitSpec::concurrent(1)).await.unwrap();
+    let permit = holder.acquire("job", Priority::default()).await.unwrap();
+    for _ in 0..4 {
+        sleep(Duration::from_millis(300)).await;
+        assert!(other.try_acquire("job", Priority::default()).await.unwrap().is_none());
+    }
+    drop(permit);
+    let again = timeout(Duration::from_secs(2), other.acquire("job", Priority::default())).await;
+    assert!(again.unwrap().is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vanished_holder_is_reclaimed_within_its_lease() {
+    let ns = common::unique_ns("vanish");
+    let _cleanup = common::Cleanup(ns.clone());
+    let lease = Duration::from_millis(300);
+    let waiter = Limits::with_backend(common::client(&ns).await);
+    waiter.define("job", LimitSpec::concurrent(1)).await.unwrap();
+    let holder = common::builder(&ns).lease(lease).build().await.unwrap();
+    let ticket = holder.ticket();
+    assert!(matches!(
+        holder.acquire("job", ticket, &Priority::default()).await,
+        Ok(Answer::Granted(_))
+    ));
+    let asking = tokio::spawn({
+        let waiter = waiter.clone();
+        async move { waiter.acquire("job", Priority::default()).await.map(|_| Instant::now()) }
+    });
+    sleep(Duration::from_millis(50)).await;
+    // The holder goes away without releasing: its renewals stop.
+    let gone = Instant::now();
+    drop(holder);
+    let granted = timeout(Duration::from_secs(3), asking).await.unwrap().unwrap().unwrap();
+    assert!(granted - gone <= lease + Duration::from_millis(100), "{:?}", granted - gone);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_with_many_waiters_asks_for_one_of_them() {
+    let ns = common::unique_ns("traffic");
+    let _cleanup = common::Cleanup(ns.clone());
+    let holder = Limits::with_backend(common::client(&ns).await);
+    holder.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = holder.acquire("db", Priority::default()).await.unwrap();
+    let crowd = common::client(&ns).await;
+    let limits = Limits::with_backend(crowd.clone());
+    let mut waiters = Vec::new();
+    for _ in 0..20 {
+        let limits = limits.clone();
+        waiters.push(tokio::spawn(async move {
+            let permit = limits.acquire("db", Priority::default()).await.unwrap();
+            drop(permit);
+        }));
+    }
+    sleep(Duration::from_millis(200)).await;
+    let queued = crowd.stats().calls;
+    sleep(Duration::from_millis(2_500)).await;
+    let idle = crowd.stats().calls - queued;
+    // Twenty waiters re-asking every second would be ~50 calls; the client's first waiter asks
+    // for all of them.
+    assert!(idle <= 6, "{idle} calls while nothing changed");
+    drop(held);
+    for waiter in waiters {
+        timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap();
+    }
+    // Permits return in the background: wait for the last release to land.
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let info = holder.info("db").await.unwrap().unwrap();
+        if info.in_use == 0 || Instant::now() > deadline {
+            assert_eq!((info.in_use, info.waiting, info.granted_total), (0, 0, 21));
+            break;
+        }
+        sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rate_follows_the_redis_clock() {
+    let ns = common::unique_ns("rate");
+    let _cleanup = common::Cleanup(ns.clone());
+    let (a, b) = (
+        Limits::with_backend(common::client(&ns).await),
+        Limits::with_backend(common::client(&ns).await),
+    );
+    a.define("api", LimitSpec::concurrent(10).per_second(5.0).burst(1)).await.unwrap();
+    let _first = a.acquire("api", Priority::default()).await.unwrap();
+    let start = Instant::now();
+    let _second = b.acquire("api", Priority::default()).await.unwrap();
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(150) && waited <= Duration::from_millis(400),
+        "{waited:?}"
+    );
+}
