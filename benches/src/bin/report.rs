@@ -395,6 +395,73 @@ impl Report {
 }
 
 impl Report {
+    /// Suite 10: distributed limits on Redis.
+    fn redis(&mut self) {
+        self.line("## Suite 10 — distributed limits on Redis\n");
+        let Some(r) = result("redis") else {
+            self.missing.push("redis (suite 10 did not run: is Redis up?)".to_owned());
+            return;
+        };
+        let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+        let ping = f(&r["ping"]["p50_us"]);
+        self.line(&format!(
+            "Floor: a `PING` round trip to the local Redis, p50 {:.0} µs, p99 {:.0} µs. Latency of `RedisLimits` \
+             acquire and release (each one script call), N clients (each its own connection) cycling on a roomy limit:\n",
+            ping,
+            f(&r["ping"]["p99_us"])
+        ));
+        self.line("| clients | acquire p50 | acquire p99 | release p50 | release p99 | cycles/s | acquire p50 / PING (bar ≤ 1.5) |");
+        self.line("|---|---|---|---|---|---|---|");
+        for row in r["latency"].as_array().cloned().unwrap_or_default() {
+            let acquire = f(&row["acquire"]["p50_us"]);
+            let ratio = acquire / ping;
+            let bar = if row["clients"] == 1 {
+                format!("{ratio:.2}× {}", pass(ratio <= 1.5))
+            } else {
+                format!("{ratio:.2}× (queueing at the server)")
+            };
+            let line = format!(
+                "| {} | {:.0} µs | {:.0} µs | {:.0} µs | {:.0} µs | {:.0} | {bar} |",
+                row["clients"],
+                acquire,
+                f(&row["acquire"]["p99_us"]),
+                f(&row["release"]["p50_us"]),
+                f(&row["release"]["p99_us"]),
+                f(&row["cycles_per_s"]),
+            );
+            self.line(&line);
+        }
+        self.line("");
+        self.line("Throughput against the common sorted-set semaphore script (`ZREMRANGEBYSCORE` + `ZCARD` + `ZADD`, release `ZREM`, polling every 5 ms while full — the distributed-lock / Redisson pattern), same clients, same run (acquisitions per second, ratio = lanes / anchor):\n");
+        self.line("| scenario | lanes `RedisLimits` | sorted-set script | ratio (bar ≥ 1.0) |");
+        self.line("|---|---|---|---|");
+        for row in r["throughput"].as_array().cloned().unwrap_or_default() {
+            let (ours, anchor) = (f(&row["lanes_per_s"]), f(&row["sorted_set_per_s"]));
+            let line = format!(
+                "| {} ({} clients, limit {}, hold {} ms) | {:.0}/s | {:.0}/s | {:.2}× {} |",
+                row["scenario"].as_str().unwrap_or("?"),
+                row["clients"],
+                row["limit"],
+                row["hold_ms"],
+                ours,
+                anchor,
+                ours / anchor,
+                pass(ours / anchor >= 1.0)
+            );
+            self.line(&line);
+        }
+        self.line("");
+        let reclaim = &r["reclaim"];
+        let worst = f(&reclaim["after_lease_ms_max"]);
+        self.line(&format!(
+            "Lease reclaim: a holder vanishes (no release, no renewal) with a {} ms lease; a waiting client got the permit at most {:.1} ms after the lease ended (p50 {:.1} ms) — bar ≤ lease + 100 ms: {}.\n",
+            reclaim["lease_ms"],
+            worst,
+            f(&reclaim["after_lease_ms_p50"]),
+            pass(worst <= 100.0)
+        ));
+    }
+
     /// Suites 3, 4 and 5: channels.
     fn channels(&mut self) {
         const RECORDS: f64 = 10_000.0;
@@ -681,6 +748,7 @@ fn main() {
     report.pools();
     report.channels();
     report.spill();
+    report.redis();
 
     if !report.missing.is_empty() {
         let mut note = String::from("Not measured in this run: ");

@@ -72,6 +72,12 @@
 
 pub mod answer;
 
+/// The workspace README's examples (which use this crate as well as `lanes`), compiled and run
+/// as doctests.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -399,7 +405,7 @@ impl Inner {
 
     async fn call(&self, name: &str, op: &str, args: &[String]) -> Result<Value, CallError> {
         let mut invocation = self.script.key(self.base(name));
-        invocation.arg(op).arg(&self.channel_prefix);
+        invocation.arg(op).arg(&self.channel_prefix).arg(self.lease.as_millis() as u64);
         for arg in args {
             invocation.arg(arg);
         }
@@ -461,7 +467,6 @@ impl Inner {
             priority.level.to_string(),
             keytok,
             priority.fairness_weight.max(1).to_string(),
-            self.lease.as_millis().to_string(),
             self.max_waiters.to_string(),
         ];
         let value = self.call(name, "acquire", &args).await?;
@@ -501,6 +506,11 @@ impl Inner {
     ) -> Answer {
         let mut state = lock(&self.state);
         let limit = state.limits.entry(name.to_owned()).or_default();
+        if let Some(pushed) = limit.granted.remove(&ticket) {
+            // Granted on its behalf (and pushed) while the answer travelled.
+            limit.forget(ticket);
+            return Answer::Granted(pushed);
+        }
         match answer {
             ScriptAnswer::Granted => {
                 limit.forget(ticket);
@@ -552,7 +562,12 @@ impl Inner {
             if limit.open.contains(&ticket) {
                 return Ok(Answer::Granted(Grant { fencing_token: 0, expires_at: None }));
             }
-            limit.local.contains(&ticket)
+            let local = limit.local.contains(&ticket);
+            if !local {
+                // Known before the call: a grant pushed while the call travels finds its waiter.
+                limit.waiting.entry(ticket).or_default();
+            }
+            local
         };
         if local {
             return self.local.acquire(name, ticket, priority).await;
@@ -745,8 +760,7 @@ impl Inner {
 
     /// Renews every held permit of `name`; returns the tickets whose lease had ended.
     async fn renew_all(&self, name: &str, tickets: Vec<u64>) -> Result<Vec<u64>, CallError> {
-        let mut args = vec![self.lease.as_millis().to_string()];
-        args.extend(tickets.iter().map(u64::to_string));
+        let args: Vec<String> = tickets.iter().map(u64::to_string).collect();
         let value = self.call(name, "renew", &args).await?;
         let refused: Vec<u64> = if error_tag(&value).as_deref() == Some("unknown") {
             // Redis no longer knows the limit (it restarted empty): nothing is held there.
@@ -825,10 +839,55 @@ async fn subscribe(
         while let Some(message) = messages.next().await {
             let Some(strong) = inner.upgrade() else { return };
             let Ok(payload) = message.get_payload::<String>() else { continue };
-            let Some(name) = payload.strip_prefix(&prefix) else { continue };
             strong.stats.notifications.fetch_add(1, Ordering::Relaxed);
-            if let Some(limit) = lock(&strong.state).limits.get(name) {
-                limit.wake_first();
+            if let Some((name, ticket)) = strong.pushed(&prefix, &payload) {
+                // Granted to a waiter that is gone: hand the permit back now.
+                if let Err(CallError::Outage(_)) =
+                    strong.call(&name, "release", &[ticket.to_string()]).await
+                {
+                    lock(&strong.state).orphans.push((name, ticket));
+                }
+            }
+        }
+    }
+}
+
+/// A pushed grant: `ticket|fence|expires|namespace:limit`.
+fn parse_push(payload: &str) -> Option<(u64, Grant, &str)> {
+    let mut parts = payload.splitn(4, '|');
+    let ticket = parts.next()?.parse().ok()?;
+    let fencing_token = parts.next()?.parse().ok()?;
+    let expires: u64 = parts.next()?.parse().ok()?;
+    let name = parts.next()?;
+    Some((ticket, Grant { fencing_token, expires_at: Some(Duration::from_micros(expires)) }, name))
+}
+
+impl Inner {
+    /// A message on the client's channel: a grant made on behalf of one of its waiters, or a
+    /// wake-up for the client's first waiter of a limit.
+    /// Returns a permit to hand back if its waiter is gone.
+    fn pushed(&self, prefix: &str, payload: &str) -> Option<(String, u64)> {
+        let mut state = lock(&self.state);
+        match parse_push(payload) {
+            Some((ticket, grant, qualified)) => {
+                let name = qualified.strip_prefix(prefix)?;
+                let limit = state.limits.entry(name.to_owned()).or_default();
+                let notify = limit.waiting.get(&ticket).cloned();
+                let Some(notify) = notify else {
+                    // Its waiter is gone (released or dropped).
+                    return Some((name.to_owned(), ticket));
+                };
+                limit.granted.insert(ticket, grant);
+                limit.held.insert(ticket);
+                notify.notify_one();
+                None
+            }
+            None => {
+                let name = payload.strip_prefix(prefix)?;
+                if let Some(limit) = state.limits.get(name) {
+                    limit.wake_first();
+                }
+                None
             }
         }
     }

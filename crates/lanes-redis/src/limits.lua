@@ -7,8 +7,8 @@
 --
 -- KEYS[1] is the limit's base key, "{namespace:limit}"; every key of the limit is derived from
 -- it and shares its hash tag, so the whole limit lives in one Redis Cluster slot.
---   B:m       hash: concurrent, interval (us, 0 = no rate), rate, burst, tat, fence, granted,
---             maxuse, seq
+--   B:m       hash: concurrent, interval (us, 0 = no rate), rate, burst, tat, fence (= grants
+--             so far), maxuse, seq
 --   B:h       hash: held ticket -> "fence:expires"
 --   B:e       zset: held ticket by lease expiry
 --   B:lv      zset: priority levels with waiters
@@ -17,20 +17,22 @@
 --   B:w:L     hash: level L's key weights, plus ~npos (next ring position), ~tpos/~tused (turn)
 --   B:q:L:K   zset: key K's waiting tickets by arrival sequence
 --
--- ARGV[1] is the operation; ARGV[2] the channel prefix of client notifications; the rest
--- depends on the operation. Tickets travel as decimal strings; a ticket's client is
+-- ARGV[1] is the operation, ARGV[2] the channel prefix of client notifications, ARGV[3] the
+-- lease in ms; the rest depends on the operation. Tickets travel as decimal strings; a ticket's client is
 -- floor(ticket / 2^32). Answers to `acquire` are one u64, as 16 hex digits (Lua numbers are
 -- doubles): 0 queued, 1 granted, 2 + ms retry later, or bit 63 + zigzag(granted - asked).
 
 local B = KEYS[1]
 local op = ARGV[1]
 local channels = ARGV[2]
+local lease_us = tonumber(ARGV[3]) * 1000
 local M = B .. ':m'
 local H = B .. ':h'
 local E = B .. ':e'
 local LV = B .. ':lv'
 local I = B .. ':i'
 local CLIENT = 4294967296
+local NAME = string.sub(B, 2, -2)
 
 local function hex(n) return string.format('%016x', n) end
 local function int(n) return string.format('%.0f', n) end
@@ -42,6 +44,21 @@ end
 
 local function num(key, field)
   return tonumber(redis.call('HGET', key, field) or '0')
+end
+
+-- The limit's settings, read once per call.
+local meta = nil
+local function load_meta()
+  local v = redis.call('HMGET', M, 'concurrent', 'interval', 'burst', 'tat', 'maxuse')
+  if not v[1] then return false end
+  meta = {
+    concurrent = tonumber(v[1]),
+    interval = tonumber(v[2]) or 0,
+    burst = tonumber(v[3]) or 1,
+    tat = tonumber(v[4]) or 0,
+    maxuse = tonumber(v[5]) or 0,
+  }
+  return true
 end
 
 local function ring(level) return B .. ':r:' .. level end
@@ -63,27 +80,34 @@ local function in_use() return redis.call('HLEN', H) end
 
 -- GCRA: the time the next grant takes the bucket to, or nil and the time a token will be there.
 local function rate_check(now)
-  local interval = num(M, 'interval')
-  local tat = num(M, 'tat')
-  if interval == 0 then return tat, nil end
-  local tolerance = interval * (num(M, 'burst') - 1)
+  local tat = meta.tat
+  if meta.interval == 0 then return tat, nil end
+  local tolerance = meta.interval * (meta.burst - 1)
   if tat < now then tat = now end
   local earliest = tat - tolerance
-  if earliest <= now then return tat + interval, nil end
+  if earliest <= now then return tat + meta.interval, nil end
   return nil, earliest
 end
 
-local function grant(ticket, now, lease_us)
-  local tat = rate_check(now)
-  if tat then redis.call('HSET', M, 'tat', tat) end
+-- Grants the permit of `ticket`; returns its fencing token and lease end, as strings.
+local function grant(ticket, now)
+  if meta.interval > 0 then
+    local tat = rate_check(now)
+    if tat then
+      meta.tat = tat
+      redis.call('HSET', M, 'tat', int(tat))
+    end
+  end
   local fence = redis.call('HINCRBY', M, 'fence', 1)
-  local expires = now + lease_us
-  redis.call('HSET', H, ticket, int(fence) .. ':' .. int(expires))
+  local expires = int(now + lease_us)
+  redis.call('HSET', H, ticket, int(fence) .. ':' .. expires)
   redis.call('ZADD', E, expires, ticket)
-  redis.call('HINCRBY', M, 'granted', 1)
   local used = in_use()
-  if used > num(M, 'maxuse') then redis.call('HSET', M, 'maxuse', used) end
-  return fence, expires
+  if used > meta.maxuse then
+    meta.maxuse = used
+    redis.call('HSET', M, 'maxuse', used)
+  end
+  return int(fence), expires
 end
 
 -- The wait queue -------------------------------------------------------------------------
@@ -190,15 +214,24 @@ local function waiting() return redis.call('HLEN', I) end
 
 local function client_of(ticket) return math.floor(tonumber(ticket) / CLIENT) end
 
--- Tells the client of the ticket served next that it may be granted now (one client, not
--- every waiter).
+-- Hands out what can be handed out: while the ticket served next can be granted, grant it on
+-- its waiter's behalf and tell its client (one client per grant, never every waiter). A head
+-- that waits for the bucket gets a plain wake-up, so its client asks and learns when.
+-- A granted waiter that is gone returns its permit, or its lease does.
 local function kick(now)
-  local head = peek()
-  if head and in_use() < num(M, 'concurrent') then
-    redis.call('PUBLISH', channels .. client_of(head), string.sub(B, 2, -2))
+  while true do
+    local head, level, key = peek()
+    if not head or in_use() >= meta.concurrent then return end
+    local _, at = rate_check(now)
+    if at then
+      redis.call('PUBLISH', channels .. client_of(head), NAME)
+      return
+    end
+    pop(head, level, key)
+    local fence, expires = grant(head, now)
+    redis.call('PUBLISH', channels .. client_of(head), head .. '|' .. fence .. '|' .. expires .. '|' .. NAME)
   end
 end
-
 
 -- Milliseconds until the earliest lease ends (-1 if none): a queued client wakes then, so a
 -- crashed holder's permit is handed on as soon as it lapses.
@@ -210,45 +243,40 @@ local function expiry_hint(now)
   return ms
 end
 
-local function granted_answer(held)
-  local fence, expires = string.match(held, '^(%d+):(%d+)$')
-  return { hex(1), fence, expires }
-end
-
-local function granted_now(ticket, now, lease_us)
-  local fence, expires = grant(ticket, now, lease_us)
-  return int(fence), int(expires)
-end
-
 -- Operations -----------------------------------------------------------------------------
 
 if op == 'define' then
   -- ARGV: concurrent, interval_us, burst, per_second (as the client wrote it, "" for none)
   local fresh = redis.call('EXISTS', M) == 0
-  redis.call('HSET', M, 'concurrent', ARGV[3], 'interval', ARGV[4], 'burst', ARGV[5], 'rate', ARGV[6])
+  redis.call('HSET', M, 'concurrent', ARGV[4], 'interval', ARGV[5], 'burst', ARGV[6], 'rate', ARGV[7])
   if fresh then
-    redis.call('HSET', M, 'tat', 0, 'fence', 0, 'granted', 0, 'maxuse', 0, 'seq', 0)
+    redis.call('HSET', M, 'tat', 0, 'fence', 0, 'maxuse', 0, 'seq', 0)
   end
-  kick(now_us())
+  load_meta()
+  local now = now_us()
+  expire(now)
+  kick(now)
   return 'ok'
 end
 
-if redis.call('EXISTS', M) == 0 then return { 'unknown' } end
+if not load_meta() then return { 'unknown' } end
 local now = now_us()
+local reclaimed = expire(now)
 
 if op == 'acquire' then
-  -- ARGV: ticket, level, keytok, weight, lease_ms, max_waiters
-  local ticket, level, keytok, weight = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-  local lease_us = tonumber(ARGV[7]) * 1000
+  -- ARGV: ticket, level, keytok, weight, max_waiters
+  local ticket, level, keytok, weight = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
   local max_waiters = tonumber(ARGV[8])
-  if expire(now) > 0 then kick(now) end
+  if reclaimed > 0 then kick(now) end
   local held = redis.call('HGET', H, ticket)
-  if held then return granted_answer(held) end
-  local concurrent = num(M, 'concurrent')
-  if waiting() == 0 and in_use() < concurrent then
+  if held then
+    local fence, expires = string.match(held, '^(%d+):(%d+)$')
+    return { hex(1), fence, expires }
+  end
+  if waiting() == 0 and in_use() < meta.concurrent then
     local _, at = rate_check(now)
     if not at then
-      local fence, expires = granted_now(ticket, now, lease_us)
+      local fence, expires = grant(ticket, now)
       return { hex(1), fence, expires }
     end
     if max_waiters == 0 then return { 'waiters' } end
@@ -260,7 +288,7 @@ if op == 'acquire' then
     push(ticket, level, keytok, weight)
   end
   local head, hlevel, hkey = peek()
-  if in_use() >= concurrent then
+  if in_use() >= meta.concurrent then
     return { hex(0), expiry_hint(now) }
   end
   local _, at = rate_check(now)
@@ -270,29 +298,27 @@ if op == 'acquire' then
   end
   if head == ticket then
     pop(head, hlevel, hkey)
-    local fence, expires = granted_now(head, now, lease_us)
+    local fence, expires = grant(head, now)
     kick(now)
     return { hex(1), fence, expires }
   end
   if client_of(head) == client_of(ticket) then
     -- Another ticket of the same client is served next: grant it instead.
     pop(head, hlevel, hkey)
-    local fence, expires = granted_now(head, now, lease_us)
+    local fence, expires = grant(head, now)
     kick(now)
     local distance = tonumber(head) - tonumber(ticket)
     local zigzag
     if distance >= 0 then zigzag = distance * 2 else zigzag = -distance * 2 - 1 end
-    return { '8' .. string.format('%015x', zigzag), fence, expires, head }
+    return { '8' .. string.format('%015x', zigzag), fence, expires }
   end
-  -- The head belongs to a client that has not asked since it became the head.
   kick(now)
   return { hex(0), expiry_hint(now) }
 end
 
 if op == 'release' then
   -- ARGV: ticket
-  local ticket = ARGV[3]
-  expire(now)
+  local ticket = ARGV[4]
   local answer = 0
   if redis.call('HDEL', H, ticket) == 1 then
     redis.call('ZREM', E, ticket)
@@ -309,17 +335,17 @@ if op == 'release' then
 end
 
 if op == 'renew' then
-  -- ARGV: lease_ms, tickets...: extends the leases still held; answers the refused tickets.
-  local lease_us = tonumber(ARGV[3]) * 1000
-  if expire(now) > 0 then kick(now) end
+  -- ARGV: tickets...: extends the leases still held; answers the refused tickets.
+  if reclaimed > 0 then kick(now) end
   local refused = {}
+  local expires = int(now + lease_us)
   for i = 4, #ARGV do
     local ticket = ARGV[i]
     local held = redis.call('HGET', H, ticket)
     if held then
       local fence = string.match(held, '^(%d+):')
-      redis.call('HSET', H, ticket, fence .. ':' .. int(now + lease_us))
-      redis.call('ZADD', E, now + lease_us, ticket)
+      redis.call('HSET', H, ticket, fence .. ':' .. expires)
+      redis.call('ZADD', E, expires, ticket)
     else
       table.insert(refused, ticket)
     end
@@ -328,15 +354,14 @@ if op == 'renew' then
 end
 
 if op == 'info' then
-  if expire(now) > 0 then kick(now) end
+  if reclaimed > 0 then kick(now) end
   return {
-    num(M, 'concurrent'), redis.call('HGET', M, 'rate') or '', num(M, 'burst'), in_use(),
-    waiting(), num(M, 'granted'), num(M, 'maxuse'),
+    meta.concurrent, redis.call('HGET', M, 'rate') or '', meta.burst, in_use(), waiting(),
+    num(M, 'fence'), meta.maxuse,
   }
 end
 
 if op == 'remove' then
-  expire(now)
   if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
   redis.call('DEL', M, H, E, LV, I)
   return 'ok'

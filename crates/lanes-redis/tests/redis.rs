@@ -242,3 +242,34 @@ async fn the_rate_follows_the_redis_clock() {
         "{waited:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most() {
+    let ns = common::unique_ns("deadwaiter");
+    let _cleanup = common::Cleanup(ns.clone());
+    let lease = Duration::from_millis(300);
+    let holder = Limits::with_backend(common::builder(&ns).lease(lease).build().await.unwrap());
+    holder.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = holder.acquire("db", Priority::default()).await.unwrap();
+    // A client queues a ticket, then dies without withdrawing it.
+    let dead = common::builder(&ns).lease(lease).build().await.unwrap();
+    let ticket = dead.ticket();
+    assert_eq!(dead.acquire("db", ticket, &Priority::default()).await.unwrap(), Answer::Queued);
+    drop(dead);
+    let waiter = Limits::with_backend(common::builder(&ns).lease(lease).build().await.unwrap());
+    let asking = tokio::spawn(async move {
+        waiter.acquire("db", Priority::default()).await.map(|p| (Instant::now(), p.fencing_token()))
+    });
+    sleep(Duration::from_millis(50)).await;
+    let released = Instant::now();
+    drop(held);
+    // The dead ticket is served next: it is granted on its behalf, nobody renews it, and its
+    // lease hands the permit on.
+    let (granted, _) = timeout(Duration::from_secs(3), asking).await.unwrap().unwrap().unwrap();
+    let took = granted - released;
+    assert!(
+        took >= lease - Duration::from_millis(50),
+        "the dead ticket was served first: {took:?}"
+    );
+    assert!(took <= lease + Duration::from_millis(150), "{took:?}");
+}

@@ -74,8 +74,3 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A boxed, sendable future, as returned by [`Audit`] hooks and [`LimitBackend`]s.
 pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
-
-/// The README's example, compiled and run as a doctest.
-#[doc = include_str!("../../../README.md")]
-#[cfg(doctest)]
-pub struct ReadmeDoctests;

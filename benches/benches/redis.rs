@@ -1,0 +1,280 @@
+//! Suite 10: distributed limits on Redis. The floor is a `PING` round trip; `RedisLimits`'
+//! acquire and release latency with 1, 8 and 64 concurrent clients; throughput against the
+//! common sorted-set semaphore script (the distributed-lock / Redisson pattern) in the same
+//! run, uncontended and contended; and the time a vanished holder's permit takes to reach a
+//! waiter. Everything is written to `target/lanes-bench/redis.json` for the report.
+//!
+//! Needs Redis at `REDIS_URL` (default `redis://127.0.0.1:6379`); keys live under a namespace
+//! of their own and are deleted afterwards.
+#![allow(missing_docs)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use lanes::{Answer, LimitBackend, LimitSpec, Limits, Priority};
+use lanes_benches::{quick, write_result};
+use lanes_redis::RedisLimits;
+use serde_json::json;
+
+/// The sorted-set semaphore: members are holders, scored by acquisition time; stale ones are
+/// swept on every acquire.
+const SORTED_SET_ACQUIRE: &str = r"
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - tonumber(ARGV[3]))
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('ZADD', KEYS[1], now_ms, ARGV[2])
+  return 1
+end
+return 0
+";
+
+fn url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+fn window() -> Duration {
+    if quick() { Duration::from_secs(1) } else { Duration::from_secs(3) }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn summary(mut samples: Vec<f64>) -> serde_json::Value {
+    samples.sort_by(f64::total_cmp);
+    json!({ "n": samples.len(), "p50_us": percentile(&samples, 0.5), "p99_us": percentile(&samples, 0.99) })
+}
+
+async fn connection() -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url())
+        .expect("a Redis URL")
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("Redis is not reachable at {} ({e})", url()))
+}
+
+async fn ping_rtt() -> serde_json::Value {
+    let mut conn = connection().await;
+    let mut samples = Vec::new();
+    let end = Instant::now() + window();
+    while Instant::now() < end {
+        let start = Instant::now();
+        let _: String = redis::cmd("PING").query_async(&mut conn).await.unwrap();
+        samples.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    summary(samples)
+}
+
+/// `clients` clients, each its own `RedisLimits`, acquiring and releasing a roomy limit.
+async fn lanes_latency(ns: &str, clients: usize) -> serde_json::Value {
+    let setup = RedisLimits::builder(url()).namespace(ns).build().await.unwrap();
+    let name = format!("latency-{clients}");
+    setup.define(&name, LimitSpec::concurrent(100_000)).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let backend = RedisLimits::builder(url()).namespace(ns).build().await.unwrap();
+        let (name, stop) = (name.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut acquires, mut releases) = (Vec::new(), Vec::new());
+            let priority = Priority::default();
+            while !stop.load(Ordering::Relaxed) {
+                let ticket = backend.ticket();
+                let start = Instant::now();
+                let answer = backend.acquire(&name, ticket, &priority).await.unwrap();
+                assert!(matches!(answer, Answer::Granted(_)), "{answer:?}");
+                let acquired = Instant::now();
+                backend.release(&name, ticket).await.unwrap();
+                acquires.push((acquired - start).as_secs_f64() * 1e6);
+                releases.push(acquired.elapsed().as_secs_f64() * 1e6);
+            }
+            (acquires, releases)
+        }));
+    }
+    let start = Instant::now();
+    tokio::time::sleep(window()).await;
+    stop.store(true, Ordering::Relaxed);
+    let (mut acquires, mut releases) = (Vec::new(), Vec::new());
+    for task in tasks {
+        let (a, r) = task.await.unwrap();
+        acquires.extend(a);
+        releases.extend(r);
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let per_second = acquires.len() as f64 / elapsed;
+    json!({ "clients": clients, "acquire": summary(acquires), "release": summary(releases), "cycles_per_s": per_second })
+}
+
+/// The anchor: `clients` connections running the sorted-set script, polling every `poll`
+/// while the set is full, for `window()`; holds each permit for `hold`.
+async fn sorted_set_throughput(ns: &str, clients: usize, limit: u32, hold: Duration) -> f64 {
+    let key = format!("{{{ns}}}:sorted-set-{clients}-{limit}");
+    let script = redis::Script::new(SORTED_SET_ACQUIRE);
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let (key, script, stop, done) = (key.clone(), script.clone(), stop.clone(), done.clone());
+        let mut conn = connection().await;
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let id = format!("{c}-{n}");
+                n += 1;
+                loop {
+                    let got: i64 = script
+                        .key(&key)
+                        .arg(limit)
+                        .arg(&id)
+                        .arg(30_000)
+                        .invoke_async(&mut conn)
+                        .await
+                        .unwrap();
+                    if got == 1 || stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                if !hold.is_zero() {
+                    tokio::time::sleep(hold).await;
+                }
+                let _: i64 =
+                    redis::cmd("ZREM").arg(&key).arg(&id).query_async(&mut conn).await.unwrap();
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    let start = Instant::now();
+    tokio::time::sleep(window()).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// `RedisLimits` through the `Limits` facade, same shape as the anchor.
+async fn lanes_throughput(ns: &str, clients: usize, limit: u32, hold: Duration) -> f64 {
+    let name = format!("throughput-{clients}-{limit}");
+    let setup =
+        Limits::with_backend(RedisLimits::builder(url()).namespace(ns).build().await.unwrap());
+    setup.define(&name, LimitSpec::concurrent(limit)).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let limits =
+            Limits::with_backend(RedisLimits::builder(url()).namespace(ns).build().await.unwrap());
+        let (name, stop, done) = (name.clone(), stop.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let acquired = limits
+                    .acquire_timeout(&name, Priority::default(), Duration::from_secs(2))
+                    .await;
+                if let Ok(permit) = acquired {
+                    if !hold.is_zero() {
+                        tokio::time::sleep(hold).await;
+                    }
+                    drop(permit);
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }));
+    }
+    let start = Instant::now();
+    tokio::time::sleep(window()).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// A holder that vanishes (no release, no more renewals): how long after its last renewal's
+/// lease ends does a waiter get the permit.
+async fn reclaim(ns: &str, lease: Duration) -> serde_json::Value {
+    let name = "reclaim";
+    let waiter =
+        Limits::with_backend(RedisLimits::builder(url()).namespace(ns).build().await.unwrap());
+    waiter.define(name, LimitSpec::concurrent(1)).await.unwrap();
+    let mut after_lease = Vec::new();
+    for _ in 0..if quick() { 3 } else { 10 } {
+        let holder = RedisLimits::builder(url())
+            .namespace(ns)
+            .lease(lease)
+            .auto_renew(false)
+            .build()
+            .await
+            .unwrap();
+        let ticket = holder.ticket();
+        assert!(matches!(
+            holder.acquire(name, ticket, &Priority::default()).await,
+            Ok(Answer::Granted(_))
+        ));
+        let granted_at = Instant::now();
+        drop(holder);
+        let permit = waiter.acquire(name, Priority::default()).await.unwrap();
+        let took = granted_at.elapsed();
+        after_lease.push((took.as_secs_f64() - lease.as_secs_f64()) * 1e3);
+        drop(permit);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    after_lease.sort_by(f64::total_cmp);
+    json!({ "lease_ms": lease.as_millis() as u64, "after_lease_ms_max": after_lease.last(), "after_lease_ms_p50": percentile(&after_lease, 0.5) })
+}
+
+async fn cleanup(ns: &str) {
+    let mut conn = connection().await;
+    for pattern in [format!("{{{ns}:*"), format!("{{{ns}}}:*"), format!("lanes:{{{ns}}}:*")] {
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await.unwrap();
+        if !keys.is_empty() {
+            let _: () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await.unwrap();
+        }
+    }
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a name filter that excludes this suite skips it.
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    if !args.is_empty() && !args.iter().any(|a| "redis".contains(a.as_str()) || a.contains("redis"))
+    {
+        return;
+    }
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    runtime.block_on(async {
+        let ns = format!("bench-{}", std::process::id());
+        let ping = ping_rtt().await;
+        println!("redis/ping: {ping}");
+        let mut latency = Vec::new();
+        for clients in [1, 8, 64] {
+            let result = lanes_latency(&ns, clients).await;
+            println!("redis/latency/{clients}: {result}");
+            latency.push(result);
+        }
+        let mut throughput = Vec::new();
+        for (label, clients, limit, hold) in [
+            ("uncontended", 8usize, 100_000u32, Duration::ZERO),
+            ("contended", 16, 4, Duration::from_millis(2)),
+        ] {
+            let lanes = lanes_throughput(&ns, clients, limit, hold).await;
+            let anchor = sorted_set_throughput(&ns, clients, limit, hold).await;
+            let row = json!({ "scenario": label, "clients": clients, "limit": limit, "hold_ms": hold.as_millis() as u64, "lanes_per_s": lanes, "sorted_set_per_s": anchor });
+            println!("redis/throughput/{label}: {row}");
+            throughput.push(row);
+        }
+        let reclaim = reclaim(&ns, Duration::from_millis(500)).await;
+        println!("redis/reclaim: {reclaim}");
+        cleanup(&ns).await;
+        write_result(
+            "redis",
+            &json!({ "ping": ping, "latency": latency, "throughput": throughput, "reclaim": reclaim }),
+        );
+    });
+}
