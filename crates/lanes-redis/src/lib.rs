@@ -520,6 +520,7 @@ impl Inner {
             ScriptAnswer::GrantedOther(other) => {
                 limit.waiting.entry(ticket).or_default();
                 match limit.waiting.get(&other).cloned() {
+                    _ if limit.held.contains(&other) => {}
                     Some(notify) => {
                         limit.granted.insert(other, grant.expect("parsed with the answer"));
                         limit.held.insert(other);
@@ -872,6 +873,10 @@ impl Inner {
             Some((ticket, grant, qualified)) => {
                 let name = qualified.strip_prefix(prefix)?;
                 let limit = state.limits.entry(name.to_owned()).or_default();
+                if limit.held.contains(&ticket) {
+                    // Its own acquire's answer got here first: nothing new.
+                    return None;
+                }
                 let notify = limit.waiting.get(&ticket).cloned();
                 let Some(notify) = notify else {
                     // Its waiter is gone (released or dropped).

@@ -273,3 +273,36 @@ async fn a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most() 
     );
     assert!(took <= lease + Duration::from_millis(150), "{took:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_tasks_on_several_clients_never_hold_more_than_concurrent() {
+    use std::sync::atomic::{AtomicI64, Ordering};
+    let ns = common::unique_ns("hammer");
+    let _cleanup = common::Cleanup(ns.clone());
+    let setup = Limits::with_backend(common::client(&ns).await);
+    setup.define("hot", LimitSpec::concurrent(2)).await.unwrap();
+    let (holders, most) = (Arc::new(AtomicI64::new(0)), Arc::new(AtomicI64::new(0)));
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let limits = Limits::with_backend(common::client(&ns).await);
+        for _ in 0..4 {
+            let (limits, holders, most) = (limits.clone(), holders.clone(), most.clone());
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..25 {
+                    let permit = limits.acquire("hot", Priority::default()).await.unwrap();
+                    let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    holders.fetch_sub(1, Ordering::SeqCst);
+                    drop(permit);
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        timeout(Duration::from_secs(30), task).await.unwrap().unwrap();
+    }
+    assert!(most.load(Ordering::SeqCst) <= 2, "held at once: {}", most.load(Ordering::SeqCst));
+    let info = setup.info("hot").await.unwrap().unwrap();
+    assert_eq!((info.max_in_use, info.granted_total), (2, 400));
+}

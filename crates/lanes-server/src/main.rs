@@ -2,11 +2,16 @@
 //!
 //! - `lanes demo`: runs short realistic workloads through the library and prints what happened.
 //! - `lanes spill check DIR [--repair]`: inspects a spill queue directory.
+//! - `lanes serve`: limits over HTTP, with a snapshot, Prometheus metrics and a dashboard.
 #![forbid(unsafe_code)]
 
 use std::process::ExitCode;
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
 use clap::{Parser, Subcommand};
+use lanes_server::ServeOptions;
 
 mod demo;
 mod spill;
@@ -26,6 +31,50 @@ enum Command {
     /// Inspect a spill queue directory.
     #[command(subcommand)]
     Spill(spill::SpillCommand),
+    /// Serve limits over HTTP (JSON API, /metrics, /v1/snapshot, a dashboard at /).
+    Serve(ServeArgs),
+}
+
+/// Options of `lanes serve`; flags override the configuration file.
+#[derive(Debug, clap::Args)]
+struct ServeArgs {
+    /// The address to listen on.
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Keep limits in this Redis (`redis://host:port`) so several servers share them.
+    #[arg(long)]
+    redis: Option<String>,
+    /// The Redis namespace of the limits.
+    #[arg(long)]
+    namespace: Option<String>,
+    /// A `lanes.toml`: `listen`, `redis`, `namespace`, and `[limits.NAME]` tables.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The most tickets waiting per limit (more are refused with 429).
+    #[arg(long)]
+    max_waiters: Option<usize>,
+}
+
+impl ServeArgs {
+    fn options(self) -> Result<ServeOptions, lanes::BoxError> {
+        let mut options = match &self.config {
+            Some(path) => ServeOptions::from_file(path)?,
+            None => ServeOptions::default(),
+        };
+        if let Some(listen) = self.listen {
+            options.listen = listen;
+        }
+        if self.redis.is_some() {
+            options.redis = self.redis;
+        }
+        if let Some(namespace) = self.namespace {
+            options.namespace = namespace;
+        }
+        if let Some(max_waiters) = self.max_waiters {
+            options.max_waiters = max_waiters;
+        }
+        Ok(options)
+    }
 }
 
 fn main() -> ExitCode {
@@ -44,6 +93,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Demo(args) => demo::run(args).await,
+            Command::Serve(args) => lanes_server::server::run(args.options()?).await,
             Command::Spill(_) => unreachable!("handled before the runtime starts"),
         }
     });

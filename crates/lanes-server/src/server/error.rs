@@ -1,0 +1,88 @@
+//! API errors: a status and a JSON body naming what was wrong. Never a panic, never a 500 for
+//! the client's input.
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use lanes::LimitError;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+/// An API error.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    status: StatusCode,
+    error: String,
+    field: Option<String>,
+    limit: Option<String>,
+}
+
+impl ApiError {
+    pub(crate) fn new(status: StatusCode, error: impl Into<String>) -> Self {
+        Self { status, error: error.into(), field: None, limit: None }
+    }
+
+    /// A 400 naming the offending field.
+    pub(crate) fn field(field: impl Into<String>, error: impl Into<String>) -> Self {
+        Self { field: Some(field.into()), ..Self::new(StatusCode::BAD_REQUEST, error) }
+    }
+
+    pub(crate) fn limit(name: &str, err: &LimitError) -> Self {
+        let status = match err {
+            LimitError::UnknownLimit(_) => StatusCode::NOT_FOUND,
+            LimitError::InvalidSpec(spec) => {
+                return Self::field(spec.field(), err.to_string());
+            }
+            LimitError::TooManyWaiters { .. } => StatusCode::TOO_MANY_REQUESTS,
+            LimitError::InUse(_) => StatusCode::CONFLICT,
+            LimitError::LeaseExpired { .. } => StatusCode::GONE,
+            // The backend (Redis) could not answer: the service is unavailable, not broken.
+            _ => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        Self { limit: Some(name.to_owned()), ..Self::new(status, err.to_string()) }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = json!({ "error": self.error });
+        if let Some(field) = self.field {
+            body["field"] = json!(field);
+        }
+        if let Some(limit) = self.limit {
+            body["limit"] = json!(limit);
+        }
+        (self.status, Json(body)).into_response()
+    }
+}
+
+/// A JSON body whose errors name the field (`serde_path_to_error`), as a 400; an oversized
+/// body is a 413.
+#[derive(Debug)]
+pub(crate) struct JsonBody<T>(pub(crate) T);
+
+impl<S: Send + Sync, T: DeserializeOwned> axum::extract::FromRequest<S> for JsonBody<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: axum::extract::Request, state: &S) -> Result<Self, ApiError> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|rejection| match rejection {
+            BytesRejection::FailedToBufferBody(err)
+                if err.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+            {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "the request body is too large")
+            }
+            other => ApiError::new(other.status(), other.body_text()),
+        })?;
+        let body: &[u8] = if bytes.is_empty() { b"{}" } else { &bytes };
+        let mut de = serde_json::Deserializer::from_slice(body);
+        let value = serde_path_to_error::deserialize(&mut de).map_err(|err| {
+            let path = err.path().to_string();
+            let field = if path == "." || path == "?" { "body".to_owned() } else { path };
+            ApiError::field(field, err.into_inner().to_string())
+        })?;
+        de.end().map_err(|err| ApiError::field("body", err.to_string()))?;
+        Ok(Self(value))
+    }
+}

@@ -1,0 +1,370 @@
+//! `lanes serve`: limits over HTTP, with leases per client, a JSON snapshot, Prometheus
+//! metrics, an OpenAPI description and a live dashboard.
+//!
+//! The limits live in an embedded in-process backend, or — with a Redis URL — in
+//! [`RedisLimits`](lanes_redis::RedisLimits), so several servers share them. Clients are
+//! sessions: each ticket a client asks with is its own number, mapped to a backend ticket; each
+//! permit is a lease the client renews (`POST /v1/clients/{client}/renew`). A client not heard
+//! from for its lease loses its queued tickets at once and its permits when their leases end.
+
+mod api;
+mod error;
+mod sessions;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use lanes::channel::{Channel, ChannelConfig, Channels, ConsumerOptions, Overflow};
+use lanes::limit::{LimitBackend, LocalLimits};
+use lanes::{BoxError, Registry};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use serde::Deserialize;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use error::ApiError;
+use sessions::Sessions;
+
+/// The API, as OpenAPI 3 (also at `crates/lanes-server/openapi.json`).
+pub const OPENAPI: &str = include_str!("../../openapi.json");
+
+const DASHBOARD: &str = include_str!("dashboard.html");
+
+/// The most bytes of request headers accepted (431 beyond).
+const MAX_HEADER_BYTES: usize = 16 * 1024;
+
+/// How `lanes serve` runs.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// The address to listen on (port 0 picks a free port).
+    pub listen: SocketAddr,
+    /// Share limits through this Redis instead of keeping them in process.
+    pub redis: Option<String>,
+    /// The Redis namespace of the limits.
+    pub namespace: String,
+    /// Limits to define at start, by name.
+    pub limits: BTreeMap<String, lanes::LimitSpec>,
+    /// The longest an acquire long-polls (`wait_ms` is capped to it).
+    pub max_wait: Duration,
+    /// The lease of a permit whose acquire did not say (`lease_ms`).
+    pub default_lease_ms: u64,
+    /// The most bytes of a request body (413 beyond).
+    pub max_body: usize,
+    /// How long a long-poll sleeps before asking the backend again when nothing wakes it.
+    pub reask: Duration,
+    /// The most tickets waiting per limit (429 beyond).
+    pub max_waiters: usize,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7878)),
+            redis: None,
+            namespace: "lanes".to_owned(),
+            limits: BTreeMap::new(),
+            max_wait: Duration::from_secs(30),
+            default_lease_ms: 10_000,
+            max_body: 64 * 1024,
+            reask: Duration::from_secs(1),
+            max_waiters: lanes::LimitTable::DEFAULT_MAX_WAITERS,
+        }
+    }
+}
+
+impl ServeOptions {
+    fn backend_name(&self) -> &'static str {
+        if self.redis.is_some() { "redis" } else { "embedded" }
+    }
+
+    /// Reads a `lanes.toml`: `listen`, `redis`, `namespace`, and `[limits.NAME]` tables with
+    /// `concurrent`, `per_second`, `burst`.
+    ///
+    /// # Errors
+    ///
+    /// The file cannot be read or is not a valid configuration (the message names the key).
+    pub fn from_file(path: &PathBuf) -> Result<Self, BoxError> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct File {
+            listen: Option<SocketAddr>,
+            redis: Option<String>,
+            namespace: Option<String>,
+            #[serde(default)]
+            limits: BTreeMap<String, LimitFile>,
+        }
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct LimitFile {
+            concurrent: u32,
+            per_second: Option<f64>,
+            burst: Option<u32>,
+        }
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let file: File = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut options = Self::default();
+        if let Some(listen) = file.listen {
+            options.listen = listen;
+        }
+        options.redis = file.redis;
+        if let Some(namespace) = file.namespace {
+            options.namespace = namespace;
+        }
+        for (name, limit) in file.limits {
+            let mut spec = lanes::LimitSpec::concurrent(limit.concurrent);
+            if let Some(rate) = limit.per_second {
+                spec = spec.per_second(rate);
+            }
+            if let Some(burst) = limit.burst {
+                spec = spec.burst(burst);
+            }
+            spec.validate().map_err(|e| format!("{}: limits.{name}: {e}", path.display()))?;
+            options.limits.insert(name, spec);
+        }
+        Ok(options)
+    }
+}
+
+/// The server's shared state.
+pub(crate) struct App {
+    backend: Arc<dyn LimitBackend>,
+    sessions: Mutex<Sessions>,
+    registry: Registry,
+    prometheus: PrometheusHandle,
+    events: Channel<&'static str>,
+    shutdown: watch::Receiver<bool>,
+    options: ServeOptions,
+}
+
+impl App {
+    fn sessions(&self) -> MutexGuard<'_, Sessions> {
+        self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The process-wide Prometheus recorder (installed once).
+fn prometheus() -> PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            // Another recorder may be installed already (an embedding program): then this one
+            // renders only what it sees through its handle.
+            let _ = metrics::set_global_recorder(recorder);
+            handle
+        })
+        .clone()
+}
+
+/// A running server.
+#[derive(Debug)]
+pub struct Server {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    shutdown: watch::Sender<bool>,
+    done: tokio::task::JoinHandle<Result<(), std::io::Error>>,
+}
+
+impl Server {
+    /// Starts serving; returns once the listener is bound.
+    ///
+    /// # Errors
+    ///
+    /// The address cannot be bound, Redis cannot be reached, or a configured limit is invalid.
+    pub async fn start(options: ServeOptions) -> Result<Self, BoxError> {
+        let backend: Arc<dyn LimitBackend> = match &options.redis {
+            Some(url) => Arc::new(
+                lanes_redis::RedisLimits::builder(url.clone())
+                    .namespace(options.namespace.clone())
+                    .max_waiters(options.max_waiters)
+                    .build()
+                    .await?,
+            ),
+            None => Arc::new(LocalLimits::with_max_waiters(options.max_waiters)),
+        };
+        for (name, spec) in &options.limits {
+            backend.define(name, *spec).await?;
+        }
+        let registry = Registry::new();
+        let channels = Channels::new();
+        let events = channels
+            .configure("events", ChannelConfig::new(4096).overflow(Overflow::DropOldest))?;
+        channels.register(&registry, "server")?;
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let app = Arc::new(App {
+            backend,
+            sessions: Mutex::new(Sessions::default()),
+            registry,
+            prometheus: prometheus(),
+            events: events.clone(),
+            shutdown: shutdown_rx.clone(),
+            options: options.clone(),
+        });
+        tokio::spawn(count_events(events, channels));
+        tokio::spawn(sweep(Arc::downgrade(&app)));
+        let router = router(app, options.max_body);
+        let listener = tokio::net::TcpListener::bind(options.listen).await?;
+        let addr = listener.local_addr()?;
+        let mut stop = shutdown_rx;
+        let done = tokio::spawn(async move {
+            axum::serve(listener, router)
+                .with_graceful_shutdown(async move {
+                    let _ = stop.wait_for(|stopping| *stopping).await;
+                })
+                .await
+        });
+        Ok(Self { addr, shutdown, done })
+    }
+
+    /// Stops accepting, answers in-flight long-polls (as not granted yet), and waits for the
+    /// connections to finish.
+    ///
+    /// # Errors
+    ///
+    /// The server failed.
+    pub async fn shutdown(self) -> Result<(), BoxError> {
+        let _ = self.shutdown.send(true);
+        self.done.await??;
+        Ok(())
+    }
+}
+
+/// The router of the API.
+pub(crate) fn router(app: Arc<App>, max_body: usize) -> Router {
+    Router::new()
+        .route("/", get(api::dashboard))
+        .route("/openapi.json", get(api::openapi))
+        .route("/metrics", get(api::metrics))
+        .route("/v1/snapshot", get(api::snapshot))
+        .route("/v1/limits", get(api::list))
+        .route("/v1/limits/{name}", get(api::get).put(api::define).delete(api::remove))
+        .route("/v1/limits/{name}/acquire", post(api::acquire))
+        .route("/v1/limits/{name}/release", post(api::release))
+        .route("/v1/clients/{client}/renew", post(api::renew))
+        .fallback(api::not_found)
+        .layer(middleware::from_fn(guard))
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(app)
+}
+
+/// Refuses oversized headers, counts requests by route and status, and turns any error
+/// response without a JSON body (a method not allowed, say) into one.
+async fn guard(request: Request, next: Next) -> Response {
+    let header_bytes: usize =
+        request.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+    if header_bytes > MAX_HEADER_BYTES {
+        return ApiError::new(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too large")
+            .into_response();
+    }
+    let route = request
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let response = next.run(request).await;
+    let status = response.status();
+    metrics::counter!(
+        "lanes_http_requests_total",
+        "route" => route,
+        "status" => status.as_u16().to_string()
+    )
+    .increment(1);
+    let is_json = response
+        .headers()
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if (status.is_client_error() || status.is_server_error()) && !is_json {
+        return ApiError::new(status, status.canonical_reason().unwrap_or("error")).into_response();
+    }
+    response
+}
+
+/// Drops permits whose lease ended and queued tickets of clients gone silent.
+async fn sweep(app: std::sync::Weak<App>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        let Some(app) = app.upgrade() else { return };
+        let lapsed = app.sessions().sweep(Instant::now());
+        for (limit, ticket) in lapsed.expired_permits.iter().chain(&lapsed.withdrawn_waiters) {
+            let _ = app.backend.release(limit, *ticket).await;
+        }
+        for _ in &lapsed.expired_permits {
+            app.event("lease_expired");
+        }
+        for _ in &lapsed.withdrawn_waiters {
+            app.event("waiter_withdrawn");
+        }
+    }
+}
+
+/// Turns the events channel into Prometheus counters (`lanes_server_events_total{kind}`).
+async fn count_events(events: Channel<&'static str>, _channels: Channels) {
+    let Ok(mut consumer) = events
+        .consumer(ConsumerOptions::new().batch_max(256).batch_flush(Duration::from_millis(100)))
+    else {
+        return;
+    };
+    drop(events);
+    while let Some(batch) = consumer.next_batch().await {
+        let mut counts: BTreeMap<&'static str, u64> = BTreeMap::new();
+        for kind in batch.iter() {
+            *counts.entry(kind).or_default() += 1;
+        }
+        for (kind, n) in counts {
+            metrics::counter!("lanes_server_events_total", "kind" => kind).increment(n);
+        }
+        let _ = batch.ack().await;
+    }
+}
+
+/// Runs `lanes serve` until SIGINT or SIGTERM; prints the address and dashboard URL first.
+///
+/// # Errors
+///
+/// As for [`Server::start`].
+pub async fn run(options: ServeOptions) -> Result<(), BoxError> {
+    let server = Server::start(options.clone()).await?;
+    println!("lanes serve: listening on http://{}", server.addr);
+    println!("  dashboard   http://{}/", server.addr);
+    println!("  API         http://{}/openapi.json", server.addr);
+    println!("  limits in   {}", options.redis.as_deref().unwrap_or("this process (embedded)"));
+    shutdown_signal().await;
+    println!("lanes serve: shutting down");
+    server.shutdown().await
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let terminated = async {
+            match term.as_mut() {
+                Some(term) => {
+                    term.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            () = terminated => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

@@ -1,0 +1,72 @@
+//! A real `lanes serve` process for the HTTP tests.
+#![allow(dead_code, unreachable_pub)] // each test binary uses part of this module
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A `lanes serve` on a free port, killed on drop.
+pub struct Serve {
+    pub base: String,
+    child: Option<Child>,
+}
+
+impl Serve {
+    /// Starts `lanes serve --listen 127.0.0.1:0` with `args`; returns once it listens.
+    pub fn start(args: &[&str]) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lanes"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("run the lanes binary");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let first = lines.next().expect("a first line").expect("readable");
+        let base = first
+            .strip_prefix("lanes serve: listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
+            .trim()
+            .to_owned();
+        // Keep draining stdout so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Self { base, child: Some(child) }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().unwrap();
+        let pid = child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().expect("kill");
+        for _ in 0..100 {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = child.kill();
+        panic!("lanes serve did not exit within 5 s of SIGTERM");
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+pub fn http() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+pub fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}

@@ -1,0 +1,465 @@
+//! `lanes serve` over HTTP, against the real binary: every endpoint, the error table,
+//! idempotent acquire, leases and silent clients, graceful shutdown, two servers sharing a
+//! limit through Redis, and a property-based fuzz that must never see a server error.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Serve, http};
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+async fn call(
+    client: &reqwest::Client,
+    method: reqwest::Method,
+    url: String,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut request = client.request(method, url);
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("the server answers");
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+async fn put(c: &reqwest::Client, s: &Serve, path: &str, body: Value) -> (u16, Value) {
+    call(c, reqwest::Method::PUT, s.url(path), Some(body)).await
+}
+
+async fn post(c: &reqwest::Client, s: &Serve, path: &str, body: Value) -> (u16, Value) {
+    call(c, reqwest::Method::POST, s.url(path), Some(body)).await
+}
+
+async fn get(c: &reqwest::Client, s: &Serve, path: &str) -> (u16, Value) {
+    call(c, reqwest::Method::GET, s.url(path), None).await
+}
+
+#[tokio::test]
+async fn every_endpoint_answers() {
+    let serve = Serve::start(&[]);
+    let c = http();
+    let (status, limit) =
+        put(&c, &serve, "/v1/limits/db", json!({"concurrent": 2, "per_second": 100.0, "burst": 5}))
+            .await;
+    assert_eq!(status, 200, "{limit}");
+    assert_eq!((limit["concurrent"].as_u64(), limit["burst"].as_u64()), (Some(2), Some(5)));
+    let (status, list) = get(&c, &serve, "/v1/limits").await;
+    assert_eq!(status, 200);
+    assert_eq!(list["limits"][0]["name"], "db");
+    let (status, granted) =
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "a", "lease_ms": 5000})).await;
+    assert_eq!(status, 200, "{granted}");
+    assert_eq!(granted["granted"], true);
+    assert!(granted["fencing_token"].as_u64().unwrap() >= 1);
+    assert!(granted["lease_expires_in_ms"].as_u64().unwrap() <= 5000);
+    let ticket = granted["ticket"].as_u64().unwrap();
+    let (status, one) = get(&c, &serve, "/v1/limits/db").await;
+    assert_eq!((status, one["in_use"].as_u64()), (200, Some(1)));
+    let (status, renewed) = post(&c, &serve, "/v1/clients/a/renew", json!({})).await;
+    assert_eq!((status, renewed["renewed"].as_u64()), (200, Some(1)));
+    let (status, snapshot) = get(&c, &serve, "/v1/snapshot").await;
+    assert_eq!(status, 200);
+    assert_eq!(snapshot["limits"]["server"][0]["in_use"], 1);
+    assert_eq!(snapshot["server"]["backend"], "embedded");
+    let (status, released) =
+        post(&c, &serve, "/v1/limits/db/release", json!({"client": "a", "ticket": ticket})).await;
+    assert_eq!((status, released["released"].as_bool()), (200, Some(true)));
+    let (status, again) =
+        post(&c, &serve, "/v1/limits/db/release", json!({"client": "a", "ticket": ticket})).await;
+    assert_eq!(
+        (status, again["released"].as_bool()),
+        (200, Some(false)),
+        "releasing twice is a no-op"
+    );
+    let metrics = c.get(serve.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lanes_limit_granted_total{limit=\"db\"} 1"), "{metrics}");
+    assert!(metrics.contains("lanes_http_requests_total"), "{metrics}");
+    let (status, openapi) = get(&c, &serve, "/openapi.json").await;
+    assert_eq!(status, 200);
+    assert_eq!(openapi["openapi"], "3.0.3");
+    let checked_in: Value = serde_json::from_str(include_str!("../openapi.json")).unwrap();
+    assert_eq!(openapi, checked_in, "the served document is the checked-in one");
+    let page = c.get(serve.url("/")).send().await.unwrap().text().await.unwrap();
+    assert!(page.contains("/v1/snapshot") && !page.contains("https://"), "a self-contained page");
+    let (status, _) = call(&c, reqwest::Method::DELETE, serve.url("/v1/limits/db"), None).await;
+    assert_eq!(status, 204);
+    assert_eq!(get(&c, &serve, "/v1/limits/db").await.0, 404);
+}
+
+#[tokio::test]
+async fn bad_input_gets_the_documented_errors() {
+    let serve = Serve::start(&["--max-waiters", "1"]);
+    let c = http();
+    put(&c, &serve, "/v1/limits/db", json!({"concurrent": 1})).await;
+    // (what, method, path, body, status, the field the error names)
+    type Case =
+        (&'static str, reqwest::Method, &'static str, Option<Value>, u16, Option<&'static str>);
+    let cases: Vec<Case> = vec![
+        (
+            "unknown limit",
+            reqwest::Method::POST,
+            "/v1/limits/nope/acquire",
+            Some(json!({"client": "a"})),
+            404,
+            None,
+        ),
+        ("unknown limit info", reqwest::Method::GET, "/v1/limits/nope", None, 404, None),
+        (
+            "zero concurrent",
+            reqwest::Method::PUT,
+            "/v1/limits/x",
+            Some(json!({"concurrent": 0})),
+            400,
+            Some("concurrent"),
+        ),
+        (
+            "negative rate",
+            reqwest::Method::PUT,
+            "/v1/limits/x",
+            Some(json!({"concurrent": 1, "per_second": -1.0})),
+            400,
+            Some("per_second"),
+        ),
+        (
+            "zero burst",
+            reqwest::Method::PUT,
+            "/v1/limits/x",
+            Some(json!({"concurrent": 1, "burst": 0})),
+            400,
+            Some("burst"),
+        ),
+        (
+            "concurrent too big",
+            reqwest::Method::PUT,
+            "/v1/limits/x",
+            Some(json!({"concurrent": 5_000_000_000u64})),
+            400,
+            Some("concurrent"),
+        ),
+        (
+            "wrong type",
+            reqwest::Method::PUT,
+            "/v1/limits/x",
+            Some(json!({"concurrent": "many"})),
+            400,
+            Some("concurrent"),
+        ),
+        (
+            "unknown field",
+            reqwest::Method::PUT,
+            "/v1/limits/x",
+            Some(json!({"concurrent": 1, "colour": "red"})),
+            400,
+            Some("colour"),
+        ),
+        (
+            "missing client",
+            reqwest::Method::POST,
+            "/v1/limits/db/acquire",
+            Some(json!({})),
+            400,
+            Some("body"),
+        ),
+        (
+            "empty client",
+            reqwest::Method::POST,
+            "/v1/limits/db/acquire",
+            Some(json!({"client": ""})),
+            400,
+            Some("client"),
+        ),
+        (
+            "short lease",
+            reqwest::Method::POST,
+            "/v1/limits/db/acquire",
+            Some(json!({"client": "a", "lease_ms": 5})),
+            400,
+            Some("lease_ms"),
+        ),
+        (
+            "zero weight",
+            reqwest::Method::POST,
+            "/v1/limits/db/acquire",
+            Some(json!({"client": "a", "priority": {"weight": 0}})),
+            400,
+            Some("priority.weight"),
+        ),
+        (
+            "level out of range",
+            reqwest::Method::POST,
+            "/v1/limits/db/acquire",
+            Some(json!({"client": "a", "priority": {"level": 3_000_000_000u64}})),
+            400,
+            Some("priority.level"),
+        ),
+        (
+            "negative ticket",
+            reqwest::Method::POST,
+            "/v1/limits/db/release",
+            Some(json!({"client": "a", "ticket": -1})),
+            400,
+            Some("ticket"),
+        ),
+        ("unknown client renew", reqwest::Method::POST, "/v1/clients/ghost/renew", None, 404, None),
+        ("no such endpoint", reqwest::Method::GET, "/v2/everything", None, 404, None),
+        ("wrong method", reqwest::Method::PATCH, "/v1/limits/db", None, 405, None),
+    ];
+    for (label, method, path, body, expected, field) in cases {
+        let (status, reply) = call(&c, method, serve.url(path), body).await;
+        assert_eq!(status, expected, "{label}: {reply}");
+        assert!(reply["error"].is_string(), "{label}: a JSON error, got {reply}");
+        if let Some(field) = field {
+            assert_eq!(reply["field"], field, "{label}: {reply}");
+        }
+    }
+    // Malformed JSON.
+    let response = c.put(serve.url("/v1/limits/x")).body("{not json").send().await.unwrap();
+    assert_eq!(response.status(), 400);
+    // An oversized body.
+    let big = format!("{{\"concurrent\": 1, \"pad\": \"{}\"}}", "x".repeat(200_000));
+    let response = c.put(serve.url("/v1/limits/x")).body(big).send().await.unwrap();
+    assert_eq!(response.status(), 413);
+    // Oversized headers.
+    let response = c
+        .get(serve.url("/v1/limits"))
+        .header("x-padding", "y".repeat(20_000))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 431);
+    // Too many waiters (the server allows 1 per limit here).
+    assert_eq!(post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "a"})).await.0, 200);
+    assert_eq!(post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "b"})).await.0, 202);
+    let (status, reply) = post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "c"})).await;
+    assert_eq!((status, reply["limit"].as_str()), (429, Some("db")), "{reply}");
+    // Removing a limit with permits held.
+    let (status, reply) = call(&c, reqwest::Method::DELETE, serve.url("/v1/limits/db"), None).await;
+    assert_eq!((status, reply["limit"].as_str()), (409, Some("db")));
+}
+
+#[tokio::test]
+async fn asking_again_with_the_same_ticket_is_idempotent() {
+    let serve = Serve::start(&[]);
+    let c = http();
+    put(&c, &serve, "/v1/limits/db", json!({"concurrent": 1})).await;
+    let (_, first) =
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "a", "ticket": 7})).await;
+    let (_, again) =
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "a", "ticket": 7})).await;
+    assert_eq!(first["fencing_token"], again["fencing_token"]);
+    assert_eq!((first["ticket"].as_u64(), again["ticket"].as_u64()), (Some(7), Some(7)));
+    // Another client's ticket 7 is another ticket: it waits.
+    let (status, other) =
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "b", "ticket": 7})).await;
+    assert_eq!((status, other["reason"].as_str()), (202, Some("queued")));
+    // A long-poll is answered as soon as the permit is returned.
+    let waiting = tokio::spawn({
+        let (c, url) = (c.clone(), serve.url("/v1/limits/db/acquire"));
+        async move {
+            let response = c
+                .post(url)
+                .json(&json!({"client": "b", "ticket": 7, "wait_ms": 5000}))
+                .send()
+                .await
+                .unwrap();
+            (response.status().as_u16(), Instant::now())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let released = Instant::now();
+    post(&c, &serve, "/v1/limits/db/release", json!({"client": "a", "ticket": 7})).await;
+    let (status, at) = waiting.await.unwrap();
+    assert_eq!(status, 200);
+    assert!(at - released < Duration::from_millis(300), "{:?}", at - released);
+}
+
+#[tokio::test]
+async fn a_silent_client_loses_its_waiters_at_once_and_its_permits_with_their_leases() {
+    let serve = Serve::start(&[]);
+    let c = http();
+    put(&c, &serve, "/v1/limits/db", json!({"concurrent": 1})).await;
+    // `a` holds with a 400 ms lease and goes silent; `b` queues with a 400 ms lease and goes
+    // silent too.
+    assert_eq!(
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "a", "lease_ms": 400})).await.0,
+        200
+    );
+    assert_eq!(
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "b", "lease_ms": 400})).await.0,
+        202
+    );
+    let (_, info) = get(&c, &serve, "/v1/limits/db").await;
+    assert_eq!((info["in_use"].as_u64(), info["waiting"].as_u64()), (Some(1), Some(1)));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let (_, info) = get(&c, &serve, "/v1/limits/db").await;
+    assert_eq!((info["in_use"].as_u64(), info["waiting"].as_u64()), (Some(0), Some(0)), "{info}");
+    // A renewing client keeps its permit past the lease.
+    let (_, held) =
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "c", "lease_ms": 300})).await;
+    assert_eq!(held["granted"], true);
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(post(&c, &serve, "/v1/clients/c/renew", json!({})).await.0, 200);
+    }
+    let (_, info) = get(&c, &serve, "/v1/limits/db").await;
+    assert_eq!(info["in_use"].as_u64(), Some(1), "renewed past its lease");
+}
+
+#[tokio::test]
+async fn sigterm_answers_long_polls_and_exits_cleanly() {
+    let serve = Serve::start(&[]);
+    let c = http();
+    put(&c, &serve, "/v1/limits/db", json!({"concurrent": 1})).await;
+    post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "a"})).await;
+    let polling = tokio::spawn({
+        let (c, url) = (c.clone(), serve.url("/v1/limits/db/acquire"));
+        async move {
+            let response =
+                c.post(url).json(&json!({"client": "b", "wait_ms": 20000})).send().await.unwrap();
+            (response.status().as_u16(), response.json::<Value>().await.unwrap())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let asked_to_stop = Instant::now();
+    let status = tokio::task::spawn_blocking(move || serve.terminate()).await.unwrap();
+    assert!(status.success(), "exit status {status:?}");
+    let (code, reply) = polling.await.unwrap();
+    assert_eq!((code, reply["granted"].as_bool()), (202, Some(false)), "{reply}");
+    assert!(asked_to_stop.elapsed() < Duration::from_secs(3));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_share_a_limit_through_redis() {
+    let ns = format!("serve-test-{}", std::process::id());
+    let url = common::redis_url();
+    let a = Serve::start(&["--redis", &url, "--namespace", &ns]);
+    let b = Serve::start(&["--redis", &url, "--namespace", &ns]);
+    let c = http();
+    let (status, reply) = put(&c, &a, "/v1/limits/shared", json!({"concurrent": 2})).await;
+    assert_eq!(status, 200, "{reply}");
+    let holders = Arc::new(AtomicI64::new(0));
+    let most = Arc::new(AtomicI64::new(0));
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let base = if i % 2 == 0 { a.url("/v1/limits/shared") } else { b.url("/v1/limits/shared") };
+        let (c, holders, most) = (c.clone(), holders.clone(), most.clone());
+        tasks.push(tokio::spawn(async move {
+            let client = format!("worker-{i}");
+            for _ in 0..15 {
+                let mut ticket = None;
+                loop {
+                    let reply: Value = c
+                        .post(format!("{base}/acquire"))
+                        .json(&json!({"client": client, "ticket": ticket, "wait_ms": 2000}))
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap();
+                    ticket = reply["ticket"].as_u64();
+                    if reply["granted"] == true {
+                        break;
+                    }
+                }
+                let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                holders.fetch_sub(1, Ordering::SeqCst);
+                c.post(format!("{base}/release"))
+                    .json(&json!({"client": client, "ticket": ticket}))
+                    .send()
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let (_, info) = get(&c, &b, "/v1/limits/shared").await;
+    assert!(
+        most.load(Ordering::SeqCst) <= 2,
+        "held at once: {} ({info})",
+        most.load(Ordering::SeqCst)
+    );
+    assert_eq!(info["max_in_use"].as_u64(), Some(2), "{info}");
+    assert_eq!(info["granted_total"].as_u64(), Some(120));
+    // Clean the namespace.
+    let client = redis::Client::open(url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    for pattern in [format!("{{{ns}:*"), format!("lanes:{{{ns}}}:*")] {
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(pattern).query_async(&mut conn).await.unwrap();
+        if !keys.is_empty() {
+            let _: () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await.unwrap();
+        }
+    }
+}
+
+fn arbitrary_json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+        "[a-z0-9 _\\-]{0,12}".prop_map(Value::from),
+    ];
+    let keys = prop_oneof![
+        Just("concurrent"),
+        Just("per_second"),
+        Just("burst"),
+        Just("client"),
+        Just("ticket"),
+        Just("priority"),
+        Just("lease_ms"),
+        Just("wait_ms"),
+        Just("level"),
+        Just("key"),
+        Just("weight"),
+        Just("other"),
+    ];
+    leaf.prop_recursive(3, 24, 6, move |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+            prop::collection::btree_map(keys.clone().prop_map(str::to_owned), inner, 0..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
+}
+
+#[test]
+fn fuzzed_requests_never_get_a_server_error() {
+    let serve = Serve::start(&["--max-waiters", "5"]);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let c = http();
+    runtime.block_on(put(&c, &serve, "/v1/limits/fuzz", json!({"concurrent": 2})));
+    let paths = [
+        "/v1/limits/fuzz",
+        "/v1/limits/fuzz/acquire",
+        "/v1/limits/fuzz/release",
+        "/v1/limits/other/acquire",
+        "/v1/clients/fuzz/renew",
+        "/v1/limits/%00bad",
+        "/v1/limits",
+    ];
+    let methods = [
+        reqwest::Method::GET,
+        reqwest::Method::POST,
+        reqwest::Method::PUT,
+        reqwest::Method::DELETE,
+    ];
+    let config =
+        ProptestConfig { cases: 300, failure_persistence: None, ..ProptestConfig::default() };
+    proptest!(config, |(path in 0..paths.len(), method in 0..methods.len(), body in arbitrary_json())| {
+        let (status, reply) = runtime.block_on(call(&c, methods[method].clone(), serve.url(paths[path]), Some(body.clone())));
+        prop_assert!(status < 500 || status == 503, "{} {} {body} -> {status} {reply}", methods[method], paths[path]);
+    });
+}
