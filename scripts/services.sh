@@ -2,6 +2,7 @@
 # Makes sure the services the tests talk to are up: Redis on REDIS_URL (default
 # redis://127.0.0.1:6379) and NATS with JetStream on NATS_URL (default nats://127.0.0.1:4222).
 # A service that is down on its default local address is started; a remote one is only checked.
+# Headless Chromium (for the dashboard's browser test) is installed from Debian when missing.
 set -euo pipefail
 
 up() { # host port
@@ -49,6 +50,18 @@ if ! up "$nats_host" "$nats_port"; then
     wait_up nats "$nats_host" "$nats_port"
   else
     echo "services: NATS is not reachable at $nats_host:$nats_port (set NATS_URL)" >&2
+    exit 1
+  fi
+fi
+
+if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && [ -z "${CHROMIUM:-}" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "services: installing chromium (the dashboard test drives it headless)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 ||
+      { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium >/dev/null; }
+  else
+    echo "services: chromium is missing; install it (apt-get install chromium) or set CHROMIUM" >&2
     exit 1
   fi
 fi

@@ -395,6 +395,39 @@ impl Report {
 }
 
 impl Report {
+    /// Suite 11: `lanes serve`.
+    fn serve(&mut self) {
+        self.line("## Suite 11 — `lanes serve` over HTTP\n");
+        let Some(r) = result("serve") else {
+            self.missing.push("serve (suite 11 did not run)".to_owned());
+            return;
+        };
+        let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+        self.line(&format!(
+            "{} concurrent connections over loopback, client and server in one process on this host; the floor is a bare axum endpoint that parses a JSON body and echoes it (requests per second; latency per request):\n",
+            r["connections"]
+        ));
+        self.line("| endpoint | requests/s | p50 | p99 |");
+        self.line("|---|---|---|---|");
+        for (label, key) in [
+            ("axum JSON echo (floor)", "echo"),
+            ("`lanes serve` acquire + release", "acquire_release"),
+        ] {
+            let row = format!(
+                "| {label} | {:.0} | {:.0} µs | {:.0} µs |",
+                f(&r[key]["requests_per_s"]),
+                f(&r[key]["p50_us"]),
+                f(&r[key]["p99_us"])
+            );
+            self.line(&row);
+        }
+        let ratio = f(&r["acquire_release"]["requests_per_s"]) / f(&r["echo"]["requests_per_s"]);
+        self.line(&format!(
+            "\nRatio lanes / echo: **{ratio:.2}×** (bar ≥ 0.7: {}).\n",
+            pass(ratio >= 0.7)
+        ));
+    }
+
     /// Suite 10: distributed limits on Redis.
     fn redis(&mut self) {
         self.line("## Suite 10 — distributed limits on Redis\n");
@@ -721,7 +754,9 @@ fn main() {
          process run** with criterion (`benches/`). Machines are shared and noisy: the ratios are the \
          figures; absolute times are context. The plan and the bars are in `../shared/benchmarks.md`.\n",
     );
-    report.line("Regenerate everything (quick mode, under 3 minutes):\n");
+    report.line(
+        "Regenerate everything (quick mode, about 8 minutes on 2 cores; suite 10 needs Redis):\n",
+    );
     report.line("```sh\nLANES_BENCH_QUICK=1 bash benches/run.sh\n```\n");
     report.line(
         "(`bash benches/run.sh` without the variable runs the longer, steadier measurement.)\n",
@@ -749,6 +784,7 @@ fn main() {
     report.channels();
     report.spill();
     report.redis();
+    report.serve();
 
     if !report.missing.is_empty() {
         let mut note = String::from("Not measured in this run: ");

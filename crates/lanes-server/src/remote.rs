@@ -71,8 +71,6 @@ struct AcquireReply {
     #[serde(default)]
     fencing_token: u64,
     #[serde(default)]
-    lease_expires_in_ms: u64,
-    #[serde(default)]
     retry_after_ms: u64,
     #[serde(default)]
     reason: String,
@@ -298,10 +296,8 @@ impl LimitBackend for RemoteLimits {
             }
             let reply = self.ask(name, ticket, priority, Duration::ZERO).await?;
             Ok(if reply.granted {
-                Answer::Granted(Grant {
-                    fencing_token: reply.fencing_token,
-                    expires_at: Some(Duration::from_millis(reply.lease_expires_in_ms)),
-                })
+                // The lease is the server's, renewed by this client: no expiry to report.
+                Answer::Granted(Grant { fencing_token: reply.fencing_token, expires_at: None })
             } else if reply.reason == "rate" {
                 Answer::RetryAfter(Duration::from_millis(reply.retry_after_ms))
             } else {
@@ -315,10 +311,7 @@ impl LimitBackend for RemoteLimits {
             // A long-poll: the server answers when the ticket is granted (or at `at_most`).
             match self.ask(name, ticket, &Priority::default(), at_most).await {
                 Ok(reply) if reply.granted => {
-                    let grant = Grant {
-                        fencing_token: reply.fencing_token,
-                        expires_at: Some(Duration::from_millis(reply.lease_expires_in_ms)),
-                    };
+                    let grant = Grant { fencing_token: reply.fencing_token, expires_at: None };
                     lock(&self.inner.granted).insert((name.to_owned(), ticket), grant);
                 }
                 Ok(_) => {}

@@ -1,0 +1,104 @@
+//! The dashboard in a real browser (headless Chromium): a defined limit appears, and its
+//! in-use figure follows an acquire. Leaves a screenshot in the test's target directory.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use common::{Serve, http};
+use serde_json::json;
+
+fn chromium() -> String {
+    if let Ok(path) = std::env::var("CHROMIUM") {
+        return path;
+    }
+    for candidate in ["chromium", "chromium-browser", "google-chrome"] {
+        if Command::new(candidate).arg("--version").output().is_ok_and(|o| o.status.success()) {
+            return candidate.to_owned();
+        }
+    }
+    panic!(
+        "headless Chromium is needed for the dashboard test: `apt-get install chromium` (scripts/services.sh does it) or set CHROMIUM"
+    );
+}
+
+/// The page's DOM after its scripts ran (they poll the snapshot every second).
+fn rendered(url: &str) -> String {
+    let out = Command::new(chromium())
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=3000",
+            "--dump-dom",
+            url,
+        ])
+        .output()
+        .expect("run chromium");
+    assert!(out.status.success(), "chromium failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("UTF-8 DOM")
+}
+
+/// The text of the in-use cell of `limit`'s row.
+fn in_use(dom: &str, limit: &str) -> Option<String> {
+    let row = dom.split(&format!("data-limit=\"{limit}\"")).nth(1)?;
+    let cell = row.split("class=\"num in-use\">").nth(1)?;
+    Some(cell.split('<').next()?.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_limits_and_follows_them() {
+    let serve = Serve::start(&[]);
+    let c = http();
+    c.put(serve.url("/v1/limits/browser-check"))
+        .json(&json!({"concurrent": 3}))
+        .send()
+        .await
+        .unwrap();
+    let url = serve.url("/");
+    let dom = tokio::task::spawn_blocking({
+        let url = url.clone();
+        move || rendered(&url)
+    })
+    .await
+    .unwrap();
+    assert_eq!(in_use(&dom, "browser-check").as_deref(), Some("0 / 3"), "{dom}");
+    assert!(dom.contains("events"), "the server's own channel is listed");
+
+    let granted = c
+        .post(serve.url("/v1/limits/browser-check/acquire"))
+        .json(&json!({"client": "browser-test", "lease_ms": 60000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(granted.status(), 200);
+    let dom = tokio::task::spawn_blocking({
+        let url = url.clone();
+        move || rendered(&url)
+    })
+    .await
+    .unwrap();
+    assert_eq!(in_use(&dom, "browser-check").as_deref(), Some("1 / 3"), "{dom}");
+
+    let shot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
+    let _ = std::fs::remove_file(&shot);
+    let status = tokio::task::spawn_blocking({
+        let shot = shot.clone();
+        move || {
+            Command::new(chromium())
+                .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
+                .args(["--window-size=1280,720", "--virtual-time-budget=3000"])
+                .arg(format!("--screenshot={}", shot.display()))
+                .arg(url)
+                .output()
+                .expect("run chromium")
+        }
+    })
+    .await
+    .unwrap();
+    assert!(status.status.success());
+    let size = std::fs::metadata(&shot).expect("a screenshot").len();
+    assert!(size > 5_000, "a real screenshot, {size} bytes");
+    println!("dashboard screenshot: {}", shot.display());
+}
