@@ -463,3 +463,32 @@ fn fuzzed_requests_never_get_a_server_error() {
         prop_assert!(status < 500 || status == 503, "{} {} {body} -> {status} {reply}", methods[method], paths[path]);
     });
 }
+
+#[tokio::test]
+async fn a_config_file_predefines_limits_and_a_bad_one_is_refused() {
+    let dir = std::env::temp_dir().join(format!("lanes-serve-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = dir.join("lanes.toml");
+    std::fs::write(
+        &good,
+        "namespace = \"test\"\n[limits.payments-api]\nconcurrent = 10\nper_second = 100.0\nburst = 20\n",
+    )
+    .unwrap();
+    let serve = Serve::start(&["--config", good.to_str().unwrap()]);
+    let (status, limit) = get(&http(), &serve, "/v1/limits/payments-api").await;
+    assert_eq!(status, 200, "{limit}");
+    assert_eq!((limit["concurrent"].as_u64(), limit["burst"].as_u64()), (Some(10), Some(20)));
+    assert_eq!(limit["per_second"].as_f64(), Some(100.0));
+    drop(serve);
+
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "[limits.broken]\nconcurrent = 0\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config", bad.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("limits.broken") && stderr.contains("concurrent"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -398,7 +398,7 @@ impl SpillQueue {
             last_sync: Instant::now(),
             persisted: committed,
             wanted: committed,
-            _lock: guard,
+            lock: Some(guard),
         };
         std::thread::Builder::new()
             .name("lanes-spill-writer".to_owned())
@@ -841,8 +841,9 @@ struct Writer {
     persisted: Position,
     /// The latest committed position asked for.
     wanted: Position,
-    /// Released when the writer stops, after its last sync.
-    _lock: Box<dyn fmt::Debug + Send + Sync>,
+    /// Released when the writer stops, after its last sync (and before `close` answers, so
+    /// the directory is free once `close` returns).
+    lock: Option<Box<dyn fmt::Debug + Send + Sync>>,
 }
 
 impl Writer {
@@ -988,6 +989,7 @@ impl Writer {
         }
         if let Some(reply) = close {
             let result = self.sync().and_then(|()| self.persist());
+            drop(self.lock.take());
             let _ = reply.send(result.map_err(SpillError::Io));
             return false;
         }
