@@ -354,6 +354,17 @@ enum CallError {
     Other(LimitError),
 }
 
+impl From<CallError> for LimitError {
+    fn from(err: CallError) -> Self {
+        match err {
+            CallError::Outage(message) => {
+                LimitError::Backend(format!("redis unreachable: {message}"))
+            }
+            CallError::Other(err) => err,
+        }
+    }
+}
+
 fn is_outage(err: &RedisError) -> bool {
     err.is_io_error()
         || err.is_timeout()
@@ -729,13 +740,7 @@ impl Inner {
     }
 
     async fn info(&self, name: &str) -> Result<Option<LimitInfo>, LimitError> {
-        let value = match self.call(name, "info", &[]).await {
-            Ok(value) => value,
-            Err(CallError::Outage(message)) => {
-                return Err(LimitError::Backend(format!("redis unreachable: {message}")));
-            }
-            Err(CallError::Other(err)) => return Err(err),
-        };
+        let value = self.call(name, "info", &[]).await?;
         if error_tag(&value).as_deref() == Some("unknown") {
             return Ok(None);
         }
@@ -749,14 +754,14 @@ impl Inner {
             burst: u32::try_from(field(2)?).map_err(|_| bad())?,
         };
         lock(&self.state).specs.insert(name.to_owned(), spec);
-        let mut info = lanes::LimitTable::new();
-        info.define(name, spec)?;
-        let mut info = info.info(name).expect("just defined");
-        info.in_use = u32::try_from(field(3)?).map_err(|_| bad())?;
-        info.waiting = usize::try_from(field(4)?).map_err(|_| bad())?;
-        info.granted_total = u64::try_from(field(5)?).map_err(|_| bad())?;
-        info.max_in_use = u32::try_from(field(6)?).map_err(|_| bad())?;
-        Ok(Some(info))
+        Ok(Some(LimitInfo::new(
+            name,
+            spec,
+            u32::try_from(field(3)?).map_err(|_| bad())?,
+            usize::try_from(field(4)?).map_err(|_| bad())?,
+            u64::try_from(field(5)?).map_err(|_| bad())?,
+            u32::try_from(field(6)?).map_err(|_| bad())?,
+        )))
     }
 
     /// Renews every held permit of `name`; returns the tickets whose lease had ended.
@@ -966,10 +971,7 @@ impl RedisLimits {
         match self.inner.renew_all(name, vec![ticket]).await {
             Ok(refused) if refused.is_empty() => Ok(()),
             Ok(_) => Err(LimitError::LeaseExpired { limit: name.to_owned(), ticket }),
-            Err(CallError::Outage(message)) => {
-                Err(LimitError::Backend(format!("redis unreachable: {message}")))
-            }
-            Err(CallError::Other(err)) => Err(err),
+            Err(err) => Err(err.into()),
         }
     }
 
@@ -1012,25 +1014,13 @@ impl LimitBackend for RedisLimits {
     ) -> BoxFuture<'a, Result<(), LimitError>> {
         Box::pin(async move {
             spec.validate()?;
-            match self.inner.define(name, spec).await {
-                Ok(()) => Ok(()),
-                Err(CallError::Outage(message)) => {
-                    Err(LimitError::Backend(format!("redis unreachable: {message}")))
-                }
-                Err(CallError::Other(err)) => Err(err),
-            }
+            Ok(self.inner.define(name, spec).await?)
         })
     }
 
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>> {
         Box::pin(async move {
-            let value = match self.inner.call(name, "remove", &[]).await {
-                Ok(value) => value,
-                Err(CallError::Outage(message)) => {
-                    return Err(LimitError::Backend(format!("redis unreachable: {message}")));
-                }
-                Err(CallError::Other(err)) => return Err(err),
-            };
+            let value = self.inner.call(name, "remove", &[]).await?;
             match error_tag(&value).as_deref() {
                 Some("unknown") => return Err(LimitError::UnknownLimit(name.to_owned())),
                 Some("in_use") => return Err(LimitError::InUse(name.to_owned())),
@@ -1070,17 +1060,8 @@ impl LimitBackend for RedisLimits {
 
     fn list(&self) -> BoxFuture<'_, Result<Vec<LimitInfo>, LimitError>> {
         Box::pin(async move {
-            let mut names: Vec<String> = match self
-                .inner
-                .command(redis::cmd("SMEMBERS").arg(self.inner.registry_key()))
-                .await
-            {
-                Ok(names) => names,
-                Err(CallError::Outage(message)) => {
-                    return Err(LimitError::Backend(format!("redis unreachable: {message}")));
-                }
-                Err(CallError::Other(err)) => return Err(err),
-            };
+            let mut names: Vec<String> =
+                self.inner.command(redis::cmd("SMEMBERS").arg(self.inner.registry_key())).await?;
             names.sort();
             let mut infos = Vec::with_capacity(names.len());
             for name in names {

@@ -89,20 +89,20 @@ struct LimitReply {
 }
 
 impl LimitReply {
-    fn info(self) -> Result<LimitInfo, LimitError> {
+    fn info(self) -> LimitInfo {
         let spec = LimitSpec {
             concurrent: self.concurrent,
             per_second: self.per_second,
             burst: self.burst,
         };
-        let mut table = lanes::LimitTable::new();
-        table.define(&self.name, spec)?;
-        let mut info = table.info(&self.name).expect("just defined");
-        info.in_use = self.in_use;
-        info.waiting = self.waiting;
-        info.max_in_use = self.max_in_use;
-        info.granted_total = self.granted_total;
-        Ok(info)
+        LimitInfo::new(
+            self.name,
+            spec,
+            self.in_use,
+            self.waiting,
+            self.granted_total,
+            self.max_in_use,
+        )
     }
 }
 
@@ -186,6 +186,19 @@ impl RemoteLimits {
         self.url(&format!("/v1/limits/{encoded}{tail}"))
     }
 
+    /// Sends `request`; a non-success status becomes the `LimitError` it stands for.
+    async fn send(
+        &self,
+        name: &str,
+        request: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, LimitError> {
+        let response = request.send().await.map_err(transport)?;
+        if !response.status().is_success() {
+            return Err(failure(name, response).await);
+        }
+        Ok(response)
+    }
+
     async fn ask(
         &self,
         name: &str,
@@ -204,18 +217,8 @@ impl RemoteLimits {
             "lease_ms": self.inner.lease.as_millis() as u64,
             "wait_ms": wait.as_millis() as u64,
         });
-        let response = self
-            .inner
-            .http
-            .post(self.limit_url(name, "/acquire"))
-            .json(&body)
-            .send()
-            .await
-            .map_err(transport)?;
-        if !response.status().is_success() {
-            return Err(failure(name, response).await);
-        }
-        response.json().await.map_err(transport)
+        let request = self.inner.http.post(self.limit_url(name, "/acquire")).json(&body);
+        self.send(name, request).await?.json().await.map_err(transport)
     }
 }
 
@@ -258,28 +261,14 @@ impl LimitBackend for RemoteLimits {
         Box::pin(async move {
             spec.validate()?;
             let body = json!({ "concurrent": spec.concurrent, "per_second": spec.per_second, "burst": spec.burst });
-            let response = self
-                .inner
-                .http
-                .put(self.limit_url(name, ""))
-                .json(&body)
-                .send()
-                .await
-                .map_err(transport)?;
-            if !response.status().is_success() {
-                return Err(failure(name, response).await);
-            }
+            self.send(name, self.inner.http.put(self.limit_url(name, "")).json(&body)).await?;
             Ok(())
         })
     }
 
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>> {
         Box::pin(async move {
-            let response =
-                self.inner.http.delete(self.limit_url(name, "")).send().await.map_err(transport)?;
-            if !response.status().is_success() {
-                return Err(failure(name, response).await);
-            }
+            self.send(name, self.inner.http.delete(self.limit_url(name, ""))).await?;
             Ok(())
         })
     }
@@ -325,33 +314,22 @@ impl LimitBackend for RemoteLimits {
         Box::pin(async move {
             lock(&self.inner.granted).remove(&(name.to_owned(), ticket));
             let body = json!({ "client": self.inner.client, "ticket": ticket });
-            let response = self
-                .inner
-                .http
-                .post(self.limit_url(name, "/release"))
-                .json(&body)
-                .send()
-                .await
-                .map_err(transport)?;
-            if !response.status().is_success() {
-                return Err(failure(name, response).await);
-            }
+            let request = self.inner.http.post(self.limit_url(name, "/release")).json(&body);
+            self.send(name, request).await?;
             Ok(())
         })
     }
 
     fn info<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<LimitInfo>, LimitError>> {
         Box::pin(async move {
-            let response =
-                self.inner.http.get(self.limit_url(name, "")).send().await.map_err(transport)?;
-            if response.status() == reqwest::StatusCode::NOT_FOUND {
-                return Ok(None);
+            match self.send(name, self.inner.http.get(self.limit_url(name, ""))).await {
+                Ok(response) => {
+                    let reply: LimitReply = response.json().await.map_err(transport)?;
+                    Ok(Some(reply.info()))
+                }
+                Err(LimitError::UnknownLimit(_)) => Ok(None),
+                Err(err) => Err(err),
             }
-            if !response.status().is_success() {
-                return Err(failure(name, response).await);
-            }
-            let reply: LimitReply = response.json().await.map_err(transport)?;
-            reply.info().map(Some)
         })
     }
 
@@ -361,13 +339,9 @@ impl LimitBackend for RemoteLimits {
             struct List {
                 limits: Vec<LimitReply>,
             }
-            let response =
-                self.inner.http.get(self.url("/v1/limits")).send().await.map_err(transport)?;
-            if !response.status().is_success() {
-                return Err(failure("*", response).await);
-            }
+            let response = self.send("*", self.inner.http.get(self.url("/v1/limits"))).await?;
             let list: List = response.json().await.map_err(transport)?;
-            list.limits.into_iter().map(LimitReply::info).collect()
+            Ok(list.limits.into_iter().map(LimitReply::info).collect())
         })
     }
 }

@@ -96,6 +96,20 @@ pub struct LimitInfo {
     pub max_in_use: u32,
 }
 
+impl LimitInfo {
+    /// A limit's state as a backend reports it (for backends outside this crate).
+    pub fn new(
+        name: impl Into<String>,
+        spec: LimitSpec,
+        in_use: u32,
+        waiting: usize,
+        granted_total: u64,
+        max_in_use: u32,
+    ) -> Self {
+        Self { name: name.into(), spec, in_use, waiting, granted_total, max_in_use }
+    }
+}
+
 /// Why a limit operation failed.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
