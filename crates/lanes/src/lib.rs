@@ -64,8 +64,8 @@ pub use lane::{
     Participation, Reason, Run, RunContext, RunFailure, RunHandle, RunId, Stage,
 };
 pub use limit::{
-    Acquire, AcquireError, Answer, LimitBackend, LimitError, LimitInfo, LimitSpec, LimitTable,
-    Limits, Permit, Priority, WaitQueue,
+    Acquire, AcquireError, Answer, Limit, LimitBackend, LimitError, LimitInfo, LimitSpec,
+    LimitTable, Limits, Permit, Priority, TryAcquireError, WaitQueue,
 };
 pub use registry::{Registry, Snapshot};
 

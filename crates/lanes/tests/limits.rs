@@ -68,7 +68,7 @@ async fn dropping_a_waiting_acquire_withdraws_it_and_leaks_nothing() {
     drop(late);
     let info = limits.info("db").await.unwrap().unwrap();
     assert_eq!((info.in_use, info.waiting), (0, 0));
-    assert!(limits.try_acquire("db", Priority::default()).await.unwrap().is_some());
+    assert!(limits.try_acquire("db", Priority::default()).await.is_ok());
 }
 
 /// Polls a future once with a no-op waker.
@@ -94,7 +94,7 @@ async fn timeouts_try_acquire_and_the_waiting_room() {
     assert!(err.is_timeout());
     assert_eq!(start.elapsed(), Duration::from_secs(2));
     assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "the ticket was withdrawn");
-    assert!(limits.try_acquire("db", Priority::default()).await.unwrap().is_none());
+    assert!(limits.try_acquire("db", Priority::default()).await.unwrap_err().is_busy());
     assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "try_acquire never queues");
 
     let mut queued = Vec::new();
@@ -268,4 +268,96 @@ async fn stress_keeps_the_bound_and_leaks_nothing() {
     assert!(info.max_in_use <= concurrent);
     assert_eq!((info.in_use, info.waiting), (0, 0), "nothing leaked");
     assert!(info.granted_total > 1_000);
+}
+
+/// Issue 11, reproduction 8: a rate-limited limit whose permits are all kept stalled after two
+/// grants (nothing woke the next head for its refill unless a permit came back).
+#[tokio::test(start_paused = true)]
+async fn a_rate_limit_keeps_granting_while_every_permit_is_held() {
+    let limits = Limits::new();
+    limits.define("r", LimitSpec::concurrent(1000).per_second(10.0).burst(1)).await.unwrap();
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..100 {
+        let limits = limits.clone();
+        tasks.push(tokio::spawn(async move {
+            let permit = limits.acquire("r", Priority::default()).await.unwrap();
+            (Instant::now(), permit)
+        }));
+    }
+    let mut held = Vec::new();
+    for task in tasks {
+        held.push(task.await.unwrap());
+    }
+    let last = held.iter().map(|(at, _)| *at).max().unwrap();
+    // 100 grants at 10/s with a burst of 1: the last one 9.9 s in, not never.
+    assert_eq!(last - start, Duration::from_millis(9_900));
+    let info = limits.info("r").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (100, 0));
+}
+
+/// Issue 11, reproduction 9: `try_acquire` answered `TooManyWaiters` when the waiting room was
+/// full, although a try never waits.
+#[tokio::test(start_paused = true)]
+async fn a_try_never_needs_the_waiting_room() {
+    let limits = Limits::with_max_waiters(1);
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = limits.acquire("db", Priority::default()).await.unwrap();
+    let waiter = tokio::spawn({
+        let limits = limits.clone();
+        async move { limits.acquire("db", Priority::default()).await }
+    });
+    settle().await;
+    assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 1, "the room is full");
+    let err = limits.try_acquire("db", Priority::default()).await.unwrap_err();
+    assert!(err.is_busy(), "{err:?}");
+    drop(held);
+    drop(waiter.await.unwrap().unwrap());
+
+    // On a rate, the try says when to come back.
+    limits.define("r", LimitSpec::concurrent(5).per_second(4.0).burst(1)).await.unwrap();
+    let first = limits.try_acquire("r", Priority::default()).await.unwrap();
+    let err = limits.try_acquire("r", Priority::default()).await.unwrap_err();
+    assert_eq!(err.retry_after(), Some(Duration::from_millis(250)));
+    sleep(Duration::from_millis(250)).await;
+    let second = limits.try_acquire("r", Priority::default()).await.unwrap();
+    assert!(second.fencing_token() > first.fencing_token());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_limit_handle_acquires_like_a_semaphore_and_honours_deadlines() {
+    let limits = Limits::new();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let db = limits.limit("db");
+    assert_eq!(db.name(), "db");
+    let held = db.acquire().await.unwrap();
+    let start = Instant::now();
+    let err = db.acquire_until(start + Duration::from_millis(300)).await.unwrap_err();
+    assert!(err.is_timeout());
+    assert_eq!(start.elapsed(), Duration::from_millis(300));
+    assert!(db.acquire_timeout(Duration::from_millis(10)).await.unwrap_err().is_timeout());
+    assert_eq!(db.info().await.unwrap().unwrap().waiting, 0, "timed-out tickets are withdrawn");
+    drop(held);
+    drop(db.acquire_with(Priority::level(3)).await.unwrap());
+    // A pure rate limit: no bound on permits held at once.
+    limits.define("rate", LimitSpec::rate(2.0)).await.unwrap();
+    let rate = limits.limit("rate");
+    let a = rate.acquire().await.unwrap();
+    let b = rate.acquire().await.unwrap();
+    let before = Instant::now();
+    let c = rate.acquire().await.unwrap();
+    assert_eq!(before.elapsed(), Duration::from_millis(500));
+    drop((a, b, c));
+}
+
+/// Fencing tokens keep growing across a removal and a new definition of the same name.
+#[tokio::test]
+async fn fencing_tokens_survive_remove_and_define() {
+    let limits = Limits::new();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let first = limits.acquire("db", Priority::default()).await.unwrap().fencing_token();
+    limits.remove("db").await.unwrap();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let second = limits.acquire("db", Priority::default()).await.unwrap().fencing_token();
+    assert!(second > first, "{first} then {second}");
 }

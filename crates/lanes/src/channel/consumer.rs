@@ -15,7 +15,7 @@ use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
 use super::receipt::{ReceiptState, Settlement};
 use super::shared::{Entry, Shared};
-use crate::limit::{LimitError, Permit};
+use crate::limit::{LimitError, Permit, TryAcquireError};
 use crate::spill::{SpillError, SpillQueue};
 use crate::util::lock;
 use crate::{BoxError, BoxFuture};
@@ -312,9 +312,10 @@ fn acquire(
     Box::pin(async move {
         let mut permits = vec![limits.acquire(&name, priority.clone()).await?];
         while permits.len() < want {
-            match limits.try_acquire(&name, priority.clone()).await? {
-                Some(permit) => permits.push(permit),
-                None => break,
+            match limits.try_acquire(&name, priority.clone()).await {
+                Ok(permit) => permits.push(permit),
+                Err(TryAcquireError::Limit(err)) => return Err(err),
+                Err(_) => break,
             }
         }
         Ok(permits)

@@ -1,5 +1,5 @@
-//! The backend trait: what a store of limits (in process, Redis, a `lanes serve` over HTTP)
-//! provides to the [`Limits`](super::Limits) facade.
+//! The backend trait: the whole ticket protocol that a store of limits (in process, Redis, a
+//! `lanes serve` over HTTP) provides to the [`Limits`](super::Limits) facade and to the server.
 
 use std::fmt;
 use std::time::Duration;
@@ -8,23 +8,36 @@ use serde::{Deserialize, Serialize};
 
 use super::priority::Priority;
 use super::spec::LimitSpec;
-use super::table::{Grant, LimitError, LimitInfo};
+use super::table::{Grant, LimitError, LimitInfo, Released};
 use crate::BoxFuture;
 
-/// A backend's answer to an acquire.
+/// A backend's answer about a ticket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "answer", rename_all = "snake_case")]
 pub enum Answer {
     /// The ticket holds a permit.
     Granted(Grant),
-    /// The ticket waits; [`LimitBackend::wait`] resolves when that may have changed.
+    /// The ticket waits (or, to a try, the limit is busy and nothing was queued);
+    /// [`LimitBackend::wait`] resolves when that may have changed.
     Queued,
     /// The ticket is served next but the bucket is empty: ask again after this long.
     RetryAfter(Duration),
+    /// The ticket neither waits nor holds: it was released, withdrawn, or its lease ended.
+    /// Nothing queues it again.
+    Finished,
 }
 
-/// A store of limits with the semantics of [`LimitTable`](super::LimitTable): tickets, first-ask
-/// priority, idempotent acquire, no barging, release withdraws a waiting ticket.
+/// A store of limits, speaking the whole ticket protocol with the semantics of
+/// [`LimitTable`](super::LimitTable): a ticket is queued by its first ask
+/// ([`acquire`](Self::acquire)) at the priority of that ask, asked about afterwards with
+/// [`check`](Self::check) (which never queues it again), and finished by
+/// [`release`](Self::release) — returned if held, withdrawn if waiting. No barging; a bounded
+/// waiting room; fencing tokens strictly increasing per limit name.
+///
+/// Leases live here too: a grant made with `lease: Some(d)` lasts `d` unless
+/// [`renew`](Self::renew)ed, and a lapsed permit is reclaimed by the backend itself. With
+/// `lease: None` the backend keeps the permit for as long as its holder lives (in process: until
+/// released; on Redis: a lease the client renews in the background).
 ///
 /// Time belongs to the backend (its own clock, or the Redis server's), so every client of one
 /// backend agrees on it. Every backend passes the same conformance suite
@@ -46,12 +59,32 @@ pub trait LimitBackend: Send + Sync + fmt::Debug + 'static {
     /// Removes a limit (refused while permits are held or tickets wait).
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>>;
 
-    /// Asks for the permit of `ticket`; the first ask queues it at `priority`. Idempotent.
+    /// The first ask for the permit of `ticket`: grants it, or queues it at `priority`.
+    /// Idempotent while the ticket lives (a granted ticket answers its grant again).
     fn acquire<'a>(
         &'a self,
         name: &'a str,
         ticket: u64,
         priority: &'a Priority,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>>;
+
+    /// Grants `ticket` only if that can happen at once, and never queues it: `Granted`,
+    /// `Queued` (busy; nothing left behind) or `RetryAfter` (the bucket has a token then).
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>>;
+
+    /// Asks again about a ticket asked before, never queuing it: granted (now, if it is served
+    /// next and can be), still waiting, or [`Answer::Finished`].
+    fn check<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>>;
 
     /// Resolves when the answer for `ticket` may have changed (a release, a refill, an expiry),
@@ -59,13 +92,41 @@ pub trait LimitBackend: Send + Sync + fmt::Debug + 'static {
     /// serves next, not every waiter.
     fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()>;
 
-    /// Returns the permit of `ticket`, or withdraws it from the queue; unknown tickets are a
-    /// no-op.
-    fn release<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, Result<(), LimitError>>;
+    /// Returns the permit of `ticket`, or withdraws it from the queue; either way the ticket is
+    /// finished. An unknown ticket is a no-op ([`Released::Unknown`]).
+    fn release<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+    ) -> BoxFuture<'a, Result<Released, LimitError>>;
+
+    /// Extends the lease of every held permit among `tickets` to `lease` from now. Answers the
+    /// tickets that neither hold nor wait any more — their lease ended, or the store lost them —
+    /// so their holders learn that their fencing tokens are stale.
+    fn renew<'a>(
+        &'a self,
+        name: &'a str,
+        tickets: &'a [u64],
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Vec<u64>, LimitError>>;
 
     /// The state of one limit, `None` if it is not defined.
     fn info<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<LimitInfo>, LimitError>>;
 
     /// Every limit, in name order.
     fn list(&self) -> BoxFuture<'_, Result<Vec<LimitInfo>, LimitError>>;
+
+    /// Whether the permit of `ticket` is known lost: its lease could not be renewed, or the
+    /// store lost its state. A backend without leases (in process) never loses a permit.
+    fn lease_lost(&self, name: &str, ticket: u64) -> bool {
+        let _ = (name, ticket);
+        false
+    }
+
+    /// Resolves once the permit of `ticket` is known lost (see
+    /// [`lease_lost`](Self::lease_lost)); never, for a backend that cannot lose one.
+    fn lost<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, ()> {
+        let _ = (name, ticket);
+        Box::pin(std::future::pending())
+    }
 }

@@ -44,6 +44,11 @@ where
     redefinition_never_revokes(&*make(100), prefix).await;
     waiters_are_pushed_on_release(make(100), prefix).await;
     cancelled_waiters_leave_nothing_behind(make(100), prefix).await;
+    finished_tickets_are_never_queued_again(&*make(100), prefix).await;
+    a_try_never_queues(&*make(1), prefix).await;
+    leases_end_and_renewals_say_what_was_lost(&*make(100), prefix).await;
+    a_held_rate_limit_keeps_granting(make(100), prefix).await;
+    fencing_survives_remove_and_define(&*make(100), prefix).await;
 }
 
 fn name(prefix: &str, scenario: &str) -> String {
@@ -51,7 +56,7 @@ fn name(prefix: &str, scenario: &str) -> String {
 }
 
 async fn ask(b: &dyn LimitBackend, limit: &str, ticket: u64, p: &Priority) -> Answer {
-    b.acquire(limit, ticket, p).await.unwrap_or_else(|e| panic!("acquire {limit}/{ticket}: {e}"))
+    b.acquire(limit, ticket, p, None).await.unwrap_or_else(|e| panic!("acquire {limit}/{ticket}: {e}"))
 }
 
 fn granted(answer: Answer) -> bool {
@@ -89,7 +94,7 @@ pub async fn define_info_list_remove(b: &dyn LimitBackend, prefix: &str) {
     b.release(&limit, ticket).await.expect("release");
     b.remove(&limit).await.expect("remove");
     assert!(b.info(&limit).await.expect("info").is_none(), "crud: removed");
-    let err = b.acquire(&limit, b.ticket(), &Priority::default()).await.unwrap_err();
+    let err = b.acquire(&limit, b.ticket(), &Priority::default(), None).await.unwrap_err();
     assert!(err.is_unknown_limit(), "crud: unknown limit, got {err}");
 }
 
@@ -190,7 +195,7 @@ pub async fn the_waiting_room_is_bounded(b: &dyn LimitBackend, prefix: &str) {
     assert!(granted(ask(b, &limit, tickets[0], &p).await));
     assert_eq!(ask(b, &limit, tickets[1], &p).await, Answer::Queued);
     assert_eq!(ask(b, &limit, tickets[2], &p).await, Answer::Queued);
-    let err = b.acquire(&limit, tickets[3], &p).await.unwrap_err();
+    let err = b.acquire(&limit, tickets[3], &p, None).await.unwrap_err();
     assert!(err.is_too_many_waiters(), "room: got {err}");
     let info = b.info(&limit).await.expect("info").expect("defined");
     assert_eq!(info.waiting, 2, "room: the refused ticket is not queued");
@@ -302,6 +307,121 @@ pub async fn cancelled_waiters_leave_nothing_behind(b: Arc<dyn LimitBackend>, pr
         assert!(Instant::now() < deadline, "cancel: left behind {info:?}");
         sleep(Duration::from_millis(20)).await;
     }
-    let again = limits.try_acquire(&limit, Priority::default()).await.expect("try");
-    assert!(again.is_some(), "cancel: the permit is free");
+    let again = limits.try_acquire(&limit, Priority::default()).await;
+    assert!(again.is_ok(), "cancel: the permit is free: {again:?}");
+}
+
+/// A ticket released or withdrawn while its waiter is between two looks is finished: a later
+/// look answers `Finished` and leaves nothing queued (the seam where permits leaked).
+pub async fn finished_tickets_are_never_queued_again(b: &dyn LimitBackend, prefix: &str) {
+    let limit = name(prefix, "finished");
+    b.define(&limit, LimitSpec::concurrent(1)).await.expect("define");
+    let p = Priority::default();
+    let (holder, waiter) = (b.ticket(), b.ticket());
+    assert!(granted(ask(b, &limit, holder, &p).await), "finished: first");
+    assert_eq!(ask(b, &limit, waiter, &p).await, Answer::Queued, "finished: second waits");
+    b.release(&limit, waiter).await.expect("withdraw");
+    let look = b.check(&limit, waiter, None).await.expect("check");
+    assert_eq!(look, Answer::Finished, "finished: a withdrawn ticket is finished");
+    b.release(&limit, holder).await.expect("release");
+    assert_eq!(b.check(&limit, holder, None).await.expect("check"), Answer::Finished);
+    let info = b.info(&limit).await.expect("info").expect("defined");
+    assert_eq!((info.in_use, info.waiting), (0, 0), "finished: nothing left: {info:?}");
+    b.remove(&limit).await.expect("remove");
+}
+
+/// A try grants or answers busy / retry-after, never queues, and never needs the waiting room.
+pub async fn a_try_never_queues(b: &dyn LimitBackend, prefix: &str) {
+    let limit = name(prefix, "try");
+    b.define(&limit, LimitSpec::concurrent(1).per_second(1.0).burst(1)).await.expect("define");
+    let p = Priority::default();
+    let holder = b.ticket();
+    assert!(granted(ask(b, &limit, holder, &p).await), "try: first");
+    // The waiting room (of one) fills up.
+    let waiter = b.ticket();
+    assert_eq!(ask(b, &limit, waiter, &p).await, Answer::Queued, "try: waiter");
+    let tried = b.try_acquire(&limit, b.ticket(), None).await.expect("a try never overflows");
+    assert_eq!(tried, Answer::Queued, "try: busy");
+    b.release(&limit, waiter).await.expect("withdraw");
+    b.release(&limit, holder).await.expect("release");
+    // The bucket is empty now: the try says when to come back.
+    match b.try_acquire(&limit, b.ticket(), None).await.expect("try") {
+        Answer::RetryAfter(after) => assert!(after <= Duration::from_secs(1), "try: {after:?}"),
+        other => panic!("try: expected retry-after, got {other:?}"),
+    }
+    let info = b.info(&limit).await.expect("info").expect("defined");
+    assert_eq!((info.in_use, info.waiting), (0, 0), "try: nothing left: {info:?}");
+}
+
+/// A leased permit is reclaimed when its lease ends, lets the next waiter in, and a renewal
+/// names it as lost; a renewed permit stays.
+pub async fn leases_end_and_renewals_say_what_was_lost(b: &dyn LimitBackend, prefix: &str) {
+    let limit = name(prefix, "lease");
+    b.define(&limit, LimitSpec::concurrent(2)).await.expect("define");
+    let p = Priority::default();
+    let lease = Duration::from_millis(300);
+    let (kept, lapsing, waiter) = (b.ticket(), b.ticket(), b.ticket());
+    for ticket in [kept, lapsing] {
+        let answer = b.acquire(&limit, ticket, &p, Some(lease)).await.expect("acquire");
+        assert!(granted(answer), "lease: grant {ticket}");
+    }
+    assert_eq!(b.acquire(&limit, waiter, &p, Some(lease)).await.expect("acquire"), Answer::Queued);
+    let start = Instant::now();
+    let mut answer = Answer::Queued;
+    while start.elapsed() < Duration::from_secs(3) && !granted(answer) {
+        let lost = b.renew(&limit, &[kept], lease).await.expect("renew");
+        assert!(lost.is_empty(), "lease: the renewed permit stays: {lost:?}");
+        b.wait(&limit, waiter, Duration::from_millis(50)).await;
+        answer = b.check(&limit, waiter, Some(lease)).await.expect("check");
+    }
+    assert!(granted(answer), "lease: the lapsed permit let the waiter in");
+    let lost = b.renew(&limit, &[kept, lapsing, waiter], lease).await.expect("renew");
+    assert_eq!(lost, vec![lapsing], "lease: the lapsed permit is reported lost");
+    for ticket in [kept, waiter] {
+        b.release(&limit, ticket).await.expect("release");
+    }
+}
+
+/// A rate-limited limit whose permits are all kept still grants at its rate (the head waits for
+/// the refill even when no permit comes back).
+pub async fn a_held_rate_limit_keeps_granting(b: Arc<dyn LimitBackend>, prefix: &str) {
+    let limit = name(prefix, "held-rate");
+    let limits = Limits::from_backend(b);
+    limits.define(&limit, LimitSpec::concurrent(100).per_second(20.0).burst(1)).await.expect("define");
+    let mut tasks = Vec::new();
+    for _ in 0..5 {
+        let (limits, limit) = (limits.clone(), limit.clone());
+        tasks.push(tokio::spawn(async move { limits.acquire(&limit, Priority::default()).await }));
+    }
+    let mut permits = Vec::new();
+    for task in tasks {
+        let permit = timeout(Duration::from_secs(3), task)
+            .await
+            .expect("held-rate: every waiter is granted at the rate")
+            .expect("task")
+            .expect("acquire");
+        permits.push(permit);
+    }
+    assert_eq!(permits.len(), 5);
+}
+
+/// Fencing tokens keep growing across a removal and a new definition of the same name.
+pub async fn fencing_survives_remove_and_define(b: &dyn LimitBackend, prefix: &str) {
+    let limit = name(prefix, "fence");
+    let p = Priority::default();
+    b.define(&limit, LimitSpec::concurrent(1)).await.expect("define");
+    let ticket = b.ticket();
+    let Answer::Granted(first) = ask(b, &limit, ticket, &p).await else { panic!("fence: grant") };
+    b.release(&limit, ticket).await.expect("release");
+    b.remove(&limit).await.expect("remove");
+    b.define(&limit, LimitSpec::concurrent(1)).await.expect("define again");
+    let ticket = b.ticket();
+    let Answer::Granted(second) = ask(b, &limit, ticket, &p).await else { panic!("fence: again") };
+    assert!(
+        second.fencing_token > first.fencing_token,
+        "fence: {} then {}",
+        first.fencing_token,
+        second.fencing_token
+    );
+    b.release(&limit, ticket).await.expect("release");
 }

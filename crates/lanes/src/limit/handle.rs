@@ -1,20 +1,21 @@
-//! The `Limits` facade and its `Permit`.
+//! The `Limits` facade, the per-limit `Limit` handle, and `Permit`.
 
 use std::fmt;
+use std::future::poll_fn;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
+use super::acquire::{Withdraw, drive, release_in_background};
 use super::backend::{Answer, LimitBackend};
 use super::local::LocalLimits;
 use super::priority::Priority;
 use super::spec::LimitSpec;
-use super::table::{Grant, LimitError, LimitInfo};
+use super::table::{Acquire, Grant, LimitError, LimitInfo};
 use crate::lane::{ConfigError, ConfigRule};
 use crate::registry::{Registry, Snapshot, Source};
-
-/// How long a waiter of a non-local backend waits for a push before it asks again anyway: a
-/// safety net for lost notifications, not the way waiters learn of releases.
-const REASK: Duration = Duration::from_secs(1);
 
 #[derive(Clone)]
 enum Backend {
@@ -116,6 +117,11 @@ impl Limits {
         }
     }
 
+    /// A handle on the limit `name`: the same operations without naming it each time.
+    pub fn limit(&self, name: &str) -> Limit {
+        Limit { limits: self.clone(), name: Arc::from(name) }
+    }
+
     /// Waits for a permit of `name`, queued at `priority`.
     ///
     /// # Cancel safety
@@ -127,12 +133,10 @@ impl Limits {
     ///
     /// [`LimitError::UnknownLimit`], [`LimitError::TooManyWaiters`], or a backend failure.
     pub async fn acquire(&self, name: &str, priority: Priority) -> Result<Permit, LimitError> {
-        match &self.backend {
-            Backend::Local(local) => {
-                let (name, ticket, grant) = local.acquire_local(name, &priority).await?;
-                Ok(Permit { release: Backend::Local(local.clone()), name, ticket, grant })
-            }
-            Backend::Dyn(backend) => acquire_dyn(backend, name, &priority).await,
+        match self.acquire_inner(name, &priority, None).await {
+            Ok(permit) => Ok(permit),
+            Err(AcquireError::Limit(err)) => Err(err),
+            Err(AcquireError::Timeout(_)) => unreachable!("no deadline, no timeout"),
         }
     }
 
@@ -152,47 +156,136 @@ impl Limits {
         priority: Priority,
         timeout: Duration,
     ) -> Result<Permit, AcquireError> {
-        match tokio::time::timeout(timeout, self.acquire(name, priority)).await {
-            Ok(result) => result.map_err(AcquireError::Limit),
-            Err(_elapsed) => Err(AcquireError::Timeout(timeout)),
+        self.acquire_inner(name, &priority, Some(Instant::now() + timeout)).await
+    }
+
+    /// Like [`acquire`](Self::acquire), giving up at `deadline` (tokio's clock).
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`acquire`](Self::acquire).
+    ///
+    /// # Errors
+    ///
+    /// [`AcquireError::Timeout`] when the deadline passed (the ticket was withdrawn), or
+    /// [`AcquireError::Limit`].
+    pub async fn acquire_until(
+        &self,
+        name: &str,
+        priority: Priority,
+        deadline: Instant,
+    ) -> Result<Permit, AcquireError> {
+        self.acquire_inner(name, &priority, Some(deadline)).await
+    }
+
+    /// The one acquire future (see `acquire.rs`): owns a fresh ticket, withdraws it on drop or
+    /// at the deadline, wakes on grant, refill or lease end.
+    async fn acquire_inner(
+        &self,
+        name: &str,
+        priority: &Priority,
+        deadline: Option<Instant>,
+    ) -> Result<Permit, AcquireError> {
+        let started = Instant::now();
+        let timed_out = |deadline: Instant| AcquireError::Timeout(deadline - started);
+        match &self.backend {
+            Backend::Local(local) => {
+                let ticket = local.next_ticket();
+                let mut withdraw = LocalWithdraw { local, name, ticket, armed: true };
+                let mut first = Some(priority);
+                let mut timer = None;
+                let mut expiry = deadline.map(|at| Box::pin(tokio::time::sleep_until(at)));
+                let granted = poll_fn(|cx| {
+                    if let Poll::Ready(done) =
+                        local.poll_step(cx, name, ticket, &mut first, &mut timer)
+                    {
+                        return Poll::Ready(done.map_err(AcquireError::Limit));
+                    }
+                    match &mut expiry {
+                        Some(sleep) => match sleep.as_mut().poll(cx) {
+                            Poll::Ready(()) => Poll::Ready(Err(timed_out(sleep.deadline()))),
+                            Poll::Pending => Poll::Pending,
+                        },
+                        None => Poll::Pending,
+                    }
+                })
+                .await;
+                let (name, grant) = granted?;
+                withdraw.armed = false;
+                Ok(Permit { release: Backend::Local(local.clone()), name, ticket, grant })
+            }
+            Backend::Dyn(backend) => {
+                let name: Arc<str> = Arc::from(name);
+                let ticket = backend.ticket();
+                let mut withdraw =
+                    Withdraw { backend: backend.clone(), name: name.clone(), ticket, armed: true };
+                let mut first = Some(priority);
+                loop {
+                    let answer =
+                        drive(&**backend, &name, ticket, first.take(), None, deadline)
+                            .await
+                            .map_err(AcquireError::Limit)?;
+                    match answer {
+                        Answer::Granted(grant) => {
+                            withdraw.armed = false;
+                            let release = Backend::Dyn(backend.clone());
+                            return Ok(Permit { release, name, ticket, grant });
+                        }
+                        // Its owner is still waiting, so the store lost the ticket (a restart):
+                        // ask anew, first ask again.
+                        Answer::Finished => first = Some(priority),
+                        Answer::Queued | Answer::RetryAfter(_) => {
+                            let deadline = deadline.expect("drive returns pending only at one");
+                            return Err(timed_out(deadline));
+                        }
+                    }
+                }
+            }
         }
     }
 
     /// A permit of `name` if one can be granted right now (nobody waits ahead, a permit is
-    /// free, the bucket has a token), else `None`, leaving nothing queued.
+    /// free, the bucket has a token). Never queues and never waits, so it never fails for a
+    /// full waiting room.
     ///
     /// # Errors
     ///
-    /// [`LimitError::UnknownLimit`], or a backend failure.
+    /// [`TryAcquireError::Busy`] (every permit is held or others wait),
+    /// [`TryAcquireError::RateLimited`] with the time until the bucket has a token, or
+    /// [`TryAcquireError::Limit`] (an unknown limit, a backend failure).
     pub async fn try_acquire(
         &self,
         name: &str,
         priority: Priority,
-    ) -> Result<Option<Permit>, LimitError> {
-        match &self.backend {
+    ) -> Result<Permit, TryAcquireError> {
+        let _ = priority;
+        let (answer, ticket, release, interned) = match &self.backend {
             Backend::Local(local) => {
-                Ok(local.try_acquire_local(name, &priority)?.map(|(name, ticket, grant)| Permit {
-                    release: Backend::Local(local.clone()),
-                    name,
-                    ticket,
-                    grant,
-                }))
+                let ticket = local.next_ticket();
+                let now = Instant::now();
+                let (acquire, interned) = local.try_now(name, ticket, None)?;
+                let answer = match acquire {
+                    Acquire::Granted(grant) => Answer::Granted(grant),
+                    Acquire::RetryAt(at) => {
+                        Answer::RetryAfter(local.at(at).saturating_duration_since(now))
+                    }
+                    Acquire::Queued | Acquire::Finished => Answer::Queued,
+                };
+                (answer, ticket, Backend::Local(local.clone()), interned)
             }
             Backend::Dyn(backend) => {
                 let ticket = backend.ticket();
-                match backend.acquire(name, ticket, &priority).await? {
-                    Answer::Granted(grant) => Ok(Some(Permit {
-                        release: Backend::Dyn(backend.clone()),
-                        name: Arc::from(name),
-                        ticket,
-                        grant,
-                    })),
-                    Answer::Queued | Answer::RetryAfter(_) => {
-                        backend.release(name, ticket).await?;
-                        Ok(None)
-                    }
-                }
+                let answer = backend.try_acquire(name, ticket, None).await?;
+                (answer, ticket, Backend::Dyn(backend.clone()), None)
             }
+        };
+        match answer {
+            Answer::Granted(grant) => {
+                let name = interned.unwrap_or_else(|| Arc::from(name));
+                Ok(Permit { release, name, ticket, grant })
+            }
+            Answer::RetryAfter(after) => Err(TryAcquireError::RateLimited(after)),
+            Answer::Queued | Answer::Finished => Err(TryAcquireError::Busy),
         }
     }
 
@@ -248,50 +341,19 @@ impl Source for LocalLimits {
     }
 }
 
-async fn acquire_dyn(
-    backend: &Arc<dyn LimitBackend>,
-    name: &str,
-    priority: &Priority,
-) -> Result<Permit, LimitError> {
-    let ticket = backend.ticket();
-    let mut withdraw = DynWithdraw { backend: backend.clone(), name, ticket, armed: true };
-    loop {
-        let wait = match backend.acquire(name, ticket, priority).await? {
-            Answer::Granted(grant) => {
-                withdraw.armed = false;
-                let release = Backend::Dyn(backend.clone());
-                return Ok(Permit { release, name: Arc::from(name), ticket, grant });
-            }
-            Answer::Queued => REASK,
-            Answer::RetryAfter(after) => after,
-        };
-        backend.wait(name, ticket, wait).await;
-    }
-}
-
-/// Withdraws the ticket of a dropped acquire on a non-local backend, in the background.
-struct DynWithdraw<'a> {
-    backend: Arc<dyn LimitBackend>,
+/// Withdraws the ticket of a dropped local acquire (or returns a permit granted on its behalf).
+struct LocalWithdraw<'a> {
+    local: &'a LocalLimits,
     name: &'a str,
     ticket: u64,
     armed: bool,
 }
 
-impl Drop for DynWithdraw<'_> {
+impl Drop for LocalWithdraw<'_> {
     fn drop(&mut self) {
         if self.armed {
-            release_in_background(self.backend.clone(), Arc::from(self.name), self.ticket);
+            self.local.release_now(self.name, self.ticket);
         }
-    }
-}
-
-fn release_in_background(backend: Arc<dyn LimitBackend>, name: Arc<str>, ticket: u64) {
-    // Outside a runtime nothing can run the release; a leased backend reclaims the permit when
-    // its lease expires.
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        runtime.spawn(async move {
-            let _ = backend.release(&name, ticket).await;
-        });
     }
 }
 
@@ -319,12 +381,37 @@ impl Permit {
     pub fn fencing_token(&self) -> u64 {
         self.grant.fencing_token
     }
+
+    /// Whether this permit is known lost: its lease could not be renewed in time, or the store
+    /// (Redis) lost its state. Another holder may have it now; stop the work it guards. A
+    /// permit of the in-process backend is never lost.
+    pub fn lease_lost(&self) -> bool {
+        match &self.release {
+            Backend::Local(_) => false,
+            Backend::Dyn(backend) => backend.lease_lost(&self.name, self.ticket),
+        }
+    }
+
+    /// Resolves once this permit is known lost (see [`lease_lost`](Self::lease_lost)); never,
+    /// for the in-process backend. Select on it beside the work the permit guards.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future changes nothing.
+    pub async fn lost(&self) {
+        match &self.release {
+            Backend::Local(_) => std::future::pending().await,
+            Backend::Dyn(backend) => backend.lost(&self.name, self.ticket).await,
+        }
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         match &self.release {
-            Backend::Local(local) => local.release_now(&self.name, self.ticket),
+            Backend::Local(local) => {
+                local.release_now(&self.name, self.ticket);
+            }
             Backend::Dyn(backend) => {
                 release_in_background(backend.clone(), self.name.clone(), self.ticket);
             }
@@ -374,5 +461,162 @@ impl std::error::Error for AcquireError {
             Self::Timeout(_) => None,
             Self::Limit(err) => Some(err),
         }
+    }
+}
+
+/// Why [`Limits::try_acquire`] gave no permit. A try never queues, so nothing is left behind.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum TryAcquireError {
+    /// Every permit is held, or others wait ahead: try again after a release.
+    Busy,
+    /// The rate bucket is empty: it has a token after this long.
+    RateLimited(Duration),
+    /// The limit refused (unknown limit, backend failure).
+    Limit(LimitError),
+}
+
+impl TryAcquireError {
+    /// No permit is free, or others wait ahead.
+    pub fn is_busy(&self) -> bool {
+        matches!(self, Self::Busy)
+    }
+
+    /// The rate bucket is empty.
+    pub fn is_rate_limited(&self) -> bool {
+        matches!(self, Self::RateLimited(_))
+    }
+
+    /// When a retry can succeed, if the limit knows: the bucket's refill time.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Self::RateLimited(after) => Some(*after),
+            _ => None,
+        }
+    }
+}
+
+impl From<LimitError> for TryAcquireError {
+    fn from(err: LimitError) -> Self {
+        Self::Limit(err)
+    }
+}
+
+impl fmt::Display for TryAcquireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Busy => f.write_str("no permit free"),
+            Self::RateLimited(after) => write!(f, "rate limited; retry after {after:?}"),
+            Self::Limit(err) => err.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for TryAcquireError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Limit(err) => Some(err),
+            _ => None,
+        }
+    }
+}
+
+/// One limit of a [`Limits`], by name: what a tokio user expects of a semaphore.
+///
+/// ```
+/// use lanes::{LimitSpec, Limits};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let limits = Limits::new();
+/// limits.define("db", LimitSpec::concurrent(2)).await?;
+/// let db = limits.limit("db");
+/// let first = db.acquire().await?;
+/// let second = db.try_acquire().await?;
+/// assert!(db.try_acquire().await.unwrap_err().is_busy());
+/// drop((first, second));
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Limit {
+    limits: Limits,
+    name: Arc<str>,
+}
+
+impl Limit {
+    /// The limit's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Waits for a permit at the default priority. See [`Limits::acquire`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Limits::acquire`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`Limits::acquire`].
+    pub async fn acquire(&self) -> Result<Permit, LimitError> {
+        self.limits.acquire(&self.name, Priority::default()).await
+    }
+
+    /// Waits for a permit at `priority`. See [`Limits::acquire`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Limits::acquire`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`Limits::acquire`].
+    pub async fn acquire_with(&self, priority: Priority) -> Result<Permit, LimitError> {
+        self.limits.acquire(&self.name, priority).await
+    }
+
+    /// Waits at most `timeout`. See [`Limits::acquire_timeout`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Limits::acquire`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`Limits::acquire_timeout`].
+    pub async fn acquire_timeout(&self, timeout: Duration) -> Result<Permit, AcquireError> {
+        self.limits.acquire_timeout(&self.name, Priority::default(), timeout).await
+    }
+
+    /// Waits until `deadline`. See [`Limits::acquire_until`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As for [`Limits::acquire`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`Limits::acquire_until`].
+    pub async fn acquire_until(&self, deadline: Instant) -> Result<Permit, AcquireError> {
+        self.limits.acquire_until(&self.name, Priority::default(), deadline).await
+    }
+
+    /// A permit now or an error saying why not (and when to retry, for a rate).
+    ///
+    /// # Errors
+    ///
+    /// As for [`Limits::try_acquire`].
+    pub async fn try_acquire(&self) -> Result<Permit, TryAcquireError> {
+        self.limits.try_acquire(&self.name, Priority::default()).await
+    }
+
+    /// The limit's state, `None` if it is not defined.
+    ///
+    /// # Errors
+    ///
+    /// A backend failure.
+    pub async fn info(&self) -> Result<Option<LimitInfo>, LimitError> {
+        self.limits.info(&self.name).await
     }
 }

@@ -7,7 +7,7 @@ use std::task::{Context, Poll};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::handle::Limits;
+use super::handle::{Limits, TryAcquireError};
 use super::priority::Priority;
 use crate::{BoxError, BoxFuture};
 
@@ -181,10 +181,11 @@ where
         Box::pin(async move {
             let permit = match when_busy {
                 WhenBusy::Wait => limits.acquire(&name, priority).await?,
-                WhenBusy::Reject => limits
-                    .try_acquire(&name, priority)
-                    .await?
-                    .ok_or_else(|| Overloaded { limit: name.clone() })?,
+                WhenBusy::Reject => match limits.try_acquire(&name, priority).await {
+                    Ok(permit) => permit,
+                    Err(TryAcquireError::Limit(err)) => return Err(err.into()),
+                    Err(_) => return Err(Overloaded { limit: name.clone() }.into()),
+                },
             };
             let response = inner.call(req).await.map_err(Into::into);
             drop(permit);

@@ -5,17 +5,18 @@
 //!
 //! A waiter's future asks the table with its ticket on every poll and, unless granted, leaves
 //! its waker under its ticket. Every change that can grant (a release, a withdrawal, a
-//! redefinition) *pumps* the limit: it grants the queue head(s) on their waiters' behalf and
-//! wakes exactly those waiters; if the head is only waiting for the bucket, it wakes the head,
-//! which sleeps until the refill. Only the head ever sleeps on a refill, so a limit has one
-//! timer, not one per waiter.
+//! redefinition, a grant that moved the queue) *pumps* the limit: it grants the queue head(s)
+//! on their waiters' behalf and wakes exactly those waiters; if the head is only waiting for
+//! the bucket, it wakes the head, which sleeps until the refill. Only the head ever sleeps on a
+//! timer (a refill, or the end of the earliest lease when permits are leased), so a limit needs
+//! one timer, not one per waiter.
 
 use std::fmt;
 use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::time::{Instant, Sleep, sleep_until};
@@ -23,7 +24,7 @@ use tokio::time::{Instant, Sleep, sleep_until};
 use super::backend::{Answer, LimitBackend};
 use super::priority::Priority;
 use super::spec::LimitSpec;
-use super::table::{Acquire, Grant, LimitError, LimitInfo, LimitTable, Next};
+use super::table::{Acquire, Grant, LimitError, LimitInfo, LimitTable, Next, Released};
 use crate::BoxFuture;
 use crate::util::FastMap;
 use crate::util::lock;
@@ -31,9 +32,41 @@ use crate::util::lock;
 #[derive(Debug)]
 struct Inner {
     table: LimitTable,
-    /// Waiters' wakers by ticket (tickets are unique per backend). Only looked up, never
-    /// iterated, so the map's order cannot leak into answers.
-    wakers: FastMap<u64, Waker>,
+    /// Waiters by ticket (tickets are unique per backend). Only looked up, never iterated, so
+    /// the map's order cannot leak into answers.
+    wakers: FastMap<u64, Waiter>,
+}
+
+/// A waiting ticket's waker, and whether a release may grant on its behalf (and with which
+/// lease) or only wake it so it asks itself.
+#[derive(Debug)]
+struct Waiter {
+    waker: Waker,
+    grant: OnBehalf,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OnBehalf {
+    /// Grant with this lease, then wake.
+    Grant(Option<Duration>),
+    /// Only wake: the waiter asks again itself (it knows its lease).
+    WakeOnly,
+}
+
+impl Inner {
+    fn park(&mut self, ticket: u64, waker: &Waker, grant: OnBehalf) {
+        match self.wakers.get_mut(&ticket) {
+            Some(existing) => {
+                if !existing.waker.will_wake(waker) {
+                    existing.waker.clone_from(waker);
+                }
+                existing.grant = grant;
+            }
+            None => {
+                self.wakers.insert(ticket, Waiter { waker: waker.clone(), grant });
+            }
+        }
+    }
 }
 
 /// Limits held in this process. Reachable directly through [`Limits::new`](super::Limits::new)
@@ -54,6 +87,14 @@ impl Default for LocalLimits {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// Where a waiting ticket stands after one look at the table.
+pub(crate) enum Step {
+    Granted(Arc<str>, Grant),
+    /// Waiting; sleep until this instant at most (a refill or a lease end), if any.
+    Waiting(Option<Instant>),
+    Finished,
 }
 
 impl LocalLimits {
@@ -78,6 +119,11 @@ impl LocalLimits {
         Instant::now().saturating_duration_since(self.origin)
     }
 
+    /// The instant of a table time.
+    pub(crate) fn at(&self, at: Duration) -> Instant {
+        self.origin + at
+    }
+
     pub(crate) fn next_ticket(&self) -> u64 {
         self.tickets.fetch_add(1, Ordering::Relaxed)
     }
@@ -96,200 +142,271 @@ impl LocalLimits {
         Ok(())
     }
 
-    /// Asks once; registers `waker` unless granted.
-    fn ask(
+    /// One look at the table for a waiting `ticket`: the first ask queues it, later looks never
+    /// do. Leaves `waker` under the ticket unless it was granted or is finished.
+    pub(crate) fn step(
         &self,
         name: &str,
         ticket: u64,
-        priority: &Priority,
+        first: Option<&Priority>,
+        lease: Option<Duration>,
         waker: &Waker,
-    ) -> Result<(Acquire, Arc<str>), LimitError> {
+    ) -> Result<Step, LimitError> {
         let mut inner = lock(&self.inner);
-        let answer = inner.table.acquire(name, ticket, priority, self.now())?;
-        match answer {
-            Acquire::Granted(_) => {
+        let now = self.now();
+        let answer = match first {
+            Some(priority) => inner.table.acquire_leased(name, ticket, priority, now, lease)?,
+            None => inner.table.check(name, ticket, now, lease)?,
+        };
+        Ok(match answer {
+            Acquire::Granted(grant) => {
                 if !inner.wakers.is_empty() {
                     inner.wakers.remove(&ticket);
                 }
-            }
-            Acquire::Queued | Acquire::RetryAt(_) => match inner.wakers.get_mut(&ticket) {
-                Some(existing) if existing.will_wake(waker) => {}
-                Some(existing) => existing.clone_from(waker),
-                None => {
-                    inner.wakers.insert(ticket, waker.clone());
-                }
-            },
-        }
-        let name = inner.table.name(name).unwrap_or_else(|| Arc::from(name));
-        Ok((answer, name))
-    }
-
-    /// Waits for the permit of a fresh ticket. Cancel safe: dropping the future withdraws the
-    /// ticket (or returns a permit granted on its behalf meanwhile).
-    pub(crate) async fn acquire_local(
-        self: &Arc<Self>,
-        name: &str,
-        priority: &Priority,
-    ) -> Result<(Arc<str>, u64, Grant), LimitError> {
-        let ticket = self.next_ticket();
-        let mut withdraw = Withdraw { local: self, name, ticket, armed: true };
-        let mut refill: Option<Pin<Box<Sleep>>> = None;
-        let granted = poll_fn(|cx| {
-            loop {
-                let (answer, interned) = match self.ask(name, ticket, priority, cx.waker()) {
-                    Ok(answered) => answered,
-                    Err(err) => return Poll::Ready(Err(err)),
-                };
-                match answer {
-                    Acquire::Granted(grant) => return Poll::Ready(Ok((interned, ticket, grant))),
-                    Acquire::Queued => {
-                        refill = None;
-                        return Poll::Pending;
-                    }
-                    Acquire::RetryAt(at) => {
-                        let deadline = self.origin + at;
-                        match &mut refill {
-                            Some(sleep) if sleep.deadline() == deadline => {}
-                            Some(sleep) => sleep.as_mut().reset(deadline),
-                            None => refill = Some(Box::pin(sleep_until(deadline))),
-                        }
-                        let sleep = refill.as_mut().expect("armed above");
-                        if sleep.as_mut().poll(cx).is_pending() {
-                            return Poll::Pending;
-                        }
-                        // The bucket has refilled: ask again.
-                    }
-                }
-            }
-        })
-        .await;
-        withdraw.armed = granted.is_err();
-        granted
-    }
-
-    /// Answers once without waiting: granted, or withdrawn.
-    pub(crate) fn try_acquire_local(
-        &self,
-        name: &str,
-        priority: &Priority,
-    ) -> Result<Option<(Arc<str>, u64, Grant)>, LimitError> {
-        let ticket = self.next_ticket();
-        let mut inner = lock(&self.inner);
-        let now = self.now();
-        match inner.table.acquire(name, ticket, priority, now)? {
-            Acquire::Granted(grant) => {
+                // This grant may have moved the queue: the new head may be grantable, or must
+                // arm the refill timer. Nothing else would wake it while permits are held.
+                Self::pump(&mut inner, name, now);
                 let name = inner.table.name(name).unwrap_or_else(|| Arc::from(name));
-                Ok(Some((name, ticket, grant)))
+                Step::Granted(name, grant)
+            }
+            Acquire::Finished => {
+                inner.wakers.remove(&ticket);
+                Step::Finished
             }
             Acquire::Queued | Acquire::RetryAt(_) => {
-                inner.table.release(name, ticket, now)?;
-                // Queuing and withdrawing a ticket that was never served changes nothing for
-                // the others, except that a refill sleeper may have to re-arm.
-                Self::pump(&mut inner, name, now);
-                Ok(None)
+                inner.park(ticket, waker, OnBehalf::Grant(lease));
+                let at = match answer {
+                    Acquire::RetryAt(at) => Some(at),
+                    // The head blocked by held permits wakes when the earliest lease can end.
+                    _ => match inner.table.next(name, now) {
+                        Ok(Some(Next::Blocked(head))) if head == ticket => {
+                            inner.table.next_expiry_of(name)
+                        }
+                        _ => None,
+                    },
+                };
+                Step::Waiting(at.map(|at| self.origin + at))
             }
-        }
+        })
+    }
+
+    /// Answers once without waiting and without queuing.
+    pub(crate) fn try_now(
+        &self,
+        name: &str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> Result<(Acquire, Option<Arc<str>>), LimitError> {
+        let mut inner = lock(&self.inner);
+        let answer = inner.table.try_acquire(name, ticket, self.now(), lease)?;
+        Ok((answer, inner.table.name(name)))
     }
 
     /// Returns a permit or withdraws a ticket, then lets the next waiters in.
-    pub(crate) fn release_now(&self, name: &str, ticket: u64) {
+    pub(crate) fn release_now(&self, name: &str, ticket: u64) -> Released {
         let mut inner = lock(&self.inner);
         let now = self.now();
         if !inner.wakers.is_empty() {
             inner.wakers.remove(&ticket);
         }
-        if inner.table.release(name, ticket, now).is_ok() {
-            Self::pump(&mut inner, name, now);
+        match inner.table.release(name, ticket, now) {
+            Ok(released) => {
+                if released != Released::Unknown {
+                    Self::pump(&mut inner, name, now);
+                }
+                released
+            }
+            Err(_) => Released::Unknown,
         }
     }
 
     /// Grants the queue head(s) on their waiters' behalf and wakes them; wakes a head that waits
-    /// for a refill so it (re)arms the limit's one timer.
+    /// for a refill or a lease end so it (re)arms the limit's one timer.
     fn pump(inner: &mut Inner, name: &str, now: Duration) {
         if inner.wakers.is_empty() {
             // Nobody waits in this backend: nothing to grant on anyone's behalf.
             return;
         }
-        while let Ok(Some((ticket, _))) = inner.table.grant_next(name, now, None) {
-            if let Some(waker) = inner.wakers.remove(&ticket) {
-                waker.wake();
-            }
+        while let Ok(Some(Next::Ready(ticket))) = inner.table.next(name, now) {
+            // A waiter that is not polling (a server ticket between long-polls) is left for its
+            // own next look, so a grant never lands on an absent waiter; one that only wants a
+            // wake-up asks itself, with its own lease.
+            let Some(waiter) = inner.wakers.remove(&ticket) else { break };
+            let OnBehalf::Grant(lease) = waiter.grant else {
+                waiter.waker.wake();
+                break;
+            };
+            let _ = inner.table.check(name, ticket, now, lease);
+            waiter.waker.wake();
         }
-        if let Ok(Some(Next::At(ticket, _))) = inner.table.next(name, now)
-            && let Some(waker) = inner.wakers.remove(&ticket)
+        let head = match inner.table.next(name, now) {
+            Ok(Some(Next::At(ticket, _))) => Some(ticket),
+            // Blocked by held permits: only leases can end without a release, so only then does
+            // the head need its timer (re)armed.
+            Ok(Some(Next::Blocked(ticket))) if inner.table.next_expiry_of(name).is_some() => {
+                Some(ticket)
+            }
+            _ => None,
+        };
+        if let Some(ticket) = head
+            && let Some(waiter) = inner.wakers.remove(&ticket)
         {
-            waker.wake();
+            waiter.waker.wake();
         }
     }
 
     pub(crate) fn info_now(&self, name: &str) -> Option<LimitInfo> {
-        lock(&self.inner).table.info(name)
+        let mut inner = lock(&self.inner);
+        let now = self.now();
+        Self::reclaim(&mut inner, now);
+        inner.table.info(name)
     }
 
     pub(crate) fn infos(&self) -> Vec<LimitInfo> {
-        lock(&self.inner).table.infos()
-    }
-
-    pub(crate) fn answer(
-        &self,
-        name: &str,
-        ticket: u64,
-        priority: &Priority,
-    ) -> Result<Answer, LimitError> {
         let mut inner = lock(&self.inner);
         let now = self.now();
-        Ok(match inner.table.acquire(name, ticket, priority, now)? {
-            Acquire::Granted(grant) => Answer::Granted(grant),
-            Acquire::Queued => Answer::Queued,
-            Acquire::RetryAt(at) => Answer::RetryAfter(at.saturating_sub(now)),
-        })
+        Self::reclaim(&mut inner, now);
+        inner.table.infos()
     }
 
-    /// Resolves when the answer for `ticket` may have changed (it was granted on its behalf, it
-    /// is the head and not blocked by held permits, it no longer waits), or after `at_most`.
+    /// Reclaims lapsed leases everywhere and lets the waiters they blocked in.
+    fn reclaim(inner: &mut Inner, now: Duration) {
+        if inner.table.next_expiry().is_none_or(|at| at > now) {
+            return;
+        }
+        let mut names: Vec<String> =
+            inner.table.expire(now).into_iter().map(|(name, _)| name).collect();
+        names.dedup();
+        for name in names {
+            Self::pump(inner, &name, now);
+        }
+    }
+
+    fn renew_now(
+        &self,
+        name: &str,
+        tickets: &[u64],
+        lease: Duration,
+    ) -> Result<Vec<u64>, LimitError> {
+        let mut inner = lock(&self.inner);
+        let now = self.now();
+        let mut lost = Vec::new();
+        for &ticket in tickets {
+            if !inner.table.renew(name, ticket, now, lease)? && !inner.table.is_waiting(name, ticket)
+            {
+                lost.push(ticket);
+            }
+        }
+        Ok(lost)
+    }
+
+    /// Resolves when the answer for `ticket` may have changed (it can be granted, it no longer
+    /// waits, the refill or lease end it waits for is due), or after `at_most`.
     pub(crate) async fn wait_now(&self, name: &str, ticket: u64, at_most: Duration) {
-        let sleep = tokio::time::sleep(at_most);
-        tokio::pin!(sleep);
+        let mut sleep = Box::pin(tokio::time::sleep(at_most));
         poll_fn(|cx| {
             if sleep.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(());
             }
             let mut inner = lock(&self.inner);
             let now = self.now();
-            // Served next and not blocked by held permits: asking again answers something new.
-            let head_can_move = matches!(
-                inner.table.next(name, now),
-                Ok(Some(Next::Ready(head) | Next::At(head, _))) if head == ticket
-            );
-            if !inner.table.is_waiting(name, ticket) || head_can_move {
+            Self::reclaim(&mut inner, now);
+            let wake_at = match inner.table.next(name, now) {
+                Ok(Some(Next::Ready(head))) if head == ticket => return Poll::Ready(()),
+                Ok(Some(Next::At(head, at))) if head == ticket => Some(at),
+                Ok(Some(Next::Blocked(head))) if head == ticket => inner.table.next_expiry_of(name),
+                _ => None,
+            };
+            if !inner.table.is_waiting(name, ticket) {
                 return Poll::Ready(());
             }
-            match inner.wakers.get_mut(&ticket) {
-                Some(existing) => existing.clone_from(cx.waker()),
-                None => {
-                    inner.wakers.insert(ticket, cx.waker().clone());
+            inner.park(ticket, cx.waker(), OnBehalf::WakeOnly);
+            drop(inner);
+            if let Some(at) = wake_at {
+                let at = self.origin + at;
+                if at < sleep.deadline() {
+                    sleep.as_mut().reset(at);
+                    if sleep.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(());
+                    }
                 }
             }
             Poll::Pending
         })
         .await;
+        // A waker left behind would make the pump skip this ticket's grant-on-behalf rules.
+        let mut inner = lock(&self.inner);
+        inner.wakers.remove(&ticket);
+    }
+
+    /// Polls a waiting ticket of the local facade once: see [`step`](Self::step). `timer` is the
+    /// waiter's one sleep, re-armed to the instant the step asks for.
+    pub(crate) fn poll_step(
+        &self,
+        cx: &mut Context<'_>,
+        name: &str,
+        ticket: u64,
+        first: &mut Option<&Priority>,
+        timer: &mut Option<Pin<Box<Sleep>>>,
+    ) -> Poll<Result<(Arc<str>, Grant), LimitError>> {
+        loop {
+            let step = self.step(name, ticket, first.take(), None, cx.waker());
+            match step {
+                Err(err) => return Poll::Ready(Err(err)),
+                Ok(Step::Granted(name, grant)) => return Poll::Ready(Ok((name, grant))),
+                // Only its owner finishes a local facade's ticket; a finished ticket here means
+                // its limit was removed and defined again.
+                Ok(Step::Finished) => {
+                    return Poll::Ready(Err(LimitError::UnknownLimit(name.to_owned())));
+                }
+                Ok(Step::Waiting(None)) => {
+                    *timer = None;
+                    return Poll::Pending;
+                }
+                Ok(Step::Waiting(Some(deadline))) => {
+                    match timer {
+                        Some(sleep) if sleep.deadline() == deadline => {}
+                        Some(sleep) => sleep.as_mut().reset(deadline),
+                        None => *timer = Some(Box::pin(sleep_until(deadline))),
+                    }
+                    let sleep = timer.as_mut().expect("armed above");
+                    if sleep.as_mut().poll(cx).is_pending() {
+                        return Poll::Pending;
+                    }
+                    // The refill or lease end is due: look again.
+                }
+            }
+        }
     }
 }
 
-/// Withdraws a waiting ticket (or returns a permit granted on its behalf) when an acquire is
-/// dropped before it finished.
-struct Withdraw<'a> {
-    local: &'a LocalLimits,
-    name: &'a str,
-    ticket: u64,
-    armed: bool,
+fn answer(acquire: Acquire, now: Duration) -> Answer {
+    match acquire {
+        Acquire::Granted(grant) => Answer::Granted(grant),
+        Acquire::Queued => Answer::Queued,
+        Acquire::RetryAt(at) => Answer::RetryAfter(at.saturating_sub(now)),
+        Acquire::Finished => Answer::Finished,
+    }
 }
 
-impl Drop for Withdraw<'_> {
-    fn drop(&mut self) {
-        if self.armed {
-            self.local.release_now(self.name, self.ticket);
+impl LocalLimits {
+    fn answer_now(
+        &self,
+        name: &str,
+        ticket: u64,
+        first: Option<&Priority>,
+        lease: Option<Duration>,
+    ) -> Result<Answer, LimitError> {
+        let mut inner = lock(&self.inner);
+        let now = self.now();
+        let acquire = match first {
+            Some(priority) => inner.table.acquire_leased(name, ticket, priority, now, lease)?,
+            None => inner.table.check(name, ticket, now, lease)?,
+        };
+        if matches!(acquire, Acquire::Granted(_)) {
+            Self::pump(&mut inner, name, now);
         }
+        Ok(answer(acquire, now))
     }
 }
 
@@ -315,17 +432,51 @@ impl LimitBackend for LocalLimits {
         name: &'a str,
         ticket: u64,
         priority: &'a Priority,
+        lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        Box::pin(std::future::ready(self.answer(name, ticket, priority)))
+        Box::pin(std::future::ready(self.answer_now(name, ticket, Some(priority), lease)))
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        let now = self.now();
+        Box::pin(std::future::ready(
+            self.try_now(name, ticket, lease).map(|(acquire, _)| answer(acquire, now)),
+        ))
+    }
+
+    fn check<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        Box::pin(std::future::ready(self.answer_now(name, ticket, None, lease)))
     }
 
     fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
         Box::pin(self.wait_now(name, ticket, at_most))
     }
 
-    fn release<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, Result<(), LimitError>> {
-        self.release_now(name, ticket);
-        Box::pin(std::future::ready(Ok(())))
+    fn release<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+    ) -> BoxFuture<'a, Result<Released, LimitError>> {
+        Box::pin(std::future::ready(Ok(self.release_now(name, ticket))))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        name: &'a str,
+        tickets: &'a [u64],
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Vec<u64>, LimitError>> {
+        Box::pin(std::future::ready(self.renew_now(name, tickets, lease)))
     }
 
     fn info<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<LimitInfo>, LimitError>> {

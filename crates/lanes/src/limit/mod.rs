@@ -42,6 +42,7 @@
 //! Redefining a limit takes effect for the next grants. Shrinking `concurrent` never revokes a
 //! held permit; it only delays the next grants.
 
+mod acquire;
 mod backend;
 #[cfg(feature = "conformance")]
 pub mod conformance;
@@ -54,8 +55,9 @@ mod queue;
 mod spec;
 mod table;
 
+pub use acquire::{REASK, drive};
 pub use backend::{Answer, LimitBackend};
-pub use handle::{AcquireError, Limits, Permit};
+pub use handle::{AcquireError, Limit, Limits, Permit, TryAcquireError};
 #[cfg(feature = "tower")]
 pub use layer::{DefaultPriority, LimitLayer, LimitService, Overloaded, PriorityOf, WhenBusy};
 pub use local::LocalLimits;

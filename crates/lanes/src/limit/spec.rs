@@ -37,6 +37,12 @@ impl LimitSpec {
         Self { concurrent, per_second: None, burst: 1 }
     }
 
+    /// A pure rate limit: `per_second` grants per second (burst `max(1, ceil(per_second))`),
+    /// with no bound on permits held at once.
+    pub fn rate(per_second: f64) -> Self {
+        Self::concurrent(u32::MAX).per_second(per_second)
+    }
+
     /// Adds a rate limit. The burst becomes `max(1, ceil(per_second))` unless set afterwards.
     #[must_use]
     pub fn per_second(mut self, per_second: f64) -> Self {

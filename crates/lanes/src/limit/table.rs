@@ -9,7 +9,10 @@
 //!    next grants until `in_use` falls below the new bound.
 //! 3. A leased permit whose lease has expired at `now` no longer counts; it is reclaimed by the
 //!    next operation on its limit.
-//! 4. Fencing tokens grow strictly per limit, one per grant.
+//! 4. Fencing tokens grow strictly per limit name, one per grant, for the life of the table:
+//!    a limit defined anew (after a removal) starts above every token the table ever issued.
+//! 6. A released or withdrawn ticket is finished: `check` answers [`Acquire::Finished`] and
+//!    never queues it again; only a first ask (`acquire`) queues.
 //! 5. Limits are found by hashing their name, but nothing iterates the hash map in its own
 //!    order: listings, expiries and the saved form are sorted by name, so answers and saved
 //!    bytes stay deterministic.
@@ -36,6 +39,10 @@ pub enum Acquire {
     Queued,
     /// The ticket is served next but the bucket is empty: ask again at this time.
     RetryAt(Duration),
+    /// The ticket neither waits nor holds a permit: it was released, withdrawn, reclaimed
+    /// when its lease ended, or never asked. Only [`LimitTable::check`] answers this; nothing
+    /// queues a finished ticket again.
+    Finished,
 }
 
 /// A granted permit.
@@ -219,7 +226,7 @@ struct LimitState {
 }
 
 impl LimitState {
-    fn new(spec: LimitSpec) -> Self {
+    fn new(spec: LimitSpec, fencing: u64) -> Self {
         Self {
             spec,
             held: FastMap::default(),
@@ -227,7 +234,7 @@ impl LimitState {
             tat: Duration::ZERO,
             granted_total: 0,
             max_in_use: 0,
-            fencing: 0,
+            fencing,
             next_expiry: None,
         }
     }
@@ -313,6 +320,10 @@ pub struct LimitTable {
     #[serde(serialize_with = "sorted", deserialize_with = "unsorted")]
     limits: FastMap<Arc<str>, LimitState>,
     max_waiters: usize,
+    /// The highest fencing token of every limit removed so far: a limit defined anew starts
+    /// above it (invariant 4).
+    #[serde(default)]
+    fence_floor: u64,
 }
 
 fn sorted<S: Serializer>(
@@ -346,7 +357,7 @@ impl LimitTable {
 
     /// An empty table allowing `max_waiters` waiters per limit.
     pub fn with_max_waiters(max_waiters: usize) -> Self {
-        Self { limits: FastMap::default(), max_waiters }
+        Self { limits: FastMap::default(), max_waiters, fence_floor: 0 }
     }
 
     /// The maximum of waiters per limit.
@@ -365,7 +376,7 @@ impl LimitTable {
         match self.limits.get_mut(name) {
             Some(state) => state.spec = spec,
             None => {
-                self.limits.insert(Arc::from(name), LimitState::new(spec));
+                self.limits.insert(Arc::from(name), LimitState::new(spec, self.fence_floor));
             }
         }
         Ok(())
@@ -383,7 +394,9 @@ impl LimitTable {
         if !state.held.is_empty() || !state.queue.is_empty() {
             return Err(LimitError::InUse(name.to_owned()));
         }
-        Ok(self.limits.remove(name).map(|s| s.spec).expect("present"))
+        let state = self.limits.remove(name).expect("present");
+        self.fence_floor = self.fence_floor.max(state.fencing);
+        Ok(state.spec)
     }
 
     fn state(&mut self, name: &str) -> Result<&mut LimitState, LimitError> {
@@ -463,6 +476,73 @@ impl LimitTable {
             Some(Next::At(next, at)) if next == ticket => Acquire::RetryAt(at),
             _ => Acquire::Queued,
         })
+    }
+
+    /// Asks again for a ticket that was asked before, never queuing it: `Granted` if it holds a
+    /// permit (granted now if it is served next and can be), `Queued` or `RetryAt` while it
+    /// waits, and [`Acquire::Finished`] if it neither waits nor holds (invariant 6).
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::UnknownLimit`].
+    pub fn check(
+        &mut self,
+        name: &str,
+        ticket: u64,
+        now: Duration,
+        lease: Option<Duration>,
+    ) -> Result<Acquire, LimitError> {
+        let state = self.state(name)?;
+        state.expire(now, &mut Vec::new());
+        if let Some(held) = state.held.get(&ticket) {
+            return Ok(Acquire::Granted(held.grant));
+        }
+        if !state.queue.contains(ticket) {
+            return Ok(Acquire::Finished);
+        }
+        Ok(match state.next(now) {
+            Some(Next::Ready(next)) if next == ticket => {
+                state.queue.pop();
+                Acquire::Granted(state.grant(ticket, now, lease))
+            }
+            Some(Next::At(next, at)) if next == ticket => Acquire::RetryAt(at),
+            _ => Acquire::Queued,
+        })
+    }
+
+    /// Grants `ticket` a permit only if that can happen now — nobody waits, a permit is free,
+    /// the bucket has a token — and never queues it: the answer is `Granted`, `Queued` (busy:
+    /// permits are held or others wait; nothing was left behind) or `RetryAt` (the bucket has a
+    /// token then). A try never needs the waiting room, so it never fails for a full one.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::UnknownLimit`].
+    pub fn try_acquire(
+        &mut self,
+        name: &str,
+        ticket: u64,
+        now: Duration,
+        lease: Option<Duration>,
+    ) -> Result<Acquire, LimitError> {
+        let state = self.state(name)?;
+        state.expire(now, &mut Vec::new());
+        if let Some(held) = state.held.get(&ticket) {
+            return Ok(Acquire::Granted(held.grant));
+        }
+        if !state.queue.is_empty() || state.in_use() >= state.spec.concurrent {
+            return Ok(Acquire::Queued);
+        }
+        Ok(match state.rate_check(now) {
+            Ok(_) => Acquire::Granted(state.grant(ticket, now, lease)),
+            Err(at) => Acquire::RetryAt(at),
+        })
+    }
+
+    /// The earliest lease end among the permits of `name`, if any is leased: when the head of
+    /// a queue blocked by held permits should ask again.
+    pub fn next_expiry_of(&self, name: &str) -> Option<Duration> {
+        self.limits.get(name).and_then(|s| s.next_expiry)
     }
 
     /// Grants the ticket the queue serves next if it can be granted now, on behalf of its
