@@ -85,7 +85,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lanes::limit::{Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LocalLimits};
+use lanes::limit::{Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LocalLimits, Released};
 use lanes::{Answer, BoxFuture, Priority};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
@@ -106,6 +106,10 @@ const CLIENT_BITS: u32 = 21;
 /// its own: a safety net only (the first waiter asks for the client, and a grant wakes its
 /// ticket).
 const SAFETY_REASK: Duration = Duration::from_secs(10);
+
+/// How long a client's first waiter on a limit sleeps before asking anyway, for the client's
+/// waiters: a safety net for a lost notification.
+const FIRST_REASK: Duration = Duration::from_secs(1);
 
 /// What a client does when Redis cannot answer.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -128,9 +132,26 @@ pub struct RedisLimitsBuilder {
     outage: OutagePolicy,
     op_timeout: Duration,
     auto_renew: bool,
+    max_lease: Option<Duration>,
+    queue_grace: Duration,
 }
 
 impl RedisLimitsBuilder {
+    /// The longest lease any client of the namespace uses (default: this client's lease). After
+    /// Redis lost its state, no permit is granted until this long after the loss was seen, so
+    /// every lease that could still be believed held has ended first.
+    pub fn max_lease(mut self, max_lease: Duration) -> Self {
+        self.max_lease = Some(max_lease);
+        self
+    }
+
+    /// How long a client may go unheard before its queued tickets are dropped from the queues
+    /// (default 2 s; the client touches its limits well within it while it lives).
+    pub fn queue_grace(mut self, grace: Duration) -> Self {
+        self.queue_grace = grace;
+        self
+    }
+
     /// Keys and channels are prefixed with `namespace` (default `"lanes"`): clients that share
     /// a namespace share its limits.
     pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
@@ -187,6 +208,10 @@ impl RedisLimitsBuilder {
         if self.op_timeout.is_zero() {
             return Err(LimitError::Backend("the op timeout must be longer than zero".into()));
         }
+        if self.queue_grace < Duration::from_millis(500) {
+            return Err(LimitError::Backend("the queue grace must be at least 500 ms".into()));
+        }
+        let max_lease = self.max_lease.unwrap_or(self.lease).max(self.lease);
         let client = redis::Client::open(self.url.as_str()).map_err(backend)?;
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(self.op_timeout))
@@ -207,6 +232,7 @@ impl RedisLimitsBuilder {
             .await
             .map_err(backend)?;
         let client_id = id % (1 << CLIENT_BITS);
+        let epoch = ensure_epoch(&mut conn, &format!("lanes:{{{ns}}}:epoch")).await.map_err(backend)?;
         let inner = Arc::new(Inner {
             conn,
             script: Script::new(SCRIPT),
@@ -218,11 +244,17 @@ impl RedisLimitsBuilder {
             max_waiters: self.max_waiters,
             outage: self.outage,
             op_timeout: self.op_timeout,
+            max_lease,
+            queue_grace: self.queue_grace,
+            epoch: Mutex::new(None),
+            lost: Mutex::new(HashSet::new()),
+            lost_notify: Notify::new(),
             state: Mutex::new(State::default()),
             local: Arc::new(LocalLimits::with_max_waiters(self.max_waiters)),
             stats: Stats::default(),
             tasks: Mutex::new(Vec::new()),
         });
+        *lock(&inner.epoch) = Some(epoch);
         let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
         let subscriber = tokio::spawn(subscribe(client, Arc::downgrade(&inner), subscribed_tx));
         let renewer = tokio::spawn(maintain(Arc::downgrade(&inner), self.auto_renew));
@@ -281,6 +313,14 @@ struct Inner {
     max_waiters: usize,
     outage: OutagePolicy,
     op_timeout: Duration,
+    max_lease: Duration,
+    queue_grace: Duration,
+    /// The namespace's epoch as this client last saw it: a different or missing one means
+    /// Redis lost its state.
+    epoch: Mutex<Option<String>>,
+    /// Permits known lost (lease refused, or Redis lost its state), until released.
+    lost: Mutex<HashSet<(String, u64)>>,
+    lost_notify: Notify,
     state: Mutex<State>,
     local: Arc<LocalLimits>,
     stats: Stats,
@@ -313,8 +353,12 @@ struct ClientLimit {
     retrying: HashSet<u64>,
     /// Tickets the server granted while another ticket asked, not yet claimed.
     granted: HashMap<u64, Grant>,
-    /// Permits held on the server, renewed in the background.
+    /// Permits held on the server; renewed in the background unless `external`.
     held: BTreeSet<u64>,
+    /// Tickets asked with their own lease: their holder renews them (the server's clients).
+    external: HashSet<u64>,
+    /// The priority of each waiting ticket's first ask, to queue it again if Redis lost it.
+    priorities: HashMap<u64, Priority>,
     /// Tickets granted without a permit (fail-open).
     open: HashSet<u64>,
     /// Tickets living in the local share.
@@ -334,6 +378,7 @@ impl ClientLimit {
         let was_first = self.waiting.keys().next() == Some(&ticket);
         self.waiting.remove(&ticket);
         self.retrying.remove(&ticket);
+        self.priorities.remove(&ticket);
         if was_first {
             self.wake_first();
         }
@@ -373,11 +418,23 @@ fn is_outage(err: &RedisError) -> bool {
         || err.is_unrecoverable_error()
 }
 
+/// Which ask of a ticket.
+#[derive(Clone)]
+enum Ask {
+    /// The first ask: queues the ticket at this priority unless granted.
+    First(Priority),
+    /// A later look: never queues.
+    Check,
+    /// Granted at once or nothing.
+    Try,
+}
+
 /// What the acquire script said.
 enum Reply {
     Answer(ScriptAnswer, Option<Grant>, Option<Duration>),
     Unknown,
     TooManyWaiters,
+    Finished,
 }
 
 fn text(value: &Value) -> Option<String> {
@@ -415,8 +472,23 @@ impl Inner {
     }
 
     async fn call(&self, name: &str, op: &str, args: &[String]) -> Result<Value, CallError> {
+        self.call_leased(name, op, self.lease, args).await
+    }
+
+    async fn call_leased(
+        &self,
+        name: &str,
+        op: &str,
+        lease: Duration,
+        args: &[String],
+    ) -> Result<Value, CallError> {
         let mut invocation = self.script.key(self.base(name));
-        invocation.arg(op).arg(&self.channel_prefix).arg(self.lease.as_millis() as u64);
+        invocation
+            .arg(op)
+            .arg(&self.channel_prefix)
+            .arg(lease.as_millis() as u64)
+            .arg(self.queue_grace.as_millis() as u64)
+            .arg(self.client);
         for arg in args {
             invocation.arg(arg);
         }
@@ -453,38 +525,65 @@ impl Inner {
     }
 
     async fn define(&self, name: &str, spec: LimitSpec) -> Result<(), CallError> {
+        self.define_held(name, spec, Duration::ZERO).await
+    }
+
+    /// Defines `name`; with a `hold`, no grant happens before `hold` from now (after Redis lost
+    /// its state).
+    async fn define_held(
+        &self,
+        name: &str,
+        spec: LimitSpec,
+        hold: Duration,
+    ) -> Result<(), CallError> {
         let interval = spec.per_second.map_or(0, |rate| (1e6 / rate).ceil().max(1.0) as u64);
         let rate = spec.per_second.map_or_else(String::new, |rate| rate.to_string());
-        let args =
-            [spec.concurrent.to_string(), interval.to_string(), spec.burst.to_string(), rate];
+        let args = [
+            spec.concurrent.to_string(),
+            interval.to_string(),
+            spec.burst.to_string(),
+            rate,
+            hold.as_millis().to_string(),
+        ];
         self.call(name, "define", &args).await?;
         self.command::<()>(redis::cmd("SADD").arg(self.registry_key()).arg(name)).await?;
         lock(&self.state).specs.insert(name.to_owned(), spec);
         Ok(())
     }
 
-    async fn acquire_remote(
+    /// One script ask about `ticket`: the first ask (`Some(priority)`, may queue), a check
+    /// (`None`, never queues), or a try.
+    async fn ask_remote(
         &self,
         name: &str,
         ticket: u64,
-        priority: &Priority,
+        ask: &Ask,
+        lease: Duration,
     ) -> Result<Reply, CallError> {
-        let keytok = match &priority.fairness_key {
-            None => "_".to_owned(),
-            Some(key) => format!("k{key}"),
+        let (op, args) = match ask {
+            Ask::First(priority) => {
+                let keytok = match &priority.fairness_key {
+                    None => "_".to_owned(),
+                    Some(key) => format!("k{key}"),
+                };
+                let args = vec![
+                    ticket.to_string(),
+                    priority.level.to_string(),
+                    keytok,
+                    priority.fairness_weight.max(1).to_string(),
+                    self.max_waiters.to_string(),
+                ];
+                ("acquire", args)
+            }
+            Ask::Check => ("check", vec![ticket.to_string()]),
+            Ask::Try => ("try", vec![ticket.to_string()]),
         };
-        let args = [
-            ticket.to_string(),
-            priority.level.to_string(),
-            keytok,
-            priority.fairness_weight.max(1).to_string(),
-            self.max_waiters.to_string(),
-        ];
-        let value = self.call(name, "acquire", &args).await?;
+        let value = self.call_leased(name, op, lease, &args).await?;
         let bad = || CallError::Other(LimitError::Backend(format!("redis: odd answer {value:?}")));
         match error_tag(&value).as_deref() {
             Some("unknown") => return Ok(Reply::Unknown),
             Some("waiters") => return Ok(Reply::TooManyWaiters),
+            Some("finished") => return Ok(Reply::Finished),
             _ => {}
         }
         let Value::Array(items) = &value else { return Err(bad()) };
@@ -558,11 +657,14 @@ impl Inner {
         }
     }
 
+    /// The first ask (`Ask::First`), a check, or a try for `ticket`, with this client's
+    /// bookkeeping, the outage policy, and recovery from a Redis that lost its state.
     async fn acquire(
         &self,
         name: &str,
         ticket: u64,
-        priority: &Priority,
+        ask: Ask,
+        lease: Option<Duration>,
     ) -> Result<Answer, LimitError> {
         let local = {
             let mut state = lock(&self.state);
@@ -575,14 +677,23 @@ impl Inner {
                 return Ok(Answer::Granted(Grant { fencing_token: 0, expires_at: None }));
             }
             let local = limit.local.contains(&ticket);
-            if !local {
+            if !local && let Ask::First(priority) = &ask {
                 // Known before the call: a grant pushed while the call travels finds its waiter.
+                // (A check never adds a waiter: a ticket this client finished stays finished.)
                 limit.waiting.entry(ticket).or_default();
+                limit.priorities.insert(ticket, priority.clone());
+                if lease.is_some() {
+                    limit.external.insert(ticket);
+                }
             }
             local
         };
         if local {
-            return self.local.acquire(name, ticket, priority).await;
+            return match &ask {
+                Ask::First(priority) => self.local.acquire(name, ticket, priority, lease).await,
+                Ask::Check => self.local.check(name, ticket, lease).await,
+                Ask::Try => self.local.try_acquire(name, ticket, lease).await,
+            };
         }
         if matches!(self.outage, OutagePolicy::LocalShare(_))
             && !lock(&self.state).specs.contains_key(name)
@@ -590,35 +701,178 @@ impl Inner {
             // Learn the spec while Redis answers; an outage now is handled below.
             let _ = self.info(name).await;
         }
-        for attempt in 0..2 {
-            match self.acquire_remote(name, ticket, priority).await {
+        let lease_or_own = lease.unwrap_or(self.lease);
+        let mut ask = ask;
+        for attempt in 0..3 {
+            match self.ask_remote(name, ticket, &ask, lease_or_own).await {
                 Ok(Reply::Answer(answer, grant, hint)) => {
+                    if matches!(ask, Ask::Try) && !matches!(answer, ScriptAnswer::Granted) {
+                        // A try leaves nothing behind, here either.
+                        lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
+                        return Ok(match answer {
+                            ScriptAnswer::RetryAfter(after) => Answer::RetryAfter(after),
+                            _ => Answer::Queued,
+                        });
+                    }
+                    if matches!(ask, Ask::Try) && lease.is_some() {
+                        lock(&self.state)
+                            .limits
+                            .entry(name.to_owned())
+                            .or_default()
+                            .external
+                            .insert(ticket);
+                    }
                     return Ok(self.apply(name, ticket, answer, grant, hint));
                 }
                 Ok(Reply::TooManyWaiters) => {
+                    lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
                     return Err(LimitError::TooManyWaiters {
                         limit: name.to_owned(),
                         max: self.max_waiters,
                     });
                 }
-                Ok(Reply::Unknown) => {
-                    let spec = lock(&self.state).specs.get(name).copied();
-                    match spec {
-                        // Redis forgot a limit this client defined (a restart without
-                        // persistence): define it again.
-                        Some(spec) if attempt == 0 => {
-                            self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
-                            if let Err(err) = self.define(name, spec).await {
-                                return self.on_outage(name, ticket, priority, err).await;
-                            }
+                Ok(Reply::Finished) => {
+                    let priority = {
+                        let mut state = lock(&self.state);
+                        let limit = state.limits.entry(name.to_owned()).or_default();
+                        let waiting = limit.waiting.contains_key(&ticket);
+                        let priority = limit.priorities.get(&ticket).cloned();
+                        if limit.held.remove(&ticket) {
+                            limit.external.remove(&ticket);
+                            drop(state);
+                            self.mark_lost(name, ticket);
+                            return Ok(Answer::Finished);
                         }
-                        _ => return Err(LimitError::UnknownLimit(name.to_owned())),
+                        if !waiting {
+                            limit.forget(ticket);
+                            return Ok(Answer::Finished);
+                        }
+                        priority
+                    };
+                    // This client never withdrew it: Redis lost the ticket. Learn whether it
+                    // lost everything (then the limits come back with a hold), and queue the
+                    // ticket again with the priority of its first ask.
+                    let _ = self.detect_loss().await;
+                    match priority {
+                        Some(priority) if attempt < 2 => {
+                            lock(&self.state)
+                                .limits
+                                .entry(name.to_owned())
+                                .or_default()
+                                .waiting
+                                .entry(ticket)
+                                .or_default();
+                            ask = Ask::First(priority);
+                        }
+                        _ => {
+                            lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
+                            return Ok(Answer::Finished);
+                        }
                     }
                 }
-                Err(err) => return self.on_outage(name, ticket, priority, err).await,
+                Ok(Reply::Unknown) => {
+                    let known = lock(&self.state).specs.contains_key(name);
+                    if !known || attempt == 2 {
+                        lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
+                        return Err(LimitError::UnknownLimit(name.to_owned()));
+                    }
+                    match self.detect_loss().await {
+                        // Redis lost its state: the limits this client knows are back (held).
+                        Ok(true) => {}
+                        Ok(false) => {
+                            // Removed by another client: this one forgets it too, unless it
+                            // defined it itself (then define it again, as before).
+                            let spec = lock(&self.state).specs.get(name).copied();
+                            if let Some(spec) = spec {
+                                self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
+                                if let Err(err) = self.define(name, spec).await {
+                                    return self.outage_for(name, ticket, ask, lease, err).await;
+                                }
+                            }
+                        }
+                        Err(err) => return self.outage_for(name, ticket, ask, lease, err).await,
+                    }
+                }
+                Err(err) => return self.outage_for(name, ticket, ask, lease, err).await,
             }
         }
         Err(LimitError::UnknownLimit(name.to_owned()))
+    }
+
+    async fn outage_for(
+        &self,
+        name: &str,
+        ticket: u64,
+        ask: Ask,
+        lease: Option<Duration>,
+        err: CallError,
+    ) -> Result<Answer, LimitError> {
+        let priority = match ask {
+            Ask::First(priority) => priority,
+            _ => Priority::default(),
+        };
+        self.on_outage(name, ticket, &priority, lease, err).await
+    }
+
+    /// Records a permit as lost and wakes whoever awaits it.
+    fn mark_lost(&self, name: &str, ticket: u64) {
+        self.stats.lost_leases.fetch_add(1, Ordering::Relaxed);
+        lock(&self.lost).insert((name.to_owned(), ticket));
+        self.lost_notify.notify_waiters();
+    }
+
+    /// Compares the namespace's epoch with the one this client knows. On a difference (or a
+    /// missing epoch) Redis lost its state: every limit this client knows is defined again with
+    /// a hold of `max_lease`, every permit it held is reported lost, and its waiters ask again
+    /// (their tickets are queued anew). Answers whether a loss was found.
+    async fn detect_loss(&self) -> Result<bool, CallError> {
+        let key = self.epoch_key();
+        let seen: Option<String> = self.command(redis::cmd("GET").arg(&key)).await?;
+        let known = lock(&self.epoch).clone();
+        if seen.is_some() && seen == known {
+            return Ok(false);
+        }
+        let mut conn = self.conn.clone();
+        let fresh = tokio::time::timeout(self.op_timeout, ensure_epoch(&mut conn, &key))
+            .await
+            .map_err(|_| CallError::Outage("no answer".into()))?
+            .map_err(|e| CallError::Outage(e.to_string()))?;
+        {
+            let mut epoch = lock(&self.epoch);
+            if epoch.as_ref() == Some(&fresh) {
+                return Ok(false); // another task of this client handled it
+            }
+            *epoch = Some(fresh);
+        }
+        let specs: Vec<(String, LimitSpec)> =
+            lock(&self.state).specs.iter().map(|(n, s)| (n.clone(), *s)).collect();
+        for (name, spec) in specs {
+            self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
+            self.define_held(&name, spec, self.max_lease).await?;
+        }
+        let held: Vec<(String, u64)> = {
+            let mut state = lock(&self.state);
+            let mut held = Vec::new();
+            for (name, limit) in &mut state.limits {
+                for ticket in std::mem::take(&mut limit.held) {
+                    limit.external.remove(&ticket);
+                    held.push((name.clone(), ticket));
+                }
+                limit.wake_first();
+                for notify in limit.waiting.values() {
+                    notify.notify_one();
+                }
+            }
+            held
+        };
+        for (name, ticket) in held {
+            self.mark_lost(&name, ticket);
+        }
+        Ok(true)
+    }
+
+    fn epoch_key(&self) -> String {
+        format!("lanes:{{{}}}:epoch", self.namespace)
     }
 
     async fn on_outage(
@@ -626,6 +880,7 @@ impl Inner {
         name: &str,
         ticket: u64,
         priority: &Priority,
+        lease: Option<Duration>,
         err: CallError,
     ) -> Result<Answer, LimitError> {
         let message = match err {
@@ -671,18 +926,20 @@ impl Inner {
                     limit.forget(ticket);
                     limit.local.insert(ticket);
                 }
-                self.local.acquire(name, ticket, priority).await
+                self.local.acquire(name, ticket, priority, lease).await
             }
         }
     }
 
-    async fn release(&self, name: &str, ticket: u64) -> Result<(), LimitError> {
+    async fn release(&self, name: &str, ticket: u64) -> Result<Released, LimitError> {
+        lock(&self.lost).remove(&(name.to_owned(), ticket));
         let place = {
             let mut state = lock(&self.state);
             let limit = state.limits.entry(name.to_owned()).or_default();
             limit.forget(ticket);
             limit.granted.remove(&ticket);
             limit.held.remove(&ticket);
+            limit.external.remove(&ticket);
             if limit.open.remove(&ticket) {
                 Place::Open
             } else if limit.local.remove(&ticket) {
@@ -692,13 +949,17 @@ impl Inner {
             }
         };
         match place {
-            Place::Open => Ok(()),
+            Place::Open => Ok(Released::Permit),
             Place::Local => self.local.release(name, ticket).await,
             Place::Remote => match self.call(name, "release", &[ticket.to_string()]).await {
-                Ok(_) => Ok(()),
+                Ok(value) => Ok(match int(&value) {
+                    Some(1) => Released::Permit,
+                    Some(2) => Released::Withdrawn,
+                    _ => Released::Unknown,
+                }),
                 Err(CallError::Outage(_)) => {
                     lock(&self.state).orphans.push((name.to_owned(), ticket));
-                    Ok(())
+                    Ok(Released::Unknown)
                 }
                 Err(CallError::Other(err)) => Err(err),
             },
@@ -723,9 +984,9 @@ impl Inner {
                     let until_expiry = limit.next_expiry.map(|at| {
                         at.saturating_duration_since(Instant::now()) + Duration::from_millis(2)
                     });
-                    until_expiry.map_or(at_most, |d| d.min(at_most))
+                    until_expiry.map_or(at_most, |d| d.min(at_most)).min(FIRST_REASK)
                 } else {
-                    SAFETY_REASK.max(at_most)
+                    SAFETY_REASK.min(at_most)
                 };
                 Some((notify, sleep))
             }
@@ -765,9 +1026,14 @@ impl Inner {
     }
 
     /// Renews every held permit of `name`; returns the tickets whose lease had ended.
-    async fn renew_all(&self, name: &str, tickets: Vec<u64>) -> Result<Vec<u64>, CallError> {
+    async fn renew_all(
+        &self,
+        name: &str,
+        tickets: Vec<u64>,
+        lease: Duration,
+    ) -> Result<Vec<u64>, CallError> {
         let args: Vec<String> = tickets.iter().map(u64::to_string).collect();
-        let value = self.call(name, "renew", &args).await?;
+        let value = self.call_leased(name, "renew", lease, &args).await?;
         let refused: Vec<u64> = if error_tag(&value).as_deref() == Some("unknown") {
             // Redis no longer knows the limit (it restarted empty): nothing is held there.
             tickets
@@ -778,12 +1044,20 @@ impl Inner {
             items.iter().filter_map(|v| text(v)?.parse().ok()).collect()
         };
         if !refused.is_empty() {
-            self.stats.lost_leases.fetch_add(refused.len() as u64, Ordering::Relaxed);
-            let mut state = lock(&self.state);
-            if let Some(limit) = state.limits.get_mut(name) {
-                for ticket in &refused {
-                    limit.held.remove(ticket);
+            let mut lost = Vec::new();
+            {
+                let mut state = lock(&self.state);
+                if let Some(limit) = state.limits.get_mut(name) {
+                    for ticket in &refused {
+                        if limit.held.remove(ticket) {
+                            limit.external.remove(ticket);
+                            lost.push(*ticket);
+                        }
+                    }
                 }
+            }
+            for ticket in lost {
+                self.mark_lost(name, ticket);
             }
         }
         Ok(refused)
@@ -903,17 +1177,23 @@ impl Inner {
     }
 }
 
-/// Renews held permits every third of a lease and retries releases that could not reach Redis.
+/// Every quarter of a second (or third of a lease, if shorter): checks the namespace's epoch
+/// (so a Redis that lost its state is seen within one tick), retries releases that could not
+/// reach Redis, tells the limits where this client waits that it is alive, and — every third of
+/// a lease — renews the permits it holds for itself.
 async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
-    let period = match inner.upgrade() {
-        Some(inner) => inner.lease / 3,
+    let (period, renew_every) = match inner.upgrade() {
+        Some(inner) => ((inner.lease / 3).min(Duration::from_millis(250)), inner.lease / 3),
         None => return,
     };
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut renewed = Instant::now();
+    let mut touched = Instant::now();
     loop {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else { return };
+        let _ = inner.detect_loss().await;
         let orphans = std::mem::take(&mut lock(&inner.state).orphans);
         for (name, ticket) in orphans {
             if let Err(CallError::Outage(_)) =
@@ -922,19 +1202,51 @@ async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
                 lock(&inner.state).orphans.push((name, ticket));
             }
         }
-        if !auto_renew {
+        if touched.elapsed() >= inner.queue_grace / 4 {
+            touched = Instant::now();
+            let waiting: Vec<String> = lock(&inner.state)
+                .limits
+                .iter()
+                .filter(|(_, limit)| !limit.waiting.is_empty())
+                .map(|(name, _)| name.clone())
+                .collect();
+            for name in waiting {
+                let _ = inner.call(&name, "touch", &[]).await;
+            }
+        }
+        if !auto_renew || renewed.elapsed() < renew_every {
             continue;
         }
+        renewed = Instant::now();
         let held: Vec<(String, Vec<u64>)> = lock(&inner.state)
             .limits
             .iter()
-            .filter(|(_, limit)| !limit.held.is_empty())
-            .map(|(name, limit)| (name.clone(), limit.held.iter().copied().collect()))
+            .map(|(name, limit)| {
+                let own: Vec<u64> =
+                    limit.held.iter().copied().filter(|t| !limit.external.contains(t)).collect();
+                (name.clone(), own)
+            })
+            .filter(|(_, own)| !own.is_empty())
             .collect();
         for (name, tickets) in held {
-            let _ = inner.renew_all(&name, tickets).await;
+            let _ = inner.renew_all(&name, tickets, inner.lease).await;
         }
     }
+}
+
+/// Reads the namespace's epoch, creating a fresh random one if Redis has none.
+async fn ensure_epoch(conn: &mut ConnectionManager, key: &str) -> Result<String, RedisError> {
+    let fresh = {
+        use std::hash::BuildHasher;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{:016x}", std::collections::hash_map::RandomState::new().hash_one(nanos))
+    };
+    let _: Option<String> =
+        redis::cmd("SET").arg(key).arg(&fresh).arg("NX").query_async(conn).await?;
+    let epoch: Option<String> = redis::cmd("GET").arg(key).query_async(conn).await?;
+    Ok(epoch.unwrap_or(fresh))
 }
 
 impl RedisLimits {
@@ -948,6 +1260,8 @@ impl RedisLimits {
             outage: OutagePolicy::FailClosed,
             op_timeout: Duration::from_millis(500),
             auto_renew: true,
+            max_lease: None,
+            queue_grace: Duration::from_secs(2),
         }
     }
 
@@ -968,7 +1282,7 @@ impl RedisLimits {
     /// [`LimitError::LeaseExpired`] if its lease had ended (the permit was reclaimed),
     /// [`LimitError::Backend`] if Redis cannot answer.
     pub async fn renew(&self, name: &str, ticket: u64) -> Result<(), LimitError> {
-        match self.inner.renew_all(name, vec![ticket]).await {
+        match self.inner.renew_all(name, vec![ticket], self.inner.lease).await {
             Ok(refused) if refused.is_empty() => Ok(()),
             Ok(_) => Err(LimitError::LeaseExpired { limit: name.to_owned(), ticket }),
             Err(err) => Err(err.into()),
@@ -1042,16 +1356,64 @@ impl LimitBackend for RedisLimits {
         name: &'a str,
         ticket: u64,
         priority: &'a Priority,
+        lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        Box::pin(self.inner.acquire(name, ticket, priority))
+        Box::pin(self.inner.acquire(name, ticket, Ask::First(priority.clone()), lease))
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        Box::pin(self.inner.acquire(name, ticket, Ask::Try, lease))
+    }
+
+    fn check<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        Box::pin(self.inner.acquire(name, ticket, Ask::Check, lease))
     }
 
     fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
         Box::pin(self.inner.wait(name, ticket, at_most))
     }
 
-    fn release<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, Result<(), LimitError>> {
+    fn release<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+    ) -> BoxFuture<'a, Result<Released, LimitError>> {
         Box::pin(self.inner.release(name, ticket))
+    }
+
+    fn renew<'a>(
+        &'a self,
+        name: &'a str,
+        tickets: &'a [u64],
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Vec<u64>, LimitError>> {
+        Box::pin(async move { Ok(self.inner.renew_all(name, tickets.to_vec(), lease).await?) })
+    }
+
+    fn lease_lost(&self, name: &str, ticket: u64) -> bool {
+        lock(&self.inner.lost).contains(&(name.to_owned(), ticket))
+    }
+
+    fn lost<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            loop {
+                let notified = self.inner.lost_notify.notified();
+                if self.lease_lost(name, ticket) {
+                    return;
+                }
+                notified.await;
+            }
+        })
     }
 
     fn info<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<LimitInfo>, LimitError>> {

@@ -16,9 +16,19 @@
 --   B:r:L     zset: level L's fairness keys by ring position
 --   B:w:L     hash: level L's key weights, plus ~npos (next ring position), ~tpos/~tused (turn)
 --   B:q:L:K   zset: key K's waiting tickets by arrival sequence
+--   B:c       hash: client id -> when it was last heard from (us); a queue head whose client
+--             is silent past the queue grace is dropped, so a dead client's tickets never
+--             hold a free limit
 --
 -- ARGV[1] is the operation, ARGV[2] the channel prefix of client notifications, ARGV[3] the
--- lease in ms; the rest depends on the operation. Tickets travel as decimal strings; a ticket's client is
+-- lease in ms, ARGV[4] the queue grace in ms, ARGV[5] the calling client's id; the rest
+-- (from ARGV[6]) depends on the operation.
+--
+-- Fencing tokens start from the Redis clock (us) when a limit is created, so they keep growing
+-- across a DELETE + PUT and across a restart that lost everything (a limit would have to grant
+-- more than once per microsecond to catch up with the clock). After a client saw Redis lose its
+-- state it redefines the limit with a hold: no grant before `hold` (the end of every lease that
+-- could still be believed held). Tickets travel as decimal strings; a ticket's client is
 -- floor(ticket / 2^32). Answers to `acquire` are one u64, as 16 hex digits (Lua numbers are
 -- doubles): 0 queued, 1 granted, 2 + ms retry later, or bit 63 + zigzag(granted - asked).
 
@@ -26,11 +36,14 @@ local B = KEYS[1]
 local op = ARGV[1]
 local channels = ARGV[2]
 local lease_us = tonumber(ARGV[3]) * 1000
+local grace_us = tonumber(ARGV[4]) * 1000
+local caller = ARGV[5]
 local M = B .. ':m'
 local H = B .. ':h'
 local E = B .. ':e'
 local LV = B .. ':lv'
 local I = B .. ':i'
+local C = B .. ':c'
 local CLIENT = 4294967296
 local NAME = string.sub(B, 2, -2)
 
@@ -49,7 +62,7 @@ end
 -- The limit's settings, read once per call.
 local meta = nil
 local function load_meta()
-  local v = redis.call('HMGET', M, 'concurrent', 'interval', 'burst', 'tat', 'maxuse')
+  local v = redis.call('HMGET', M, 'concurrent', 'interval', 'burst', 'tat', 'maxuse', 'hold')
   if not v[1] then return false end
   meta = {
     concurrent = tonumber(v[1]),
@@ -57,6 +70,7 @@ local function load_meta()
     burst = tonumber(v[3]) or 1,
     tat = tonumber(v[4]) or 0,
     maxuse = tonumber(v[5]) or 0,
+    hold = tonumber(v[6]) or 0,
   }
   return true
 end
@@ -80,6 +94,7 @@ local function in_use() return redis.call('HLEN', H) end
 
 -- GCRA: the time the next grant takes the bucket to, or nil and the time a token will be there.
 local function rate_check(now)
+  if meta.hold > now then return nil, meta.hold end
   local tat = meta.tat
   if meta.interval == 0 then return tat, nil end
   local tolerance = meta.interval * (meta.burst - 1)
@@ -99,6 +114,7 @@ local function grant(ticket, now)
     end
   end
   local fence = redis.call('HINCRBY', M, 'fence', 1)
+  redis.call('HINCRBY', M, 'granted', 1)
   local expires = int(now + lease_us)
   redis.call('HSET', H, ticket, int(fence) .. ':' .. expires)
   redis.call('ZADD', E, expires, ticket)
@@ -218,7 +234,21 @@ local function client_of(ticket) return math.floor(tonumber(ticket) / CLIENT) en
 -- its waiter's behalf and tell its client (one client per grant, never every waiter). A head
 -- that waits for the bucket gets a plain wake-up, so its client asks and learns when.
 -- A granted waiter that is gone returns its permit, or its lease does.
+-- Drops queue heads whose client is silent past the queue grace (a client that died or
+-- stopped without withdrawing): their tickets would otherwise be granted to nobody.
+local function purge(now)
+  while true do
+    local head, level, key = peek()
+    if not head then return end
+    local client = tostring(client_of(head))
+    local seen = tonumber(redis.call('HGET', C, client) or '0')
+    if now - seen <= grace_us then return end
+    unlink(head, level, key)
+  end
+end
+
 local function kick(now)
+  purge(now)
   while true do
     local head, level, key = peek()
     if not head or in_use() >= meta.concurrent then return end
@@ -246,14 +276,20 @@ end
 -- Operations -----------------------------------------------------------------------------
 
 if op == 'define' then
-  -- ARGV: concurrent, interval_us, burst, per_second (as the client wrote it, "" for none)
+  -- ARGV: concurrent, interval_us, burst, per_second (as the client wrote it, "" for none),
+  -- hold_ms (0: none)
   local fresh = redis.call('EXISTS', M) == 0
-  redis.call('HSET', M, 'concurrent', ARGV[4], 'interval', ARGV[5], 'burst', ARGV[6], 'rate', ARGV[7])
+  local now = now_us()
+  redis.call('HSET', M, 'concurrent', ARGV[6], 'interval', ARGV[7], 'burst', ARGV[8], 'rate', ARGV[9])
   if fresh then
-    redis.call('HSET', M, 'tat', 0, 'fence', 0, 'maxuse', 0, 'seq', 0)
+    redis.call('HSET', M, 'tat', 0, 'fence', int(now), 'maxuse', 0, 'seq', 0, 'hold', 0)
+  end
+  local hold_ms = tonumber(ARGV[10] or '0')
+  if hold_ms > 0 then
+    local hold = now + hold_ms * 1000
+    if hold > num(M, 'hold') then redis.call('HSET', M, 'hold', int(hold)) end
   end
   load_meta()
-  local now = now_us()
   expire(now)
   kick(now)
   return 'ok'
@@ -262,31 +298,12 @@ end
 if not load_meta() then return { 'unknown' } end
 local now = now_us()
 local reclaimed = expire(now)
+redis.call('HSET', C, caller, int(now))
 
-if op == 'acquire' then
-  -- ARGV: ticket, level, keytok, weight, max_waiters
-  local ticket, level, keytok, weight = ARGV[4], ARGV[5], ARGV[6], ARGV[7]
-  local max_waiters = tonumber(ARGV[8])
-  if reclaimed > 0 then kick(now) end
-  local held = redis.call('HGET', H, ticket)
-  if held then
-    local fence, expires = string.match(held, '^(%d+):(%d+)$')
-    return { hex(1), fence, expires }
-  end
-  if waiting() == 0 and in_use() < meta.concurrent then
-    local _, at = rate_check(now)
-    if not at then
-      local fence, expires = grant(ticket, now)
-      return { hex(1), fence, expires }
-    end
-    if max_waiters == 0 then return { 'waiters' } end
-    push(ticket, level, keytok, weight)
-    return { hex(2 + math.ceil((at - now) / 1000)) }
-  end
-  if redis.call('HEXISTS', I, ticket) == 0 then
-    if waiting() >= max_waiters then return { 'waiters' } end
-    push(ticket, level, keytok, weight)
-  end
+-- The answer to an ask for `ticket`, which waits: granted if it is served next and can be
+-- (or another ticket of the same client is, which is granted instead), else queued or retry.
+local function answer_for(ticket)
+  purge(now)
   local head, hlevel, hkey = peek()
   if in_use() >= meta.concurrent then
     return { hex(0), expiry_hint(now) }
@@ -302,7 +319,7 @@ if op == 'acquire' then
     kick(now)
     return { hex(1), fence, expires }
   end
-  if client_of(head) == client_of(ticket) then
+  if head and client_of(head) == client_of(ticket) then
     -- Another ticket of the same client is served next: grant it instead.
     pop(head, hlevel, hkey)
     local fence, expires = grant(head, now)
@@ -316,9 +333,73 @@ if op == 'acquire' then
   return { hex(0), expiry_hint(now) }
 end
 
+if op == 'acquire' then
+  -- ARGV: ticket, level, keytok, weight, max_waiters
+  local ticket, level, keytok, weight = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+  local max_waiters = tonumber(ARGV[10])
+  if reclaimed > 0 then kick(now) end
+  local held = redis.call('HGET', H, ticket)
+  if held then
+    local fence, expires = string.match(held, '^(%d+):(%d+)$')
+    return { hex(1), fence, expires }
+  end
+  purge(now)
+  if waiting() == 0 and in_use() < meta.concurrent then
+    local _, at = rate_check(now)
+    if not at then
+      local fence, expires = grant(ticket, now)
+      return { hex(1), fence, expires }
+    end
+    if max_waiters == 0 then return { 'waiters' } end
+    push(ticket, level, keytok, weight)
+    return { hex(2 + math.ceil((at - now) / 1000)) }
+  end
+  if redis.call('HEXISTS', I, ticket) == 0 then
+    if waiting() >= max_waiters then return { 'waiters' } end
+    push(ticket, level, keytok, weight)
+  end
+  return answer_for(ticket)
+end
+
+if op == 'check' then
+  -- ARGV: ticket. Never queues: a ticket that neither holds nor waits is finished.
+  local ticket = ARGV[6]
+  if reclaimed > 0 then kick(now) end
+  local held = redis.call('HGET', H, ticket)
+  if held then
+    local fence, expires = string.match(held, '^(%d+):(%d+)$')
+    return { hex(1), fence, expires }
+  end
+  if redis.call('HEXISTS', I, ticket) == 0 then return { 'finished' } end
+  return answer_for(ticket)
+end
+
+if op == 'try' then
+  -- ARGV: ticket. Grants only at once; never queues.
+  local ticket = ARGV[6]
+  if reclaimed > 0 then kick(now) end
+  local held = redis.call('HGET', H, ticket)
+  if held then
+    local fence, expires = string.match(held, '^(%d+):(%d+)$')
+    return { hex(1), fence, expires }
+  end
+  purge(now)
+  if waiting() > 0 or in_use() >= meta.concurrent then return { hex(0), -1 } end
+  local _, at = rate_check(now)
+  if at then return { hex(2 + math.ceil((at - now) / 1000)) } end
+  local fence, expires = grant(ticket, now)
+  return { hex(1), fence, expires }
+end
+
+if op == 'touch' then
+  -- The caller is alive (done above); let a waiter in if a lease lapsed.
+  if reclaimed > 0 then kick(now) end
+  return 'ok'
+end
+
 if op == 'release' then
   -- ARGV: ticket
-  local ticket = ARGV[4]
+  local ticket = ARGV[6]
   local answer = 0
   if redis.call('HDEL', H, ticket) == 1 then
     redis.call('ZREM', E, ticket)
@@ -335,18 +416,19 @@ if op == 'release' then
 end
 
 if op == 'renew' then
-  -- ARGV: tickets...: extends the leases still held; answers the refused tickets.
+  -- ARGV: tickets...: extends the leases still held; answers the tickets that neither hold
+  -- nor wait (their lease ended, or they were lost).
   if reclaimed > 0 then kick(now) end
   local refused = {}
   local expires = int(now + lease_us)
-  for i = 4, #ARGV do
+  for i = 6, #ARGV do
     local ticket = ARGV[i]
     local held = redis.call('HGET', H, ticket)
     if held then
       local fence = string.match(held, '^(%d+):')
       redis.call('HSET', H, ticket, fence .. ':' .. expires)
       redis.call('ZADD', E, expires, ticket)
-    else
+    elseif redis.call('HEXISTS', I, ticket) == 0 then
       table.insert(refused, ticket)
     end
   end
@@ -357,13 +439,13 @@ if op == 'info' then
   if reclaimed > 0 then kick(now) end
   return {
     meta.concurrent, redis.call('HGET', M, 'rate') or '', meta.burst, in_use(), waiting(),
-    num(M, 'fence'), meta.maxuse,
+    num(M, 'granted'), meta.maxuse,
   }
 end
 
 if op == 'remove' then
   if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
-  redis.call('DEL', M, H, E, LV, I)
+  redis.call('DEL', M, H, E, LV, I, C)
   return 'ok'
 end
 

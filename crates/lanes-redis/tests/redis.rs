@@ -120,7 +120,7 @@ async fn a_lapsed_lease_is_reclaimed_and_its_renewal_refused() {
     let other = Limits::with_backend(common::client(&ns).await);
     other.define("job", LimitSpec::concurrent(1)).await.unwrap();
     let ticket = holder.ticket();
-    let answer = holder.acquire("job", ticket, &Priority::default()).await.unwrap();
+    let answer = holder.acquire("job", ticket, &Priority::default(), None).await.unwrap();
     let Answer::Granted(first) = answer else { panic!("{answer:?}") };
     holder.renew("job", ticket).await.expect("a renewal within the lease is fine");
     let asked = Instant::now();
@@ -152,7 +152,7 @@ async fn held_permits_are_renewed_in_the_background() {
     let permit = holder.acquire("job", Priority::default()).await.unwrap();
     for _ in 0..4 {
         sleep(Duration::from_millis(300)).await;
-        assert!(other.try_acquire("job", Priority::default()).await.unwrap().is_none());
+        assert!(other.try_acquire("job", Priority::default()).await.unwrap_err().is_busy());
     }
     drop(permit);
     let again = timeout(Duration::from_secs(2), other.acquire("job", Priority::default())).await;
@@ -169,7 +169,7 @@ async fn a_vanished_holder_is_reclaimed_within_its_lease() {
     let holder = common::builder(&ns).lease(lease).build().await.unwrap();
     let ticket = holder.ticket();
     assert!(matches!(
-        holder.acquire("job", ticket, &Priority::default()).await,
+        holder.acquire("job", ticket, &Priority::default(), None).await,
         Ok(Answer::Granted(_))
     ));
     let asking = tokio::spawn({
@@ -206,8 +206,9 @@ async fn a_client_with_many_waiters_asks_for_one_of_them() {
     sleep(Duration::from_millis(2_500)).await;
     let idle = crowd.stats().calls - queued;
     // Twenty waiters re-asking every second would be ~50 calls; the client's first waiter asks
-    // for all of them.
-    assert!(idle <= 6, "{idle} calls while nothing changed");
+    // for all of them (about 3 in 2.5 s), and the client says it is alive every half second
+    // (about 5 `touch` calls) so its queued tickets are kept.
+    assert!(idle <= 10, "{idle} calls while nothing changed");
     drop(held);
     for waiter in waiters {
         timeout(Duration::from_secs(5), waiter).await.unwrap().unwrap();
@@ -254,7 +255,7 @@ async fn a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most() 
     // A client queues a ticket, then dies without withdrawing it.
     let dead = common::builder(&ns).lease(lease).build().await.unwrap();
     let ticket = dead.ticket();
-    assert_eq!(dead.acquire("db", ticket, &Priority::default()).await.unwrap(), Answer::Queued);
+    assert_eq!(dead.acquire("db", ticket, &Priority::default(), None).await.unwrap(), Answer::Queued);
     drop(dead);
     let waiter = Limits::with_backend(common::builder(&ns).lease(lease).build().await.unwrap());
     let asking = tokio::spawn(async move {

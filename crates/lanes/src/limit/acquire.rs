@@ -23,9 +23,9 @@ use super::backend::{Answer, LimitBackend};
 use super::priority::Priority;
 use super::table::LimitError;
 
-/// How long a waiter of a non-local backend waits for a push before it asks again anyway: a
-/// safety net for lost notifications, not the way waiters learn of releases.
-pub const REASK: Duration = Duration::from_secs(1);
+/// How long a waiter without a deadline sleeps on its backend's push before it looks again
+/// anyway; each backend may bound it further with its own safety re-ask.
+pub const REASK: Duration = Duration::from_secs(60);
 
 /// Waits on `backend` for the permit of `ticket` of limit `name`, until it is granted, it is
 /// finished, or `deadline` passes. With `first: Some(priority)` the first look queues the
@@ -58,7 +58,9 @@ pub async fn drive(
     loop {
         let retry = match answer {
             Answer::Granted(_) | Answer::Finished => return Ok(answer),
-            Answer::Queued => REASK,
+            // Backends push, and keep their own safety re-asks for lost notifications: sleep
+            // on the push up to the deadline, or `REASK` at most without one.
+            Answer::Queued => deadline.map_or(REASK, |_| Duration::MAX),
             Answer::RetryAfter(after) => after,
         };
         let nap = match deadline {
