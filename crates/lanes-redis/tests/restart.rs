@@ -1,0 +1,220 @@
+//! A Redis that is killed (SIGKILL) and comes back empty, and clients that die or wait with a
+//! deadline: issue 11's reproductions 3, 4, 5 and 7 on Redis, and a 64-task hammer through a
+//! kill and an empty restart. Each test runs its own `redis-server` on an ephemeral port.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::Duration;
+
+use common::DedicatedRedis;
+use lanes::{LimitBackend, LimitSpec, Limits, Priority};
+use lanes_redis::RedisLimits;
+use tokio::time::{Instant, sleep, timeout};
+
+const LEASE: Duration = Duration::from_millis(600);
+
+async fn client(redis: &DedicatedRedis) -> RedisLimits {
+    RedisLimits::builder(redis.url())
+        .namespace("restart")
+        .op_timeout(Duration::from_millis(200))
+        .lease(LEASE)
+        .build()
+        .await
+        .expect("the dedicated redis-server answers")
+}
+
+/// Reproduction 3: A and B hold both permits; Redis restarts empty. Before, C was granted at
+/// once with A's fencing token while A still renewed. Now A and B learn their permits are lost
+/// before anyone else is granted, grants wait for the hold (the longest lease), and tokens keep
+/// growing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_restart_never_hands_one_permit_to_two_holders() {
+    let mut redis = DedicatedRedis::start();
+    let (a, b, c) = (client(&redis).await, client(&redis).await, client(&redis).await);
+    let (la, lb, lc) = (Limits::with_backend(a), Limits::with_backend(b), Limits::with_backend(c));
+    la.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    let pa = la.acquire("db", Priority::default()).await.unwrap();
+    let pb = lb.acquire("db", Priority::default()).await.unwrap();
+    redis.stop();
+    redis.restart();
+    let back = Instant::now();
+    let granted = timeout(Duration::from_secs(10), async {
+        loop {
+            match lc.acquire("db", Priority::default()).await {
+                Ok(permit) => return permit,
+                Err(err) => {
+                    assert!(err.is_backend() || err.is_unknown_limit(), "{err}");
+                    sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    })
+    .await
+    .expect("grants resume");
+    let at = back.elapsed();
+    assert!(pa.lease_lost() && pb.lease_lost(), "both old holders know before C is granted");
+    assert!(at >= LEASE - Duration::from_millis(100), "the hold kept grants back: {at:?}");
+    assert!(at <= LEASE + Duration::from_secs(1), "grants resume within the lease + 1 s: {at:?}");
+    assert!(granted.fencing_token() > pa.fencing_token().max(pb.fencing_token()));
+    timeout(Duration::from_secs(1), pa.lost()).await.expect("lost() resolves");
+}
+
+/// Reproduction 7 on Redis: tokens keep growing across a removal and across an empty restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_grow_across_remove_and_an_empty_restart() {
+    let mut redis = DedicatedRedis::start();
+    let limits = Limits::with_backend(client(&redis).await);
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let first = limits.acquire("db", Priority::default()).await.unwrap().fencing_token();
+    sleep(Duration::from_millis(50)).await; // the release lands
+    limits.remove("db").await.unwrap();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let second = limits.acquire("db", Priority::default()).await.unwrap().fencing_token();
+    assert!(second > first, "{first} then {second}");
+    redis.stop();
+    redis.restart();
+    let fresh = Limits::with_backend(client(&redis).await);
+    fresh.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let third = fresh.acquire("db", Priority::default()).await.unwrap().fencing_token();
+    assert!(third > second, "{second} then {third}");
+}
+
+/// Reproduction 4: three waiters with a 1 s deadline were answered after 1, 10 and 10 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_on_redis_honour_their_deadline() {
+    let redis = DedicatedRedis::start();
+    let limits = Limits::with_backend(client(&redis).await);
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let _held = limits.acquire("db", Priority::default()).await.unwrap();
+    let mut waiters = Vec::new();
+    for _ in 0..3 {
+        let limits = limits.clone();
+        waiters.push(tokio::spawn(async move {
+            let start = Instant::now();
+            let err = limits
+                .acquire_timeout("db", Priority::default(), Duration::from_secs(1))
+                .await
+                .unwrap_err();
+            assert!(err.is_timeout(), "{err}");
+            start.elapsed()
+        }));
+    }
+    for waiter in waiters {
+        let took = waiter.await.unwrap();
+        assert!(took <= Duration::from_millis(1_100), "answered after {took:?}");
+    }
+}
+
+/// Reproduction 5: a client that dies with tickets queued. Before, each was granted in turn for
+/// a lease; now they are dropped once the client is silent past the queue grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_clients_queued_tickets_go_within_the_grace() {
+    let redis = DedicatedRedis::start();
+    let holder = Limits::with_backend(client(&redis).await);
+    holder.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = holder.acquire("db", Priority::default()).await.unwrap();
+    let dead = client(&redis).await;
+    for _ in 0..20 {
+        let ticket = dead.ticket();
+        dead.acquire("db", ticket, &Priority::default(), None).await.unwrap();
+    }
+    drop(dead); // dies: no release, no more signs of life
+    let waiter = Limits::with_backend(client(&redis).await);
+    let asking = tokio::spawn(async move {
+        let permit = waiter.acquire("db", Priority::default()).await.unwrap();
+        (Instant::now(), permit)
+    });
+    sleep(Duration::from_millis(50)).await;
+    let released = Instant::now();
+    drop(held);
+    let (granted, _permit) = timeout(Duration::from_secs(10), asking).await.unwrap().unwrap();
+    let took = granted - released;
+    // Twenty leases would be 12 s; the grace (2 s) plus one lease bounds it now.
+    assert!(took <= Duration::from_secs(2) + LEASE + Duration::from_millis(500), "{took:?}");
+}
+
+/// A 64-task hammer over four clients; Redis is killed and restarted empty in the middle. By the
+/// holders' own count there are never more than `concurrent` holders (a holder stops at once
+/// when its permit is reported lost), every permit held across the restart is reported lost,
+/// and grants resume within the longest lease + 1 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_and_empty_restart_mid_hammer_keeps_the_bound() {
+    const CONCURRENT: i64 = 3;
+    let mut redis = DedicatedRedis::start();
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(Limits::with_backend(client(&redis).await));
+    }
+    clients[0].define("db", LimitSpec::concurrent(CONCURRENT as u32)).await.unwrap();
+    let holders = Arc::new(AtomicI64::new(0));
+    let peak = Arc::new(AtomicI64::new(0));
+    let lost = Arc::new(AtomicU64::new(0));
+    let grants = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let limits = clients[i % 4].clone();
+        let (holders, peak, lost, grants, stop) =
+            (holders.clone(), peak.clone(), lost.clone(), grants.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let permit = match limits
+                    .acquire_timeout("db", Priority::default(), Duration::from_millis(300))
+                    .await
+                {
+                    Ok(permit) => permit,
+                    Err(_) => {
+                        sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                grants.fetch_add(1, Ordering::Relaxed);
+                // Long enough that the permits held at the kill are still held when the loss is
+                // seen: each of them must be reported lost.
+                tokio::select! {
+                    () = sleep(Duration::from_millis(1_500)) => {}
+                    () = permit.lost() => { lost.fetch_add(1, Ordering::Relaxed); }
+                }
+                holders.fetch_sub(1, Ordering::SeqCst);
+                drop(permit);
+            }
+        }));
+    }
+    sleep(Duration::from_millis(800)).await;
+    let before = grants.load(Ordering::Relaxed);
+    assert!(before > 0, "the hammer runs");
+    let held_at_kill = holders.load(Ordering::SeqCst);
+    redis.stop();
+    sleep(Duration::from_millis(200)).await;
+    redis.restart();
+    let back = Instant::now();
+    let at_restart = grants.load(Ordering::Relaxed);
+    let resumed = timeout(LEASE + Duration::from_secs(1), async {
+        while grants.load(Ordering::Relaxed) <= at_restart {
+            sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(resumed.is_ok(), "grants resume within the lease + 1 s of Redis coming back");
+    let resumed_after = back.elapsed();
+    sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert!(peak.load(Ordering::SeqCst) <= CONCURRENT, "peak {}", peak.load(Ordering::SeqCst));
+    assert!(held_at_kill > 0, "permits were held at the kill");
+    assert!(
+        lost.load(Ordering::Relaxed) >= held_at_kill as u64,
+        "every permit held across the restart is reported lost to its holder"
+    );
+    println!(
+        "grants {} (before kill {before}), lost reported {}, resumed after {resumed_after:?}",
+        grants.load(Ordering::Relaxed),
+        lost.load(Ordering::Relaxed)
+    );
+}
