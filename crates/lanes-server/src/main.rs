@@ -53,6 +53,13 @@ struct ServeArgs {
     /// The most tickets waiting per limit (more are refused with 429).
     #[arg(long)]
     max_waiters: Option<usize>,
+    /// How long a client with no request in flight keeps its queued tickets (default 2000).
+    #[arg(long)]
+    queue_grace_ms: Option<u64>,
+    /// The longest lease a client may ask for; after Redis loses its state, grants wait this
+    /// long (default 60000).
+    #[arg(long)]
+    max_lease_ms: Option<u64>,
 }
 
 impl ServeArgs {
@@ -73,6 +80,13 @@ impl ServeArgs {
         if let Some(max_waiters) = self.max_waiters {
             options.max_waiters = max_waiters;
         }
+        if let Some(ms) = self.queue_grace_ms {
+            options.queue_grace = std::time::Duration::from_millis(ms);
+        }
+        if let Some(ms) = self.max_lease_ms {
+            options.max_lease = std::time::Duration::from_millis(ms);
+        }
+        options.validate()?;
         Ok(options)
     }
 }

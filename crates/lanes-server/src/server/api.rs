@@ -8,6 +8,7 @@ use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use lanes::channel::Emitted;
+use lanes::limit::Released;
 use lanes::{Answer, LimitInfo, LimitSpec, Priority};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -15,14 +16,14 @@ use tokio::time::Instant;
 
 use super::App;
 use super::error::{ApiError, JsonBody};
+use super::sessions::Refused;
 
 /// The longest a limit name may be.
 const MAX_NAME: usize = 200;
 /// The longest a client id may be.
 const MAX_CLIENT: usize = 200;
-/// Lease bounds.
+/// The shortest lease.
 const MIN_LEASE: Duration = Duration::from_millis(100);
-const MAX_LEASE: Duration = Duration::from_secs(600);
 
 pub(crate) fn check_name(name: &str) -> Result<(), ApiError> {
     if name.is_empty() || name.len() > MAX_NAME || name.chars().any(char::is_control) {
@@ -164,6 +165,9 @@ pub(crate) struct AcquireBody {
     lease_ms: Option<u64>,
     #[serde(default)]
     wait_ms: Option<u64>,
+    /// `false`: a try, granted now or refused, never leaving a ticket behind.
+    #[serde(default)]
+    queue: Option<bool>,
 }
 
 /// Ends a request of a client in its session, however the handler ends (a dropped long-poll
@@ -179,6 +183,13 @@ impl Drop for InFlight {
     }
 }
 
+/// A not-granted answer with its `Retry-After` header (whole seconds, at least 1) beside the
+/// JSON `retry_after_ms`.
+fn not_yet(status: StatusCode, body: serde_json::Value, retry_after: Duration) -> Response {
+    let seconds = retry_after.as_millis().div_ceil(1000).max(1);
+    (status, [("retry-after", seconds.to_string())], Json(body)).into_response()
+}
+
 pub(crate) async fn acquire(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
@@ -187,10 +198,14 @@ pub(crate) async fn acquire(
     check_name(&name)?;
     check_client(&body.client)?;
     let lease = Duration::from_millis(body.lease_ms.unwrap_or(app.options.default_lease_ms));
-    if !(MIN_LEASE..=MAX_LEASE).contains(&lease) {
+    if !(MIN_LEASE..=app.options.max_lease).contains(&lease) {
         return Err(ApiError::field(
             "lease_ms",
-            format!("a lease is {} to {} ms", MIN_LEASE.as_millis(), MAX_LEASE.as_millis()),
+            format!(
+                "a lease is {} to {} ms",
+                MIN_LEASE.as_millis(),
+                app.options.max_lease.as_millis()
+            ),
         ));
     }
     let priority = match &body.priority {
@@ -209,62 +224,110 @@ pub(crate) async fn acquire(
             priority
         }
     };
+    let queue = body.queue.unwrap_or(true);
+    if !queue && body.wait_ms.is_some_and(|ms| ms > 0) {
+        return Err(ApiError::field("wait_ms", "a try (\"queue\": false) never waits"));
+    }
     // Long-polls are bounded by the server's maximum.
     let wait = Duration::from_millis(body.wait_ms.unwrap_or(0)).min(app.options.max_wait);
     let now = Instant::now();
-    let (ticket, backend_ticket) = {
+    let begun = {
         let backend = app.backend.clone();
-        app.sessions().begin(&body.client, &name, body.ticket, lease, now, || backend.ticket())
+        app.sessions()
+            .begin(&body.client, &name, body.ticket, lease, now, || backend.ticket())
+            .map_err(|Refused::NotYours(ticket)| ApiError::not_yours(&name, ticket))?
     };
     let _in_flight = InFlight { app: app.clone(), client: body.client.clone() };
-    let deadline = now + wait;
-    let mut shutdown = app.shutdown.clone();
-    loop {
-        let answer = match app.backend.acquire(&name, backend_ticket, &priority).await {
-            Ok(answer) => answer,
-            Err(err) => {
-                app.sessions().forget(&body.client, &name, ticket);
-                return Err(ApiError::limit(&name, &err));
+    let ticket = begun.ticket;
+    let outcome = if !queue && begun.fresh {
+        // A try: granted now, or the ticket is forgotten at once.
+        app.backend.try_acquire(&name, begun.backend, Some(lease)).await
+    } else {
+        // The one acquire future of `lanes::limit`, with the long-poll's deadline; the ticket
+        // outlives the call (its client asks again, or releases it).
+        let first = begun.fresh.then_some(&priority);
+        let mut shutdown = app.shutdown.clone();
+        let drive = lanes::limit::drive(
+            &*app.backend,
+            &name,
+            begun.backend,
+            first,
+            Some(lease),
+            Some(now + wait),
+        );
+        tokio::select! {
+            biased;
+            answer = drive => answer,
+            () = async { drop(shutdown.wait_for(|stopping| *stopping).await) } => {
+                app.backend.check(&name, begun.backend, Some(lease)).await
             }
-        };
-        let retry = match answer {
-            Answer::Granted(grant) => {
-                let now = Instant::now();
-                let expires = app.sessions().granted(&body.client, &name, ticket, lease, now);
-                app.event("granted");
-                return Ok(Json(json!({
-                    "granted": true,
-                    "ticket": ticket,
-                    "fencing_token": grant.fencing_token,
-                    "lease_expires_in_ms": expires.saturating_duration_since(now).as_millis() as u64,
-                }))
-                .into_response());
+        }
+    };
+    let answer = match outcome {
+        Ok(answer) => answer,
+        Err(err) => {
+            if begun.fresh {
+                let _ = app.sessions().forget(&body.client, &name, ticket);
             }
-            Answer::Queued => None,
-            Answer::RetryAfter(after) => Some(after),
-        };
-        let now = Instant::now();
-        if now >= deadline || *shutdown.borrow() {
-            app.event("queued");
-            let (reason, retry_after) = match retry {
-                Some(after) => ("rate", after),
-                None => ("queued", app.options.reask.min(wait.max(Duration::from_millis(100)))),
+            return Err(ApiError::limit(&name, &err));
+        }
+    };
+    match answer {
+        Answer::Granted(grant) => {
+            app.sessions().granted(&name, ticket);
+            app.event("granted");
+            Ok(Json(json!({
+                "granted": true,
+                "ticket": ticket,
+                "fencing_token": grant.fencing_token,
+                "lease_expires_in_ms": lease.as_millis() as u64,
+            }))
+            .into_response())
+        }
+        Answer::Finished => {
+            let _ = app.sessions().forget(&body.client, &name, ticket);
+            Err(ApiError::finished(&name, ticket))
+        }
+        Answer::Queued | Answer::RetryAfter(_) if !queue => {
+            let _ = app.sessions().forget(&body.client, &name, ticket);
+            if !begun.fresh {
+                // A try naming a ticket that was queued before: the try leaves nothing.
+                app.backend
+                    .release(&name, begun.backend)
+                    .await
+                    .map_err(|e| ApiError::limit(&name, &e))?;
+            }
+            app.event("refused");
+            let (reason, retry_after) = match answer {
+                Answer::RetryAfter(after) => ("rate", after),
+                _ => ("busy", app.options.reask),
             };
-            return Ok((
+            Ok(not_yet(
+                StatusCode::TOO_MANY_REQUESTS,
+                json!({
+                    "granted": false,
+                    "retry_after_ms": retry_after.as_millis() as u64,
+                    "reason": reason,
+                }),
+                retry_after,
+            ))
+        }
+        Answer::Queued | Answer::RetryAfter(_) => {
+            app.event("queued");
+            let (reason, retry_after) = match answer {
+                Answer::RetryAfter(after) => ("rate", after),
+                _ => ("queued", app.options.reask.min(wait.max(Duration::from_millis(100)))),
+            };
+            Ok(not_yet(
                 StatusCode::ACCEPTED,
-                Json(json!({
+                json!({
                     "granted": false,
                     "ticket": ticket,
                     "retry_after_ms": retry_after.as_millis() as u64,
                     "reason": reason,
-                })),
-            )
-                .into_response());
-        }
-        let nap = (deadline - now).min(retry.unwrap_or(app.options.reask));
-        tokio::select! {
-            () = app.backend.wait(&name, backend_ticket, nap) => {}
-            _ = shutdown.changed() => {}
+                }),
+                retry_after,
+            ))
         }
     }
 }
@@ -284,12 +347,23 @@ pub(crate) async fn release(
 ) -> Result<Response, ApiError> {
     check_name(&name)?;
     check_client(&body.client)?;
-    let known = app.sessions().forget(&body.client, &name, body.ticket);
-    if let Some(backend_ticket) = known {
-        app.backend.release(&name, backend_ticket).await.map_err(|e| ApiError::limit(&name, &e))?;
-        app.event("released");
-    }
-    Ok(Json(json!({ "released": known.is_some() })).into_response())
+    let known = app
+        .sessions()
+        .forget(&body.client, &name, body.ticket)
+        .map_err(|Refused::NotYours(ticket)| ApiError::not_yours(&name, ticket))?;
+    let released = match known {
+        Some(backend_ticket) => {
+            let released = app
+                .backend
+                .release(&name, backend_ticket)
+                .await
+                .map_err(|e| ApiError::limit(&name, &e))?;
+            app.event("released");
+            released != Released::Unknown
+        }
+        None => false,
+    };
+    Ok(Json(json!({ "released": released })).into_response())
 }
 
 pub(crate) async fn renew(
@@ -297,13 +371,39 @@ pub(crate) async fn renew(
     Path(client): Path<String>,
 ) -> Result<Response, ApiError> {
     check_client(&client)?;
-    match app.sessions().renew(&client, Instant::now()) {
-        Some(renewed) => Ok(Json(json!({ "renewed": renewed })).into_response()),
-        None => Err(ApiError::new(
+    let Some(tickets) = app.sessions().tickets_of(&client, Instant::now()) else {
+        return Err(ApiError::new(
             StatusCode::NOT_FOUND,
-            format!("unknown client {client:?} (never seen, or its session lapsed)"),
-        )),
+            format!("unknown client {client:?} (never seen, or nothing held or waiting)"),
+        ));
+    };
+    // One backend call per (limit, lease): the backend keeps the leases.
+    let mut groups: std::collections::BTreeMap<(String, Duration), Vec<(u64, u64)>> =
+        std::collections::BTreeMap::new();
+    for (limit, ticket, backend, lease) in tickets {
+        groups.entry((limit, lease)).or_default().push((ticket, backend));
     }
+    let mut renewed = 0;
+    let mut lost = Vec::new();
+    for ((limit, lease), tickets) in groups {
+        let backends: Vec<u64> = tickets.iter().map(|(_, b)| *b).collect();
+        let gone = app.backend.renew(&limit, &backends, lease).await;
+        let gone = match gone {
+            Ok(gone) => gone,
+            Err(lanes::LimitError::UnknownLimit(_)) => backends.clone(),
+            Err(err) => return Err(ApiError::limit(&limit, &err)),
+        };
+        for (ticket, backend) in tickets {
+            if gone.contains(&backend) {
+                let _ = app.sessions().forget(&client, &limit, ticket);
+                app.event("lease_lost");
+                lost.push(json!({ "limit": limit, "ticket": ticket }));
+            } else {
+                renewed += 1;
+            }
+        }
+    }
+    Ok(Json(json!({ "renewed": renewed, "lost": lost })).into_response())
 }
 
 pub(crate) async fn snapshot(State(app): State<Arc<App>>) -> Result<Response, ApiError> {

@@ -17,11 +17,12 @@ pub(crate) struct ApiError {
     error: String,
     field: Option<String>,
     limit: Option<String>,
+    ticket: Option<u64>,
 }
 
 impl ApiError {
     pub(crate) fn new(status: StatusCode, error: impl Into<String>) -> Self {
-        Self { status, error: error.into(), field: None, limit: None }
+        Self { status, error: error.into(), field: None, limit: None, ticket: None }
     }
 
     /// A 400 naming the offending field.
@@ -45,6 +46,34 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// A ticket another client owns: 409 naming it.
+    pub(crate) fn not_yours(limit: &str, ticket: u64) -> Self {
+        Self {
+            limit: Some(limit.to_owned()),
+            ticket: Some(ticket),
+            ..Self::new(
+                StatusCode::CONFLICT,
+                format!("ticket {ticket} of limit {limit:?} belongs to another client"),
+            )
+        }
+    }
+
+    /// A ticket that neither waits nor holds any more: 410 naming it.
+    pub(crate) fn finished(limit: &str, ticket: u64) -> Self {
+        Self {
+            limit: Some(limit.to_owned()),
+            ticket: Some(ticket),
+            ..Self::new(
+                StatusCode::GONE,
+                format!(
+                    "ticket {ticket} of limit {limit:?} is finished (released, withdrawn, or its lease ended)"
+                ),
+            )
+        }
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut body = json!({ "error": self.error });
@@ -53,6 +82,9 @@ impl IntoResponse for ApiError {
         }
         if let Some(limit) = self.limit {
             body["limit"] = json!(limit);
+        }
+        if let Some(ticket) = self.ticket {
+            body["ticket"] = json!(ticket);
         }
         (self.status, Json(body)).into_response()
     }

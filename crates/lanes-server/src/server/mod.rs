@@ -3,9 +3,12 @@
 //!
 //! The limits live in an embedded in-process backend, or — with a Redis URL — in
 //! [`RedisLimits`](lanes_redis::RedisLimits), so several servers share them. Clients are
-//! sessions: each ticket a client asks with is its own number, mapped to a backend ticket; each
-//! permit is a lease the client renews (`POST /v1/clients/{client}/renew`). A client not heard
-//! from for its lease loses its queued tickets at once and its permits when their leases end.
+//! sessions, which the server keeps only to know who owns which ticket and which clients are
+//! alive: each ticket is its creator's, and another client acting on it is refused (409). The
+//! protocol itself — the first ask, the long-poll (a call of `lanes::limit::drive`), leases and
+//! their renewal — is the backend's, written once in `lanes::limit`. A client with no request in
+//! flight that is not heard from for the queue grace loses its queued tickets; its permits end
+//! with their leases unless renewed (`POST /v1/clients/{client}/renew`).
 
 mod api;
 mod error;
@@ -63,6 +66,11 @@ pub struct ServeOptions {
     pub reask: Duration,
     /// The most tickets waiting per limit (429 beyond).
     pub max_waiters: usize,
+    /// How long a client with no request in flight keeps its queued tickets.
+    pub queue_grace: Duration,
+    /// The longest lease a client may ask for (and, on Redis, how long grants wait after Redis
+    /// lost its state: every lease that could still be believed held has ended by then).
+    pub max_lease: Duration,
 }
 
 impl Default for ServeOptions {
@@ -77,11 +85,31 @@ impl Default for ServeOptions {
             max_body: 64 * 1024,
             reask: Duration::from_secs(1),
             max_waiters: lanes::LimitTable::DEFAULT_MAX_WAITERS,
+            queue_grace: Duration::from_secs(2),
+            max_lease: Duration::from_secs(60),
         }
     }
 }
 
 impl ServeOptions {
+    /// Checks the operational bounds.
+    ///
+    /// # Errors
+    ///
+    /// A message naming the setting that is out of range.
+    pub fn validate(&self) -> Result<(), BoxError> {
+        if self.queue_grace < Duration::from_millis(100) {
+            return Err("queue grace: at least 100 ms".into());
+        }
+        if self.max_lease < Duration::from_millis(100) {
+            return Err("max lease: at least 100 ms".into());
+        }
+        if Duration::from_millis(self.default_lease_ms) > self.max_lease {
+            return Err("the default lease is longer than the max lease".into());
+        }
+        Ok(())
+    }
+
     fn backend_name(&self) -> &'static str {
         if self.redis.is_some() { "redis" } else { "embedded" }
     }
@@ -183,11 +211,16 @@ impl Server {
     ///
     /// The address cannot be bound, Redis cannot be reached, or a configured limit is invalid.
     pub async fn start(options: ServeOptions) -> Result<Self, BoxError> {
+        options.validate()?;
         let backend: Arc<dyn LimitBackend> = match &options.redis {
+            // Leases are the clients' (each acquire names one; renewals come over HTTP), so the
+            // Redis client renews nothing on its own.
             Some(url) => Arc::new(
                 lanes_redis::RedisLimits::builder(url.clone())
                     .namespace(options.namespace.clone())
                     .max_waiters(options.max_waiters)
+                    .max_lease(options.max_lease)
+                    .auto_renew(false)
                     .build()
                     .await?,
             ),
@@ -213,16 +246,23 @@ impl Server {
         });
         tokio::spawn(count_events(events, channels));
         tokio::spawn(sweep(Arc::downgrade(&app)));
+        let app_for_stop = app.clone();
         let router = router(app, options.max_body);
         let listener = tokio::net::TcpListener::bind(options.listen).await?;
         let addr = listener.local_addr()?;
         let mut stop = shutdown_rx;
         let done = tokio::spawn(async move {
-            axum::serve(listener, router)
+            let served = axum::serve(listener, router)
                 .with_graceful_shutdown(async move {
                     let _ = stop.wait_for(|stopping| *stopping).await;
                 })
-                .await
+                .await;
+            // A clean stop withdraws every queued ticket, so no dead client is served later.
+            let queued = app_for_stop.sessions().drain_queued();
+            for lapsed in queued {
+                let _ = app_for_stop.backend.release(&lapsed.limit, lapsed.backend).await;
+            }
+            served
         });
         Ok(Self { addr, shutdown, done })
     }
@@ -289,21 +329,31 @@ async fn guard(request: Request, next: Next) -> Response {
     response
 }
 
-/// Drops permits whose lease ended and queued tickets of clients gone silent.
+/// Withdraws the queued tickets of clients gone silent past the queue grace, and forgets the
+/// permits of silent clients whose leases ended in the backend.
 async fn sweep(app: std::sync::Weak<App>) {
-    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut probed = Instant::now();
     loop {
         tick.tick().await;
         let Some(app) = app.upgrade() else { return };
-        let lapsed = app.sessions().sweep(Instant::now());
-        for (limit, ticket) in lapsed.expired_permits.iter().chain(&lapsed.withdrawn_waiters) {
-            let _ = app.backend.release(limit, *ticket).await;
-        }
-        for _ in &lapsed.expired_permits {
-            app.event("lease_expired");
-        }
-        for _ in &lapsed.withdrawn_waiters {
+        let now = Instant::now();
+        let (withdraw, probe) = app.sessions().sweep(now, app.options.queue_grace);
+        for lapsed in withdraw {
+            let _ = app.backend.release(&lapsed.limit, lapsed.backend).await;
             app.event("waiter_withdrawn");
+        }
+        if now.duration_since(probed) < Duration::from_secs(1) {
+            continue;
+        }
+        probed = now;
+        for lapsed in probe {
+            if let Ok(lanes::Answer::Finished) =
+                app.backend.check(&lapsed.limit, lapsed.backend, None).await
+            {
+                let _ = app.sessions().forget(&lapsed.client, &lapsed.limit, lapsed.ticket);
+                app.event("lease_expired");
+            }
         }
     }
 }

@@ -1,83 +1,137 @@
-//! Clients of the server: their tickets, the permits they hold and the leases on them.
+//! Who owns which ticket, and which clients are alive. Nothing else: grants, leases and the wait
+//! order live in the backend (`lanes::limit`), written once.
 //!
-//! A client's tickets are its own numbers; the server maps each `(client, limit, ticket)` to a
-//! backend ticket, so clients never collide. A held permit is a lease of the `lease_ms` it was
-//! asked with; `renew` extends every lease the client holds. A client that is not heard from
-//! for its lease (no request, no renewal, no long-poll in flight) loses its queued tickets at
-//! once; its permits stay until their own leases end.
+//! # Invariants
+//!
+//! 1. A ticket number names one ticket of one limit, owned by the client that created it.
+//!    Another client acting on it is refused ([`Refused::NotYours`]); nothing is granted or
+//!    released on its behalf.
+//! 2. A server-chosen ticket number is unguessable (keyed hash of a counter, below 2^53 so
+//!    JSON numbers carry it exactly) and never equal to a live ticket of the limit, so a client
+//!    mixing its own numbers with the server's never has two tickets under one number.
+//! 3. A client with no request in flight and not heard from for the queue grace loses its
+//!    queued tickets (they are withdrawn); its permits stay until their leases end in the
+//!    backend.
+//!
+//! Pure: time is an argument, no I/O.
 
-use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::collections::{BTreeSet, HashMap};
+use std::hash::BuildHasher;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-/// A permit the client holds.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Held {
-    pub(crate) lease: Duration,
-    pub(crate) expires: Instant,
+/// A ticket and its owner.
+#[derive(Debug)]
+struct Owned {
+    client: String,
+    backend: u64,
+    lease: Duration,
+    granted: bool,
 }
 
 #[derive(Debug)]
-pub(crate) struct Ticket {
-    pub(crate) backend: u64,
-    pub(crate) held: Option<Held>,
-}
-
-#[derive(Debug)]
-struct Session {
+struct Client {
     last_seen: Instant,
-    ttl: Duration,
     in_flight: usize,
-    tickets: HashMap<(String, u64), Ticket>,
+    /// `(limit, ticket)` of every ticket it owns.
+    tickets: BTreeSet<(String, u64)>,
 }
 
-/// What the sweeper must hand back to the backend: `(limit, backend ticket)`.
-#[derive(Debug, Default)]
-pub(crate) struct Sweep {
-    pub(crate) expired_permits: Vec<(String, u64)>,
-    pub(crate) withdrawn_waiters: Vec<(String, u64)>,
+/// A ticket a request acts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Begun {
+    /// The client's number for it.
+    pub(crate) ticket: u64,
+    /// The backend's.
+    pub(crate) backend: u64,
+    /// Created by this request (its first ask), rather than asked about again.
+    pub(crate) fresh: bool,
+}
+
+/// Why a request may not act on a ticket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refused {
+    /// Another client owns it.
+    NotYours(u64),
+}
+
+/// A ticket the sweeper hands back to the backend, or asks the backend about.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Lapsed {
+    pub(crate) client: String,
+    pub(crate) limit: String,
+    pub(crate) ticket: u64,
+    pub(crate) backend: u64,
 }
 
 #[derive(Debug, Default)]
 pub(crate) struct Sessions {
-    clients: HashMap<String, Session>,
+    tickets: HashMap<(String, u64), Owned>,
+    clients: HashMap<String, Client>,
+    keys: RandomState,
+    drawn: u64,
 }
 
+/// Server-chosen numbers stay below 2^53: exact in every JSON implementation.
+const TICKET_MASK: u64 = (1 << 53) - 1;
+
 impl Sessions {
-    /// Marks a request of `client` starting; returns the backend ticket of `(limit, ticket)`,
-    /// allocating it with `allocate` the first time (and for `ticket: None`, whose number is
-    /// the backend ticket's).
+    /// Marks a request of `client` starting and finds or creates the ticket it acts on: its own
+    /// number `ticket`, or a fresh server-chosen one for `None`. `allocate` gives a new backend
+    /// ticket.
     pub(crate) fn begin(
         &mut self,
         client: &str,
         limit: &str,
         ticket: Option<u64>,
-        ttl: Duration,
+        lease: Duration,
         now: Instant,
         allocate: impl FnOnce() -> u64,
-    ) -> (u64, u64) {
-        let session = self.clients.entry(client.to_owned()).or_insert_with(|| Session {
+    ) -> Result<Begun, Refused> {
+        if let Some(number) = ticket
+            && let Some(owned) = self.tickets.get(&(limit.to_owned(), number))
+        {
+            if owned.client != client {
+                return Err(Refused::NotYours(number));
+            }
+            let backend = owned.backend;
+            self.touch(client, now).in_flight += 1;
+            return Ok(Begun { ticket: number, backend, fresh: false });
+        }
+        let number = match ticket {
+            Some(number) => number,
+            None => self.draw(limit),
+        };
+        let backend = allocate();
+        let owned = Owned { client: client.to_owned(), backend, lease, granted: false };
+        self.tickets.insert((limit.to_owned(), number), owned);
+        let session = self.touch(client, now);
+        session.in_flight += 1;
+        session.tickets.insert((limit.to_owned(), number));
+        Ok(Begun { ticket: number, backend, fresh: true })
+    }
+
+    fn touch(&mut self, client: &str, now: Instant) -> &mut Client {
+        let session = self.clients.entry(client.to_owned()).or_insert_with(|| Client {
             last_seen: now,
-            ttl,
             in_flight: 0,
-            tickets: HashMap::new(),
+            tickets: BTreeSet::new(),
         });
         session.last_seen = now;
-        session.ttl = ttl;
-        session.in_flight += 1;
-        let (theirs, backend) = match ticket {
-            Some(theirs) => match session.tickets.get(&(limit.to_owned(), theirs)) {
-                Some(known) => (theirs, known.backend),
-                None => (theirs, allocate()),
-            },
-            None => {
-                let backend = allocate();
-                (backend, backend)
+        session
+    }
+
+    /// An unguessable number that no live ticket of `limit` has (invariant 2).
+    fn draw(&mut self, limit: &str) -> u64 {
+        loop {
+            self.drawn += 1;
+            let number = self.keys.hash_one(self.drawn) & TICKET_MASK;
+            if number != 0 && !self.tickets.contains_key(&(limit.to_owned(), number)) {
+                return number;
             }
-        };
-        session.tickets.entry((limit.to_owned(), theirs)).or_insert(Ticket { backend, held: None });
-        (theirs, backend)
+        }
     }
 
     /// Marks a request of `client` finished.
@@ -86,79 +140,130 @@ impl Sessions {
             session.in_flight = session.in_flight.saturating_sub(1);
             session.last_seen = now;
         }
+        self.drop_if_idle(client);
     }
 
-    /// Records a grant; returns the lease end.
-    pub(crate) fn granted(
+    fn drop_if_idle(&mut self, client: &str) {
+        if self.clients.get(client).is_some_and(|s| s.in_flight == 0 && s.tickets.is_empty()) {
+            self.clients.remove(client);
+        }
+    }
+
+    /// Records that a ticket holds a permit.
+    pub(crate) fn granted(&mut self, limit: &str, ticket: u64) {
+        if let Some(owned) = self.tickets.get_mut(&(limit.to_owned(), ticket)) {
+            owned.granted = true;
+        }
+    }
+
+    /// Forgets a ticket of `client` (released, withdrawn or finished); its backend ticket if it
+    /// existed.
+    ///
+    /// # Errors
+    ///
+    /// [`Refused::NotYours`] if another client owns it (invariant 1).
+    pub(crate) fn forget(
         &mut self,
         client: &str,
         limit: &str,
         ticket: u64,
-        lease: Duration,
+    ) -> Result<Option<u64>, Refused> {
+        let key = (limit.to_owned(), ticket);
+        match self.tickets.get(&key) {
+            None => return Ok(None),
+            Some(owned) if owned.client != client => return Err(Refused::NotYours(ticket)),
+            Some(_) => {}
+        }
+        let owned = self.tickets.remove(&key).expect("present");
+        if let Some(session) = self.clients.get_mut(client) {
+            session.tickets.remove(&key);
+        }
+        self.drop_if_idle(client);
+        Ok(Some(owned.backend))
+    }
+
+    /// Every ticket `client` owns, as `(limit, ticket, backend ticket, lease)`, in limit order;
+    /// `None` for a client without a session. Marks the client seen.
+    pub(crate) fn tickets_of(
+        &mut self,
+        client: &str,
         now: Instant,
-    ) -> Instant {
-        let Some(entry) = self
-            .clients
-            .get_mut(client)
-            .and_then(|s| s.tickets.get_mut(&(limit.to_owned(), ticket)))
-        else {
-            return now + lease;
-        };
-        match &entry.held {
-            Some(held) => held.expires,
-            None => {
-                let expires = now + lease;
-                entry.held = Some(Held { lease, expires });
-                expires
-            }
-        }
-    }
-
-    /// Forgets a ticket (released or withdrawn); its backend ticket, if it was known.
-    pub(crate) fn forget(&mut self, client: &str, limit: &str, ticket: u64) -> Option<u64> {
-        let session = self.clients.get_mut(client)?;
-        let gone = session.tickets.remove(&(limit.to_owned(), ticket)).map(|t| t.backend);
-        if session.tickets.is_empty() && session.in_flight == 0 {
-            self.clients.remove(client);
-        }
-        gone
-    }
-
-    /// Extends every lease `client` holds; how many, or `None` for an unknown client.
-    pub(crate) fn renew(&mut self, client: &str, now: Instant) -> Option<usize> {
+    ) -> Option<Vec<(String, u64, u64, Duration)>> {
         let session = self.clients.get_mut(client)?;
         session.last_seen = now;
-        let mut renewed = 0;
-        for ticket in session.tickets.values_mut() {
-            if let Some(held) = &mut ticket.held {
-                held.expires = now + held.lease;
-                renewed += 1;
-            }
-        }
-        Some(renewed)
+        let keys: Vec<(String, u64)> = session.tickets.iter().cloned().collect();
+        Some(
+            keys.into_iter()
+                .filter_map(|key| {
+                    let owned = self.tickets.get(&key)?;
+                    Some((key.0, key.1, owned.backend, owned.lease))
+                })
+                .collect(),
+        )
     }
 
-    /// Takes out what lapsed at `now`: permits whose lease ended, and the queued tickets of
-    /// clients not heard from for their lease.
-    pub(crate) fn sweep(&mut self, now: Instant) -> Sweep {
-        let mut sweep = Sweep::default();
-        self.clients.retain(|_, session| {
-            let gone = session.in_flight == 0 && session.last_seen + session.ttl <= now;
-            session.tickets.retain(|(limit, _), ticket| match &ticket.held {
-                Some(held) if held.expires <= now => {
-                    sweep.expired_permits.push((limit.clone(), ticket.backend));
-                    false
+    /// Takes out the queued tickets of clients silent for `grace` with nothing in flight
+    /// (invariant 3), to withdraw; and lists the permits of such clients, to ask the backend
+    /// whether their leases have ended.
+    pub(crate) fn sweep(&mut self, now: Instant, grace: Duration) -> (Vec<Lapsed>, Vec<Lapsed>) {
+        let mut withdraw = Vec::new();
+        let mut probe = Vec::new();
+        let silent: Vec<String> = self
+            .clients
+            .iter()
+            .filter(|(_, s)| s.in_flight == 0 && s.last_seen + grace <= now)
+            .map(|(client, _)| client.clone())
+            .collect();
+        for client in silent {
+            let keys: Vec<(String, u64)> = self
+                .clients
+                .get(&client)
+                .map(|s| s.tickets.iter().cloned().collect())
+                .unwrap_or_default();
+            for key in keys {
+                let Some(owned) = self.tickets.get(&key) else { continue };
+                let lapsed = Lapsed {
+                    client: client.clone(),
+                    limit: key.0.clone(),
+                    ticket: key.1,
+                    backend: owned.backend,
+                };
+                if owned.granted {
+                    probe.push(lapsed);
+                } else {
+                    self.tickets.remove(&key);
+                    if let Some(session) = self.clients.get_mut(&client) {
+                        session.tickets.remove(&key);
+                    }
+                    withdraw.push(lapsed);
                 }
-                Some(_) => true,
-                None if gone => {
-                    sweep.withdrawn_waiters.push((limit.clone(), ticket.backend));
-                    false
-                }
-                None => true,
+            }
+            self.drop_if_idle(&client);
+        }
+        withdraw.sort_by(|a, b| (&a.limit, a.ticket).cmp(&(&b.limit, b.ticket)));
+        probe.sort_by(|a, b| (&a.limit, a.ticket).cmp(&(&b.limit, b.ticket)));
+        (withdraw, probe)
+    }
+
+    /// Every queued (not granted) ticket, taken out: what a server that stops withdraws.
+    pub(crate) fn drain_queued(&mut self) -> Vec<Lapsed> {
+        let keys: Vec<(String, u64)> =
+            self.tickets.iter().filter(|(_, o)| !o.granted).map(|(k, _)| k.clone()).collect();
+        let mut out = Vec::new();
+        for key in keys {
+            let owned = self.tickets.remove(&key).expect("present");
+            if let Some(session) = self.clients.get_mut(&owned.client) {
+                session.tickets.remove(&key);
+            }
+            out.push(Lapsed {
+                client: owned.client,
+                limit: key.0,
+                ticket: key.1,
+                backend: owned.backend,
             });
-            !(gone && session.tickets.is_empty())
-        });
-        sweep
+        }
+        out.sort_by(|a, b| (&a.limit, a.ticket).cmp(&(&b.limit, b.ticket)));
+        out
     }
 
     /// Clients with a session.
@@ -171,74 +276,74 @@ impl Sessions {
 mod tests {
     use super::*;
 
-    const LEASE: Duration = Duration::from_secs(2);
+    const LEASE: Duration = Duration::from_secs(10);
+    const GRACE: Duration = Duration::from_secs(2);
+
+    fn counter() -> impl FnMut() -> u64 {
+        let mut next = 100;
+        move || {
+            next += 1;
+            next
+        }
+    }
 
     #[test]
-    fn tickets_map_per_client_and_limit() {
+    fn a_ticket_belongs_to_its_creator() {
         let mut sessions = Sessions::default();
         let now = Instant::now();
-        let mut next = 100;
-        let mut alloc = || {
-            next += 1;
-            next
-        };
-        let (a, ba) = sessions.begin("a", "db", Some(1), LEASE, now, &mut alloc);
-        let (b, bb) = sessions.begin("b", "db", Some(1), LEASE, now, &mut alloc);
-        assert_eq!((a, b), (1, 1));
-        assert_ne!(ba, bb, "two clients' ticket 1 are different backend tickets");
-        let (again, bagain) = sessions.begin("a", "db", Some(1), LEASE, now, &mut alloc);
-        assert_eq!((again, bagain), (1, ba), "asking again is the same ticket");
-        let (fresh, bfresh) = sessions.begin("a", "db", None, LEASE, now, &mut alloc);
-        assert_eq!(fresh, bfresh, "a server-chosen ticket is the backend's");
+        let mut alloc = counter();
+        let a = sessions.begin("alice", "db", Some(1), LEASE, now, &mut alloc).unwrap();
+        assert!(a.fresh);
+        assert_eq!(
+            sessions.begin("mallory", "db", Some(1), LEASE, now, &mut alloc),
+            Err(Refused::NotYours(1))
+        );
+        assert_eq!(sessions.forget("mallory", "db", 1), Err(Refused::NotYours(1)));
+        let again = sessions.begin("alice", "db", Some(1), LEASE, now, &mut alloc).unwrap();
+        assert_eq!((again.backend, again.fresh), (a.backend, false));
+        // Another limit's ticket 1 is another ticket.
+        assert!(sessions.begin("mallory", "other", Some(1), LEASE, now, &mut alloc).is_ok());
+        assert_eq!(sessions.forget("alice", "db", 1), Ok(Some(a.backend)));
+        assert_eq!(sessions.forget("alice", "db", 1), Ok(None));
     }
 
     #[test]
-    fn a_silent_client_loses_its_waiters_at_once_and_its_permits_with_their_leases() {
+    fn server_chosen_numbers_never_collide_with_live_tickets() {
         let mut sessions = Sessions::default();
-        let start = Instant::now();
-        let mut next = 0;
-        let mut alloc = || {
-            next += 1;
-            next
-        };
-        sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc);
-        sessions.granted("a", "db", 1, Duration::from_secs(5), start);
-        sessions.begin("a", "db", Some(2), LEASE, start, &mut alloc);
-        sessions.end("a", start);
-        sessions.end("a", start);
-        let sweep = sessions.sweep(start + Duration::from_secs(1));
-        assert!(sweep.expired_permits.is_empty() && sweep.withdrawn_waiters.is_empty());
-        // Silent for its lease: the waiter goes, the permit stays.
-        let sweep = sessions.sweep(start + LEASE);
-        assert_eq!(sweep.withdrawn_waiters, [("db".to_owned(), 2)]);
-        assert!(sweep.expired_permits.is_empty());
-        // The permit's own lease (5 s) ends.
-        let sweep = sessions.sweep(start + Duration::from_secs(5));
-        assert_eq!(sweep.expired_permits, [("db".to_owned(), 1)]);
-        assert_eq!(sessions.clients(), 0);
-    }
-
-    #[test]
-    fn renewals_keep_permits_and_in_flight_requests_keep_waiters() {
-        let mut sessions = Sessions::default();
-        let start = Instant::now();
-        let mut next = 0;
-        let mut alloc = || {
-            next += 1;
-            next
-        };
-        sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc);
-        sessions.granted("a", "db", 1, LEASE, start);
-        sessions.end("a", start);
-        sessions.begin("a", "db", Some(2), LEASE, start, &mut alloc); // a long-poll in flight
-        for second in 1..10 {
-            let now = start + Duration::from_secs(second);
-            assert_eq!(sessions.renew("a", now), Some(1));
-            let sweep = sessions.sweep(now + Duration::from_millis(500));
-            assert!(sweep.expired_permits.is_empty() && sweep.withdrawn_waiters.is_empty());
+        let now = Instant::now();
+        let mut alloc = counter();
+        let drawn = sessions.begin("x", "db", None, LEASE, now, &mut alloc).unwrap();
+        assert!(drawn.ticket < 1 << 53);
+        sessions.forget("x", "db", drawn.ticket).unwrap();
+        let explicit = sessions.begin("x", "db", Some(drawn.ticket + 2), LEASE, now, &mut alloc);
+        let explicit = explicit.unwrap();
+        for _ in 0..1000 {
+            let next = sessions.begin("x", "db", None, LEASE, now, &mut alloc).unwrap();
+            assert!(next.fresh);
+            assert_ne!(next.ticket, explicit.ticket);
+            assert_ne!(next.backend, explicit.backend);
         }
-        assert_eq!(sessions.renew("nobody", start), None);
-        assert_eq!(sessions.forget("a", "db", 1), Some(1));
-        assert_eq!(sessions.forget("a", "db", 1), None);
+    }
+
+    #[test]
+    fn silent_clients_lose_queued_tickets_after_the_grace() {
+        let mut sessions = Sessions::default();
+        let start = Instant::now();
+        let mut alloc = counter();
+        let held = sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc).unwrap();
+        sessions.granted("db", 1);
+        sessions.end("a", start);
+        let queued = sessions.begin("a", "db", Some(2), LEASE, start, &mut alloc).unwrap();
+        // A long-poll in flight keeps the client alive.
+        assert_eq!(sessions.sweep(start + GRACE * 3, GRACE), (vec![], vec![]));
+        sessions.end("a", start + GRACE * 3);
+        let (withdraw, probe) = sessions.sweep(start + GRACE * 3 + GRACE / 2, GRACE);
+        assert!(withdraw.is_empty() && probe.is_empty());
+        let (withdraw, probe) = sessions.sweep(start + GRACE * 4, GRACE);
+        assert_eq!(withdraw.iter().map(|l| l.backend).collect::<Vec<_>>(), [queued.backend]);
+        assert_eq!(probe.iter().map(|l| l.backend).collect::<Vec<_>>(), [held.backend]);
+        assert_eq!(sessions.clients(), 1, "the permit keeps the session");
+        sessions.forget("a", "db", 1).unwrap();
+        assert_eq!(sessions.clients(), 0);
     }
 }

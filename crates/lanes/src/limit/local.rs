@@ -206,8 +206,9 @@ impl LocalLimits {
     pub(crate) fn release_now(&self, name: &str, ticket: u64) -> Released {
         let mut inner = lock(&self.inner);
         let now = self.now();
-        if !inner.wakers.is_empty() {
-            inner.wakers.remove(&ticket);
+        // A waiter of this ticket (a long-poll between looks) learns at once that it finished.
+        if let Some(waiter) = inner.wakers.remove(&ticket) {
+            waiter.waker.wake();
         }
         match inner.table.release(name, ticket, now) {
             Ok(released) => {
@@ -292,7 +293,8 @@ impl LocalLimits {
         let now = self.now();
         let mut lost = Vec::new();
         for &ticket in tickets {
-            if !inner.table.renew(name, ticket, now, lease)? && !inner.table.is_waiting(name, ticket)
+            if !inner.table.renew(name, ticket, now, lease)?
+                && !inner.table.is_waiting(name, ticket)
             {
                 lost.push(ticket);
             }

@@ -25,7 +25,25 @@
 //!
 //! Waiting is bounded: a limit accepts at most a configured number of waiters
 //! ([`LimitTable::DEFAULT_MAX_WAITERS`] by default); one more acquire fails at once with
-//! [`LimitError::TooManyWaiters`], and nothing is queued. `try_acquire` never queues.
+//! [`LimitError::TooManyWaiters`], and nothing is queued. `try_acquire` never queues, so it
+//! never needs the waiting room: it answers [`TryAcquireError::Busy`] or
+//! [`TryAcquireError::RateLimited`] with the time until the bucket has a token.
+//!
+//! # The ticket protocol
+//!
+//! Every backend speaks it ([`LimitBackend`]): a ticket is queued by its first ask only; later
+//! looks (`check`) never queue it, so a ticket released or withdrawn while its waiter was
+//! between two looks is finished ([`Answer::Finished`]) and nothing ever queues it again.
+//! Leases, their renewal and their expiry live in the backend (the table in process, the script
+//! on Redis). Every wait — [`Limits::acquire`], `acquire_timeout`, `acquire_until`, the
+//! [`Limit`] handle, the HTTP long-poll of `lanes serve` — is a call of the one acquire future
+//! ([`drive`]).
+//!
+//! # Fencing
+//!
+//! Fencing tokens strictly increase per limit name for the life of the backend's data, across a
+//! removal and a new definition too: a downstream that remembers the highest token it has seen
+//! can refuse every older holder.
 //!
 //! # Cancel safety
 //!
