@@ -256,9 +256,12 @@ async fn asking_again_with_the_same_ticket_is_idempotent() {
         post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "a", "ticket": 7})).await;
     assert_eq!(first["fencing_token"], again["fencing_token"]);
     assert_eq!((first["ticket"].as_u64(), again["ticket"].as_u64()), (Some(7), Some(7)));
-    // Another client's ticket 7 is another ticket: it waits.
-    let (status, other) =
+    // Ticket 7 of this limit is a's: b naming it is refused, naming the ticket.
+    let (status, refused) =
         post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "b", "ticket": 7})).await;
+    assert_eq!((status, refused["ticket"].as_u64()), (409, Some(7)), "{refused}");
+    let (status, other) =
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "b", "ticket": 8})).await;
     assert_eq!((status, other["reason"].as_str()), (202, Some("queued")));
     // A long-poll is answered as soon as the permit is returned.
     let waiting = tokio::spawn({
@@ -266,7 +269,7 @@ async fn asking_again_with_the_same_ticket_is_idempotent() {
         async move {
             let response = c
                 .post(url)
-                .json(&json!({"client": "b", "ticket": 7, "wait_ms": 5000}))
+                .json(&json!({"client": "b", "ticket": 8, "wait_ms": 5000}))
                 .send()
                 .await
                 .unwrap();
@@ -282,12 +285,12 @@ async fn asking_again_with_the_same_ticket_is_idempotent() {
 }
 
 #[tokio::test]
-async fn a_silent_client_loses_its_waiters_at_once_and_its_permits_with_their_leases() {
-    let serve = Serve::start(&[]);
+async fn a_silent_client_loses_its_waiters_after_the_grace_and_its_permits_with_their_leases() {
+    let serve = Serve::start(&["--queue-grace-ms", "300"]);
     let c = http();
     put(&c, &serve, "/v1/limits/db", json!({"concurrent": 1})).await;
-    // `a` holds with a 400 ms lease and goes silent; `b` queues with a 400 ms lease and goes
-    // silent too.
+    // `a` holds with a 400 ms lease and goes silent; `b` queues and goes silent too: its ticket
+    // is withdrawn after the queue grace (300 ms).
     assert_eq!(
         post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "a", "lease_ms": 400})).await.0,
         200
