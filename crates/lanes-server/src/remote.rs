@@ -1,22 +1,67 @@
 //! [`RemoteLimits`]: a [`LimitBackend`] over the HTTP API of `lanes serve`.
+//!
+//! # The protocol over HTTP
+//!
+//! Every operation of the trait is one request (`POST /v1/limits/{name}/acquire` for the first
+//! ask, a re-ask, a try and a long-poll; `/release`; `POST /v1/clients/{client}/renew`). The
+//! server keeps each ticket under the client id that created it; this client picks its own
+//! ticket numbers (from a random start, below 2^53) and sends them, so the first ask and every
+//! later look name the same ticket.
+//!
+//! # Invariants
+//!
+//! 1. A ticket is *live* here from its first ask until it is finished (released here, answered
+//!    finished by the server, or reported lost by a renewal). Only a live ticket is ever asked
+//!    about again: the server cannot tell a re-ask of a ticket it forgot from a first ask, so a
+//!    look at a finished ticket answers [`Answer::Finished`] here, without a request, and is
+//!    never queued again. A look that raced a release (the server answered a ticket this client
+//!    finished meanwhile) is released again.
+//! 2. What a long-poll learns (a grant, or that the ticket is finished) is kept for the
+//!    [`check`](LimitBackend::check) that follows it.
+//! 3. Permits of `lease: None` asks hold the client's lease and live under the client id,
+//!    renewed in the background (one request for all of them). A ticket asked with an explicit
+//!    lease lives under a client id of its own (`{client}~{ticket}`), so it is renewed only by
+//!    [`renew`](LimitBackend::renew) and lapses otherwise, as the trait says.
+//! 4. A held permit reported lost by a renewal (named in `lost`, or every permit of a client
+//!    the server no longer knows) is recorded: [`lease_lost`](LimitBackend::lease_lost) says so
+//!    and [`lost`](LimitBackend::lost) resolves, until the ticket is released.
 
-use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use lanes::limit::{Grant, LimitBackend, LimitError, LimitInfo, LimitSpec};
+use lanes::limit::{Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, Released};
 use lanes::{Answer, BoxFuture, Priority};
+use reqwest::StatusCode;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tokio::sync::Notify;
+
+/// The longest client id [`RemoteLimits::with_client`] accepts: the server's 200 bytes, less
+/// the `~` and the (at most 16) digits of a ticket's own client id.
+const MAX_CLIENT: usize = 183;
+
+/// Ticket numbers stay below 2^53, so every JSON implementation carries them exactly; they
+/// start below 2^52, leaving 2^52 tickets per client.
+const TICKET_START_MASK: u64 = (1 << 52) - 1;
 
 /// A client of a `lanes serve`: use a shared server exactly like a local
 /// [`Limits`](lanes::Limits).
 ///
-/// Every permit is a lease of `lease` (default 10 s) on the server, renewed in the background
-/// (one request for all of the client's permits, every third of a lease) while this client
-/// lives. Waiting is a long-poll: the server answers as soon as the ticket is granted.
+/// Every permit the [`Limits`](lanes::Limits) facade takes is a lease of `lease` (default
+/// 10 s) on the server, renewed in the background (one request for all of the client's
+/// permits, every third of a lease) while this client lives; a permit the server reports lost
+/// (its lease ended before a renewal reached the server, or the server forgot the client) is
+/// [`lease_lost`](lanes::Permit::lease_lost). Waiting is a long-poll: the server answers as
+/// soon as the ticket is granted.
+///
+/// Direct users of the [`LimitBackend`] trait may ask with an explicit lease instead: such a
+/// permit lasts that lease unless [`renew`](LimitBackend::renew)ed (the server keeps the lease
+/// each ticket was asked with; the `lease` given to `renew` is not sent).
 ///
 /// # Example
 ///
@@ -44,9 +89,30 @@ struct Inner {
     client: String,
     tickets: AtomicU64,
     lease: Duration,
-    /// Grants a long-poll received, for the acquire that follows it.
-    granted: Mutex<HashMap<(String, u64), Grant>>,
+    /// Every ticket asked for and not finished (invariant 1), by `(limit, ticket)`.
+    live: Mutex<HashMap<(String, u64), Live>>,
+    /// Held permits reported lost (invariant 4), until released.
+    lost: Mutex<HashSet<(String, u64)>>,
+    /// Notified (to every waiter) whenever `lost` grows.
+    lost_changed: Notify,
     renewer: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+/// A live ticket.
+#[derive(Debug, Clone)]
+struct Live {
+    /// `None`: the client's lease, under the client id; `Some`: an explicit lease, under the
+    /// ticket's own client id (invariant 3).
+    lease: Option<Duration>,
+    /// The priority of its first ask, sent again on every look: the server ignores it for a
+    /// ticket it knows.
+    priority: Priority,
+    /// Its permit, once granted.
+    granted: Option<Grant>,
+    /// The first ask was answered: the server knew the ticket then.
+    known: bool,
+    /// What a long-poll learned, for the next look (invariant 2).
+    learned: Option<Answer>,
 }
 
 impl Drop for Inner {
@@ -62,18 +128,59 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 fn transport(err: reqwest::Error) -> LimitError {
-    LimitError::Backend(format!("lanes serve: {err}"))
+    let mut message = format!("lanes serve: {err}");
+    let mut source = std::error::Error::source(&err);
+    while let Some(cause) = source {
+        message.push_str(&format!(": {cause}"));
+        source = cause.source();
+    }
+    LimitError::Backend(message)
+}
+
+/// Percent-encodes one path segment.
+fn encode(segment: &str) -> String {
+    let mut encoded = String::with_capacity(segment.len());
+    for byte in segment.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-_.~".contains(&byte) {
+            encoded.push(char::from(byte));
+        } else {
+            encoded.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    encoded
 }
 
 #[derive(Deserialize)]
 struct AcquireReply {
-    granted: bool,
     #[serde(default)]
     fencing_token: u64,
     #[serde(default)]
     retry_after_ms: u64,
     #[serde(default)]
     reason: String,
+}
+
+impl AcquireReply {
+    /// A not-granted answer: the bucket's retry time, or waiting (or busy, to a try).
+    fn not_yet(&self) -> Answer {
+        if self.reason == "rate" {
+            Answer::RetryAfter(Duration::from_millis(self.retry_after_ms))
+        } else {
+            Answer::Queued
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct RenewReply {
+    #[serde(default)]
+    lost: Vec<LostReply>,
+}
+
+#[derive(Deserialize)]
+struct LostReply {
+    limit: String,
+    ticket: u64,
 }
 
 #[derive(Deserialize)]
@@ -106,17 +213,42 @@ impl LimitReply {
     }
 }
 
-/// Turns an error response into the `LimitError` it stands for.
-async fn failure(name: &str, response: reqwest::Response) -> LimitError {
+/// Turns an error response into the `LimitError` it stands for. A 429 is a full waiting room
+/// only for a request that queues (`queueing`).
+async fn failure(name: &str, response: reqwest::Response, queueing: bool) -> LimitError {
     let status = response.status();
     let body: Value = response.json().await.unwrap_or(Value::Null);
     let message = body["error"].as_str().unwrap_or("").to_owned();
     match status.as_u16() {
         404 => LimitError::UnknownLimit(name.to_owned()),
-        409 => LimitError::InUse(name.to_owned()),
-        429 => LimitError::TooManyWaiters { limit: name.to_owned(), max: 0 },
+        409 => match body["ticket"].as_u64() {
+            // Another client owns this ticket number: nothing was granted or released.
+            Some(ticket) => LimitError::Backend(format!(
+                "lanes serve: ticket {ticket} of limit {name:?} belongs to another client"
+            )),
+            None => LimitError::InUse(name.to_owned()),
+        },
+        429 if queueing => {
+            // "limit \"x\" already has N waiters"
+            let max = message
+                .rsplit_once(" already has ")
+                .and_then(|(_, tail)| tail.split(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            LimitError::TooManyWaiters { limit: name.to_owned(), max }
+        }
         code => LimitError::Backend(format!("lanes serve: {code} {message}")),
     }
+}
+
+/// How an acquire request asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ask {
+    /// The first ask or a re-ask (the server tells them apart), answered at once or after
+    /// this long at most (a long-poll).
+    Queue(Duration),
+    /// A try: `"queue": false`.
+    Try,
 }
 
 impl RemoteLimits {
@@ -139,28 +271,47 @@ impl RemoteLimits {
         Self::with_client(base, client, Duration::from_secs(10))
     }
 
-    /// A client with its own id and lease.
+    /// A client with its own id and lease (the lease of the permits asked without one, renewed
+    /// every third of it). Call inside a tokio runtime (the renewal task starts here).
+    ///
+    /// Ticket numbers start at a random point, so two clients sharing an id (two processes,
+    /// say) do not name each other's tickets.
     ///
     /// # Errors
     ///
-    /// [`LimitError::Backend`] if the HTTP client cannot be built.
+    /// [`LimitError::Backend`] if the client id is empty, longer than 183 bytes (the server
+    /// allows 200, and a ticket asked with its own lease adds `~` and its number) or has
+    /// control characters, or if the HTTP client cannot be built.
     pub fn with_client(
         base: impl Into<String>,
         client: impl Into<String>,
         lease: Duration,
     ) -> Result<Self, LimitError> {
+        let client = client.into();
+        if client.is_empty() || client.len() > MAX_CLIENT || client.chars().any(char::is_control) {
+            return Err(LimitError::Backend(format!(
+                "lanes serve: a client id is 1 to {MAX_CLIENT} bytes without control characters"
+            )));
+        }
         let http =
             reqwest::Client::builder().pool_max_idle_per_host(64).build().map_err(transport)?;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let start =
+            RandomState::new().hash_one((std::process::id(), nanos, &client)) & TICKET_START_MASK;
         let inner = Arc::new(Inner {
             base: base.into().trim_end_matches('/').to_owned(),
             http,
-            client: client.into(),
-            tickets: AtomicU64::new(1),
+            client,
+            tickets: AtomicU64::new(start.max(1)),
             lease,
-            granted: Mutex::new(HashMap::new()),
+            live: Mutex::new(HashMap::new()),
+            lost: Mutex::new(HashSet::new()),
+            lost_changed: Notify::new(),
             renewer: Mutex::new(None),
         });
-        let task = tokio::spawn(renew(Arc::downgrade(&inner)));
+        let task = tokio::spawn(renew_in_background(Arc::downgrade(&inner)));
         *lock(&inner.renewer) = Some(task);
         Ok(Self { inner })
     }
@@ -175,15 +326,7 @@ impl RemoteLimits {
     }
 
     fn limit_url(&self, name: &str, tail: &str) -> String {
-        let mut encoded = String::new();
-        for byte in name.bytes() {
-            if byte.is_ascii_alphanumeric() || b"-_.~".contains(&byte) {
-                encoded.push(char::from(byte));
-            } else {
-                encoded.push_str(&format!("%{byte:02X}"));
-            }
-        }
-        self.url(&format!("/v1/limits/{encoded}{tail}"))
+        self.url(&format!("/v1/limits/{}{tail}", encode(name)))
     }
 
     /// Sends `request`; a non-success status becomes the `LimitError` it stands for.
@@ -194,47 +337,219 @@ impl RemoteLimits {
     ) -> Result<reqwest::Response, LimitError> {
         let response = request.send().await.map_err(transport)?;
         if !response.status().is_success() {
-            return Err(failure(name, response).await);
+            return Err(failure(name, response, false).await);
         }
         Ok(response)
     }
 
+    /// One acquire request for `ticket`, as the client that owns it.
     async fn ask(
         &self,
         name: &str,
         ticket: u64,
-        priority: &Priority,
-        wait: Duration,
-    ) -> Result<AcquireReply, LimitError> {
-        let body = json!({
-            "client": self.inner.client,
+        live: &Live,
+        ask: Ask,
+    ) -> Result<Answer, LimitError> {
+        let lease = live.lease.unwrap_or(self.inner.lease);
+        let mut body = json!({
+            "client": self.inner.owner(ticket, live.lease),
             "ticket": ticket,
             "priority": {
-                "level": priority.level,
-                "key": priority.fairness_key.as_deref(),
-                "weight": priority.fairness_weight.max(1),
+                "level": live.priority.level,
+                "key": live.priority.fairness_key.as_deref(),
+                "weight": live.priority.fairness_weight.max(1),
             },
-            "lease_ms": self.inner.lease.as_millis() as u64,
-            "wait_ms": wait.as_millis() as u64,
+            "lease_ms": millis(lease),
         });
+        match ask {
+            Ask::Queue(wait) => body["wait_ms"] = json!(millis(wait)),
+            Ask::Try => body["queue"] = json!(false),
+        }
         let request = self.inner.http.post(self.limit_url(name, "/acquire")).json(&body);
-        self.send(name, request).await?.json().await.map_err(transport)
+        let response = request.send().await.map_err(transport)?;
+        let status = response.status();
+        let reply = |response: reqwest::Response| async move {
+            response.json::<AcquireReply>().await.map_err(transport)
+        };
+        match status {
+            StatusCode::OK => {
+                let reply = reply(response).await?;
+                // The lease is the server's, renewed over HTTP: no expiry on a shared clock.
+                Ok(Answer::Granted(Grant { fencing_token: reply.fencing_token, expires_at: None }))
+            }
+            StatusCode::ACCEPTED => Ok(reply(response).await?.not_yet()),
+            StatusCode::TOO_MANY_REQUESTS if ask == Ask::Try => {
+                Ok(reply(response).await?.not_yet())
+            }
+            StatusCode::GONE => Ok(Answer::Finished),
+            _ => Err(failure(name, response, ask != Ask::Try).await),
+        }
+    }
+
+    /// Asks again about a live ticket (a re-ask never queues on the server), or answers what a
+    /// long-poll learned; `Finished` for a ticket that is not live (invariant 1).
+    async fn look(&self, name: &str, ticket: u64, wait: Duration) -> Result<Answer, LimitError> {
+        let key = (name.to_owned(), ticket);
+        let live = {
+            let mut live = lock(&self.inner.live);
+            let Some(entry) = live.get_mut(&key) else { return Ok(Answer::Finished) };
+            if let Some(learned) = entry.learned.take() {
+                if learned == Answer::Finished {
+                    live.remove(&key);
+                }
+                return Ok(learned);
+            }
+            entry.clone()
+        };
+        let answer = self.ask(name, ticket, &live, Ask::Queue(wait)).await?;
+        Ok(self.settle(&key, &live, answer).await)
+    }
+
+    /// Records the answer of a request about a live ticket. A ticket finished here while the
+    /// request travelled may have been asked anew by it: it is released again, and finished.
+    /// So is a held ticket the server answers as another grant or as waiting: the server had
+    /// forgotten it (its lease ended) and the request asked anew; its permit is lost.
+    async fn settle(&self, key: &(String, u64), asked: &Live, answer: Answer) -> Answer {
+        {
+            let mut live = lock(&self.inner.live);
+            match live.get_mut(key) {
+                Some(entry) => {
+                    let forgotten = match (entry.granted, answer) {
+                        (Some(held), Answer::Granted(again)) => {
+                            held.fencing_token != again.fencing_token
+                        }
+                        (Some(_), Answer::Queued | Answer::RetryAfter(_)) => true,
+                        _ => false,
+                    };
+                    if !forgotten {
+                        entry.known = true;
+                        match answer {
+                            Answer::Granted(grant) => entry.granted = Some(grant),
+                            Answer::Finished => {
+                                live.remove(key);
+                            }
+                            Answer::Queued | Answer::RetryAfter(_) => {}
+                        }
+                        return answer;
+                    }
+                    drop(live);
+                    self.inner.mark_lost([key.clone()]);
+                }
+                None if answer == Answer::Finished => return answer,
+                None => {}
+            }
+        }
+        let _ = self.release_as(&key.0, key.1, asked.lease).await;
+        Answer::Finished
+    }
+
+    /// Releases `ticket` as the client that owns it.
+    async fn release_as(
+        &self,
+        name: &str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> Result<Released, LimitError> {
+        #[derive(Deserialize)]
+        struct ReleaseReply {
+            released: bool,
+        }
+        let body = json!({ "client": self.inner.owner(ticket, lease), "ticket": ticket });
+        let request = self.inner.http.post(self.limit_url(name, "/release")).json(&body);
+        let reply: ReleaseReply =
+            self.send(name, request).await?.json().await.map_err(transport)?;
+        // The server does not say whether the ticket held or waited.
+        Ok(if reply.released { Released::Permit } else { Released::Unknown })
     }
 }
 
-/// Renews every lease of the client, every third of a lease.
-async fn renew(inner: Weak<Inner>) {
+/// Whole milliseconds, saturating.
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// What a renewal of one client id answered.
+enum Renewal {
+    /// The tickets it named lost, as `(limit, ticket)`.
+    Lost(Vec<(String, u64)>),
+    /// The server knows no such client: every ticket it had is gone.
+    UnknownClient,
+}
+
+impl Inner {
+    /// The client id a ticket lives under (invariant 3).
+    fn owner(&self, ticket: u64, lease: Option<Duration>) -> String {
+        match lease {
+            None => self.client.clone(),
+            Some(_) => format!("{}~{ticket}", self.client),
+        }
+    }
+
+    /// `POST /v1/clients/{client}/renew`.
+    async fn renew_client(&self, client: &str) -> Result<Renewal, LimitError> {
+        let url = format!("{}/v1/clients/{}/renew", self.base, encode(client));
+        let response = self.http.post(url).send().await.map_err(transport)?;
+        match response.status() {
+            StatusCode::OK => {
+                let reply: RenewReply = response.json().await.map_err(transport)?;
+                Ok(Renewal::Lost(reply.lost.into_iter().map(|l| (l.limit, l.ticket)).collect()))
+            }
+            StatusCode::NOT_FOUND => Ok(Renewal::UnknownClient),
+            _ => Err(failure("*", response, false).await),
+        }
+    }
+
+    /// Finishes tickets the server lost; the held ones among them are recorded as lost
+    /// permits (invariant 4).
+    fn mark_lost(&self, keys: impl IntoIterator<Item = (String, u64)>) {
+        let mut held = Vec::new();
+        {
+            let mut live = lock(&self.live);
+            for key in keys {
+                if let Some(entry) = live.remove(&key)
+                    && entry.granted.is_some()
+                {
+                    held.push(key);
+                }
+            }
+        }
+        if held.is_empty() {
+            return;
+        }
+        lock(&self.lost).extend(held);
+        self.lost_changed.notify_waiters();
+    }
+}
+
+/// Renews every permit asked without a lease, every third of the client's lease, and records
+/// the ones the server lost.
+async fn renew_in_background(inner: Weak<Inner>) {
     let period = match inner.upgrade() {
-        Some(inner) => inner.lease / 3,
+        Some(inner) => (inner.lease / 3).max(Duration::from_millis(10)),
         None => return,
     };
     let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else { return };
-        let url = format!("{}/v1/clients/{}/renew", inner.base, inner.client);
-        // A 404 means no session (nothing held or waiting): nothing to renew.
-        let _ = inner.http.post(url).send().await;
+        // The tickets the server knew before this renewal: a ticket whose first ask is still
+        // travelling may be unknown to it without being lost.
+        let known: Vec<(String, u64)> = lock(&inner.live)
+            .iter()
+            .filter(|(_, live)| live.lease.is_none() && live.known)
+            .map(|(key, _)| key.clone())
+            .collect();
+        if known.is_empty() {
+            continue;
+        }
+        match inner.renew_client(&inner.client).await {
+            Ok(Renewal::Lost(lost)) => inner.mark_lost(lost),
+            Ok(Renewal::UnknownClient) => inner.mark_lost(known),
+            // Unreachable for now: the next renewal tries again, and the server keeps the
+            // permits until their leases end.
+            Err(_) => {}
+        }
     }
 }
 
@@ -278,45 +593,171 @@ impl LimitBackend for RemoteLimits {
         name: &'a str,
         ticket: u64,
         priority: &'a Priority,
+        lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         Box::pin(async move {
-            if let Some(grant) = lock(&self.inner.granted).remove(&(name.to_owned(), ticket)) {
-                return Ok(Answer::Granted(grant));
+            let key = (name.to_owned(), ticket);
+            let fresh = Live {
+                lease,
+                priority: priority.clone(),
+                granted: None,
+                known: false,
+                learned: None,
+            };
+            let asked_before = {
+                let mut live = lock(&self.inner.live);
+                let asked_before = live.contains_key(&key);
+                if !asked_before {
+                    live.insert(key.clone(), fresh.clone());
+                }
+                asked_before
+            };
+            if asked_before {
+                // A re-ask, which keeps the first ask's priority and lease.
+                return self.look(name, ticket, Duration::ZERO).await;
             }
-            let reply = self.ask(name, ticket, priority, Duration::ZERO).await?;
-            Ok(if reply.granted {
-                // The lease is the server's, renewed by this client: no expiry to report.
-                Answer::Granted(Grant { fencing_token: reply.fencing_token, expires_at: None })
-            } else if reply.reason == "rate" {
-                Answer::RetryAfter(Duration::from_millis(reply.retry_after_ms))
-            } else {
-                Answer::Queued
-            })
+            match self.ask(name, ticket, &fresh, Ask::Queue(Duration::ZERO)).await {
+                Ok(answer) => Ok(self.settle(&key, &fresh, answer).await),
+                Err(err) => {
+                    // A refused first ask leaves no ticket on the server.
+                    lock(&self.inner.live).remove(&key);
+                    Err(err)
+                }
+            }
         })
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        Box::pin(async move {
+            let key = (name.to_owned(), ticket);
+            let asked = Live {
+                lease,
+                priority: Priority::default(),
+                granted: None,
+                known: false,
+                learned: None,
+            };
+            let answer = self.ask(name, ticket, &asked, Ask::Try).await?;
+            let mut live = lock(&self.inner.live);
+            match answer {
+                Answer::Granted(grant) => {
+                    let entry = live.entry(key).or_insert(asked);
+                    entry.granted = Some(grant);
+                    entry.known = true;
+                }
+                // A try leaves no ticket behind, not even one queued before.
+                Answer::Queued | Answer::RetryAfter(_) | Answer::Finished => {
+                    live.remove(&key);
+                }
+            }
+            Ok(answer)
+        })
+    }
+
+    fn check<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        // A live ticket keeps the lease it was first asked with.
+        let _ = lease;
+        Box::pin(self.look(name, ticket, Duration::ZERO))
     }
 
     fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            // A long-poll: the server answers when the ticket is granted (or at `at_most`).
-            match self.ask(name, ticket, &Priority::default(), at_most).await {
-                Ok(reply) if reply.granted => {
-                    let grant = Grant { fencing_token: reply.fencing_token, expires_at: None };
-                    lock(&self.inner.granted).insert((name.to_owned(), ticket), grant);
+            let key = (name.to_owned(), ticket);
+            let live = {
+                let live = lock(&self.inner.live);
+                match live.get(&key) {
+                    // Nothing to wait for: the next look answers at once.
+                    None => return,
+                    Some(entry) if entry.learned.is_some() || entry.granted.is_some() => return,
+                    Some(entry) => entry.clone(),
                 }
-                Ok(_) => {}
-                // The next acquire reports the failure; do not spin meanwhile.
+            };
+            // A long-poll: the server answers when the ticket is granted or finished, or at
+            // `at_most` (capped by the server).
+            match self.ask(name, ticket, &live, Ask::Queue(at_most)).await {
+                Ok(answer) => {
+                    let answer = self.settle(&key, &live, answer).await;
+                    if matches!(answer, Answer::Granted(_) | Answer::Finished)
+                        && let Some(entry) = lock(&self.inner.live).get_mut(&key)
+                    {
+                        entry.learned = Some(answer);
+                    }
+                }
+                // The next look reports the failure; do not spin meanwhile.
                 Err(_) => tokio::time::sleep(at_most.min(Duration::from_millis(200))).await,
             }
         })
     }
 
-    fn release<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, Result<(), LimitError>> {
+    fn release<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+    ) -> BoxFuture<'a, Result<Released, LimitError>> {
         Box::pin(async move {
-            lock(&self.inner.granted).remove(&(name.to_owned(), ticket));
-            let body = json!({ "client": self.inner.client, "ticket": ticket });
-            let request = self.inner.http.post(self.limit_url(name, "/release")).json(&body);
-            self.send(name, request).await?;
-            Ok(())
+            let key = (name.to_owned(), ticket);
+            let live = lock(&self.inner.live).remove(&key);
+            lock(&self.inner.lost).remove(&key);
+            self.release_as(name, ticket, live.and_then(|l| l.lease)).await
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        name: &'a str,
+        tickets: &'a [u64],
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Vec<u64>, LimitError>> {
+        // The server renews each ticket with the lease it was asked with.
+        let _ = lease;
+        Box::pin(async move {
+            // Client id -> the tickets of `name` renewed through it.
+            let mut owners: HashMap<String, Vec<u64>> = HashMap::new();
+            let mut gone: HashSet<u64> = HashSet::new();
+            {
+                let live = lock(&self.inner.live);
+                for &ticket in tickets {
+                    match live.get(&(name.to_owned(), ticket)) {
+                        Some(entry) => owners
+                            .entry(self.inner.owner(ticket, entry.lease))
+                            .or_default()
+                            .push(ticket),
+                        // Finished here: neither held nor waiting.
+                        None => {
+                            gone.insert(ticket);
+                        }
+                    }
+                }
+            }
+            // Every ticket a renewal names lost, of any limit: the client id's renewal renews
+            // (and reports on) all of its tickets.
+            let mut lost_anywhere: Vec<(String, u64)> = Vec::new();
+            for (client, mine) in owners {
+                match self.inner.renew_client(&client).await? {
+                    Renewal::Lost(lost) => {
+                        gone.extend(
+                            lost.iter()
+                                .filter(|(limit, ticket)| limit == name && mine.contains(ticket))
+                                .map(|(_, ticket)| *ticket),
+                        );
+                        lost_anywhere.extend(lost);
+                    }
+                    Renewal::UnknownClient => gone.extend(mine),
+                }
+            }
+            lost_anywhere.extend(gone.iter().map(|&ticket| (name.to_owned(), ticket)));
+            self.inner.mark_lost(lost_anywhere);
+            Ok(tickets.iter().copied().filter(|t| gone.contains(t)).collect())
         })
     }
 
@@ -342,6 +783,23 @@ impl LimitBackend for RemoteLimits {
             let response = self.send("*", self.inner.http.get(self.url("/v1/limits"))).await?;
             let list: List = response.json().await.map_err(transport)?;
             Ok(list.limits.into_iter().map(LimitReply::info).collect())
+        })
+    }
+
+    fn lease_lost(&self, name: &str, ticket: u64) -> bool {
+        lock(&self.inner.lost).contains(&(name.to_owned(), ticket))
+    }
+
+    fn lost<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, ()> {
+        Box::pin(async move {
+            loop {
+                // Created before the look, so a loss recorded in between still wakes it.
+                let changed = self.inner.lost_changed.notified();
+                if self.lease_lost(name, ticket) {
+                    return;
+                }
+                changed.await;
+            }
         })
     }
 }

@@ -26,3 +26,29 @@ async fn remote_limits_pass_the_conformance_suite() {
     )
     .await;
 }
+
+/// A server that forgets its state (a restart of an embedded server) loses the client's
+/// permits: the background renewal hears "unknown client", and the permit says it is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_the_server_forgot_is_lease_lost() {
+    let first = Serve::start(&[]);
+    let addr = first.base.trim_start_matches("http://").to_owned();
+    let remote = RemoteLimits::with_client(
+        first.base.clone(),
+        "lease-lost",
+        std::time::Duration::from_millis(300),
+    )
+    .unwrap();
+    let limits = lanes::Limits::with_backend(remote);
+    limits.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
+    let permit = limits.acquire("db", lanes::Priority::default()).await.unwrap();
+    // Renewed in the background well past its lease.
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    assert!(!permit.lease_lost(), "a renewed permit is not lost");
+    drop(first);
+    let _second = Serve::start_at(&addr, &[]);
+    tokio::time::timeout(std::time::Duration::from_secs(5), permit.lost())
+        .await
+        .expect("the renewal learns that the server forgot the permit");
+    assert!(permit.lease_lost());
+}

@@ -14,8 +14,14 @@ pub struct Serve {
 impl Serve {
     /// Starts `lanes serve --listen 127.0.0.1:0` with `args`; returns once it listens.
     pub fn start(args: &[&str]) -> Self {
+        Self::start_at("127.0.0.1:0", args)
+    }
+
+    /// Starts `lanes serve --listen ADDR` with `args` (a fixed address: a restart on the same
+    /// port); returns once it listens.
+    pub fn start_at(listen: &str, args: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_lanes"))
-            .args(["serve", "--listen", "127.0.0.1:0"])
+            .args(["serve", "--listen", listen])
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
