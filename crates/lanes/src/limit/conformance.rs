@@ -56,7 +56,9 @@ fn name(prefix: &str, scenario: &str) -> String {
 }
 
 async fn ask(b: &dyn LimitBackend, limit: &str, ticket: u64, p: &Priority) -> Answer {
-    b.acquire(limit, ticket, p, None).await.unwrap_or_else(|e| panic!("acquire {limit}/{ticket}: {e}"))
+    b.acquire(limit, ticket, p, None)
+        .await
+        .unwrap_or_else(|e| panic!("acquire {limit}/{ticket}: {e}"))
 }
 
 fn granted(answer: Answer) -> bool {
@@ -387,7 +389,10 @@ pub async fn leases_end_and_renewals_say_what_was_lost(b: &dyn LimitBackend, pre
 pub async fn a_held_rate_limit_keeps_granting(b: Arc<dyn LimitBackend>, prefix: &str) {
     let limit = name(prefix, "held-rate");
     let limits = Limits::from_backend(b);
-    limits.define(&limit, LimitSpec::concurrent(100).per_second(20.0).burst(1)).await.expect("define");
+    limits
+        .define(&limit, LimitSpec::concurrent(100).per_second(20.0).burst(1))
+        .await
+        .expect("define");
     let mut tasks = Vec::new();
     for _ in 0..5 {
         let (limits, limit) = (limits.clone(), limit.clone());

@@ -10,7 +10,8 @@ use tokio::time::Instant;
 
 use super::acquire::{Withdraw, drive, release_in_background};
 use super::backend::{Answer, LimitBackend};
-use super::local::LocalLimits;
+use super::cell::Miss;
+use super::local::{LocalLimits, Slot};
 use super::priority::Priority;
 use super::spec::LimitSpec;
 use super::table::{Acquire, Grant, LimitError, LimitInfo};
@@ -119,7 +120,27 @@ impl Limits {
 
     /// A handle on the limit `name`: the same operations without naming it each time.
     pub fn limit(&self, name: &str) -> Limit {
-        Limit { limits: self.clone(), name: Arc::from(name) }
+        let slot = match &self.backend {
+            Backend::Local(local) => local.slot(name),
+            Backend::Dyn(_) => None,
+        };
+        let name = slot.as_ref().map_or_else(|| Arc::from(name), |slot| slot.name.clone());
+        Limit { limits: self.clone(), name, slot }
+    }
+
+    /// The fast path of a local limit: a permit without the lock while nobody waits.
+    fn fast(
+        &self,
+        name: &str,
+        cached: Option<&Arc<Slot>>,
+    ) -> Option<(Arc<Slot>, Result<u64, Miss>)> {
+        let Backend::Local(local) = &self.backend else { return None };
+        let slot = match cached {
+            Some(slot) if !slot.is_removed() => slot.clone(),
+            _ => local.slot(name)?,
+        };
+        let answer = local.try_fast(&slot);
+        Some((slot, answer))
     }
 
     /// Waits for a permit of `name`, queued at `priority`.
@@ -133,6 +154,18 @@ impl Limits {
     ///
     /// [`LimitError::UnknownLimit`], [`LimitError::TooManyWaiters`], or a backend failure.
     pub async fn acquire(&self, name: &str, priority: Priority) -> Result<Permit, LimitError> {
+        self.acquire_cached(name, priority, None).await
+    }
+
+    async fn acquire_cached(
+        &self,
+        name: &str,
+        priority: Priority,
+        slot: Option<&Arc<Slot>>,
+    ) -> Result<Permit, LimitError> {
+        if let Some((slot, Ok(fence))) = self.fast(name, slot) {
+            return Ok(Permit::fast(slot, fence));
+        }
         match self.acquire_inner(name, &priority, None).await {
             Ok(permit) => Ok(permit),
             Err(AcquireError::Limit(err)) => Err(err),
@@ -190,6 +223,11 @@ impl Limits {
         let timed_out = |deadline: Instant| AcquireError::Timeout(deadline - started);
         match &self.backend {
             Backend::Local(local) => {
+                if deadline.is_some()
+                    && let Some((slot, Ok(fence))) = self.fast(name, None)
+                {
+                    return Ok(Permit::fast(slot, fence));
+                }
                 let ticket = local.next_ticket();
                 let mut withdraw = LocalWithdraw { local, name, ticket, armed: true };
                 let mut first = Some(priority);
@@ -212,7 +250,7 @@ impl Limits {
                 .await;
                 let (name, grant) = granted?;
                 withdraw.armed = false;
-                Ok(Permit { release: Backend::Local(local.clone()), name, ticket, grant })
+                Ok(Permit::of_ticket(Backend::Local(local.clone()), name, ticket, grant))
             }
             Backend::Dyn(backend) => {
                 let name: Arc<str> = Arc::from(name);
@@ -221,15 +259,14 @@ impl Limits {
                     Withdraw { backend: backend.clone(), name: name.clone(), ticket, armed: true };
                 let mut first = Some(priority);
                 loop {
-                    let answer =
-                        drive(&**backend, &name, ticket, first.take(), None, deadline)
-                            .await
-                            .map_err(AcquireError::Limit)?;
+                    let answer = drive(&**backend, &name, ticket, first.take(), None, deadline)
+                        .await
+                        .map_err(AcquireError::Limit)?;
                     match answer {
                         Answer::Granted(grant) => {
                             withdraw.armed = false;
                             let release = Backend::Dyn(backend.clone());
-                            return Ok(Permit { release, name, ticket, grant });
+                            return Ok(Permit::of_ticket(release, name, ticket, grant));
                         }
                         // Its owner is still waiting, so the store lost the ticket (a restart):
                         // ask anew, first ask again.
@@ -258,7 +295,32 @@ impl Limits {
         name: &str,
         priority: Priority,
     ) -> Result<Permit, TryAcquireError> {
+        self.try_cached(name, priority, None).await
+    }
+
+    async fn try_cached(
+        &self,
+        name: &str,
+        priority: Priority,
+        cached: Option<&Arc<Slot>>,
+    ) -> Result<Permit, TryAcquireError> {
         let _ = priority;
+        if let Some((slot, fast)) = self.fast(name, cached) {
+            match fast {
+                Ok(fence) => return Ok(Permit::fast(slot, fence)),
+                // Nobody waits: the fast path's answer is the answer.
+                Err(Miss::Rate(at)) if !slot.cell.is_slow() => {
+                    let Backend::Local(local) = &self.backend else { unreachable!() };
+                    let at = local.at(Duration::from_nanos(at));
+                    return Err(TryAcquireError::RateLimited(
+                        at.saturating_duration_since(Instant::now()),
+                    ));
+                }
+                Err(Miss::Slow) if !slot.cell.is_slow() => return Err(TryAcquireError::Busy),
+                // The table governs the limit: ask it.
+                Err(_) => {}
+            }
+        }
         let (answer, ticket, release, interned) = match &self.backend {
             Backend::Local(local) => {
                 let ticket = local.next_ticket();
@@ -282,7 +344,7 @@ impl Limits {
         match answer {
             Answer::Granted(grant) => {
                 let name = interned.unwrap_or_else(|| Arc::from(name));
-                Ok(Permit { release, name, ticket, grant })
+                Ok(Permit::of_ticket(release, name, ticket, grant))
             }
             Answer::RetryAfter(after) => Err(TryAcquireError::RateLimited(after)),
             Answer::Queued | Answer::Finished => Err(TryAcquireError::Busy),
@@ -360,35 +422,59 @@ impl Drop for LocalWithdraw<'_> {
 /// A permit of a limit. Returned to the limit when dropped.
 #[must_use = "a permit is returned as soon as it is dropped"]
 pub struct Permit {
-    release: Backend,
-    name: Arc<str>,
-    ticket: u64,
-    grant: Grant,
+    kind: Kind,
+}
+
+enum Kind {
+    /// Taken on the in-process fast path: no ticket, no lock.
+    Fast { slot: Arc<Slot>, fence: u64 },
+    /// Granted to a ticket by a backend's table or store.
+    Ticket { release: Backend, name: Arc<str>, ticket: u64, grant: Grant },
 }
 
 impl Permit {
-    /// The limit this permit belongs to.
-    pub fn limit(&self) -> &str {
-        &self.name
+    fn fast(slot: Arc<Slot>, fence: u64) -> Self {
+        Self { kind: Kind::Fast { slot, fence } }
     }
 
-    /// The ticket the permit was granted to.
+    fn of_ticket(release: Backend, name: Arc<str>, ticket: u64, grant: Grant) -> Self {
+        Self { kind: Kind::Ticket { release, name, ticket, grant } }
+    }
+
+    /// The limit this permit belongs to.
+    pub fn limit(&self) -> &str {
+        match &self.kind {
+            Kind::Fast { slot, .. } => &slot.name,
+            Kind::Ticket { name, .. } => name,
+        }
+    }
+
+    /// The ticket the permit was granted to; 0 for a permit taken in process while nobody
+    /// waited (it never needed a ticket).
     pub fn ticket(&self) -> u64 {
-        self.ticket
+        match &self.kind {
+            Kind::Fast { .. } => 0,
+            Kind::Ticket { ticket, .. } => *ticket,
+        }
     }
 
     /// Strictly increasing per limit: hand it to a downstream so it can refuse stale holders.
     pub fn fencing_token(&self) -> u64 {
-        self.grant.fencing_token
+        match &self.kind {
+            Kind::Fast { fence, .. } => *fence,
+            Kind::Ticket { grant, .. } => grant.fencing_token,
+        }
     }
 
     /// Whether this permit is known lost: its lease could not be renewed in time, or the store
     /// (Redis) lost its state. Another holder may have it now; stop the work it guards. A
     /// permit of the in-process backend is never lost.
     pub fn lease_lost(&self) -> bool {
-        match &self.release {
-            Backend::Local(_) => false,
-            Backend::Dyn(backend) => backend.lease_lost(&self.name, self.ticket),
+        match &self.kind {
+            Kind::Ticket { release: Backend::Dyn(backend), name, ticket, .. } => {
+                backend.lease_lost(name, *ticket)
+            }
+            _ => false,
         }
     }
 
@@ -399,21 +485,24 @@ impl Permit {
     ///
     /// Cancel safe: dropping the future changes nothing.
     pub async fn lost(&self) {
-        match &self.release {
-            Backend::Local(_) => std::future::pending().await,
-            Backend::Dyn(backend) => backend.lost(&self.name, self.ticket).await,
+        match &self.kind {
+            Kind::Ticket { release: Backend::Dyn(backend), name, ticket, .. } => {
+                backend.lost(name, *ticket).await;
+            }
+            _ => std::future::pending().await,
         }
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        match &self.release {
-            Backend::Local(local) => {
-                local.release_now(&self.name, self.ticket);
+        match &self.kind {
+            Kind::Fast { slot, .. } => slot.release_fast(),
+            Kind::Ticket { release: Backend::Local(local), name, ticket, .. } => {
+                local.release_now(name, *ticket);
             }
-            Backend::Dyn(backend) => {
-                release_in_background(backend.clone(), self.name.clone(), self.ticket);
+            Kind::Ticket { release: Backend::Dyn(backend), name, ticket, .. } => {
+                release_in_background(backend.clone(), name.clone(), *ticket);
             }
         }
     }
@@ -422,9 +511,9 @@ impl Drop for Permit {
 impl fmt::Debug for Permit {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Permit")
-            .field("limit", &self.name)
-            .field("ticket", &self.ticket)
-            .field("fencing_token", &self.grant.fencing_token)
+            .field("limit", &self.limit())
+            .field("ticket", &self.ticket())
+            .field("fencing_token", &self.fencing_token())
             .finish()
     }
 }
@@ -542,6 +631,8 @@ impl std::error::Error for TryAcquireError {
 pub struct Limit {
     limits: Limits,
     name: Arc<str>,
+    /// The in-process fast path, looked up once (looked up again if the limit was removed).
+    slot: Option<Arc<Slot>>,
 }
 
 impl Limit {
@@ -560,7 +651,7 @@ impl Limit {
     ///
     /// As for [`Limits::acquire`].
     pub async fn acquire(&self) -> Result<Permit, LimitError> {
-        self.limits.acquire(&self.name, Priority::default()).await
+        self.limits.acquire_cached(&self.name, Priority::default(), self.slot.as_ref()).await
     }
 
     /// Waits for a permit at `priority`. See [`Limits::acquire`].
@@ -573,7 +664,7 @@ impl Limit {
     ///
     /// As for [`Limits::acquire`].
     pub async fn acquire_with(&self, priority: Priority) -> Result<Permit, LimitError> {
-        self.limits.acquire(&self.name, priority).await
+        self.limits.acquire_cached(&self.name, priority, self.slot.as_ref()).await
     }
 
     /// Waits at most `timeout`. See [`Limits::acquire_timeout`].
@@ -608,7 +699,7 @@ impl Limit {
     ///
     /// As for [`Limits::try_acquire`].
     pub async fn try_acquire(&self) -> Result<Permit, TryAcquireError> {
-        self.limits.try_acquire(&self.name, Priority::default()).await
+        self.limits.try_cached(&self.name, Priority::default(), self.slot.as_ref()).await
     }
 
     /// The limit's state, `None` if it is not defined.

@@ -1,7 +1,14 @@
-//! The in-process backend: a [`LimitTable`] under a mutex, the wakers of its waiters, and a
-//! clock.
+//! The in-process backend: per limit an atomic fast path ([`Cell`](super::cell)), and a
+//! [`LimitTable`] under a mutex with the wakers of its waiters for when someone must wait.
 //!
 //! # Implementation details
+//!
+//! While nobody waits, `Limits::acquire` and `try_acquire` take and return a permit with a few
+//! atomic operations on the limit's cell and never touch the mutex. The first caller that must
+//! wait hands the limit to the table (`go_slow`, under the mutex): from then on the table grants,
+//! counting the fast permits still out as held, until its queue is empty and it holds no
+//! ticket's permit, when it hands the limit back (`settle`). Tickets (the [`LimitBackend`]
+//! protocol: leases, checks, renewals) always live in the table.
 //!
 //! A waiter's future asks the table with its ticket on every poll and, unless granted, leaves
 //! its waker under its ticket. Every change that can grant (a release, a withdrawal, a
@@ -14,14 +21,15 @@
 use std::fmt;
 use std::future::poll_fn;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::time::{Instant, Sleep, sleep_until};
 
 use super::backend::{Answer, LimitBackend};
+use super::cell::{Cell, Miss};
 use super::priority::Priority;
 use super::spec::LimitSpec;
 use super::table::{Acquire, Grant, LimitError, LimitInfo, LimitTable, Next, Released};
@@ -31,7 +39,13 @@ use crate::util::lock;
 
 #[derive(Debug)]
 struct Inner {
+    /// The limits the table governs now (see the module docs), and their waiters.
     table: LimitTable,
+    /// Every defined limit's spec, by name.
+    specs: FastMap<Arc<str>, LimitSpec>,
+    /// The highest fencing token of every limit removed so far: a limit defined anew starts
+    /// above it.
+    fence_floor: u64,
     /// Waiters by ticket (tickets are unique per backend). Only looked up, never iterated, so
     /// the map's order cannot leak into answers.
     wakers: FastMap<u64, Waiter>,
@@ -72,9 +86,45 @@ impl Inner {
 /// Limits held in this process. Reachable directly through [`Limits::new`](super::Limits::new)
 /// and as a [`LimitBackend`].
 pub struct LocalLimits {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
     inner: Mutex<Inner>,
+    /// Every defined limit's fast path, found by name without the mutex. Lock order: `inner`
+    /// before `slots`.
+    slots: RwLock<FastMap<Arc<str>, Arc<Slot>>>,
     origin: Instant,
     tickets: AtomicU64,
+}
+
+/// One limit's fast path, shared by its permits.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub(crate) name: Arc<str>,
+    pub(crate) cell: Cell,
+    shared: Weak<Shared>,
+    removed: AtomicBool,
+}
+
+impl Slot {
+    /// Returns a fast permit; if the table governs the limit now, lets it hand the permit on.
+    pub(crate) fn release_fast(&self) {
+        if self.cell.release_fast()
+            && let Some(shared) = self.shared.upgrade()
+        {
+            let local = LocalLimits { shared };
+            let mut inner = lock(&local.shared.inner);
+            let now = local.now();
+            local.settle(&mut inner, self, now);
+        }
+    }
+
+    /// Whether its limit was removed since the slot was looked up.
+    pub(crate) fn is_removed(&self) -> bool {
+        self.removed.load(Ordering::Acquire)
+    }
 }
 
 impl fmt::Debug for LocalLimits {
@@ -106,39 +156,139 @@ impl LocalLimits {
     /// An empty backend allowing `max_waiters` waiters per limit.
     pub fn with_max_waiters(max_waiters: usize) -> Self {
         Self {
-            inner: Mutex::new(Inner {
-                table: LimitTable::with_max_waiters(max_waiters),
-                wakers: FastMap::default(),
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner {
+                    table: LimitTable::with_max_waiters(max_waiters),
+                    specs: FastMap::default(),
+                    fence_floor: 0,
+                    wakers: FastMap::default(),
+                }),
+                slots: RwLock::new(FastMap::default()),
+                origin: Instant::now(),
+                tickets: AtomicU64::new(1),
             }),
-            origin: Instant::now(),
-            tickets: AtomicU64::new(1),
         }
     }
 
     fn now(&self) -> Duration {
-        Instant::now().saturating_duration_since(self.origin)
+        Instant::now().saturating_duration_since(self.shared.origin)
+    }
+
+    fn origin(&self) -> Instant {
+        self.shared.origin
     }
 
     /// The instant of a table time.
     pub(crate) fn at(&self, at: Duration) -> Instant {
-        self.origin + at
+        self.shared.origin + at
     }
 
     pub(crate) fn next_ticket(&self) -> u64 {
-        self.tickets.fetch_add(1, Ordering::Relaxed)
+        self.shared.tickets.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The fast path of `name`, if it is defined.
+    pub(crate) fn slot(&self, name: &str) -> Option<Arc<Slot>> {
+        self.shared
+            .slots
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(name)
+            .cloned()
+    }
+
+    /// A permit of `slot` without the lock, or why not (see [`Cell::try_fast`]).
+    pub(crate) fn try_fast(&self, slot: &Slot) -> Result<u64, Miss> {
+        let now = if slot.cell.has_rate() {
+            u64::try_from(self.now().as_nanos()).unwrap_or(u64::MAX)
+        } else {
+            0
+        };
+        slot.cell.try_fast(now)
+    }
+
+    /// Hands `name` to the table if the fast path governs it, and tells the table how many fast
+    /// permits are out. Call under the lock before a table operation that may grant.
+    fn go_slow(&self, inner: &mut Inner, name: &str) {
+        let Some(slot) = self.slot(name) else { return };
+        if !slot.cell.is_slow() {
+            let counters = slot.cell.go_slow(Duration::from_nanos);
+            let spec = inner.specs.get(name).copied().expect("a slot has a spec");
+            inner.table.adopt(&slot.name, spec, counters);
+        }
+        inner.table.set_external(name, slot.cell.fast_in_use());
+    }
+
+    /// After a table operation on `slot`'s limit: counts the fast permits, lets waiters in, and
+    /// hands the limit back to the fast path once nothing waits and the table holds nothing.
+    fn settle(&self, inner: &mut Inner, slot: &Slot, now: Duration) {
+        if !slot.cell.is_slow() || slot.is_removed() {
+            return;
+        }
+        inner.table.set_external(&slot.name, slot.cell.fast_in_use());
+        Self::pump(inner, &slot.name, now);
+        if let Some(counters) = inner.table.release_if_idle(&slot.name) {
+            slot.cell.go_fast(counters);
+        }
+    }
+
+    fn settle_name(&self, inner: &mut Inner, name: &str, now: Duration) {
+        if let Some(slot) = self.slot(name) {
+            self.settle(inner, &slot, now);
+        }
     }
 
     pub(crate) fn define_now(&self, name: &str, spec: LimitSpec) -> Result<(), LimitError> {
-        let mut inner = lock(&self.inner);
-        inner.table.define(name, spec)?;
-        // A larger spec may let waiters in.
-        Self::pump(&mut inner, name, self.now());
+        spec.validate()?;
+        let mut inner = lock(&self.shared.inner);
+        match self.slot(name) {
+            Some(slot) => {
+                inner.specs.insert(slot.name.clone(), spec);
+                slot.cell.set_spec(spec);
+                if slot.cell.is_slow() {
+                    inner.table.define(name, spec)?;
+                    // A larger spec may let waiters in.
+                    let now = self.now();
+                    self.settle(&mut inner, &slot, now);
+                }
+            }
+            None => {
+                let name: Arc<str> = Arc::from(name);
+                inner.specs.insert(name.clone(), spec);
+                let slot = Arc::new(Slot {
+                    name: name.clone(),
+                    cell: Cell::new(spec, inner.fence_floor),
+                    shared: Arc::downgrade(&self.shared),
+                    removed: AtomicBool::new(false),
+                });
+                self.shared
+                    .slots
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .insert(name, slot);
+            }
+        }
         Ok(())
     }
 
     pub(crate) fn remove_now(&self, name: &str) -> Result<(), LimitError> {
-        let mut inner = lock(&self.inner);
-        inner.table.remove(name, self.now())?;
+        let mut inner = lock(&self.shared.inner);
+        let Some(slot) = self.slot(name) else {
+            return Err(LimitError::UnknownLimit(name.to_owned()));
+        };
+        let now = self.now();
+        self.reclaim_all(&mut inner, now);
+        // Close the fast path first, so no fast acquire commits while the limit goes.
+        self.go_slow(&mut inner, name);
+        if let Err(err) = inner.table.remove(name, now) {
+            self.settle(&mut inner, &slot, now);
+            return Err(err);
+        }
+        let (_, fence, _) = slot.cell.counters();
+        inner.fence_floor = inner.fence_floor.max(fence);
+        inner.specs.remove(name);
+        slot.removed.store(true, Ordering::Release);
+        self.shared.slots.write().unwrap_or_else(std::sync::PoisonError::into_inner).remove(name);
         Ok(())
     }
 
@@ -152,12 +302,9 @@ impl LocalLimits {
         lease: Option<Duration>,
         waker: &Waker,
     ) -> Result<Step, LimitError> {
-        let mut inner = lock(&self.inner);
+        let mut inner = lock(&self.shared.inner);
         let now = self.now();
-        let answer = match first {
-            Some(priority) => inner.table.acquire_leased(name, ticket, priority, now, lease)?,
-            None => inner.table.check(name, ticket, now, lease)?,
-        };
+        let answer = self.look(&mut inner, name, ticket, first, lease, now)?;
         Ok(match answer {
             Acquire::Granted(grant) => {
                 if !inner.wakers.is_empty() {
@@ -185,9 +332,51 @@ impl LocalLimits {
                         _ => None,
                     },
                 };
-                Step::Waiting(at.map(|at| self.origin + at))
+                Step::Waiting(at.map(|at| self.origin() + at))
             }
         })
+    }
+
+    /// One table look at `ticket`: the first ask hands the limit to the table (it may queue);
+    /// a later look of a limit the table does not govern finds the ticket finished.
+    fn look(
+        &self,
+        inner: &mut Inner,
+        name: &str,
+        ticket: u64,
+        first: Option<&Priority>,
+        lease: Option<Duration>,
+        now: Duration,
+    ) -> Result<Acquire, LimitError> {
+        match first {
+            Some(priority) => {
+                if !inner.specs.contains_key(name) {
+                    return Err(LimitError::UnknownLimit(name.to_owned()));
+                }
+                self.go_slow(inner, name);
+                let answer = inner.table.acquire_leased(name, ticket, priority, now, lease);
+                if !matches!(answer, Ok(Acquire::Queued | Acquire::RetryAt(_))) {
+                    self.settle_name(inner, name, now);
+                }
+                answer
+            }
+            None => {
+                if !inner.specs.contains_key(name) {
+                    return Err(LimitError::UnknownLimit(name.to_owned()));
+                }
+                if inner.table.info(name).is_none() {
+                    return Ok(Acquire::Finished);
+                }
+                self.go_slow(inner, name);
+                let answer = inner.table.check(name, ticket, now, lease);
+                // Only a change lets others in; settling on every look would wake this very
+                // waiter again (it is the head) and spin.
+                if !matches!(answer, Ok(Acquire::Queued | Acquire::RetryAt(_))) {
+                    self.settle_name(inner, name, now);
+                }
+                answer
+            }
+        }
     }
 
     /// Answers once without waiting and without queuing.
@@ -197,14 +386,22 @@ impl LocalLimits {
         ticket: u64,
         lease: Option<Duration>,
     ) -> Result<(Acquire, Option<Arc<str>>), LimitError> {
-        let mut inner = lock(&self.inner);
-        let answer = inner.table.try_acquire(name, ticket, self.now(), lease)?;
-        Ok((answer, inner.table.name(name)))
+        let mut inner = lock(&self.shared.inner);
+        let now = self.now();
+        let Some(slot) = self.slot(name) else {
+            return Err(LimitError::UnknownLimit(name.to_owned()));
+        };
+        // A ticket's permit lives in the table (the fast path has no tickets).
+        self.go_slow(&mut inner, name);
+        inner.table.set_external(name, slot.cell.fast_in_use());
+        let answer = inner.table.try_acquire(name, ticket, now, lease)?;
+        self.settle(&mut inner, &slot, now);
+        Ok((answer, Some(slot.name.clone())))
     }
 
     /// Returns a permit or withdraws a ticket, then lets the next waiters in.
     pub(crate) fn release_now(&self, name: &str, ticket: u64) -> Released {
-        let mut inner = lock(&self.inner);
+        let mut inner = lock(&self.shared.inner);
         let now = self.now();
         // A waiter of this ticket (a long-poll between looks) learns at once that it finished.
         if let Some(waiter) = inner.wakers.remove(&ticket) {
@@ -214,6 +411,7 @@ impl LocalLimits {
             Ok(released) => {
                 if released != Released::Unknown {
                     Self::pump(&mut inner, name, now);
+                    self.settle_name(&mut inner, name, now);
                 }
                 released
             }
@@ -257,21 +455,37 @@ impl LocalLimits {
     }
 
     pub(crate) fn info_now(&self, name: &str) -> Option<LimitInfo> {
-        let mut inner = lock(&self.inner);
+        let mut inner = lock(&self.shared.inner);
         let now = self.now();
-        Self::reclaim(&mut inner, now);
-        inner.table.info(name)
+        self.reclaim_all(&mut inner, now);
+        self.info_locked(&mut inner, name)
+    }
+
+    fn info_locked(&self, inner: &mut Inner, name: &str) -> Option<LimitInfo> {
+        let spec = *inner.specs.get(name)?;
+        let slot = self.slot(name)?;
+        if slot.cell.is_slow() {
+            inner.table.set_external(name, slot.cell.fast_in_use());
+            if let Some(info) = inner.table.info(name) {
+                return Some(info);
+            }
+        }
+        let (granted, _, max_in_use) = slot.cell.counters();
+        Some(LimitInfo::new(name, spec, slot.cell.fast_in_use(), 0, granted, max_in_use))
     }
 
     pub(crate) fn infos(&self) -> Vec<LimitInfo> {
-        let mut inner = lock(&self.inner);
+        let mut inner = lock(&self.shared.inner);
         let now = self.now();
-        Self::reclaim(&mut inner, now);
-        inner.table.infos()
+        self.reclaim_all(&mut inner, now);
+        let mut names: Vec<Arc<str>> = inner.specs.keys().cloned().collect();
+        names.sort();
+        names.iter().filter_map(|name| self.info_locked(&mut inner, name)).collect()
     }
 
-    /// Reclaims lapsed leases everywhere and lets the waiters they blocked in.
-    fn reclaim(inner: &mut Inner, now: Duration) {
+    /// Reclaims lapsed leases everywhere, lets the waiters they blocked in, and hands idle
+    /// limits back to the fast path.
+    fn reclaim_all(&self, inner: &mut Inner, now: Duration) {
         if inner.table.next_expiry().is_none_or(|at| at > now) {
             return;
         }
@@ -280,6 +494,7 @@ impl LocalLimits {
         names.dedup();
         for name in names {
             Self::pump(inner, &name, now);
+            self.settle_name(inner, &name, now);
         }
     }
 
@@ -289,8 +504,15 @@ impl LocalLimits {
         tickets: &[u64],
         lease: Duration,
     ) -> Result<Vec<u64>, LimitError> {
-        let mut inner = lock(&self.inner);
+        let mut inner = lock(&self.shared.inner);
         let now = self.now();
+        if !inner.specs.contains_key(name) {
+            return Err(LimitError::UnknownLimit(name.to_owned()));
+        }
+        if inner.table.info(name).is_none() {
+            // The table holds no ticket of this limit: every one of them is gone.
+            return Ok(tickets.to_vec());
+        }
         let mut lost = Vec::new();
         for &ticket in tickets {
             if !inner.table.renew(name, ticket, now, lease)?
@@ -310,9 +532,9 @@ impl LocalLimits {
             if sleep.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(());
             }
-            let mut inner = lock(&self.inner);
+            let mut inner = lock(&self.shared.inner);
             let now = self.now();
-            Self::reclaim(&mut inner, now);
+            self.reclaim_all(&mut inner, now);
             let wake_at = match inner.table.next(name, now) {
                 Ok(Some(Next::Ready(head))) if head == ticket => return Poll::Ready(()),
                 Ok(Some(Next::At(head, at))) if head == ticket => Some(at),
@@ -325,7 +547,7 @@ impl LocalLimits {
             inner.park(ticket, cx.waker(), OnBehalf::WakeOnly);
             drop(inner);
             if let Some(at) = wake_at {
-                let at = self.origin + at;
+                let at = self.origin() + at;
                 if at < sleep.deadline() {
                     sleep.as_mut().reset(at);
                     if sleep.as_mut().poll(cx).is_ready() {
@@ -337,7 +559,7 @@ impl LocalLimits {
         })
         .await;
         // A waker left behind would make the pump skip this ticket's grant-on-behalf rules.
-        let mut inner = lock(&self.inner);
+        let mut inner = lock(&self.shared.inner);
         inner.wakers.remove(&ticket);
     }
 
@@ -399,12 +621,9 @@ impl LocalLimits {
         first: Option<&Priority>,
         lease: Option<Duration>,
     ) -> Result<Answer, LimitError> {
-        let mut inner = lock(&self.inner);
+        let mut inner = lock(&self.shared.inner);
         let now = self.now();
-        let acquire = match first {
-            Some(priority) => inner.table.acquire_leased(name, ticket, priority, now, lease)?,
-            None => inner.table.check(name, ticket, now, lease)?,
-        };
+        let acquire = self.look(&mut inner, name, ticket, first, lease, now)?;
         if matches!(acquire, Acquire::Granted(_)) {
             Self::pump(&mut inner, name, now);
         }

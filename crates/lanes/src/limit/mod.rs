@@ -62,6 +62,7 @@
 
 mod acquire;
 mod backend;
+mod cell;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod handle;

@@ -54,6 +54,19 @@ pub struct Grant {
     pub expires_at: Option<Duration>,
 }
 
+/// The counters of a limit that travel between the table and the in-process fast path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Counters {
+    /// GCRA's theoretical arrival time.
+    pub(crate) tat: Duration,
+    /// The last fencing token issued.
+    pub(crate) fencing: u64,
+    /// Grants so far.
+    pub(crate) granted_total: u64,
+    /// The most permits held at once.
+    pub(crate) max_in_use: u32,
+}
+
 /// What a release did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Released {
@@ -223,6 +236,9 @@ struct LimitState {
     fencing: u64,
     /// The earliest lease expiry among held permits, to skip needless scans.
     next_expiry: Option<Duration>,
+    /// Permits held outside the table (the in-process fast path's), counted in `in_use`.
+    #[serde(default)]
+    external: u32,
 }
 
 impl LimitState {
@@ -236,11 +252,12 @@ impl LimitState {
             max_in_use: 0,
             fencing,
             next_expiry: None,
+            external: 0,
         }
     }
 
     fn in_use(&self) -> u32 {
-        u32::try_from(self.held.len()).unwrap_or(u32::MAX)
+        u32::try_from(self.held.len()).unwrap_or(u32::MAX).saturating_add(self.external)
     }
 
     /// Reclaims permits whose lease ended at or before `now` (invariant 3).
@@ -391,7 +408,7 @@ impl LimitTable {
     pub fn remove(&mut self, name: &str, now: Duration) -> Result<LimitSpec, LimitError> {
         let state = self.state(name)?;
         state.expire(now, &mut Vec::new());
-        if !state.held.is_empty() || !state.queue.is_empty() {
+        if !state.held.is_empty() || !state.queue.is_empty() || state.external > 0 {
             return Err(LimitError::InUse(name.to_owned()));
         }
         let state = self.limits.remove(name).expect("present");
@@ -674,6 +691,44 @@ impl LimitTable {
     /// Every limit's state, in name order.
     pub fn infos(&self) -> Vec<LimitInfo> {
         self.list().into_iter().filter_map(|(name, _)| self.info(name)).collect()
+    }
+
+    /// Takes in limit `name` with `spec` and the counters it had outside the table (the
+    /// in-process fast path hands a limit to the table when a caller must wait).
+    pub(crate) fn adopt(&mut self, name: &Arc<str>, spec: LimitSpec, counters: Counters) {
+        let state = self
+            .limits
+            .entry(name.clone())
+            .or_insert_with(|| LimitState::new(spec, counters.fencing));
+        state.spec = spec;
+        state.tat = counters.tat;
+        state.fencing = state.fencing.max(counters.fencing);
+        state.granted_total = counters.granted_total;
+        state.max_in_use = state.max_in_use.max(counters.max_in_use);
+    }
+
+    /// Sets how many permits of `name` are held outside the table.
+    pub(crate) fn set_external(&mut self, name: &str, external: u32) {
+        if let Some(state) = self.limits.get_mut(name) {
+            state.external = external;
+        }
+    }
+
+    /// Hands limit `name` back to the fast path if nothing waits and the table holds no
+    /// permit: removes it and answers its counters.
+    pub(crate) fn release_if_idle(&mut self, name: &str) -> Option<Counters> {
+        let state = self.limits.get(name)?;
+        if !state.held.is_empty() || !state.queue.is_empty() {
+            return None;
+        }
+        let state = self.limits.remove(name)?;
+        self.fence_floor = self.fence_floor.max(state.fencing);
+        Some(Counters {
+            tat: state.tat,
+            fencing: state.fencing,
+            granted_total: state.granted_total,
+            max_in_use: state.max_in_use,
+        })
     }
 
     /// The shared name of limit `name`, if defined (to hand out without allocating).
