@@ -232,7 +232,8 @@ impl RedisLimitsBuilder {
             .await
             .map_err(backend)?;
         let client_id = id % (1 << CLIENT_BITS);
-        let epoch = ensure_epoch(&mut conn, &format!("lanes:{{{ns}}}:epoch")).await.map_err(backend)?;
+        let epoch =
+            ensure_epoch(&mut conn, &format!("lanes:{{{ns}}}:epoch")).await.map_err(backend)?;
         let inner = Arc::new(Inner {
             conn,
             script: Script::new(SCRIPT),
@@ -765,7 +766,11 @@ impl Inner {
                             ask = Ask::First(priority);
                         }
                         _ => {
-                            lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
+                            lock(&self.state)
+                                .limits
+                                .entry(name.to_owned())
+                                .or_default()
+                                .forget(ticket);
                             return Ok(Answer::Finished);
                         }
                     }

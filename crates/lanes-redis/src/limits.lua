@@ -16,6 +16,8 @@
 --   B:r:L     zset: level L's fairness keys by ring position
 --   B:w:L     hash: level L's key weights, plus ~npos (next ring position), ~tpos/~tused (turn)
 --   B:q:L:K   zset: key K's waiting tickets by arrival sequence
+--   B:l       hash: waiting ticket -> the lease (us) it asked for, used when it is granted on
+--             its behalf (never the lease of whoever's call made the grant)
 --   B:c       hash: client id -> when it was last heard from (us); a queue head whose client
 --             is silent past the queue grace is dropped, so a dead client's tickets never
 --             hold a free limit
@@ -44,6 +46,7 @@ local E = B .. ':e'
 local LV = B .. ':lv'
 local I = B .. ':i'
 local C = B .. ':c'
+local L = B .. ':l'
 local CLIENT = 4294967296
 local NAME = string.sub(B, 2, -2)
 
@@ -105,7 +108,7 @@ local function rate_check(now)
 end
 
 -- Grants the permit of `ticket`; returns its fencing token and lease end, as strings.
-local function grant(ticket, now)
+local function grant(ticket, now, lease)
   if meta.interval > 0 then
     local tat = rate_check(now)
     if tat then
@@ -115,7 +118,7 @@ local function grant(ticket, now)
   end
   local fence = redis.call('HINCRBY', M, 'fence', 1)
   redis.call('HINCRBY', M, 'granted', 1)
-  local expires = int(now + lease_us)
+  local expires = int(now + (lease or lease_us))
   redis.call('HSET', H, ticket, int(fence) .. ':' .. expires)
   redis.call('ZADD', E, expires, ticket)
   local used = in_use()
@@ -173,6 +176,7 @@ local function push(ticket, level, keytok, weight)
   end
   redis.call('ZADD', queue(level, keytok), seq, ticket)
   redis.call('HSET', I, ticket, level .. '|' .. keytok .. '|' .. seq)
+  redis.call('HSET', L, ticket, int(lease_us))
   return true
 end
 
@@ -190,6 +194,7 @@ local function unlink(ticket, level, keytok)
   local r = ring(level)
   redis.call('ZREM', q, ticket)
   redis.call('HDEL', I, ticket)
+  redis.call('HDEL', L, ticket)
   if redis.call('ZCARD', q) == 0 then
     local pos = redis.call('ZSCORE', r, keytok)
     redis.call('ZREM', r, keytok)
@@ -257,8 +262,10 @@ local function kick(now)
       redis.call('PUBLISH', channels .. client_of(head), NAME)
       return
     end
+    local lease = tonumber(redis.call('HGET', L, head) or '0')
+    if lease <= 0 then lease = nil end
     pop(head, level, key)
-    local fence, expires = grant(head, now)
+    local fence, expires = grant(head, now, lease)
     redis.call('PUBLISH', channels .. client_of(head), head .. '|' .. fence .. '|' .. expires .. '|' .. NAME)
   end
 end
@@ -320,9 +327,11 @@ local function answer_for(ticket)
     return { hex(1), fence, expires }
   end
   if head and client_of(head) == client_of(ticket) then
-    -- Another ticket of the same client is served next: grant it instead.
+    -- Another ticket of the same client is served next: grant it instead, with its own lease.
+    local lease = tonumber(redis.call('HGET', L, head) or '0')
+    if lease <= 0 then lease = nil end
     pop(head, hlevel, hkey)
-    local fence, expires = grant(head, now)
+    local fence, expires = grant(head, now, lease)
     kick(now)
     local distance = tonumber(head) - tonumber(ticket)
     local zigzag
@@ -445,7 +454,7 @@ end
 
 if op == 'remove' then
   if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
-  redis.call('DEL', M, H, E, LV, I, C)
+  redis.call('DEL', M, H, E, LV, I, C, L)
   return 'ok'
 end
 

@@ -255,7 +255,10 @@ async fn a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most() 
     // A client queues a ticket, then dies without withdrawing it.
     let dead = common::builder(&ns).lease(lease).build().await.unwrap();
     let ticket = dead.ticket();
-    assert_eq!(dead.acquire("db", ticket, &Priority::default(), None).await.unwrap(), Answer::Queued);
+    assert_eq!(
+        dead.acquire("db", ticket, &Priority::default(), None).await.unwrap(),
+        Answer::Queued
+    );
     drop(dead);
     let waiter = Limits::with_backend(common::builder(&ns).lease(lease).build().await.unwrap());
     let asking = tokio::spawn(async move {

@@ -267,6 +267,17 @@ async fn abandoned_ticket(args: &[&str]) {
     assert_eq!(r1.status, 200, "{r1:?}");
     let r2 = post(&c, &serve, "/v1/limits/ab/acquire", json!({"client": "r2", "wait_ms": 0})).await;
     assert_eq!((r2.status, &r2.body["reason"]), (202, &json!("queued")), "{r2:?}");
+    // r2 keeps its session alive (it renews), but never asks about its ticket again: an
+    // abandoned ticket goes after the grace all the same.
+    let renewing = tokio::spawn({
+        let (c, url) = (c.clone(), serve.url("/v1/clients/r2/renew"));
+        async move {
+            loop {
+                let _ = c.post(&url).json(&json!({})).send().await;
+                tokio::time::sleep(Duration::from_millis(150)).await;
+            }
+        }
+    });
     let ticket = r1.body["ticket"].as_u64().unwrap();
     let released =
         post(&c, &serve, "/v1/limits/ab/release", json!({"client": "r1", "ticket": ticket})).await;
@@ -275,6 +286,7 @@ async fn abandoned_ticket(args: &[&str]) {
     let r3 =
         post(&c, &serve, "/v1/limits/ab/acquire", json!({"client": "r3", "wait_ms": 20000})).await;
     let took = started.elapsed();
+    renewing.abort();
     assert_eq!((r3.status, &r3.body["granted"]), (200, &json!(true)), "{r3:?}");
     assert!(took < Duration::from_secs(2), "granted after the grace (500 ms), took {took:?}");
     assert_eq!(state(&c, &serve, "ab").await, (1, 0), "r2 was withdrawn");

@@ -175,11 +175,13 @@ pub(crate) struct AcquireBody {
 struct InFlight {
     app: Arc<App>,
     client: String,
+    limit: String,
+    ticket: u64,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.app.sessions().end(&self.client, Instant::now());
+        self.app.sessions().end(&self.client, &self.limit, self.ticket, Instant::now());
     }
 }
 
@@ -237,8 +239,9 @@ pub(crate) async fn acquire(
             .begin(&body.client, &name, body.ticket, lease, now, || backend.ticket())
             .map_err(|Refused::NotYours(ticket)| ApiError::not_yours(&name, ticket))?
     };
-    let _in_flight = InFlight { app: app.clone(), client: body.client.clone() };
     let ticket = begun.ticket;
+    let _in_flight =
+        InFlight { app: app.clone(), client: body.client.clone(), limit: name.clone(), ticket };
     let outcome = if !queue && begun.fresh {
         // A try: granted now, or the ticket is forgotten at once.
         app.backend.try_acquire(&name, begun.backend, Some(lease)).await

@@ -9,9 +9,10 @@
 //! 2. A server-chosen ticket number is unguessable (keyed hash of a counter, below 2^53 so
 //!    JSON numbers carry it exactly) and never equal to a live ticket of the limit, so a client
 //!    mixing its own numbers with the server's never has two tickets under one number.
-//! 3. A client with no request in flight and not heard from for the queue grace loses its
-//!    queued tickets (they are withdrawn); its permits stay until their leases end in the
-//!    backend.
+//! 3. A queued ticket that nobody asked about for the queue grace (no long-poll on it in
+//!    flight, no ask) is withdrawn — whatever else its client does, so a client that keeps
+//!    renewing cannot hold a free limit with a ticket it abandoned. Permits stay until their
+//!    leases end in the backend.
 //!
 //! Pure: time is an argument, no I/O.
 
@@ -29,6 +30,10 @@ struct Owned {
     backend: u64,
     lease: Duration,
     granted: bool,
+    /// When a request last asked about it.
+    asked: Instant,
+    /// Requests asking about it now (long-polls in flight).
+    polling: usize,
 }
 
 #[derive(Debug)]
@@ -97,6 +102,9 @@ impl Sessions {
                 return Err(Refused::NotYours(number));
             }
             let backend = owned.backend;
+            let owned = self.tickets.get_mut(&(limit.to_owned(), number)).expect("found above");
+            owned.asked = now;
+            owned.polling += 1;
             self.touch(client, now).in_flight += 1;
             return Ok(Begun { ticket: number, backend, fresh: false });
         }
@@ -105,7 +113,14 @@ impl Sessions {
             None => self.draw(limit),
         };
         let backend = allocate();
-        let owned = Owned { client: client.to_owned(), backend, lease, granted: false };
+        let owned = Owned {
+            client: client.to_owned(),
+            backend,
+            lease,
+            granted: false,
+            asked: now,
+            polling: 1,
+        };
         self.tickets.insert((limit.to_owned(), number), owned);
         let session = self.touch(client, now);
         session.in_flight += 1;
@@ -134,8 +149,14 @@ impl Sessions {
         }
     }
 
-    /// Marks a request of `client` finished.
-    pub(crate) fn end(&mut self, client: &str, now: Instant) {
+    /// Marks a request of `client` about ticket `ticket` of `limit` finished.
+    pub(crate) fn end(&mut self, client: &str, limit: &str, ticket: u64, now: Instant) {
+        if let Some(owned) = self.tickets.get_mut(&(limit.to_owned(), ticket))
+            && owned.client == client
+        {
+            owned.polling = owned.polling.saturating_sub(1);
+            owned.asked = now;
+        }
         if let Some(session) = self.clients.get_mut(client) {
             session.in_flight = session.in_flight.saturating_sub(1);
             session.last_seen = now;
@@ -202,43 +223,47 @@ impl Sessions {
         )
     }
 
-    /// Takes out the queued tickets of clients silent for `grace` with nothing in flight
-    /// (invariant 3), to withdraw; and lists the permits of such clients, to ask the backend
-    /// whether their leases have ended.
+    /// Takes out the queued tickets nobody asked about for `grace` (invariant 3), to withdraw;
+    /// and lists the permits of clients silent for `grace` with nothing in flight, to ask the
+    /// backend whether their leases have ended.
     pub(crate) fn sweep(&mut self, now: Instant, grace: Duration) -> (Vec<Lapsed>, Vec<Lapsed>) {
         let mut withdraw = Vec::new();
-        let mut probe = Vec::new();
-        let silent: Vec<String> = self
-            .clients
+        let abandoned: Vec<(String, u64)> = self
+            .tickets
             .iter()
-            .filter(|(_, s)| s.in_flight == 0 && s.last_seen + grace <= now)
-            .map(|(client, _)| client.clone())
+            .filter(|(_, o)| !o.granted && o.polling == 0 && o.asked + grace <= now)
+            .map(|(key, _)| key.clone())
             .collect();
-        for client in silent {
-            let keys: Vec<(String, u64)> = self
-                .clients
-                .get(&client)
-                .map(|s| s.tickets.iter().cloned().collect())
-                .unwrap_or_default();
-            for key in keys {
-                let Some(owned) = self.tickets.get(&key) else { continue };
-                let lapsed = Lapsed {
-                    client: client.clone(),
-                    limit: key.0.clone(),
-                    ticket: key.1,
-                    backend: owned.backend,
-                };
-                if owned.granted {
-                    probe.push(lapsed);
-                } else {
-                    self.tickets.remove(&key);
-                    if let Some(session) = self.clients.get_mut(&client) {
-                        session.tickets.remove(&key);
-                    }
-                    withdraw.push(lapsed);
+        for key in abandoned {
+            let owned = self.tickets.remove(&key).expect("listed above");
+            if let Some(session) = self.clients.get_mut(&owned.client) {
+                session.tickets.remove(&key);
+            }
+            self.drop_if_idle(&owned.client);
+            withdraw.push(Lapsed {
+                client: owned.client,
+                limit: key.0,
+                ticket: key.1,
+                backend: owned.backend,
+            });
+        }
+        let mut probe = Vec::new();
+        for (client, session) in &self.clients {
+            if session.in_flight > 0 || session.last_seen + grace > now {
+                continue;
+            }
+            for key in &session.tickets {
+                if let Some(owned) = self.tickets.get(key)
+                    && owned.granted
+                {
+                    probe.push(Lapsed {
+                        client: client.clone(),
+                        limit: key.0.clone(),
+                        ticket: key.1,
+                        backend: owned.backend,
+                    });
                 }
             }
-            self.drop_if_idle(&client);
         }
         withdraw.sort_by(|a, b| (&a.limit, a.ticket).cmp(&(&b.limit, b.ticket)));
         probe.sort_by(|a, b| (&a.limit, a.ticket).cmp(&(&b.limit, b.ticket)));
@@ -326,17 +351,17 @@ mod tests {
     }
 
     #[test]
-    fn silent_clients_lose_queued_tickets_after_the_grace() {
+    fn abandoned_tickets_go_after_the_grace() {
         let mut sessions = Sessions::default();
         let start = Instant::now();
         let mut alloc = counter();
         let held = sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc).unwrap();
         sessions.granted("db", 1);
-        sessions.end("a", start);
+        sessions.end("a", "db", 1, start);
         let queued = sessions.begin("a", "db", Some(2), LEASE, start, &mut alloc).unwrap();
-        // A long-poll in flight keeps the client alive.
+        // A long-poll in flight keeps the ticket.
         assert_eq!(sessions.sweep(start + GRACE * 3, GRACE), (vec![], vec![]));
-        sessions.end("a", start + GRACE * 3);
+        sessions.end("a", "db", 2, start + GRACE * 3);
         let (withdraw, probe) = sessions.sweep(start + GRACE * 3 + GRACE / 2, GRACE);
         assert!(withdraw.is_empty() && probe.is_empty());
         let (withdraw, probe) = sessions.sweep(start + GRACE * 4, GRACE);
