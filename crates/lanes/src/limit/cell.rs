@@ -40,10 +40,11 @@ pub(crate) enum Miss {
 pub(crate) struct Cell {
     state: AtomicU64,
     concurrent: AtomicU32,
+    burst: AtomicU32,
     /// Nanoseconds between grants at the sustained rate; 0 without a rate.
     interval: AtomicU64,
-    /// `interval × (burst - 1)`.
-    tolerance: AtomicU64,
+    /// The spec's `per_second`, as `f64` bits (meaningful only with an interval).
+    per_second: AtomicU64,
     /// GCRA's theoretical arrival time, ns since the backend's origin.
     tat: AtomicU64,
     /// The last fencing token issued.
@@ -62,8 +63,9 @@ impl Cell {
         let cell = Self {
             state: AtomicU64::new(0),
             concurrent: AtomicU32::new(0),
+            burst: AtomicU32::new(1),
             interval: AtomicU64::new(0),
-            tolerance: AtomicU64::new(0),
+            per_second: AtomicU64::new(0),
             tat: AtomicU64::new(0),
             fence: AtomicU64::new(fence),
             granted: AtomicU64::new(0),
@@ -76,12 +78,21 @@ impl Cell {
     pub(crate) fn set_spec(&self, spec: LimitSpec) {
         let interval =
             spec.emission_interval().map_or(0, nanos).max(u64::from(spec.per_second.is_some()));
+        self.per_second.store(spec.per_second.unwrap_or(0.0).to_bits(), Ordering::Relaxed);
+        self.burst.store(spec.burst, Ordering::Relaxed);
         self.interval.store(interval, Ordering::Relaxed);
-        self.tolerance.store(
-            interval.saturating_mul(u64::from(spec.burst.saturating_sub(1))),
-            Ordering::Relaxed,
-        );
         self.concurrent.store(spec.concurrent, Ordering::Release);
+    }
+
+    /// The spec, as last set.
+    pub(crate) fn spec(&self) -> LimitSpec {
+        let interval = self.interval.load(Ordering::Acquire);
+        LimitSpec {
+            concurrent: self.concurrent.load(Ordering::Acquire),
+            per_second: (interval != 0)
+                .then(|| f64::from_bits(self.per_second.load(Ordering::Acquire))),
+            burst: self.burst.load(Ordering::Acquire),
+        }
     }
 
     /// Whether the rate needs the clock.
@@ -99,7 +110,8 @@ impl Cell {
         // Invariant 2: the token and the fencing number first, then the commit.
         let interval = self.interval.load(Ordering::Relaxed);
         if interval != 0 {
-            let tolerance = self.tolerance.load(Ordering::Relaxed);
+            let burst = u64::from(self.burst.load(Ordering::Relaxed).saturating_sub(1));
+            let tolerance = interval.saturating_mul(burst);
             let mut tat = self.tat.load(Ordering::Acquire);
             loop {
                 let base = tat.max(now);

@@ -41,8 +41,6 @@ use crate::util::lock;
 struct Inner {
     /// The limits the table governs now (see the module docs), and their waiters.
     table: LimitTable,
-    /// Every defined limit's spec, by name.
-    specs: FastMap<Arc<str>, LimitSpec>,
     /// The highest fencing token of every limit removed so far: a limit defined anew starts
     /// above it.
     fence_floor: u64,
@@ -159,7 +157,6 @@ impl LocalLimits {
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
                     table: LimitTable::with_max_waiters(max_waiters),
-                    specs: FastMap::default(),
                     fence_floor: 0,
                     wakers: FastMap::default(),
                 }),
@@ -213,8 +210,7 @@ impl LocalLimits {
         let Some(slot) = self.slot(name) else { return };
         if !slot.cell.is_slow() {
             let counters = slot.cell.go_slow(Duration::from_nanos);
-            let spec = inner.specs.get(name).copied().expect("a slot has a spec");
-            inner.table.adopt(&slot.name, spec, counters);
+            inner.table.adopt(&slot.name, slot.cell.spec(), counters);
         }
         inner.table.set_external(name, slot.cell.fast_in_use());
     }
@@ -243,7 +239,6 @@ impl LocalLimits {
         let mut inner = lock(&self.shared.inner);
         match self.slot(name) {
             Some(slot) => {
-                inner.specs.insert(slot.name.clone(), spec);
                 slot.cell.set_spec(spec);
                 if slot.cell.is_slow() {
                     inner.table.define(name, spec)?;
@@ -254,7 +249,6 @@ impl LocalLimits {
             }
             None => {
                 let name: Arc<str> = Arc::from(name);
-                inner.specs.insert(name.clone(), spec);
                 let slot = Arc::new(Slot {
                     name: name.clone(),
                     cell: Cell::new(spec, inner.fence_floor),
@@ -286,7 +280,6 @@ impl LocalLimits {
         }
         let (_, fence, _) = slot.cell.counters();
         inner.fence_floor = inner.fence_floor.max(fence);
-        inner.specs.remove(name);
         slot.removed.store(true, Ordering::Release);
         self.shared.slots.write().unwrap_or_else(std::sync::PoisonError::into_inner).remove(name);
         Ok(())
@@ -350,7 +343,7 @@ impl LocalLimits {
     ) -> Result<Acquire, LimitError> {
         match first {
             Some(priority) => {
-                if !inner.specs.contains_key(name) {
+                if self.slot(name).is_none() {
                     return Err(LimitError::UnknownLimit(name.to_owned()));
                 }
                 self.go_slow(inner, name);
@@ -361,7 +354,7 @@ impl LocalLimits {
                 answer
             }
             None => {
-                if !inner.specs.contains_key(name) {
+                if self.slot(name).is_none() {
                     return Err(LimitError::UnknownLimit(name.to_owned()));
                 }
                 if inner.table.info(name).is_none() {
@@ -462,8 +455,8 @@ impl LocalLimits {
     }
 
     fn info_locked(&self, inner: &mut Inner, name: &str) -> Option<LimitInfo> {
-        let spec = *inner.specs.get(name)?;
         let slot = self.slot(name)?;
+        let spec = slot.cell.spec();
         if slot.cell.is_slow() {
             inner.table.set_external(name, slot.cell.fast_in_use());
             if let Some(info) = inner.table.info(name) {
@@ -478,7 +471,14 @@ impl LocalLimits {
         let mut inner = lock(&self.shared.inner);
         let now = self.now();
         self.reclaim_all(&mut inner, now);
-        let mut names: Vec<Arc<str>> = inner.specs.keys().cloned().collect();
+        let mut names: Vec<Arc<str>> = self
+            .shared
+            .slots
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect();
         names.sort();
         names.iter().filter_map(|name| self.info_locked(&mut inner, name)).collect()
     }
@@ -506,7 +506,7 @@ impl LocalLimits {
     ) -> Result<Vec<u64>, LimitError> {
         let mut inner = lock(&self.shared.inner);
         let now = self.now();
-        if !inner.specs.contains_key(name) {
+        if self.slot(name).is_none() {
             return Err(LimitError::UnknownLimit(name.to_owned()));
         }
         if inner.table.info(name).is_none() {

@@ -13,12 +13,13 @@
 //! 3. Every collection is ordered (`BTreeMap`): identical operation sequences give identical
 //!    answers, which is what lets a replicated store apply the same queue.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::priority::Priority;
+use crate::util::FastMap;
 
 type FairKey = Option<Arc<str>>;
 
@@ -32,8 +33,8 @@ struct Loc {
 struct KeyQueue {
     pos: u64,
     weight: u32,
-    /// Arrival sequence → ticket.
-    tickets: BTreeMap<u64, u64>,
+    /// `(arrival sequence, ticket)`, in arrival order (pushes append increasing sequences).
+    tickets: VecDeque<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,7 +45,8 @@ struct Turn {
 
 #[derive(Debug, Clone, Default)]
 struct Level {
-    keys: BTreeMap<FairKey, KeyQueue>,
+    /// Found by hashing; never iterated in the map's order (service order is the ring's).
+    keys: FastMap<FairKey, KeyQueue>,
     /// Rotation order: ring position → key.
     ring: BTreeMap<u64, FairKey>,
     next_pos: u64,
@@ -93,7 +95,8 @@ impl Level {
 #[derive(Debug, Clone, Default)]
 pub struct WaitQueue {
     levels: BTreeMap<i32, Level>,
-    index: BTreeMap<u64, (Loc, FairKey)>,
+    /// Found by hashing; never iterated in the map's order.
+    index: FastMap<u64, (Loc, FairKey)>,
     next_seq: u64,
 }
 
@@ -132,13 +135,13 @@ impl WaitQueue {
         match level.keys.get_mut(&key) {
             Some(queue) => {
                 queue.weight = weight;
-                queue.tickets.insert(seq, ticket);
+                queue.tickets.push_back((seq, ticket));
             }
             None => {
                 let pos = level.next_pos;
                 level.next_pos += 1;
                 level.ring.insert(pos, key.clone());
-                let tickets = BTreeMap::from([(seq, ticket)]);
+                let tickets = VecDeque::from([(seq, ticket)]);
                 level.keys.insert(key.clone(), KeyQueue { pos, weight, tickets });
             }
         }
@@ -150,7 +153,7 @@ impl WaitQueue {
     pub fn peek(&self) -> Option<u64> {
         let (_, level) = self.levels.last_key_value()?;
         let key = level.next_key()?;
-        level.keys[key].tickets.first_key_value().map(|(_, ticket)| *ticket)
+        level.keys[key].tickets.front().map(|(_, ticket)| *ticket)
     }
 
     /// Serves the next ticket. O(log n).
@@ -187,7 +190,11 @@ impl WaitQueue {
         let Some(queue) = level.keys.get_mut(key) else {
             return;
         };
-        queue.tickets.remove(&loc.seq);
+        if queue.tickets.front().is_some_and(|(seq, _)| *seq == loc.seq) {
+            queue.tickets.pop_front();
+        } else if let Ok(at) = queue.tickets.binary_search_by_key(&loc.seq, |(seq, _)| *seq) {
+            queue.tickets.remove(at);
+        }
         if queue.tickets.is_empty() {
             let pos = queue.pos;
             level.keys.remove(key);
@@ -207,9 +214,11 @@ impl WaitQueue {
         }
     }
 
-    /// Every waiting ticket, in no particular order of service (ascending ticket).
+    /// Every waiting ticket, in ascending ticket order (not the order of service).
     pub fn tickets(&self) -> impl Iterator<Item = u64> + '_ {
-        self.index.keys().copied()
+        let mut tickets: Vec<u64> = self.index.keys().copied().collect();
+        tickets.sort_unstable();
+        tickets.into_iter()
     }
 
     fn repr(&self) -> Repr {
@@ -224,7 +233,7 @@ impl WaitQueue {
                 .levels
                 .values()
                 .flat_map(|l| l.keys.values())
-                .flat_map(|q| q.tickets.values().copied())
+                .flat_map(|q| q.tickets.iter().map(|(_, ticket)| *ticket))
                 .collect();
             return Repr::Fifo(tickets);
         }
@@ -246,7 +255,7 @@ impl WaitQueue {
                         KeyRepr {
                             key: key.clone(),
                             weight: q.weight,
-                            tickets: q.tickets.values().copied().collect(),
+                            tickets: q.tickets.iter().map(|(_, ticket)| *ticket).collect(),
                         }
                     })
                     .collect(),
