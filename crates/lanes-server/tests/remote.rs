@@ -8,7 +8,7 @@ use std::sync::Arc;
 use common::Serve;
 use lanes::LimitBackend;
 use lanes::limit::conformance;
-use lanes_server::RemoteLimits;
+use lanes_remote::RemoteLimits;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_limits_pass_the_conformance_suite() {

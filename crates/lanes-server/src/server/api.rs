@@ -9,8 +9,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use lanes::channel::Emitted;
 use lanes::limit::Released;
-use lanes::{Answer, LimitInfo, LimitSpec, Priority};
-use serde::{Deserialize, Serialize};
+use lanes::{Answer, Priority};
+use lanes_remote::wire::{self, MAX_CLIENT, MAX_NAME, Reason};
+use serde::Serialize;
 use serde_json::json;
 use tokio::time::Instant;
 
@@ -18,10 +19,6 @@ use super::App;
 use super::error::{ApiError, JsonBody};
 use super::sessions::Refused;
 
-/// The longest a limit name may be.
-const MAX_NAME: usize = 200;
-/// The longest a client id may be.
-const MAX_CLIENT: usize = 200;
 /// The shortest lease.
 const MIN_LEASE: Duration = Duration::from_millis(100);
 
@@ -45,75 +42,23 @@ fn check_client(client: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `PUT /v1/limits/{name}`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct SpecBody {
-    concurrent: u32,
-    #[serde(default)]
-    per_second: Option<f64>,
-    #[serde(default)]
-    burst: Option<u32>,
-}
-
-impl SpecBody {
-    pub(crate) fn spec(&self) -> LimitSpec {
-        let mut spec = LimitSpec::concurrent(self.concurrent);
-        if let Some(rate) = self.per_second {
-            spec = spec.per_second(rate);
-        }
-        if let Some(burst) = self.burst {
-            spec = spec.burst(burst);
-        }
-        spec
-    }
-}
-
-/// A limit as the API reports it.
-#[derive(Debug, Serialize)]
-pub(crate) struct LimitBody {
-    name: String,
-    concurrent: u32,
-    per_second: Option<f64>,
-    burst: u32,
-    in_use: u32,
-    waiting: usize,
-    max_in_use: u32,
-    granted_total: u64,
-}
-
-impl From<LimitInfo> for LimitBody {
-    fn from(info: LimitInfo) -> Self {
-        Self {
-            name: info.name,
-            concurrent: info.spec.concurrent,
-            per_second: info.spec.per_second,
-            burst: info.spec.burst,
-            in_use: info.in_use,
-            waiting: info.waiting,
-            max_in_use: info.max_in_use,
-            granted_total: info.granted_total,
-        }
-    }
-}
-
 pub(crate) async fn define(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
-    JsonBody(body): JsonBody<SpecBody>,
+    JsonBody(body): JsonBody<wire::Spec>,
 ) -> Result<Response, ApiError> {
     check_name(&name)?;
-    let spec = body.spec();
+    let spec = body.to_spec();
     spec.validate().map_err(|e| ApiError::field(e.field(), e.to_string()))?;
     app.backend.define(&name, spec).await.map_err(|e| ApiError::limit(&name, &e))?;
     let info = app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
-    Ok(Json(info.map(LimitBody::from)).into_response())
+    Ok(Json(info.map(wire::Limit::from)).into_response())
 }
 
 pub(crate) async fn list(State(app): State<Arc<App>>) -> Result<Response, ApiError> {
     let infos = app.backend.list().await.map_err(|e| ApiError::limit("*", &e))?;
-    let limits: Vec<LimitBody> = infos.into_iter().map(LimitBody::from).collect();
-    Ok(Json(json!({ "limits": limits })).into_response())
+    let limits = infos.into_iter().map(wire::Limit::from).collect();
+    Ok(Json(wire::LimitList { limits }).into_response())
 }
 
 pub(crate) async fn get(
@@ -122,7 +67,7 @@ pub(crate) async fn get(
 ) -> Result<Response, ApiError> {
     check_name(&name)?;
     match app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))? {
-        Some(info) => Ok(Json(LimitBody::from(info)).into_response()),
+        Some(info) => Ok(Json(wire::Limit::from(info)).into_response()),
         None => Err(ApiError::limit(&name, &lanes::LimitError::UnknownLimit(name.clone()))),
     }
 }
@@ -134,40 +79,6 @@ pub(crate) async fn remove(
     check_name(&name)?;
     app.backend.remove(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
     Ok(StatusCode::NO_CONTENT.into_response())
-}
-
-/// A waiter's priority.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct PriorityBody {
-    #[serde(default)]
-    level: i32,
-    #[serde(default)]
-    key: Option<String>,
-    #[serde(default = "one")]
-    weight: u32,
-}
-
-fn one() -> u32 {
-    1
-}
-
-/// `POST /v1/limits/{name}/acquire`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct AcquireBody {
-    client: String,
-    #[serde(default)]
-    ticket: Option<u64>,
-    #[serde(default)]
-    priority: Option<PriorityBody>,
-    #[serde(default)]
-    lease_ms: Option<u64>,
-    #[serde(default)]
-    wait_ms: Option<u64>,
-    /// `false`: a try, granted now or refused, never leaving a ticket behind.
-    #[serde(default)]
-    queue: Option<bool>,
 }
 
 /// Ends a request of a client in its session, however the handler ends (a dropped long-poll
@@ -187,7 +98,7 @@ impl Drop for InFlight {
 
 /// A not-granted answer with its `Retry-After` header (whole seconds, at least 1) beside the
 /// JSON `retry_after_ms`.
-fn not_yet(status: StatusCode, body: serde_json::Value, retry_after: Duration) -> Response {
+fn not_yet(status: StatusCode, body: impl Serialize, retry_after: Duration) -> Response {
     let seconds = retry_after.as_millis().div_ceil(1000).max(1);
     (status, [("retry-after", seconds.to_string())], Json(body)).into_response()
 }
@@ -195,7 +106,7 @@ fn not_yet(status: StatusCode, body: serde_json::Value, retry_after: Duration) -
 pub(crate) async fn acquire(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
-    JsonBody(body): JsonBody<AcquireBody>,
+    JsonBody(body): JsonBody<wire::AcquireRequest>,
 ) -> Result<Response, ApiError> {
     check_name(&name)?;
     check_client(&body.client)?;
@@ -219,11 +130,7 @@ pub(crate) async fn acquire(
             if p.weight == 0 {
                 return Err(ApiError::field("priority.weight", "a weight is at least 1"));
             }
-            let mut priority = Priority::level(p.level).weight(p.weight);
-            if let Some(key) = &p.key {
-                priority = priority.key(key.as_str());
-            }
-            priority
+            p.to_priority()
         }
     };
     let queue = body.queue.unwrap_or(true);
@@ -279,13 +186,7 @@ pub(crate) async fn acquire(
         Answer::Granted(grant) => {
             app.sessions().granted(&name, ticket);
             app.event("granted");
-            Ok(Json(json!({
-                "granted": true,
-                "ticket": ticket,
-                "fencing_token": grant.fencing_token,
-                "lease_expires_in_ms": lease.as_millis() as u64,
-            }))
-            .into_response())
+            Ok(Json(wire::Granted::new(ticket, grant.fencing_token, millis(lease))).into_response())
         }
         Answer::Finished => {
             let _ = app.sessions().forget(&body.client, &name, ticket);
@@ -302,51 +203,28 @@ pub(crate) async fn acquire(
             }
             app.event("refused");
             let (reason, retry_after) = match answer {
-                Answer::RetryAfter(after) => ("rate", after),
-                _ => ("busy", app.options.reask),
+                Answer::RetryAfter(after) => (Reason::Rate, after),
+                _ => (Reason::Busy, app.options.reask),
             };
-            Ok(not_yet(
-                StatusCode::TOO_MANY_REQUESTS,
-                json!({
-                    "granted": false,
-                    "retry_after_ms": retry_after.as_millis() as u64,
-                    "reason": reason,
-                }),
-                retry_after,
-            ))
+            let body = wire::TryRefused::new(reason, millis(retry_after));
+            Ok(not_yet(StatusCode::TOO_MANY_REQUESTS, body, retry_after))
         }
         Answer::Queued | Answer::RetryAfter(_) => {
             app.event("queued");
             let (reason, retry_after) = match answer {
-                Answer::RetryAfter(after) => ("rate", after),
-                _ => ("queued", app.options.reask.min(wait.max(Duration::from_millis(100)))),
+                Answer::RetryAfter(after) => (Reason::Rate, after),
+                _ => (Reason::Queued, app.options.reask.min(wait.max(Duration::from_millis(100)))),
             };
-            Ok(not_yet(
-                StatusCode::ACCEPTED,
-                json!({
-                    "granted": false,
-                    "ticket": ticket,
-                    "retry_after_ms": retry_after.as_millis() as u64,
-                    "reason": reason,
-                }),
-                retry_after,
-            ))
+            let body = wire::NotYet::new(ticket, reason, millis(retry_after));
+            Ok(not_yet(StatusCode::ACCEPTED, body, retry_after))
         }
     }
-}
-
-/// `POST /v1/limits/{name}/release`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(crate) struct ReleaseBody {
-    client: String,
-    ticket: u64,
 }
 
 pub(crate) async fn release(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
-    JsonBody(body): JsonBody<ReleaseBody>,
+    JsonBody(body): JsonBody<wire::ReleaseRequest>,
 ) -> Result<Response, ApiError> {
     check_name(&name)?;
     check_client(&body.client)?;
@@ -366,7 +244,7 @@ pub(crate) async fn release(
         }
         None => false,
     };
-    Ok(Json(json!({ "released": released })).into_response())
+    Ok(Json(wire::ReleaseAnswer { released }).into_response())
 }
 
 pub(crate) async fn renew(
@@ -400,13 +278,18 @@ pub(crate) async fn renew(
             if gone.contains(&backend) {
                 let _ = app.sessions().forget(&client, &limit, ticket);
                 app.event("lease_lost");
-                lost.push(json!({ "limit": limit, "ticket": ticket }));
+                lost.push(wire::LostTicket { limit: limit.clone(), ticket });
             } else {
                 renewed += 1;
             }
         }
     }
-    Ok(Json(json!({ "renewed": renewed, "lost": lost })).into_response())
+    Ok(Json(wire::RenewAnswer { lost, renewed }).into_response())
+}
+
+/// Whole milliseconds, saturating.
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 pub(crate) async fn snapshot(State(app): State<Arc<App>>) -> Result<Response, ApiError> {

@@ -7,27 +7,38 @@ use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use lanes::LimitError;
+use lanes_remote::wire::ErrorBody;
 use serde::de::DeserializeOwned;
-use serde_json::json;
 
-/// An API error.
+/// An API error: a status and its body.
 #[derive(Debug)]
 pub(crate) struct ApiError {
     status: StatusCode,
-    error: String,
-    field: Option<String>,
-    limit: Option<String>,
-    ticket: Option<u64>,
+    body: ErrorBody,
 }
 
 impl ApiError {
     pub(crate) fn new(status: StatusCode, error: impl Into<String>) -> Self {
-        Self { status, error: error.into(), field: None, limit: None, ticket: None }
+        Self { status, body: ErrorBody::new(error) }
+    }
+
+    /// Names the limit concerned.
+    fn with_limit(mut self, limit: &str) -> Self {
+        self.body.limit = Some(limit.to_owned());
+        self
+    }
+
+    /// Names the ticket concerned.
+    fn with_ticket(mut self, ticket: u64) -> Self {
+        self.body.ticket = Some(ticket);
+        self
     }
 
     /// A 400 naming the offending field.
     pub(crate) fn field(field: impl Into<String>, error: impl Into<String>) -> Self {
-        Self { field: Some(field.into()), ..Self::new(StatusCode::BAD_REQUEST, error) }
+        let mut err = Self::new(StatusCode::BAD_REQUEST, error);
+        err.body.field = Some(field.into());
+        err
     }
 
     pub(crate) fn limit(name: &str, err: &LimitError) -> Self {
@@ -42,51 +53,37 @@ impl ApiError {
             // The backend (Redis) could not answer: the service is unavailable, not broken.
             _ => StatusCode::SERVICE_UNAVAILABLE,
         };
-        Self { limit: Some(name.to_owned()), ..Self::new(status, err.to_string()) }
+        Self::new(status, err.to_string()).with_limit(name)
     }
 }
 
 impl ApiError {
     /// A ticket another client owns: 409 naming it.
     pub(crate) fn not_yours(limit: &str, ticket: u64) -> Self {
-        Self {
-            limit: Some(limit.to_owned()),
-            ticket: Some(ticket),
-            ..Self::new(
-                StatusCode::CONFLICT,
-                format!("ticket {ticket} of limit {limit:?} belongs to another client"),
-            )
-        }
+        Self::new(
+            StatusCode::CONFLICT,
+            format!("ticket {ticket} of limit {limit:?} belongs to another client"),
+        )
+        .with_limit(limit)
+        .with_ticket(ticket)
     }
 
     /// A ticket that neither waits nor holds any more: 410 naming it.
     pub(crate) fn finished(limit: &str, ticket: u64) -> Self {
-        Self {
-            limit: Some(limit.to_owned()),
-            ticket: Some(ticket),
-            ..Self::new(
-                StatusCode::GONE,
-                format!(
-                    "ticket {ticket} of limit {limit:?} is finished (released, withdrawn, or its lease ended)"
-                ),
-            )
-        }
+        Self::new(
+            StatusCode::GONE,
+            format!(
+                "ticket {ticket} of limit {limit:?} is finished (released, withdrawn, or its lease ended)"
+            ),
+        )
+        .with_limit(limit)
+        .with_ticket(ticket)
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut body = json!({ "error": self.error });
-        if let Some(field) = self.field {
-            body["field"] = json!(field);
-        }
-        if let Some(limit) = self.limit {
-            body["limit"] = json!(limit);
-        }
-        if let Some(ticket) = self.ticket {
-            body["ticket"] = json!(ticket);
-        }
-        (self.status, Json(body)).into_response()
+        (self.status, Json(self.body)).into_response()
     }
 }
 

@@ -36,14 +36,12 @@ use std::time::Duration;
 
 use lanes::limit::{Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, Released};
 use lanes::{Answer, BoxFuture, Priority};
-use reqwest::StatusCode;
-use serde::Deserialize;
-use serde_json::{Value, json};
+use reqwest::{StatusCode, Url};
+use serde::de::DeserializeOwned;
 use tokio::sync::Notify;
 
-/// The longest client id [`RemoteLimits::with_client`] accepts: the server's 200 bytes, less
-/// the `~` and the (at most 16) digits of a ticket's own client id.
-const MAX_CLIENT: usize = 183;
+use crate::ConfigError;
+use crate::wire::{self, Reason};
 
 /// Ticket numbers stay below 2^53, so every JSON implementation carries them exactly; they
 /// start below 2^52, leaving 2^52 tickets per client.
@@ -63,11 +61,15 @@ const TICKET_START_MASK: u64 = (1 << 52) - 1;
 /// permit lasts that lease unless [`renew`](LimitBackend::renew)ed (the server keeps the lease
 /// each ticket was asked with; the `lease` given to `renew` is not sent).
 ///
+/// The server is an `http://` or `https://` URL; over HTTPS its certificate is checked against
+/// the platform's roots (or, with [`with_http_client`](Self::with_http_client), whatever the
+/// given client trusts). The bodies of every request and answer are the [`wire`] types.
+///
 /// # Example
 ///
 /// ```no_run
 /// use lanes::{LimitSpec, Limits, Priority};
-/// use lanes_server::RemoteLimits;
+/// use lanes_remote::RemoteLimits;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -127,14 +129,19 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn transport(err: reqwest::Error) -> LimitError {
-    let mut message = format!("lanes serve: {err}");
-    let mut source = std::error::Error::source(&err);
+/// An error and its causes, as one line.
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut message = err.to_string();
+    let mut source = err.source();
     while let Some(cause) = source {
         message.push_str(&format!(": {cause}"));
         source = cause.source();
     }
-    LimitError::Backend(message)
+    message
+}
+
+fn transport(err: reqwest::Error) -> LimitError {
+    LimitError::Backend(format!("lanes serve: {}", chain(&err)))
 }
 
 /// Percent-encodes one path segment.
@@ -150,66 +157,16 @@ fn encode(segment: &str) -> String {
     encoded
 }
 
-#[derive(Deserialize)]
-struct AcquireReply {
-    #[serde(default)]
-    fencing_token: u64,
-    #[serde(default)]
-    retry_after_ms: u64,
-    #[serde(default)]
-    reason: String,
+/// Reads a success answer's body.
+async fn answer<T: DeserializeOwned>(response: reqwest::Response) -> Result<T, LimitError> {
+    response.json().await.map_err(transport)
 }
 
-impl AcquireReply {
-    /// A not-granted answer: the bucket's retry time, or waiting (or busy, to a try).
-    fn not_yet(&self) -> Answer {
-        if self.reason == "rate" {
-            Answer::RetryAfter(Duration::from_millis(self.retry_after_ms))
-        } else {
-            Answer::Queued
-        }
-    }
-}
-
-#[derive(Deserialize)]
-struct RenewReply {
-    #[serde(default)]
-    lost: Vec<LostReply>,
-}
-
-#[derive(Deserialize)]
-struct LostReply {
-    limit: String,
-    ticket: u64,
-}
-
-#[derive(Deserialize)]
-struct LimitReply {
-    name: String,
-    concurrent: u32,
-    per_second: Option<f64>,
-    burst: u32,
-    in_use: u32,
-    waiting: usize,
-    max_in_use: u32,
-    granted_total: u64,
-}
-
-impl LimitReply {
-    fn info(self) -> LimitInfo {
-        let spec = LimitSpec {
-            concurrent: self.concurrent,
-            per_second: self.per_second,
-            burst: self.burst,
-        };
-        LimitInfo::new(
-            self.name,
-            spec,
-            self.in_use,
-            self.waiting,
-            self.granted_total,
-            self.max_in_use,
-        )
+/// A not-granted answer: the bucket's retry time, or waiting (or busy, to a try).
+fn not_granted(reason: Reason, retry_after_ms: u64) -> Answer {
+    match reason {
+        Reason::Rate => Answer::RetryAfter(Duration::from_millis(retry_after_ms)),
+        Reason::Queued | Reason::Busy => Answer::Queued,
     }
 }
 
@@ -217,11 +174,11 @@ impl LimitReply {
 /// only for a request that queues (`queueing`).
 async fn failure(name: &str, response: reqwest::Response, queueing: bool) -> LimitError {
     let status = response.status();
-    let body: Value = response.json().await.unwrap_or(Value::Null);
-    let message = body["error"].as_str().unwrap_or("").to_owned();
+    let body: Option<wire::ErrorBody> = response.json().await.ok();
+    let (message, ticket) = body.map_or((String::new(), None), |body| (body.error, body.ticket));
     match status.as_u16() {
         404 => LimitError::UnknownLimit(name.to_owned()),
-        409 => match body["ticket"].as_u64() {
+        409 => match ticket {
             // Another client owns this ticket number: nothing was granted or released.
             Some(ticket) => LimitError::Backend(format!(
                 "lanes serve: ticket {ticket} of limit {name:?} belongs to another client"
@@ -251,14 +208,44 @@ enum Ask {
     Try,
 }
 
+/// The server address, checked: an `http` or `https` URL with a host, and no query, fragment
+/// or credentials (the API's paths are appended to it, and it is shown by `Debug`). Returned
+/// without a trailing `/`.
+fn server_url(base: &str) -> Result<String, ConfigError> {
+    let invalid =
+        |reason: &str| ConfigError::InvalidUrl { url: base.to_owned(), reason: reason.to_owned() };
+    let url = Url::parse(base).map_err(|err| invalid(&err.to_string()))?;
+    if !matches!(url.scheme(), "http" | "https") {
+        return Err(invalid("the scheme must be http or https"));
+    }
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(invalid("no host"));
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err(invalid("a server URL has no query or fragment"));
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(invalid("credentials do not belong in the URL (use with_http_client)"));
+    }
+    Ok(url.as_str().trim_end_matches('/').to_owned())
+}
+
 impl RemoteLimits {
-    /// A client of the server at `base` (`http://host:port`), with a generated client id and a
-    /// 10 s lease. Call inside a tokio runtime (the renewal task starts here).
+    /// The longest client id [`with_client`](Self::with_client) accepts: the server's
+    /// [`wire::MAX_CLIENT`] bytes, less the `~` and the (at most 16) digits of a ticket's own
+    /// client id.
+    pub const MAX_CLIENT_ID: usize = wire::MAX_CLIENT - 17;
+
+    /// A client of the server at `base` (`http://host:port` or `https://host:port`, possibly
+    /// with a path prefix), with a generated client id and a 10 s lease. Call inside a tokio
+    /// runtime (the renewal task starts here).
     ///
     /// # Errors
     ///
-    /// [`LimitError::Backend`] if the HTTP client cannot be built.
-    pub fn new(base: impl Into<String>) -> Result<Self, LimitError> {
+    /// [`ConfigError::InvalidUrl`] if `base` is not an `http` or `https` URL with a host (and
+    /// no query, fragment or credentials); [`ConfigError::Http`] if the HTTP client cannot be
+    /// built.
+    pub fn new(base: impl Into<String>) -> Result<Self, ConfigError> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -279,29 +266,54 @@ impl RemoteLimits {
     ///
     /// # Errors
     ///
-    /// [`LimitError::Backend`] if the client id is empty, longer than 183 bytes (the server
-    /// allows 200, and a ticket asked with its own lease adds `~` and its number) or has
-    /// control characters, or if the HTTP client cannot be built.
+    /// [`ConfigError::InvalidUrl`] as for [`new`](Self::new);
+    /// [`ConfigError::InvalidClientId`] if the client id is empty, longer than
+    /// [`MAX_CLIENT_ID`](Self::MAX_CLIENT_ID) bytes (the server allows 200, and a ticket asked
+    /// with its own lease adds `~` and its number) or has control characters;
+    /// [`ConfigError::Http`] if the HTTP client cannot be built.
     pub fn with_client(
         base: impl Into<String>,
         client: impl Into<String>,
         lease: Duration,
-    ) -> Result<Self, LimitError> {
+    ) -> Result<Self, ConfigError> {
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .map_err(|err| ConfigError::Http(chain(&err)))?;
+        Self::with_http_client(base, client, lease, http)
+    }
+
+    /// A client that sends its requests through `http`: one built to trust a private CA
+    /// ([`tls_certs_merge`](reqwest::ClientBuilder::tls_certs_merge)), to go through a proxy,
+    /// with timeouts, and so on. Keep its request timeout above the long-polls (at most the
+    /// server's `--max-wait-ms`, 30 s by default), or waiting turns into errors. Otherwise as
+    /// [`with_client`](Self::with_client).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::InvalidUrl`] and [`ConfigError::InvalidClientId`], as for
+    /// [`with_client`](Self::with_client).
+    pub fn with_http_client(
+        base: impl Into<String>,
+        client: impl Into<String>,
+        lease: Duration,
+        http: reqwest::Client,
+    ) -> Result<Self, ConfigError> {
+        let base = server_url(&base.into())?;
         let client = client.into();
-        if client.is_empty() || client.len() > MAX_CLIENT || client.chars().any(char::is_control) {
-            return Err(LimitError::Backend(format!(
-                "lanes serve: a client id is 1 to {MAX_CLIENT} bytes without control characters"
-            )));
+        if client.is_empty()
+            || client.len() > Self::MAX_CLIENT_ID
+            || client.chars().any(char::is_control)
+        {
+            return Err(ConfigError::InvalidClientId(client));
         }
-        let http =
-            reqwest::Client::builder().pool_max_idle_per_host(64).build().map_err(transport)?;
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let start =
             RandomState::new().hash_one((std::process::id(), nanos, &client)) & TICKET_START_MASK;
         let inner = Arc::new(Inner {
-            base: base.into().trim_end_matches('/').to_owned(),
+            base,
             http,
             client,
             tickets: AtomicU64::new(start.max(1)),
@@ -351,35 +363,36 @@ impl RemoteLimits {
         ask: Ask,
     ) -> Result<Answer, LimitError> {
         let lease = live.lease.unwrap_or(self.inner.lease);
-        let mut body = json!({
-            "client": self.inner.owner(ticket, live.lease),
-            "ticket": ticket,
-            "priority": {
-                "level": live.priority.level,
-                "key": live.priority.fairness_key.as_deref(),
-                "weight": live.priority.fairness_weight.max(1),
-            },
-            "lease_ms": millis(lease),
-        });
-        match ask {
-            Ask::Queue(wait) => body["wait_ms"] = json!(millis(wait)),
-            Ask::Try => body["queue"] = json!(false),
-        }
+        let (wait_ms, queue) = match ask {
+            Ask::Queue(wait) => (Some(millis(wait)), None),
+            Ask::Try => (None, Some(false)),
+        };
+        let body = wire::AcquireRequest {
+            client: self.inner.owner(ticket, live.lease),
+            ticket: Some(ticket),
+            priority: Some(wire::Priority::from(&live.priority)),
+            lease_ms: Some(millis(lease)),
+            wait_ms,
+            queue,
+        };
         let request = self.inner.http.post(self.limit_url(name, "/acquire")).json(&body);
         let response = request.send().await.map_err(transport)?;
-        let status = response.status();
-        let reply = |response: reqwest::Response| async move {
-            response.json::<AcquireReply>().await.map_err(transport)
-        };
-        match status {
+        match response.status() {
             StatusCode::OK => {
-                let reply = reply(response).await?;
+                let granted: wire::Granted = answer(response).await?;
                 // The lease is the server's, renewed over HTTP: no expiry on a shared clock.
-                Ok(Answer::Granted(Grant { fencing_token: reply.fencing_token, expires_at: None }))
+                Ok(Answer::Granted(Grant {
+                    fencing_token: granted.fencing_token,
+                    expires_at: None,
+                }))
             }
-            StatusCode::ACCEPTED => Ok(reply(response).await?.not_yet()),
+            StatusCode::ACCEPTED => {
+                let not_yet: wire::NotYet = answer(response).await?;
+                Ok(not_granted(not_yet.reason, not_yet.retry_after_ms))
+            }
             StatusCode::TOO_MANY_REQUESTS if ask == Ask::Try => {
-                Ok(reply(response).await?.not_yet())
+                let refused: wire::TryRefused = answer(response).await?;
+                Ok(not_granted(refused.reason, refused.retry_after_ms))
             }
             StatusCode::GONE => Ok(Answer::Finished),
             _ => Err(failure(name, response, ask != Ask::Try).await),
@@ -450,14 +463,9 @@ impl RemoteLimits {
         ticket: u64,
         lease: Option<Duration>,
     ) -> Result<Released, LimitError> {
-        #[derive(Deserialize)]
-        struct ReleaseReply {
-            released: bool,
-        }
-        let body = json!({ "client": self.inner.owner(ticket, lease), "ticket": ticket });
+        let body = wire::ReleaseRequest { client: self.inner.owner(ticket, lease), ticket };
         let request = self.inner.http.post(self.limit_url(name, "/release")).json(&body);
-        let reply: ReleaseReply =
-            self.send(name, request).await?.json().await.map_err(transport)?;
+        let reply: wire::ReleaseAnswer = answer(self.send(name, request).await?).await?;
         // The server does not say whether the ticket held or waited.
         Ok(if reply.released { Released::Permit } else { Released::Unknown })
     }
@@ -491,7 +499,7 @@ impl Inner {
         let response = self.http.post(url).send().await.map_err(transport)?;
         match response.status() {
             StatusCode::OK => {
-                let reply: RenewReply = response.json().await.map_err(transport)?;
+                let reply: wire::RenewAnswer = answer(response).await?;
                 Ok(Renewal::Lost(reply.lost.into_iter().map(|l| (l.limit, l.ticket)).collect()))
             }
             StatusCode::NOT_FOUND => Ok(Renewal::UnknownClient),
@@ -575,7 +583,7 @@ impl LimitBackend for RemoteLimits {
     ) -> BoxFuture<'a, Result<(), LimitError>> {
         Box::pin(async move {
             spec.validate()?;
-            let body = json!({ "concurrent": spec.concurrent, "per_second": spec.per_second, "burst": spec.burst });
+            let body = wire::Spec::from(spec);
             self.send(name, self.inner.http.put(self.limit_url(name, "")).json(&body)).await?;
             Ok(())
         })
@@ -764,10 +772,7 @@ impl LimitBackend for RemoteLimits {
     fn info<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<LimitInfo>, LimitError>> {
         Box::pin(async move {
             match self.send(name, self.inner.http.get(self.limit_url(name, ""))).await {
-                Ok(response) => {
-                    let reply: LimitReply = response.json().await.map_err(transport)?;
-                    Ok(Some(reply.info()))
-                }
+                Ok(response) => Ok(Some(answer::<wire::Limit>(response).await?.into())),
                 Err(LimitError::UnknownLimit(_)) => Ok(None),
                 Err(err) => Err(err),
             }
@@ -776,13 +781,9 @@ impl LimitBackend for RemoteLimits {
 
     fn list(&self) -> BoxFuture<'_, Result<Vec<LimitInfo>, LimitError>> {
         Box::pin(async move {
-            #[derive(Deserialize)]
-            struct List {
-                limits: Vec<LimitReply>,
-            }
             let response = self.send("*", self.inner.http.get(self.url("/v1/limits"))).await?;
-            let list: List = response.json().await.map_err(transport)?;
-            Ok(list.limits.into_iter().map(LimitReply::info).collect())
+            let list: wire::LimitList = answer(response).await?;
+            Ok(list.limits.into_iter().map(LimitInfo::from).collect())
         })
     }
 
@@ -801,5 +802,65 @@ impl LimitBackend for RemoteLimits {
                 changed.await;
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_server_url_is_http_or_https_with_a_host() {
+        assert_eq!(server_url("http://127.0.0.1:7878").unwrap(), "http://127.0.0.1:7878");
+        assert_eq!(server_url("https://limits.internal/").unwrap(), "https://limits.internal");
+        assert_eq!(server_url("HTTPS://Limits.Internal:443").unwrap(), "https://limits.internal");
+        assert_eq!(server_url("http://[::1]:7878").unwrap(), "http://[::1]:7878");
+        // A path prefix (a reverse proxy) is kept; the API's paths go after it.
+        assert_eq!(server_url("https://gw.internal/lanes/").unwrap(), "https://gw.internal/lanes");
+        for bad in [
+            "",
+            "127.0.0.1:7878",
+            "localhost:7878",
+            "/v1/limits",
+            "ftp://limits.internal",
+            "redis://127.0.0.1:6379",
+            "http://",
+            "https://limits.internal/?x=1",
+            "https://limits.internal/#top",
+            "https://user:secret@limits.internal",
+            "http://exa mple.com",
+        ] {
+            let err = server_url(bad).expect_err(bad);
+            assert!(
+                matches!(&err, ConfigError::InvalidUrl { url, .. } if url == bad),
+                "{bad:?}: {err:?}"
+            );
+            assert!(err.to_string().contains("is not a server URL"), "{err}");
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn constructors_check_the_url_and_the_client_id() {
+        let err = RemoteLimits::new("localhost:7878").unwrap_err();
+        assert!(matches!(err, ConfigError::InvalidUrl { .. }), "{err:?}");
+        // Into the error every backend call returns.
+        let as_limit_error = LimitError::from(err);
+        assert!(
+            matches!(&as_limit_error, LimitError::Backend(m) if m.contains("not a server URL")),
+            "{as_limit_error:?}"
+        );
+        let long = "x".repeat(RemoteLimits::MAX_CLIENT_ID + 1);
+        for bad in ["", "tab\there", long.as_str()] {
+            let err = RemoteLimits::with_client("http://127.0.0.1:1", bad, Duration::from_secs(1))
+                .unwrap_err();
+            assert_eq!(err, ConfigError::InvalidClientId(bad.to_owned()));
+        }
+        let remote = RemoteLimits::with_client(
+            "https://127.0.0.1:1/",
+            "x".repeat(RemoteLimits::MAX_CLIENT_ID),
+            Duration::from_secs(1),
+        )
+        .unwrap();
+        assert!(format!("{remote:?}").contains("\"https://127.0.0.1:1\""));
     }
 }

@@ -1,0 +1,486 @@
+//! The bodies of the `lanes serve` HTTP API: every request and every answer, defined once for
+//! the server and for [`RemoteLimits`](crate::RemoteLimits).
+//!
+//! Requests deserialize strictly (`deny_unknown_fields`: a misspelt field is a 400 naming it,
+//! not silently ignored); answers deserialize leniently, so a client keeps working against a
+//! server that adds fields. The fields of an answer appear in the order the server has always
+//! sent them (a limit's in [`LimitList`] too, as in [`Limit`]; they used to come out sorted
+//! there). `crates/lanes-server/openapi.json` describes the same bodies.
+//!
+//! | Endpoint | Request | Answer |
+//! |---|---|---|
+//! | `GET /v1/limits` | | 200 [`LimitList`] |
+//! | `GET /v1/limits/{name}` | | 200 [`Limit`] |
+//! | `PUT /v1/limits/{name}` | [`Spec`] | 200 [`Limit`] |
+//! | `DELETE /v1/limits/{name}` | | 204 |
+//! | `POST /v1/limits/{name}/acquire` | [`AcquireRequest`] | 200 [`Granted`], 202 [`NotYet`], 429 [`TryRefused`] (a try) |
+//! | `POST /v1/limits/{name}/release` | [`ReleaseRequest`] | 200 [`ReleaseAnswer`] |
+//! | `POST /v1/clients/{client}/renew` | | 200 [`RenewAnswer`] |
+//!
+//! Every error (4xx, 5xx) answers an [`ErrorBody`].
+
+use lanes::{LimitInfo, LimitSpec};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The longest limit name (and fairness key) the server accepts, in bytes.
+pub const MAX_NAME: usize = 200;
+
+/// The longest client id the server accepts, in bytes.
+pub const MAX_CLIENT: usize = 200;
+
+/// `PUT /v1/limits/{name}`: a limit's spec.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Spec {
+    /// Permits held at once.
+    pub concurrent: u32,
+    /// Grants per second (`None`, sent as `null`: no rate limit).
+    #[serde(default)]
+    pub per_second: Option<f64>,
+    /// Grants at once after an idle period (`None`: `ceil(per_second)`, at least 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+}
+
+impl Spec {
+    /// The [`LimitSpec`] this body stands for (not yet validated).
+    pub fn to_spec(&self) -> LimitSpec {
+        let mut spec = LimitSpec::concurrent(self.concurrent);
+        if let Some(rate) = self.per_second {
+            spec = spec.per_second(rate);
+        }
+        if let Some(burst) = self.burst {
+            spec = spec.burst(burst);
+        }
+        spec
+    }
+}
+
+impl From<LimitSpec> for Spec {
+    fn from(spec: LimitSpec) -> Self {
+        Self { concurrent: spec.concurrent, per_second: spec.per_second, burst: Some(spec.burst) }
+    }
+}
+
+/// A limit as the server reports it: its spec and its state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Limit {
+    /// The limit's name.
+    pub name: String,
+    /// Permits held at once.
+    pub concurrent: u32,
+    /// Grants per second (`null`: no rate limit).
+    pub per_second: Option<f64>,
+    /// Grants at once after an idle period.
+    pub burst: u32,
+    /// Permits held now.
+    pub in_use: u32,
+    /// Tickets waiting.
+    pub waiting: u64,
+    /// The most permits ever held at once.
+    pub max_in_use: u32,
+    /// Permits granted since the limit was defined.
+    pub granted_total: u64,
+}
+
+impl From<LimitInfo> for Limit {
+    fn from(info: LimitInfo) -> Self {
+        Self {
+            name: info.name,
+            concurrent: info.spec.concurrent,
+            per_second: info.spec.per_second,
+            burst: info.spec.burst,
+            in_use: info.in_use,
+            waiting: u64::try_from(info.waiting).unwrap_or(u64::MAX),
+            max_in_use: info.max_in_use,
+            granted_total: info.granted_total,
+        }
+    }
+}
+
+impl From<Limit> for LimitInfo {
+    fn from(limit: Limit) -> Self {
+        let spec = LimitSpec {
+            concurrent: limit.concurrent,
+            per_second: limit.per_second,
+            burst: limit.burst,
+        };
+        LimitInfo::new(
+            limit.name,
+            spec,
+            limit.in_use,
+            usize::try_from(limit.waiting).unwrap_or(usize::MAX),
+            limit.granted_total,
+            limit.max_in_use,
+        )
+    }
+}
+
+/// `GET /v1/limits`: every limit, in name order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LimitList {
+    /// The limits.
+    pub limits: Vec<Limit>,
+}
+
+/// A waiter's priority, in an [`AcquireRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Priority {
+    /// Higher levels are served first (default 0).
+    #[serde(default)]
+    pub level: i32,
+    /// The fairness key: keys take turns within a level (`None`, sent as `null`: a group of
+    /// its own). At most [`MAX_NAME`] bytes.
+    #[serde(default)]
+    pub key: Option<String>,
+    /// Permits the key takes per turn, at least 1 (default 1).
+    #[serde(default = "one")]
+    pub weight: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl Default for Priority {
+    fn default() -> Self {
+        Self { level: 0, key: None, weight: 1 }
+    }
+}
+
+impl Priority {
+    /// The [`lanes::Priority`] this body stands for (not yet validated: a weight of 0 counts
+    /// as 1 there, and the server refuses it).
+    pub fn to_priority(&self) -> lanes::Priority {
+        let mut priority = lanes::Priority::level(self.level).weight(self.weight);
+        if let Some(key) = &self.key {
+            priority = priority.key(key.as_str());
+        }
+        priority
+    }
+}
+
+impl From<&lanes::Priority> for Priority {
+    fn from(priority: &lanes::Priority) -> Self {
+        Self {
+            level: priority.level,
+            key: priority.fairness_key.as_deref().map(str::to_owned),
+            weight: priority.fairness_weight.max(1),
+        }
+    }
+}
+
+/// `POST /v1/limits/{name}/acquire`: a first ask, a look (long-polling up to `wait_ms`), or a
+/// try (`"queue": false`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireRequest {
+    /// The client id that owns the ticket (1 to [`MAX_CLIENT`] bytes, no control characters).
+    pub client: String,
+    /// The client's own ticket number (`None`: the server picks one and answers it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ticket: Option<u64>,
+    /// The ticket's priority (used by its first ask only; `None`: the default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+    /// The permit's lease (`None`: the server's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u64>,
+    /// How long to long-poll (`None`: answer at once; capped by the server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<u64>,
+    /// `Some(false)`: a try, granted now or refused, never leaving a ticket behind (`None`:
+    /// `true`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<bool>,
+}
+
+/// 200 to an acquire: the ticket holds a permit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Granted {
+    /// The permit's fencing token, strictly increasing per limit.
+    pub fencing_token: u64,
+    granted: Flag<true>,
+    /// The permit's lease.
+    pub lease_expires_in_ms: u64,
+    /// The ticket.
+    pub ticket: u64,
+}
+
+impl Granted {
+    /// A grant of `ticket` (`"granted": true`).
+    pub fn new(ticket: u64, fencing_token: u64, lease_expires_in_ms: u64) -> Self {
+        Self { fencing_token, granted: Flag, lease_expires_in_ms, ticket }
+    }
+}
+
+/// Why an acquire was not granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Reason {
+    /// Others are served first, or every permit is held: the ticket waits (202).
+    Queued,
+    /// A try found every permit held, or others waiting (429).
+    Busy,
+    /// The ticket is served next, but the token bucket refills only after `retry_after_ms`.
+    Rate,
+}
+
+/// 202 to an acquire: not granted within `wait_ms`; the ticket stays queued. Sent with a
+/// `Retry-After` header (whole seconds, at least 1).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NotYet {
+    granted: Flag<false>,
+    /// [`Reason::Queued`] or [`Reason::Rate`].
+    pub reason: Reason,
+    /// When to ask again.
+    pub retry_after_ms: u64,
+    /// The ticket, still queued.
+    pub ticket: u64,
+}
+
+impl NotYet {
+    /// `ticket` waits (`"granted": false`).
+    pub fn new(ticket: u64, reason: Reason, retry_after_ms: u64) -> Self {
+        Self { granted: Flag, reason, retry_after_ms, ticket }
+    }
+}
+
+/// 429 to a try (`"queue": false`): refused, and no ticket is left behind. Sent with a
+/// `Retry-After` header (whole seconds, at least 1).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TryRefused {
+    granted: Flag<false>,
+    /// [`Reason::Busy`] or [`Reason::Rate`].
+    pub reason: Reason,
+    /// When to try again.
+    pub retry_after_ms: u64,
+}
+
+impl TryRefused {
+    /// A refused try (`"granted": false`).
+    pub fn new(reason: Reason, retry_after_ms: u64) -> Self {
+        Self { granted: Flag, reason, retry_after_ms }
+    }
+}
+
+/// `POST /v1/limits/{name}/release`: return a permit, or withdraw a queued ticket.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    /// The client id that owns the ticket.
+    pub client: String,
+    /// The ticket.
+    pub ticket: u64,
+}
+
+/// 200 to a release.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseAnswer {
+    /// Whether the server knew the ticket (held or waiting).
+    pub released: bool,
+}
+
+/// 200 to `POST /v1/clients/{client}/renew`: every lease of the client was renewed, except
+/// the lost ones.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RenewAnswer {
+    /// Permits whose lease had ended (or that the backend lost): their fencing tokens are
+    /// stale.
+    #[serde(default)]
+    pub lost: Vec<LostTicket>,
+    /// How many tickets were renewed.
+    pub renewed: u64,
+}
+
+/// A lost permit, in a [`RenewAnswer`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LostTicket {
+    /// Its limit.
+    pub limit: String,
+    /// Its ticket.
+    pub ticket: u64,
+}
+
+/// Every error answer: what was wrong, and the field, limit or ticket concerned.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// What was wrong.
+    pub error: String,
+    /// The offending field of the request (400).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+    /// The limit concerned (404, 409, 410, 429, 503).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<String>,
+    /// The ticket concerned (409: another client's; 410: finished).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ticket: Option<u64>,
+}
+
+impl ErrorBody {
+    /// An error naming nothing else.
+    pub fn new(error: impl Into<String>) -> Self {
+        Self { error: error.into(), field: None, limit: None, ticket: None }
+    }
+}
+
+/// The `granted` flag of an acquire answer: always `B` on the wire, and only `B` reads back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Flag<const B: bool>;
+
+impl<const B: bool> Serialize for Flag<B> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_bool(B)
+    }
+}
+
+impl<'de, const B: bool> Deserialize<'de> for Flag<B> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        if bool::deserialize(deserializer)? == B {
+            Ok(Self)
+        } else {
+            Err(serde::de::Error::custom(format_args!("expected \"granted\": {B}")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::Serialize;
+    use serde::de::DeserializeOwned;
+
+    use super::*;
+
+    /// `value` serializes to exactly `json` (the bytes the server sent before these types, but
+    /// for the key order inside a listed limit), and reads back as itself.
+    #[track_caller]
+    fn round_trip<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(
+        value: &T,
+        json: &str,
+    ) {
+        assert_eq!(serde_json::to_string(value).unwrap(), json);
+        assert_eq!(&serde_json::from_str::<T>(json).unwrap(), value);
+    }
+
+    #[test]
+    fn answers_are_the_json_the_server_sends() {
+        round_trip(
+            &Granted::new(7, 42, 10_000),
+            r#"{"fencing_token":42,"granted":true,"lease_expires_in_ms":10000,"ticket":7}"#,
+        );
+        round_trip(
+            &NotYet::new(7, Reason::Queued, 1000),
+            r#"{"granted":false,"reason":"queued","retry_after_ms":1000,"ticket":7}"#,
+        );
+        round_trip(
+            &NotYet::new(7, Reason::Rate, 250),
+            r#"{"granted":false,"reason":"rate","retry_after_ms":250,"ticket":7}"#,
+        );
+        // A refused try names no ticket: it left none behind.
+        round_trip(
+            &TryRefused::new(Reason::Busy, 1000),
+            r#"{"granted":false,"reason":"busy","retry_after_ms":1000}"#,
+        );
+        round_trip(&ReleaseAnswer { released: true }, r#"{"released":true}"#);
+        round_trip(
+            &RenewAnswer { lost: vec![LostTicket { limit: "db".into(), ticket: 3 }], renewed: 2 },
+            r#"{"lost":[{"limit":"db","ticket":3}],"renewed":2}"#,
+        );
+        round_trip(&RenewAnswer { lost: vec![], renewed: 0 }, r#"{"lost":[],"renewed":0}"#);
+        let limit = Limit {
+            name: "db".into(),
+            concurrent: 10,
+            per_second: None,
+            burst: 1,
+            in_use: 2,
+            waiting: 3,
+            max_in_use: 4,
+            granted_total: 5,
+        };
+        round_trip(
+            &limit,
+            r#"{"name":"db","concurrent":10,"per_second":null,"burst":1,"in_use":2,"waiting":3,"max_in_use":4,"granted_total":5}"#,
+        );
+        // Before, the listed limits' keys came out sorted (through a `serde_json::Value`); now in
+        // the order of a single limit. The same JSON object either way.
+        round_trip(
+            &LimitList { limits: vec![Limit { per_second: Some(2.5), ..limit }] },
+            r#"{"limits":[{"name":"db","concurrent":10,"per_second":2.5,"burst":1,"in_use":2,"waiting":3,"max_in_use":4,"granted_total":5}]}"#,
+        );
+    }
+
+    #[test]
+    fn errors_name_only_what_they_concern() {
+        round_trip(&ErrorBody::new("no such endpoint"), r#"{"error":"no such endpoint"}"#);
+        round_trip(
+            &ErrorBody {
+                field: Some("lease_ms".into()),
+                ..ErrorBody::new("a lease is 100 to 60000 ms")
+            },
+            r#"{"error":"a lease is 100 to 60000 ms","field":"lease_ms"}"#,
+        );
+        round_trip(
+            &ErrorBody {
+                limit: Some("db".into()),
+                ticket: Some(9),
+                ..ErrorBody::new("ticket 9 of limit \"db\" belongs to another client")
+            },
+            r#"{"error":"ticket 9 of limit \"db\" belongs to another client","limit":"db","ticket":9}"#,
+        );
+    }
+
+    #[test]
+    fn the_granted_flag_is_checked() {
+        assert!(
+            serde_json::from_str::<Granted>(
+                r#"{"fencing_token":1,"granted":false,"lease_expires_in_ms":1,"ticket":1}"#
+            )
+            .is_err()
+        );
+        assert!(
+            serde_json::from_str::<NotYet>(
+                r#"{"granted":true,"reason":"queued","retry_after_ms":1,"ticket":1}"#
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn requests_are_strict_and_default_what_is_missing() {
+        let acquire = AcquireRequest {
+            client: "c".into(),
+            ticket: Some(5),
+            priority: Some(Priority { level: 1, key: None, weight: 2 }),
+            lease_ms: Some(10_000),
+            wait_ms: None,
+            queue: Some(false),
+        };
+        round_trip(
+            &acquire,
+            r#"{"client":"c","ticket":5,"priority":{"level":1,"key":null,"weight":2},"lease_ms":10000,"queue":false}"#,
+        );
+        let minimal: AcquireRequest = serde_json::from_str(r#"{"client":"c"}"#).unwrap();
+        assert_eq!(minimal.ticket, None);
+        assert_eq!(minimal.queue, None);
+        let priority: Priority = serde_json::from_str("{}").unwrap();
+        assert_eq!(priority, Priority::default());
+        assert!(serde_json::from_str::<AcquireRequest>(r#"{"client":"c","tickets":1}"#).is_err());
+        assert!(serde_json::from_str::<Priority>(r#"{"levle":1}"#).is_err());
+        assert!(
+            serde_json::from_str::<ReleaseRequest>(r#"{"client":"c","ticket":1,"x":0}"#).is_err()
+        );
+        round_trip(
+            &ReleaseRequest { client: "c".into(), ticket: 1 },
+            r#"{"client":"c","ticket":1}"#,
+        );
+        assert!(serde_json::from_str::<Spec>(r#"{"concurrent":1,"rate":2}"#).is_err());
+        round_trip(
+            &Spec::from(LimitSpec::concurrent(3).per_second(2.5)),
+            r#"{"concurrent":3,"per_second":2.5,"burst":3}"#,
+        );
+        let spec: Spec = serde_json::from_str(r#"{"concurrent":3,"per_second":2.5}"#).unwrap();
+        assert_eq!(spec.to_spec(), LimitSpec::concurrent(3).per_second(2.5));
+    }
+}
