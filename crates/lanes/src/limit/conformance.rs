@@ -1,9 +1,10 @@
 //! The conformance suite every [`LimitBackend`] must pass (feature `conformance`).
 //!
 //! Written once, generic over the backend, and run by each backend's own tests: the in-process
-//! backend here, Redis in `lanes-redis`, the HTTP client of `lanes serve` in `lanes-server`.
-//! Scenarios use real time (short waits) so they also run against backends whose clock is a
-//! server's, and each uses its own limit names (`prefix`), so a shared store can host them.
+//! backend here, Redis in `lanes-redis`, and `lanes-remote`'s HTTP client against real
+//! `lanes serve` processes (in `lanes-server`'s tests, which can run the binary). Scenarios use
+//! real time (short waits) so they also run against backends whose clock is a server's, and
+//! each uses its own limit names (`prefix`), so a shared store can host them.
 //!
 //! Every check panics with a message naming the scenario, as a test assertion does.
 //!

@@ -163,10 +163,12 @@ impl Limits {
         priority: Priority,
         slot: Option<&Arc<Slot>>,
     ) -> Result<Permit, LimitError> {
-        if let Some((slot, Ok(fence))) = self.fast(name, slot) {
-            return Ok(Permit::fast(slot, fence));
-        }
-        match self.acquire_inner(name, &priority, None).await {
+        let slot = match self.fast(name, slot) {
+            Some((slot, Ok(fence))) => return Ok(Permit::fast(slot, fence)),
+            Some((slot, Err(_))) => Some(slot),
+            None => None,
+        };
+        match self.acquire_inner(name, &priority, None, slot).await {
             Ok(permit) => Ok(permit),
             Err(AcquireError::Limit(err)) => Err(err),
             Err(AcquireError::Timeout(_)) => unreachable!("no deadline, no timeout"),
@@ -189,7 +191,7 @@ impl Limits {
         priority: Priority,
         timeout: Duration,
     ) -> Result<Permit, AcquireError> {
-        self.acquire_inner(name, &priority, Some(Instant::now() + timeout)).await
+        self.acquire_inner(name, &priority, Some(Instant::now() + timeout), None).await
     }
 
     /// Like [`acquire`](Self::acquire), giving up at `deadline` (tokio's clock).
@@ -208,7 +210,7 @@ impl Limits {
         priority: Priority,
         deadline: Instant,
     ) -> Result<Permit, AcquireError> {
-        self.acquire_inner(name, &priority, Some(deadline)).await
+        self.acquire_inner(name, &priority, Some(deadline), None).await
     }
 
     /// The one acquire future (see `acquire.rs`): owns a fresh ticket, withdraws it on drop or
@@ -218,24 +220,32 @@ impl Limits {
         name: &str,
         priority: &Priority,
         deadline: Option<Instant>,
+        missed: Option<Arc<Slot>>,
     ) -> Result<Permit, AcquireError> {
         let started = Instant::now();
         let timed_out = |deadline: Instant| AcquireError::Timeout(deadline - started);
         match &self.backend {
             Backend::Local(local) => {
-                if deadline.is_some()
-                    && let Some((slot, Ok(fence))) = self.fast(name, None)
-                {
-                    return Ok(Permit::fast(slot, fence));
-                }
+                // The fast path first (unless the caller just missed it), then the table.
+                let slot = match missed {
+                    Some(slot) => slot,
+                    None => match self.fast(name, None) {
+                        Some((slot, Ok(fence))) => return Ok(Permit::fast(slot, fence)),
+                        Some((slot, Err(_))) => slot,
+                        None => {
+                            let err = LimitError::UnknownLimit(name.to_owned());
+                            return Err(AcquireError::Limit(err));
+                        }
+                    },
+                };
                 let ticket = local.next_ticket();
-                let mut withdraw = LocalWithdraw { local, name, ticket, armed: true };
+                let mut withdraw = LocalWithdraw { local, slot: &slot, ticket, armed: true };
                 let mut first = Some(priority);
                 let mut timer = None;
                 let mut expiry = deadline.map(|at| Box::pin(tokio::time::sleep_until(at)));
                 let granted = poll_fn(|cx| {
                     if let Poll::Ready(done) =
-                        local.poll_step(cx, name, ticket, &mut first, &mut timer)
+                        local.poll_step(cx, &slot, ticket, &mut first, &mut timer)
                     {
                         return Poll::Ready(done.map_err(AcquireError::Limit));
                     }
@@ -248,9 +258,10 @@ impl Limits {
                     }
                 })
                 .await;
-                let (name, grant) = granted?;
+                let grant = granted?;
                 withdraw.armed = false;
-                Ok(Permit::of_ticket(Backend::Local(local.clone()), name, ticket, grant))
+                drop(withdraw);
+                Ok(Permit { kind: Kind::Local { local: local.clone(), slot, ticket, grant } })
             }
             Backend::Dyn(backend) => {
                 let name: Arc<str> = Arc::from(name);
@@ -305,49 +316,45 @@ impl Limits {
         cached: Option<&Arc<Slot>>,
     ) -> Result<Permit, TryAcquireError> {
         let _ = priority;
-        if let Some((slot, fast)) = self.fast(name, cached) {
-            match fast {
-                Ok(fence) => return Ok(Permit::fast(slot, fence)),
-                // Nobody waits: the fast path's answer is the answer.
-                Err(Miss::Rate(at)) if !slot.cell.is_slow() => {
-                    let Backend::Local(local) = &self.backend else { unreachable!() };
-                    let at = local.at(Duration::from_nanos(at));
-                    return Err(TryAcquireError::RateLimited(
-                        at.saturating_duration_since(Instant::now()),
-                    ));
-                }
-                Err(Miss::Slow) if !slot.cell.is_slow() => return Err(TryAcquireError::Busy),
-                // The table governs the limit: ask it.
-                Err(_) => {}
-            }
-        }
-        let (answer, ticket, release, interned) = match &self.backend {
+        let answer = match &self.backend {
             Backend::Local(local) => {
-                let ticket = local.next_ticket();
-                let now = Instant::now();
-                let (acquire, interned) = local.try_now(name, ticket, None)?;
-                let answer = match acquire {
-                    Acquire::Granted(grant) => Answer::Granted(grant),
-                    Acquire::RetryAt(at) => {
-                        Answer::RetryAfter(local.at(at).saturating_duration_since(now))
-                    }
-                    Acquire::Queued | Acquire::Finished => Answer::Queued,
+                let Some((slot, fast)) = self.fast(name, cached) else {
+                    return Err(TryAcquireError::Limit(LimitError::UnknownLimit(name.to_owned())));
                 };
-                (answer, ticket, Backend::Local(local.clone()), interned)
+                let now = Instant::now();
+                let rate_limited = |at: Duration| {
+                    TryAcquireError::RateLimited(local.at(at).saturating_duration_since(now))
+                };
+                match fast {
+                    Ok(fence) => return Ok(Permit::fast(slot, fence)),
+                    // Nobody waits: the fast path's answer is the answer.
+                    Err(Miss::Rate(at)) if !slot.cell.is_slow() => {
+                        return Err(rate_limited(Duration::from_nanos(at)));
+                    }
+                    Err(Miss::Slow) if !slot.cell.is_slow() => return Err(TryAcquireError::Busy),
+                    // The table governs the limit: ask it.
+                    Err(_) => {}
+                }
+                let ticket = local.next_ticket();
+                return match local.try_now(&slot, ticket, None)? {
+                    Acquire::Granted(grant) => Ok(Permit {
+                        kind: Kind::Local { local: local.clone(), slot, ticket, grant },
+                    }),
+                    Acquire::RetryAt(at) => Err(rate_limited(at)),
+                    Acquire::Queued | Acquire::Finished => Err(TryAcquireError::Busy),
+                };
             }
             Backend::Dyn(backend) => {
                 let ticket = backend.ticket();
-                let answer = backend.try_acquire(name, ticket, None).await?;
-                (answer, ticket, Backend::Dyn(backend.clone()), None)
+                (backend.try_acquire(name, ticket, None).await?, ticket, backend)
             }
         };
         match answer {
-            Answer::Granted(grant) => {
-                let name = interned.unwrap_or_else(|| Arc::from(name));
-                Ok(Permit::of_ticket(release, name, ticket, grant))
+            (Answer::Granted(grant), ticket, backend) => {
+                Ok(Permit::of_ticket(Backend::Dyn(backend.clone()), Arc::from(name), ticket, grant))
             }
-            Answer::RetryAfter(after) => Err(TryAcquireError::RateLimited(after)),
-            Answer::Queued | Answer::Finished => Err(TryAcquireError::Busy),
+            (Answer::RetryAfter(after), ..) => Err(TryAcquireError::RateLimited(after)),
+            (Answer::Queued | Answer::Finished, ..) => Err(TryAcquireError::Busy),
         }
     }
 
@@ -406,7 +413,7 @@ impl Source for LocalLimits {
 /// Withdraws the ticket of a dropped local acquire (or returns a permit granted on its behalf).
 struct LocalWithdraw<'a> {
     local: &'a LocalLimits,
-    name: &'a str,
+    slot: &'a Slot,
     ticket: u64,
     armed: bool,
 }
@@ -414,7 +421,7 @@ struct LocalWithdraw<'a> {
 impl Drop for LocalWithdraw<'_> {
     fn drop(&mut self) {
         if self.armed {
-            self.local.release_now(self.name, self.ticket);
+            self.local.release_slot(self.slot, self.ticket);
         }
     }
 }
@@ -428,7 +435,9 @@ pub struct Permit {
 enum Kind {
     /// Taken on the in-process fast path: no ticket, no lock.
     Fast { slot: Arc<Slot>, fence: u64 },
-    /// Granted to a ticket by a backend's table or store.
+    /// Granted to a ticket by the in-process table.
+    Local { local: Arc<LocalLimits>, slot: Arc<Slot>, ticket: u64, grant: Grant },
+    /// Granted to a ticket by another backend.
     Ticket { release: Backend, name: Arc<str>, ticket: u64, grant: Grant },
 }
 
@@ -444,7 +453,7 @@ impl Permit {
     /// The limit this permit belongs to.
     pub fn limit(&self) -> &str {
         match &self.kind {
-            Kind::Fast { slot, .. } => &slot.name,
+            Kind::Fast { slot, .. } | Kind::Local { slot, .. } => &slot.name,
             Kind::Ticket { name, .. } => name,
         }
     }
@@ -454,7 +463,7 @@ impl Permit {
     pub fn ticket(&self) -> u64 {
         match &self.kind {
             Kind::Fast { .. } => 0,
-            Kind::Ticket { ticket, .. } => *ticket,
+            Kind::Local { ticket, .. } | Kind::Ticket { ticket, .. } => *ticket,
         }
     }
 
@@ -462,7 +471,7 @@ impl Permit {
     pub fn fencing_token(&self) -> u64 {
         match &self.kind {
             Kind::Fast { fence, .. } => *fence,
-            Kind::Ticket { grant, .. } => grant.fencing_token,
+            Kind::Local { grant, .. } | Kind::Ticket { grant, .. } => grant.fencing_token,
         }
     }
 
@@ -498,6 +507,9 @@ impl Drop for Permit {
     fn drop(&mut self) {
         match &self.kind {
             Kind::Fast { slot, .. } => slot.release_fast(),
+            Kind::Local { local, slot, ticket, .. } => {
+                local.release_slot(slot, *ticket);
+            }
             Kind::Ticket { release: Backend::Local(local), name, ticket, .. } => {
                 local.release_now(name, *ticket);
             }

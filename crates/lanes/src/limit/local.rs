@@ -113,9 +113,9 @@ impl Slot {
             && let Some(shared) = self.shared.upgrade()
         {
             let local = LocalLimits { shared };
-            let mut inner = lock(&local.shared.inner);
             let now = local.now();
-            local.settle(&mut inner, self, now);
+            let mut inner = lock(&local.shared.inner);
+            LocalLimits::settle(&mut inner, self, now);
         }
     }
 
@@ -139,7 +139,7 @@ impl Default for LocalLimits {
 
 /// Where a waiting ticket stands after one look at the table.
 pub(crate) enum Step {
-    Granted(Arc<str>, Grant),
+    Granted(Grant),
     /// Waiting; sleep until this instant at most (a refill or a lease end), if any.
     Waiting(Option<Instant>),
     Finished,
@@ -206,18 +206,17 @@ impl LocalLimits {
 
     /// Hands `name` to the table if the fast path governs it, and tells the table how many fast
     /// permits are out. Call under the lock before a table operation that may grant.
-    fn go_slow(&self, inner: &mut Inner, name: &str) {
-        let Some(slot) = self.slot(name) else { return };
+    fn go_slow(inner: &mut Inner, slot: &Slot) {
         if !slot.cell.is_slow() {
             let counters = slot.cell.go_slow(Duration::from_nanos);
             inner.table.adopt(&slot.name, slot.cell.spec(), counters);
         }
-        inner.table.set_external(name, slot.cell.fast_in_use());
+        inner.table.set_external(&slot.name, slot.cell.fast_in_use());
     }
 
     /// After a table operation on `slot`'s limit: counts the fast permits, lets waiters in, and
     /// hands the limit back to the fast path once nothing waits and the table holds nothing.
-    fn settle(&self, inner: &mut Inner, slot: &Slot, now: Duration) {
+    fn settle(inner: &mut Inner, slot: &Slot, now: Duration) {
         if !slot.cell.is_slow() || slot.is_removed() {
             return;
         }
@@ -230,7 +229,7 @@ impl LocalLimits {
 
     fn settle_name(&self, inner: &mut Inner, name: &str, now: Duration) {
         if let Some(slot) = self.slot(name) {
-            self.settle(inner, &slot, now);
+            Self::settle(inner, &slot, now);
         }
     }
 
@@ -244,7 +243,7 @@ impl LocalLimits {
                     inner.table.define(name, spec)?;
                     // A larger spec may let waiters in.
                     let now = self.now();
-                    self.settle(&mut inner, &slot, now);
+                    Self::settle(&mut inner, &slot, now);
                 }
             }
             None => {
@@ -273,9 +272,9 @@ impl LocalLimits {
         let now = self.now();
         self.reclaim_all(&mut inner, now);
         // Close the fast path first, so no fast acquire commits while the limit goes.
-        self.go_slow(&mut inner, name);
+        Self::go_slow(&mut inner, &slot);
         if let Err(err) = inner.table.remove(name, now) {
-            self.settle(&mut inner, &slot, now);
+            Self::settle(&mut inner, &slot, now);
             return Err(err);
         }
         let (_, fence, _) = slot.cell.counters();
@@ -285,29 +284,28 @@ impl LocalLimits {
         Ok(())
     }
 
-    /// One look at the table for a waiting `ticket`: the first ask queues it, later looks never
-    /// do. Leaves `waker` under the ticket unless it was granted or is finished.
+    /// One look at the table for a waiting `ticket` of `slot`'s limit: the first ask queues it,
+    /// later looks never do. Leaves `waker` under the ticket unless it was granted or is
+    /// finished.
     pub(crate) fn step(
         &self,
-        name: &str,
+        slot: &Slot,
         ticket: u64,
         first: Option<&Priority>,
         lease: Option<Duration>,
         waker: &Waker,
     ) -> Result<Step, LimitError> {
-        let mut inner = lock(&self.shared.inner);
+        // The clock is read outside the lock: a slightly earlier `now` is only conservative
+        // (GCRA takes the later of `tat` and `now`; a lease lapses a moment later).
         let now = self.now();
-        let answer = self.look(&mut inner, name, ticket, first, lease, now)?;
+        let mut inner = lock(&self.shared.inner);
+        let answer = self.look(&mut inner, slot, ticket, first, lease, now)?;
         Ok(match answer {
             Acquire::Granted(grant) => {
                 if !inner.wakers.is_empty() {
                     inner.wakers.remove(&ticket);
                 }
-                // This grant may have moved the queue: the new head may be grantable, or must
-                // arm the refill timer. Nothing else would wake it while permits are held.
-                Self::pump(&mut inner, name, now);
-                let name = inner.table.name(name).unwrap_or_else(|| Arc::from(name));
-                Step::Granted(name, grant)
+                Step::Granted(grant)
             }
             Acquire::Finished => {
                 inner.wakers.remove(&ticket);
@@ -318,9 +316,9 @@ impl LocalLimits {
                 let at = match answer {
                     Acquire::RetryAt(at) => Some(at),
                     // The head blocked by held permits wakes when the earliest lease can end.
-                    _ => match inner.table.next(name, now) {
+                    _ => match inner.table.next(&slot.name, now) {
                         Ok(Some(Next::Blocked(head))) if head == ticket => {
-                            inner.table.next_expiry_of(name)
+                            inner.table.next_expiry_of(&slot.name)
                         }
                         _ => None,
                     },
@@ -331,84 +329,85 @@ impl LocalLimits {
     }
 
     /// One table look at `ticket`: the first ask hands the limit to the table (it may queue);
-    /// a later look of a limit the table does not govern finds the ticket finished.
+    /// a later look of a limit the table does not govern finds the ticket finished. A look that
+    /// changed something (a grant, a finished ticket) settles the limit: the grant may have
+    /// moved the queue, and nothing else would wake the new head while permits are held.
     fn look(
         &self,
         inner: &mut Inner,
-        name: &str,
+        slot: &Slot,
         ticket: u64,
         first: Option<&Priority>,
         lease: Option<Duration>,
         now: Duration,
     ) -> Result<Acquire, LimitError> {
-        match first {
+        if slot.is_removed() {
+            return Err(LimitError::UnknownLimit(slot.name.to_string()));
+        }
+        let answer = match first {
             Some(priority) => {
-                if self.slot(name).is_none() {
-                    return Err(LimitError::UnknownLimit(name.to_owned()));
-                }
-                self.go_slow(inner, name);
-                let answer = inner.table.acquire_leased(name, ticket, priority, now, lease);
-                if !matches!(answer, Ok(Acquire::Queued | Acquire::RetryAt(_))) {
-                    self.settle_name(inner, name, now);
-                }
-                answer
+                Self::go_slow(inner, slot);
+                inner.table.acquire_leased(&slot.name, ticket, priority, now, lease)
             }
             None => {
-                if self.slot(name).is_none() {
-                    return Err(LimitError::UnknownLimit(name.to_owned()));
-                }
-                if inner.table.info(name).is_none() {
+                if !inner.table.governs(&slot.name) {
                     return Ok(Acquire::Finished);
                 }
-                self.go_slow(inner, name);
-                let answer = inner.table.check(name, ticket, now, lease);
-                // Only a change lets others in; settling on every look would wake this very
-                // waiter again (it is the head) and spin.
-                if !matches!(answer, Ok(Acquire::Queued | Acquire::RetryAt(_))) {
-                    self.settle_name(inner, name, now);
-                }
-                answer
+                Self::go_slow(inner, slot);
+                inner.table.check(&slot.name, ticket, now, lease)
             }
+        };
+        // Settling on a look that changed nothing would wake this very waiter again (it is the
+        // head) and spin.
+        if !matches!(answer, Ok(Acquire::Queued | Acquire::RetryAt(_))) {
+            Self::settle(inner, slot, now);
         }
+        answer
     }
 
     /// Answers once without waiting and without queuing.
     pub(crate) fn try_now(
         &self,
-        name: &str,
+        slot: &Slot,
         ticket: u64,
         lease: Option<Duration>,
-    ) -> Result<(Acquire, Option<Arc<str>>), LimitError> {
+    ) -> Result<Acquire, LimitError> {
         let mut inner = lock(&self.shared.inner);
         let now = self.now();
-        let Some(slot) = self.slot(name) else {
-            return Err(LimitError::UnknownLimit(name.to_owned()));
-        };
+        if slot.is_removed() {
+            return Err(LimitError::UnknownLimit(slot.name.to_string()));
+        }
         // A ticket's permit lives in the table (the fast path has no tickets).
-        self.go_slow(&mut inner, name);
-        inner.table.set_external(name, slot.cell.fast_in_use());
-        let answer = inner.table.try_acquire(name, ticket, now, lease)?;
-        self.settle(&mut inner, &slot, now);
-        Ok((answer, Some(slot.name.clone())))
+        Self::go_slow(&mut inner, slot);
+        let answer = inner.table.try_acquire(&slot.name, ticket, now, lease)?;
+        Self::settle(&mut inner, slot, now);
+        Ok(answer)
     }
 
-    /// Returns a permit or withdraws a ticket, then lets the next waiters in.
-    pub(crate) fn release_now(&self, name: &str, ticket: u64) -> Released {
-        let mut inner = lock(&self.shared.inner);
+    /// Returns a permit or withdraws a ticket of `slot`'s limit, then lets the next waiters in.
+    pub(crate) fn release_slot(&self, slot: &Slot, ticket: u64) -> Released {
         let now = self.now();
+        let mut inner = lock(&self.shared.inner);
         // A waiter of this ticket (a long-poll between looks) learns at once that it finished.
         if let Some(waiter) = inner.wakers.remove(&ticket) {
             waiter.waker.wake();
         }
-        match inner.table.release(name, ticket, now) {
+        match inner.table.release(&slot.name, ticket, now) {
             Ok(released) => {
                 if released != Released::Unknown {
-                    Self::pump(&mut inner, name, now);
-                    self.settle_name(&mut inner, name, now);
+                    Self::settle(&mut inner, slot, now);
                 }
                 released
             }
             Err(_) => Released::Unknown,
+        }
+    }
+
+    /// [`release_slot`](Self::release_slot) by name.
+    pub(crate) fn release_now(&self, name: &str, ticket: u64) -> Released {
+        match self.slot(name) {
+            Some(slot) => self.release_slot(&slot, ticket),
+            None => Released::Unknown,
         }
     }
 
@@ -568,20 +567,20 @@ impl LocalLimits {
     pub(crate) fn poll_step(
         &self,
         cx: &mut Context<'_>,
-        name: &str,
+        slot: &Slot,
         ticket: u64,
         first: &mut Option<&Priority>,
         timer: &mut Option<Pin<Box<Sleep>>>,
-    ) -> Poll<Result<(Arc<str>, Grant), LimitError>> {
+    ) -> Poll<Result<Grant, LimitError>> {
         loop {
-            let step = self.step(name, ticket, first.take(), None, cx.waker());
+            let step = self.step(slot, ticket, first.take(), None, cx.waker());
             match step {
                 Err(err) => return Poll::Ready(Err(err)),
-                Ok(Step::Granted(name, grant)) => return Poll::Ready(Ok((name, grant))),
+                Ok(Step::Granted(grant)) => return Poll::Ready(Ok(grant)),
                 // Only its owner finishes a local facade's ticket; a finished ticket here means
                 // its limit was removed and defined again.
                 Ok(Step::Finished) => {
-                    return Poll::Ready(Err(LimitError::UnknownLimit(name.to_owned())));
+                    return Poll::Ready(Err(LimitError::UnknownLimit(slot.name.to_string())));
                 }
                 Ok(Step::Waiting(None)) => {
                     *timer = None;
@@ -621,12 +620,12 @@ impl LocalLimits {
         first: Option<&Priority>,
         lease: Option<Duration>,
     ) -> Result<Answer, LimitError> {
+        let Some(slot) = self.slot(name) else {
+            return Err(LimitError::UnknownLimit(name.to_owned()));
+        };
         let mut inner = lock(&self.shared.inner);
         let now = self.now();
-        let acquire = self.look(&mut inner, name, ticket, first, lease, now)?;
-        if matches!(acquire, Acquire::Granted(_)) {
-            Self::pump(&mut inner, name, now);
-        }
+        let acquire = self.look(&mut inner, &slot, ticket, first, lease, now)?;
         Ok(answer(acquire, now))
     }
 }
@@ -665,9 +664,10 @@ impl LimitBackend for LocalLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         let now = self.now();
-        Box::pin(std::future::ready(
-            self.try_now(name, ticket, lease).map(|(acquire, _)| answer(acquire, now)),
-        ))
+        Box::pin(std::future::ready(match self.slot(name) {
+            Some(slot) => self.try_now(&slot, ticket, lease).map(|acquire| answer(acquire, now)),
+            None => Err(LimitError::UnknownLimit(name.to_owned())),
+        }))
     }
 
     fn check<'a>(

@@ -658,6 +658,11 @@ impl LimitTable {
         self.limits.values().filter_map(|s| s.next_expiry).min()
     }
 
+    /// Whether `name` is defined in this table.
+    pub fn governs(&self, name: &str) -> bool {
+        self.limits.contains_key(name)
+    }
+
     /// Whether `ticket` holds a permit of `name` (ignoring lease expiry).
     pub fn holds(&self, name: &str, ticket: u64) -> bool {
         self.limits.get(name).is_some_and(|s| s.held.contains_key(&ticket))
