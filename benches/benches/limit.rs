@@ -199,7 +199,7 @@ fn rate(c: &mut Criterion) {
                 let start = Instant::now();
                 for _ in 0..iters {
                     let permit = limits.try_acquire("r", Priority::default()).await.expect("limit");
-                    black_box(permit);
+                    drop(black_box(permit));
                 }
                 start.elapsed()
             })
@@ -212,7 +212,7 @@ fn rate(c: &mut Criterion) {
                 let start = Instant::now();
                 for _ in 0..iters {
                     let permit = handle.try_acquire().await.expect("limit");
-                    black_box(permit);
+                    drop(black_box(permit));
                 }
                 start.elapsed()
             })
@@ -255,7 +255,7 @@ fn rate(c: &mut Criterion) {
                         .try_acquire(&names[i], Priority::default())
                         .await
                         .expect("limit");
-                    black_box(permit);
+                    drop(black_box(permit));
                 }
                 start.elapsed()
             })

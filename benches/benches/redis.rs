@@ -86,7 +86,7 @@ async fn lanes_latency(ns: &str, clients: usize) -> serde_json::Value {
             while !stop.load(Ordering::Relaxed) {
                 let ticket = backend.ticket();
                 let start = Instant::now();
-                let answer = backend.acquire(&name, ticket, &priority).await.unwrap();
+                let answer = backend.acquire(&name, ticket, &priority, None).await.unwrap();
                 assert!(matches!(answer, Answer::Granted(_)), "{answer:?}");
                 let acquired = Instant::now();
                 backend.release(&name, ticket).await.unwrap();
@@ -213,7 +213,7 @@ async fn reclaim(ns: &str, lease: Duration) -> serde_json::Value {
             .unwrap();
         let ticket = holder.ticket();
         assert!(matches!(
-            holder.acquire(name, ticket, &Priority::default()).await,
+            holder.acquire(name, ticket, &Priority::default(), None).await,
             Ok(Answer::Granted(_))
         ));
         let granted_at = Instant::now();

@@ -85,7 +85,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lanes::limit::{Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LocalLimits, Released};
+use lanes::limit::{
+    BackendError, Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LocalLimits, Released,
+};
 use lanes::{Answer, BoxFuture, Priority};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{RedisError, Script, Value};
@@ -198,18 +200,18 @@ impl RedisLimitsBuilder {
     /// [`LimitError::Backend`] if Redis cannot be reached or the options are invalid.
     pub async fn build(self) -> Result<RedisLimits, LimitError> {
         if self.lease < Duration::from_millis(100) {
-            return Err(LimitError::Backend("the lease must be at least 100 ms".into()));
+            return Err(LimitError::backend("the lease must be at least 100 ms"));
         }
         if let OutagePolicy::LocalShare(share) = self.outage
             && !(share > 0.0 && share <= 1.0)
         {
-            return Err(LimitError::Backend("a local share must be in (0, 1]".into()));
+            return Err(LimitError::backend("a local share must be in (0, 1]"));
         }
         if self.op_timeout.is_zero() {
-            return Err(LimitError::Backend("the op timeout must be longer than zero".into()));
+            return Err(LimitError::backend("the op timeout must be longer than zero"));
         }
         if self.queue_grace < Duration::from_millis(500) {
-            return Err(LimitError::Backend("the queue grace must be at least 500 ms".into()));
+            return Err(LimitError::backend("the queue grace must be at least 500 ms"));
         }
         let max_lease = self.max_lease.unwrap_or(self.lease).max(self.lease);
         let client = redis::Client::open(self.url.as_str()).map_err(backend)?;
@@ -223,7 +225,7 @@ impl RedisLimitsBuilder {
             ConnectionManager::new_with_config(client.clone(), config),
         )
         .await
-        .map_err(|_| LimitError::Backend(format!("redis at {} did not answer", self.url)))?
+        .map_err(|_| LimitError::backend(format!("redis at {} did not answer", self.url)))?
         .map_err(backend)?;
         let ns = &self.namespace;
         let id: u64 = redis::cmd("INCR")
@@ -390,8 +392,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn backend(err: impl fmt::Display) -> LimitError {
-    LimitError::Backend(format!("redis: {err}"))
+fn backend<E: std::error::Error + Send + Sync + 'static>(err: E) -> LimitError {
+    LimitError::Backend(BackendError::with_source(format!("redis: {err}"), err))
 }
 
 /// A failed Redis call: for lack of Redis (the outage policy applies) or another error.
@@ -404,7 +406,7 @@ impl From<CallError> for LimitError {
     fn from(err: CallError) -> Self {
         match err {
             CallError::Outage(message) => {
-                LimitError::Backend(format!("redis unreachable: {message}"))
+                LimitError::backend(format!("redis unreachable: {message}"))
             }
             CallError::Other(err) => err,
         }
@@ -580,7 +582,7 @@ impl Inner {
             Ask::Try => ("try", vec![ticket.to_string()]),
         };
         let value = self.call_leased(name, op, lease, &args).await?;
-        let bad = || CallError::Other(LimitError::Backend(format!("redis: odd answer {value:?}")));
+        let bad = || CallError::Other(LimitError::backend(format!("redis: odd answer {value:?}")));
         match error_tag(&value).as_deref() {
             Some("unknown") => return Ok(Reply::Unknown),
             Some("waiters") => return Ok(Reply::TooManyWaiters),
@@ -589,7 +591,8 @@ impl Inner {
         }
         let Value::Array(items) = &value else { return Err(bad()) };
         let hex = items.first().and_then(text).ok_or_else(bad)?;
-        let answer = answer::decode_hex(ticket, &hex).map_err(|e| CallError::Other(backend(e)))?;
+        let answer = answer::decode_hex(ticket, &hex)
+            .map_err(|e| CallError::Other(LimitError::backend(format!("redis: {e}"))))?;
         Ok(match answer {
             ScriptAnswer::Granted | ScriptAnswer::GrantedOther(_) => {
                 let grant = match (items.get(1), items.get(2)) {
@@ -899,7 +902,7 @@ impl Inner {
         };
         match self.outage {
             OutagePolicy::FailClosed => {
-                Err(LimitError::Backend(format!("redis unreachable: {message}")))
+                Err(LimitError::backend(format!("redis unreachable: {message}")))
             }
             OutagePolicy::FailOpen => {
                 self.stats.open_grants.fetch_add(1, Ordering::Relaxed);
@@ -914,7 +917,7 @@ impl Inner {
             }
             OutagePolicy::LocalShare(share) => {
                 let Some(spec) = lock(&self.state).specs.get(name).copied() else {
-                    return Err(LimitError::Backend(format!(
+                    return Err(LimitError::backend(format!(
                         "redis unreachable ({message}) and the spec of {name:?} is unknown to this client"
                     )));
                 };
@@ -1010,7 +1013,7 @@ impl Inner {
         if error_tag(&value).as_deref() == Some("unknown") {
             return Ok(None);
         }
-        let bad = || LimitError::Backend(format!("redis: odd info {value:?}"));
+        let bad = || LimitError::backend(format!("redis: odd info {value:?}"));
         let Value::Array(items) = &value else { return Err(bad()) };
         let field = |i: usize| items.get(i).and_then(int).ok_or_else(bad);
         let rate = items.get(1).and_then(text).ok_or_else(bad)?;
@@ -1044,7 +1047,7 @@ impl Inner {
             tickets
         } else {
             let Value::Array(items) = value else {
-                return Err(CallError::Other(LimitError::Backend("redis: odd renewal".into())));
+                return Err(CallError::Other(LimitError::backend("redis: odd renewal")));
             };
             items.iter().filter_map(|v| text(v)?.parse().ok()).collect()
         };

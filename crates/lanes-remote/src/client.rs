@@ -141,7 +141,8 @@ fn chain(err: &dyn std::error::Error) -> String {
 }
 
 fn transport(err: reqwest::Error) -> LimitError {
-    LimitError::Backend(format!("lanes serve: {}", chain(&err)))
+    let message = format!("lanes serve: {}", chain(&err));
+    LimitError::Backend(lanes::limit::BackendError::with_source(message, err))
 }
 
 /// Percent-encodes one path segment.
@@ -180,7 +181,7 @@ async fn failure(name: &str, response: reqwest::Response, queueing: bool) -> Lim
         404 => LimitError::UnknownLimit(name.to_owned()),
         409 => match ticket {
             // Another client owns this ticket number: nothing was granted or released.
-            Some(ticket) => LimitError::Backend(format!(
+            Some(ticket) => LimitError::backend(format!(
                 "lanes serve: ticket {ticket} of limit {name:?} belongs to another client"
             )),
             None => LimitError::InUse(name.to_owned()),
@@ -194,7 +195,7 @@ async fn failure(name: &str, response: reqwest::Response, queueing: bool) -> Lim
                 .unwrap_or(0);
             LimitError::TooManyWaiters { limit: name.to_owned(), max }
         }
-        code => LimitError::Backend(format!("lanes serve: {code} {message}")),
+        code => LimitError::backend(format!("lanes serve: {code} {message}")),
     }
 }
 
@@ -846,7 +847,7 @@ mod tests {
         // Into the error every backend call returns.
         let as_limit_error = LimitError::from(err);
         assert!(
-            matches!(&as_limit_error, LimitError::Backend(m) if m.contains("not a server URL")),
+            matches!(&as_limit_error, LimitError::Backend(e) if e.message().contains("not a server URL")),
             "{as_limit_error:?}"
         );
         let long = "x".repeat(RemoteLimits::MAX_CLIENT_ID + 1);

@@ -82,6 +82,6 @@ impl std::error::Error for ConfigError {}
 
 impl From<ConfigError> for lanes::LimitError {
     fn from(err: ConfigError) -> Self {
-        Self::Backend(err.to_string())
+        Self::Backend(lanes::limit::BackendError::with_source(err.to_string(), err))
     }
 }

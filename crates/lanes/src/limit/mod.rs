@@ -83,4 +83,4 @@ pub use local::LocalLimits;
 pub use priority::Priority;
 pub use queue::WaitQueue;
 pub use spec::{LimitSpec, SpecError};
-pub use table::{Acquire, Grant, LimitError, LimitInfo, LimitTable, Next, Released};
+pub use table::{Acquire, BackendError, Grant, LimitError, LimitInfo, LimitTable, Next, Released};

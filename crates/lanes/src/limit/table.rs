@@ -147,8 +147,9 @@ pub enum LimitError {
     },
     /// The limit cannot be removed while permits are held or tickets wait.
     InUse(String),
-    /// The backend could not answer (I/O, timeout, outage): see the message.
-    Backend(String),
+    /// The backend could not answer (I/O, timeout, outage, an odd reply): what it said, and the
+    /// underlying error through `source()`.
+    Backend(BackendError),
     /// A leased permit could not be renewed: its lease had ended and the permit was reclaimed
     /// (another holder may have it now; the fencing token of this one is stale).
     LeaseExpired {
@@ -190,7 +191,7 @@ impl fmt::Display for LimitError {
                 write!(f, "limit {limit:?} already has {max} waiters")
             }
             Self::InUse(name) => write!(f, "limit {name:?} has permits held or tickets waiting"),
-            Self::Backend(message) => write!(f, "limit backend failed: {message}"),
+            Self::Backend(err) => write!(f, "limit backend failed: {err}"),
             Self::LeaseExpired { limit, ticket } => {
                 write!(f, "the lease of ticket {ticket} on limit {limit:?} expired")
             }
@@ -202,8 +203,62 @@ impl std::error::Error for LimitError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Self::InvalidSpec(err) => Some(err),
+            Self::Backend(err) => Some(err),
             _ => None,
         }
+    }
+}
+
+impl LimitError {
+    /// A backend failure with only a message.
+    pub fn backend(message: impl Into<String>) -> Self {
+        Self::Backend(BackendError::new(message))
+    }
+}
+
+/// What a backend said when it could not answer, with the error underneath when there is one.
+#[derive(Debug, Clone)]
+pub struct BackendError {
+    message: String,
+    source: Option<Arc<dyn std::error::Error + Send + Sync>>,
+}
+
+impl BackendError {
+    /// A failure described by `message` alone.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self { message: message.into(), source: None }
+    }
+
+    /// A failure described by `message`, caused by `source` (kept for `source()`).
+    pub fn with_source(
+        message: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self { message: message.into(), source: Some(Arc::new(source)) }
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
+
+/// Equal when the messages are: the sources are for diagnosis.
+impl PartialEq for BackendError {
+    fn eq(&self, other: &Self) -> bool {
+        self.message == other.message
+    }
+}
+
+impl fmt::Display for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for BackendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_deref().map(|err| err as &(dyn std::error::Error + 'static))
     }
 }
 
