@@ -77,18 +77,20 @@ fn permits(c: &mut Criterion) {
     for tasks in [2u64, 8, 64, 1024] {
         group.throughput(Throughput::Elements(tasks * PER_TASK));
         let limits = limits_with("l", LimitSpec::concurrent(2));
+        // A handle per task, as each tokio task holds an `Arc<Semaphore>`.
+        let handle = limits.limit("l");
         group.bench_function(BenchmarkId::new("lanes", tasks), |b| {
             b.iter_custom(|iters| {
-                let limits = limits.clone();
+                let handle = handle.clone();
                 block_on(&rt, async move {
                     let start = Instant::now();
                     for _ in 0..iters {
                         let handles: Vec<_> = (0..tasks)
                             .map(|_| {
-                                let limits = limits.clone();
+                                let handle = handle.clone();
                                 tokio::spawn(async move {
                                     for _ in 0..PER_TASK {
-                                        let p = limits.acquire("l", Priority::default()).await;
+                                        let p = handle.acquire().await;
                                         tokio::task::yield_now().await;
                                         drop(p);
                                     }

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use super::acquire::{Withdraw, drive, release_in_background};
 use super::backend::{Answer, LimitBackend};
 use super::cell::Miss;
-use super::local::{LocalLimits, Slot};
+use super::local::{Handoff, LocalLimits, Slot};
 use super::priority::Priority;
 use super::spec::LimitSpec;
 use super::table::{Acquire, Grant, LimitError, LimitInfo};
@@ -240,12 +240,13 @@ impl Limits {
                 };
                 let ticket = local.next_ticket();
                 let mut withdraw = LocalWithdraw { local, slot: &slot, ticket, armed: true };
+                let handoff = Handoff::default();
                 let mut first = Some(priority);
                 let mut timer = None;
                 let mut expiry = deadline.map(|at| Box::pin(tokio::time::sleep_until(at)));
                 let granted = poll_fn(|cx| {
                     if let Poll::Ready(done) =
-                        local.poll_step(cx, &slot, ticket, &mut first, &mut timer)
+                        local.poll_step(cx, &slot, ticket, &mut first, &mut timer, &handoff)
                     {
                         return Poll::Ready(done.map_err(AcquireError::Limit));
                     }
@@ -321,9 +322,11 @@ impl Limits {
                 let Some((slot, fast)) = self.fast(name, cached) else {
                     return Err(TryAcquireError::Limit(LimitError::UnknownLimit(name.to_owned())));
                 };
-                let now = Instant::now();
+                // The clock is read only on a miss (the fast path reads its own).
                 let rate_limited = |at: Duration| {
-                    TryAcquireError::RateLimited(local.at(at).saturating_duration_since(now))
+                    TryAcquireError::RateLimited(
+                        local.at(at).saturating_duration_since(Instant::now()),
+                    )
                 };
                 match fast {
                     Ok(fence) => return Ok(Permit::fast(slot, fence)),

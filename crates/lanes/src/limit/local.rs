@@ -55,7 +55,13 @@ struct Inner {
 struct Waiter {
     waker: Waker,
     grant: OnBehalf,
+    /// Where a grant made on its behalf is handed over, so the woken waiter takes it without
+    /// the lock (the facade's waiters have one; a server ticket does not).
+    handoff: Option<Handoff>,
 }
+
+/// A grant handed to a woken waiter without the lock.
+pub(crate) type Handoff = Arc<std::sync::OnceLock<Grant>>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum OnBehalf {
@@ -66,7 +72,7 @@ enum OnBehalf {
 }
 
 impl Inner {
-    fn park(&mut self, ticket: u64, waker: &Waker, grant: OnBehalf) {
+    fn park(&mut self, ticket: u64, waker: &Waker, grant: OnBehalf, handoff: Option<&Handoff>) {
         match self.wakers.get_mut(&ticket) {
             Some(existing) => {
                 if !existing.waker.will_wake(waker) {
@@ -75,7 +81,8 @@ impl Inner {
                 existing.grant = grant;
             }
             None => {
-                self.wakers.insert(ticket, Waiter { waker: waker.clone(), grant });
+                let handoff = handoff.cloned();
+                self.wakers.insert(ticket, Waiter { waker: waker.clone(), grant, handoff });
             }
         }
     }
@@ -104,6 +111,9 @@ pub(crate) struct Slot {
     pub(crate) cell: Cell,
     shared: Weak<Shared>,
     removed: AtomicBool,
+    /// Whether a ticket of this limit ever asked for a lease: only then (or with a rate) do
+    /// its table operations need the clock.
+    leased: AtomicBool,
 }
 
 impl Slot {
@@ -113,7 +123,7 @@ impl Slot {
             && let Some(shared) = self.shared.upgrade()
         {
             let local = LocalLimits { shared };
-            let now = local.now();
+            let now = local.now_for(self, None);
             let mut inner = lock(&local.shared.inner);
             LocalLimits::settle(&mut inner, self, now);
         }
@@ -169,6 +179,19 @@ impl LocalLimits {
 
     fn now(&self) -> Duration {
         Instant::now().saturating_duration_since(self.shared.origin)
+    }
+
+    /// The time for a table operation on `slot`'s limit: the clock only if the limit has a
+    /// rate or leased permits (without either, no answer depends on the time).
+    fn now_for(&self, slot: &Slot, lease: Option<Duration>) -> Duration {
+        if lease.is_some() {
+            slot.leased.store(true, Ordering::Relaxed);
+        }
+        if slot.cell.has_rate() || slot.leased.load(Ordering::Relaxed) {
+            self.now()
+        } else {
+            Duration::ZERO
+        }
     }
 
     fn origin(&self) -> Instant {
@@ -253,6 +276,7 @@ impl LocalLimits {
                     cell: Cell::new(spec, inner.fence_floor),
                     shared: Arc::downgrade(&self.shared),
                     removed: AtomicBool::new(false),
+                    leased: AtomicBool::new(false),
                 });
                 self.shared
                     .slots
@@ -294,10 +318,11 @@ impl LocalLimits {
         first: Option<&Priority>,
         lease: Option<Duration>,
         waker: &Waker,
+        handoff: Option<&Handoff>,
     ) -> Result<Step, LimitError> {
         // The clock is read outside the lock: a slightly earlier `now` is only conservative
         // (GCRA takes the later of `tat` and `now`; a lease lapses a moment later).
-        let now = self.now();
+        let now = self.now_for(slot, lease);
         let mut inner = lock(&self.shared.inner);
         let answer = self.look(&mut inner, slot, ticket, first, lease, now)?;
         Ok(match answer {
@@ -312,7 +337,7 @@ impl LocalLimits {
                 Step::Finished
             }
             Acquire::Queued | Acquire::RetryAt(_) => {
-                inner.park(ticket, waker, OnBehalf::Grant(lease));
+                inner.park(ticket, waker, OnBehalf::Grant(lease), handoff);
                 let at = match answer {
                     Acquire::RetryAt(at) => Some(at),
                     // The head blocked by held permits wakes when the earliest lease can end.
@@ -343,6 +368,9 @@ impl LocalLimits {
     ) -> Result<Acquire, LimitError> {
         if slot.is_removed() {
             return Err(LimitError::UnknownLimit(slot.name.to_string()));
+        }
+        if lease.is_some() {
+            slot.leased.store(true, Ordering::Relaxed);
         }
         let answer = match first {
             Some(priority) => {
@@ -377,6 +405,9 @@ impl LocalLimits {
         if slot.is_removed() {
             return Err(LimitError::UnknownLimit(slot.name.to_string()));
         }
+        if lease.is_some() {
+            slot.leased.store(true, Ordering::Relaxed);
+        }
         // A ticket's permit lives in the table (the fast path has no tickets).
         Self::go_slow(&mut inner, slot);
         let answer = inner.table.try_acquire(&slot.name, ticket, now, lease)?;
@@ -386,7 +417,7 @@ impl LocalLimits {
 
     /// Returns a permit or withdraws a ticket of `slot`'s limit, then lets the next waiters in.
     pub(crate) fn release_slot(&self, slot: &Slot, ticket: u64) -> Released {
-        let now = self.now();
+        let now = self.now_for(slot, None);
         let mut inner = lock(&self.shared.inner);
         // A waiter of this ticket (a long-poll between looks) learns at once that it finished.
         if let Some(waiter) = inner.wakers.remove(&ticket) {
@@ -427,7 +458,11 @@ impl LocalLimits {
                 waiter.waker.wake();
                 break;
             };
-            let _ = inner.table.check(name, ticket, now, lease);
+            if let Ok(Acquire::Granted(grant)) = inner.table.check(name, ticket, now, lease)
+                && let Some(handoff) = &waiter.handoff
+            {
+                let _ = handoff.set(grant);
+            }
             waiter.waker.wake();
         }
         let head = match inner.table.next(name, now) {
@@ -543,7 +578,7 @@ impl LocalLimits {
             if !inner.table.is_waiting(name, ticket) {
                 return Poll::Ready(());
             }
-            inner.park(ticket, cx.waker(), OnBehalf::WakeOnly);
+            inner.park(ticket, cx.waker(), OnBehalf::WakeOnly, None);
             drop(inner);
             if let Some(at) = wake_at {
                 let at = self.origin() + at;
@@ -571,9 +606,14 @@ impl LocalLimits {
         ticket: u64,
         first: &mut Option<&Priority>,
         timer: &mut Option<Pin<Box<Sleep>>>,
+        handoff: &Handoff,
     ) -> Poll<Result<Grant, LimitError>> {
+        // Granted on its behalf since the last poll: take it without the lock.
+        if let Some(grant) = handoff.get() {
+            return Poll::Ready(Ok(*grant));
+        }
         loop {
-            let step = self.step(slot, ticket, first.take(), None, cx.waker());
+            let step = self.step(slot, ticket, first.take(), None, cx.waker(), Some(handoff));
             match step {
                 Err(err) => return Poll::Ready(Err(err)),
                 Ok(Step::Granted(grant)) => return Poll::Ready(Ok(grant)),
