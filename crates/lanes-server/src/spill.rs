@@ -53,6 +53,9 @@ fn explain(err: &SpillError) -> String {
             "the queue is open in another process (it holds the directory's LOCK); stop it first"
                 .to_owned()
         }
+        SpillError::NotADirectory(path) => {
+            format!("{path} is not a directory: give the queue's directory")
+        }
         other => other.to_string(),
     }
 }
@@ -107,6 +110,43 @@ fn describe(dir: &std::path::Path, report: &CheckReport, repaired: bool) -> Stri
         if show {
             out.push_str(&line);
         }
+    }
+    if report.state_invalid {
+        out.push_str(
+            "  state file          points where no acknowledged position can be: recovery starts at or before it (records delivered again)\n",
+        );
+    }
+    if report.missing_segments > 0 {
+        let ranges: Vec<String> = report
+            .missing_ranges
+            .iter()
+            .map(|(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") })
+            .collect();
+        out.push_str(&format!(
+            "  missing segments    {} (ids {}): their records are lost\n",
+            report.missing_segments,
+            ranges.join(", ")
+        ));
+    }
+    if report.truncated_inside > 0 {
+        out.push_str(&format!(
+            "  truncated inside    {} segments before the last ({} bytes torn): records lost inside the queue\n",
+            report.truncated_inside, report.truncated_inside_bytes
+        ));
+    }
+    if !report.not_files.is_empty() {
+        out.push_str(&format!(
+            "  not regular files   {} (never followed): {}\n",
+            report.not_files.len(),
+            report.not_files.join(", ")
+        ));
+    }
+    if report.damaged_headers > 0 {
+        out.push_str(&format!(
+            "  damaged headers     {} (frames intact, kept), {}\n",
+            report.damaged_headers,
+            if repaired { "rewritten" } else { "to rewrite (--repair)" }
+        ));
     }
     out
 }

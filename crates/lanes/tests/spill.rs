@@ -159,11 +159,12 @@ async fn bounds_and_options_are_typed() {
 async fn one_owner_at_a_time() {
     let dir = TempDir::new("lock");
     let (queue, _) = SpillQueue::open(&dir.0, SpillOptions::default()).await.unwrap();
+    // In this process: said so (flock alone would blame another process).
     assert!(matches!(
         SpillQueue::open(&dir.0, SpillOptions::default()).await,
-        Err(SpillError::Locked)
+        Err(SpillError::LockedHere)
     ));
-    assert!(matches!(spill::check(&dir.0, 1 << 20), Err(SpillError::Locked)));
+    assert!(matches!(spill::check(&dir.0, 1 << 20), Err(SpillError::LockedHere)));
     queue.close().await.unwrap();
     // The directory is free as soon as `close` returns, every time.
     for _ in 0..100 {
@@ -247,9 +248,17 @@ async fn recovery_skips_corruption_truncates_tails_and_never_refuses() {
     assert_eq!(read_all(&queue).await.len(), 19);
     queue.close().await.unwrap();
 
-    // A segment whose header is not its own is dropped, not trusted.
+    // A damaged header loses the header, not the records: frames check themselves.
     let name = dir.segments()[0].clone();
     corrupt(&dir.0.join(&name), 0, b"XXXX");
+    let (queue, report) = SpillQueue::open(&dir.0, options.clone()).await.unwrap();
+    assert_eq!((report.damaged_headers, report.bad_segments), (1, 0), "{report:?}");
+    assert_eq!(read_all(&queue).await.len(), 19);
+    queue.close().await.unwrap();
+
+    // A segment file holding no valid frame at all is foreign: dropped, not trusted.
+    let name = dir.segments()[0].clone();
+    std::fs::write(dir.0.join(&name), vec![0xA5; 300]).unwrap();
     let (queue, report) = SpillQueue::open(&dir.0, options).await.unwrap();
     assert_eq!(report.bad_segments, 1);
     assert!(read_all(&queue).await.is_empty());

@@ -70,6 +70,12 @@ pub enum ConfigRule {
     Unsupported,
     /// Building needs a tokio runtime (call it inside one).
     NoRuntime,
+    /// The value must be at least `min` (which depends on other settings; the field's docs say
+    /// how).
+    AtLeast {
+        /// The smallest accepted value.
+        min: u64,
+    },
 }
 
 /// An invalid configuration: names the field and the rule it broke.
@@ -118,6 +124,7 @@ impl fmt::Display for ConfigError {
         write!(f, "invalid configuration: {} ", self.field)?;
         match self.rule {
             ConfigRule::Zero => f.write_str("must be at least 1"),
+            ConfigRule::AtLeast { min } => write!(f, "must be at least {min}"),
             ConfigRule::OverMax { max } => write!(f, "must be at most {max}"),
             ConfigRule::ZeroTimeout => f.write_str("must be longer than zero"),
             ConfigRule::Missing => f.write_str("must be set (it has no default)"),

@@ -30,8 +30,12 @@ pub enum SpillError {
     Io(io::Error),
     /// Another process owns the directory.
     Locked,
+    /// This process has the directory open already (another `SpillQueue`, or a repair).
+    LockedHere,
     /// The directory does not exist.
     Missing(String),
+    /// The path exists but is not a directory.
+    NotADirectory(String),
     /// The directory exists but holds no spill queue.
     NotAQueue(String),
     /// Another reader is open on this queue.
@@ -68,7 +72,11 @@ impl fmt::Display for SpillError {
             }
             Self::Io(err) => write!(f, "spill queue I/O: {err}"),
             Self::Locked => f.write_str("spill queue directory is locked by another process"),
+            Self::LockedHere => {
+                f.write_str("spill queue directory is already open in this process")
+            }
             Self::Missing(dir) => write!(f, "spill queue directory {dir} does not exist"),
+            Self::NotADirectory(path) => write!(f, "{path} is not a directory"),
             Self::NotAQueue(dir) => write!(f, "{dir} does not hold a spill queue"),
             Self::ReaderTaken => f.write_str("spill queue already has a reader"),
             Self::Closed => f.write_str("spill queue is closed"),
@@ -90,6 +98,11 @@ impl std::error::Error for SpillError {
 
 impl From<io::Error> for SpillError {
     fn from(err: io::Error) -> Self {
-        if err.kind() == io::ErrorKind::WouldBlock { Self::Locked } else { Self::Io(err) }
+        match err.kind() {
+            io::ErrorKind::WouldBlock => Self::Locked,
+            // The storage's way of saying "this process holds the lock already".
+            io::ErrorKind::ResourceBusy => Self::LockedHere,
+            _ => Self::Io(err),
+        }
     }
 }

@@ -72,8 +72,9 @@ pub use storage::{AppendFile, Fault, FsStorage, MemStorage, Storage};
 ///
 /// # Errors
 ///
-/// [`SpillError::Missing`] if `dir` does not exist, [`SpillError::NotAQueue`] if it holds no
-/// queue, [`SpillError::Locked`] if another process owns it, or an I/O error.
+/// [`SpillError::Missing`] if `dir` does not exist, [`SpillError::NotADirectory`] if it is a
+/// file, [`SpillError::NotAQueue`] if it holds no queue, [`SpillError::Locked`] if another
+/// process owns it ([`SpillError::LockedHere`]: this one), or an I/O error.
 pub fn check(dir: impl AsRef<Path>, max_record: u32) -> Result<CheckReport, SpillError> {
     inspect(&FsStorage::new(dir.as_ref()), max_record, false)
 }
@@ -90,6 +91,9 @@ pub fn repair(dir: impl AsRef<Path>, max_record: u32) -> Result<CheckReport, Spi
 
 fn inspect(storage: &FsStorage, max_record: u32, repair: bool) -> Result<CheckReport, SpillError> {
     let shown = storage.dir().display().to_string();
+    if storage.dir().exists() && !storage.exists() {
+        return Err(SpillError::NotADirectory(shown));
+    }
     if !storage.exists() {
         return Err(SpillError::Missing(shown));
     }
@@ -98,7 +102,14 @@ fn inspect(storage: &FsStorage, max_record: u32, repair: bool) -> Result<CheckRe
     if !is_queue {
         return Err(SpillError::NotAQueue(shown));
     }
-    // Held for the inspection: a live owner makes the result meaningless.
-    let _lock = storage.lock()?;
-    Ok(recover::recover(storage, max_record, repair)?.report)
+    // A live owner makes the result meaningless. A repair holds the lock; a check only reads,
+    // so it works on a read-only file system and leaves no LOCK file behind.
+    if repair {
+        let _lock = storage.lock()?;
+        return Ok(recover::recover(storage, max_record, true)?.report);
+    }
+    if storage.is_owned()? {
+        return Err(SpillError::Locked);
+    }
+    Ok(recover::recover(storage, max_record, false)?.report)
 }

@@ -74,11 +74,13 @@ pub struct SpillOptions {
     /// waiting. Default: zero (appends that arrive while a sync runs form the next group).
     pub batch_window: Duration,
     /// Unacknowledged bytes (frames included) the queue may hold; one more append fails with
-    /// [`SpillError::Full`]. Default: 1 GiB.
+    /// [`SpillError::Full`]. Default: 1 GiB. At least one whole frame of the largest record:
+    /// `12 + max_record`.
     pub max_bytes: u64,
-    /// The largest record. Default: 8 MiB.
+    /// The largest record, at least 1. Default: 8 MiB.
     pub max_record: u32,
-    /// Segments are rotated once they reach this size. Default: 64 MiB.
+    /// Segments are rotated once they reach this size. Default: 64 MiB. At least the segment
+    /// header and one frame: `16 + min(12 + max_record, 1 MiB)`.
     pub segment_size: u64,
 }
 
@@ -136,10 +138,11 @@ impl SpillOptions {
             return Err(ConfigError::new("max_record", ConfigRule::Zero));
         }
         if self.max_bytes < frame {
-            return Err(ConfigError::new("max_bytes", ConfigRule::Zero));
+            return Err(ConfigError::new("max_bytes", ConfigRule::AtLeast { min: frame }));
         }
-        if self.segment_size < SEGMENT_HEADER + frame.min(1 << 20) {
-            return Err(ConfigError::new("segment_size", ConfigRule::Zero));
+        let segment = SEGMENT_HEADER + frame.min(1 << 20);
+        if self.segment_size < segment {
+            return Err(ConfigError::new("segment_size", ConfigRule::AtLeast { min: segment }));
         }
         if let SyncPolicy::Interval(d) = self.sync
             && d.is_zero()

@@ -8,6 +8,13 @@
 //!    region, drop a segment whose header is not its own, start over if the state is unreadable).
 //! 2. Nothing acknowledged is discarded: acknowledged appends are whole, valid frames before
 //!    the durable end of their segment, which no repair touches.
+//! 3. Nothing is deleted that the state file did not show to be acknowledged: a state that
+//!    points where no acknowledged position can be (past the last segment, inside a frame,
+//!    past the valid data) is reported and replaced by a safe position at or before it, so
+//!    records are delivered again rather than dropped.
+//! 4. Loss is reported, never silent: a segment id missing inside the queue, a segment that is
+//!    not a regular file (never followed), and a torn segment other than the last (no crash
+//!    tears those) each have their own count.
 
 use std::io;
 
@@ -59,6 +66,25 @@ pub struct CheckReport {
     pub bad_segment_bytes: u64,
     /// Fully acknowledged segments still on disk, deleted (or to delete).
     pub acknowledged_segments: u64,
+    /// Segment ids missing inside the queue (from the committed segment to the last): their
+    /// records are lost.
+    pub missing_segments: u64,
+    /// The missing ids as inclusive ranges (the first 16).
+    pub missing_ranges: Vec<(u64, u64)>,
+    /// Entries named like segments that are not regular files (symlinks, directories): never
+    /// followed, never read (the first 16 names).
+    pub not_files: Vec<String>,
+    /// The state file was readable but pointed where no acknowledged position can be; recovery
+    /// started from a safe position at or before it instead (records are delivered again).
+    pub state_invalid: bool,
+    /// Segments other than the last with a torn tail: records lost inside the queue (kept as
+    /// found, so the loss stays visible).
+    pub truncated_inside: u64,
+    /// Bytes of those tails.
+    pub truncated_inside_bytes: u64,
+    /// Segments whose header was damaged but whose frames are intact: kept (the header is
+    /// rewritten on repair).
+    pub damaged_headers: u64,
 }
 
 impl CheckReport {
@@ -68,6 +94,11 @@ impl CheckReport {
             && self.torn_tails == 0
             && self.bad_segments == 0
             && !self.state_reset
+            && self.missing_segments == 0
+            && self.not_files.is_empty()
+            && !self.state_invalid
+            && self.truncated_inside == 0
+            && self.damaged_headers == 0
     }
 
     /// Bytes discarded (or to discard) in all.
@@ -92,14 +123,32 @@ pub(crate) fn recover(
     repair: bool,
 ) -> io::Result<Recovered> {
     let names = storage.list()?;
+    let mut report = CheckReport {
+        not_files: storage.list_other()?.into_iter().take(16).collect(),
+        ..CheckReport::default()
+    };
     let mut ids: Vec<u64> = names.iter().filter_map(|n| segment_id(n)).collect();
     ids.sort_unstable();
+    // No segment can follow u64::MAX: such a file is not one the writer made.
+    if ids.last() == Some(&u64::MAX) {
+        ids.pop();
+        let name = segment_name(u64::MAX);
+        let bytes = storage.read_all(&name)?;
+        report.bad_segments += 1;
+        report.bad_segment_bytes += bytes.len() as u64;
+        if repair
+            && frame::scan(bytes.get(SEGMENT_HEADER as usize..).unwrap_or(&[]), max_record)
+                .frames
+                .is_empty()
+        {
+            storage.remove(&name)?;
+        }
+    }
     if repair {
         for name in names.iter().filter(|n| n.ends_with(".tmp")) {
             storage.remove(name)?;
         }
     }
-    let mut report = CheckReport::default();
     let stored = if names.iter().any(|n| n == STATE) {
         let state = decode_state(&storage.read_all(STATE)?);
         report.state_reset = state.is_none();
@@ -110,6 +159,44 @@ pub(crate) fn recover(
     };
     let first = ids.first().copied().unwrap_or(1);
     let mut committed = stored.unwrap_or_else(|| Position::start_of(first));
+    // Invariant 3: a state past the last segment (other than the start of the next one, where
+    // a reader that finished the last segment stands) shows nothing acknowledged.
+    if let (Some(_), Some(&last)) = (stored, ids.last()) {
+        let next = Position::start_of(last.saturating_add(1));
+        if committed.segment > last && committed != next {
+            report.state_invalid = true;
+            committed = Position::start_of(first);
+        }
+    }
+    // Invariant 4: every id from the committed segment to the last must be there.
+    if stored.is_some() && !report.state_invalid {
+        let mut expected = committed.segment;
+        for &id in ids.iter().filter(|id| **id >= committed.segment) {
+            if id > expected {
+                report.missing_segments += id - expected;
+                if report.missing_ranges.len() < 16 {
+                    report.missing_ranges.push((expected, id - 1));
+                }
+            }
+            expected = id.saturating_add(1);
+        }
+    } else if let (Some(&lo), Some(&hi)) = (ids.first(), ids.last()) {
+        let present = ids.len() as u64;
+        let span = hi - lo + 1;
+        if span > present {
+            let mut expected = lo;
+            for &id in &ids {
+                if id > expected {
+                    report.missing_segments += id - expected;
+                    if report.missing_ranges.len() < 16 {
+                        report.missing_ranges.push((expected, id - 1));
+                    }
+                }
+                expected = id + 1;
+            }
+        }
+    }
+    let last_id = ids.last().copied();
 
     let mut segments = Vec::new();
     for id in ids {
@@ -122,24 +209,56 @@ pub(crate) fn recover(
             continue;
         }
         let bytes = storage.read_all(&name)?;
-        if !segment_header_ok(&bytes, id) {
-            report.bad_segments += 1;
-            report.bad_segment_bytes += bytes.len() as u64;
-            if repair {
-                storage.remove(&name)?;
-            }
-            continue;
-        }
-        let body = &bytes[SEGMENT_HEADER as usize..];
+        let body = bytes.get(SEGMENT_HEADER as usize..).unwrap_or(&[]);
         let layout: Layout = frame::scan(body, max_record);
+        if !segment_header_ok(&bytes, id) {
+            // Frames check themselves: a damaged header loses the header, not the records.
+            if layout.frames.is_empty() {
+                report.bad_segments += 1;
+                report.bad_segment_bytes += bytes.len() as u64;
+                if repair {
+                    storage.remove(&name)?;
+                }
+                continue;
+            }
+            report.damaged_headers += 1;
+            if repair {
+                let mut fixed = bytes.clone();
+                fixed[..SEGMENT_HEADER as usize]
+                    .copy_from_slice(&super::format::segment_header(id));
+                storage.write_atomic(&name, &fixed)?;
+            }
+        }
         let base = SEGMENT_HEADER;
         let valid_end = base + layout.valid_end;
         let tail = layout.tail(body.len() as u64);
-        if tail > 0 {
+        if tail > 0 && Some(id) != last_id {
+            // Only the last segment is written to, so only it can be torn by a crash: a torn
+            // segment before it lost records inside the queue. Kept as found (appends never go
+            // there), so the loss stays visible.
+            report.truncated_inside += 1;
+            report.truncated_inside_bytes += tail;
+        } else if tail > 0 {
             report.torn_tails += 1;
             report.torn_bytes += tail;
             if repair {
                 storage.truncate(&name, valid_end)?;
+            }
+        }
+        // Invariant 3: the committed position is a frame boundary of its segment.
+        if id == committed.segment && !report.state_invalid {
+            let boundary = committed.offset == valid_end
+                || layout.frames.iter().any(|(start, _)| base + start == committed.offset);
+            if !boundary {
+                report.state_invalid = true;
+                let before = layout
+                    .frames
+                    .iter()
+                    .map(|(start, _)| base + start)
+                    .filter(|start| *start <= committed.offset)
+                    .max()
+                    .unwrap_or(base);
+                committed.offset = before.min(valid_end);
             }
         }
         let skipped: Vec<(u64, u64)> =

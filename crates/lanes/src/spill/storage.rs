@@ -23,6 +23,12 @@ pub trait AppendFile: Send + fmt::Debug {
 pub trait Storage: Send + Sync + fmt::Debug + 'static {
     /// File names in the directory.
     fn list(&self) -> io::Result<Vec<String>>;
+
+    /// Entries named like queue files (segments, the state) that are not regular files:
+    /// symlinks, directories. Never followed.
+    fn list_other(&self) -> io::Result<Vec<String>> {
+        Ok(Vec::new())
+    }
     /// Whether the directory exists.
     fn exists(&self) -> bool;
     /// Creates the directory if it is missing.
@@ -30,6 +36,12 @@ pub trait Storage: Send + Sync + fmt::Debug + 'static {
     /// Takes the directory for this process; fails with `WouldBlock` if another holds it. The
     /// guard releases it when dropped, and the OS when the process dies.
     fn lock(&self) -> io::Result<Box<dyn fmt::Debug + Send + Sync>>;
+
+    /// Whether a live owner holds the directory's lock, found without writing anything (for a
+    /// read-only check). An error of kind `ResourceBusy` means this process holds it.
+    fn is_owned(&self) -> io::Result<bool> {
+        Ok(false)
+    }
     /// The length of a file.
     fn len(&self, name: &str) -> io::Result<u64>;
     /// Reads `buf.len()` bytes (or fewer at the end) at `offset`.
@@ -92,6 +104,19 @@ impl AppendFile for FsAppend {
 #[derive(Debug)]
 struct FsLock {
     _file: File,
+    /// The directory, as registered in [`HELD`].
+    dir: PathBuf,
+}
+
+/// Directories whose lock this process holds: `flock` would only say "locked", as if another
+/// process held it.
+static HELD: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+impl Drop for FsLock {
+    fn drop(&mut self) {
+        let mut held = HELD.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        held.retain(|dir| dir != &self.dir);
+    }
 }
 
 impl Storage for FsStorage {
@@ -109,6 +134,21 @@ impl Storage for FsStorage {
         Ok(names)
     }
 
+    fn list_other(&self) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        for entry in std::fs::read_dir(&self.dir)? {
+            let entry = entry?;
+            if !entry.file_type()?.is_file()
+                && let Ok(name) = entry.file_name().into_string()
+                && (super::format::segment_id(&name).is_some() || name == super::format::STATE)
+            {
+                names.push(name);
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+
     fn exists(&self) -> bool {
         self.dir.is_dir()
     }
@@ -118,6 +158,11 @@ impl Storage for FsStorage {
     }
 
     fn lock(&self) -> io::Result<Box<dyn fmt::Debug + Send + Sync>> {
+        let dir = std::fs::canonicalize(&self.dir)?;
+        let mut held = HELD.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if held.contains(&dir) {
+            return Err(io::Error::new(io::ErrorKind::ResourceBusy, "open in this process"));
+        }
         let path = self.path(super::format::LOCK);
         let mut file =
             OpenOptions::new().create(true).truncate(false).read(true).write(true).open(path)?;
@@ -131,7 +176,27 @@ impl Storage for FsStorage {
         // For people looking at the directory: who holds it.
         file.set_len(0)?;
         writeln!(file, "{}", std::process::id())?;
-        Ok(Box::new(FsLock { _file: file }))
+        held.push(dir.clone());
+        Ok(Box::new(FsLock { _file: file, dir }))
+    }
+
+    fn is_owned(&self) -> io::Result<bool> {
+        let dir = std::fs::canonicalize(&self.dir)?;
+        if HELD.lock().unwrap_or_else(std::sync::PoisonError::into_inner).contains(&dir) {
+            return Err(io::Error::new(io::ErrorKind::ResourceBusy, "open in this process"));
+        }
+        // Only read: a missing LOCK file means nobody ever held it, and a shared lock on a
+        // read-only handle fails while an owner holds its exclusive one.
+        let file = match File::open(self.path(super::format::LOCK)) {
+            Ok(file) => file,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
+            Err(err) => return Err(err),
+        };
+        match file.try_lock_shared() {
+            Ok(()) => Ok(false),
+            Err(TryLockError::WouldBlock) => Ok(true),
+            Err(TryLockError::Error(err)) => Err(err),
+        }
     }
 
     fn len(&self, name: &str) -> io::Result<u64> {

@@ -1,0 +1,277 @@
+//! A spill queue directory damaged on purpose, the way a real disk, a careless operator or a bad
+//! restore damages it (issue 12): `lanes spill check` must report each kind of damage as its own
+//! kind (exit 3, `--json` too), only read unless `--repair`, and opening the queue must deliver
+//! every record that was not damaged — never dropping what it was not shown to be acknowledged,
+//! never wedging.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use lanes::spill::{SpillError, SpillOptions, SpillQueue, SyncPolicy};
+use serde_json::Value;
+
+const RECORDS: usize = 60;
+
+fn lanes(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lanes")).args(args).output().expect("run the lanes binary")
+}
+
+fn temp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("lanes-damage-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// Small segments (about ten records each), small records.
+fn options() -> SpillOptions {
+    SpillOptions::default().sync(SyncPolicy::Always).max_record(64).segment_size(256)
+}
+
+fn record(i: usize) -> String {
+    format!("record {i:04}")
+}
+
+async fn build(dir: &Path) {
+    let (queue, _) = SpillQueue::open(dir, options()).await.unwrap();
+    for i in 0..RECORDS {
+        queue.append(record(i)).await.unwrap();
+    }
+    queue.close().await.unwrap();
+}
+
+fn segments(dir: &Path) -> Vec<PathBuf> {
+    let mut segments: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+        .collect();
+    segments.sort();
+    segments
+}
+
+/// The record numbers whose text appears in `bytes` (records are plain text inside frames).
+fn numbers_in(bytes: &[u8]) -> BTreeSet<usize> {
+    let text = String::from_utf8_lossy(bytes);
+    text.match_indices("record ")
+        .filter_map(|(at, _)| text.get(at + 7..at + 11)?.parse().ok())
+        .collect()
+}
+
+/// Opens the queue and reads every record it delivers.
+async fn delivered(dir: &Path) -> BTreeSet<usize> {
+    let (queue, _) = SpillQueue::open(dir, options()).await.unwrap();
+    let mut reader = queue.reader().unwrap();
+    let mut out = BTreeSet::new();
+    loop {
+        let batch = tokio::time::timeout(Duration::from_secs(5), reader.try_next_batch(1000))
+            .await
+            .expect("reading never wedges")
+            .unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        for record in batch {
+            let text = String::from_utf8(record.into_data()).unwrap();
+            let n: usize = text.trim_start_matches("record ").parse().unwrap();
+            assert!(out.len() <= RECORDS * 2, "reading never loops");
+            out.insert(n);
+        }
+    }
+    drop(reader);
+    queue.close().await.unwrap();
+    out
+}
+
+fn check(dir: &Path, extra: &[&str]) -> (Option<i32>, String, Value) {
+    let path = dir.to_str().unwrap();
+    let text = lanes(&[&["spill", "check", path, "--max-record", "64"], extra].concat());
+    let json = lanes(&["spill", "check", path, "--max-record", "64", "--json"]);
+    let stdout =
+        String::from_utf8_lossy(&text.stdout).into_owned() + &String::from_utf8_lossy(&text.stderr);
+    let value = serde_json::from_slice(&json.stdout).unwrap_or(Value::Null);
+    (text.status.code(), stdout, value)
+}
+
+fn all_but(lost: &BTreeSet<usize>) -> BTreeSet<usize> {
+    (0..RECORDS).filter(|i| !lost.contains(i)).collect()
+}
+
+#[tokio::test]
+async fn a_missing_middle_or_first_segment_is_reported_as_lost_data() {
+    for which in ["middle", "first"] {
+        let dir = temp(&format!("gap-{which}"));
+        build(&dir).await;
+        let segments = segments(&dir);
+        assert!(segments.len() >= 4, "{} segments", segments.len());
+        let victim = if which == "middle" { &segments[2] } else { &segments[0] };
+        let lost = numbers_in(&std::fs::read(victim).unwrap());
+        assert!(!lost.is_empty());
+        std::fs::remove_file(victim).unwrap();
+        let (code, out, json) = check(&dir, &[]);
+        assert_eq!(code, Some(3), "{which}: {out}");
+        assert!(out.contains("missing segments    1"), "{which}: {out}");
+        assert_eq!(json["missing_segments"], 1, "{json}");
+        assert_eq!(delivered(&dir).await, all_but(&lost), "{which}");
+        // The loss stays visible after the queue was opened.
+        assert_eq!(check(&dir, &[]).0, Some(3), "{which}");
+    }
+}
+
+#[tokio::test]
+async fn a_segment_replaced_by_a_symlink_is_reported_and_never_followed() {
+    let dir = temp("symlink");
+    build(&dir).await;
+    let victim = segments(&dir)[1].clone();
+    let outside = temp("symlink-target");
+    std::fs::create_dir_all(&outside).unwrap();
+    let target = outside.join("elsewhere.seg");
+    std::fs::rename(&victim, &target).unwrap();
+    std::os::unix::fs::symlink(&target, &victim).unwrap();
+    let lost = numbers_in(&std::fs::read(&target).unwrap());
+    let (code, out, json) = check(&dir, &[]);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(out.contains("not regular files"), "{out}");
+    assert_eq!(json["not_files"].as_array().map(Vec::len), Some(1), "{json}");
+    assert!(out.contains("missing segments    1"), "the replaced segment is missing: {out}");
+    // Never followed: the records outside the directory are not delivered.
+    assert_eq!(delivered(&dir).await, all_but(&lost));
+    assert!(target.exists(), "never touched");
+}
+
+#[tokio::test]
+async fn a_truncated_middle_segment_is_loss_inside_the_queue_not_a_torn_tail() {
+    let dir = temp("truncated");
+    build(&dir).await;
+    let victim = segments(&dir)[2].clone();
+    let bytes = std::fs::read(&victim).unwrap();
+    let before = numbers_in(&bytes);
+    std::fs::write(&victim, &bytes[..bytes.len() - 5]).unwrap();
+    let kept = numbers_in(&bytes[..bytes.len() - 16]);
+    let lost: BTreeSet<usize> = before.difference(&kept).copied().collect();
+    assert_eq!(lost.len(), 1);
+    let (code, out, json) = check(&dir, &[]);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(out.contains("truncated inside    1"), "{out}");
+    assert_eq!(json["torn_tails"], 0, "not an ordinary torn tail: {json}");
+    assert_eq!(delivered(&dir).await, all_but(&lost));
+    assert_eq!(check(&dir, &[]).0, Some(3), "still visible after open");
+}
+
+#[tokio::test]
+async fn a_damaged_segment_header_loses_the_header_not_the_records() {
+    let dir = temp("header");
+    build(&dir).await;
+    let victim = segments(&dir)[1].clone();
+    let mut bytes = std::fs::read(&victim).unwrap();
+    bytes[2] ^= 0x40; // inside the magic
+    std::fs::write(&victim, &bytes).unwrap();
+    let (code, out, _) = check(&dir, &[]);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(out.contains("damaged headers     1"), "{out}");
+    assert_eq!(delivered(&dir).await, all_but(&BTreeSet::new()), "every record is delivered");
+    let (code, out, _) = check(&dir, &[]);
+    assert_eq!(code, Some(0), "the header was rewritten on open: {out}");
+}
+
+/// Writes a STATE with a valid checksum pointing at `segment:offset`.
+fn write_state(dir: &Path, segment: u64, offset: u64) {
+    let mut state = [0u8; 28];
+    state[0..4].copy_from_slice(b"LSPQ");
+    state[4..6].copy_from_slice(&1u16.to_le_bytes());
+    state[8..16].copy_from_slice(&segment.to_le_bytes());
+    state[16..24].copy_from_slice(&offset.to_le_bytes());
+    let crc = crc32c::crc32c(&state[0..24]);
+    state[24..28].copy_from_slice(&crc.to_le_bytes());
+    std::fs::write(dir.join("STATE"), state).unwrap();
+}
+
+fn segment_number(path: &Path) -> u64 {
+    path.file_stem().unwrap().to_str().unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn a_state_inside_a_frame_recovers_to_a_frame_boundary() {
+    let dir = temp("state-mid");
+    build(&dir).await;
+    let second = segments(&dir)[1].clone();
+    let id = segment_number(&second);
+    // Three bytes into the second frame of the segment (header 16, frames of 12 + 11 bytes).
+    write_state(&dir, id, 16 + 23 + 3);
+    let (code, out, json) = check(&dir, &[]);
+    assert_eq!(code, Some(3), "{out}");
+    assert_eq!(json["state_invalid"], true, "{json}");
+    let got = delivered(&dir).await;
+    let in_second = numbers_in(&std::fs::read(&second).unwrap());
+    let first_of_second = *in_second.iter().next().unwrap();
+    // Delivered again from the frame at or before the bad position: the second frame's record
+    // and everything after it; never wedged.
+    let expected: BTreeSet<usize> = (first_of_second + 1..RECORDS).collect();
+    assert!(got.is_superset(&expected), "{got:?}");
+}
+
+#[tokio::test]
+async fn a_state_past_the_last_segment_deletes_nothing() {
+    let dir = temp("state-past");
+    build(&dir).await;
+    let all = segments(&dir);
+    let last = segment_number(all.last().unwrap());
+    write_state(&dir, last + 100, 16);
+    let (code, out, json) = check(&dir, &[]);
+    assert_eq!(code, Some(3), "{out}");
+    assert_eq!(json["state_invalid"], true, "{json}");
+    assert_eq!(segments(&dir).len(), all.len(), "check only reads");
+    assert_eq!(delivered(&dir).await, all_but(&BTreeSet::new()), "nothing deleted, all delivered");
+}
+
+#[tokio::test]
+async fn an_empty_segment_with_the_last_id_is_rejected_without_wrapping() {
+    let dir = temp("max-id");
+    build(&dir).await;
+    std::fs::write(dir.join(format!("{:020}.seg", u64::MAX)), b"").unwrap();
+    let (code, out, _) = check(&dir, &[]);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(out.contains("foreign segments    1"), "{out}");
+    assert_eq!(delivered(&dir).await, all_but(&BTreeSet::new()));
+}
+
+#[tokio::test]
+async fn check_only_reads_and_explains_wrong_input() {
+    let dir = temp("readonly");
+    build(&dir).await;
+    let _ = std::fs::remove_file(dir.join("LOCK"));
+    let (code, out, _) = check(&dir, &[]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(!dir.join("LOCK").exists(), "check without --repair writes nothing");
+
+    let file = dir.join("STATE");
+    let out = lanes(&["spill", "check", file.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a directory"), "{out:?}");
+}
+
+#[tokio::test]
+async fn the_same_directory_twice_in_one_process_says_so() {
+    let dir = temp("twice");
+    let (queue, _) = SpillQueue::open(&dir, options()).await.unwrap();
+    let err = SpillQueue::open(&dir, options()).await.unwrap_err();
+    assert!(matches!(err, SpillError::LockedHere), "{err:?}");
+    assert!(err.to_string().contains("this process"), "{err}");
+    queue.close().await.unwrap();
+    let (again, _) = SpillQueue::open(&dir, options()).await.expect("free again after close");
+    again.close().await.unwrap();
+}
+
+#[tokio::test]
+async fn option_bounds_state_the_real_rule() {
+    let err = SpillQueue::open(temp("bounds"), SpillOptions::default().max_bytes(100_000))
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("max_bytes") && text.contains("at least 8388620"), "{text}");
+    let err = SpillQueue::open(temp("bounds2"), SpillOptions::default().segment_size(1000))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("segment_size"), "{err}");
+}
