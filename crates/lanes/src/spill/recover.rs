@@ -276,6 +276,28 @@ pub(crate) fn recover(
                 report.bytes += len;
             }
         }
+        if repair && !skipped.is_empty() {
+            // Rewrite the segment with its valid frames only, so a repaired queue checks clean;
+            // a committed position in it moves with the frames.
+            let mut out = super::format::segment_header(id).to_vec();
+            let mut moved = committed.offset;
+            for (start, len) in &layout.frames {
+                let old = base + start;
+                if id == committed.segment && old == committed.offset {
+                    moved = out.len() as u64;
+                }
+                out.extend_from_slice(&bytes[old as usize..(old + len) as usize]);
+            }
+            if id == committed.segment && committed.offset == valid_end {
+                moved = out.len() as u64;
+            }
+            storage.write_atomic(&name, &out)?;
+            if id == committed.segment {
+                committed.offset = moved;
+            }
+            segments.push(Segment { id, valid_end: out.len() as u64, skipped: Vec::new() });
+            continue;
+        }
         segments.push(Segment { id, valid_end, skipped });
     }
     // The committed position must point at data recovery kept: into the first kept segment if
@@ -288,6 +310,10 @@ pub(crate) fn recover(
         && committed.offset > segment.valid_end
     {
         committed.offset = segment.valid_end;
+    }
+    // A repair leaves a state that checks clean: the position recovery settled on.
+    if repair && stored.is_some_and(|stored| stored != committed) {
+        storage.write_atomic(STATE, &super::format::encode_state(committed))?;
     }
     report.segments = segments.len();
     report.committed = Some(committed);

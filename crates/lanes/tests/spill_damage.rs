@@ -1,0 +1,238 @@
+//! Randomized damage to a real spill queue directory: byte flips, truncations inside a frame,
+//! deletions of a segment, and state files rewritten to nonsense. Invariants: `check` and
+//! `open` never panic and always end, reading never loops, every record whose bytes were not
+//! touched is delivered, and `check` reports a non-clean queue whenever a record was lost.
+//!
+//! Out of reach of format version 1, and so not generated: deleting the last segment, and
+//! cutting a segment exactly at a frame boundary (nothing on disk says how long a segment was).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use lanes::spill::{self, SpillOptions, SpillQueue, SyncPolicy};
+use proptest::prelude::*;
+
+const RECORDS: usize = 40;
+const FRAME: usize = 12 + 11; // "record NNNN" is 11 bytes
+
+fn options() -> SpillOptions {
+    SpillOptions::default().sync(SyncPolicy::Never).max_record(64).segment_size(256)
+}
+
+fn fresh_dir() -> PathBuf {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "lanes-spill-damage-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn segments(dir: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+        .collect();
+    out.sort();
+    out
+}
+
+/// Where record `n` lives: (segment index, frame start, frame end).
+type Places = Vec<(usize, usize, usize)>;
+
+/// Builds the queue; record 0 is read and acknowledged (so a state file exists).
+async fn build(dir: &Path) -> Places {
+    let (queue, _) = SpillQueue::open(dir, options()).await.unwrap();
+    for i in 0..RECORDS {
+        queue.append(format!("record {i:04}")).await.unwrap();
+    }
+    let mut reader = queue.reader().unwrap();
+    let first = reader.try_next_batch(1).await.unwrap();
+    reader.commit(first[0].position()).await.unwrap();
+    drop(reader);
+    queue.close().await.unwrap();
+    let mut places = vec![(0, 0, 0); RECORDS];
+    for (index, path) in segments(dir).iter().enumerate() {
+        let bytes = std::fs::read(path).unwrap();
+        // Byte offsets (a lossy text conversion would shift them).
+        for at in
+            (0..bytes.len().saturating_sub(10)).filter(|&at| bytes[at..].starts_with(b"record "))
+        {
+            let n: usize = std::str::from_utf8(&bytes[at + 7..at + 11]).unwrap().parse().unwrap();
+            places[n] = (index, at - 12, at - 12 + FRAME);
+        }
+    }
+    places
+}
+
+#[derive(Debug, Clone)]
+enum Damage {
+    /// Flip a byte of segment `segment % len` at `offset % size`.
+    Flip { segment: usize, offset: usize },
+    /// Cut segment `segment % len` inside its frame number `frame`, `into` bytes in.
+    CutInsideFrame { segment: usize, frame: usize, into: usize },
+    /// Delete a segment other than the last.
+    Delete { segment: usize },
+    /// Rewrite the state file: garbage bytes, or a valid one far past the last segment.
+    State { garbage: bool },
+}
+
+fn damage() -> impl Strategy<Value = Damage> {
+    prop_oneof![
+        4 => (0usize..8, 0usize..300).prop_map(|(segment, offset)| Damage::Flip { segment, offset }),
+        2 => (0usize..8, 0usize..12, 1usize..FRAME)
+            .prop_map(|(segment, frame, into)| Damage::CutInsideFrame { segment, frame, into }),
+        1 => (0usize..8).prop_map(|segment| Damage::Delete { segment }),
+        1 => any::<bool>().prop_map(|garbage| Damage::State { garbage }),
+    ]
+}
+
+fn state_bytes(segment: u64, offset: u64) -> Vec<u8> {
+    let mut state = vec![0u8; 28];
+    state[0..4].copy_from_slice(b"LSPQ");
+    state[4..6].copy_from_slice(&1u16.to_le_bytes());
+    state[8..16].copy_from_slice(&segment.to_le_bytes());
+    state[16..24].copy_from_slice(&offset.to_le_bytes());
+    let crc = crc32c::crc32c(&state[0..24]);
+    state[24..28].copy_from_slice(&crc.to_le_bytes());
+    state
+}
+
+/// Applies the damage; answers the records whose bytes it touched (or took away).
+fn apply(dir: &Path, places: &Places, damages: &[Damage]) -> BTreeSet<usize> {
+    let files = segments(dir);
+    let mut touched = BTreeSet::new();
+    let mut deleted = BTreeSet::new();
+    for damage in damages {
+        match damage {
+            Damage::Flip { segment, offset } => {
+                let index = segment % files.len();
+                if deleted.contains(&index) {
+                    continue;
+                }
+                let mut bytes = std::fs::read(&files[index]).unwrap();
+                if bytes.is_empty() {
+                    continue;
+                }
+                let at = offset % bytes.len();
+                bytes[at] ^= 0x5A;
+                std::fs::write(&files[index], &bytes).unwrap();
+                for (n, (s, start, end)) in places.iter().enumerate() {
+                    if *s == index && (*start..*end).contains(&at) {
+                        touched.insert(n);
+                    }
+                }
+            }
+            Damage::CutInsideFrame { segment, frame, into } => {
+                let index = segment % files.len();
+                if deleted.contains(&index) {
+                    continue;
+                }
+                let in_segment: Vec<(usize, usize, usize)> = places
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (s, _, _))| *s == index)
+                    .map(|(n, (_, start, end))| (n, *start, *end))
+                    .collect();
+                if in_segment.is_empty() {
+                    continue;
+                }
+                let (_, start, _) = in_segment[frame % in_segment.len()];
+                let len = std::fs::metadata(&files[index]).unwrap().len() as usize;
+                let cut = start + into;
+                if cut >= len {
+                    continue; // already shorter (an earlier cut)
+                }
+                let file = std::fs::OpenOptions::new().write(true).open(&files[index]).unwrap();
+                file.set_len(cut as u64).unwrap();
+                for (n, s_start, end) in in_segment {
+                    if end > cut {
+                        let _ = s_start;
+                        touched.insert(n);
+                    }
+                }
+            }
+            Damage::Delete { segment } => {
+                let index = segment % files.len();
+                if index + 1 == files.len() || deleted.contains(&index) {
+                    continue; // the last segment: out of reach of format 1 (see the module docs)
+                }
+                std::fs::remove_file(&files[index]).unwrap();
+                deleted.insert(index);
+                for (n, (s, _, _)) in places.iter().enumerate() {
+                    if *s == index {
+                        touched.insert(n);
+                    }
+                }
+            }
+            Damage::State { garbage } => {
+                let bytes =
+                    if *garbage { b"not a state".to_vec() } else { state_bytes(1 << 40, 16) };
+                std::fs::write(dir.join("STATE"), bytes).unwrap();
+            }
+        }
+    }
+    touched
+}
+
+async fn delivered(dir: &Path) -> BTreeSet<usize> {
+    let (queue, _) =
+        tokio::time::timeout(Duration::from_secs(10), SpillQueue::open(dir, options()))
+            .await
+            .expect("open ends")
+            .expect("open never refuses a damaged directory");
+    let mut reader = queue.reader().unwrap();
+    let mut out = BTreeSet::new();
+    let mut reads = 0;
+    loop {
+        let batch = tokio::time::timeout(Duration::from_secs(10), reader.try_next_batch(100))
+            .await
+            .expect("reading ends")
+            .unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        reads += 1;
+        assert!(reads < 100, "reading never loops");
+        for record in batch {
+            let text = String::from_utf8(record.into_data()).unwrap();
+            if let Some(n) = text.strip_prefix("record ").and_then(|n| n.parse().ok()) {
+                out.insert(n);
+            }
+        }
+    }
+    drop(reader);
+    queue.close().await.unwrap();
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    #[test]
+    fn damage_is_reported_and_every_untouched_record_delivered(
+        damages in proptest::collection::vec(damage(), 1..5)
+    ) {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let dir = fresh_dir();
+        let places = runtime.block_on(build(&dir));
+        let touched = apply(&dir, &places, &damages);
+        let report = spill::check(&dir, 64).expect("check never refuses a damaged directory");
+        let got = runtime.block_on(delivered(&dir));
+        // Record 0 was acknowledged before the damage.
+        let untouched: BTreeSet<usize> = (1..RECORDS).filter(|n| !touched.contains(n)).collect();
+        let missing: Vec<usize> = untouched.difference(&got).copied().collect();
+        prop_assert!(missing.is_empty(), "untouched records not delivered: {missing:?}; {damages:?}; {report:?}");
+        let lost: Vec<usize> = (1..RECORDS).filter(|n| !got.contains(n)).collect();
+        prop_assert!(
+            lost.is_empty() || !report.is_clean(),
+            "records {lost:?} lost but check said clean: {damages:?}; {report:?}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
