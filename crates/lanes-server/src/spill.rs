@@ -18,7 +18,8 @@ pub(crate) enum SpillCommand {
         /// Truncate torn tails and drop foreign or acknowledged segments, as opening would.
         #[arg(long)]
         repair: bool,
-        /// The largest record the queue accepts (frames claiming more are corrupt).
+        /// Accepted for compatibility and ignored: every frame that passes its two checksums is
+        /// a record, whatever `max_record` it was written under, so a repair never drops one.
         #[arg(long, default_value_t = 8 << 20)]
         max_record: u32,
         /// Print the report as JSON.

@@ -299,3 +299,27 @@ async fn after_a_repair_of_a_corrupt_region_check_is_clean() {
     assert_eq!(code, Some(0), "a repaired queue checks clean: {out}");
     assert_eq!(delivered(&dir).await, all_but(&lost));
 }
+
+/// Issue 12, first row: `--repair --max-record 100` on a queue of larger records destroyed
+/// most of them. Frames check themselves; a wrong setting drops nothing.
+#[tokio::test]
+async fn a_repair_with_a_smaller_max_record_drops_nothing() {
+    let dir = temp("small-max");
+    build(&dir).await;
+    let path = dir.to_str().unwrap();
+    let repaired = lanes(&["spill", "check", path, "--repair", "--max-record", "4"]);
+    assert_eq!(repaired.status.code(), Some(0), "{repaired:?}");
+    let (code, out, json) = check(&dir, &[]);
+    assert_eq!(code, Some(0), "{out}");
+    assert_eq!(json["records"], RECORDS, "{json}");
+    assert_eq!(delivered(&dir).await, all_but(&BTreeSet::new()));
+    // A queue reopened with a smaller max_record still reads the larger records it holds.
+    let (queue, report) =
+        SpillQueue::open(&dir, options().max_record(4).segment_size(256)).await.unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    let mut reader = queue.reader().unwrap();
+    let batch = reader.try_next_batch(1000).await.unwrap();
+    assert_eq!(batch.len(), RECORDS);
+    drop(reader);
+    queue.close().await.unwrap();
+}

@@ -236,3 +236,32 @@ proptest! {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// A record written under a larger `max_record` (here longer than the reader's 1 MiB chunk) is
+/// still read back after the queue is reopened with a small one.
+#[tokio::test]
+async fn a_record_larger_than_the_reopened_max_record_is_still_read() {
+    let dir = fresh_dir();
+    let big = vec![7u8; 1_500_000];
+    let large = SpillOptions::default().sync(SyncPolicy::Never).max_record(2 << 20);
+    let (queue, _) = SpillQueue::open(&dir, large).await.unwrap();
+    queue.append(big.clone()).await.unwrap();
+    queue.append(b"small".to_vec()).await.unwrap();
+    queue.close().await.unwrap();
+    let small = SpillOptions::default().sync(SyncPolicy::Never).max_record(16);
+    let (queue, report) = SpillQueue::open(&dir, small).await.unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    let mut reader = queue.reader().unwrap();
+    let mut got = Vec::new();
+    loop {
+        let batch = reader.try_next_batch(10).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        got.extend(batch.into_iter().map(|r| r.into_data()));
+    }
+    assert_eq!(got, vec![big, b"small".to_vec()]);
+    drop(reader);
+    queue.close().await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -816,7 +816,9 @@ fn read_frames(
     let mut at = 0usize;
     while records.len() < want && at < buf.len() {
         let position = Position { segment: plan.segment, offset: plan.from + at as u64 };
-        match frame::scan_at(&buf[at..], max_record) {
+        // Frames check themselves (two CRCs): one larger than this queue's `max_record` was
+        // written under another setting and is still a record, never corruption.
+        match frame::scan_at(&buf[at..], u32::MAX) {
             Scanned::Frame { len } => {
                 let payload = buf[at + HEADER..at + len as usize].to_vec();
                 at += len as usize;
@@ -824,7 +826,26 @@ fn read_frames(
                 records.push((payload, end, len));
             }
             Scanned::Short if !records.is_empty() => break,
-            Scanned::Short | Scanned::Invalid => return Err(SpillError::Corrupt { position }),
+            Scanned::Short => {
+                // The first frame is longer than the chunk read: read it whole.
+                let Some(header) = frame::header(&buf[at..], u32::MAX) else {
+                    return Err(SpillError::Corrupt { position });
+                };
+                let len = HEADER as u64 + u64::from(header.len);
+                if plan.from + len > plan.to {
+                    return Err(SpillError::Corrupt { position });
+                }
+                let mut whole = vec![0u8; len as usize];
+                let n = storage.read_at(&name, plan.from, &mut whole)?;
+                if n as u64 != len || !frame::payload_ok(header, &whole[HEADER..]) {
+                    return Err(SpillError::Corrupt { position });
+                }
+                let end = Position { segment: plan.segment, offset: plan.from + len };
+                records.push((whole.split_off(HEADER), end, len));
+                at = len as usize;
+                break;
+            }
+            Scanned::Invalid => return Err(SpillError::Corrupt { position }),
         }
     }
     Ok(Read { records, next: Position { segment: plan.segment, offset: plan.from + at as u64 } })

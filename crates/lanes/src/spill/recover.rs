@@ -117,9 +117,13 @@ pub(crate) struct Recovered {
 
 /// Scans the directory. With `repair`, truncates torn tails, removes foreign segments, fully
 /// acknowledged segments and leftover temporary files. Without, changes nothing.
+///
+/// `_max_record` is not a bound on what counts as a record: a frame that passes both its
+/// checksums is one, whatever setting it was written under (so a wrong `--max-record` can never
+/// make a repair drop valid records).
 pub(crate) fn recover(
     storage: &dyn Storage,
-    max_record: u32,
+    _max_record: u32,
     repair: bool,
 ) -> io::Result<Recovered> {
     let names = storage.list()?;
@@ -137,7 +141,7 @@ pub(crate) fn recover(
         report.bad_segments += 1;
         report.bad_segment_bytes += bytes.len() as u64;
         if repair
-            && frame::scan(bytes.get(SEGMENT_HEADER as usize..).unwrap_or(&[]), max_record)
+            && frame::scan(bytes.get(SEGMENT_HEADER as usize..).unwrap_or(&[]), u32::MAX)
                 .frames
                 .is_empty()
         {
@@ -210,7 +214,10 @@ pub(crate) fn recover(
         }
         let bytes = storage.read_all(&name)?;
         let body = bytes.get(SEGMENT_HEADER as usize..).unwrap_or(&[]);
-        let layout: Layout = frame::scan(body, max_record);
+        // Frames check themselves (header and payload CRCs): every valid frame is a record,
+        // whatever `max_record` the caller gives, so a repair never drops one written under a
+        // larger setting.
+        let layout: Layout = frame::scan(body, u32::MAX);
         if !segment_header_ok(&bytes, id) {
             // Frames check themselves: a damaged header loses the header, not the records.
             if layout.frames.is_empty() {
