@@ -301,8 +301,10 @@ impl LocalLimits {
             Self::settle(&mut inner, &slot, now);
             return Err(err);
         }
+        // The limit was handed to the table to be removed: its last token is the table's (the
+        // cell's may be older), which the table's floor now holds.
         let (_, fence, _) = slot.cell.counters();
-        inner.fence_floor = inner.fence_floor.max(fence);
+        inner.fence_floor = inner.fence_floor.max(fence).max(inner.table.fence_floor());
         slot.removed.store(true, Ordering::Release);
         self.shared.slots.write().unwrap_or_else(std::sync::PoisonError::into_inner).remove(name);
         Ok(())

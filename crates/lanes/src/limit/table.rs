@@ -767,6 +767,11 @@ impl LimitTable {
         state.max_in_use = state.max_in_use.max(counters.max_in_use);
     }
 
+    /// The highest fencing token of every limit removed from this table so far.
+    pub(crate) fn fence_floor(&self) -> u64 {
+        self.fence_floor
+    }
+
     /// Sets how many permits of `name` are held outside the table.
     pub(crate) fn set_external(&mut self, name: &str, external: u32) {
         if let Some(state) = self.limits.get_mut(name) {
