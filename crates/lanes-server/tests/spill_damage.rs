@@ -122,6 +122,21 @@ async fn a_missing_middle_or_first_segment_is_reported_as_lost_data() {
     }
 }
 
+/// The state file records the last segment id ever created, so losing the last segment is
+/// reported too.
+#[tokio::test]
+async fn a_deleted_last_segment_is_reported_as_lost_data() {
+    let dir = temp("gap-last");
+    build(&dir).await;
+    let victim = segments(&dir).last().unwrap().clone();
+    let lost = numbers_in(&std::fs::read(&victim).unwrap());
+    std::fs::remove_file(&victim).unwrap();
+    let (code, out, json) = check(&dir, &[]);
+    assert_eq!(code, Some(3), "{out}");
+    assert_eq!(json["missing_segments"], 1, "{json}");
+    assert_eq!(delivered(&dir).await, all_but(&lost));
+}
+
 #[tokio::test]
 async fn a_segment_replaced_by_a_symlink_is_reported_and_never_followed() {
     let dir = temp("symlink");

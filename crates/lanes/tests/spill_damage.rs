@@ -3,8 +3,8 @@
 //! `open` never panic and always end, reading never loops, every record whose bytes were not
 //! touched is delivered, and `check` reports a non-clean queue whenever a record was lost.
 //!
-//! Out of reach of format version 1, and so not generated: deleting the last segment, and
-//! cutting a segment exactly at a frame boundary (nothing on disk says how long a segment was).
+//! Out of reach of the format, and so not generated: cutting a segment exactly at a frame
+//! boundary (nothing on disk says how long a segment was).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -76,7 +76,7 @@ enum Damage {
     Flip { segment: usize, offset: usize },
     /// Cut segment `segment % len` inside its frame number `frame`, `into` bytes in.
     CutInsideFrame { segment: usize, frame: usize, into: usize },
-    /// Delete a segment other than the last.
+    /// Delete a segment (the last one too: the state file records the last id).
     Delete { segment: usize },
     /// Rewrite the state file: garbage bytes, or a valid one far past the last segment.
     State { garbage: bool },
@@ -159,8 +159,8 @@ fn apply(dir: &Path, places: &Places, damages: &[Damage]) -> BTreeSet<usize> {
             }
             Damage::Delete { segment } => {
                 let index = segment % files.len();
-                if index + 1 == files.len() || deleted.contains(&index) {
-                    continue; // the last segment: out of reach of format 1 (see the module docs)
+                if deleted.contains(&index) {
+                    continue;
                 }
                 std::fs::remove_file(&files[index]).unwrap();
                 deleted.insert(index);

@@ -5,8 +5,12 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// The on-disk format version, in every segment header and in the state file.
-pub const FORMAT_VERSION: u16 = 1;
+/// The on-disk format version: segment headers carry 1 (unchanged), the state file 2 (it also
+/// records the highest segment id ever created). Version 1 state files are read too.
+pub const FORMAT_VERSION: u16 = 2;
+
+/// The version written in segment headers.
+const SEGMENT_VERSION: u16 = 1;
 
 /// The lock file: held (advisory `flock`) by the process that owns the queue.
 pub(crate) const LOCK: &str = "LOCK";
@@ -18,7 +22,8 @@ const STATE_MAGIC: [u8; 4] = *b"LSPQ";
 
 /// Bytes of a segment header.
 pub(crate) const SEGMENT_HEADER: u64 = 16;
-const STATE_LEN: usize = 28;
+const STATE_LEN_V1: usize = 28;
+const STATE_LEN: usize = 36;
 
 /// A place in the queue: a segment and a byte offset in it. Positions order records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -58,7 +63,7 @@ pub(crate) fn segment_id(name: &str) -> Option<u64> {
 pub(crate) fn segment_header(id: u64) -> [u8; SEGMENT_HEADER as usize] {
     let mut header = [0u8; SEGMENT_HEADER as usize];
     header[0..4].copy_from_slice(&SEGMENT_MAGIC);
-    header[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    header[4..6].copy_from_slice(&SEGMENT_VERSION.to_le_bytes());
     header[8..16].copy_from_slice(&id.to_le_bytes());
     header
 }
@@ -68,27 +73,46 @@ pub(crate) fn segment_header_ok(bytes: &[u8], id: u64) -> bool {
     bytes.len() >= SEGMENT_HEADER as usize && bytes[..SEGMENT_HEADER as usize] == segment_header(id)
 }
 
-/// The state file's bytes for a committed position.
-pub(crate) fn encode_state(committed: Position) -> [u8; STATE_LEN] {
+/// The state file's bytes: the committed position and the highest segment id ever created
+/// (so recovery can tell a deleted last segment from one never written).
+pub(crate) fn encode_state(committed: Position, last: u64) -> [u8; STATE_LEN] {
     let mut out = [0u8; STATE_LEN];
     out[0..4].copy_from_slice(&STATE_MAGIC);
     out[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     out[8..16].copy_from_slice(&committed.segment.to_le_bytes());
     out[16..24].copy_from_slice(&committed.offset.to_le_bytes());
-    let crc = crc32c::crc32c(&out[0..24]);
-    out[24..28].copy_from_slice(&crc.to_le_bytes());
+    out[24..32].copy_from_slice(&last.to_le_bytes());
+    let crc = crc32c::crc32c(&out[0..32]);
+    out[32..36].copy_from_slice(&crc.to_le_bytes());
     out
 }
 
-/// The committed position in a state file, if it is valid.
-pub(crate) fn decode_state(bytes: &[u8]) -> Option<Position> {
-    let bytes: &[u8; STATE_LEN] = bytes.try_into().ok()?;
+/// A state file's contents, if it is valid.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct State {
+    pub(crate) committed: Position,
+    /// The highest segment id ever created (version 2 and later).
+    pub(crate) last: Option<u64>,
+}
+
+/// The committed position (and, from version 2, the last segment id) in a state file.
+pub(crate) fn decode_state(bytes: &[u8]) -> Option<State> {
     let u64_at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
-    let crc = u32::from_le_bytes(bytes[24..28].try_into().expect("4 bytes"));
-    let ok = bytes[0..4] == STATE_MAGIC
-        && u16::from_le_bytes([bytes[4], bytes[5]]) == FORMAT_VERSION
-        && crc32c::crc32c(&bytes[0..24]) == crc;
-    ok.then(|| Position { segment: u64_at(8), offset: u64_at(16) })
+    let u32_at = |i: usize| u32::from_le_bytes(bytes[i..i + 4].try_into().expect("4 bytes"));
+    if bytes.len() < 6 || bytes[0..4] != STATE_MAGIC {
+        return None;
+    }
+    match (u16::from_le_bytes([bytes[4], bytes[5]]), bytes.len()) {
+        (1, STATE_LEN_V1) => (crc32c::crc32c(&bytes[0..24]) == u32_at(24)).then(|| State {
+            committed: Position { segment: u64_at(8), offset: u64_at(16) },
+            last: None,
+        }),
+        (2, STATE_LEN) => (crc32c::crc32c(&bytes[0..32]) == u32_at(32)).then(|| State {
+            committed: Position { segment: u64_at(8), offset: u64_at(16) },
+            last: Some(u64_at(24)),
+        }),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -104,11 +128,20 @@ mod tests {
         assert!(segment_header_ok(&segment_header(9), 9));
         assert!(!segment_header_ok(&segment_header(9), 8));
         let position = Position { segment: 3, offset: 1234 };
-        let state = encode_state(position);
-        assert_eq!(decode_state(&state), Some(position));
+        let state = encode_state(position, 9);
+        assert_eq!(decode_state(&state), Some(State { committed: position, last: Some(9) }));
         let mut broken = state;
         broken[10] ^= 1;
         assert_eq!(decode_state(&broken), None);
         assert_eq!(decode_state(&state[..20]), None);
+        // Version 1 state files (no last segment id) are still read.
+        let mut v1 = [0u8; STATE_LEN_V1];
+        v1[0..4].copy_from_slice(&STATE_MAGIC);
+        v1[4..6].copy_from_slice(&1u16.to_le_bytes());
+        v1[8..16].copy_from_slice(&3u64.to_le_bytes());
+        v1[16..24].copy_from_slice(&1234u64.to_le_bytes());
+        let crc = crc32c::crc32c(&v1[0..24]);
+        v1[24..28].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(decode_state(&v1), Some(State { committed: position, last: None }));
     }
 }

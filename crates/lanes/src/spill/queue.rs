@@ -360,8 +360,17 @@ impl SpillQueue {
                 (id, SEGMENT_HEADER, file)
             }
         };
-        if !storage.list()?.iter().any(|n| n == STATE) {
-            storage.write_atomic(STATE, &encode_state(committed))?;
+        // The state file records the last segment id from the start (a version 1 file is
+        // rewritten as version 2 here).
+        let current = storage
+            .list()?
+            .iter()
+            .any(|n| n == STATE)
+            .then(|| storage.read_all(STATE))
+            .transpose()?
+            .and_then(|bytes| format::decode_state(&bytes));
+        if current.is_none_or(|state| state.last.is_none_or(|last| last < active)) {
+            storage.write_atomic(STATE, &encode_state(committed, active))?;
         }
         let mut extents: BTreeMap<u64, Extent> = recovered
             .segments
@@ -1082,6 +1091,9 @@ impl Writer {
         self.file = create_segment(&*self.storage, id)?;
         self.active = id;
         self.active_len = SEGMENT_HEADER;
+        // After the file exists (a crash in between leaves a segment past the recorded last,
+        // which is fine; the other order would report a loss that did not happen).
+        self.storage.write_atomic(STATE, &encode_state(self.persisted, id))?;
         if let Some(inner) = self.inner.upgrade() {
             let mut shared = lock(&inner.shared);
             shared.extents.insert(id, Extent { valid_end: SEGMENT_HEADER, skipped: Vec::new() });
@@ -1096,7 +1108,7 @@ impl Writer {
         if self.wanted <= self.persisted {
             return Ok(());
         }
-        self.storage.write_atomic(STATE, &encode_state(self.wanted))?;
+        self.storage.write_atomic(STATE, &encode_state(self.wanted, self.active))?;
         self.persisted = self.wanted;
         let covered: Vec<u64> = match self.inner.upgrade() {
             Some(inner) => {

@@ -153,7 +153,7 @@ pub(crate) fn recover(
             storage.remove(name)?;
         }
     }
-    let stored = if names.iter().any(|n| n == STATE) {
+    let state = if names.iter().any(|n| n == STATE) {
         let state = decode_state(&storage.read_all(STATE)?);
         report.state_reset = state.is_none();
         state
@@ -161,6 +161,8 @@ pub(crate) fn recover(
         // A new queue, or one whose state was never written: start at the first segment.
         None
     };
+    let stored = state.map(|state| state.committed);
+    let recorded_last = state.and_then(|state| state.last);
     let first = ids.first().copied().unwrap_or(1);
     let mut committed = stored.unwrap_or_else(|| Position::start_of(first));
     // Invariant 3: a state past the last segment (other than the start of the next one, where
@@ -197,6 +199,20 @@ pub(crate) fn recover(
                     }
                 }
                 expected = id + 1;
+            }
+        }
+    }
+    // The state records the highest id ever created: segments after the last present one were
+    // deleted (a crash never removes a segment).
+    if let (Some(recorded), false) = (recorded_last, report.state_invalid) {
+        let present = ids.last().copied().unwrap_or(0);
+        if recorded > present && recorded != u64::MAX {
+            let from = present.saturating_add(1).max(committed.segment);
+            if recorded >= from {
+                report.missing_segments += recorded - from + 1;
+                if report.missing_ranges.len() < 16 {
+                    report.missing_ranges.push((from, recorded));
+                }
             }
         }
     }
@@ -320,7 +336,8 @@ pub(crate) fn recover(
     }
     // A repair leaves a state that checks clean: the position recovery settled on.
     if repair && stored.is_some_and(|stored| stored != committed) {
-        storage.write_atomic(STATE, &super::format::encode_state(committed))?;
+        let last = recorded_last.unwrap_or(0).max(last_id.unwrap_or(committed.segment));
+        storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
     }
     report.segments = segments.len();
     report.committed = Some(committed);
