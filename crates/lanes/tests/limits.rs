@@ -416,3 +416,61 @@ async fn the_fast_path_and_the_table_never_break_the_bound() {
         assert!(info.granted_total >= tokens.lock().unwrap().len() as u64, "{info:?}");
     }
 }
+
+/// Review findings: a limit the table governed (a lapsed lease reclaimed by a late release or
+/// a renewal) kept tokens the fast path never saw; removing and defining it again repeated one.
+mod fencing_after_lapsed_leases {
+    use std::time::Duration;
+
+    use lanes::limit::{Answer, LimitBackend, LocalLimits};
+    use lanes::{LimitSpec, Priority};
+
+    fn token(a: Answer) -> u64 {
+        match a {
+            Answer::Granted(g) => g.fencing_token,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fence_repeats_after_lapsed_lease_release_then_remove_define() {
+        let b = LocalLimits::new();
+        b.define("x", LimitSpec::concurrent(1)).await.unwrap();
+        let t1 = b.ticket();
+        let first = token(
+            b.acquire("x", t1, &Priority::default(), Some(Duration::from_secs(1))).await.unwrap(),
+        );
+        tokio::time::advance(Duration::from_secs(2)).await;
+        // The owner releases late: the lease already lapsed (Released::Unknown, no settle).
+        let _ = b.release("x", t1).await.unwrap();
+        b.remove("x").await.unwrap();
+        b.define("x", LimitSpec::concurrent(1)).await.unwrap();
+        let t2 = b.ticket();
+        let second = token(b.acquire("x", t2, &Priority::default(), None).await.unwrap());
+        assert!(
+            second > first,
+            "fencing token repeated across remove+define: {first} then {second}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn fence_repeats_after_renew_of_lapsed_lease_then_remove_define() {
+        let b = LocalLimits::new();
+        b.define("x", LimitSpec::concurrent(1)).await.unwrap();
+        let t1 = b.ticket();
+        let first = token(
+            b.acquire("x", t1, &Priority::default(), Some(Duration::from_secs(1))).await.unwrap(),
+        );
+        tokio::time::advance(Duration::from_secs(2)).await;
+        let lost = b.renew("x", &[t1], Duration::from_secs(1)).await.unwrap();
+        assert_eq!(lost, vec![t1]);
+        b.remove("x").await.unwrap();
+        b.define("x", LimitSpec::concurrent(1)).await.unwrap();
+        let t2 = b.ticket();
+        let second = token(b.acquire("x", t2, &Priority::default(), None).await.unwrap());
+        assert!(
+            second > first,
+            "fencing token repeated across remove+define: {first} then {second}"
+        );
+    }
+}

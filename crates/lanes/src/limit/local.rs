@@ -427,9 +427,9 @@ impl LocalLimits {
         }
         match inner.table.release(&slot.name, ticket, now) {
             Ok(released) => {
-                if released != Released::Unknown {
-                    Self::settle(&mut inner, slot, now);
-                }
+                // Even an unknown ticket may have been reclaimed by this very call (its lease
+                // had ended): settle, so an idle table hands the limit back.
+                Self::settle(&mut inner, slot, now);
                 released
             }
             Err(_) => Released::Unknown,
@@ -542,10 +542,10 @@ impl LocalLimits {
     ) -> Result<Vec<u64>, LimitError> {
         let mut inner = lock(&self.shared.inner);
         let now = self.now();
-        if self.slot(name).is_none() {
+        let Some(slot) = self.slot(name) else {
             return Err(LimitError::UnknownLimit(name.to_owned()));
-        }
-        if inner.table.info(name).is_none() {
+        };
+        if !inner.table.governs(name) {
             // The table holds no ticket of this limit: every one of them is gone.
             return Ok(tickets.to_vec());
         }
@@ -557,12 +557,26 @@ impl LocalLimits {
                 lost.push(ticket);
             }
         }
+        // A renewal may have reclaimed lapsed leases: let waiters in, hand an idle limit back.
+        Self::settle(&mut inner, &slot, now);
         Ok(lost)
     }
 
     /// Resolves when the answer for `ticket` may have changed (it can be granted, it no longer
     /// waits, the refill or lease end it waits for is due), or after `at_most`.
     pub(crate) async fn wait_now(&self, name: &str, ticket: u64, at_most: Duration) {
+        /// Takes the waker out however the wait ends (a cancelled long-poll included): a waker
+        /// left behind would make the pump skip this ticket's grant-on-behalf rules.
+        struct Unpark<'a> {
+            local: &'a LocalLimits,
+            ticket: u64,
+        }
+        impl Drop for Unpark<'_> {
+            fn drop(&mut self) {
+                lock(&self.local.shared.inner).wakers.remove(&self.ticket);
+            }
+        }
+        let _unpark = Unpark { local: self, ticket };
         let mut sleep = Box::pin(tokio::time::sleep(at_most));
         poll_fn(|cx| {
             if sleep.as_mut().poll(cx).is_ready() {
@@ -594,9 +608,6 @@ impl LocalLimits {
             Poll::Pending
         })
         .await;
-        // A waker left behind would make the pump skip this ticket's grant-on-behalf rules.
-        let mut inner = lock(&self.shared.inner);
-        inner.wakers.remove(&ticket);
     }
 
     /// Polls a waiting ticket of the local facade once: see [`step`](Self::step). `timer` is the

@@ -270,8 +270,11 @@ pub(crate) fn recover(
         }
         // Invariant 3: the committed position is a frame boundary of its segment.
         if id == committed.segment && !report.state_invalid {
+            // A frame start, the valid end, or where a corrupt region starts (the frame there
+            // was damaged after the position was committed).
             let boundary = committed.offset == valid_end
-                || layout.frames.iter().any(|(start, _)| base + start == committed.offset);
+                || layout.frames.iter().any(|(start, _)| base + start == committed.offset)
+                || layout.skipped.iter().any(|(start, _)| base + start == committed.offset);
             if !boundary {
                 report.state_invalid = true;
                 let before = layout
@@ -299,25 +302,31 @@ pub(crate) fn recover(
                 report.bytes += len;
             }
         }
-        if repair && !skipped.is_empty() {
+        // A torn segment before the last is left as found (its loss stays visible).
+        let torn_inside = tail > 0 && Some(id) != last_id;
+        if repair && !skipped.is_empty() && !torn_inside {
             // Rewrite the segment with its valid frames only, so a repaired queue checks clean;
-            // a committed position in it moves with the frames.
+            // a committed position in it moves with the frames: to the first frame at or after
+            // it, or the new end.
             let mut out = super::format::segment_header(id).to_vec();
-            let mut moved = committed.offset;
+            let mut moved = None;
             for (start, len) in &layout.frames {
                 let old = base + start;
-                if id == committed.segment && old == committed.offset {
-                    moved = out.len() as u64;
+                if moved.is_none() && old >= committed.offset {
+                    moved = Some(out.len() as u64);
                 }
                 out.extend_from_slice(&bytes[old as usize..(old + len) as usize]);
             }
-            if id == committed.segment && committed.offset == valid_end {
-                moved = out.len() as u64;
+            let moved = moved.unwrap_or(out.len() as u64);
+            if id == committed.segment && moved != committed.offset {
+                // The state first: killed between the two writes, an offset too early in the
+                // old file is found and delivered again; one too late in the new file would
+                // skip records never acknowledged.
+                committed.offset = moved;
+                let last = recorded_last.unwrap_or(0).max(last_id.unwrap_or(id));
+                storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
             }
             storage.write_atomic(&name, &out)?;
-            if id == committed.segment {
-                committed.offset = moved;
-            }
             segments.push(Segment { id, valid_end: out.len() as u64, skipped: Vec::new() });
             continue;
         }
