@@ -13,6 +13,8 @@ use lanes::spill::{SpillError, SpillOptions, SpillQueue, SyncPolicy};
 use serde_json::Value;
 
 const RECORDS: usize = 60;
+/// Bytes of the seal that ends every segment the writer moved on from (format version 2).
+const SEAL: usize = 20;
 
 fn lanes(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_lanes")).args(args).output().expect("run the lanes binary")
@@ -165,8 +167,10 @@ async fn a_truncated_middle_segment_is_loss_inside_the_queue_not_a_torn_tail() {
     let victim = segments(&dir)[2].clone();
     let bytes = std::fs::read(&victim).unwrap();
     let before = numbers_in(&bytes);
-    std::fs::write(&victim, &bytes[..bytes.len() - 5]).unwrap();
-    let kept = numbers_in(&bytes[..bytes.len() - 16]);
+    // A sealed segment ends with a 20-byte seal: cut through it and 5 bytes into the last record.
+    let cut = bytes.len() - SEAL - 5;
+    std::fs::write(&victim, &bytes[..cut]).unwrap();
+    let kept = numbers_in(&bytes[..cut - 11]);
     let lost: BTreeSet<usize> = before.difference(&kept).copied().collect();
     assert_eq!(lost.len(), 1);
     let (code, out, json) = check(&dir, &[]);
@@ -175,6 +179,26 @@ async fn a_truncated_middle_segment_is_loss_inside_the_queue_not_a_torn_tail() {
     assert_eq!(json["torn_tails"], 0, "not an ordinary torn tail: {json}");
     assert_eq!(delivered(&dir).await, all_but(&lost));
     assert_eq!(check(&dir, &[]).0, Some(3), "still visible after open");
+}
+
+/// Format version 2 seals a segment when the writer moves on: a segment cut exactly at a frame
+/// boundary (its seal and whole records gone) is loss inside the queue too.
+#[tokio::test]
+async fn a_middle_segment_cut_at_a_frame_boundary_is_reported() {
+    let dir = temp("cut-boundary");
+    build(&dir).await;
+    let victim = segments(&dir)[1].clone();
+    let bytes = std::fs::read(&victim).unwrap();
+    // Drop the seal and the last two whole records.
+    let cut = bytes.len() - SEAL - 2 * 23;
+    std::fs::write(&victim, &bytes[..cut]).unwrap();
+    let lost: BTreeSet<usize> =
+        numbers_in(&bytes).difference(&numbers_in(&bytes[..cut])).copied().collect();
+    assert_eq!(lost.len(), 2);
+    let (code, out, _) = check(&dir, &[]);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(out.contains("truncated inside    1"), "{out}");
+    assert_eq!(delivered(&dir).await, all_but(&lost));
 }
 
 #[tokio::test]

@@ -3,8 +3,8 @@
 //! `open` never panic and always end, reading never loops, every record whose bytes were not
 //! touched is delivered, and `check` reports a non-clean queue whenever a record was lost.
 //!
-//! Out of reach of the format, and so not generated: cutting a segment exactly at a frame
-//! boundary (nothing on disk says how long a segment was).
+//! Out of reach of the format, and so not generated: cutting the last (unsealed) segment
+//! exactly at a frame boundary (nothing on disk says how long it was).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -78,6 +78,9 @@ enum Damage {
     CutInsideFrame { segment: usize, frame: usize, into: usize },
     /// Delete a segment (the last one too: the state file records the last id).
     Delete { segment: usize },
+    /// Cut a segment other than the last exactly at the start of its frame number `frame`
+    /// (its seal shows what is missing).
+    CutAtBoundary { segment: usize, frame: usize },
     /// Rewrite the state file: garbage bytes, or a valid one far past the last segment.
     State { garbage: bool },
 }
@@ -88,6 +91,8 @@ fn damage() -> impl Strategy<Value = Damage> {
         2 => (0usize..8, 0usize..12, 1usize..FRAME)
             .prop_map(|(segment, frame, into)| Damage::CutInsideFrame { segment, frame, into }),
         1 => (0usize..8).prop_map(|segment| Damage::Delete { segment }),
+        1 => (0usize..8, 0usize..12)
+            .prop_map(|(segment, frame)| Damage::CutAtBoundary { segment, frame }),
         1 => any::<bool>().prop_map(|garbage| Damage::State { garbage }),
     ]
 }
@@ -153,6 +158,33 @@ fn apply(dir: &Path, places: &Places, damages: &[Damage]) -> BTreeSet<usize> {
                 for (n, s_start, end) in in_segment {
                     if end > cut {
                         let _ = s_start;
+                        touched.insert(n);
+                    }
+                }
+            }
+            Damage::CutAtBoundary { segment, frame } => {
+                let index = segment % files.len();
+                if index + 1 == files.len() || deleted.contains(&index) {
+                    continue; // the last segment has no seal yet (see the module docs)
+                }
+                let in_segment: Vec<(usize, usize, usize)> = places
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (s, _, _))| *s == index)
+                    .map(|(n, (_, start, end))| (n, *start, *end))
+                    .collect();
+                if in_segment.is_empty() {
+                    continue;
+                }
+                let (_, cut, _) = in_segment[frame % in_segment.len()];
+                let len = std::fs::metadata(&files[index]).unwrap().len() as usize;
+                if cut >= len {
+                    continue;
+                }
+                let file = std::fs::OpenOptions::new().write(true).open(&files[index]).unwrap();
+                file.set_len(cut as u64).unwrap();
+                for (n, _, end) in in_segment {
+                    if end > cut {
                         touched.insert(n);
                     }
                 }

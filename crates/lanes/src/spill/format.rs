@@ -5,12 +5,10 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// The on-disk format version: segment headers carry 1 (unchanged), the state file 2 (it also
-/// records the highest segment id ever created). Version 1 state files are read too.
+/// The on-disk format version, 2: segments are sealed when the writer moves on (a seal frame
+/// records the data length), and the state file records the highest segment id ever created.
+/// Version 1 segments and state files are read too.
 pub const FORMAT_VERSION: u16 = 2;
-
-/// The version written in segment headers.
-const SEGMENT_VERSION: u16 = 1;
 
 /// The lock file: held (advisory `flock`) by the process that owns the queue.
 pub(crate) const LOCK: &str = "LOCK";
@@ -63,14 +61,23 @@ pub(crate) fn segment_id(name: &str) -> Option<u64> {
 pub(crate) fn segment_header(id: u64) -> [u8; SEGMENT_HEADER as usize] {
     let mut header = [0u8; SEGMENT_HEADER as usize];
     header[0..4].copy_from_slice(&SEGMENT_MAGIC);
-    header[4..6].copy_from_slice(&SEGMENT_VERSION.to_le_bytes());
+    header[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     header[8..16].copy_from_slice(&id.to_le_bytes());
     header
 }
 
-/// Whether `bytes` start with the header of segment `id`.
+/// The format version of segment `id`'s header at the start of `bytes`, if it is one (1 or 2).
+pub(crate) fn segment_version(bytes: &[u8], id: u64) -> Option<u16> {
+    let header = bytes.get(..SEGMENT_HEADER as usize)?;
+    let version = u16::from_le_bytes([header[4], header[5]]);
+    let mut expected = segment_header(id);
+    expected[4..6].copy_from_slice(&version.to_le_bytes());
+    ((version == 1 || version == FORMAT_VERSION) && header == expected).then_some(version)
+}
+
+/// Whether `bytes` start with the header of segment `id` (any version this code reads).
 pub(crate) fn segment_header_ok(bytes: &[u8], id: u64) -> bool {
-    bytes.len() >= SEGMENT_HEADER as usize && bytes[..SEGMENT_HEADER as usize] == segment_header(id)
+    segment_version(bytes, id).is_some()
 }
 
 /// The state file's bytes: the committed position and the highest segment id ever created

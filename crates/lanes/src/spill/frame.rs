@@ -14,11 +14,33 @@
 /// Bytes before the payload.
 pub(crate) const HEADER: usize = 12;
 
+/// The high bit of a frame's `len` marks a control frame rather than a record; records are
+/// below 2 GiB. The one control frame is the seal: payload 8 bytes, the segment's data length
+/// before the seal (the seal's own offset), written when the writer moves to the next segment.
+pub(crate) const SEAL_FLAG: u32 = 1 << 31;
+
+/// Bytes of a seal frame.
+pub(crate) const SEAL_LEN: u64 = HEADER as u64 + 8;
+
+/// Appends the seal of a segment whose data ends at `data_end` (a file offset) to `out`.
+pub(crate) fn encode_seal(data_end: u64, out: &mut Vec<u8>) {
+    let payload = data_end.to_le_bytes();
+    let mut head = [0u8; HEADER];
+    head[0..4].copy_from_slice(&(SEAL_FLAG | 8).to_le_bytes());
+    head[4..8].copy_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
+    let header_crc = crc32c::crc32c(&head[0..8]);
+    head[8..12].copy_from_slice(&header_crc.to_le_bytes());
+    out.extend_from_slice(&head);
+    out.extend_from_slice(&payload);
+}
+
 /// A frame's header, decoded and checked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Header {
     pub(crate) len: u32,
     pub(crate) payload_crc: u32,
+    /// A seal (control frame), not a record.
+    pub(crate) seal: bool,
 }
 
 /// Appends the frame of `payload` to `out`.
@@ -41,8 +63,13 @@ pub(crate) fn header(bytes: &[u8], max_len: u32) -> Option<Header> {
     if crc32c::crc32c(&head[0..8]) != word(8) {
         return None;
     }
-    let len = word(0);
-    (len <= max_len).then_some(Header { len, payload_crc: word(4) })
+    let raw = word(0);
+    let seal = raw & SEAL_FLAG != 0;
+    let len = raw & !SEAL_FLAG;
+    if seal {
+        return (len == 8).then_some(Header { len, payload_crc: word(4), seal });
+    }
+    (len <= max_len).then_some(Header { len, payload_crc: word(4), seal })
 }
 
 /// Whether `payload` matches the header's checksum.
@@ -55,6 +82,8 @@ pub(crate) fn payload_ok(header: Header, payload: &[u8]) -> bool {
 pub(crate) enum Scanned {
     /// A whole valid frame of `len` bytes.
     Frame { len: u64 },
+    /// A whole valid seal; the data before it ended at `data_end`.
+    Seal { data_end: u64 },
     /// Not a valid frame start.
     Invalid,
     /// A valid header whose payload runs past the end of the buffer.
@@ -72,6 +101,10 @@ pub(crate) fn scan_at(bytes: &[u8], max_len: u32) -> Scanned {
     let end = HEADER + header.len as usize;
     match bytes.get(HEADER..end) {
         None => Scanned::Short,
+        Some(payload) if payload_ok(header, payload) && header.seal => {
+            let data_end = u64::from_le_bytes(payload.try_into().expect("8 bytes"));
+            Scanned::Seal { data_end }
+        }
         Some(payload) if payload_ok(header, payload) => Scanned::Frame { len: end as u64 },
         Some(_) => Scanned::Invalid,
     }
@@ -86,6 +119,9 @@ pub(crate) struct Layout {
     pub(crate) skipped: Vec<(u64, u64)>,
     /// Where the valid data ends: everything after is a torn or corrupt tail.
     pub(crate) valid_end: u64,
+    /// The seal, if the segment has one: (its start, relative to the scanned bytes; the data
+    /// end it records, a file offset). Nothing valid follows a seal.
+    pub(crate) seal: Option<(u64, u64)>,
 }
 
 impl Layout {
@@ -110,6 +146,15 @@ pub(crate) fn scan(bytes: &[u8], max_len: u32) -> Layout {
                 layout.frames.push((at as u64, len));
                 at += len as usize;
                 layout.valid_end = at as u64;
+            }
+            Scanned::Seal { data_end } => {
+                if let Some(start) = corrupt_from.take() {
+                    layout.skipped.push((start as u64, at as u64));
+                }
+                layout.seal = Some((at as u64, data_end));
+                layout.valid_end = at as u64 + SEAL_LEN;
+                // Whatever follows a seal is not the segment's: a tail.
+                break;
             }
             Scanned::Invalid | Scanned::Short => {
                 corrupt_from.get_or_insert(at);

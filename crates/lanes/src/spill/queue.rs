@@ -77,7 +77,7 @@ pub struct SpillOptions {
     /// [`SpillError::Full`]. Default: 1 GiB. At least one whole frame of the largest record:
     /// `12 + max_record`.
     pub max_bytes: u64,
-    /// The largest record, at least 1. Default: 8 MiB.
+    /// The largest record, 1 to 2^31 - 1 bytes. Default: 8 MiB.
     pub max_record: u32,
     /// Segments are rotated once they reach this size. Default: 64 MiB. At least the segment
     /// header and one frame: `16 + min(12 + max_record, 1 MiB)`.
@@ -136,6 +136,11 @@ impl SpillOptions {
         let frame = HEADER as u64 + u64::from(self.max_record);
         if self.max_record == 0 {
             return Err(ConfigError::new("max_record", ConfigRule::Zero));
+        }
+        // The high bit of a frame's length marks a control frame (the seal).
+        if self.max_record >= frame::SEAL_FLAG {
+            let max = (frame::SEAL_FLAG - 1) as usize;
+            return Err(ConfigError::new("max_record", ConfigRule::OverMax { max }));
         }
         if self.max_bytes < frame {
             return Err(ConfigError::new("max_bytes", ConfigRule::AtLeast { min: frame }));
@@ -351,7 +356,7 @@ impl SpillQueue {
         let committed = recovered.committed;
         // Appends continue in the last segment, or a fresh one that sorts after everything.
         let (active, active_len, file) = match recovered.segments.last() {
-            Some(last) if last.id >= committed.segment => {
+            Some(last) if last.id >= committed.segment && !last.sealed => {
                 (last.id, last.valid_end, storage.open_append(&segment_name(last.id))?)
             }
             _ => {
@@ -854,6 +859,8 @@ fn read_frames(
                 at = len as usize;
                 break;
             }
+            // Readable ranges end before a seal; meeting one ends the range all the same.
+            Scanned::Seal { .. } => break,
             Scanned::Invalid => return Err(SpillError::Corrupt { position }),
         }
     }
@@ -1086,6 +1093,13 @@ impl Writer {
 
     /// Seals the active segment (synced) and starts the next one.
     fn rotate(&mut self) -> std::io::Result<()> {
+        // The seal says where the data ends, so recovery can tell a complete segment from one
+        // that lost its end. Not part of the readable range (the extent ends before it).
+        let mut seal = Vec::with_capacity(frame::SEAL_LEN as usize);
+        frame::encode_seal(self.active_len, &mut seal);
+        self.file.append(&seal)?;
+        self.active_len += frame::SEAL_LEN;
+        self.unsynced = true;
         self.sync()?;
         let id = self.active + 1;
         self.file = create_segment(&*self.storage, id)?;

@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use super::format::{
     Position, SEGMENT_HEADER, STATE, decode_state, segment_header_ok, segment_id, segment_name,
+    segment_version,
 };
 use super::frame::{self, Layout};
 use super::storage::Storage;
@@ -34,6 +35,8 @@ pub(crate) struct Segment {
     pub(crate) valid_end: u64,
     /// Corrupt regions skipped in the middle (file offsets).
     pub(crate) skipped: Vec<(u64, u64)>,
+    /// The writer moved on from it (it ends with a seal): appends never continue here.
+    pub(crate) sealed: bool,
 }
 
 /// What a check or an open found (and, for an open, repaired).
@@ -255,6 +258,19 @@ pub(crate) fn recover(
         let base = SEGMENT_HEADER;
         let valid_end = base + layout.valid_end;
         let tail = layout.tail(body.len() as u64);
+        // Where the data ends: before the seal, if the writer sealed the segment. A version 2
+        // segment before the last must be sealed, with the data length it records: otherwise
+        // it lost its end (even a cut exactly at a frame boundary shows).
+        let sealed = layout.seal.is_some();
+        let data_end = layout.seal.map_or(valid_end, |(start, _)| base + start);
+        let seal_lies = layout.seal.is_some_and(|(start, recorded)| recorded != base + start);
+        let unsealed_v2 = segment_version(&bytes, id) == Some(super::format::FORMAT_VERSION)
+            && !sealed
+            && Some(id) != last_id;
+        if (seal_lies || unsealed_v2) && tail == 0 {
+            report.truncated_inside += 1;
+        }
+        let valid_end = data_end;
         if tail > 0 && Some(id) != last_id {
             // Only the last segment is written to, so only it can be torn by a crash: a torn
             // segment before it lost records inside the queue. Kept as found (appends never go
@@ -318,6 +334,10 @@ pub(crate) fn recover(
                 out.extend_from_slice(&bytes[old as usize..(old + len) as usize]);
             }
             let moved = moved.unwrap_or(out.len() as u64);
+            let data_end = out.len() as u64;
+            if sealed {
+                frame::encode_seal(data_end, &mut out);
+            }
             if id == committed.segment && moved != committed.offset {
                 // The state first: killed between the two writes, an offset too early in the
                 // old file is found and delivered again; one too late in the new file would
@@ -327,10 +347,10 @@ pub(crate) fn recover(
                 storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
             }
             storage.write_atomic(&name, &out)?;
-            segments.push(Segment { id, valid_end: out.len() as u64, skipped: Vec::new() });
+            segments.push(Segment { id, valid_end: data_end, skipped: Vec::new(), sealed });
             continue;
         }
-        segments.push(Segment { id, valid_end, skipped });
+        segments.push(Segment { id, valid_end, skipped, sealed });
     }
     // The committed position must point at data recovery kept: into the first kept segment if
     // its own was dropped, and no further than its segment's valid end (appends continue there,
