@@ -166,12 +166,23 @@ impl Storage for FsStorage {
         let path = self.path(super::format::LOCK);
         let mut file =
             OpenOptions::new().create(true).truncate(false).read(true).write(true).open(path)?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(TryLockError::WouldBlock) => {
-                return Err(io::Error::new(io::ErrorKind::WouldBlock, "locked by another process"));
+        // A lock this process just released can still be held for a moment by a child between
+        // fork and exec (it shares the open file): try a few times over ~100 ms before saying
+        // another process holds it.
+        let mut attempts = 0;
+        loop {
+            match file.try_lock() {
+                Ok(()) => break,
+                Err(TryLockError::WouldBlock) if attempts < 20 => {
+                    attempts += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(TryLockError::WouldBlock) => {
+                    let message = "locked by another process";
+                    return Err(io::Error::new(io::ErrorKind::WouldBlock, message));
+                }
+                Err(TryLockError::Error(err)) => return Err(err),
             }
-            Err(TryLockError::Error(err)) => return Err(err),
         }
         // For people looking at the directory: who holds it.
         file.set_len(0)?;
