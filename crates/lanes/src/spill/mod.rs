@@ -53,17 +53,20 @@
 mod error;
 mod format;
 mod frame;
+mod options;
 mod queue;
+mod reader;
 mod recover;
 mod storage;
+mod writer;
 
 use std::path::Path;
 
 pub use error::SpillError;
 pub use format::{FORMAT_VERSION, Position};
-pub use queue::{
-    PendingAppend, SpillOptions, SpillQueue, SpillReader, SpillRecord, SpillSnapshot, SyncPolicy,
-};
+pub use options::{SpillOptions, SyncPolicy};
+pub use queue::{PendingAppend, SpillQueue, SpillRecord, SpillSnapshot};
+pub use reader::SpillReader;
 pub use recover::CheckReport;
 pub use storage::{AppendFile, Fault, FsStorage, MemStorage, Storage};
 

@@ -1,0 +1,255 @@
+//! The reader of a spill queue: reads in order from the committed position and commits what
+//! was processed (invariant 2 of `queue.rs`: only frames below the published end are read).
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::pin::pin;
+use std::sync::Arc;
+
+use tokio::sync::oneshot;
+
+use super::error::SpillError;
+use super::format::{Position, segment_name};
+use super::frame::{self, HEADER, Scanned};
+use super::queue::{Inner, Request, SpillRecord};
+use super::storage::Storage;
+use crate::util::lock;
+
+/// Reads a [`SpillQueue`](super::SpillQueue) in order and commits what it processed. One per queue at a time.
+pub struct SpillReader {
+    pub(super) inner: Arc<Inner>,
+    pub(super) cursor: Position,
+    /// Records read and not yet committed: (end position, frame bytes).
+    pub(super) unacked: VecDeque<(Position, u64)>,
+}
+
+impl fmt::Debug for SpillReader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SpillReader")
+            .field("cursor", &self.cursor)
+            .field("unacked", &self.unacked.len())
+            .finish()
+    }
+}
+
+impl Drop for SpillReader {
+    fn drop(&mut self) {
+        lock(&self.inner.shared).reader = false;
+    }
+}
+
+/// What to read next: a segment's readable range.
+struct Plan {
+    segment: u64,
+    from: u64,
+    to: u64,
+}
+
+impl SpillReader {
+    /// Waits for at least one record, then returns up to `max` records in order.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: records are only taken from the queue when the future returns them.
+    ///
+    /// # Errors
+    ///
+    /// [`SpillError::Closed`] once the queue is closed and everything was read; an I/O error;
+    /// [`SpillError::Corrupt`] if a record's bytes changed on disk after they were written.
+    pub async fn next_batch(&mut self, max: usize) -> Result<Vec<SpillRecord>, SpillError> {
+        let inner = self.inner.clone();
+        loop {
+            let mut notified = pin!(inner.data.notified());
+            notified.as_mut().enable();
+            let batch = self.try_next_batch(max).await?;
+            if !batch.is_empty() {
+                return Ok(batch);
+            }
+            if lock(&self.inner.shared).closed {
+                return Err(SpillError::Closed);
+            }
+            notified.await;
+        }
+    }
+
+    /// Up to `max` records that are already written, without waiting for new ones.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    ///
+    /// # Errors
+    ///
+    /// As for [`next_batch`](Self::next_batch), except that an empty queue is `Ok(vec![])`.
+    pub async fn try_next_batch(&mut self, max: usize) -> Result<Vec<SpillRecord>, SpillError> {
+        let mut out = Vec::new();
+        while out.len() < max.max(1) {
+            let Some(plan) = self.plan() else {
+                break;
+            };
+            let storage = self.inner.storage.clone();
+            let max_record = self.inner.options.max_record;
+            let want = max.max(1) - out.len();
+            let read = tokio::task::spawn_blocking(move || {
+                read_frames(&*storage, &plan, want, max_record)
+            })
+            .await
+            .map_err(|_| SpillError::Closed)??;
+            if read.records.is_empty() && read.next == self.cursor {
+                break;
+            }
+            for (data, end, len) in read.records {
+                self.unacked.push_back((end, len));
+                out.push(SpillRecord { data, end });
+            }
+            self.cursor = read.next;
+        }
+        Ok(out)
+    }
+
+    /// Where the next read goes, if there is anything to read.
+    fn plan(&mut self) -> Option<Plan> {
+        let shared = lock(&self.inner.shared);
+        loop {
+            let extent = shared.extents.get(&self.cursor.segment);
+            let Some(extent) = extent else {
+                // The cursor's segment is gone (acknowledged) or not created yet.
+                let next = shared.extents.range(self.cursor.segment..).next()?;
+                self.cursor = Position::start_of(*next.0);
+                continue;
+            };
+            if let Some((_, end)) =
+                extent.skipped.iter().find(|(s, e)| (*s..*e).contains(&self.cursor.offset))
+            {
+                self.cursor.offset = *end;
+                continue;
+            }
+            if self.cursor.offset < extent.valid_end {
+                let to = extent
+                    .skipped
+                    .iter()
+                    .map(|(s, _)| *s)
+                    .filter(|s| *s > self.cursor.offset)
+                    .min()
+                    .unwrap_or(extent.valid_end)
+                    .min(extent.valid_end);
+                return Some(Plan { segment: self.cursor.segment, from: self.cursor.offset, to });
+            }
+            // The end of this segment: move on if a later one exists.
+            let next = shared.extents.range(self.cursor.segment + 1..).next()?;
+            self.cursor = Position::start_of(*next.0);
+        }
+    }
+
+    /// Acknowledges every record up to `to` (a record's [`position`](SpillRecord::position)):
+    /// they will not be read again, and segments they fully cover are deleted. Returns once the
+    /// commit is as durable as the sync policy makes it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future may still persist the commit.
+    ///
+    /// # Errors
+    ///
+    /// An I/O error persisting the state file, or [`SpillError::Closed`].
+    pub async fn commit(&mut self, to: Position) -> Result<(), SpillError> {
+        let (mut records, mut bytes) = (0u64, 0u64);
+        while let Some((end, len)) = self.unacked.front().copied() {
+            if end > to {
+                break;
+            }
+            self.unacked.pop_front();
+            records += 1;
+            bytes += len;
+        }
+        {
+            let mut shared = lock(&self.inner.shared);
+            if to <= shared.committed {
+                return Ok(());
+            }
+            shared.committed = to;
+            shared.records -= records.min(shared.records);
+            shared.bytes -= bytes.min(shared.bytes);
+            shared.acknowledged += records;
+        }
+        let (reply, answer) = oneshot::channel();
+        let requests = lock(&self.inner.requests).clone();
+        requests
+            .ok_or(SpillError::Closed)?
+            .send(Request::Commit { to, reply })
+            .map_err(|_| SpillError::Closed)?;
+        answer.await.map_err(|_| SpillError::Closed)?
+    }
+
+    /// Commits everything read so far.
+    ///
+    /// # Errors
+    ///
+    /// As for [`commit`](Self::commit).
+    pub async fn commit_read(&mut self) -> Result<(), SpillError> {
+        match self.unacked.back() {
+            Some((end, _)) => self.commit(*end).await,
+            None => Ok(()),
+        }
+    }
+}
+
+struct Read {
+    /// (payload, end position, frame length)
+    records: Vec<(Vec<u8>, Position, u64)>,
+    next: Position,
+}
+
+/// Reads up to `want` whole frames of `plan`'s range.
+fn read_frames(
+    storage: &dyn Storage,
+    plan: &Plan,
+    want: usize,
+    max_record: u32,
+) -> Result<Read, SpillError> {
+    const CHUNK: u64 = 1 << 20;
+    let name = segment_name(plan.segment);
+    let len = (plan.to - plan.from).min(CHUNK.max(HEADER as u64 + u64::from(max_record)));
+    let mut buf = vec![0u8; len as usize];
+    let n = storage.read_at(&name, plan.from, &mut buf)?;
+    buf.truncate(n);
+    let mut records = Vec::new();
+    let mut at = 0usize;
+    while records.len() < want && at < buf.len() {
+        let position = Position { segment: plan.segment, offset: plan.from + at as u64 };
+        // Frames check themselves (two CRCs): one larger than this queue's `max_record` was
+        // written under another setting and is still a record, never corruption.
+        match frame::scan_at(&buf[at..], u32::MAX) {
+            Scanned::Frame { len } => {
+                let payload = buf[at + HEADER..at + len as usize].to_vec();
+                at += len as usize;
+                let end = Position { segment: plan.segment, offset: plan.from + at as u64 };
+                records.push((payload, end, len));
+            }
+            Scanned::Short if !records.is_empty() => break,
+            Scanned::Short => {
+                // The first frame is longer than the chunk read: read it whole.
+                let Some(header) = frame::header(&buf[at..], u32::MAX) else {
+                    return Err(SpillError::Corrupt { position });
+                };
+                let len = HEADER as u64 + u64::from(header.len);
+                if plan.from + len > plan.to {
+                    return Err(SpillError::Corrupt { position });
+                }
+                let mut whole = vec![0u8; len as usize];
+                let n = storage.read_at(&name, plan.from, &mut whole)?;
+                if n as u64 != len || !frame::payload_ok(header, &whole[HEADER..]) {
+                    return Err(SpillError::Corrupt { position });
+                }
+                let end = Position { segment: plan.segment, offset: plan.from + len };
+                records.push((whole.split_off(HEADER), end, len));
+                at = len as usize;
+                break;
+            }
+            // Readable ranges end before a seal; meeting one ends the range all the same.
+            Scanned::Seal { .. } => break,
+            Scanned::Invalid => return Err(SpillError::Corrupt { position }),
+        }
+    }
+    Ok(Read { records, next: Position { segment: plan.segment, offset: plan.from + at as u64 } })
+}
