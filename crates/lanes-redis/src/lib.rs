@@ -86,7 +86,8 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lanes::limit::{
-    BackendError, Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LocalLimits, Released,
+    BackendError, Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LocalLimits, LostLeases,
+    Released,
 };
 use lanes::{Answer, BoxFuture, Priority};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -250,8 +251,7 @@ impl RedisLimitsBuilder {
             max_lease,
             queue_grace: self.queue_grace,
             epoch: Mutex::new(None),
-            lost: Mutex::new(HashSet::new()),
-            lost_notify: Notify::new(),
+            lost: LostLeases::default(),
             state: Mutex::new(State::default()),
             local: Arc::new(LocalLimits::with_max_waiters(self.max_waiters)),
             stats: Stats::default(),
@@ -322,8 +322,7 @@ struct Inner {
     /// Redis lost its state.
     epoch: Mutex<Option<String>>,
     /// Permits known lost (lease refused, or Redis lost its state), until released.
-    lost: Mutex<HashSet<(String, u64)>>,
-    lost_notify: Notify,
+    lost: LostLeases,
     state: Mutex<State>,
     local: Arc<LocalLimits>,
     stats: Stats,
@@ -825,8 +824,7 @@ impl Inner {
     /// Records a permit as lost and wakes whoever awaits it.
     fn mark_lost(&self, name: &str, ticket: u64) {
         self.stats.lost_leases.fetch_add(1, Ordering::Relaxed);
-        lock(&self.lost).insert((name.to_owned(), ticket));
-        self.lost_notify.notify_waiters();
+        self.lost.mark(name, ticket);
     }
 
     /// Compares the namespace's epoch with the one this client knows. On a difference (or a
@@ -940,7 +938,7 @@ impl Inner {
     }
 
     async fn release(&self, name: &str, ticket: u64) -> Result<Released, LimitError> {
-        lock(&self.lost).remove(&(name.to_owned(), ticket));
+        self.lost.forget(name, ticket);
         let place = {
             let mut state = lock(&self.state);
             let limit = state.limits.entry(name.to_owned()).or_default();
@@ -1409,19 +1407,11 @@ impl LimitBackend for RedisLimits {
     }
 
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {
-        lock(&self.inner.lost).contains(&(name.to_owned(), ticket))
+        self.inner.lost.is_lost(name, ticket)
     }
 
     fn lost<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            loop {
-                let notified = self.inner.lost_notify.notified();
-                if self.lease_lost(name, ticket) {
-                    return;
-                }
-                notified.await;
-            }
-        })
+        Box::pin(self.inner.lost.wait(name, ticket))
     }
 
     fn info<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<LimitInfo>, LimitError>> {

@@ -34,11 +34,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use lanes::limit::{Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, Released};
+use lanes::limit::{Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LostLeases, Released};
 use lanes::{Answer, BoxFuture, Priority};
 use reqwest::{StatusCode, Url};
 use serde::de::DeserializeOwned;
-use tokio::sync::Notify;
 
 use crate::ConfigError;
 use crate::wire::{self, Reason};
@@ -94,9 +93,8 @@ struct Inner {
     /// Every ticket asked for and not finished (invariant 1), by `(limit, ticket)`.
     live: Mutex<HashMap<(String, u64), Live>>,
     /// Held permits reported lost (invariant 4), until released.
-    lost: Mutex<HashSet<(String, u64)>>,
+    lost: LostLeases,
     /// Notified (to every waiter) whenever `lost` grows.
-    lost_changed: Notify,
     renewer: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
@@ -320,8 +318,7 @@ impl RemoteLimits {
             tickets: AtomicU64::new(start.max(1)),
             lease,
             live: Mutex::new(HashMap::new()),
-            lost: Mutex::new(HashSet::new()),
-            lost_changed: Notify::new(),
+            lost: LostLeases::default(),
             renewer: Mutex::new(None),
         });
         let task = tokio::spawn(renew_in_background(Arc::downgrade(&inner)));
@@ -525,8 +522,9 @@ impl Inner {
         if held.is_empty() {
             return;
         }
-        lock(&self.lost).extend(held);
-        self.lost_changed.notify_waiters();
+        for (limit, ticket) in held {
+            self.lost.mark(&limit, ticket);
+        }
     }
 }
 
@@ -716,7 +714,7 @@ impl LimitBackend for RemoteLimits {
         Box::pin(async move {
             let key = (name.to_owned(), ticket);
             let live = lock(&self.inner.live).remove(&key);
-            lock(&self.inner.lost).remove(&key);
+            self.inner.lost.forget(&key.0, key.1);
             self.release_as(name, ticket, live.and_then(|l| l.lease)).await
         })
     }
@@ -789,20 +787,11 @@ impl LimitBackend for RemoteLimits {
     }
 
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {
-        lock(&self.inner.lost).contains(&(name.to_owned(), ticket))
+        self.inner.lost.is_lost(name, ticket)
     }
 
     fn lost<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, ()> {
-        Box::pin(async move {
-            loop {
-                // Created before the look, so a loss recorded in between still wakes it.
-                let changed = self.inner.lost_changed.notified();
-                if self.lease_lost(name, ticket) {
-                    return;
-                }
-                changed.await;
-            }
-        })
+        Box::pin(self.inner.lost.wait(name, ticket))
     }
 }
 

@@ -69,6 +69,7 @@ mod handle;
 #[cfg(feature = "tower")]
 mod layer;
 mod local;
+mod lost;
 mod priority;
 mod queue;
 mod spec;
@@ -80,6 +81,7 @@ pub use handle::{AcquireError, Limit, Limits, Permit, TryAcquireError};
 #[cfg(feature = "tower")]
 pub use layer::{DefaultPriority, LimitLayer, LimitService, Overloaded, PriorityOf, WhenBusy};
 pub use local::LocalLimits;
+pub use lost::LostLeases;
 pub use priority::Priority;
 pub use queue::WaitQueue;
 pub use spec::{LimitSpec, SpecError};
