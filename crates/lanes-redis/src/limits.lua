@@ -307,6 +307,14 @@ local now = now_us()
 local reclaimed = expire(now)
 redis.call('HSET', C, caller, int(now))
 
+-- The answer for a ticket that holds a permit (its grant again), or nil.
+local function held_answer(ticket)
+  local held = redis.call('HGET', H, ticket)
+  if not held then return nil end
+  local fence, expires = string.match(held, '^(%d+):(%d+)$')
+  return { hex(1), fence, expires }
+end
+
 -- The answer to an ask for `ticket`, which waits: granted if it is served next and can be
 -- (or another ticket of the same client is, which is granted instead), else queued or retry.
 local function answer_for(ticket)
@@ -347,11 +355,8 @@ if op == 'acquire' then
   local ticket, level, keytok, weight = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
   local max_waiters = tonumber(ARGV[10])
   if reclaimed > 0 then kick(now) end
-  local held = redis.call('HGET', H, ticket)
-  if held then
-    local fence, expires = string.match(held, '^(%d+):(%d+)$')
-    return { hex(1), fence, expires }
-  end
+  local held = held_answer(ticket)
+  if held then return held end
   purge(now)
   if waiting() == 0 and in_use() < meta.concurrent then
     local _, at = rate_check(now)
@@ -374,11 +379,8 @@ if op == 'check' then
   -- ARGV: ticket. Never queues: a ticket that neither holds nor waits is finished.
   local ticket = ARGV[6]
   if reclaimed > 0 then kick(now) end
-  local held = redis.call('HGET', H, ticket)
-  if held then
-    local fence, expires = string.match(held, '^(%d+):(%d+)$')
-    return { hex(1), fence, expires }
-  end
+  local held = held_answer(ticket)
+  if held then return held end
   if redis.call('HEXISTS', I, ticket) == 0 then return { 'finished' } end
   return answer_for(ticket)
 end
@@ -387,11 +389,8 @@ if op == 'try' then
   -- ARGV: ticket. Grants only at once; never queues.
   local ticket = ARGV[6]
   if reclaimed > 0 then kick(now) end
-  local held = redis.call('HGET', H, ticket)
-  if held then
-    local fence, expires = string.match(held, '^(%d+):(%d+)$')
-    return { hex(1), fence, expires }
-  end
+  local held = held_answer(ticket)
+  if held then return held end
   purge(now)
   if waiting() > 0 or in_use() >= meta.concurrent then return { hex(0), -1 } end
   local _, at = rate_check(now)

@@ -352,6 +352,19 @@ impl LimitState {
         })
     }
 
+    /// The answer to a waiting `ticket`: granted if it is served next and can be (no barging),
+    /// else when to ask again or plain queued.
+    fn answer_waiting(&mut self, ticket: u64, now: Duration, lease: Option<Duration>) -> Acquire {
+        match self.next(now) {
+            Some(Next::Ready(next)) if next == ticket => {
+                self.queue.pop();
+                Acquire::Granted(self.grant(ticket, now, lease))
+            }
+            Some(Next::At(next, at)) if next == ticket => Acquire::RetryAt(at),
+            _ => Acquire::Queued,
+        }
+    }
+
     fn grant(&mut self, ticket: u64, now: Duration, lease: Option<Duration>) -> Grant {
         if let Ok(tat) = self.rate_check(now) {
             self.tat = tat;
@@ -540,14 +553,7 @@ impl LimitTable {
             }
             state.queue.push(ticket, priority);
         }
-        Ok(match state.next(now) {
-            Some(Next::Ready(next)) if next == ticket => {
-                state.queue.pop();
-                Acquire::Granted(state.grant(ticket, now, lease))
-            }
-            Some(Next::At(next, at)) if next == ticket => Acquire::RetryAt(at),
-            _ => Acquire::Queued,
-        })
+        Ok(state.answer_waiting(ticket, now, lease))
     }
 
     /// Asks again for a ticket that was asked before, never queuing it: `Granted` if it holds a
@@ -572,14 +578,7 @@ impl LimitTable {
         if !state.queue.contains(ticket) {
             return Ok(Acquire::Finished);
         }
-        Ok(match state.next(now) {
-            Some(Next::Ready(next)) if next == ticket => {
-                state.queue.pop();
-                Acquire::Granted(state.grant(ticket, now, lease))
-            }
-            Some(Next::At(next, at)) if next == ticket => Acquire::RetryAt(at),
-            _ => Acquire::Queued,
-        })
+        Ok(state.answer_waiting(ticket, now, lease))
     }
 
     /// Grants `ticket` a permit only if that can happen now — nobody waits, a permit is free,
