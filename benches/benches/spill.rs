@@ -46,9 +46,8 @@ fn fresh(dir: &Path, name: &str) -> PathBuf {
     path
 }
 
-/// The floors: sequential write bandwidth (1 MiB writes, one fdatasync at the end) and the
-/// latency of a small write + fdatasync.
-fn calibrate(dir: &Path) -> (f64, Duration) {
+/// The bandwidth floor: sequential 1 MiB writes, one fdatasync at the end; MB/s.
+fn raw_bandwidth(dir: &Path) -> f64 {
     let path = fresh(dir, "raw.bin");
     let chunk = vec![7u8; 1 << 20];
     let total = if quick() { 256 } else { 1024 };
@@ -60,21 +59,38 @@ fn calibrate(dir: &Path) -> (f64, Duration) {
     }
     file.sync_data().expect("sync");
     let bandwidth = total as f64 / start.elapsed().as_secs_f64();
-    let small = [1u8; 64];
+    let _ = std::fs::remove_file(&path);
+    bandwidth
+}
+
+/// The latency floor: appending one frame of a `size`-byte record (`size` + 12 bytes) and
+/// `fdatasync`, in a loop; the mean per durable write.
+fn raw_fsync(dir: &Path, size: usize) -> Duration {
+    let path = fresh(dir, "raw-sync.bin");
+    let mut file =
+        OpenOptions::new().create(true).write(true).truncate(true).open(&path).expect("raw file");
+    let frame = vec![1u8; size + 12];
     let start = Instant::now();
     let mut syncs = 0u32;
     while start.elapsed() < window() {
-        file.write_all(&small).expect("write");
+        file.write_all(&frame).expect("write");
         file.sync_data().expect("sync");
         syncs += 1;
     }
     let latency = start.elapsed() / syncs;
     let _ = std::fs::remove_file(&path);
-    (bandwidth, latency)
+    latency
 }
 
-/// Appends `size`-byte records for a window with `appenders` concurrent tasks; (records/s, MB/s).
-async fn append_rate(dir: &Path, policy: SyncPolicy, size: usize, appenders: usize) -> (f64, f64) {
+/// Appends `size`-byte records for a window with `appenders` concurrent tasks, each handing
+/// over `per_call` records per `append_batch`; (records/s, MB/s of records).
+async fn append_rate(
+    dir: &Path,
+    policy: SyncPolicy,
+    size: usize,
+    appenders: usize,
+    per_call: usize,
+) -> (f64, f64) {
     let path = fresh(dir, "queue");
     let options = SpillOptions::default().sync(policy).max_bytes(64 << 30).max_record(1 << 20);
     let (queue, _) = SpillQueue::open(&path, options).await.expect("open");
@@ -86,9 +102,14 @@ async fn append_rate(dir: &Path, policy: SyncPolicy, size: usize, appenders: usi
             let (queue, record) = (queue.clone(), record.clone());
             tokio::spawn(async move {
                 let mut n = 0u64;
+                let batch: Vec<&[u8]> = vec![record.as_slice(); per_call];
                 while Instant::now() < deadline {
-                    queue.append(&*record).await.expect("append");
-                    n += 1;
+                    if per_call == 1 {
+                        queue.append(&*record).await.expect("append");
+                    } else {
+                        queue.append_batch(batch.iter().copied()).await.expect("append");
+                    }
+                    n += per_call as u64;
                 }
                 n
             })
@@ -162,6 +183,29 @@ async fn read_and_recover(dir: &Path, bytes: u64) -> (f64, f64, u64) {
     (read_mb_s, recovery, report.records)
 }
 
+/// What a row is judged against.
+enum Floor {
+    /// Records/s of one `size`-byte frame written and `fdatasync`ed at a time.
+    Fsync,
+    /// MB/s of sequential 1 MiB writes and one `fdatasync`.
+    Bandwidth,
+    None,
+}
+
+/// One row of the append table: a policy, how many appenders, how many records per call, its
+/// floor, and the records per redb transaction at the same durability.
+struct Row {
+    key: &'static str,
+    policy: SyncPolicy,
+    appenders: usize,
+    per_call: fn(usize) -> usize,
+    floor: Floor,
+    redb: Option<fn(usize) -> usize>,
+}
+
+/// Alternating rounds per cell.
+const ROUNDS: usize = 2;
+
 fn main() {
     // `cargo bench` passes --bench; a criterion-style filter is ignored here.
     let dir = results_dir().join("spill-tmp");
@@ -169,32 +213,90 @@ fn main() {
     let fs = fs_type(&dir);
     eprintln!("spill bench on {} ({fs})", dir.display());
     let rt = Flavor::MultiThread.runtime();
-    let (bandwidth, fsync) = calibrate(&dir);
-    eprintln!("raw: {bandwidth:.0} MB/s sequential, fdatasync {fsync:?}");
+    // This disk's speed drifts between runs and within one, so each cell measures its floor
+    // and its redb counterpart next to it, in alternating rounds, and reports the means.
+    let batched = |size: usize| (64 * 1024 / size).max(1);
+    let rows: [Row; 5] = [
+        Row {
+            key: "always",
+            policy: SyncPolicy::Always,
+            appenders: 1,
+            per_call: |_| 1,
+            floor: Floor::Fsync,
+            redb: Some(|_| 1),
+        },
+        Row {
+            key: "batch",
+            policy: SyncPolicy::Batch,
+            appenders: APPENDERS,
+            per_call: |_| 1,
+            floor: Floor::Bandwidth,
+            redb: Some(|_| APPENDERS),
+        },
+        Row {
+            key: "batch_batched",
+            policy: SyncPolicy::Batch,
+            appenders: APPENDERS,
+            per_call: batched,
+            floor: Floor::Bandwidth,
+            redb: Some(|size| APPENDERS * (64 * 1024 / size).max(1)),
+        },
+        Row {
+            key: "interval_500ms",
+            policy: SyncPolicy::Interval(Duration::from_millis(500)),
+            appenders: APPENDERS,
+            per_call: batched,
+            floor: Floor::Bandwidth,
+            redb: None,
+        },
+        Row {
+            key: "always_concurrent",
+            policy: SyncPolicy::Always,
+            appenders: APPENDERS,
+            per_call: |_| 1,
+            floor: Floor::None,
+            redb: None,
+        },
+    ];
     let mut policies = Map::new();
-    for (name, policy, appenders) in [
-        ("always", SyncPolicy::Always, 1),
-        ("always_concurrent", SyncPolicy::Always, APPENDERS),
-        ("batch", SyncPolicy::Batch, APPENDERS),
-        ("interval_500ms", SyncPolicy::Interval(Duration::from_millis(500)), APPENDERS),
-    ] {
+    for row in rows {
+        // LANES_SPILL_ROWS=always,batch runs only those rows (while working on one of them).
+        if std::env::var("LANES_SPILL_ROWS").is_ok_and(|r| !r.split(',').any(|k| k == row.key)) {
+            continue;
+        }
         let mut sizes = Map::new();
         for size in SIZES {
-            let (rate, mb_s) = rt.block_on(append_rate(&dir, policy, size, appenders));
-            eprintln!("{name} {size} B x{appenders}: {rate:.0} records/s, {mb_s:.1} MB/s");
-            sizes.insert(size.to_string(), json!({ "records_s": rate, "mb_s": mb_s }));
+            let n = (row.per_call)(size);
+            let (mut rate, mut mb_s, mut floor, mut redb) = (0.0, 0.0, 0.0, 0.0);
+            for _ in 0..ROUNDS {
+                floor += match row.floor {
+                    Floor::Fsync => 1.0 / raw_fsync(&dir, size).as_secs_f64(),
+                    Floor::Bandwidth => raw_bandwidth(&dir),
+                    Floor::None => 0.0,
+                } / ROUNDS as f64;
+                let (r, m) = rt.block_on(append_rate(&dir, row.policy, size, row.appenders, n));
+                rate += r / ROUNDS as f64;
+                mb_s += m / ROUNDS as f64;
+                if let Some(group) = row.redb {
+                    redb += redb_rate(&dir, size, group(size)).0 / ROUNDS as f64;
+                }
+            }
+            eprintln!(
+                "{} {size} B x{} ({n} per call): {rate:.0} records/s, {mb_s:.1} MB/s; floor \
+                 {floor:.0}; redb {redb:.0} records/s",
+                row.key, row.appenders
+            );
+            let mut cell = json!({ "records_s": rate, "mb_s": mb_s, "per_call": n });
+            if !matches!(row.floor, Floor::None) {
+                cell["floor"] = json!(floor);
+            }
+            if let Some(group) = row.redb {
+                cell["redb_records_s"] = json!(redb);
+                cell["redb_per_txn"] = json!(group(size));
+            }
+            sizes.insert(size.to_string(), cell);
         }
-        policies.insert(name.to_owned(), Value::Object(sizes));
-    }
-    let mut redb = Map::new();
-    for (name, group) in [("redb_per_record", 1usize), ("redb_64_per_txn", 64)] {
-        let mut sizes = Map::new();
-        for size in SIZES {
-            let (rate, mb_s) = redb_rate(&dir, size, group);
-            eprintln!("{name} {size} B: {rate:.0} records/s, {mb_s:.1} MB/s");
-            sizes.insert(size.to_string(), json!({ "records_s": rate, "mb_s": mb_s }));
-        }
-        redb.insert(name.to_owned(), Value::Object(sizes));
+        policies.insert(row.key.to_owned(), Value::Object(sizes));
     }
     let gib = 1u64 << 30;
     let (read_mb_s, recovery_s, recovered) = rt.block_on(read_and_recover(&dir, gib));
@@ -206,10 +308,7 @@ fn main() {
         "spill",
         &json!({
             "fs": fs,
-            "raw_mb_s": bandwidth,
-            "fsync_us": fsync.as_secs_f64() * 1e6,
             "policies": policies,
-            "redb": redb,
             "read_mb_s": read_mb_s,
             "recovery_1gib_s": recovery_s,
             "recovered_records": recovered,

@@ -54,6 +54,7 @@ mod error;
 mod format;
 mod frame;
 mod options;
+mod plan;
 mod queue;
 mod reader;
 mod recover;

@@ -21,7 +21,6 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
 use std::path::Path;
-use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -32,10 +31,11 @@ use super::error::SpillError;
 use super::format::{self, Position, SEGMENT_HEADER, STATE, encode_state, segment_name};
 use super::frame;
 pub(super) use super::options::{SpillOptions, SyncPolicy};
+use super::plan::Planner;
 use super::reader::SpillReader;
 use super::recover::{CheckReport, recover};
 use super::storage::{AppendFile, FsStorage, Storage};
-use super::writer::Writer;
+use super::writer::{Mailbox, Writer};
 use crate::lane::ConfigError;
 use crate::registry::{Registry, Snapshot, Source};
 use crate::util::lock;
@@ -65,16 +65,17 @@ pub(super) struct Shared {
 pub(super) struct Inner {
     pub(super) storage: Arc<dyn Storage>,
     pub(super) options: SpillOptions,
-    pub(super) requests: Mutex<Option<Sender<Request>>>,
+    pub(super) mailbox: Arc<Mailbox>,
     pub(super) shared: Mutex<Shared>,
     pub(super) data: Notify,
     pub(super) report: CheckReport,
 }
 
-pub(super) enum Request {
-    Append { frames: Vec<u8>, reply: oneshot::Sender<Result<(), SpillError>> },
-    Commit { to: Position, reply: oneshot::Sender<Result<(), SpillError>> },
-    Close { reply: oneshot::Sender<Result<(), SpillError>> },
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Every handle and reader is gone: the writer makes things durable and stops.
+        self.mailbox.abandon();
+    }
 }
 
 /// An embedded, crash-safe, disk-backed FIFO queue of byte records. Cheap to clone: clones share
@@ -277,17 +278,19 @@ impl SpillQueue {
             appended: 0,
             acknowledged: 0,
         };
-        let (tx, rx) = std::sync::mpsc::channel();
+        let mailbox = Arc::new(Mailbox::default());
         let inner = Arc::new(Inner {
             storage: storage.clone(),
             options: options.clone(),
-            requests: Mutex::new(Some(tx)),
+            mailbox: mailbox.clone(),
             shared: Mutex::new(shared),
             data: Notify::new(),
             report: report.clone(),
         });
         let writer = Writer {
             inner: Arc::downgrade(&inner),
+            mailbox,
+            planner: Planner::new(options.sync, options.segment_size, active_len),
             storage,
             options,
             file,
@@ -295,21 +298,17 @@ impl SpillQueue {
             active_len,
             unsynced: false,
             last_sync: Instant::now(),
+            sync_took: std::time::Duration::ZERO,
+            last_group: 1,
             persisted: committed,
             wanted: committed,
             lock: Some(guard),
         };
         std::thread::Builder::new()
             .name("lanes-spill-writer".to_owned())
-            .spawn(move || writer.run(rx))
+            .spawn(move || writer.run())
             .map_err(SpillError::Io)?;
         Ok((Self { inner }, report))
-    }
-
-    fn send(&self, request: Request) -> Result<(), SpillError> {
-        let requests = lock(&self.inner.requests);
-        let sender = requests.as_ref().ok_or(SpillError::Closed)?;
-        sender.send(request).map_err(|_| SpillError::Closed)
     }
 
     /// Appends one record; returns once its sync policy is satisfied.
@@ -324,7 +323,7 @@ impl SpillQueue {
     /// [`SpillError::TooLarge`], [`SpillError::Full`], [`SpillError::Failed`] after an earlier
     /// I/O failure, [`SpillError::Closed`].
     pub async fn append(&self, record: impl AsRef<[u8]>) -> Result<(), SpillError> {
-        self.append_batch(std::iter::once(record)).await
+        self.hand_over(std::slice::from_ref(&record))?.await
     }
 
     /// Appends records in order, as one group: they become durable together.
@@ -354,22 +353,28 @@ impl SpillQueue {
         &self,
         records: impl IntoIterator<Item = R>,
     ) -> Result<PendingAppend, SpillError> {
+        let records: Vec<R> = records.into_iter().collect();
+        self.hand_over(&records)
+    }
+
+    /// Checks the records against the bounds, counts them, and frames them into the writer's
+    /// mailbox.
+    fn hand_over<R: AsRef<[u8]>>(&self, records: &[R]) -> Result<PendingAppend, SpillError> {
         let max = self.inner.options.max_record;
-        let mut frames = Vec::new();
-        let mut count = 0u64;
+        let mut bytes = 0usize;
         for record in records {
-            let record = record.as_ref();
-            if record.len() > max as usize {
-                return Err(SpillError::TooLarge { len: record.len(), max });
+            let len = record.as_ref().len();
+            if len > max as usize {
+                return Err(SpillError::TooLarge { len, max });
             }
-            frame::encode(record, &mut frames);
-            count += 1;
+            bytes += frame::HEADER + len;
         }
-        if count == 0 {
-            let (reply, answer) = oneshot::channel();
+        let (reply, answer) = oneshot::channel();
+        if records.is_empty() {
             let _ = reply.send(Ok(()));
             return Ok(PendingAppend { answer });
         }
+        let count = records.len() as u64;
         {
             let mut shared = lock(&self.inner.shared);
             if let Some(cause) = &shared.failed {
@@ -378,16 +383,21 @@ impl SpillQueue {
             if shared.closed {
                 return Err(SpillError::Closed);
             }
-            let bytes = frames.len() as u64;
-            if shared.bytes + bytes > self.inner.options.max_bytes {
+            if shared.bytes + bytes as u64 > self.inner.options.max_bytes {
                 return Err(SpillError::Full { max_bytes: self.inner.options.max_bytes });
             }
-            shared.bytes += bytes;
+            shared.bytes += bytes as u64;
             shared.records += count;
             shared.appended += count;
         }
-        let (reply, answer) = oneshot::channel();
-        self.send(Request::Append { frames, reply })?;
+        if self.inner.mailbox.append(records, bytes, reply).is_err() {
+            // Closed between the count and the hand-over: take the count back.
+            let mut shared = lock(&self.inner.shared);
+            shared.bytes -= bytes as u64;
+            shared.records -= count;
+            shared.appended -= count;
+            return Err(SpillError::Closed);
+        }
         Ok(PendingAppend { answer })
     }
 
@@ -470,8 +480,7 @@ impl SpillQueue {
             shared.closed = true;
         }
         let (reply, answer) = oneshot::channel();
-        let sent = self.send(Request::Close { reply });
-        lock(&self.inner.requests).take();
+        let sent = self.inner.mailbox.close(reply).map_err(|_| SpillError::Closed);
         self.inner.data.notify_waiters();
         sent?;
         answer.await.map_err(|_| SpillError::Closed)?

@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 use super::error::SpillError;
 use super::format::{Position, segment_name};
 use super::frame::{self, HEADER, Scanned};
-use super::queue::{Inner, Request, SpillRecord};
+use super::queue::{Inner, SpillRecord};
 use super::storage::Storage;
 use crate::util::lock;
 
@@ -173,11 +173,7 @@ impl SpillReader {
             shared.acknowledged += records;
         }
         let (reply, answer) = oneshot::channel();
-        let requests = lock(&self.inner.requests).clone();
-        requests
-            .ok_or(SpillError::Closed)?
-            .send(Request::Commit { to, reply })
-            .map_err(|_| SpillError::Closed)?;
+        self.inner.mailbox.commit(to, reply).map_err(|_| SpillError::Closed)?;
         answer.await.map_err(|_| SpillError::Closed)?
     }
 

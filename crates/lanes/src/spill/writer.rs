@@ -1,9 +1,14 @@
-//! The writer thread of a spill queue: group commit, rotation with seals, state persistence
-//! (invariants 1 and 3 of `queue.rs`).
+//! The writer thread of a spill queue and the mailbox appenders hand it work through.
+//!
+//! Appenders frame their records straight into the mailbox's buffer (one copy from the
+//! caller's bytes to the buffer, one from the buffer to the kernel) and leave a reply; the
+//! writer swaps the whole buffer out in one lock, asks the [planner](super::plan) what to do
+//! with it, and performs the actions (invariants 1 and 3 of `queue.rs`). There is no message
+//! per record: a group is whatever arrived while the last one was being written and synced.
 
 use std::fmt;
-use std::sync::Arc;
-use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
@@ -12,20 +17,134 @@ use super::error::SpillError;
 use super::format::{Position, SEGMENT_HEADER, STATE, encode_state, segment_name};
 use super::frame;
 use super::options::{SpillOptions, SyncPolicy};
-use super::queue::{Extent, Inner, Request, create_segment};
+use super::plan::{Action, GROUP_BYTES, Group, LINGER_BYTES, Planner, lingers};
+use super::queue::{Extent, Inner, create_segment};
 use super::storage::{AppendFile, Storage};
 use crate::util::lock;
+
+/// A reply to an append, a commit or a close.
+pub(super) type Reply = oneshot::Sender<Result<(), SpillError>>;
+
+/// Where appenders leave work for the writer.
+#[derive(Debug, Default)]
+pub(super) struct Mailbox {
+    inbox: Mutex<Inbox>,
+    wake: Condvar,
+    /// Bumped with every piece of work left (read without the lock by a spinning writer).
+    posted: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Inbox {
+    /// The frames of every waiting append, back to back.
+    buf: Vec<u8>,
+    /// Each waiting append's frame bytes and reply, in order.
+    appends: Vec<(usize, Reply)>,
+    commits: Vec<Reply>,
+    wanted: Option<Position>,
+    close: Option<Reply>,
+    /// No more work is taken: closing, or every handle is gone.
+    shut: bool,
+    /// The writer is waiting for work: an appender wakes it once `appends` reaches `want`.
+    idle: bool,
+    want: usize,
+}
+
+/// The mailbox refused the work: the queue is closing.
+#[derive(Debug)]
+pub(super) struct Shut;
+
+impl Mailbox {
+    /// Frames `records` (whose frames take `bytes`) into the buffer, to be answered on `reply`.
+    pub(super) fn append<R: AsRef<[u8]>>(
+        &self,
+        records: &[R],
+        bytes: usize,
+        reply: Reply,
+    ) -> Result<(), Shut> {
+        let mut inbox = lock(&self.inbox);
+        if inbox.shut {
+            return Err(Shut);
+        }
+        inbox.buf.reserve(bytes);
+        for record in records {
+            frame::encode(record.as_ref(), &mut inbox.buf);
+        }
+        inbox.appends.push((bytes, reply));
+        self.wake(inbox);
+        Ok(())
+    }
+
+    /// Asks for the committed position `to` to be persisted, answered on `reply`.
+    pub(super) fn commit(&self, to: Position, reply: Reply) -> Result<(), Shut> {
+        let mut inbox = lock(&self.inbox);
+        if inbox.shut {
+            return Err(Shut);
+        }
+        inbox.wanted = inbox.wanted.max(Some(to));
+        inbox.commits.push(reply);
+        self.wake(inbox);
+        Ok(())
+    }
+
+    /// Asks the writer to make everything durable and stop; `reply` answers once it has.
+    pub(super) fn close(&self, reply: Reply) -> Result<(), Shut> {
+        let mut inbox = lock(&self.inbox);
+        if inbox.shut {
+            return Err(Shut);
+        }
+        inbox.shut = true;
+        inbox.close = Some(reply);
+        self.wake(inbox);
+        Ok(())
+    }
+
+    /// Every handle is gone: the writer finishes what it holds and stops.
+    pub(super) fn abandon(&self) {
+        let mut inbox = lock(&self.inbox);
+        inbox.shut = true;
+        self.wake(inbox);
+    }
+
+    fn wake(&self, mut inbox: MutexGuard<'_, Inbox>) {
+        self.posted.fetch_add(1, Ordering::Release);
+        let enough = inbox.appends.len() >= inbox.want || inbox.shut || !inbox.commits.is_empty();
+        if inbox.idle && enough {
+            inbox.idle = false;
+            drop(inbox);
+            self.wake.notify_one();
+        }
+    }
+}
+
+/// What the writer took from the mailbox in one turn.
+#[derive(Default)]
+struct Taken {
+    buf: Vec<u8>,
+    appends: Vec<(usize, Reply)>,
+    commits: Vec<Reply>,
+    close: Option<Reply>,
+    tick: bool,
+    /// The mailbox is shut and was emptied: this is the last turn.
+    last: bool,
+}
 
 /// The writer thread's state.
 pub(super) struct Writer {
     pub(super) inner: std::sync::Weak<Inner>,
+    pub(super) mailbox: Arc<Mailbox>,
     pub(super) storage: Arc<dyn Storage>,
     pub(super) options: SpillOptions,
+    pub(super) planner: Planner,
     pub(super) file: Box<dyn AppendFile>,
     pub(super) active: u64,
     pub(super) active_len: u64,
     pub(super) unsynced: bool,
     pub(super) last_sync: Instant,
+    /// How long the last sync took (a `Batch` group lingers for at most half of it).
+    pub(super) sync_took: Duration,
+    /// How many appends the last group held.
+    pub(super) last_group: usize,
     /// The committed position the state file holds.
     pub(super) persisted: Position,
     /// The latest committed position asked for.
@@ -36,187 +155,174 @@ pub(super) struct Writer {
 }
 
 impl Writer {
-    pub(super) fn run(mut self, requests: Receiver<Request>) {
-        const GROUP_BYTES: usize = 4 << 20;
+    pub(super) fn run(mut self) {
+        // The buffers go back and forth between the mailbox and the writer, keeping their
+        // capacity: no allocation per group once warm.
+        let mut taken = Taken::default();
         loop {
-            let first = match self.next(&requests) {
-                Next::Request(request) => request,
-                Next::Tick => {
-                    self.tick();
-                    continue;
-                }
-                Next::Done => break,
-            };
-            let mut group = vec![first];
-            let mut bytes = group_bytes(&group);
-            while bytes < GROUP_BYTES {
-                match requests.try_recv() {
-                    Ok(request) => {
-                        bytes += group_bytes(std::slice::from_ref(&request));
-                        group.push(request);
-                    }
-                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
-                }
-            }
-            if self.options.sync == SyncPolicy::Batch && !self.options.batch_window.is_zero() {
-                let deadline = Instant::now() + self.options.batch_window;
-                while bytes < GROUP_BYTES {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    match requests.recv_timeout(left) {
-                        Ok(request) => {
-                            bytes += group_bytes(std::slice::from_ref(&request));
-                            group.push(request);
-                        }
-                        Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => break,
-                    }
-                }
-            }
-            if !self.handle(group) {
+            self.take(&mut taken);
+            let last = taken.last;
+            self.handle(&mut taken);
+            if last {
                 return;
             }
         }
-        // Every handle is gone: leave things durable.
-        let _ = self.sync();
-        let _ = self.persist();
     }
 
-    fn next(&mut self, requests: &Receiver<Request>) -> Next {
-        match self.options.sync {
-            SyncPolicy::Interval(every) => {
+    /// Waits for work and takes all of it (under `Batch` with a window, lingering for more).
+    fn take(&mut self, taken: &mut Taken) {
+        let mut inbox = lock(&self.mailbox.inbox);
+        let interval = match self.options.sync {
+            SyncPolicy::Interval(every) => Some(every),
+            _ => None,
+        };
+        loop {
+            let work = !inbox.appends.is_empty() || !inbox.commits.is_empty();
+            if work || inbox.shut {
+                break;
+            }
+            if let Some(every) = interval {
                 let left = every.saturating_sub(self.last_sync.elapsed());
-                match requests.recv_timeout(left) {
-                    Ok(request) => Next::Request(request),
-                    Err(RecvTimeoutError::Timeout) => Next::Tick,
-                    Err(RecvTimeoutError::Disconnected) => Next::Done,
+                if left.is_zero() {
+                    taken.tick = true;
+                    break;
                 }
-            }
-            _ => {
-                // A short spin first: a producer answered a moment ago often sends its next
+                inbox = self.wait(inbox, 1, Some(left));
+            } else {
+                // A short spin first: an appender answered a moment ago often sends its next
                 // append right away, and catching it here saves a thread wake-up.
-                let spin_until = Instant::now() + Duration::from_micros(30);
-                while Instant::now() < spin_until {
-                    match requests.try_recv() {
-                        Ok(request) => return Next::Request(request),
-                        Err(TryRecvError::Disconnected) => return Next::Done,
-                        Err(TryRecvError::Empty) => std::hint::spin_loop(),
-                    }
+                let seen = self.mailbox.posted.load(Ordering::Acquire);
+                drop(inbox);
+                let spin_until = Instant::now() + SPIN;
+                while self.mailbox.posted.load(Ordering::Acquire) == seen
+                    && Instant::now() < spin_until
+                {
+                    std::hint::spin_loop();
                 }
-                requests.recv().map_or(Next::Done, Next::Request)
+                inbox = lock(&self.mailbox.inbox);
+                if inbox.appends.is_empty() && inbox.commits.is_empty() && !inbox.shut {
+                    inbox = self.wait(inbox, 1, None);
+                }
             }
         }
-    }
-
-    /// `Interval`: sync what was written and persist the committed position.
-    fn tick(&mut self) {
-        if let Err(err) = self.sync().and_then(|()| self.persist()) {
-            self.fail(&err.to_string());
+        if self.options.sync == SyncPolicy::Batch {
+            // Linger for the appenders the last group answered (they are likely on their way
+            // back) while the group is small enough for a sync to cost more than its bytes,
+            // for at most half a sync; or for the configured window.
+            let window = self.options.batch_window;
+            let (want, linger, most) = match window.is_zero() {
+                true => (self.last_group, (self.sync_took / 2).min(MAX_LINGER), LINGER_BYTES),
+                false => (usize::MAX, window, GROUP_BYTES),
+            };
+            let deadline = Instant::now() + linger;
+            loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let more = lingers(inbox.appends.len(), inbox.buf.len(), want, most);
+                if left.is_zero() || inbox.shut || !more {
+                    break;
+                }
+                inbox = self.wait(inbox, want, Some(left));
+            }
         }
-        self.last_sync = Instant::now();
+        std::mem::swap(&mut taken.buf, &mut inbox.buf);
+        std::mem::swap(&mut taken.appends, &mut inbox.appends);
+        self.last_group = taken.appends.len().max(1);
+        std::mem::swap(&mut taken.commits, &mut inbox.commits);
+        if let Some(to) = inbox.wanted.take() {
+            self.wanted = self.wanted.max(to);
+        }
+        taken.close = inbox.close.take();
+        taken.last = inbox.shut;
+        if let SyncPolicy::Interval(every) = self.options.sync {
+            taken.tick |= self.last_sync.elapsed() >= every;
+        }
     }
 
-    /// Handles a group of requests; false once the queue was closed. Under `Always` every
-    /// append is written and synced on its own; otherwise the group's appends are written
-    /// together and share one sync (`Batch`) or none (`Interval`, `Never`).
-    fn handle(&mut self, group: Vec<Request>) -> bool {
-        let mut appended = Vec::new();
-        let mut commits = Vec::new();
-        let mut close = None;
-        let mut buf = Vec::new();
+    /// Waits until woken (an appender brought `want` appends, a commit, a close) or `timeout`.
+    fn wait<'a>(
+        &self,
+        mut inbox: MutexGuard<'a, Inbox>,
+        want: usize,
+        timeout: Option<Duration>,
+    ) -> MutexGuard<'a, Inbox> {
+        inbox.idle = true;
+        inbox.want = want;
+        let mut inbox = match timeout {
+            Some(left) => {
+                let wake = &self.mailbox.wake;
+                wake.wait_timeout(inbox, left).unwrap_or_else(|e| e.into_inner()).0
+            }
+            None => self.mailbox.wake.wait(inbox).unwrap_or_else(|e| e.into_inner()),
+        };
+        inbox.idle = false;
+        inbox
+    }
+
+    /// Plans the group and performs the plan. After a failure, no more I/O: every append is
+    /// answered with the failure, and commits with the error.
+    fn handle(&mut self, taken: &mut Taken) {
+        let group = Group {
+            appends: taken.appends.iter().map(|(bytes, _)| *bytes).collect(),
+            commit: !taken.commits.is_empty(),
+            tick: taken.tick,
+            close: taken.last,
+        };
         let mut failure: Option<Arc<str>> =
             self.inner.upgrade().and_then(|i| lock(&i.shared).failed.clone());
-        for request in group {
-            match request {
-                Request::Append { frames, reply } => {
-                    if let Some(cause) = &failure {
-                        let _ = reply.send(Err(SpillError::Failed(cause.clone())));
-                        continue;
+        let mut replies = taken.appends.drain(..).map(|(_, reply)| reply);
+        let mut answered = 0;
+        let mut persisted: Result<(), Arc<str>> = Ok(());
+        for action in self.planner.plan(&group) {
+            let done = match action {
+                Action::Write(range) if failure.is_none() => self.write(&taken.buf[range]),
+                Action::Sync if failure.is_none() => self.sync(),
+                Action::Rotate if failure.is_none() => self.rotate(),
+                Action::Write(_) | Action::Sync | Action::Rotate => Ok(()),
+                Action::Answer(upto) => {
+                    for reply in replies.by_ref().take(upto - answered) {
+                        let _ = reply.send(match &failure {
+                            None => Ok(()),
+                            Some(cause) => Err(SpillError::Failed(cause.clone())),
+                        });
                     }
-                    let full = self.active_len + (buf.len() + frames.len()) as u64
-                        > self.options.segment_size;
-                    if full && self.active_len + buf.len() as u64 > SEGMENT_HEADER {
-                        // Seal the segment (rotate syncs it) with what the group has so far.
-                        let sealed = self.write(&buf).and_then(|()| self.rotate());
-                        buf.clear();
-                        if let Err(err) = sealed {
-                            failure = Some(self.fail(&err.to_string()));
-                        }
-                        for (reply, _) in appended.drain(..) {
-                            Self::answer(reply, failure.clone());
-                        }
-                        if let Some(cause) = &failure {
-                            let _ = reply.send(Err(SpillError::Failed(cause.clone())));
-                            continue;
-                        }
-                    }
-                    buf.extend_from_slice(&frames);
-                    appended.push((reply, frames.len()));
-                    if self.options.sync == SyncPolicy::Always {
-                        self.flush(&mut buf, &mut appended, &mut failure);
-                    }
+                    answered = upto;
+                    Ok(())
                 }
-                Request::Commit { to, reply } => {
-                    self.wanted = self.wanted.max(to);
-                    commits.push(reply);
+                Action::Persist => {
+                    // A failed state write fails the commits, not the appends.
+                    persisted = self.persist().map_err(|e| Arc::from(e.to_string()));
+                    Ok(())
                 }
-                Request::Close { reply } => close = Some(reply),
+                Action::AnswerCommits => {
+                    for reply in taken.commits.drain(..) {
+                        let result = persisted.clone();
+                        let _ =
+                            reply
+                                .send(result.map_err(|e| {
+                                    SpillError::Io(std::io::Error::other(e.as_ref()))
+                                }));
+                    }
+                    Ok(())
+                }
+                Action::Close => {
+                    let result = self.sync().and_then(|()| self.persist());
+                    drop(self.lock.take());
+                    if let Some(reply) = taken.close.take() {
+                        let _ = reply.send(result.map_err(SpillError::Io));
+                    }
+                    Ok(())
+                }
+            };
+            if let Err(err) = done {
+                failure = Some(self.fail(&err.to_string()));
             }
         }
-        self.flush(&mut buf, &mut appended, &mut failure);
-        if !commits.is_empty() {
-            let durable = matches!(self.options.sync, SyncPolicy::Always | SyncPolicy::Batch);
-            let persisted = if durable { self.persist() } else { Ok(()) };
-            let result = persisted.map_err(|e| e.to_string());
-            for reply in commits {
-                let _ = reply
-                    .send(result.clone().map_err(|e| SpillError::Io(std::io::Error::other(e))));
-            }
-        }
-        if let SyncPolicy::Interval(every) = self.options.sync
-            && self.last_sync.elapsed() >= every
-        {
-            self.tick();
-        }
-        if let Some(reply) = close {
-            let result = self.sync().and_then(|()| self.persist());
-            drop(self.lock.take());
-            let _ = reply.send(result.map_err(SpillError::Io));
-            return false;
-        }
-        true
-    }
-
-    /// Writes what `buf` holds (synced under `Always` and `Batch`), then answers its appends.
-    fn flush(
-        &mut self,
-        buf: &mut Vec<u8>,
-        appended: &mut Vec<(oneshot::Sender<Result<(), SpillError>>, usize)>,
-        failure: &mut Option<Arc<str>>,
-    ) {
-        if failure.is_none() && !buf.is_empty() {
-            let durable = matches!(self.options.sync, SyncPolicy::Always | SyncPolicy::Batch);
-            let written = self.write(buf).and_then(|()| if durable { self.sync() } else { Ok(()) });
-            if let Err(err) = written {
-                *failure = Some(self.fail(&err.to_string()));
-            }
-        }
-        buf.clear();
-        for (reply, _) in appended.drain(..) {
-            Self::answer(reply, failure.clone());
-        }
-    }
-
-    fn answer(reply: oneshot::Sender<Result<(), SpillError>>, failure: Option<Arc<str>>) {
-        let _ = reply.send(match failure {
-            None => Ok(()),
-            Some(cause) => Err(SpillError::Failed(cause)),
-        });
+        taken.buf.clear();
+        taken.tick = false;
     }
 
     /// Writes `buf` to the active segment and publishes the new end to readers.
     fn write(&mut self, buf: &[u8]) -> std::io::Result<()> {
-        if buf.is_empty() {
-            return Ok(());
-        }
         self.file.append(buf)?;
         self.active_len += buf.len() as u64;
         self.unsynced = true;
@@ -233,7 +339,9 @@ impl Writer {
 
     fn sync(&mut self) -> std::io::Result<()> {
         if self.unsynced {
+            let start = Instant::now();
             self.file.sync()?;
+            self.sync_took = start.elapsed();
             self.unsynced = false;
         }
         self.last_sync = Instant::now();
@@ -309,18 +417,8 @@ impl Writer {
     }
 }
 
-enum Next {
-    Request(Request),
-    Tick,
-    Done,
-}
+/// How long an idle writer spins before it sleeps.
+const SPIN: Duration = Duration::from_micros(30);
 
-fn group_bytes(requests: &[Request]) -> usize {
-    requests
-        .iter()
-        .map(|r| match r {
-            Request::Append { frames, .. } => frames.len(),
-            _ => 0,
-        })
-        .sum()
-}
+/// The longest a `Batch` group lingers for returning appenders.
+const MAX_LINGER: Duration = Duration::from_millis(1);
