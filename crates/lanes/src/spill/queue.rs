@@ -3,8 +3,8 @@
 //!
 //! # Implementation details
 //!
-//! Producers encode their frames and reserve their bytes under the shared lock, then hand the
-//! frames to the writer thread. The writer drains every request waiting (and, under
+//! Producers count their bytes under the shared lock, then frame their records straight into the
+//! writer's mailbox (`writer.rs`). The writer takes everything waiting in one swap (and, under
 //! [`SyncPolicy::Batch`], waits up to `batch_window` for more), writes them with one `write`,
 //! syncs once if the policy asks, publishes the new end of data to readers, and only then
 //! answers the producers. A failed write or sync makes the queue refuse further appends until
