@@ -96,6 +96,23 @@ struct Inner {
     lost: LostLeases,
     /// Notified (to every waiter) whenever `lost` grows.
     renewer: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The API token sent with every request, if the server wants one.
+    token: std::sync::OnceLock<String>,
+}
+
+impl Inner {
+    /// A request to `url`, with the API token if there is one.
+    fn request(
+        &self,
+        method: reqwest::Method,
+        url: impl reqwest::IntoUrl,
+    ) -> reqwest::RequestBuilder {
+        let request = self.http.request(method, url);
+        match self.token.get() {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        }
+    }
 }
 
 /// A live ticket.
@@ -320,10 +337,26 @@ impl RemoteLimits {
             live: Mutex::new(HashMap::new()),
             lost: LostLeases::default(),
             renewer: Mutex::new(None),
+            token: std::sync::OnceLock::new(),
         });
         let task = tokio::spawn(renew_in_background(Arc::downgrade(&inner)));
         *lock(&inner.renewer) = Some(task);
         Ok(Self { inner })
+    }
+
+    /// Sends `token` as `Authorization: Bearer` with every request (a `client` token bound to
+    /// this client's id, for a server started with tokens). Set once: a later call is ignored.
+    ///
+    /// ```no_run
+    /// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+    /// let token = std::env::var("LANES_CLIENT_TOKEN")?;
+    /// let limits = lanes_remote::RemoteLimits::new("https://lanes.internal:7878")?.with_token(token);
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn with_token(self, token: impl Into<String>) -> Self {
+        let _ = self.inner.token.set(token.into());
+        self
     }
 
     /// The client id the server knows this client by.
@@ -373,7 +406,8 @@ impl RemoteLimits {
             wait_ms,
             queue,
         };
-        let request = self.inner.http.post(self.limit_url(name, "/acquire")).json(&body);
+        let request =
+            self.inner.request(reqwest::Method::POST, self.limit_url(name, "/acquire")).json(&body);
         let response = request.send().await.map_err(transport)?;
         match response.status() {
             StatusCode::OK => {
@@ -462,7 +496,8 @@ impl RemoteLimits {
         lease: Option<Duration>,
     ) -> Result<Released, LimitError> {
         let body = wire::ReleaseRequest { client: self.inner.owner(ticket, lease), ticket };
-        let request = self.inner.http.post(self.limit_url(name, "/release")).json(&body);
+        let request =
+            self.inner.request(reqwest::Method::POST, self.limit_url(name, "/release")).json(&body);
         let reply: wire::ReleaseAnswer = answer(self.send(name, request).await?).await?;
         // The server does not say whether the ticket held or waited.
         Ok(if reply.released { Released::Permit } else { Released::Unknown })
@@ -494,7 +529,8 @@ impl Inner {
     /// `POST /v1/clients/{client}/renew`.
     async fn renew_client(&self, client: &str) -> Result<Renewal, LimitError> {
         let url = format!("{}/v1/clients/{}/renew", self.base, encode(client));
-        let response = self.http.post(url).send().await.map_err(transport)?;
+        let request = self.request(reqwest::Method::POST, url).json(&serde_json::json!({}));
+        let response = request.send().await.map_err(transport)?;
         match response.status() {
             StatusCode::OK => {
                 let reply: wire::RenewAnswer = answer(response).await?;
@@ -583,14 +619,19 @@ impl LimitBackend for RemoteLimits {
         Box::pin(async move {
             spec.validate()?;
             let body = wire::Spec::from(spec);
-            self.send(name, self.inner.http.put(self.limit_url(name, "")).json(&body)).await?;
+            self.send(
+                name,
+                self.inner.request(reqwest::Method::PUT, self.limit_url(name, "")).json(&body),
+            )
+            .await?;
             Ok(())
         })
     }
 
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>> {
         Box::pin(async move {
-            self.send(name, self.inner.http.delete(self.limit_url(name, ""))).await?;
+            self.send(name, self.inner.request(reqwest::Method::DELETE, self.limit_url(name, "")))
+                .await?;
             Ok(())
         })
     }
@@ -770,7 +811,10 @@ impl LimitBackend for RemoteLimits {
 
     fn info<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<Option<LimitInfo>, LimitError>> {
         Box::pin(async move {
-            match self.send(name, self.inner.http.get(self.limit_url(name, ""))).await {
+            match self
+                .send(name, self.inner.request(reqwest::Method::GET, self.limit_url(name, "")))
+                .await
+            {
                 Ok(response) => Ok(Some(answer::<wire::Limit>(response).await?.into())),
                 Err(LimitError::UnknownLimit(_)) => Ok(None),
                 Err(err) => Err(err),
@@ -780,7 +824,9 @@ impl LimitBackend for RemoteLimits {
 
     fn list(&self) -> BoxFuture<'_, Result<Vec<LimitInfo>, LimitError>> {
         Box::pin(async move {
-            let response = self.send("*", self.inner.http.get(self.url("/v1/limits"))).await?;
+            let response = self
+                .send("*", self.inner.request(reqwest::Method::GET, self.url("/v1/limits")))
+                .await?;
             let list: wire::LimitList = answer(response).await?;
             Ok(list.limits.into_iter().map(LimitInfo::from).collect())
         })

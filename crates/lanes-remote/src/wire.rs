@@ -308,6 +308,11 @@ pub struct LostTicket {
 pub struct ErrorBody {
     /// What was wrong.
     pub error: String,
+    /// A stable name for the kind of error, for programs: `unauthorized`, `forbidden`,
+    /// `too_many_limits`, `too_many_clients`, `too_many_connections`, ... (absent on older
+    /// errors that the status already names).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub code: Option<String>,
     /// The offending field of the request (400).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
@@ -322,7 +327,7 @@ pub struct ErrorBody {
 impl ErrorBody {
     /// An error naming nothing else.
     pub fn new(error: impl Into<String>) -> Self {
-        Self { error: error.into(), field: None, limit: None, ticket: None }
+        Self { error: error.into(), code: None, field: None, limit: None, ticket: None }
     }
 }
 

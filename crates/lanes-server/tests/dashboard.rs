@@ -102,3 +102,29 @@ async fn the_dashboard_shows_limits_and_follows_them() {
     assert!(size > 5_000, "a real screenshot, {size} bytes");
     println!("dashboard screenshot: {}", shot.display());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_works_with_a_read_token_on_a_server_with_tokens() {
+    let admin = "admin-token-0123456789";
+    let read = "read-token-0123456789";
+    let tokens = format!("admin:{admin} read:{read}");
+    let serve = Serve::start_with("127.0.0.1:0", &[], &[("LANES_TOKENS", &tokens)]);
+    let c = http();
+    let defined = c
+        .put(serve.url("/v1/limits/guarded"))
+        .bearer_auth(admin)
+        .json(&json!({"concurrent": 4}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(defined.status(), 200);
+    let (without, with) = tokio::task::spawn_blocking({
+        let (plain, tokened) = (serve.url("/"), serve.url(&format!("/#token={read}")));
+        move || (rendered(&plain), rendered(&tokened))
+    })
+    .await
+    .unwrap();
+    assert_eq!(in_use(&without, "guarded"), None, "shown without a token");
+    assert!(without.contains("followed by a read token)"), "no hint about the token: {without}");
+    assert_eq!(in_use(&with, "guarded").as_deref(), Some("0 / 4"), "{with}");
+}

@@ -206,7 +206,22 @@ async fn bad_input_gets_the_documented_errors() {
             400,
             Some("ticket"),
         ),
-        ("unknown client renew", reqwest::Method::POST, "/v1/clients/ghost/renew", None, 404, None),
+        (
+            "unknown client renew",
+            reqwest::Method::POST,
+            "/v1/clients/ghost/renew",
+            Some(json!({})),
+            404,
+            None,
+        ),
+        (
+            "a state change without JSON",
+            reqwest::Method::POST,
+            "/v1/clients/ghost/renew",
+            None,
+            415,
+            None,
+        ),
         ("no such endpoint", reqwest::Method::GET, "/v2/everything", None, 404, None),
         ("wrong method", reqwest::Method::PATCH, "/v1/limits/db", None, 405, None),
     ];
@@ -219,13 +234,16 @@ async fn bad_input_gets_the_documented_errors() {
         }
     }
     // Malformed JSON.
-    let response = c.put(serve.url("/v1/limits/x")).body("{not json").send().await.unwrap();
+    let malformed = c.put(serve.url("/v1/limits/x")).header("content-type", "application/json");
+    let response = malformed.body("{not json").send().await.unwrap();
     assert_eq!(response.status(), 400);
     // An oversized body. The server answers before reading it all and drops the connection,
     // so these requests use unpooled clients (a pooled one could reuse the dropped connection).
     let fresh = || reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
     let big = format!("{{\"concurrent\": 1, \"pad\": \"{}\"}}", "x".repeat(200_000));
-    let response = fresh().put(serve.url("/v1/limits/x")).body(big).send().await.unwrap();
+    let json = "application/json";
+    let oversized = fresh().put(serve.url("/v1/limits/x")).header("content-type", json);
+    let response = oversized.body(big).send().await.unwrap();
     assert_eq!(response.status(), 413);
     // Oversized headers.
     let response = fresh()

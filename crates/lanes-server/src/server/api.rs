@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use lanes::channel::Emitted;
@@ -16,6 +16,7 @@ use serde_json::json;
 use tokio::time::Instant;
 
 use super::App;
+use super::auth::Principal;
 use super::error::{ApiError, JsonBody};
 use super::sessions::Refused;
 
@@ -50,6 +51,17 @@ pub(crate) async fn define(
     check_name(&name)?;
     let spec = body.to_spec();
     spec.validate().map_err(|e| ApiError::field(e.field(), e.to_string()))?;
+    let max = app.options.max_limits;
+    if app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?.is_none() {
+        let count = app.backend.list().await.map_err(|e| ApiError::limit(&name, &e))?.len();
+        if count >= max {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("this server holds at most {max} limits (--max-limits)"),
+            )
+            .code("too_many_limits"));
+        }
+    }
     app.backend.define(&name, spec).await.map_err(|e| ApiError::limit(&name, &e))?;
     let info = app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
     Ok(Json(info.map(wire::Limit::from)).into_response())
@@ -106,10 +118,23 @@ fn not_yet(status: StatusCode, body: impl Serialize, retry_after: Duration) -> R
 pub(crate) async fn acquire(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
+    Extension(principal): Extension<Principal>,
     JsonBody(body): JsonBody<wire::AcquireRequest>,
 ) -> Result<Response, ApiError> {
     check_name(&name)?;
     check_client(&body.client)?;
+    principal.act_as(&body.client)?;
+    {
+        let sessions = app.sessions();
+        let max = app.options.max_clients;
+        if !sessions.knows(&body.client) && sessions.clients() >= max {
+            return Err(ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                format!("this server keeps at most {max} clients (--max-clients)"),
+            )
+            .code("too_many_clients"));
+        }
+    }
     let lease = Duration::from_millis(body.lease_ms.unwrap_or(app.options.default_lease_ms));
     if !(MIN_LEASE..=app.options.max_lease).contains(&lease) {
         return Err(ApiError::field(
@@ -224,10 +249,12 @@ pub(crate) async fn acquire(
 pub(crate) async fn release(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
+    Extension(principal): Extension<Principal>,
     JsonBody(body): JsonBody<wire::ReleaseRequest>,
 ) -> Result<Response, ApiError> {
     check_name(&name)?;
     check_client(&body.client)?;
+    principal.act_as(&body.client)?;
     let known = app
         .sessions()
         .forget(&body.client, &name, body.ticket)
@@ -250,8 +277,10 @@ pub(crate) async fn release(
 pub(crate) async fn renew(
     State(app): State<Arc<App>>,
     Path(client): Path<String>,
+    Extension(principal): Extension<Principal>,
 ) -> Result<Response, ApiError> {
     check_client(&client)?;
+    principal.act_as(&client)?;
     let Some(tickets) = app.sessions().tickets_of(&client, Instant::now()) else {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -305,20 +334,60 @@ pub(crate) async fn snapshot(State(app): State<Arc<App>>) -> Result<Response, Ap
     Ok(Json(value).into_response())
 }
 
+/// Prometheus text. The per-limit series are written from the backend's list at each scrape
+/// (not kept in the recorder), so a deleted limit's series are gone from the next scrape.
 pub(crate) async fn metrics(State(app): State<Arc<App>>) -> Response {
+    use std::fmt::Write;
+    metrics::gauge!("lanes_server_clients").set(app.sessions().clients() as f64);
+    let mut body = app.prometheus.render();
     if let Ok(infos) = app.backend.list().await {
-        for info in infos {
-            let labels = [("limit", info.name.clone())];
-            metrics::gauge!("lanes_limit_in_use", &labels).set(f64::from(info.in_use));
-            metrics::gauge!("lanes_limit_waiting", &labels).set(info.waiting as f64);
-            metrics::gauge!("lanes_limit_concurrent", &labels).set(f64::from(info.spec.concurrent));
-            metrics::gauge!("lanes_limit_max_in_use", &labels).set(f64::from(info.max_in_use));
-            metrics::counter!("lanes_limit_granted_total", &labels).absolute(info.granted_total);
+        type Field = fn(&lanes::LimitInfo) -> f64;
+        let series: [(&str, &str, &str, Field); 5] = [
+            ("lanes_limit_in_use", "gauge", "Permits held now.", |i| f64::from(i.in_use)),
+            ("lanes_limit_waiting", "gauge", "Tickets waiting now.", |i| i.waiting as f64),
+            ("lanes_limit_concurrent", "gauge", "The limit's concurrency.", |i| {
+                f64::from(i.spec.concurrent)
+            }),
+            ("lanes_limit_max_in_use", "gauge", "The most permits ever held at once.", |i| {
+                f64::from(i.max_in_use)
+            }),
+            ("lanes_limit_granted_total", "counter", "Permits granted.", |i| {
+                i.granted_total as f64
+            }),
+        ];
+        for (name, kind, help, value) in series {
+            let _ = writeln!(body, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for info in &infos {
+                let label =
+                    info.name.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
+                let _ = writeln!(body, "{name}{{limit=\"{label}\"}} {}", value(info));
+            }
         }
     }
-    metrics::gauge!("lanes_server_clients").set(app.sessions().clients() as f64);
-    let body = app.prometheus.render();
     ([("content-type", "text/plain; version=0.0.4")], body).into_response()
+}
+
+/// Liveness: the process answers.
+pub(crate) async fn healthz() -> Response {
+    Json(json!({ "status": "ok" })).into_response()
+}
+
+/// Readiness: the backend answers (within a second).
+pub(crate) async fn readyz(State(app): State<Arc<App>>) -> Result<Response, ApiError> {
+    match tokio::time::timeout(Duration::from_secs(1), app.backend.list()).await {
+        Ok(Ok(_)) => Ok(Json(json!({ "status": "ready", "backend": app.options.backend_name() }))
+            .into_response()),
+        Ok(Err(err)) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("the backend does not answer: {err}"),
+        )
+        .code("not_ready")),
+        Err(_) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the backend did not answer within 1 s",
+        )
+        .code("not_ready")),
+    }
 }
 
 pub(crate) async fn openapi() -> Response {

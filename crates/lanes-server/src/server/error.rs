@@ -22,6 +22,12 @@ impl ApiError {
         Self { status, body: ErrorBody::new(error) }
     }
 
+    /// Gives the error its stable `code`.
+    pub(crate) fn code(mut self, code: &str) -> Self {
+        self.body.code = Some(code.to_owned());
+        self
+    }
+
     /// Names the limit concerned.
     fn with_limit(mut self, limit: &str) -> Self {
         self.body.limit = Some(limit.to_owned());

@@ -11,8 +11,11 @@
 //! with their leases unless renewed (`POST /v1/clients/{client}/renew`).
 
 mod api;
+mod auth;
 mod error;
 mod sessions;
+
+pub use auth::{MIN_TOKEN_LEN, Role, Token};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -71,6 +74,18 @@ pub struct ServeOptions {
     /// The longest lease a client may ask for (and, on Redis, how long grants wait after Redis
     /// lost its state: every lease that could still be believed held has ended by then).
     pub max_lease: Duration,
+    /// The API tokens accepted. Empty: no authentication, allowed only on a loopback address
+    /// unless `insecure_no_auth`.
+    pub tokens: Vec<Token>,
+    /// Run without tokens on a non-loopback address (anyone who reaches the port may act).
+    pub insecure_no_auth: bool,
+    /// The `Host` names accepted (DNS-rebinding guard; `*` accepts any). Empty: on a loopback
+    /// address, `localhost` and the loopback addresses; elsewhere, any.
+    pub allowed_hosts: Vec<String>,
+    /// The most limits (429 `too_many_limits` beyond).
+    pub max_limits: usize,
+    /// The most clients with a session (429 `too_many_clients` beyond).
+    pub max_clients: usize,
 }
 
 impl Default for ServeOptions {
@@ -87,6 +102,11 @@ impl Default for ServeOptions {
             max_waiters: lanes::LimitTable::DEFAULT_MAX_WAITERS,
             queue_grace: Duration::from_secs(2),
             max_lease: Duration::from_secs(60),
+            tokens: Vec::new(),
+            insecure_no_auth: false,
+            allowed_hosts: Vec::new(),
+            max_limits: 10_000,
+            max_clients: 100_000,
         }
     }
 }
@@ -107,15 +127,80 @@ impl ServeOptions {
         if Duration::from_millis(self.default_lease_ms) > self.max_lease {
             return Err("the default lease is longer than the max lease".into());
         }
+        for (i, token) in self.tokens.iter().enumerate() {
+            token.validate(i + 1)?;
+        }
+        if self.max_limits == 0 || self.max_clients == 0 {
+            return Err("max limits and max clients: at least 1".into());
+        }
+        if self.tokens.is_empty() && !self.listen.ip().is_loopback() && !self.insecure_no_auth {
+            return Err(format!(
+                "refusing to listen on {} without API tokens: anyone who reaches it could define, \
+                 delete and hold every limit. Give tokens (lanes.toml [[tokens]], --tokens-file, \
+                 or LANES_TOKENS), listen on a loopback address, or pass --insecure-no-auth",
+                self.listen
+            )
+            .into());
+        }
         Ok(())
+    }
+
+    /// Whether a request's `Host` header names this server (the DNS-rebinding guard).
+    pub(crate) fn host_allowed(&self, host: &str) -> bool {
+        if host.is_empty() {
+            return true;
+        }
+        // The name without its port (an IPv6 literal keeps its brackets).
+        let name = match host.rsplit_once(':') {
+            Some((name, port)) if !name.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
+                name
+            }
+            _ => host,
+        };
+        if !self.allowed_hosts.is_empty() {
+            return self
+                .allowed_hosts
+                .iter()
+                .any(|allowed| allowed == "*" || allowed.eq_ignore_ascii_case(name));
+        }
+        if !self.listen.ip().is_loopback() {
+            return true;
+        }
+        let ip = self.listen.ip().to_string();
+        name.eq_ignore_ascii_case("localhost")
+            || name == "127.0.0.1"
+            || name == "[::1]"
+            || name == ip
+            || name.trim_start_matches('[').trim_end_matches(']') == ip
     }
 
     fn backend_name(&self) -> &'static str {
         if self.redis.is_some() { "redis" } else { "embedded" }
     }
 
-    /// Reads a `lanes.toml`: `listen`, `redis`, `namespace`, and `[limits.NAME]` tables with
-    /// `concurrent`, `per_second`, `burst`.
+    /// Reads tokens from a file of `[[tokens]]` tables (`role`, `token`, `clients`, `name`),
+    /// the same form as in `lanes.toml`.
+    ///
+    /// # Errors
+    ///
+    /// The file cannot be read or is not a list of tokens (the message names the file).
+    pub fn tokens_from_file(path: &PathBuf) -> Result<Vec<Token>, BoxError> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct File {
+            tokens: Vec<Token>,
+        }
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read tokens file {}: {e}", path.display()))?;
+        let file: File = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(file.tokens)
+    }
+
+    /// Reads a `lanes.toml`: `listen`, `redis`, `namespace`, `[limits.NAME]` tables with
+    /// `concurrent`, `per_second`, `burst`; `[[tokens]]` tables (or `tokens_file`); and the
+    /// settings `insecure_no_auth`, `allowed_hosts`, `max_limits`, `max_clients`,
+    /// `max_waiters`, `max_wait_ms`, `default_lease_ms`, `max_lease_ms`, `queue_grace_ms`,
+    /// `max_body`.
     ///
     /// # Errors
     ///
@@ -129,6 +214,19 @@ impl ServeOptions {
             namespace: Option<String>,
             #[serde(default)]
             limits: BTreeMap<String, LimitFile>,
+            #[serde(default)]
+            tokens: Vec<Token>,
+            tokens_file: Option<PathBuf>,
+            insecure_no_auth: Option<bool>,
+            allowed_hosts: Option<Vec<String>>,
+            max_limits: Option<usize>,
+            max_clients: Option<usize>,
+            max_waiters: Option<usize>,
+            max_wait_ms: Option<u64>,
+            default_lease_ms: Option<u64>,
+            max_lease_ms: Option<u64>,
+            queue_grace_ms: Option<u64>,
+            max_body: Option<usize>,
         }
         #[derive(Deserialize)]
         #[serde(deny_unknown_fields)]
@@ -148,6 +246,21 @@ impl ServeOptions {
         if let Some(namespace) = file.namespace {
             options.namespace = namespace;
         }
+        options.tokens = file.tokens;
+        if let Some(tokens) = file.tokens_file {
+            options.tokens.extend(Self::tokens_from_file(&tokens)?);
+        }
+        let ms = Duration::from_millis;
+        options.insecure_no_auth = file.insecure_no_auth.unwrap_or(false);
+        options.allowed_hosts = file.allowed_hosts.unwrap_or_default();
+        options.max_limits = file.max_limits.unwrap_or(options.max_limits);
+        options.max_clients = file.max_clients.unwrap_or(options.max_clients);
+        options.max_waiters = file.max_waiters.unwrap_or(options.max_waiters);
+        options.max_wait = file.max_wait_ms.map_or(options.max_wait, ms);
+        options.default_lease_ms = file.default_lease_ms.unwrap_or(options.default_lease_ms);
+        options.max_lease = file.max_lease_ms.map_or(options.max_lease, ms);
+        options.queue_grace = file.queue_grace_ms.map_or(options.queue_grace, ms);
+        options.max_body = file.max_body.unwrap_or(options.max_body);
         for (name, limit) in file.limits {
             let mut spec = lanes::LimitSpec::concurrent(limit.concurrent);
             if let Some(rate) = limit.per_second {
@@ -172,6 +285,7 @@ pub(crate) struct App {
     events: Channel<&'static str>,
     shutdown: watch::Receiver<bool>,
     options: ServeOptions,
+    tokens: auth::Tokens,
 }
 
 impl App {
@@ -243,11 +357,12 @@ impl Server {
             events: events.clone(),
             shutdown: shutdown_rx.clone(),
             options: options.clone(),
+            tokens: auth::Tokens::new(&options.tokens),
         });
         tokio::spawn(count_events(events, channels));
         tokio::spawn(sweep(Arc::downgrade(&app)));
         let app_for_stop = app.clone();
-        let router = router(app, options.max_body);
+        let router = router(app);
         let listener = tokio::net::TcpListener::bind(options.listen).await?;
         let addr = listener.local_addr()?;
         let mut stop = shutdown_rx;
@@ -281,9 +396,12 @@ impl Server {
 }
 
 /// The router of the API.
-pub(crate) fn router(app: Arc<App>, max_body: usize) -> Router {
+pub(crate) fn router(app: Arc<App>) -> Router {
+    let max_body = app.options.max_body;
     Router::new()
         .route("/", get(api::dashboard))
+        .route("/healthz", get(api::healthz))
+        .route("/readyz", get(api::readyz))
         .route("/openapi.json", get(api::openapi))
         .route("/metrics", get(api::metrics))
         .route("/v1/snapshot", get(api::snapshot))
@@ -293,6 +411,7 @@ pub(crate) fn router(app: Arc<App>, max_body: usize) -> Router {
         .route("/v1/limits/{name}/release", post(api::release))
         .route("/v1/clients/{client}/renew", post(api::renew))
         .fallback(api::not_found)
+        .layer(middleware::from_fn_with_state(app.clone(), auth::guard))
         .layer(middleware::from_fn(guard))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(app)
@@ -311,8 +430,20 @@ async fn guard(request: Request, next: Next) -> Response {
         .extensions()
         .get::<axum::extract::MatchedPath>()
         .map_or_else(|| "unmatched".to_owned(), |p| p.as_str().to_owned());
+    let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+    let started = std::time::Instant::now();
     let response = next.run(request).await;
     let status = response.status();
+    let client = response.extensions().get::<auth::Principal>().map_or("-", |p| &*p.name);
+    tracing::info!(
+        target: "lanes::access",
+        %method,
+        path,
+        status = status.as_u16(),
+        latency_us = started.elapsed().as_micros() as u64,
+        client,
+        "request"
+    );
     metrics::counter!(
         "lanes_http_requests_total",
         "route" => route,
@@ -386,6 +517,14 @@ async fn count_events(events: Channel<&'static str>, _channels: Channels) {
 pub async fn run(options: ServeOptions) -> Result<(), BoxError> {
     let server = Server::start(options.clone()).await?;
     println!("lanes serve: listening on http://{}", server.addr);
+    if options.tokens.is_empty() {
+        println!(
+            "  auth        none: anyone who can reach {} may define, delete and hold limits",
+            server.addr
+        );
+    } else {
+        println!("  auth        {} API token(s), Authorization: Bearer", options.tokens.len());
+    }
     println!("  dashboard   http://{}/", server.addr);
     println!("  API         http://{}/openapi.json", server.addr);
     println!("  limits in   {}", options.redis.as_deref().unwrap_or("this process (embedded)"));

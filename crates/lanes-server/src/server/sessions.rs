@@ -291,6 +291,11 @@ impl Sessions {
         out
     }
 
+    /// Whether `client` has a session.
+    pub(crate) fn knows(&self, client: &str) -> bool {
+        self.clients.contains_key(client)
+    }
+
     /// Clients with a session.
     pub(crate) fn clients(&self) -> usize {
         self.clients.len()

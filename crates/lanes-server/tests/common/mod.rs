@@ -20,7 +20,18 @@ impl Serve {
     /// Starts `lanes serve --listen ADDR` with `args` (a fixed address: a restart on the same
     /// port); returns once it listens.
     pub fn start_at(listen: &str, args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        Self::start_with(listen, args, &[])
+    }
+
+    /// Starts `lanes serve --listen ADDR` with `args` and environment variables `envs` (logs
+    /// at `warn` unless `RUST_LOG` is among them); returns once it listens.
+    pub fn start_with(listen: &str, args: &[&str], envs: &[(&str, &str)]) -> Self {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_lanes"));
+        command.env("RUST_LOG", "warn").env_remove("LANES_TOKENS");
+        for (key, value) in envs {
+            command.env(key, value);
+        }
+        let mut child = command
             .args(["serve", "--listen", listen])
             .args(args)
             .stdout(Stdio::piped())

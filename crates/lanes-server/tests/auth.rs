@@ -1,0 +1,297 @@
+//! `lanes serve` with API tokens, against the real binary: every role allowed and refused on
+//! every endpoint, client ids bound to tokens, the loopback-only open mode, the browser guards
+//! (content type, origin, host), the limit and client caps, metric series of deleted limits,
+//! health checks, access logs, and `RemoteLimits` with a token.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::Serve;
+use lanes::LimitBackend;
+use serde_json::{Value, json};
+
+const ADMIN: &str = "admin-token-0123456789";
+const CLIENT: &str = "client-token-0123456789";
+const READ: &str = "read-token-0123456789";
+
+fn tokens() -> String {
+    format!("admin:{ADMIN} client:{CLIENT}:w1,batch-* read:{READ}")
+}
+
+fn serve(args: &[&str]) -> Serve {
+    Serve::start_with("127.0.0.1:0", args, &[("LANES_TOKENS", &tokens())])
+}
+
+/// Sends a request with an optional bearer token and JSON body; (status, body).
+async fn send(
+    serve: &Serve,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let c = reqwest::Client::new();
+    let mut request = c.request(method.parse().unwrap(), serve.url(path));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("the server answers");
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+#[tokio::test]
+async fn every_role_is_allowed_and_refused_where_it_should_be_on_every_endpoint() {
+    let serve = serve(&[]);
+    let (status, _) =
+        send(&serve, "PUT", "/v1/limits/db", Some(ADMIN), Some(json!({"concurrent": 100}))).await;
+    assert_eq!(status, 200);
+    // (method, path, body, the least role that may: 0 none, 1 read, 2 client, 3 admin)
+    let acquire = json!({"client": "w1", "wait_ms": 0});
+    let endpoints: Vec<(&str, &str, Option<Value>, u8)> = vec![
+        ("GET", "/healthz", None, 0),
+        ("GET", "/readyz", None, 0),
+        ("GET", "/", None, 0),
+        ("GET", "/v1/limits", None, 1),
+        ("GET", "/v1/limits/db", None, 1),
+        ("GET", "/v1/snapshot", None, 1),
+        ("GET", "/metrics", None, 1),
+        ("GET", "/openapi.json", None, 1),
+        ("POST", "/v1/limits/db/acquire", Some(acquire), 2),
+        ("POST", "/v1/limits/db/release", Some(json!({"client": "w1", "ticket": 1})), 2),
+        ("POST", "/v1/clients/w1/renew", Some(json!({})), 2),
+        ("PUT", "/v1/limits/other", Some(json!({"concurrent": 1})), 3),
+        ("DELETE", "/v1/limits/other", None, 3),
+    ];
+    let roles = [
+        (None, 0u8),
+        (Some("wrong-token-0123456789"), 0),
+        (Some(READ), 1),
+        (Some(CLIENT), 2),
+        (Some(ADMIN), 3),
+    ];
+    for (method, path, body, least) in &endpoints {
+        for (token, level) in roles {
+            let (status, answer) = send(&serve, method, path, token, body.clone()).await;
+            let what = format!("{method} {path} with {token:?}: {status} {answer}");
+            if *least == 0 || level >= *least {
+                assert!(![401, 403].contains(&status), "refused: {what}");
+            } else if level == 0 {
+                assert_eq!(status, 401, "{what}");
+                assert_eq!(answer["code"], "unauthorized", "{what}");
+            } else {
+                assert_eq!(status, 403, "{what}");
+                assert_eq!(answer["code"], "forbidden", "{what}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_client_token_acts_only_as_the_client_ids_it_is_bound_to() {
+    let serve = serve(&[]);
+    send(&serve, "PUT", "/v1/limits/db", Some(ADMIN), Some(json!({"concurrent": 5}))).await;
+    for (client, allowed) in
+        [("w1", true), ("w1~7", true), ("batch-9", true), ("w2", false), ("w10", false)]
+    {
+        let body = json!({"client": client, "wait_ms": 0});
+        let (status, answer) =
+            send(&serve, "POST", "/v1/limits/db/acquire", Some(CLIENT), Some(body)).await;
+        assert_eq!(status == 403, !allowed, "{client}: {status} {answer}");
+        let renew = format!("/v1/clients/{client}/renew");
+        let (status, _) = send(&serve, "POST", &renew, Some(CLIENT), Some(json!({}))).await;
+        assert_eq!(status == 403, !allowed, "renew {client}: {status}");
+    }
+    // The admin acts as anyone.
+    let body = json!({"client": "w2", "wait_ms": 0});
+    let (status, _) = send(&serve, "POST", "/v1/limits/db/acquire", Some(ADMIN), Some(body)).await;
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn without_tokens_it_refuses_a_non_loopback_address_unless_told_it_is_insecure() {
+    let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["serve", "--listen", "0.0.0.0:0"])
+        .env_remove("LANES_TOKENS")
+        .output()
+        .expect("run lanes");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("without API tokens") && stderr.contains("--insecure-no-auth"),
+        "{stderr}"
+    );
+    let serve = Serve::start_with("0.0.0.0:0", &["--insecure-no-auth"], &[]);
+    assert!(serve.base.contains("0.0.0.0"));
+    // A token too short, or a client token bound to nobody, is refused at start.
+    for bad in ["read:short", "client:client-token-0123456789"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .env("LANES_TOKENS", bad)
+            .output()
+            .expect("run lanes");
+        assert!(!out.status.success(), "{bad}");
+        assert!(!String::from_utf8_lossy(&out.stderr).contains("0123456789"), "secret echoed");
+    }
+}
+
+#[tokio::test]
+async fn a_browser_cannot_change_state_cross_site_or_through_a_foreign_host() {
+    let serve = Serve::start(&[]);
+    let c = reqwest::Client::new();
+    let url = serve.url("/v1/limits/db");
+    // A form-style body (no preflight in a browser) is refused.
+    let plain = c.put(&url).header("content-type", "text/plain").body(r#"{"concurrent":1}"#);
+    let response = plain.send().await.unwrap();
+    assert_eq!(response.status(), 415);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["code"], "unsupported_media_type");
+    // A foreign origin is refused, the server's own is not.
+    let foreign =
+        c.put(&url).header("origin", "http://evil.example").json(&json!({"concurrent": 1}));
+    assert_eq!(foreign.send().await.unwrap().status(), 403);
+    let own = serve.base.clone();
+    let same = c.put(&url).header("origin", own).json(&json!({"concurrent": 1}));
+    assert_eq!(same.send().await.unwrap().status(), 200);
+    // A foreign Host (DNS rebinding) is refused on a loopback server; the dashboard is not.
+    let rebound = c.get(serve.url("/v1/limits")).header("host", "evil.example");
+    let response = rebound.send().await.unwrap();
+    assert_eq!(response.status(), 403);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["code"], "host_not_allowed");
+    let port = serve.base.rsplit(':').next().unwrap().to_owned();
+    let local = c.get(serve.url("/")).header("host", format!("localhost:{port}"));
+    assert_eq!(local.send().await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn the_limit_and_client_caps_answer_their_typed_errors() {
+    let serve = Serve::start(&["--max-limits", "2", "--max-clients", "2"]);
+    for name in ["a", "b"] {
+        let (status, _) = send(
+            &serve,
+            "PUT",
+            &format!("/v1/limits/{name}"),
+            None,
+            Some(json!({"concurrent": 10})),
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+    let (status, body) =
+        send(&serve, "PUT", "/v1/limits/c", None, Some(json!({"concurrent": 1}))).await;
+    assert_eq!((status, body["code"].as_str()), (429, Some("too_many_limits")), "{body}");
+    // Redefining an existing limit is not a new one.
+    let (status, _) =
+        send(&serve, "PUT", "/v1/limits/a", None, Some(json!({"concurrent": 3}))).await;
+    assert_eq!(status, 200);
+    for client in ["x", "y"] {
+        let body = json!({"client": client, "wait_ms": 0});
+        let (status, _) = send(&serve, "POST", "/v1/limits/a/acquire", None, Some(body)).await;
+        assert_eq!(status, 200);
+    }
+    let body = json!({"client": "z", "wait_ms": 0});
+    let (status, answer) = send(&serve, "POST", "/v1/limits/a/acquire", None, Some(body)).await;
+    assert_eq!((status, answer["code"].as_str()), (429, Some("too_many_clients")), "{answer}");
+}
+
+#[tokio::test]
+async fn deleted_limits_leave_no_metric_series_and_health_checks_answer() {
+    let serve = Serve::start(&[]);
+    for i in 0..300 {
+        let path = format!("/v1/limits/gone-{i}");
+        let (status, _) = send(&serve, "PUT", &path, None, Some(json!({"concurrent": 1}))).await;
+        assert_eq!(status, 200);
+    }
+    let c = reqwest::Client::new();
+    let during = c.get(serve.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(during.contains("lanes_limit_concurrent{limit=\"gone-299\"} 1"), "{during}");
+    assert!(during.contains("# HELP lanes_limit_in_use"));
+    for i in 0..300 {
+        let (status, _) = send(&serve, "DELETE", &format!("/v1/limits/gone-{i}"), None, None).await;
+        assert_eq!(status, 204);
+    }
+    let after = c.get(serve.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(!after.contains("gone-"), "series of deleted limits remain");
+    assert!(after.len() < during.len() / 4, "{} -> {} bytes", during.len(), after.len());
+    let (status, body) = send(&serve, "GET", "/healthz", None, None).await;
+    assert_eq!((status, body["status"].as_str()), (200, Some("ok")));
+    let (status, body) = send(&serve, "GET", "/readyz", None, None).await;
+    assert_eq!((status, body["status"].as_str()), (200, Some("ready")));
+}
+
+#[test]
+fn every_request_is_logged_with_its_status_latency_and_client() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .env("LANES_TOKENS", tokens())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run lanes");
+    let mut stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+    let first = stdout.next().unwrap().unwrap();
+    let base = first.strip_prefix("lanes serve: listening on ").unwrap().trim().to_owned();
+    std::thread::spawn(move || for _ in stdout {});
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        let c = reqwest::Client::new();
+        c.get(format!("{base}/v1/limits")).bearer_auth(READ).send().await.unwrap();
+        c.get(format!("{base}/v1/limits")).send().await.unwrap();
+    });
+    let _ = child.kill();
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    let lines: Vec<Value> = stderr
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|line| serde_json::from_str(&line).ok())
+        .filter(|v: &Value| v["target"] == "lanes::access")
+        .collect();
+    let _ = child.wait();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    let fields: Vec<(&str, u64, &str)> = lines
+        .iter()
+        .map(|l| {
+            let f = &l["fields"];
+            assert!(f["latency_us"].as_u64().is_some(), "{l}");
+            (
+                f["path"].as_str().unwrap(),
+                f["status"].as_u64().unwrap(),
+                f["client"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(fields, [("/v1/limits", 200, "read#3"), ("/v1/limits", 401, "-")]);
+}
+
+#[tokio::test]
+async fn remote_limits_sends_its_token() {
+    let serve = serve(&[]);
+    send(&serve, "PUT", "/v1/limits/db", Some(ADMIN), Some(json!({"concurrent": 1}))).await;
+    let bound = lanes_remote::RemoteLimits::with_client(&serve.base, "w1", Duration::from_secs(10))
+        .unwrap()
+        .with_token(CLIENT);
+    let limits = lanes::Limits::with_backend(bound);
+    let permit =
+        limits.acquire("db", lanes::Priority::default()).await.expect("granted with the token");
+    drop(permit);
+    let anonymous =
+        lanes_remote::RemoteLimits::with_client(&serve.base, "w1", Duration::from_secs(10))
+            .unwrap();
+    let refused = anonymous.info("db").await;
+    assert!(refused.is_err(), "{refused:?}");
+    let stranger =
+        lanes_remote::RemoteLimits::with_client(&serve.base, "w2", Duration::from_secs(10))
+            .unwrap()
+            .with_token(CLIENT);
+    let limits = lanes::Limits::with_backend(stranger);
+    assert!(limits.acquire("db", lanes::Priority::default()).await.is_err());
+}
