@@ -34,17 +34,7 @@ async fn send(
     body: Option<Value>,
 ) -> (u16, Value) {
     let c = reqwest::Client::new();
-    let mut request = c.request(method.parse().unwrap(), serve.url(path));
-    if let Some(token) = token {
-        request = request.bearer_auth(token);
-    }
-    if let Some(body) = body {
-        request = request.json(&body);
-    }
-    let response = request.send().await.expect("the server answers");
-    let status = response.status().as_u16();
-    let text = response.text().await.unwrap();
-    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    common::request(&c, method.parse().unwrap(), serve.url(path), token, body).await
 }
 
 #[tokio::test]
@@ -270,6 +260,56 @@ fn every_request_is_logged_with_its_status_latency_and_client() {
         })
         .collect();
     assert_eq!(fields, [("/v1/limits", 200, "read#3"), ("/v1/limits", 401, "-")]);
+}
+
+#[tokio::test]
+async fn settings_come_from_lanes_toml_then_the_environment_then_flags() {
+    let dir = std::env::temp_dir().join(format!("lanes-settings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("lanes.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "max_limits = 1\nmax_clients = 7\n[[tokens]]\nrole = \"admin\"\ntoken = \"{ADMIN}\"\n\
+             [limits.db]\nconcurrent = 2\n"
+        ),
+    )
+    .unwrap();
+    let path = config.to_str().unwrap();
+    // The file: one limit at most, and it is taken by `db`; a token is needed.
+    let serve = Serve::start_with("127.0.0.1:0", &["--config", path], &[]);
+    let (status, _) = send(&serve, "GET", "/v1/limits/db", None, None).await;
+    assert_eq!(status, 401);
+    let body = Some(json!({"concurrent": 1}));
+    let (status, answer) = send(&serve, "PUT", "/v1/limits/x", Some(ADMIN), body.clone()).await;
+    assert_eq!((status, answer["code"].as_str()), (429, Some("too_many_limits")));
+    drop(serve);
+    // The environment over the file, a flag over the environment.
+    let env = [("LANES_MAX_LIMITS", "3")];
+    let serve = Serve::start_with("127.0.0.1:0", &["--config", path], &env);
+    for name in ["x", "y"] {
+        let (status, _) =
+            send(&serve, "PUT", &format!("/v1/limits/{name}"), Some(ADMIN), body.clone()).await;
+        assert_eq!(status, 200);
+    }
+    let (status, _) = send(&serve, "PUT", "/v1/limits/z", Some(ADMIN), body.clone()).await;
+    assert_eq!(status, 429);
+    drop(serve);
+    let serve = Serve::start_with("127.0.0.1:0", &["--config", path, "--max-limits", "2"], &env);
+    let (status, _) = send(&serve, "PUT", "/v1/limits/x", Some(ADMIN), body.clone()).await;
+    assert_eq!(status, 200);
+    let (status, _) = send(&serve, "PUT", "/v1/limits/y", Some(ADMIN), body).await;
+    assert_eq!(status, 429);
+    drop(serve);
+    // An unknown key is named.
+    std::fs::write(&config, "max_limitz = 1\n").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["serve", "--config", path])
+        .output()
+        .expect("run lanes");
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("max_limitz"));
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]

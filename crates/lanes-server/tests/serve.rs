@@ -18,14 +18,7 @@ async fn call(
     url: String,
     body: Option<Value>,
 ) -> (u16, Value) {
-    let mut request = client.request(method, url);
-    if let Some(body) = body {
-        request = request.json(&body);
-    }
-    let response = request.send().await.expect("the server answers");
-    let status = response.status().as_u16();
-    let text = response.text().await.unwrap();
-    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    common::request(client, method, url, None, body).await
 }
 
 async fn put(c: &reqwest::Client, s: &Serve, path: &str, body: Value) -> (u16, Value) {

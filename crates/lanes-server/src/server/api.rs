@@ -108,6 +108,18 @@ impl Drop for InFlight {
     }
 }
 
+/// The error a session's refusal stands for.
+fn refusal(limit: &str, refused: Refused) -> ApiError {
+    match refused {
+        Refused::NotYours(ticket) => ApiError::not_yours(limit, ticket),
+        Refused::TooManyClients(max) => ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!("this server keeps at most {max} clients (--max-clients)"),
+        )
+        .code("too_many_clients"),
+    }
+}
+
 /// A not-granted answer with its `Retry-After` header (whole seconds, at least 1) beside the
 /// JSON `retry_after_ms`.
 fn not_yet(status: StatusCode, body: impl Serialize, retry_after: Duration) -> Response {
@@ -124,17 +136,6 @@ pub(crate) async fn acquire(
     check_name(&name)?;
     check_client(&body.client)?;
     principal.act_as(&body.client)?;
-    {
-        let sessions = app.sessions();
-        let max = app.options.max_clients;
-        if !sessions.knows(&body.client) && sessions.clients() >= max {
-            return Err(ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!("this server keeps at most {max} clients (--max-clients)"),
-            )
-            .code("too_many_clients"));
-        }
-    }
     let lease = Duration::from_millis(body.lease_ms.unwrap_or(app.options.default_lease_ms));
     if !(MIN_LEASE..=app.options.max_lease).contains(&lease) {
         return Err(ApiError::field(
@@ -169,7 +170,7 @@ pub(crate) async fn acquire(
         let backend = app.backend.clone();
         app.sessions()
             .begin(&body.client, &name, body.ticket, lease, now, || backend.ticket())
-            .map_err(|Refused::NotYours(ticket)| ApiError::not_yours(&name, ticket))?
+            .map_err(|refused| refusal(&name, refused))?
     };
     let ticket = begun.ticket;
     let _in_flight =
@@ -258,7 +259,7 @@ pub(crate) async fn release(
     let known = app
         .sessions()
         .forget(&body.client, &name, body.ticket)
-        .map_err(|Refused::NotYours(ticket)| ApiError::not_yours(&name, ticket))?;
+        .map_err(|refused| refusal(&name, refused))?;
     let released = match known {
         Some(backend_ticket) => {
             let released = app

@@ -196,38 +196,13 @@ impl ServeOptions {
         Ok(file.tokens)
     }
 
-    /// Reads a `lanes.toml`: `listen`, `redis`, `namespace`, `[limits.NAME]` tables with
-    /// `concurrent`, `per_second`, `burst`; `[[tokens]]` tables (or `tokens_file`); and the
-    /// settings `insecure_no_auth`, `allowed_hosts`, `max_limits`, `max_clients`,
-    /// `max_waiters`, `max_wait_ms`, `default_lease_ms`, `max_lease_ms`, `queue_grace_ms`,
-    /// `max_body`.
+    /// Reads a `lanes.toml`: `[limits.NAME]` tables with `concurrent`, `per_second`, `burst`;
+    /// `[[tokens]]` tables; and every [`Settings`] key.
     ///
     /// # Errors
     ///
     /// The file cannot be read or is not a valid configuration (the message names the key).
     pub fn from_file(path: &PathBuf) -> Result<Self, BoxError> {
-        #[derive(Deserialize)]
-        #[serde(deny_unknown_fields)]
-        struct File {
-            listen: Option<SocketAddr>,
-            redis: Option<String>,
-            namespace: Option<String>,
-            #[serde(default)]
-            limits: BTreeMap<String, LimitFile>,
-            #[serde(default)]
-            tokens: Vec<Token>,
-            tokens_file: Option<PathBuf>,
-            insecure_no_auth: Option<bool>,
-            allowed_hosts: Option<Vec<String>>,
-            max_limits: Option<usize>,
-            max_clients: Option<usize>,
-            max_waiters: Option<usize>,
-            max_wait_ms: Option<u64>,
-            default_lease_ms: Option<u64>,
-            max_lease_ms: Option<u64>,
-            queue_grace_ms: Option<u64>,
-            max_body: Option<usize>,
-        }
         #[derive(Deserialize)]
         #[serde(deny_unknown_fields)]
         struct LimitFile {
@@ -237,31 +212,20 @@ impl ServeOptions {
         }
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-        let file: File = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        let mut options = Self::default();
-        if let Some(listen) = file.listen {
-            options.listen = listen;
-        }
-        options.redis = file.redis;
-        if let Some(namespace) = file.namespace {
-            options.namespace = namespace;
-        }
-        options.tokens = file.tokens;
-        if let Some(tokens) = file.tokens_file {
-            options.tokens.extend(Self::tokens_from_file(&tokens)?);
-        }
-        let ms = Duration::from_millis;
-        options.insecure_no_auth = file.insecure_no_auth.unwrap_or(false);
-        options.allowed_hosts = file.allowed_hosts.unwrap_or_default();
-        options.max_limits = file.max_limits.unwrap_or(options.max_limits);
-        options.max_clients = file.max_clients.unwrap_or(options.max_clients);
-        options.max_waiters = file.max_waiters.unwrap_or(options.max_waiters);
-        options.max_wait = file.max_wait_ms.map_or(options.max_wait, ms);
-        options.default_lease_ms = file.default_lease_ms.unwrap_or(options.default_lease_ms);
-        options.max_lease = file.max_lease_ms.map_or(options.max_lease, ms);
-        options.queue_grace = file.queue_grace_ms.map_or(options.queue_grace, ms);
-        options.max_body = file.max_body.unwrap_or(options.max_body);
-        for (name, limit) in file.limits {
+        let in_file = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
+        let mut table: toml::Table = toml::from_str(&text).map_err(|e| in_file(&e))?;
+        let limits: BTreeMap<String, LimitFile> = match table.remove("limits") {
+            Some(limits) => limits.try_into().map_err(|e| in_file(&format!("limits: {e}")))?,
+            None => BTreeMap::new(),
+        };
+        let tokens: Vec<Token> = match table.remove("tokens") {
+            Some(tokens) => tokens.try_into().map_err(|e| in_file(&format!("tokens: {e}")))?,
+            None => Vec::new(),
+        };
+        let settings: Settings = toml::Value::Table(table).try_into().map_err(|e| in_file(&e))?;
+        let mut options = Self { tokens, ..Self::default() };
+        options.apply(settings)?;
+        for (name, limit) in limits {
             let mut spec = lanes::LimitSpec::concurrent(limit.concurrent);
             if let Some(rate) = limit.per_second {
                 spec = spec.per_second(rate);
@@ -273,6 +237,106 @@ impl ServeOptions {
             options.limits.insert(name, spec);
         }
         Ok(options)
+    }
+}
+
+/// The operational settings of `lanes serve`: each is a flag (`--max-limits`), a `LANES_*`
+/// environment variable (`LANES_MAX_LIMITS`) and a `lanes.toml` key (`max_limits`). Unset
+/// ones keep the [`ServeOptions`] default.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    /// The address to listen on [default: 127.0.0.1:7878].
+    #[arg(long, env = "LANES_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Keep limits in this Redis (`redis://host:port`) so several servers share them
+    /// [default: in this process].
+    #[arg(long, env = "LANES_REDIS")]
+    pub redis: Option<String>,
+    /// The Redis namespace of the limits [default: lanes].
+    #[arg(long, env = "LANES_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// A file of API tokens (`[[tokens]]` tables: `role`, `token`, `clients`, `name`). Tokens
+    /// are never given on the command line; `LANES_TOKENS` holds them as `role:secret` or
+    /// `client:secret:id1,id2` entries separated by spaces.
+    #[arg(long, env = "LANES_TOKENS_FILE")]
+    pub tokens_file: Option<PathBuf>,
+    /// Serve without tokens on a non-loopback address: anyone who reaches it may define,
+    /// delete and hold every limit.
+    #[arg(long, env = "LANES_INSECURE_NO_AUTH", num_args = 0..=1, default_missing_value = "true")]
+    pub insecure_no_auth: Option<bool>,
+    /// The `Host` names accepted, comma-separated (`*`: any) [default: on loopback,
+    /// localhost and the loopback addresses; elsewhere, any].
+    #[arg(long, env = "LANES_ALLOWED_HOSTS", value_delimiter = ',')]
+    pub allowed_hosts: Option<Vec<String>>,
+    /// The most limits [default: 10000].
+    #[arg(long, env = "LANES_MAX_LIMITS")]
+    pub max_limits: Option<usize>,
+    /// The most clients with a session [default: 100000].
+    #[arg(long, env = "LANES_MAX_CLIENTS")]
+    pub max_clients: Option<usize>,
+    /// The most tickets waiting per limit (more are refused with 429) [default: 10000].
+    #[arg(long, env = "LANES_MAX_WAITERS")]
+    pub max_waiters: Option<usize>,
+    /// The longest an acquire long-polls [default: 30000].
+    #[arg(long, env = "LANES_MAX_WAIT_MS")]
+    pub max_wait_ms: Option<u64>,
+    /// The lease of a permit whose acquire names none [default: 10000].
+    #[arg(long, env = "LANES_DEFAULT_LEASE_MS")]
+    pub default_lease_ms: Option<u64>,
+    /// The longest lease a client may ask for; after Redis loses its state, grants wait this
+    /// long [default: 60000].
+    #[arg(long, env = "LANES_MAX_LEASE_MS")]
+    pub max_lease_ms: Option<u64>,
+    /// How long a client with no request in flight keeps its queued tickets [default: 2000].
+    #[arg(long, env = "LANES_QUEUE_GRACE_MS")]
+    pub queue_grace_ms: Option<u64>,
+    /// The most bytes of a request body [default: 65536].
+    #[arg(long, env = "LANES_MAX_BODY")]
+    pub max_body: Option<usize>,
+}
+
+impl ServeOptions {
+    /// Applies the settings that are set (a tokens file adds its tokens).
+    ///
+    /// # Errors
+    ///
+    /// The tokens file cannot be read.
+    pub fn apply(&mut self, settings: Settings) -> Result<(), BoxError> {
+        let ms = Duration::from_millis;
+        let Settings {
+            listen,
+            redis,
+            namespace,
+            tokens_file,
+            insecure_no_auth,
+            allowed_hosts,
+            max_limits,
+            max_clients,
+            max_waiters,
+            max_wait_ms,
+            default_lease_ms,
+            max_lease_ms,
+            queue_grace_ms,
+            max_body,
+        } = settings;
+        self.listen = listen.unwrap_or(self.listen);
+        self.redis = redis.or(self.redis.take());
+        self.namespace = namespace.unwrap_or(std::mem::take(&mut self.namespace));
+        if let Some(path) = tokens_file {
+            self.tokens.extend(Self::tokens_from_file(&path)?);
+        }
+        self.insecure_no_auth = insecure_no_auth.unwrap_or(self.insecure_no_auth);
+        self.allowed_hosts = allowed_hosts.unwrap_or(std::mem::take(&mut self.allowed_hosts));
+        self.max_limits = max_limits.unwrap_or(self.max_limits);
+        self.max_clients = max_clients.unwrap_or(self.max_clients);
+        self.max_waiters = max_waiters.unwrap_or(self.max_waiters);
+        self.max_wait = max_wait_ms.map_or(self.max_wait, ms);
+        self.default_lease_ms = default_lease_ms.unwrap_or(self.default_lease_ms);
+        self.max_lease = max_lease_ms.map_or(self.max_lease, ms);
+        self.queue_grace = queue_grace_ms.map_or(self.queue_grace, ms);
+        self.max_body = max_body.unwrap_or(self.max_body);
+        Ok(())
     }
 }
 
@@ -351,7 +415,7 @@ impl Server {
         let (shutdown, shutdown_rx) = watch::channel(false);
         let app = Arc::new(App {
             backend,
-            sessions: Mutex::new(Sessions::default()),
+            sessions: Mutex::new(Sessions::new(options.max_clients)),
             registry,
             prometheus: prometheus(),
             events: events.clone(),

@@ -60,6 +60,8 @@ pub(crate) struct Begun {
 pub(crate) enum Refused {
     /// Another client owns it.
     NotYours(u64),
+    /// A new client, and the server keeps this many already.
+    TooManyClients(usize),
 }
 
 /// A ticket the sweeper hands back to the backend, or asks the backend about.
@@ -71,12 +73,26 @@ pub(crate) struct Lapsed {
     pub(crate) backend: u64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Sessions {
     tickets: HashMap<(String, u64), Owned>,
     clients: HashMap<String, Client>,
     keys: RandomState,
     drawn: u64,
+    /// The most clients with a session.
+    max_clients: usize,
+}
+
+impl Sessions {
+    pub(crate) fn new(max_clients: usize) -> Self {
+        Self {
+            tickets: HashMap::new(),
+            clients: HashMap::new(),
+            keys: RandomState::new(),
+            drawn: 0,
+            max_clients,
+        }
+    }
 }
 
 /// Server-chosen numbers stay below 2^53: exact in every JSON implementation.
@@ -85,7 +101,7 @@ const TICKET_MASK: u64 = (1 << 53) - 1;
 impl Sessions {
     /// Marks a request of `client` starting and finds or creates the ticket it acts on: its own
     /// number `ticket`, or a fresh server-chosen one for `None`. `allocate` gives a new backend
-    /// ticket.
+    /// ticket. A client without a session is refused once the most clients have one.
     pub(crate) fn begin(
         &mut self,
         client: &str,
@@ -107,6 +123,9 @@ impl Sessions {
             owned.polling += 1;
             self.touch(client, now).in_flight += 1;
             return Ok(Begun { ticket: number, backend, fresh: false });
+        }
+        if !self.clients.contains_key(client) && self.clients.len() >= self.max_clients {
+            return Err(Refused::TooManyClients(self.max_clients));
         }
         let number = match ticket {
             Some(number) => number,
@@ -291,11 +310,6 @@ impl Sessions {
         out
     }
 
-    /// Whether `client` has a session.
-    pub(crate) fn knows(&self, client: &str) -> bool {
-        self.clients.contains_key(client)
-    }
-
     /// Clients with a session.
     pub(crate) fn clients(&self) -> usize {
         self.clients.len()
@@ -318,8 +332,21 @@ mod tests {
     }
 
     #[test]
+    fn a_new_client_is_refused_past_the_most_clients_and_a_known_one_is_not() {
+        let mut sessions = Sessions::new(1);
+        let now = Instant::now();
+        let mut alloc = counter();
+        assert!(sessions.begin("a", "db", Some(1), LEASE, now, &mut alloc).is_ok());
+        assert_eq!(
+            sessions.begin("b", "db", Some(2), LEASE, now, &mut alloc),
+            Err(Refused::TooManyClients(1))
+        );
+        assert!(sessions.begin("a", "db", Some(3), LEASE, now, &mut alloc).is_ok());
+    }
+
+    #[test]
     fn a_ticket_belongs_to_its_creator() {
-        let mut sessions = Sessions::default();
+        let mut sessions = Sessions::new(usize::MAX);
         let now = Instant::now();
         let mut alloc = counter();
         let a = sessions.begin("alice", "db", Some(1), LEASE, now, &mut alloc).unwrap();
@@ -339,7 +366,7 @@ mod tests {
 
     #[test]
     fn server_chosen_numbers_never_collide_with_live_tickets() {
-        let mut sessions = Sessions::default();
+        let mut sessions = Sessions::new(usize::MAX);
         let now = Instant::now();
         let mut alloc = counter();
         let drawn = sessions.begin("x", "db", None, LEASE, now, &mut alloc).unwrap();
@@ -357,7 +384,7 @@ mod tests {
 
     #[test]
     fn abandoned_tickets_go_after_the_grace() {
-        let mut sessions = Sessions::default();
+        let mut sessions = Sessions::new(usize::MAX);
         let start = Instant::now();
         let mut alloc = counter();
         let held = sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc).unwrap();

@@ -80,6 +80,28 @@ impl Drop for Serve {
     }
 }
 
+/// Sends a request, with a bearer token and a JSON body if given; (status, body as JSON, or
+/// as a string when it is not JSON).
+pub async fn request(
+    c: &reqwest::Client,
+    method: reqwest::Method,
+    url: String,
+    token: Option<&str>,
+    body: Option<serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    let mut request = c.request(method, url);
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    if let Some(body) = body {
+        request = request.json(&body);
+    }
+    let response = request.send().await.expect("the server answers");
+    let status = response.status().as_u16();
+    let text = response.text().await.unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text)))
+}
+
 pub fn http() -> reqwest::Client {
     reqwest::Client::new()
 }
