@@ -10,4 +10,4 @@ pub mod server;
 
 /// The client of `lanes serve`, re-exported from [`lanes_remote`] (use it from there).
 pub use lanes_remote::RemoteLimits;
-pub use server::{Role, ServeOptions, Server, Settings, Token};
+pub use server::{Role, ServeOptions, Server, Settings, TlsFiles, Token};

@@ -304,7 +304,8 @@ fn browser_guard(app: &App, method: &Method, headers: &HeaderMap) -> Result<(), 
     }
     if let Some(origin) = headers.get(header::ORIGIN) {
         let origin = origin.to_str().unwrap_or("");
-        if origin != format!("http://{host}") {
+        let scheme = if app.options.tls.is_some() { "https" } else { "http" };
+        if origin != format!("{scheme}://{host}") {
             return Err(ApiError::new(
                 StatusCode::FORBIDDEN,
                 format!("cross-origin requests are refused (origin {origin:?})"),

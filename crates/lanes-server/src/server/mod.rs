@@ -13,6 +13,7 @@
 mod api;
 mod auth;
 mod error;
+mod listen;
 mod sessions;
 
 pub use auth::{MIN_TOKEN_LEN, Role, Token};
@@ -86,6 +87,27 @@ pub struct ServeOptions {
     pub max_limits: usize,
     /// The most clients with a session (429 `too_many_clients` beyond).
     pub max_clients: usize,
+    /// Serve HTTPS with this certificate chain and key.
+    pub tls: Option<TlsFiles>,
+    /// The most open connections (beyond, a connection is answered 503
+    /// `too_many_connections` and closed).
+    pub max_connections: usize,
+    /// How long a connection may take to send a request's headers, counted from when it
+    /// opened or finished its last response: a slow or idle connection is closed after it.
+    pub header_timeout: Duration,
+    /// How long a request's body may take to arrive (408 `body_timeout` beyond).
+    pub body_timeout: Duration,
+    /// How long a stop waits for open requests to finish before dropping their connections.
+    pub shutdown_timeout: Duration,
+}
+
+/// The PEM files of `lanes serve --tls-cert --tls-key`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// The certificate chain.
+    pub cert: PathBuf,
+    /// The private key.
+    pub key: PathBuf,
 }
 
 impl Default for ServeOptions {
@@ -107,6 +129,11 @@ impl Default for ServeOptions {
             allowed_hosts: Vec::new(),
             max_limits: 10_000,
             max_clients: 100_000,
+            tls: None,
+            max_connections: 1024,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+            shutdown_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -130,8 +157,17 @@ impl ServeOptions {
         for (i, token) in self.tokens.iter().enumerate() {
             token.validate(i + 1)?;
         }
-        if self.max_limits == 0 || self.max_clients == 0 {
-            return Err("max limits and max clients: at least 1".into());
+        if self.max_limits == 0 || self.max_clients == 0 || self.max_connections == 0 {
+            return Err("max limits, max clients and max connections: at least 1".into());
+        }
+        for (name, timeout) in [
+            ("header timeout", self.header_timeout),
+            ("body timeout", self.body_timeout),
+            ("shutdown timeout", self.shutdown_timeout),
+        ] {
+            if timeout < Duration::from_millis(100) {
+                return Err(format!("{name}: at least 100 ms").into());
+            }
         }
         if self.tokens.is_empty() && !self.listen.ip().is_loopback() && !self.insecure_no_auth {
             return Err(format!(
@@ -294,6 +330,25 @@ pub struct Settings {
     /// The most bytes of a request body [default: 65536].
     #[arg(long, env = "LANES_MAX_BODY")]
     pub max_body: Option<usize>,
+    /// Serve HTTPS: the certificate chain (PEM), with `--tls-key`.
+    #[arg(long, env = "LANES_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// Serve HTTPS: the private key (PEM), with `--tls-cert`.
+    #[arg(long, env = "LANES_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// The most open connections [default: 1024].
+    #[arg(long, env = "LANES_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// How long a connection may take to send a request's headers, from when it opened or
+    /// answered its last request; also closes idle keep-alive connections [default: 10000].
+    #[arg(long, env = "LANES_HEADER_TIMEOUT_MS")]
+    pub header_timeout_ms: Option<u64>,
+    /// How long a request's body may take to arrive [default: 10000].
+    #[arg(long, env = "LANES_BODY_TIMEOUT_MS")]
+    pub body_timeout_ms: Option<u64>,
+    /// How long a stop waits for open requests before dropping them [default: 10000].
+    #[arg(long, env = "LANES_SHUTDOWN_TIMEOUT_MS")]
+    pub shutdown_timeout_ms: Option<u64>,
 }
 
 impl ServeOptions {
@@ -319,6 +374,12 @@ impl ServeOptions {
             max_lease_ms,
             queue_grace_ms,
             max_body,
+            tls_cert,
+            tls_key,
+            max_connections,
+            header_timeout_ms,
+            body_timeout_ms,
+            shutdown_timeout_ms,
         } = settings;
         self.listen = listen.unwrap_or(self.listen);
         self.redis = redis.or(self.redis.take());
@@ -336,6 +397,15 @@ impl ServeOptions {
         self.max_lease = max_lease_ms.map_or(self.max_lease, ms);
         self.queue_grace = queue_grace_ms.map_or(self.queue_grace, ms);
         self.max_body = max_body.unwrap_or(self.max_body);
+        match (tls_cert, tls_key) {
+            (Some(cert), Some(key)) => self.tls = Some(TlsFiles { cert, key }),
+            (None, None) => {}
+            _ => return Err("TLS needs both a certificate (tls_cert) and a key (tls_key)".into()),
+        }
+        self.max_connections = max_connections.unwrap_or(self.max_connections);
+        self.header_timeout = header_timeout_ms.map_or(self.header_timeout, ms);
+        self.body_timeout = body_timeout_ms.map_or(self.body_timeout, ms);
+        self.shutdown_timeout = shutdown_timeout_ms.map_or(self.shutdown_timeout, ms);
         Ok(())
     }
 }
@@ -390,6 +460,10 @@ impl Server {
     /// The address cannot be bound, Redis cannot be reached, or a configured limit is invalid.
     pub async fn start(options: ServeOptions) -> Result<Self, BoxError> {
         options.validate()?;
+        let tls = match &options.tls {
+            Some(files) => Some(listen::tls_acceptor(&files.cert, &files.key)?),
+            None => None,
+        };
         let backend: Arc<dyn LimitBackend> = match &options.redis {
             // Leases are the clients' (each acquire names one; renewals come over HTTP), so the
             // Redis client renews nothing on its own.
@@ -427,21 +501,25 @@ impl Server {
         tokio::spawn(sweep(Arc::downgrade(&app)));
         let app_for_stop = app.clone();
         let router = router(app);
-        let listener = tokio::net::TcpListener::bind(options.listen).await?;
+        let listener = tokio::net::TcpListener::bind(options.listen)
+            .await
+            .map_err(|e| format!("cannot listen on {}: {e}", options.listen))?;
         let addr = listener.local_addr()?;
-        let mut stop = shutdown_rx;
+        let transport = listen::Transport {
+            tls,
+            max_connections: options.max_connections,
+            header_timeout: options.header_timeout,
+            shutdown_timeout: options.shutdown_timeout,
+            max_header_bytes: MAX_HEADER_BYTES,
+        };
         let done = tokio::spawn(async move {
-            let served = axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    let _ = stop.wait_for(|stopping| *stopping).await;
-                })
-                .await;
+            listen::serve(listener, router, transport, shutdown_rx).await;
             // A clean stop withdraws every queued ticket, so no dead client is served later.
             let queued = app_for_stop.sessions().drain_queued();
             for lapsed in queued {
                 let _ = app_for_stop.backend.release(&lapsed.limit, lapsed.backend).await;
             }
-            served
+            Ok(())
         });
         Ok(Self { addr, shutdown, done })
     }
@@ -476,20 +554,29 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/v1/clients/{client}/renew", post(api::renew))
         .fallback(api::not_found)
         .layer(middleware::from_fn_with_state(app.clone(), auth::guard))
-        .layer(middleware::from_fn(guard))
+        .layer(middleware::from_fn_with_state(app.clone(), guard))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(app)
 }
 
-/// Refuses oversized headers, counts requests by route and status, and turns any error
-/// response without a JSON body (a method not allowed, say) into one.
-async fn guard(request: Request, next: Next) -> Response {
+/// Refuses oversized headers, reads the body within the body timeout, counts requests by
+/// route and status, logs them, and turns any error response without a JSON body (a method
+/// not allowed, say) into one.
+async fn guard(
+    axum::extract::State(app): axum::extract::State<Arc<App>>,
+    request: Request,
+    next: Next,
+) -> Response {
     let header_bytes: usize =
         request.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
     if header_bytes > MAX_HEADER_BYTES {
         return ApiError::new(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too large")
             .into_response();
     }
+    let request = match read_body(&app.options, request).await {
+        Ok(request) => request,
+        Err(refused) => return refused.into_response(),
+    };
     let route = request
         .extensions()
         .get::<axum::extract::MatchedPath>()
@@ -522,6 +609,40 @@ async fn guard(request: Request, next: Next) -> Response {
         return ApiError::new(status, status.canonical_reason().unwrap_or("error")).into_response();
     }
     response
+}
+
+/// Reads a request's body whole within the body timeout (a client trickling its body cannot
+/// hold a handler), bounded by the body limit.
+async fn read_body(options: &ServeOptions, request: Request) -> Result<Request, ApiError> {
+    let (parts, body) = request.into_parts();
+    let read = axum::body::to_bytes(body, options.max_body);
+    match tokio::time::timeout(options.body_timeout, read).await {
+        Ok(Ok(bytes)) => Ok(Request::from_parts(parts, axum::body::Body::from(bytes))),
+        Ok(Err(err)) => {
+            let too_large =
+                std::iter::successors(Some(&err as &(dyn std::error::Error + 'static)), |e| {
+                    e.source()
+                })
+                .any(|e| e.to_string().contains("length limit"));
+            Err(if too_large {
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!("the body is larger than {} bytes (--max-body)", options.max_body),
+                )
+                .code("body_too_large")
+            } else {
+                ApiError::new(StatusCode::BAD_REQUEST, format!("the body could not be read: {err}"))
+            })
+        }
+        Err(_) => Err(ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the body did not arrive within {} ms (--body-timeout-ms)",
+                options.body_timeout.as_millis()
+            ),
+        )
+        .code("body_timeout")),
+    }
 }
 
 /// Withdraws the queued tickets of clients gone silent past the queue grace, and forgets the
@@ -580,7 +701,8 @@ async fn count_events(events: Channel<&'static str>, _channels: Channels) {
 /// As for [`Server::start`].
 pub async fn run(options: ServeOptions) -> Result<(), BoxError> {
     let server = Server::start(options.clone()).await?;
-    println!("lanes serve: listening on http://{}", server.addr);
+    let scheme = if options.tls.is_some() { "https" } else { "http" };
+    println!("lanes serve: listening on {scheme}://{}", server.addr);
     if options.tokens.is_empty() {
         println!(
             "  auth        none: anyone who can reach {} may define, delete and hold limits",
@@ -589,8 +711,8 @@ pub async fn run(options: ServeOptions) -> Result<(), BoxError> {
     } else {
         println!("  auth        {} API token(s), Authorization: Bearer", options.tokens.len());
     }
-    println!("  dashboard   http://{}/", server.addr);
-    println!("  API         http://{}/openapi.json", server.addr);
+    println!("  dashboard   {scheme}://{}/", server.addr);
+    println!("  API         {scheme}://{}/openapi.json", server.addr);
     println!("  limits in   {}", options.redis.as_deref().unwrap_or("this process (embedded)"));
     shutdown_signal().await;
     println!("lanes serve: shutting down");

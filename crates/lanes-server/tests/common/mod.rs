@@ -51,6 +51,17 @@ impl Serve {
         Self { base, child: Some(child) }
     }
 
+    /// The server's resident memory, in KiB (from /proc).
+    pub fn rss_kib(&self) -> u64 {
+        let pid = self.child.as_ref().expect("running").id();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS")
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
