@@ -1,6 +1,7 @@
 //! Suite 11: `lanes serve` over loopback. Acquire/release requests per second and latency with
 //! 64 concurrent connections, against a bare axum echo endpoint in the same run (the HTTP floor
-//! on this host). Written to `target/lanes-bench/serve.json` for the report.
+//! on this host): once in plain HTTP without tokens, once over TLS with API tokens against the
+//! echo over the same TLS. Written to `target/lanes-bench/serve.json` for the report.
 #![allow(missing_docs)]
 
 use std::sync::Arc;
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 use axum::Json;
 use axum::routing::post;
 use lanes_benches::{quick, write_result};
-use lanes_server::{ServeOptions, Server};
+use lanes_server::{ServeOptions, Server, TlsFiles, Token};
 use serde_json::{Value, json};
 
 const CONNECTIONS: usize = 64;
@@ -64,6 +65,82 @@ where
     })
 }
 
+/// An axum router served over TLS with `acceptor`, on a free loopback port; its address.
+async fn serve_tls(
+    router: axum::Router,
+    acceptor: tokio_rustls::TlsAcceptor,
+) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else { return };
+            let _ = tcp.set_nodelay(true);
+            let (acceptor, router) = (acceptor.clone(), router.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else { return };
+                let service = hyper_util::service::TowerToHyperService::new(router);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// The echo floor and `lanes serve`'s acquire + release, each driven for the window; `token`
+/// goes with every request (to the echo too: the same bytes on the wire).
+async fn measure(
+    client: reqwest::Client,
+    echo_url: String,
+    base: String,
+    token: Option<&'static str>,
+) -> (Value, Value) {
+    let auth = move |request: reqwest::RequestBuilder| match token {
+        Some(token) => request.bearer_auth(token),
+        None => request,
+    };
+    let echo_client = client.clone();
+    let floor = drive(
+        move |_, worker| {
+            let (url, client) = (echo_url.clone(), echo_client.clone());
+            async move {
+                let request =
+                    client.post(url).json(&json!({"client": format!("w{worker}"), "ticket": null}));
+                let reply = auth(request).send().await.unwrap();
+                assert!(reply.status().is_success());
+                let _ = reply.bytes().await;
+            }
+        },
+        1,
+    )
+    .await;
+    let acquire_url = format!("{base}/v1/limits/bench/acquire");
+    let release_url = format!("{base}/v1/limits/bench/release");
+    let lanes = drive(
+        move |_, worker| {
+            let (acquire, release, client) =
+                (acquire_url.clone(), release_url.clone(), client.clone());
+            async move {
+                let request = client.post(acquire).json(&json!({"client": format!("w{worker}")}));
+                let reply: Value = auth(request).send().await.unwrap().json().await.unwrap();
+                assert_eq!(reply["granted"], true, "{reply}");
+                let body = json!({"client": format!("w{worker}"), "ticket": reply["ticket"]});
+                let reply = auth(client.post(release).json(&body)).send().await.unwrap();
+                assert!(reply.status().is_success());
+                let _ = reply.bytes().await;
+            }
+        },
+        2,
+    )
+    .await;
+    (floor, lanes)
+}
+
+const ADMIN: &str = "bench-admin-token-0123456789";
+const CLIENT: &str = "bench-client-token-0123456789";
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     if !args.is_empty() && !args.iter().any(|a| a.contains("serve")) {
@@ -72,78 +149,82 @@ fn main() {
     let runtime =
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     runtime.block_on(async {
-        // The floor: an axum endpoint that parses a JSON body and answers it.
         let echo = axum::Router::new()
             .route("/echo", post(|Json(body): Json<Value>| async move { Json(body) }));
+        let pooled = || reqwest::Client::builder().pool_max_idle_per_host(CONNECTIONS);
+
+        // Plain HTTP, no tokens.
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let echo_addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, echo).await });
-
+        tokio::spawn({
+            let echo = echo.clone();
+            async move { axum::serve(listener, echo).await }
+        });
         let options =
             ServeOptions { listen: "127.0.0.1:0".parse().unwrap(), ..ServeOptions::default() };
         let server = Server::start(options).await.unwrap();
         let base = format!("http://{}", server.addr);
-        reqwest::Client::new()
-            .put(format!("{base}/v1/limits/bench"))
-            .json(&json!({"concurrent": 1_000_000}))
-            .send()
-            .await
-            .unwrap();
-
-        let echo_url = format!("http://{echo_addr}/echo");
-        let floor = drive(
-            move |client, worker| {
-                let url = echo_url.clone();
-                async move {
-                    let reply = client
-                        .post(url)
-                        .json(&json!({"client": format!("w{worker}"), "ticket": null}))
-                        .send()
-                        .await
-                        .unwrap();
-                    assert!(reply.status().is_success());
-                    let _ = reply.bytes().await;
-                }
-            },
-            1,
-        )
-        .await;
-        println!("serve/echo: {floor}");
-
-        let acquire_url = format!("{base}/v1/limits/bench/acquire");
-        let release_url = format!("{base}/v1/limits/bench/release");
-        let lanes = drive(
-            move |client, worker| {
-                let (acquire, release) = (acquire_url.clone(), release_url.clone());
-                async move {
-                    let reply: Value = client
-                        .post(acquire)
-                        .json(&json!({"client": format!("w{worker}")}))
-                        .send()
-                        .await
-                        .unwrap()
-                        .json()
-                        .await
-                        .unwrap();
-                    assert_eq!(reply["granted"], true, "{reply}");
-                    let reply = client
-                        .post(release)
-                        .json(&json!({"client": format!("w{worker}"), "ticket": reply["ticket"]}))
-                        .send()
-                        .await
-                        .unwrap();
-                    assert!(reply.status().is_success());
-                    let _ = reply.bytes().await;
-                }
-            },
-            2,
-        )
-        .await;
-        println!("serve/acquire_release: {lanes}");
+        let client = pooled().build().unwrap();
+        define(&client, &base, None).await;
+        let (floor, lanes) = measure(client, format!("http://{echo_addr}/echo"), base, None).await;
+        println!("serve/echo: {floor}\nserve/acquire_release: {lanes}");
         server.shutdown().await.unwrap();
+
+        // TLS and tokens, against the echo over the same TLS.
+        let cert = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_owned()]).unwrap();
+        let dir = std::env::temp_dir().join(format!("lanes-bench-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cert_path, key_path) = (dir.join("cert.pem"), dir.join("key.pem"));
+        std::fs::write(&cert_path, cert.cert.pem()).unwrap();
+        std::fs::write(&key_path, cert.signing_key.serialize_pem()).unwrap();
+        let tokens = format!("admin:{ADMIN} client:{CLIENT}:w*");
+        let options = ServeOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            tls: Some(TlsFiles { cert: cert_path.clone(), key: key_path.clone() }),
+            tokens: Token::parse_list(&tokens).unwrap(),
+            ..ServeOptions::default()
+        };
+        let server = Server::start(options).await.unwrap();
+        let base = format!("https://{}", server.addr);
+        let key = tokio_rustls::rustls::pki_types::PrivateKeyDer::Pkcs8(
+            cert.signing_key.serialize_der().into(),
+        );
+        let config = tokio_rustls::rustls::ServerConfig::builder_with_provider(Arc::new(
+            tokio_rustls::rustls::crypto::aws_lc_rs::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(vec![cert.cert.der().clone()], key)
+        .unwrap();
+        let tls_echo = serve_tls(echo, tokio_rustls::TlsAcceptor::from(Arc::new(config))).await;
+        let trusted = reqwest::Certificate::from_der(cert.cert.der()).unwrap();
+        let client = pooled().tls_certs_only([trusted]).build().unwrap();
+        define(&client, &base, Some(ADMIN)).await;
+        let (tls_floor, tls_lanes) =
+            measure(client, format!("https://{tls_echo}/echo"), base, Some(CLIENT)).await;
+        println!("serve/tls_echo: {tls_floor}\nserve/tls_acquire_release: {tls_lanes}");
+        server.shutdown().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
         write_result(
             "serve",
-            &json!({ "connections": CONNECTIONS, "echo": floor, "acquire_release": lanes }),
+            &json!({
+                "connections": CONNECTIONS,
+                "echo": floor,
+                "acquire_release": lanes,
+                "tls_echo": tls_floor,
+                "tls_acquire_release": tls_lanes,
+            }),
         );
     });
+}
+
+/// Defines the roomy limit the bench cycles on.
+async fn define(client: &reqwest::Client, base: &str, token: Option<&str>) {
+    let mut request =
+        client.put(format!("{base}/v1/limits/bench")).json(&json!({"concurrent": 1_000_000}));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    assert_eq!(request.send().await.unwrap().status(), 200);
 }

@@ -437,7 +437,12 @@ impl Report {
         for (label, key) in [
             ("axum JSON echo (floor)", "echo"),
             ("`lanes serve` acquire + release", "acquire_release"),
+            ("axum JSON echo over TLS (floor)", "tls_echo"),
+            ("`lanes serve` acquire + release, TLS and API tokens", "tls_acquire_release"),
         ] {
+            if r[key].is_null() {
+                continue;
+            }
             let row = format!(
                 "| {label} | {:.0} | {:.0} µs | {:.0} µs |",
                 f(&r[key]["requests_per_s"]),
@@ -451,6 +456,15 @@ impl Report {
             "\nRatio lanes / echo: **{ratio:.2}×** (bar ≥ 0.7: {}).\n",
             pass(ratio >= 0.7)
         ));
+        if !r["tls_echo"].is_null() {
+            let secured = f(&r["tls_acquire_release"]["requests_per_s"])
+                / f(&r["tls_echo"]["requests_per_s"]);
+            self.line(&format!(
+                "With TLS and API tokens, against the echo over the same TLS (the same bearer header \
+                 sent to both): **{secured:.2}×** (bar ≥ 0.7: {}; aim ≥ 0.9).\n",
+                pass(secured >= 0.7)
+            ));
+        }
     }
 
     /// Suite 10: distributed limits on Redis.
