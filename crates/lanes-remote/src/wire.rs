@@ -5,7 +5,7 @@
 //! not silently ignored); answers deserialize leniently, so a client keeps working against a
 //! server that adds fields. The fields of an answer appear in the order the server has always
 //! sent them (a limit's in [`LimitList`] too, as in [`Limit`]; they used to come out sorted
-//! there). `crates/lanes-server/openapi.json` describes the same bodies.
+//! there). `lanes serve`'s OpenAPI document is derived from these types (feature `openapi`).
 //!
 //! | Endpoint | Request | Answer |
 //! |---|---|---|
@@ -30,6 +30,7 @@ pub const MAX_CLIENT: usize = 200;
 
 /// `PUT /v1/limits/{name}`: a limit's spec.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Spec {
     /// Permits held at once.
@@ -64,6 +65,7 @@ impl From<LimitSpec> for Spec {
 
 /// A limit as the server reports it: its spec and its state.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Limit {
     /// The limit's name.
     pub name: String,
@@ -118,6 +120,7 @@ impl From<Limit> for LimitInfo {
 
 /// `GET /v1/limits`: every limit, in name order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LimitList {
     /// The limits.
     pub limits: Vec<Limit>,
@@ -125,6 +128,7 @@ pub struct LimitList {
 
 /// A waiter's priority, in an [`AcquireRequest`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Priority {
     /// Higher levels are served first (default 0).
@@ -174,6 +178,7 @@ impl From<&lanes::Priority> for Priority {
 /// `POST /v1/limits/{name}/acquire`: a first ask, a look (long-polling up to `wait_ms`), or a
 /// try (`"queue": false`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     /// The client id that owns the ticket (1 to [`MAX_CLIENT`] bytes, no control characters).
@@ -198,9 +203,11 @@ pub struct AcquireRequest {
 
 /// 200 to an acquire: the ticket holds a permit.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Granted {
     /// The permit's fencing token, strictly increasing per limit.
     pub fencing_token: u64,
+    #[cfg_attr(feature = "openapi", schema(value_type = bool))]
     granted: Flag<true>,
     /// The permit's lease.
     pub lease_expires_in_ms: u64,
@@ -217,6 +224,7 @@ impl Granted {
 
 /// Why an acquire was not granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Reason {
     /// Others are served first, or every permit is held: the ticket waits (202).
@@ -230,7 +238,9 @@ pub enum Reason {
 /// 202 to an acquire: not granted within `wait_ms`; the ticket stays queued. Sent with a
 /// `Retry-After` header (whole seconds, at least 1).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NotYet {
+    #[cfg_attr(feature = "openapi", schema(value_type = bool))]
     granted: Flag<false>,
     /// [`Reason::Queued`] or [`Reason::Rate`].
     pub reason: Reason,
@@ -250,7 +260,9 @@ impl NotYet {
 /// 429 to a try (`"queue": false`): refused, and no ticket is left behind. Sent with a
 /// `Retry-After` header (whole seconds, at least 1).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct TryRefused {
+    #[cfg_attr(feature = "openapi", schema(value_type = bool))]
     granted: Flag<false>,
     /// [`Reason::Busy`] or [`Reason::Rate`].
     pub reason: Reason,
@@ -267,6 +279,7 @@ impl TryRefused {
 
 /// `POST /v1/limits/{name}/release`: return a permit, or withdraw a queued ticket.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     /// The client id that owns the ticket.
@@ -277,6 +290,7 @@ pub struct ReleaseRequest {
 
 /// 200 to a release.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReleaseAnswer {
     /// Whether the server knew the ticket (held or waiting).
     pub released: bool,
@@ -285,6 +299,7 @@ pub struct ReleaseAnswer {
 /// 200 to `POST /v1/clients/{client}/renew`: every lease of the client was renewed, except
 /// the lost ones.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RenewAnswer {
     /// Permits whose lease had ended (or that the backend lost): their fencing tokens are
     /// stale.
@@ -296,6 +311,7 @@ pub struct RenewAnswer {
 
 /// A lost permit, in a [`RenewAnswer`].
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LostTicket {
     /// Its limit.
     pub limit: String,
@@ -305,6 +321,7 @@ pub struct LostTicket {
 
 /// Every error answer: what was wrong, and the field, limit or ticket concerned.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ErrorBody {
     /// What was wrong.
     pub error: String,

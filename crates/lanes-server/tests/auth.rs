@@ -335,3 +335,72 @@ async fn remote_limits_sends_its_token() {
     let limits = lanes::Limits::with_backend(stranger);
     assert!(limits.acquire("db", lanes::Priority::default()).await.is_err());
 }
+
+/// Every operation of the served OpenAPI document, with random tokens, path parameters,
+/// content types and bodies: never a server error (but 503 from the backend), and every status
+/// one the document declares for that operation.
+#[test]
+fn fuzzed_operations_with_tokens_answer_only_documented_statuses() {
+    use proptest::prelude::*;
+    let serve = serve(&["--max-waiters", "5", "--max-limits", "50"]);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let c = reqwest::Client::new();
+    let document: Value = runtime
+        .block_on(async {
+            let body = Some(json!({"concurrent": 2}));
+            send(&serve, "PUT", "/v1/limits/fuzz", Some(ADMIN), body).await;
+            c.get(serve.url("/openapi.json")).bearer_auth(READ).send().await.unwrap().json().await
+        })
+        .unwrap();
+    let mut operations: Vec<(String, String, Vec<u16>)> = Vec::new();
+    for (path, item) in document["paths"].as_object().unwrap() {
+        for (method, operation) in item.as_object().unwrap() {
+            let statuses =
+                operation["responses"].as_object().unwrap().keys().map(|s| s.parse().unwrap());
+            operations.push((method.to_uppercase(), path.clone(), statuses.collect()));
+        }
+    }
+    assert!(operations.len() >= 13, "{operations:?}");
+    let names = ["fuzz", "other", "%00bad", "w1", "batch-1"];
+    let tokens = [None, Some("wrong-token-0123456789"), Some(READ), Some(CLIENT), Some(ADMIN)];
+    let seen = std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let config =
+        ProptestConfig { cases: 400, failure_persistence: None, ..ProptestConfig::default() };
+    proptest!(config, |(
+        op in 0..operations.len(),
+        name in 0..names.len(),
+        token in 0..tokens.len(),
+        plain_text in proptest::bool::weighted(0.1),
+        body in proptest::option::of(common::arbitrary_json()),
+    )| {
+        let (method, template, documented) = &operations[op];
+        let path = template.replace("{name}", names[name]).replace("{client}", names[name]);
+        let (status, reply) = runtime.block_on(async {
+            let mut request = c.request(method.parse().unwrap(), serve.url(&path));
+            if let Some(token) = tokens[token] {
+                request = request.bearer_auth(token);
+            }
+            request = match (&body, plain_text) {
+                (Some(body), false) => request.json(body),
+                (Some(body), true) => {
+                    request.header("content-type", "text/plain").body(body.to_string())
+                }
+                (None, _) => request,
+            };
+            let response = request.send().await.expect("the server answers");
+            let status = response.status().as_u16();
+            (status, response.text().await.unwrap_or_default())
+        });
+        seen.lock().unwrap().insert(status);
+        prop_assert!(status < 500 || status == 503, "{method} {path} -> {status} {reply}");
+        prop_assert!(
+            documented.contains(&status),
+            "{method} {path} -> {status}, not in the document's {documented:?}: {reply}"
+        );
+    });
+    // The fuzz reached the server's refusals as well as its answers.
+    let seen = seen.into_inner().unwrap();
+    for status in [200, 400, 401, 403, 404, 415] {
+        assert!(seen.contains(&status), "never saw {status}: {seen:?}");
+    }
+}

@@ -12,12 +12,12 @@ use lanes::limit::Released;
 use lanes::{Answer, Priority};
 use lanes_remote::wire::{self, MAX_CLIENT, MAX_NAME, Reason};
 use serde::Serialize;
-use serde_json::json;
 use tokio::time::Instant;
 
 use super::App;
 use super::auth::Principal;
 use super::error::{ApiError, JsonBody};
+use super::openapi::{Health, Ready, ServerInfo, SnapshotAnswer};
 use super::sessions::Refused;
 
 /// The shortest lease.
@@ -43,6 +43,16 @@ fn check_client(client: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// Define or redefine a limit (never revokes held permits).
+#[utoipa::path(put, path = "/v1/limits/{name}", tag = "limits", params(("name" = String, Path, description = "The limit's name (1 to 200 bytes, no control characters).")),
+    request_body = wire::Spec,
+    responses(
+        (status = 200, description = "The limit as defined.", body = wire::Limit),
+        (status = 400, description = "A field out of range (`field` names it).", body = wire::ErrorBody),
+        (status = 429, description = "A new limit past `--max-limits` (`too_many_limits`).", body = wire::ErrorBody),
+        (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub(crate) async fn define(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
@@ -67,12 +77,28 @@ pub(crate) async fn define(
     Ok(Json(info.map(wire::Limit::from)).into_response())
 }
 
+/// List the limits.
+#[utoipa::path(get, path = "/v1/limits", tag = "limits",
+    responses(
+        (status = 200, description = "Every limit, in name order.", body = wire::LimitList),
+        (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub(crate) async fn list(State(app): State<Arc<App>>) -> Result<Response, ApiError> {
     let infos = app.backend.list().await.map_err(|e| ApiError::limit("*", &e))?;
     let limits = infos.into_iter().map(wire::Limit::from).collect();
     Ok(Json(wire::LimitList { limits }).into_response())
 }
 
+/// One limit.
+#[utoipa::path(get, path = "/v1/limits/{name}", tag = "limits", params(("name" = String, Path, description = "The limit's name (1 to 200 bytes, no control characters).")),
+    responses(
+        (status = 200, description = "The limit.", body = wire::Limit),
+        (status = 400, description = "A bad name.", body = wire::ErrorBody),
+        (status = 404, description = "No such limit.", body = wire::ErrorBody),
+        (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub(crate) async fn get(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
@@ -84,6 +110,16 @@ pub(crate) async fn get(
     }
 }
 
+/// Remove a limit.
+#[utoipa::path(delete, path = "/v1/limits/{name}", tag = "limits", params(("name" = String, Path, description = "The limit's name (1 to 200 bytes, no control characters).")),
+    responses(
+        (status = 204, description = "Removed."),
+        (status = 400, description = "A bad name.", body = wire::ErrorBody),
+        (status = 404, description = "No such limit.", body = wire::ErrorBody),
+        (status = 409, description = "Permits are held.", body = wire::ErrorBody),
+        (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub(crate) async fn remove(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
@@ -127,6 +163,27 @@ fn not_yet(status: StatusCode, body: impl Serialize, retry_after: Duration) -> R
     (status, [("retry-after", seconds.to_string())], Json(body)).into_response()
 }
 
+/// Ask for a permit (long-poll up to `wait_ms`).
+///
+/// The first ask with a ticket queues it (with the priority of that ask); asking again with the
+/// same client and ticket only looks (long-polling up to `wait_ms`) and never queues it again:
+/// a granted ticket answers 200 with the same fencing token, a finished one (released,
+/// withdrawn, lease ended) 410. A ticket belongs to the client that created it: another client
+/// naming it gets 409. With `"queue": false` the ask is a try: granted at once or 429, leaving
+/// no ticket behind. 202 and 429 carry a `Retry-After` header (seconds).
+#[utoipa::path(post, path = "/v1/limits/{name}/acquire", tag = "permits", params(("name" = String, Path, description = "The limit's name (1 to 200 bytes, no control characters).")),
+    request_body = wire::AcquireRequest,
+    responses(
+        (status = 200, description = "Granted.", body = wire::Granted),
+        (status = 202, description = "Not granted within `wait_ms`; the ticket stays queued.", body = wire::NotYet),
+        (status = 400, description = "A field out of range (`field` names it).", body = wire::ErrorBody),
+        (status = 404, description = "No such limit.", body = wire::ErrorBody),
+        (status = 409, description = "The ticket is another client's.", body = wire::ErrorBody),
+        (status = 410, description = "The ticket is finished (released, withdrawn, lease ended).", body = wire::ErrorBody),
+        (status = 429, description = "A refused try, too many waiters, or a new client past `--max-clients`; `Retry-After` says when to come back.", body = super::openapi::TooMany),
+        (status = 503, description = "The backend (Redis) does not answer, or the server is stopping.", body = wire::ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub(crate) async fn acquire(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
@@ -247,6 +304,17 @@ pub(crate) async fn acquire(
     }
 }
 
+/// Return a permit, or withdraw a queued ticket.
+#[utoipa::path(post, path = "/v1/limits/{name}/release", tag = "permits", params(("name" = String, Path, description = "The limit's name (1 to 200 bytes, no control characters).")),
+    request_body = wire::ReleaseRequest,
+    responses(
+        (status = 200, description = "Whether the ticket was known.", body = wire::ReleaseAnswer),
+        (status = 400, description = "A field out of range.", body = wire::ErrorBody),
+        (status = 404, description = "No such limit.", body = wire::ErrorBody),
+        (status = 409, description = "The ticket is another client's.", body = wire::ErrorBody),
+        (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub(crate) async fn release(
     State(app): State<Arc<App>>,
     Path(name): Path<String>,
@@ -275,6 +343,17 @@ pub(crate) async fn release(
     Ok(Json(wire::ReleaseAnswer { released }).into_response())
 }
 
+/// Renew every lease the client holds.
+#[utoipa::path(post, path = "/v1/clients/{client}/renew", tag = "permits",
+    params(("client" = String, Path, description = "The client id (1 to 200 bytes).")),
+    request_body(content = Object, description = "An empty JSON object, `{}`."),
+    responses(
+        (status = 200, description = "How many leases were renewed, and the lost ones.", body = wire::RenewAnswer),
+        (status = 400, description = "A bad client id.", body = wire::ErrorBody),
+        (status = 404, description = "The client has nothing held or waiting.", body = wire::ErrorBody),
+        (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub(crate) async fn renew(
     State(app): State<Arc<App>>,
     Path(client): Path<String>,
@@ -322,21 +401,27 @@ fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// Everything the server knows: the `lanes` registry snapshot, the limits under
+/// `limits.server`, and the server's own figures.
+#[utoipa::path(get, path = "/v1/snapshot", tag = "observe",
+    responses(
+        (status = 200, description = "The snapshot.", body = super::openapi::SnapshotAnswer),
+        (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
+    ),
+    security(("bearer" = [])))]
 pub(crate) async fn snapshot(State(app): State<Arc<App>>) -> Result<Response, ApiError> {
-    let mut snapshot = app.registry.snapshot();
+    let mut registry = app.registry.snapshot();
     let limits = app.backend.list().await.map_err(|e| ApiError::limit("*", &e))?;
-    snapshot.limits.insert("server".to_owned(), limits);
-    let mut value = serde_json::to_value(&snapshot)
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("snapshot: {e}")))?;
-    value["server"] = json!({
-        "clients": app.sessions().clients(),
-        "backend": app.options.backend_name(),
-    });
-    Ok(Json(value).into_response())
+    registry.limits.insert("server".to_owned(), limits);
+    let server =
+        ServerInfo { clients: app.sessions().clients(), backend: app.options.backend_name() };
+    Ok(Json(SnapshotAnswer { registry, server }).into_response())
 }
 
-/// Prometheus text. The per-limit series are written from the backend's list at each scrape
-/// (not kept in the recorder), so a deleted limit's series are gone from the next scrape.
+/// Prometheus metrics.
+#[utoipa::path(get, path = "/metrics", tag = "observe",
+    responses((status = 200, description = "Prometheus text format.", content_type = "text/plain", body = String)),
+    security(("bearer" = [])))]
 pub(crate) async fn metrics(State(app): State<Arc<App>>) -> Response {
     use std::fmt::Write;
     metrics::gauge!("lanes_server_clients").set(app.sessions().clients() as f64);
@@ -368,16 +453,25 @@ pub(crate) async fn metrics(State(app): State<Arc<App>>) -> Response {
     ([("content-type", "text/plain; version=0.0.4")], body).into_response()
 }
 
-/// Liveness: the process answers.
+/// Liveness: the process answers (no token needed).
+#[utoipa::path(get, path = "/healthz", tag = "observe",
+    responses((status = 200, description = "Alive.", body = super::openapi::Health)))]
 pub(crate) async fn healthz() -> Response {
-    Json(json!({ "status": "ok" })).into_response()
+    Json(Health { status: "ok" }).into_response()
 }
 
-/// Readiness: the backend answers (within a second).
+/// Readiness: the backend answers within a second (no token needed).
+#[utoipa::path(get, path = "/readyz", tag = "observe",
+    responses(
+        (status = 200, description = "Ready.", body = super::openapi::Ready),
+        (status = 503, description = "The backend does not answer (`not_ready`).", body = wire::ErrorBody),
+    ))]
 pub(crate) async fn readyz(State(app): State<Arc<App>>) -> Result<Response, ApiError> {
     match tokio::time::timeout(Duration::from_secs(1), app.backend.list()).await {
-        Ok(Ok(_)) => Ok(Json(json!({ "status": "ready", "backend": app.options.backend_name() }))
-            .into_response()),
+        Ok(Ok(_)) => {
+            let ready = Ready { status: "ready", backend: app.options.backend_name() };
+            Ok(Json(ready).into_response())
+        }
         Ok(Err(err)) => Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("the backend does not answer: {err}"),
@@ -391,10 +485,17 @@ pub(crate) async fn readyz(State(app): State<Arc<App>>) -> Result<Response, ApiE
     }
 }
 
+/// This document.
+#[utoipa::path(get, path = "/openapi.json", tag = "observe",
+    responses((status = 200, description = "OpenAPI 3.1.", content_type = "application/json", body = Object)),
+    security(("bearer" = [])))]
 pub(crate) async fn openapi() -> Response {
-    ([("content-type", "application/json")], super::OPENAPI).into_response()
+    ([("content-type", "application/json")], super::openapi::document()).into_response()
 }
 
+/// The dashboard (no token needed; it asks for a read token for its own requests).
+#[utoipa::path(get, path = "/", tag = "observe",
+    responses((status = 200, description = "An HTML page.", content_type = "text/html", body = String)))]
 pub(crate) async fn dashboard() -> Response {
     ([("content-type", "text/html; charset=utf-8")], super::DASHBOARD).into_response()
 }

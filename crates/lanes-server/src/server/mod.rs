@@ -14,6 +14,7 @@ mod api;
 mod auth;
 mod error;
 mod listen;
+mod openapi;
 mod sessions;
 
 pub use auth::{MIN_TOKEN_LEN, Role, Token};
@@ -41,8 +42,11 @@ use tokio::time::Instant;
 use error::ApiError;
 use sessions::Sessions;
 
-/// The API, as OpenAPI 3 (also at `crates/lanes-server/openapi.json`).
-pub const OPENAPI: &str = include_str!("../../openapi.json");
+/// The API, as OpenAPI 3.1, derived from the handlers and the wire types (also checked in as
+/// `crates/lanes-server/openapi.json`, and served at `/openapi.json`).
+pub fn openapi_document() -> &'static str {
+    openapi::document()
+}
 
 const DASHBOARD: &str = include_str!("dashboard.html");
 
@@ -210,7 +214,7 @@ impl ServeOptions {
             || name.trim_start_matches('[').trim_end_matches(']') == ip
     }
 
-    fn backend_name(&self) -> &'static str {
+    pub(crate) fn backend_name(&self) -> &'static str {
         if self.redis.is_some() { "redis" } else { "embedded" }
     }
 

@@ -5,6 +5,9 @@ use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use proptest::prelude::*;
+use serde_json::Value;
+
 /// A `lanes serve` on a free port, killed on drop.
 pub struct Serve {
     pub base: String,
@@ -119,4 +122,37 @@ pub fn http() -> reqwest::Client {
 
 pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+/// Arbitrary JSON, mostly objects with the API's field names.
+pub fn arbitrary_json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+        "[a-z0-9 _\\-]{0,12}".prop_map(Value::from),
+    ];
+    let keys = prop_oneof![
+        Just("concurrent"),
+        Just("per_second"),
+        Just("burst"),
+        Just("client"),
+        Just("ticket"),
+        Just("priority"),
+        Just("lease_ms"),
+        Just("wait_ms"),
+        Just("level"),
+        Just("key"),
+        Just("weight"),
+        Just("other"),
+    ];
+    leaf.prop_recursive(3, 24, 6, move |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+            prop::collection::btree_map(keys.clone().prop_map(str::to_owned), inner, 0..6)
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+        ]
+    })
 }
