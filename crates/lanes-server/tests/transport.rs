@@ -233,3 +233,16 @@ async fn churn(serve: &Serve, range: std::ops::Range<u32>) {
         }
     }
 }
+
+#[test]
+fn a_busy_port_is_named() {
+    let first = Serve::start(&[]);
+    let taken = addr(&first);
+    let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["serve", "--listen", &taken])
+        .output()
+        .expect("run lanes");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("cannot listen on {taken}")), "{stderr}");
+}
