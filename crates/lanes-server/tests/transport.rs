@@ -246,3 +246,17 @@ fn a_busy_port_is_named() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("cannot listen on {taken}")), "{stderr}");
 }
+
+#[tokio::test]
+async fn the_header_limit_is_a_setting() {
+    let c = reqwest::Client::new();
+    let padded =
+        |serve: &Serve| c.get(serve.url("/healthz")).header("x-padding", "p".repeat(6_000)).send();
+    let default = Serve::start(&[]);
+    assert_eq!(padded(&default).await.unwrap().status(), 200);
+    let small = Serve::start(&["--max-header-bytes", "4096"]);
+    let response = padded(&small).await.unwrap();
+    assert_eq!(response.status(), 431);
+    let body: Value = response.json().await.unwrap();
+    assert!(body["error"].is_string(), "{body}");
+}

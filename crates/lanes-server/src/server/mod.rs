@@ -50,9 +50,6 @@ pub fn openapi_document() -> &'static str {
 
 const DASHBOARD: &str = include_str!("dashboard.html");
 
-/// The most bytes of request headers accepted (431 beyond).
-const MAX_HEADER_BYTES: usize = 16 * 1024;
-
 /// How `lanes serve` runs.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
@@ -70,6 +67,8 @@ pub struct ServeOptions {
     pub default_lease_ms: u64,
     /// The most bytes of a request body (413 beyond).
     pub max_body: usize,
+    /// The most bytes of a request's head (431 beyond; hyper's buffer is at least 8 KiB).
+    pub max_header_bytes: usize,
     /// How long a long-poll sleeps before asking the backend again when nothing wakes it.
     pub reask: Duration,
     /// The most tickets waiting per limit (429 beyond).
@@ -124,6 +123,7 @@ impl Default for ServeOptions {
             max_wait: Duration::from_secs(30),
             default_lease_ms: 10_000,
             max_body: 64 * 1024,
+            max_header_bytes: 16 * 1024,
             reask: Duration::from_secs(1),
             max_waiters: lanes::LimitTable::DEFAULT_MAX_WAITERS,
             queue_grace: Duration::from_secs(2),
@@ -163,6 +163,9 @@ impl ServeOptions {
         }
         if self.max_limits == 0 || self.max_clients == 0 || self.max_connections == 0 {
             return Err("max limits, max clients and max connections: at least 1".into());
+        }
+        if self.max_header_bytes < 1024 {
+            return Err("max header bytes: at least 1024".into());
         }
         for (name, timeout) in [
             ("header timeout", self.header_timeout),
@@ -334,6 +337,9 @@ pub struct Settings {
     /// The most bytes of a request body [default: 65536].
     #[arg(long, env = "LANES_MAX_BODY")]
     pub max_body: Option<usize>,
+    /// The most bytes of a request's head [default: 16384].
+    #[arg(long, env = "LANES_MAX_HEADER_BYTES")]
+    pub max_header_bytes: Option<usize>,
     /// Serve HTTPS: the certificate chain (PEM), with `--tls-key`.
     #[arg(long, env = "LANES_TLS_CERT", requires = "tls_key")]
     pub tls_cert: Option<PathBuf>,
@@ -378,6 +384,7 @@ impl ServeOptions {
             max_lease_ms,
             queue_grace_ms,
             max_body,
+            max_header_bytes,
             tls_cert,
             tls_key,
             max_connections,
@@ -401,6 +408,7 @@ impl ServeOptions {
         self.max_lease = max_lease_ms.map_or(self.max_lease, ms);
         self.queue_grace = queue_grace_ms.map_or(self.queue_grace, ms);
         self.max_body = max_body.unwrap_or(self.max_body);
+        self.max_header_bytes = max_header_bytes.unwrap_or(self.max_header_bytes);
         match (tls_cert, tls_key) {
             (Some(cert), Some(key)) => self.tls = Some(TlsFiles { cert, key }),
             (None, None) => {}
@@ -514,7 +522,7 @@ impl Server {
             max_connections: options.max_connections,
             header_timeout: options.header_timeout,
             shutdown_timeout: options.shutdown_timeout,
-            max_header_bytes: MAX_HEADER_BYTES,
+            max_header_bytes: options.max_header_bytes,
         };
         let done = tokio::spawn(async move {
             listen::serve(listener, router, transport, shutdown_rx).await;
@@ -573,7 +581,7 @@ async fn guard(
 ) -> Response {
     let header_bytes: usize =
         request.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
-    if header_bytes > MAX_HEADER_BYTES {
+    if header_bytes > app.options.max_header_bytes {
         return ApiError::new(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too large")
             .into_response();
     }
