@@ -166,8 +166,13 @@ fn main() {
         let base = format!("http://{}", server.addr);
         let client = pooled().build().unwrap();
         define(&client, &base, None).await;
-        let (floor, lanes) = measure(client, format!("http://{echo_addr}/echo"), base, None).await;
+        let (floor, lanes) =
+            measure(client, format!("http://{echo_addr}/echo"), base.clone(), None).await;
         println!("serve/echo: {floor}\nserve/acquire_release: {lanes}");
+        // The same two through wrk, an external load generator, if it is installed.
+        let wrk_echo = wrk(&format!("http://{echo_addr}/echo"), ECHO_LUA).await;
+        let wrk_lanes = wrk(&format!("{base}/v1/limits/bench"), LANES_LUA).await;
+        println!("serve/wrk: echo {wrk_echo:?}, lanes {wrk_lanes:?}");
         server.shutdown().await.unwrap();
 
         // TLS and tokens, against the echo over the same TLS.
@@ -214,9 +219,66 @@ fn main() {
                 "acquire_release": lanes,
                 "tls_echo": tls_floor,
                 "tls_acquire_release": tls_lanes,
+                "wrk_echo_requests_per_s": wrk_echo,
+                "wrk_acquire_release_requests_per_s": wrk_lanes,
             }),
         );
     });
+}
+
+/// wrk's script for the echo floor: the body an acquire sends.
+const ECHO_LUA: &str = r#"
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"client":"w1","ticket":null}'
+"#;
+
+/// wrk's script for `lanes serve`: a try on a ticket of this thread's client (tickets are per
+/// limit, so each thread numbers its own range) and its release, pipelined on one connection so
+/// the release follows its acquire.
+const LANES_LUA: &str = r#"
+local threads = 0
+function setup(thread)
+  thread:set("id", threads)
+  threads = threads + 1
+end
+local n = 0
+local headers = {["Content-Type"] = "application/json"}
+request = function()
+  n = n + 1
+  local who = '{"client":"wrk-' .. id .. '","ticket":' .. ((id + 1) * 1000000000 + n)
+  return wrk.format("POST", wrk.path .. "/acquire", headers, who .. ',"queue":false}')
+      .. wrk.format("POST", wrk.path .. "/release", headers, who .. '}')
+end
+local shown = 0
+response = function(status, headers, body)
+  if status ~= 200 and shown < 3 then
+    shown = shown + 1
+    print("unexpected " .. status .. " " .. body)
+  end
+end
+"#;
+
+/// Requests per second wrk reaches with 2 threads and the suite's connections, or `None` when
+/// wrk is not installed (`apt-get install wrk`).
+async fn wrk(url: &str, script: &str) -> Option<f64> {
+    let path = std::env::temp_dir().join(format!("lanes-wrk-{}.lua", std::process::id()));
+    std::fs::write(&path, script).ok()?;
+    let seconds = window().as_secs().max(2).to_string();
+    let connections = CONNECTIONS.to_string();
+    let out = tokio::process::Command::new("wrk")
+        .args(["-t2", "-c", &connections, "-d", &seconds, "-s"])
+        .arg(&path)
+        .arg(url)
+        .output()
+        .await
+        .ok()?;
+    let _ = std::fs::remove_file(&path);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(!text.contains("Non-2xx"), "wrk saw errors against {url}: {text}");
+    text.lines()
+        .find_map(|line| line.strip_prefix("Requests/sec:"))
+        .and_then(|rate| rate.trim().parse().ok())
 }
 
 /// Defines the roomy limit the bench cycles on.

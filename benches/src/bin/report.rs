@@ -456,6 +456,18 @@ impl Report {
             "\nRatio lanes / echo: **{ratio:.2}×** (bar ≥ 0.7: {}).\n",
             pass(ratio >= 0.7)
         ));
+        if let (Some(echo), Some(lanes)) = (
+            r["wrk_echo_requests_per_s"].as_f64(),
+            r["wrk_acquire_release_requests_per_s"].as_f64(),
+        ) {
+            self.line(&format!(
+                "Through wrk (an external load generator, 2 threads, the same connections; `lanes serve` \
+                 pipelining a try and its release on each connection): echo {echo:.0} requests/s, `lanes serve` {lanes:.0} \
+                 requests/s: **{:.2}×** (bar ≥ 0.7: {}).\n",
+                lanes / echo,
+                pass(lanes / echo >= 0.7)
+            ));
+        }
         if !r["tls_echo"].is_null() {
             let secured = f(&r["tls_acquire_release"]["requests_per_s"])
                 / f(&r["tls_echo"]["requests_per_s"]);
