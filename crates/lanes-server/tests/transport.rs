@@ -260,3 +260,32 @@ async fn the_header_limit_is_a_setting() {
     let body: Value = response.json().await.unwrap();
     assert!(body["error"].is_string(), "{body}");
 }
+
+/// The dedicated `redis-server` of the lanes-redis outage tests.
+#[path = "../../lanes-redis/tests/common/mod.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod redis_common;
+
+#[tokio::test]
+async fn readiness_follows_the_backend() {
+    let mut redis = redis_common::DedicatedRedis::start();
+    let serve = Serve::start(&["--redis", &redis.url()]);
+    let c = reqwest::Client::new();
+    let ready = c.get(serve.url("/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let body: Value = ready.json().await.unwrap();
+    assert_eq!((body["status"].as_str(), body["backend"].as_str()), (Some("ready"), Some("redis")));
+    redis.stop();
+    let not_ready = c.get(serve.url("/readyz")).send().await.unwrap();
+    assert_eq!(not_ready.status(), 503);
+    let body: Value = not_ready.json().await.unwrap();
+    assert_eq!(body["code"], "not_ready", "{body}");
+    // Alive all the same.
+    assert_eq!(c.get(serve.url("/healthz")).send().await.unwrap().status(), 200);
+    redis.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.get(serve.url("/readyz")).send().await.unwrap().status() != 200 {
+        assert!(Instant::now() < deadline, "not ready again after Redis came back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
