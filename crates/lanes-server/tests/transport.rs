@@ -263,7 +263,6 @@ async fn the_header_limit_is_a_setting() {
 
 /// The dedicated `redis-server` of the lanes-redis outage tests.
 #[path = "../../lanes-redis/tests/common/mod.rs"]
-#[allow(dead_code, unreachable_pub)]
 mod redis_common;
 
 #[tokio::test]
