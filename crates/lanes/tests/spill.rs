@@ -433,3 +433,54 @@ proptest! {
         })?;
     }
 }
+
+/// The active segment is extended with zeros ahead of the data (an in-place write syncs
+/// cheaper than one that grows the file). A crash leaves that zero tail: it is space never
+/// written, not a torn tail; reopening reads every record, and appends go on where the data
+/// ends. A sealed or closed segment is exactly as long as its data.
+#[tokio::test]
+async fn a_reserved_zero_tail_is_unwritten_space_and_appends_continue_after_the_data() {
+    let dir = TempDir::new("reserved");
+    let options =
+        SpillOptions::default().sync(SyncPolicy::Always).max_record(1024).segment_size(64 << 10);
+    let (queue, _) = SpillQueue::open(&dir.0, options.clone()).await.unwrap();
+    for i in 0..10 {
+        queue.append(record(i)).await.unwrap();
+    }
+    let data_len: u64 = 16 + (0..10).map(|i| 12 + record(i).len() as u64).sum::<u64>();
+    let live = dir.0.join(&dir.segments()[0]);
+    assert_eq!(std::fs::metadata(&live).unwrap().len(), 64 << 10, "reserved ahead");
+    // What a kill -9 leaves: the files as they are now (every append was synced).
+    let crashed = TempDir::new("reserved-crash");
+    std::fs::create_dir_all(&crashed.0).unwrap();
+    for name in dir.files().into_iter().filter(|n| n != "LOCK") {
+        std::fs::copy(dir.0.join(&name), crashed.0.join(&name)).unwrap();
+    }
+    queue.close().await.unwrap();
+    assert_eq!(std::fs::metadata(&live).unwrap().len(), data_len, "a closed segment is trimmed");
+
+    let report = spill::check(&crashed.0, 1024).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(report.records, 10);
+    let (queue, report) = SpillQueue::open(&crashed.0, options.clone()).await.unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    queue.append(b"after the crash").await.unwrap();
+    let mut expected: Vec<Vec<u8>> = (0..10).map(record).collect();
+    expected.push(b"after the crash".to_vec());
+    assert_eq!(read_all(&queue).await, expected);
+    // Fill past a rotation: the sealed segment ends at its seal.
+    for i in 0..2000 {
+        queue.append(record(i)).await.unwrap();
+    }
+    let segments = crashed.segments();
+    assert!(segments.len() >= 2, "{segments:?}");
+    let sealed = crashed.0.join(&segments[0]);
+    let bytes = std::fs::read(&sealed).unwrap();
+    // The file ends with the seal (a 20-byte frame whose payload is where the data ends).
+    let recorded = u64::from_le_bytes(bytes[bytes.len() - 8..].try_into().unwrap());
+    assert_eq!(recorded, bytes.len() as u64 - 20, "no reserved zeros behind a seal");
+    queue.close().await.unwrap();
+    let report = spill::check(&crashed.0, 1024).unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(report.records, 2011);
+}

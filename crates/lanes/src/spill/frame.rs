@@ -125,9 +125,13 @@ pub(crate) struct Layout {
 }
 
 impl Layout {
-    /// Bytes of the torn or corrupt tail, given the scanned length.
-    pub(crate) fn tail(&self, scanned: u64) -> u64 {
-        scanned - self.valid_end
+    /// Bytes of the torn or corrupt tail, given the scanned bytes: everything after the valid
+    /// data but the zeros that end it (space reserved and never written, see
+    /// `AppendFile::reserve`).
+    pub(crate) fn tail(&self, scanned: &[u8]) -> u64 {
+        let after = &scanned[(self.valid_end as usize).min(scanned.len())..];
+        let zeros = after.iter().rev().take_while(|b| **b == 0).count();
+        (after.len() - zeros) as u64
     }
 }
 
@@ -158,7 +162,11 @@ pub(crate) fn scan(bytes: &[u8], max_len: u32) -> Layout {
             }
             Scanned::Invalid | Scanned::Short => {
                 corrupt_from.get_or_insert(at);
-                at += 1;
+                // A header is never twelve zero bytes (its checksum of zeros is not zero), so a
+                // run of zeros (reserved, never written space) is skipped up to the twelve
+                // bytes before its end, not byte by byte.
+                let zeros = bytes[at..].iter().take_while(|b| **b == 0).count();
+                at += zeros.saturating_sub(HEADER - 1).max(1);
             }
         }
     }
@@ -196,9 +204,22 @@ mod tests {
         let cut = &bytes[..bytes.len() - 2];
         let layout = scan(cut, 1024);
         assert_eq!(layout.frames.len(), 2);
-        assert_eq!(layout.tail(cut.len() as u64), cut.len() as u64 - layout.valid_end);
-        // Zeroes (a preallocated or zero-filled tail) are not frames.
+        assert_eq!(layout.tail(cut), cut.len() as u64 - layout.valid_end);
+        // Zeroes (a preallocated or zero-filled tail) are not frames, nor a torn tail.
         assert!(scan(&[0u8; 64], 1024).frames.is_empty());
+        let mut reserved = bytes.clone();
+        reserved.resize(bytes.len() + 100_000, 0);
+        let layout = scan(&reserved, 1024);
+        assert_eq!((layout.frames.len(), layout.tail(&reserved)), (3, 0));
+        // Garbage before the zeros is a torn tail all the same.
+        let mut torn = bytes.clone();
+        torn.extend_from_slice(&[7, 7, 7]);
+        torn.resize(torn.len() + 50, 0);
+        assert_eq!(scan(&torn, 1024).tail(&torn), 3);
+        // A frame right after a run of zeros is still found.
+        let mut gap = vec![0u8; 40];
+        encode(b"after zeros", &mut gap);
+        assert_eq!(scan(&gap, 1024).frames, vec![(40, 12 + 11)]);
         // A frame longer than the maximum is not accepted.
         assert!(scan(&bytes, 4).frames.iter().all(|(_, len)| *len <= 16));
     }

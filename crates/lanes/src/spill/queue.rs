@@ -240,11 +240,13 @@ impl SpillQueue {
         // Appends continue in the last segment, or a fresh one that sorts after everything.
         let (active, active_len, file) = match recovered.segments.last() {
             Some(last) if last.id >= committed.segment && !last.sealed => {
-                (last.id, last.valid_end, storage.open_append(&segment_name(last.id))?)
+                let mut file = storage.open_append(&segment_name(last.id))?;
+                file.reserve(options.segment_size)?;
+                (last.id, last.valid_end, file)
             }
             _ => {
                 let id = committed.segment.max(recovered.segments.last().map_or(1, |s| s.id + 1));
-                let file = create_segment(&*storage, id)?;
+                let file = create_segment(&*storage, id, options.segment_size)?;
                 (id, SEGMENT_HEADER, file)
             }
         };
@@ -511,12 +513,16 @@ impl Source for Inner {
     }
 }
 
+/// Creates segment `id` with its header, extended to `reserve` bytes (see
+/// [`AppendFile::reserve`]), durably.
 pub(super) fn create_segment(
     storage: &dyn Storage,
     id: u64,
+    reserve: u64,
 ) -> std::io::Result<Box<dyn AppendFile>> {
     let mut file = storage.create(&segment_name(id))?;
     file.append(&format::segment_header(id))?;
+    file.reserve(reserve)?;
     file.sync()?;
     storage.sync_dir()?;
     Ok(file)

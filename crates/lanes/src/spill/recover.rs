@@ -257,7 +257,10 @@ pub(crate) fn recover(
         }
         let base = SEGMENT_HEADER;
         let valid_end = base + layout.valid_end;
-        let tail = layout.tail(body.len() as u64);
+        let tail = layout.tail(body);
+        // Zeros after the data: space the writer reserved and never wrote. Not a loss; the
+        // open cuts them so appends go on where the data ends.
+        let unwritten = body.len() as u64 - layout.valid_end - tail;
         // Where the data ends: before the seal, if the writer sealed the segment. A version 2
         // segment before the last must be sealed, with the data length it records: otherwise
         // it lost its end (even a cut exactly at a frame boundary shows).
@@ -283,6 +286,9 @@ pub(crate) fn recover(
             if repair {
                 storage.truncate(&name, valid_end)?;
             }
+        } else if unwritten > 0 && repair {
+            // Up to the seal's end, if there is one: the seal stays.
+            storage.truncate(&name, base + layout.valid_end)?;
         }
         // Invariant 3: the committed position is a frame boundary of its segment.
         if id == committed.segment && !report.state_invalid {

@@ -13,10 +13,24 @@ use crate::util::lock;
 
 /// A file open for appending.
 pub trait AppendFile: Send + fmt::Debug {
-    /// Appends `data` at the end.
+    /// Appends `data` after what was appended so far.
     fn append(&mut self, data: &[u8]) -> io::Result<()>;
     /// Makes everything appended so far durable (`fdatasync`).
     fn sync(&mut self) -> io::Result<()>;
+    /// Extends the file with zeros to `len` bytes if it is shorter, without moving where
+    /// appends go: appends then write in place, and a sync need not record a new file size
+    /// (on ext4, an `fdatasync` after an in-place write costs about two thirds of one after a
+    /// write that grows the file). Recovery reads a zero tail as space never written. The
+    /// default does nothing.
+    fn reserve(&mut self, len: u64) -> io::Result<()> {
+        let _ = len;
+        Ok(())
+    }
+    /// Cuts the file where the appended data ends (undoes [`reserve`](Self::reserve)); made
+    /// durable by the next sync. The default does nothing.
+    fn trim(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// A directory of files, as a spill queue uses it.
@@ -88,15 +102,33 @@ impl FsStorage {
 #[derive(Debug)]
 struct FsAppend {
     file: File,
+    /// Where the appended data ends (the file may be longer: reserved zeros).
+    end: u64,
 }
 
 impl AppendFile for FsAppend {
     fn append(&mut self, data: &[u8]) -> io::Result<()> {
-        self.file.write_all(data)
+        self.file.write_all_at(data, self.end)?;
+        self.end += data.len() as u64;
+        Ok(())
     }
 
     fn sync(&mut self) -> io::Result<()> {
         self.file.sync_data()
+    }
+
+    fn reserve(&mut self, len: u64) -> io::Result<()> {
+        if self.file.metadata()?.len() < len {
+            self.file.set_len(len)?;
+        }
+        Ok(())
+    }
+
+    fn trim(&mut self) -> io::Result<()> {
+        if self.file.metadata()?.len() > self.end {
+            self.file.set_len(self.end)?;
+        }
+        Ok(())
     }
 }
 
@@ -233,13 +265,14 @@ impl Storage for FsStorage {
     }
 
     fn create(&self, name: &str) -> io::Result<Box<dyn AppendFile>> {
-        let file = OpenOptions::new().create_new(true).append(true).open(self.path(name))?;
-        Ok(Box::new(FsAppend { file }))
+        let file = OpenOptions::new().create_new(true).write(true).open(self.path(name))?;
+        Ok(Box::new(FsAppend { file, end: 0 }))
     }
 
     fn open_append(&self, name: &str) -> io::Result<Box<dyn AppendFile>> {
-        let file = OpenOptions::new().append(true).open(self.path(name))?;
-        Ok(Box::new(FsAppend { file }))
+        let file = OpenOptions::new().write(true).open(self.path(name))?;
+        let end = file.metadata()?.len();
+        Ok(Box::new(FsAppend { file, end }))
     }
 
     fn truncate(&self, name: &str, len: u64) -> io::Result<()> {

@@ -305,6 +305,11 @@ impl Writer {
                     Ok(())
                 }
                 Action::Close => {
+                    // A closed queue leaves its files exactly as long as their data (a failed
+                    // trim leaves reserved zeros, which recovery reads as unwritten).
+                    if self.file.trim().is_ok() {
+                        self.unsynced = true;
+                    }
                     let result = self.sync().and_then(|()| self.persist());
                     drop(self.lock.take());
                     if let Some(reply) = taken.close.take() {
@@ -356,10 +361,12 @@ impl Writer {
         frame::encode_seal(self.active_len, &mut seal);
         self.file.append(&seal)?;
         self.active_len += frame::SEAL_LEN;
+        // A sealed segment ends at its seal: no reserved zeros behind it.
+        self.file.trim()?;
         self.unsynced = true;
         self.sync()?;
         let id = self.active + 1;
-        self.file = create_segment(&*self.storage, id)?;
+        self.file = create_segment(&*self.storage, id, self.options.segment_size)?;
         self.active = id;
         self.active_len = SEGMENT_HEADER;
         // After the file exists (a crash in between leaves a segment past the recorded last,
