@@ -203,8 +203,15 @@ struct Row {
     redb: Option<fn(usize) -> usize>,
 }
 
-/// Alternating rounds per cell.
-const ROUNDS: usize = 2;
+/// Alternating rounds per cell; each figure is the median of its rounds (this disk has
+/// stalls that a mean would carry).
+const ROUNDS: usize = 3;
+
+/// The median of `values` (0 for none).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
 
 fn main() {
     // `cargo bench` passes --bench; a criterion-style filter is ignored here.
@@ -267,20 +274,21 @@ fn main() {
         let mut sizes = Map::new();
         for size in SIZES {
             let n = (row.per_call)(size);
-            let (mut rate, mut mb_s, mut floor, mut redb) = (0.0, 0.0, 0.0, 0.0);
+            let (mut rates, mut floors, mut redbs) = (Vec::new(), Vec::new(), Vec::new());
             for _ in 0..ROUNDS {
-                floor += match row.floor {
+                floors.push(match row.floor {
                     Floor::Fsync => 1.0 / raw_fsync(&dir, size).as_secs_f64(),
                     Floor::Bandwidth => raw_bandwidth(&dir),
                     Floor::None => 0.0,
-                } / ROUNDS as f64;
-                let (r, m) = rt.block_on(append_rate(&dir, row.policy, size, row.appenders, n));
-                rate += r / ROUNDS as f64;
-                mb_s += m / ROUNDS as f64;
+                });
+                let (r, _) = rt.block_on(append_rate(&dir, row.policy, size, row.appenders, n));
+                rates.push(r);
                 if let Some(group) = row.redb {
-                    redb += redb_rate(&dir, size, group(size)).0 / ROUNDS as f64;
+                    redbs.push(redb_rate(&dir, size, group(size)).0);
                 }
             }
+            let (rate, floor, redb) = (median(rates), median(floors), median(redbs));
+            let mb_s = rate * size as f64 / 1e6;
             eprintln!(
                 "{} {size} B x{} ({n} per call): {rate:.0} records/s, {mb_s:.1} MB/s; floor \
                  {floor:.0}; redb {redb:.0} records/s",

@@ -706,8 +706,8 @@ impl Report {
         let f = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
         self.line(&format!(
             "Filesystem: **{}** (not tmpfs or overlay: fsync reaches the disk). This disk's speed drifts within a run, \
-             so every cell measures its floor and its redb counterpart next to it, in two alternating rounds, and shows \
-             the means. Floors: for `Always`, one frame of the record's size written and `fdatasync`ed at a time \
+             so every cell measures its floor and its redb counterpart next to it, in three alternating rounds, and shows \
+             the medians. Floors: for `Always`, one frame of the record's size written and `fdatasync`ed at a time \
              (records/s); for the others, sequential 1 MiB writes and one `fdatasync` (MB/s).\n",
             s["fs"].as_str().unwrap_or("unknown")
         ));
