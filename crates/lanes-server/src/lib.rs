@@ -6,6 +6,7 @@
 //! client alone, without the server's dependencies.
 #![forbid(unsafe_code)]
 
+pub mod embed;
 pub mod server;
 
 /// The client of `lanes serve`, re-exported from [`lanes_remote`] (use it from there).

@@ -48,7 +48,7 @@ pub fn openapi_document() -> &'static str {
     openapi::document()
 }
 
-const DASHBOARD: &str = include_str!("dashboard.html");
+pub(crate) const DASHBOARD: &str = include_str!("dashboard.html");
 
 /// How `lanes serve` runs.
 #[derive(Debug, Clone)]

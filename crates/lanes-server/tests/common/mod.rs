@@ -156,3 +156,35 @@ pub fn arbitrary_json() -> impl Strategy<Value = Value> {
         ]
     })
 }
+
+/// The headless Chromium to drive (`CHROMIUM`, or the first found).
+pub fn chromium() -> String {
+    if let Ok(path) = std::env::var("CHROMIUM") {
+        return path;
+    }
+    for candidate in ["chromium", "chromium-browser", "google-chrome"] {
+        if Command::new(candidate).arg("--version").output().is_ok_and(|o| o.status.success()) {
+            return candidate.to_owned();
+        }
+    }
+    panic!(
+        "headless Chromium is needed for the dashboard test: `apt-get install chromium` (scripts/services.sh does it) or set CHROMIUM"
+    );
+}
+
+/// The page's DOM after its scripts ran (they poll the snapshot every second).
+pub fn rendered(url: &str) -> String {
+    let out = Command::new(chromium())
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=3000",
+            "--dump-dom",
+            url,
+        ])
+        .output()
+        .expect("run chromium");
+    assert!(out.status.success(), "chromium failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("UTF-8 DOM")
+}

@@ -1,0 +1,50 @@
+//! The dashboard of an application's own [`Registry`], as an axum [`Router`] to mount where
+//! the application likes (`Router::nest("/lanes", ..)`): the page at the mount point
+//! (`/lanes`), the snapshot at `v1/snapshot` below it (`/lanes/v1/snapshot`).
+//! The same page `lanes serve` shows, for the lanes, pools, channels, limits and spill queues
+//! the application registered.
+//!
+//! ```
+//! use std::time::Duration;
+//! use lanes::{LaneLimits, LaneSet, Registry};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let registry = Registry::new();
+//! let lanes = LaneSet::builder()
+//!     .lane("checkout", LaneLimits::new(4, 100))
+//!     .audit_timeout(Duration::from_secs(1))
+//!     .finalization_timeout(Duration::from_secs(1))
+//!     .worker_drain_timeout(Duration::from_secs(5))
+//!     .registry(&registry, "api")
+//!     .build()?;
+//! let app: axum::Router = axum::Router::new()
+//!     // ... the application's own routes ...
+//!     .nest("/lanes", lanes_server::embed::dashboard(registry));
+//! # drop((app, lanes));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! The router has no authentication of its own: mount it behind what guards the rest of the
+//! application's operational endpoints.
+
+use axum::Router;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use lanes::Registry;
+
+/// The dashboard page (at `/` of the router, and so at its mount point) and the registry's
+/// snapshot as JSON (at `/v1/snapshot`).
+pub fn dashboard(registry: Registry) -> Router {
+    Router::new().route("/", get(page)).route(
+        "/v1/snapshot",
+        get(move || {
+            let registry = registry.clone();
+            async move { axum::Json(registry.snapshot()) }
+        }),
+    )
+}
+
+async fn page() -> Response {
+    ([("content-type", "text/html; charset=utf-8")], crate::server::DASHBOARD).into_response()
+}

@@ -1,0 +1,51 @@
+//! The embeddable dashboard, through the `embedded_dashboard` example's own application: its
+//! snapshot shows the application's lanes and limits, and its page loads in headless Chromium
+//! from the mount point.
+
+mod common;
+
+#[path = "../examples/embedded_dashboard.rs"]
+#[allow(dead_code)] // the example's `main` is not called here
+mod example;
+
+use serde_json::Value;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_mounts_its_own_dashboard() {
+    let (router, lanes, limits) = example::application().await.expect("the example's application");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    example::work(&lanes, &limits, 20).await;
+
+    let c = reqwest::Client::new();
+    let own = c.get(format!("{base}/")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(own, "the application");
+    let snapshot: Value =
+        c.get(format!("{base}/lanes/v1/snapshot")).send().await.unwrap().json().await.unwrap();
+    let lane_names: Vec<&str> = snapshot["lane_sets"]["app"]["lanes"]
+        .as_array()
+        .expect("the application's lane set")
+        .iter()
+        .map(|l| l["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(lane_names, ["checkout", "reports"], "{snapshot}");
+    let limit = &snapshot["limits"]["app-limits"][0];
+    assert_eq!(limit["name"], "payments-api", "{snapshot}");
+    assert!(limit["granted_total"].as_u64().unwrap() > 0, "{snapshot}");
+
+    // The page, at the mount point.
+    let page = c.get(format!("{base}/lanes")).send().await.unwrap();
+    assert_eq!(page.status(), 200);
+    assert!(page.text().await.unwrap().contains("v1/snapshot"));
+    // In a browser, the page finds its snapshot below the mount point and shows the
+    // application's lanes and limit.
+    let dom = tokio::task::spawn_blocking(move || common::rendered(&format!("{base}/lanes")))
+        .await
+        .unwrap();
+    assert!(dom.contains("payments-api"), "{dom}");
+    assert!(dom.contains("checkout") && dom.contains("reports"), "{dom}");
+    assert!(dom.contains("this application's registry"), "{dom}");
+    lanes.close();
+    lanes.drained().await;
+}
