@@ -60,3 +60,41 @@ async fn reject_mode_fails_fast_with_a_typed_error() {
         err.downcast_ref::<lanes::LimitError>().is_some_and(lanes::LimitError::is_unknown_limit)
     );
 }
+
+/// The HTTP flavor goes straight into `axum::Router::layer` (its error stays `Infallible`), and
+/// answers refusals as responses: 429 with `Retry-After` when busy, 503 for an unknown limit.
+#[tokio::test]
+async fn the_http_layer_goes_into_an_axum_router_and_answers_refusals() {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use axum::routing::get;
+
+    let limits = Limits::new();
+    limits.define("api", LimitSpec::concurrent(1)).await.unwrap();
+    let tenant = |req: &Request<Body>| {
+        let tenant = req.headers().get("x-tenant").and_then(|v| v.to_str().ok());
+        Priority::default().key(tenant.unwrap_or("anonymous"))
+    };
+    let app = axum::Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(LimitLayer::new(&limits, "api").priority(tenant).when_busy(WhenBusy::Reject).http());
+    let request = || Request::get("/").header("x-tenant", "a").body(Body::empty()).unwrap();
+    let ok = app.clone().oneshot(request()).await.unwrap();
+    assert_eq!(ok.status(), StatusCode::OK);
+
+    let held = limits.acquire("api", Priority::default()).await.unwrap();
+    let busy = app.clone().oneshot(request()).await.unwrap();
+    assert_eq!(busy.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(busy.headers()["retry-after"], "1");
+    let body = axum::body::to_bytes(busy.into_body(), 1 << 16).await.unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(body["limit"], "api", "{body}");
+    drop(held);
+    assert_eq!(app.clone().oneshot(request()).await.unwrap().status(), StatusCode::OK);
+
+    let unknown = axum::Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(LimitLayer::new(&limits, "nope").http());
+    assert_eq!(unknown.oneshot(request()).await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(limits.info("api").await.unwrap().unwrap().in_use, 0);
+}

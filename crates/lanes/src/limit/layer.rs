@@ -128,11 +128,57 @@ impl<S, P: Clone> Layer<S> for LimitLayer<P> {
 /// The service made by [`LimitLayer`]. Its errors are boxed: the inner service's, a
 /// [`LimitError`](super::LimitError), or [`Overloaded`].
 pub struct LimitService<S, P = DefaultPriority> {
-    inner: S,
+    pub(super) inner: S,
     limits: Limits,
     name: Arc<str>,
-    priority: P,
+    pub(super) priority: P,
     when_busy: WhenBusy,
+}
+
+/// Why a request got no permit.
+pub(super) enum Refused {
+    /// No free permit under [`WhenBusy::Reject`].
+    Overloaded(Overloaded),
+    /// The limit refused (unknown limit, backend failure).
+    Limit(super::LimitError),
+}
+
+impl From<Refused> for BoxError {
+    fn from(refused: Refused) -> Self {
+        match refused {
+            Refused::Overloaded(overloaded) => overloaded.into(),
+            Refused::Limit(err) => err.into(),
+        }
+    }
+}
+
+impl<S, P> LimitService<S, P> {
+    /// Takes this request's permit, as the service's [`WhenBusy`] says; the future owns what
+    /// it needs.
+    pub(super) fn admit(
+        &self,
+        priority: Priority,
+    ) -> impl std::future::Future<Output = Result<super::Permit, Refused>> + Send + 'static {
+        let (limits, name, when_busy) = (self.limits.clone(), self.name.clone(), self.when_busy);
+        async move {
+            match when_busy {
+                WhenBusy::Wait => limits.acquire(&name, priority).await.map_err(Refused::Limit),
+                WhenBusy::Reject => match limits.try_acquire(&name, priority).await {
+                    Ok(permit) => Ok(permit),
+                    Err(TryAcquireError::Limit(err)) => Err(Refused::Limit(err)),
+                    Err(TryAcquireError::RateLimited(after)) => {
+                        Err(Refused::Overloaded(Overloaded {
+                            limit: name,
+                            retry_after: Some(after),
+                        }))
+                    }
+                    Err(TryAcquireError::Busy) => {
+                        Err(Refused::Overloaded(Overloaded { limit: name, retry_after: None }))
+                    }
+                },
+            }
+        }
+    }
 }
 
 impl<S: Clone, P: Clone> Clone for LimitService<S, P> {
@@ -173,20 +219,12 @@ where
     }
 
     fn call(&mut self, req: Req) -> Self::Future {
-        let priority = self.priority.priority_of(&req);
+        let admit = self.admit(self.priority.priority_of(&req));
         // The ready service goes into the future; a fresh clone stays for the next poll_ready.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let (limits, name, when_busy) = (self.limits.clone(), self.name.clone(), self.when_busy);
         Box::pin(async move {
-            let permit = match when_busy {
-                WhenBusy::Wait => limits.acquire(&name, priority).await?,
-                WhenBusy::Reject => match limits.try_acquire(&name, priority).await {
-                    Ok(permit) => permit,
-                    Err(TryAcquireError::Limit(err)) => return Err(err.into()),
-                    Err(_) => return Err(Overloaded { limit: name.clone() }.into()),
-                },
-            };
+            let permit = admit.await?;
             let response = inner.call(req).await.map_err(Into::into);
             drop(permit);
             response
@@ -198,12 +236,19 @@ where
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Overloaded {
     limit: Arc<str>,
+    retry_after: Option<std::time::Duration>,
 }
 
 impl Overloaded {
     /// The limit that had no free permit.
     pub fn limit(&self) -> &str {
         &self.limit
+    }
+
+    /// For a rate limit with an empty bucket: when it has a token again (`None`: every permit
+    /// is held; try after a release).
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        self.retry_after
     }
 }
 

@@ -64,8 +64,11 @@ mod acquire;
 mod backend;
 mod cell;
 #[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 mod handle;
+#[cfg(feature = "http")]
+mod http;
 #[cfg(feature = "tower")]
 mod layer;
 mod local;
@@ -78,7 +81,11 @@ mod table;
 pub use acquire::{REASK, drive};
 pub use backend::{Answer, LimitBackend};
 pub use handle::{AcquireError, Limit, Limits, Permit, TryAcquireError};
+#[cfg(feature = "http")]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub use http::{HttpLimitLayer, HttpLimitService};
 #[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
 pub use layer::{DefaultPriority, LimitLayer, LimitService, Overloaded, PriorityOf, WhenBusy};
 pub use local::LocalLimits;
 pub use lost::LostLeases;
