@@ -113,3 +113,38 @@ impl<F: Future> Future for CatchPanic<F> {
 pub(crate) fn drop_contained<T>(value: T) {
     let _ = catch_unwind(AssertUnwindSafe(move || drop(value)));
 }
+
+/// Runs `future` to completion on this thread, parking it between wake-ups: for the
+/// synchronous (`blocking_*`) counterparts of async calls, from threads outside the runtime.
+///
+/// # Panics
+///
+/// Inside a tokio runtime (a blocked worker could never be woken); use the async call there.
+pub(crate) fn block_on<F: std::future::Future>(what: &str, future: F) -> F::Output {
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    struct Unpark(std::thread::Thread);
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+        fn wake_by_ref(self: &Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+
+    assert!(
+        tokio::runtime::Handle::try_current().is_err(),
+        "{what} blocks its thread: call it outside the tokio runtime (or use the async form)"
+    );
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let mut context = Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let Poll::Ready(output) = future.as_mut().poll(&mut context) {
+            return output;
+        }
+        std::thread::park();
+    }
+}

@@ -106,7 +106,7 @@ async fn dispatcher_processes_every_item_within_its_concurrency() {
     assert_eq!((stats.submitted, stats.completed, stats.inflight, stats.queued), (50, 50, 0, 0));
     assert_eq!(dispatcher.phase(), Phase::Stopped);
     assert!(dispatcher.submit(7).unwrap_err().is_stopped(), "submit after stop");
-    assert!(dispatcher.submit_blocking(7).await.unwrap_err().is_stopped());
+    assert!(dispatcher.submit_wait(7).await.unwrap_err().is_stopped());
     dispatcher.stop(Duration::from_secs(1)).await.unwrap(); // idempotent
 }
 
@@ -170,9 +170,7 @@ async fn a_timed_out_stop_keeps_draining_and_a_later_stop_sees_it_finish() {
         let dispatcher = Arc::new(dispatcher);
         let d = dispatcher.clone();
         (
-            tokio::spawn(
-                async move { d.submit_blocking(5).await.map_err(SubmitError::into_inner) },
-            ),
+            tokio::spawn(async move { d.submit_wait(5).await.map_err(SubmitError::into_inner) }),
             dispatcher,
         )
     };
@@ -249,7 +247,7 @@ async fn stop_and_submit_race_loses_nothing() {
                         let result = if i % 2 == 0 {
                             pool.submit(item)
                         } else {
-                            pool.submit_blocking(item).await
+                            pool.submit_wait(item).await
                         };
                         match result {
                             Ok(()) => {
@@ -384,10 +382,10 @@ async fn backpressure_is_typed_per_key_and_overall() {
     settle().await;
     pool.submit((2, 1)).unwrap();
     assert!(pool.submit((3, 0)).unwrap_err().is_full(), "the pool's queue is full");
-    // submit_blocking waits for room instead of failing.
-    assert!(timeout(Duration::from_millis(100), pool.submit_blocking((3, 0))).await.is_err());
+    // submit_wait waits for room instead of failing.
+    assert!(timeout(Duration::from_millis(100), pool.submit_wait((3, 0))).await.is_err());
     gate.open();
-    pool.submit_blocking((3, 0)).await.unwrap();
+    pool.submit_wait((3, 0)).await.unwrap();
     pool.stop(Duration::from_secs(1)).await.unwrap();
     let stats = pool.stats();
     assert_eq!((stats.completed, stats.rejected, stats.keys), (6, 2, 0));
@@ -626,4 +624,49 @@ async fn a_broken_watch_is_reported_and_re_established() {
     let healed = registry.snapshot().pools["tracked"].completion.clone().unwrap();
     assert_eq!((healed.completed, healed.broken), (2, None));
     dispatcher.stop(Duration::from_secs(1)).await.unwrap();
+}
+
+/// `blocking_submit` is the synchronous form (tokio's `blocking_send` shape): a plain thread
+/// fills a dispatcher of one slot, blocking for room, and every item is processed once; inside
+/// the runtime it refuses to block.
+#[test]
+fn blocking_submit_waits_for_room_from_a_plain_thread() {
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let dispatcher = Arc::new({
+        let seen = seen.clone();
+        runtime.block_on(async move {
+            Dispatcher::builder()
+                .workers(1)
+                .queue_size(1)
+                .build(move |item: u32| {
+                    let seen = seen.clone();
+                    async move {
+                        tokio::task::yield_now().await;
+                        seen.lock().unwrap().push(item);
+                        Res::Ok(())
+                    }
+                })
+                .unwrap()
+        })
+    });
+    let producer = {
+        let dispatcher = dispatcher.clone();
+        std::thread::spawn(move || {
+            for item in 0..200 {
+                dispatcher.blocking_submit(item).expect("accepted");
+            }
+        })
+    };
+    producer.join().unwrap();
+    runtime.block_on(dispatcher.stop(Duration::from_secs(5))).unwrap();
+    let mut seen = seen.lock().unwrap().clone();
+    seen.sort_unstable();
+    assert_eq!(seen, (0..200).collect::<Vec<_>>());
+    let inside = runtime.block_on(async {
+        let dispatcher = dispatcher.clone();
+        tokio::spawn(async move { dispatcher.blocking_submit(1) }).await
+    });
+    assert!(inside.unwrap_err().is_panic(), "blocking inside the runtime must refuse");
 }

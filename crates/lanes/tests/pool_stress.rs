@@ -64,7 +64,7 @@ async fn order_holds(mode: KeyedMode, items: u64, producers: u64) {
                     let slot = (i as usize * 7919) % own.len();
                     let item = (own[slot], next[slot]);
                     next[slot] += 1;
-                    pool.submit_blocking(item).await.unwrap();
+                    pool.submit_wait(item).await.unwrap();
                 }
             })
         })

@@ -103,7 +103,7 @@ async fn apply(mode: KeyedMode, seed: u64) -> Result<Seen, BoxError> {
         // The slow entity gets a steady share of the updates; the rest are spread at random.
         let entity = if i % 40 == 0 { SLOW } else { 1 + rng.below(ENTITIES - 1) };
         next_version[entity as usize] += 1;
-        pool.submit_blocking((entity, next_version[entity as usize], Instant::now())).await?;
+        pool.submit_wait((entity, next_version[entity as usize], Instant::now())).await?;
         if i % 4 == 0 {
             sleep(Duration::from_millis(1)).await;
         }

@@ -25,12 +25,12 @@ use crate::util::PanicPayload;
 ///
 /// [`submit`](Dispatcher::submit) never waits: a full queue hands the item back in
 /// [`SubmitError::Full`] and the `rejected` counter moves.
-/// [`submit_blocking`](Dispatcher::submit_blocking) waits for room instead.
+/// [`submit_wait`](Dispatcher::submit_wait) waits for room instead.
 ///
 /// # Shutdown
 ///
 /// [`stop`](Dispatcher::stop) refuses new items at once (handing them back in
-/// [`SubmitError::Stopped`], including to producers parked in `submit_blocking`) and waits for
+/// [`SubmitError::Stopped`], including to producers parked in `submit_wait`) and waits for
 /// every accepted item to be processed. A stop that times out keeps draining; a later stop can
 /// observe the end. Every `submit` that returned `Ok` is processed before `stop` returns `Ok`.
 /// [`abort`](Dispatcher::abort) discards queued items and cancels in-flight ones, counting both.
@@ -84,6 +84,21 @@ impl<T: Send + 'static> Dispatcher<T> {
         self.submit_tracked(tracker, item, |core, item| core.submit(item))
     }
 
+    /// Enqueues `item` from a thread outside the runtime, blocking it until there is room: the
+    /// synchronous form of [`submit_wait`](Self::submit_wait), as tokio's `blocking_send` is of
+    /// `send`.
+    ///
+    /// # Errors
+    ///
+    /// As for [`submit_wait`](Self::submit_wait).
+    ///
+    /// # Panics
+    ///
+    /// Inside a tokio runtime (use `submit_wait` there).
+    pub fn blocking_submit(&self, item: T) -> Result<(), SubmitError<T>> {
+        crate::util::block_on("Dispatcher::blocking_submit", self.submit_wait(item))
+    }
+
     /// Enqueues `item`, waiting for room.
     ///
     /// # Cancel safety
@@ -95,15 +110,15 @@ impl<T: Send + 'static> Dispatcher<T> {
     ///
     /// [`SubmitError::Stopped`] once the dispatcher stops accepting (a producer parked here is
     /// released at once), or the tracking errors of [`submit`](Self::submit).
-    pub async fn submit_blocking(&self, item: T) -> Result<(), SubmitError<T>> {
+    pub async fn submit_wait(&self, item: T) -> Result<(), SubmitError<T>> {
         let Some(tracker) = &self.tracker else {
-            return engine::submit_blocking(&*self.core, item).await;
+            return engine::submit_wait(&*self.core, item).await;
         };
         // Registered before waiting, so a completion written while the producer waits for
         // room still matches.
         let key = (tracker.key_of)(&item);
         let item = Self::register(tracker, &key, item)?;
-        let submitted = engine::submit_blocking(&*self.core, item).await;
+        let submitted = engine::submit_wait(&*self.core, item).await;
         if submitted.is_err() {
             tracker.forget(&key);
         }

@@ -165,7 +165,7 @@ pub(crate) struct Engine<T, S, P> {
     state: Mutex<State<S>>,
     wake: Box<[Notify]>,
     space: Notify,
-    /// Producers parked in `submit_blocking`: workers only notify `space` when some wait.
+    /// Producers parked in `submit_wait`: workers only notify `space` when some wait.
     parked: AtomicUsize,
     finished: Notify,
     tasks: Mutex<Vec<AbortHandle>>,
@@ -515,10 +515,7 @@ pub(crate) async fn wait_finished<T>(
 }
 
 /// Submits, waiting for room; gives the item back only when the pool stops accepting.
-pub(crate) async fn submit_blocking<T>(
-    core: &dyn Core<T>,
-    mut item: T,
-) -> Result<(), SubmitError<T>> {
+pub(crate) async fn submit_wait<T>(core: &dyn Core<T>, mut item: T) -> Result<(), SubmitError<T>> {
     // Counted before the first try, so a worker that frees room after the try sees a parked
     // producer and notifies.
     struct Parked<'a>(&'a AtomicUsize);

@@ -111,6 +111,21 @@ impl<T: Send + 'static> KeyedPool<T> {
         self.core.submit(item)
     }
 
+    /// Enqueues `item` from a thread outside the runtime, blocking it until there is room: the
+    /// synchronous form of [`submit_wait`](Self::submit_wait), as tokio's `blocking_send` is of
+    /// `send`.
+    ///
+    /// # Errors
+    ///
+    /// As for [`submit_wait`](Self::submit_wait).
+    ///
+    /// # Panics
+    ///
+    /// Inside a tokio runtime (use `submit_wait` there).
+    pub fn blocking_submit(&self, item: T) -> Result<(), SubmitError<T>> {
+        crate::util::block_on("KeyedPool::blocking_submit", self.submit_wait(item))
+    }
+
     /// Enqueues `item`, waiting for room.
     ///
     /// # Cancel safety
@@ -121,8 +136,8 @@ impl<T: Send + 'static> KeyedPool<T> {
     ///
     /// [`SubmitError::Stopped`] once the pool stops accepting; a producer parked here is
     /// released at once.
-    pub async fn submit_blocking(&self, item: T) -> Result<(), SubmitError<T>> {
-        engine::submit_blocking(&*self.core, item).await
+    pub async fn submit_wait(&self, item: T) -> Result<(), SubmitError<T>> {
+        engine::submit_wait(&*self.core, item).await
     }
 
     /// Stops accepting and waits up to `timeout` for every accepted item to be processed.

@@ -13,16 +13,16 @@
 //! # Overflow
 //!
 //! `submit` never waits; a refusal hands the item back ([`SubmitError`]) and moves the
-//! `rejected` counter. `submit_blocking` waits for room instead.
+//! `rejected` counter. `submit_wait` waits for room instead.
 //!
 //! # Cancel safety
 //!
-//! Dropping a `submit_blocking` future drops its item without enqueuing it. Dropping a `stop`
+//! Dropping a `submit_wait` future drops its item without enqueuing it. Dropping a `stop`
 //! future only stops waiting: draining goes on.
 //!
 //! # Shutdown
 //!
-//! `stop(timeout)` refuses new items at once — producers parked in `submit_blocking` get
+//! `stop(timeout)` refuses new items at once — producers parked in `submit_wait` get
 //! [`SubmitError::Stopped`] — and waits for every accepted item to be processed. The handoff
 //! is atomic: every `submit` that returned `Ok` is processed before `stop` returns `Ok`. A stop
 //! that times out returns [`StopTimeout`] and keeps draining; a later stop can observe the end.
