@@ -51,6 +51,7 @@
 #![doc(test(attr(deny(warnings))))]
 
 pub mod channel;
+pub mod config;
 pub mod lane;
 pub mod limit;
 pub mod pool;
@@ -59,10 +60,11 @@ pub mod spill;
 
 mod util;
 
+pub use config::{ConfigError, ConfigRule};
 pub use lane::{
-    AdmissionError, AdmissionErrorKind, Audit, AuditEvent, AuditKind, ConfigError, ConfigRule,
-    Lane, LaneLimits, LaneSet, LaneSetBuilder, LaneSetSnapshot, LaneSnapshot, MAX_QUEUED, Outcome,
-    Participation, Reason, Run, RunContext, RunFailure, RunHandle, RunId, Stage,
+    AdmissionError, AdmissionErrorKind, Audit, AuditEvent, AuditKind, Lane, LaneLimits, LaneSet,
+    LaneSetBuilder, LaneSetSnapshot, LaneSnapshot, MAX_QUEUED, Outcome, Participation, Reason, Run,
+    RunContext, RunFailure, RunHandle, RunId, Stage,
 };
 pub use limit::{
     Acquire, AcquireError, Answer, Limit, LimitBackend, LimitError, LimitInfo, LimitSpec,

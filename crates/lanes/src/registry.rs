@@ -11,7 +11,8 @@ use std::sync::{Arc, Mutex, Weak};
 use serde::{Deserialize, Serialize};
 
 use crate::channel::ChannelsSnapshot;
-use crate::lane::{ConfigError, ConfigRule, LaneSetSnapshot};
+use crate::config::{ConfigError, ConfigRule};
+use crate::lane::LaneSetSnapshot;
 use crate::limit::LimitInfo;
 use crate::pool::PoolSnapshot;
 use crate::spill::SpillSnapshot;

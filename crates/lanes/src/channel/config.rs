@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::codec::Codec;
 use crate::BoxError;
-use crate::lane::{ConfigError, ConfigRule};
+use crate::config::{ConfigError, ConfigRule};
 use crate::limit::{Limits, Priority};
 use crate::spill::{SpillError, SpillQueue};
 

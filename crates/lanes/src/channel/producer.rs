@@ -11,7 +11,7 @@ use super::config::{ChannelConfig, ChannelError, ConsumerOptions, EmitError, Emi
 use super::consumer::Consumer;
 use super::receipt::{Receipt, ReceiptState, Settlement};
 use super::shared::{ChannelSnapshot, Entry, Pushed, Shared, Waiter};
-use crate::lane::ConfigError;
+use crate::config::ConfigError;
 use crate::registry::{Registry, Snapshot, Source};
 use crate::util::lock;
 

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use super::config::{ChannelConfig, ChannelError};
 use super::producer::Channel;
 use super::shared::{Budget, ChannelSnapshot, Shared};
-use crate::lane::{ConfigError, ConfigRule};
+use crate::config::{ConfigError, ConfigRule};
 use crate::registry::{Registry, Snapshot, Source};
 use crate::util::lock;
 

@@ -80,8 +80,9 @@ mod signal;
 mod snapshot;
 mod state;
 
+pub use crate::config::{ConfigError, ConfigRule};
 pub use audit::{Audit, AuditEvent, AuditKind};
-pub use config::{ConfigError, ConfigRule, LaneLimits, LaneSetBuilder, MAX_QUEUED};
+pub use config::{LaneLimits, LaneSetBuilder, MAX_QUEUED};
 pub use error::{
     AdmissionError, AdmissionErrorKind, AttachedError, PanicError, PoisonError, Reason, RunFailure,
     Stage, TimeoutError,

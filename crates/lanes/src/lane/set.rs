@@ -30,7 +30,7 @@ use tokio::sync::Notify;
 use tokio::time::{Instant, Sleep, sleep_until, timeout};
 
 use super::audit::{Audit, AuditEvent, AuditKind};
-use super::config::{ConfigError, LaneLimits, LaneSetBuilder};
+use super::config::{LaneLimits, LaneSetBuilder};
 use super::error::{
     AdmissionError, AdmissionErrorKind, PanicError, PoisonError, Reason, RunFailure, Stage,
     TimeoutError,
@@ -42,6 +42,7 @@ use super::signal::{Grant, RunSignal};
 use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use super::state::{Admitted, LaneCore, Shut};
 use crate::BoxError;
+use crate::config::ConfigError;
 use crate::limit::Permit;
 use crate::registry::{Snapshot, Source};
 use crate::util::{CatchUnwind, Panicked, call_contained, lock};

@@ -15,7 +15,7 @@ use super::local::{Handoff, LocalLimits, Slot};
 use super::priority::Priority;
 use super::spec::LimitSpec;
 use super::table::{Acquire, Grant, LimitError, LimitInfo};
-use crate::lane::{ConfigError, ConfigRule};
+use crate::config::{ConfigError, ConfigRule};
 use crate::registry::{Registry, Snapshot, Source};
 
 #[derive(Clone)]

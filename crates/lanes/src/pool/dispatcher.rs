@@ -13,7 +13,7 @@ use super::error::{AbortReport, StopTimeout, SubmitError};
 use super::report::{PoolKind, Reporter};
 use super::sched::Fifo;
 use crate::BoxError;
-use crate::lane::{ConfigError, ConfigRule};
+use crate::config::{ConfigError, require, runtime};
 use crate::limit::{Limits, Priority};
 use crate::registry::{Registry, Source};
 use crate::util::PanicPayload;
@@ -254,20 +254,6 @@ impl<T: Send + 'static> Common<T> {
             .or_else(|| self.registry.as_ref().map(|(_, name)| name.clone()))
             .unwrap_or_else(|| "unnamed".to_owned())
     }
-}
-
-pub(crate) fn require(value: Option<usize>, field: &str) -> Result<usize, ConfigError> {
-    match value {
-        None => Err(ConfigError::new(field, ConfigRule::Missing)),
-        Some(0) => Err(ConfigError::new(field, ConfigRule::Zero)),
-        Some(n) => Ok(n),
-    }
-}
-
-pub(crate) fn runtime() -> Result<(), ConfigError> {
-    tokio::runtime::Handle::try_current()
-        .map(drop)
-        .map_err(|_| ConfigError::new("runtime", ConfigRule::NoRuntime))
 }
 
 impl<T: Send + 'static> DispatcherBuilder<T> {

@@ -7,14 +7,15 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::dispatcher::{Common, require, runtime};
+use super::dispatcher::Common;
 use super::engine::{self, Core, Engine, Indexed, Phase, PoolStats, Queued};
 use super::error::{AbortReport, StopTimeout, SubmitError};
 use super::fnv::PoolKey;
 use super::report::{PoolKind, Reporter};
 use super::sched::{PerKey, Sharded};
 use crate::BoxError;
-use crate::lane::ConfigError;
+use crate::config::ConfigError;
+use crate::config::{require, runtime};
 use crate::limit::{Limits, Priority};
 use crate::registry::{Registry, Source};
 use crate::util::PanicPayload;

@@ -4,7 +4,7 @@ use std::fmt;
 use std::io;
 use std::sync::Arc;
 
-use crate::lane::ConfigError;
+use crate::config::ConfigError;
 
 /// Why a spill queue operation failed.
 #[derive(Debug)]

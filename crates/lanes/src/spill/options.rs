@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::format::SEGMENT_HEADER;
 use super::frame::{self, HEADER};
-use crate::lane::{ConfigError, ConfigRule};
+use crate::config::{ConfigError, ConfigRule};
 
 /// When appends are made durable.
 ///

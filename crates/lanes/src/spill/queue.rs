@@ -36,7 +36,7 @@ use super::reader::SpillReader;
 use super::recover::{CheckReport, recover};
 use super::storage::{AppendFile, FsStorage, Storage};
 use super::writer::{Mailbox, Writer};
-use crate::lane::ConfigError;
+use crate::config::ConfigError;
 use crate::registry::{Registry, Snapshot, Source};
 use crate::util::lock;
 
