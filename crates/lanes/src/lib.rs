@@ -7,9 +7,9 @@
 //! |---|---|---|
 //! | [`lane`] | [`LaneSet`], [`Lane`] | owned runs: `concurrent` execution slots + `queued` waiting slots, strict FIFO, finalizer exactly once |
 //! | [`limit`] | [`Limits`], [`LimitSpec`], [`Permit`] | permits held at once and granted per second, waiters ordered by [`Priority`] |
-//! | [`pool`] | [`Dispatcher`](pool::Dispatcher), [`KeyedPool`](pool::KeyedPool) | items queued and in flight; per-key order |
-//! | [`channel`] | [`Channel`](channel::Channel), [`Channels`](channel::Channels) | records queued per channel and across dynamic channels; overflow blocks, drops or spills |
-//! | [`spill`] | [`SpillQueue`](spill::SpillQueue) | unacknowledged bytes on disk; survives crashes |
+//! | [`pool`] | [`Dispatcher`], [`KeyedPool`] | items queued and in flight; per-key order |
+//! | [`channel`] | [`Channel`], [`Channels`] | records queued per channel and across dynamic channels; overflow blocks, drops or spills |
+//! | [`spill`] | [`SpillQueue`] | unacknowledged bytes on disk; survives crashes |
 //! | [`registry`] | [`Registry`], [`Snapshot`] | nothing: it reports what the others hold, as serde JSON |
 //!
 //! # Example
@@ -60,6 +60,11 @@ pub mod spill;
 
 mod util;
 
+// Every primitive's main handles at the root; the rest of each primitive's types stay in its
+// module (`lanes::channel::Batch`, `lanes::pool::SubmitError`, ...).
+pub use channel::{
+    Channel, ChannelConfig, ChannelError, Channels, Consumer, ConsumerOptions, Overflow,
+};
 pub use config::{ConfigError, ConfigRule};
 pub use lane::{
     AdmissionError, AdmissionErrorKind, Audit, AuditEvent, AuditKind, Lane, LaneLimits, LaneSet,
@@ -70,7 +75,9 @@ pub use limit::{
     Acquire, AcquireError, Answer, Limit, LimitBackend, LimitError, LimitInfo, LimitSpec,
     LimitTable, Limits, Permit, Priority, TryAcquireError, WaitQueue,
 };
+pub use pool::{Dispatcher, KeyedPool, SubmitError};
 pub use registry::{Registry, Snapshot};
+pub use spill::{SpillError, SpillOptions, SpillQueue, SpillReader, SyncPolicy};
 
 /// A type-erased error, as returned by jobs, finalizers, audit hooks and cleanups.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
