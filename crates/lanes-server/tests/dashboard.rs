@@ -33,7 +33,7 @@ async fn the_dashboard_shows_limits_and_follows_them() {
     .await
     .unwrap();
     assert_eq!(in_use(&dom, "browser-check").as_deref(), Some("0 / 3"), "{dom}");
-    assert!(dom.contains("events"), "the server's own channel is listed");
+    assert!(!dom.contains("server/events"), "the server's internal channel is hidden");
 
     let granted = c
         .post(serve.url("/v1/limits/browser-check/acquire"))

@@ -497,7 +497,8 @@ impl Server {
         let channels = Channels::new();
         let events = channels
             .configure("events", ChannelConfig::new(4096).overflow(Overflow::DropOldest))?;
-        channels.register(&registry, "server")?;
+        // The events channel is the server's plumbing (it feeds `/metrics`), not the user's:
+        // it is not registered, so the snapshot and the dashboard do not show it.
         let (shutdown, shutdown_rx) = watch::channel(false);
         let app = Arc::new(App {
             backend,
