@@ -905,3 +905,89 @@ async fn a_run_takes_its_limit_after_grant_and_returns_it_before_the_finalizer()
     assert_eq!(ran.load(Ordering::SeqCst), 0);
     assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "the wait was withdrawn");
 }
+
+/// Waiting admission: a full lane is waited on, callers are admitted in the order they began
+/// waiting as runs end, a deadline hands the run back `Full` (counted once, not per retry), and
+/// closing the set ends every wait with `Closed`.
+#[tokio::test(start_paused = true)]
+async fn run_wait_and_spawn_wait_wait_for_room_in_order_until_a_deadline() {
+    let lanes = Arc::new(set(&[("one", 1, 0)]));
+    let gate = Gate::new();
+    let first = {
+        let gate = gate.clone();
+        lanes
+            .spawn(
+                "one",
+                Run::new(move |_cx| async move {
+                    gate.wait().await;
+                    Res::Ok(())
+                }),
+            )
+            .unwrap()
+    };
+    let _ = first;
+    // Two waiters, in order; each records when it got in.
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let waiter = |tag: &'static str| {
+        let (lanes, order) = (lanes.clone(), order.clone());
+        let tag = tag.to_owned();
+        tokio::spawn(async move {
+            let job_tag = tag.clone();
+            let handle = lanes
+                .run_wait("one", Run::new(move |_cx| async move { Res::Ok(job_tag) }), None)
+                .await
+                .expect("admitted once there is room");
+            order.lock().unwrap().push(tag);
+            handle.await.unwrap()
+        })
+    };
+    let a = waiter("a");
+    tokio::task::yield_now().await;
+    let b = waiter("b");
+    tokio::task::yield_now().await;
+    // A third with a deadline gives up while the lane is still full.
+    let late = lanes
+        .spawn_wait(
+            "one",
+            Run::new(|_cx| async { Res::Ok("late") }),
+            Some(tokio::time::Instant::now() + Duration::from_millis(50)),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(late.kind(), AdmissionErrorKind::Full);
+    let _handed_back: Run<_, _> = late.into_run();
+    assert_eq!(lanes.snapshot().lanes[0].rejected.full, 1, "counted once, not per retry");
+    assert!(order.lock().unwrap().is_empty(), "nobody admitted while the lane is full");
+
+    gate.open();
+    assert_eq!(a.await.unwrap(), "a");
+    assert_eq!(b.await.unwrap(), "b");
+    assert_eq!(*order.lock().unwrap(), ["a", "b"]);
+
+    // Closing ends a wait at once.
+    let gate = Gate::new();
+    {
+        let gate = gate.clone();
+        lanes
+            .spawn(
+                "one",
+                Run::new(move |_cx| async move {
+                    gate.wait().await;
+                    Res::Ok(())
+                }),
+            )
+            .unwrap();
+    }
+    let waiting = {
+        let lanes = lanes.clone();
+        tokio::spawn(async move {
+            lanes.spawn_wait("one", Run::new(|_cx| async { Res::Ok(()) }), None).await.map(|_| ())
+        })
+    };
+    tokio::task::yield_now().await;
+    lanes.close();
+    let closed = waiting.await.unwrap().unwrap_err();
+    assert_eq!(closed.kind(), AdmissionErrorKind::Closed);
+    gate.open();
+    lanes.drained().await;
+}

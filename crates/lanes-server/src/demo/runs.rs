@@ -44,42 +44,33 @@ pub(super) async fn run(args: &DemoArgs) -> Result<(), BoxError> {
         args.runs, args.burst
     );
 
-    // Steady phase: a producer that backs off when a lane is full.
+    // Steady phase: a producer that waits for room when a lane is full.
     let mut rng = Rng::new(args.seed);
     let mut callers = Vec::new();
     for _ in 0..args.runs {
         let blocking = rng.below(10) < 6;
         let admitted_at = Arc::new(OnceLock::new());
-        let mut run = job(&mut rng, &waits, &admitted_at);
-        loop {
-            let admitted = if blocking {
-                let drop_after = (rng.below(100) < 3).then(|| Duration::from_millis(2));
-                lanes.run("blocking", run).map(|handle| {
-                    callers.push(tokio::spawn(async move {
-                        match drop_after {
-                            // An impatient caller: dropping the handle cancels the run.
-                            Some(after) => {
-                                let _ = tokio::time::timeout(after, handle).await;
-                            }
-                            None => {
-                                let _ = handle.await;
-                            }
-                        }
-                    }));
-                })
-            } else {
-                lanes.spawn("background", run).map(drop)
-            };
-            match admitted {
-                Ok(()) => {
-                    let _ = admitted_at.set(Instant::now());
-                    break;
+        let run = job(&mut rng, &waits, &admitted_at);
+        if blocking {
+            let drop_after = (rng.below(100) < 3).then(|| Duration::from_millis(2));
+            let Ok(handle) = lanes.run_wait("blocking", run, None).await else { break };
+            let _ = admitted_at.set(Instant::now());
+            callers.push(tokio::spawn(async move {
+                match drop_after {
+                    // An impatient caller: dropping the handle cancels the run.
+                    Some(after) => {
+                        let _ = tokio::time::timeout(after, handle).await;
+                    }
+                    None => {
+                        let _ = handle.await;
+                    }
                 }
-                Err(refused) => {
-                    run = refused.into_run();
-                    sleep(Duration::from_millis(1)).await;
-                }
+            }));
+        } else {
+            if lanes.spawn_wait("background", run, None).await.is_err() {
+                break;
             }
+            let _ = admitted_at.set(Instant::now());
         }
         if rng.below(4) == 0 {
             tokio::task::yield_now().await;

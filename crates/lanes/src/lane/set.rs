@@ -55,6 +55,8 @@ struct LaneShared {
     name: Arc<str>,
     limits: LaneLimits,
     core: Mutex<LaneCore<Arc<RunSignal>>>,
+    /// Woken (one waiter per run that ends, all on shut) for callers waiting for room.
+    room: Notify,
 }
 
 struct SetShared {
@@ -103,6 +105,7 @@ impl LaneSet {
                 name: name.into(),
                 limits,
                 core: Mutex::new(LaneCore::new(limits)),
+                room: Notify::new(),
             })
             .collect();
         let shared = Arc::new(SetShared {
@@ -139,7 +142,8 @@ impl LaneSet {
     /// Admits `run` into lane `lane` with blocking participation: the returned handle resolves
     /// to the run's result once its finalizer and cleanup have finished.
     ///
-    /// Admission never waits: the run is queued or starts at once, or is refused.
+    /// Admission never waits: the run is queued or starts at once, or is refused
+    /// ([`run_wait`](LaneSet::run_wait) waits for room instead).
     ///
     /// # Errors
     ///
@@ -160,7 +164,7 @@ impl LaneSet {
         F: Finalize<J::Output>,
     {
         match self.shared.index_of(lane) {
-            Some(index) => admit_blocking(&self.shared, index, run),
+            Some(index) => admit_blocking(&self.shared, index, run, true),
             None => Err(unknown_lane(lane, Participation::Blocking, run)),
         }
     }
@@ -185,8 +189,75 @@ impl LaneSet {
         F: Finalize<J::Output>,
     {
         match self.shared.index_of(lane) {
-            Some(index) => admit_background(&self.shared, index, run),
+            Some(index) => admit_background(&self.shared, index, run, true),
             None => Err(unknown_lane(lane, Participation::Background, run)),
+        }
+    }
+
+    /// As [`run`](LaneSet::run), but a full lane is waited on until it has room or `deadline`
+    /// passes (`None`: no deadline), like tokio's `Sender::send` where `run` is `try_send`.
+    /// Callers waiting on one lane are admitted in the order they started waiting.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves drops the run unadmitted; its room goes to the
+    /// next waiter.
+    ///
+    /// # Errors
+    ///
+    /// As for [`run`](LaneSet::run); [`AdmissionErrorKind::Full`] only once `deadline` passed.
+    ///
+    /// # Panics
+    ///
+    /// If called outside a tokio runtime.
+    pub fn run_wait<J, F>(
+        &self,
+        lane: &str,
+        run: Run<J, F>,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<RunHandle<F::Output>, AdmissionError<Run<J, F>>>> + 'static
+    where
+        J: Job,
+        F: Finalize<J::Output>,
+    {
+        // The future owns what it needs (not `lane`): it can be spawned.
+        let found = self.shared.index_of(lane).ok_or_else(|| Arc::<str>::from(lane));
+        let shared = self.shared.clone();
+        async move {
+            match found {
+                Ok(index) => wait_for_room(&shared, index, run, deadline, admit_blocking).await,
+                Err(name) => Err(unknown_lane(&name, Participation::Blocking, run)),
+            }
+        }
+    }
+
+    /// As [`spawn`](LaneSet::spawn), but a full lane is waited on until it has room or
+    /// `deadline` passes; as [`run_wait`](LaneSet::run_wait).
+    ///
+    /// # Errors
+    ///
+    /// As for [`run_wait`](LaneSet::run_wait).
+    ///
+    /// # Panics
+    ///
+    /// If called outside a tokio runtime.
+    pub fn spawn_wait<J, F>(
+        &self,
+        lane: &str,
+        run: Run<J, F>,
+        deadline: Option<Instant>,
+    ) -> impl Future<Output = Result<RunId, AdmissionError<Run<J, F>>>> + 'static
+    where
+        J: Job,
+        F: Finalize<J::Output>,
+    {
+        let found = self.shared.index_of(lane).ok_or_else(|| Arc::<str>::from(lane));
+        let shared = self.shared.clone();
+        async move {
+            match found {
+                Ok(index) => wait_for_room(&shared, index, run, deadline, admit_background).await,
+                Err(name) => Err(unknown_lane(&name, Participation::Background, run)),
+            }
         }
     }
 
@@ -269,7 +340,7 @@ impl Lane {
         J: Job,
         F: Finalize<J::Output>,
     {
-        admit_blocking(&self.shared, self.index, run)
+        admit_blocking(&self.shared, self.index, run, true)
     }
 
     /// Like [`LaneSet::spawn`], on this lane.
@@ -286,7 +357,7 @@ impl Lane {
         J: Job,
         F: Finalize<J::Output>,
     {
-        admit_background(&self.shared, self.index, run)
+        admit_background(&self.shared, self.index, run, true)
     }
 
     /// The lane, as it is now.
@@ -305,16 +376,58 @@ fn unknown_lane<R>(lane: &str, participation: Participation, run: R) -> Admissio
     AdmissionError::new(AdmissionErrorKind::UnknownLane, lane.into(), participation, run)
 }
 
+/// One of the admission functions ([`admit_blocking`], [`admit_background`]).
+type AdmitFn<J, F, R> =
+    fn(&Arc<SetShared>, usize, Run<J, F>, bool) -> Result<R, AdmissionError<Run<J, F>>>;
+
+/// Admits `run` with `admit` once lane `index` has room, or refuses it `Full` at `deadline`.
+/// The waiter registers for the lane's wake-up before each try, so a run ending between the
+/// try and the wait is not missed; a full lane is counted once, when the wait gives up.
+async fn wait_for_room<J, F, R>(
+    shared: &Arc<SetShared>,
+    index: usize,
+    mut run: Run<J, F>,
+    deadline: Option<Instant>,
+    admit: AdmitFn<J, F, R>,
+) -> Result<R, AdmissionError<Run<J, F>>> {
+    let lane = &shared.lanes[index];
+    loop {
+        let room = lane.room.notified();
+        tokio::pin!(room);
+        room.as_mut().enable();
+        let refused = match admit(shared, index, run, false) {
+            Err(refused) if refused.kind() == AdmissionErrorKind::Full => refused,
+            other => return other,
+        };
+        let timed_out = match deadline {
+            None => {
+                room.await;
+                false
+            }
+            Some(deadline) => tokio::select! {
+                () = &mut room => false,
+                () = tokio::time::sleep_until(deadline) => true,
+            },
+        };
+        if timed_out {
+            lock(&lane.core).count_rejected(AdmissionErrorKind::Full);
+            return Err(refused);
+        }
+        run = refused.into_run();
+    }
+}
+
 fn admit_blocking<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
+    count_full: bool,
 ) -> Result<RunHandle<F::Output>, AdmissionError<Run<J, F>>>
 where
     J: Job,
     F: Finalize<J::Output>,
 {
-    let (ticket, callbacks) = shared.admit(index, Participation::Blocking, run)?;
+    let (ticket, callbacks) = shared.admit(index, Participation::Blocking, run, count_full)?;
     let (run_id, signal) = (ticket.info.run_id, ticket.signal.clone());
     let join = tokio::spawn(drive(ticket, callbacks));
     Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
@@ -324,12 +437,13 @@ fn admit_background<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
+    count_full: bool,
 ) -> Result<RunId, AdmissionError<Run<J, F>>>
 where
     J: Job,
     F: Finalize<J::Output>,
 {
-    let (ticket, callbacks) = shared.admit(index, Participation::Background, run)?;
+    let (ticket, callbacks) = shared.admit(index, Participation::Background, run, count_full)?;
     let run_id = ticket.info.run_id;
     drop(tokio::spawn(drive(ticket, callbacks)));
     Ok(run_id)
@@ -377,11 +491,12 @@ impl SetShared {
         index: usize,
         participation: Participation,
         run: Run<J, F>,
+        count_full: bool,
     ) -> Result<Admission<J, F>, AdmissionError<Run<J, F>>> {
         let lane = &self.lanes[index];
         let admitted = {
             let mut core = lock(&lane.core);
-            core.admit(|_| Arc::new(RunSignal::new())).map(|(admitted, signal)| {
+            core.admit(count_full, |_| Arc::new(RunSignal::new())).map(|(admitted, signal)| {
                 // Counted under the lane lock (invariant 3); ids increase in admission order.
                 self.owned.fetch_add(1, Ordering::AcqRel);
                 let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
@@ -445,6 +560,9 @@ impl SetShared {
             );
         }
         self.shut_done.store(true, Ordering::Release);
+        for lane in self.lanes.iter() {
+            lane.room.notify_waiters();
+        }
         self.drained.notify_waiters();
     }
 
@@ -465,6 +583,8 @@ impl SetShared {
     /// Gives a run's ownership back (the run is over).
     fn complete(&self, lane: usize, failure: Option<Reason>) {
         lock(&self.lanes[lane].core).complete(failure);
+        // One run's room: one waiter (a waiter that gave up passes it on).
+        self.lanes[lane].room.notify_one();
         if self.owned.fetch_sub(1, Ordering::AcqRel) == 1 && self.shut_done.load(Ordering::Acquire)
         {
             self.drained.notify_waiters();

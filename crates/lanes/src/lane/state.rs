@@ -159,9 +159,11 @@ impl<W: Clone> LaneCore<W> {
     }
 
     /// Admits a run, or says why not. `make` builds the run's payload only once the run is
-    /// admitted, so a rejection costs no allocation.
+    /// admitted, so a rejection costs no allocation. A full lane is counted as a refusal only
+    /// if `count_full` (a caller waiting for room counts once, when it gives up).
     pub(crate) fn admit(
         &mut self,
+        count_full: bool,
         make: impl FnOnce(u64) -> W,
     ) -> Result<(Admitted, W), AdmissionErrorKind> {
         let rejection = match self.shut {
@@ -171,7 +173,9 @@ impl<W: Clone> LaneCore<W> {
             None => None,
         };
         if let Some(kind) = rejection {
-            self.counters.rejected.count(kind);
+            if count_full || kind != AdmissionErrorKind::Full {
+                self.counters.rejected.count(kind);
+            }
             return Err(kind);
         }
         self.next_seq += 1;
@@ -278,6 +282,11 @@ impl<W: Clone> LaneCore<W> {
     pub(crate) fn counters(&self) -> &LaneCounters {
         &self.counters
     }
+
+    /// Counts a refusal made outside [`admit`](Self::admit) (a wait for room that gave up).
+    pub(crate) fn count_rejected(&mut self, kind: AdmissionErrorKind) {
+        self.counters.rejected.count(kind);
+    }
 }
 
 impl RejectedCounts {
@@ -321,34 +330,34 @@ mod tests {
     #[test]
     fn grants_in_admission_order() {
         let mut lane = core(1, 2);
-        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Executing { seq: 1, slot: 0 });
-        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued { seq: 2 });
-        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued { seq: 3 });
-        assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Full));
+        assert_eq!(lane.admit(true, |s| s).unwrap().0, Admitted::Executing { seq: 1, slot: 0 });
+        assert_eq!(lane.admit(true, |s| s).unwrap().0, Admitted::Queued { seq: 2 });
+        assert_eq!(lane.admit(true, |s| s).unwrap().0, Admitted::Queued { seq: 3 });
+        assert_eq!(lane.admit(true, |s| s), Err(AdmissionErrorKind::Full));
         let mut granted = Vec::new();
         assert!(lane.release_execution(0, |s, slot, _| granted.push((s, slot))));
         assert!(!lane.release_execution(1, |_, _, _| {}), "slot 1 was never used");
         assert_eq!(granted, [(2, 0)]);
         // Run 1 still owns its slot while it finalizes: the lane is still full.
-        assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Full));
+        assert_eq!(lane.admit(true, |s| s), Err(AdmissionErrorKind::Full));
         lane.complete(None);
-        assert_eq!(lane.admit(|s| s).unwrap().0, Admitted::Queued { seq: 4 });
+        assert_eq!(lane.admit(true, |s| s).unwrap().0, Admitted::Queued { seq: 4 });
     }
 
     #[test]
     fn withdraw_does_not_grant_and_close_detaches() {
         let mut lane = core(1, 3);
-        lane.admit(|s| s).unwrap();
-        lane.admit(|s| s).unwrap();
-        lane.admit(|s| s).unwrap();
+        lane.admit(true, |s| s).unwrap();
+        lane.admit(true, |s| s).unwrap();
+        lane.admit(true, |s| s).unwrap();
         assert!(lane.withdraw(2));
         assert!(!lane.withdraw(2));
         let (mut detached, mut cancelled) = (Vec::new(), Vec::new());
         lane.shut(Shut::Closed, |w| detached.push(w), |w| cancelled.push(*w));
         assert_eq!((detached, cancelled), (vec![3], vec![1]));
-        assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Closed));
+        assert_eq!(lane.admit(true, |s| s), Err(AdmissionErrorKind::Closed));
         lane.shut(Shut::Poisoned, |_| {}, |_| {});
-        assert_eq!(lane.admit(|s| s), Err(AdmissionErrorKind::Poisoned));
+        assert_eq!(lane.admit(true, |s| s), Err(AdmissionErrorKind::Poisoned));
         assert_eq!(lane.counters().rejected.closed, 1);
         assert_eq!(lane.counters().rejected.poisoned, 1);
     }
@@ -396,7 +405,7 @@ mod tests {
                 match op {
                     Op::Admit => {
                         let owned = model_queue.len() + model_running.len() + finalizing.len();
-                        let answer = lane.admit(|s| s);
+                        let answer = lane.admit(true, |s| s);
                         if closed {
                             prop_assert_eq!(answer, Err(AdmissionErrorKind::Closed));
                         } else if owned >= concurrent + queued {
