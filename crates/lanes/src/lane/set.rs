@@ -57,6 +57,9 @@ struct LaneShared {
     core: Mutex<LaneCore<Arc<RunSignal>>>,
     /// Woken (one waiter per run that ends, all on shut) for callers waiting for room.
     room: Notify,
+    /// Callers waiting for room: a run that ends touches `room` only if there are any (the
+    /// common case, nobody waiting, costs one load).
+    waiting: AtomicUsize,
 }
 
 struct SetShared {
@@ -106,6 +109,7 @@ impl LaneSet {
                 limits,
                 core: Mutex::new(LaneCore::new(limits)),
                 room: Notify::new(),
+                waiting: AtomicUsize::new(0),
             })
             .collect();
         let shared = Arc::new(SetShared {
@@ -376,6 +380,15 @@ fn unknown_lane<R>(lane: &str, participation: Participation, run: R) -> Admissio
     AdmissionError::new(AdmissionErrorKind::UnknownLane, lane.into(), participation, run)
 }
 
+/// Counts a caller waiting for room until dropped.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// One of the admission functions ([`admit_blocking`], [`admit_background`]).
 type AdmitFn<J, F, R> =
     fn(&Arc<SetShared>, usize, Run<J, F>, bool) -> Result<R, AdmissionError<Run<J, F>>>;
@@ -391,6 +404,9 @@ async fn wait_for_room<J, F, R>(
     admit: AdmitFn<J, F, R>,
 ) -> Result<R, AdmissionError<Run<J, F>>> {
     let lane = &shared.lanes[index];
+    lane.waiting.fetch_add(1, Ordering::SeqCst);
+    // Uncounted however the wait ends (admitted, refused, dropped).
+    let _waiting = Waiting(&lane.waiting);
     loop {
         let room = lane.room.notified();
         tokio::pin!(room);
@@ -582,9 +598,14 @@ impl SetShared {
 
     /// Gives a run's ownership back (the run is over).
     fn complete(&self, lane: usize, failure: Option<Reason>) {
-        lock(&self.lanes[lane].core).complete(failure);
-        // One run's room: one waiter (a waiter that gave up passes it on).
-        self.lanes[lane].room.notify_one();
+        let shared = &self.lanes[lane];
+        lock(&shared.core).complete(failure);
+        // One run's room: one waiter (a waiter that gave up passes it on). A waiter counts
+        // itself (SeqCst) before its first try, which takes the lane lock after this
+        // completion's: if the load below misses it, its try sees the room.
+        if shared.waiting.load(Ordering::SeqCst) > 0 {
+            shared.room.notify_one();
+        }
         if self.owned.fetch_sub(1, Ordering::AcqRel) == 1 && self.shut_done.load(Ordering::Acquire)
         {
             self.drained.notify_waiters();
