@@ -145,7 +145,7 @@ async fn replayed_and_untracked_keys_are_ignored() {
     bucket.put("old").await; // a new write does
     assert_eq!(next(&mut rx).await, "old");
     let snapshot = registry.snapshot();
-    let completion = snapshot.pools["tracked"].completion.clone().unwrap();
+    let completion = snapshot.pool("tracked").unwrap().completion.unwrap();
     assert_eq!((completion.completed, completion.tracked), (1, 0));
     assert!(completion.untracked >= 1);
     assert!(completion.broken.is_none());

@@ -1,7 +1,7 @@
 -- lanes-redis: one limit's state machine, run atomically by Redis.
 --
 -- The same semantics as lanes' in-process LimitTable (crates/lanes/src/limit/table.rs) and
--- WaitQueue (queue.rs): a counting semaphore and a GCRA token bucket in front of a wait queue
+-- WaitQueue (limit/waiters.rs): a counting semaphore and a GCRA token bucket in front of a wait queue
 -- ordered by priority level, then weighted round-robin over fairness keys, then arrival. Every
 -- grant is a lease. Time is the Redis server's (TIME), in microseconds.
 --

@@ -10,7 +10,7 @@
 //! | [`pool`] | [`Dispatcher`], [`KeyedPool`] | items queued and in flight; per-key order |
 //! | [`channel`] | [`Channel`], [`Channels`] | records queued per channel and across dynamic channels; overflow blocks, drops or spills |
 //! | [`spill`] | [`SpillQueue`] | unacknowledged bytes on disk; survives crashes |
-//! | [`registry`] | [`Registry`], [`Snapshot`] | nothing: it reports what the others hold, as serde JSON |
+//! | [`observe`] | [`Registry`], [`Snapshot`], [`Observe`] | nothing: it reports what the others hold, as serde JSON and `metrics` series |
 //!
 //! # Example
 //!
@@ -54,8 +54,8 @@ pub mod channel;
 pub mod config;
 pub mod lane;
 pub mod limit;
+pub mod observe;
 pub mod pool;
-pub mod registry;
 pub mod spill;
 
 mod util;
@@ -75,8 +75,8 @@ pub use limit::{
     Acquire, AcquireError, Answer, Limit, LimitBackend, LimitError, LimitInfo, LimitSpec,
     LimitTable, Limits, Permit, Priority, TryAcquireError, WaitQueue,
 };
+pub use observe::{Observe, Registry, Snapshot};
 pub use pool::{Dispatcher, KeyedPool, SubmitError};
-pub use registry::{Registry, Snapshot};
 pub use spill::{SpillError, SpillOptions, SpillQueue, SpillReader, SyncPolicy};
 
 /// A type-erased error, as returned by jobs, finalizers, audit hooks and cleanups.

@@ -754,13 +754,13 @@ async fn channels_report_into_the_registry() {
     solo.register(&registry, "solo").unwrap();
 
     let snapshot = registry.snapshot();
-    let pipeline = &snapshot.channels["pipeline"];
+    let pipeline = &snapshot.channels("pipeline").unwrap();
     let events = &pipeline.channels[0];
     assert_eq!((events.name.as_str(), events.owner.as_deref()), ("events", Some("job-1")));
     assert_eq!((events.capacity, events.depth, events.emitted), (512, 1, 1));
     assert!(events.dynamic);
     assert_eq!(pipeline.budget.unwrap().used, 1);
-    assert_eq!(snapshot.channels["solo"].channels[0].name, "solo");
+    assert_eq!(snapshot.channels("solo").unwrap().channels[0].name, "solo");
     let json = snapshot.to_json();
     assert!(json.contains("\"blocked_waits\":0") && json.contains("\"oldest_age_ms\""), "{json}");
     let back: lanes::Snapshot = serde_json::from_str(&json).unwrap();

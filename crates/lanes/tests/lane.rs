@@ -817,7 +817,7 @@ async fn snapshot_registers_and_serializes() {
     let back: lanes::Snapshot = serde_json::from_str(&json).unwrap();
     assert_eq!(back, registry.snapshot());
     drop(lanes);
-    assert!(registry.snapshot().lane_sets.is_empty(), "dropped sets leave the registry");
+    assert!(registry.snapshot().names("lane_sets").is_empty(), "dropped sets leave the registry");
 }
 
 #[test]

@@ -194,7 +194,7 @@ async fn snapshots_report_limits() {
     limits.define("a", LimitSpec::concurrent(2)).await.unwrap();
     let _p = limits.acquire("a", Priority::default()).await.unwrap();
     let snapshot = registry.snapshot();
-    let info = &snapshot.limits["fleet"][0];
+    let info = &snapshot.limits("fleet").unwrap()[0];
     assert_eq!((info.name.as_str(), info.in_use, info.spec.concurrent), ("a", 1, 2));
     let json: serde_json::Value = serde_json::from_str(&snapshot.to_json()).unwrap();
     assert_eq!(json["limits"]["fleet"][0]["in_use"], 1);

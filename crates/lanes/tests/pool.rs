@@ -614,14 +614,14 @@ async fn a_broken_watch_is_reported_and_re_established() {
     settle().await;
     assert_eq!(*completed.lock().unwrap(), ["a"]);
     assert_eq!(*watch_errors.lock().unwrap(), ["connection lost"]);
-    let broken = registry.snapshot().pools["tracked"].completion.clone().unwrap();
+    let broken = registry.snapshot().pool("tracked").unwrap().completion.unwrap();
     assert_eq!((broken.watch_failures, broken.broken.as_deref()), (1, Some("connection lost")));
     // The tracker re-watches after a back-off and completions flow again.
     sleep(Duration::from_millis(200)).await;
     second_tx.send(Ok("b".to_owned())).unwrap();
     settle().await;
     assert_eq!(*completed.lock().unwrap(), ["a", "b"]);
-    let healed = registry.snapshot().pools["tracked"].completion.clone().unwrap();
+    let healed = registry.snapshot().pool("tracked").unwrap().completion.unwrap();
     assert_eq!((healed.completed, healed.broken), (2, None));
     dispatcher.stop(Duration::from_secs(1)).await.unwrap();
 }

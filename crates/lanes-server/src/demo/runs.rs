@@ -100,7 +100,7 @@ pub(super) async fn run(args: &DemoArgs) -> Result<(), BoxError> {
     progress.abort();
 
     let snapshot = registry.snapshot();
-    let set = &snapshot.lane_sets["demo"];
+    let set = &snapshot.lane_set("demo").expect("the demo set is registered");
     let waits = waits.lock().map_err(|_| "queue-wait log poisoned")?;
     print!("{}", table(set, &waits, started.elapsed()));
     let admitted: u64 = set.lanes.iter().map(|lane| lane.admitted).sum();
@@ -161,7 +161,7 @@ async fn progress(registry: Registry, started: Instant) {
     loop {
         sleep(period).await;
         let snapshot = registry.snapshot();
-        let Some(set) = snapshot.lane_sets.get("demo") else {
+        let Some(set) = snapshot.lane_set("demo") else {
             return;
         };
         let mut line = format!("{:>6.1}s", started.elapsed().as_secs_f64());

@@ -412,7 +412,7 @@ fn millis(duration: Duration) -> u64 {
 pub(crate) async fn snapshot(State(app): State<Arc<App>>) -> Result<Response, ApiError> {
     let mut registry = app.registry.snapshot();
     let limits = app.backend.list().await.map_err(|e| ApiError::limit("*", &e))?;
-    registry.limits.insert("server".to_owned(), limits);
+    registry.insert("limits", "server", &limits);
     let server =
         ServerInfo { clients: app.sessions().clients(), backend: app.options.backend_name() };
     Ok(Json(SnapshotAnswer { registry, server }).into_response())

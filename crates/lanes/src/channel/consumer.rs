@@ -14,7 +14,7 @@ use tokio::time::{Instant, Sleep};
 use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
 use super::receipt::{ReceiptState, Settlement};
-use super::shared::{Entry, Shared};
+use super::shared::{ChannelShared, Entry};
 use crate::limit::{LimitError, Permit, TryAcquireError};
 use crate::spill::{SpillError, SpillQueue};
 use crate::util::lock;
@@ -74,7 +74,7 @@ pub(crate) struct Plan<T> {
 /// # }
 /// ```
 pub struct Consumer<T> {
-    shared: Arc<Shared<T>>,
+    shared: Arc<ChannelShared<T>>,
     plan: Arc<Plan<T>>,
     linger: Option<Pin<Box<Sleep>>>,
     acquiring: Option<BoxFuture<'static, Result<Vec<Permit>, LimitError>>>,
@@ -86,7 +86,7 @@ pub struct Consumer<T> {
 }
 
 impl<T: Send + 'static> Consumer<T> {
-    pub(crate) fn new(shared: Arc<Shared<T>>, options: ConsumerOptions<T>) -> Self {
+    pub(crate) fn new(shared: Arc<ChannelShared<T>>, options: ConsumerOptions<T>) -> Self {
         let ConsumerOptions { batch_max, batch_flush, on_failure, output, codec, limit } = options;
         Self {
             shared,
@@ -365,7 +365,7 @@ pub struct Batch<T> {
     /// Empty when no record has a receipt; else one slot per record.
     receipts: Vec<Option<Arc<ReceiptState>>>,
     permits: Vec<Permit>,
-    shared: Arc<Shared<T>>,
+    shared: Arc<ChannelShared<T>>,
     plan: Arc<Plan<T>>,
     settled: bool,
 }

@@ -61,14 +61,15 @@
 //! producer that commits its source only when an [`AckSet`] allows it re-reads, after a crash,
 //! everything not yet processed or spilled (at least once).
 
+mod channels;
 mod codec;
 mod config;
 mod consumer;
 mod producer;
 mod receipt;
-mod registry;
 mod shared;
 
+pub use channels::{BudgetSnapshot, Channels, ChannelsSnapshot};
 pub use codec::{BinaryCodec, Codec, Envelope, JsonCodec};
 pub use config::{
     ChannelConfig, ChannelError, ConsumerOptions, DEFAULT_ACK_TIMEOUT, DEFAULT_CAPACITY, EmitError,
@@ -77,5 +78,4 @@ pub use config::{
 pub use consumer::{Batch, Consumer, SettleError, SettleReport};
 pub use producer::Channel;
 pub use receipt::{AckSet, AckSummary, Receipt, Settlement};
-pub use registry::{BudgetSnapshot, Channels, ChannelsSnapshot};
 pub use shared::ChannelSnapshot;

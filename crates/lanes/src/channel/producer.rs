@@ -10,9 +10,9 @@ use std::task::Poll;
 use super::config::{ChannelConfig, ChannelError, ConsumerOptions, EmitError, Emitted, Overflow};
 use super::consumer::Consumer;
 use super::receipt::{Receipt, ReceiptState, Settlement};
-use super::shared::{ChannelSnapshot, Entry, Pushed, Shared, Waiter};
+use super::shared::{ChannelShared, ChannelSnapshot, Entry, Pushed, Waiter};
 use crate::config::ConfigError;
-use crate::registry::{Registry, Snapshot, Source};
+use crate::observe::{Observe, Registry, Snapshot};
 use crate::util::lock;
 
 /// A bounded in-process channel of records: the producers' handle. Clones are more producers
@@ -50,7 +50,7 @@ use crate::util::lock;
 /// # }
 /// ```
 pub struct Channel<T> {
-    pub(crate) shared: Arc<Shared<T>>,
+    pub(crate) shared: Arc<ChannelShared<T>>,
 }
 
 impl<T: Send + 'static> Channel<T> {
@@ -74,10 +74,10 @@ impl<T: Send + 'static> Channel<T> {
     ) -> Result<Self, ChannelError> {
         let name = name.into();
         config.validate(&name)?;
-        Ok(Self::from_shared(Arc::new(Shared::new(name, config, false, None, Weak::new()))))
+        Ok(Self::from_shared(Arc::new(ChannelShared::new(name, config, false, None, Weak::new()))))
     }
 
-    pub(crate) fn from_shared(shared: Arc<Shared<T>>) -> Self {
+    pub(crate) fn from_shared(shared: Arc<ChannelShared<T>>) -> Self {
         shared.producers.fetch_add(1, Ordering::Relaxed);
         Self { shared }
     }
@@ -238,8 +238,8 @@ impl<T: Send + 'static> Channel<T> {
         registry: &Registry,
         name: impl Into<String>,
     ) -> Result<(), ConfigError> {
-        let source: Arc<dyn Source> = self.shared.clone();
-        registry.register(name.into(), Arc::downgrade(&source))
+        let source: Arc<dyn Observe> = self.shared.clone();
+        registry.register_weak(name.into(), Arc::downgrade(&source))
     }
 }
 
@@ -300,7 +300,7 @@ fn finish<T>(pushed: Pushed<T>) -> Result<Emitted<T>, EmitError<T>> {
 
 /// Leaves the wait list when an emit stops waiting for any reason.
 struct WaitGuard<'a, T> {
-    shared: &'a Shared<T>,
+    shared: &'a ChannelShared<T>,
     waiter: Waiter,
 }
 
@@ -335,11 +335,9 @@ impl<T> fmt::Debug for Channel<T> {
     }
 }
 
-impl<T: Send + 'static> Source for Shared<T> {
+impl<T: Send + 'static> Observe for ChannelShared<T> {
     fn report(&self, name: &str, snapshot: &mut Snapshot) {
-        snapshot.channels.insert(
-            name.to_owned(),
-            super::ChannelsSnapshot { budget: None, channels: vec![self.snapshot()] },
-        );
+        let channels = super::ChannelsSnapshot { budget: None, channels: vec![self.snapshot()] };
+        snapshot.insert("channels", name, &channels);
     }
 }

@@ -11,9 +11,9 @@ use metrics::Counter;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use super::channels::ChannelsInner;
 use super::config::{ChannelConfig, OverflowKind};
 use super::receipt::{ReceiptState, Settlement};
-use super::registry::ChannelsInner;
 use crate::util::lock;
 
 /// Every `STAMP_EVERY`th record (and every record that finds the channel empty) has its
@@ -289,7 +289,7 @@ impl ChannelMetrics {
     }
 }
 
-/// What [`Shared::push`] did with a record.
+/// What [`ChannelShared::push`] did with a record.
 pub(crate) enum Pushed<T> {
     Queued,
     /// Dropped under `DropNewest` (or `DropOldest` with nothing of its own to drop).
@@ -303,7 +303,7 @@ pub(crate) enum Pushed<T> {
     Closed(Entry<T>),
 }
 
-pub(crate) struct Shared<T> {
+pub(crate) struct ChannelShared<T> {
     pub(crate) name: Arc<str>,
     pub(crate) config: ChannelConfig<T>,
     pub(crate) dynamic: bool,
@@ -319,7 +319,7 @@ pub(crate) struct Shared<T> {
     pub(crate) metrics: ChannelMetrics,
 }
 
-impl<T> Shared<T> {
+impl<T> ChannelShared<T> {
     pub(crate) fn new(
         name: Arc<str>,
         config: ChannelConfig<T>,

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::audit::Audit;
 use super::set::LaneSet;
-use crate::registry::Registry;
+use crate::observe::Registry;
 
 /// The largest `queued` bound a lane accepts.
 pub const MAX_QUEUED: usize = 10_000;

@@ -38,13 +38,13 @@ use super::error::{
 use super::run::{
     Cleanup, Finalize, Job, Participation, Run, RunContext, RunHandle, RunId, RunLimit,
 };
-use super::signal::{Grant, RunSignal};
+use super::signal::{Decision, RunSignal};
 use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use super::state::{Admitted, LaneCore, Shut};
 use crate::BoxError;
 use crate::config::ConfigError;
 use crate::limit::Permit;
-use crate::registry::{Snapshot, Source};
+use crate::observe::{Observe, Snapshot};
 use crate::util::{CatchUnwind, Panicked, call_contained, lock};
 
 const OPEN: u8 = 0;
@@ -127,8 +127,8 @@ impl LaneSet {
             audit: builder.audit,
         });
         if let Some((registry, name)) = builder.registry {
-            let source: Arc<dyn Source> = shared.clone();
-            registry.register(name, Arc::downgrade(&source))?;
+            let source: Arc<dyn Observe> = shared.clone();
+            registry.register_weak(name, Arc::downgrade(&source))?;
         }
         Ok(Self { shared })
     }
@@ -642,9 +642,9 @@ impl SetShared {
     }
 }
 
-impl Source for SetShared {
+impl Observe for SetShared {
     fn report(&self, name: &str, snapshot: &mut Snapshot) {
-        snapshot.lane_sets.insert(name.to_owned(), self.snapshot());
+        snapshot.insert("lane_sets", name, &self.snapshot());
     }
 }
 
@@ -817,14 +817,14 @@ where
 /// reason of the queue failure.
 async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<usize, Failed> {
     enum Woke {
-        Decided(Grant),
+        Decided(Decision),
         Cancelled(Reason),
     }
     let signal = &t.signal;
     let mut deadline = Deadline::new(deadline);
     let woke = poll_fn(|cx| {
         let decided = signal.poll_driver(cx, |s| match s.grant_state() {
-            Grant::Waiting => s.cancel_reason().map(Woke::Cancelled),
+            Decision::Waiting => s.cancel_reason().map(Woke::Cancelled),
             decided => Some(Woke::Decided(decided)),
         });
         if decided.is_ready() {
@@ -838,9 +838,9 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         Shut::Poisoned => Err((Stage::Queue, Reason::Poisoned, t.shared.poison_error())),
     };
     let reason = match woke {
-        Woke::Decided(Grant::Granted(slot)) => return Ok(slot),
-        Woke::Decided(Grant::Shut(why)) => return shut_failure(why),
-        Woke::Decided(Grant::Waiting) => unreachable!("only decisions wake the queue wait"),
+        Woke::Decided(Decision::Granted(slot)) => return Ok(slot),
+        Woke::Decided(Decision::Shut(why)) => return shut_failure(why),
+        Woke::Decided(Decision::Waiting) => unreachable!("only decisions wake the queue wait"),
         Woke::Cancelled(reason) => reason,
     };
     let cause = match (reason, t.queue_timeout) {
@@ -856,13 +856,13 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         return Err((Stage::Queue, reason, cause));
     }
     match signal.grant_state() {
-        Grant::Shut(why) => shut_failure(why),
+        Decision::Shut(why) => shut_failure(why),
         // Granted at the same time: give the slot back, the job never started.
-        Grant::Granted(slot) => {
+        Decision::Granted(slot) => {
             core.release_execution(slot, grant);
             Err((Stage::Queue, reason, cause))
         }
-        Grant::Waiting => unreachable!("a run out of the queue was granted or shut"),
+        Decision::Waiting => unreachable!("a run out of the queue was granted or shut"),
     }
 }
 

@@ -30,7 +30,7 @@ const POISONED: u8 = 3;
 
 /// What the lane decided for a queued run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Grant {
+pub(crate) enum Decision {
     Waiting,
     /// Granted execution slot `slot`.
     Granted(usize),
@@ -86,12 +86,12 @@ impl RunSignal {
         }
     }
 
-    pub(crate) fn grant_state(&self) -> Grant {
+    pub(crate) fn grant_state(&self) -> Decision {
         match self.grant.load(Ordering::Acquire) {
-            WAITING => Grant::Waiting,
-            GRANTED => Grant::Granted(self.slot.load(Ordering::Relaxed)),
-            CLOSED => Grant::Shut(Shut::Closed),
-            _ => Grant::Shut(Shut::Poisoned),
+            WAITING => Decision::Waiting,
+            GRANTED => Decision::Granted(self.slot.load(Ordering::Relaxed)),
+            CLOSED => Decision::Shut(Shut::Closed),
+            _ => Decision::Shut(Shut::Poisoned),
         }
     }
 

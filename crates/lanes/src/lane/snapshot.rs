@@ -132,3 +132,10 @@ pub struct LaneSetSnapshot {
     /// Every lane, in the order they were configured.
     pub lanes: Vec<LaneSnapshot>,
 }
+
+impl crate::observe::Snapshot {
+    /// The lane set registered as `name`.
+    pub fn lane_set(&self, name: &str) -> Option<LaneSetSnapshot> {
+        self.get("lane_sets", name)
+    }
+}

@@ -43,12 +43,12 @@ pub(crate) enum Admitted {
 /// search, since sequences only grow) that the head skips; tombstones are compacted away once
 /// they outnumber the live entries, so memory stays within twice the queue bound.
 #[derive(Debug)]
-struct Fifo<W> {
+struct RunQueue<W> {
     entries: VecDeque<(u64, Option<W>)>,
     live: usize,
 }
 
-impl<W> Fifo<W> {
+impl<W> RunQueue<W> {
     fn new() -> Self {
         Self { entries: VecDeque::new(), live: 0 }
     }
@@ -138,7 +138,7 @@ pub(crate) struct LaneCore<W> {
     owned: usize,
     executing: usize,
     /// Waiting runs in admission order.
-    queue: Fifo<W>,
+    queue: RunQueue<W>,
     /// Executing runs, so that close and poison can cancel them.
     running: Slots<W>,
     counters: LaneCounters,
@@ -152,7 +152,7 @@ impl<W: Clone> LaneCore<W> {
             next_seq: 0,
             owned: 0,
             executing: 0,
-            queue: Fifo::new(),
+            queue: RunQueue::new(),
             running: Slots::new(),
             counters: LaneCounters::default(),
         }

@@ -16,7 +16,7 @@ use super::priority::Priority;
 use super::spec::LimitSpec;
 use super::table::{Acquire, Grant, LimitError, LimitInfo};
 use crate::config::{ConfigError, ConfigRule};
-use crate::registry::{Registry, Snapshot, Source};
+use crate::observe::{Observe, Registry, Snapshot};
 
 #[derive(Clone)]
 enum Backend {
@@ -399,17 +399,17 @@ impl Limits {
     ) -> Result<(), ConfigError> {
         match &self.backend {
             Backend::Local(local) => {
-                let source: Arc<dyn Source> = local.clone();
-                registry.register(name.into(), Arc::downgrade(&source))
+                let source: Arc<dyn Observe> = local.clone();
+                registry.register_weak(name.into(), Arc::downgrade(&source))
             }
             Backend::Dyn(_) => Err(ConfigError::new("registry", ConfigRule::Unsupported)),
         }
     }
 }
 
-impl Source for LocalLimits {
+impl Observe for LocalLimits {
     fn report(&self, name: &str, snapshot: &mut Snapshot) {
-        snapshot.limits.insert(name.to_owned(), self.infos());
+        snapshot.insert("limits", name, &self.infos());
     }
 }
 

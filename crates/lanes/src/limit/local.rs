@@ -91,11 +91,11 @@ impl Inner {
 /// Limits held in this process. Reachable directly through [`Limits::new`](super::Limits::new)
 /// and as a [`LimitBackend`].
 pub struct LocalLimits {
-    shared: Arc<Shared>,
+    shared: Arc<LocalState>,
 }
 
 #[derive(Debug)]
-struct Shared {
+struct LocalState {
     inner: Mutex<Inner>,
     /// Every defined limit's fast path, found by name without the mutex. Lock order: `inner`
     /// before `slots`.
@@ -109,7 +109,7 @@ struct Shared {
 pub(crate) struct Slot {
     pub(crate) name: Arc<str>,
     pub(crate) cell: Cell,
-    shared: Weak<Shared>,
+    shared: Weak<LocalState>,
     removed: AtomicBool,
     /// Whether a ticket of this limit ever asked for a lease: only then (or with a rate) do
     /// its table operations need the clock.
@@ -164,7 +164,7 @@ impl LocalLimits {
     /// An empty backend allowing `max_waiters` waiters per limit.
     pub fn with_max_waiters(max_waiters: usize) -> Self {
         Self {
-            shared: Arc::new(Shared {
+            shared: Arc::new(LocalState {
                 inner: Mutex::new(Inner {
                     table: LimitTable::with_max_waiters(max_waiters),
                     fence_floor: 0,

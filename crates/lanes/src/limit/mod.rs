@@ -74,9 +74,9 @@ mod layer;
 mod local;
 mod lost;
 mod priority;
-mod queue;
 mod spec;
 mod table;
+mod waiters;
 
 pub use acquire::{REASK, drive};
 pub use backend::{Answer, LimitBackend};
@@ -90,6 +90,6 @@ pub use layer::{DefaultPriority, LimitLayer, LimitService, Overloaded, PriorityO
 pub use local::LocalLimits;
 pub use lost::LostLeases;
 pub use priority::Priority;
-pub use queue::WaitQueue;
 pub use spec::{LimitSpec, SpecError};
 pub use table::{Acquire, BackendError, Grant, LimitError, LimitInfo, LimitTable, Next, Released};
+pub use waiters::WaitQueue;

@@ -25,8 +25,8 @@ use std::time::Duration;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::priority::Priority;
-use super::queue::WaitQueue;
 use super::spec::{LimitSpec, SpecError};
+use super::waiters::WaitQueue;
 use crate::util::FastMap;
 
 /// The answer to an acquire.
@@ -798,5 +798,12 @@ impl LimitTable {
     /// The shared name of limit `name`, if defined (to hand out without allocating).
     pub fn name(&self, name: &str) -> Option<Arc<str>> {
         self.limits.get_key_value(name).map(|(name, _)| name.clone())
+    }
+}
+
+impl crate::observe::Snapshot {
+    /// The limits registered as `name`, in limit-name order.
+    pub fn limits(&self, name: &str) -> Option<Vec<LimitInfo>> {
+        self.get("limits", name)
     }
 }

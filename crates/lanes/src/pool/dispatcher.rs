@@ -15,7 +15,7 @@ use super::sched::Fifo;
 use crate::BoxError;
 use crate::config::{ConfigError, require, runtime};
 use crate::limit::{Limits, Priority};
-use crate::registry::{Registry, Source};
+use crate::observe::{Observe, Registry};
 use crate::util::PanicPayload;
 
 /// A bounded work queue drained by `workers` tasks: at most `workers` items in flight, in no
@@ -61,7 +61,7 @@ use crate::util::PanicPayload;
 pub struct Dispatcher<T> {
     core: Arc<dyn Core<T>>,
     tracker: Option<Arc<Tracker<T>>>,
-    _reporter: Arc<dyn Source>,
+    _reporter: Arc<dyn Observe>,
 }
 
 impl<T: Send + 'static> Dispatcher<T> {
@@ -375,13 +375,13 @@ impl<T: Send + 'static> DispatcherBuilder<T> {
         let sched: Fifo<Queued<T>> = Fifo::new(queue_size);
         let core: Arc<dyn Core<T>> =
             Engine::start(sched, workers, Unkeyed(process), hooks, limit, &label);
-        let reporter: Arc<dyn Source> = Arc::new(Reporter {
+        let reporter: Arc<dyn Observe> = Arc::new(Reporter {
             kind: PoolKind::Dispatcher,
             core: core.clone(),
             tracker: tracker.clone(),
         });
         if let Some((registry, name)) = registry
-            && let Err(err) = registry.register(name, Arc::downgrade(&reporter))
+            && let Err(err) = registry.register_weak(name, Arc::downgrade(&reporter))
         {
             core.abort();
             return Err(err);

@@ -17,7 +17,7 @@ use crate::BoxError;
 use crate::config::ConfigError;
 use crate::config::{require, runtime};
 use crate::limit::{Limits, Priority};
-use crate::registry::{Registry, Source};
+use crate::observe::{Observe, Registry};
 use crate::util::PanicPayload;
 
 /// How a [`KeyedPool`] maps keys to workers.
@@ -84,7 +84,7 @@ pub enum KeyedMode {
 pub struct KeyedPool<T> {
     core: Arc<dyn Core<T>>,
     mode: KeyedMode,
-    _reporter: Arc<dyn Source>,
+    _reporter: Arc<dyn Observe>,
 }
 
 impl<T: Send + 'static> KeyedPool<T> {
@@ -328,10 +328,10 @@ impl<T: Send + 'static, K: PoolKey, G: Fn(&T) -> K + Send + Sync + 'static> Keye
                 (Engine::start(sched, workers, process, hooks, limit, &label), PoolKind::Hashed)
             }
         };
-        let reporter: Arc<dyn Source> =
+        let reporter: Arc<dyn Observe> =
             Arc::new(Reporter { kind, core: core.clone(), tracker: None });
         if let Some((registry, name)) = registry
-            && let Err(err) = registry.register(name, Arc::downgrade(&reporter))
+            && let Err(err) = registry.register_weak(name, Arc::downgrade(&reporter))
         {
             core.abort();
             return Err(err);

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use super::completion::{CompletionSnapshot, Tracker};
 use super::engine::{Core, Phase, PoolStats};
-use crate::registry::{Snapshot, Source};
+use crate::observe::{Observe, Snapshot};
 
 /// Which kind of pool a snapshot describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,7 +40,7 @@ pub(crate) struct Reporter<T> {
     pub(crate) tracker: Option<Arc<Tracker<T>>>,
 }
 
-impl<T: Send + 'static> Source for Reporter<T> {
+impl<T: Send + 'static> Observe for Reporter<T> {
     fn report(&self, name: &str, snapshot: &mut Snapshot) {
         let pool = PoolSnapshot {
             kind: self.kind,
@@ -48,6 +48,13 @@ impl<T: Send + 'static> Source for Reporter<T> {
             stats: self.core.stats(),
             completion: self.tracker.as_ref().map(|t| t.snapshot()),
         };
-        snapshot.pools.insert(name.to_owned(), pool);
+        snapshot.insert("pools", name, &pool);
+    }
+}
+
+impl crate::observe::Snapshot {
+    /// The dispatcher or keyed pool registered as `name`.
+    pub fn pool(&self, name: &str) -> Option<PoolSnapshot> {
+        self.get("pools", name)
     }
 }

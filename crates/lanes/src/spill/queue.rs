@@ -37,7 +37,7 @@ use super::recover::{CheckReport, recover};
 use super::storage::{AppendFile, FsStorage, Storage};
 use super::writer::{Mailbox, Writer};
 use crate::config::ConfigError;
-use crate::registry::{Registry, Snapshot, Source};
+use crate::observe::{Observe, Registry, Snapshot};
 use crate::util::lock;
 
 /// What a segment holds, for readers.
@@ -48,7 +48,7 @@ pub(super) struct Extent {
 }
 
 #[derive(Debug)]
-pub(super) struct Shared {
+pub(super) struct QueueState {
     pub(super) extents: BTreeMap<u64, Extent>,
     /// The segment appends go to.
     pub(super) active: u64,
@@ -66,7 +66,7 @@ pub(super) struct Inner {
     pub(super) storage: Arc<dyn Storage>,
     pub(super) options: SpillOptions,
     pub(super) mailbox: Arc<Mailbox>,
-    pub(super) shared: Mutex<Shared>,
+    pub(super) shared: Mutex<QueueState>,
     pub(super) data: Notify,
     pub(super) report: CheckReport,
 }
@@ -268,7 +268,7 @@ impl SpillQueue {
             .map(|s| (s.id, Extent { valid_end: s.valid_end, skipped: s.skipped.clone() }))
             .collect();
         extents.entry(active).or_insert(Extent { valid_end: active_len, skipped: Vec::new() });
-        let shared = Shared {
+        let shared = QueueState {
             extents,
             active,
             committed,
@@ -461,9 +461,9 @@ impl SpillQueue {
         registry: &Registry,
         name: impl Into<String>,
     ) -> Result<(), ConfigError> {
-        let source: Arc<dyn Source> = self.inner.clone();
+        let source: Arc<dyn Observe> = self.inner.clone();
         // The registry holds it weakly; the queue's Inner keeps it alive.
-        registry.register(name.into(), Arc::downgrade(&source))
+        registry.register_weak(name.into(), Arc::downgrade(&source))
     }
 
     /// Flushes and syncs everything, persists the committed position, and stops the writer.
@@ -507,9 +507,9 @@ impl Inner {
     }
 }
 
-impl Source for Inner {
+impl Observe for Inner {
     fn report(&self, name: &str, snapshot: &mut Snapshot) {
-        snapshot.spill.insert(name.to_owned(), self.snapshot());
+        snapshot.insert("spill", name, &self.snapshot());
     }
 }
 
@@ -526,4 +526,11 @@ pub(super) fn create_segment(
     file.sync()?;
     storage.sync_dir()?;
     Ok(file)
+}
+
+impl crate::observe::Snapshot {
+    /// The spill queue registered as `name`.
+    pub fn spill(&self, name: &str) -> Option<SpillSnapshot> {
+        self.get("spill", name)
+    }
 }

@@ -9,9 +9,9 @@ use serde::{Deserialize, Serialize};
 
 use super::config::{ChannelConfig, ChannelError};
 use super::producer::Channel;
-use super::shared::{Budget, ChannelSnapshot, Shared};
+use super::shared::{Budget, ChannelShared, ChannelSnapshot};
 use crate::config::{ConfigError, ConfigRule};
-use crate::registry::{Registry, Snapshot, Source};
+use crate::observe::{Observe, Registry, Snapshot};
 use crate::util::lock;
 
 /// What the registry needs of a channel whatever its record type.
@@ -21,9 +21,9 @@ trait AnyChannel: Send + Sync {
     fn owner(&self) -> Option<&str>;
 }
 
-impl<T: Send + 'static> AnyChannel for Shared<T> {
+impl<T: Send + 'static> AnyChannel for ChannelShared<T> {
     fn snapshot(&self) -> ChannelSnapshot {
-        Shared::snapshot(self)
+        ChannelShared::snapshot(self)
     }
 
     fn close(&self) {
@@ -184,7 +184,7 @@ impl Channels {
         }
         let budget = if dynamic { self.inner.budget.clone() } else { None };
         let name: Arc<str> = Arc::from(name);
-        let shared = Arc::new(Shared::new(
+        let shared = Arc::new(ChannelShared::new(
             name.clone(),
             config,
             dynamic,
@@ -255,15 +255,18 @@ impl Channels {
         registry: &Registry,
         name: impl Into<String>,
     ) -> Result<(), ConfigError> {
-        let source: Arc<dyn Source> = self.inner.clone();
-        registry.register(name.into(), Arc::downgrade(&source))
+        let source: Arc<dyn Observe> = self.inner.clone();
+        registry.register_weak(name.into(), Arc::downgrade(&source))
     }
 }
 
-fn downcast<T: Send + 'static>(name: &str, slot: &Slot) -> Result<Arc<Shared<T>>, ChannelError> {
+fn downcast<T: Send + 'static>(
+    name: &str,
+    slot: &Slot,
+) -> Result<Arc<ChannelShared<T>>, ChannelError> {
     slot.any
         .clone()
-        .downcast::<Shared<T>>()
+        .downcast::<ChannelShared<T>>()
         .map_err(|_| ChannelError::TypeMismatch(name.to_owned()))
 }
 
@@ -281,9 +284,9 @@ impl ChannelsInner {
     }
 }
 
-impl Source for ChannelsInner {
+impl Observe for ChannelsInner {
     fn report(&self, name: &str, snapshot: &mut Snapshot) {
-        snapshot.channels.insert(name.to_owned(), self.snapshot());
+        snapshot.insert("channels", name, &self.snapshot());
     }
 }
 
@@ -319,4 +322,11 @@ pub struct BudgetSnapshot {
     pub total: usize,
     /// Records they hold now.
     pub used: usize,
+}
+
+impl crate::observe::Snapshot {
+    /// The channel registry (or single channel) registered as `name`.
+    pub fn channels(&self, name: &str) -> Option<ChannelsSnapshot> {
+        self.get("channels", name)
+    }
 }

@@ -1,0 +1,202 @@
+//! The table of every metric the library emits, with its kind, labels and help text.
+//!
+//! The naming rule: `lanes_<primitive>_<quantity>`, where `<primitive>` is `lane`, `limit`,
+//! `pool`, `channel` or `spill`; counters end in `_total`, durations are histograms in
+//! `_seconds`, sizes in `_bytes`; gauges have no suffix. Every series carries the label that
+//! names its primitive (`lane_set` and `lane`, `limits` and `limit`, `pool`, `channel`, `spill`).
+
+/// What kind of series a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MetricKind {
+    /// Only goes up.
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// A distribution (durations in seconds).
+    Histogram,
+}
+
+/// One metric: its name, kind, labels and help text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MetricName {
+    /// The series name.
+    pub name: &'static str,
+    /// Counter, gauge or histogram.
+    pub kind: MetricKind,
+    /// The labels every series of it carries.
+    pub labels: &'static [&'static str],
+    /// The `# HELP` text.
+    pub help: &'static str,
+}
+
+const fn metric(
+    name: &'static str,
+    kind: MetricKind,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> MetricName {
+    MetricName { name, kind, labels, help }
+}
+
+use MetricKind::{Counter, Gauge, Histogram};
+
+const LANE: &[&str] = &["lane_set", "lane"];
+const LANE_OUTCOME: &[&str] = &["lane_set", "lane", "outcome"];
+const LIMIT: &[&str] = &["limits", "limit"];
+const POOL: &[&str] = &["pool"];
+const CHANNEL: &[&str] = &["channel"];
+const SPILL: &[&str] = &["spill"];
+
+/// Every metric the library emits.
+pub const METRICS: &[MetricName] = &[
+    metric("lanes_lane_admitted_total", Counter, LANE, "Runs admitted to the lane."),
+    metric("lanes_lane_rejected_total", Counter, LANE, "Runs refused because the lane was full."),
+    metric(
+        "lanes_lane_timed_out_total",
+        Counter,
+        LANE,
+        "Runs that waited for room past their deadline.",
+    ),
+    metric(
+        "lanes_lane_finished_total",
+        Counter,
+        LANE_OUTCOME,
+        "Runs finished, by outcome (ok, failed, panicked, timed_out, cancelled).",
+    ),
+    metric("lanes_lane_executing", Gauge, LANE, "Runs executing now."),
+    metric("lanes_lane_queued", Gauge, LANE, "Runs admitted and waiting for an execution slot."),
+    metric(
+        "lanes_lane_queue_wait_seconds",
+        Histogram,
+        LANE,
+        "Time from admission to the start of execution.",
+    ),
+    metric("lanes_lane_run_seconds", Histogram, LANE, "Time a run's job executed."),
+    metric("lanes_limit_granted_total", Counter, LIMIT, "Permits granted."),
+    metric(
+        "lanes_limit_refused_total",
+        Counter,
+        LIMIT,
+        "Acquires refused at once (no permit free, or the wait queue full).",
+    ),
+    metric(
+        "lanes_limit_timed_out_total",
+        Counter,
+        LIMIT,
+        "Acquires that waited past their deadline.",
+    ),
+    metric(
+        "lanes_limit_expired_total",
+        Counter,
+        LIMIT,
+        "Permits whose lease ran out before they were released.",
+    ),
+    metric("lanes_limit_in_use", Gauge, LIMIT, "Permits held now."),
+    metric("lanes_limit_waiting", Gauge, LIMIT, "Acquires waiting now."),
+    metric(
+        "lanes_limit_wait_seconds",
+        Histogram,
+        LIMIT,
+        "Time from acquire to grant (0 for an immediate grant).",
+    ),
+    metric("lanes_pool_submitted_total", Counter, POOL, "Items accepted by the pool."),
+    metric("lanes_pool_rejected_total", Counter, POOL, "Items refused by the pool."),
+    metric("lanes_pool_completed_total", Counter, POOL, "Items processed successfully."),
+    metric("lanes_pool_failed_total", Counter, POOL, "Items whose processing returned an error."),
+    metric("lanes_pool_panicked_total", Counter, POOL, "Items whose processing panicked."),
+    metric("lanes_pool_dropped_total", Counter, POOL, "Items dropped unprocessed at shutdown."),
+    metric("lanes_pool_inflight", Gauge, POOL, "Items being processed now."),
+    metric("lanes_pool_queued", Gauge, POOL, "Items waiting for a worker."),
+    metric(
+        "lanes_pool_queue_wait_seconds",
+        Histogram,
+        POOL,
+        "Time from submission to the start of processing.",
+    ),
+    metric("lanes_pool_processing_seconds", Histogram, POOL, "Time an item's processing took."),
+    metric("lanes_channel_emitted_total", Counter, CHANNEL, "Records offered to the channel."),
+    metric("lanes_channel_delivered_total", Counter, CHANNEL, "Records handed to a consumer."),
+    metric(
+        "lanes_channel_dropped_total",
+        Counter,
+        CHANNEL,
+        "Records dropped by the overflow rule.",
+    ),
+    metric("lanes_channel_spilled_total", Counter, CHANNEL, "Records written to the spill queue."),
+    metric(
+        "lanes_channel_blocked_waits_total",
+        Counter,
+        CHANNEL,
+        "Sends that had to wait for room.",
+    ),
+    metric("lanes_channel_processed_total", Counter, CHANNEL, "Batches a consumer processed."),
+    metric("lanes_channel_failed_total", Counter, CHANNEL, "Batches whose processing failed."),
+    metric("lanes_spill_appended_total", Counter, SPILL, "Records appended (durable per policy)."),
+    metric("lanes_spill_appended_bytes_total", Counter, SPILL, "Payload bytes appended."),
+    metric("lanes_spill_acked_total", Counter, SPILL, "Records acknowledged by a reader."),
+    metric(
+        "lanes_spill_recovered_total",
+        Counter,
+        SPILL,
+        "Unacknowledged records found when the queue was opened.",
+    ),
+    metric(
+        "lanes_spill_unacked_bytes",
+        Gauge,
+        SPILL,
+        "Bytes on disk not yet acknowledged (counts against max_bytes).",
+    ),
+    metric(
+        "lanes_spill_append_seconds",
+        Histogram,
+        SPILL,
+        "Time from append to the record being durable under the sync policy.",
+    ),
+];
+
+/// Gives every metric in [`METRICS`] its help text in the installed `metrics` recorder, so
+/// exporters print `# HELP` lines. Primitives call it when they are built; call it yourself
+/// after installing a recorder if you build primitives first.
+pub fn describe_metrics() {
+    for metric in METRICS {
+        let (name, help) = (metric.name, metric.help);
+        match metric.kind {
+            MetricKind::Counter => metrics::describe_counter!(name, help),
+            MetricKind::Gauge => metrics::describe_gauge!(name, help),
+            MetricKind::Histogram => {
+                let unit = metrics::Unit::Seconds;
+                metrics::describe_histogram!(name, unit, help);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_name_follows_the_rule() {
+        let mut seen = std::collections::BTreeSet::new();
+        for metric in METRICS {
+            assert!(seen.insert(metric.name), "{} twice", metric.name);
+            let primitive =
+                metric.name.strip_prefix("lanes_").and_then(|rest| rest.split('_').next());
+            assert!(
+                matches!(primitive, Some("lane" | "limit" | "pool" | "channel" | "spill")),
+                "{}",
+                metric.name
+            );
+            match metric.kind {
+                MetricKind::Counter => assert!(metric.name.ends_with("_total"), "{}", metric.name),
+                MetricKind::Histogram => {
+                    assert!(metric.name.ends_with("_seconds"), "{}", metric.name);
+                }
+                MetricKind::Gauge => assert!(!metric.name.ends_with("_total"), "{}", metric.name),
+            }
+            assert!(!metric.help.is_empty() && !metric.labels.is_empty());
+        }
+    }
+}
