@@ -1,6 +1,7 @@
 //! The dashboard of an application's own [`Registry`], as an axum [`Router`] to mount where
 //! the application likes (`Router::nest("/lanes", ..)`): the page at the mount point
-//! (`/lanes`), the snapshot at `v1/snapshot` below it (`/lanes/v1/snapshot`).
+//! (`/lanes`), the snapshot at `v1/snapshot` below it (`/lanes/v1/snapshot`), and every
+//! `lanes_*` metric the process recorded at `metrics` (`/lanes/metrics`, Prometheus text).
 //! The same page `lanes serve` shows, for the lanes, pools, channels, limits and spill queues
 //! the application registered.
 //!
@@ -32,17 +33,48 @@ use axum::Router;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use lanes::Registry;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
-/// The dashboard page (at `/` of the router, and so at its mount point) and the registry's
-/// snapshot as JSON (at `/v1/snapshot`).
+/// The dashboard page (at `/` of the router, and so at its mount point), the registry's
+/// snapshot as JSON (at `/v1/snapshot`) and the process's metrics (at `/metrics`, see
+/// [`prometheus`]).
 pub fn dashboard(registry: Registry) -> Router {
-    Router::new().route("/", get(page)).route(
-        "/v1/snapshot",
-        get(move || {
-            let registry = registry.clone();
-            async move { axum::Json(registry.snapshot()) }
-        }),
-    )
+    let metrics = prometheus();
+    Router::new()
+        .route("/", get(page))
+        .route(
+            "/v1/snapshot",
+            get(move || {
+                let registry = registry.clone();
+                async move { axum::Json(registry.snapshot()) }
+            }),
+        )
+        .route(
+            "/metrics",
+            get(move || {
+                let body = metrics.render();
+                async move { ([("content-type", "text/plain; version=0.0.4")], body) }
+            }),
+        )
+}
+
+/// The process-wide Prometheus recorder, installed on first use, with the help text of every
+/// `lanes_*` metric and the wait-time histograms turned on
+/// ([`lanes::observe::set_wait_timing`]). If the process installed another `metrics` recorder
+/// first, that one keeps receiving the series and this handle renders nothing: mount the
+/// application's own exporter instead.
+pub fn prometheus() -> PrometheusHandle {
+    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let recorder = PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            let _ = metrics::set_global_recorder(recorder);
+            lanes::observe::describe_metrics();
+            lanes::observe::set_wait_timing(true);
+            handle
+        })
+        .clone()
 }
 
 async fn page() -> Response {

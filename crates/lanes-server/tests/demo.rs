@@ -87,3 +87,52 @@ fn demo_channel_loses_nothing_acknowledged_across_a_crash() {
         .expect("a spilled count before the crash");
     assert!(spilled > 0, "the overload spilled: {stdout}");
 }
+
+#[test]
+fn after_the_demo_every_primitive_has_metrics_with_help() {
+    let dir = std::env::temp_dir().join(format!("lanes-demo-metrics-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("metrics.txt");
+    let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+        .args(["demo", "all", "--runs", "500", "--burst", "100", "--seconds", "0.5"])
+        .args(["--records", "2000", "--metrics-out"])
+        .arg(&file)
+        .output()
+        .expect("run the lanes binary");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&file).expect("the metrics file");
+    let helped: Vec<&str> =
+        text.lines().filter_map(|l| l.strip_prefix("# HELP ")?.split(' ').next()).collect();
+    let samples: Vec<(&str, f64)> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').expect("a sample line");
+            (series, value.parse().expect("a number"))
+        })
+        .collect();
+    for primitive in ["lane", "limit", "pool", "channel", "spill"] {
+        let prefix = format!("lanes_{primitive}_");
+        assert!(samples.iter().any(|(s, _)| s.starts_with(&prefix)), "no {prefix} series:\n{text}");
+    }
+    for (series, _) in &samples {
+        let family = series.split('{').next().unwrap();
+        let family = ["_sum", "_count"]
+            .iter()
+            .find_map(|suffix| family.strip_suffix(suffix).filter(|f| helped.contains(f)))
+            .unwrap_or(family);
+        assert!(helped.contains(&family), "{family} has no HELP:\n{text}");
+    }
+    // At quiescence nothing is held, executing or waiting, and every admitted run finished.
+    let sum = |name: &str| -> f64 {
+        samples.iter().filter(|(s, _)| s.split('{').next() == Some(name)).map(|(_, v)| v).sum()
+    };
+    for gauge in ["lanes_lane_executing", "lanes_lane_queued", "lanes_limit_held"] {
+        assert_eq!(sum(gauge), 0.0, "{gauge}:\n{text}");
+    }
+    assert_eq!(sum("lanes_limit_waiters"), 0.0, "{text}");
+    assert!(sum("lanes_lane_admitted_total") > 0.0);
+    assert_eq!(sum("lanes_lane_admitted_total"), sum("lanes_lane_finished_total"), "{text}");
+    assert!(sum("lanes_spill_appended_total") > 0.0, "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}

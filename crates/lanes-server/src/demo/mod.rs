@@ -46,9 +46,14 @@ pub(crate) struct DemoArgs {
     /// Seed of the workloads' randomness (the same seed gives the same workload).
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// After the scenarios, write every metric they recorded to this file, in the Prometheus
+    /// text format that `lanes serve` answers at `/metrics` (`-` for standard output).
+    #[arg(long, value_name = "FILE")]
+    metrics_out: Option<std::path::PathBuf>,
 }
 
 pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
+    let prometheus = args.metrics_out.as_ref().map(|_| lanes_server::embed::prometheus());
     let all = args.scenario == Scenario::All;
     if all || args.scenario == Scenario::Lanes {
         runs::run(&args).await?;
@@ -70,6 +75,15 @@ pub(crate) async fn run(args: DemoArgs) -> Result<(), BoxError> {
             println!("\n{}\n", "─".repeat(72));
         }
         channel::run(&args).await?;
+    }
+    if let (Some(path), Some(prometheus)) = (&args.metrics_out, prometheus) {
+        let rendered = prometheus.render();
+        if path.as_os_str() == "-" {
+            print!("{rendered}");
+        } else {
+            std::fs::write(path, rendered)
+                .map_err(|err| format!("cannot write {}: {err}", path.display()))?;
+        }
     }
     Ok(())
 }

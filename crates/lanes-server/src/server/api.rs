@@ -428,20 +428,19 @@ pub(crate) async fn metrics(State(app): State<Arc<App>>) -> Response {
     let mut body = app.prometheus.render();
     if let Ok(infos) = app.backend.list().await {
         type Field = fn(&lanes::LimitInfo) -> f64;
-        let series: [(&str, &str, &str, Field); 5] = [
-            ("lanes_limit_in_use", "gauge", "Permits held now.", |i| f64::from(i.in_use)),
-            ("lanes_limit_waiting", "gauge", "Tickets waiting now.", |i| i.waiting as f64),
-            ("lanes_limit_concurrent", "gauge", "The limit's concurrency.", |i| {
-                f64::from(i.spec.concurrent)
-            }),
-            ("lanes_limit_max_in_use", "gauge", "The most permits ever held at once.", |i| {
-                f64::from(i.max_in_use)
-            }),
-            ("lanes_limit_granted_total", "counter", "Permits granted.", |i| {
-                i.granted_total as f64
-            }),
+        // The store's view of every limit; the help text is the library's table's.
+        let series: [(&str, &str, Field); 5] = [
+            ("lanes_limit_in_use", "gauge", |i| f64::from(i.in_use)),
+            ("lanes_limit_waiting", "gauge", |i| i.waiting as f64),
+            ("lanes_limit_concurrent", "gauge", |i| f64::from(i.spec.concurrent)),
+            ("lanes_limit_max_in_use", "gauge", |i| f64::from(i.max_in_use)),
+            ("lanes_limit_granted_total", "counter", |i| i.granted_total as f64),
         ];
-        for (name, kind, help, value) in series {
+        for (name, kind, value) in series {
+            let help = lanes::observe::METRICS
+                .iter()
+                .find(|metric| metric.name == name)
+                .map_or("", |metric| metric.help);
             let _ = writeln!(body, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for info in &infos {
                 let label =

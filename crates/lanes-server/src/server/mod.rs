@@ -34,7 +34,7 @@ use axum::routing::{get, post};
 use lanes::channel::{Channel, ChannelConfig, Channels, ConsumerOptions, Overflow};
 use lanes::limit::{LimitBackend, LocalLimits};
 use lanes::{BoxError, Registry};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -440,21 +440,6 @@ impl App {
     }
 }
 
-/// The process-wide Prometheus recorder (installed once).
-fn prometheus() -> PrometheusHandle {
-    static HANDLE: std::sync::OnceLock<PrometheusHandle> = std::sync::OnceLock::new();
-    HANDLE
-        .get_or_init(|| {
-            let recorder = PrometheusBuilder::new().build_recorder();
-            let handle = recorder.handle();
-            // Another recorder may be installed already (an embedding program): then this one
-            // renders only what it sees through its handle.
-            let _ = metrics::set_global_recorder(recorder);
-            handle
-        })
-        .clone()
-}
-
 /// A running server.
 #[derive(Debug)]
 pub struct Server {
@@ -504,7 +489,7 @@ impl Server {
             backend,
             sessions: Mutex::new(Sessions::new(options.max_clients)),
             registry,
-            prometheus: prometheus(),
+            prometheus: crate::embed::prometheus(),
             events: events.clone(),
             shutdown: shutdown_rx.clone(),
             options: options.clone(),

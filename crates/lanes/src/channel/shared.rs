@@ -276,6 +276,7 @@ pub(crate) struct ChannelMetrics {
 
 impl ChannelMetrics {
     fn new(name: &str) -> Self {
+        crate::observe::describe_once();
         let labels = [("channel", name.to_owned())];
         Self {
             emitted: metrics::counter!("lanes_channel_emitted_total", &labels),

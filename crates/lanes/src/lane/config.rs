@@ -76,6 +76,7 @@ pub struct LaneSetBuilder {
     pub(crate) worker_drain_timeout: Option<Duration>,
     pub(crate) audit: Option<Arc<dyn Audit>>,
     pub(crate) registry: Option<(Registry, String)>,
+    pub(crate) name: Option<String>,
 }
 
 impl fmt::Debug for LaneSetBuilder {
@@ -87,6 +88,7 @@ impl fmt::Debug for LaneSetBuilder {
             .field("worker_drain_timeout", &self.worker_drain_timeout)
             .field("audit", &self.audit.is_some())
             .field("registry", &self.registry.as_ref().map(|(_, name)| name))
+            .field("name", &self.name)
             .finish()
     }
 }
@@ -128,6 +130,21 @@ impl LaneSetBuilder {
     pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
         self.registry = Some((registry.clone(), name.into()));
         self
+    }
+
+    /// The set's name in metrics (the `lane_set` label); defaults to the registry name, else
+    /// `unnamed`.
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
+        self
+    }
+
+    /// The `lane_set` label: the explicit name, else the registry name, else "unnamed".
+    pub(crate) fn metrics_name(&self) -> String {
+        self.name
+            .clone()
+            .or_else(|| self.registry.as_ref().map(|(_, name)| name.clone()))
+            .unwrap_or_else(|| "unnamed".to_owned())
     }
 
     /// Validates the configuration and builds the set.

@@ -74,6 +74,7 @@
 mod audit;
 mod config;
 mod error;
+mod metrics;
 mod run;
 mod set;
 mod signal;

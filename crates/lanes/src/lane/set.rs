@@ -35,6 +35,7 @@ use super::error::{
     AdmissionError, AdmissionErrorKind, PanicError, PoisonError, Reason, RunFailure, Stage,
     TimeoutError,
 };
+use super::metrics::LaneMetrics;
 use super::run::{
     Cleanup, Finalize, Job, Participation, Run, RunContext, RunHandle, RunId, RunLimit,
 };
@@ -60,6 +61,15 @@ struct LaneShared {
     /// Callers waiting for room: a run that ends touches `room` only if there are any (the
     /// common case, nobody waiting, costs one load).
     waiting: AtomicUsize,
+    metrics: LaneMetrics,
+}
+
+impl LaneShared {
+    /// Publishes the lane's gauges (called under the lane lock, after a change).
+    fn publish(&self, core: &LaneCore<Arc<RunSignal>>) {
+        self.metrics.executing.set(core.executing() as f64);
+        self.metrics.queued.set(core.queued() as f64);
+    }
 }
 
 struct SetShared {
@@ -101,10 +111,13 @@ impl LaneSet {
     }
 
     pub(crate) fn from_builder(builder: LaneSetBuilder) -> Result<Self, ConfigError> {
+        crate::observe::describe_once();
+        let set_name = builder.metrics_name();
         let lanes = builder
             .lanes
             .into_iter()
             .map(|(name, limits)| LaneShared {
+                metrics: LaneMetrics::new(&set_name, &name),
                 name: name.into(),
                 limits,
                 core: Mutex::new(LaneCore::new(limits)),
@@ -427,6 +440,8 @@ async fn wait_for_room<J, F, R>(
         };
         if timed_out {
             lock(&lane.core).count_rejected(AdmissionErrorKind::Full);
+            lane.metrics.rejected.increment(1);
+            lane.metrics.timed_out.increment(1);
             return Err(refused);
         }
         run = refused.into_run();
@@ -494,7 +509,12 @@ enum Start {
     /// In execution slot `slot`, granted at admission.
     Executing { slot: usize },
     /// Waiting in the queue, until the queue timeout's deadline if there is one.
-    Queued { seq: u64, deadline: Option<Instant> },
+    Queued {
+        seq: u64,
+        deadline: Option<Instant>,
+        /// When it was admitted, if wait timing is on.
+        since: Option<tokio::time::Instant>,
+    },
 }
 
 impl SetShared {
@@ -512,21 +532,33 @@ impl SetShared {
         let lane = &self.lanes[index];
         let admitted = {
             let mut core = lock(&lane.core);
-            core.admit(count_full, |_| Arc::new(RunSignal::new())).map(|(admitted, signal)| {
-                // Counted under the lane lock (invariant 3); ids increase in admission order.
-                self.owned.fetch_add(1, Ordering::AcqRel);
-                let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
-                (admitted, signal, run_id)
-            })
+            let admitted =
+                core.admit(count_full, |_| Arc::new(RunSignal::new())).map(|(admitted, signal)| {
+                    // Counted under the lane lock (invariant 3); ids increase in admission order.
+                    self.owned.fetch_add(1, Ordering::AcqRel);
+                    let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
+                    (admitted, signal, run_id)
+                });
+            if admitted.is_ok() {
+                lane.publish(&core);
+            }
+            admitted
         };
         match admitted {
             Ok((admitted, signal, run_id)) => {
+                lane.metrics.admitted.increment(1);
                 let start = match admitted {
-                    Admitted::Executing { slot, .. } => Start::Executing { slot },
+                    Admitted::Executing { slot, .. } => {
+                        if crate::observe::wait_timing() {
+                            lane.metrics.queue_wait.record(0.0);
+                        }
+                        Start::Executing { slot }
+                    }
                     Admitted::Queued { seq } => Start::Queued {
                         seq,
                         // The clock is read only for runs that wait with a timeout.
                         deadline: run.queue_timeout.map(|limit| Instant::now() + limit),
+                        since: crate::observe::timing_start(),
                     },
                 };
                 let info = TicketInfo { lane: index, run_id, participation };
@@ -542,7 +574,12 @@ impl SetShared {
                 };
                 Ok((ticket, Callbacks { job, finalizer, cleanup }))
             }
-            Err(kind) => Err(AdmissionError::new(kind, lane.name.clone(), participation, run)),
+            Err(kind) => {
+                if count_full && kind == AdmissionErrorKind::Full {
+                    lane.metrics.rejected.increment(1);
+                }
+                Err(AdmissionError::new(kind, lane.name.clone(), participation, run))
+            }
         }
     }
 
@@ -574,6 +611,7 @@ impl SetShared {
                     signal.cancel(reason);
                 },
             );
+            lane.publish(&core);
         }
         self.shut_done.store(true, Ordering::Release);
         for lane in self.lanes.iter() {
@@ -593,13 +631,17 @@ impl SetShared {
 
     /// Gives a run's execution slot back; the next queued run is granted.
     fn release_execution(&self, lane: usize, slot: usize) {
-        lock(&self.lanes[lane].core).release_execution(slot, grant);
+        let lane = &self.lanes[lane];
+        let mut core = lock(&lane.core);
+        core.release_execution(slot, grant);
+        lane.publish(&core);
     }
 
     /// Gives a run's ownership back (the run is over).
     fn complete(&self, lane: usize, failure: Option<Reason>) {
         let shared = &self.lanes[lane];
         lock(&shared.core).complete(failure);
+        shared.metrics.finished(failure);
         // One run's room: one waiter (a waiter that gave up passes it on). A waiter counts
         // itself (SeqCst) before its first try, which takes the lane lock after this
         // completion's: if the load below misses it, its try sees the room.
@@ -746,7 +788,14 @@ where
         // Queue, start audit and execution; the execution slot goes back before anything else.
         let executed = match t.start {
             Start::Executing { slot } => Ok(slot),
-            Start::Queued { seq, deadline } => await_grant(&t, seq, deadline).await,
+            Start::Queued { seq, deadline, since } => {
+                let granted = await_grant(&t, seq, deadline).await;
+                if let (Ok(_), Some(since)) = (&granted, since) {
+                    let waited = since.elapsed().as_secs_f64();
+                    t.shared.lanes[t.info.lane].metrics.queue_wait.record(waited);
+                }
+                granted
+            }
         };
         let executed = match executed {
             Err(failed) => Err(failed),
@@ -851,8 +900,10 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
     };
     // Leave the queue, unless the lane decided first: the grant latch is only set under the
     // lane lock, so it is final while we hold it.
-    let mut core = lock(&t.shared.lanes[t.info.lane].core);
+    let lane = &t.shared.lanes[t.info.lane];
+    let mut core = lock(&lane.core);
     if core.withdraw(seq) {
+        lane.publish(&core);
         return Err((Stage::Queue, reason, cause));
     }
     match signal.grant_state() {
@@ -860,6 +911,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         // Granted at the same time: give the slot back, the job never started.
         Decision::Granted(slot) => {
             core.release_execution(slot, grant);
+            lane.publish(&core);
             Err((Stage::Queue, reason, cause))
         }
         Decision::Waiting => unreachable!("a run out of the queue was granted or shut"),

@@ -239,6 +239,8 @@ impl Limits {
                     },
                 };
                 let ticket = local.next_ticket();
+                let since = crate::observe::timing_start();
+                slot.metrics().waiters.increment(1.0);
                 let mut withdraw = LocalWithdraw { local, slot: &slot, ticket, armed: true };
                 let handoff = Handoff::default();
                 let mut first = Some(priority);
@@ -259,10 +261,18 @@ impl Limits {
                     }
                 })
                 .await;
-                let grant = granted?;
+                let grant = match granted {
+                    Ok(grant) => grant,
+                    Err(err) => {
+                        if matches!(err, AcquireError::Timeout(_)) {
+                            slot.metrics().timed_out.increment(1);
+                        }
+                        return Err(err);
+                    }
+                };
                 withdraw.armed = false;
                 drop(withdraw);
-                Ok(Permit { kind: Kind::Local { local: local.clone(), slot, ticket, grant } })
+                Ok(Permit::local(local, slot, ticket, grant, since))
             }
             Backend::Dyn(backend) => {
                 let name: Arc<str> = Arc::from(name);
@@ -328,24 +338,27 @@ impl Limits {
                         local.at(at).saturating_duration_since(Instant::now()),
                     )
                 };
-                match fast {
+                let refused = match fast {
                     Ok(fence) => return Ok(Permit::fast(slot, fence)),
                     // Nobody waits: the fast path's answer is the answer.
                     Err(Miss::Rate(at)) if !slot.cell.is_slow() => {
-                        return Err(rate_limited(Duration::from_nanos(at)));
+                        rate_limited(Duration::from_nanos(at))
                     }
-                    Err(Miss::Slow) if !slot.cell.is_slow() => return Err(TryAcquireError::Busy),
+                    Err(Miss::Slow) if !slot.cell.is_slow() => TryAcquireError::Busy,
                     // The table governs the limit: ask it.
-                    Err(_) => {}
-                }
-                let ticket = local.next_ticket();
-                return match local.try_now(&slot, ticket, None)? {
-                    Acquire::Granted(grant) => Ok(Permit {
-                        kind: Kind::Local { local: local.clone(), slot, ticket, grant },
-                    }),
-                    Acquire::RetryAt(at) => Err(rate_limited(at)),
-                    Acquire::Queued | Acquire::Finished => Err(TryAcquireError::Busy),
+                    Err(_) => {
+                        let ticket = local.next_ticket();
+                        match local.try_now(&slot, ticket, None)? {
+                            Acquire::Granted(grant) => {
+                                return Ok(Permit::local(local, slot, ticket, grant, None));
+                            }
+                            Acquire::RetryAt(at) => rate_limited(at),
+                            Acquire::Queued | Acquire::Finished => TryAcquireError::Busy,
+                        }
+                    }
                 };
+                slot.metrics().refused.increment(1);
+                return Err(refused);
             }
             Backend::Dyn(backend) => {
                 let ticket = backend.ticket();
@@ -423,6 +436,7 @@ struct LocalWithdraw<'a> {
 
 impl Drop for LocalWithdraw<'_> {
     fn drop(&mut self) {
+        self.slot.metrics().waiters.decrement(1.0);
         if self.armed {
             self.local.release_slot(self.slot, self.ticket);
         }
@@ -446,7 +460,20 @@ enum Kind {
 
 impl Permit {
     fn fast(slot: Arc<Slot>, fence: u64) -> Self {
+        slot.metrics().granted(None);
         Self { kind: Kind::Fast { slot, fence } }
+    }
+
+    /// A permit granted by the in-process table, after waiting since `waited` if it waited.
+    fn local(
+        local: &Arc<LocalLimits>,
+        slot: Arc<Slot>,
+        ticket: u64,
+        grant: Grant,
+        waited: Option<tokio::time::Instant>,
+    ) -> Self {
+        slot.metrics().granted(waited);
+        Self { kind: Kind::Local { local: local.clone(), slot, ticket, grant } }
     }
 
     fn of_ticket(release: Backend, name: Arc<str>, ticket: u64, grant: Grant) -> Self {
@@ -509,8 +536,12 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         match &self.kind {
-            Kind::Fast { slot, .. } => slot.release_fast(),
+            Kind::Fast { slot, .. } => {
+                slot.metrics().held.decrement(1.0);
+                slot.release_fast();
+            }
             Kind::Local { local, slot, ticket, .. } => {
+                slot.metrics().held.decrement(1.0);
                 local.release_slot(slot, *ticket);
             }
             Kind::Ticket { release: Backend::Local(local), name, ticket, .. } => {

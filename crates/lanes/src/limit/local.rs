@@ -30,6 +30,7 @@ use tokio::time::{Instant, Sleep, sleep_until};
 
 use super::backend::{Answer, LimitBackend};
 use super::cell::{Cell, Miss};
+use super::metrics::LimitMetrics;
 use super::priority::Priority;
 use super::spec::LimitSpec;
 use super::table::{Acquire, Grant, LimitError, LimitInfo, LimitTable, Next, Released};
@@ -114,6 +115,9 @@ pub(crate) struct Slot {
     /// Whether a ticket of this limit ever asked for a lease: only then (or with a rate) do
     /// its table operations need the clock.
     leased: AtomicBool,
+    /// Resolved on first use: a limit only a remote client ever touches (through `lanes
+    /// serve`) gets no series of this process's handles, so deleting it leaves none behind.
+    metrics: std::sync::OnceLock<LimitMetrics>,
 }
 
 impl Slot {
@@ -127,6 +131,11 @@ impl Slot {
             let mut inner = lock(&local.shared.inner);
             LocalLimits::settle(&mut inner, self, now);
         }
+    }
+
+    /// The limit's `metrics` handles.
+    pub(crate) fn metrics(&self) -> &LimitMetrics {
+        self.metrics.get_or_init(|| LimitMetrics::new(&self.name))
     }
 
     /// Whether its limit was removed since the slot was looked up.
@@ -163,6 +172,7 @@ impl LocalLimits {
 
     /// An empty backend allowing `max_waiters` waiters per limit.
     pub fn with_max_waiters(max_waiters: usize) -> Self {
+        crate::observe::describe_once();
         Self {
             shared: Arc::new(LocalState {
                 inner: Mutex::new(Inner {
@@ -243,6 +253,10 @@ impl LocalLimits {
         if !slot.cell.is_slow() || slot.is_removed() {
             return;
         }
+        let expired = inner.table.take_expired(&slot.name);
+        if expired > 0 {
+            slot.metrics().expired.increment(expired);
+        }
         inner.table.set_external(&slot.name, slot.cell.fast_in_use());
         Self::pump(inner, &slot.name, now);
         if let Some(counters) = inner.table.release_if_idle(&slot.name) {
@@ -277,6 +291,7 @@ impl LocalLimits {
                     shared: Arc::downgrade(&self.shared),
                     removed: AtomicBool::new(false),
                     leased: AtomicBool::new(false),
+                    metrics: std::sync::OnceLock::new(),
                 });
                 self.shared
                     .slots

@@ -73,6 +73,7 @@ mod http;
 mod layer;
 mod local;
 mod lost;
+mod metrics;
 mod priority;
 mod spec;
 mod table;

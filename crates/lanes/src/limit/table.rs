@@ -294,6 +294,9 @@ struct LimitState {
     /// Permits held outside the table (the in-process fast path's), counted in `in_use`.
     #[serde(default)]
     external: u32,
+    /// Leases reclaimed since the owner last asked ([`LimitTable::take_expired`]).
+    #[serde(skip)]
+    expired: u64,
 }
 
 impl LimitState {
@@ -308,6 +311,7 @@ impl LimitState {
             fencing,
             next_expiry: None,
             external: 0,
+            expired: 0,
         }
     }
 
@@ -324,6 +328,7 @@ impl LimitState {
             let alive = held.grant.expires_at.is_none_or(|at| at > now);
             if !alive {
                 reclaimed.push(*ticket);
+                self.expired += 1;
             }
             alive
         });
@@ -764,6 +769,11 @@ impl LimitTable {
         state.fencing = state.fencing.max(counters.fencing);
         state.granted_total = counters.granted_total;
         state.max_in_use = state.max_in_use.max(counters.max_in_use);
+    }
+
+    /// How many leased permits of `name` were reclaimed since the last call.
+    pub(crate) fn take_expired(&mut self, name: &str) -> u64 {
+        self.limits.get_mut(name).map_or(0, |state| std::mem::take(&mut state.expired))
     }
 
     /// The highest fencing token of every limit removed from this table so far.

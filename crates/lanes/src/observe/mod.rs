@@ -6,6 +6,10 @@
 
 mod names;
 mod registry;
+mod timing;
 
+pub(crate) use names::describe_once;
 pub use names::{METRICS, MetricKind, MetricName, describe_metrics};
 pub use registry::{Observe, Registry, SECTIONS, Snapshot};
+pub(crate) use timing::start as timing_start;
+pub use timing::{set_wait_timing, wait_timing};

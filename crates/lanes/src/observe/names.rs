@@ -3,7 +3,9 @@
 //! The naming rule: `lanes_<primitive>_<quantity>`, where `<primitive>` is `lane`, `limit`,
 //! `pool`, `channel` or `spill`; counters end in `_total`, durations are histograms in
 //! `_seconds`, sizes in `_bytes`; gauges have no suffix. Every series carries the label that
-//! names its primitive (`lane_set` and `lane`, `limits` and `limit`, `pool`, `channel`, `spill`).
+//! names its primitive (`lane_set` and `lane`, `limit`, `pool`, `channel`, `spill`). A limit's series come in two
+//! views: this process's handles (`acquired`, `held`, `waiters`...) and, rendered by `lanes serve`
+//! from the store, every client's (`in_use`, `waiting`, `granted`...).
 
 /// What kind of series a metric is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,7 +46,7 @@ use MetricKind::{Counter, Gauge, Histogram};
 
 const LANE: &[&str] = &["lane_set", "lane"];
 const LANE_OUTCOME: &[&str] = &["lane_set", "lane", "outcome"];
-const LIMIT: &[&str] = &["limits", "limit"];
+const LIMIT: &[&str] = &["limit"];
 const POOL: &[&str] = &["pool"];
 const CHANNEL: &[&str] = &["channel"];
 const SPILL: &[&str] = &["spill"];
@@ -74,12 +76,17 @@ pub const METRICS: &[MetricName] = &[
         "Time from admission to the start of execution.",
     ),
     metric("lanes_lane_run_seconds", Histogram, LANE, "Time a run's job executed."),
-    metric("lanes_limit_granted_total", Counter, LIMIT, "Permits granted."),
+    metric(
+        "lanes_limit_acquired_total",
+        Counter,
+        LIMIT,
+        "Permits this process's handles acquired.",
+    ),
     metric(
         "lanes_limit_refused_total",
         Counter,
         LIMIT,
-        "Acquires refused at once (no permit free, or the wait queue full).",
+        "Tries refused at once (every permit held, others waiting, or the bucket empty).",
     ),
     metric(
         "lanes_limit_timed_out_total",
@@ -91,15 +98,45 @@ pub const METRICS: &[MetricName] = &[
         "lanes_limit_expired_total",
         Counter,
         LIMIT,
-        "Permits whose lease ran out before they were released.",
+        "Leased permits reclaimed because their lease ran out before they were released.",
     ),
-    metric("lanes_limit_in_use", Gauge, LIMIT, "Permits held now."),
-    metric("lanes_limit_waiting", Gauge, LIMIT, "Acquires waiting now."),
+    metric("lanes_limit_held", Gauge, LIMIT, "Permits held by this process's handles now."),
+    metric("lanes_limit_waiters", Gauge, LIMIT, "This process's acquires waiting now."),
     metric(
         "lanes_limit_wait_seconds",
         Histogram,
         LIMIT,
         "Time from acquire to grant (0 for an immediate grant).",
+    ),
+    metric(
+        "lanes_limit_in_use",
+        Gauge,
+        LIMIT,
+        "Permits held now, by every client of the store (rendered by lanes serve).",
+    ),
+    metric(
+        "lanes_limit_waiting",
+        Gauge,
+        LIMIT,
+        "Tickets waiting now, of every client of the store (rendered by lanes serve).",
+    ),
+    metric(
+        "lanes_limit_concurrent",
+        Gauge,
+        LIMIT,
+        "The limit's concurrency (rendered by lanes serve).",
+    ),
+    metric(
+        "lanes_limit_max_in_use",
+        Gauge,
+        LIMIT,
+        "The most permits ever held at once (rendered by lanes serve).",
+    ),
+    metric(
+        "lanes_limit_granted_total",
+        Counter,
+        LIMIT,
+        "Permits the store granted, to every client (rendered by lanes serve).",
     ),
     metric("lanes_pool_submitted_total", Counter, POOL, "Items accepted by the pool."),
     metric("lanes_pool_rejected_total", Counter, POOL, "Items refused by the pool."),
@@ -157,8 +194,8 @@ pub const METRICS: &[MetricName] = &[
 ];
 
 /// Gives every metric in [`METRICS`] its help text in the installed `metrics` recorder, so
-/// exporters print `# HELP` lines. Primitives call it when they are built; call it yourself
-/// after installing a recorder if you build primitives first.
+/// exporters print `# HELP` lines. The first primitive built in a process calls it; call it
+/// yourself after installing a recorder if a primitive was built before.
 pub fn describe_metrics() {
     for metric in METRICS {
         let (name, help) = (metric.name, metric.help);
@@ -171,6 +208,12 @@ pub fn describe_metrics() {
             }
         }
     }
+}
+
+/// [`describe_metrics`], the first time only (primitives call it when built).
+pub(crate) fn describe_once() {
+    static DESCRIBED: std::sync::Once = std::sync::Once::new();
+    DESCRIBED.call_once(describe_metrics);
 }
 
 #[cfg(test)]

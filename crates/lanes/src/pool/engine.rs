@@ -116,6 +116,7 @@ struct PoolMetrics {
 
 impl PoolMetrics {
     fn new(name: &str) -> Self {
+        crate::observe::describe_once();
         let labels = [("pool", name.to_owned())];
         Self {
             submitted: metrics::counter!("lanes_pool_submitted_total", &labels),

@@ -53,6 +53,7 @@
 mod error;
 mod format;
 mod frame;
+mod metrics;
 mod options;
 mod plan;
 mod queue;

@@ -52,6 +52,9 @@ pub struct SpillOptions {
     /// Segments are rotated once they reach this size. Default: 64 MiB. At least the segment
     /// header and one frame: `16 + min(12 + max_record, 1 MiB)`.
     pub segment_size: u64,
+    /// The queue's name in metrics (the `spill` label). Default: the directory's last
+    /// component for [`SpillQueue::open`](super::SpillQueue::open), else `unnamed`.
+    pub name: Option<String>,
 }
 
 impl Default for SpillOptions {
@@ -62,6 +65,7 @@ impl Default for SpillOptions {
             max_bytes: 1 << 30,
             max_record: 8 << 20,
             segment_size: 64 << 20,
+            name: None,
         }
     }
 }
@@ -92,6 +96,13 @@ impl SpillOptions {
     #[must_use]
     pub fn segment_size(mut self, segment_size: u64) -> Self {
         self.segment_size = segment_size;
+        self
+    }
+
+    /// Sets the queue's name in metrics.
+    #[must_use]
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.name = Some(name.into());
         self
     }
 

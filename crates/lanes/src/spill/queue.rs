@@ -30,6 +30,7 @@ use tokio::sync::{Notify, oneshot};
 use super::error::SpillError;
 use super::format::{self, Position, SEGMENT_HEADER, STATE, encode_state, segment_name};
 use super::frame;
+use super::metrics::SpillMetrics;
 pub(super) use super::options::{SpillOptions, SyncPolicy};
 use super::plan::Planner;
 use super::reader::SpillReader;
@@ -69,6 +70,7 @@ pub(super) struct Inner {
     pub(super) shared: Mutex<QueueState>,
     pub(super) data: Notify,
     pub(super) report: CheckReport,
+    pub(super) metrics: SpillMetrics,
 }
 
 impl Drop for Inner {
@@ -207,7 +209,12 @@ impl SpillQueue {
         dir: impl AsRef<Path>,
         options: SpillOptions,
     ) -> Result<(Self, CheckReport), SpillError> {
-        Self::open_with(FsStorage::new(dir.as_ref()), options).await
+        let dir = dir.as_ref();
+        let mut options = options;
+        if options.name.is_none() {
+            options.name = dir.file_name().map(|name| name.to_string_lossy().into_owned());
+        }
+        Self::open_with(FsStorage::new(dir), options).await
     }
 
     /// Opens a queue on any [`Storage`] (for example a [`MemStorage`](super::MemStorage)).
@@ -223,7 +230,8 @@ impl SpillQueue {
         let storage: Arc<dyn Storage> = Arc::new(storage);
         let blocking = storage.clone();
         let opts = options.clone();
-        tokio::task::spawn_blocking(move || Self::open_blocking(blocking, opts))
+        let metrics = SpillMetrics::new(options.name.as_deref().unwrap_or("unnamed"));
+        tokio::task::spawn_blocking(move || Self::open_blocking(blocking, opts, metrics))
             .await
             .map_err(|_| SpillError::Closed)?
     }
@@ -231,6 +239,7 @@ impl SpillQueue {
     fn open_blocking(
         storage: Arc<dyn Storage>,
         options: SpillOptions,
+        metrics: SpillMetrics,
     ) -> Result<(Self, CheckReport), SpillError> {
         storage.create_dir()?;
         let guard = storage.lock()?;
@@ -287,6 +296,11 @@ impl SpillQueue {
             mailbox: mailbox.clone(),
             shared: Mutex::new(shared),
             data: Notify::new(),
+            metrics: {
+                metrics.recovered.increment(report.records);
+                metrics.unacked_bytes.set(report.bytes as f64);
+                metrics
+            },
             report: report.clone(),
         });
         let writer = Writer {
@@ -325,7 +339,17 @@ impl SpillQueue {
     /// [`SpillError::TooLarge`], [`SpillError::Full`], [`SpillError::Failed`] after an earlier
     /// I/O failure, [`SpillError::Closed`].
     pub async fn append(&self, record: impl AsRef<[u8]>) -> Result<(), SpillError> {
-        self.hand_over(std::slice::from_ref(&record))?.await
+        let since = crate::observe::timing_start();
+        let appended = self.hand_over(std::slice::from_ref(&record))?.await;
+        self.timed(since);
+        appended
+    }
+
+    /// Records an append's time to durability, if wait timing is on.
+    fn timed(&self, since: Option<tokio::time::Instant>) {
+        if let Some(since) = since {
+            self.inner.metrics.append.record(since.elapsed().as_secs_f64());
+        }
     }
 
     /// Appends records in order, as one group: they become durable together.
@@ -341,7 +365,10 @@ impl SpillQueue {
         &self,
         records: impl IntoIterator<Item = R>,
     ) -> Result<(), SpillError> {
-        self.start_append(records)?.await
+        let since = crate::observe::timing_start();
+        let appended = self.start_append(records)?.await;
+        self.timed(since);
+        appended
     }
 
     /// Hands records to the writer without waiting: once this returns `Ok`, they are in the
@@ -400,6 +427,10 @@ impl SpillQueue {
             shared.appended -= count;
             return Err(SpillError::Closed);
         }
+        let metrics = &self.inner.metrics;
+        metrics.appended.increment(count);
+        metrics.appended_bytes.increment((bytes - frame::HEADER * records.len()) as u64);
+        metrics.unacked_bytes.increment(bytes as f64);
         Ok(PendingAppend { answer })
     }
 

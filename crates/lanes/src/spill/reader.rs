@@ -171,7 +171,9 @@ impl SpillReader {
             shared.records -= records.min(shared.records);
             shared.bytes -= bytes.min(shared.bytes);
             shared.acknowledged += records;
+            self.inner.metrics.unacked_bytes.set(shared.bytes as f64);
         }
+        self.inner.metrics.acked.increment(records);
         let (reply, answer) = oneshot::channel();
         self.inner.mailbox.commit(to, reply).map_err(|_| SpillError::Closed)?;
         answer.await.map_err(|_| SpillError::Closed)?

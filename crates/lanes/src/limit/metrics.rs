@@ -1,0 +1,40 @@
+//! A local limit's `metrics` handles, resolved once when the limit is defined (see
+//! [`observe::METRICS`](crate::observe::METRICS) for the names and help text). Limits held by
+//! another backend (Redis, `lanes serve`) are reported by that backend's owner.
+
+use metrics::{Counter, Gauge, Histogram};
+
+#[derive(Debug)]
+pub(crate) struct LimitMetrics {
+    pub(crate) acquired: Counter,
+    pub(crate) refused: Counter,
+    pub(crate) timed_out: Counter,
+    pub(crate) expired: Counter,
+    pub(crate) held: Gauge,
+    pub(crate) waiters: Gauge,
+    pub(crate) wait: Histogram,
+}
+
+impl LimitMetrics {
+    pub(crate) fn new(limit: &str) -> Self {
+        let labels = [("limit", limit.to_owned())];
+        Self {
+            acquired: metrics::counter!("lanes_limit_acquired_total", &labels),
+            refused: metrics::counter!("lanes_limit_refused_total", &labels),
+            timed_out: metrics::counter!("lanes_limit_timed_out_total", &labels),
+            expired: metrics::counter!("lanes_limit_expired_total", &labels),
+            held: metrics::gauge!("lanes_limit_held", &labels),
+            waiters: metrics::gauge!("lanes_limit_waiters", &labels),
+            wait: metrics::histogram!("lanes_limit_wait_seconds", &labels),
+        }
+    }
+
+    /// Counts a grant after `waited` (`None`: at once).
+    pub(crate) fn granted(&self, waited: Option<tokio::time::Instant>) {
+        self.acquired.increment(1);
+        self.held.increment(1.0);
+        if crate::observe::wait_timing() {
+            self.wait.record(waited.map_or(0.0, |since| since.elapsed().as_secs_f64()));
+        }
+    }
+}

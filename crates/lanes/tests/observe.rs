@@ -1,0 +1,214 @@
+//! Every primitive reports through `metrics` under `lanes_<primitive>_*`, with exact counts at
+//! quiescence, and the registry's ground floor takes any `Observe` source.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use lanes::observe::{METRICS, Observe, Registry, Snapshot};
+use lanes::spill::MemStorage;
+use lanes::{LaneLimits, LaneSet, LimitSpec, Limits, Priority, Run, SpillOptions, SpillQueue};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+/// A series: its name, its labels and its value.
+type Sample = (String, Vec<(String, String)>, DebugValue);
+
+/// The value of series `name` whose labels include every pair of `labels`.
+fn value<'a>(snapshot: &'a [Sample], name: &str, labels: &[(&str, &str)]) -> &'a DebugValue {
+    snapshot
+        .iter()
+        .find(|(n, l, _)| {
+            n == name && labels.iter().all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
+        })
+        .map(|(.., value)| value)
+        .unwrap_or_else(|| panic!("{name} {labels:?} missing"))
+}
+
+fn flatten(snapshotter: &Snapshotter) -> Vec<Sample> {
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .map(|(key, _, _, value)| {
+            let labels =
+                key.key().labels().map(|l| (l.key().to_owned(), l.value().to_owned())).collect();
+            (key.key().name().to_owned(), labels, value)
+        })
+        .collect()
+}
+
+fn in_runtime(f: impl std::future::Future<Output = ()>) -> Vec<Sample> {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    lanes::observe::set_wait_timing(true);
+    metrics::with_local_recorder(&recorder, || rt.block_on(f));
+    flatten(&snapshotter)
+}
+
+#[test]
+fn a_lane_counts_admissions_refusals_outcomes_and_waits() {
+    let snapshot = in_runtime(async {
+        let lanes = LaneSet::builder()
+            .lane("work", LaneLimits::new(1, 2))
+            .audit_timeout(Duration::from_secs(1))
+            .finalization_timeout(Duration::from_secs(1))
+            .worker_drain_timeout(Duration::from_secs(1))
+            .name("jobs")
+            .build()
+            .unwrap();
+        let slow = |n: u32| {
+            Run::new(move |_cx| async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                if n == 2 { Err(std::io::Error::other("no")) } else { Ok(n) }
+            })
+        };
+        let handles: Vec<_> = (0..3).map(|n| lanes.run("work", slow(n)).unwrap()).collect();
+        assert!(lanes.run("work", slow(9)).is_err(), "the fourth run finds the lane full");
+        let outcomes: Vec<bool> = futures_join(handles).await;
+        assert_eq!(outcomes, [true, true, false]);
+        lanes.close();
+        lanes.drained().await;
+    });
+    let lane = [("lane_set", "jobs"), ("lane", "work")];
+    assert_eq!(value(&snapshot, "lanes_lane_admitted_total", &lane), &DebugValue::Counter(3));
+    assert_eq!(value(&snapshot, "lanes_lane_rejected_total", &lane), &DebugValue::Counter(1));
+    let ok = [("lane_set", "jobs"), ("lane", "work"), ("outcome", "ok")];
+    assert_eq!(value(&snapshot, "lanes_lane_finished_total", &ok), &DebugValue::Counter(2));
+    let job = [("lane_set", "jobs"), ("lane", "work"), ("outcome", "job")];
+    assert_eq!(value(&snapshot, "lanes_lane_finished_total", &job), &DebugValue::Counter(1));
+    for gauge in ["lanes_lane_executing", "lanes_lane_queued"] {
+        assert_eq!(value(&snapshot, gauge, &lane), &DebugValue::Gauge(0.0.into()), "{gauge}");
+    }
+    let DebugValue::Histogram(waits) = value(&snapshot, "lanes_lane_queue_wait_seconds", &lane)
+    else {
+        panic!("a histogram")
+    };
+    let mut waits: Vec<f64> = waits.iter().map(|w| w.into_inner()).collect();
+    waits.sort_by(f64::total_cmp);
+    // The first run starts at once; the others wait one and two runs (10 ms each, paused clock).
+    assert_eq!(waits.len(), 3);
+    assert_eq!(waits[0], 0.0);
+    assert!((waits[1] - 0.010).abs() < 0.002 && (waits[2] - 0.020).abs() < 0.002, "{waits:?}");
+}
+
+async fn futures_join<T, E>(
+    handles: Vec<impl std::future::Future<Output = Result<T, E>>>,
+) -> Vec<bool> {
+    let mut outcomes = Vec::new();
+    for handle in handles {
+        outcomes.push(handle.await.is_ok());
+    }
+    outcomes
+}
+
+#[test]
+fn a_limit_counts_acquires_refusals_timeouts_and_holders() {
+    let snapshot = in_runtime(async {
+        let limits = Limits::new();
+        limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        let held = limits.acquire("db", Priority::default()).await.unwrap();
+        assert!(limits.try_acquire("db", Priority::default()).await.is_err());
+        let waited =
+            limits.acquire_timeout("db", Priority::default(), Duration::from_millis(5)).await;
+        assert!(waited.is_err(), "the only permit is held");
+        let limits2 = limits.clone();
+        let waiter =
+            tokio::spawn(async move { limits2.acquire("db", Priority::default()).await.map(drop) });
+        tokio::time::sleep(Duration::from_millis(7)).await;
+        drop(held);
+        waiter.await.unwrap().unwrap();
+    });
+    let db = [("limit", "db")];
+    assert_eq!(value(&snapshot, "lanes_limit_acquired_total", &db), &DebugValue::Counter(2));
+    assert_eq!(value(&snapshot, "lanes_limit_refused_total", &db), &DebugValue::Counter(1));
+    assert_eq!(value(&snapshot, "lanes_limit_timed_out_total", &db), &DebugValue::Counter(1));
+    assert_eq!(value(&snapshot, "lanes_limit_held", &db), &DebugValue::Gauge(0.0.into()));
+    assert_eq!(value(&snapshot, "lanes_limit_waiters", &db), &DebugValue::Gauge(0.0.into()));
+    let DebugValue::Histogram(waits) = value(&snapshot, "lanes_limit_wait_seconds", &db) else {
+        panic!("a histogram")
+    };
+    let waits: Vec<f64> = waits.iter().map(|w| w.into_inner()).collect();
+    assert_eq!(waits.len(), 2, "{waits:?}");
+    assert!(waits.iter().any(|w| (w - 0.007).abs() < 0.002), "{waits:?}");
+}
+
+#[test]
+fn a_spill_queue_counts_appends_acks_and_unacknowledged_bytes() {
+    let snapshot = in_runtime(async {
+        let options = SpillOptions::default().name("orders");
+        let (queue, _) = SpillQueue::open_with(MemStorage::new(), options).await.unwrap();
+        for n in 0..5u8 {
+            queue.append([n; 10]).await.unwrap();
+        }
+        let mut reader = queue.reader().unwrap();
+        let batch = reader.next_batch(3).await.unwrap();
+        reader.commit(batch.last().unwrap().position()).await.unwrap();
+        queue.close().await.unwrap();
+    });
+    let orders = [("spill", "orders")];
+    assert_eq!(value(&snapshot, "lanes_spill_appended_total", &orders), &DebugValue::Counter(5));
+    assert_eq!(
+        value(&snapshot, "lanes_spill_appended_bytes_total", &orders),
+        &DebugValue::Counter(50)
+    );
+    assert_eq!(value(&snapshot, "lanes_spill_acked_total", &orders), &DebugValue::Counter(3));
+    // Two records of 10 bytes and their 12-byte frame headers remain.
+    assert_eq!(
+        value(&snapshot, "lanes_spill_unacked_bytes", &orders),
+        &DebugValue::Gauge(44.0.into())
+    );
+}
+
+#[test]
+fn every_emitted_name_is_in_the_table() {
+    let snapshot = in_runtime(async {
+        let _ = LaneSet::builder()
+            .lane("l", LaneLimits::new(1, 1))
+            .audit_timeout(Duration::from_secs(1))
+            .finalization_timeout(Duration::from_secs(1))
+            .worker_drain_timeout(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let limits = Limits::new();
+        limits.define("x", LimitSpec::concurrent(1)).await.unwrap();
+        drop(limits.acquire("x", Priority::default()).await.unwrap());
+        let (queue, _) =
+            SpillQueue::open_with(MemStorage::new(), SpillOptions::default()).await.unwrap();
+        queue.append(b"r").await.unwrap();
+        queue.close().await.unwrap();
+    });
+    assert!(snapshot.len() > 10);
+    for (name, labels, _) in &snapshot {
+        let entry = METRICS.iter().find(|m| m.name == name).unwrap_or_else(|| panic!("{name}"));
+        for label in entry.labels {
+            assert!(labels.iter().any(|(k, _)| k == label), "{name} lacks {label}");
+        }
+    }
+}
+
+#[test]
+fn an_adapter_reports_through_the_observe_trait() {
+    struct Queue(u32);
+    impl Observe for Queue {
+        fn report(&self, name: &str, snapshot: &mut Snapshot) {
+            snapshot.insert("queues", name, &self.0);
+        }
+    }
+    let registry = Registry::new();
+    let queue = Arc::new(Queue(7));
+    registry.register("jetstream", &queue).unwrap();
+    assert!(registry.register("jetstream", &queue).is_err(), "names are unique");
+    let snapshot = registry.snapshot();
+    assert_eq!(snapshot.get::<u32>("queues", "jetstream"), Some(7));
+    // The five primitive sections are always there, empty or not.
+    let json: serde_json::Value = serde_json::from_str(&snapshot.to_json()).unwrap();
+    for section in lanes::observe::SECTIONS {
+        assert!(json[section].is_object(), "{section} in {json}");
+    }
+    drop(queue);
+    assert!(registry.snapshot().names("queues").is_empty(), "held weakly");
+}
