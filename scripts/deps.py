@@ -3,7 +3,7 @@
 
 Reads every `crate::<name>` path outside comments in crates/lanes/src, resolves names re-exported
 at the crate root to the module that defines them, and fails (exit 1) if a ground-floor module
-(config, observe, util) uses a primitive, or if the primitive modules' arrows form a cycle.
+(config, lifecycle, observe, util) uses a primitive, or if the primitive modules' arrows form a cycle.
 Prints the picture either way.
 """
 import os
@@ -11,7 +11,7 @@ import re
 import sys
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "crates", "lanes", "src")
-GROUND = {"config", "observe", "util"}
+GROUND = {"config", "lifecycle", "observe", "util"}
 PRIMITIVES = {"channel", "lane", "limit", "pool", "spill"}
 MODULES = GROUND | PRIMITIVES
 

@@ -12,6 +12,29 @@
 //! | [`spill`] | [`SpillQueue`] | unacknowledged bytes on disk; survives crashes |
 //! | [`observe`] | [`Registry`], [`Snapshot`], [`Observe`] | nothing: it reports what the others hold, as serde JSON and `metrics` series |
 //!
+//! # The contract every primitive keeps
+//!
+//! - **Lifecycle.** A main handle is stopped and observed with the same verbs, the
+//!   [`Lifecycle`] trait: `close` (stop admitting; admitted work still ends), `is_closed`,
+//!   `drained` (everything admitted reached its one recorded terminal state), `abort` (end
+//!   admitted work now, each item still recorded), `snapshot` (what the [`Registry`] stores).
+//!   [`LaneSet`], [`Dispatcher`] and [`KeyedPool`] implement it; [`Channel`], [`SpillQueue`]
+//!   and [`Limits`] have `close`/`is_closed`/`snapshot` (or `list`) under the same names and do
+//!   not yet have the whole trait.
+//! - **Builders.** Configuration is validated when it is built, all at once, and refused with a
+//!   [`ConfigError`] that names the field and the [`ConfigRule`] it broke; nothing configured
+//!   fails later at run time. A handle registers with a [`Registry`] under a name, and that
+//!   name is also its metrics label unless it is given its own.
+//! - **Refusals.** Every bound has a typed error, and an error that refuses a value hands it
+//!   back with `into_inner` (a run lane's also as `into_run`, a channel's as `into_record`).
+//! - **Metrics.** Every series is `lanes_<primitive>_<quantity>`: counters end in `_total`,
+//!   durations are `_seconds` histograms, gauges have no suffix, and every series carries the
+//!   label naming its primitive. The whole table, with help text, is
+//!   [`observe::METRICS`]; wait-time histograms are behind [`observe::set_wait_timing`].
+//! - **Layers.** [`config`], [`observe`] and [`Lifecycle`] are the ground floor: they know no
+//!   primitive, and the primitives' modules form no cycle (`scripts/deps.py` checks both in
+//!   CI).
+//!
 //! # Example
 //!
 //! ```
@@ -53,6 +76,7 @@
 pub mod channel;
 pub mod config;
 pub mod lane;
+mod lifecycle;
 pub mod limit;
 pub mod observe;
 pub mod pool;
@@ -71,6 +95,7 @@ pub use lane::{
     LaneSetBuilder, LaneSetSnapshot, LaneSnapshot, MAX_QUEUED, Outcome, Participation, Reason, Run,
     RunContext, RunFailure, RunHandle, RunId, Stage,
 };
+pub use lifecycle::Lifecycle;
 pub use limit::{
     Acquire, AcquireError, Answer, Limit, LimitBackend, LimitError, LimitInfo, LimitSpec,
     LimitTable, Limits, Permit, Priority, TryAcquireError, WaitQueue,

@@ -442,6 +442,12 @@ pub enum EmitError<T> {
 }
 
 impl<T> EmitError<T> {
+    /// The refused record: the name every refusal in the crate uses
+    /// ([`into_record`](Self::into_record) by another name).
+    pub fn into_inner(self) -> T {
+        self.into_record()
+    }
+
     /// The record.
     pub fn into_record(self) -> T {
         match self {

@@ -95,6 +95,12 @@ impl<R> AdmissionError<R> {
         self.run.into_inner()
     }
 
+    /// Gives the refused run back: the name every refusal in the crate uses
+    /// ([`into_run`](Self::into_run) by another name).
+    pub fn into_inner(self) -> R {
+        self.into_run()
+    }
+
     /// Drops the run, keeping the rest of the error (for example to box it).
     pub fn without_run(self) -> AdmissionError<()> {
         AdmissionError {

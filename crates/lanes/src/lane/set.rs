@@ -1053,3 +1053,29 @@ impl Deadline {
         }
     }
 }
+
+/// A run lane's [`close`](LaneSet::close) already fails queued runs and cancels executing jobs,
+/// so its `abort` is its `close`.
+impl crate::Lifecycle for LaneSet {
+    type Snapshot = LaneSetSnapshot;
+
+    fn close(&self) {
+        LaneSet::close(self);
+    }
+
+    fn is_closed(&self) -> bool {
+        LaneSet::is_closed(self)
+    }
+
+    fn drained(&self) -> crate::BoxFuture<'_, ()> {
+        Box::pin(LaneSet::drained(self))
+    }
+
+    fn abort(&self) {
+        LaneSet::close(self);
+    }
+
+    fn snapshot(&self) -> LaneSetSnapshot {
+        LaneSet::snapshot(self)
+    }
+}

@@ -10,12 +10,12 @@ use std::time::Duration;
 use super::completion::{CompletionSource, Tracker, Untracked};
 use super::engine::{self, Core, Engine, Hooks, ItemLimit, Phase, PoolStats, Queued, Unkeyed};
 use super::error::{AbortReport, StopTimeout, SubmitError};
-use super::report::{PoolKind, Reporter};
+use super::report::{PoolKind, PoolSnapshot, Reporter};
 use super::sched::Fifo;
 use crate::BoxError;
 use crate::config::{ConfigError, require, runtime};
 use crate::limit::{Limits, Priority};
-use crate::observe::{Observe, Registry};
+use crate::observe::Registry;
 use crate::util::PanicPayload;
 
 /// A bounded work queue drained by `workers` tasks: at most `workers` items in flight, in no
@@ -61,7 +61,7 @@ use crate::util::PanicPayload;
 pub struct Dispatcher<T> {
     core: Arc<dyn Core<T>>,
     tracker: Option<Arc<Tracker<T>>>,
-    _reporter: Arc<dyn Observe>,
+    reporter: Arc<Reporter<T>>,
 }
 
 impl<T: Send + 'static> Dispatcher<T> {
@@ -177,6 +177,28 @@ impl<T: Send + 'static> Dispatcher<T> {
             tracker.stop_watching();
         }
         report
+    }
+
+    /// Stops accepting (later submits fail with [`SubmitError::Stopped`]); accepted items are
+    /// still processed. The first half of [`stop`](Self::stop), without the wait.
+    pub fn close(&self) {
+        self.core.begin_stop();
+    }
+
+    /// Whether it stopped accepting (closed, stopped or aborted).
+    pub fn is_closed(&self) -> bool {
+        self.core.phase() != Phase::Running
+    }
+
+    /// Resolves once it is closed and every accepted item reached its end (processed, failed,
+    /// panicked or dropped). Waits forever on a pool nobody closes.
+    pub async fn drained(&self) {
+        engine::wait_drained(&*self.core).await;
+    }
+
+    /// Its kind, phase, counters and completion tracking now: what the registry stores.
+    pub fn snapshot(&self) -> PoolSnapshot {
+        self.reporter.snapshot()
     }
 
     /// The counters, as they are now.
@@ -375,18 +397,18 @@ impl<T: Send + 'static> DispatcherBuilder<T> {
         let sched: Fifo<Queued<T>> = Fifo::new(queue_size);
         let core: Arc<dyn Core<T>> =
             Engine::start(sched, workers, Unkeyed(process), hooks, limit, &label);
-        let reporter: Arc<dyn Observe> = Arc::new(Reporter {
+        let reporter = Arc::new(Reporter {
             kind: PoolKind::Dispatcher,
             core: core.clone(),
             tracker: tracker.clone(),
         });
         if let Some((registry, name)) = registry
-            && let Err(err) = registry.register_weak(name, Arc::downgrade(&reporter))
+            && let Err(err) = registry.register(name, &reporter)
         {
             core.abort();
             return Err(err);
         }
-        Ok(Dispatcher { core, tracker, _reporter: reporter })
+        Ok(Dispatcher { core, tracker, reporter })
     }
 }
 
@@ -463,5 +485,29 @@ impl<T> fmt::Debug for TrackedDispatcherBuilder<T> {
             .field("inner", &self.inner)
             .field("max_tracked", &self.max_tracked)
             .finish_non_exhaustive()
+    }
+}
+
+impl<T: Send + 'static> crate::Lifecycle for Dispatcher<T> {
+    type Snapshot = PoolSnapshot;
+
+    fn close(&self) {
+        Dispatcher::close(self);
+    }
+
+    fn is_closed(&self) -> bool {
+        Dispatcher::is_closed(self)
+    }
+
+    fn drained(&self) -> crate::BoxFuture<'_, ()> {
+        Box::pin(Dispatcher::drained(self))
+    }
+
+    fn abort(&self) {
+        Dispatcher::abort(self);
+    }
+
+    fn snapshot(&self) -> PoolSnapshot {
+        Dispatcher::snapshot(self)
     }
 }

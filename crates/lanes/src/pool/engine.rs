@@ -491,22 +491,24 @@ where
     }
 }
 
+/// Waits until the pool stopped and drained (forever if nobody stops it).
+pub(crate) async fn wait_drained<T>(core: &dyn Core<T>) {
+    loop {
+        let mut notified = std::pin::pin!(core.finished().notified());
+        notified.as_mut().enable();
+        if core.is_finished() {
+            return;
+        }
+        notified.await;
+    }
+}
+
 /// Waits for the pool to drain, up to `timeout`.
 pub(crate) async fn wait_finished<T>(
     core: &dyn Core<T>,
     timeout: Duration,
 ) -> Result<(), StopTimeout> {
-    let wait = async {
-        loop {
-            let mut notified = std::pin::pin!(core.finished().notified());
-            notified.as_mut().enable();
-            if core.is_finished() {
-                return;
-            }
-            notified.await;
-        }
-    };
-    match tokio::time::timeout(timeout, wait).await {
+    match tokio::time::timeout(timeout, wait_drained(core)).await {
         Ok(()) => Ok(()),
         Err(_) => {
             let stats = core.stats();

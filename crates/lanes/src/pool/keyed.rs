@@ -11,13 +11,13 @@ use super::dispatcher::Common;
 use super::engine::{self, Core, Engine, Indexed, Phase, PoolStats, Queued};
 use super::error::{AbortReport, StopTimeout, SubmitError};
 use super::fnv::PoolKey;
-use super::report::{PoolKind, Reporter};
+use super::report::{PoolKind, PoolSnapshot, Reporter};
 use super::sched::{PerKey, Sharded};
 use crate::BoxError;
 use crate::config::ConfigError;
 use crate::config::{require, runtime};
 use crate::limit::{Limits, Priority};
-use crate::observe::{Observe, Registry};
+use crate::observe::Registry;
 use crate::util::PanicPayload;
 
 /// How a [`KeyedPool`] maps keys to workers.
@@ -84,7 +84,7 @@ pub enum KeyedMode {
 pub struct KeyedPool<T> {
     core: Arc<dyn Core<T>>,
     mode: KeyedMode,
-    _reporter: Arc<dyn Observe>,
+    reporter: Arc<Reporter<T>>,
 }
 
 impl<T: Send + 'static> KeyedPool<T> {
@@ -160,6 +160,28 @@ impl<T: Send + 'static> KeyedPool<T> {
     /// both are counted as `dropped`.
     pub fn abort(&self) -> AbortReport {
         self.core.abort()
+    }
+
+    /// Stops accepting (later submits fail with [`SubmitError::Stopped`]); accepted items are
+    /// still processed. The first half of [`stop`](Self::stop), without the wait.
+    pub fn close(&self) {
+        self.core.begin_stop();
+    }
+
+    /// Whether it stopped accepting (closed, stopped or aborted).
+    pub fn is_closed(&self) -> bool {
+        self.core.phase() != Phase::Running
+    }
+
+    /// Resolves once it is closed and every accepted item reached its end (processed, failed,
+    /// panicked or dropped). Waits forever on a pool nobody closes.
+    pub async fn drained(&self) {
+        engine::wait_drained(&*self.core).await;
+    }
+
+    /// Its kind, phase and counters now: what the registry stores.
+    pub fn snapshot(&self) -> PoolSnapshot {
+        self.reporter.snapshot()
     }
 
     /// The counters, as they are now (`keys` is the number of tracked keys).
@@ -328,15 +350,14 @@ impl<T: Send + 'static, K: PoolKey, G: Fn(&T) -> K + Send + Sync + 'static> Keye
                 (Engine::start(sched, workers, process, hooks, limit, &label), PoolKind::Hashed)
             }
         };
-        let reporter: Arc<dyn Observe> =
-            Arc::new(Reporter { kind, core: core.clone(), tracker: None });
+        let reporter = Arc::new(Reporter { kind, core: core.clone(), tracker: None });
         if let Some((registry, name)) = registry
-            && let Err(err) = registry.register_weak(name, Arc::downgrade(&reporter))
+            && let Err(err) = registry.register(name, &reporter)
         {
             core.abort();
             return Err(err);
         }
-        Ok(KeyedPool { core, mode: self.mode, _reporter: reporter })
+        Ok(KeyedPool { core, mode: self.mode, reporter })
     }
 }
 
@@ -349,5 +370,29 @@ impl<T, F> fmt::Debug for KeyedPoolBuilder<T, F> {
             .field("key_queue_size", &self.key_queue_size)
             .field("max_keys", &self.max_keys)
             .finish_non_exhaustive()
+    }
+}
+
+impl<T: Send + 'static> crate::Lifecycle for KeyedPool<T> {
+    type Snapshot = PoolSnapshot;
+
+    fn close(&self) {
+        KeyedPool::close(self);
+    }
+
+    fn is_closed(&self) -> bool {
+        KeyedPool::is_closed(self)
+    }
+
+    fn drained(&self) -> crate::BoxFuture<'_, ()> {
+        Box::pin(KeyedPool::drained(self))
+    }
+
+    fn abort(&self) {
+        KeyedPool::abort(self);
+    }
+
+    fn snapshot(&self) -> PoolSnapshot {
+        KeyedPool::snapshot(self)
     }
 }

@@ -40,15 +40,20 @@ pub(crate) struct Reporter<T> {
     pub(crate) tracker: Option<Arc<Tracker<T>>>,
 }
 
-impl<T: Send + 'static> Observe for Reporter<T> {
-    fn report(&self, name: &str, snapshot: &mut Snapshot) {
-        let pool = PoolSnapshot {
+impl<T: Send + 'static> Reporter<T> {
+    pub(crate) fn snapshot(&self) -> PoolSnapshot {
+        PoolSnapshot {
             kind: self.kind,
             phase: self.core.phase(),
             stats: self.core.stats(),
             completion: self.tracker.as_ref().map(|t| t.snapshot()),
-        };
-        snapshot.insert("pools", name, &pool);
+        }
+    }
+}
+
+impl<T: Send + 'static> Observe for Reporter<T> {
+    fn report(&self, name: &str, snapshot: &mut Snapshot) {
+        snapshot.insert("pools", name, &self.snapshot());
     }
 }
 
