@@ -835,7 +835,7 @@ fn public_types_are_send_and_sync() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_run_takes_its_limit_after_grant_and_returns_it_before_the_finalizer() {
+async fn a_run_takes_its_limit_before_its_slot_and_returns_it_before_the_finalizer() {
     let lanes = set(&[("work", 4, 8)]);
     let limits = lanes::Limits::new();
     limits.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
@@ -874,16 +874,18 @@ async fn a_run_takes_its_limit_after_grant_and_returns_it_before_the_finalizer()
         .unwrap();
     assert_eq!(held_in_finalizer, 0);
     assert_eq!(max_running.load(Ordering::SeqCst), 1, "the limit, not the lane, bounded the jobs");
-    assert_eq!(lanes.snapshot().lanes[0].max_executing, 4);
+    // Runs waiting for the permit held no execution slot.
+    assert_eq!(lanes.snapshot().lanes[0].max_executing, 1);
 
-    // An unknown limit fails the run with reason `limit`; a wait longer than the execution
-    // timeout fails it with `timeout`, and the job never runs.
+    // An unknown limit fails the run in the queue with reason `limit`; a wait longer than the
+    // queue timeout fails it with `timeout` (the execution timeout does not run yet), and the
+    // job never runs.
     let err = lanes
         .run("work", Run::new(|_| async { Res::Ok(()) }).limit(&limits, "nope", Default::default()))
         .unwrap()
         .await
         .unwrap_err();
-    assert_eq!((err.stage(), err.reason()), (Stage::Execution, Reason::Limit));
+    assert_eq!((err.stage(), err.reason()), (Stage::Queue, Reason::Limit));
     assert!(err.cause().unwrap().downcast_ref::<lanes::LimitError>().is_some());
     let _held = limits.acquire("db", lanes::Priority::default()).await.unwrap();
     let ran = Arc::new(AtomicUsize::new(0));
@@ -896,12 +898,14 @@ async fn a_run_takes_its_limit_after_grant_and_returns_it_before_the_finalizer()
                 Res::Ok(())
             })
             .limit(&limits, "db", Default::default())
-            .execution_timeout(Duration::from_secs(1)),
+            .queue_timeout(Duration::from_secs(1))
+            .execution_timeout(Duration::from_millis(10)),
         )
         .unwrap()
         .await
         .unwrap_err();
-    assert_eq!((err.stage(), err.reason()), (Stage::Execution, Reason::Timeout));
+    assert_eq!((err.stage(), err.reason()), (Stage::Queue, Reason::Timeout));
+    assert!(err.is_queue_failure());
     assert_eq!(ran.load(Ordering::SeqCst), 0);
     assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "the wait was withdrawn");
 }
@@ -990,4 +994,59 @@ async fn run_wait_and_spawn_wait_wait_for_room_in_order_until_a_deadline() {
     assert_eq!(closed.kind(), AdmissionErrorKind::Closed);
     gate.open();
     lanes.drained().await;
+}
+
+/// The fusee rule (issue 14's reproduction): in a lane of one slot, a run waiting on a busy
+/// limit used to hold the slot, so the lane stopped ("executing 1, queued 1, the job not
+/// started"). It now waits holding nothing: a later run without a limit runs at once, the
+/// waiting run starts when the permit comes back, and closing ends the wait with `Closed`.
+#[tokio::test(start_paused = true)]
+async fn a_run_waiting_for_its_limit_holds_no_slot() {
+    let lanes = set(&[("one", 1, 4)]);
+    let limits = lanes::Limits::new();
+    limits.define("api", lanes::LimitSpec::concurrent(1)).await.unwrap();
+    let held = limits.acquire("api", lanes::Priority::default()).await.unwrap();
+    let started = Arc::new(AtomicUsize::new(0));
+    let started2 = started.clone();
+    let waiting = lanes
+        .run(
+            "one",
+            Run::new(move |_| async move {
+                started2.fetch_add(1, Ordering::SeqCst);
+                Res::Ok("limited")
+            })
+            .limit(&limits, "api", Default::default()),
+        )
+        .unwrap();
+    tokio::task::yield_now().await;
+    let lane = &lanes.snapshot().lanes[0];
+    assert_eq!((lane.executing, lane.queued), (0, 1), "waits for its permit, not in a slot");
+    // The lane's only slot is free for a run without a limit, admitted later.
+    let free = lanes.run("one", Run::new(|_| async { Res::Ok("free") })).unwrap();
+    assert_eq!(tokio::time::timeout(Duration::from_secs(1), free).await.unwrap().unwrap(), "free");
+    assert_eq!(started.load(Ordering::SeqCst), 0);
+    // The permit comes back: the waiting run takes it, then the slot.
+    drop(held);
+    assert_eq!(waiting.await.unwrap(), "limited");
+    assert_eq!(started.load(Ordering::SeqCst), 1);
+    assert_eq!(limits.info("api").await.unwrap().unwrap().in_use, 0);
+
+    // Closing ends a permit wait with `Closed` in the queue stage, and the limit's queue is
+    // left clean.
+    let held = limits.acquire("api", lanes::Priority::default()).await.unwrap();
+    let waiting = lanes
+        .run(
+            "one",
+            Run::new(|_| async { Res::Ok("never") }).limit(&limits, "api", Default::default()),
+        )
+        .unwrap();
+    tokio::task::yield_now().await;
+    lanes.close();
+    let err = waiting.await.unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Queue, Reason::Closed));
+    lanes.drained().await;
+    assert_eq!(limits.info("api").await.unwrap().unwrap().waiting, 0);
+    drop(held);
+    let lane = &lanes.snapshot().lanes[0];
+    assert_eq!((lane.owned, lane.executing, lane.queued), (0, 0, 0));
 }

@@ -21,8 +21,11 @@
 //!
 //! # Ordering
 //!
-//! Execution slots are granted in strict admission (FIFO) order per lane: a run admitted later
-//! never starts before one admitted earlier that is still waiting. Queue wait does not count
+//! Execution slots are granted in strict FIFO order per lane: a run admitted later never starts
+//! before one admitted earlier that is still waiting. A run that names a limit
+//! ([`Run::limit`]) first waits for its permit without holding a slot, and joins the FIFO when
+//! the permit is granted, so slots go in the order runs became ready and a busy limit never
+//! stops the rest of the lane. Queue wait (including the wait for a permit) does not count
 //! against the execution timeout, whose clock starts at grant.
 //!
 //! # Overflow

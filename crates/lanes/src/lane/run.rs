@@ -241,16 +241,27 @@ impl<J: Job, F> Run<J, F> {
     }
 
     /// Cancels the job with [`Reason::Timeout`] if it runs longer than `timeout`. The clock
-    /// starts at grant: queue wait does not count, the wait for the run's limit does.
+    /// starts at grant: neither the queue wait nor the wait for the run's limit counts (both
+    /// are bounded by the [queue timeout](Self::queue_timeout)).
     pub fn execution_timeout(mut self, timeout: Duration) -> Self {
         self.execution_timeout = Some(timeout);
         self
     }
 
-    /// Takes a permit of limit `name` at `priority` once the lane grants execution and before
-    /// the job starts; the permit is returned when the job ends, before the finalizer. The wait
-    /// for the permit is cancelled like the job (close, timeout, a dropped handle); a refusal
-    /// fails the run with [`Reason::Limit`].
+    /// Takes a permit of limit `name` at `priority` before the run asks for an execution slot;
+    /// the permit is returned when the job ends, before the finalizer.
+    ///
+    /// The wait for the permit holds no execution slot, so a lane whose runs wait on a busy
+    /// limit still runs everything else (the *fusee rule*). The run waits for its permit in
+    /// the limit's order (priority, fairness key, arrival), then for a slot in the lane's order:
+    /// slots go to runs in the order they became *ready*, which is admission for a run without
+    /// a limit and the grant of its permit for a run with one. It holds its permit while it
+    /// waits for a slot, which only ever waits on jobs that are running.
+    ///
+    /// Both waits are the run's queue stage: bounded by the [queue
+    /// timeout](Self::queue_timeout), cancelled by close or a dropped handle, and a refusal of the
+    /// limit (an unknown limit, too many waiters) fails the run at [`Stage::Queue`] with
+    /// [`Reason::Limit`]. The run counts as queued in the lane's snapshot meanwhile.
     pub fn limit(mut self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
         self.limit = Some(RunLimit { limits: limits.clone(), name: name.into(), priority });
         self

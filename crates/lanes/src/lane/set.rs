@@ -515,6 +515,8 @@ enum Start {
         /// When it was admitted, if wait timing is on.
         since: Option<tokio::time::Instant>,
     },
+    /// Waiting for its limit's permit, holding no execution slot, then for a slot.
+    Limited { seq: u64, deadline: Option<Instant>, since: Option<tokio::time::Instant> },
 }
 
 impl SetShared {
@@ -532,8 +534,9 @@ impl SetShared {
         let lane = &self.lanes[index];
         let admitted = {
             let mut core = lock(&lane.core);
-            let admitted =
-                core.admit(count_full, |_| Arc::new(RunSignal::new())).map(|(admitted, signal)| {
+            let admitted = core
+                .admit(count_full, run.limit.is_some(), |_| Arc::new(RunSignal::new()))
+                .map(|(admitted, signal)| {
                     // Counted under the lane lock (invariant 3); ids increase in admission order.
                     self.owned.fetch_add(1, Ordering::AcqRel);
                     let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
@@ -557,6 +560,11 @@ impl SetShared {
                     Admitted::Queued { seq } => Start::Queued {
                         seq,
                         // The clock is read only for runs that wait with a timeout.
+                        deadline: run.queue_timeout.map(|limit| Instant::now() + limit),
+                        since: crate::observe::timing_start(),
+                    },
+                    Admitted::Limited { seq } => Start::Limited {
+                        seq,
                         deadline: run.queue_timeout.map(|limit| Instant::now() + limit),
                         since: crate::observe::timing_start(),
                     },
@@ -786,23 +794,25 @@ where
     async move {
         let (job, finalizer, cleanup) = (callbacks.job, callbacks.finalizer, callbacks.cleanup);
         // Queue, start audit and execution; the execution slot goes back before anything else.
-        let executed = match t.start {
-            Start::Executing { slot } => Ok(slot),
+        let (granted, since) = match t.start {
+            Start::Executing { slot } => (Ok((slot, None)), None),
             Start::Queued { seq, deadline, since } => {
-                let granted = await_grant(&t, seq, deadline).await;
-                if let (Ok(_), Some(since)) = (&granted, since) {
-                    let waited = since.elapsed().as_secs_f64();
-                    t.shared.lanes[t.info.lane].metrics.queue_wait.record(waited);
-                }
-                granted
+                (await_grant(&t, seq, deadline).await.map(|slot| (slot, None)), since)
+            }
+            Start::Limited { seq, deadline, since } => {
+                (await_permit(&t, seq, deadline).await, since)
             }
         };
-        let executed = match executed {
+        if let (Ok(_), Some(since)) = (&granted, since) {
+            let waited = since.elapsed().as_secs_f64();
+            t.shared.lanes[t.info.lane].metrics.queue_wait.record(waited);
+        }
+        let executed = match granted {
             Err(failed) => Err(failed),
-            Ok(slot) => {
+            Ok((slot, permit)) => {
                 let executed = match t.audit(AuditKind::Started).await {
                     Err(err) => Err((Stage::Start, Reason::Audit, Some(err))),
-                    Ok(()) => execute(&t, job).await,
+                    Ok(()) => execute(&t, job, permit).await,
                 };
                 t.shared.release_execution(t.info.lane, slot);
                 executed
@@ -918,55 +928,102 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
     }
 }
 
-/// Takes the run's permit, if it names a limit, unless the run is cancelled or times out first.
-async fn take_permit(t: &Ticket, deadline: &mut Deadline) -> Result<Option<Permit>, Failed> {
-    let Some(limit) = &t.limit else {
-        return Ok(None);
+/// Waits for the run's permit holding no execution slot (the fusee rule: a run that waits on a
+/// limit holds nothing a runnable job could use), then for a slot in readiness order, holding
+/// the permit. Fails like a queued run: at [`Stage::Queue`], on close, cancellation, the queue
+/// timeout, or a refusal of the limit ([`Reason::Limit`]).
+async fn await_permit(
+    t: &Ticket,
+    seq: u64,
+    deadline: Option<Instant>,
+) -> Result<(usize, Option<Permit>), Failed> {
+    enum Woke {
+        Permit(Result<Permit, crate::limit::LimitError>),
+        Shut(Shut),
+        Cancelled(Reason),
+    }
+    let limit = t.limit.as_ref().expect("a limited run names a limit");
+    let lane = &t.shared.lanes[t.info.lane];
+    let shut_failure = |why: Shut| match why {
+        Shut::Closed => Err((Stage::Queue, Reason::Closed, None)),
+        Shut::Poisoned => Err((Stage::Queue, Reason::Poisoned, t.shared.poison_error())),
     };
-    // Boxed: most runs name no limit, and their state machine stays small.
-    let mut acquire = Box::pin(limit.limits.acquire(&limit.name, limit.priority.clone()));
-    let signal = &t.signal;
-    let woke = poll_fn(|cx| {
-        if let Poll::Ready(acquired) = acquire.as_mut().poll(cx) {
-            return Poll::Ready(
-                acquired.map_err(|err| (Reason::Limit, Some(Box::new(err) as BoxError))),
-            );
-        }
-        if let Poll::Ready(reason) = signal.poll_driver(cx, RunSignal::cancel_reason) {
-            return Poll::Ready(Err((reason, None)));
-        }
-        deadline.poll_elapsed(cx).map(|()| {
-            signal.cancel(Reason::Timeout);
-            Err((signal.cancel_reason().unwrap_or(Reason::Timeout), None))
+    let woke = {
+        // Boxed: most runs name no limit, and their state machine stays small.
+        let mut acquire = Box::pin(limit.limits.acquire(&limit.name, limit.priority.clone()));
+        let signal = &t.signal;
+        let mut timer = Deadline::new(deadline);
+        poll_fn(|cx| {
+            if let Poll::Ready(acquired) = acquire.as_mut().poll(cx) {
+                return Poll::Ready(Woke::Permit(acquired));
+            }
+            let stopped = signal.poll_driver(cx, |s| match s.grant_state() {
+                Decision::Shut(why) => Some(Woke::Shut(why)),
+                _ => s.cancel_reason().map(Woke::Cancelled),
+            });
+            if stopped.is_ready() {
+                return stopped;
+            }
+            timer.poll_elapsed(cx).map(|()| Woke::Cancelled(Reason::Timeout))
         })
-    })
-    .await;
-    match woke {
-        Ok(permit) => Ok(Some(permit)),
-        Err((reason, cause)) => {
-            let cause = match (reason, t.execution_timeout) {
-                (Reason::Timeout, Some(limit)) => {
-                    Some(Box::new(TimeoutError::new(Stage::Execution, limit)) as BoxError)
-                }
-                (Reason::Poisoned, _) => t.shared.poison_error(),
-                _ => cause,
+        .await
+        // The acquire future is dropped here: an unfinished wait withdraws its ticket.
+    };
+    let (reason, cause) = match woke {
+        Woke::Permit(Ok(permit)) => {
+            let ready = {
+                let mut core = lock(&lane.core);
+                let ready = core.ready(seq);
+                lane.publish(&core);
+                ready
             };
-            Err((Stage::Execution, reason, cause))
+            return match ready {
+                Some(Admitted::Executing { slot, .. }) => Ok((slot, Some(permit))),
+                Some(Admitted::Queued { seq }) => {
+                    await_grant(t, seq, deadline).await.map(|slot| (slot, Some(permit)))
+                }
+                Some(Admitted::Limited { .. }) => unreachable!("a ready run is not limited"),
+                // Detached by a shut while the permit was being granted.
+                None => match t.signal.grant_state() {
+                    Decision::Shut(why) => shut_failure(why),
+                    _ => unreachable!("only a shut detaches a limited run"),
+                },
+            };
         }
+        Woke::Permit(Err(err)) => (Reason::Limit, Some(Box::new(err) as BoxError)),
+        Woke::Shut(why) => return shut_failure(why),
+        Woke::Cancelled(reason) => {
+            let cause = match (reason, t.queue_timeout) {
+                (Reason::Timeout, Some(limit)) => {
+                    Some(Box::new(TimeoutError::new(Stage::Queue, limit)) as BoxError)
+                }
+                _ => None,
+            };
+            (reason, cause)
+        }
+    };
+    let mut core = lock(&lane.core);
+    if core.withdraw_limited(seq) {
+        lane.publish(&core);
+        return Err((Stage::Queue, reason, cause));
+    }
+    match t.signal.grant_state() {
+        Decision::Shut(why) => shut_failure(why),
+        _ => unreachable!("only a shut detaches a limited run"),
     }
 }
 
 /// Runs the job until it ends, or until it is cancelled and then ends within the drain timeout.
 /// A job that outlives the drain timeout poisons the set and is dropped.
-async fn execute<J: Job>(t: &Ticket, job: J) -> Result<J::Output, Failed> {
+async fn execute<J: Job>(t: &Ticket, job: J, permit: Option<Permit>) -> Result<J::Output, Failed> {
     let panicked = || {
         let cause = Box::new(PanicError::new(Stage::Execution)) as BoxError;
         Err((Stage::Execution, Reason::Panic, Some(cause)))
     };
-    // The execution clock starts at grant: it covers the wait for the run's limit.
+    // The execution clock starts at grant (the run's permit, if any, is held already).
     let mut deadline = Deadline::new(t.execution_timeout.map(|limit| Instant::now() + limit));
     // Dropped when this function returns: after the job, before the finalizer.
-    let _permit = take_permit(t, &mut deadline).await?;
+    let _permit = permit;
     let cx = RunContext {
         run_id: t.info.run_id,
         lane: t.lane_name(),

@@ -10,12 +10,17 @@
 //!    [`LaneCore::complete`], after the run's finalizer and cleanup.
 //! 2. `executing <= concurrent`: an execution slot is taken at grant and given back by
 //!    [`LaneCore::release_execution`], *before* the finalizer runs.
-//! 3. `queue.len() + executing <= owned`; the rest of `owned` are runs finalizing.
-//! 4. Grants follow admission order: only the queue head may be granted, and
+//! 3. `limited.len() + queue.len() + executing <= owned`; the rest of `owned` are runs
+//!    finalizing.
+//! 4. Grants follow readiness order: only the queue head may be granted, and
 //!    [`LaneCore::grant`] runs after every change that frees a slot. Hence while
-//!    `executing < concurrent` the queue is empty, and a new admission either starts at once
-//!    (empty queue) or waits behind everyone admitted before it.
-//! 5. Once closed (or poisoned) the lane admits and grants nothing; closing detaches the queue.
+//!    `executing < concurrent` the queue is empty, and a run that becomes ready either starts
+//!    at once (empty queue) or waits behind everyone ready before it. A run is ready at
+//!    admission, or, if it names a limit, once its permit is granted ([`LaneCore::ready`]): until
+//!    then it waits in `limited`, holding no execution slot (so a slot is only ever held by a
+//!    job that can run).
+//! 5. Once closed (or poisoned) the lane admits and grants nothing; closing detaches the queue
+//!    and the runs waiting for a permit.
 
 use std::collections::VecDeque;
 
@@ -37,6 +42,8 @@ pub(crate) enum Admitted {
     Executing { seq: u64, slot: usize },
     /// The run waits in the queue.
     Queued { seq: u64 },
+    /// The run waits for its limit's permit before it joins the queue.
+    Limited { seq: u64 },
 }
 
 /// The waiting runs in admission order. Withdrawn runs leave a tombstone (found by binary
@@ -137,8 +144,10 @@ pub(crate) struct LaneCore<W> {
     next_seq: u64,
     owned: usize,
     executing: usize,
-    /// Waiting runs in admission order.
+    /// Waiting runs in readiness order.
     queue: RunQueue<W>,
+    /// Admitted runs waiting for their limit's permit, by admission sequence.
+    limited: RunQueue<W>,
     /// Executing runs, so that close and poison can cancel them.
     running: Slots<W>,
     counters: LaneCounters,
@@ -153,6 +162,7 @@ impl<W: Clone> LaneCore<W> {
             owned: 0,
             executing: 0,
             queue: RunQueue::new(),
+            limited: RunQueue::new(),
             running: Slots::new(),
             counters: LaneCounters::default(),
         }
@@ -160,10 +170,13 @@ impl<W: Clone> LaneCore<W> {
 
     /// Admits a run, or says why not. `make` builds the run's payload only once the run is
     /// admitted, so a rejection costs no allocation. A full lane is counted as a refusal only
-    /// if `count_full` (a caller waiting for room counts once, when it gives up).
+    /// if `count_full` (a caller waiting for room counts once, when it gives up). A `limited`
+    /// run (one that names a limit) is owned but not ready: it waits for its permit in
+    /// `limited`, and [`ready`](Self::ready) moves it on.
     pub(crate) fn admit(
         &mut self,
         count_full: bool,
+        limited: bool,
         make: impl FnOnce(u64) -> W,
     ) -> Result<(Admitted, W), AdmissionErrorKind> {
         let rejection = match self.shut {
@@ -184,13 +197,39 @@ impl<W: Clone> LaneCore<W> {
         self.owned += 1;
         self.counters.admitted += 1;
         self.counters.max_owned = self.counters.max_owned.max(self.owned);
-        if self.queue.is_empty() && self.executing < self.limits.concurrent {
-            let slot = self.start(payload.clone());
-            Ok((Admitted::Executing { seq, slot }, payload))
-        } else {
-            self.queue.push(seq, payload.clone());
-            Ok((Admitted::Queued { seq }, payload))
+        if limited {
+            self.limited.push(seq, payload.clone());
+            return Ok((Admitted::Limited { seq }, payload));
         }
+        let admitted = self.enter(payload.clone());
+        Ok((admitted, payload))
+    }
+
+    /// A ready run takes a free slot if nobody is ahead of it, else joins the queue's tail.
+    fn enter(&mut self, payload: W) -> Admitted {
+        let seq = self.next_seq;
+        if self.queue.is_empty() && self.executing < self.limits.concurrent {
+            let slot = self.start(payload);
+            Admitted::Executing { seq, slot }
+        } else {
+            self.queue.push(seq, payload);
+            Admitted::Queued { seq }
+        }
+    }
+
+    /// The limited run admitted as `seq` got its permit: it becomes ready, under a new
+    /// sequence (its place in the queue is its readiness). `None` if it is no longer waiting
+    /// (the lane was shut meanwhile and detached it).
+    pub(crate) fn ready(&mut self, seq: u64) -> Option<Admitted> {
+        let payload = self.limited.remove(seq)?;
+        self.next_seq += 1;
+        Some(self.enter(payload))
+    }
+
+    /// Takes a limited run out (cancelled, timed out or refused while waiting for its permit).
+    /// Returns false if it is no longer waiting (detached by a shut).
+    pub(crate) fn withdraw_limited(&mut self, seq: u64) -> bool {
+        self.limited.remove(seq).is_some()
     }
 
     fn start(&mut self, payload: W) -> usize {
@@ -260,6 +299,7 @@ impl<W: Clone> LaneCore<W> {
             self.shut = Some(why);
         }
         self.queue.drain().for_each(&mut on_queued);
+        self.limited.drain().for_each(&mut on_queued);
         self.running.iter().for_each(on_running);
     }
 
@@ -275,8 +315,9 @@ impl<W: Clone> LaneCore<W> {
         self.executing
     }
 
+    /// Runs owned and waiting to start: for an execution slot, or for their permit first.
     pub(crate) fn queued(&self) -> usize {
-        self.queue.len()
+        self.queue.len() + self.limited.len()
     }
 
     pub(crate) fn counters(&self) -> &LaneCounters {
@@ -330,34 +371,37 @@ mod tests {
     #[test]
     fn grants_in_admission_order() {
         let mut lane = core(1, 2);
-        assert_eq!(lane.admit(true, |s| s).unwrap().0, Admitted::Executing { seq: 1, slot: 0 });
-        assert_eq!(lane.admit(true, |s| s).unwrap().0, Admitted::Queued { seq: 2 });
-        assert_eq!(lane.admit(true, |s| s).unwrap().0, Admitted::Queued { seq: 3 });
-        assert_eq!(lane.admit(true, |s| s), Err(AdmissionErrorKind::Full));
+        assert_eq!(
+            lane.admit(true, false, |s| s).unwrap().0,
+            Admitted::Executing { seq: 1, slot: 0 }
+        );
+        assert_eq!(lane.admit(true, false, |s| s).unwrap().0, Admitted::Queued { seq: 2 });
+        assert_eq!(lane.admit(true, false, |s| s).unwrap().0, Admitted::Queued { seq: 3 });
+        assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Full));
         let mut granted = Vec::new();
         assert!(lane.release_execution(0, |s, slot, _| granted.push((s, slot))));
         assert!(!lane.release_execution(1, |_, _, _| {}), "slot 1 was never used");
         assert_eq!(granted, [(2, 0)]);
         // Run 1 still owns its slot while it finalizes: the lane is still full.
-        assert_eq!(lane.admit(true, |s| s), Err(AdmissionErrorKind::Full));
+        assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Full));
         lane.complete(None);
-        assert_eq!(lane.admit(true, |s| s).unwrap().0, Admitted::Queued { seq: 4 });
+        assert_eq!(lane.admit(true, false, |s| s).unwrap().0, Admitted::Queued { seq: 4 });
     }
 
     #[test]
     fn withdraw_does_not_grant_and_close_detaches() {
         let mut lane = core(1, 3);
-        lane.admit(true, |s| s).unwrap();
-        lane.admit(true, |s| s).unwrap();
-        lane.admit(true, |s| s).unwrap();
+        lane.admit(true, false, |s| s).unwrap();
+        lane.admit(true, false, |s| s).unwrap();
+        lane.admit(true, false, |s| s).unwrap();
         assert!(lane.withdraw(2));
         assert!(!lane.withdraw(2));
         let (mut detached, mut cancelled) = (Vec::new(), Vec::new());
         lane.shut(Shut::Closed, |w| detached.push(w), |w| cancelled.push(*w));
         assert_eq!((detached, cancelled), (vec![3], vec![1]));
-        assert_eq!(lane.admit(true, |s| s), Err(AdmissionErrorKind::Closed));
+        assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Closed));
         lane.shut(Shut::Poisoned, |_| {}, |_| {});
-        assert_eq!(lane.admit(true, |s| s), Err(AdmissionErrorKind::Poisoned));
+        assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Poisoned));
         assert_eq!(lane.counters().rejected.closed, 1);
         assert_eq!(lane.counters().rejected.poisoned, 1);
     }
@@ -371,6 +415,12 @@ mod tests {
         Complete(usize),
         /// Withdraw the n-th queued run.
         Withdraw(usize),
+        /// Admit a run that names a limit (it waits for its permit first).
+        AdmitLimited,
+        /// The n-th run waiting for its permit gets it.
+        Ready(usize),
+        /// The n-th run waiting for its permit gives up.
+        WithdrawLimited(usize),
         Close,
     }
 
@@ -380,13 +430,16 @@ mod tests {
             3 => any::<usize>().prop_map(Op::Release),
             3 => any::<usize>().prop_map(Op::Complete),
             1 => any::<usize>().prop_map(Op::Withdraw),
+            2 => Just(Op::AdmitLimited),
+            2 => any::<usize>().prop_map(Op::Ready),
+            1 => any::<usize>().prop_map(Op::WithdrawLimited),
             1 => Just(Op::Close),
         ]
     }
 
     proptest! {
-        /// The core against a reference model: a plain FIFO list, a set of executing runs and a
-        /// count of finalizing ones.
+        /// The core against a reference model: a plain FIFO list of ready runs, a list of runs
+        /// waiting for their permit, a set of executing runs and a count of finalizing ones.
         #[test]
         fn matches_reference_model(
             concurrent in 1usize..4,
@@ -395,6 +448,10 @@ mod tests {
         ) {
             let mut lane = core(concurrent, queued);
             let mut model_queue: Vec<u64> = Vec::new();
+            // Runs waiting for their permit, by admission sequence (also their payload).
+            let mut model_limited: Vec<u64> = Vec::new();
+            // The payload of each queued or running sequence.
+            let mut payload_of = std::collections::BTreeMap::new();
             let mut model_running: Vec<u64> = Vec::new();
             let mut slot_of = std::collections::BTreeMap::new();
             let mut finalizing: Vec<u64> = Vec::new();
@@ -403,9 +460,54 @@ mod tests {
             let mut grant_order: Vec<u64> = Vec::new();
             for op in ops {
                 match op {
+                    Op::AdmitLimited => {
+                        let owned = model_queue.len()
+                            + model_limited.len()
+                            + model_running.len()
+                            + finalizing.len();
+                        let answer = lane.admit(true, true, |s| s);
+                        if closed {
+                            prop_assert_eq!(answer, Err(AdmissionErrorKind::Closed));
+                        } else if owned >= concurrent + queued {
+                            prop_assert_eq!(answer, Err(AdmissionErrorKind::Full));
+                        } else {
+                            next += 1;
+                            prop_assert_eq!(answer, Ok((Admitted::Limited { seq: next }, next)));
+                            model_limited.push(next);
+                        }
+                    }
+                    Op::Ready(i) if !model_limited.is_empty() => {
+                        let payload = model_limited.remove(i % model_limited.len());
+                        next += 1;
+                        let answer = lane.ready(payload);
+                        payload_of.insert(next, payload);
+                        if model_queue.is_empty() && model_running.len() < concurrent {
+                            let Some(Admitted::Executing { seq, slot }) = answer else {
+                                return Err(TestCaseError::fail(format!("{answer:?}")));
+                            };
+                            prop_assert_eq!(seq, next);
+                            prop_assert!(!slot_of.values().any(|s| *s == slot), "slot reused");
+                            slot_of.insert(next, slot);
+                            model_running.push(next);
+                            grant_order.push(next);
+                        } else {
+                            prop_assert_eq!(answer, Some(Admitted::Queued { seq: next }));
+                            model_queue.push(next);
+                        }
+                    }
+                    Op::WithdrawLimited(i) if !model_limited.is_empty() => {
+                        let seq = model_limited.remove(i % model_limited.len());
+                        prop_assert!(lane.withdraw_limited(seq));
+                        prop_assert!(!lane.withdraw_limited(seq), "withdrawn once");
+                        prop_assert_eq!(lane.ready(seq), None, "a withdrawn run is never ready");
+                        finalizing.push(seq);
+                    }
                     Op::Admit => {
-                        let owned = model_queue.len() + model_running.len() + finalizing.len();
-                        let answer = lane.admit(true, |s| s);
+                        let owned = model_queue.len()
+                            + model_limited.len()
+                            + model_running.len()
+                            + finalizing.len();
+                        let answer = lane.admit(true, false, |s| s);
                         if closed {
                             prop_assert_eq!(answer, Err(AdmissionErrorKind::Closed));
                         } else if owned >= concurrent + queued {
@@ -417,12 +519,14 @@ mod tests {
                                     return Err(TestCaseError::fail(format!("{answer:?}")));
                                 };
                                 prop_assert_eq!((seq, payload), (next, next));
+                                payload_of.insert(next, next);
                                 prop_assert!(!slot_of.values().any(|s| *s == slot), "slot reused");
                                 slot_of.insert(next, slot);
                                 model_running.push(next);
                                 grant_order.push(next);
                             } else {
                                 prop_assert_eq!(answer, Ok((Admitted::Queued { seq: next }, next)));
+                                payload_of.insert(next, next);
                                 model_queue.push(next);
                             }
                         }
@@ -459,20 +563,26 @@ mod tests {
                     Op::Close => {
                         let mut detached = Vec::new();
                         lane.shut(Shut::Closed, |w| detached.push(w), |_| {});
-                        prop_assert_eq!(&detached, &model_queue);
+                        // The queue's runs in order, then those waiting for a permit.
+                        let mut expected: Vec<u64> =
+                            model_queue.iter().map(|seq| payload_of[seq]).collect();
+                        expected.extend(&model_limited);
+                        prop_assert_eq!(&detached, &expected);
                         finalizing.append(&mut model_queue);
+                        finalizing.append(&mut model_limited);
                         closed = true;
                     }
                     _ => {}
                 }
-                let owned = model_queue.len() + model_running.len() + finalizing.len();
+                let owned =
+                    model_queue.len() + model_limited.len() + model_running.len() + finalizing.len();
                 prop_assert_eq!(lane.owned(), owned);
                 prop_assert_eq!(lane.executing(), model_running.len());
-                prop_assert_eq!(lane.queued(), model_queue.len());
+                prop_assert_eq!(lane.queued(), model_queue.len() + model_limited.len());
                 prop_assert!(lane.owned() <= concurrent + queued);
                 prop_assert!(lane.executing() <= concurrent);
             }
-            // Grants happened in admission order.
+            // Grants happened in readiness order.
             prop_assert!(grant_order.windows(2).all(|w| w[0] < w[1]));
         }
     }
