@@ -27,6 +27,10 @@
 //!   name is also its metrics label unless it is given its own.
 //! - **Refusals.** Every bound has a typed error, and an error that refuses a value hands it
 //!   back with `into_inner` (a run lane's also as `into_run`, a channel's as `into_record`).
+//! - **Permits.** Work that runs under a limit (a run, a pool's item, a consumer's batch)
+//!   takes its permits through one [`limit::Throttle`], whose refusal policy
+//!   ([`limit::OnRefusal`]) is explicit, and waits for them holding nothing else of its
+//!   primitive: a run waits for its permit without an execution slot.
 //! - **Metrics.** Every series is `lanes_<primitive>_<quantity>`: counters end in `_total`,
 //!   durations are `_seconds` histograms, gauges have no suffix, and every series carries the
 //!   label naming its primitive. The whole table, with help text, is

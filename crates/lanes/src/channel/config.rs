@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::codec::Codec;
 use crate::BoxError;
 use crate::config::{ConfigError, ConfigRule};
-use crate::limit::{Limits, Priority};
+use crate::limit::{Limits, OnRefusal, Priority, Throttle};
 use crate::spill::{SpillError, SpillQueue};
 
 /// The largest capacity a channel accepts.
@@ -295,9 +295,7 @@ pub struct ConsumerOptions<T> {
 }
 
 pub(crate) struct ConsumerLimit {
-    pub(crate) limits: Limits,
-    pub(crate) name: Arc<str>,
-    pub(crate) priority: Priority,
+    pub(crate) throttle: Throttle,
     pub(crate) per: PermitPer,
 }
 
@@ -349,16 +347,23 @@ impl<T> ConsumerOptions<T> {
     }
 
     /// A permit of the limit `name` is taken before each batch (or each record, see
-    /// [`PermitPer`]) is delivered, and returned when the batch is settled or dropped.
+    /// [`PermitPer`]) is taken out of the channel, and returned when the batch is settled or
+    /// dropped. A refusal is retried after a backoff ([`OnRefusal::RETRY`]): records are never
+    /// lost to it, and each refusal counts in the snapshot's `limit_errors`.
     pub fn limit(
-        mut self,
+        self,
         limits: &Limits,
         name: impl Into<Arc<str>>,
         priority: Priority,
         per: PermitPer,
     ) -> Self {
-        self.limit =
-            Some(ConsumerLimit { limits: limits.clone(), name: name.into(), priority, per });
+        self.throttle(Throttle::new(limits, name, priority).on_refusal(OnRefusal::RETRY), per)
+    }
+
+    /// Like [`limit`](Self::limit), with the limit, priority and backoff of `throttle`, whose
+    /// policy must be [`OnRefusal::Retry`] (checked when the consumer is built).
+    pub fn throttle(mut self, throttle: Throttle, per: PermitPer) -> Self {
+        self.limit = Some(ConsumerLimit { throttle, per });
         self
     }
 
@@ -372,6 +377,12 @@ impl<T> ConsumerOptions<T> {
                 field("batch_max"),
                 ConfigRule::OverMax { max: MAX_CAPACITY },
             ));
+        }
+        if let Some(limit) = &self.limit
+            && limit.throttle.refusal_policy() == OnRefusal::Fail
+        {
+            // A consumer has no run to fail: its records wait in the channel.
+            return Err(ConfigError::new(field("throttle"), ConfigRule::Unsupported));
         }
         if matches!(self.on_failure, FailurePolicy::Tag(_)) && self.output.is_none() {
             return Err(ConfigError::new(field("output"), ConfigRule::Missing));
@@ -398,7 +409,7 @@ impl<T> fmt::Debug for ConsumerOptions<T> {
             .field("batch_flush", &self.batch_flush)
             .field("on_failure", &self.on_failure)
             .field("output", &self.output.is_some())
-            .field("limit", &self.limit.as_ref().map(|l| (&*l.name, l.per)))
+            .field("limit", &self.limit.as_ref().map(|l| (l.throttle.name(), l.per)))
             .finish()
     }
 }

@@ -15,7 +15,7 @@ use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
 use super::receipt::{ReceiptState, Settlement};
 use super::shared::{ChannelShared, Entry};
-use crate::limit::{LimitError, Permit, TryAcquireError};
+use crate::limit::{LimitError, OnRefusal, Permit};
 use crate::spill::{SpillError, SpillQueue};
 use crate::util::lock;
 use crate::{BoxError, BoxFuture};
@@ -25,8 +25,6 @@ const TIMER_TICK: Duration = Duration::from_millis(1);
 
 /// The most records `recv` takes under one lock.
 const PREFETCH: usize = 64;
-const BACKOFF_FIRST: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
 
 /// How a consumer's batches are formed and settled; shared with its batches.
 pub(crate) struct Plan<T> {
@@ -36,6 +34,20 @@ pub(crate) struct Plan<T> {
     output: Option<SpillQueue>,
     codec: Option<Arc<dyn Codec<T>>>,
     limit: Option<ConsumerLimit>,
+}
+
+impl<T> Plan<T> {
+    /// The first and longest pause after a refusal of the consumer's limit.
+    fn backoff(&self) -> (Duration, Duration) {
+        match self.limit.as_ref().map(|limit| limit.throttle.refusal_policy()) {
+            Some(OnRefusal::Retry { first, max }) => (first, max),
+            // Refused when the consumer was built: a consumer only retries.
+            _ => match OnRefusal::RETRY {
+                OnRefusal::Retry { first, max } => (first, max),
+                OnRefusal::Fail => unreachable!("RETRY retries"),
+            },
+        }
+    }
 }
 
 /// The receiving end of a [`Channel`](super::Channel): delivers records in [`Batch`]es of up
@@ -80,7 +92,8 @@ pub struct Consumer<T> {
     acquiring: Option<BoxFuture<'static, Result<Vec<Permit>, LimitError>>>,
     permits: Vec<Permit>,
     backoff: Option<Pin<Box<Sleep>>>,
-    next_backoff: Duration,
+    /// The next pause after a refusal of the limit; `None` until one happens.
+    next_backoff: Option<Duration>,
     /// Records `recv` took and has not handed out yet, last first.
     local: Vec<Entry<T>>,
 }
@@ -95,7 +108,7 @@ impl<T: Send + 'static> Consumer<T> {
             acquiring: None,
             permits: Vec::new(),
             backoff: None,
-            next_backoff: BACKOFF_FIRST,
+            next_backoff: None,
             local: Vec::new(),
         }
     }
@@ -229,12 +242,13 @@ impl<T: Send + 'static> Consumer<T> {
                 match answer {
                     Ok(permits) => {
                         self.permits.extend(permits);
-                        self.next_backoff = BACKOFF_FIRST;
+                        self.next_backoff = None;
                     }
                     Err(_) => {
                         lock(&self.shared.state).counters.limit_errors += 1;
-                        let wait = self.next_backoff;
-                        self.next_backoff = (wait * 2).min(BACKOFF_MAX);
+                        let (first, max) = self.plan.backoff();
+                        let wait = self.next_backoff.unwrap_or(first);
+                        self.next_backoff = Some((wait * 2).min(max));
                         self.backoff = Some(Box::pin(tokio::time::sleep(wait)));
                         continue;
                     }
@@ -302,24 +316,14 @@ impl<T: Send + 'static> Consumer<T> {
     }
 }
 
-/// Acquires one permit (waiting), then up to `want - 1` more that are free right now.
+/// One attempt at one permit (waiting), then up to `want - 1` more that are free right now;
+/// the consumer applies the throttle's backoff itself, to count each refusal.
 fn acquire(
     limit: &ConsumerLimit,
     want: usize,
 ) -> BoxFuture<'static, Result<Vec<Permit>, LimitError>> {
-    let (limits, name, priority) =
-        (limit.limits.clone(), limit.name.clone(), limit.priority.clone());
-    Box::pin(async move {
-        let mut permits = vec![limits.acquire(&name, priority.clone()).await?];
-        while permits.len() < want {
-            match limits.try_acquire(&name, priority.clone()).await {
-                Ok(permit) => permits.push(permit),
-                Err(TryAcquireError::Limit(err)) => return Err(err),
-                Err(_) => break,
-            }
-        }
-        Ok(permits)
-    })
+    let throttle = limit.throttle.clone();
+    Box::pin(async move { throttle.acquire_up_to_once(want).await })
 }
 
 impl<T: Send + 'static> futures_core::Stream for Consumer<T> {

@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 
 use super::error::{Reason, RunFailure, Stage};
 use super::signal::RunSignal;
-use crate::limit::{Limits, Priority};
+use crate::limit::{Limits, Priority, Throttle};
 use crate::{BoxError, BoxFuture};
 
 /// Identifies an admitted run. Unique within its [`LaneSet`](super::LaneSet) and increasing in
@@ -161,15 +161,7 @@ pub struct Run<J, F = Passthrough> {
     pub(crate) cleanup: Option<Cleanup>,
     pub(crate) queue_timeout: Option<Duration>,
     pub(crate) execution_timeout: Option<Duration>,
-    pub(crate) limit: Option<RunLimit>,
-}
-
-/// A limit a run takes a permit of before its job starts.
-#[derive(Debug, Clone)]
-pub(crate) struct RunLimit {
-    pub(crate) limits: Limits,
-    pub(crate) name: Arc<str>,
-    pub(crate) priority: Priority,
+    pub(crate) limit: Option<Throttle>,
 }
 
 impl<J> Run<J> {
@@ -262,8 +254,16 @@ impl<J: Job, F> Run<J, F> {
     /// timeout](Self::queue_timeout), cancelled by close or a dropped handle, and a refusal of the
     /// limit (an unknown limit, too many waiters) fails the run at [`Stage::Queue`] with
     /// [`Reason::Limit`]. The run counts as queued in the lane's snapshot meanwhile.
-    pub fn limit(mut self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
-        self.limit = Some(RunLimit { limits: limits.clone(), name: name.into(), priority });
+    ///
+    /// A refusal fails the run; [`throttle`](Self::throttle) takes a [`Throttle`] with another
+    /// [refusal policy](crate::limit::OnRefusal).
+    pub fn limit(self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
+        self.throttle(Throttle::new(limits, name, priority))
+    }
+
+    /// Like [`limit`](Self::limit), with the limit, priority and refusal policy of `throttle`.
+    pub fn throttle(mut self, throttle: Throttle) -> Self {
+        self.limit = Some(throttle);
         self
     }
 }

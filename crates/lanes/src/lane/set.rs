@@ -36,15 +36,13 @@ use super::error::{
     TimeoutError,
 };
 use super::metrics::LaneMetrics;
-use super::run::{
-    Cleanup, Finalize, Job, Participation, Run, RunContext, RunHandle, RunId, RunLimit,
-};
+use super::run::{Cleanup, Finalize, Job, Participation, Run, RunContext, RunHandle, RunId};
 use super::signal::{Decision, RunSignal};
 use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use super::state::{Admitted, LaneCore, Shut};
 use crate::BoxError;
 use crate::config::ConfigError;
-use crate::limit::Permit;
+use crate::limit::{Permit, Throttle};
 use crate::observe::{Observe, Snapshot};
 use crate::util::{CatchUnwind, Panicked, call_contained, lock};
 
@@ -491,7 +489,7 @@ struct Ticket {
     signal: Arc<RunSignal>,
     queue_timeout: Option<Duration>,
     execution_timeout: Option<Duration>,
-    limit: Option<RunLimit>,
+    limit: Option<Throttle>,
 }
 
 /// An admitted run, split into what `drive` borrows and what it consumes.
@@ -950,7 +948,7 @@ async fn await_permit(
     };
     let woke = {
         // Boxed: most runs name no limit, and their state machine stays small.
-        let mut acquire = Box::pin(limit.limits.acquire(&limit.name, limit.priority.clone()));
+        let mut acquire = Box::pin(limit.acquire());
         let signal = &t.signal;
         let mut timer = Deadline::new(deadline);
         poll_fn(|cx| {

@@ -77,6 +77,7 @@ mod metrics;
 mod priority;
 mod spec;
 mod table;
+mod throttle;
 mod waiters;
 
 pub use acquire::{REASK, drive};
@@ -93,4 +94,5 @@ pub use lost::LostLeases;
 pub use priority::Priority;
 pub use spec::{LimitSpec, SpecError};
 pub use table::{Acquire, BackendError, Grant, LimitError, LimitInfo, LimitTable, Next, Released};
+pub use throttle::{OnRefusal, Throttle};
 pub use waiters::WaitQueue;

@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::completion::{CompletionSource, Tracker, Untracked};
-use super::engine::{self, Core, Engine, Hooks, ItemLimit, Phase, PoolStats, Queued, Unkeyed};
+use super::engine::{self, Core, Engine, Hooks, Phase, PoolStats, Queued, Unkeyed};
 use super::error::{AbortReport, StopTimeout, SubmitError};
 use super::report::{PoolKind, PoolSnapshot, Reporter};
 use super::sched::Fifo;
 use crate::BoxError;
 use crate::config::{ConfigError, require, runtime};
-use crate::limit::{Limits, Priority};
+use crate::limit::{Limits, Priority, Throttle};
 use crate::observe::Registry;
 use crate::util::PanicPayload;
 
@@ -239,7 +239,7 @@ pub struct DispatcherBuilder<T> {
 pub(crate) struct Common<T> {
     pub(crate) name: Option<String>,
     pub(crate) registry: Option<(Registry, String)>,
-    pub(crate) limit: Option<ItemLimit>,
+    pub(crate) limit: Option<Throttle>,
     pub(crate) hooks: Hooks<T>,
     pub(crate) on_error: Option<Arc<dyn Fn(BoxError) + Send + Sync>>,
 }
@@ -265,8 +265,8 @@ impl<T: Send + 'static> Common<T> {
         self.hooks.on_panic = Some((Box::new(T::clone), Box::new(on_panic)));
     }
 
-    pub(crate) fn limit(&mut self, limits: &Limits, name: Arc<str>, priority: Priority) {
-        self.limit = Some(ItemLimit { limits: limits.clone(), name, priority });
+    pub(crate) fn throttle(&mut self, throttle: Throttle) {
+        self.limit = Some(throttle);
     }
 
     /// The metrics label: the explicit name, else the registry name, else "unnamed".
@@ -307,9 +307,17 @@ impl<T: Send + 'static> DispatcherBuilder<T> {
         self
     }
 
-    /// Every item takes a permit of limit `name` before it is processed.
-    pub fn limit(mut self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
-        self.common.limit(limits, name.into(), priority);
+    /// Every item takes a permit of limit `name` before it is processed, in the worker that
+    /// took it (a pool's workers are its concurrency, and per-key order needs the item in
+    /// hand). A refusal fails the item; [`throttle`](Self::throttle) takes another
+    /// [refusal policy](crate::limit::OnRefusal).
+    pub fn limit(self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
+        self.throttle(Throttle::new(limits, name, priority))
+    }
+
+    /// Like [`limit`](Self::limit), with the limit, priority and refusal policy of `throttle`.
+    pub fn throttle(mut self, throttle: Throttle) -> Self {
+        self.common.throttle(throttle);
         self
     }
 

@@ -27,7 +27,7 @@ use tokio::time::Instant;
 use super::error::{AbortReport, StopTimeout, SubmitError};
 use super::sched::{Refused, Scheduler, Wake};
 use crate::BoxError;
-use crate::limit::{Limits, Priority};
+use crate::limit::Throttle;
 use crate::util::{CatchPanic, PanicPayload, call_contained, drop_contained, lock};
 
 /// An item with the time it was accepted (for the queue-wait histogram).
@@ -90,14 +90,6 @@ impl<T> Default for Hooks<T> {
     fn default() -> Self {
         Self { on_error: None, on_panic: None }
     }
-}
-
-/// A limit every item takes a permit of before processing.
-#[derive(Debug, Clone)]
-pub(crate) struct ItemLimit {
-    pub(crate) limits: Limits,
-    pub(crate) name: Arc<str>,
-    pub(crate) priority: Priority,
 }
 
 /// The pool's metrics handles, labelled `pool=<name>`, resolved once at build.
@@ -172,7 +164,7 @@ pub(crate) struct Engine<T, S, P> {
     tasks: Mutex<Vec<AbortHandle>>,
     process: P,
     hooks: Hooks<T>,
-    limit: Option<ItemLimit>,
+    limit: Option<Throttle>,
     metrics: PoolMetrics,
 }
 
@@ -200,7 +192,7 @@ where
         workers: usize,
         process: P,
         hooks: Hooks<T>,
-        limit: Option<ItemLimit>,
+        limit: Option<Throttle>,
         name: &str,
     ) -> Arc<Self> {
         let engine = Arc::new(Self {
@@ -318,7 +310,7 @@ where
         let item = queued.item;
         let _permit = match &self.limit {
             None => None,
-            Some(limit) => match limit.limits.acquire(&limit.name, limit.priority.clone()).await {
+            Some(limit) => match limit.acquire().await {
                 Ok(permit) => Some(permit),
                 Err(err) => {
                     self.report_error(Box::new(err));

@@ -16,7 +16,7 @@ use super::sched::{PerKey, Sharded};
 use crate::BoxError;
 use crate::config::ConfigError;
 use crate::config::{require, runtime};
-use crate::limit::{Limits, Priority};
+use crate::limit::{Limits, Priority, Throttle};
 use crate::observe::Registry;
 use crate::util::PanicPayload;
 
@@ -291,9 +291,17 @@ impl<T: Send + 'static, F> KeyedPoolBuilder<T, F> {
         self
     }
 
-    /// Every item takes a permit of limit `name` before it is processed.
-    pub fn limit(mut self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
-        self.common.limit(limits, name.into(), priority);
+    /// Every item takes a permit of limit `name` before it is processed, in the worker that
+    /// took it (a pool's workers are its concurrency, and per-key order needs the item in
+    /// hand). A refusal fails the item; [`throttle`](Self::throttle) takes another
+    /// [refusal policy](crate::limit::OnRefusal).
+    pub fn limit(self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
+        self.throttle(Throttle::new(limits, name, priority))
+    }
+
+    /// Like [`limit`](Self::limit), with the limit, priority and refusal policy of `throttle`.
+    pub fn throttle(mut self, throttle: Throttle) -> Self {
+        self.common.throttle(throttle);
         self
     }
 
