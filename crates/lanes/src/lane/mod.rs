@@ -76,6 +76,7 @@
 
 mod audit;
 mod config;
+mod driver;
 mod error;
 mod metrics;
 mod run;
