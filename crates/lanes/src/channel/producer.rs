@@ -172,10 +172,12 @@ impl<T: Send + 'static> Channel<T> {
         };
         match queue.start_append([bytes]) {
             Ok(_in_write_path) => {
+                tracing::trace!(channel = %self.shared.name, "spilled");
                 entry.settle(Settlement::Spilled);
                 Ok(())
             }
             Err(err) => {
+                tracing::debug!(channel = %self.shared.name, error = %err, "spill refused");
                 self.shared.unspill();
                 Err(EmitError::Spill(entry.record, err))
             }
@@ -200,10 +202,12 @@ impl<T: Send + 'static> Channel<T> {
         };
         match written {
             Ok(()) => {
+                tracing::trace!(channel = %self.shared.name, "spilled");
                 entry.settle(Settlement::Spilled);
                 Ok(())
             }
             Err(err) => {
+                tracing::debug!(channel = %self.shared.name, error = %err, "spill failed");
                 self.shared.unspill();
                 Err(EmitError::Spill(entry.record, err))
             }

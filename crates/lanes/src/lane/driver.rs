@@ -160,7 +160,15 @@ where
     J: Job,
     F: Finalize<J::Output>,
 {
-    async move {
+    // One span per run, from admission to the end of its cleanup: the grant, the job, the
+    // finalizer and the cleanup are its events. Its fields are evaluated only if it is enabled.
+    let span = tracing::debug_span!(
+        "lanes.run",
+        lane = %t.lane_name(),
+        run = t.info.run_id.get(),
+        participation = ?t.info.participation,
+    );
+    let run = async move {
         let (job, finalizer, cleanup) = (callbacks.job, callbacks.finalizer, callbacks.cleanup);
         // Queue, start audit and execution; the execution slot goes back before anything else.
         let (granted, since) = match t.start {
@@ -179,11 +187,22 @@ where
         let executed = match granted {
             Err(failed) => Err(failed),
             Ok((slot, permit)) => {
+                tracing::debug!(slot, permit = permit.is_some(), "granted");
                 let executed = match t.audit(AuditKind::Started).await {
                     Err(err) => Err((Stage::Start, Reason::Audit, Some(err))),
                     Ok(()) => execute(&t, job, permit).await,
                 };
                 t.shared.release_execution(t.info.lane, slot);
+                match &executed {
+                    Ok(_) => tracing::debug!("job ended"),
+                    Err((stage, reason, _)) => {
+                        tracing::debug!(
+                            stage = stage.as_str(),
+                            reason = reason.as_str(),
+                            "job failed"
+                        );
+                    }
+                }
                 executed
             }
         };
@@ -236,9 +255,12 @@ where
                 }
             }
         }
-        t.shared.complete(t.info.lane, result.as_ref().err().map(RunFailure::reason));
+        let failure = result.as_ref().err().map(RunFailure::reason);
+        tracing::debug!(outcome = failure.map_or("ok", Reason::as_str), "finalized");
+        t.shared.complete(t.info.lane, failure);
         result
-    }
+    };
+    tracing::Instrument::instrument(run, span)
 }
 
 /// Waits in the queue until granted (answering the execution slot), or fails with the stage and

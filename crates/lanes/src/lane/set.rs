@@ -503,6 +503,7 @@ impl SetShared {
         match admitted {
             Ok((admitted, signal, run_id)) => {
                 lane.metrics.admitted.increment(1);
+                tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
                 let start = match admitted {
                     Admitted::Executing { slot, .. } => {
                         if crate::observe::wait_timing() {
@@ -539,6 +540,7 @@ impl SetShared {
                 if count_full && kind == AdmissionErrorKind::Full {
                     lane.metrics.rejected.increment(1);
                 }
+                tracing::trace!(lane = %lane.name, refused = kind.as_str(), "admission refused");
                 Err(AdmissionError::new(kind, lane.name.clone(), participation, run))
             }
         }

@@ -241,6 +241,7 @@ impl Limits {
                 let ticket = local.next_ticket();
                 let since = crate::observe::timing_start();
                 slot.metrics().waiters.increment(1.0);
+                tracing::trace!(limit = %slot.name, ticket, "waiting for a permit");
                 let mut withdraw = LocalWithdraw { local, slot: &slot, ticket, armed: true };
                 let handoff = Handoff::default();
                 let mut first = Some(priority);
@@ -267,9 +268,11 @@ impl Limits {
                         if matches!(err, AcquireError::Timeout(_)) {
                             slot.metrics().timed_out.increment(1);
                         }
+                        tracing::debug!(limit = %slot.name, ticket, error = %err, "acquire ended without a permit");
                         return Err(err);
                     }
                 };
+                tracing::trace!(limit = %slot.name, ticket, fencing_token = grant.fencing_token, "granted");
                 withdraw.armed = false;
                 drop(withdraw);
                 Ok(Permit::local(local, slot, ticket, grant, since))

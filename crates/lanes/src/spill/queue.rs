@@ -243,8 +243,29 @@ impl SpillQueue {
     ) -> Result<(Self, CheckReport), SpillError> {
         storage.create_dir()?;
         let guard = storage.lock()?;
-        let recovered = recover(&*storage, options.max_record, true)?;
+        let name = options.name.as_deref().unwrap_or("unnamed");
+        let recovered = tracing::info_span!("lanes.spill.recover", spill = name)
+            .in_scope(|| recover(&*storage, options.max_record, true))?;
         let report = recovered.report.clone();
+        if report.is_clean() {
+            tracing::debug!(
+                spill = name,
+                records = report.records,
+                bytes = report.bytes,
+                "recovered"
+            );
+        } else {
+            tracing::warn!(
+                spill = name,
+                records = report.records,
+                corrupt_regions = report.corrupt_regions,
+                torn_tails = report.torn_tails,
+                bad_segments = report.bad_segments,
+                missing_segments = report.missing_segments,
+                state_reset = report.state_reset,
+                "recovered a damaged spill directory (see its CheckReport)"
+            );
+        }
         let committed = recovered.committed;
         // Appends continue in the last segment, or a fresh one that sorts after everything.
         let (active, active_len, file) = match recovered.segments.last() {

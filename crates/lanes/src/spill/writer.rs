@@ -261,6 +261,13 @@ impl Writer {
     /// Plans the group and performs the plan. After a failure, no more I/O: every append is
     /// answered with the failure, and commits with the error.
     fn handle(&mut self, taken: &mut Taken) {
+        let _span = tracing::trace_span!(
+            "lanes.spill.group",
+            appends = taken.appends.len(),
+            bytes = taken.buf.len(),
+            commits = taken.commits.len(),
+        )
+        .entered();
         let group = Group {
             appends: taken.appends.iter().map(|(bytes, _)| *bytes).collect(),
             commit: !taken.commits.is_empty(),
@@ -319,6 +326,7 @@ impl Writer {
                 }
             };
             if let Err(err) = done {
+                tracing::error!(segment = self.active, error = %err, "spill write failed; the queue fails every later append");
                 failure = Some(self.fail(&err.to_string()));
             }
         }
