@@ -413,3 +413,44 @@ fn leases_expire_renew_and_fence() {
     assert_eq!(table.next_expiry(), Some(later + Duration::from_secs(3)));
     assert_eq!(table.expire(later + Duration::from_secs(3)), [("l".to_owned(), 2)]);
 }
+
+/// The per-key view and the refusal, withdrawal and expiry counts a table reports in
+/// `LimitInfo`: what the dashboard shows of fairness.
+#[test]
+fn info_reports_each_fairness_key_and_every_way_a_ticket_left_without_a_permit() {
+    let mut table = LimitTable::new();
+    table.define("api", LimitSpec::concurrent(1)).unwrap();
+    let ms = Duration::from_millis;
+    let a = Priority::default().key("a");
+    let b = Priority::default().key("b");
+    // 1 (a) holds; 2 (a), 3 (b) and 4 (b) wait from t=0.
+    assert!(matches!(table.acquire("api", 1, &a, ms(0)).unwrap(), Acquire::Granted(_)));
+    for (ticket, who) in [(2, &a), (3, &b), (4, &b)] {
+        assert_eq!(table.acquire("api", ticket, who, ms(0)).unwrap(), Acquire::Queued);
+    }
+    // A try finds it busy; 4 gives up at t=5.
+    assert_eq!(table.try_acquire("api", 9, ms(1), None).unwrap(), Acquire::Queued);
+    assert_eq!(table.release("api", 4, ms(5)).unwrap(), Released::Withdrawn);
+    // At t=10, 1 leaves and the rotation grants 2 (a); at t=30, 3 (b).
+    table.release("api", 1, ms(10)).unwrap();
+    assert!(matches!(table.check("api", 2, ms(10), None).unwrap(), Acquire::Granted(_)));
+    table.release("api", 2, ms(30)).unwrap();
+    assert!(matches!(table.check("api", 3, ms(30), None).unwrap(), Acquire::Granted(_)));
+    // A leased permit that runs out.
+    table.release("api", 3, ms(31)).unwrap();
+    assert!(matches!(
+        table.acquire_leased("api", 5, &b, ms(31), Some(ms(10))).unwrap(),
+        Acquire::Granted(_)
+    ));
+    assert_eq!(table.release("api", 5, ms(60)).unwrap(), Released::Unknown, "expired first");
+    let info = table.info("api").unwrap();
+    assert_eq!((info.refused_total, info.withdrawn_total), (1, 1));
+    assert_eq!(info.expired_total, 1);
+    let keys: Vec<_> = info.keys.iter().map(|k| (k.key.as_deref(), k.granted, k.waiting)).collect();
+    assert_eq!(keys, [(Some("a"), 2, 0), (Some("b"), 2, 0)]);
+    let b_key = &info.keys[1];
+    // b's grants waited 30 ms and 0 ms: the p99 is the 30 ms one (within a factor of two).
+    assert!((30.0..=64.0).contains(&b_key.wait_p99_ms), "{b_key:?}");
+    // The observations are not the table's state: they are not serialized.
+    assert!(!serde_json::to_string(&table).unwrap().contains("refused"));
+}

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
+use super::observed::{KeyInfo, Observations, Observed};
 use super::priority::Priority;
 use super::spec::{LimitSpec, SpecError};
 use super::waiters::WaitQueue;
@@ -114,6 +115,20 @@ pub struct LimitInfo {
     pub granted_total: u64,
     /// The most permits ever held at once (never above the largest `concurrent` it had).
     pub max_in_use: u32,
+    /// Acquires the store refused at once: tries that found no permit, and tickets that found
+    /// the waiting room full (0 where the backend does not count them).
+    #[serde(default)]
+    pub refused_total: u64,
+    /// Waiting tickets that left without a permit: timed out or cancelled.
+    #[serde(default)]
+    pub withdrawn_total: u64,
+    /// Leased permits reclaimed because their lease ran out.
+    #[serde(default)]
+    pub expired_total: u64,
+    /// Per fairness key: who waits, how many grants, how long grants waited (keys granted or
+    /// waiting lately, at most 64; empty where the backend does not observe them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<KeyInfo>,
 }
 
 impl LimitInfo {
@@ -126,8 +141,27 @@ impl LimitInfo {
         granted_total: u64,
         max_in_use: u32,
     ) -> Self {
-        Self { name: name.into(), spec, in_use, waiting, granted_total, max_in_use }
+        Self {
+            name: name.into(),
+            spec,
+            in_use,
+            waiting,
+            granted_total,
+            max_in_use,
+            refused_total: 0,
+            withdrawn_total: 0,
+            expired_total: 0,
+            keys: Vec::new(),
+        }
     }
+}
+
+/// The observations of limit `name`, created on first use (one allocation per limit).
+fn observed_mut<'a>(observations: &'a mut Observations, name: &str) -> &'a mut Observed {
+    if !observations.0.contains_key(name) {
+        observations.0.insert(Arc::from(name), Observed::default());
+    }
+    observations.0.get_mut(name).expect("inserted above")
 }
 
 /// Why a limit operation failed.
@@ -414,6 +448,9 @@ pub struct LimitTable {
     /// above it (invariant 4).
     #[serde(default)]
     fence_floor: u64,
+    /// What the table saw of each limit's waiters (for the snapshot; not state).
+    #[serde(skip)]
+    observed: Observations,
 }
 
 fn sorted<S: Serializer>(
@@ -447,7 +484,12 @@ impl LimitTable {
 
     /// An empty table allowing `max_waiters` waiters per limit.
     pub fn with_max_waiters(max_waiters: usize) -> Self {
-        Self { limits: FastMap::default(), max_waiters, fence_floor: 0 }
+        Self {
+            limits: FastMap::default(),
+            max_waiters,
+            fence_floor: 0,
+            observed: Observations::default(),
+        }
     }
 
     /// The maximum of waiters per limit.
@@ -486,6 +528,7 @@ impl LimitTable {
         }
         let state = self.limits.remove(name).expect("present");
         self.fence_floor = self.fence_floor.max(state.fencing);
+        self.observed.0.remove(name);
         Ok(state.spec)
     }
 
@@ -528,37 +571,49 @@ impl LimitTable {
         lease: Option<Duration>,
     ) -> Result<Acquire, LimitError> {
         let max_waiters = self.max_waiters;
-        let state = self.state(name)?;
+        let state =
+            self.limits.get_mut(name).ok_or_else(|| LimitError::UnknownLimit(name.to_owned()))?;
+        let observed = observed_mut(&mut self.observed, name);
         state.expire(now, &mut Vec::new());
         if let Some(held) = state.held.get(&ticket) {
             return Ok(Acquire::Granted(held.grant));
         }
+        let key = &priority.fairness_key;
+        let too_many = |observed: &mut Observed| {
+            observed.refused += 1;
+            Err(LimitError::TooManyWaiters { limit: name.to_owned(), max: max_waiters })
+        };
         // Nobody waits: the ticket would be the head at once, so skip the queue.
         if state.queue.is_empty() && state.in_use() < state.spec.concurrent {
-            return Ok(match state.rate_check(now) {
-                Ok(_) => Acquire::Granted(state.grant(ticket, now, lease)),
-                Err(at) => {
-                    if max_waiters == 0 {
-                        return Err(LimitError::TooManyWaiters {
-                            limit: name.to_owned(),
-                            max: max_waiters,
-                        });
-                    }
-                    state.queue.push(ticket, priority);
-                    Acquire::RetryAt(at)
+            return match state.rate_check(now) {
+                Ok(_) => {
+                    observed.granted(ticket, Some(key), now);
+                    Ok(Acquire::Granted(state.grant(ticket, now, lease)))
                 }
-            });
+                Err(_) if max_waiters == 0 => too_many(observed),
+                Err(at) => {
+                    state.queue.push(ticket, priority);
+                    observed.queued(ticket, key.clone(), now);
+                    Ok(Acquire::RetryAt(at))
+                }
+            };
         }
         if !state.queue.contains(ticket) {
             if state.queue.len() >= max_waiters {
-                return Err(LimitError::TooManyWaiters {
-                    limit: name.to_owned(),
-                    max: max_waiters,
-                });
+                return too_many(observed);
             }
             state.queue.push(ticket, priority);
+            observed.queued(ticket, key.clone(), now);
+            // Whatever path a ticket left by, the observations forget it before they grow.
+            if observed.waiting_len() > 2 * state.queue.len() + 64 {
+                observed.forget_unless(|ticket| state.queue.contains(ticket));
+            }
         }
-        Ok(state.answer_waiting(ticket, now, lease))
+        let answer = state.answer_waiting(ticket, now, lease);
+        if let Acquire::Granted(_) = answer {
+            observed.granted(ticket, Some(key), now);
+        }
+        Ok(answer)
     }
 
     /// Asks again for a ticket that was asked before, never queuing it: `Granted` if it holds a
@@ -583,7 +638,11 @@ impl LimitTable {
         if !state.queue.contains(ticket) {
             return Ok(Acquire::Finished);
         }
-        Ok(state.answer_waiting(ticket, now, lease))
+        let answer = state.answer_waiting(ticket, now, lease);
+        if let Acquire::Granted(_) = answer {
+            observed_mut(&mut self.observed, name).granted(ticket, None, now);
+        }
+        Ok(answer)
     }
 
     /// Grants `ticket` a permit only if that can happen now — nobody waits, a permit is free,
@@ -606,13 +665,20 @@ impl LimitTable {
         if let Some(held) = state.held.get(&ticket) {
             return Ok(Acquire::Granted(held.grant));
         }
-        if !state.queue.is_empty() || state.in_use() >= state.spec.concurrent {
-            return Ok(Acquire::Queued);
+        let answer = if !state.queue.is_empty() || state.in_use() >= state.spec.concurrent {
+            Acquire::Queued
+        } else {
+            match state.rate_check(now) {
+                Ok(_) => Acquire::Granted(state.grant(ticket, now, lease)),
+                Err(at) => Acquire::RetryAt(at),
+            }
+        };
+        let observed = observed_mut(&mut self.observed, name);
+        match answer {
+            Acquire::Granted(_) => observed.granted(ticket, Some(&None), now),
+            _ => observed.refused += 1,
         }
-        Ok(match state.rate_check(now) {
-            Ok(_) => Acquire::Granted(state.grant(ticket, now, lease)),
-            Err(at) => Acquire::RetryAt(at),
-        })
+        Ok(answer)
     }
 
     /// The earliest lease end among the permits of `name`, if any is leased: when the head of
@@ -638,7 +704,9 @@ impl LimitTable {
         Ok(match state.next(now) {
             Some(Next::Ready(ticket)) => {
                 state.queue.pop();
-                Some((ticket, state.grant(ticket, now, lease)))
+                let grant = state.grant(ticket, now, lease);
+                observed_mut(&mut self.observed, name).granted(ticket, None, now);
+                Some((ticket, grant))
             }
             _ => None,
         })
@@ -672,7 +740,12 @@ impl LimitTable {
         if state.held.remove(&ticket).is_some() {
             return Ok(Released::Permit);
         }
-        Ok(if state.queue.remove(ticket) { Released::Withdrawn } else { Released::Unknown })
+        Ok(if state.queue.remove(ticket) {
+            observed_mut(&mut self.observed, name).withdrawn(ticket);
+            Released::Withdrawn
+        } else {
+            Released::Unknown
+        })
     }
 
     /// Extends the lease of a held permit to `now + lease`. Returns false if the ticket holds no
@@ -734,13 +807,20 @@ impl LimitTable {
 
     /// The state of `name`.
     pub fn info(&self, name: &str) -> Option<LimitInfo> {
-        self.limits.get(name).map(|state| LimitInfo {
-            name: name.to_owned(),
-            spec: state.spec,
-            in_use: state.in_use(),
-            waiting: state.queue.len(),
-            granted_total: state.granted_total,
-            max_in_use: state.max_in_use,
+        self.limits.get(name).map(|state| {
+            let observed = self.observed.0.get(name).cloned().unwrap_or_default();
+            LimitInfo {
+                name: name.to_owned(),
+                spec: state.spec,
+                in_use: state.in_use(),
+                waiting: state.queue.len(),
+                granted_total: state.granted_total,
+                max_in_use: state.max_in_use,
+                refused_total: observed.refused,
+                withdrawn_total: observed.withdrawn,
+                expired_total: observed.expired + state.expired,
+                keys: observed.keys(&state.queue.waiting_by_key()),
+            }
         })
     }
 
@@ -773,7 +853,11 @@ impl LimitTable {
 
     /// How many leased permits of `name` were reclaimed since the last call.
     pub(crate) fn take_expired(&mut self, name: &str) -> u64 {
-        self.limits.get_mut(name).map_or(0, |state| std::mem::take(&mut state.expired))
+        let taken = self.limits.get_mut(name).map_or(0, |state| std::mem::take(&mut state.expired));
+        if taken > 0 {
+            observed_mut(&mut self.observed, name).expired += taken;
+        }
+        taken
     }
 
     /// The highest fencing token of every limit removed from this table so far.

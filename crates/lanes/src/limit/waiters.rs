@@ -116,6 +116,15 @@ impl WaitQueue {
         self.index.is_empty()
     }
 
+    /// How many tickets wait per fairness key.
+    pub fn waiting_by_key(&self) -> BTreeMap<Option<Arc<str>>, usize> {
+        let mut waiting = BTreeMap::new();
+        for (_, key) in self.index.values() {
+            *waiting.entry(key.clone()).or_insert(0) += 1;
+        }
+        waiting
+    }
+
     /// Whether `ticket` waits here.
     pub fn contains(&self, ticket: u64) -> bool {
         self.index.contains_key(&ticket)

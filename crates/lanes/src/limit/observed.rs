@@ -1,0 +1,191 @@
+//! What a [`LimitTable`](super::LimitTable) observes of each limit's waiters, for the snapshot
+//! and the dashboard: refusals, withdrawals and lease expiries, and per fairness key the grants
+//! and the time grants waited. Not part of the table's state: never serialized, never compared,
+//! kept across the limit's hand-offs to the in-process fast path, bounded in memory.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::util::FastMap;
+
+/// The most fairness keys observed per limit; the key granted longest ago makes room.
+pub(crate) const MAX_KEYS: usize = 64;
+
+/// Wait-time buckets: bucket `i` holds waits under 2^i microseconds (the last, everything).
+const BUCKETS: usize = 32;
+
+/// One fairness key of a limit, as observed by the table that governs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct KeyInfo {
+    /// The fairness key (`None`: waiters that named none).
+    pub key: Option<String>,
+    /// Tickets of this key waiting now.
+    pub waiting: usize,
+    /// Permits the table granted to this key.
+    pub granted: u64,
+    /// The median time a grant of this key waited, in milliseconds (a bucket's upper bound:
+    /// within a factor of two).
+    pub wait_p50_ms: f64,
+    /// The 99th percentile of that wait, in milliseconds (likewise).
+    pub wait_p99_ms: f64,
+}
+
+#[derive(Debug, Clone, Default)]
+struct KeyObserved {
+    granted: u64,
+    waits: [u64; BUCKETS],
+    last: Duration,
+}
+
+impl KeyObserved {
+    fn quantile(&self, q: f64) -> f64 {
+        let total: u64 = self.waits.iter().sum();
+        if total == 0 {
+            return 0.0;
+        }
+        let rank = ((total as f64) * q).ceil().max(1.0) as u64;
+        let mut seen = 0;
+        for (i, count) in self.waits.iter().enumerate() {
+            seen += count;
+            if seen >= rank {
+                return if i == 0 { 0.0 } else { (1u64 << i) as f64 / 1000.0 };
+            }
+        }
+        (1u64 << (BUCKETS - 1)) as f64 / 1000.0
+    }
+}
+
+/// One limit's observations.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Observed {
+    pub(crate) refused: u64,
+    pub(crate) withdrawn: u64,
+    pub(crate) expired: u64,
+    keys: BTreeMap<Option<Arc<str>>, KeyObserved>,
+    /// Waiting tickets: their key and when they were queued.
+    since: FastMap<u64, (Option<Arc<str>>, Duration)>,
+}
+
+impl Observed {
+    /// `ticket` of `key` was queued at `now`.
+    pub(crate) fn queued(&mut self, ticket: u64, key: Option<Arc<str>>, now: Duration) {
+        self.since.entry(ticket).or_insert((key, now));
+    }
+
+    /// `ticket` was granted at `now`; `key` is its key if it never queued (an immediate grant).
+    pub(crate) fn granted(&mut self, ticket: u64, key: Option<&Option<Arc<str>>>, now: Duration) {
+        let (key, waited) = match self.since.remove(&ticket) {
+            Some((key, at)) => (key, now.saturating_sub(at)),
+            None => (key.cloned().flatten(), Duration::ZERO),
+        };
+        if !self.keys.contains_key(&key) && self.keys.len() >= MAX_KEYS {
+            let oldest = self.keys.iter().min_by_key(|(_, k)| k.last).map(|(k, _)| k.clone());
+            if let Some(oldest) = oldest {
+                self.keys.remove(&oldest);
+            }
+        }
+        let stats = self.keys.entry(key).or_default();
+        stats.granted += 1;
+        stats.last = now;
+        let micros = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+        let bucket = (u64::BITS - micros.leading_zeros()) as usize;
+        stats.waits[bucket.min(BUCKETS - 1)] += 1;
+    }
+
+    /// `ticket` left the queue without a grant (cancelled or timed out).
+    pub(crate) fn withdrawn(&mut self, ticket: u64) {
+        if self.since.remove(&ticket).is_some() {
+            self.withdrawn += 1;
+        }
+    }
+
+    /// Waiting tickets remembered.
+    pub(crate) fn waiting_len(&self) -> usize {
+        self.since.len()
+    }
+
+    /// Forgets waiting tickets the queue no longer holds.
+    pub(crate) fn forget_unless(&mut self, still_waiting: impl Fn(u64) -> bool) {
+        self.since.retain(|ticket, _| still_waiting(*ticket));
+    }
+
+    /// The per-key view, with `waiting` counted by the queue.
+    pub(crate) fn keys(&self, waiting: &BTreeMap<Option<Arc<str>>, usize>) -> Vec<KeyInfo> {
+        let mut names: Vec<&Option<Arc<str>>> = self.keys.keys().collect();
+        names.extend(waiting.keys().filter(|k| !self.keys.contains_key(*k)));
+        names.sort();
+        names
+            .into_iter()
+            .map(|key| {
+                let stats = self.keys.get(key).cloned().unwrap_or_default();
+                KeyInfo {
+                    key: key.as_deref().map(str::to_owned),
+                    waiting: waiting.get(key).copied().unwrap_or(0),
+                    granted: stats.granted,
+                    wait_p50_ms: stats.quantile(0.5),
+                    wait_p99_ms: stats.quantile(0.99),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Every limit's observations; equal to any other (observations are not the table's state).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Observations(pub(crate) FastMap<Arc<str>, Observed>);
+
+impl PartialEq for Observations {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(k: &str) -> Option<Arc<str>> {
+        Some(Arc::from(k))
+    }
+
+    #[test]
+    fn grants_and_waits_are_kept_per_key() {
+        let mut o = Observed::default();
+        o.granted(1, Some(&key("a")), Duration::ZERO);
+        o.queued(2, key("b"), Duration::from_millis(10));
+        o.granted(2, None, Duration::from_millis(30));
+        o.queued(3, key("b"), Duration::from_millis(10));
+        o.withdrawn(3);
+        o.withdrawn(3);
+        o.queued(4, key("b"), Duration::from_millis(40));
+        let waiting = BTreeMap::from([(key("b"), 1)]);
+        o.forget_unless(|t| t == 4);
+        assert_eq!(o.waiting_len(), 1);
+        let keys = o.keys(&waiting);
+        assert_eq!(o.withdrawn, 1, "withdrawn once");
+        assert_eq!(keys.len(), 2);
+        assert_eq!(
+            (keys[0].key.as_deref(), keys[0].granted, keys[0].wait_p99_ms),
+            (Some("a"), 1, 0.0)
+        );
+        let b = &keys[1];
+        assert_eq!((b.waiting, b.granted), (1, 1));
+        // 20 ms waited: reported within a factor of two.
+        assert!((20.0..=40.0).contains(&b.wait_p50_ms), "{b:?}");
+    }
+
+    #[test]
+    fn keys_are_bounded_and_the_oldest_grant_makes_room() {
+        let mut o = Observed::default();
+        for i in 0..(MAX_KEYS as u64 + 10) {
+            o.granted(i, Some(&key(&format!("k{i:03}"))), Duration::from_secs(i));
+        }
+        let keys = o.keys(&BTreeMap::new());
+        assert_eq!(keys.len(), MAX_KEYS);
+        assert_eq!(keys[0].key.as_deref(), Some("k010"), "the ten oldest were evicted");
+    }
+}
