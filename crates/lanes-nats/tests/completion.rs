@@ -35,6 +35,16 @@ impl Bucket {
                 panic!("cannot connect to NATS at {url}: {e} (set NATS_URL, start nats-server -js)")
             });
         let js = jetstream::new(client);
+        // nats-server removes its account's stream directory when the last stream goes, racing
+        // a stream being created at that moment by a parallel test ("could not create storage
+        // directory"); a stream that is never deleted keeps the directory.
+        js.get_or_create_stream(jetstream::stream::Config {
+            name: "LANES_TEST_ANCHOR".to_owned(),
+            subjects: vec!["lanes.test.anchor".to_owned()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("cannot create the anchor stream (is JetStream enabled?): {e}"));
         let nanos =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
         let name = format!("lanes-{test}-{}-{nanos}", SEQ.fetch_add(1, Ordering::SeqCst));
