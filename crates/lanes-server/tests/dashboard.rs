@@ -97,3 +97,87 @@ async fn the_dashboard_works_with_a_read_token_on_a_server_with_tokens() {
     assert!(without.contains("followed by a read token)"), "no hint about the token: {without}");
     assert_eq!(in_use(&with, "guarded").as_deref(), Some("0 / 4"), "{with}");
 }
+
+/// The DOM of `url` in a window `width` pixels wide, and a screenshot of it.
+fn at_width(url: &str, width: u32) -> (String, PathBuf) {
+    let size = format!("--window-size={width},900");
+    let dom = Command::new(chromium())
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", &size])
+        .args(["--virtual-time-budget=3000", "--dump-dom", url])
+        .output()
+        .expect("run chromium");
+    assert!(dom.status.success(), "{}", String::from_utf8_lossy(&dom.stderr));
+    let shot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("dashboard-{width}.png"));
+    let _ = std::fs::remove_file(&shot);
+    let taken = Command::new(chromium())
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", &size])
+        .arg("--virtual-time-budget=3000")
+        .arg(format!("--screenshot={}", shot.display()))
+        .arg(url)
+        .output()
+        .expect("run chromium");
+    assert!(taken.status.success());
+    (String::from_utf8(dom.stdout).expect("UTF-8"), shot)
+}
+
+/// The text of the first cell with class `class` in the per-key row of `key` under `limit`.
+fn key_cell(dom: &str, limit: &str, key: &str, class: &str) -> Option<String> {
+    let keys = dom.split(&format!("data-keys-of=\"{limit}\"")).nth(1)?;
+    let row = keys.split(&format!("data-key=\"{key}\"")).nth(1)?;
+    let cell = row.split(&format!("class=\"num {class}\">")).nth(1)?;
+    Some(cell.split('<').next()?.to_owned())
+}
+
+/// Fairness made visible: a limit's waiters per fairness key, refusals, the client list and
+/// the links, in a layout that fits a 700-pixel window as well as a wide one (no page wider
+/// than the window), with a screenshot at each width.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_each_fairness_key_at_700_and_1280_pixels() {
+    let serve = Serve::start(&[]);
+    let c = http();
+    c.put(serve.url("/v1/limits/shared")).json(&json!({"concurrent": 1})).send().await.unwrap();
+    let acquire = |client: &str, key: &str| {
+        // Long-polls: the waiters stay in the queue while the page is rendered.
+        let body = json!({"client": client, "lease_ms": 60000, "wait_ms": 20000, "priority": {"key": key}});
+        c.post(serve.url("/v1/limits/shared/acquire")).json(&body).send()
+    };
+    let held = acquire("holder", "tenant-a").await.unwrap();
+    assert_eq!(held.status(), 200);
+    let mut waiters = Vec::new();
+    for (client, key) in [("a1", "tenant-a"), ("a2", "tenant-a"), ("b1", "tenant-b")] {
+        waiters.push(tokio::spawn(acquire(client, key)));
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let tried = c
+        .post(serve.url("/v1/limits/shared/acquire"))
+        .json(&json!({"client": "tryer", "queue": false}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(tried.status(), 429);
+
+    let url = serve.url("/");
+    let shots = tokio::task::spawn_blocking(move || [700, 1280].map(|w| (w, at_width(&url, w))))
+        .await
+        .unwrap();
+    for (width, (dom, shot)) in shots {
+        assert!(dom.contains("data-overflow=\"no\""), "the page fits {width} px:\n{dom}");
+        assert_eq!(
+            key_cell(&dom, "shared", "tenant-a", "key-waiting").as_deref(),
+            Some("2"),
+            "{dom}"
+        );
+        assert_eq!(key_cell(&dom, "shared", "tenant-b", "key-waiting").as_deref(), Some("1"));
+        assert_eq!(key_cell(&dom, "shared", "tenant-a", "key-grants").as_deref(), Some("1"));
+        let refused = dom.split("data-limit=\"shared\"").nth(1).unwrap();
+        assert!(refused.contains("class=\"num refused bad\">1<"), "the refused try counts: {dom}");
+        for client in ["holder", "a1", "a2", "b1"] {
+            assert!(dom.contains(&format!("<td>{client}</td>")), "{client} in the client list");
+        }
+        assert!(dom.contains("href=\"/metrics\"") && dom.contains("href=\"/openapi.json\""));
+        let size = std::fs::metadata(&shot).expect("a screenshot").len();
+        assert!(size > 5_000, "a real screenshot at {width} px, {size} bytes");
+        println!("dashboard at {width} px: {}", shot.display());
+    }
+    waiters.into_iter().for_each(|w| w.abort());
+}

@@ -413,8 +413,14 @@ pub(crate) async fn snapshot(State(app): State<Arc<App>>) -> Result<Response, Ap
     let mut registry = app.registry.snapshot();
     let limits = app.backend.list().await.map_err(|e| ApiError::limit("*", &e))?;
     registry.insert("limits", "server", &limits);
-    let server =
-        ServerInfo { clients: app.sessions().clients(), backend: app.options.backend_name() };
+    let server = {
+        let sessions = app.sessions();
+        ServerInfo {
+            clients: sessions.clients(),
+            backend: app.options.backend_name(),
+            client_list: sessions.list(tokio::time::Instant::now(), 200),
+        }
+    };
     Ok(Json(SnapshotAnswer { registry, server }).into_response())
 }
 

@@ -34,6 +34,8 @@ pub(crate) struct ServerInfo {
     pub(crate) clients: usize,
     /// `embedded` or `redis`.
     pub(crate) backend: &'static str,
+    /// The first 200 clients by id.
+    pub(crate) client_list: Vec<super::sessions::ClientInfo>,
 }
 
 /// `GET /v1/snapshot`: the `lanes` registry snapshot (every registered primitive by kind and

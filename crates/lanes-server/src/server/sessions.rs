@@ -314,6 +314,52 @@ impl Sessions {
     pub(crate) fn clients(&self) -> usize {
         self.clients.len()
     }
+
+    /// The first `max` clients by name: their tickets (and how many hold a permit), requests
+    /// in flight, and time since they were last seen.
+    pub(crate) fn list(&self, now: Instant, max: usize) -> Vec<ClientInfo> {
+        let mut names: Vec<&String> = self.clients.keys().collect();
+        names.sort();
+        names
+            .into_iter()
+            .take(max)
+            .map(|name| {
+                let client = &self.clients[name];
+                let held = client
+                    .tickets
+                    .iter()
+                    .filter(|(limit, ticket)| {
+                        self.tickets.get(&(limit.clone(), *ticket)).is_some_and(|t| t.granted)
+                    })
+                    .count();
+                ClientInfo {
+                    client: name.clone(),
+                    tickets: client.tickets.len(),
+                    held,
+                    in_flight: client.in_flight,
+                    idle_ms: u64::try_from(
+                        now.saturating_duration_since(client.last_seen).as_millis(),
+                    )
+                    .unwrap_or(u64::MAX),
+                }
+            })
+            .collect()
+    }
+}
+
+/// One client of the server, for the snapshot's client list.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub(crate) struct ClientInfo {
+    /// The client id.
+    pub(crate) client: String,
+    /// Tickets it owns (waiting or holding).
+    pub(crate) tickets: usize,
+    /// Of those, the ones holding a permit.
+    pub(crate) held: usize,
+    /// Its requests in flight (long-polls).
+    pub(crate) in_flight: usize,
+    /// Milliseconds since a request of it was last seen.
+    pub(crate) idle_ms: u64,
 }
 
 #[cfg(test)]
