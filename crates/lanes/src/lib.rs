@@ -18,9 +18,10 @@
 //!   [`Lifecycle`] trait: `close` (stop admitting; admitted work still ends), `is_closed`,
 //!   `drained` (everything admitted reached its one recorded terminal state), `abort` (end
 //!   admitted work now, each item still recorded), `snapshot` (what the [`Registry`] stores).
-//!   [`LaneSet`], [`Dispatcher`] and [`KeyedPool`] implement it; [`Channel`], [`SpillQueue`]
-//!   and [`Limits`] have `close`/`is_closed`/`snapshot` (or `list`) under the same names and do
-//!   not yet have the whole trait.
+//!   [`LaneSet`], [`Dispatcher`], [`KeyedPool`], [`Channel`] and [`SpillQueue`] implement it
+//!   (a spill queue's records outlive it on disk: drained means durable). [`Channels`] closes
+//!   by name and by owner, and [`Limits`], a handle on a store other processes share, has no
+//!   lifecycle of its own: its permits are the work's.
 //! - **Builders.** Configuration is validated when it is built, all at once, and refused with a
 //!   [`ConfigError`] that names the field and the [`ConfigRule`] it broke; nothing configured
 //!   fails later at run time. A handle registers with a [`Registry`] under a name, and that

@@ -5,8 +5,13 @@
 
 use std::time::Duration;
 
+use lanes::channel::{ChannelSnapshot, ConsumerOptions};
 use lanes::pool::PoolSnapshot;
-use lanes::{Dispatcher, KeyedPool, LaneLimits, LaneSet, LaneSetSnapshot, Lifecycle, Run};
+use lanes::spill::MemStorage;
+use lanes::{
+    Channel, ChannelConfig, Dispatcher, KeyedPool, LaneLimits, LaneSet, LaneSetSnapshot, Lifecycle,
+    Run, SpillOptions, SpillQueue,
+};
 
 /// Admits `n` items that each take 10 ms, closes (or aborts) the primitive, waits for it to
 /// drain, and answers its snapshot. `admit` answers whether an admission was accepted.
@@ -121,5 +126,46 @@ async fn a_keyed_pool_keeps_the_contract() {
         let admit = || pool.submit(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)).is_ok();
         let snapshot = close_and_drain(&pool, admit, 20, abort).await;
         check_pool(&snapshot, 20, abort);
+    }
+}
+
+/// A channel: drained once every delivered record is settled; abort drops what is queued.
+#[tokio::test(start_paused = true)]
+async fn a_channel_keeps_the_contract() {
+    for abort in [false, true] {
+        let channel: Channel<u32> = Channel::named("jobs", ChannelConfig::new(64)).unwrap();
+        let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+        let worker = tokio::spawn(async move {
+            while let Some(batch) = consumer.next_batch().await {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                batch.ack().await.unwrap();
+            }
+        });
+        let snapshot: ChannelSnapshot =
+            close_and_drain(&channel, || channel.try_emit(1).is_ok(), 20, abort).await;
+        assert!(snapshot.reconciles(), "{snapshot:?}");
+        assert_eq!(snapshot.emitted, 20);
+        assert_eq!(snapshot.depth, 0);
+        assert_eq!(snapshot.delivered, snapshot.processed + snapshot.failed + snapshot.abandoned);
+        if abort {
+            assert!(snapshot.dropped > 0, "abort drops what was queued: {snapshot:?}");
+        } else {
+            assert_eq!(snapshot.processed, 20, "close lets queued records through: {snapshot:?}");
+        }
+        worker.await.unwrap();
+    }
+}
+
+/// A spill queue: drained once every accepted append is durable and the writer stopped.
+#[tokio::test]
+async fn a_spill_queue_keeps_the_contract() {
+    for abort in [false, true] {
+        let (queue, _) =
+            SpillQueue::open_with(MemStorage::new(), SpillOptions::default()).await.unwrap();
+        let admit = || queue.start_append([b"record"]).is_ok();
+        let snapshot = close_and_drain(&queue, admit, 20, abort).await;
+        assert_eq!(snapshot.appended, 20);
+        assert_eq!(snapshot.records, 20, "durable, not consumed");
+        assert!(queue.append(b"late").await.is_err());
     }
 }

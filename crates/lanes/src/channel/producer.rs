@@ -279,6 +279,26 @@ impl<T> Channel<T> {
         self.shared.is_closed()
     }
 
+    /// Resolves once the channel is closed, nothing is queued and every delivered record was
+    /// settled (processed, failed or abandoned with its batch). Waits forever on a channel
+    /// nobody closes, and on queued records no consumer takes.
+    pub async fn drained(&self) {
+        loop {
+            let mut settled = std::pin::pin!(self.shared.settled.notified());
+            settled.as_mut().enable();
+            if self.shared.is_drained() {
+                return;
+            }
+            settled.await;
+        }
+    }
+
+    /// Closes the channel and drops what is queued (counted as `dropped`, receipts settled
+    /// `Dropped`); batches the consumer holds still settle.
+    pub fn abort(&self) {
+        self.shared.close_with(true);
+    }
+
     /// The channel's counters and state now.
     pub fn snapshot(&self) -> ChannelSnapshot {
         self.shared.snapshot()
@@ -343,5 +363,29 @@ impl<T: Send + 'static> Observe for ChannelShared<T> {
     fn report(&self, name: &str, snapshot: &mut Snapshot) {
         let channels = super::ChannelsSnapshot { budget: None, channels: vec![self.snapshot()] };
         snapshot.insert("channels", name, &channels);
+    }
+}
+
+impl<T: Send + 'static> crate::Lifecycle for Channel<T> {
+    type Snapshot = ChannelSnapshot;
+
+    fn close(&self) {
+        Channel::close(self);
+    }
+
+    fn is_closed(&self) -> bool {
+        Channel::is_closed(self)
+    }
+
+    fn drained(&self) -> crate::BoxFuture<'_, ()> {
+        Box::pin(Channel::drained(self))
+    }
+
+    fn abort(&self) {
+        Channel::abort(self);
+    }
+
+    fn snapshot(&self) -> ChannelSnapshot {
+        Channel::snapshot(self)
     }
 }

@@ -314,6 +314,9 @@ pub(crate) struct ChannelShared<T> {
     /// Records the consumer's plain reads handed out: counted processed without the lock
     /// (only the consumer writes it).
     read: AtomicU64,
+    /// Woken when records may have reached their end (a settle, a drop, a close), for
+    /// [`Channel::drained`](super::Channel::drained).
+    pub(crate) settled: tokio::sync::Notify,
     /// Close when the last producer handle is dropped (standalone channels).
     pub(crate) auto_close: bool,
     pub(crate) home: Weak<ChannelsInner>,
@@ -348,6 +351,7 @@ impl<T> ChannelShared<T> {
             }),
             producers: AtomicUsize::new(0),
             read: AtomicU64::new(0),
+            settled: tokio::sync::Notify::new(),
             auto_close,
             home,
         }
@@ -465,6 +469,16 @@ impl<T> ChannelShared<T> {
     pub(crate) fn count_read(&self, n: u64) {
         self.read.store(self.read.load(Ordering::Relaxed) + n, Ordering::Release);
         self.metrics.processed.increment(n);
+        self.settled.notify_waiters();
+    }
+
+    /// Closed, nothing queued, and every delivered record settled (processed, failed or
+    /// abandoned).
+    pub(crate) fn is_drained(&self) -> bool {
+        let st = lock(&self.state);
+        let c = st.counters;
+        let settled = c.processed + self.read.load(Ordering::Acquire) + c.failed + c.abandoned;
+        st.closed && st.buf.is_empty() && c.delivered == settled
     }
 
     /// A record counted as spilled did not reach the spill queue: it is handed back.
@@ -571,6 +585,7 @@ impl<T> ChannelShared<T> {
         if let Some(consumer) = consumer {
             consumer.wake();
         }
+        self.settled.notify_waiters();
         if !was_closed && let Some(home) = self.home.upgrade() {
             home.forget(&self.name, (self as *const Self).cast());
         }

@@ -71,6 +71,8 @@ pub(super) struct Inner {
     pub(super) data: Notify,
     pub(super) report: CheckReport,
     pub(super) metrics: SpillMetrics,
+    /// Set by the writer once a close made everything durable and stopped it.
+    pub(super) finished: tokio::sync::watch::Sender<bool>,
 }
 
 impl Drop for Inner {
@@ -317,6 +319,7 @@ impl SpillQueue {
             mailbox: mailbox.clone(),
             shared: Mutex::new(shared),
             data: Notify::new(),
+            finished: tokio::sync::watch::Sender::new(false),
             metrics: {
                 metrics.recovered.increment(report.records);
                 metrics.unacked_bytes.set(report.bytes as f64);
@@ -526,18 +529,70 @@ impl SpillQueue {
     ///
     /// An I/O error of the final sync.
     pub async fn close(&self) -> Result<(), SpillError> {
+        match self.begin_close() {
+            None => Ok(()),
+            Some(answer) => answer.await.map_err(|_| SpillError::Closed)?,
+        }
+    }
+
+    /// Refuses appends from now on and asks the writer to make everything durable and stop;
+    /// `None` if the queue was closed already.
+    fn begin_close(&self) -> Option<oneshot::Receiver<Result<(), SpillError>>> {
         {
             let mut shared = lock(&self.inner.shared);
             if shared.closed {
-                return Ok(());
+                return None;
             }
             shared.closed = true;
         }
         let (reply, answer) = oneshot::channel();
-        let sent = self.inner.mailbox.close(reply).map_err(|_| SpillError::Closed);
+        let sent = self.inner.mailbox.close(reply);
         self.inner.data.notify_waiters();
-        sent?;
-        answer.await.map_err(|_| SpillError::Closed)?
+        if sent.is_err() {
+            // The writer is gone already (it failed): nothing more will be made durable.
+            self.inner.finished.send_replace(true);
+        }
+        Some(answer)
+    }
+
+    /// Whether appends are refused (the queue was closed).
+    pub fn is_closed(&self) -> bool {
+        lock(&self.inner.shared).closed
+    }
+
+    /// Resolves once the queue is closed and its writer made every accepted append durable
+    /// and stopped (what [`close`](Self::close) waits for). A spill queue's records outlive
+    /// it on disk: drained means durable, not consumed. Waits forever if nobody closes it.
+    pub async fn drained(&self) {
+        let mut finished = self.inner.finished.subscribe();
+        let _ = finished.wait_for(|done| *done).await;
+    }
+}
+
+/// A spill queue's `close` (the trait's, which does not wait: [`SpillQueue::drained`] does)
+/// makes everything durable; `abort` is the same, since the queue never drops an accepted
+/// record.
+impl crate::Lifecycle for SpillQueue {
+    type Snapshot = SpillSnapshot;
+
+    fn close(&self) {
+        drop(self.begin_close());
+    }
+
+    fn is_closed(&self) -> bool {
+        SpillQueue::is_closed(self)
+    }
+
+    fn drained(&self) -> crate::BoxFuture<'_, ()> {
+        Box::pin(SpillQueue::drained(self))
+    }
+
+    fn abort(&self) {
+        drop(self.begin_close());
+    }
+
+    fn snapshot(&self) -> SpillSnapshot {
+        SpillQueue::snapshot(self)
     }
 }
 

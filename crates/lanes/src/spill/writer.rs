@@ -319,6 +319,9 @@ impl Writer {
                     }
                     let result = self.sync().and_then(|()| self.persist());
                     drop(self.lock.take());
+                    if let Some(inner) = self.inner.upgrade() {
+                        inner.finished.send_replace(true);
+                    }
                     if let Some(reply) = taken.close.take() {
                         let _ = reply.send(result.map_err(SpillError::Io));
                     }
