@@ -295,6 +295,24 @@ async fn writing_consumers_need_a_codec() {
     assert!(matches!(&err, ChannelError::Config(e) if e.field().ends_with("codec")), "{err}");
 }
 
+/// The codec is given once: a spilling channel's consumer writes its output with the
+/// channel's spill codec when it names none.
+#[tokio::test]
+async fn a_spilling_channels_codec_also_encodes_its_consumers_output() {
+    let spill = mem_queue().await;
+    let output = mem_queue().await;
+    let channel = Channel::<u32>::new(
+        ChannelConfig::new(4).overflow(Overflow::spill(spill, JsonCodec::new())),
+    )
+    .unwrap();
+    let mut consumer = channel.consumer(ConsumerOptions::new().output(output.clone())).unwrap();
+    channel.try_emit(42).unwrap();
+    consumer.next_batch().await.unwrap().ack().await.unwrap();
+    let written = read_envelopes(&output).await;
+    assert_eq!(written.len(), 1);
+    assert_eq!(written[0].payload, b"42", "JSON, the spill codec");
+}
+
 // ---------------------------------------------------------------- batching
 
 #[tokio::test]

@@ -340,7 +340,8 @@ impl<T> ConsumerOptions<T> {
         self
     }
 
-    /// How records are encoded for the output and dead-letter queues (required with either).
+    /// How records are encoded for the output and dead-letter queues (required with either,
+    /// unless the channel spills: then its spill codec is the default).
     pub fn codec(mut self, codec: impl Codec<T> + 'static) -> Self {
         self.codec = Some(Arc::new(codec));
         self

@@ -221,6 +221,14 @@ impl<T: Send + 'static> Channel<T> {
     /// [`ChannelError::ConsumerTaken`] if it was taken before, [`ChannelError::Config`] for
     /// invalid options.
     pub fn consumer(&self, options: ConsumerOptions<T>) -> Result<Consumer<T>, ChannelError> {
+        let mut options = options;
+        // The codec is given once: a spilling channel's codec also encodes its consumer's
+        // output and dead letters, unless the consumer names its own.
+        if options.codec.is_none()
+            && let Overflow::Spill(_, codec) = &self.shared.config.overflow
+        {
+            options.codec = Some(codec.clone());
+        }
         options.validate(&self.shared.name)?;
         {
             let mut st = lock(&self.shared.state);
