@@ -1,0 +1,147 @@
+//! The builder of a [`RedisLimits`]: every option, validated when it builds.
+
+// The crate root's private types and imports: this module is one of its impl blocks.
+use super::*;
+
+/// Builds a [`RedisLimits`].
+#[derive(Debug, Clone)]
+pub struct RedisLimitsBuilder {
+    pub(crate) url: String,
+    pub(crate) namespace: String,
+    pub(crate) lease: Duration,
+    pub(crate) max_waiters: usize,
+    pub(crate) outage: OutagePolicy,
+    pub(crate) op_timeout: Duration,
+    pub(crate) auto_renew: bool,
+    pub(crate) max_lease: Option<Duration>,
+    pub(crate) queue_grace: Duration,
+}
+
+impl RedisLimitsBuilder {
+    /// The longest lease any client of the namespace uses (default: this client's lease). After
+    /// Redis lost its state, no permit is granted until this long after the loss was seen, so
+    /// every lease that could still be believed held has ended first.
+    pub fn max_lease(mut self, max_lease: Duration) -> Self {
+        self.max_lease = Some(max_lease);
+        self
+    }
+
+    /// How long a client may go unheard before its queued tickets are dropped from the queues
+    /// (default 2 s; the client touches its limits well within it while it lives).
+    pub fn queue_grace(mut self, grace: Duration) -> Self {
+        self.queue_grace = grace;
+        self
+    }
+
+    /// Keys and channels are prefixed with `namespace` (default `"lanes"`): clients that share
+    /// a namespace share its limits.
+    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+        self.namespace = namespace.into();
+        self
+    }
+
+    /// How long a permit lasts without a renewal (default 3 s, at least 100 ms).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The most tickets waiting per limit (default 100,000).
+    pub fn max_waiters(mut self, max_waiters: usize) -> Self {
+        self.max_waiters = max_waiters;
+        self
+    }
+
+    /// What to do when Redis cannot answer (default [`OutagePolicy::FailClosed`]).
+    pub fn outage(mut self, policy: OutagePolicy) -> Self {
+        self.outage = policy;
+        self
+    }
+
+    /// The longest any Redis call may take (default 500 ms).
+    pub fn op_timeout(mut self, timeout: Duration) -> Self {
+        self.op_timeout = timeout;
+        self
+    }
+
+    /// Whether held permits are renewed in the background (default true). Without it, hold a
+    /// permit for less than the lease or call [`RedisLimits::renew`].
+    pub fn auto_renew(mut self, auto_renew: bool) -> Self {
+        self.auto_renew = auto_renew;
+        self
+    }
+
+    /// Connects, takes a client id, subscribes to the client's channel and starts the renewal
+    /// task. Call inside a tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::Backend`] if Redis cannot be reached or the options are invalid.
+    pub async fn build(self) -> Result<RedisLimits, LimitError> {
+        if self.lease < Duration::from_millis(100) {
+            return Err(LimitError::backend("the lease must be at least 100 ms"));
+        }
+        if let OutagePolicy::LocalShare(share) = self.outage
+            && !(share > 0.0 && share <= 1.0)
+        {
+            return Err(LimitError::backend("a local share must be in (0, 1]"));
+        }
+        if self.op_timeout.is_zero() {
+            return Err(LimitError::backend("the op timeout must be longer than zero"));
+        }
+        if self.queue_grace < Duration::from_millis(500) {
+            return Err(LimitError::backend("the queue grace must be at least 500 ms"));
+        }
+        let max_lease = self.max_lease.unwrap_or(self.lease).max(self.lease);
+        let client = redis::Client::open(self.url.as_str()).map_err(backend)?;
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(self.op_timeout))
+            .set_connection_timeout(Some(self.op_timeout))
+            .set_number_of_retries(2)
+            .set_max_delay(Duration::from_millis(500));
+        let mut conn = tokio::time::timeout(
+            self.op_timeout * 4,
+            ConnectionManager::new_with_config(client.clone(), config),
+        )
+        .await
+        .map_err(|_| LimitError::backend(format!("redis at {} did not answer", self.url)))?
+        .map_err(backend)?;
+        let ns = &self.namespace;
+        let id: u64 = redis::cmd("INCR")
+            .arg(format!("lanes:{{{ns}}}:clients"))
+            .query_async(&mut conn)
+            .await
+            .map_err(backend)?;
+        let client_id = id % (1 << CLIENT_BITS);
+        let epoch =
+            ensure_epoch(&mut conn, &format!("lanes:{{{ns}}}:epoch")).await.map_err(backend)?;
+        let inner = Arc::new(Inner {
+            conn,
+            script: Script::new(SCRIPT),
+            namespace: self.namespace.clone(),
+            channel_prefix: format!("lanes:{ns}:client:"),
+            client: client_id,
+            next_ticket: AtomicU64::new(1),
+            lease: self.lease,
+            max_waiters: self.max_waiters,
+            outage: self.outage,
+            op_timeout: self.op_timeout,
+            max_lease,
+            queue_grace: self.queue_grace,
+            epoch: Mutex::new(None),
+            lost: LostLeases::default(),
+            state: Mutex::new(State::default()),
+            local: Arc::new(LocalLimits::with_max_waiters(self.max_waiters)),
+            stats: Stats::default(),
+            tasks: Mutex::new(Vec::new()),
+        });
+        *lock(&inner.epoch) = Some(epoch);
+        let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
+        let subscriber = tokio::spawn(subscribe(client, Arc::downgrade(&inner), subscribed_tx));
+        let renewer = tokio::spawn(maintain(Arc::downgrade(&inner), self.auto_renew));
+        lock(&inner.tasks).extend([subscriber, renewer]);
+        // Waiters are pushed: be listening before the first acquire.
+        let _ = tokio::time::timeout(self.op_timeout * 4, subscribed).await;
+        Ok(RedisLimits { inner })
+    }
+}

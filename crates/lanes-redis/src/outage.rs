@@ -1,0 +1,164 @@
+//! What a client does without Redis: the outage policy, the local share, and the
+//! detection of a Redis that lost its state.
+
+// The crate root's private types and imports: this module is one of its impl blocks.
+use super::*;
+
+/// What a client does when Redis cannot answer.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OutagePolicy {
+    /// Acquires fail with [`LimitError::Backend`] (the default).
+    FailClosed,
+    /// Acquires are granted without a permit.
+    FailOpen,
+    /// Acquires fall back to an in-process limit with this share (in `(0, 1]`) of the spec.
+    LocalShare(f64),
+}
+
+pub(crate) enum Place {
+    Open,
+    Local,
+    Remote,
+}
+
+pub(crate) fn scaled(spec: LimitSpec, share: f64) -> LimitSpec {
+    let scale = |n: u32| ((f64::from(n) * share).floor() as u32).max(1);
+    LimitSpec {
+        concurrent: scale(spec.concurrent),
+        per_second: spec.per_second.map(|rate| rate * share),
+        burst: scale(spec.burst),
+    }
+}
+
+impl Inner {
+    pub(crate) async fn outage_for(
+        &self,
+        name: &str,
+        ticket: u64,
+        ask: Ask,
+        lease: Option<Duration>,
+        err: CallError,
+    ) -> Result<Answer, LimitError> {
+        let priority = match ask {
+            Ask::First(priority) => priority,
+            _ => Priority::default(),
+        };
+        self.on_outage(name, ticket, &priority, lease, err).await
+    }
+
+    /// Records a permit as lost and wakes whoever awaits it.
+    pub(crate) fn mark_lost(&self, name: &str, ticket: u64) {
+        self.stats.lost_leases.fetch_add(1, Ordering::Relaxed);
+        self.lost.mark(name, ticket);
+    }
+
+    /// Compares the namespace's epoch with the one this client knows. On a difference (or a
+    /// missing epoch) Redis lost its state: every limit this client knows is defined again with
+    /// a hold of `max_lease`, every permit it held is reported lost, and its waiters ask again
+    /// (their tickets are queued anew). Answers whether a loss was found.
+    pub(crate) async fn detect_loss(&self) -> Result<bool, CallError> {
+        let key = self.epoch_key();
+        let seen: Option<String> = self.command(redis::cmd("GET").arg(&key)).await?;
+        let known = lock(&self.epoch).clone();
+        if seen.is_some() && seen == known {
+            return Ok(false);
+        }
+        let mut conn = self.conn.clone();
+        let fresh = tokio::time::timeout(self.op_timeout, ensure_epoch(&mut conn, &key))
+            .await
+            .map_err(|_| CallError::Outage("no answer".into()))?
+            .map_err(|e| CallError::Outage(e.to_string()))?;
+        {
+            let mut epoch = lock(&self.epoch);
+            if epoch.as_ref() == Some(&fresh) {
+                return Ok(false); // another task of this client handled it
+            }
+            *epoch = Some(fresh);
+        }
+        let specs: Vec<(String, LimitSpec)> =
+            lock(&self.state).specs.iter().map(|(n, s)| (n.clone(), *s)).collect();
+        for (name, spec) in specs {
+            self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
+            self.define_held(&name, spec, self.max_lease).await?;
+        }
+        let held: Vec<(String, u64)> = {
+            let mut state = lock(&self.state);
+            let mut held = Vec::new();
+            for (name, limit) in &mut state.limits {
+                for ticket in std::mem::take(&mut limit.held) {
+                    limit.external.remove(&ticket);
+                    held.push((name.clone(), ticket));
+                }
+                limit.wake_first();
+                for notify in limit.waiting.values() {
+                    notify.notify_one();
+                }
+            }
+            held
+        };
+        for (name, ticket) in held {
+            self.mark_lost(&name, ticket);
+        }
+        Ok(true)
+    }
+
+    pub(crate) fn epoch_key(&self) -> String {
+        format!("lanes:{{{}}}:epoch", self.namespace)
+    }
+
+    pub(crate) async fn on_outage(
+        &self,
+        name: &str,
+        ticket: u64,
+        priority: &Priority,
+        lease: Option<Duration>,
+        err: CallError,
+    ) -> Result<Answer, LimitError> {
+        let message = match err {
+            CallError::Other(err) => return Err(err),
+            CallError::Outage(message) => message,
+        };
+        // The ticket may be queued on the server: withdraw it once Redis is back.
+        let queued_remotely = {
+            let mut state = lock(&self.state);
+            state.limits.entry(name.to_owned()).or_default().waiting.contains_key(&ticket)
+        };
+        match self.outage {
+            OutagePolicy::FailClosed => {
+                Err(LimitError::backend(format!("redis unreachable: {message}")))
+            }
+            OutagePolicy::FailOpen => {
+                self.stats.open_grants.fetch_add(1, Ordering::Relaxed);
+                let mut state = lock(&self.state);
+                if queued_remotely {
+                    state.orphans.push((name.to_owned(), ticket));
+                }
+                let limit = state.limits.entry(name.to_owned()).or_default();
+                limit.forget(ticket);
+                limit.open.insert(ticket);
+                Ok(Answer::Granted(Grant { fencing_token: 0, expires_at: None }))
+            }
+            OutagePolicy::LocalShare(share) => {
+                let Some(spec) = lock(&self.state).specs.get(name).copied() else {
+                    return Err(LimitError::backend(format!(
+                        "redis unreachable ({message}) and the spec of {name:?} is unknown to this client"
+                    )));
+                };
+                if self.local.info(name).await?.is_none() {
+                    self.local.define(name, scaled(spec, share)).await?;
+                }
+                self.stats.local_acquires.fetch_add(1, Ordering::Relaxed);
+                {
+                    let mut state = lock(&self.state);
+                    if queued_remotely {
+                        state.orphans.push((name.to_owned(), ticket));
+                    }
+                    let limit = state.limits.entry(name.to_owned()).or_default();
+                    limit.forget(ticket);
+                    limit.local.insert(ticket);
+                }
+                self.local.acquire(name, ticket, priority, lease).await
+            }
+        }
+    }
+}

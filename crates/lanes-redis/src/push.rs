@@ -1,0 +1,102 @@
+//! Grants and wake-ups pushed on the client's channel.
+
+// The crate root's private types and imports: this module is one of its impl blocks.
+use super::*;
+
+/// Listens on the client's channel; wakes the first waiter of each limit it names. Reconnects
+/// after a failure and then wakes every first waiter (notifications may have been missed).
+pub(crate) async fn subscribe(
+    client: redis::Client,
+    inner: Weak<Inner>,
+    subscribed: tokio::sync::oneshot::Sender<()>,
+) {
+    let mut subscribed = Some(subscribed);
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let Some(strong) = inner.upgrade() else { return };
+        let channel = format!("{}{}", strong.channel_prefix, strong.client);
+        let prefix = format!("{}:", strong.namespace);
+        drop(strong);
+        let pubsub = async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(&channel).await?;
+            Ok::<_, RedisError>(pubsub)
+        };
+        let mut pubsub = match tokio::time::timeout(Duration::from_secs(2), pubsub).await {
+            Ok(Ok(pubsub)) => pubsub,
+            _ => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(50);
+        if let Some(done) = subscribed.take() {
+            let _ = done.send(());
+        }
+        if let Some(strong) = inner.upgrade() {
+            for limit in lock(&strong.state).limits.values() {
+                limit.wake_first();
+            }
+        }
+        let mut messages = pubsub.on_message();
+        while let Some(message) = messages.next().await {
+            let Some(strong) = inner.upgrade() else { return };
+            let Ok(payload) = message.get_payload::<String>() else { continue };
+            strong.stats.notifications.fetch_add(1, Ordering::Relaxed);
+            if let Some((name, ticket)) = strong.pushed(&prefix, &payload) {
+                // Granted to a waiter that is gone: hand the permit back now.
+                if let Err(CallError::Outage(_)) =
+                    strong.call(&name, "release", &[ticket.to_string()]).await
+                {
+                    lock(&strong.state).orphans.push((name, ticket));
+                }
+            }
+        }
+    }
+}
+
+/// A pushed grant: `ticket|fence|expires|namespace:limit`.
+pub(crate) fn parse_push(payload: &str) -> Option<(u64, Grant, &str)> {
+    let mut parts = payload.splitn(4, '|');
+    let ticket = parts.next()?.parse().ok()?;
+    let fencing_token = parts.next()?.parse().ok()?;
+    let expires: u64 = parts.next()?.parse().ok()?;
+    let name = parts.next()?;
+    Some((ticket, Grant { fencing_token, expires_at: Some(Duration::from_micros(expires)) }, name))
+}
+
+impl Inner {
+    /// A message on the client's channel: a grant made on behalf of one of its waiters, or a
+    /// wake-up for the client's first waiter of a limit.
+    /// Returns a permit to hand back if its waiter is gone.
+    pub(crate) fn pushed(&self, prefix: &str, payload: &str) -> Option<(String, u64)> {
+        let mut state = lock(&self.state);
+        match parse_push(payload) {
+            Some((ticket, grant, qualified)) => {
+                let name = qualified.strip_prefix(prefix)?;
+                let limit = state.limits.entry(name.to_owned()).or_default();
+                if limit.held.contains(&ticket) {
+                    // Its own acquire's answer got here first: nothing new.
+                    return None;
+                }
+                let notify = limit.waiting.get(&ticket).cloned();
+                let Some(notify) = notify else {
+                    // Its waiter is gone (released or dropped).
+                    return Some((name.to_owned(), ticket));
+                };
+                limit.granted.insert(ticket, grant);
+                limit.held.insert(ticket);
+                notify.notify_one();
+                None
+            }
+            None => {
+                let name = payload.strip_prefix(prefix)?;
+                if let Some(limit) = state.limits.get(name) {
+                    limit.wake_first();
+                }
+                None
+            }
+        }
+    }
+}

@@ -1,0 +1,136 @@
+//! The calls to Redis and the parsing of their replies.
+
+// The crate root's private types and imports: this module is one of its impl blocks.
+use super::*;
+
+/// A failed Redis call: for lack of Redis (the outage policy applies) or another error.
+pub(crate) enum CallError {
+    Outage(String),
+    Other(LimitError),
+}
+
+impl From<CallError> for LimitError {
+    fn from(err: CallError) -> Self {
+        match err {
+            CallError::Outage(message) => {
+                LimitError::backend(format!("redis unreachable: {message}"))
+            }
+            CallError::Other(err) => err,
+        }
+    }
+}
+
+pub(crate) fn is_outage(err: &RedisError) -> bool {
+    err.is_io_error()
+        || err.is_timeout()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_unrecoverable_error()
+}
+
+/// Which ask of a ticket.
+#[derive(Clone)]
+pub(crate) enum Ask {
+    /// The first ask: queues the ticket at this priority unless granted.
+    First(Priority),
+    /// A later look: never queues.
+    Check,
+    /// Granted at once or nothing.
+    Try,
+}
+
+/// What the acquire script said.
+pub(crate) enum Reply {
+    Answer(ScriptAnswer, Option<Grant>, Option<Duration>),
+    Unknown,
+    TooManyWaiters,
+    Finished,
+}
+
+pub(crate) fn text(value: &Value) -> Option<String> {
+    match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+pub(crate) fn int(value: &Value) -> Option<i64> {
+    match value {
+        Value::Int(n) => Some(*n),
+        other => text(other)?.parse().ok(),
+    }
+}
+
+pub(crate) fn error_tag(value: &Value) -> Option<String> {
+    match value {
+        Value::Array(items) if items.len() == 1 => text(&items[0]),
+        _ => None,
+    }
+}
+
+pub(crate) fn parse_grant(fence: &Value, expires: &Value) -> Option<Grant> {
+    let fencing_token = u64::try_from(int(fence)?).ok()?;
+    let expires_us = u64::try_from(int(expires)?).ok()?;
+    Some(Grant { fencing_token, expires_at: Some(Duration::from_micros(expires_us)) })
+}
+
+impl Inner {
+    pub(crate) async fn call(
+        &self,
+        name: &str,
+        op: &str,
+        args: &[String],
+    ) -> Result<Value, CallError> {
+        self.call_leased(name, op, self.lease, args).await
+    }
+
+    pub(crate) async fn call_leased(
+        &self,
+        name: &str,
+        op: &str,
+        lease: Duration,
+        args: &[String],
+    ) -> Result<Value, CallError> {
+        let mut invocation = self.script.key(self.base(name));
+        invocation
+            .arg(op)
+            .arg(&self.channel_prefix)
+            .arg(lease.as_millis() as u64)
+            .arg(self.queue_grace.as_millis() as u64)
+            .arg(self.client);
+        for arg in args {
+            invocation.arg(arg);
+        }
+        let mut conn = self.conn.clone();
+        self.stats.calls.fetch_add(1, Ordering::Relaxed);
+        let result =
+            tokio::time::timeout(self.op_timeout, invocation.invoke_async(&mut conn)).await;
+        match result {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(err)) if is_outage(&err) => {
+                self.stats.outages.fetch_add(1, Ordering::Relaxed);
+                Err(CallError::Outage(err.to_string()))
+            }
+            Ok(Err(err)) => Err(CallError::Other(backend(err))),
+            Err(_) => {
+                self.stats.outages.fetch_add(1, Ordering::Relaxed);
+                Err(CallError::Outage(format!("no answer within {:?}", self.op_timeout)))
+            }
+        }
+    }
+
+    pub(crate) async fn command<T: redis::FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+    ) -> Result<T, CallError> {
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(self.op_timeout, cmd.query_async(&mut conn)).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(err)) if is_outage(&err) => Err(CallError::Outage(err.to_string())),
+            Ok(Err(err)) => Err(CallError::Other(backend(err))),
+            Err(_) => Err(CallError::Outage(format!("no answer within {:?}", self.op_timeout))),
+        }
+    }
+}
