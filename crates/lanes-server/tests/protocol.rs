@@ -909,6 +909,9 @@ impl Client {
                     Some(Queued { ticket, lease, pending_since: sent, highest_then: highest });
             }
             410 if !sure => self.drop_held(now),
+            // Forgotten after its lease, the number was free, and a stranger trying numbers
+            // other clients used took it: refusing this client is the server's duty.
+            409 if !sure && reply.body["ticket"].as_u64() == Some(ticket) => self.drop_held(now),
             _ => self.record.violation(format!(
                 "{}: re-ask of held {ticket} (token {token}, sure {sure}) -> {reply:?}",
                 self.name
