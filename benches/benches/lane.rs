@@ -37,7 +37,7 @@ async fn ours(lane: Lane, runs: u64) {
     let done = Done::new(runs);
     for _ in 0..runs {
         let done = done.clone();
-        let run = Run::new(|_cx| ready(Ok::<(), Infallible>(()))).finalizer(move |_outcome| {
+        let run = Run::typed(|_cx| ready(Ok::<(), Infallible>(()))).finalizer(move |_outcome| {
             done.finish_one();
             ready(Ok::<(), Infallible>(()))
         });
@@ -180,7 +180,7 @@ fn reject(c: &mut Criterion) {
     let hold = Arc::new(Semaphore::new(0));
     {
         let hold = hold.clone();
-        full.spawn(Run::new(move |_cx| async move {
+        full.spawn(Run::typed(move |_cx| async move {
             let _ = hold.acquire().await;
             Ok::<(), Infallible>(())
         }))
@@ -188,7 +188,7 @@ fn reject(c: &mut Criterion) {
     }
     group.bench_function("lanes", |b| {
         b.iter(|| {
-            let refused = full.spawn(Run::new(|_cx| ready(Ok::<(), Infallible>(()))));
+            let refused = full.spawn(Run::typed(|_cx| ready(Ok::<(), Infallible>(()))));
             black_box(refused.is_err())
         })
     });

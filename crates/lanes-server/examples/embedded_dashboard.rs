@@ -40,7 +40,7 @@ pub(crate) async fn work(lanes: &LaneSet, limits: &Limits, runs: usize) {
         let limits = limits.clone();
         let admitted = lanes.spawn(
             if i % 4 == 0 { "reports" } else { "checkout" },
-            Run::new(move |_cx| async move {
+            Run::typed(move |_cx| async move {
                 let tenant = Priority::default().key(format!("tenant-{}", i % 3));
                 let _permit = limits.acquire("payments-api", tenant).await?;
                 tokio::time::sleep(Duration::from_millis(5)).await;

@@ -16,7 +16,8 @@ pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync
         .build()?;
 
     // In line: the caller awaits the outcome.
-    let answer = lanes.run("interactive", Run::new(|_cx| async { Ok::<_, std::io::Error>(42) }))?;
+    let answer =
+        lanes.run("interactive", Run::typed(|_cx| async { Ok::<_, std::io::Error>(42) }))?;
     println!("interactive run answered {}", answer.await?);
 
     // In the background: each outcome goes to its finalizer, exactly once.
@@ -25,7 +26,7 @@ pub(crate) async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync
         let done = done.clone();
         lanes.spawn(
             "batch",
-            Run::new(move |_cx| async move {
+            Run::typed(move |_cx| async move {
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 Ok::<_, std::io::Error>(format!("report {report}"))
             })

@@ -58,14 +58,14 @@
 //!
 //! // Blocking participation: the caller awaits the outcome.
 //! let answer = lanes
-//!     .run("interactive", Run::new(|_cx| async { Ok::<_, std::io::Error>(42) }))?
+//!     .run("interactive", Run::new(|_cx| async { Ok(42) }))?
 //!     .await?;
 //! assert_eq!(answer, 42);
 //!
 //! // Background participation: the finalizer receives the outcome.
 //! lanes.spawn(
 //!     "batch",
-//!     Run::new(|_cx| async { Ok::<_, std::io::Error>("indexed") })
+//!     Run::new(|_cx| async { Ok("indexed") })
 //!         .finalizer(|outcome| async move { outcome.map(|_| ()) }),
 //! )?;
 //!

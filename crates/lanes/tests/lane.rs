@@ -73,7 +73,7 @@ fn gated(
     finals: &Finals,
 ) -> Run<impl lanes::lane::Job<Output = u32>, impl lanes::lane::Finalize<u32, Output = u32>> {
     let (gate, log, finals) = (gate.clone(), log.clone(), finals.clone());
-    Run::new(move |_cx| async move {
+    Run::typed(move |_cx| async move {
         log.lock().unwrap().push(tag);
         gate.wait().await;
         Res::Ok(tag)
@@ -127,7 +127,7 @@ async fn execution_slot_is_released_before_the_finalizer_but_ownership_is_not() 
     let (b_started_tx, b_started) = oneshot::channel();
     let a = {
         let (gate, notify) = (finalizer_gate.clone(), a_finalizing.clone());
-        Run::new(|_cx| async { Res::Ok(1) }).finalizer(move |outcome| async move {
+        Run::typed(|_cx| async { Res::Ok(1) }).finalizer(move |outcome| async move {
             notify.notify_one();
             gate.wait().await;
             outcome
@@ -140,7 +140,7 @@ async fn execution_slot_is_released_before_the_finalizer_but_ownership_is_not() 
     let b_gate = Gate::new();
     let b = {
         let b_gate = b_gate.clone();
-        Run::new(move |_cx| async move {
+        Run::typed(move |_cx| async move {
             b_started_tx.send(()).unwrap();
             b_gate.wait().await;
             Res::Ok(2)
@@ -149,7 +149,7 @@ async fn execution_slot_is_released_before_the_finalizer_but_ownership_is_not() 
     let b = lanes.run("work", b).unwrap();
     b_started.await.unwrap();
     // Both slots are owned (A finalizing, B executing or finalizing): a third is refused.
-    let third = lanes.run("work", Run::new(|_cx| async { Res::Ok(3) })).unwrap_err();
+    let third = lanes.run("work", Run::typed(|_cx| async { Res::Ok(3) })).unwrap_err();
     assert_eq!(third.kind(), AdmissionErrorKind::Full);
     b_gate.open();
     assert_eq!(b.await.unwrap(), 2);
@@ -394,15 +394,15 @@ async fn every_path_finalizes_exactly_once() {
             async move { outcome }
         }
     };
-    let ok = lanes.run("work", Run::new(|_| async { Res::Ok(1) }).finalizer(counting(&calls)));
+    let ok = lanes.run("work", Run::typed(|_| async { Res::Ok(1) }).finalizer(counting(&calls)));
     let job_err = lanes.run(
         "work",
-        Run::new(|_| async { Err::<u32, _>(std::io::Error::other("boom")) })
+        Run::typed(|_| async { Err::<u32, _>(std::io::Error::other("boom")) })
             .finalizer(counting(&calls)),
     );
     let panics = lanes.run(
         "work",
-        Run::new(|_| async {
+        Run::typed(|_| async {
             if true {
                 panic!("secret payload");
             }
@@ -412,7 +412,7 @@ async fn every_path_finalizes_exactly_once() {
     );
     let exec_timeout = lanes.run(
         "work",
-        Run::new(|cx| async move {
+        Run::typed(|cx| async move {
             cx.cancelled().await;
             Res::Ok(1)
         })
@@ -441,7 +441,7 @@ async fn every_path_finalizes_exactly_once() {
     let dropped = lanes
         .run(
             "work",
-            Run::new(move |cx| async move {
+            Run::typed(move |cx| async move {
                 started_tx.send(()).unwrap();
                 let reason = cx.cancelled().await;
                 Res::Ok(reason)
@@ -461,7 +461,7 @@ async fn every_path_finalizes_exactly_once() {
     let fin_err = lanes
         .run(
             "work",
-            Run::new(|_| async { Res::Ok(1) })
+            Run::typed(|_| async { Res::Ok(1) })
                 .finalizer(|_| async { Err::<(), _>(std::io::Error::other("fin")) }),
         )
         .unwrap()
@@ -471,7 +471,7 @@ async fn every_path_finalizes_exactly_once() {
     let fin_panic = lanes
         .run(
             "work",
-            Run::new(|_| async { Res::Ok(1) }).finalizer(|_: Result<u32, RunFailure>| async {
+            Run::typed(|_| async { Res::Ok(1) }).finalizer(|_: Result<u32, RunFailure>| async {
                 if true {
                     panic!("finalizer secret");
                 }
@@ -486,7 +486,7 @@ async fn every_path_finalizes_exactly_once() {
     let fin_slow = lanes
         .run(
             "work",
-            Run::new(|_| async { Res::Ok(1) }).finalizer(|_| async {
+            Run::typed(|_| async { Res::Ok(1) }).finalizer(|_| async {
                 sleep(Duration::from_secs(60)).await;
                 Res::Ok(())
             }),
@@ -526,7 +526,7 @@ async fn secondary_failures_are_attached_never_replacing_the_primary() {
     let err = lanes
         .run(
             "work",
-            Run::new(|_| async { Err::<u32, _>(std::io::Error::other("primary")) })
+            Run::typed(|_| async { Err::<u32, _>(std::io::Error::other("primary")) })
                 .finalizer(|outcome: Result<u32, RunFailure>| async move {
                     outcome.map_err(|_| std::io::Error::other("finalizer"))
                 })
@@ -555,7 +555,7 @@ async fn secondary_failures_are_attached_never_replacing_the_primary() {
     assert!(err.attached_at(Stage::Cleanup).is_some());
     // A finalizer that passes the failure on is not a failure of its own.
     let passed = lanes
-        .run("work", Run::new(|_| async { Err::<u32, _>(std::io::Error::other("x")) }))
+        .run("work", Run::typed(|_| async { Err::<u32, _>(std::io::Error::other("x")) }))
         .unwrap()
         .await
         .unwrap_err();
@@ -605,13 +605,13 @@ async fn audit_events_precede_the_finalizer_and_failures_are_handled() {
             Res::Ok(1)
         }
     };
-    lanes.run("work", Run::new(job(&ran)).finalizer(finalizer(&events))).unwrap().await.unwrap();
+    lanes.run("work", Run::typed(job(&ran)).finalizer(finalizer(&events))).unwrap().await.unwrap();
     assert_eq!(*events.lock().unwrap(), ["Started", "Completed", "finalizer"]);
 
     events.lock().unwrap().clear();
     fail_started.store(1, Ordering::SeqCst);
     let err = lanes
-        .run("work", Run::new(job(&ran)).finalizer(finalizer(&events)))
+        .run("work", Run::typed(job(&ran)).finalizer(finalizer(&events)))
         .unwrap()
         .await
         .unwrap_err();
@@ -621,7 +621,7 @@ async fn audit_events_precede_the_finalizer_and_failures_are_handled() {
     events.lock().unwrap().clear();
     fail_started.store(2, Ordering::SeqCst);
     let err = lanes
-        .run("work", Run::new(job(&ran)).finalizer(finalizer(&events)))
+        .run("work", Run::typed(job(&ran)).finalizer(finalizer(&events)))
         .unwrap()
         .await
         .unwrap_err();
@@ -636,7 +636,7 @@ async fn queue_wait_does_not_consume_the_execution_timeout() {
     let first = lanes
         .run(
             "work",
-            Run::new(|_| async {
+            Run::typed(|_| async {
                 sleep(Duration::from_secs(5)).await;
                 Res::Ok(0)
             }),
@@ -646,7 +646,7 @@ async fn queue_wait_does_not_consume_the_execution_timeout() {
     let patient = lanes
         .run(
             "work",
-            Run::new(|_cx| async move {
+            Run::typed(|_cx| async move {
                 sleep(Duration::from_secs(1)).await;
                 Res::Ok(1)
             })
@@ -657,7 +657,7 @@ async fn queue_wait_does_not_consume_the_execution_timeout() {
     let slow = lanes
         .run(
             "work",
-            Run::new(|cx| async move {
+            Run::typed(|cx| async move {
                 tokio::select! {
                     _ = sleep(Duration::from_secs(3)) => Res::Ok(2),
                     _ = cx.cancelled() => Res::Ok(99),
@@ -700,7 +700,7 @@ async fn ignored_cancellation_poisons_every_lane_and_drain_waits_for_finalizers(
     let late = Arc::new(AtomicUsize::new(0));
     let stuck = {
         let late = late.clone();
-        Run::new(move |_cx| async move {
+        Run::typed(move |_cx| async move {
             // Ignores cancellation entirely.
             sleep(Duration::from_secs(3600)).await;
             late.fetch_add(1, Ordering::SeqCst);
@@ -718,7 +718,7 @@ async fn ignored_cancellation_poisons_every_lane_and_drain_waits_for_finalizers(
     let fin_gate = Gate::new();
     let other = {
         let fin_gate = fin_gate.clone();
-        Run::new(|cx| async move {
+        Run::typed(|cx| async move {
             let reason = cx.cancelled().await;
             Res::Ok(reason)
         })
@@ -766,7 +766,7 @@ async fn close_cancels_executing_work_and_drain_joins_finalization() {
     let (fin_started_tx, fin_started) = oneshot::channel();
     let run = {
         let fin_gate = fin_gate.clone();
-        Run::new(|cx| async move { Res::Ok(cx.cancelled().await) }).finalizer(
+        Run::typed(|cx| async move { Res::Ok(cx.cancelled().await) }).finalizer(
             move |outcome: Result<Reason, RunFailure>| async move {
                 fin_started_tx.send(outcome.clone().map(|_| ())).unwrap();
                 // The finalizer is live after close: it can still wait on timers.
@@ -806,7 +806,7 @@ async fn snapshot_registers_and_serializes() {
         .build()
         .unwrap_err();
     assert_eq!((dup.field(), dup.rule()), ("registry.session", ConfigRule::Duplicate));
-    lanes.run("blocking", Run::new(|_| async { Res::Ok(1) })).unwrap().await.unwrap();
+    lanes.run("blocking", Run::typed(|_| async { Res::Ok(1) })).unwrap().await.unwrap();
     let json = registry.snapshot().to_json();
     let value: serde_json::Value = serde_json::from_str(&json).unwrap();
     let lane = &value["lane_sets"]["session"]["lanes"][0];
@@ -844,7 +844,7 @@ async fn a_run_takes_its_limit_before_its_slot_and_returns_it_before_the_finaliz
     let mut handles = Vec::new();
     for _ in 0..6 {
         let (running, max_running) = (running.clone(), max_running.clone());
-        let run = Run::new(move |_cx| async move {
+        let run = Run::typed(move |_cx| async move {
             let now = running.fetch_add(1, Ordering::SeqCst) + 1;
             max_running.fetch_max(now, Ordering::SeqCst);
             sleep(Duration::from_millis(10)).await;
@@ -862,12 +862,12 @@ async fn a_run_takes_its_limit_before_its_slot_and_returns_it_before_the_finaliz
     let held_in_finalizer = lanes
         .run(
             "work",
-            Run::new(|_| async { Res::Ok(()) }).limit(&limits, "db", Default::default()).finalizer(
-                move |outcome| async move {
+            Run::typed(|_| async { Res::Ok(()) })
+                .limit(&limits, "db", Default::default())
+                .finalizer(move |outcome| async move {
                     let held = seen.info("db").await.unwrap().unwrap().in_use;
                     outcome.map(|()| held)
-                },
-            ),
+                }),
         )
         .unwrap()
         .await
@@ -881,7 +881,10 @@ async fn a_run_takes_its_limit_before_its_slot_and_returns_it_before_the_finaliz
     // queue timeout fails it with `timeout` (the execution timeout does not run yet), and the
     // job never runs.
     let err = lanes
-        .run("work", Run::new(|_| async { Res::Ok(()) }).limit(&limits, "nope", Default::default()))
+        .run(
+            "work",
+            Run::typed(|_| async { Res::Ok(()) }).limit(&limits, "nope", Default::default()),
+        )
         .unwrap()
         .await
         .unwrap_err();
@@ -893,7 +896,7 @@ async fn a_run_takes_its_limit_before_its_slot_and_returns_it_before_the_finaliz
     let err = lanes
         .run(
             "work",
-            Run::new(move |_| async move {
+            Run::typed(move |_| async move {
                 ran2.fetch_add(1, Ordering::SeqCst);
                 Res::Ok(())
             })
@@ -922,7 +925,7 @@ async fn run_wait_and_spawn_wait_wait_for_room_in_order_until_a_deadline() {
         lanes
             .spawn(
                 "one",
-                Run::new(move |_cx| async move {
+                Run::typed(move |_cx| async move {
                     gate.wait().await;
                     Res::Ok(())
                 }),
@@ -938,7 +941,7 @@ async fn run_wait_and_spawn_wait_wait_for_room_in_order_until_a_deadline() {
         tokio::spawn(async move {
             let job_tag = tag.clone();
             let handle = lanes
-                .run_wait("one", Run::new(move |_cx| async move { Res::Ok(job_tag) }), None)
+                .run_wait("one", Run::typed(move |_cx| async move { Res::Ok(job_tag) }), None)
                 .await
                 .expect("admitted once there is room");
             order.lock().unwrap().push(tag);
@@ -953,7 +956,7 @@ async fn run_wait_and_spawn_wait_wait_for_room_in_order_until_a_deadline() {
     let late = lanes
         .spawn_wait(
             "one",
-            Run::new(|_cx| async { Res::Ok("late") }),
+            Run::typed(|_cx| async { Res::Ok("late") }),
             Some(tokio::time::Instant::now() + Duration::from_millis(50)),
         )
         .await
@@ -975,7 +978,7 @@ async fn run_wait_and_spawn_wait_wait_for_room_in_order_until_a_deadline() {
         lanes
             .spawn(
                 "one",
-                Run::new(move |_cx| async move {
+                Run::typed(move |_cx| async move {
                     gate.wait().await;
                     Res::Ok(())
                 }),
@@ -985,7 +988,7 @@ async fn run_wait_and_spawn_wait_wait_for_room_in_order_until_a_deadline() {
     let waiting = {
         let lanes = lanes.clone();
         tokio::spawn(async move {
-            lanes.spawn_wait("one", Run::new(|_cx| async { Res::Ok(()) }), None).await.map(|_| ())
+            lanes.spawn_wait("one", Run::typed(|_cx| async { Res::Ok(()) }), None).await.map(|_| ())
         })
     };
     tokio::task::yield_now().await;
@@ -1011,7 +1014,7 @@ async fn a_run_waiting_for_its_limit_holds_no_slot() {
     let waiting = lanes
         .run(
             "one",
-            Run::new(move |_| async move {
+            Run::typed(move |_| async move {
                 started2.fetch_add(1, Ordering::SeqCst);
                 Res::Ok("limited")
             })
@@ -1022,7 +1025,7 @@ async fn a_run_waiting_for_its_limit_holds_no_slot() {
     let lane = &lanes.snapshot().lanes[0];
     assert_eq!((lane.executing, lane.queued), (0, 1), "waits for its permit, not in a slot");
     // The lane's only slot is free for a run without a limit, admitted later.
-    let free = lanes.run("one", Run::new(|_| async { Res::Ok("free") })).unwrap();
+    let free = lanes.run("one", Run::typed(|_| async { Res::Ok("free") })).unwrap();
     assert_eq!(tokio::time::timeout(Duration::from_secs(1), free).await.unwrap().unwrap(), "free");
     assert_eq!(started.load(Ordering::SeqCst), 0);
     // The permit comes back: the waiting run takes it, then the slot.
@@ -1037,7 +1040,7 @@ async fn a_run_waiting_for_its_limit_holds_no_slot() {
     let waiting = lanes
         .run(
             "one",
-            Run::new(|_| async { Res::Ok("never") }).limit(&limits, "api", Default::default()),
+            Run::typed(|_| async { Res::Ok("never") }).limit(&limits, "api", Default::default()),
         )
         .unwrap();
     tokio::task::yield_now().await;

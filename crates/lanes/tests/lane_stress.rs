@@ -110,7 +110,7 @@ async fn stress(seed: u64, runs: usize) {
                 outcome
             }
         };
-        let mut run = Run::new(job).finalizer(finalizer);
+        let mut run = Run::typed(job).finalizer(finalizer);
         if rng.below(5) == 0 {
             run = run.queue_timeout(Duration::from_millis(rng.below(60)));
         }

@@ -52,7 +52,7 @@ fn lanes() -> LaneSet {
 }
 
 fn slow_run() -> Run<impl lanes::lane::Job<Output = ()>, impl lanes::lane::Finalize<()>> {
-    Run::new(|cx: lanes::RunContext| async move {
+    Run::typed(|cx: lanes::RunContext| async move {
         tokio::select! {
             _ = cx.cancelled() => Err(std::io::Error::other("cancelled")),
             () = tokio::time::sleep(Duration::from_millis(10)) => Ok(()),

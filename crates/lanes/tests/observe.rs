@@ -61,7 +61,7 @@ fn a_lane_counts_admissions_refusals_outcomes_and_waits() {
             .build()
             .unwrap();
         let slow = |n: u32| {
-            Run::new(move |_cx| async move {
+            Run::typed(move |_cx| async move {
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 if n == 2 { Err(std::io::Error::other("no")) } else { Ok(n) }
             })

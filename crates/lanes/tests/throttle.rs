@@ -31,18 +31,18 @@ async fn a_run_fails_or_retries_a_refusal_as_its_throttle_says() {
     let limits = Limits::new();
     let failing = Throttle::new(&limits, "later", Priority::default());
     assert_eq!(failing.refusal_policy(), OnRefusal::Fail);
-    let run = Run::new(|_| async { Ok::<_, std::io::Error>(1) }).throttle(failing);
+    let run = Run::typed(|_| async { Ok::<_, std::io::Error>(1) }).throttle(failing);
     let err = lanes.run("work", run).unwrap().await.unwrap_err();
     assert_eq!(err.reason(), Reason::Limit);
     assert!(err.is_queue_failure());
 
     let retrying = Throttle::new(&limits, "later", Priority::default()).on_refusal(retry());
-    let run = Run::new(|_| async { Ok::<_, std::io::Error>(2) }).throttle(retrying);
+    let run = Run::typed(|_| async { Ok::<_, std::io::Error>(2) }).throttle(retrying);
     let handle = lanes.run("work", run).unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Still waiting, and holding no slot: another run goes through.
     assert_eq!(lanes.snapshot().lanes[0].executing, 0);
-    let other = lanes.run("work", Run::new(|_| async { Ok::<_, std::io::Error>(3) })).unwrap();
+    let other = lanes.run("work", Run::typed(|_| async { Ok::<_, std::io::Error>(3) })).unwrap();
     assert_eq!(other.await.unwrap(), 3);
     limits.define("later", LimitSpec::concurrent(1)).await.unwrap();
     assert_eq!(tokio::time::timeout(Duration::from_secs(1), handle).await.unwrap().unwrap(), 2);

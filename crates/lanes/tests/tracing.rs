@@ -78,7 +78,7 @@ fn runs_limits_and_spill_queues_report_to_tracing() {
             .build()
             .unwrap();
         let held = limits.acquire("api", Priority::default()).await.unwrap();
-        let run = Run::new(|_| async { Ok::<_, std::io::Error>(7) }).limit(
+        let run = Run::typed(|_| async { Ok::<_, std::io::Error>(7) }).limit(
             &limits,
             "api",
             Priority::default(),

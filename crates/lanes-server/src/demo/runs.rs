@@ -121,7 +121,7 @@ fn job(
     let work = Duration::from_micros(500 + rng.below(8_000));
     let fate = rng.below(100);
     let (waits, finalized, admitted_at) = (waits.clone(), waits.clone(), admitted_at.clone());
-    let mut run = Run::new(move |cx: RunContext| async move {
+    let mut run = Run::typed(move |cx: RunContext| async move {
         if let Ok(mut waits) = waits.lock() {
             let lane =
                 if cx.lane() == "blocking" { &mut waits.blocking } else { &mut waits.background };

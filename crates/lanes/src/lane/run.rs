@@ -142,7 +142,7 @@ pub(crate) type Cleanup = Box<dyn FnOnce() -> BoxFuture<'static, Result<(), BoxE
 ///
 /// let run = Run::new(|cx| async move {
 ///     tokio::select! {
-///         _ = cx.cancelled() => Err("cancelled"),
+///         _ = cx.cancelled() => Err("cancelled".into()),
 ///         _ = tokio::time::sleep(Duration::from_millis(5)) => Ok(7),
 ///     }
 /// })
@@ -165,8 +165,36 @@ pub struct Run<J, F = Passthrough> {
 }
 
 impl<J> Run<J> {
-    /// A run of `job` whose outcome goes to the caller unchanged ([`Passthrough`]).
-    pub fn new<Fut, T, E>(job: J) -> Self
+    /// A run of `job` whose outcome goes to the caller unchanged ([`Passthrough`]). The job
+    /// fails with a [`BoxError`], so the common closure needs no annotation and `?` converts
+    /// any error; [`typed`](Self::typed) keeps a job's own error type.
+    ///
+    /// ```
+    /// use lanes::Run;
+    ///
+    /// let run = Run::new(|_cx| async { Ok(42) });
+    /// let parsed = Run::new(|_cx| async { Ok("7".parse::<u32>()?) });
+    /// # drop((run, parsed));
+    /// ```
+    pub fn new<Fut, T>(job: J) -> Self
+    where
+        J: FnOnce(RunContext) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, BoxError>> + Send + 'static,
+        T: Send + 'static,
+    {
+        Self::typed(job)
+    }
+
+    /// A run of `job` that fails with its own error type `E` (the finalizer and a blocking
+    /// caller see it as the failure's cause, downcastable to `E`).
+    ///
+    /// ```
+    /// use lanes::Run;
+    ///
+    /// let run = Run::typed(|_cx| async { Ok::<_, std::io::Error>(42) });
+    /// # drop(run);
+    /// ```
+    pub fn typed<Fut, T, E>(job: J) -> Self
     where
         J: FnOnce(RunContext) -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,

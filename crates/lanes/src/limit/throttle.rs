@@ -63,7 +63,7 @@ impl OnRefusal {
 ///     .worker_drain_timeout(Duration::from_secs(1))
 ///     .build()?;
 /// let charged = lanes
-///     .run("charges", Run::new(|_| async { Ok::<_, std::io::Error>("ok") }).throttle(throttle))?
+///     .run("charges", Run::typed(|_| async { Ok::<_, std::io::Error>("ok") }).throttle(throttle))?
 ///     .await?;
 /// assert_eq!(charged, "ok");
 /// # Ok(())
