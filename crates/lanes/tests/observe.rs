@@ -132,7 +132,7 @@ fn a_limit_counts_acquires_refusals_timeouts_and_holders() {
         panic!("a histogram")
     };
     let waits: Vec<f64> = waits.iter().map(|w| w.into_inner()).collect();
-    assert_eq!(waits.len(), 2, "{waits:?}");
+    assert_eq!(waits.len(), 1, "only the acquire that waited: {waits:?}");
     assert!(waits.iter().any(|w| (w - 0.007).abs() < 0.002), "{waits:?}");
 }
 

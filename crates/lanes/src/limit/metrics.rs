@@ -29,12 +29,13 @@ impl LimitMetrics {
         }
     }
 
-    /// Counts a grant after `waited` (`None`: at once).
+    /// Counts a grant; `waited` is when its wait began, if it waited and wait timing was on
+    /// (an immediate grant records no wait: the fast path reads no clock and no switch).
     pub(crate) fn granted(&self, waited: Option<tokio::time::Instant>) {
         self.acquired.increment(1);
         self.held.increment(1.0);
-        if crate::observe::wait_timing() {
-            self.wait.record(waited.map_or(0.0, |since| since.elapsed().as_secs_f64()));
+        if let Some(since) = waited {
+            self.wait.record(since.elapsed().as_secs_f64());
         }
     }
 }

@@ -42,6 +42,14 @@ struct KeyObserved {
 }
 
 impl KeyObserved {
+    fn record(&mut self, waited: Duration, now: Duration) {
+        self.granted += 1;
+        self.last = now;
+        let micros = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
+        let bucket = (u64::BITS - micros.leading_zeros()) as usize;
+        self.waits[bucket.min(BUCKETS - 1)] += 1;
+    }
+
     fn quantile(&self, q: f64) -> f64 {
         let total: u64 = self.waits.iter().sum();
         if total == 0 {
@@ -65,7 +73,10 @@ pub(crate) struct Observed {
     pub(crate) refused: u64,
     pub(crate) withdrawn: u64,
     pub(crate) expired: u64,
+    /// Keyed waiters' grants (bounded, see [`MAX_KEYS`]).
     keys: BTreeMap<Option<Arc<str>>, KeyObserved>,
+    /// Grants to waiters without a fairness key.
+    unkeyed: KeyObserved,
     /// Waiting tickets: their key and when they were queued.
     since: FastMap<u64, (Option<Arc<str>>, Duration)>,
 }
@@ -78,22 +89,29 @@ impl Observed {
 
     /// `ticket` was granted at `now`; `key` is its key if it never queued (an immediate grant).
     pub(crate) fn granted(&mut self, ticket: u64, key: Option<&Option<Arc<str>>>, now: Duration) {
-        let (key, waited) = match self.since.remove(&ticket) {
+        let waited = if self.since.is_empty() { None } else { self.since.remove(&ticket) };
+        let (key, waited) = match waited {
             Some((key, at)) => (key, now.saturating_sub(at)),
+            // An immediate grant without a fairness key, the common case: no lookup.
+            None if key.is_none_or(Option::is_none) => {
+                self.unkeyed.granted += 1;
+                self.unkeyed.last = now;
+                self.unkeyed.waits[0] += 1;
+                return;
+            }
             None => (key.cloned().flatten(), Duration::ZERO),
         };
+        if key.is_none() {
+            self.unkeyed.record(waited, now);
+            return;
+        }
         if !self.keys.contains_key(&key) && self.keys.len() >= MAX_KEYS {
             let oldest = self.keys.iter().min_by_key(|(_, k)| k.last).map(|(k, _)| k.clone());
             if let Some(oldest) = oldest {
                 self.keys.remove(&oldest);
             }
         }
-        let stats = self.keys.entry(key).or_default();
-        stats.granted += 1;
-        stats.last = now;
-        let micros = u64::try_from(waited.as_micros()).unwrap_or(u64::MAX);
-        let bucket = (u64::BITS - micros.leading_zeros()) as usize;
-        stats.waits[bucket.min(BUCKETS - 1)] += 1;
+        self.keys.entry(key).or_default().record(waited, now);
     }
 
     /// `ticket` left the queue without a grant (cancelled or timed out).
@@ -115,13 +133,21 @@ impl Observed {
 
     /// The per-key view, with `waiting` counted by the queue.
     pub(crate) fn keys(&self, waiting: &BTreeMap<Option<Arc<str>>, usize>) -> Vec<KeyInfo> {
+        let none: Option<Arc<str>> = None;
         let mut names: Vec<&Option<Arc<str>>> = self.keys.keys().collect();
+        if self.unkeyed.granted > 0 {
+            names.push(&none);
+        }
         names.extend(waiting.keys().filter(|k| !self.keys.contains_key(*k)));
         names.sort();
+        names.dedup();
         names
             .into_iter()
             .map(|key| {
-                let stats = self.keys.get(key).cloned().unwrap_or_default();
+                let stats = match key {
+                    None => self.unkeyed.clone(),
+                    Some(_) => self.keys.get(key).cloned().unwrap_or_default(),
+                };
                 KeyInfo {
                     key: key.as_deref().map(str::to_owned),
                     waiting: waiting.get(key).copied().unwrap_or(0),
@@ -131,6 +157,16 @@ impl Observed {
                 }
             })
             .collect()
+    }
+}
+
+/// One limit's observations inside its state; equal to any other (not the table's state).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ObservedCell(pub(crate) Observed);
+
+impl PartialEq for ObservedCell {
+    fn eq(&self, _: &Self) -> bool {
+        true
     }
 }
 

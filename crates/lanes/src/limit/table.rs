@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::observed::{KeyInfo, Observations, Observed};
+use super::observed::{KeyInfo, Observations, Observed, ObservedCell};
 use super::priority::Priority;
 use super::spec::{LimitSpec, SpecError};
 use super::waiters::WaitQueue;
@@ -154,14 +154,6 @@ impl LimitInfo {
             keys: Vec::new(),
         }
     }
-}
-
-/// The observations of limit `name`, created on first use (one allocation per limit).
-fn observed_mut<'a>(observations: &'a mut Observations, name: &str) -> &'a mut Observed {
-    if !observations.0.contains_key(name) {
-        observations.0.insert(Arc::from(name), Observed::default());
-    }
-    observations.0.get_mut(name).expect("inserted above")
 }
 
 /// Why a limit operation failed.
@@ -331,6 +323,9 @@ struct LimitState {
     /// Leases reclaimed since the owner last asked ([`LimitTable::take_expired`]).
     #[serde(skip)]
     expired: u64,
+    /// What the table saw of this limit's waiters (for the snapshot; not state).
+    #[serde(skip)]
+    observed: ObservedCell,
 }
 
 impl LimitState {
@@ -346,6 +341,7 @@ impl LimitState {
             next_expiry: None,
             external: 0,
             expired: 0,
+            observed: ObservedCell::default(),
         }
     }
 
@@ -448,7 +444,8 @@ pub struct LimitTable {
     /// above it (invariant 4).
     #[serde(default)]
     fence_floor: u64,
-    /// What the table saw of each limit's waiters (for the snapshot; not state).
+    /// The observations of limits handed back to the in-process fast path, until the table
+    /// adopts them again (not state).
     #[serde(skip)]
     observed: Observations,
 }
@@ -573,7 +570,6 @@ impl LimitTable {
         let max_waiters = self.max_waiters;
         let state =
             self.limits.get_mut(name).ok_or_else(|| LimitError::UnknownLimit(name.to_owned()))?;
-        let observed = observed_mut(&mut self.observed, name);
         state.expire(now, &mut Vec::new());
         if let Some(held) = state.held.get(&ticket) {
             return Ok(Acquire::Granted(held.grant));
@@ -587,31 +583,32 @@ impl LimitTable {
         if state.queue.is_empty() && state.in_use() < state.spec.concurrent {
             return match state.rate_check(now) {
                 Ok(_) => {
-                    observed.granted(ticket, Some(key), now);
+                    state.observed.0.granted(ticket, Some(key), now);
                     Ok(Acquire::Granted(state.grant(ticket, now, lease)))
                 }
-                Err(_) if max_waiters == 0 => too_many(observed),
+                Err(_) if max_waiters == 0 => too_many(&mut state.observed.0),
                 Err(at) => {
                     state.queue.push(ticket, priority);
-                    observed.queued(ticket, key.clone(), now);
+                    state.observed.0.queued(ticket, key.clone(), now);
                     Ok(Acquire::RetryAt(at))
                 }
             };
         }
         if !state.queue.contains(ticket) {
             if state.queue.len() >= max_waiters {
-                return too_many(observed);
+                return too_many(&mut state.observed.0);
             }
             state.queue.push(ticket, priority);
-            observed.queued(ticket, key.clone(), now);
+            state.observed.0.queued(ticket, key.clone(), now);
             // Whatever path a ticket left by, the observations forget it before they grow.
-            if observed.waiting_len() > 2 * state.queue.len() + 64 {
-                observed.forget_unless(|ticket| state.queue.contains(ticket));
+            if state.observed.0.waiting_len() > 2 * state.queue.len() + 64 {
+                let queue = &state.queue;
+                state.observed.0.forget_unless(|ticket| queue.contains(ticket));
             }
         }
         let answer = state.answer_waiting(ticket, now, lease);
         if let Acquire::Granted(_) = answer {
-            observed.granted(ticket, Some(key), now);
+            state.observed.0.granted(ticket, Some(key), now);
         }
         Ok(answer)
     }
@@ -640,7 +637,7 @@ impl LimitTable {
         }
         let answer = state.answer_waiting(ticket, now, lease);
         if let Acquire::Granted(_) = answer {
-            observed_mut(&mut self.observed, name).granted(ticket, None, now);
+            state.observed.0.granted(ticket, None, now);
         }
         Ok(answer)
     }
@@ -673,7 +670,7 @@ impl LimitTable {
                 Err(at) => Acquire::RetryAt(at),
             }
         };
-        let observed = observed_mut(&mut self.observed, name);
+        let observed = &mut state.observed.0;
         match answer {
             Acquire::Granted(_) => observed.granted(ticket, Some(&None), now),
             _ => observed.refused += 1,
@@ -705,7 +702,7 @@ impl LimitTable {
             Some(Next::Ready(ticket)) => {
                 state.queue.pop();
                 let grant = state.grant(ticket, now, lease);
-                observed_mut(&mut self.observed, name).granted(ticket, None, now);
+                state.observed.0.granted(ticket, None, now);
                 Some((ticket, grant))
             }
             _ => None,
@@ -741,7 +738,7 @@ impl LimitTable {
             return Ok(Released::Permit);
         }
         Ok(if state.queue.remove(ticket) {
-            observed_mut(&mut self.observed, name).withdrawn(ticket);
+            state.observed.0.withdrawn(ticket);
             Released::Withdrawn
         } else {
             Released::Unknown
@@ -808,7 +805,7 @@ impl LimitTable {
     /// The state of `name`.
     pub fn info(&self, name: &str) -> Option<LimitInfo> {
         self.limits.get(name).map(|state| {
-            let observed = self.observed.0.get(name).cloned().unwrap_or_default();
+            let observed = &state.observed.0;
             LimitInfo {
                 name: name.to_owned(),
                 spec: state.spec,
@@ -840,10 +837,12 @@ impl LimitTable {
     /// Takes in limit `name` with `spec` and the counters it had outside the table (the
     /// in-process fast path hands a limit to the table when a caller must wait).
     pub(crate) fn adopt(&mut self, name: &Arc<str>, spec: LimitSpec, counters: Counters) {
-        let state = self
-            .limits
-            .entry(name.clone())
-            .or_insert_with(|| LimitState::new(spec, counters.fencing));
+        let stashed = &mut self.observed;
+        let state = self.limits.entry(name.clone()).or_insert_with(|| {
+            let mut state = LimitState::new(spec, counters.fencing);
+            state.observed.0 = stashed.0.remove(name).unwrap_or_default();
+            state
+        });
         state.spec = spec;
         state.tat = counters.tat;
         state.fencing = state.fencing.max(counters.fencing);
@@ -853,10 +852,9 @@ impl LimitTable {
 
     /// How many leased permits of `name` were reclaimed since the last call.
     pub(crate) fn take_expired(&mut self, name: &str) -> u64 {
-        let taken = self.limits.get_mut(name).map_or(0, |state| std::mem::take(&mut state.expired));
-        if taken > 0 {
-            observed_mut(&mut self.observed, name).expired += taken;
-        }
+        let Some(state) = self.limits.get_mut(name) else { return 0 };
+        let taken = std::mem::take(&mut state.expired);
+        state.observed.0.expired += taken;
         taken
     }
 
@@ -879,8 +877,10 @@ impl LimitTable {
         if !state.held.is_empty() || !state.queue.is_empty() {
             return None;
         }
-        let state = self.limits.remove(name)?;
+        let mut state = self.limits.remove(name)?;
         self.fence_floor = self.fence_floor.max(state.fencing);
+        let observed = std::mem::take(&mut state.observed.0);
+        self.observed.0.insert(name.into(), observed);
         Some(Counters {
             tat: state.tat,
             fencing: state.fencing,

@@ -106,7 +106,7 @@ pub const METRICS: &[MetricName] = &[
         "lanes_limit_wait_seconds",
         Histogram,
         LIMIT,
-        "Time from acquire to grant (0 for an immediate grant).",
+        "Time acquires that had to wait waited for their grant.",
     ),
     metric(
         "lanes_limit_in_use",
