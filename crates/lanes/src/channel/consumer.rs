@@ -574,7 +574,7 @@ impl<T> Batch<T> {
             c.ignored += report.ignored as u64;
             c.late_settlements += report.late as u64;
         }
-        self.shared.settled.notify_waiters();
+        self.shared.settled_changed();
         self.shared.metrics.processed.increment(report.processed as u64);
         self.shared.metrics.failed.increment(report.failed as u64);
         self.permits.clear();
@@ -599,7 +599,7 @@ impl<T> Drop for Batch<T> {
             receipt.settle(Settlement::Dropped);
         }
         lock(&self.shared.state).counters.abandoned += self.records.len() as u64;
-        self.shared.settled.notify_waiters();
+        self.shared.settled_changed();
     }
 }
 

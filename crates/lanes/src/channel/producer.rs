@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::future::poll_fn;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use std::task::Poll;
@@ -291,6 +291,14 @@ impl<T> Channel<T> {
     /// settled (processed, failed or abandoned with its batch). Waits forever on a channel
     /// nobody closes, and on queued records no consumer takes.
     pub async fn drained(&self) {
+        struct Counted<'a>(&'a AtomicUsize);
+        impl Drop for Counted<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        self.shared.drain_waiters.fetch_add(1, Ordering::SeqCst);
+        let _counted = Counted(&self.shared.drain_waiters);
         loop {
             let mut settled = std::pin::pin!(self.shared.settled.notified());
             settled.as_mut().enable();

@@ -317,6 +317,9 @@ pub(crate) struct ChannelShared<T> {
     /// Woken when records may have reached their end (a settle, a drop, a close), for
     /// [`Channel::drained`](super::Channel::drained).
     pub(crate) settled: tokio::sync::Notify,
+    /// Callers in `drained`: settles wake `settled` only if there are any (a notify takes a
+    /// lock, and a settle happens per batch or per read record).
+    pub(crate) drain_waiters: AtomicUsize,
     /// Close when the last producer handle is dropped (standalone channels).
     pub(crate) auto_close: bool,
     pub(crate) home: Weak<ChannelsInner>,
@@ -352,6 +355,7 @@ impl<T> ChannelShared<T> {
             producers: AtomicUsize::new(0),
             read: AtomicU64::new(0),
             settled: tokio::sync::Notify::new(),
+            drain_waiters: AtomicUsize::new(0),
             auto_close,
             home,
         }
@@ -469,7 +473,15 @@ impl<T> ChannelShared<T> {
     pub(crate) fn count_read(&self, n: u64) {
         self.read.store(self.read.load(Ordering::Relaxed) + n, Ordering::Release);
         self.metrics.processed.increment(n);
-        self.settled.notify_waiters();
+        self.settled_changed();
+    }
+
+    /// Records may have reached their end: wakes callers of `drained`, if any. A waiter counts
+    /// itself (SeqCst) before it checks; a change made before this load is seen by its check.
+    pub(crate) fn settled_changed(&self) {
+        if self.drain_waiters.load(Ordering::SeqCst) > 0 {
+            self.settled.notify_waiters();
+        }
     }
 
     /// Closed, nothing queued, and every delivered record settled (processed, failed or
@@ -585,7 +597,7 @@ impl<T> ChannelShared<T> {
         if let Some(consumer) = consumer {
             consumer.wake();
         }
-        self.settled.notify_waiters();
+        self.settled_changed();
         if !was_closed && let Some(home) = self.home.upgrade() {
             home.forget(&self.name, (self as *const Self).cast());
         }
