@@ -38,9 +38,10 @@ impl OnRefusal {
 /// A limit that work takes a permit of before it runs: the limit's name, the priority the work
 /// waits at, and what it does on a refusal ([`OnRefusal`]).
 ///
-/// Work waiting for its permit holds nothing else of the primitive (the *fusee rule*): a run
-/// holds no execution slot, a pool's item no worker beyond the one waiting, a consumer's batch
-/// no records taken out of the channel.
+/// A run waiting for its permit holds no execution slot (the *fusee rule*), and a consumer's
+/// batch takes no records out of the channel before its permits; a pool's item waits in the
+/// worker that took it (a pool's workers are its concurrency, and per-key order needs the item
+/// in hand).
 ///
 /// # Examples
 ///

@@ -54,7 +54,12 @@ const SPILL: &[&str] = &["spill"];
 /// Every metric the library emits.
 pub const METRICS: &[MetricName] = &[
     metric("lanes_lane_admitted_total", Counter, LANE, "Runs admitted to the lane."),
-    metric("lanes_lane_rejected_total", Counter, LANE, "Runs refused because the lane was full."),
+    metric(
+        "lanes_lane_rejected_total",
+        Counter,
+        LANE,
+        "Runs refused because the lane was full (at once, or after waiting for room: those also count in timed_out).",
+    ),
     metric(
         "lanes_lane_timed_out_total",
         Counter,

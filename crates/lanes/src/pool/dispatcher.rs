@@ -191,9 +191,14 @@ impl<T: Send + 'static> Dispatcher<T> {
     }
 
     /// Resolves once it is closed and every accepted item reached its end (processed, failed,
-    /// panicked or dropped). Waits forever on a pool nobody closes.
+    /// panicked or dropped), then stops completion tracking, as [`stop`](Self::stop) does.
+    /// Waits forever on a pool nobody closes.
     pub async fn drained(&self) {
         engine::wait_drained(&*self.core).await;
+        // The second half of `stop`, once drained.
+        if let Some(tracker) = &self.tracker {
+            tracker.stop_watching();
+        }
     }
 
     /// Its kind, phase, counters and completion tracking now: what the registry stores.
