@@ -33,7 +33,7 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
             let waiting: Vec<String> = lock(&inner.state)
                 .limits
                 .iter()
-                .filter(|(_, limit)| !limit.waiting.is_empty())
+                .filter(|(_, limit)| limit.has_waiters())
                 .map(|(name, _)| name.clone())
                 .collect();
             for name in waiting {
@@ -47,11 +47,7 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
         let held: Vec<(String, Vec<u64>)> = lock(&inner.state)
             .limits
             .iter()
-            .map(|(name, limit)| {
-                let own: Vec<u64> =
-                    limit.held.iter().copied().filter(|t| !limit.external.contains(t)).collect();
-                (name.clone(), own)
-            })
+            .map(|(name, limit)| (name.clone(), limit.renewed()))
             .filter(|(_, own)| !own.is_empty())
             .collect();
         for (name, tickets) in held {
@@ -102,12 +98,7 @@ impl Inner {
             {
                 let mut state = lock(&self.state);
                 if let Some(limit) = state.limits.get_mut(name) {
-                    for ticket in &refused {
-                        if limit.held.remove(ticket) {
-                            limit.external.remove(ticket);
-                            lost.push(*ticket);
-                        }
-                    }
+                    lost.extend(refused.iter().copied().filter(|ticket| limit.lose(*ticket)));
                 }
             }
             for ticket in lost {

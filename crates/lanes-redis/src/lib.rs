@@ -82,9 +82,8 @@ pub use builder::RedisLimitsBuilder;
 pub use outage::OutagePolicy;
 
 use lease::{ensure_epoch, maintain};
-use outage::Place;
 use push::subscribe;
-use tickets::State;
+use tickets::{Delivered, Place, State, WaitPlan};
 use wire::{Ask, CallError, Reply, error_tag, int, parse_grant, text};
 
 /// The workspace README's examples (which use this crate as well as `lanes`), compiled and run
@@ -93,7 +92,7 @@ use wire::{Ask, CallError, Reply, error_tag, int, parse_grant, text};
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
@@ -308,42 +307,31 @@ impl Inner {
     ) -> Answer {
         let mut state = lock(&self.state);
         let limit = state.limits.entry(name.to_owned()).or_default();
-        if let Some(pushed) = limit.granted.remove(&ticket) {
+        if let Some(pushed) = limit.claim(ticket) {
             // Granted on its behalf (and pushed) while the answer travelled.
-            limit.forget(ticket);
             return Answer::Granted(pushed);
         }
         match answer {
             ScriptAnswer::Granted => {
-                limit.forget(ticket);
-                limit.held.insert(ticket);
+                limit.hold(ticket, false);
                 Answer::Granted(grant.expect("parsed with the answer"))
             }
             ScriptAnswer::GrantedOther(other) => {
-                limit.waiting.entry(ticket).or_default();
-                match limit.waiting.get(&other).cloned() {
-                    _ if limit.held.contains(&other) => {}
-                    Some(notify) => {
-                        limit.granted.insert(other, grant.expect("parsed with the answer"));
-                        limit.held.insert(other);
-                        notify.notify_one();
-                    }
-                    None => {
-                        // Its acquire was dropped meanwhile: hand the permit back.
-                        state.orphans.push((name.to_owned(), other));
-                    }
+                limit.queued(ticket, false);
+                let grant = grant.expect("parsed with the answer");
+                if limit.deliver(other, grant) == Delivered::Gone {
+                    // Its acquire was dropped meanwhile: hand the permit back.
+                    state.orphans.push((name.to_owned(), other));
                 }
                 Answer::Queued
             }
             ScriptAnswer::Queued => {
-                limit.waiting.entry(ticket).or_default();
-                limit.retrying.remove(&ticket);
-                limit.next_expiry = hint.map(|after| Instant::now() + after);
+                limit.queued(ticket, false);
+                limit.expires_in(hint);
                 Answer::Queued
             }
             ScriptAnswer::RetryAfter(after) => {
-                limit.waiting.entry(ticket).or_default();
-                limit.retrying.insert(ticket);
+                limit.queued(ticket, true);
                 Answer::RetryAfter(after)
             }
         }
@@ -361,22 +349,17 @@ impl Inner {
         let local = {
             let mut state = lock(&self.state);
             let limit = state.limits.entry(name.to_owned()).or_default();
-            if let Some(grant) = limit.granted.remove(&ticket) {
-                limit.forget(ticket);
+            if let Some(grant) = limit.claim(ticket) {
                 return Ok(Answer::Granted(grant));
             }
-            if limit.open.contains(&ticket) {
+            if limit.is_open(ticket) {
                 return Ok(Answer::Granted(Grant { fencing_token: 0, expires_at: None }));
             }
-            let local = limit.local.contains(&ticket);
+            let local = limit.is_local(ticket);
             if !local && let Ask::First(priority) = &ask {
                 // Known before the call: a grant pushed while the call travels finds its waiter.
                 // (A check never adds a waiter: a ticket this client finished stays finished.)
-                limit.waiting.entry(ticket).or_default();
-                limit.priorities.insert(ticket, priority.clone());
-                if lease.is_some() {
-                    limit.external.insert(ticket);
-                }
+                limit.ask(ticket, priority.clone(), lease.is_some());
             }
             local
         };
@@ -407,12 +390,12 @@ impl Inner {
                         });
                     }
                     if matches!(ask, Ask::Try) && lease.is_some() {
+                        // Granted to a try with its own lease: its holder renews it.
                         lock(&self.state)
                             .limits
                             .entry(name.to_owned())
                             .or_default()
-                            .external
-                            .insert(ticket);
+                            .hold(ticket, true);
                     }
                     return Ok(self.apply(name, ticket, answer, grant, hint));
                 }
@@ -427,10 +410,9 @@ impl Inner {
                     let priority = {
                         let mut state = lock(&self.state);
                         let limit = state.limits.entry(name.to_owned()).or_default();
-                        let waiting = limit.waiting.contains_key(&ticket);
-                        let priority = limit.priorities.get(&ticket).cloned();
-                        if limit.held.remove(&ticket) {
-                            limit.external.remove(&ticket);
+                        let waiting = limit.is_waiting(ticket);
+                        let priority = limit.priority(ticket);
+                        if limit.lose(ticket) {
                             drop(state);
                             self.mark_lost(name, ticket);
                             return Ok(Answer::Finished);
@@ -451,9 +433,7 @@ impl Inner {
                                 .limits
                                 .entry(name.to_owned())
                                 .or_default()
-                                .waiting
-                                .entry(ticket)
-                                .or_default();
+                                .queued(ticket, false);
                             ask = Ask::First(priority);
                         }
                         _ => {
@@ -499,18 +479,7 @@ impl Inner {
         self.lost.forget(name, ticket);
         let place = {
             let mut state = lock(&self.state);
-            let limit = state.limits.entry(name.to_owned()).or_default();
-            limit.forget(ticket);
-            limit.granted.remove(&ticket);
-            limit.held.remove(&ticket);
-            limit.external.remove(&ticket);
-            if limit.open.remove(&ticket) {
-                Place::Open
-            } else if limit.local.remove(&ticket) {
-                Place::Local
-            } else {
-                Place::Remote
-            }
+            state.limits.entry(name.to_owned()).or_default().release(ticket)
         };
         match place {
             Place::Open => Ok(Released::Permit),
@@ -531,36 +500,17 @@ impl Inner {
     }
 
     async fn wait(&self, name: &str, ticket: u64, at_most: Duration) {
-        let plan = {
-            let mut state = lock(&self.state);
-            let limit = state.limits.entry(name.to_owned()).or_default();
-            if limit.granted.contains_key(&ticket) || limit.open.contains(&ticket) {
-                return;
+        let plan =
+            lock(&self.state).limits.entry(name.to_owned()).or_default().plan_wait(ticket, at_most);
+        match plan {
+            WaitPlan::Ready => {}
+            WaitPlan::Local => self.local.wait(name, ticket, at_most).await,
+            WaitPlan::Remote(notify, sleep) => {
+                tokio::select! {
+                    () = notify.notified() => {}
+                    () = tokio::time::sleep(sleep) => {}
+                }
             }
-            if limit.local.contains(&ticket) {
-                None
-            } else {
-                let first = limit.waiting.keys().next() == Some(&ticket);
-                let notify = limit.waiting.entry(ticket).or_default().clone();
-                let sleep = if limit.retrying.contains(&ticket) {
-                    at_most
-                } else if first || limit.waiting.len() == 1 {
-                    let until_expiry = limit.next_expiry.map(|at| {
-                        at.saturating_duration_since(Instant::now()) + Duration::from_millis(2)
-                    });
-                    until_expiry.map_or(at_most, |d| d.min(at_most)).min(FIRST_REASK)
-                } else {
-                    SAFETY_REASK.min(at_most)
-                };
-                Some((notify, sleep))
-            }
-        };
-        let Some((notify, sleep)) = plan else {
-            return self.local.wait(name, ticket, at_most).await;
-        };
-        tokio::select! {
-            () = notify.notified() => {}
-            () = tokio::time::sleep(sleep) => {}
         }
     }
 

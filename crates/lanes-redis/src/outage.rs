@@ -15,12 +15,6 @@ pub enum OutagePolicy {
     LocalShare(f64),
 }
 
-pub(crate) enum Place {
-    Open,
-    Local,
-    Remote,
-}
-
 pub(crate) fn scaled(spec: LimitSpec, share: f64) -> LimitSpec {
     let scale = |n: u32| ((f64::from(n) * share).floor() as u32).max(1);
     LimitSpec {
@@ -85,14 +79,8 @@ impl Inner {
             let mut state = lock(&self.state);
             let mut held = Vec::new();
             for (name, limit) in &mut state.limits {
-                for ticket in std::mem::take(&mut limit.held) {
-                    limit.external.remove(&ticket);
-                    held.push((name.clone(), ticket));
-                }
-                limit.wake_first();
-                for notify in limit.waiting.values() {
-                    notify.notify_one();
-                }
+                held.extend(limit.lose_all().into_iter().map(|ticket| (name.clone(), ticket)));
+                limit.wake_all();
             }
             held
         };
@@ -121,7 +109,7 @@ impl Inner {
         // The ticket may be queued on the server: withdraw it once Redis is back.
         let queued_remotely = {
             let mut state = lock(&self.state);
-            state.limits.entry(name.to_owned()).or_default().waiting.contains_key(&ticket)
+            state.limits.entry(name.to_owned()).or_default().is_waiting(ticket)
         };
         match self.outage {
             OutagePolicy::FailClosed => {
@@ -134,8 +122,7 @@ impl Inner {
                     state.orphans.push((name.to_owned(), ticket));
                 }
                 let limit = state.limits.entry(name.to_owned()).or_default();
-                limit.forget(ticket);
-                limit.open.insert(ticket);
+                limit.open(ticket);
                 Ok(Answer::Granted(Grant { fencing_token: 0, expires_at: None }))
             }
             OutagePolicy::LocalShare(share) => {
@@ -154,8 +141,7 @@ impl Inner {
                         state.orphans.push((name.to_owned(), ticket));
                     }
                     let limit = state.limits.entry(name.to_owned()).or_default();
-                    limit.forget(ticket);
-                    limit.local.insert(ticket);
+                    limit.local(ticket);
                 }
                 self.local.acquire(name, ticket, priority, lease).await
             }

@@ -76,19 +76,10 @@ impl Inner {
             Some((ticket, grant, qualified)) => {
                 let name = qualified.strip_prefix(prefix)?;
                 let limit = state.limits.entry(name.to_owned()).or_default();
-                if limit.held.contains(&ticket) {
-                    // Its own acquire's answer got here first: nothing new.
-                    return None;
+                match limit.deliver(ticket, grant) {
+                    Delivered::Woken | Delivered::Already => None,
+                    Delivered::Gone => Some((name.to_owned(), ticket)),
                 }
-                let notify = limit.waiting.get(&ticket).cloned();
-                let Some(notify) = notify else {
-                    // Its waiter is gone (released or dropped).
-                    return Some((name.to_owned(), ticket));
-                };
-                limit.granted.insert(ticket, grant);
-                limit.held.insert(ticket);
-                notify.notify_one();
-                None
             }
             None => {
                 let name = payload.strip_prefix(prefix)?;

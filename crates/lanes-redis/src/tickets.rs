@@ -1,4 +1,18 @@
-//! This client's bookkeeping of its tickets, per limit.
+//! This client's bookkeeping of its tickets, per limit: one state per ticket.
+//!
+//! A ticket moves through these states (anything else is absent from the map):
+//!
+//! ```text
+//!             ask                  granted by push or for another ask
+//!   (absent) ─────▶ Waiting ──────────────────────────────────────▶ Granted
+//!                     │  │ granted to its own ask                      │ claimed by its acquire
+//!                     │  └──────────────────────────────▶ Held ◀───────┘
+//!                     │ Redis unreachable
+//!                     └──────▶ Open (fail-open) or Local (the local share)
+//! ```
+//!
+//! A release removes a ticket from any state; a lost lease removes a `Held` or `Granted` one.
+//! The waiting tickets are also kept in ticket order: the first is the client's asker.
 
 // The crate root's private types and imports: this module is one of its impl blocks.
 use super::*;
@@ -12,43 +26,496 @@ pub(crate) struct State {
     pub(crate) orphans: Vec<(String, u64)>,
 }
 
+/// Where one ticket of this client stands.
+#[derive(Debug)]
+enum Ticket {
+    /// Queued on the server (or about to be), woken through `notify`.
+    Waiting {
+        notify: Arc<Notify>,
+        /// The priority of its first ask, to queue it again if Redis lost it.
+        priority: Option<Priority>,
+        /// Its last answer was "retry after" (the bucket is empty).
+        retrying: bool,
+        /// Asked with its own lease: its holder renews it (the server's clients).
+        external: bool,
+    },
+    /// The server granted it (pushed, or while another ticket asked); its acquire has not
+    /// claimed the grant yet. It holds a permit on the server.
+    Granted { grant: Grant, external: bool },
+    /// Holds a permit on the server; renewed in the background unless `external`.
+    Held { external: bool },
+    /// Granted without a permit (fail-open).
+    Open,
+    /// Lives in the local share.
+    Local,
+}
+
+impl Ticket {
+    fn external(&self) -> bool {
+        match self {
+            Self::Waiting { external, .. }
+            | Self::Granted { external, .. }
+            | Self::Held { external } => *external,
+            Self::Open | Self::Local => false,
+        }
+    }
+
+    fn holds_remote(&self) -> bool {
+        matches!(self, Self::Granted { .. } | Self::Held { .. })
+    }
+}
+
+/// Where a released ticket was, so the release goes to the right place.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Place {
+    Open,
+    Local,
+    Remote,
+}
+
+/// What a grant made for a ticket other than the asker found.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Delivered {
+    /// Its waiter was woken with the grant.
+    Woken,
+    /// The ticket already held it (its own answer got here first): nothing new.
+    Already,
+    /// Its waiter is gone (released or dropped): hand the permit back.
+    Gone,
+}
+
+/// How a waiting ticket should wait.
+pub(crate) enum WaitPlan {
+    /// It is granted (or open) already.
+    Ready,
+    /// It lives in the local share: wait there.
+    Local,
+    /// Wait for `notify`, for at most the duration.
+    Remote(Arc<Notify>, Duration),
+}
+
 /// This client's tickets on one limit.
 #[derive(Default)]
 pub(crate) struct ClientLimit {
-    /// Tickets queued on the server, each with its waker. The first is the client's asker.
-    pub(crate) waiting: BTreeMap<u64, Arc<Notify>>,
-    /// Waiting tickets whose last answer was "retry after".
-    pub(crate) retrying: HashSet<u64>,
-    /// Tickets the server granted while another ticket asked, not yet claimed.
-    pub(crate) granted: HashMap<u64, Grant>,
-    /// Permits held on the server; renewed in the background unless `external`.
-    pub(crate) held: BTreeSet<u64>,
-    /// Tickets asked with their own lease: their holder renews them (the server's clients).
-    pub(crate) external: HashSet<u64>,
-    /// The priority of each waiting ticket's first ask, to queue it again if Redis lost it.
-    pub(crate) priorities: HashMap<u64, Priority>,
-    /// Tickets granted without a permit (fail-open).
-    pub(crate) open: HashSet<u64>,
-    /// Tickets living in the local share.
-    pub(crate) local: HashSet<u64>,
+    tickets: HashMap<u64, Ticket>,
+    /// The `Waiting` tickets in ticket order: the first is the client's asker.
+    queue: BTreeSet<u64>,
     /// When the earliest lease of the limit can lapse (server's answer, in local time).
-    pub(crate) next_expiry: Option<Instant>,
+    next_expiry: Option<Instant>,
 }
 
 impl ClientLimit {
+    /// Moves `ticket` to `state`. A ticket that stops waiting while it was the asker hands
+    /// the role on: the next waiter is woken to ask.
+    fn set(&mut self, ticket: u64, state: Ticket) {
+        if matches!(state, Ticket::Waiting { .. }) {
+            self.queue.insert(ticket);
+            self.tickets.insert(ticket, state);
+        } else {
+            self.tickets.insert(ticket, state);
+            self.leave_queue(ticket);
+        }
+    }
+
+    fn remove(&mut self, ticket: u64) -> Option<Ticket> {
+        let removed = self.tickets.remove(&ticket);
+        self.leave_queue(ticket);
+        removed
+    }
+
+    fn leave_queue(&mut self, ticket: u64) {
+        let was_first = self.queue.first() == Some(&ticket);
+        if self.queue.remove(&ticket) && was_first {
+            self.wake_first();
+        }
+    }
+
+    fn notify_of(&self, ticket: u64) -> Option<&Arc<Notify>> {
+        match self.tickets.get(&ticket) {
+            Some(Ticket::Waiting { notify, .. }) => Some(notify),
+            _ => None,
+        }
+    }
+
+    /// Wakes the client's asker on this limit.
     pub(crate) fn wake_first(&self) {
-        if let Some(notify) = self.waiting.values().next() {
+        if let Some(notify) = self.queue.first().and_then(|t| self.notify_of(*t)) {
             notify.notify_one();
         }
     }
 
-    pub(crate) fn forget(&mut self, ticket: u64) {
-        let was_first = self.waiting.keys().next() == Some(&ticket);
-        self.waiting.remove(&ticket);
-        self.retrying.remove(&ticket);
-        self.priorities.remove(&ticket);
-        if was_first {
-            self.wake_first();
+    /// Wakes every waiting ticket (after Redis lost its state).
+    pub(crate) fn wake_all(&self) {
+        for ticket in &self.queue {
+            if let Some(notify) = self.notify_of(*ticket) {
+                notify.notify_one();
+            }
         }
+    }
+
+    /// Whether any ticket waits on the server.
+    pub(crate) fn has_waiters(&self) -> bool {
+        !self.queue.is_empty()
+    }
+
+    /// Whether `ticket` waits on the server.
+    pub(crate) fn is_waiting(&self, ticket: u64) -> bool {
+        self.queue.contains(&ticket)
+    }
+
+    /// Whether `ticket` lives in the local share.
+    pub(crate) fn is_local(&self, ticket: u64) -> bool {
+        matches!(self.tickets.get(&ticket), Some(Ticket::Local))
+    }
+
+    /// Whether `ticket` was granted without a permit.
+    pub(crate) fn is_open(&self, ticket: u64) -> bool {
+        matches!(self.tickets.get(&ticket), Some(Ticket::Open))
+    }
+
+    /// Whether `ticket` holds (or has been granted) a permit on the server.
+    pub(crate) fn holds(&self, ticket: u64) -> bool {
+        self.tickets.get(&ticket).is_some_and(Ticket::holds_remote)
+    }
+
+    /// The priority of a waiting ticket's first ask.
+    pub(crate) fn priority(&self, ticket: u64) -> Option<Priority> {
+        match self.tickets.get(&ticket) {
+            Some(Ticket::Waiting { priority, .. }) => priority.clone(),
+            _ => None,
+        }
+    }
+
+    /// A first ask: `ticket` waits from now on (before the call travels, so a grant pushed
+    /// meanwhile finds its waiter).
+    pub(crate) fn ask(&mut self, ticket: u64, priority: Priority, external: bool) {
+        if let Some(Ticket::Waiting { priority: p, external: e, .. }) =
+            self.tickets.get_mut(&ticket)
+        {
+            // Asked again: its waiter may be sleeping on the same `notify`.
+            (*p, *e) = (Some(priority), external);
+            return;
+        }
+        let notify = Arc::default();
+        self.set(
+            ticket,
+            Ticket::Waiting { notify, priority: Some(priority), retrying: false, external },
+        );
+    }
+
+    /// `ticket` waits on the server, answered "retry after" (`retrying`) or queued. Keeps what
+    /// the ticket's first ask recorded.
+    pub(crate) fn queued(&mut self, ticket: u64, retrying: bool) {
+        match self.tickets.get_mut(&ticket) {
+            Some(Ticket::Waiting { retrying: r, .. }) => *r = retrying,
+            Some(other) => {
+                let external = other.external();
+                self.set(
+                    ticket,
+                    Ticket::Waiting { notify: Arc::default(), priority: None, retrying, external },
+                );
+            }
+            None => self.set(
+                ticket,
+                Ticket::Waiting {
+                    notify: Arc::default(),
+                    priority: None,
+                    retrying,
+                    external: false,
+                },
+            ),
+        }
+    }
+
+    /// The server's hint of when the earliest lease of the limit can lapse.
+    pub(crate) fn expires_in(&mut self, hint: Option<Duration>) {
+        self.next_expiry = hint.map(|after| Instant::now() + after);
+    }
+
+    /// `ticket` was granted to its own ask: it holds a permit now. `external` marks a ticket
+    /// whose holder renews it; a ticket asked first with its own lease stays external.
+    pub(crate) fn hold(&mut self, ticket: u64, external: bool) {
+        let external = external || self.tickets.get(&ticket).is_some_and(Ticket::external);
+        self.set(ticket, Ticket::Held { external });
+    }
+
+    /// Claims a grant made on `ticket`'s behalf: the ticket holds its permit from now on.
+    pub(crate) fn claim(&mut self, ticket: u64) -> Option<Grant> {
+        match self.tickets.get(&ticket) {
+            Some(Ticket::Granted { grant, external }) => {
+                let (grant, external) = (*grant, *external);
+                self.set(ticket, Ticket::Held { external });
+                Some(grant)
+            }
+            _ => None,
+        }
+    }
+
+    /// A grant the server made for `ticket` while another ticket asked, or pushed.
+    pub(crate) fn deliver(&mut self, ticket: u64, grant: Grant) -> Delivered {
+        match self.tickets.get(&ticket) {
+            Some(Ticket::Granted { .. } | Ticket::Held { .. }) => Delivered::Already,
+            Some(Ticket::Waiting { notify, external, .. }) => {
+                let (notify, external) = (Arc::clone(notify), *external);
+                self.set(ticket, Ticket::Granted { grant, external });
+                notify.notify_one();
+                Delivered::Woken
+            }
+            Some(Ticket::Open | Ticket::Local) | None => Delivered::Gone,
+        }
+    }
+
+    /// `ticket` no longer waits (its try failed, it was refused, or it moves elsewhere). A
+    /// ticket in any other state is untouched.
+    pub(crate) fn forget(&mut self, ticket: u64) {
+        if self.is_waiting(ticket) {
+            self.remove(ticket);
+        }
+    }
+
+    /// Redis was unreachable: `ticket` is granted without a permit.
+    pub(crate) fn open(&mut self, ticket: u64) {
+        self.set(ticket, Ticket::Open);
+    }
+
+    /// Redis was unreachable: `ticket` lives in the local share.
+    pub(crate) fn local(&mut self, ticket: u64) {
+        self.set(ticket, Ticket::Local);
+    }
+
+    /// Releases `ticket` from any state and says where it was.
+    pub(crate) fn release(&mut self, ticket: u64) -> Place {
+        match self.remove(ticket) {
+            Some(Ticket::Open) => Place::Open,
+            Some(Ticket::Local) => Place::Local,
+            _ => Place::Remote,
+        }
+    }
+
+    /// The lease of `ticket` ended on the server: it holds nothing. Returns whether it held
+    /// (or had been granted) a permit.
+    pub(crate) fn lose(&mut self, ticket: u64) -> bool {
+        if self.holds(ticket) {
+            self.remove(ticket);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Redis lost its state: every permit this client held there is gone. Returns them.
+    pub(crate) fn lose_all(&mut self) -> Vec<u64> {
+        let mut lost: Vec<u64> =
+            self.tickets.iter().filter(|(_, t)| t.holds_remote()).map(|(id, _)| *id).collect();
+        lost.sort_unstable();
+        for ticket in &lost {
+            self.tickets.remove(ticket);
+        }
+        lost
+    }
+
+    /// The permits this client renews in the background (held, not external), in ticket order.
+    pub(crate) fn renewed(&self) -> Vec<u64> {
+        let mut own: Vec<u64> = self
+            .tickets
+            .iter()
+            .filter(|(_, t)| t.holds_remote() && !t.external())
+            .map(|(id, _)| *id)
+            .collect();
+        own.sort_unstable();
+        own
+    }
+
+    /// How `ticket` waits: until woken, or for the time after which it should ask again.
+    /// The asker wakes when the earliest lease can lapse; the others only for safety.
+    pub(crate) fn plan_wait(&mut self, ticket: u64, at_most: Duration) -> WaitPlan {
+        match self.tickets.get(&ticket) {
+            Some(Ticket::Granted { .. } | Ticket::Open) => return WaitPlan::Ready,
+            Some(Ticket::Local) => return WaitPlan::Local,
+            // Held already (its answer came first): its check answers at once.
+            Some(Ticket::Held { .. }) => return WaitPlan::Remote(Arc::default(), Duration::ZERO),
+            Some(Ticket::Waiting { .. }) => {}
+            None => self.queued(ticket, false),
+        }
+        let Some(Ticket::Waiting { notify, retrying, .. }) = self.tickets.get(&ticket) else {
+            unreachable!("made waiting above");
+        };
+        let first = self.queue.first() == Some(&ticket);
+        let sleep = if *retrying {
+            at_most
+        } else if first || self.queue.len() == 1 {
+            let until_expiry = self
+                .next_expiry
+                .map(|at| at.saturating_duration_since(Instant::now()) + Duration::from_millis(2));
+            until_expiry.map_or(at_most, |d| d.min(at_most)).min(FIRST_REASK)
+        } else {
+            SAFETY_REASK.min(at_most)
+        };
+        WaitPlan::Remote(Arc::clone(notify), sleep)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(fence: u64) -> Grant {
+        Grant { fencing_token: fence, expires_at: None }
+    }
+
+    fn asked(tickets: &[u64]) -> ClientLimit {
+        let mut limit = ClientLimit::default();
+        for &t in tickets {
+            limit.ask(t, Priority::default(), false);
+        }
+        limit
+    }
+
+    #[test]
+    fn an_ask_waits_and_its_own_grant_holds() {
+        let mut limit = asked(&[7]);
+        assert!(limit.is_waiting(7) && !limit.holds(7));
+        assert_eq!(limit.priority(7), Some(Priority::default()));
+        limit.hold(7, false);
+        assert!(!limit.is_waiting(7) && limit.holds(7));
+        assert!(!limit.has_waiters());
+        assert_eq!(limit.renewed(), vec![7]);
+        assert_eq!(limit.release(7), Place::Remote);
+        assert!(!limit.holds(7) && limit.renewed().is_empty());
+    }
+
+    #[test]
+    fn a_delivered_grant_wakes_its_waiter_once_and_is_claimed_once() {
+        let mut limit = asked(&[1, 2]);
+        let WaitPlan::Remote(notify, _) = limit.plan_wait(2, Duration::from_secs(5)) else {
+            panic!("a waiting ticket waits remotely");
+        };
+        assert_eq!(limit.deliver(2, grant(9)), Delivered::Woken);
+        // The permit was stored: its waiter's next `notified()` completes at once.
+        let woken = notify.notified();
+        futures_util::pin_mut!(woken);
+        assert!(woken.as_mut().enable());
+        assert!(matches!(limit.plan_wait(2, Duration::from_secs(5)), WaitPlan::Ready));
+        assert!(limit.holds(2) && !limit.is_waiting(2));
+        assert_eq!(limit.renewed(), vec![2], "a granted ticket is renewed before it is claimed");
+        assert_eq!(limit.deliver(2, grant(9)), Delivered::Already);
+        assert_eq!(limit.claim(2), Some(grant(9)));
+        assert_eq!(limit.claim(2), None, "claimed once");
+        assert!(limit.holds(2));
+        assert!(limit.is_waiting(1));
+    }
+
+    #[test]
+    fn a_grant_for_a_gone_waiter_goes_back() {
+        let mut limit = asked(&[3]);
+        limit.release(3);
+        assert_eq!(limit.deliver(3, grant(1)), Delivered::Gone);
+        limit.open(4);
+        assert_eq!(limit.deliver(4, grant(2)), Delivered::Gone);
+        assert!(!limit.holds(3) && !limit.holds(4));
+    }
+
+    #[test]
+    fn the_first_waiter_is_the_asker_and_the_next_takes_over() {
+        let mut limit = asked(&[5, 3, 9]);
+        let first = limit.notify_of(3).cloned().unwrap();
+        let second = limit.notify_of(5).cloned().unwrap();
+        limit.wake_first();
+        let pending = first.notified();
+        futures_util::pin_mut!(pending);
+        assert!(pending.as_mut().enable(), "the lowest ticket is the asker");
+        // When the asker stops waiting, the next one is woken to ask.
+        limit.forget(3);
+        let pending = second.notified();
+        futures_util::pin_mut!(pending);
+        assert!(pending.as_mut().enable());
+        assert!(limit.has_waiters());
+        limit.forget(5);
+        limit.forget(9);
+        assert!(!limit.has_waiters());
+    }
+
+    #[test]
+    fn an_asker_granted_to_its_own_ask_hands_the_role_on() {
+        let mut limit = asked(&[1, 2]);
+        let next = limit.notify_of(2).cloned().unwrap();
+        limit.hold(1, false);
+        let pending = next.notified();
+        futures_util::pin_mut!(pending);
+        assert!(pending.as_mut().enable(), "the next waiter asks now");
+    }
+
+    #[test]
+    fn forget_leaves_a_held_ticket_held() {
+        let mut limit = asked(&[1]);
+        limit.hold(1, false);
+        limit.forget(1);
+        assert!(limit.holds(1));
+    }
+
+    #[test]
+    fn an_external_ticket_is_not_renewed_by_the_client() {
+        let mut limit = ClientLimit::default();
+        limit.ask(1, Priority::default(), true);
+        limit.ask(2, Priority::default(), false);
+        limit.hold(1, false);
+        limit.hold(2, false);
+        limit.hold(3, true);
+        assert_eq!(limit.renewed(), vec![2]);
+        assert_eq!(limit.deliver(1, grant(1)), Delivered::Already);
+    }
+
+    #[test]
+    fn retry_after_and_queued_keep_the_first_ask() {
+        let mut limit = asked(&[1]);
+        limit.queued(1, true);
+        assert!(limit.is_waiting(1));
+        assert_eq!(limit.priority(1), Some(Priority::default()));
+        let WaitPlan::Remote(_, sleep) = limit.plan_wait(1, Duration::from_secs(30)) else {
+            panic!("waits remotely");
+        };
+        assert_eq!(sleep, Duration::from_secs(30), "a retrying ticket sleeps the whole wait");
+        limit.queued(1, false);
+        let WaitPlan::Remote(_, sleep) = limit.plan_wait(1, Duration::from_secs(30)) else {
+            panic!("waits remotely");
+        };
+        assert_eq!(sleep, FIRST_REASK, "the asker re-asks within a second");
+    }
+
+    #[test]
+    fn losing_state_drops_every_remote_permit_and_only_those() {
+        let mut limit = asked(&[1, 2, 3, 4]);
+        limit.hold(1, false);
+        limit.deliver(2, grant(5));
+        limit.open(3);
+        let lost = limit.lose_all();
+        assert_eq!(lost, vec![1, 2]);
+        assert!(limit.is_open(3) && limit.is_waiting(4));
+        assert!(!limit.lose(4), "a waiting ticket held nothing");
+        assert!(limit.is_waiting(4));
+        limit.hold(4, false);
+        assert!(limit.lose(4) && !limit.holds(4));
+    }
+
+    #[test]
+    fn outage_places_decide_where_the_release_goes() {
+        let mut limit = asked(&[1, 2]);
+        limit.open(1);
+        limit.local(2);
+        assert!(limit.is_open(1) && limit.is_local(2));
+        assert!(!limit.has_waiters());
+        assert!(matches!(limit.plan_wait(1, Duration::from_secs(1)), WaitPlan::Ready));
+        assert!(matches!(limit.plan_wait(2, Duration::from_secs(1)), WaitPlan::Local));
+        assert_eq!(limit.release(1), Place::Open);
+        assert_eq!(limit.release(2), Place::Local);
+        assert_eq!(limit.release(2), Place::Remote, "an unknown ticket is released remotely");
+    }
+
+    #[test]
+    fn a_wait_on_an_unknown_ticket_queues_it() {
+        let mut limit = ClientLimit::default();
+        assert!(matches!(limit.plan_wait(8, Duration::from_secs(1)), WaitPlan::Remote(..)));
+        assert!(limit.is_waiting(8));
+        assert_eq!(limit.priority(8), None);
     }
 }
