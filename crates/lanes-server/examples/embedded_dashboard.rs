@@ -25,9 +25,8 @@ pub(crate) async fn application() -> Result<(Router, LaneSet, Limits), Box<dyn s
         .worker_drain_timeout(Duration::from_secs(5))
         .registry(&registry, "app")
         .build()?;
-    let limits = Limits::new();
+    let limits = Limits::builder().registry(&registry, "app-limits").build()?;
     limits.define("payments-api", LimitSpec::concurrent(8).per_second(100.0)).await?;
-    limits.register(&registry, "app-limits")?;
     let router = Router::new()
         .route("/", get(|| async { "the application" }))
         .nest("/lanes", lanes_server::embed::dashboard(registry));

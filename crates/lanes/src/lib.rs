@@ -24,8 +24,11 @@
 //!   lifecycle of its own: its permits are the work's.
 //! - **Builders.** Configuration is validated when it is built, all at once, and refused with a
 //!   [`ConfigError`] that names the field and the [`ConfigRule`] it broke; nothing configured
-//!   fails later at run time. A handle registers with a [`Registry`] under a name, and that
-//!   name is also its metrics label unless it is given its own.
+//!   fails later at run time. Every builder takes `.registry(&registry, name)`
+//!   ([`LaneSetBuilder`], the pools' builders, [`LimitsBuilder`], [`ChannelsBuilder`],
+//!   [`ChannelConfig`], [`SpillOptions`]): the handle is reported under that name once built,
+//!   a name already taken refuses the build before anything starts, and the name is also the
+//!   metrics label unless the handle is given its own.
 //! - **Refusals.** Every bound has a typed error, and an error that refuses a value hands it
 //!   back with `into_inner` (a run lane's also as `into_run`, a channel's as `into_record`).
 //! - **Permits.** Work that runs under a limit (a run, a pool's item, a consumer's batch)
@@ -92,7 +95,8 @@ mod util;
 // Every primitive's main handles at the root; the rest of each primitive's types stay in its
 // module (`lanes::channel::Batch`, `lanes::pool::SubmitError`, ...).
 pub use channel::{
-    Channel, ChannelConfig, ChannelError, Channels, Consumer, ConsumerOptions, Overflow,
+    Channel, ChannelConfig, ChannelError, Channels, ChannelsBuilder, Consumer, ConsumerOptions,
+    Overflow,
 };
 pub use config::{ConfigError, ConfigRule};
 pub use lane::{
@@ -103,7 +107,7 @@ pub use lane::{
 pub use lifecycle::Lifecycle;
 pub use limit::{
     Acquire, AcquireError, Answer, Limit, LimitBackend, LimitError, LimitInfo, LimitSpec,
-    LimitTable, Limits, Permit, Priority, TryAcquireError, WaitQueue,
+    LimitTable, Limits, LimitsBuilder, Permit, Priority, TryAcquireError, WaitQueue,
 };
 pub use observe::{Observe, Registry, Snapshot};
 pub use pool::{Dispatcher, KeyedPool, SubmitError};

@@ -764,12 +764,12 @@ async fn the_budget_spans_dynamic_channels_and_each_applies_its_policy() {
 #[tokio::test]
 async fn channels_report_into_the_registry() {
     let registry = Registry::new();
-    let channels = Channels::with_budget(100).unwrap();
-    channels.register(&registry, "pipeline").unwrap();
+    let channels =
+        Channels::builder().total_budget(100).registry(&registry, "pipeline").build().unwrap();
     let events = channels.create::<u32>("events", ChannelConfig::default().owner("job-1")).unwrap();
     events.emit(1).await.unwrap();
-    let solo = Channel::<u8>::named("solo", ChannelConfig::new(2)).unwrap();
-    solo.register(&registry, "solo").unwrap();
+    let solo = Channel::<u8>::new(ChannelConfig::new(2).registry(&registry, "solo")).unwrap();
+    assert_eq!(solo.name(), "solo", "the registry name names the channel");
 
     let snapshot = registry.snapshot();
     let pipeline = &snapshot.channels("pipeline").unwrap();

@@ -189,8 +189,7 @@ async fn tenants_share_by_weight_not_by_demand() {
 #[tokio::test(start_paused = true)]
 async fn snapshots_report_limits() {
     let registry = Registry::new();
-    let limits = Limits::new();
-    limits.register(&registry, "fleet").unwrap();
+    let limits = Limits::builder().registry(&registry, "fleet").build().unwrap();
     limits.define("a", LimitSpec::concurrent(2)).await.unwrap();
     let _p = limits.acquire("a", Priority::default()).await.unwrap();
     let snapshot = registry.snapshot();

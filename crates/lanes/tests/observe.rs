@@ -212,3 +212,116 @@ fn an_adapter_reports_through_the_observe_trait() {
     drop(queue);
     assert!(registry.snapshot().names("queues").is_empty(), "held weakly");
 }
+
+/// Registration is a builder option on every primitive: the handle is reported under the name
+/// once built, and a name already taken refuses the build before anything starts (a spill queue
+/// is not even opened: its directory stays free).
+#[tokio::test]
+async fn every_builder_registers_and_refuses_a_taken_name() {
+    use lanes::{Channel, ChannelConfig, Channels, ConfigRule, Dispatcher, KeyedPool};
+
+    let registry = Registry::new();
+    let taken = |err: lanes::ConfigError| {
+        assert_eq!(err.rule(), ConfigRule::Duplicate, "{err}");
+    };
+    let scratch = |tag: &str| {
+        let dir = std::env::temp_dir().join(format!("lanes-observe-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    };
+    let lanes = LaneSet::builder()
+        .lane("work", LaneLimits::new(1, 1))
+        .audit_timeout(Duration::from_secs(1))
+        .finalization_timeout(Duration::from_secs(1))
+        .worker_drain_timeout(Duration::from_secs(1))
+        .registry(&registry, "lanes")
+        .build()
+        .unwrap();
+    let limits = Limits::builder().registry(&registry, "limits").build().unwrap();
+    let pool = Dispatcher::builder()
+        .workers(1)
+        .queue_size(4)
+        .registry(&registry, "pool")
+        .build(|_: u32| async { Ok::<_, std::io::Error>(()) })
+        .unwrap();
+    let keyed = KeyedPool::builder()
+        .workers(1)
+        .queue_size(4)
+        .key_of(|n: &u32| *n)
+        .registry(&registry, "keyed")
+        .build(|_, _: u32| async { Ok::<_, std::io::Error>(()) })
+        .unwrap();
+    let channel =
+        Channel::<u32>::new(ChannelConfig::new(4).registry(&registry, "channel")).unwrap();
+    let channels = Channels::builder().registry(&registry, "channels").build().unwrap();
+    let dir = scratch("registered");
+    let options = SpillOptions::default().registry(&registry, "spill");
+    let (queue, _) = SpillQueue::open(&dir, options).await.unwrap();
+    assert_eq!(
+        registry.names(),
+        ["channel", "channels", "keyed", "lanes", "limits", "pool", "spill"],
+        "every handle is reported under its builder's name"
+    );
+    let snapshot = registry.snapshot();
+    assert!(snapshot.lane_set("lanes").is_some() && snapshot.limits("limits").is_some());
+    assert!(snapshot.pool("pool").is_some() && snapshot.pool("keyed").is_some());
+    assert!(snapshot.channels("channel").is_some() && snapshot.channels("channels").is_some());
+    assert_eq!(snapshot.spill("spill").unwrap().records, 0);
+
+    // Every builder refuses a taken name with the same typed error.
+    let again = LaneSet::builder()
+        .lane("work", LaneLimits::new(1, 1))
+        .audit_timeout(Duration::from_secs(1))
+        .finalization_timeout(Duration::from_secs(1))
+        .worker_drain_timeout(Duration::from_secs(1))
+        .registry(&registry, "pool")
+        .build();
+    taken(again.expect_err("taken"));
+    taken(Limits::builder().registry(&registry, "lanes").build().unwrap_err());
+    taken(
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(4)
+            .registry(&registry, "spill")
+            .build(|_: u32| async { Ok::<_, std::io::Error>(()) })
+            .unwrap_err(),
+    );
+    taken(
+        KeyedPool::builder()
+            .workers(1)
+            .queue_size(4)
+            .key_of(|n: &u32| *n)
+            .registry(&registry, "channel")
+            .build(|_, _: u32| async { Ok::<_, std::io::Error>(()) })
+            .unwrap_err(),
+    );
+    match Channel::<u32>::new(ChannelConfig::new(4).registry(&registry, "limits")) {
+        Err(lanes::ChannelError::Config(err)) => taken(err),
+        other => panic!("expected a taken name, got {other:?}"),
+    }
+    taken(Channels::builder().registry(&registry, "keyed").build().unwrap_err());
+    let other_dir = scratch("refused");
+    let refused =
+        SpillQueue::open(&other_dir, SpillOptions::default().registry(&registry, "lanes"));
+    match refused.await {
+        Err(lanes::SpillError::InvalidOptions(err)) => taken(err),
+        other => panic!("expected a taken name, got {:?}", other.map(|_| ())),
+    }
+    assert!(!other_dir.exists(), "a refused open touches nothing");
+
+    // A channel of a `Channels` is reported with it, never twice.
+    let err = channels
+        .create::<u32>("inner", ChannelConfig::new(4).registry(&registry, "inner"))
+        .unwrap_err();
+    assert!(
+        matches!(err, lanes::ChannelError::Config(ref e) if e.rule() == ConfigRule::Unsupported)
+    );
+
+    // A dropped handle frees its name.
+    drop(channel);
+    let channel = Channel::<u32>::new(ChannelConfig::new(4).registry(&registry, "channel"));
+    assert!(channel.is_ok(), "the name is free again once its holder is gone");
+    queue.close().await.unwrap();
+    drop((lanes, limits, pool, keyed, queue));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -345,9 +345,8 @@ async fn a_failed_write_or_sync_is_sticky_and_loses_nothing_acknowledged() {
 #[tokio::test]
 async fn snapshots_report_spill_queues() {
     let registry = lanes::Registry::new();
-    let (queue, _) =
-        SpillQueue::open_with(MemStorage::new(), SpillOptions::default()).await.unwrap();
-    queue.register(&registry, "overflow").unwrap();
+    let options = SpillOptions::default().registry(&registry, "overflow");
+    let (queue, _) = SpillQueue::open_with(MemStorage::new(), options).await.unwrap();
     queue.append(b"a").await.unwrap();
     let json: serde_json::Value = serde_json::from_str(&registry.snapshot().to_json()).unwrap();
     assert_eq!(json["spill"]["overflow"]["records"], 1);

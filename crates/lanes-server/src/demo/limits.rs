@@ -25,8 +25,7 @@ struct Tally {
 
 pub(super) async fn run(args: &DemoArgs) -> Result<(), BoxError> {
     let registry = Registry::new();
-    let limits = Limits::new();
-    limits.register(&registry, "demo")?;
+    let limits = Limits::builder().registry(&registry, "demo").build()?;
     limits.define("downstream", LimitSpec::concurrent(10).per_second(LIMIT_PER_SECOND)).await?;
     let window = Duration::from_secs_f64(args.seconds.clamp(0.5, 60.0));
     println!(

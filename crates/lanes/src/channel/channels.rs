@@ -11,7 +11,7 @@ use super::config::{ChannelConfig, ChannelError};
 use super::producer::Channel;
 use super::shared::{Budget, ChannelShared, ChannelSnapshot};
 use crate::config::{ConfigError, ConfigRule};
-use crate::observe::{Observe, Registry, Snapshot};
+use crate::observe::{Observe, Registration, Registry, Snapshot};
 use crate::util::lock;
 
 /// What the registry needs of a channel whatever its record type.
@@ -108,15 +108,25 @@ impl Channels {
     ///
     /// A [`ConfigError`] for a zero budget.
     pub fn with_budget(total_budget: usize) -> Result<Self, ConfigError> {
-        if total_budget == 0 {
-            return Err(ConfigError::new("channels.total_budget", ConfigRule::Zero));
-        }
-        Ok(Self {
-            inner: Arc::new(ChannelsInner {
-                map: Mutex::new(BTreeMap::new()),
-                budget: Some(Arc::new(Budget::new(total_budget))),
-            }),
-        })
+        Self::builder().total_budget(total_budget).build()
+    }
+
+    /// A builder: the shared budget and where the registry reports.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use lanes::{ChannelConfig, Channels, Registry};
+    ///
+    /// let registry = Registry::new();
+    /// let channels = Channels::builder().total_budget(1024).registry(&registry, "pipeline").build()?;
+    /// let _events = channels.create::<String>("events", ChannelConfig::new(64))?;
+    /// let snapshot = registry.snapshot().channels("pipeline").expect("reported");
+    /// assert_eq!(snapshot.channels[0].name, "events");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn builder() -> ChannelsBuilder {
+        ChannelsBuilder::default()
     }
 
     /// Declares a configured channel (outside the budget).
@@ -171,6 +181,14 @@ impl Channels {
         must_be_new: bool,
     ) -> Result<Channel<T>, ChannelError> {
         config.validate(name)?;
+        if config.registry.is_some() {
+            // Its `Channels` reports it; a second entry would count it twice.
+            return Err(ConfigError::new(
+                format!("channels.{name}.registry"),
+                ConfigRule::Unsupported,
+            )
+            .into());
+        }
         let mut map = lock(&self.inner.map);
         if let Some(slot) = map.get(name) {
             if must_be_new {
@@ -244,19 +262,53 @@ impl Channels {
     pub fn snapshot(&self) -> ChannelsSnapshot {
         self.inner.snapshot()
     }
+}
 
-    /// Registers the registry in `registry` under `name`.
+/// Builds a [`Channels`]: the budget its dynamic channels share and the [`Registry`] it reports
+/// in, validated at [`build`](Self::build).
+#[derive(Debug, Default)]
+#[must_use]
+pub struct ChannelsBuilder {
+    total_budget: Option<usize>,
+    registry: Option<Registration>,
+}
+
+impl ChannelsBuilder {
+    /// The dynamic channels together hold at most `total_budget` records (default: no budget,
+    /// each channel bounded by its capacity).
+    pub fn total_budget(mut self, total_budget: usize) -> Self {
+        self.total_budget = Some(total_budget);
+        self
+    }
+
+    /// Reports every channel in `registry` under `name`.
+    pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
+        self.registry = Some(Registration::new(registry, name));
+        self
+    }
+
+    /// Builds the registry of channels.
     ///
     /// # Errors
     ///
-    /// A [`ConfigError`] if `name` is taken.
-    pub fn register(
-        &self,
-        registry: &Registry,
-        name: impl Into<String>,
-    ) -> Result<(), ConfigError> {
-        let source: Arc<dyn Observe> = self.inner.clone();
-        registry.register_weak(name.into(), Arc::downgrade(&source))
+    /// A [`ConfigError`] for a zero budget or a registry name already taken.
+    pub fn build(self) -> Result<Channels, ConfigError> {
+        if self.total_budget == Some(0) {
+            return Err(ConfigError::new("channels.total_budget", ConfigRule::Zero));
+        }
+        if let Some(registration) = &self.registry {
+            registration.check()?;
+        }
+        let channels = Channels {
+            inner: Arc::new(ChannelsInner {
+                map: Mutex::new(BTreeMap::new()),
+                budget: self.total_budget.map(|total| Arc::new(Budget::new(total))),
+            }),
+        };
+        if let Some(registration) = &self.registry {
+            registration.register(&channels.inner)?;
+        }
+        Ok(channels)
     }
 }
 

@@ -10,6 +10,7 @@ use super::codec::Codec;
 use crate::BoxError;
 use crate::config::{ConfigError, ConfigRule};
 use crate::limit::{Limits, OnRefusal, Priority, Throttle};
+use crate::observe::{Registration, Registry};
 use crate::spill::{SpillError, SpillQueue};
 
 /// The largest capacity a channel accepts.
@@ -126,6 +127,7 @@ pub struct ChannelConfig<T> {
     pub(crate) owner: Option<Arc<str>>,
     pub(crate) discard_on_close: bool,
     pub(crate) ack_timeout: Duration,
+    pub(crate) registry: Option<Registration>,
 }
 
 impl<T> ChannelConfig<T> {
@@ -137,6 +139,7 @@ impl<T> ChannelConfig<T> {
             owner: None,
             discard_on_close: false,
             ack_timeout: DEFAULT_ACK_TIMEOUT,
+            registry: None,
         }
     }
 
@@ -164,6 +167,28 @@ impl<T> ChannelConfig<T> {
     /// [`TimedOut`](super::Settlement::TimedOut) (default 30 s).
     pub fn ack_timeout(mut self, timeout: Duration) -> Self {
         self.ack_timeout = timeout;
+        self
+    }
+
+    /// Reports a standalone channel in `registry` under `name` when it is built (a name already
+    /// taken refuses the build). The name is also the channel's name unless
+    /// [`Channel::named`](super::Channel::named) gives another. A channel of a
+    /// [`Channels`](super::Channels) is reported with its `Channels` instead
+    /// ([`ChannelsBuilder::registry`](super::ChannelsBuilder::registry)).
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use lanes::{Channel, ChannelConfig, Registry};
+    ///
+    /// let registry = Registry::new();
+    /// let channel = Channel::<u32>::new(ChannelConfig::new(8).registry(&registry, "events"))?;
+    /// assert_eq!(channel.name(), "events");
+    /// assert!(registry.snapshot().channels("events").is_some());
+    /// # Ok::<(), lanes::ChannelError>(())
+    /// ```
+    pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
+        self.registry = Some(Registration::new(registry, name));
         self
     }
 
@@ -224,6 +249,7 @@ impl<T> Clone for ChannelConfig<T> {
             owner: self.owner.clone(),
             discard_on_close: self.discard_on_close,
             ack_timeout: self.ack_timeout,
+            registry: self.registry.clone(),
         }
     }
 }
@@ -236,6 +262,7 @@ impl<T> fmt::Debug for ChannelConfig<T> {
             .field("owner", &self.owner)
             .field("discard_on_close", &self.discard_on_close)
             .field("ack_timeout", &self.ack_timeout)
+            .field("registry", &self.registry)
             .finish()
     }
 }

@@ -69,7 +69,7 @@ mod producer;
 mod receipt;
 mod shared;
 
-pub use channels::{BudgetSnapshot, Channels, ChannelsSnapshot};
+pub use channels::{BudgetSnapshot, Channels, ChannelsBuilder, ChannelsSnapshot};
 pub use codec::{BinaryCodec, Codec, Envelope, JsonCodec};
 pub use config::{
     ChannelConfig, ChannelError, ConsumerOptions, DEFAULT_ACK_TIMEOUT, DEFAULT_CAPACITY, EmitError,

@@ -11,8 +11,7 @@ use super::config::{ChannelConfig, ChannelError, ConsumerOptions, EmitError, Emi
 use super::consumer::Consumer;
 use super::receipt::{Receipt, ReceiptState, Settlement};
 use super::shared::{ChannelShared, ChannelSnapshot, Entry, Pushed, Waiter};
-use crate::config::ConfigError;
-use crate::observe::{Observe, Registry, Snapshot};
+use crate::observe::{Observe, Snapshot};
 use crate::util::lock;
 
 /// A bounded in-process channel of records: the producers' handle. Clones are more producers
@@ -54,13 +53,16 @@ pub struct Channel<T> {
 }
 
 impl<T: Send + 'static> Channel<T> {
-    /// A standalone channel named `"channel"`.
+    /// A standalone channel, named after its [registry name](ChannelConfig::registry), else
+    /// `"channel"`.
     ///
     /// # Errors
     ///
-    /// [`ChannelError::Config`] for a zero or oversized capacity or a zero `ack_timeout`.
+    /// [`ChannelError::Config`] for a zero or oversized capacity, a zero `ack_timeout`, or a
+    /// registry name already taken.
     pub fn new(config: ChannelConfig<T>) -> Result<Self, ChannelError> {
-        Self::named("channel", config)
+        let name = config.registry.as_ref().map_or("channel", |r| r.name.as_str()).to_owned();
+        Self::named(name, config)
     }
 
     /// A standalone channel named `name` (the name labels its metrics and snapshot).
@@ -74,7 +76,15 @@ impl<T: Send + 'static> Channel<T> {
     ) -> Result<Self, ChannelError> {
         let name = name.into();
         config.validate(&name)?;
-        Ok(Self::from_shared(Arc::new(ChannelShared::new(name, config, false, None, Weak::new()))))
+        let registration = config.registry.clone();
+        if let Some(registration) = &registration {
+            registration.check()?;
+        }
+        let shared = Arc::new(ChannelShared::new(name, config, false, None, Weak::new()));
+        if let Some(registration) = registration {
+            registration.register(&shared)?;
+        }
+        Ok(Self::from_shared(shared))
     }
 
     pub(crate) fn from_shared(shared: Arc<ChannelShared<T>>) -> Self {
@@ -238,20 +248,6 @@ impl<T: Send + 'static> Channel<T> {
             st.consumer_taken = true;
         }
         Ok(Consumer::new(self.shared.clone(), options))
-    }
-
-    /// Registers the channel in `registry` under `name`.
-    ///
-    /// # Errors
-    ///
-    /// A [`ConfigError`] if `name` is taken.
-    pub fn register(
-        &self,
-        registry: &Registry,
-        name: impl Into<String>,
-    ) -> Result<(), ConfigError> {
-        let source: Arc<dyn Observe> = self.shared.clone();
-        registry.register_weak(name.into(), Arc::downgrade(&source))
     }
 }
 

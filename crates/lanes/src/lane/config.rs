@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 
 use super::audit::Audit;
 use super::set::LaneSet;
-use crate::observe::Registry;
+use crate::observe::{Registration, Registry};
 
 /// The largest `queued` bound a lane accepts.
 pub const MAX_QUEUED: usize = 10_000;
@@ -75,7 +75,7 @@ pub struct LaneSetBuilder {
     pub(crate) finalization_timeout: Option<Duration>,
     pub(crate) worker_drain_timeout: Option<Duration>,
     pub(crate) audit: Option<Arc<dyn Audit>>,
-    pub(crate) registry: Option<(Registry, String)>,
+    pub(crate) registry: Option<Registration>,
     pub(crate) name: Option<String>,
 }
 
@@ -87,7 +87,7 @@ impl fmt::Debug for LaneSetBuilder {
             .field("finalization_timeout", &self.finalization_timeout)
             .field("worker_drain_timeout", &self.worker_drain_timeout)
             .field("audit", &self.audit.is_some())
-            .field("registry", &self.registry.as_ref().map(|(_, name)| name))
+            .field("registry", &self.registry)
             .field("name", &self.name)
             .finish()
     }
@@ -128,7 +128,7 @@ impl LaneSetBuilder {
 
     /// Reports the set's snapshot in `registry` under `name`.
     pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
-        self.registry = Some((registry.clone(), name.into()));
+        self.registry = Some(Registration::new(registry, name));
         self
     }
 
@@ -143,7 +143,7 @@ impl LaneSetBuilder {
     pub(crate) fn metrics_name(&self) -> String {
         self.name
             .clone()
-            .or_else(|| self.registry.as_ref().map(|(_, name)| name.clone()))
+            .or_else(|| self.registry.as_ref().map(|r| r.name.clone()))
             .unwrap_or_else(|| "unnamed".to_owned())
     }
 
@@ -157,6 +157,9 @@ impl LaneSetBuilder {
     pub fn build(self) -> Result<LaneSet, ConfigError> {
         if self.lanes.is_empty() {
             return Err(ConfigError::new("lanes", ConfigRule::NoLanes));
+        }
+        if let Some(registration) = &self.registry {
+            registration.check()?;
         }
         for (index, (name, limits)) in self.lanes.iter().enumerate() {
             if self.lanes[..index].iter().any(|(other, _)| other == name) {

@@ -131,9 +131,8 @@ impl LaneSet {
             worker_drain_timeout: builder.worker_drain_timeout.unwrap_or_default(),
             audit: builder.audit,
         });
-        if let Some((registry, name)) = builder.registry {
-            let source: Arc<dyn Observe> = shared.clone();
-            registry.register_weak(name, Arc::downgrade(&source))?;
+        if let Some(registration) = builder.registry {
+            registration.register(&shared)?;
         }
         Ok(Self { shared })
     }

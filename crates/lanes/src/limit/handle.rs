@@ -16,7 +16,7 @@ use super::priority::Priority;
 use super::spec::LimitSpec;
 use super::table::{Acquire, Grant, LimitError, LimitInfo};
 use crate::config::{ConfigError, ConfigRule};
-use crate::observe::{Observe, Registry, Snapshot};
+use crate::observe::{Observe, Registration, Registry, Snapshot};
 
 #[derive(Clone)]
 enum Backend {
@@ -90,6 +90,27 @@ impl Limits {
     /// Limits held by a shared `backend`.
     pub fn from_backend(backend: Arc<dyn LimitBackend>) -> Self {
         Self { backend: Backend::Dyn(backend) }
+    }
+
+    /// A builder: the backend, the waiting room, and where the limits report.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use lanes::{LimitSpec, Limits, Registry};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// let registry = Registry::new();
+    /// let limits = Limits::builder().max_waiters(1_000).registry(&registry, "app").build()?;
+    /// limits.define("search", LimitSpec::concurrent(4)).await?;
+    /// let reported = registry.snapshot().limits("app").expect("reported");
+    /// assert_eq!(reported[0].name, "search");
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn builder() -> LimitsBuilder {
+        LimitsBuilder::default()
     }
 
     /// Defines `name`, or redefines it: the new spec takes effect for the next grants and never
@@ -398,27 +419,6 @@ impl Limits {
         match &self.backend {
             Backend::Local(local) => Ok(local.infos()),
             Backend::Dyn(backend) => backend.list().await,
-        }
-    }
-
-    /// Reports every limit in `registry` under `name`. Only limits held in this process can be
-    /// snapshotted synchronously; other backends report through their own service.
-    ///
-    /// # Errors
-    ///
-    /// A [`ConfigError`] if `name` is taken, or [`ConfigRule::Unsupported`] for a backend that
-    /// is not in this process.
-    pub fn register(
-        &self,
-        registry: &Registry,
-        name: impl Into<String>,
-    ) -> Result<(), ConfigError> {
-        match &self.backend {
-            Backend::Local(local) => {
-                let source: Arc<dyn Observe> = local.clone();
-                registry.register_weak(name.into(), Arc::downgrade(&source))
-            }
-            Backend::Dyn(_) => Err(ConfigError::new("registry", ConfigRule::Unsupported)),
         }
     }
 }
@@ -758,5 +758,81 @@ impl Limit {
     /// A backend failure.
     pub async fn info(&self) -> Result<Option<LimitInfo>, LimitError> {
         self.limits.info(&self.name).await
+    }
+}
+
+/// Builds [`Limits`]: held in this process (the default) or by a [`LimitBackend`], with a
+/// bounded waiting room, reporting in a [`Registry`]; validated at [`build`](Self::build).
+#[derive(Default)]
+#[must_use]
+pub struct LimitsBuilder {
+    max_waiters: Option<usize>,
+    backend: Option<Arc<dyn LimitBackend>>,
+    registry: Option<Registration>,
+}
+
+impl fmt::Debug for LimitsBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LimitsBuilder")
+            .field("max_waiters", &self.max_waiters)
+            .field("backend", &self.backend)
+            .field("registry", &self.registry)
+            .finish()
+    }
+}
+
+impl LimitsBuilder {
+    /// Up to `max_waiters` waiters per limit held in this process (default
+    /// [`LimitTable::DEFAULT_MAX_WAITERS`](super::LimitTable::DEFAULT_MAX_WAITERS)); more get
+    /// [`LimitError::TooManyWaiters`]. A backend bounds its own waiting room.
+    pub fn max_waiters(mut self, max_waiters: usize) -> Self {
+        self.max_waiters = Some(max_waiters);
+        self
+    }
+
+    /// The limits are held by `backend` (a Redis or remote client) instead of this process.
+    pub fn backend(mut self, backend: Arc<dyn LimitBackend>) -> Self {
+        self.backend = Some(backend);
+        self
+    }
+
+    /// Reports every limit in `registry` under `name`. Only limits held in this process can be
+    /// snapshotted synchronously; a backend reports through its own service.
+    pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
+        self.registry = Some(Registration::new(registry, name));
+        self
+    }
+
+    /// Builds the handle.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`]: `max_waiters` zero, or given with a backend
+    /// ([`ConfigRule::Unsupported`]); a registry with a backend ([`ConfigRule::Unsupported`]);
+    /// a registry name already taken.
+    pub fn build(self) -> Result<Limits, ConfigError> {
+        if self.max_waiters == Some(0) {
+            return Err(ConfigError::new("limits.max_waiters", ConfigRule::Zero));
+        }
+        if let Some(backend) = self.backend {
+            if self.max_waiters.is_some() {
+                return Err(ConfigError::new("limits.max_waiters", ConfigRule::Unsupported));
+            }
+            if self.registry.is_some() {
+                return Err(ConfigError::new("limits.registry", ConfigRule::Unsupported));
+            }
+            return Ok(Limits::from_backend(backend));
+        }
+        if let Some(registration) = &self.registry {
+            registration.check()?;
+        }
+        let local = Arc::new(match self.max_waiters {
+            Some(max) => LocalLimits::with_max_waiters(max),
+            None => LocalLimits::new(),
+        });
+        if let Some(registration) = &self.registry {
+            registration.register(&local)?;
+        }
+        Ok(Limits { backend: Backend::Local(local) })
     }
 }

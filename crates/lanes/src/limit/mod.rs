@@ -83,7 +83,7 @@ mod waiters;
 
 pub use acquire::{REASK, drive};
 pub use backend::{Answer, LimitBackend};
-pub use handle::{AcquireError, Limit, Limits, Permit, TryAcquireError};
+pub use handle::{AcquireError, Limit, Limits, LimitsBuilder, Permit, TryAcquireError};
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use http::{HttpLimitLayer, HttpLimitService};

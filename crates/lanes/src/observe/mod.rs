@@ -10,6 +10,7 @@ mod timing;
 
 pub(crate) use names::describe_once;
 pub use names::{METRICS, MetricKind, MetricName, describe_metrics};
+pub(crate) use registry::Registration;
 pub use registry::{Observe, Registry, SECTIONS, Snapshot};
 pub(crate) use timing::start as timing_start;
 pub use timing::{set_wait_timing, wait_timing};

@@ -42,10 +42,61 @@ pub trait Observe: Send + Sync {
     fn report(&self, name: &str, snapshot: &mut Snapshot);
 }
 
+/// A builder's registration option: the registry to report in and the name to report under.
+/// Every builder takes one (`.registry(&registry, name)`) and registers the handle when it is
+/// built; the name is also the handle's metrics label unless it is given its own.
+#[derive(Clone)]
+pub(crate) struct Registration {
+    pub(crate) registry: Registry,
+    pub(crate) name: String,
+}
+
+impl Registration {
+    pub(crate) fn new(registry: &Registry, name: impl Into<String>) -> Self {
+        Self { registry: registry.clone(), name: name.into() }
+    }
+
+    /// Refuses a name already taken, before anything is built.
+    pub(crate) fn check(&self) -> Result<(), ConfigError> {
+        let entries = lock(&self.registry.entries);
+        match entries.get(&self.name) {
+            Some(entry) if entry.strong_count() > 0 => Err(self.taken()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Registers the built handle's `source`.
+    pub(crate) fn register<O: Observe + 'static>(
+        &self,
+        source: &Arc<O>,
+    ) -> Result<(), ConfigError> {
+        self.registry.register(self.name.clone(), source)
+    }
+
+    fn taken(&self) -> ConfigError {
+        ConfigError::new(format!("registry.{}", self.name), ConfigRule::Duplicate)
+    }
+}
+
+impl PartialEq for Registration {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.registry.entries, &other.registry.entries) && self.name == other.name
+    }
+}
+
+impl Eq for Registration {}
+
+impl fmt::Debug for Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Registration").field(&self.name).finish()
+    }
+}
+
 /// Collects snapshots of everything registered with it. Cheap to clone: clones share entries.
 ///
-/// Primitives register by name when they are built (for a lane set:
-/// [`LaneSetBuilder::registry`](crate::LaneSetBuilder::registry)). The registry holds every
+/// Primitives register by name when they are built: every builder has a `registry` option
+/// (for a lane set, [`LaneSetBuilder::registry`](crate::LaneSetBuilder::registry)); adapters
+/// call [`register`](Self::register). The registry holds every
 /// entry weakly: a dropped primitive disappears from the next snapshot and its name can be
 /// reused.
 ///
@@ -104,7 +155,7 @@ impl Registry {
         let mut entries = lock(&self.entries);
         entries.retain(|_, entry| entry.strong_count() > 0);
         if entries.contains_key(&name) {
-            return Err(ConfigError::new(format!("registry.{name}"), ConfigRule::Duplicate));
+            return Err(Registration { registry: self.clone(), name }.taken());
         }
         entries.insert(name, source);
         Ok(())

@@ -15,7 +15,7 @@ use super::sched::Fifo;
 use crate::BoxError;
 use crate::config::{ConfigError, require, runtime};
 use crate::limit::{Limits, Priority, Throttle};
-use crate::observe::Registry;
+use crate::observe::{Registration, Registry};
 use crate::util::PanicPayload;
 
 /// A bounded work queue drained by `workers` tasks: at most `workers` items in flight, in no
@@ -243,7 +243,7 @@ pub struct DispatcherBuilder<T> {
 /// What both pool builders configure the same way.
 pub(crate) struct Common<T> {
     pub(crate) name: Option<String>,
-    pub(crate) registry: Option<(Registry, String)>,
+    pub(crate) registry: Option<Registration>,
     pub(crate) limit: Option<Throttle>,
     pub(crate) hooks: Hooks<T>,
     pub(crate) on_error: Option<Arc<dyn Fn(BoxError) + Send + Sync>>,
@@ -274,11 +274,16 @@ impl<T: Send + 'static> Common<T> {
         self.limit = Some(throttle);
     }
 
+    /// Refuses a registry name already taken, before anything starts.
+    pub(crate) fn check_registry(&self) -> Result<(), ConfigError> {
+        self.registry.as_ref().map_or(Ok(()), Registration::check)
+    }
+
     /// The metrics label: the explicit name, else the registry name, else "unnamed".
     pub(crate) fn label(&self) -> String {
         self.name
             .clone()
-            .or_else(|| self.registry.as_ref().map(|(_, name)| name.clone()))
+            .or_else(|| self.registry.as_ref().map(|r| r.name.clone()))
             .unwrap_or_else(|| "unnamed".to_owned())
     }
 }
@@ -308,7 +313,7 @@ impl<T: Send + 'static> DispatcherBuilder<T> {
 
     /// Reports the dispatcher in `registry` under `name`.
     pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
-        self.common.registry = Some((registry.clone(), name.into()));
+        self.common.registry = Some(Registration::new(registry, name));
         self
     }
 
@@ -376,6 +381,7 @@ impl<T: Send + 'static> DispatcherBuilder<T> {
         let workers = require(self.workers, "workers")?;
         let queue_size = require(self.queue_size, "queue_size")?;
         runtime()?;
+        self.common.check_registry()?;
         Ok((workers, queue_size))
     }
 
@@ -415,8 +421,8 @@ impl<T: Send + 'static> DispatcherBuilder<T> {
             core: core.clone(),
             tracker: tracker.clone(),
         });
-        if let Some((registry, name)) = registry
-            && let Err(err) = registry.register(name, &reporter)
+        if let Some(registration) = registry
+            && let Err(err) = registration.register(&reporter)
         {
             core.abort();
             return Err(err);

@@ -17,7 +17,7 @@ use crate::BoxError;
 use crate::config::ConfigError;
 use crate::config::{require, runtime};
 use crate::limit::{Limits, Priority, Throttle};
-use crate::observe::Registry;
+use crate::observe::{Registration, Registry};
 use crate::util::PanicPayload;
 
 /// How a [`KeyedPool`] maps keys to workers.
@@ -287,7 +287,7 @@ impl<T: Send + 'static, F> KeyedPoolBuilder<T, F> {
 
     /// Reports the pool in `registry` under `name`.
     pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
-        self.common.registry = Some((registry.clone(), name.into()));
+        self.common.registry = Some(Registration::new(registry, name));
         self
     }
 
@@ -343,6 +343,7 @@ impl<T: Send + 'static, K: PoolKey, G: Fn(&T) -> K + Send + Sync + 'static> Keye
         let max_keys =
             require(self.max_keys.or(Some(queue_size.saturating_add(workers))), "max_keys")?;
         runtime()?;
+        self.common.check_registry()?;
         let label = self.common.label();
         let Common { registry, limit, hooks, .. } = self.common;
         let key_of = self.key_of;
@@ -359,8 +360,8 @@ impl<T: Send + 'static, K: PoolKey, G: Fn(&T) -> K + Send + Sync + 'static> Keye
             }
         };
         let reporter = Arc::new(Reporter { kind, core: core.clone(), tracker: None });
-        if let Some((registry, name)) = registry
-            && let Err(err) = registry.register(name, &reporter)
+        if let Some(registration) = registry
+            && let Err(err) = registration.register(&reporter)
         {
             core.abort();
             return Err(err);

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use super::format::SEGMENT_HEADER;
 use super::frame::{self, HEADER};
 use crate::config::{ConfigError, ConfigRule};
+use crate::observe::{Registration, Registry};
 
 /// When appends are made durable.
 ///
@@ -52,9 +53,12 @@ pub struct SpillOptions {
     /// Segments are rotated once they reach this size. Default: 64 MiB. At least the segment
     /// header and one frame: `16 + min(12 + max_record, 1 MiB)`.
     pub segment_size: u64,
-    /// The queue's name in metrics (the `spill` label). Default: the directory's last
-    /// component for [`SpillQueue::open`](super::SpillQueue::open), else `unnamed`.
+    /// The queue's name in metrics (the `spill` label). Default: the registry name, else the
+    /// directory's last component for [`SpillQueue::open`](super::SpillQueue::open), else
+    /// `unnamed`.
     pub name: Option<String>,
+    /// Where the queue reports its snapshot, set with [`registry`](Self::registry).
+    pub(crate) registry: Option<Registration>,
 }
 
 impl Default for SpillOptions {
@@ -66,6 +70,7 @@ impl Default for SpillOptions {
             max_record: 8 << 20,
             segment_size: 64 << 20,
             name: None,
+            registry: None,
         }
     }
 }
@@ -106,6 +111,34 @@ impl SpillOptions {
         self
     }
 
+    /// Reports the queue's snapshot in `registry` under `name` once it is open (a name already
+    /// taken refuses the open before recovery starts). The name is also the metrics label
+    /// unless [`name`](Self::name) gives another.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use lanes::{Registry, SpillOptions, SpillQueue};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), lanes::SpillError> {
+    /// let dir = std::env::temp_dir().join(format!("lanes-doc-registry-{}", std::process::id()));
+    /// let registry = Registry::new();
+    /// let options = SpillOptions::default().registry(&registry, "overflow");
+    /// let (queue, _report) = SpillQueue::open(&dir, options).await?;
+    /// assert_eq!(registry.snapshot().spill("overflow").unwrap().records, 0);
+    /// queue.close().await?;
+    /// # drop(queue);
+    /// # std::fs::remove_dir_all(&dir).ok();
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
+        self.registry = Some(Registration::new(registry, name));
+        self
+    }
+
     /// Sets the group-commit window.
     #[must_use]
     pub fn batch_window(mut self, window: Duration) -> Self {
@@ -135,6 +168,6 @@ impl SpillOptions {
         {
             return Err(ConfigError::new("sync.interval", ConfigRule::ZeroTimeout));
         }
-        Ok(())
+        self.registry.as_ref().map_or(Ok(()), Registration::check)
     }
 }

@@ -37,8 +37,7 @@ use super::reader::SpillReader;
 use super::recover::{CheckReport, recover};
 use super::storage::{AppendFile, FsStorage, Storage};
 use super::writer::{Mailbox, Writer};
-use crate::config::ConfigError;
-use crate::observe::{Observe, Registry, Snapshot};
+use crate::observe::{Observe, Snapshot};
 use crate::util::lock;
 
 /// What a segment holds, for readers.
@@ -213,7 +212,7 @@ impl SpillQueue {
     ) -> Result<(Self, CheckReport), SpillError> {
         let dir = dir.as_ref();
         let mut options = options;
-        if options.name.is_none() {
+        if options.name.is_none() && options.registry.is_none() {
             options.name = dir.file_name().map(|name| name.to_string_lossy().into_owned());
         }
         Self::open_with(FsStorage::new(dir), options).await
@@ -229,6 +228,10 @@ impl SpillQueue {
         options: SpillOptions,
     ) -> Result<(Self, CheckReport), SpillError> {
         options.validate().map_err(SpillError::InvalidOptions)?;
+        let mut options = options;
+        if options.name.is_none() {
+            options.name = options.registry.as_ref().map(|r| r.name.clone());
+        }
         let storage: Arc<dyn Storage> = Arc::new(storage);
         let blocking = storage.clone();
         let opts = options.clone();
@@ -327,6 +330,10 @@ impl SpillQueue {
             },
             report: report.clone(),
         });
+        if let Some(registration) = &options.registry {
+            // Before the writer starts: a refusal here drops the queue and frees the directory.
+            registration.register(&inner).map_err(SpillError::InvalidOptions)?;
+        }
         let writer = Writer {
             inner: Arc::downgrade(&inner),
             mailbox,
@@ -504,21 +511,6 @@ impl SpillQueue {
     /// The queue, as it is now.
     pub fn snapshot(&self) -> SpillSnapshot {
         self.inner.snapshot()
-    }
-
-    /// Reports the queue in `registry` under `name`.
-    ///
-    /// # Errors
-    ///
-    /// A [`ConfigError`] if `name` is taken.
-    pub fn register(
-        &self,
-        registry: &Registry,
-        name: impl Into<String>,
-    ) -> Result<(), ConfigError> {
-        let source: Arc<dyn Observe> = self.inner.clone();
-        // The registry holds it weakly; the queue's Inner keeps it alive.
-        registry.register_weak(name.into(), Arc::downgrade(&source))
     }
 
     /// Flushes and syncs everything, persists the committed position, and stops the writer.
