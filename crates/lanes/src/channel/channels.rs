@@ -5,11 +5,11 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
-use serde::{Deserialize, Serialize};
-
-use super::config::{ChannelConfig, ChannelError};
+use super::config::ChannelConfig;
+use super::error::ChannelError;
+use super::handle::{Budget, ChannelShared};
 use super::producer::Channel;
-use super::shared::{Budget, ChannelShared, ChannelSnapshot};
+use super::snapshot::{BudgetSnapshot, ChannelSnapshot, ChannelsSnapshot};
 use crate::config::{ConfigError, ConfigRule};
 use crate::observe::{Observe, Registration, Registry, Snapshot};
 use crate::util::lock;
@@ -354,31 +354,5 @@ impl fmt::Debug for Channels {
             .field("names", &self.names())
             .field("budget_used", &self.budget_used())
             .finish()
-    }
-}
-
-/// A [`Channels`] registry (or one registered channel), as a snapshot reports it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct ChannelsSnapshot {
-    /// The budget of the dynamic channels, if there is one.
-    pub budget: Option<BudgetSnapshot>,
-    /// The open channels, by name.
-    pub channels: Vec<ChannelSnapshot>,
-}
-
-/// A registry's budget of queued records across its dynamic channels.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BudgetSnapshot {
-    /// The most records the dynamic channels hold together.
-    pub total: usize,
-    /// Records they hold now.
-    pub used: usize,
-}
-
-impl crate::observe::Snapshot {
-    /// The channel registry (or single channel) registered as `name`.
-    pub fn channels(&self, name: &str) -> Option<ChannelsSnapshot> {
-        self.get("channels", name)
     }
 }

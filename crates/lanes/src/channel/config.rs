@@ -7,11 +7,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::codec::Codec;
-use crate::BoxError;
 use crate::config::{ConfigError, ConfigRule};
 use crate::limit::{Limits, OnRefusal, Priority, Throttle};
 use crate::observe::{Registration, Registry};
-use crate::spill::{SpillError, SpillQueue};
+use crate::spill::SpillQueue;
 
 /// The largest capacity a channel accepts.
 pub const MAX_CAPACITY: usize = 1 << 24;
@@ -463,127 +462,5 @@ impl<T> Emitted<T> {
     /// Whether the record is in the channel.
     pub fn is_queued(&self) -> bool {
         matches!(self, Self::Queued)
-    }
-}
-
-/// A record that was not emitted, handed back.
-#[derive(Debug)]
-pub enum EmitError<T> {
-    /// The channel is full and its policy is [`Overflow::Block`] (from
-    /// [`try_emit`](super::Channel::try_emit)).
-    Full(T),
-    /// The channel is closed.
-    Closed(T),
-    /// The record could not be spilled: the spill queue refused it or failed.
-    Spill(T, SpillError),
-    /// The record could not be encoded for the spill queue.
-    Encode(T, BoxError),
-}
-
-impl<T> EmitError<T> {
-    /// The refused record: the name every refusal in the crate uses
-    /// ([`into_record`](Self::into_record) by another name).
-    pub fn into_inner(self) -> T {
-        self.into_record()
-    }
-
-    /// The record.
-    pub fn into_record(self) -> T {
-        match self {
-            Self::Full(record)
-            | Self::Closed(record)
-            | Self::Spill(record, _)
-            | Self::Encode(record, _) => record,
-        }
-    }
-
-    /// Whether the channel was full.
-    pub fn is_full(&self) -> bool {
-        matches!(self, Self::Full(_))
-    }
-
-    /// Whether the channel was closed.
-    pub fn is_closed(&self) -> bool {
-        matches!(self, Self::Closed(_))
-    }
-}
-
-impl<T> fmt::Display for EmitError<T> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Full(_) => f.write_str("the channel is full"),
-            Self::Closed(_) => f.write_str("the channel is closed"),
-            Self::Spill(_, err) => write!(f, "the record could not be spilled: {err}"),
-            Self::Encode(_, err) => write!(f, "the record could not be encoded: {err}"),
-        }
-    }
-}
-
-impl<T: fmt::Debug> std::error::Error for EmitError<T> {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Spill(_, err) => Some(err),
-            Self::Encode(_, err) => Some(&**err),
-            Self::Full(_) | Self::Closed(_) => None,
-        }
-    }
-}
-
-/// A registry or consumer operation that failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ChannelError {
-    /// The configuration broke a rule.
-    Config(ConfigError),
-    /// [`Channels::create`](super::Channels::create): the name is taken.
-    Duplicate(String),
-    /// [`Channels::get_or_create`](super::Channels::get_or_create): the channel exists with a
-    /// different configuration.
-    ConfigMismatch {
-        /// The channel.
-        name: String,
-        /// The first field that differs.
-        field: &'static str,
-    },
-    /// The channel exists with another record type.
-    TypeMismatch(String),
-    /// No channel has this name.
-    NotFound(String),
-    /// The channel already has its consumer.
-    ConsumerTaken(String),
-    /// The channel is closed.
-    Closed(String),
-}
-
-impl fmt::Display for ChannelError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Config(err) => err.fmt(f),
-            Self::Duplicate(name) => write!(f, "channel {name:?} already exists"),
-            Self::ConfigMismatch { name, field } => {
-                write!(f, "channel {name:?} exists with a different {field}")
-            }
-            Self::TypeMismatch(name) => {
-                write!(f, "channel {name:?} exists with another record type")
-            }
-            Self::NotFound(name) => write!(f, "no channel is named {name:?}"),
-            Self::ConsumerTaken(name) => write!(f, "channel {name:?} already has its consumer"),
-            Self::Closed(name) => write!(f, "channel {name:?} is closed"),
-        }
-    }
-}
-
-impl std::error::Error for ChannelError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Config(err) => Some(err),
-            _ => None,
-        }
-    }
-}
-
-impl From<ConfigError> for ChannelError {
-    fn from(err: ConfigError) -> Self {
-        Self::Config(err)
     }
 }

@@ -13,10 +13,11 @@ use tokio::time::{Instant, Sleep};
 
 use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
+use super::error::SettleError;
+use super::handle::{ChannelShared, Entry};
 use super::receipt::{ReceiptState, Settlement};
-use super::shared::{ChannelShared, Entry};
 use crate::limit::{LimitError, OnRefusal, Permit};
-use crate::spill::{SpillError, SpillQueue};
+use crate::spill::SpillQueue;
 use crate::util::lock;
 use crate::{BoxError, BoxFuture};
 
@@ -391,28 +392,6 @@ pub struct SettleReport {
     pub unwritten: usize,
     /// Receipts that had timed out before this settlement.
     pub late: usize,
-}
-
-/// A settlement whose output or dead-letter write failed: the records concerned are counted
-/// failed (`unwritten`), the rest settled as reported.
-#[derive(Debug)]
-pub struct SettleError {
-    /// What the settlement did.
-    pub report: SettleReport,
-    /// The first write error.
-    pub error: SpillError,
-}
-
-impl fmt::Display for SettleError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} records could not be written: {}", self.report.unwritten, self.error)
-    }
-}
-
-impl std::error::Error for SettleError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

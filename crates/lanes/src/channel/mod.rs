@@ -65,17 +65,20 @@ mod channels;
 mod codec;
 mod config;
 mod consumer;
+mod error;
+mod handle;
 mod producer;
 mod receipt;
-mod shared;
+mod snapshot;
 
-pub use channels::{BudgetSnapshot, Channels, ChannelsBuilder, ChannelsSnapshot};
+pub use channels::{Channels, ChannelsBuilder};
 pub use codec::{BinaryCodec, Codec, Envelope, JsonCodec};
 pub use config::{
-    ChannelConfig, ChannelError, ConsumerOptions, DEFAULT_ACK_TIMEOUT, DEFAULT_CAPACITY, EmitError,
-    Emitted, FailurePolicy, MAX_CAPACITY, Overflow, OverflowKind, PermitPer,
+    ChannelConfig, ConsumerOptions, DEFAULT_ACK_TIMEOUT, DEFAULT_CAPACITY, Emitted, FailurePolicy,
+    MAX_CAPACITY, Overflow, OverflowKind, PermitPer,
 };
-pub use consumer::{Batch, Consumer, SettleError, SettleReport};
+pub use consumer::{Batch, Consumer, SettleReport};
+pub use error::{ChannelError, EmitError, SettleError};
 pub use producer::Channel;
 pub use receipt::{AckSet, AckSummary, Receipt, Settlement};
-pub use shared::ChannelSnapshot;
+pub use snapshot::{BudgetSnapshot, ChannelSnapshot, ChannelsSnapshot};

@@ -7,10 +7,12 @@ use std::sync::{Arc, Weak};
 
 use std::task::Poll;
 
-use super::config::{ChannelConfig, ChannelError, ConsumerOptions, EmitError, Emitted, Overflow};
+use super::config::{ChannelConfig, ConsumerOptions, Emitted, Overflow};
 use super::consumer::Consumer;
+use super::error::{ChannelError, EmitError};
+use super::handle::{ChannelShared, Entry, Pushed, Waiter};
 use super::receipt::{Receipt, ReceiptState, Settlement};
-use super::shared::{ChannelShared, ChannelSnapshot, Entry, Pushed, Waiter};
+use super::snapshot::ChannelSnapshot;
 use crate::observe::{Observe, Snapshot};
 use crate::util::lock;
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::audit::Audit;
-use super::set::LaneSet;
+use super::handle::LaneSet;
 use crate::observe::{Registration, Registry};
 
 /// The largest `queued` bound a lane accepts.

@@ -1,6 +1,6 @@
 //! The task that drives each admitted run through its life: the wait for a slot (and first for
 //! its permit, if it names a limit), the start audit, the job, the terminal audit, the
-//! finalizer and the cleanup. The handles and the lanes' shared state are in `set.rs`.
+//! finalizer and the cleanup. The handles and the lanes' shared state are in `handle.rs`.
 //!
 //! # Invariants
 //!
@@ -19,11 +19,11 @@ use std::time::Duration;
 use tokio::time::{Instant, Sleep, sleep_until, timeout};
 
 use super::audit::{Audit, AuditEvent, AuditKind};
+use super::core::{Admitted, Shut};
 use super::error::{PanicError, PoisonError, Reason, RunFailure, Stage, TimeoutError};
+use super::handle::SetShared;
 use super::run::{Cleanup, Finalize, Job, Participation, RunContext, RunId};
-use super::set::SetShared;
 use super::signal::{Decision, RunSignal};
-use super::state::{Admitted, Shut};
 use crate::BoxError;
 use crate::limit::{Permit, Throttle};
 use crate::util::{CatchUnwind, Panicked, call_contained, lock};

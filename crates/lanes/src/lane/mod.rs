@@ -76,14 +76,14 @@
 
 mod audit;
 mod config;
+mod core;
 mod driver;
 mod error;
+mod handle;
 mod metrics;
 mod run;
-mod set;
 mod signal;
 mod snapshot;
-mod state;
 
 pub use crate::config::{ConfigError, ConfigRule};
 pub use audit::{Audit, AuditEvent, AuditKind};
@@ -92,8 +92,8 @@ pub use error::{
     AdmissionError, AdmissionErrorKind, AttachedError, PanicError, PoisonError, Reason, RunFailure,
     Stage, TimeoutError,
 };
+pub use handle::{Lane, LaneSet};
 pub use run::{
     Finalize, Job, Outcome, Participation, Passthrough, Run, RunContext, RunHandle, RunId,
 };
-pub use set::{Lane, LaneSet};
 pub use snapshot::{FailedCounts, LaneSetSnapshot, LaneSnapshot, RejectedCounts, SetState};

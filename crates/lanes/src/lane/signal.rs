@@ -20,8 +20,8 @@ use tokio::sync::Notify;
 
 use crate::util::lock;
 
+use super::core::Shut;
 use super::error::Reason;
-use super::state::Shut;
 
 const WAITING: u8 = 0;
 const GRANTED: u8 = 1;

@@ -20,8 +20,8 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::backend::{Answer, LimitBackend};
+use super::error::LimitError;
 use super::priority::Priority;
-use super::table::LimitError;
 
 /// How long a waiter without a deadline sleeps on its backend's push before it looks again
 /// anyway; each backend may bound it further with its own safety re-ask.

@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::config::LimitSpec;
+use super::core::{Grant, Released};
+use super::error::LimitError;
 use super::priority::Priority;
-use super::spec::LimitSpec;
-use super::table::{Grant, LimitError, LimitInfo, Released};
+use super::snapshot::LimitInfo;
 use crate::BoxFuture;
 
 /// A backend's answer about a ticket.

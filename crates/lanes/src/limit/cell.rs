@@ -20,8 +20,8 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::spec::LimitSpec;
-use super::table::Counters;
+use super::config::LimitSpec;
+use super::core::Counters;
 
 const COUNT: u64 = 0xFFFF_FFFF;
 const GENERATION: u64 = 1 << 32;

@@ -24,10 +24,10 @@ use std::time::Duration;
 use tokio::time::{Instant, sleep, timeout};
 
 use super::backend::{Answer, LimitBackend};
+use super::config::LimitSpec;
+use super::error::LimitError;
 use super::handle::Limits;
 use super::priority::Priority;
-use super::spec::LimitSpec;
-use super::table::LimitError;
 
 /// Runs every scenario against backends made by `make(max_waiters)`; `prefix` namespaces the
 /// limits they define.

@@ -11,10 +11,12 @@ use tokio::time::Instant;
 use super::acquire::{Withdraw, drive, release_in_background};
 use super::backend::{Answer, LimitBackend};
 use super::cell::Miss;
+use super::config::LimitSpec;
+use super::core::{Acquire, Grant};
+use super::error::{AcquireError, LimitError, TryAcquireError};
 use super::local::{Handoff, LocalLimits, Slot};
 use super::priority::Priority;
-use super::spec::LimitSpec;
-use super::table::{Acquire, Grant, LimitError, LimitInfo};
+use super::snapshot::LimitInfo;
 use crate::config::{ConfigError, ConfigRule};
 use crate::observe::{Observe, Registration, Registry, Snapshot};
 
@@ -564,98 +566,6 @@ impl fmt::Debug for Permit {
             .field("ticket", &self.ticket())
             .field("fencing_token", &self.fencing_token())
             .finish()
-    }
-}
-
-/// Why [`Limits::acquire_timeout`] gave up.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub enum AcquireError {
-    /// No permit within the timeout; the ticket was withdrawn.
-    Timeout(Duration),
-    /// The limit refused.
-    Limit(LimitError),
-}
-
-impl AcquireError {
-    /// The timeout elapsed.
-    pub fn is_timeout(&self) -> bool {
-        matches!(self, Self::Timeout(_))
-    }
-}
-
-impl fmt::Display for AcquireError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Timeout(after) => write!(f, "no permit within {after:?}"),
-            Self::Limit(err) => err.fmt(f),
-        }
-    }
-}
-
-impl std::error::Error for AcquireError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Timeout(_) => None,
-            Self::Limit(err) => Some(err),
-        }
-    }
-}
-
-/// Why [`Limits::try_acquire`] gave no permit. A try never queues, so nothing is left behind.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub enum TryAcquireError {
-    /// Every permit is held, or others wait ahead: try again after a release.
-    Busy,
-    /// The rate bucket is empty: it has a token after this long.
-    RateLimited(Duration),
-    /// The limit refused (unknown limit, backend failure).
-    Limit(LimitError),
-}
-
-impl TryAcquireError {
-    /// No permit is free, or others wait ahead.
-    pub fn is_busy(&self) -> bool {
-        matches!(self, Self::Busy)
-    }
-
-    /// The rate bucket is empty.
-    pub fn is_rate_limited(&self) -> bool {
-        matches!(self, Self::RateLimited(_))
-    }
-
-    /// When a retry can succeed, if the limit knows: the bucket's refill time.
-    pub fn retry_after(&self) -> Option<Duration> {
-        match self {
-            Self::RateLimited(after) => Some(*after),
-            _ => None,
-        }
-    }
-}
-
-impl From<LimitError> for TryAcquireError {
-    fn from(err: LimitError) -> Self {
-        Self::Limit(err)
-    }
-}
-
-impl fmt::Display for TryAcquireError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Busy => f.write_str("no permit free"),
-            Self::RateLimited(after) => write!(f, "rate limited; retry after {after:?}"),
-            Self::Limit(err) => err.fmt(f),
-        }
-    }
-}
-
-impl std::error::Error for TryAcquireError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Limit(err) => Some(err),
-            _ => None,
-        }
     }
 }
 

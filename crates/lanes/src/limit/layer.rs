@@ -7,7 +7,8 @@ use std::task::{Context, Poll};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::handle::{Limits, TryAcquireError};
+use super::error::TryAcquireError;
+use super::handle::Limits;
 use super::priority::Priority;
 use crate::{BoxError, BoxFuture};
 

@@ -30,10 +30,12 @@ use tokio::time::{Instant, Sleep, sleep_until};
 
 use super::backend::{Answer, LimitBackend};
 use super::cell::{Cell, Miss};
+use super::config::LimitSpec;
+use super::core::{Acquire, Grant, LimitTable, Next, Released};
+use super::error::LimitError;
 use super::metrics::LimitMetrics;
 use super::priority::Priority;
-use super::spec::LimitSpec;
-use super::table::{Acquire, Grant, LimitError, LimitInfo, LimitTable, Next, Released};
+use super::snapshot::LimitInfo;
 use crate::BoxFuture;
 use crate::util::FastMap;
 use crate::util::lock;

@@ -63,9 +63,12 @@
 mod acquire;
 mod backend;
 mod cell;
+mod config;
 #[cfg(feature = "conformance")]
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
+mod core;
+mod error;
 mod handle;
 #[cfg(feature = "http")]
 mod http;
@@ -74,16 +77,17 @@ mod layer;
 mod local;
 mod lost;
 mod metrics;
-mod observed;
 mod priority;
-mod spec;
-mod table;
+mod snapshot;
 mod throttle;
 mod waiters;
 
+pub use self::core::{Acquire, Grant, LimitTable, Next, Released};
 pub use acquire::{REASK, drive};
 pub use backend::{Answer, LimitBackend};
-pub use handle::{AcquireError, Limit, Limits, LimitsBuilder, Permit, TryAcquireError};
+pub use config::LimitSpec;
+pub use error::{AcquireError, BackendError, LimitError, SpecError, TryAcquireError};
+pub use handle::{Limit, Limits, LimitsBuilder, Permit};
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use http::{HttpLimitLayer, HttpLimitService};
@@ -92,9 +96,7 @@ pub use http::{HttpLimitLayer, HttpLimitService};
 pub use layer::{DefaultPriority, LimitLayer, LimitService, Overloaded, PriorityOf, WhenBusy};
 pub use local::LocalLimits;
 pub use lost::LostLeases;
-pub use observed::KeyInfo;
 pub use priority::Priority;
-pub use spec::{LimitSpec, SpecError};
-pub use table::{Acquire, BackendError, Grant, LimitError, LimitInfo, LimitTable, Next, Released};
+pub use snapshot::{KeyInfo, LimitInfo};
 pub use throttle::{OnRefusal, Throttle};
 pub use waiters::WaitQueue;

@@ -4,9 +4,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::handle::{Limits, Permit, TryAcquireError};
+use super::error::LimitError;
+use super::error::TryAcquireError;
+use super::handle::{Limits, Permit};
 use super::priority::Priority;
-use super::table::LimitError;
 
 /// What work does when its limit refuses it (an unknown limit, too many waiters, a backend
 /// failure). Waiting for a busy limit is never a refusal: that is what the throttle is for.

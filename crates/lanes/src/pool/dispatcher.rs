@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::completion::{CompletionSource, Tracker, Untracked};
-use super::engine::{self, Core, Engine, Hooks, Phase, PoolStats, Queued, Unkeyed};
+use super::config::Common;
+use super::core::Fifo;
 use super::error::{AbortReport, StopTimeout, SubmitError};
-use super::report::{PoolKind, PoolSnapshot, Reporter};
-use super::sched::Fifo;
+use super::handle::{self, Core, Engine, Phase, PoolStats, Queued, Unkeyed};
+use super::snapshot::{PoolKind, PoolSnapshot, Reporter};
 use crate::BoxError;
 use crate::config::{ConfigError, require, runtime};
 use crate::limit::{Limits, Priority, Throttle};
@@ -112,13 +113,13 @@ impl<T: Send + 'static> Dispatcher<T> {
     /// released at once), or the tracking errors of [`submit`](Self::submit).
     pub async fn submit_wait(&self, item: T) -> Result<(), SubmitError<T>> {
         let Some(tracker) = &self.tracker else {
-            return engine::submit_wait(&*self.core, item).await;
+            return handle::submit_wait(&*self.core, item).await;
         };
         // Registered before waiting, so a completion written while the producer waits for
         // room still matches.
         let key = (tracker.key_of)(&item);
         let item = Self::register(tracker, &key, item)?;
-        let submitted = engine::submit_wait(&*self.core, item).await;
+        let submitted = handle::submit_wait(&*self.core, item).await;
         if submitted.is_err() {
             tracker.forget(&key);
         }
@@ -162,7 +163,7 @@ impl<T: Send + 'static> Dispatcher<T> {
     /// on.
     pub async fn stop(&self, timeout: Duration) -> Result<(), StopTimeout> {
         self.core.begin_stop();
-        engine::wait_finished(&*self.core, timeout).await?;
+        handle::wait_finished(&*self.core, timeout).await?;
         if let Some(tracker) = &self.tracker {
             tracker.stop_watching();
         }
@@ -194,7 +195,7 @@ impl<T: Send + 'static> Dispatcher<T> {
     /// panicked or dropped), then stops completion tracking, as [`stop`](Self::stop) does.
     /// Waits forever on a pool nobody closes.
     pub async fn drained(&self) {
-        engine::wait_drained(&*self.core).await;
+        handle::wait_drained(&*self.core).await;
         // The second half of `stop`, once drained.
         if let Some(tracker) = &self.tracker {
             tracker.stop_watching();
@@ -238,54 +239,6 @@ pub struct DispatcherBuilder<T> {
     queue_size: Option<usize>,
     common: Common<T>,
     _item: PhantomData<fn(T)>,
-}
-
-/// What both pool builders configure the same way.
-pub(crate) struct Common<T> {
-    pub(crate) name: Option<String>,
-    pub(crate) registry: Option<Registration>,
-    pub(crate) limit: Option<Throttle>,
-    pub(crate) hooks: Hooks<T>,
-    pub(crate) on_error: Option<Arc<dyn Fn(BoxError) + Send + Sync>>,
-}
-
-impl<T> Default for Common<T> {
-    fn default() -> Self {
-        Self { name: None, registry: None, limit: None, hooks: Hooks::default(), on_error: None }
-    }
-}
-
-impl<T: Send + 'static> Common<T> {
-    pub(crate) fn on_error(&mut self, on_error: impl Fn(BoxError) + Send + Sync + 'static) {
-        let shared: Arc<dyn Fn(BoxError) + Send + Sync> = Arc::new(on_error);
-        let for_engine = shared.clone();
-        self.hooks.on_error = Some(Box::new(move |err| for_engine(err)));
-        self.on_error = Some(shared);
-    }
-
-    pub(crate) fn on_panic(&mut self, on_panic: impl Fn(T, PanicPayload) + Send + Sync + 'static)
-    where
-        T: Clone,
-    {
-        self.hooks.on_panic = Some((Box::new(T::clone), Box::new(on_panic)));
-    }
-
-    pub(crate) fn throttle(&mut self, throttle: Throttle) {
-        self.limit = Some(throttle);
-    }
-
-    /// Refuses a registry name already taken, before anything starts.
-    pub(crate) fn check_registry(&self) -> Result<(), ConfigError> {
-        self.registry.as_ref().map_or(Ok(()), Registration::check)
-    }
-
-    /// The metrics label: the explicit name, else the registry name, else "unnamed".
-    pub(crate) fn label(&self) -> String {
-        self.name
-            .clone()
-            .or_else(|| self.registry.as_ref().map(|r| r.name.clone()))
-            .unwrap_or_else(|| "unnamed".to_owned())
-    }
 }
 
 impl<T: Send + 'static> DispatcherBuilder<T> {

@@ -7,12 +7,12 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::dispatcher::Common;
-use super::engine::{self, Core, Engine, Indexed, Phase, PoolStats, Queued};
+use super::config::Common;
+use super::core::{PerKey, Sharded};
 use super::error::{AbortReport, StopTimeout, SubmitError};
 use super::fnv::PoolKey;
-use super::report::{PoolKind, PoolSnapshot, Reporter};
-use super::sched::{PerKey, Sharded};
+use super::handle::{self, Core, Engine, Indexed, Phase, PoolStats, Queued};
+use super::snapshot::{PoolKind, PoolSnapshot, Reporter};
 use crate::BoxError;
 use crate::config::ConfigError;
 use crate::config::{require, runtime};
@@ -138,7 +138,7 @@ impl<T: Send + 'static> KeyedPool<T> {
     /// [`SubmitError::Stopped`] once the pool stops accepting; a producer parked here is
     /// released at once.
     pub async fn submit_wait(&self, item: T) -> Result<(), SubmitError<T>> {
-        engine::submit_wait(&*self.core, item).await
+        handle::submit_wait(&*self.core, item).await
     }
 
     /// Stops accepting and waits up to `timeout` for every accepted item to be processed.
@@ -153,7 +153,7 @@ impl<T: Send + 'static> KeyedPool<T> {
     /// [`StopTimeout`] if items remain after `timeout`; draining goes on.
     pub async fn stop(&self, timeout: Duration) -> Result<(), StopTimeout> {
         self.core.begin_stop();
-        engine::wait_finished(&*self.core, timeout).await
+        handle::wait_finished(&*self.core, timeout).await
     }
 
     /// Stops at once without draining: queued items are discarded, in-flight ones cancelled;
@@ -176,7 +176,7 @@ impl<T: Send + 'static> KeyedPool<T> {
     /// Resolves once it is closed and every accepted item reached its end (processed, failed,
     /// panicked or dropped). Waits forever on a pool nobody closes.
     pub async fn drained(&self) {
-        engine::wait_drained(&*self.core).await;
+        handle::wait_drained(&*self.core).await;
     }
 
     /// Its kind, phase and counters now: what the registry stores.

@@ -43,18 +43,19 @@
 //! `lanes_pool_processing_seconds`.
 
 mod completion;
+mod config;
+mod core;
 mod dispatcher;
-mod engine;
 mod error;
 mod fnv;
+mod handle;
 mod keyed;
-mod report;
-mod sched;
+mod snapshot;
 
 pub use completion::{CompletionSnapshot, CompletionSource, CompletionStream};
 pub use dispatcher::{Dispatcher, DispatcherBuilder, TrackedDispatcherBuilder};
-pub use engine::{Phase, PoolStats};
 pub use error::{AbortReport, StopTimeout, SubmitError};
 pub use fnv::{PoolKey, fnv1a64};
+pub use handle::{Phase, PoolStats};
 pub use keyed::{KeyedMode, KeyedPool, KeyedPoolBuilder, NoKey};
-pub use report::{PoolKind, PoolSnapshot};
+pub use snapshot::{PoolKind, PoolSnapshot};

@@ -50,26 +50,28 @@
 //!
 #![doc = include_str!("FORMAT.md")]
 
+mod config;
+mod core;
 mod error;
 mod format;
 mod frame;
+mod handle;
 mod metrics;
-mod options;
-mod plan;
-mod queue;
 mod reader;
 mod recover;
+mod snapshot;
 mod storage;
 mod writer;
 
 use std::path::Path;
 
+pub use config::{SpillOptions, SyncPolicy};
 pub use error::SpillError;
 pub use format::{FORMAT_VERSION, Position};
-pub use options::{SpillOptions, SyncPolicy};
-pub use queue::{PendingAppend, SpillQueue, SpillRecord, SpillSnapshot};
+pub use handle::{PendingAppend, SpillQueue, SpillRecord};
 pub use reader::SpillReader;
 pub use recover::CheckReport;
+pub use snapshot::SpillSnapshot;
 pub use storage::{AppendFile, Fault, FsStorage, MemStorage, Storage};
 
 /// Checks the queue in `dir` without changing anything: segments, records, bytes, committed

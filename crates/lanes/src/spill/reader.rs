@@ -1,5 +1,5 @@
 //! The reader of a spill queue: reads in order from the committed position and commits what
-//! was processed (invariant 2 of `queue.rs`: only frames below the published end are read).
+//! was processed (invariant 2 of `handle.rs`: only frames below the published end are read).
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 use super::error::SpillError;
 use super::format::{Position, segment_name};
 use super::frame::{self, HEADER, Scanned};
-use super::queue::{Inner, SpillRecord};
+use super::handle::{Inner, SpillRecord};
 use super::storage::Storage;
 use crate::util::lock;
 

@@ -2,8 +2,8 @@
 //!
 //! Appenders frame their records straight into the mailbox's buffer (one copy from the
 //! caller's bytes to the buffer, one from the buffer to the kernel) and leave a reply; the
-//! writer swaps the whole buffer out in one lock, asks the [planner](super::plan) what to do
-//! with it, and performs the actions (invariants 1 and 3 of `queue.rs`). There is no message
+//! writer swaps the whole buffer out in one lock, asks the [planner](super::core) what to do
+//! with it, and performs the actions (invariants 1 and 3 of `handle.rs`). There is no message
 //! per record: a group is whatever arrived while the last one was being written and synced.
 
 use std::fmt;
@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
+use super::config::{SpillOptions, SyncPolicy};
+use super::core::{Action, GROUP_BYTES, Group, LINGER_BYTES, Planner, lingers};
 use super::error::SpillError;
 use super::format::{Position, SEGMENT_HEADER, STATE, encode_state, segment_name};
 use super::frame;
-use super::options::{SpillOptions, SyncPolicy};
-use super::plan::{Action, GROUP_BYTES, Group, LINGER_BYTES, Planner, lingers};
-use super::queue::{Extent, Inner, create_segment};
+use super::handle::{Extent, Inner, create_segment};
 use super::storage::{AppendFile, Storage};
 use crate::util::lock;
 

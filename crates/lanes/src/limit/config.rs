@@ -1,9 +1,10 @@
 //! The specification of a limit and its validation.
 
-use std::fmt;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+use super::error::SpecError;
 
 /// A named limit: at most `concurrent` permits held at once, and — if `per_second` is set — at
 /// most `burst + per_second × t` permits granted in any window of length `t`.
@@ -91,30 +92,3 @@ impl LimitSpec {
         Some(Duration::from_nanos(if nanos >= u64::MAX as f64 { u64::MAX } else { nanos as u64 }))
     }
 }
-
-/// A [`LimitSpec`] broke a rule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SpecError {
-    field: &'static str,
-    rule: &'static str,
-}
-
-impl SpecError {
-    /// The offending field: `concurrent`, `per_second` or `burst`.
-    pub fn field(&self) -> &'static str {
-        self.field
-    }
-
-    /// The rule it broke.
-    pub fn rule(&self) -> &'static str {
-        self.rule
-    }
-}
-
-impl fmt::Display for SpecError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "invalid limit: {} {}", self.field, self.rule)
-    }
-}
-
-impl std::error::Error for SpecError {}

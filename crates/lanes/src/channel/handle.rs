@@ -8,12 +8,12 @@ use std::task::Waker;
 use std::time::Duration;
 
 use metrics::Counter;
-use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use super::channels::ChannelsInner;
 use super::config::{ChannelConfig, OverflowKind};
 use super::receipt::{ReceiptState, Settlement};
+use super::snapshot::ChannelSnapshot;
 use crate::util::lock;
 
 /// Every `STAMP_EVERY`th record (and every record that finds the channel empty) has its
@@ -635,71 +635,5 @@ impl<T> ChannelShared<T> {
             has_consumer: st.consumer_taken,
             oldest_age_ms: u64::try_from(oldest_age.as_millis()).unwrap_or(u64::MAX),
         }
-    }
-}
-
-/// A channel's state and counters, as a snapshot reports them.
-///
-/// The counters reconcile exactly: `emitted = delivered + dropped + spilled + depth`, and of
-/// the delivered, `processed + failed + abandoned` have been settled (the rest are in batches
-/// the consumer holds).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct ChannelSnapshot {
-    /// The channel's name.
-    pub name: String,
-    /// Its owner, if it has one.
-    pub owner: Option<String>,
-    /// Whether it is a dynamic channel (under the registry's budget).
-    pub dynamic: bool,
-    /// Its overflow policy.
-    pub overflow: OverflowKind,
-    /// The most records it holds.
-    pub capacity: usize,
-    /// Records queued now.
-    pub depth: usize,
-    /// Records producers emitted (queued, dropped as newest, or spilled).
-    pub emitted: u64,
-    /// Records handed to the consumer.
-    pub delivered: u64,
-    /// Records dropped: by the overflow policy, on a discarding close, or when the consumer
-    /// went away.
-    pub dropped: u64,
-    /// Records sent to the spill queue.
-    pub spilled: u64,
-    /// Emits that had to wait for room.
-    pub blocked_waits: u64,
-    /// Delivered records the consumer processed.
-    pub processed: u64,
-    /// Delivered records the consumer failed (`tagged + dead_lettered + ignored`, plus records
-    /// whose output write failed).
-    pub failed: u64,
-    /// Failed records re-emitted downstream with a tag.
-    pub tagged: u64,
-    /// Failed records sent to the dead-letter queue.
-    pub dead_lettered: u64,
-    /// Failed records counted and dropped.
-    pub ignored: u64,
-    /// Delivered records whose batch was dropped unsettled.
-    pub abandoned: u64,
-    /// Settlements that came after their receipt had timed out (and were ignored).
-    pub late_settlements: u64,
-    /// Times the consumer's limit refused a permit (the consumer retries with a backoff).
-    pub limit_errors: u64,
-    /// Whether it is closed.
-    pub closed: bool,
-    /// Whether its consumer has been taken.
-    pub has_consumer: bool,
-    /// How long the oldest queued record has waited, in milliseconds (0 when empty). Enqueue
-    /// times are sampled every 32 records (and whenever a record finds the channel empty), so
-    /// this is the age of the nearest sample at or before the oldest record: never younger than
-    /// the truth, older by at most the time 31 records took to arrive.
-    pub oldest_age_ms: u64,
-}
-
-impl ChannelSnapshot {
-    /// Whether `emitted = delivered + dropped + spilled + depth`.
-    pub fn reconciles(&self) -> bool {
-        self.emitted == self.delivered + self.dropped + self.spilled + self.depth as u64
     }
 }

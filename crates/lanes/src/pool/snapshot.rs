@@ -5,7 +5,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::completion::{CompletionSnapshot, Tracker};
-use super::engine::{Core, Phase, PoolStats};
+use super::handle::{Core, Phase, PoolStats};
 use crate::observe::{Observe, Snapshot};
 
 /// Which kind of pool a snapshot describes.

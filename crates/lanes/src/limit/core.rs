@@ -18,15 +18,15 @@
 //!    bytes stay deterministic.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
-use super::observed::{KeyInfo, Observations, Observed, ObservedCell};
+use super::config::LimitSpec;
+use super::error::LimitError;
 use super::priority::Priority;
-use super::spec::{LimitSpec, SpecError};
+use super::snapshot::{LimitInfo, Observations, Observed, ObservedCell};
 use super::waiters::WaitQueue;
 use crate::util::FastMap;
 
@@ -96,201 +96,6 @@ impl Next {
         match self {
             Self::Ready(t) | Self::At(t, _) | Self::Blocked(t) => t,
         }
-    }
-}
-
-/// A limit's state, as reported by `info`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct LimitInfo {
-    /// The limit's name.
-    pub name: String,
-    /// Its current spec.
-    pub spec: LimitSpec,
-    /// Permits held now.
-    pub in_use: u32,
-    /// Tickets waiting.
-    pub waiting: usize,
-    /// Permits granted since the limit was defined.
-    pub granted_total: u64,
-    /// The most permits ever held at once (never above the largest `concurrent` it had).
-    pub max_in_use: u32,
-    /// Acquires the store refused at once: tries that found no permit, and tickets that found
-    /// the waiting room full (0 where the backend does not count them).
-    #[serde(default)]
-    pub refused_total: u64,
-    /// Waiting tickets that left without a permit: timed out or cancelled.
-    #[serde(default)]
-    pub withdrawn_total: u64,
-    /// Leased permits reclaimed because their lease ran out.
-    #[serde(default)]
-    pub expired_total: u64,
-    /// Per fairness key: who waits, how many grants, how long grants waited (keys granted or
-    /// waiting lately, at most 64; empty where the backend does not observe them).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub keys: Vec<KeyInfo>,
-}
-
-impl LimitInfo {
-    /// A limit's state as a backend reports it (for backends outside this crate).
-    pub fn new(
-        name: impl Into<String>,
-        spec: LimitSpec,
-        in_use: u32,
-        waiting: usize,
-        granted_total: u64,
-        max_in_use: u32,
-    ) -> Self {
-        Self {
-            name: name.into(),
-            spec,
-            in_use,
-            waiting,
-            granted_total,
-            max_in_use,
-            refused_total: 0,
-            withdrawn_total: 0,
-            expired_total: 0,
-            keys: Vec::new(),
-        }
-    }
-}
-
-/// Why a limit operation failed.
-#[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
-pub enum LimitError {
-    /// No limit has this name.
-    UnknownLimit(String),
-    /// The spec broke a rule.
-    InvalidSpec(SpecError),
-    /// The limit already has its maximum of waiters.
-    TooManyWaiters {
-        /// The limit.
-        limit: String,
-        /// The configured maximum.
-        max: usize,
-    },
-    /// The limit cannot be removed while permits are held or tickets wait.
-    InUse(String),
-    /// The backend could not answer (I/O, timeout, outage, an odd reply): what it said, and the
-    /// underlying error through `source()`.
-    Backend(BackendError),
-    /// A leased permit could not be renewed: its lease had ended and the permit was reclaimed
-    /// (another holder may have it now; the fencing token of this one is stale).
-    LeaseExpired {
-        /// The limit.
-        limit: String,
-        /// The ticket whose permit lapsed.
-        ticket: u64,
-    },
-}
-
-impl LimitError {
-    /// No such limit.
-    pub fn is_unknown_limit(&self) -> bool {
-        matches!(self, Self::UnknownLimit(_))
-    }
-
-    /// The waiting room is full.
-    pub fn is_too_many_waiters(&self) -> bool {
-        matches!(self, Self::TooManyWaiters { .. })
-    }
-
-    /// A renewal came after the lease ended.
-    pub fn is_lease_expired(&self) -> bool {
-        matches!(self, Self::LeaseExpired { .. })
-    }
-
-    /// The backend could not answer.
-    pub fn is_backend(&self) -> bool {
-        matches!(self, Self::Backend(_))
-    }
-}
-
-impl fmt::Display for LimitError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::UnknownLimit(name) => write!(f, "unknown limit {name:?}"),
-            Self::InvalidSpec(err) => err.fmt(f),
-            Self::TooManyWaiters { limit, max } => {
-                write!(f, "limit {limit:?} already has {max} waiters")
-            }
-            Self::InUse(name) => write!(f, "limit {name:?} has permits held or tickets waiting"),
-            Self::Backend(err) => write!(f, "limit backend failed: {err}"),
-            Self::LeaseExpired { limit, ticket } => {
-                write!(f, "the lease of ticket {ticket} on limit {limit:?} expired")
-            }
-        }
-    }
-}
-
-impl std::error::Error for LimitError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::InvalidSpec(err) => Some(err),
-            Self::Backend(err) => Some(err),
-            _ => None,
-        }
-    }
-}
-
-impl LimitError {
-    /// A backend failure with only a message.
-    pub fn backend(message: impl Into<String>) -> Self {
-        Self::Backend(BackendError::new(message))
-    }
-}
-
-/// What a backend said when it could not answer, with the error underneath when there is one.
-#[derive(Debug, Clone)]
-pub struct BackendError {
-    message: String,
-    source: Option<Arc<dyn std::error::Error + Send + Sync>>,
-}
-
-impl BackendError {
-    /// A failure described by `message` alone.
-    pub fn new(message: impl Into<String>) -> Self {
-        Self { message: message.into(), source: None }
-    }
-
-    /// A failure described by `message`, caused by `source` (kept for `source()`).
-    pub fn with_source(
-        message: impl Into<String>,
-        source: impl std::error::Error + Send + Sync + 'static,
-    ) -> Self {
-        Self { message: message.into(), source: Some(Arc::new(source)) }
-    }
-
-    /// The message.
-    pub fn message(&self) -> &str {
-        &self.message
-    }
-}
-
-/// Equal when the messages are: the sources are for diagnosis.
-impl PartialEq for BackendError {
-    fn eq(&self, other: &Self) -> bool {
-        self.message == other.message
-    }
-}
-
-impl fmt::Display for BackendError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for BackendError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source.as_deref().map(|err| err as &(dyn std::error::Error + 'static))
-    }
-}
-
-impl From<SpecError> for LimitError {
-    fn from(err: SpecError) -> Self {
-        Self::InvalidSpec(err)
     }
 }
 
@@ -892,12 +697,5 @@ impl LimitTable {
     /// The shared name of limit `name`, if defined (to hand out without allocating).
     pub fn name(&self, name: &str) -> Option<Arc<str>> {
         self.limits.get_key_value(name).map(|(name, _)| name.clone())
-    }
-}
-
-impl crate::observe::Snapshot {
-    /// The limits registered as `name`, in limit-name order.
-    pub fn limits(&self, name: &str) -> Option<Vec<LimitInfo>> {
-        self.get("limits", name)
     }
 }

@@ -4,7 +4,7 @@
 //! # Implementation details
 //!
 //! Every admitted run is driven by one spawned task (`driver::drive`), which polls the job
-//! itself, so a run costs one task. The lane's pure core (`state.rs`) sits behind one `std::sync::Mutex` per
+//! itself, so a run costs one task. The lane's pure core (`core.rs`) sits behind one `std::sync::Mutex` per
 //! lane, never held across an await. A run's [`RunSignal`] carries the grant and the
 //! cancellation between the lane, the caller's handle and the job.
 //!
@@ -28,13 +28,13 @@ use tokio::time::Instant;
 
 use super::audit::Audit;
 use super::config::{LaneLimits, LaneSetBuilder};
+use super::core::{Admitted, LaneCore, Shut};
 use super::driver::{Admission, Callbacks, Start, Ticket, TicketInfo, drive, grant};
 use super::error::{AdmissionError, AdmissionErrorKind, PoisonError, Reason};
 use super::metrics::LaneMetrics;
 use super::run::{Finalize, Job, Participation, Run, RunHandle, RunId};
 use super::signal::RunSignal;
 use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
-use super::state::{Admitted, LaneCore, Shut};
 use crate::BoxError;
 use crate::config::ConfigError;
 use crate::observe::{Observe, Snapshot};

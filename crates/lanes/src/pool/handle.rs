@@ -24,8 +24,8 @@ use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 
+use super::core::{Refused, Scheduler, Wake};
 use super::error::{AbortReport, StopTimeout, SubmitError};
-use super::sched::{Refused, Scheduler, Wake};
 use crate::BoxError;
 use crate::limit::Throttle;
 use crate::util::{CatchPanic, PanicPayload, call_contained, drop_contained, lock};

@@ -1,5 +1,5 @@
-//! What a [`LimitTable`](super::LimitTable) observes of each limit's waiters, for the snapshot
-//! and the dashboard: refusals, withdrawals and lease expiries, and per fairness key the grants
+//! What a limit reports: [`LimitInfo`], and what a [`LimitTable`](super::LimitTable) observes
+//! of each limit's waiters, for the snapshot and the dashboard: refusals, withdrawals and lease expiries, and per fairness key the grants
 //! and the time grants waited. Not part of the table's state: never serialized, never compared,
 //! kept across the limit's hand-offs to the in-process fast path, bounded in memory.
 
@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::config::LimitSpec;
 use crate::util::FastMap;
 
 /// The most fairness keys observed per limit; the key granted longest ago makes room.
@@ -16,6 +17,63 @@ pub(crate) const MAX_KEYS: usize = 64;
 
 /// Wait-time buckets: bucket `i` holds waits under 2^i microseconds (the last, everything).
 const BUCKETS: usize = 32;
+
+/// A limit's state, as reported by `info`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct LimitInfo {
+    /// The limit's name.
+    pub name: String,
+    /// Its current spec.
+    pub spec: LimitSpec,
+    /// Permits held now.
+    pub in_use: u32,
+    /// Tickets waiting.
+    pub waiting: usize,
+    /// Permits granted since the limit was defined.
+    pub granted_total: u64,
+    /// The most permits ever held at once (never above the largest `concurrent` it had).
+    pub max_in_use: u32,
+    /// Acquires the store refused at once: tries that found no permit, and tickets that found
+    /// the waiting room full (0 where the backend does not count them).
+    #[serde(default)]
+    pub refused_total: u64,
+    /// Waiting tickets that left without a permit: timed out or cancelled.
+    #[serde(default)]
+    pub withdrawn_total: u64,
+    /// Leased permits reclaimed because their lease ran out.
+    #[serde(default)]
+    pub expired_total: u64,
+    /// Per fairness key: who waits, how many grants, how long grants waited (keys granted or
+    /// waiting lately, at most 64; empty where the backend does not observe them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<KeyInfo>,
+}
+
+impl LimitInfo {
+    /// A limit's state as a backend reports it (for backends outside this crate).
+    pub fn new(
+        name: impl Into<String>,
+        spec: LimitSpec,
+        in_use: u32,
+        waiting: usize,
+        granted_total: u64,
+        max_in_use: u32,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            spec,
+            in_use,
+            waiting,
+            granted_total,
+            max_in_use,
+            refused_total: 0,
+            withdrawn_total: 0,
+            expired_total: 0,
+            keys: Vec::new(),
+        }
+    }
+}
 
 /// One fairness key of a limit, as observed by the table that governs it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -177,6 +235,13 @@ pub(crate) struct Observations(pub(crate) FastMap<Arc<str>, Observed>);
 impl PartialEq for Observations {
     fn eq(&self, _: &Self) -> bool {
         true
+    }
+}
+
+impl crate::observe::Snapshot {
+    /// The limits registered as `name`, in limit-name order.
+    pub fn limits(&self, name: &str) -> Option<Vec<LimitInfo>> {
+        self.get("limits", name)
     }
 }
 

@@ -4,8 +4,8 @@
 
 use std::ops::Range;
 
+use super::config::SyncPolicy;
 use super::format::SEGMENT_HEADER;
-use super::options::SyncPolicy;
 
 /// One step of the writer.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -24,17 +24,17 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, oneshot};
 
+pub(super) use super::config::SpillOptions;
+use super::core::Planner;
 use super::error::SpillError;
 use super::format::{self, Position, SEGMENT_HEADER, STATE, encode_state, segment_name};
 use super::frame;
 use super::metrics::SpillMetrics;
-pub(super) use super::options::{SpillOptions, SyncPolicy};
-use super::plan::Planner;
 use super::reader::SpillReader;
 use super::recover::{CheckReport, recover};
+use super::snapshot::SpillSnapshot;
 use super::storage::{AppendFile, FsStorage, Storage};
 use super::writer::{Mailbox, Writer};
 use crate::observe::{Observe, Snapshot};
@@ -169,32 +169,6 @@ impl SpillRecord {
     pub fn position(&self) -> Position {
         self.end
     }
-}
-
-/// The state of a spill queue, in the registry's snapshot.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[non_exhaustive]
-pub struct SpillSnapshot {
-    /// The sync policy.
-    pub sync: SyncPolicy,
-    /// Unacknowledged records.
-    pub records: u64,
-    /// Their bytes, frames included.
-    pub bytes: u64,
-    /// The bound on `bytes`.
-    pub max_bytes: u64,
-    /// Segment files.
-    pub segments: usize,
-    /// The committed position.
-    pub committed: Position,
-    /// Records appended since open.
-    pub appended: u64,
-    /// Records acknowledged (committed) since open.
-    pub acknowledged: u64,
-    /// Set once a write or sync failed: the queue refuses appends until reopened.
-    pub failed: Option<String>,
-    /// What recovery found and repaired at open.
-    pub recovered: CheckReport,
 }
 
 impl SpillQueue {
@@ -625,11 +599,4 @@ pub(super) fn create_segment(
     file.sync()?;
     storage.sync_dir()?;
     Ok(file)
-}
-
-impl crate::observe::Snapshot {
-    /// The spill queue registered as `name`.
-    pub fn spill(&self, name: &str) -> Option<SpillSnapshot> {
-        self.get("spill", name)
-    }
 }
