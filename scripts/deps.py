@@ -3,8 +3,9 @@
 
 Reads every `crate::<name>` path outside comments in crates/lanes/src, resolves names re-exported
 at the crate root to the module that defines them, and fails (exit 1) if a ground-floor module
-(config, lifecycle, observe, util) uses a primitive, or if the primitive modules' arrows form a cycle.
-Prints the picture either way.
+(config, lifecycle, observe, util) uses a primitive, if the primitive modules' arrows form a cycle,
+or if a primitive's folder lacks one of the skeleton's files (design.md: mod.rs, core.rs,
+handle.rs, config.rs, error.rs, snapshot.rs). Prints the picture either way.
 """
 import os
 import re
@@ -14,6 +15,7 @@ SRC = os.path.join(os.path.dirname(__file__), "..", "crates", "lanes", "src")
 GROUND = {"config", "lifecycle", "observe", "util"}
 PRIMITIVES = {"channel", "lane", "limit", "pool", "spill"}
 MODULES = GROUND | PRIMITIVES
+SKELETON = ["mod.rs", "core.rs", "handle.rs", "config.rs", "error.rs", "snapshot.rs"]
 
 
 def code_lines(path):
@@ -97,6 +99,11 @@ def main():
         up = graph[module] & PRIMITIVES
         if up:
             failures.append(f"ground floor {module} uses {', '.join(sorted(up))}")
+    for module in sorted(PRIMITIVES):
+        folder = os.path.join(SRC, module)
+        missing = [f for f in SKELETON if not os.path.exists(os.path.join(folder, f))]
+        if missing:
+            failures.append(f"primitive {module} lacks {', '.join(missing)}")
     found = cycle(graph, PRIMITIVES)
     if found:
         failures.append("cycle between primitives: " + " -> ".join(found))

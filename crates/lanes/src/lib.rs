@@ -40,8 +40,11 @@
 //!   label naming its primitive. The whole table, with help text, is
 //!   [`observe::METRICS`]; wait-time histograms are behind [`observe::set_wait_timing`].
 //! - **Layers.** [`config`], [`observe`] and [`Lifecycle`] are the ground floor: they know no
-//!   primitive, and the primitives' modules form no cycle (`scripts/deps.py` checks both in
-//!   CI).
+//!   primitive, and the primitives' modules form no cycle. Every primitive's folder has the
+//!   same files: `core.rs` (the pure state machine: time is an argument, no I/O, no locks),
+//!   `handle.rs` (the async shell: locks, wakers, tasks, metrics), `config.rs`, `error.rs` and
+//!   `snapshot.rs`, plus files only where a seam is real. `scripts/deps.py` checks all three
+//!   rules in CI.
 //!
 //! # Example
 //!

@@ -188,6 +188,47 @@ async fn spill_sends_overflow_to_the_queue_once_and_never_back() {
     assert_eq!((s.emitted, s.delivered, s.spilled, s.depth), (6, 2, 4, 0));
 }
 
+/// A spilled record is counted once the spill queue took it, never before and never taken
+/// back: an emit cancelled while its append is in the queue's write path still counts it, and
+/// the counters reconcile with what the queue holds.
+#[tokio::test]
+async fn a_cancelled_spilling_emit_is_counted_as_the_queue_holds_it() {
+    let queue = mem_queue().await;
+    let channel = Channel::new(
+        ChannelConfig::new(1).overflow(Overflow::spill(queue.clone(), BinaryCodec::new())),
+    )
+    .unwrap();
+    channel.emit(1u64).await.unwrap();
+    // Each emit is polled once, then dropped if its append is still in the write path; go on
+    // until a few were dropped that way (most appends finish within the first poll).
+    let (mut cancelled, mut n) = (0, 1u64);
+    while cancelled < 5 && n < 2_000 {
+        n += 1;
+        if tokio::time::timeout(Duration::ZERO, channel.emit(n)).await.is_err() {
+            cancelled += 1;
+        }
+        let s = channel.snapshot();
+        assert!(s.reconciles(), "{s:?}");
+    }
+    assert!(cancelled > 0, "no emit was cancelled mid-append: the test saw nothing");
+    let spilled_total = usize::try_from(n - 1).unwrap();
+    let mut reader = queue.reader().unwrap();
+    let mut spilled: Vec<u64> = Vec::new();
+    while spilled.len() < spilled_total {
+        let batch = tokio::time::timeout(Duration::from_secs(5), reader.next_batch(1000))
+            .await
+            .expect("every started append arrives")
+            .unwrap();
+        spilled.extend(
+            batch.iter().map(|r| Codec::<u64>::decode(&BinaryCodec::new(), r.data()).unwrap()),
+        );
+    }
+    assert_eq!(spilled, (2..=n).collect::<Vec<_>>());
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.spilled, s.depth), (n, n - 1, 1), "{cancelled} cancelled");
+    assert!(s.reconciles());
+}
+
 #[tokio::test]
 async fn a_refused_spill_hands_the_record_back_uncounted() {
     let (queue, _) =

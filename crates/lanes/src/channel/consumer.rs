@@ -13,6 +13,7 @@ use tokio::time::{Instant, Sleep};
 
 use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
+use super::core::Due;
 use super::error::SettleError;
 use super::handle::{ChannelShared, Entry};
 use super::receipt::{ReceiptState, Settlement};
@@ -20,9 +21,6 @@ use crate::limit::{LimitError, OnRefusal, Permit};
 use crate::spill::SpillQueue;
 use crate::util::lock;
 use crate::{BoxError, BoxFuture};
-
-/// The resolution of tokio's timers.
-const TIMER_TICK: Duration = Duration::from_millis(1);
 
 /// The most records `recv` takes under one lock.
 const PREFETCH: usize = 64;
@@ -181,7 +179,7 @@ impl<T: Send + 'static> Consumer<T> {
     fn hand_out(&self, entry: Entry<T>) -> T {
         self.shared.count_read(1);
         if entry.receipt.is_some() && !entry.settle(Settlement::Processed) {
-            lock(&self.shared.state).counters.late_settlements += 1;
+            lock(&self.shared.state).core.counters.late_settlements += 1;
         }
         entry.record
     }
@@ -246,7 +244,7 @@ impl<T: Send + 'static> Consumer<T> {
                         self.next_backoff = None;
                     }
                     Err(_) => {
-                        lock(&self.shared.state).counters.limit_errors += 1;
+                        lock(&self.shared.state).core.counters.limit_errors += 1;
                         let (first, max) = self.plan.backoff();
                         let wait = self.next_backoff.unwrap_or(first);
                         self.next_backoff = Some((wait * 2).min(max));
@@ -256,25 +254,18 @@ impl<T: Send + 'static> Consumer<T> {
                 }
             }
             let mut st = lock(&self.shared.state);
-            let len = st.buf.len();
-            if len == 0 {
-                if st.closed {
+            let len = match st.core.due(max, flush, Instant::now) {
+                Due::End => {
                     drop(st);
                     self.permits.clear();
                     return Poll::Ready(None);
                 }
-                st.wait_for(1, cx.waker());
-                return Poll::Pending;
-            }
-            let due = len >= max || st.closed || flush.is_zero() || {
-                // tokio's timers fire on 1 ms ticks, rounding up: aim a tick early so the batch
-                // leaves within the linger rather than up to 2 ms after it.
-                let early = TIMER_TICK.min(flush / 10);
-                let deadline =
-                    st.oldest_enqueued().map_or_else(Instant::now, |at| at + flush - early);
-                if Instant::now() >= deadline {
-                    true
-                } else {
+                Due::Empty => {
+                    st.wait_for(1, cx.waker());
+                    return Poll::Pending;
+                }
+                Due::Now(n) => n,
+                Due::At(deadline) => {
                     st.wait_for(max, cx.waker());
                     drop(st);
                     let linger = match &mut self.linger {
@@ -292,8 +283,7 @@ impl<T: Send + 'static> Consumer<T> {
                     continue;
                 }
             };
-            debug_assert!(due);
-            let mut n = len.min(max);
+            let mut n = len;
             if let Some(limit) = &self.plan.limit {
                 if self.permits.is_empty() {
                     drop(st);
@@ -341,7 +331,7 @@ impl<T> Unpin for Consumer<T> {}
 impl<T> Drop for Consumer<T> {
     fn drop(&mut self) {
         if !self.local.is_empty() {
-            lock(&self.shared.state).counters.abandoned += self.local.len() as u64;
+            lock(&self.shared.state).core.counters.abandoned += self.local.len() as u64;
             for entry in self.local.drain(..) {
                 entry.settle(Settlement::Dropped);
             }
@@ -545,7 +535,7 @@ impl<T> Batch<T> {
         self.settled = true;
         {
             let mut st = lock(&self.shared.state);
-            let c = &mut st.counters;
+            let c = &mut st.core.counters;
             c.processed += report.processed as u64;
             c.failed += report.failed as u64;
             c.tagged += report.tagged as u64;
@@ -577,7 +567,7 @@ impl<T> Drop for Batch<T> {
         for receipt in self.receipts.iter().flatten() {
             receipt.settle(Settlement::Dropped);
         }
-        lock(&self.shared.state).counters.abandoned += self.records.len() as u64;
+        lock(&self.shared.state).core.counters.abandoned += self.records.len() as u64;
         self.shared.settled_changed();
     }
 }

@@ -1,5 +1,6 @@
-//! The state a channel's producers and its consumer share: one lock around the buffer, the
-//! waiters and the counters, so a snapshot always reconciles.
+//! The async shell of a channel: one lock around the pure [`Core`] (buffer, counters, rules)
+//! and the waiters, the wake-ups, the shared budget and the metrics. A snapshot taken under the
+//! lock always reconciles.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -11,15 +12,11 @@ use metrics::Counter;
 use tokio::time::Instant;
 
 use super::channels::ChannelsInner;
-use super::config::{ChannelConfig, OverflowKind};
+use super::config::ChannelConfig;
+use super::core::{Budget as Room, Core, Offer};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
 use crate::util::lock;
-
-/// Every `STAMP_EVERY`th record (and every record that finds the channel empty) has its
-/// enqueue time recorded: enough to know the age of the oldest record within 32 records, without
-/// reading the clock on every emit.
-const STAMP_EVERY: u64 = 32;
 
 /// A queued record and, if its producer asked for one, its receipt.
 pub(crate) struct Entry<T> {
@@ -189,69 +186,22 @@ pub(crate) struct Waiter {
     counted: bool,
 }
 
-/// The counters of a channel. All change under the channel's lock, so they reconcile in every
-/// snapshot: `emitted = delivered + dropped + spilled + depth`, and
-/// `delivered = processed + failed + abandoned + (records in unsettled batches)`.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Counters {
-    pub(crate) emitted: u64,
-    pub(crate) delivered: u64,
-    pub(crate) dropped: u64,
-    pub(crate) spilled: u64,
-    pub(crate) blocked_waits: u64,
-    pub(crate) processed: u64,
-    pub(crate) failed: u64,
-    pub(crate) tagged: u64,
-    pub(crate) dead_lettered: u64,
-    pub(crate) ignored: u64,
-    pub(crate) abandoned: u64,
-    pub(crate) late_settlements: u64,
-    pub(crate) limit_errors: u64,
-}
-
+/// What the channel's lock guards: the pure core and the wakers of the shell.
 pub(crate) struct State<T> {
-    pub(crate) buf: VecDeque<Entry<T>>,
-    /// Records ever removed from the front (delivered or dropped as oldest).
-    head_seq: u64,
-    /// `(sequence, enqueue time)` samples; the first is at or before the head.
-    stamps: VecDeque<(u64, Instant)>,
-    pub(crate) closed: bool,
+    pub(crate) core: Core<Entry<T>>,
     pub(crate) consumer_taken: bool,
     recv_waker: Option<Waker>,
     recv_want: usize,
     senders: WaitList,
-    pub(crate) counters: Counters,
 }
 
 impl<T> State<T> {
-    fn enqueue(&mut self, entry: Entry<T>) {
-        let seq = self.head_seq + self.buf.len() as u64;
-        if self.buf.is_empty() {
-            self.stamps.clear();
-            self.stamps.push_back((seq, Instant::now()));
-        } else if seq.is_multiple_of(STAMP_EVERY) {
-            self.stamps.push_back((seq, Instant::now()));
-        }
-        self.buf.push_back(entry);
-    }
-
-    fn advance(&mut self, n: usize) {
-        self.head_seq += n as u64;
-        while self.stamps.len() >= 2 && self.stamps[1].0 <= self.head_seq {
-            self.stamps.pop_front();
-        }
-    }
-
-    /// When the oldest queued record was enqueued (at most 32 records early).
-    pub(crate) fn oldest_enqueued(&self) -> Option<Instant> {
-        if self.buf.is_empty() {
-            return None;
-        }
-        self.stamps.front().map(|&(_, at)| at)
-    }
-
     fn consumer_waker(&mut self) -> Option<Waker> {
-        if self.buf.len() >= self.recv_want || self.closed { self.recv_waker.take() } else { None }
+        if self.core.len() >= self.recv_want || self.core.is_closed() {
+            self.recv_waker.take()
+        } else {
+            None
+        }
     }
 
     /// Asks to be woken when `want` records are queued (or on close).
@@ -297,7 +247,7 @@ pub(crate) enum Pushed<T> {
     DroppedNewest(Entry<T>),
     /// Queued; this, the oldest, was dropped.
     DroppedOldest(Entry<T>),
-    /// Counted as spilled: the caller writes it to the spill queue (or calls `unspill`).
+    /// Full under `Spill`: the caller writes it to the spill queue, then calls `spilled`.
     Spill(Entry<T>),
     /// Full under `Block` (registered as a waiter if the caller gave one).
     Full(Entry<T>),
@@ -335,6 +285,7 @@ impl<T> ChannelShared<T> {
         home: Weak<ChannelsInner>,
     ) -> Self {
         let auto_close = home.strong_count() == 0;
+        let core = Core::new(config.capacity, config.overflow.kind());
         Self {
             metrics: ChannelMetrics::new(&name),
             name,
@@ -342,15 +293,11 @@ impl<T> ChannelShared<T> {
             dynamic,
             budget,
             state: Mutex::new(State {
-                buf: VecDeque::new(),
-                head_seq: 0,
-                stamps: VecDeque::new(),
-                closed: false,
+                core,
                 consumer_taken: false,
                 recv_waker: None,
                 recv_want: 1,
                 senders: WaitList::default(),
-                counters: Counters::default(),
             }),
             producers: AtomicUsize::new(0),
             read: AtomicU64::new(0),
@@ -361,58 +308,80 @@ impl<T> ChannelShared<T> {
         }
     }
 
-    /// Puts `entry` in the channel or applies the overflow policy. `wait` registers a blocked
-    /// producer to be woken when room may have appeared.
+    /// Puts `entry` in the channel or applies the overflow policy (the core decides). `wait`
+    /// registers a blocked producer to be woken when room may have appeared.
     pub(crate) fn push(
         &self,
-        entry: Entry<T>,
+        mut entry: Entry<T>,
         mut wait: Option<(&mut Waiter, &Waker)>,
     ) -> Pushed<T> {
         let mut st = lock(&self.state);
         loop {
-            if st.closed {
-                drop(st);
-                if let Some((waiter, _)) = wait {
-                    self.cancel_wait(waiter);
+            // A budget unit is reserved only for a record the channel itself has room for.
+            let budget = match &self.budget {
+                Some(budget) if st.core.has_room() && !st.core.is_closed() => {
+                    if budget.try_reserve() { Room::Room } else { Room::Full }
                 }
-                return Pushed::Closed(entry);
-            }
-            let channel_full = st.buf.len() >= self.config.capacity;
-            let budget_full =
-                !channel_full && self.budget.as_ref().is_some_and(|budget| !budget.try_reserve());
-            if !channel_full && !budget_full {
-                st.counters.emitted += 1;
-                st.enqueue(entry);
-                let consumer = st.consumer_waker();
-                let registered = wait.as_mut().map(|(waiter, _)| std::mem::take(&mut **waiter));
-                drop(st);
-                if let Some(waiter) = registered {
-                    self.withdraw(waiter);
+                _ => Room::Room,
+            };
+            match st.core.offer(entry, budget, Instant::now) {
+                Offer::Queued => {
+                    let consumer = st.consumer_waker();
+                    let registered = wait.as_mut().map(|(waiter, _)| std::mem::take(&mut **waiter));
+                    drop(st);
+                    if let Some(waiter) = registered {
+                        self.withdraw(waiter);
+                    }
+                    if let Some(consumer) = consumer {
+                        consumer.wake();
+                    }
+                    self.metrics.emitted.increment(1);
+                    return Pushed::Queued;
                 }
-                if let Some(consumer) = consumer {
-                    consumer.wake();
+                Offer::Closed(entry) => {
+                    drop(st);
+                    if let Some((waiter, _)) = wait {
+                        self.cancel_wait(waiter);
+                    }
+                    return Pushed::Closed(entry);
                 }
-                self.metrics.emitted.increment(1);
-                return Pushed::Queued;
-            }
-            match self.config.overflow.kind() {
-                OverflowKind::Block => {
+                Offer::DroppedNewest(entry) => {
+                    drop(st);
+                    self.metrics.emitted.increment(1);
+                    self.metrics.dropped.increment(1);
+                    return Pushed::DroppedNewest(entry);
+                }
+                Offer::DroppedOldest(oldest) => {
+                    let consumer = st.consumer_waker();
+                    drop(st);
+                    if let Some(consumer) = consumer {
+                        consumer.wake();
+                    }
+                    self.metrics.emitted.increment(1);
+                    self.metrics.dropped.increment(1);
+                    return Pushed::DroppedOldest(oldest);
+                }
+                Offer::Spill(entry) => {
+                    drop(st);
+                    return Pushed::Spill(entry);
+                }
+                Offer::Full { record, budget: budget_full } => {
                     let Some((waiter, waker)) = wait.as_mut() else {
-                        return Pushed::Full(entry);
+                        return Pushed::Full(record);
                     };
                     if !waiter.counted {
                         waiter.counted = true;
-                        st.counters.blocked_waits += 1;
+                        st.core.blocked();
                         self.metrics.blocked_waits.increment(1);
                     }
-                    if channel_full {
+                    if !budget_full {
                         if waiter.on == WaitOn::Budget {
                             self.withdraw(std::mem::take(*waiter));
                             waiter.counted = true;
                         }
                         st.senders.register(&mut waiter.id, waker);
                         waiter.on = WaitOn::Channel;
-                        return Pushed::Full(entry);
+                        return Pushed::Full(record);
                     }
                     if waiter.on == WaitOn::Channel
                         && let Some(id) = waiter.id.take()
@@ -423,50 +392,20 @@ impl<T> ChannelShared<T> {
                     waiter.on = WaitOn::Budget;
                     if budget.register(&mut waiter.id, waker) {
                         waiter.on = WaitOn::Nothing;
+                        entry = record;
                         continue;
                     }
-                    return Pushed::Full(entry);
-                }
-                OverflowKind::DropNewest => {
-                    st.counters.emitted += 1;
-                    st.counters.dropped += 1;
-                    drop(st);
-                    self.metrics.emitted.increment(1);
-                    self.metrics.dropped.increment(1);
-                    return Pushed::DroppedNewest(entry);
-                }
-                OverflowKind::DropOldest => {
-                    st.counters.emitted += 1;
-                    st.counters.dropped += 1;
-                    let Some(oldest) = st.buf.pop_front() else {
-                        // Nothing of its own to drop: the budget is full of other channels'.
-                        drop(st);
-                        self.metrics.emitted.increment(1);
-                        self.metrics.dropped.increment(1);
-                        return Pushed::DroppedNewest(entry);
-                    };
-                    st.advance(1);
-                    // Under a full budget, the oldest record's unit passes to the new one.
-                    st.enqueue(entry);
-                    let consumer = st.consumer_waker();
-                    drop(st);
-                    if let Some(consumer) = consumer {
-                        consumer.wake();
-                    }
-                    self.metrics.emitted.increment(1);
-                    self.metrics.dropped.increment(1);
-                    return Pushed::DroppedOldest(oldest);
-                }
-                OverflowKind::Spill => {
-                    st.counters.emitted += 1;
-                    st.counters.spilled += 1;
-                    drop(st);
-                    self.metrics.emitted.increment(1);
-                    self.metrics.spilled.increment(1);
-                    return Pushed::Spill(entry);
+                    return Pushed::Full(record);
                 }
             }
         }
+    }
+
+    /// A record answered `Spill` reached the spill queue: count it (never before).
+    pub(crate) fn spilled(&self) {
+        lock(&self.state).core.spilled();
+        self.metrics.emitted.increment(1);
+        self.metrics.spilled.increment(1);
     }
 
     /// Counts `n` records handed out by a plain read as processed.
@@ -488,16 +427,9 @@ impl<T> ChannelShared<T> {
     /// abandoned).
     pub(crate) fn is_drained(&self) -> bool {
         let st = lock(&self.state);
-        let c = st.counters;
+        let c = st.core.counters;
         let settled = c.processed + self.read.load(Ordering::Acquire) + c.failed + c.abandoned;
-        st.closed && st.buf.is_empty() && c.delivered == settled
-    }
-
-    /// A record counted as spilled did not reach the spill queue: it is handed back.
-    pub(crate) fn unspill(&self) {
-        let mut st = lock(&self.state);
-        st.counters.emitted -= 1;
-        st.counters.spilled -= 1;
+        st.core.is_closed() && st.core.len() == 0 && c.delivered == settled
     }
 
     /// Takes `waiter` out of whatever list it is in (it no longer waits).
@@ -526,7 +458,7 @@ impl<T> ChannelShared<T> {
                 let mut wakers = Vec::new();
                 {
                     let mut st = lock(&self.state);
-                    if !st.senders.remove(id) && st.buf.len() < self.config.capacity {
+                    if !st.senders.remove(id) && st.core.has_room() {
                         st.senders.wake(1, &mut wakers);
                     }
                 }
@@ -542,10 +474,7 @@ impl<T> ChannelShared<T> {
 
     /// Removes up to `n` records from the front, for the consumer.
     pub(crate) fn take(&self, st: &mut State<T>, n: usize, out: &mut Vec<Entry<T>>) -> Vec<Waker> {
-        let n = n.min(st.buf.len());
-        out.extend(st.buf.drain(..n));
-        st.advance(n);
-        st.counters.delivered += n as u64;
+        let n = st.core.take(n, out);
         let mut wakers = Vec::new();
         if st.senders.len() > 0 {
             st.senders.wake(n, &mut wakers);
@@ -567,17 +496,8 @@ impl<T> ChannelShared<T> {
     pub(crate) fn close_with(&self, discard: bool) {
         let (dropped, wakers, consumer, was_closed) = {
             let mut st = lock(&self.state);
-            let was_closed = st.closed;
-            st.closed = true;
-            let dropped: Vec<Entry<T>> = if discard || self.config.discard_on_close {
-                let n = st.buf.len();
-                st.counters.dropped += n as u64;
-                let dropped = st.buf.drain(..).collect();
-                st.advance(n);
-                dropped
-            } else {
-                Vec::new()
-            };
+            let was_closed = st.core.is_closed();
+            let dropped = st.core.close(discard || self.config.discard_on_close);
             let mut wakers = Vec::new();
             let n = st.senders.len();
             st.senders.wake(n, &mut wakers);
@@ -604,20 +524,20 @@ impl<T> ChannelShared<T> {
     }
 
     pub(crate) fn is_closed(&self) -> bool {
-        lock(&self.state).closed
+        lock(&self.state).core.is_closed()
     }
 
     pub(crate) fn snapshot(&self) -> ChannelSnapshot {
         let st = lock(&self.state);
-        let c = st.counters;
-        let oldest_age = st.oldest_enqueued().map_or(Duration::ZERO, |at| at.elapsed());
+        let c = st.core.counters;
+        let oldest_age = st.core.oldest_enqueued().map_or(Duration::ZERO, |at| at.elapsed());
         ChannelSnapshot {
             name: self.name.to_string(),
             owner: self.config.owner.as_deref().map(str::to_owned),
             dynamic: self.dynamic,
             overflow: self.config.overflow.kind(),
             capacity: self.config.capacity,
-            depth: st.buf.len(),
+            depth: st.core.len(),
             emitted: c.emitted,
             delivered: c.delivered,
             dropped: c.dropped,
@@ -631,7 +551,7 @@ impl<T> ChannelShared<T> {
             abandoned: c.abandoned,
             late_settlements: c.late_settlements,
             limit_errors: c.limit_errors,
-            closed: st.closed,
+            closed: st.core.is_closed(),
             has_consumer: st.consumer_taken,
             oldest_age_ms: u64::try_from(oldest_age.as_millis()).unwrap_or(u64::MAX),
         }

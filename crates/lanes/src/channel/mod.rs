@@ -65,6 +65,7 @@ mod channels;
 mod codec;
 mod config;
 mod consumer;
+mod core;
 mod error;
 mod handle;
 mod producer;

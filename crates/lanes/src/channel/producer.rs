@@ -170,32 +170,33 @@ impl<T: Send + 'static> Channel<T> {
         .await
     }
 
-    /// Hands a record counted as spilled to the spill queue's writer, without waiting.
+    /// Hands a record the core answered `Spill` to the spill queue's writer, without waiting;
+    /// it is counted spilled once the queue took it.
     fn spill_now(&self, entry: Entry<T>) -> Result<(), EmitError<T>> {
         let Overflow::Spill(queue, codec) = &self.shared.config.overflow else {
             unreachable!("only a spill policy spills");
         };
         let bytes = match codec.encode(&entry.record) {
             Ok(bytes) => bytes,
-            Err(err) => {
-                self.shared.unspill();
-                return Err(EmitError::Encode(entry.record, err));
-            }
+            Err(err) => return Err(EmitError::Encode(entry.record, err)),
         };
         match queue.start_append([bytes]) {
             Ok(_in_write_path) => {
+                self.shared.spilled();
                 tracing::trace!(channel = %self.shared.name, "spilled");
                 entry.settle(Settlement::Spilled);
                 Ok(())
             }
             Err(err) => {
                 tracing::debug!(channel = %self.shared.name, error = %err, "spill refused");
-                self.shared.unspill();
                 Err(EmitError::Spill(entry.record, err))
             }
         }
     }
 
+    /// Appends a record the core answered `Spill` to the spill queue and waits until it is
+    /// there under the queue's sync policy; it is counted spilled then. Cancelled while the
+    /// append is in the queue's write path, it is counted spilled too: the append goes on.
     async fn spill_waiting(&self, entry: Entry<T>) -> Result<(), EmitError<T>> {
         let Overflow::Spill(queue, codec) = &self.shared.config.overflow else {
             unreachable!("only a spill policy spills");
@@ -203,24 +204,26 @@ impl<T: Send + 'static> Channel<T> {
         let (queue, codec) = (queue.clone(), codec.clone());
         let bytes = match codec.encode(&entry.record) {
             Ok(bytes) => bytes,
-            Err(err) => {
-                self.shared.unspill();
-                return Err(EmitError::Encode(entry.record, err));
-            }
+            Err(err) => return Err(EmitError::Encode(entry.record, err)),
         };
         let written = match queue.start_append([bytes]) {
-            Ok(pending) => pending.await,
+            Ok(pending) => {
+                let mut in_flight = SpillInFlight { shared: &self.shared, armed: true };
+                let written = pending.await;
+                in_flight.armed = false;
+                written
+            }
             Err(err) => Err(err),
         };
         match written {
             Ok(()) => {
+                self.shared.spilled();
                 tracing::trace!(channel = %self.shared.name, "spilled");
                 entry.settle(Settlement::Spilled);
                 Ok(())
             }
             Err(err) => {
                 tracing::debug!(channel = %self.shared.name, error = %err, "spill failed");
-                self.shared.unspill();
                 Err(EmitError::Spill(entry.record, err))
             }
         }
@@ -266,7 +269,7 @@ impl<T> Channel<T> {
 
     /// Records queued now.
     pub fn len(&self) -> usize {
-        lock(&self.shared.state).buf.len()
+        lock(&self.shared.state).core.len()
     }
 
     /// Whether no record is queued.
@@ -401,5 +404,20 @@ impl<T: Send + 'static> crate::Lifecycle for Channel<T> {
 
     fn snapshot(&self) -> ChannelSnapshot {
         Channel::snapshot(self)
+    }
+}
+
+/// An append in the spill queue's write path whose emit may be cancelled: counted spilled on
+/// drop unless the emit saw how it ended.
+struct SpillInFlight<'a, T> {
+    shared: &'a ChannelShared<T>,
+    armed: bool,
+}
+
+impl<T> Drop for SpillInFlight<'_, T> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.spilled();
+        }
     }
 }

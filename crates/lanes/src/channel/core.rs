@@ -1,0 +1,453 @@
+//! The pure channel: the buffer, its counters, the overflow rule and the batching rule.
+//!
+//! No locks, no wakers, no clock reads, no metrics: the handle (`handle.rs`) holds a [`Core`]
+//! under the channel's lock, hands it the time when a rule needs it, and turns its answers into
+//! wake-ups and metric increments.
+//!
+//! # Invariants
+//!
+//! 1. `buf.len() <= capacity`.
+//! 2. The counters reconcile after every call: `emitted = delivered + dropped + spilled +
+//!    buf.len()`. A spilled record is counted only once the spill queue took it
+//!    ([`Core::spilled`]): an [`Offer::Spill`] answer counts nothing.
+//! 3. Records leave in the order they were queued (FIFO), by [`Core::take`], by
+//!    [`Offer::DroppedOldest`], or by a discarding [`Core::close`].
+//! 4. Once closed, every offer is refused with [`Offer::Closed`] and nothing is queued again.
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::config::OverflowKind;
+
+/// Every `STAMP_EVERY`th record (and every record that finds the channel empty) has its
+/// enqueue time recorded: enough to know the age of the oldest record within 32 records, without
+/// reading the clock on every emit.
+const STAMP_EVERY: u64 = 32;
+
+/// The resolution of tokio's timers: a linger deadline is aimed this much early (at most a
+/// tenth of the linger) so a batch leaves within the linger rather than a tick after it.
+pub(crate) const TIMER_TICK: Duration = Duration::from_millis(1);
+
+/// The counters of a channel. The flow counters (`emitted` to `blocked_waits`) are kept by the
+/// core; the settlement counters are added by the consumer's settlements, under the same lock,
+/// so a snapshot reconciles: `emitted = delivered + dropped + spilled + depth`, and
+/// `delivered = processed + failed + abandoned + (records in unsettled batches)`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Counters {
+    pub(crate) emitted: u64,
+    pub(crate) delivered: u64,
+    pub(crate) dropped: u64,
+    pub(crate) spilled: u64,
+    pub(crate) blocked_waits: u64,
+    pub(crate) processed: u64,
+    pub(crate) failed: u64,
+    pub(crate) tagged: u64,
+    pub(crate) dead_lettered: u64,
+    pub(crate) ignored: u64,
+    pub(crate) abandoned: u64,
+    pub(crate) late_settlements: u64,
+    pub(crate) limit_errors: u64,
+}
+
+/// Whether the registry's shared budget has room for one more record, as the handle found it
+/// (it reserves a unit before offering, and only when the channel itself has room).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Budget {
+    /// No shared budget, or a unit was reserved for this record.
+    Room,
+    /// The budget is full of records (this channel's or others').
+    Full,
+}
+
+/// What an offered record did.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Offer<T> {
+    /// Queued (counted emitted).
+    Queued,
+    /// Dropped under `DropNewest`, or under `DropOldest` with nothing of its own to drop (the
+    /// budget is full of other channels' records). Counted emitted and dropped.
+    DroppedNewest(T),
+    /// Queued; this, the oldest, was dropped (counted). A reserved budget unit is not used:
+    /// the oldest record's unit passes to the new one.
+    DroppedOldest(T),
+    /// Full under `Spill`: the caller writes it to the spill queue, then calls
+    /// [`Core::spilled`]. Nothing is counted yet.
+    Spill(T),
+    /// Full under `Block`: `budget` says whether the budget (rather than the channel) was full.
+    Full { record: T, budget: bool },
+    /// The channel is closed.
+    Closed(T),
+}
+
+/// Whether a batch is due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Due {
+    /// Nothing is queued, and the channel is closed: the consumer is done.
+    End,
+    /// Nothing is queued: wait for one record.
+    Empty,
+    /// Take this many records now.
+    Now(usize),
+    /// Wait until this instant, or until `max` records are queued, whichever comes first.
+    At(Instant),
+}
+
+/// The buffer, its counters, and the rules.
+#[derive(Debug)]
+pub(crate) struct Core<T> {
+    buf: VecDeque<T>,
+    capacity: usize,
+    overflow: OverflowKind,
+    /// Records ever removed from the front (taken or dropped as oldest).
+    head_seq: u64,
+    /// `(sequence, enqueue time)` samples; the first is at or before the head.
+    stamps: VecDeque<(u64, Instant)>,
+    closed: bool,
+    pub(crate) counters: Counters,
+}
+
+impl<T> Core<T> {
+    pub(crate) fn new(capacity: usize, overflow: OverflowKind) -> Self {
+        Self {
+            buf: VecDeque::new(),
+            capacity,
+            overflow,
+            head_seq: 0,
+            stamps: VecDeque::new(),
+            closed: false,
+            counters: Counters::default(),
+        }
+    }
+
+    /// Records queued now.
+    pub(crate) fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Whether a record fits in the channel itself (the budget aside).
+    pub(crate) fn has_room(&self) -> bool {
+        self.buf.len() < self.capacity
+    }
+
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed
+    }
+
+    /// Offers `record`. `budget` is the shared budget's answer, asked only when
+    /// [`has_room`](Self::has_room) (pass [`Budget::Room`] otherwise); `now` is read only if
+    /// the record needs a timestamp.
+    pub(crate) fn offer(
+        &mut self,
+        record: T,
+        budget: Budget,
+        now: impl FnOnce() -> Instant,
+    ) -> Offer<T> {
+        if self.closed {
+            return Offer::Closed(record);
+        }
+        let channel_full = !self.has_room();
+        if !channel_full && budget == Budget::Room {
+            self.counters.emitted += 1;
+            self.enqueue(record, now);
+            return Offer::Queued;
+        }
+        match self.overflow {
+            OverflowKind::Block => Offer::Full { record, budget: !channel_full },
+            OverflowKind::DropNewest => {
+                self.counters.emitted += 1;
+                self.counters.dropped += 1;
+                Offer::DroppedNewest(record)
+            }
+            OverflowKind::DropOldest => {
+                self.counters.emitted += 1;
+                self.counters.dropped += 1;
+                let Some(oldest) = self.buf.pop_front() else {
+                    // Nothing of its own to drop: the budget is full of other channels'.
+                    return Offer::DroppedNewest(record);
+                };
+                self.advance(1);
+                self.enqueue(record, now);
+                Offer::DroppedOldest(oldest)
+            }
+            OverflowKind::Spill => Offer::Spill(record),
+        }
+    }
+
+    /// A record answered [`Offer::Spill`] is in the spill queue: count it.
+    pub(crate) fn spilled(&mut self) {
+        self.counters.emitted += 1;
+        self.counters.spilled += 1;
+    }
+
+    /// A producer started waiting for room (counted once per wait).
+    pub(crate) fn blocked(&mut self) {
+        self.counters.blocked_waits += 1;
+    }
+
+    /// Removes up to `n` records from the front into `out`; returns how many.
+    pub(crate) fn take(&mut self, n: usize, out: &mut Vec<T>) -> usize {
+        let n = n.min(self.buf.len());
+        out.extend(self.buf.drain(..n));
+        self.advance(n);
+        self.counters.delivered += n as u64;
+        n
+    }
+
+    /// Closes the channel; with `discard`, drops what is queued (counted) and returns it.
+    pub(crate) fn close(&mut self, discard: bool) -> Vec<T> {
+        self.closed = true;
+        if !discard {
+            return Vec::new();
+        }
+        let n = self.buf.len();
+        self.counters.dropped += n as u64;
+        let dropped = self.buf.drain(..).collect();
+        self.advance(n);
+        dropped
+    }
+
+    /// When the oldest queued record was enqueued (at most 32 records early).
+    pub(crate) fn oldest_enqueued(&self) -> Option<Instant> {
+        if self.buf.is_empty() {
+            return None;
+        }
+        self.stamps.front().map(|&(_, at)| at)
+    }
+
+    /// The batching rule: a batch of up to `max` is due once `max` records are queued, when
+    /// the channel is closed, or once its oldest record has lingered `flush` (all at once for a
+    /// zero `flush`).
+    /// `now` is read only for a partial batch of an open channel.
+    pub(crate) fn due(&self, max: usize, flush: Duration, now: impl FnOnce() -> Instant) -> Due {
+        let len = self.buf.len();
+        if len == 0 {
+            return if self.closed { Due::End } else { Due::Empty };
+        }
+        if len >= max || self.closed || flush.is_zero() {
+            return Due::Now(len.min(max));
+        }
+        let now = now();
+        let early = TIMER_TICK.min(flush / 10);
+        let deadline = self.oldest_enqueued().map_or(now, |at| at + flush - early);
+        if now >= deadline { Due::Now(len.min(max)) } else { Due::At(deadline) }
+    }
+
+    fn enqueue(&mut self, record: T, now: impl FnOnce() -> Instant) {
+        let seq = self.head_seq + self.buf.len() as u64;
+        if self.buf.is_empty() {
+            self.stamps.clear();
+            self.stamps.push_back((seq, now()));
+        } else if seq.is_multiple_of(STAMP_EVERY) {
+            self.stamps.push_back((seq, now()));
+        }
+        self.buf.push_back(record);
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.head_seq += n as u64;
+        while self.stamps.len() >= 2 && self.stamps[1].0 <= self.head_seq {
+            self.stamps.pop_front();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Offer { budget_room: bool, spill_ok: bool },
+        Take(usize),
+        Close { discard: bool },
+        Due { max: usize, flush_ms: u64 },
+        Wait(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (any::<bool>(), any::<bool>())
+                .prop_map(|(b, s)| Op::Offer { budget_room: b || s, spill_ok: s }),
+            3 => (0usize..6).prop_map(Op::Take),
+            1 => any::<bool>().prop_map(|discard| Op::Close { discard }),
+            2 => (1usize..6, 0u64..20).prop_map(|(max, flush_ms)| Op::Due { max, flush_ms }),
+            2 => (0u64..10).prop_map(Op::Wait),
+        ]
+    }
+
+    /// The model's enqueue, sampling times as the core does.
+    fn enqueue(
+        model: &mut VecDeque<(u64, u64)>,
+        seq: &mut u64,
+        stamps: &mut Vec<(u64, Instant)>,
+        id: u64,
+        now: Instant,
+    ) {
+        if model.is_empty() || seq.is_multiple_of(STAMP_EVERY) {
+            stamps.push((*seq, now));
+        }
+        model.push_back((id, *seq));
+        *seq += 1;
+    }
+
+    fn overflow() -> impl Strategy<Value = OverflowKind> {
+        prop_oneof![
+            Just(OverflowKind::Block),
+            Just(OverflowKind::DropNewest),
+            Just(OverflowKind::DropOldest),
+            Just(OverflowKind::Spill),
+        ]
+    }
+
+    proptest! {
+        /// The core against a `VecDeque` model: the same records leave in the same order, the
+        /// overflow rule does what the policy says, the counters reconcile after every step,
+        /// the capacity holds, and a batch is due exactly when the rule says.
+        #[test]
+        fn matches_a_vecdeque_model(
+            capacity in 1usize..5,
+            overflow in overflow(),
+            ops in proptest::collection::vec(op(), 1..120),
+        ) {
+            let start = Instant::now();
+            let mut now = start;
+            let mut core = Core::new(capacity, overflow);
+            // (id, queue sequence); the stamp log mirrors the core's sampling of enqueue times.
+            let mut model: VecDeque<(u64, u64)> = VecDeque::new();
+            let (mut seq, mut stamps) = (0u64, Vec::<(u64, Instant)>::new());
+
+            let mut closed = false;
+            let (mut next, mut taken, mut dropped, mut spilled) = (0u64, Vec::new(), Vec::new(), 0u64);
+            for op in ops {
+                match op {
+                    Op::Offer { budget_room, spill_ok } => {
+                        let id = next;
+                        next += 1;
+                        let budget = if budget_room { Budget::Room } else { Budget::Full };
+                        let asked = if core.has_room() { budget } else { Budget::Room };
+                        let answer = core.offer(id, asked, || now);
+                        let full = model.len() >= capacity || asked == Budget::Full;
+                        match answer {
+                            Offer::Closed(r) => prop_assert!(closed && r == id),
+                            _ if closed => prop_assert!(false, "offered to a closed channel"),
+                            Offer::Queued => {
+                                prop_assert!(!full);
+                                enqueue(&mut model, &mut seq, &mut stamps, id, now);
+                            }
+                            Offer::Full { record, budget } => {
+                                prop_assert!(full && overflow == OverflowKind::Block && record == id);
+                                prop_assert_eq!(budget, model.len() < capacity);
+                            }
+                            Offer::DroppedNewest(r) => {
+                                prop_assert!(full && r == id);
+                                prop_assert!(overflow == OverflowKind::DropNewest
+                                    || (overflow == OverflowKind::DropOldest && model.is_empty()));
+                                dropped.push(r);
+                            }
+                            Offer::DroppedOldest(r) => {
+                                prop_assert!(full && overflow == OverflowKind::DropOldest);
+                                let (oldest, _) = model.pop_front().unwrap();
+                                prop_assert_eq!(r, oldest);
+                                dropped.push(r);
+                                enqueue(&mut model, &mut seq, &mut stamps, id, now);
+                            }
+                            Offer::Spill(r) => {
+                                prop_assert!(full && overflow == OverflowKind::Spill && r == id);
+                                // The spill write may fail: then nothing is counted.
+                                if spill_ok {
+                                    core.spilled();
+                                    spilled += 1;
+                                }
+                            }
+                        }
+                    }
+                    Op::Take(n) => {
+                        let mut out = Vec::new();
+                        let got = core.take(n, &mut out);
+                        let want: Vec<u64> =
+                            (0..n.min(model.len())).map(|_| model.pop_front().unwrap().0).collect();
+                        prop_assert_eq!(got, want.len());
+                        prop_assert_eq!(&out, &want);
+                        taken.extend(out);
+                    }
+                    Op::Close { discard } => {
+                        let out = core.close(discard);
+                        if discard {
+                            let want: Vec<u64> = model.drain(..).map(|(id, _)| id).collect();
+                            prop_assert_eq!(&out, &want);
+                            dropped.extend(out);
+                        } else {
+                            prop_assert!(out.is_empty());
+                        }
+                        closed = true;
+                    }
+                    Op::Due { max, flush_ms } => {
+                        let flush = Duration::from_millis(flush_ms);
+                        let due = core.due(max, flush, || now);
+                        let expected = match model.front() {
+                            None if closed => Due::End,
+                            None => Due::Empty,
+                            Some(_) if model.len() >= max || closed || flush.is_zero() => {
+                                Due::Now(model.len().min(max))
+                            }
+                            Some(&(_, head)) => {
+                                // The oldest record's time, as sampled: the last stamp at or
+                                // before the head.
+                                let oldest = stamps.iter().rev().find(|(s, _)| *s <= head).unwrap().1;
+                                let early = TIMER_TICK.min(flush / 10);
+                                let deadline = oldest + flush - early;
+                                if now >= deadline { Due::Now(model.len().min(max)) } else { Due::At(deadline) }
+                            }
+                        };
+                        prop_assert_eq!(due, expected);
+                    }
+                    Op::Wait(ms) => now += Duration::from_millis(ms),
+                }
+                let c = core.counters;
+                prop_assert!(core.len() <= capacity);
+                prop_assert_eq!(core.len(), model.len());
+                prop_assert_eq!(c.emitted, c.delivered + c.dropped + c.spilled + core.len() as u64);
+                prop_assert_eq!(c.delivered, taken.len() as u64);
+                prop_assert_eq!(c.dropped, dropped.len() as u64);
+                prop_assert_eq!(c.spilled, spilled);
+            }
+            // FIFO: taken records come out in the order they were offered.
+            prop_assert!(taken.windows(2).all(|w| w[0] < w[1]));
+        }
+    }
+
+    #[test]
+    fn the_oldest_time_is_known_within_stamp_every_records() {
+        let t0 = Instant::now();
+        let mut core = Core::new(1000, OverflowKind::Block);
+        for i in 0..100u64 {
+            let at = t0 + Duration::from_millis(i);
+            assert_eq!(core.offer(i, Budget::Room, || at), Offer::Queued);
+        }
+        let mut out = Vec::new();
+        core.take(40, &mut out);
+        // The head is record 40; the stamp at or before it is record 32's.
+        assert_eq!(core.oldest_enqueued(), Some(t0 + Duration::from_millis(32)));
+        core.take(60, &mut out);
+        assert_eq!(core.oldest_enqueued(), None);
+    }
+
+    #[test]
+    fn the_clock_is_read_only_for_a_stamp() {
+        let mut core = Core::new(100, OverflowKind::Block);
+        let mut reads = 0;
+        for i in 0..64u64 {
+            core.offer(i, Budget::Room, || {
+                reads += 1;
+                Instant::now()
+            });
+        }
+        assert_eq!(reads, 2, "records 0 and 32 are stamped");
+    }
+}
