@@ -119,6 +119,66 @@ async fn a_cancelled_blocked_emit_leaves_nothing_enqueued_and_passes_its_turn() 
     assert!(s.reconciles());
 }
 
+/// Blocked producers get room first come first served, and a slot freed for the first of them
+/// is its own until it uses it: a non-waiting emit cannot take it.
+#[tokio::test(start_paused = true)]
+async fn blocked_producers_are_served_in_arrival_order_and_nobody_barges() {
+    let channel = Channel::new(ChannelConfig::new(1)).unwrap();
+    let mut consumer = channel.consumer(options(1)).unwrap();
+    channel.emit(0u32).await.unwrap();
+    let mut producers = Vec::new();
+    for n in 1..=5u32 {
+        let channel = channel.clone();
+        producers.push(tokio::spawn(async move { channel.emit(n).await.map(|_| ()) }));
+        tokio::task::yield_now().await; // each is blocked before the next arrives
+    }
+    assert_eq!(channel.snapshot().blocked_waits, 5);
+    assert_eq!(consumer.recv().await, Some(0));
+    // The freed slot is producer 1's, which has not run yet.
+    assert!(matches!(channel.try_emit(99), Err(EmitError::Full(99))), "a try_emit barged");
+    let mut received = Vec::new();
+    for _ in 1..=5 {
+        received.push(consumer.recv().await.unwrap());
+    }
+    assert_eq!(received, [1, 2, 3, 4, 5]);
+    for producer in producers {
+        producer.await.unwrap().unwrap();
+    }
+    assert!(channel.snapshot().reconciles());
+}
+
+/// A budget unit handed to the first blocked producer passes to the next if that producer goes
+/// away before using it.
+#[tokio::test(start_paused = true)]
+async fn a_budget_unit_handed_to_a_producer_that_went_away_passes_on() {
+    let channels = Channels::with_budget(1).unwrap();
+    let a = channels.create::<u32>("a", ChannelConfig::new(4)).unwrap();
+    let b = channels.create::<u32>("b", ChannelConfig::new(4)).unwrap();
+    let c = channels.create::<u32>("c", ChannelConfig::new(4)).unwrap();
+    let mut consumer_a = a.consumer(options(1)).unwrap();
+    let mut consumer_c = c.consumer(options(1)).unwrap();
+    a.emit(1).await.unwrap();
+    let first = tokio::spawn({
+        let b = b.clone();
+        async move { b.emit(2).await.map(|_| ()) }
+    });
+    tokio::task::yield_now().await;
+    let second = tokio::spawn(async move { c.emit(3).await.map(|_| ()) });
+    tokio::task::yield_now().await;
+    // The unit comes back and is handed to `first`, which is aborted before it runs.
+    assert_eq!(consumer_a.recv().await, Some(1));
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+    tokio::time::timeout(Duration::from_secs(1), second)
+        .await
+        .expect("the second producer got the unit")
+        .unwrap()
+        .unwrap();
+    assert_eq!(consumer_c.recv().await, Some(3));
+    assert_eq!(channels.budget_used(), Some(0));
+    assert!(b.is_empty());
+}
+
 #[tokio::test]
 async fn drop_newest_hands_back_the_new_record() {
     let channel = Channel::new(ChannelConfig::new(2).overflow(Overflow::DropNewest)).unwrap();

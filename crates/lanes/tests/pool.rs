@@ -345,6 +345,102 @@ async fn same_key_runs_in_submit_order_and_different_keys_in_parallel() {
     }
 }
 
+/// Producers waiting in `submit_wait` are served first come first served, one per item a
+/// worker takes; one that goes away while waiting leaves its place, one that goes away after
+/// its turn came passes the turn on; a stop answers every one of them.
+#[tokio::test(start_paused = true)]
+async fn waiting_producers_get_room_in_arrival_order() {
+    let gate = Gate::new();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let pool = Arc::new(
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(1)
+            .build({
+                let (gate, order) = (gate.clone(), order.clone());
+                move |n: u32| {
+                    let (gate, order) = (gate.clone(), order.clone());
+                    async move {
+                        gate.wait().await;
+                        order.lock().unwrap().push(n);
+                        Res::Ok(())
+                    }
+                }
+            })
+            .unwrap(),
+    );
+    pool.submit(0).unwrap();
+    settle().await; // the worker holds item 0 at the gate
+    pool.submit(1).unwrap();
+    // Producers 2 and 3 are futures this test polls by hand, so it decides when they go away;
+    // 4 to 6 are tasks. Each is waiting before the next arrives.
+    let mut second = Box::pin(pool.submit_wait(2));
+    assert!(timeout(Duration::ZERO, &mut second).await.is_err(), "2 waits");
+    let mut third = Box::pin(pool.submit_wait(3));
+    assert!(timeout(Duration::ZERO, &mut third).await.is_err(), "3 waits");
+    let mut producers = Vec::new();
+    for n in 4..=6u32 {
+        let pool = pool.clone();
+        producers.push(tokio::spawn(async move { pool.submit_wait(n).await }));
+        tokio::task::yield_now().await;
+    }
+    // 3 goes away while it waits.
+    drop(third);
+    // Item 0 finishes and the worker takes item 1: that room is 2's turn. 2 goes away before
+    // using it: the turn passes to 4, not lost.
+    gate.0.add_permits(1);
+    settle().await;
+    drop(second);
+    gate.open();
+    for producer in producers {
+        let submitted = timeout(Duration::from_secs(5), producer).await;
+        submitted.expect("a waiting producer got its turn").unwrap().unwrap();
+    }
+    timeout(Duration::from_secs(5), pool.stop(Duration::from_secs(5))).await.unwrap().unwrap();
+    assert_eq!(*order.lock().unwrap(), [0, 1, 4, 5, 6]);
+
+    // A stop answers every waiting producer with its item.
+    let gate = Gate::new();
+    let pool = Arc::new(
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(1)
+            .build({
+                let gate = gate.clone();
+                move |_: u32| {
+                    let gate = gate.clone();
+                    async move {
+                        gate.wait().await;
+                        Res::Ok(())
+                    }
+                }
+            })
+            .unwrap(),
+    );
+    pool.submit(0).unwrap();
+    settle().await;
+    pool.submit(1).unwrap();
+    let waiting: Vec<_> = (2..5u32)
+        .map(|n| {
+            let pool = pool.clone();
+            tokio::spawn(async move { pool.submit_wait(n).await })
+        })
+        .collect();
+    settle().await;
+    let stopping = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.stop(Duration::from_secs(5)).await }
+    });
+    for (n, producer) in (2..5u32).zip(waiting) {
+        match producer.await.unwrap() {
+            Err(SubmitError::Stopped(back)) => assert_eq!(back, n),
+            other => panic!("producer {n}: {other:?}"),
+        }
+    }
+    gate.open();
+    stopping.await.unwrap().unwrap();
+}
+
 fn gated_pool(
     gate: &Gate,
     workers: usize,

@@ -6,7 +6,8 @@
 //!
 //! # Invariants
 //!
-//! 1. `buf.len() <= capacity`.
+//! 1. `buf.len() + reserved <= capacity`: a slot handed to a woken producer
+//!    ([`Core::hand_off`]) is its own until it offers or goes away; no other producer takes it.
 //! 2. The counters reconcile after every call: `emitted = delivered + dropped + spilled +
 //!    buf.len()`. A spilled record is counted only once the spill queue took it
 //!    ([`Core::spilled`]): an [`Offer::Spill`] answer counts nothing.
@@ -54,9 +55,9 @@ pub(crate) struct Counters {
 /// Whether the registry's shared budget has room for one more record, as the handle found it
 /// (it reserves a unit before offering, and only when the channel itself has room).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Budget {
+pub(crate) enum Room {
     /// No shared budget, or a unit was reserved for this record.
-    Room,
+    Free,
     /// The budget is full of records (this channel's or others').
     Full,
 }
@@ -105,6 +106,8 @@ pub(crate) struct Core<T> {
     /// `(sequence, enqueue time)` samples; the first is at or before the head.
     stamps: VecDeque<(u64, Instant)>,
     closed: bool,
+    /// Slots handed to woken producers, not yet used.
+    reserved: usize,
     pub(crate) counters: Counters,
 }
 
@@ -117,6 +120,7 @@ impl<T> Core<T> {
             head_seq: 0,
             stamps: VecDeque::new(),
             closed: false,
+            reserved: 0,
             counters: Counters::default(),
         }
     }
@@ -126,29 +130,53 @@ impl<T> Core<T> {
         self.buf.len()
     }
 
-    /// Whether a record fits in the channel itself (the budget aside).
+    /// Whether a record of a producer holding no handed-off slot fits in the channel itself
+    /// (the budget aside).
     pub(crate) fn has_room(&self) -> bool {
-        self.buf.len() < self.capacity
+        self.buf.len() + self.reserved < self.capacity
+    }
+
+    /// Hands free slots to up to `waiters` waiting producers, first come first served; returns
+    /// how many to wake. Each woken producer holds its slot until it offers
+    /// (`offer(.., held: true, ..)`) or goes away ([`unreserve`](Self::unreserve)).
+    pub(crate) fn hand_off(&mut self, waiters: usize) -> usize {
+        if self.closed {
+            return 0;
+        }
+        let free = self.capacity.saturating_sub(self.buf.len() + self.reserved);
+        let handed = free.min(waiters);
+        self.reserved += handed;
+        handed
+    }
+
+    /// A producer handed a slot went away without using it.
+    pub(crate) fn unreserve(&mut self) {
+        self.reserved = self.reserved.saturating_sub(1);
     }
 
     pub(crate) fn is_closed(&self) -> bool {
         self.closed
     }
 
-    /// Offers `record`. `budget` is the shared budget's answer, asked only when
-    /// [`has_room`](Self::has_room) (pass [`Budget::Room`] otherwise); `now` is read only if
-    /// the record needs a timestamp.
+    /// Offers `record`; `held` says its producer was handed a slot (which this uses up).
+    /// `budget` is the shared budget's answer, asked only when the record has room in the
+    /// channel (pass [`Room::Free`] otherwise); `now` is read only if the record needs a
+    /// timestamp.
     pub(crate) fn offer(
         &mut self,
         record: T,
-        budget: Budget,
+        budget: Room,
+        held: bool,
         now: impl FnOnce() -> Instant,
     ) -> Offer<T> {
+        if held {
+            self.unreserve();
+        }
         if self.closed {
             return Offer::Closed(record);
         }
         let channel_full = !self.has_room();
-        if !channel_full && budget == Budget::Room {
+        if !channel_full && budget == Room::Free {
             self.counters.emitted += 1;
             self.enqueue(record, now);
             return Offer::Queued;
@@ -198,6 +226,7 @@ impl<T> Core<T> {
     /// Closes the channel; with `discard`, drops what is queued (counted) and returns it.
     pub(crate) fn close(&mut self, discard: bool) -> Vec<T> {
         self.closed = true;
+        self.reserved = 0;
         if !discard {
             return Vec::new();
         }
@@ -263,7 +292,9 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Offer { budget_room: bool, spill_ok: bool },
+        Offer { budget_room: bool, spill_ok: bool, held: bool },
+        HandOff(usize),
+        Unreserve,
         Take(usize),
         Close { discard: bool },
         Due { max: usize, flush_ms: u64 },
@@ -273,7 +304,10 @@ mod tests {
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             6 => (any::<bool>(), any::<bool>())
-                .prop_map(|(b, s)| Op::Offer { budget_room: b || s, spill_ok: s }),
+                .prop_map(|(b, s)| Op::Offer { budget_room: b || s, spill_ok: s, held: false }),
+            2 => any::<bool>().prop_map(|b| Op::Offer { budget_room: b, spill_ok: true, held: true }),
+            2 => (0usize..4).prop_map(Op::HandOff),
+            1 => Just(Op::Unreserve),
             3 => (0usize..6).prop_map(Op::Take),
             1 => any::<bool>().prop_map(|discard| Op::Close { discard }),
             2 => (1usize..6, 0u64..20).prop_map(|(max, flush_ms)| Op::Due { max, flush_ms }),
@@ -321,18 +355,39 @@ mod tests {
             // (id, queue sequence); the stamp log mirrors the core's sampling of enqueue times.
             let mut model: VecDeque<(u64, u64)> = VecDeque::new();
             let (mut seq, mut stamps) = (0u64, Vec::<(u64, Instant)>::new());
+            let mut reserved = 0usize;
 
             let mut closed = false;
             let (mut next, mut taken, mut dropped, mut spilled) = (0u64, Vec::new(), Vec::new(), 0u64);
             for op in ops {
                 match op {
-                    Op::Offer { budget_room, spill_ok } => {
+                    Op::HandOff(waiters) => {
+                        let free = capacity - model.len() - reserved;
+                        let expected = if closed { 0 } else { free.min(waiters) };
+                        prop_assert_eq!(core.hand_off(waiters), expected);
+                        reserved += expected;
+                    }
+                    Op::Unreserve => {
+                        if reserved > 0 {
+                            core.unreserve();
+                            reserved -= 1;
+                        }
+                    }
+                    Op::Offer { budget_room, spill_ok, held } => {
+                        // Only a producer that was handed a slot offers holding one.
+                        let held = held && reserved > 0;
                         let id = next;
                         next += 1;
-                        let budget = if budget_room { Budget::Room } else { Budget::Full };
-                        let asked = if core.has_room() { budget } else { Budget::Room };
-                        let answer = core.offer(id, asked, || now);
-                        let full = model.len() >= capacity || asked == Budget::Full;
+                        let budget = if budget_room { Room::Free } else { Room::Full };
+                        let asked = if held || core.has_room() { budget } else { Room::Free };
+                        let answer = core.offer(id, asked, held, || now);
+                        if held {
+                            reserved -= 1;
+                        }
+                        let full = model.len() + reserved >= capacity || asked == Room::Full;
+                        if held && !closed {
+                            prop_assert!(model.len() + reserved < capacity, "a handed slot is free");
+                        }
                         match answer {
                             Offer::Closed(r) => prop_assert!(closed && r == id),
                             _ if closed => prop_assert!(false, "offered to a closed channel"),
@@ -342,7 +397,7 @@ mod tests {
                             }
                             Offer::Full { record, budget } => {
                                 prop_assert!(full && overflow == OverflowKind::Block && record == id);
-                                prop_assert_eq!(budget, model.len() < capacity);
+                                prop_assert_eq!(budget, model.len() + reserved < capacity);
                             }
                             Offer::DroppedNewest(r) => {
                                 prop_assert!(full && r == id);
@@ -386,6 +441,7 @@ mod tests {
                             prop_assert!(out.is_empty());
                         }
                         closed = true;
+                        reserved = 0;
                     }
                     Op::Due { max, flush_ms } => {
                         let flush = Duration::from_millis(flush_ms);
@@ -410,7 +466,7 @@ mod tests {
                     Op::Wait(ms) => now += Duration::from_millis(ms),
                 }
                 let c = core.counters;
-                prop_assert!(core.len() <= capacity);
+                prop_assert!(core.len() + reserved <= capacity);
                 prop_assert_eq!(core.len(), model.len());
                 prop_assert_eq!(c.emitted, c.delivered + c.dropped + c.spilled + core.len() as u64);
                 prop_assert_eq!(c.delivered, taken.len() as u64);
@@ -428,7 +484,7 @@ mod tests {
         let mut core = Core::new(1000, OverflowKind::Block);
         for i in 0..100u64 {
             let at = t0 + Duration::from_millis(i);
-            assert_eq!(core.offer(i, Budget::Room, || at), Offer::Queued);
+            assert_eq!(core.offer(i, Room::Free, false, || at), Offer::Queued);
         }
         let mut out = Vec::new();
         core.take(40, &mut out);
@@ -443,7 +499,7 @@ mod tests {
         let mut core = Core::new(100, OverflowKind::Block);
         let mut reads = 0;
         for i in 0..64u64 {
-            core.offer(i, Budget::Room, || {
+            core.offer(i, Room::Free, false, || {
                 reads += 1;
                 Instant::now()
             });

@@ -2,7 +2,6 @@
 //! and the waiters, the wake-ups, the shared budget and the metrics. A snapshot taken under the
 //! lock always reconciles.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::task::Waker;
@@ -13,10 +12,10 @@ use tokio::time::Instant;
 
 use super::channels::ChannelsInner;
 use super::config::ChannelConfig;
-use super::core::{Budget as Room, Core, Offer};
+use super::core::{Core, Offer, Room};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
-use crate::util::lock;
+use crate::util::{WaitKey, WaitList, lock};
 
 /// A queued record and, if its producer asked for one, its receipt.
 pub(crate) struct Entry<T> {
@@ -30,66 +29,27 @@ impl<T> Entry<T> {
     }
 }
 
-/// Tasks waiting for room, in arrival order. A waiter is removed when it is woken.
-#[derive(Default)]
-pub(crate) struct WaitList {
-    next_id: u64,
-    entries: VecDeque<(u64, Waker)>,
-}
-
-impl WaitList {
-    /// Registers (or refreshes) the waiter in `slot`.
-    fn register(&mut self, slot: &mut Option<u64>, waker: &Waker) {
-        if let Some(id) = *slot
-            && let Some(entry) = self.entries.iter_mut().find(|(e, _)| *e == id)
-        {
-            entry.1.clone_from(waker);
-            return;
-        }
-        let id = *slot.get_or_insert_with(|| {
-            self.next_id += 1;
-            self.next_id
-        });
-        self.entries.push_back((id, waker.clone()));
-    }
-
-    /// Removes the waiter; `false` if it was woken already.
-    fn remove(&mut self, id: u64) -> bool {
-        match self.entries.iter().position(|(e, _)| *e == id) {
-            Some(at) => {
-                self.entries.remove(at);
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn wake(&mut self, n: usize, out: &mut Vec<Waker>) {
-        for _ in 0..n {
-            match self.entries.pop_front() {
-                Some((_, waker)) => out.push(waker),
-                None => break,
-            }
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.entries.len()
-    }
-}
-
 fn wake_all(wakers: Vec<Waker>) {
     for waker in wakers {
         waker.wake();
     }
 }
 
-/// The in-flight records shared by a registry's dynamic channels.
+/// The in-flight records shared by a registry's dynamic channels. Producers blocked on it wait
+/// in one FIFO list; a unit that comes back while some wait is handed to the first of them.
 pub(crate) struct Budget {
     pub(crate) max: usize,
     used: AtomicUsize,
     waiting: AtomicUsize,
     waiters: Mutex<WaitList>,
+}
+
+/// Where a producer that asked to wait on the budget stands.
+pub(crate) enum BudgetWait {
+    /// Queued under this key.
+    Waiting(WaitKey),
+    /// Units were free: it was handed one at once.
+    Handed,
 }
 
 impl Budget {
@@ -112,6 +72,7 @@ impl Budget {
             .is_ok()
     }
 
+    /// Gives `n` units back; while producers wait, free units go to the first of them.
     fn release(&self, n: usize) {
         if n == 0 {
             return;
@@ -121,50 +82,59 @@ impl Budget {
             let mut wakers = Vec::new();
             {
                 let mut waiters = lock(&self.waiters);
-                waiters.wake(n, &mut wakers);
-                self.waiting.store(waiters.len(), Ordering::SeqCst);
+                self.hand_off(&mut waiters, &mut wakers);
             }
             wake_all(wakers);
         }
     }
 
-    /// Registers a waiter; `true` if room appeared meanwhile (then it is not registered).
-    fn register(&self, slot: &mut Option<u64>, waker: &Waker) -> bool {
-        let mut waiters = lock(&self.waiters);
-        waiters.register(slot, waker);
+    /// Hands every free unit to the first waiters (under the waiters' lock).
+    fn hand_off(&self, waiters: &mut WaitList, wakers: &mut Vec<Waker>) {
+        while !waiters.is_empty() && self.try_reserve() {
+            wakers.extend(waiters.pop());
+        }
         self.waiting.store(waiters.len(), Ordering::SeqCst);
-        if self.used.load(Ordering::SeqCst) < self.max {
-            if let Some(id) = *slot {
-                waiters.remove(id);
-            }
-            self.waiting.store(waiters.len(), Ordering::SeqCst);
-            *slot = None;
-            return true;
-        }
-        false
     }
 
-    fn cancel(&self, id: u64) {
+    /// Queues a producer, unless units are free (then the first waiters, this one last, are
+    /// handed one each). Waiters counted before the check, so a release that frees a unit
+    /// after it sees them.
+    fn wait(&self, waker: &Waker) -> BudgetWait {
         let mut wakers = Vec::new();
-        {
+        let answer = {
             let mut waiters = lock(&self.waiters);
-            if !waiters.remove(id) && self.used.load(Ordering::SeqCst) < self.max {
-                // Woken but gone: pass the turn on.
-                waiters.wake(1, &mut wakers);
-            }
+            let key = waiters.push(waker);
             self.waiting.store(waiters.len(), Ordering::SeqCst);
-        }
+            self.hand_off(&mut waiters, &mut wakers);
+            if waiters.contains(key) { BudgetWait::Waiting(key) } else { BudgetWait::Handed }
+        };
+        // This producer's own waker is among them when it was handed a unit: harmless.
         wake_all(wakers);
+        answer
     }
 
-    fn wake_everyone(&self) {
-        let mut wakers = Vec::new();
-        {
+    /// Whether `key` still waits; refreshes its waker if so.
+    fn refresh(&self, key: WaitKey, waker: &Waker) -> bool {
+        lock(&self.waiters).refresh(key, waker)
+    }
+
+    /// A waiting producer went away; a unit it was handed meanwhile goes to the next one.
+    fn cancel(&self, key: WaitKey) {
+        let removed = {
             let mut waiters = lock(&self.waiters);
-            let n = waiters.len();
-            waiters.wake(n, &mut wakers);
-            self.waiting.store(0, Ordering::SeqCst);
+            let removed = waiters.remove(key);
+            self.waiting.store(waiters.len(), Ordering::SeqCst);
+            removed
+        };
+        if !removed {
+            self.release(1);
         }
+    }
+
+    /// Wakes every waiter in place (a channel closed: its own waiters find out, the others
+    /// keep their places).
+    fn wake_everyone(&self) {
+        let wakers = lock(&self.waiters).wakers();
         wake_all(wakers);
     }
 }
@@ -178,10 +148,11 @@ pub(crate) enum WaitOn {
     Budget,
 }
 
-/// A producer's place in a wait list.
+/// A producer's place in a wait list: `key` in the list `on` names. Once the list woke it (it
+/// is no longer there), it holds what it waited for: a channel slot or a budget unit.
 #[derive(Debug, Default)]
 pub(crate) struct Waiter {
-    id: Option<u64>,
+    key: Option<WaitKey>,
     on: WaitOn,
     counted: bool,
 }
@@ -202,6 +173,12 @@ impl<T> State<T> {
         } else {
             None
         }
+    }
+
+    /// Hands the free slots to the first waiting producers, collecting their wakers.
+    fn hand_off(&mut self, wakers: &mut Vec<Waker>) {
+        let handed = self.core.hand_off(self.senders.len());
+        self.senders.pop_into(handed, wakers);
     }
 
     /// Asks to be woken when `want` records are queued (or on close).
@@ -309,7 +286,9 @@ impl<T> ChannelShared<T> {
     }
 
     /// Puts `entry` in the channel or applies the overflow policy (the core decides). `wait`
-    /// registers a blocked producer to be woken when room may have appeared.
+    /// queues a blocked producer, first come first served: a producer still queued is not
+    /// offered again, and one the list woke offers with the slot (or budget unit) it was
+    /// handed, so nobody barges past it.
     pub(crate) fn push(
         &self,
         mut entry: Entry<T>,
@@ -317,20 +296,42 @@ impl<T> ChannelShared<T> {
     ) -> Pushed<T> {
         let mut st = lock(&self.state);
         loop {
+            let (mut held_slot, mut held_unit) = (false, false);
+            if let Some((waiter, waker)) = wait.as_mut()
+                && let Some(key) = waiter.key
+            {
+                let still_queued = match waiter.on {
+                    WaitOn::Channel => st.senders.refresh(key, waker),
+                    WaitOn::Budget => self.budget().refresh(key, waker),
+                    WaitOn::Nothing => false,
+                };
+                if still_queued && !st.core.is_closed() {
+                    return Pushed::Full(entry);
+                }
+                if !still_queued {
+                    held_slot = waiter.on == WaitOn::Channel;
+                    held_unit = waiter.on == WaitOn::Budget;
+                    (waiter.key, waiter.on) = (None, WaitOn::Nothing);
+                }
+            }
             // A budget unit is reserved only for a record the channel itself has room for.
             let budget = match &self.budget {
-                Some(budget) if st.core.has_room() && !st.core.is_closed() => {
-                    if budget.try_reserve() { Room::Room } else { Room::Full }
+                _ if held_unit => Room::Free,
+                Some(budget) if (held_slot || st.core.has_room()) && !st.core.is_closed() => {
+                    if budget.try_reserve() {
+                        Room::Free
+                    } else {
+                        Room::Full
+                    }
                 }
-                _ => Room::Room,
+                _ => Room::Free,
             };
-            match st.core.offer(entry, budget, Instant::now) {
+            match st.core.offer(entry, budget, held_slot, Instant::now) {
                 Offer::Queued => {
                     let consumer = st.consumer_waker();
-                    let registered = wait.as_mut().map(|(waiter, _)| std::mem::take(&mut **waiter));
                     drop(st);
-                    if let Some(waiter) = registered {
-                        self.withdraw(waiter);
+                    if let Some((waiter, _)) = wait {
+                        *waiter = Waiter::default();
                     }
                     if let Some(consumer) = consumer {
                         consumer.wake();
@@ -340,6 +341,9 @@ impl<T> ChannelShared<T> {
                 }
                 Offer::Closed(entry) => {
                     drop(st);
+                    if held_unit {
+                        self.budget().release(1);
+                    }
                     if let Some((waiter, _)) = wait {
                         self.cancel_wait(waiter);
                     }
@@ -375,30 +379,41 @@ impl<T> ChannelShared<T> {
                         self.metrics.blocked_waits.increment(1);
                     }
                     if !budget_full {
-                        if waiter.on == WaitOn::Budget {
-                            self.withdraw(std::mem::take(*waiter));
-                            waiter.counted = true;
+                        // The channel is full: a unit it was handed goes back (to the next
+                        // budget waiter), and it queues for a slot.
+                        if held_unit {
+                            self.budget().release(1);
                         }
-                        st.senders.register(&mut waiter.id, waker);
+                        waiter.key = Some(st.senders.push(waker));
                         waiter.on = WaitOn::Channel;
                         return Pushed::Full(record);
                     }
-                    if waiter.on == WaitOn::Channel
-                        && let Some(id) = waiter.id.take()
-                    {
-                        st.senders.remove(id);
+                    // The budget is full: a slot it was handed goes to the next producer, and
+                    // it queues on the budget.
+                    if held_slot {
+                        let mut wakers = Vec::new();
+                        st.hand_off(&mut wakers);
+                        wake_all(wakers);
                     }
-                    let budget = self.budget.as_ref().expect("only a budget can be full here");
-                    waiter.on = WaitOn::Budget;
-                    if budget.register(&mut waiter.id, waker) {
-                        waiter.on = WaitOn::Nothing;
-                        entry = record;
-                        continue;
+                    match self.budget().wait(waker) {
+                        BudgetWait::Waiting(key) => {
+                            (waiter.key, waiter.on) = (Some(key), WaitOn::Budget);
+                            return Pushed::Full(record);
+                        }
+                        BudgetWait::Handed => {
+                            // Handed a unit at once: offer again, holding it (the channel may
+                            // have filled meanwhile; the loop gives the unit back then).
+                            (waiter.key, waiter.on) = (Some(WaitKey::HANDED), WaitOn::Budget);
+                            entry = record;
+                        }
                     }
-                    return Pushed::Full(record);
                 }
             }
         }
+    }
+
+    fn budget(&self) -> &Budget {
+        self.budget.as_deref().expect("only a channel with a budget waits on it")
     }
 
     /// A record answered `Spill` reached the spill queue: count it (never before).
@@ -432,52 +447,35 @@ impl<T> ChannelShared<T> {
         st.core.is_closed() && st.core.len() == 0 && c.delivered == settled
     }
 
-    /// Takes `waiter` out of whatever list it is in (it no longer waits).
-    fn withdraw(&self, waiter: Waiter) {
-        let Some(id) = waiter.id else { return };
-        match waiter.on {
-            WaitOn::Nothing => {}
-            WaitOn::Channel => {
-                lock(&self.state).senders.remove(id);
-            }
-            WaitOn::Budget => {
-                if let Some(budget) = &self.budget {
-                    lock(&budget.waiters).remove(id);
-                }
-            }
-        }
-    }
-
-    /// A blocked producer went away: leave the list, passing the turn on if it had been woken.
+    /// A blocked producer went away: it leaves its list, and what it was handed meanwhile (a
+    /// slot, a budget unit) goes to the next producer in line.
     pub(crate) fn cancel_wait(&self, waiter: &mut Waiter) {
         let waiter = std::mem::take(waiter);
-        let Some(id) = waiter.id else { return };
+        let Some(key) = waiter.key else { return };
         match waiter.on {
             WaitOn::Nothing => {}
             WaitOn::Channel => {
                 let mut wakers = Vec::new();
                 {
                     let mut st = lock(&self.state);
-                    if !st.senders.remove(id) && st.core.has_room() {
-                        st.senders.wake(1, &mut wakers);
+                    if !st.senders.remove(key) {
+                        st.core.unreserve();
+                        st.hand_off(&mut wakers);
                     }
                 }
                 wake_all(wakers);
             }
-            WaitOn::Budget => {
-                if let Some(budget) = &self.budget {
-                    budget.cancel(id);
-                }
-            }
+            WaitOn::Budget => self.budget().cancel(key),
         }
     }
 
-    /// Removes up to `n` records from the front, for the consumer.
+    /// Removes up to `n` records from the front, for the consumer, and hands the freed slots
+    /// to the first waiting producers; returns their wakers.
     pub(crate) fn take(&self, st: &mut State<T>, n: usize, out: &mut Vec<Entry<T>>) -> Vec<Waker> {
-        let n = st.core.take(n, out);
+        st.core.take(n, out);
         let mut wakers = Vec::new();
-        if st.senders.len() > 0 {
-            st.senders.wake(n, &mut wakers);
+        if !st.senders.is_empty() {
+            st.hand_off(&mut wakers);
         }
         wakers
     }
@@ -500,7 +498,7 @@ impl<T> ChannelShared<T> {
             let dropped = st.core.close(discard || self.config.discard_on_close);
             let mut wakers = Vec::new();
             let n = st.senders.len();
-            st.senders.wake(n, &mut wakers);
+            st.senders.pop_into(n, &mut wakers);
             let consumer = st.recv_waker.take();
             (dropped, wakers, consumer, was_closed)
         };

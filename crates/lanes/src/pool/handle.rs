@@ -14,8 +14,8 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
 use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram};
@@ -28,7 +28,9 @@ use super::core::{Refused, Scheduler, Wake};
 use super::error::{AbortReport, StopTimeout, SubmitError};
 use crate::BoxError;
 use crate::limit::Throttle;
-use crate::util::{CatchPanic, PanicPayload, call_contained, drop_contained, lock};
+use crate::util::{
+    CatchPanic, PanicPayload, WaitKey, WaitList, call_contained, drop_contained, lock,
+};
 
 /// An item with the time it was accepted (for the queue-wait histogram).
 pub(crate) struct Queued<T> {
@@ -131,6 +133,33 @@ struct State<S> {
     idle: Vec<usize>,
     live: usize,
     stats: PoolStats,
+    /// Producers in `submit_wait` refused because the pool was full, first come first served:
+    /// each item a worker takes wakes the first of them.
+    blocked: WaitList,
+    /// Producers refused because their key's queue was full (or no key could be added): any
+    /// item taken may be the room they need, so a take wakes them all.
+    key_blocked: WaitList,
+}
+
+/// Which list a waiting producer is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Blocked {
+    Full,
+    Key,
+}
+
+/// A producer's place while `submit_wait` waits: once its list woke it (it is no longer there),
+/// it is its turn.
+#[derive(Debug, Default)]
+pub(crate) struct PoolWaiter {
+    at: Option<(Blocked, WaitKey)>,
+}
+
+/// What a waiting offer did.
+pub(crate) enum Offered<T> {
+    Done(Result<(), SubmitError<T>>),
+    /// Queued as a waiter: poll again when woken.
+    Waiting(T),
 }
 
 /// What every pool facade needs from an engine, whatever its scheduler and process function.
@@ -141,11 +170,11 @@ pub(crate) trait Core<T>: Send + Sync {
     /// Submits; a refusal moves the `rejected` counter only if `count` (a blocking submit's
     /// retries are not refusals).
     fn offer(&self, item: T, count: bool) -> Result<(), SubmitError<T>>;
-    /// Notified whenever room may have appeared (while a producer is parked) or the pool
-    /// stopped accepting.
-    fn space(&self) -> &Notify;
-    /// Producers parked for room; `space` is only notified while this is above zero.
-    fn parked(&self) -> &AtomicUsize;
+    /// Submits, or queues the producer (FIFO) to be woken when room may have appeared or the
+    /// pool stopped accepting.
+    fn offer_waiting(&self, item: T, waiter: &mut PoolWaiter, waker: &Waker) -> Offered<T>;
+    /// A waiting producer went away: it leaves its list, passing its turn on if it had one.
+    fn cancel_wait(&self, waiter: &mut PoolWaiter);
     fn begin_stop(&self);
     fn abort(&self) -> AbortReport;
     fn finished(&self) -> &Notify;
@@ -157,9 +186,6 @@ pub(crate) trait Core<T>: Send + Sync {
 pub(crate) struct Engine<T, S, P> {
     state: Mutex<State<S>>,
     wake: Box<[Notify]>,
-    space: Notify,
-    /// Producers parked in `submit_wait`: workers only notify `space` when some wait.
-    parked: AtomicUsize,
     finished: Notify,
     tasks: Mutex<Vec<AbortHandle>>,
     process: P,
@@ -202,10 +228,10 @@ where
                 idle: Vec::with_capacity(workers),
                 live: workers,
                 stats: PoolStats { workers, ..PoolStats::default() },
+                blocked: WaitList::default(),
+                key_blocked: WaitList::default(),
             }),
             wake: (0..workers).map(|_| Notify::new()).collect(),
-            space: Notify::new(),
-            parked: AtomicUsize::new(0),
             finished: Notify::new(),
             tasks: Mutex::new(Vec::with_capacity(workers)),
             process,
@@ -218,6 +244,47 @@ where
             .collect();
         *lock(&engine.tasks) = handles;
         engine
+    }
+
+    /// Under the lock: queues `item`, or hands it back with why not. Answers the idle worker
+    /// to wake.
+    fn push_locked(&self, state: &mut State<S>, item: T) -> Result<Option<usize>, (Refused, T)> {
+        match state.sched.push(Queued { item, at: Instant::now() }) {
+            Ok(wake) => {
+                state.stats.submitted += 1;
+                state.stats.queued = state.sched.queued();
+                state.stats.keys = state.sched.keys();
+                Ok(self.wake_for(state, wake))
+            }
+            Err((refused, queued)) => Err((refused, queued.item)),
+        }
+    }
+
+    /// After a push, outside the lock.
+    fn pushed(&self, worker: Option<usize>) {
+        if let Some(worker) = worker {
+            self.wake[worker].notify_one();
+        }
+        self.metrics.submitted.increment(1);
+        self.metrics.queued.increment(1.0);
+    }
+
+    /// Refuses `item`: the pool no longer accepts (counted rejected).
+    fn stopped(&self, mut state: MutexGuard<'_, State<S>>, item: T) -> SubmitError<T> {
+        state.stats.rejected += 1;
+        drop(state);
+        self.metrics.rejected.increment(1);
+        SubmitError::Stopped(item)
+    }
+
+    /// Every waiting producer, out of both lists (the pool stopped accepting).
+    fn all_producers(state: &mut State<S>) -> Vec<Waker> {
+        let mut wakers = Vec::new();
+        let n = state.blocked.len();
+        state.blocked.pop_into(n, &mut wakers);
+        let n = state.key_blocked.len();
+        state.key_blocked.pop_into(n, &mut wakers);
+        wakers
     }
 
     fn wake_for(&self, state: &mut State<S>, wake: Wake) -> Option<usize> {
@@ -235,6 +302,7 @@ where
     /// Reporting an item and taking the next share one critical section.
     async fn work(self: Arc<Self>, worker: usize) {
         let mut finished: Option<(S::Slot, Outcome)> = None;
+        let mut producers = Vec::new();
         loop {
             let taken = {
                 let mut state = lock(&self.state);
@@ -249,7 +317,18 @@ where
                     let _ = state.sched.done(slot);
                     state.stats.keys = state.sched.keys();
                 }
-                match state.sched.pop(worker) {
+                let taken = state.sched.pop(worker);
+                // Room may have appeared: the first producer refused for a full pool gets its
+                // turn for the item taken; those refused for their key all look again (an item
+                // taken or finished may be theirs).
+                if taken.is_some() && !state.blocked.is_empty() {
+                    producers.extend(state.blocked.pop());
+                }
+                if !state.key_blocked.is_empty() {
+                    let n = state.key_blocked.len();
+                    state.key_blocked.pop_into(n, &mut producers);
+                }
+                match taken {
                     Some(taken) => {
                         state.stats.inflight += 1;
                         state.stats.queued = state.sched.queued();
@@ -269,13 +348,13 @@ where
                     }
                 }
             };
+            for producer in producers.drain(..) {
+                producer.wake();
+            }
             let Some((slot, queued)) = taken else {
                 self.wake[worker].notified().await;
                 continue;
             };
-            if self.parked.load(Ordering::SeqCst) > 0 {
-                self.space.notify_waiters();
-            }
             self.metrics.queued.decrement(1.0);
             self.metrics.inflight.increment(1.0);
             let outcome = self.run(worker, queued).await;
@@ -375,26 +454,15 @@ where
     fn offer(&self, item: T, count: bool) -> Result<(), SubmitError<T>> {
         let mut state = lock(&self.state);
         if state.phase != Phase::Running {
-            state.stats.rejected += 1;
-            drop(state);
-            self.metrics.rejected.increment(1);
-            return Err(SubmitError::Stopped(item));
+            return Err(self.stopped(state, item));
         }
-        match state.sched.push(Queued { item, at: Instant::now() }) {
-            Ok(wake) => {
-                state.stats.submitted += 1;
-                state.stats.queued = state.sched.queued();
-                state.stats.keys = state.sched.keys();
-                let worker = self.wake_for(&mut state, wake);
+        match self.push_locked(&mut state, item) {
+            Ok(worker) => {
                 drop(state);
-                if let Some(worker) = worker {
-                    self.wake[worker].notify_one();
-                }
-                self.metrics.submitted.increment(1);
-                self.metrics.queued.increment(1.0);
+                self.pushed(worker);
                 Ok(())
             }
-            Err((refused, queued)) => {
+            Err((refused, item)) => {
                 if count {
                     state.stats.rejected += 1;
                 }
@@ -402,21 +470,83 @@ where
                 if count {
                     self.metrics.rejected.increment(1);
                 }
-                Err(match refused {
-                    Refused::Full => SubmitError::Full(queued.item),
-                    Refused::KeyFull => SubmitError::KeyFull(queued.item),
-                    Refused::TooManyKeys => SubmitError::TooManyKeys(queued.item),
-                })
+                Err(refusal(refused, item))
             }
         }
     }
 
-    fn space(&self) -> &Notify {
-        &self.space
+    fn offer_waiting(&self, item: T, waiter: &mut PoolWaiter, waker: &Waker) -> Offered<T> {
+        let mut state = lock(&self.state);
+        // Still queued: not its turn (unless the pool stopped). Gone from its list: its turn.
+        let mut turn = None;
+        if let Some((list, key)) = waiter.at.take() {
+            let running = state.phase == Phase::Running;
+            let queue = match list {
+                Blocked::Full => &mut state.blocked,
+                Blocked::Key => &mut state.key_blocked,
+            };
+            if queue.refresh(key, waker) {
+                if running {
+                    waiter.at = Some((list, key));
+                    return Offered::Waiting(item);
+                }
+                queue.remove(key);
+            } else {
+                turn = Some(list);
+            }
+        }
+        if state.phase != Phase::Running {
+            return Offered::Done(Err(self.stopped(state, item)));
+        }
+        match self.push_locked(&mut state, item) {
+            Ok(worker) => {
+                drop(state);
+                self.pushed(worker);
+                Offered::Done(Ok(()))
+            }
+            Err((refused, item)) => {
+                let mut passed = None;
+                waiter.at = Some(match refused {
+                    // Its turn came and the room was taken (by a non-waiting submit): it keeps
+                    // its place at the front.
+                    Refused::Full if turn == Some(Blocked::Full) => {
+                        (Blocked::Full, state.blocked.push_front(waker))
+                    }
+                    Refused::Full => (Blocked::Full, state.blocked.push(waker)),
+                    Refused::KeyFull | Refused::TooManyKeys => {
+                        // A turn for room it cannot use goes to the next producer.
+                        if turn == Some(Blocked::Full) {
+                            passed = state.blocked.pop();
+                        }
+                        (Blocked::Key, state.key_blocked.push(waker))
+                    }
+                });
+                drop(state);
+                if let Some(next) = passed {
+                    next.wake();
+                }
+                Offered::Waiting(item)
+            }
+        }
     }
 
-    fn parked(&self) -> &AtomicUsize {
-        &self.parked
+    fn cancel_wait(&self, waiter: &mut PoolWaiter) {
+        let Some((list, key)) = waiter.at.take() else { return };
+        let passed = {
+            let mut state = lock(&self.state);
+            match list {
+                // Woken already: its turn goes to the next producer.
+                Blocked::Full if !state.blocked.remove(key) => state.blocked.pop(),
+                Blocked::Full => None,
+                Blocked::Key => {
+                    state.key_blocked.remove(key);
+                    None
+                }
+            }
+        };
+        if let Some(next) = passed {
+            next.wake();
+        }
     }
 
     fn begin_stop(&self) {
@@ -426,16 +556,19 @@ where
                 return;
             }
             state.phase = Phase::Stopping;
-            std::mem::take(&mut state.idle)
+            (std::mem::take(&mut state.idle), Self::all_producers(&mut state))
         };
+        let (idle, producers) = idle;
         for worker in idle {
             self.wake[worker].notify_one();
         }
-        self.space.notify_waiters();
+        for producer in producers {
+            producer.wake();
+        }
     }
 
     fn abort(&self) -> AbortReport {
-        let (discarded, report) = {
+        let (discarded, report, producers) = {
             let mut state = lock(&self.state);
             if matches!(state.phase, Phase::Aborted | Phase::Stopped) {
                 return AbortReport::default();
@@ -452,8 +585,9 @@ where
             state.stats.keys = state.sched.keys();
             state.live = 0;
             state.idle.clear();
-            (discarded, report)
+            (discarded, report, Self::all_producers(&mut state))
         };
+
         for task in lock(&self.tasks).drain(..) {
             task.abort();
         }
@@ -461,7 +595,9 @@ where
         self.metrics.queued.decrement(report.discarded as f64);
         self.metrics.inflight.decrement(report.cancelled as f64);
         drop_contained(discarded);
-        self.space.notify_waiters();
+        for producer in producers {
+            producer.wake();
+        }
         self.finished.notify_waiters();
         report
     }
@@ -509,33 +645,42 @@ pub(crate) async fn wait_finished<T>(
     }
 }
 
-/// Submits, waiting for room; gives the item back only when the pool stops accepting.
-pub(crate) async fn submit_wait<T>(core: &dyn Core<T>, mut item: T) -> Result<(), SubmitError<T>> {
-    // Counted before the first try, so a worker that frees room after the try sees a parked
-    // producer and notifies.
-    struct Parked<'a>(&'a AtomicUsize);
-    impl Drop for Parked<'_> {
+/// Submits, waiting for room in line with the other waiting producers (first come first
+/// served); gives the item back only when the pool stops accepting.
+///
+/// Cancel safe: dropped while it waits, the item is dropped unqueued and a turn it had been
+/// given goes to the next producer.
+pub(crate) async fn submit_wait<T>(core: &dyn Core<T>, item: T) -> Result<(), SubmitError<T>> {
+    struct Guard<'a, T> {
+        core: &'a dyn Core<T>,
+        waiter: PoolWaiter,
+    }
+    impl<T> Drop for Guard<'_, T> {
         fn drop(&mut self) {
-            self.0.fetch_sub(1, Ordering::SeqCst);
+            self.core.cancel_wait(&mut self.waiter);
         }
     }
-    core.parked().fetch_add(1, Ordering::SeqCst);
-    let _parked = Parked(core.parked());
-    loop {
-        let mut room = std::pin::pin!(core.space().notified());
-        room.as_mut().enable();
-        match core.offer(item, false) {
-            Ok(()) => return Ok(()),
-            Err(
-                SubmitError::Full(back)
-                | SubmitError::KeyFull(back)
-                | SubmitError::TooManyKeys(back),
-            ) => {
-                item = back;
+    let mut guard = Guard { core, waiter: PoolWaiter::default() };
+    let mut item = Some(item);
+    std::future::poll_fn(|cx| {
+        let pending = item.take().expect("polled after completion");
+        match guard.core.offer_waiting(pending, &mut guard.waiter, cx.waker()) {
+            Offered::Done(result) => Poll::Ready(result),
+            Offered::Waiting(back) => {
+                item = Some(back);
+                Poll::Pending
             }
-            Err(other) => return Err(other),
         }
-        room.await;
+    })
+    .await
+}
+
+/// The error of a refused item.
+fn refusal<T>(refused: Refused, item: T) -> SubmitError<T> {
+    match refused {
+        Refused::Full => SubmitError::Full(item),
+        Refused::KeyFull => SubmitError::KeyFull(item),
+        Refused::TooManyKeys => SubmitError::TooManyKeys(item),
     }
 }
 

@@ -1,4 +1,7 @@
-//! Small shared helpers: panic containment for futures and callbacks.
+//! Small shared helpers: panic containment for futures and callbacks, and the FIFO list of
+//! waiting tasks every primitive's blocked callers queue in.
+
+mod wait_list;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -6,6 +9,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
+
+pub(crate) use wait_list::{WaitKey, WaitList};
 
 /// A panic was caught. The payload is dropped on the spot: it can carry user data, so it never
 /// reaches an error message.
