@@ -484,23 +484,15 @@ impl SetShared {
         count_full: bool,
     ) -> Result<Admission<J, F>, AdmissionError<Run<J, F>>> {
         let lane = &self.lanes[index];
-        let admitted = {
-            let mut core = lock(&lane.core);
-            let admitted = core
-                .admit(count_full, run.limit.is_some(), |_| Arc::new(RunSignal::new()))
-                .map(|(admitted, signal)| {
-                    // Counted under the lane lock (invariant 3); ids increase in admission order.
-                    self.owned.fetch_add(1, Ordering::AcqRel);
-                    let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
-                    (admitted, signal, run_id)
-                });
-            if admitted.is_ok() {
+        let mut core = lock(&lane.core);
+        let limited = run.limit.is_some();
+        match core.admit(count_full, limited, |_| Arc::new(RunSignal::new())) {
+            Ok((admitted, signal)) => {
+                // Counted under the lane lock (invariant 3); ids increase in admission order.
+                self.owned.fetch_add(1, Ordering::AcqRel);
+                let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
                 lane.publish(&core);
-            }
-            admitted
-        };
-        match admitted {
-            Ok((admitted, signal, run_id)) => {
+                drop(core);
                 lane.metrics.admitted.increment(1);
                 tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
                 let start = match admitted {
@@ -536,6 +528,7 @@ impl SetShared {
                 Ok((ticket, Callbacks { job, finalizer, cleanup }))
             }
             Err(kind) => {
+                drop(core);
                 if count_full && kind == AdmissionErrorKind::Full {
                     lane.metrics.rejected.increment(1);
                 }
