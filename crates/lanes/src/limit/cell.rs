@@ -102,6 +102,7 @@ impl Cell {
 
     /// Takes a permit (and a token) without a lock, if nobody waits, a permit is free and the
     /// bucket has a token at `now` (ns; ignored without a rate). Answers the fencing token.
+    #[inline]
     pub(crate) fn try_fast(&self, now: u64) -> Result<u64, Miss> {
         let mut seen = self.state.load(Ordering::Acquire);
         if seen & SLOW != 0 || (seen & COUNT) as u32 >= self.concurrent.load(Ordering::Acquire) {

@@ -88,7 +88,33 @@ impl LimitSpec {
     /// exceeded; `None` without a rate limit.
     pub(crate) fn emission_interval(&self) -> Option<Duration> {
         let rate = self.per_second?;
-        let nanos = (1e9 / rate).ceil();
-        Some(Duration::from_nanos(if nanos >= u64::MAX as f64 { u64::MAX } else { nanos as u64 }))
+        let nanos = 1e9 / rate;
+        if nanos >= u64::MAX as f64 {
+            return Some(Duration::from_nanos(u64::MAX));
+        }
+        // Rounded up without `f64::ceil` (a libm call on every rate check).
+        let whole = nanos as u64;
+        Some(Duration::from_nanos(if (whole as f64) < nanos { whole + 1 } else { whole }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::LimitSpec;
+
+    #[test]
+    fn the_emission_interval_is_rounded_up_so_the_rate_is_never_exceeded() {
+        let interval = |rate: f64| LimitSpec::concurrent(1).per_second(rate).emission_interval();
+        assert_eq!(interval(1000.0), Some(Duration::from_millis(1)), "exact stays exact");
+        assert_eq!(interval(3.0), Some(Duration::from_nanos(333_333_334)));
+        assert_eq!(interval(7.0), Some(Duration::from_nanos(142_857_143)));
+        assert_eq!(interval(1e-12), Some(Duration::from_nanos(u64::MAX)));
+        assert_eq!(LimitSpec::concurrent(1).emission_interval(), None);
+        for rate in [0.5, 1.0, 3.0, 7.0, 9.99, 123.456, 1e6, 3e8] {
+            let nanos = interval(rate).unwrap().as_nanos() as f64;
+            assert!(nanos >= 1e9 / rate && nanos < 1e9 / rate + 1.0, "rate {rate}: {nanos}");
+        }
     }
 }

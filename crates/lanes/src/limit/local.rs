@@ -230,6 +230,7 @@ impl LocalLimits {
     }
 
     /// A permit of `slot` without the lock, or why not (see [`Cell::try_fast`]).
+    #[inline]
     pub(crate) fn try_fast(&self, slot: &Slot) -> Result<u64, Miss> {
         let now = if slot.cell.has_rate() {
             u64::try_from(self.now().as_nanos()).unwrap_or(u64::MAX)
