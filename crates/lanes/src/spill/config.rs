@@ -26,8 +26,9 @@ use crate::observe::{Registration, Registry};
 pub enum SyncPolicy {
     /// Every append is written and synced on its own before it returns.
     Always,
-    /// Group commit: the appends waiting when a write starts share one sync, and each returns
-    /// after it.
+    /// Group commit: appends are written as they come, and each returns after the next sync
+    /// that began after its write. Syncs run on their own thread, one after another: the
+    /// appends written while one runs share the next, so writing overlaps syncing.
     Batch,
     /// Synced every interval; appends return after their write.
     Interval(Duration),

@@ -15,6 +15,11 @@ pub(super) enum Action {
     Write(Range<usize>),
     /// Make what was written durable.
     Sync,
+    /// Answer the group's appends with index below this (those not answered yet) once a sync
+    /// begun after this point has ended; the writer goes on meanwhile (`Batch`: the next
+    /// group's write overlaps this group's sync, and one sync covers whatever was written
+    /// while the previous one ran).
+    SyncThenAnswer(usize),
     /// Seal the active segment (synced) and start the next one.
     Rotate,
     /// Answer the group's appends with index below this (those not answered yet): their
@@ -76,7 +81,8 @@ impl Planner {
     /// - an append's frames never straddle segments: one that would overflow a segment holding
     ///   data starts the next (an append larger than a segment gets one of its own);
     /// - `Always`: each append is written, synced and answered on its own;
-    /// - `Batch`: the group is written together (split only at rotations) and shares one sync;
+    /// - `Batch`: the group is written together (split only at rotations) and shares one sync,
+    ///   which the next group does not wait for;
     /// - `Interval` and `Never`: appends are answered once written;
     /// - a rotation syncs the sealed segment, so the appends written before it are answered;
     /// - commits are persisted (under `Always` and `Batch`; otherwise by the tick or the close)
@@ -103,14 +109,13 @@ impl Planner {
                 answered = index + 1;
             }
         }
-        if end > start {
-            self.write(&mut actions, &mut start, end);
-            if durable {
-                actions.push(Action::Sync);
-            }
-        }
+        let wrote = end > start;
+        self.write(&mut actions, &mut start, end);
         if answered < group.appends.len() {
-            actions.push(Action::Answer(group.appends.len()));
+            match wrote && durable {
+                true => actions.push(Action::SyncThenAnswer(group.appends.len())),
+                false => actions.push(Action::Answer(group.appends.len())),
+            }
         }
         if group.commit {
             if durable {
@@ -151,7 +156,7 @@ mod tests {
     #[test]
     fn batch_writes_once_and_shares_one_sync() {
         let mut planner = Planner::new(SyncPolicy::Batch, 1 << 20, H);
-        assert_eq!(planner.plan(&group(&[10, 20, 30])), vec![Write(0..60), Sync, Answer(3)]);
+        assert_eq!(planner.plan(&group(&[10, 20, 30])), vec![Write(0..60), SyncThenAnswer(3)]);
         assert_eq!(planner.len, H + 60);
     }
 
@@ -178,18 +183,18 @@ mod tests {
         let mut planner = Planner::new(SyncPolicy::Batch, H + 100, H);
         assert_eq!(
             planner.plan(&group(&[40, 40, 40, 40])),
-            vec![Write(0..80), Rotate, Answer(2), Write(80..160), Sync, Answer(4)]
+            vec![Write(0..80), Rotate, Answer(2), Write(80..160), SyncThenAnswer(4)]
         );
         assert_eq!(planner.len, H + 80);
         // The next group continues in the new segment.
-        assert_eq!(planner.plan(&group(&[40])), vec![Rotate, Write(0..40), Sync, Answer(1)]);
+        assert_eq!(planner.plan(&group(&[40])), vec![Rotate, Write(0..40), SyncThenAnswer(1)]);
     }
 
     #[test]
     fn an_append_larger_than_a_segment_gets_one_of_its_own_and_is_never_split() {
         let mut planner = Planner::new(SyncPolicy::Batch, H + 100, H);
         // A fresh segment takes it whole (nothing to seal first).
-        assert_eq!(planner.plan(&group(&[500])), vec![Write(0..500), Sync, Answer(1)]);
+        assert_eq!(planner.plan(&group(&[500])), vec![Write(0..500), SyncThenAnswer(1)]);
         assert_eq!(
             planner.plan(&group(&[10, 500, 10])),
             vec![
@@ -201,8 +206,7 @@ mod tests {
                 Rotate,
                 Answer(2),
                 Write(510..520),
-                Sync,
-                Answer(3)
+                SyncThenAnswer(3)
             ]
         );
     }
@@ -219,7 +223,7 @@ mod tests {
         let all = Group { appends: vec![8], commit: true, tick: true, close: true };
         assert_eq!(
             planner.plan(&all),
-            vec![Write(0..8), Sync, Answer(1), Persist, AnswerCommits, Close]
+            vec![Write(0..8), SyncThenAnswer(1), Persist, AnswerCommits, Close]
         );
         let tick = Group { tick: true, ..Group::default() };
         assert_eq!(planner.plan(&tick), vec![Sync, Persist]);
@@ -278,6 +282,12 @@ mod tests {
                     }
                     Sync => synced = written,
                     Rotate => { synced = written; len = H; }
+                    SyncThenAnswer(n) => {
+                        // Answered once a sync begun now ends: it covers what was written.
+                        proptest::prop_assert!(*n > answered);
+                        proptest::prop_assert!(durable && written >= ends[*n - 1]);
+                        answered = *n;
+                    }
                     Answer(n) => {
                         proptest::prop_assert!(*n > answered);
                         let need = ends[*n - 1];

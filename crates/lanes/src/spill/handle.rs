@@ -6,10 +6,12 @@
 //! Producers count their bytes under the shared lock, then frame their records straight into the
 //! writer's mailbox (`writer.rs`). The writer takes everything waiting in one swap (and, under
 //! [`SyncPolicy::Batch`], waits up to `batch_window` for more), writes them with one `write`,
-//! syncs once if the policy asks, publishes the new end of data to readers, and only then
-//! answers the producers. A failed write or sync makes the queue refuse further appends until
-//! it is reopened (recovery repairs what the failure left), so an unsynced failure is never
-//! papered over.
+//! and publishes the new end of data to readers. Under `Always` it then syncs and answers the
+//! producers itself; under `Batch` it hands the answers to the sync thread and takes the next
+//! group, and the sync thread answers them after the next sync it begins, so one group's write
+//! overlaps the previous group's sync. A failed write or sync makes the queue refuse further
+//! appends until it is reopened (recovery repairs what the failure left), so an unsynced failure
+//! is never papered over.
 //!
 //! # Invariants
 //!
@@ -27,6 +29,7 @@ use std::time::Instant;
 use tokio::sync::{Notify, oneshot};
 
 pub(super) use super::config::SpillOptions;
+use super::config::SyncPolicy;
 use super::core::Planner;
 use super::error::SpillError;
 use super::format::{self, Position, SEGMENT_HEADER, STATE, encode_state, segment_name};
@@ -36,7 +39,7 @@ use super::reader::SpillReader;
 use super::recover::{CheckReport, recover};
 use super::snapshot::SpillSnapshot;
 use super::storage::{AppendFile, FsStorage, Storage};
-use super::writer::{Mailbox, Writer};
+use super::writer::{Mailbox, Syncer, Writer};
 use crate::observe::{Observe, Snapshot};
 use crate::util::lock;
 
@@ -308,7 +311,14 @@ impl SpillQueue {
             // Before the writer starts: a refusal here drops the queue and frees the directory.
             registration.register(&inner).map_err(SpillError::InvalidOptions)?;
         }
+        let syncer = match (options.sync, file.syncer().map_err(SpillError::Io)?) {
+            (SyncPolicy::Batch, Some(handle)) => {
+                Some((Syncer::start(Arc::downgrade(&inner)).map_err(SpillError::Io)?, handle))
+            }
+            _ => None,
+        };
         let writer = Writer {
+            syncer,
             inner: Arc::downgrade(&inner),
             mailbox,
             planner: Planner::new(options.sync, options.segment_size, active_len),

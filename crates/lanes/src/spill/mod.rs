@@ -72,7 +72,7 @@ pub use handle::{PendingAppend, SpillQueue, SpillRecord};
 pub use reader::SpillReader;
 pub use recover::CheckReport;
 pub use snapshot::SpillSnapshot;
-pub use storage::{AppendFile, Fault, FsStorage, MemStorage, Storage};
+pub use storage::{AppendFile, Fault, FileSync, FsStorage, MemStorage, Storage};
 
 /// Checks the queue in `dir` without changing anything: segments, records, bytes, committed
 /// position and any corruption.

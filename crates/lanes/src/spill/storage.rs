@@ -31,6 +31,20 @@ pub trait AppendFile: Send + fmt::Debug {
     fn trim(&mut self) -> io::Result<()> {
         Ok(())
     }
+    /// A handle that syncs this file from another thread while appends go on, so that under
+    /// [`SyncPolicy::Batch`](super::SyncPolicy::Batch) one group's sync overlaps the next
+    /// group's write. `None` (the default): the queue syncs through [`sync`](Self::sync),
+    /// between writes.
+    fn syncer(&self) -> io::Result<Option<Arc<dyn FileSync>>> {
+        Ok(None)
+    }
+}
+
+/// Makes a file's appended data durable from another thread than the one appending: a sync
+/// covers at least every append that returned before it began.
+pub trait FileSync: Send + Sync + fmt::Debug {
+    /// Makes everything appended before this call began durable (`fdatasync`).
+    fn sync(&self) -> io::Result<()>;
 }
 
 /// A directory of files, as a spill queue uses it.
@@ -129,6 +143,20 @@ impl AppendFile for FsAppend {
             self.file.set_len(self.end)?;
         }
         Ok(())
+    }
+
+    fn syncer(&self) -> io::Result<Option<Arc<dyn FileSync>>> {
+        Ok(Some(Arc::new(FsSync(self.file.try_clone()?))))
+    }
+}
+
+/// A second descriptor of a segment, synced by the queue's sync thread.
+#[derive(Debug)]
+struct FsSync(File);
+
+impl FileSync for FsSync {
+    fn sync(&self) -> io::Result<()> {
+        self.0.sync_data()
     }
 }
 
@@ -452,15 +480,39 @@ impl AppendFile for MemAppend {
     }
 
     fn sync(&mut self) -> io::Result<()> {
-        let mut state = live(&self.state, self.generation)?;
-        if state.fault == Some(Fault::FailSync) {
-            state.fault = None;
-            return Err(io::Error::other("injected sync failure"));
-        }
-        let file = state.files.get_mut(&self.name).ok_or_else(|| missing(&self.name))?;
-        file.durable = file.data.clone();
-        Ok(())
+        mem_sync(&self.state, self.generation, &self.name)
     }
+
+    fn syncer(&self) -> io::Result<Option<Arc<dyn FileSync>>> {
+        let (state, generation, name) = (self.state.clone(), self.generation, self.name.clone());
+        Ok(Some(Arc::new(MemSync { state, generation, name })))
+    }
+}
+
+/// Syncs a [`MemStorage`] file from another thread, as [`FsSync`] does a real one.
+#[derive(Debug)]
+struct MemSync {
+    state: Arc<Mutex<MemState>>,
+    generation: u64,
+    name: String,
+}
+
+impl FileSync for MemSync {
+    fn sync(&self) -> io::Result<()> {
+        mem_sync(&self.state, self.generation, &self.name)
+    }
+}
+
+/// Makes a memory file's data durable, or fails with an armed [`Fault::FailSync`].
+fn mem_sync(state: &Mutex<MemState>, generation: u64, name: &str) -> io::Result<()> {
+    let mut state = live(state, generation)?;
+    if state.fault == Some(Fault::FailSync) {
+        state.fault = None;
+        return Err(io::Error::other("injected sync failure"));
+    }
+    let file = state.files.get_mut(name).ok_or_else(|| missing(name))?;
+    file.durable = file.data.clone();
+    Ok(())
 }
 
 impl Storage for MemStorage {

@@ -4,7 +4,17 @@
 //! caller's bytes to the buffer, one from the buffer to the kernel) and leave a reply; the
 //! writer swaps the whole buffer out in one lock, asks the [planner](super::core) what to do
 //! with it, and performs the actions (invariants 1 and 3 of `handle.rs`). There is no message
-//! per record: a group is whatever arrived while the last one was being written and synced.
+//! per record: a group is whatever arrived while the last one was being written (and, but under
+//! `Batch`, synced).
+//!
+//! Under `Batch` a second thread, the [`Syncer`], syncs behind the writer: the writer hands it
+//! each written group's replies and goes on, and it answers them after the next sync it begins.
+//! Everything written while one sync runs shares the next one, and the appenders answered by
+//! one sync frame their next appends while the next runs: the disk is kept busy while the CPU
+//! frames and writes. The adaptive linger (wait for the appenders the last sync answered, while
+//! the bytes are few) happens there, before a sync, not before a write. A rotation or a close
+//! first waits for the sync thread to answer everything handed to it, so appends are answered
+//! in order of their segments.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,7 +29,7 @@ use super::error::SpillError;
 use super::format::{Position, SEGMENT_HEADER, STATE, encode_state, segment_name};
 use super::frame;
 use super::handle::{Extent, Inner, create_segment};
-use super::storage::{AppendFile, Storage};
+use super::storage::{AppendFile, FileSync, Storage};
 use crate::util::lock;
 
 /// A reply to an append, a commit or a close.
@@ -152,6 +162,9 @@ pub(super) struct Writer {
     /// Released when the writer stops, after its last sync (and before `close` answers, so
     /// the directory is free once `close` returns).
     pub(super) lock: Option<Box<dyn fmt::Debug + Send + Sync>>,
+    /// Under `Batch`, the thread that syncs behind the writer (when the storage offers a
+    /// [`FileSync`]), and the active segment's handle for it.
+    pub(super) syncer: Option<(Syncer, Arc<dyn FileSync>)>,
 }
 
 impl Writer {
@@ -205,12 +218,15 @@ impl Writer {
                 }
             }
         }
-        if self.options.sync == SyncPolicy::Batch {
+        let window = self.options.batch_window;
+        // With a sync thread, a group is written at once: the sync thread's next sync covers
+        // whatever arrives while its current one runs, so waiting here would only delay it.
+        let adaptive = window.is_zero() && self.syncer.is_none();
+        if self.options.sync == SyncPolicy::Batch && (adaptive || !window.is_zero()) {
             // Linger for the appenders the last group answered (they are likely on their way
             // back) while the group is small enough for a sync to cost more than its bytes,
             // for at most half a sync; or for the configured window.
-            let window = self.options.batch_window;
-            let (want, linger, most) = match window.is_zero() {
+            let (want, linger, most) = match adaptive {
                 true => (self.last_group, (self.sync_took / 2).min(MAX_LINGER), LINGER_BYTES),
                 false => (usize::MAX, window, GROUP_BYTES),
             };
@@ -276,17 +292,34 @@ impl Writer {
         };
         let mut failure: Option<Arc<str>> =
             self.inner.upgrade().and_then(|i| lock(&i.shared).failed.clone());
-        let mut replies = taken.appends.drain(..).map(|(_, reply)| reply);
+        let mut replies = taken.appends.drain(..);
         let mut answered = 0;
         let mut persisted: Result<(), Arc<str>> = Ok(());
-        for action in self.planner.plan(&group) {
+        let mut plan = self.planner.plan(&group);
+        if self.syncer.is_none() {
+            // No sync thread: this thread syncs, then answers.
+            plan = plan
+                .into_iter()
+                .flat_map(|action| match action {
+                    Action::SyncThenAnswer(upto) => vec![Action::Sync, Action::Answer(upto)],
+                    action => vec![action],
+                })
+                .collect();
+        }
+        for action in plan {
             let done = match action {
                 Action::Write(range) if failure.is_none() => self.write(&taken.buf[range]),
                 Action::Sync if failure.is_none() => self.sync(),
                 Action::Rotate if failure.is_none() => self.rotate(),
                 Action::Write(_) | Action::Sync | Action::Rotate => Ok(()),
-                Action::Answer(upto) => {
-                    for reply in replies.by_ref().take(upto - answered) {
+                Action::SyncThenAnswer(upto) if failure.is_none() => {
+                    let (syncer, file) = self.syncer.as_ref().expect("planned with a sync thread");
+                    syncer.hand(file, replies.by_ref().take(upto - answered));
+                    answered = upto;
+                    Ok(())
+                }
+                Action::Answer(upto) | Action::SyncThenAnswer(upto) => {
+                    for (_, reply) in replies.by_ref().take(upto - answered) {
                         let _ = reply.send(match &failure {
                             None => Ok(()),
                             Some(cause) => Err(SpillError::Failed(cause.clone())),
@@ -312,6 +345,9 @@ impl Writer {
                     Ok(())
                 }
                 Action::Close => {
+                    if let Some((syncer, _)) = &self.syncer {
+                        syncer.drain();
+                    }
                     // A closed queue leaves its files exactly as long as their data (a failed
                     // trim leaves reserved zeros, which recovery reads as unwritten).
                     if self.file.trim().is_ok() {
@@ -366,6 +402,11 @@ impl Writer {
 
     /// Seals the active segment (synced) and starts the next one.
     fn rotate(&mut self) -> std::io::Result<()> {
+        // The appends handed to the sync thread are answered first (in order, and before the
+        // segment they lie in is sealed).
+        if let Some((syncer, _)) = &self.syncer {
+            syncer.drain();
+        }
         // The seal says where the data ends, so recovery can tell a complete segment from one
         // that lost its end. Not part of the readable range (the extent ends before it).
         let mut seal = Vec::with_capacity(frame::SEAL_LEN as usize);
@@ -380,6 +421,9 @@ impl Writer {
         self.file = create_segment(&*self.storage, id, self.options.segment_size)?;
         self.active = id;
         self.active_len = SEGMENT_HEADER;
+        if let Some((_, file)) = &mut self.syncer {
+            *file = self.file.syncer()?.expect("the storage offered a sync handle before");
+        }
         // After the file exists (a crash in between leaves a segment past the recorded last,
         // which is fine; the other order would report a loss that did not happen).
         self.storage.write_atomic(STATE, &encode_state(self.persisted, id))?;
@@ -426,12 +470,156 @@ impl Writer {
 
     /// Makes the queue refuse appends from now on.
     fn fail(&mut self, cause: &str) -> Arc<str> {
-        let cause: Arc<str> = Arc::from(cause);
-        if let Some(inner) = self.inner.upgrade() {
-            let mut shared = lock(&inner.shared);
-            shared.failed.get_or_insert_with(|| cause.clone());
+        fail(&self.inner, cause)
+    }
+}
+
+/// The thread that syncs behind the writer under `Batch`: the writer hands it the appends of a
+/// written group and goes on to the next; it syncs once for everything handed to it while its
+/// previous sync ran, then answers them. After a failed sync it answers every later append with
+/// the failure (a page the kernel failed to write back may be gone: nothing after it is durable).
+#[derive(Debug)]
+pub(super) struct Syncer {
+    shared: Arc<SyncShared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Debug, Default)]
+struct SyncShared {
+    state: Mutex<SyncState>,
+    /// Wakes the sync thread: work was handed over, or it should stop.
+    wake: Condvar,
+    /// Wakes a writer waiting in [`Syncer::drain`].
+    drained: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct SyncState {
+    /// The files to sync, in order, each with the appends a sync of it answers.
+    jobs: Vec<(Arc<dyn FileSync>, Vec<Reply>)>,
+    /// Jobs taken and not yet answered.
+    busy: bool,
+    stop: bool,
+    /// The appends and frame bytes waiting in `jobs`.
+    appends: usize,
+    bytes: usize,
+    /// The sync thread is lingering for `want` appends (the last sync's count).
+    lingering: bool,
+    want: usize,
+}
+
+impl Syncer {
+    /// Starts the sync thread of the queue `inner`.
+    pub(super) fn start(inner: std::sync::Weak<Inner>) -> std::io::Result<Self> {
+        let shared = Arc::new(SyncShared::default());
+        let thread = std::thread::Builder::new().name("lanes-spill-sync".to_owned()).spawn({
+            let shared = shared.clone();
+            move || sync_loop(&shared, &inner)
+        })?;
+        Ok(Self { shared, thread: Some(thread) })
+    }
+
+    /// Hands over appends (their frame bytes and replies), to be answered once a sync of
+    /// `file` begun from now has ended.
+    fn hand(&self, file: &Arc<dyn FileSync>, appends: impl Iterator<Item = (usize, Reply)>) {
+        let mut state = lock(&self.shared.state);
+        let state = &mut *state;
+        let replies = appends.map(|(bytes, reply)| {
+            state.bytes += bytes;
+            reply
+        });
+        match state.jobs.last_mut() {
+            Some((last, waiting)) if Arc::ptr_eq(last, file) => waiting.extend(replies),
+            _ => {
+                let replies = replies.collect();
+                state.jobs.push((file.clone(), replies));
+            }
         }
-        cause
+        state.appends = state.jobs.iter().map(|(_, replies)| replies.len()).sum();
+        if !state.lingering || !lingers(state.appends, state.bytes, state.want, LINGER_BYTES) {
+            self.shared.wake.notify_one();
+        }
+    }
+
+    /// Waits until every append handed over was answered.
+    fn drain(&self) {
+        let mut state = lock(&self.shared.state);
+        while state.busy || !state.jobs.is_empty() {
+            state = self.shared.drained.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+impl Drop for Syncer {
+    fn drop(&mut self) {
+        lock(&self.shared.state).stop = true;
+        self.shared.wake.notify_one();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn sync_loop(shared: &SyncShared, inner: &std::sync::Weak<Inner>) {
+    let mut failure: Option<Arc<str>> = None;
+    let mut jobs = Vec::new();
+    let (mut want, mut took) = (1, Duration::ZERO);
+    loop {
+        let mut state = lock(&shared.state);
+        state.busy = false;
+        if state.jobs.is_empty() {
+            shared.drained.notify_all();
+        }
+        while state.jobs.is_empty() && !state.stop {
+            state = shared.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+        if state.jobs.is_empty() {
+            return;
+        }
+        // The adaptive linger of `Batch`: wait for the appenders the last sync answered (they
+        // are likely on their way back) while the handed bytes are few enough for a sync to
+        // cost more than they do, for at most half a sync. Writes go on meanwhile.
+        let deadline = Instant::now() + (took / 2).min(MAX_LINGER);
+        state.want = want;
+        while !state.stop && lingers(state.appends, state.bytes, want, LINGER_BYTES) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            state.lingering = true;
+            state = shared.wake.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        state.lingering = false;
+        want = state.appends.max(1);
+        (state.appends, state.bytes) = (0, 0);
+        std::mem::swap(&mut jobs, &mut state.jobs);
+        state.busy = true;
+        drop(state);
+        let start = Instant::now();
+        for (file, replies) in jobs.drain(..) {
+            if failure.is_none()
+                && let Err(err) = file.sync()
+            {
+                tracing::error!(error = %err, "spill sync failed; the queue fails every later append");
+                failure = Some(fail(inner, &err.to_string()));
+            }
+            for reply in replies {
+                let _ = reply.send(match &failure {
+                    None => Ok(()),
+                    Some(cause) => Err(SpillError::Failed(cause.clone())),
+                });
+            }
+        }
+        took = start.elapsed();
+    }
+}
+
+/// Makes the queue refuse appends from now on; the cause it keeps (the first one).
+fn fail(inner: &std::sync::Weak<Inner>, cause: &str) -> Arc<str> {
+    let cause: Arc<str> = Arc::from(cause);
+    match inner.upgrade() {
+        Some(inner) => lock(&inner.shared).failed.get_or_insert_with(|| cause.clone()).clone(),
+        None => cause,
     }
 }
 
