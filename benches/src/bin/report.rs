@@ -778,7 +778,9 @@ impl Report {
         ));
         self.line("Crash results (tests, not timings): the kill -9 harness (`crates/lanes/tests/spill_kill.rs`) runs 200 \
                    cycles of a child appending under `Always` and killed at random; every acknowledged append was present \
-                   exactly once after each (0 lost). The crash-simulation proptest cuts unsynced writes at arbitrary bytes.\n");
+                   exactly once after each (0 lost). The crash-simulation proptest cuts unsynced writes at arbitrary bytes \
+                   under `Always` and `Batch`, and `batch_acknowledges_only_what_its_sync_thread_made_durable` crashes a \
+                   `Batch` queue under 12 appenders with appends in flight and segments rotating.\n");
     }
 }
 
