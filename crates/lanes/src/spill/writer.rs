@@ -296,7 +296,16 @@ impl Writer {
             let done = match action {
                 Action::Write(range) if failure.is_none() => self.write(&taken.buf[range]),
                 Action::Sync if failure.is_none() => self.sync(),
-                Action::Rotate if failure.is_none() => self.rotate(),
+                Action::Rotate if failure.is_none() => {
+                    // The sync thread may have failed since this group began: a failed sync
+                    // may have lost pages that the rotation's own sync would then pass as
+                    // durable, so nothing more is written or answered as durable.
+                    failure = self.settle();
+                    match failure {
+                        None => self.rotate(),
+                        Some(_) => Ok(()),
+                    }
+                }
                 Action::Write(_) | Action::Sync | Action::Rotate => Ok(()),
                 Action::SyncThenAnswer(upto) if failure.is_none() => {
                     let (syncer, file) = self.syncer.as_ref().expect("planned with a sync thread");
@@ -331,9 +340,7 @@ impl Writer {
                     Ok(())
                 }
                 Action::Close => {
-                    if let Some((syncer, _)) = &self.syncer {
-                        syncer.drain();
-                    }
+                    self.settle();
                     // A closed queue leaves its files exactly as long as their data (a failed
                     // trim leaves reserved zeros, which recovery reads as unwritten).
                     if self.file.trim().is_ok() {
@@ -388,11 +395,6 @@ impl Writer {
 
     /// Seals the active segment (synced) and starts the next one.
     fn rotate(&mut self) -> std::io::Result<()> {
-        // The appends handed to the sync thread are answered first (in order, and before the
-        // segment they lie in is sealed).
-        if let Some((syncer, _)) = &self.syncer {
-            syncer.drain();
-        }
         // The seal says where the data ends, so recovery can tell a complete segment from one
         // that lost its end. Not part of the readable range (the extent ends before it).
         let mut seal = Vec::with_capacity(frame::SEAL_LEN as usize);
@@ -454,6 +456,15 @@ impl Writer {
         Ok(())
     }
 
+    /// Waits until the sync thread answered every append handed to it (so appends are
+    /// answered in order of their segments), then returns the queue's failure, if any.
+    fn settle(&self) -> Option<Arc<str>> {
+        if let Some((syncer, _)) = &self.syncer {
+            syncer.drain();
+        }
+        self.inner.upgrade().and_then(|inner| lock(&inner.shared).failed.clone())
+    }
+
     /// Makes the queue refuse appends from now on.
     fn fail(&mut self, cause: &str) -> Arc<str> {
         fail(&self.inner, cause)
@@ -489,7 +500,7 @@ struct SyncState {
     /// The appends and frame bytes waiting in `jobs`.
     appends: usize,
     bytes: usize,
-    /// The sync thread is lingering for `want` appends (the last sync's count).
+    /// The sync thread is lingering for `want` appends (the last sync's count, at least 1).
     lingering: bool,
     want: usize,
 }
@@ -511,6 +522,7 @@ impl Syncer {
         let mut state = lock(&self.shared.state);
         let state = &mut *state;
         let replies = appends.map(|(bytes, reply)| {
+            state.appends += 1;
             state.bytes += bytes;
             reply
         });
@@ -521,7 +533,6 @@ impl Syncer {
                 state.jobs.push((file.clone(), replies));
             }
         }
-        state.appends = state.jobs.iter().map(|(_, replies)| replies.len()).sum();
         if !state.lingering || !lingers(state.appends, state.bytes, state.want, LINGER_BYTES) {
             self.shared.wake.notify_one();
         }
@@ -549,7 +560,7 @@ impl Drop for Syncer {
 fn sync_loop(shared: &SyncShared, inner: &std::sync::Weak<Inner>) {
     let mut failure: Option<Arc<str>> = None;
     let mut jobs = Vec::new();
-    let (mut want, mut took) = (1, Duration::ZERO);
+    let mut took = Duration::ZERO;
     loop {
         let mut state = lock(&shared.state);
         state.busy = false;
@@ -566,8 +577,7 @@ fn sync_loop(shared: &SyncShared, inner: &std::sync::Weak<Inner>) {
         // are likely on their way back) while the handed bytes are few enough for a sync to
         // cost more than they do, for at most half a sync. Writes go on meanwhile.
         let deadline = Instant::now() + (took / 2).min(MAX_LINGER);
-        state.want = want;
-        while !state.stop && lingers(state.appends, state.bytes, want, LINGER_BYTES) {
+        while !state.stop && lingers(state.appends, state.bytes, state.want, LINGER_BYTES) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
@@ -576,7 +586,7 @@ fn sync_loop(shared: &SyncShared, inner: &std::sync::Weak<Inner>) {
             state = shared.wake.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
         }
         state.lingering = false;
-        want = state.appends.max(1);
+        state.want = state.appends.max(1);
         (state.appends, state.bytes) = (0, 0);
         std::mem::swap(&mut jobs, &mut state.jobs);
         state.busy = true;
