@@ -1053,3 +1053,116 @@ async fn a_run_waiting_for_its_limit_holds_no_slot() {
     let lane = &lanes.snapshot().lanes[0];
     assert_eq!((lane.owned, lane.executing, lane.queued), (0, 0, 0));
 }
+
+/// A queued background run without a deadline waits as data, not as a task; it keeps its place
+/// in the FIFO among blocking runs, and a slow finalizer does not hold up the run it granted
+/// its slot to.
+#[tokio::test(start_paused = true)]
+async fn queued_background_runs_hold_no_task_and_keep_their_place() {
+    let lanes = set(&[("work", 1, 200)]);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let finals = Finals::default();
+    let gate = Gate::new();
+    let first = lanes.run("work", gated(0, &gate, &log, &finals)).unwrap();
+    settle().await;
+    let tasks = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    // Background runs, with a blocking run among them.
+    for tag in 1..=100 {
+        lanes.spawn("work", gated(tag, &gate, &log, &finals)).unwrap();
+    }
+    let blocking = lanes.run("work", gated(101, &gate, &log, &finals)).unwrap();
+    for tag in 102..=150 {
+        lanes.spawn("work", gated(tag, &gate, &log, &finals)).unwrap();
+    }
+    settle().await;
+    let alive = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    assert_eq!(alive, tasks + 1, "150 queued runs, one task: the blocking run's");
+    assert_eq!(lanes.snapshot().lanes[0].queued, 150);
+    gate.open();
+    assert_eq!(first.await.unwrap(), 0);
+    assert_eq!(blocking.await.unwrap(), 101);
+    lanes.close();
+    lanes.drained().await;
+    assert_eq!(*log.lock().unwrap(), (0..=150).collect::<Vec<_>>(), "FIFO grants");
+    assert_eq!(finals.len(), 151);
+    assert!(finals.failures().is_empty());
+
+    // A run whose finalizer waits: the run it gave its slot to starts meanwhile.
+    let lanes = set(&[("work", 1, 2)]);
+    let (started_tx, started) = oneshot::channel::<()>();
+    let finalizer_gate = Gate::new();
+    let slow = {
+        let finalizer_gate = finalizer_gate.clone();
+        Run::typed(|_cx| async { Res::Ok(()) }).finalizer(move |outcome| async move {
+            finalizer_gate.wait().await;
+            outcome
+        })
+    };
+    lanes.spawn("work", slow).unwrap();
+    let next = Run::typed(move |_cx| async move {
+        started_tx.send(()).unwrap();
+        Res::Ok(())
+    });
+    lanes.spawn("work", next).unwrap();
+    started.await.expect("the next run started while the finalizer waited");
+    finalizer_gate.open();
+    lanes.close();
+    lanes.drained().await;
+}
+
+/// Closing from a thread outside any runtime fails every parked run through its finalizer.
+#[test]
+fn close_outside_the_runtime_finalizes_parked_runs() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .unwrap();
+    let lanes = set(&[("work", 1, 20)]);
+    let (log, finals, gate) = (Arc::new(Mutex::new(Vec::new())), Finals::default(), Gate::new());
+    runtime.block_on(async {
+        for tag in 0..20 {
+            lanes.spawn("work", gated(tag, &gate, &log, &finals)).unwrap();
+        }
+        settle().await;
+    });
+    assert_eq!(lanes.snapshot().lanes[0].queued, 19);
+    std::thread::scope(|s| {
+        s.spawn(|| lanes.close());
+    });
+    gate.open();
+    runtime.block_on(lanes.drained());
+    assert_eq!(finals.len(), 20);
+    let failures = finals.failures();
+    assert_eq!(failures.len(), 20, "the executing run was asked to stop, the rest closed");
+    let queued: Vec<_> = failures.iter().filter(|f| f.stage() == Stage::Queue).collect();
+    assert_eq!(queued.len(), 19);
+    assert!(queued.iter().all(|f| f.reason() == Reason::Closed));
+    assert_eq!(*log.lock().unwrap(), [0], "no queued job ran");
+}
+
+/// Runs chained in one task (each started by the run before it) whose jobs never wait still
+/// let other tasks run: the chain yields when its budget is spent.
+#[tokio::test(flavor = "current_thread")]
+async fn a_chain_of_runs_that_never_wait_yields_to_other_tasks() {
+    let lanes = set(&[("work", 1, 2_000)]);
+    let done = Arc::new(AtomicUsize::new(0));
+    for _ in 0..2_000 {
+        let done = done.clone();
+        let run = Run::typed(|_cx| async { Res::Ok(()) }).finalizer(move |outcome| {
+            done.fetch_add(1, Ordering::Relaxed);
+            std::future::ready(outcome)
+        });
+        lanes.spawn("work", run).unwrap();
+    }
+    let seen = tokio::spawn({
+        let done = done.clone();
+        async move { done.load(Ordering::Relaxed) }
+    })
+    .await
+    .unwrap();
+    assert!(seen < 2_000, "another task ran before the chain ended (it saw {seen} done)");
+    lanes.close();
+    lanes.drained().await;
+    assert_eq!(done.load(Ordering::Relaxed), 2_000);
+}

@@ -67,12 +67,83 @@ pub(super) enum Start {
     Limited { seq: u64, deadline: Option<Instant>, since: Option<tokio::time::Instant> },
 }
 
+/// A queued background run without a deadline, waiting as data in its signal instead of as a
+/// task ([`RunSignal::park`]): its drive, built at admission and not yet polled. The lane's
+/// decision starts it: a grant made by a run that gives its slot back hands it to that run's
+/// task ([`Next`]), anything else spawns a task for it.
+pub(super) struct Parked(pub(super) Step);
+
+impl Parked {
+    /// Spawns a task for it (on the current runtime: grants are made in run tasks, and a shut
+    /// enters a runtime first).
+    pub(super) fn start(self) {
+        drop(tokio::spawn(work(self.0)));
+    }
+}
+
+/// One background run's drive, boxed so that runs of any type chain in one task.
+pub(super) type Step = Pin<Box<dyn Future<Output = Next> + Send>>;
+
+/// The task of background runs: it drives its first run, then every parked run that a run of
+/// this task granted its slot to, one after the other, as a worker drains a queue. A chain of
+/// runs whose jobs never wait still yields to the scheduler when the task's budget is spent.
+pub(super) async fn work(mut step: Step) {
+    loop {
+        let Next(Some(run)) = step.await else {
+            return;
+        };
+        tokio::task::coop::consume_budget().await;
+        step = run.0;
+    }
+}
+
+/// The parked run that a finishing run granted its execution slot to, carried by the
+/// finishing run's task: started in that task once the run ends, unless the run must wait
+/// first (an audit, finalizer or cleanup that does not finish on its first poll), in which
+/// case it is spawned then, so that it never waits for the end of another run.
+#[derive(Default)]
+pub(super) struct Next(Option<Parked>);
+
+impl Next {
+    /// Carries `run`; a second one (never, when one slot was freed) gets its own task.
+    pub(super) fn push(&mut self, run: Parked) {
+        match self.0 {
+            None => self.0 = Some(run),
+            Some(_) => run.start(),
+        }
+    }
+
+    /// Spawns the carried run, if any: its carrier is about to wait.
+    fn spawn(&mut self) {
+        if let Some(run) = self.0.take() {
+            run.start();
+        }
+    }
+}
+
+/// How a run ended, and the parked run it granted its slot to.
+pub(super) type Ended<T> = (Result<T, RunFailure>, Next);
+
+/// What a run's task does with its end: a background run's result was the finalizer's, and
+/// its task goes on with the run it granted its slot to.
+pub(super) fn background<T>((_, next): Ended<T>) -> Next {
+    next
+}
+
+/// What a run's task does with its end: a blocking run's task answers its handle, so the run
+/// it granted its slot to gets a task of its own.
+pub(super) fn blocking<T>((result, mut next): Ended<T>) -> Result<T, RunFailure> {
+    next.spawn();
+    result
+}
+
 /// Runs a (panic-contained) callback future under a timeout, flattening every way it can fail
 /// into one error.
 async fn bounded<T, E, Fut>(
     stage: Stage,
     limit: Duration,
     started: Result<Fut, Panicked>,
+    next: &mut Next,
 ) -> Result<T, BoxError>
 where
     Fut: Future<Output = Result<T, E>>,
@@ -84,7 +155,12 @@ where
     // and boxed to keep the run's future small, for those that do not.
     let ended = match poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
         Poll::Ready(ended) => ended,
-        Poll::Pending => match Box::pin(timeout(limit, fut)).await {
+        Poll::Pending => match {
+            next.spawn();
+            Box::pin(timeout(limit, fut))
+        }
+        .await
+        {
             Ok(ended) => ended,
             Err(_elapsed) => return Err(Box::new(TimeoutError::new(stage, limit))),
         },
@@ -124,14 +200,19 @@ impl Ticket {
 
     /// Records an audit event, bounded by `audit_timeout`. `Ok` without a hook; boxed with one,
     /// to keep the run's state machine small for the common case.
-    async fn audit(&self, kind: AuditKind) -> Result<(), BoxError> {
+    async fn audit(&self, kind: AuditKind, next: &mut Next) -> Result<(), BoxError> {
         match &self.shared.audit {
             None => Ok(()),
-            Some(audit) => Box::pin(self.record(audit, kind)).await,
+            Some(audit) => Box::pin(self.record(audit, kind, next)).await,
         }
     }
 
-    async fn record(&self, audit: &Arc<dyn Audit>, kind: AuditKind) -> Result<(), BoxError> {
+    async fn record(
+        &self,
+        audit: &Arc<dyn Audit>,
+        kind: AuditKind,
+        next: &mut Next,
+    ) -> Result<(), BoxError> {
         let event = AuditEvent {
             run_id: self.info.run_id,
             lane: self.lane_name(),
@@ -143,7 +224,7 @@ impl Ticket {
             _ => Stage::Terminal,
         };
         let limit = self.shared.audit_timeout;
-        bounded(stage, limit, call_contained(|| audit.record(event))).await
+        bounded(stage, limit, call_contained(|| audit.record(event)), next).await
     }
 }
 
@@ -152,13 +233,18 @@ impl Ticket {
 /// An `async` block rather than an `async fn`: an async fn copies its arguments into locals, so
 /// its state machine would hold them twice.
 #[allow(clippy::manual_async_fn, reason = "an async fn would hold its arguments twice")]
-pub(super) fn drive<J, F>(
+///
+/// `end` receives the run's result and the parked run it granted its slot to: [`background`]
+/// or [`blocking`] (a function, so that no wrapping future stores this one twice).
+pub(super) fn drive<J, F, O>(
     t: Ticket,
     callbacks: Callbacks<J, F>,
-) -> impl Future<Output = Result<F::Output, RunFailure>> + Send
+    end: fn(Ended<F::Output>) -> O,
+) -> impl Future<Output = O> + Send
 where
     J: Job,
     F: Finalize<J::Output>,
+    O: Send,
 {
     // One span per run, from admission to the end of its cleanup: the grant, the job, the
     // finalizer and the cleanup are its events. Its fields are evaluated only if it is enabled.
@@ -170,14 +256,17 @@ where
     );
     let run = async move {
         let (job, finalizer, cleanup) = (callbacks.job, callbacks.finalizer, callbacks.cleanup);
+        // The run this one gives its execution slot to, if it was parked (see `Next`).
+        let mut next = Next::default();
         // Queue, start audit and execution; the execution slot goes back before anything else.
         let (granted, since) = match t.start {
             Start::Executing { slot } => (Ok((slot, None)), None),
             Start::Queued { seq, deadline, since } => {
                 (await_grant(&t, seq, deadline).await.map(|slot| (slot, None)), since)
             }
+            // Boxed: most runs name no limit, and their state machine stays small.
             Start::Limited { seq, deadline, since } => {
-                (await_permit(&t, seq, deadline).await, since)
+                (Box::pin(await_permit(&t, seq, deadline)).await, since)
             }
         };
         if let (Ok(_), Some(since)) = (&granted, since) {
@@ -188,11 +277,11 @@ where
             Err(failed) => Err(failed),
             Ok((slot, permit)) => {
                 tracing::debug!(slot, permit = permit.is_some(), "granted");
-                let executed = match t.audit(AuditKind::Started).await {
+                let executed = match t.audit(AuditKind::Started, &mut next).await {
                     Err(err) => Err((Stage::Start, Reason::Audit, Some(err))),
                     Ok(()) => execute(&t, job, permit).await,
                 };
-                t.shared.release_execution(t.info.lane, slot);
+                next = t.shared.release_execution(t.info.lane, slot);
                 match &executed {
                     Ok(_) => tracing::debug!("job ended"),
                     Err((stage, reason, _)) => {
@@ -209,14 +298,14 @@ where
 
         // Terminal audit, before the finalizer. A run whose start audit failed gets none.
         let outcome = match executed {
-            Ok(value) => match t.audit(AuditKind::Completed).await {
+            Ok(value) => match t.audit(AuditKind::Completed, &mut next).await {
                 Ok(()) => Ok(value),
                 Err(err) => Err(t.failure(Stage::Terminal, Reason::Audit, Some(err))),
             },
             Err((stage, reason, cause)) => {
                 let fail = t.failure(stage, reason, cause);
                 if stage != Stage::Start
-                    && let Err(err) = t.audit(AuditKind::Failed { stage, reason }).await
+                    && let Err(err) = t.audit(AuditKind::Failed { stage, reason }, &mut next).await
                 {
                     fail.attach(Stage::Terminal, err);
                 }
@@ -227,9 +316,8 @@ where
         // Finalizer: exactly once, independent of the caller, bounded.
         let primary = outcome.as_ref().err().cloned();
         let limit = t.shared.finalization_timeout;
-        let finalized =
-            bounded(Stage::Finalization, limit, call_contained(|| finalizer.finalize(outcome)))
-                .await;
+        let finalize = call_contained(|| finalizer.finalize(outcome));
+        let finalized = bounded(Stage::Finalization, limit, finalize, &mut next).await;
         let mut result = match (primary, finalized) {
             (None, Ok(value)) => Ok(value),
             (None, Err(err)) => Err(t.failure(Stage::Finalization, Reason::Finalizer, Some(err))),
@@ -248,7 +336,8 @@ where
         // Cleanup, then ownership goes back.
         if let Some(cleanup) = cleanup {
             let limit = t.shared.audit_timeout;
-            if let Err(err) = bounded(Stage::Cleanup, limit, call_contained(cleanup)).await {
+            let cleaned = bounded(Stage::Cleanup, limit, call_contained(cleanup), &mut next).await;
+            if let Err(err) = cleaned {
                 match &result {
                     Err(fail) => fail.attach(Stage::Cleanup, err),
                     Ok(_) => result = Err(t.failure(Stage::Cleanup, Reason::Cleanup, Some(err))),
@@ -258,7 +347,7 @@ where
         let failure = result.as_ref().err().map(RunFailure::reason);
         tracing::debug!(outcome = failure.map_or("ok", Reason::as_str), "finalized");
         t.shared.complete(t.info.lane, failure);
-        result
+        end((result, next))
     };
     tracing::Instrument::instrument(run, span)
 }

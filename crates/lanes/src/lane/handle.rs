@@ -3,9 +3,13 @@
 //!
 //! # Implementation details
 //!
-//! Every admitted run is driven by one spawned task (`driver::drive`), which polls the job
-//! itself, so a run costs one task. The lane's pure core (`core.rs`) sits behind one `std::sync::Mutex` per
-//! lane, never held across an await. A run's [`RunSignal`] carries the grant and the
+//! Every admitted run is driven by `driver::drive`, which polls the job itself. A run that
+//! starts at once, waits with a deadline, waits for a permit or has a caller waiting for it
+//! gets a task of its own. A queued background run without a deadline waits as data: its drive
+//! is built at admission and parked in its signal, and the run that gives its slot back runs it
+//! next in the same task (`driver::Next`), so queued runs cost no task and a busy lane runs on
+//! about one task per execution slot. The lane's pure core (`core.rs`) sits behind one
+//! `std::sync::Mutex` per lane, never held across an await. A run's [`RunSignal`] carries the grant and the
 //! cancellation between the lane, the caller's handle and the job.
 //!
 //! # Invariants
@@ -29,7 +33,10 @@ use tokio::time::Instant;
 use super::audit::Audit;
 use super::config::{LaneLimits, LaneSetBuilder};
 use super::core::{Admitted, LaneCore, Shut};
-use super::driver::{Admission, Callbacks, Start, Ticket, TicketInfo, drive, grant};
+use super::driver::{
+    Admission, Callbacks, Next, Parked, Start, Ticket, TicketInfo, background, blocking, drive,
+    work,
+};
 use super::error::{AdmissionError, AdmissionErrorKind, PoisonError, Reason};
 use super::metrics::LaneMetrics;
 use super::run::{Finalize, Job, Participation, Run, RunHandle, RunId};
@@ -79,6 +86,9 @@ pub(super) struct SetShared {
     pub(super) finalization_timeout: Duration,
     pub(super) worker_drain_timeout: Duration,
     pub(super) audit: Option<Arc<dyn Audit>>,
+    /// The runtime of the first parked run: a shut made outside any runtime spawns the parked
+    /// runs it fails there.
+    pub(super) runtime: OnceLock<tokio::runtime::Handle>,
 }
 
 /// A set of named run lanes with shared lifecycle bounds. Cheap to clone: clones share the lanes.
@@ -130,6 +140,7 @@ impl LaneSet {
             finalization_timeout: builder.finalization_timeout.unwrap_or_default(),
             worker_drain_timeout: builder.worker_drain_timeout.unwrap_or_default(),
             audit: builder.audit,
+            runtime: OnceLock::new(),
         });
         if let Some(registration) = builder.registry {
             registration.register(&shared)?;
@@ -451,7 +462,7 @@ where
 {
     let (ticket, callbacks) = shared.admit(index, Participation::Blocking, run, count_full)?;
     let (run_id, signal) = (ticket.info.run_id, ticket.signal.clone());
-    let join = tokio::spawn(drive(ticket, callbacks));
+    let join = tokio::spawn(Box::pin(drive(ticket, callbacks, blocking)));
     Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
 }
 
@@ -467,7 +478,15 @@ where
 {
     let (ticket, callbacks) = shared.admit(index, Participation::Background, run, count_full)?;
     let run_id = ticket.info.run_id;
-    drop(tokio::spawn(drive(ticket, callbacks)));
+    if let Start::Queued { deadline: None, .. } = ticket.start {
+        // Nothing to time and nobody to answer: it waits as data, and its task is spawned
+        // when the lane decides (or it is cancelled).
+        shared.runtime.get_or_init(tokio::runtime::Handle::current);
+        let signal = ticket.signal.clone();
+        signal.park(Parked(Box::pin(drive(ticket, callbacks, background))));
+    } else {
+        drop(tokio::spawn(work(Box::pin(drive(ticket, callbacks, background)))));
+    }
     Ok(run_id)
 }
 
@@ -552,6 +571,12 @@ impl SetShared {
 
     /// Closes or poisons every lane (see invariant 3).
     fn shut(&self, why: Shut) {
+        // Parked runs are spawned by the shut that fails them: on this runtime, or on the
+        // runtime that parked them if this thread has none.
+        let _runtime = match tokio::runtime::Handle::try_current() {
+            Ok(_) => None,
+            Err(_) => self.runtime.get().map(tokio::runtime::Handle::enter),
+        };
         let (code, reason) = match why {
             Shut::Closed => (CLOSED, Reason::Closed),
             Shut::Poisoned => (POISONED, Reason::Poisoned),
@@ -584,12 +609,19 @@ impl SetShared {
         self.poisoned_by.get().map(|by| Box::new(PoisonError::new(*by)) as BoxError)
     }
 
-    /// Gives a run's execution slot back; the next queued run is granted.
-    pub(super) fn release_execution(&self, lane: usize, slot: usize) {
+    /// Gives a run's execution slot back; the next queued run is granted. A parked run
+    /// granted the slot is handed back, for the caller's task to start (see `driver::Next`).
+    pub(super) fn release_execution(&self, lane: usize, slot: usize) -> Next {
         let lane = &self.lanes[lane];
+        let mut next = Next::default();
         let mut core = lock(&lane.core);
-        core.release_execution(slot, grant);
+        core.release_execution(slot, |_seq, slot, signal| {
+            if let Some(run) = signal.grant_parked(slot) {
+                next.push(run);
+            }
+        });
         lane.publish(&core);
+        next
     }
 
     /// Gives a run's ownership back (the run is over).

@@ -6,8 +6,10 @@
 //! - the *cancel* latch moves once from none to a reason (set by the caller's handle, the
 //!   execution timeout, close or poison); the first reason wins.
 //!
-//! The run's driver task waits through a single waker slot, polled in place (no future to
-//! store); anyone else (a job awaiting [`RunContext::cancelled`](super::RunContext::cancelled),
+//! The run's driver task waits through a single slot, polled in place (no future to store). A
+//! background run that waits in the queue without a deadline has no task yet: its slot holds
+//! the run itself, [parked](RunSignal::park), and the first change of either latch spawns its
+//! driver. Anyone else (a job awaiting [`RunContext::cancelled`](super::RunContext::cancelled),
 //! possibly from other tasks) waits on the `Notify`. Both register *before* re-reading the
 //! latches, so a change between the read and the wait cannot be missed.
 
@@ -21,6 +23,7 @@ use tokio::sync::Notify;
 use crate::util::lock;
 
 use super::core::Shut;
+use super::driver::Parked;
 use super::error::Reason;
 
 const WAITING: u8 = 0;
@@ -37,14 +40,31 @@ pub(crate) enum Decision {
     Shut(Shut),
 }
 
+/// Who waits for the run's latches in its driver's place.
+enum Driver {
+    None,
+    Task(Waker),
+    Parked(Parked),
+}
+
+impl std::fmt::Debug for Driver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::None => "None",
+            Self::Task(_) => "Task",
+            Self::Parked(_) => "Parked",
+        })
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct RunSignal {
     grant: AtomicU8,
     /// The execution slot, valid once `grant` is `GRANTED`.
     slot: AtomicUsize,
     cancel: AtomicU8,
-    /// The driver task's waker.
-    driver: Mutex<Option<Waker>>,
+    /// The driver task's waker, or the parked run whose driver is not spawned yet.
+    driver: Mutex<Driver>,
     /// Other waiters: only ever wait for cancellation.
     notify: Notify,
 }
@@ -55,7 +75,7 @@ impl RunSignal {
             grant: AtomicU8::new(WAITING),
             slot: AtomicUsize::new(0),
             cancel: AtomicU8::new(0),
-            driver: Mutex::new(None),
+            driver: Mutex::new(Driver::None),
             notify: Notify::new(),
         }
     }
@@ -64,6 +84,26 @@ impl RunSignal {
         // Published by the release of the latch below.
         self.slot.store(slot, Ordering::Relaxed);
         self.set_grant(GRANTED);
+    }
+
+    /// Grants `slot` like [`grant`](Self::grant), but hands a parked run back to the caller
+    /// instead of starting it.
+    pub(super) fn grant_parked(&self, slot: usize) -> Option<Parked> {
+        self.slot.store(slot, Ordering::Relaxed);
+        let set =
+            self.grant.compare_exchange(WAITING, GRANTED, Ordering::AcqRel, Ordering::Acquire);
+        if set.is_err() {
+            return None;
+        }
+        let driver = std::mem::replace(&mut *lock(&self.driver), Driver::None);
+        match driver {
+            Driver::None => None,
+            Driver::Task(waker) => {
+                waker.wake();
+                None
+            }
+            Driver::Parked(run) => Some(run),
+        }
     }
 
     pub(crate) fn shut(&self, why: Shut) {
@@ -81,8 +121,27 @@ impl RunSignal {
     }
 
     fn wake_driver(&self) {
-        if let Some(waker) = lock(&self.driver).take() {
-            waker.wake();
+        let driver = std::mem::replace(&mut *lock(&self.driver), Driver::None);
+        match driver {
+            Driver::None => {}
+            Driver::Task(waker) => waker.wake(),
+            Driver::Parked(run) => run.start(),
+        }
+    }
+
+    /// Parks a queued run until either latch changes, when `run` is started (its driver
+    /// spawned, and it reads the latches on its first poll). Started at once if a latch changed
+    /// already: the latches are set before the slot is read, and read here under its lock, so
+    /// one of the two sides sees the other.
+    pub(super) fn park(&self, run: Parked) {
+        let mut driver = lock(&self.driver);
+        let decided =
+            self.grant.load(Ordering::Acquire) != WAITING || self.cancel_reason().is_some();
+        if decided {
+            drop(driver);
+            run.start();
+        } else {
+            *driver = Driver::Parked(run);
         }
     }
 
@@ -123,9 +182,10 @@ impl RunSignal {
         }
         {
             let mut slot = lock(&self.driver);
+            debug_assert!(!matches!(*slot, Driver::Parked(_)), "a parked run has no driver");
             match &*slot {
-                Some(waker) if waker.will_wake(cx.waker()) => {}
-                _ => *slot = Some(cx.waker().clone()),
+                Driver::Task(waker) if waker.will_wake(cx.waker()) => {}
+                _ => *slot = Driver::Task(cx.waker().clone()),
             }
         }
         // Re-read: a latch set before the registration did not see this waker.
