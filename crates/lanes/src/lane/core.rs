@@ -275,6 +275,13 @@ impl<W: Clone> LaneCore<W> {
         self.queue.remove(seq).is_some()
     }
 
+    /// `runs` runs completed (successfully): their ownership is given back.
+    pub(crate) fn complete_many(&mut self, runs: usize) {
+        debug_assert!(self.owned >= runs, "complete without ownership");
+        self.owned -= runs;
+        self.counters.completed += runs as u64;
+    }
+
     /// The run's finalizer and cleanup are done: its ownership is given back. `failure` is
     /// `None` for a completed run.
     pub(crate) fn complete(&mut self, failure: Option<Reason>) {

@@ -26,7 +26,7 @@ use super::run::{Cleanup, Finalize, Job, Participation, RunContext, RunId};
 use super::signal::{Decision, RunSignal};
 use crate::BoxError;
 use crate::limit::{Permit, Throttle};
-use crate::util::{CatchUnwind, Panicked, call_contained, lock};
+use crate::util::{CatchUnwind, Panicked, call_contained};
 
 /// An admitted run, on its way to its driver task, without its job and finalizer.
 ///
@@ -391,7 +391,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
     // Leave the queue, unless the lane decided first: the grant latch is only set under the
     // lane lock, so it is final while we hold it.
     let lane = &t.shared.lanes[t.info.lane];
-    let mut core = lock(&lane.core);
+    let mut core = lane.lock_core();
     if core.withdraw(seq) {
         lane.publish(&core);
         return Err((Stage::Queue, reason, cause));
@@ -452,7 +452,7 @@ async fn await_permit(
     let (reason, cause) = match woke {
         Woke::Permit(Ok(permit)) => {
             let ready = {
-                let mut core = lock(&lane.core);
+                let mut core = lane.lock_core();
                 let ready = core.ready(seq);
                 lane.publish(&core);
                 ready
@@ -482,7 +482,7 @@ async fn await_permit(
             (reason, cause)
         }
     };
-    let mut core = lock(&lane.core);
+    let mut core = lane.lock_core();
     if core.withdraw_limited(seq) {
         lane.publish(&core);
         return Err((Stage::Queue, reason, cause));

@@ -24,7 +24,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -60,10 +60,24 @@ pub(super) struct LaneShared {
     /// Callers waiting for room: a run that ends touches `room` only if there are any (the
     /// common case, nobody waiting, costs one load).
     pub(super) waiting: AtomicUsize,
+    /// Runs that completed successfully and that the core has not counted yet: a completion
+    /// does not take the lane lock, and whoever takes it next counts them first
+    /// ([`lock_core`](Self::lock_core)), so no reader of the core ever misses one.
+    pub(super) completed: AtomicUsize,
     pub(super) metrics: LaneMetrics,
 }
 
 impl LaneShared {
+    /// Locks the lane's core, after counting the completions made without its lock.
+    pub(super) fn lock_core(&self) -> MutexGuard<'_, LaneCore<Arc<RunSignal>>> {
+        let mut core = lock(&self.core);
+        // SeqCst, against `complete`: see its comment on callers waiting for room.
+        if self.completed.load(Ordering::SeqCst) > 0 {
+            core.complete_many(self.completed.swap(0, Ordering::SeqCst));
+        }
+        core
+    }
+
     /// Publishes the lane's gauges (called under the lane lock, after a change).
     pub(super) fn publish(&self, core: &LaneCore<Arc<RunSignal>>) {
         self.metrics.executing.set(core.executing() as f64);
@@ -125,6 +139,7 @@ impl LaneSet {
                 core: Mutex::new(LaneCore::new(limits)),
                 room: Notify::new(),
                 waiting: AtomicUsize::new(0),
+                completed: AtomicUsize::new(0),
             })
             .collect();
         let shared = Arc::new(SetShared {
@@ -441,7 +456,7 @@ async fn wait_for_room<J, F, R>(
             },
         };
         if timed_out {
-            lock(&lane.core).count_rejected(AdmissionErrorKind::Full);
+            lane.lock_core().count_rejected(AdmissionErrorKind::Full);
             lane.metrics.rejected.increment(1);
             lane.metrics.timed_out.increment(1);
             return Err(refused);
@@ -503,7 +518,7 @@ impl SetShared {
         count_full: bool,
     ) -> Result<Admission<J, F>, AdmissionError<Run<J, F>>> {
         let lane = &self.lanes[index];
-        let mut core = lock(&lane.core);
+        let mut core = lane.lock_core();
         let limited = run.limit.is_some();
         match core.admit(count_full, limited, |_| Arc::new(RunSignal::new())) {
             Ok((admitted, signal)) => {
@@ -583,7 +598,7 @@ impl SetShared {
         };
         self.state.fetch_max(code, Ordering::AcqRel);
         for lane in self.lanes.iter() {
-            let mut core = lock(&lane.core);
+            let mut core = lane.lock_core();
             core.shut(
                 why,
                 |signal| signal.shut(why),
@@ -614,7 +629,7 @@ impl SetShared {
     pub(super) fn release_execution(&self, lane: usize, slot: usize) -> Next {
         let lane = &self.lanes[lane];
         let mut next = Next::default();
-        let mut core = lock(&lane.core);
+        let mut core = lane.lock_core();
         core.release_execution(slot, |_seq, slot, signal| {
             if let Some(run) = signal.grant_parked(slot) {
                 next.push(run);
@@ -627,11 +642,17 @@ impl SetShared {
     /// Gives a run's ownership back (the run is over).
     pub(super) fn complete(&self, lane: usize, failure: Option<Reason>) {
         let shared = &self.lanes[lane];
-        lock(&shared.core).complete(failure);
+        match failure {
+            // The common case takes no lock: the next locker counts it (see `lock_core`).
+            None => {
+                shared.completed.fetch_add(1, Ordering::SeqCst);
+            }
+            Some(_) => shared.lock_core().complete(failure),
+        }
         shared.metrics.finished(failure);
         // One run's room: one waiter (a waiter that gave up passes it on). A waiter counts
-        // itself (SeqCst) before its first try, which takes the lane lock after this
-        // completion's: if the load below misses it, its try sees the room.
+        // itself (SeqCst) before its first try, whose lock counts the completions (SeqCst)
+        // after that: either the load below sees the waiter, or its try sees this room.
         if shared.waiting.load(Ordering::SeqCst) > 0 {
             shared.room.notify_one();
         }
@@ -643,7 +664,7 @@ impl SetShared {
 
     fn lane_snapshot(&self, index: usize) -> LaneSnapshot {
         let lane = &self.lanes[index];
-        let core = lock(&lane.core);
+        let core = lane.lock_core();
         let counters = core.counters();
         LaneSnapshot {
             name: lane.name.to_string(),
