@@ -290,8 +290,10 @@ async fn rejection_happens_before_ownership() {
     let full = lanes.run("work", gated(2, &gate, &log, &finals)).unwrap_err();
     assert_eq!(full.kind(), AdmissionErrorKind::Full);
     assert_eq!(full.participation(), Participation::Blocking);
+    assert_eq!(full.to_string(), "lane \"work\" refused a run: full");
     let unknown = lanes.spawn("nope", gated(3, &gate, &log, &finals)).unwrap_err();
     assert_eq!(unknown.kind(), AdmissionErrorKind::UnknownLane);
+    assert_eq!(unknown.lane(), "nope");
     assert_eq!(unknown.participation(), Participation::Background);
     // The refused run is handed back intact and can be admitted later.
     let returned = full.into_run();

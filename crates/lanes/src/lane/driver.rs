@@ -261,9 +261,11 @@ where
         // Queue, start audit and execution; the execution slot goes back before anything else.
         let (granted, since) = match t.start {
             Start::Executing { slot } => (Ok((slot, None)), None),
-            Start::Queued { seq, deadline, since } => {
-                (await_grant(&t, seq, deadline).await.map(|slot| (slot, None)), since)
-            }
+            Start::Queued { seq, deadline, since } => match t.signal.grant_state() {
+                // A parked run starts once granted: no wait to set up.
+                Decision::Granted(slot) => (Ok((slot, None)), since),
+                _ => (await_grant(&t, seq, deadline).await.map(|slot| (slot, None)), since),
+            },
             // Boxed: most runs name no limit, and their state machine stays small.
             Start::Limited { seq, deadline, since } => {
                 (Box::pin(await_permit(&t, seq, deadline)).await, since)
@@ -506,7 +508,7 @@ async fn execute<J: Job>(t: &Ticket, job: J, permit: Option<Permit>) -> Result<J
     let _permit = permit;
     let cx = RunContext {
         run_id: t.info.run_id,
-        lane: t.lane_name(),
+        lane: t.shared.lanes[t.info.lane].label,
         participation: t.info.participation,
         signal: t.signal.clone(),
     };

@@ -1,5 +1,6 @@
 //! Errors of run lanes: admission (no run id, no finalizer) and run failures (owned runs).
 
+use std::borrow::Cow;
 use std::error::Error;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -45,7 +46,8 @@ impl AdmissionErrorKind {
 /// so `?` converts it into a [`BoxError`].
 pub struct AdmissionError<R> {
     kind: AdmissionErrorKind,
-    lane: Arc<str>,
+    /// A configured lane's interned name, or the unknown name asked for.
+    lane: Cow<'static, str>,
     participation: Participation,
     run: SyncWrapper<R>,
 }
@@ -53,11 +55,11 @@ pub struct AdmissionError<R> {
 impl<R> AdmissionError<R> {
     pub(crate) fn new(
         kind: AdmissionErrorKind,
-        lane: Arc<str>,
+        lane: impl Into<Cow<'static, str>>,
         participation: Participation,
         run: R,
     ) -> Self {
-        Self { kind, lane, participation, run: SyncWrapper::new(run) }
+        Self { kind, lane: lane.into(), participation, run: SyncWrapper::new(run) }
     }
 
     /// Why the run was refused.

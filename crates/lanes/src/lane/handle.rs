@@ -53,6 +53,8 @@ const POISONED: u8 = 2;
 
 pub(super) struct LaneShared {
     pub(super) name: Arc<str>,
+    /// The same name, interned: what refusals and job contexts carry.
+    pub(super) label: &'static str,
     pub(super) limits: LaneLimits,
     pub(super) core: Mutex<LaneCore<Arc<RunSignal>>>,
     /// Woken (one waiter per run that ends, all on shut) for callers waiting for room.
@@ -64,6 +66,12 @@ pub(super) struct LaneShared {
     /// does not take the lane lock, and whoever takes it next counts them first
     /// ([`lock_core`](Self::lock_core)), so no reader of the core ever misses one.
     pub(super) completed: AtomicUsize,
+    /// Admissions refused `Full` without the lane lock, not counted by the core yet (counted
+    /// like `completed`).
+    pub(super) refused: AtomicUsize,
+    /// Runs owned, exactly: taken under the lane lock at admission, given back without it at
+    /// completion. A lane it shows full refuses without taking its lock.
+    pub(super) owned: AtomicUsize,
     pub(super) metrics: LaneMetrics,
 }
 
@@ -74,6 +82,11 @@ impl LaneShared {
         // SeqCst, against `complete`: see its comment on callers waiting for room.
         if self.completed.load(Ordering::SeqCst) > 0 {
             core.complete_many(self.completed.swap(0, Ordering::SeqCst));
+        }
+        if self.refused.load(Ordering::Relaxed) > 0 {
+            for _ in 0..self.refused.swap(0, Ordering::Relaxed) {
+                core.count_rejected(AdmissionErrorKind::Full);
+            }
         }
         core
     }
@@ -134,12 +147,15 @@ impl LaneSet {
             .into_iter()
             .map(|(name, limits)| LaneShared {
                 metrics: LaneMetrics::new(&set_name, &name),
+                label: crate::util::intern(&name),
                 name: name.into(),
                 limits,
                 core: Mutex::new(LaneCore::new(limits)),
                 room: Notify::new(),
                 waiting: AtomicUsize::new(0),
                 completed: AtomicUsize::new(0),
+                refused: AtomicUsize::new(0),
+                owned: AtomicUsize::new(0),
             })
             .collect();
         let shared = Arc::new(SetShared {
@@ -407,7 +423,7 @@ impl fmt::Debug for Lane {
 }
 
 fn unknown_lane<R>(lane: &str, participation: Participation, run: R) -> AdmissionError<R> {
-    AdmissionError::new(AdmissionErrorKind::UnknownLane, lane.into(), participation, run)
+    AdmissionError::new(AdmissionErrorKind::UnknownLane, lane.to_owned(), participation, run)
 }
 
 /// Counts a caller waiting for room until dropped.
@@ -518,11 +534,23 @@ impl SetShared {
         count_full: bool,
     ) -> Result<Admission<J, F>, AdmissionError<Run<J, F>>> {
         let lane = &self.lanes[index];
+        // A full lane of an open set refuses without its lock: `owned` is exact, so the lane
+        // was full when it was read. (SeqCst against `complete`, for callers waiting for room.)
+        let full = lane.owned.load(Ordering::SeqCst) >= lane.limits.capacity();
+        if full && self.state.load(Ordering::Relaxed) == OPEN {
+            if count_full {
+                lane.refused.fetch_add(1, Ordering::Relaxed);
+                lane.metrics.rejected.increment(1);
+            }
+            let kind = AdmissionErrorKind::Full;
+            return Err(AdmissionError::new(kind, lane.label, participation, run));
+        }
         let mut core = lane.lock_core();
         let limited = run.limit.is_some();
         match core.admit(count_full, limited, |_| Arc::new(RunSignal::new())) {
             Ok((admitted, signal)) => {
                 // Counted under the lane lock (invariant 3); ids increase in admission order.
+                lane.owned.fetch_add(1, Ordering::Relaxed);
                 self.owned.fetch_add(1, Ordering::AcqRel);
                 let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
                 lane.publish(&core);
@@ -539,12 +567,12 @@ impl SetShared {
                     Admitted::Queued { seq } => Start::Queued {
                         seq,
                         // The clock is read only for runs that wait with a timeout.
-                        deadline: run.queue_timeout.map(|limit| Instant::now() + limit),
+                        deadline: run.queue_timeout.get().map(|limit| Instant::now() + limit),
                         since: crate::observe::timing_start(),
                     },
                     Admitted::Limited { seq } => Start::Limited {
                         seq,
-                        deadline: run.queue_timeout.map(|limit| Instant::now() + limit),
+                        deadline: run.queue_timeout.get().map(|limit| Instant::now() + limit),
                         since: crate::observe::timing_start(),
                     },
                 };
@@ -555,8 +583,8 @@ impl SetShared {
                     info,
                     start,
                     signal,
-                    queue_timeout,
-                    execution_timeout,
+                    queue_timeout: queue_timeout.get(),
+                    execution_timeout: execution_timeout.get(),
                     limit,
                 };
                 Ok((ticket, Callbacks { job, finalizer, cleanup }))
@@ -567,7 +595,7 @@ impl SetShared {
                     lane.metrics.rejected.increment(1);
                 }
                 tracing::trace!(lane = %lane.name, refused = kind.as_str(), "admission refused");
-                Err(AdmissionError::new(kind, lane.name.clone(), participation, run))
+                Err(AdmissionError::new(kind, lane.label, participation, run))
             }
         }
     }
@@ -642,6 +670,7 @@ impl SetShared {
     /// Gives a run's ownership back (the run is over).
     pub(super) fn complete(&self, lane: usize, failure: Option<Reason>) {
         let shared = &self.lanes[lane];
+        shared.owned.fetch_sub(1, Ordering::SeqCst);
         match failure {
             // The common case takes no lock: the next locker counts it (see `lock_core`).
             None => {
@@ -651,8 +680,9 @@ impl SetShared {
         }
         shared.metrics.finished(failure);
         // One run's room: one waiter (a waiter that gave up passes it on). A waiter counts
-        // itself (SeqCst) before its first try, whose lock counts the completions (SeqCst)
-        // after that: either the load below sees the waiter, or its try sees this room.
+        // itself (SeqCst) before its first try, which reads `owned` and, under the lock, the
+        // completions (SeqCst, both written above): either the load below sees the waiter, or
+        // its try sees this room.
         if shared.waiting.load(Ordering::SeqCst) > 0 {
             shared.room.notify_one();
         }

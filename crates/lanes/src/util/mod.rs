@@ -12,6 +12,24 @@ use std::task::{Context, Poll};
 
 pub(crate) use wait_list::{WaitKey, WaitList};
 
+/// The one copy of `name` kept for the life of the process: names that identify configured
+/// things (lanes) are interned so that a refusal or a job's context can name them without a
+/// reference count. Only configured names come here, never names a caller passes to look
+/// something up, so the table grows with the configuration, not with traffic.
+pub(crate) fn intern(name: &str) -> &'static str {
+    static NAMES: Mutex<Option<std::collections::HashSet<&'static str>>> = Mutex::new(None);
+    let mut names = lock(&NAMES);
+    let names = names.get_or_insert_with(Default::default);
+    match names.get(name) {
+        Some(interned) => interned,
+        None => {
+            let interned: &'static str = Box::leak(name.into());
+            names.insert(interned);
+            interned
+        }
+    }
+}
+
 /// A panic was caught. The payload is dropped on the spot: it can carry user data, so it never
 /// reaches an error message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
