@@ -566,6 +566,8 @@ async fn items_take_a_limit_permit_before_processing() {
 
 #[test]
 fn metrics_move() {
+    // The histograms read the clock, so they are recorded only with wait timing on.
+    lanes::observe::set_wait_timing(true);
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

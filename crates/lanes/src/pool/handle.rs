@@ -32,10 +32,11 @@ use crate::util::{
     CatchPanic, PanicPayload, WaitKey, WaitList, call_contained, drop_contained, lock,
 };
 
-/// An item with the time it was accepted (for the queue-wait histogram).
+/// An item with the time it was accepted, if wait timing is on (for the queue-wait
+/// histogram).
 pub(crate) struct Queued<T> {
     pub(crate) item: T,
-    pub(crate) at: Instant,
+    pub(crate) at: Option<Instant>,
 }
 
 /// Where a pool is in its life.
@@ -249,7 +250,7 @@ where
     /// Under the lock: queues `item`, or hands it back with why not. Answers the idle worker
     /// to wake.
     fn push_locked(&self, state: &mut State<S>, item: T) -> Result<Option<usize>, (Refused, T)> {
-        match state.sched.push(Queued { item, at: Instant::now() }) {
+        match state.sched.push(Queued { item, at: crate::observe::timing_start() }) {
             Ok(wake) => {
                 state.stats.submitted += 1;
                 state.stats.queued = state.sched.queued();
@@ -384,8 +385,11 @@ where
     /// Processes one item: its limit's permit first, then the process function, panics
     /// contained.
     async fn run(&self, worker: usize, queued: Queued<T>) -> Outcome {
-        let started = Instant::now();
-        self.metrics.queue_wait.record(started.saturating_duration_since(queued.at));
+        // The clock is read only if wait timing is on (it was a tenth of an item's cost).
+        let started = crate::observe::timing_start();
+        if let (Some(started), Some(at)) = (started, queued.at) {
+            self.metrics.queue_wait.record(started.saturating_duration_since(at));
+        }
         let item = queued.item;
         let _permit = match &self.limit {
             None => None,
@@ -403,7 +407,9 @@ where
             Err(_) => Err(Box::new("process panicked before returning a future") as PanicPayload),
             Ok(fut) => CatchPanic::new(fut).await,
         };
-        self.metrics.processing.record(started.elapsed());
+        if let Some(started) = started {
+            self.metrics.processing.record(started.elapsed());
+        }
         match outcome {
             Ok(Ok(())) => {
                 drop_contained(kept);
