@@ -163,15 +163,17 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for Sharded<T, K> {
     }
 }
 
-/// A key's queue. A key with a single queued item (the common case) keeps it inline, so a
-/// burst of distinct keys allocates nothing per key beyond the key table itself.
-struct KeyState<T> {
+/// A key's queue, in its slab entry. A key with a single queued item (the common case) keeps
+/// it inline, so a burst of distinct keys allocates nothing per key beyond the tables.
+struct KeyState<T, K> {
+    /// `None` while the entry is free.
+    key: Option<K>,
     first: Option<T>,
     more: VecDeque<T>,
     running: bool,
 }
 
-impl<T> KeyState<T> {
+impl<T, K> KeyState<T, K> {
     fn len(&self) -> usize {
         usize::from(self.first.is_some()) + self.more.len()
     }
@@ -190,16 +192,30 @@ impl<T> KeyState<T> {
 }
 
 /// Per-key FIFO queues scheduled onto any worker, one item per key at a time.
+///
+/// Key states live in a slab; the key table maps a key to its entry, and everything after the
+/// push (the ready queue, a worker's slot, `done`) names the entry, not the key. So an item
+/// costs one hash lookup at push (two for a new key) and one more when its key is evicted,
+/// and a key is never cloned into the ready queue.
 pub(crate) struct PerKey<T, K> {
-    keys: FastMap<K, KeyState<T>>,
-    /// Keys with queued items and none running, in the order they became ready.
-    ready: VecDeque<K>,
+    index: FastMap<K, u32>,
+    slab: Vec<KeyState<T, K>>,
+    /// Free slab entries, reused last-freed first.
+    free: Vec<u32>,
+    /// Evictions since the slab's free tail was last cut (see `shrink`).
+    evicted: usize,
+    /// Entries with queued items and none running, in the order they became ready.
+    ready: VecDeque<u32>,
     key_of: Box<dyn Fn(&T) -> K + Send + Sync>,
     queued: usize,
     max_queued: usize,
     max_per_key: usize,
     max_keys: usize,
 }
+
+/// Tables up to this many entries are kept when they empty, so steady traffic does not grow
+/// and shrink them over and over; it is the baseline memory returns to.
+const SHRINK_FLOOR: usize = 16_384;
 
 impl<T, K: PoolKey> PerKey<T, K> {
     pub(crate) fn new(
@@ -209,7 +225,10 @@ impl<T, K: PoolKey> PerKey<T, K> {
         key_of: Box<dyn Fn(&T) -> K + Send + Sync>,
     ) -> Self {
         Self {
-            keys: FastMap::default(),
+            index: FastMap::default(),
+            slab: Vec::new(),
+            free: Vec::new(),
+            evicted: 0,
             ready: VecDeque::new(),
             key_of,
             queued: 0,
@@ -219,14 +238,42 @@ impl<T, K: PoolKey> PerKey<T, K> {
         }
     }
 
-    /// Gives memory back once the key table is mostly empty after a burst of keys. Tables up
-    /// to `SHRINK_FLOOR` entries are kept, so steady traffic does not grow and shrink them over
-    /// and over; that floor is the baseline memory returns to.
+    /// Forgets the idle key of entry `slot`.
+    fn evict(&mut self, slot: u32) {
+        let state = &mut self.slab[slot as usize];
+        let key = state.key.take().expect("an evicted entry holds its key");
+        state.more = VecDeque::new();
+        self.index.remove(&key);
+        self.free.push(slot);
+        self.shrink();
+    }
+
+    /// Gives memory back once the tables are mostly empty after a burst of keys: the key table
+    /// is shrunk, and the slab loses its free tail (all of it once no key is tracked).
     fn shrink(&mut self) {
-        const SHRINK_FLOOR: usize = 16_384;
-        let (len, capacity) = (self.keys.len(), self.keys.capacity());
+        let (len, capacity) = (self.index.len(), self.index.capacity());
         if capacity > SHRINK_FLOOR && len < capacity / 8 {
-            self.keys.shrink_to((len * 2).max(SHRINK_FLOOR));
+            self.index.shrink_to((len * 2).max(SHRINK_FLOOR));
+        }
+        self.evicted += 1;
+        if len == 0 {
+            // Nothing tracked: the slab starts over.
+            self.slab.clear();
+            self.free.clear();
+            self.evicted = 0;
+        }
+        // Cutting the free tail rebuilds the free list, so it is done at most once per quarter
+        // of the slab's evictions: linear work, amortized to a constant per eviction.
+        let mostly_free = len < self.slab.len() / 8 && self.evicted >= self.slab.len() / 4;
+        if self.slab.capacity() > SHRINK_FLOOR && (len == 0 || mostly_free) {
+            while self.slab.last().is_some_and(|state| state.key.is_none()) {
+                self.slab.pop();
+            }
+            let end = self.slab.len() as u32;
+            self.free.retain(|slot| *slot < end);
+            self.slab.shrink_to((self.slab.len() * 2).max(SHRINK_FLOOR));
+            self.free.shrink_to((self.free.len() * 2).max(SHRINK_FLOOR));
+            self.evicted = 0;
         }
         if self.ready.capacity() > SHRINK_FLOOR && self.ready.len() < self.ready.capacity() / 8 {
             self.ready.shrink_to((self.ready.len() * 2).max(SHRINK_FLOOR));
@@ -235,56 +282,79 @@ impl<T, K: PoolKey> PerKey<T, K> {
 }
 
 impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
-    type Slot = K;
+    type Slot = u32;
 
     fn push(&mut self, item: T) -> Result<Wake, (Refused, T)> {
+        use std::collections::hash_map::Entry;
         let key = (self.key_of)(&item);
-        let known = self.keys.get(&key);
-        match known {
-            Some(state) if state.len() >= self.max_per_key => {
-                return Err((Refused::KeyFull, item));
+        // One lookup: every bound is checked before a new key is inserted.
+        let full = self.queued >= self.max_queued;
+        let tracked = self.index.len();
+        let slot = match self.index.entry(key) {
+            Entry::Occupied(known) => {
+                let slot = *known.get();
+                if self.slab[slot as usize].len() >= self.max_per_key {
+                    return Err((Refused::KeyFull, item));
+                }
+                if full {
+                    return Err((Refused::Full, item));
+                }
+                slot
             }
-            None if self.keys.len() >= self.max_keys => return Err((Refused::TooManyKeys, item)),
-            _ => {}
-        }
-        if self.queued >= self.max_queued {
-            return Err((Refused::Full, item));
-        }
+            Entry::Vacant(new) => {
+                if tracked >= self.max_keys {
+                    return Err((Refused::TooManyKeys, item));
+                }
+                if full {
+                    return Err((Refused::Full, item));
+                }
+                let key = new.key().clone();
+                let state =
+                    KeyState { key: Some(key), first: None, more: VecDeque::new(), running: false };
+                let slot = match self.free.pop() {
+                    Some(slot) => {
+                        self.slab[slot as usize] = state;
+                        slot
+                    }
+                    None => {
+                        self.slab.push(state);
+                        u32::try_from(self.slab.len() - 1).expect("fewer than 2^32 keys tracked")
+                    }
+                };
+                new.insert(slot);
+                slot
+            }
+        };
         self.queued += 1;
-        let state = self.keys.entry(key.clone()).or_insert_with(|| KeyState {
-            first: None,
-            more: VecDeque::new(),
-            running: false,
-        });
+        let state = &mut self.slab[slot as usize];
         state.push(item);
         if !state.running && state.len() == 1 {
-            self.ready.push_back(key);
+            self.ready.push_back(slot);
             Ok(Wake::Any)
         } else {
             Ok(Wake::None)
         }
     }
 
-    fn pop(&mut self, _worker: usize) -> Option<(K, T)> {
-        let key = self.ready.pop_front()?;
-        let state = self.keys.get_mut(&key).expect("a ready key is tracked");
+    fn pop(&mut self, _worker: usize) -> Option<(u32, T)> {
+        let slot = self.ready.pop_front()?;
+        let state = &mut self.slab[slot as usize];
         let item = state.pop().expect("a ready key has an item");
         state.running = true;
         self.queued -= 1;
-        Some((key, item))
+        Some((slot, item))
     }
 
-    fn done(&mut self, key: K) -> Wake {
-        let Some(state) = self.keys.get_mut(&key) else {
+    fn done(&mut self, slot: u32) -> Wake {
+        let Some(state) = self.slab.get_mut(slot as usize).filter(|s| s.key.is_some()) else {
             return Wake::None;
         };
         state.running = false;
         if state.len() == 0 {
-            self.keys.remove(&key);
-            self.shrink();
+            self.evict(slot);
             Wake::None
         } else {
-            self.ready.push_back(key);
+            self.ready.push_back(slot);
             Wake::Any
         }
     }
@@ -294,18 +364,26 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
     }
 
     fn keys(&self) -> usize {
-        self.keys.len()
+        self.index.len()
     }
 
     fn drain(&mut self) -> Vec<T> {
         self.queued = 0;
         self.ready.clear();
         let mut out = Vec::new();
-        self.keys.retain(|_, state| {
-            out.extend(state.first.take());
-            out.extend(state.more.drain(..));
-            state.running
-        });
+        // An eviction may shrink the slab's free tail: the bound is read every time.
+        let mut slot = 0;
+        while slot < self.slab.len() {
+            let state = &mut self.slab[slot];
+            if state.key.is_some() {
+                out.extend(state.first.take());
+                out.extend(state.more.drain(..));
+                if !state.running {
+                    self.evict(slot as u32);
+                }
+            }
+            slot += 1;
+        }
         out
     }
 }
@@ -351,13 +429,15 @@ mod tests {
         for k in 0..100_000 {
             s.push(k).unwrap();
         }
-        let peak = s.keys.capacity();
-        while let Some((key, _)) = s.pop(0) {
-            s.done(key);
+        let peak = (s.index.capacity(), s.slab.capacity());
+        while let Some((slot, _)) = s.pop(0) {
+            s.done(slot);
         }
         assert_eq!(s.keys(), 0);
-        assert!(s.keys.capacity() < peak / 3, "{} of {peak}", s.keys.capacity());
-        assert!(s.keys.capacity() <= 2 * 16_384, "back to the floor: {}", s.keys.capacity());
+        assert!(s.index.capacity() < peak.0 / 3, "{} of {}", s.index.capacity(), peak.0);
+        assert!(s.index.capacity() <= 2 * SHRINK_FLOOR, "back to the floor");
+        assert!(s.slab.capacity() <= 2 * SHRINK_FLOOR, "slab: {} of {}", s.slab.capacity(), peak.1);
+        assert!(s.free.capacity() <= 2 * SHRINK_FLOOR);
     }
 
     proptest! {
@@ -368,24 +448,24 @@ mod tests {
             let mut s: PerKey<(u8, u32), u8> = PerKey::new(20, 4, 5, Box::new(|(k, _)| *k));
             let mut next_seq = [0u32; 6];
             let mut last_taken: [Option<u32>; 6] = [None; 6];
-            let mut out: Vec<(u8, u8)> = Vec::new(); // (worker, key) in flight
+            let mut out: Vec<(u8, u8, u32)> = Vec::new(); // (worker, key, slot) in flight
             let mut accepted = 0u32;
             let mut taken = 0u32;
             for (worker, key, finish) in ops {
                 if finish {
-                    if let Some(i) = out.iter().position(|(w, _)| *w == worker) {
-                        let (_, k) = out.remove(i);
-                        s.done(k);
+                    if let Some(i) = out.iter().position(|(w, ..)| *w == worker) {
+                        let (_, _, slot) = out.remove(i);
+                        s.done(slot);
                     }
-                } else if out.iter().all(|(w, _)| *w != worker)
-                    && let Some((k, (item_key, seq))) = s.pop(usize::from(worker))
+                } else if out.iter().all(|(w, ..)| *w != worker)
+                    && let Some((slot, (k, seq))) = s.pop(usize::from(worker))
                 {
                     {
-                        prop_assert_eq!(k, item_key);
-                        prop_assert!(out.iter().all(|(_, busy)| *busy != k), "two items of one key out");
+                        prop_assert!(out.iter().all(|(_, busy, _)| *busy != k), "two items of one key out");
+                        prop_assert!(out.iter().all(|(.., held)| *held != slot), "one entry, two keys");
                         prop_assert!(last_taken[usize::from(k)].is_none_or(|last| seq > last), "key order");
                         last_taken[usize::from(k)] = Some(seq);
-                        out.push((worker, k));
+                        out.push((worker, k, slot));
                         taken += 1;
                     }
                 }
