@@ -282,7 +282,9 @@ impl<T, K: PoolKey> PerKey<T, K> {
 }
 
 impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
-    type Slot = u32;
+    // A word, not a u32: a (u32, item) return value was packed at offset 4 and moved through
+    // overlapping stack copies, a store-forwarding stall on every pop.
+    type Slot = usize;
 
     fn push(&mut self, item: T) -> Result<Wake, (Refused, T)> {
         use std::collections::hash_map::Entry;
@@ -336,25 +338,25 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         }
     }
 
-    fn pop(&mut self, _worker: usize) -> Option<(u32, T)> {
+    fn pop(&mut self, _worker: usize) -> Option<(usize, T)> {
         let slot = self.ready.pop_front()?;
         let state = &mut self.slab[slot as usize];
         let item = state.pop().expect("a ready key has an item");
         state.running = true;
         self.queued -= 1;
-        Some((slot, item))
+        Some((slot as usize, item))
     }
 
-    fn done(&mut self, slot: u32) -> Wake {
-        let Some(state) = self.slab.get_mut(slot as usize).filter(|s| s.key.is_some()) else {
+    fn done(&mut self, slot: usize) -> Wake {
+        let Some(state) = self.slab.get_mut(slot).filter(|s| s.key.is_some()) else {
             return Wake::None;
         };
         state.running = false;
         if state.len() == 0 {
-            self.evict(slot);
+            self.evict(slot as u32);
             Wake::None
         } else {
-            self.ready.push_back(slot);
+            self.ready.push_back(slot as u32);
             Wake::Any
         }
     }
@@ -448,7 +450,7 @@ mod tests {
             let mut s: PerKey<(u8, u32), u8> = PerKey::new(20, 4, 5, Box::new(|(k, _)| *k));
             let mut next_seq = [0u32; 6];
             let mut last_taken: [Option<u32>; 6] = [None; 6];
-            let mut out: Vec<(u8, u8, u32)> = Vec::new(); // (worker, key, slot) in flight
+            let mut out: Vec<(u8, u8, usize)> = Vec::new(); // (worker, key, slot) in flight
             let mut accepted = 0u32;
             let mut taken = 0u32;
             for (worker, key, finish) in ops {

@@ -36,7 +36,31 @@ use crate::util::{
 /// histogram).
 pub(crate) struct Queued<T> {
     pub(crate) item: T,
-    pub(crate) at: Option<Instant>,
+    pub(crate) at: Stamp,
+}
+
+/// When an item was accepted: nanoseconds since the pool's epoch, or none (wait timing off).
+/// A whole word: an `Option<Instant>`'s `None` is a 4-byte write of its nanos niche, read back
+/// inside the wider loads that move an item, which stalls store forwarding.
+#[derive(Clone, Copy)]
+pub(crate) struct Stamp(u64);
+
+impl Stamp {
+    const NONE: Self = Self(u64::MAX);
+
+    fn now(epoch: Instant) -> Self {
+        match crate::observe::timing_start() {
+            None => Self::NONE,
+            Some(now) => {
+                let nanos = now.saturating_duration_since(epoch).as_nanos();
+                Self(u64::try_from(nanos).unwrap_or(u64::MAX - 1).min(u64::MAX - 1))
+            }
+        }
+    }
+
+    fn get(self, epoch: Instant) -> Option<Instant> {
+        (self.0 != u64::MAX).then(|| epoch + std::time::Duration::from_nanos(self.0))
+    }
 }
 
 /// Where a pool is in its life.
@@ -193,6 +217,8 @@ pub(crate) struct Engine<T, S, P> {
     hooks: Hooks<T>,
     limit: Option<Throttle>,
     metrics: PoolMetrics,
+    /// What the accept times of queued items count from.
+    epoch: Instant,
 }
 
 impl<T, S, P> fmt::Debug for Engine<T, S, P> {
@@ -239,6 +265,7 @@ where
             hooks,
             limit,
             metrics: PoolMetrics::new(name),
+            epoch: Instant::now(),
         });
         let handles: Vec<AbortHandle> = (0..workers)
             .map(|worker| tokio::spawn(engine.clone().work(worker)).abort_handle())
@@ -250,7 +277,7 @@ where
     /// Under the lock: queues `item`, or hands it back with why not. Answers the idle worker
     /// to wake.
     fn push_locked(&self, state: &mut State<S>, item: T) -> Result<Option<usize>, (Refused, T)> {
-        match state.sched.push(Queued { item, at: crate::observe::timing_start() }) {
+        match state.sched.push(Queued { item, at: Stamp::now(self.epoch) }) {
             Ok(wake) => {
                 state.stats.submitted += 1;
                 state.stats.queued = state.sched.queued();
@@ -387,7 +414,7 @@ where
     async fn run(&self, worker: usize, queued: Queued<T>) -> Outcome {
         // The clock is read only if wait timing is on (it was a tenth of an item's cost).
         let started = crate::observe::timing_start();
-        if let (Some(started), Some(at)) = (started, queued.at) {
+        if let (Some(started), Some(at)) = (started, queued.at.get(self.epoch)) {
             self.metrics.queue_wait.record(started.saturating_duration_since(at));
         }
         let item = queued.item;
