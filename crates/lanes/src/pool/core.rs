@@ -9,8 +9,9 @@
 //! - [`PerKey`]: items of one key are taken one at a time, in submit order: a key's next item is
 //!   only offered once its previous item is done. Keys with work wait in one FIFO of ready keys,
 //!   so keys take turns and a slow key holds one worker, never others. A key with nothing queued
-//!   and nothing running is forgotten at once (idle eviction), and the key table shrinks when it
-//!   is mostly empty, so memory returns to baseline after a burst of keys.
+//!   and nothing running is idle: up to [`IDLE_KEPT`] idle keys are kept for their return (the
+//!   least recently idle are forgotten first), and the tables shrink when they are mostly empty,
+//!   so memory returns to a bounded baseline after a burst of keys.
 
 use std::collections::VecDeque;
 
@@ -171,6 +172,10 @@ struct KeyState<T, K> {
     first: Option<T>,
     more: VecDeque<T>,
     running: bool,
+    /// Nothing queued, nothing running: kept for the key's return (see `PerKey::idle`).
+    idle: bool,
+    /// When it last went idle (its place in `PerKey::idle`).
+    idled: u64,
 }
 
 impl<T, K> KeyState<T, K> {
@@ -194,11 +199,21 @@ impl<T, K> KeyState<T, K> {
 /// Per-key FIFO queues scheduled onto any worker, one item per key at a time.
 ///
 /// Key states live in a slab; the key table maps a key to its entry, and everything after the
-/// push (the ready queue, a worker's slot, `done`) names the entry, not the key. So an item
-/// costs one hash lookup at push (two for a new key) and one more when its key is evicted,
-/// and a key is never cloned into the ready queue.
+/// push (the ready queue, a worker's slot, `done`) names the entry, not the key. A key that
+/// goes idle keeps its entry, up to [`IDLE_KEPT`] idle keys (the least recently idle are
+/// forgotten first): a key that comes back costs one hash lookup and no allocation. So an
+/// item costs one lookup at push, and a key is never cloned into the ready queue.
 pub(crate) struct PerKey<T, K> {
     index: FastMap<K, u32>,
+    /// Idle entries in the order they went idle, as (entry, `idled`); an entry that was used
+    /// again since leaves a stale pair behind, skipped and compacted away.
+    idle: VecDeque<(u32, u64)>,
+    /// How many entries are idle (the live pairs of `idle`).
+    idle_count: usize,
+    /// The next `idled` stamp.
+    next_idled: u64,
+    /// How many idle keys are kept ([`IDLE_KEPT`]; fewer in tests).
+    idle_kept: usize,
     slab: Vec<KeyState<T, K>>,
     /// Free slab entries, reused last-freed first.
     free: Vec<u32>,
@@ -217,6 +232,9 @@ pub(crate) struct PerKey<T, K> {
 /// and shrink them over and over; it is the baseline memory returns to.
 const SHRINK_FLOOR: usize = 16_384;
 
+/// Idle keys kept for their return; beyond this, the least recently idle are forgotten.
+pub(crate) const IDLE_KEPT: usize = 16_384;
+
 impl<T, K: PoolKey> PerKey<T, K> {
     pub(crate) fn new(
         max_queued: usize,
@@ -226,6 +244,10 @@ impl<T, K: PoolKey> PerKey<T, K> {
     ) -> Self {
         Self {
             index: FastMap::default(),
+            idle: VecDeque::new(),
+            idle_count: 0,
+            next_idled: 0,
+            idle_kept: IDLE_KEPT,
             slab: Vec::new(),
             free: Vec::new(),
             evicted: 0,
@@ -238,45 +260,124 @@ impl<T, K: PoolKey> PerKey<T, K> {
         }
     }
 
-    /// Forgets the idle key of entry `slot`.
-    fn evict(&mut self, slot: u32) {
+    /// Entry `slot` has nothing queued and nothing running: it is kept for its key's return,
+    /// and the least recently idle entries beyond [`IDLE_KEPT`] are forgotten.
+    fn go_idle(&mut self, slot: u32) {
         let state = &mut self.slab[slot as usize];
-        let key = state.key.take().expect("an evicted entry holds its key");
+        state.idle = true;
+        state.idled = self.next_idled;
+        self.idle.push_back((slot, self.next_idled));
+        self.next_idled += 1;
+        self.idle_count += 1;
+        while self.idle_count > self.idle_kept {
+            let (oldest, idled) = self.idle.pop_front().expect("idle entries are listed");
+            if self.is_idle(oldest, idled) {
+                self.evict(oldest);
+            }
+        }
+        // Stale pairs (entries used again or forgotten) are dropped once they outnumber the
+        // live ones.
+        if self.idle.len() > 2 * self.idle_count + 64 {
+            let mut idle = std::mem::take(&mut self.idle);
+            idle.retain(|(slot, idled)| self.is_idle(*slot, *idled));
+            self.idle = idle;
+        }
+    }
+
+    /// Whether entry `slot` is still the idle entry listed with stamp `idled`.
+    fn is_idle(&self, slot: u32, idled: u64) -> bool {
+        self.slab.get(slot as usize).is_some_and(|state| state.idle && state.idled == idled)
+    }
+
+    /// Forgets the key of entry `slot`, which has nothing queued and nothing running.
+    fn evict(&mut self, slot: u32) {
+        self.forget(slot);
+        self.shrink();
+    }
+
+    fn forget(&mut self, slot: u32) {
+        let state = &mut self.slab[slot as usize];
+        if std::mem::take(&mut state.idle) {
+            self.idle_count -= 1;
+        }
+        let key = state.key.take().expect("a forgotten entry holds its key");
         state.more = VecDeque::new();
         self.index.remove(&key);
         self.free.push(slot);
-        self.shrink();
     }
 
     /// Gives memory back once the tables are mostly empty after a burst of keys: the key table
     /// is shrunk, and the slab loses its free tail (all of it once no key is tracked).
     fn shrink(&mut self) {
         let (len, capacity) = (self.index.len(), self.index.capacity());
-        if capacity > SHRINK_FLOOR && len < capacity / 8 {
+        if capacity > SHRINK_FLOOR && len < capacity / 4 {
             self.index.shrink_to((len * 2).max(SHRINK_FLOOR));
+        }
+        if self.idle.capacity() > SHRINK_FLOOR && self.idle.len() < self.idle.capacity() / 4 {
+            self.idle.shrink_to((self.idle.len() * 2).max(SHRINK_FLOOR));
         }
         self.evicted += 1;
         if len == 0 {
             // Nothing tracked: the slab starts over.
             self.slab.clear();
             self.free.clear();
+            self.idle.clear();
             self.evicted = 0;
         }
-        // Cutting the free tail rebuilds the free list, so it is done at most once per quarter
-        // of the slab's evictions: linear work, amortized to a constant per eviction.
-        let mostly_free = len < self.slab.len() / 8 && self.evicted >= self.slab.len() / 4;
-        if self.slab.capacity() > SHRINK_FLOOR && (len == 0 || mostly_free) {
-            while self.slab.last().is_some_and(|state| state.key.is_none()) {
-                self.slab.pop();
-            }
-            let end = self.slab.len() as u32;
-            self.free.retain(|slot| *slot < end);
-            self.slab.shrink_to((self.slab.len() * 2).max(SHRINK_FLOOR));
-            self.free.shrink_to((self.free.len() * 2).max(SHRINK_FLOOR));
+        // Compacting is linear in the slab, so it waits for a quarter of the slab's evictions
+        // (amortized constant work per eviction), or for the moment nothing is in use.
+        let active = len - self.idle_count;
+        let sparse = len < self.slab.len() / 4 && self.evicted >= self.slab.len() / 4;
+        let unused = active == 0 && self.slab.len() > 2 * len + SHRINK_FLOOR;
+        if self.slab.capacity() > SHRINK_FLOOR && (sparse || unused) {
+            self.compact();
             self.evicted = 0;
         }
         if self.ready.capacity() > SHRINK_FLOOR && self.ready.len() < self.ready.capacity() / 8 {
             self.ready.shrink_to((self.ready.len() * 2).max(SHRINK_FLOOR));
+        }
+    }
+}
+
+impl<T, K: PoolKey> PerKey<T, K> {
+    /// Moves the idle entries of the slab's tail into free entries below it and cuts the tail,
+    /// down to the last entry in use (queued or running: the ready queue or a worker names it,
+    /// so it stays put). The idle list is then rebuilt in the order the entries went idle.
+    fn compact(&mut self) {
+        let before = self.slab.len();
+        // Free entries, lowest last: the tail's idle entries move as low as they can.
+        let mut free = std::mem::take(&mut self.free);
+        free.sort_unstable_by(|a, b| b.cmp(a));
+        while let Some(last) = self.slab.last() {
+            let end = self.slab.len() - 1;
+            if last.key.is_some() {
+                if !last.idle {
+                    break;
+                }
+                let Some(to) = free.pop().filter(|to| (*to as usize) < end) else {
+                    break;
+                };
+                let entry = self.slab.pop().expect("the slab has a last entry");
+                let key = entry.key.as_ref().expect("an idle entry holds its key");
+                *self.index.get_mut(key).expect("an idle key is tracked") = to;
+                self.slab[to as usize] = entry;
+            } else {
+                self.slab.pop();
+            }
+        }
+        let end = self.slab.len() as u32;
+        free.retain(|slot| *slot < end);
+        self.free = free;
+        if self.slab.len() < before {
+            let mut idle: Vec<(u64, u32)> = (self.slab.iter().enumerate())
+                .filter(|(_, state)| state.idle)
+                .map(|(slot, state)| (state.idled, slot as u32))
+                .collect();
+            idle.sort_unstable();
+            self.idle = idle.into_iter().map(|(idled, slot)| (slot, idled)).collect();
+            self.slab.shrink_to((self.slab.len() * 2).max(SHRINK_FLOOR));
+            self.free.shrink_to((self.free.len() * 2).max(SHRINK_FLOOR));
+            self.idle.shrink_to((self.idle.len() * 2).max(SHRINK_FLOOR));
         }
     }
 }
@@ -291,15 +392,23 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         let key = (self.key_of)(&item);
         // One lookup: every bound is checked before a new key is inserted.
         let full = self.queued >= self.max_queued;
-        let tracked = self.index.len();
+        let tracked = self.index.len() - self.idle_count;
         let slot = match self.index.entry(key) {
             Entry::Occupied(known) => {
                 let slot = *known.get();
-                if self.slab[slot as usize].len() >= self.max_per_key {
+                let state = &mut self.slab[slot as usize];
+                if state.len() >= self.max_per_key {
                     return Err((Refused::KeyFull, item));
+                }
+                if state.idle && tracked >= self.max_keys {
+                    return Err((Refused::TooManyKeys, item));
                 }
                 if full {
                     return Err((Refused::Full, item));
+                }
+                if std::mem::take(&mut state.idle) {
+                    // Back from idle; its pair in `idle` is stale now.
+                    self.idle_count -= 1;
                 }
                 slot
             }
@@ -311,8 +420,14 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
                     return Err((Refused::Full, item));
                 }
                 let key = new.key().clone();
-                let state =
-                    KeyState { key: Some(key), first: None, more: VecDeque::new(), running: false };
+                let state = KeyState {
+                    key: Some(key),
+                    first: None,
+                    more: VecDeque::new(),
+                    running: false,
+                    idle: false,
+                    idled: 0,
+                };
                 let slot = match self.free.pop() {
                     Some(slot) => {
                         self.slab[slot as usize] = state;
@@ -338,6 +453,9 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         }
     }
 
+    // Inlined into the worker loop: returned through memory, the item was written in words
+    // and read back in wider loads, a store-forwarding stall per item.
+    #[inline]
     fn pop(&mut self, _worker: usize) -> Option<(usize, T)> {
         let slot = self.ready.pop_front()?;
         let state = &mut self.slab[slot as usize];
@@ -353,7 +471,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         };
         state.running = false;
         if state.len() == 0 {
-            self.evict(slot as u32);
+            self.go_idle(slot as u32);
             Wake::None
         } else {
             self.ready.push_back(slot as u32);
@@ -366,7 +484,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
     }
 
     fn keys(&self) -> usize {
-        self.index.len()
+        self.index.len() - self.idle_count
     }
 
     fn drain(&mut self) -> Vec<T> {
@@ -436,10 +554,25 @@ mod tests {
             s.done(slot);
         }
         assert_eq!(s.keys(), 0);
-        assert!(s.index.capacity() < peak.0 / 3, "{} of {}", s.index.capacity(), peak.0);
-        assert!(s.index.capacity() <= 2 * SHRINK_FLOOR, "back to the floor");
-        assert!(s.slab.capacity() <= 2 * SHRINK_FLOOR, "slab: {} of {}", s.slab.capacity(), peak.1);
+        assert!(s.index.len() <= IDLE_KEPT, "{} idle keys kept", s.index.len());
+        assert!(s.index.capacity() <= peak.0 / 2, "{} of {}", s.index.capacity(), peak.0);
+        assert!(s.index.capacity() <= 4 * SHRINK_FLOOR, "back to the floor");
+        assert!(s.slab.capacity() <= 4 * SHRINK_FLOOR, "slab: {} of {}", s.slab.capacity(), peak.1);
         assert!(s.free.capacity() <= 2 * SHRINK_FLOOR);
+        assert!(s.idle.capacity() <= 2 * SHRINK_FLOOR);
+        // The kept keys were moved down the slab: each still finds its own entry.
+        for k in 99_900..100_000 {
+            s.push(k).unwrap();
+        }
+        assert_eq!(s.keys(), 100);
+        let mut back = Vec::new();
+        while let Some((slot, k)) = s.pop(0) {
+            s.done(slot);
+            back.push(k);
+        }
+        back.sort_unstable();
+        assert_eq!(back, (99_900..100_000).collect::<Vec<_>>());
+        assert_eq!(s.keys(), 0);
     }
 
     proptest! {
@@ -448,6 +581,8 @@ mod tests {
         #[test]
         fn per_key_order_and_exclusivity(ops in proptest::collection::vec((0u8..4, 0u8..6, any::<bool>()), 1..300)) {
             let mut s: PerKey<(u8, u32), u8> = PerKey::new(20, 4, 5, Box::new(|(k, _)| *k));
+            // Few idle keys kept: keys are forgotten and come back under test.
+            s.idle_kept = 2;
             let mut next_seq = [0u32; 6];
             let mut last_taken: [Option<u32>; 6] = [None; 6];
             let mut out: Vec<(u8, u8, usize)> = Vec::new(); // (worker, key, slot) in flight

@@ -99,7 +99,8 @@ pub struct PoolStats {
     pub inflight: usize,
     /// Items waiting now.
     pub queued: usize,
-    /// Keys tracked now (per-key mode).
+    /// Keys with work now, queued or running (per-key mode; idle keys kept for their return are
+    /// not counted).
     pub keys: usize,
     /// Worker tasks (or shards).
     pub workers: usize,

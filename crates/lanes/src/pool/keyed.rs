@@ -51,8 +51,11 @@ pub enum KeyedMode {
 ///
 /// # Memory
 ///
-/// A key with nothing queued and nothing running is forgotten at once, and the key table
-/// shrinks as it empties: after a burst of a million distinct keys, memory returns to baseline.
+/// A key with nothing queued and nothing running is idle. The 16,384 most recently idle keys
+/// are kept, so a key that comes back costs no allocation; older idle keys are forgotten, and
+/// the tables shrink as they empty: after a burst of a million distinct keys, memory returns to
+/// a baseline of about 16,384 keys' entries. [`PoolStats::keys`](super::PoolStats) counts the
+/// keys with work, not the idle ones; `max_keys` bounds the keys with work.
 ///
 /// # Shutdown
 ///
