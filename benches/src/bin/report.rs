@@ -135,12 +135,8 @@ impl Report {
             (Some(o), Some(h)) => format!("{:.2}× {}", o / h, pass(o / h <= 1.5)),
             _ => "—".to_owned(),
         };
-        let row = format!(
-            "| {} | {} | {versus} | {} | {floors} |",
-            cell(ours),
-            cell(hand),
-            cell(mpsc)
-        );
+        let row =
+            format!("| {} | {} | {versus} | {} | {floors} |", cell(ours), cell(hand), cell(mpsc));
         self.line(&row);
         self.line("");
     }
