@@ -54,7 +54,17 @@
 //!
 //! Dropping a [`RunHandle`] cancels its run: a queued run fails with [`Reason::Canceled`] at
 //! [`Stage::Queue`]; an executing job sees [`RunContext::cancelled`] resolve. The finalizer still
-//! runs exactly once, in the run's own task.
+//! runs exactly once, in the task that drives the run.
+//!
+//! # Tasks
+//!
+//! A run that starts at once, or has a caller waiting, a queue timeout or a limit, is driven by
+//! a task of its own. A queued background run without a queue timeout holds no task while it
+//! waits: the run that gives it its slot drives it next, in the same task (or spawns it the
+//! moment its own terminal audit, finalizer or cleanup has to wait). A busy lane thus runs on
+//! about one task per execution slot; such a task yields to the scheduler between runs when its
+//! budget is spent. If the runtime shuts down before the set is drained, runs still queued are
+//! neither run nor finalized, and their memory is not reclaimed.
 //!
 //! # Shutdown
 //!
