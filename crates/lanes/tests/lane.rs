@@ -1106,7 +1106,9 @@ async fn queued_background_runs_hold_no_task_and_keep_their_place() {
         Res::Ok(())
     });
     lanes.spawn("work", next).unwrap();
-    started.await.expect("the next run started while the finalizer waited");
+    // Well within the finalization timeout (1 s), which would end the finalizer's wait.
+    let started = tokio::time::timeout(Duration::from_millis(100), started).await;
+    started.expect("the next run started while the finalizer waited").unwrap();
     finalizer_gate.open();
     lanes.close();
     lanes.drained().await;

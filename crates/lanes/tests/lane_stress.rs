@@ -1,7 +1,8 @@
 //! Randomized stress of run lanes: thousands of runs with random durations, errors, panics,
-//! timeouts, dropped callers and a close in the middle, on paused time. Invariants are checked
-//! at the end: every admitted run finalized exactly once, bounds never exceeded, grants FIFO per
-//! lane, the caller saw what the finalizer saw, counters reconcile.
+//! timeouts, dropped callers, audits and finalizers that wait, and a close in the middle, on
+//! paused time. Invariants are checked at the end: every admitted run finalized exactly once,
+//! bounds never exceeded, grants FIFO per lane, the caller saw what the finalizer saw, counters
+//! reconcile.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -53,6 +54,15 @@ fn lanes_under_test() -> (LaneSet, Vec<(&'static str, LaneLimits)>) {
     let set = limits
         .iter()
         .fold(LaneSet::builder(), |b, (name, l)| b.lane(*name, *l))
+        // Every third run's terminal audit waits: the queued run it granted its slot to must
+        // not wait for it. (A start audit that waits would delay the job's start, and the
+        // FIFO check below reads job starts.)
+        .audit(|event: lanes::AuditEvent| async move {
+            if event.kind != lanes::AuditKind::Started && event.run_id.get() % 3 == 0 {
+                sleep(Duration::from_millis(event.run_id.get() % 7)).await;
+            }
+            Ok::<(), std::io::Error>(())
+        })
         .audit_timeout(Duration::from_millis(50))
         .finalization_timeout(Duration::from_millis(200))
         .worker_drain_timeout(Duration::from_secs(1))
@@ -99,9 +109,13 @@ async fn stress(seed: u64, runs: usize) {
                 }
             }
         };
+        let finalizer_waits = (rng.below(4) == 0).then(|| Duration::from_millis(rng.below(20)));
         let finalizer = {
             let record = record.clone();
             move |outcome: Result<RunId, RunFailure>| async move {
+                if let Some(wait) = finalizer_waits {
+                    sleep(wait).await;
+                }
                 let id = match &outcome {
                     Ok(id) => *id,
                     Err(failure) => failure.run_id(),
