@@ -58,7 +58,7 @@ fn lanes_under_test() -> (LaneSet, Vec<(&'static str, LaneLimits)>) {
         // not wait for it. (A start audit that waits would delay the job's start, and the
         // FIFO check below reads job starts.)
         .audit(|event: lanes::AuditEvent| async move {
-            if event.kind != lanes::AuditKind::Started && event.run_id.get() % 3 == 0 {
+            if event.kind != lanes::AuditKind::Started && event.run_id.get().is_multiple_of(3) {
                 sleep(Duration::from_millis(event.run_id.get() % 7)).await;
             }
             Ok::<(), std::io::Error>(())
