@@ -768,3 +768,48 @@ fn blocking_submit_waits_for_room_from_a_plain_thread() {
     });
     assert!(inside.unwrap_err().is_panic(), "blocking inside the runtime must refuse");
 }
+
+/// Workers are woken one at a time for a burst (one searcher), but every worker still ends up
+/// busy while ready work remains: the searcher that takes an item wakes the next, and so does a
+/// worker whose finished key made a key ready.
+#[tokio::test(start_paused = true)]
+async fn a_burst_wakes_every_worker_it_has_work_for() {
+    let gate = Gate::new();
+    let pool = gated_pool(&gate, 4, 100, 10, 100);
+    settle().await;
+    for key in 0..6u8 {
+        pool.submit((key, 0)).unwrap();
+    }
+    settle().await;
+    let stats = pool.stats();
+    assert_eq!((stats.inflight, stats.queued), (4, 2), "four workers busy, two keys waiting");
+    gate.open();
+    pool.stop(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(pool.stats().completed, 6);
+
+    // The same for a dispatcher (any worker takes any item).
+    let gate = Gate::new();
+    let dispatcher = {
+        let gate = gate.clone();
+        Dispatcher::builder()
+            .workers(3)
+            .queue_size(10)
+            .build(move |_: u32| {
+                let gate = gate.clone();
+                async move {
+                    gate.wait().await;
+                    Res::Ok(())
+                }
+            })
+            .unwrap()
+    };
+    settle().await;
+    for item in 0..5 {
+        dispatcher.submit(item).unwrap();
+    }
+    settle().await;
+    let stats = dispatcher.stats();
+    assert_eq!((stats.inflight, stats.queued), (3, 2));
+    gate.open();
+    dispatcher.stop(Duration::from_secs(5)).await.unwrap();
+}

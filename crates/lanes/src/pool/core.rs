@@ -50,6 +50,9 @@ pub(crate) trait Scheduler<T>: Send + 'static {
     fn done(&mut self, slot: Self::Slot) -> Wake;
     fn queued(&self) -> usize;
     fn keys(&self) -> usize;
+    /// Whether an item is ready for any worker ([`Wake::Any`] schedulers; a sharded one says
+    /// no, its wakes are targeted).
+    fn has_ready(&self) -> bool;
     /// Takes every queued item out (for abort), in no particular order.
     fn drain(&mut self) -> Vec<T>;
 }
@@ -92,6 +95,10 @@ impl<T: Send + 'static> Scheduler<T> for Fifo<T> {
 
     fn keys(&self) -> usize {
         0
+    }
+
+    fn has_ready(&self) -> bool {
+        !self.queue.is_empty()
     }
 
     fn drain(&mut self) -> Vec<T> {
@@ -156,6 +163,10 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for Sharded<T, K> {
 
     fn keys(&self) -> usize {
         0
+    }
+
+    fn has_ready(&self) -> bool {
+        false
     }
 
     fn drain(&mut self) -> Vec<T> {
@@ -485,6 +496,10 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
 
     fn keys(&self) -> usize {
         self.index.len() - self.idle_count
+    }
+
+    fn has_ready(&self) -> bool {
+        !self.ready.is_empty()
     }
 
     fn drain(&mut self) -> Vec<T> {

@@ -11,6 +11,10 @@
 //!    inflight + queued`.
 //! 4. An idle worker is woken only by whoever takes it off the idle list, with `notify_one`,
 //!    which keeps a permit if the worker has not started waiting yet: no lost wake-ups.
+//! 5. At most one worker is woken for work any worker may take (`searching`): until it has
+//!    looked, more such work wakes nobody, and when it takes an item it wakes the next idle
+//!    worker if ready work remains. A burst of submits wakes workers one after the other as
+//!    they find work, instead of all of them at once to contend for the lock.
 
 use std::fmt;
 use std::future::Future;
@@ -157,6 +161,8 @@ struct State<S> {
     sched: S,
     phase: Phase,
     idle: Vec<usize>,
+    /// A worker was woken for work any worker may take and has not looked yet (invariant 5).
+    searching: bool,
     live: usize,
     stats: PoolStats,
     /// Producers in `submit_wait` refused because the pool was full, first come first served:
@@ -254,6 +260,7 @@ where
                 sched,
                 phase: Phase::Running,
                 idle: Vec::with_capacity(workers),
+                searching: false,
                 live: workers,
                 stats: PoolStats { workers, ..PoolStats::default() },
                 blocked: WaitList::default(),
@@ -319,7 +326,12 @@ where
     fn wake_for(&self, state: &mut State<S>, wake: Wake) -> Option<usize> {
         match wake {
             Wake::None => None,
-            Wake::Any => state.idle.pop(),
+            Wake::Any if state.searching => None,
+            Wake::Any => {
+                let worker = state.idle.pop();
+                state.searching = worker.is_some();
+                worker
+            }
             Wake::Worker(worker) => {
                 let position = state.idle.iter().position(|w| *w == worker)?;
                 Some(state.idle.swap_remove(position))
@@ -332,7 +344,10 @@ where
     async fn work(self: Arc<Self>, worker: usize) {
         let mut finished: Option<(S::Slot, Outcome)> = None;
         let mut producers = Vec::new();
+        // Woken from idle (possibly as the searcher, invariant 5).
+        let mut woken = false;
         loop {
+            let mut next_worker = None;
             let taken = {
                 let mut state = lock(&self.state);
                 if state.phase == Phase::Aborted {
@@ -346,7 +361,14 @@ where
                     let _ = state.sched.done(slot);
                     state.stats.keys = state.sched.keys();
                 }
+                if woken {
+                    // This worker looks now: the next work for any worker wakes another.
+                    state.searching = false;
+                }
                 let taken = state.sched.pop(worker);
+                if taken.is_some() && state.sched.has_ready() {
+                    next_worker = self.wake_for(&mut state, Wake::Any);
+                }
                 // Room may have appeared: the first producer refused for a full pool gets its
                 // turn for the item taken; those refused for their key all look again (an item
                 // taken or finished may be theirs).
@@ -377,13 +399,18 @@ where
                     }
                 }
             };
+            if let Some(next) = next_worker {
+                self.wake[next].notify_one();
+            }
             for producer in producers.drain(..) {
                 producer.wake();
             }
             let Some((slot, queued)) = taken else {
                 self.wake[worker].notified().await;
+                woken = true;
                 continue;
             };
+            woken = false;
             self.metrics.queued.decrement(1.0);
             self.metrics.inflight.increment(1.0);
             let outcome = self.run(worker, queued).await;
