@@ -1170,3 +1170,44 @@ async fn a_chain_of_runs_that_never_wait_yields_to_other_tasks() {
     lanes.drained().await;
     assert_eq!(done.load(Ordering::Relaxed), 2_000);
 }
+
+/// A value that panics when dropped.
+struct Bomb;
+
+impl Drop for Bomb {
+    fn drop(&mut self) {
+        panic!("bomb");
+    }
+}
+
+/// A run's task that unwinds after its run ended (here: its result panics on drop, outside any
+/// contained callback) still hands on the queued run it granted its slot to.
+#[tokio::test(start_paused = true)]
+async fn a_queued_run_survives_the_task_that_carried_it_unwinding() {
+    let lanes = set(&[("work", 1, 1)]);
+    let (started_tx, started) = oneshot::channel();
+    let bomb = Run::typed(|_cx| async { Res::Ok(()) }).finalizer(|_| async { Res::Ok(Bomb) });
+    lanes.spawn("work", bomb).unwrap();
+    let next = Run::typed(move |_cx| async move {
+        started_tx.send(()).unwrap();
+        Res::Ok(())
+    });
+    lanes.spawn("work", next).unwrap();
+    let started = tokio::time::timeout(Duration::from_millis(100), started).await;
+    started.expect("the queued run started").unwrap();
+    lanes.close();
+    lanes.drained().await;
+    assert_eq!(lanes.snapshot().lanes[0].completed, 2);
+}
+
+/// Admitting outside a runtime panics before anything is admitted.
+#[test]
+fn spawn_outside_a_runtime_admits_nothing() {
+    let lanes = set(&[("work", 1, 4)]);
+    let spawned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lanes.spawn("work", Run::typed(|_cx| async { Res::Ok(()) }))
+    }));
+    assert!(spawned.is_err(), "no runtime: a panic");
+    let snapshot = lanes.snapshot();
+    assert_eq!((snapshot.owned, snapshot.lanes[0].admitted), (0, 0));
+}

@@ -68,16 +68,19 @@ pub(super) enum Start {
 }
 
 /// A queued background run without a deadline, waiting as data in its signal instead of as a
-/// task ([`RunSignal::park`]): its drive, built at admission and not yet polled. The lane's
-/// decision starts it: a grant made by a run that gives its slot back hands it to that run's
-/// task ([`Next`]), anything else spawns a task for it.
-pub(super) struct Parked(pub(super) Step);
+/// task ([`RunSignal::park`]): its drive, built at admission and not yet polled, and the
+/// runtime that admitted it. The lane's decision starts it: a grant made by a run that gives
+/// its slot back hands it to that run's task ([`Next`]), anything else spawns a task for it on
+/// its own runtime (whatever runtime, if any, the deciding thread is in).
+pub(super) struct Parked {
+    pub(super) step: Step,
+    pub(super) runtime: tokio::runtime::Handle,
+}
 
 impl Parked {
-    /// Spawns a task for it (on the current runtime: grants are made in run tasks, and a shut
-    /// enters a runtime first).
+    /// Spawns a task for it, on the runtime that admitted it.
     pub(super) fn start(self) {
-        drop(tokio::spawn(work(self.0)));
+        drop(self.runtime.spawn(work(self.step)));
     }
 }
 
@@ -89,11 +92,14 @@ pub(super) type Step = Pin<Box<dyn Future<Output = Next> + Send>>;
 /// runs whose jobs never wait still yields to the scheduler when the task's budget is spent.
 pub(super) async fn work(mut step: Step) {
     loop {
-        let Next(Some(run)) = step.await else {
+        let mut next = step.await;
+        let Some(run) = next.0.take() else {
             return;
         };
+        // Carried across the yield: if this task is dropped there, `Next`'s drop spawns it.
+        next.0 = Some(run);
         tokio::task::coop::consume_budget().await;
-        step = run.0;
+        step = next.0.take().expect("carried across the yield").step;
     }
 }
 
@@ -121,12 +127,25 @@ impl Next {
     }
 }
 
+impl Drop for Next {
+    /// A carried run was granted its slot and owns it: if its carrier is dropped first (its
+    /// task unwinds from a panic outside the contained callbacks, or is dropped), it gets a
+    /// task of its own instead of being lost with the slot.
+    fn drop(&mut self) {
+        self.spawn();
+    }
+}
+
 /// How a run ended, and the parked run it granted its slot to.
 pub(super) type Ended<T> = (Result<T, RunFailure>, Next);
 
 /// What a run's task does with its end: a background run's result was the finalizer's, and
 /// its task goes on with the run it granted its slot to.
-pub(super) fn background<T>((_, next): Ended<T>) -> Next {
+pub(super) fn background<T>((result, next): Ended<T>) -> Next {
+    // Dropped first, while `next` is a local: a result that panics on drop unwinds through
+    // here, and a local is dropped on the way (so it starts its run), while a value already
+    // moved out to be returned would be leaked (rust-lang/rust#47949).
+    drop(result);
     next
 }
 

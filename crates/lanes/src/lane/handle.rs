@@ -34,8 +34,8 @@ use super::audit::Audit;
 use super::config::{LaneLimits, LaneSetBuilder};
 use super::core::{Admitted, LaneCore, Shut};
 use super::driver::{
-    Admission, Callbacks, Next, Parked, Start, Ticket, TicketInfo, background, blocking, drive,
-    work,
+    Admission, Callbacks, Next, Parked, Start, Step, Ticket, TicketInfo, background, blocking,
+    drive, work,
 };
 use super::error::{AdmissionError, AdmissionErrorKind, PoisonError, Reason};
 use super::metrics::LaneMetrics;
@@ -113,9 +113,6 @@ pub(super) struct SetShared {
     pub(super) finalization_timeout: Duration,
     pub(super) worker_drain_timeout: Duration,
     pub(super) audit: Option<Arc<dyn Audit>>,
-    /// The runtime of the first parked run: a shut made outside any runtime spawns the parked
-    /// runs it fails there.
-    pub(super) runtime: OnceLock<tokio::runtime::Handle>,
 }
 
 /// A set of named run lanes with shared lifecycle bounds. Cheap to clone: clones share the lanes.
@@ -171,7 +168,6 @@ impl LaneSet {
             finalization_timeout: builder.finalization_timeout.unwrap_or_default(),
             worker_drain_timeout: builder.worker_drain_timeout.unwrap_or_default(),
             audit: builder.audit,
-            runtime: OnceLock::new(),
         });
         if let Some(registration) = builder.registry {
             registration.register(&shared)?;
@@ -507,16 +503,20 @@ where
     J: Job,
     F: Finalize<J::Output>,
 {
-    let (ticket, callbacks) = shared.admit(index, Participation::Background, run, count_full)?;
+    let participation = Participation::Background;
+    let run = shared.refuse_full(index, participation, run, count_full)?;
+    // Before admission: outside a runtime, this panics with nothing admitted.
+    let runtime = tokio::runtime::Handle::current();
+    let (ticket, callbacks) = shared.admit(index, participation, run, count_full)?;
     let run_id = ticket.info.run_id;
-    if let Start::Queued { deadline: None, .. } = ticket.start {
-        // Nothing to time and nobody to answer: it waits as data, and its task is spawned
-        // when the lane decides (or it is cancelled).
-        shared.runtime.get_or_init(tokio::runtime::Handle::current);
-        let signal = ticket.signal.clone();
-        signal.park(Parked(Box::pin(drive(ticket, callbacks, background))));
-    } else {
-        drop(tokio::spawn(work(Box::pin(drive(ticket, callbacks, background)))));
+    // Nothing to time and nobody to answer: a queued run without a deadline waits as data,
+    // and its task is spawned when the lane decides (or it is cancelled), on this runtime.
+    let parks = matches!(ticket.start, Start::Queued { deadline: None, .. });
+    let signal = parks.then(|| ticket.signal.clone());
+    let step: Step = Box::pin(drive(ticket, callbacks, background));
+    match signal {
+        Some(signal) => signal.park(Parked { step, runtime }),
+        None => drop(runtime.spawn(work(step))),
     }
     Ok(run_id)
 }
@@ -526,16 +526,17 @@ impl SetShared {
         self.lanes.iter().position(|lane| &*lane.name == name)
     }
 
-    fn admit<J, F>(
-        self: &Arc<Self>,
+    /// Refuses `run` if its lane is full and the set open, without the lane lock: `owned` is
+    /// exact, so the lane was full when it was read. (SeqCst against `complete`, for callers
+    /// waiting for room.) Hands the run back otherwise.
+    fn refuse_full<J, F>(
+        &self,
         index: usize,
         participation: Participation,
         run: Run<J, F>,
         count_full: bool,
-    ) -> Result<Admission<J, F>, AdmissionError<Run<J, F>>> {
+    ) -> Result<Run<J, F>, AdmissionError<Run<J, F>>> {
         let lane = &self.lanes[index];
-        // A full lane of an open set refuses without its lock: `owned` is exact, so the lane
-        // was full when it was read. (SeqCst against `complete`, for callers waiting for room.)
         let full = lane.owned.load(Ordering::SeqCst) >= lane.limits.capacity();
         if full && self.state.load(Ordering::Relaxed) == OPEN {
             if count_full {
@@ -545,6 +546,18 @@ impl SetShared {
             let kind = AdmissionErrorKind::Full;
             return Err(AdmissionError::new(kind, lane.label, participation, run));
         }
+        Ok(run)
+    }
+
+    fn admit<J, F>(
+        self: &Arc<Self>,
+        index: usize,
+        participation: Participation,
+        run: Run<J, F>,
+        count_full: bool,
+    ) -> Result<Admission<J, F>, AdmissionError<Run<J, F>>> {
+        let run = self.refuse_full(index, participation, run, count_full)?;
+        let lane = &self.lanes[index];
         let mut core = lane.lock_core();
         let limited = run.limit.is_some();
         match core.admit(count_full, limited, |_| Arc::new(RunSignal::new())) {
@@ -614,12 +627,6 @@ impl SetShared {
 
     /// Closes or poisons every lane (see invariant 3).
     fn shut(&self, why: Shut) {
-        // Parked runs are spawned by the shut that fails them: on this runtime, or on the
-        // runtime that parked them if this thread has none.
-        let _runtime = match tokio::runtime::Handle::try_current() {
-            Ok(_) => None,
-            Err(_) => self.runtime.get().map(tokio::runtime::Handle::enter),
-        };
         let (code, reason) = match why {
             Shut::Closed => (CLOSED, Reason::Closed),
             Shut::Poisoned => (POISONED, Reason::Poisoned),

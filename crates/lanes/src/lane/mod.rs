@@ -63,7 +63,9 @@
 //! waits: the run that gives it its slot drives it next, in the same task (or spawns it the
 //! moment its own terminal audit, finalizer or cleanup has to wait). A busy lane thus runs on
 //! about one task per execution slot; such a task yields to the scheduler between runs when its
-//! budget is spent. If the runtime shuts down before the set is drained, runs still queued are
+//! budget is spent. The queued run therefore starts once those callbacks have returned from
+//! their first poll: one that does long synchronous work before its first `.await` delays it,
+//! and callbacks, like jobs, must not block the thread. If the runtime shuts down before the set is drained, runs still queued are
 //! neither run nor finalized, and their memory is not reclaimed.
 //!
 //! # Shutdown
