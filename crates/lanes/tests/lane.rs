@@ -1135,7 +1135,9 @@ fn close_outside_the_runtime_finalizes_parked_runs() {
         s.spawn(|| lanes.close());
     });
     gate.open();
-    runtime.block_on(lanes.drained());
+    let drained = runtime
+        .block_on(async { tokio::time::timeout(Duration::from_secs(5), lanes.drained()).await });
+    drained.expect("every run finalized");
     assert_eq!(finals.len(), 20);
     let failures = finals.failures();
     assert_eq!(failures.len(), 20, "the executing run was asked to stop, the rest closed");
@@ -1210,4 +1212,31 @@ fn spawn_outside_a_runtime_admits_nothing() {
     assert!(spawned.is_err(), "no runtime: a panic");
     let snapshot = lanes.snapshot();
     assert_eq!((snapshot.owned, snapshot.lanes[0].admitted), (0, 0));
+}
+
+/// Closing from inside another, short-lived runtime still finalizes the parked runs, on the
+/// runtime that admitted them.
+#[test]
+fn close_from_another_runtime_finalizes_parked_runs_on_theirs() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_time()
+        .build()
+        .unwrap();
+    let lanes = set(&[("work", 1, 20)]);
+    let (log, finals, gate) = (Arc::new(Mutex::new(Vec::new())), Finals::default(), Gate::new());
+    runtime.block_on(async {
+        for tag in 0..20 {
+            lanes.spawn("work", gated(tag, &gate, &log, &finals)).unwrap();
+        }
+        settle().await;
+    });
+    let other = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    other.block_on(async { lanes.close() });
+    drop(other);
+    gate.open();
+    let drained = runtime
+        .block_on(async { tokio::time::timeout(Duration::from_secs(5), lanes.drained()).await });
+    drained.expect("every run finalized");
+    assert_eq!(finals.len(), 20);
 }

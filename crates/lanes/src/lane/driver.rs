@@ -68,19 +68,19 @@ pub(super) enum Start {
 }
 
 /// A queued background run without a deadline, waiting as data in its signal instead of as a
-/// task ([`RunSignal::park`]): its drive, built at admission and not yet polled, and the
-/// runtime that admitted it. The lane's decision starts it: a grant made by a run that gives
-/// its slot back hands it to that run's task ([`Next`]), anything else spawns a task for it on
-/// its own runtime (whatever runtime, if any, the deciding thread is in).
-pub(super) struct Parked {
-    pub(super) step: Step,
-    pub(super) runtime: tokio::runtime::Handle,
-}
+/// task ([`RunSignal::park`]): its drive, built at admission and not yet polled. The lane's
+/// decision starts it: a grant made by a run that gives its slot back hands it to that run's
+/// task ([`Next`]), anything else spawns a task for it on the deciding thread's runtime (a
+/// grant is made in a run's task; a shut enters the set's runtime first).
+pub(super) struct Parked(pub(super) Step);
 
 impl Parked {
-    /// Spawns a task for it, on the runtime that admitted it.
+    /// Spawns a task for it on the current runtime; with none (only while one shuts down and
+    /// drops its tasks), the run is dropped, as a task of that runtime would have been.
     pub(super) fn start(self) {
-        drop(self.runtime.spawn(work(self.step)));
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            drop(runtime.spawn(work(self.0)));
+        }
     }
 }
 
@@ -99,7 +99,7 @@ pub(super) async fn work(mut step: Step) {
         // Carried across the yield: if this task is dropped there, `Next`'s drop spawns it.
         next.0 = Some(run);
         tokio::task::coop::consume_budget().await;
-        step = next.0.take().expect("carried across the yield").step;
+        step = next.0.take().expect("carried across the yield").0;
     }
 }
 

@@ -113,6 +113,9 @@ pub(super) struct SetShared {
     pub(super) finalization_timeout: Duration,
     pub(super) worker_drain_timeout: Duration,
     pub(super) audit: Option<Arc<dyn Audit>>,
+    /// The runtime of the first queued run that waited as data: a shut spawns the parked runs
+    /// it fails there, whatever runtime (if any) the closing thread is in.
+    pub(super) runtime: OnceLock<tokio::runtime::Handle>,
 }
 
 /// A set of named run lanes with shared lifecycle bounds. Cheap to clone: clones share the lanes.
@@ -168,6 +171,7 @@ impl LaneSet {
             finalization_timeout: builder.finalization_timeout.unwrap_or_default(),
             worker_drain_timeout: builder.worker_drain_timeout.unwrap_or_default(),
             audit: builder.audit,
+            runtime: OnceLock::new(),
         });
         if let Some(registration) = builder.registry {
             registration.register(&shared)?;
@@ -431,6 +435,9 @@ impl Drop for Waiting<'_> {
     }
 }
 
+/// An admission and what its `prepare` step returned, or the refusal.
+type Admitting<J, F, P> = Result<(Admission<J, F>, P), AdmissionError<Run<J, F>>>;
+
 /// One of the admission functions ([`admit_blocking`], [`admit_background`]).
 type AdmitFn<J, F, R> =
     fn(&Arc<SetShared>, usize, Run<J, F>, bool) -> Result<R, AdmissionError<Run<J, F>>>;
@@ -487,7 +494,8 @@ where
     J: Job,
     F: Finalize<J::Output>,
 {
-    let (ticket, callbacks) = shared.admit(index, Participation::Blocking, run, count_full)?;
+    let participation = Participation::Blocking;
+    let ((ticket, callbacks), ()) = shared.admit(index, participation, run, count_full, || ())?;
     let (run_id, signal) = (ticket.info.run_id, ticket.signal.clone());
     let join = tokio::spawn(Box::pin(drive(ticket, callbacks, blocking)));
     Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
@@ -504,10 +512,12 @@ where
     F: Finalize<J::Output>,
 {
     let participation = Participation::Background;
-    let run = shared.refuse_full(index, participation, run, count_full)?;
-    // Before admission: outside a runtime, this panics with nothing admitted.
-    let runtime = tokio::runtime::Handle::current();
-    let (ticket, callbacks) = shared.admit(index, participation, run, count_full)?;
+    // The runtime is taken before admission: outside one, this panics with nothing admitted.
+    // (It is dropped on this thread: a handle dropped on another thread would bounce its
+    // reference count between cores, a tenth of a run's cost on two threads.)
+    let current = tokio::runtime::Handle::current;
+    let ((ticket, callbacks), runtime) =
+        shared.admit(index, participation, run, count_full, current)?;
     let run_id = ticket.info.run_id;
     // Nothing to time and nobody to answer: a queued run without a deadline waits as data,
     // and its task is spawned when the lane decides (or it is cancelled), on this runtime.
@@ -515,7 +525,11 @@ where
     let signal = parks.then(|| ticket.signal.clone());
     let step: Step = Box::pin(drive(ticket, callbacks, background));
     match signal {
-        Some(signal) => signal.park(Parked { step, runtime }),
+        Some(signal) => {
+            // A shut made from outside this runtime spawns the parked runs it fails here.
+            shared.runtime.get_or_init(|| runtime);
+            signal.park(Parked(step));
+        }
         None => drop(runtime.spawn(work(step))),
     }
     Ok(run_id)
@@ -526,17 +540,20 @@ impl SetShared {
         self.lanes.iter().position(|lane| &*lane.name == name)
     }
 
-    /// Refuses `run` if its lane is full and the set open, without the lane lock: `owned` is
-    /// exact, so the lane was full when it was read. (SeqCst against `complete`, for callers
-    /// waiting for room.) Hands the run back otherwise.
-    fn refuse_full<J, F>(
-        &self,
+    /// Admits `run` into lane `index`. `prepare` runs once the run is known not to be refused
+    /// as full without the lock, before it is admitted: what it needs (or panics without),
+    /// nothing is admitted without.
+    fn admit<J, F, P>(
+        self: &Arc<Self>,
         index: usize,
         participation: Participation,
         run: Run<J, F>,
         count_full: bool,
-    ) -> Result<Run<J, F>, AdmissionError<Run<J, F>>> {
+        prepare: impl FnOnce() -> P,
+    ) -> Admitting<J, F, P> {
         let lane = &self.lanes[index];
+        // A full lane of an open set refuses without its lock: `owned` is exact, so the lane
+        // was full when it was read. (SeqCst against `complete`, for callers waiting for room.)
         let full = lane.owned.load(Ordering::SeqCst) >= lane.limits.capacity();
         if full && self.state.load(Ordering::Relaxed) == OPEN {
             if count_full {
@@ -546,18 +563,7 @@ impl SetShared {
             let kind = AdmissionErrorKind::Full;
             return Err(AdmissionError::new(kind, lane.label, participation, run));
         }
-        Ok(run)
-    }
-
-    fn admit<J, F>(
-        self: &Arc<Self>,
-        index: usize,
-        participation: Participation,
-        run: Run<J, F>,
-        count_full: bool,
-    ) -> Result<Admission<J, F>, AdmissionError<Run<J, F>>> {
-        let run = self.refuse_full(index, participation, run, count_full)?;
-        let lane = &self.lanes[index];
+        let prepared = prepare();
         let mut core = lane.lock_core();
         let limited = run.limit.is_some();
         match core.admit(count_full, limited, |_| Arc::new(RunSignal::new())) {
@@ -600,7 +606,7 @@ impl SetShared {
                     execution_timeout: execution_timeout.get(),
                     limit,
                 };
-                Ok((ticket, Callbacks { job, finalizer, cleanup }))
+                Ok(((ticket, Callbacks { job, finalizer, cleanup }), prepared))
             }
             Err(kind) => {
                 drop(core);
@@ -627,6 +633,8 @@ impl SetShared {
 
     /// Closes or poisons every lane (see invariant 3).
     fn shut(&self, why: Shut) {
+        // Parked runs are spawned by the shut that fails them, on the set's runtime.
+        let _runtime = self.runtime.get().map(tokio::runtime::Handle::enter);
         let (code, reason) = match why {
             Shut::Closed => (CLOSED, Reason::Closed),
             Shut::Poisoned => (POISONED, Reason::Poisoned),
