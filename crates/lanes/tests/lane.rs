@@ -1114,9 +1114,17 @@ async fn queued_background_runs_hold_no_task_and_keep_their_place() {
     lanes.drained().await;
 }
 
-/// Closing from a thread outside any runtime fails every parked run through its finalizer.
-#[test]
-fn close_outside_the_runtime_finalizes_parked_runs() {
+/// Twenty gated background runs in a lane of one slot, admitted on a runtime of its own: one
+/// executing, nineteen parked.
+struct Parked {
+    runtime: tokio::runtime::Runtime,
+    lanes: LaneSet,
+    log: Arc<Mutex<Vec<u32>>>,
+    finals: Finals,
+    gate: Gate,
+}
+
+fn parked_runs() -> Parked {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_time()
@@ -1130,14 +1138,26 @@ fn close_outside_the_runtime_finalizes_parked_runs() {
         }
         settle().await;
     });
+    Parked { runtime, lanes, log, finals, gate }
+}
+
+/// Waits on `runtime` for every run of `lanes` to be finalized, failing after 5 s.
+fn drain_within_5s(runtime: &tokio::runtime::Runtime, lanes: &LaneSet) {
+    let drained = runtime
+        .block_on(async { tokio::time::timeout(Duration::from_secs(5), lanes.drained()).await });
+    drained.expect("every run finalized");
+}
+
+/// Closing from a thread outside any runtime fails every parked run through its finalizer.
+#[test]
+fn close_outside_the_runtime_finalizes_parked_runs() {
+    let Parked { runtime, lanes, log, finals, gate } = parked_runs();
     assert_eq!(lanes.snapshot().lanes[0].queued, 19);
     std::thread::scope(|s| {
         s.spawn(|| lanes.close());
     });
     gate.open();
-    let drained = runtime
-        .block_on(async { tokio::time::timeout(Duration::from_secs(5), lanes.drained()).await });
-    drained.expect("every run finalized");
+    drain_within_5s(&runtime, &lanes);
     assert_eq!(finals.len(), 20);
     let failures = finals.failures();
     assert_eq!(failures.len(), 20, "the executing run was asked to stop, the rest closed");
@@ -1218,25 +1238,12 @@ fn spawn_outside_a_runtime_admits_nothing() {
 /// runtime that admitted them.
 #[test]
 fn close_from_another_runtime_finalizes_parked_runs_on_theirs() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_time()
-        .build()
-        .unwrap();
-    let lanes = set(&[("work", 1, 20)]);
-    let (log, finals, gate) = (Arc::new(Mutex::new(Vec::new())), Finals::default(), Gate::new());
-    runtime.block_on(async {
-        for tag in 0..20 {
-            lanes.spawn("work", gated(tag, &gate, &log, &finals)).unwrap();
-        }
-        settle().await;
-    });
+    let Parked { runtime, lanes, log, finals, gate } = parked_runs();
     let other = tokio::runtime::Builder::new_current_thread().build().unwrap();
     other.block_on(async { lanes.close() });
     drop(other);
     gate.open();
-    let drained = runtime
-        .block_on(async { tokio::time::timeout(Duration::from_secs(5), lanes.drained()).await });
-    drained.expect("every run finalized");
+    drain_within_5s(&runtime, &lanes);
     assert_eq!(finals.len(), 20);
+    assert_eq!(*log.lock().unwrap(), [0], "no queued job ran");
 }

@@ -146,20 +146,7 @@ async fn errors_and_panics_are_counted_and_reported() {
 #[tokio::test(start_paused = true)]
 async fn a_timed_out_stop_keeps_draining_and_a_later_stop_sees_it_finish() {
     let gate = Gate::new();
-    let dispatcher = {
-        let gate = gate.clone();
-        Dispatcher::builder()
-            .workers(1)
-            .queue_size(2)
-            .build(move |_: u32| {
-                let gate = gate.clone();
-                async move {
-                    gate.wait().await;
-                    Res::Ok(())
-                }
-            })
-            .unwrap()
-    };
+    let dispatcher = gated_dispatcher(&gate, 1, 2);
     dispatcher.submit(1).unwrap();
     settle().await; // the worker takes item 1
     dispatcher.submit(2).unwrap();
@@ -188,20 +175,7 @@ async fn a_timed_out_stop_keeps_draining_and_a_later_stop_sees_it_finish() {
 #[tokio::test(start_paused = true)]
 async fn abort_discards_and_cancels_counting_both() {
     let gate = Gate::new();
-    let dispatcher = {
-        let gate = gate.clone();
-        Dispatcher::builder()
-            .workers(2)
-            .queue_size(10)
-            .build(move |_: u32| {
-                let gate = gate.clone();
-                async move {
-                    gate.wait().await;
-                    Res::Ok(())
-                }
-            })
-            .unwrap()
-    };
+    let dispatcher = gated_dispatcher(&gate, 2, 10);
     for n in 0..6 {
         dispatcher.submit(n).unwrap();
     }
@@ -439,6 +413,22 @@ async fn waiting_producers_get_room_in_arrival_order() {
     }
     gate.open();
     stopping.await.unwrap().unwrap();
+}
+
+/// A dispatcher whose items each wait for `gate`.
+fn gated_dispatcher(gate: &Gate, workers: usize, queue: usize) -> Dispatcher<u32> {
+    let gate = gate.clone();
+    Dispatcher::builder()
+        .workers(workers)
+        .queue_size(queue)
+        .build(move |_: u32| {
+            let gate = gate.clone();
+            async move {
+                gate.wait().await;
+                Res::Ok(())
+            }
+        })
+        .unwrap()
 }
 
 fn gated_pool(
@@ -789,20 +779,7 @@ async fn a_burst_wakes_every_worker_it_has_work_for() {
 
     // The same for a dispatcher (any worker takes any item).
     let gate = Gate::new();
-    let dispatcher = {
-        let gate = gate.clone();
-        Dispatcher::builder()
-            .workers(3)
-            .queue_size(10)
-            .build(move |_: u32| {
-                let gate = gate.clone();
-                async move {
-                    gate.wait().await;
-                    Res::Ok(())
-                }
-            })
-            .unwrap()
-    };
+    let dispatcher = gated_dispatcher(&gate, 3, 10);
     settle().await;
     for item in 0..5 {
         dispatcher.submit(item).unwrap();
