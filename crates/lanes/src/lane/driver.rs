@@ -93,13 +93,12 @@ pub(super) type Step = Pin<Box<dyn Future<Output = Next> + Send>>;
 pub(super) async fn work(mut step: Step) {
     loop {
         let mut next = step.await;
-        let Some(run) = next.0.take() else {
+        if next.0.is_none() {
             return;
-        };
+        }
         // Carried across the yield: if this task is dropped there, `Next`'s drop spawns it.
-        next.0 = Some(run);
         tokio::task::coop::consume_budget().await;
-        step = next.0.take().expect("carried across the yield").0;
+        step = next.0.take().expect("checked before the yield").0;
     }
 }
 
