@@ -6,7 +6,7 @@ use super::*;
 /// Builds a [`RedisLimits`].
 #[derive(Debug, Clone)]
 pub struct RedisLimitsBuilder {
-    pub(crate) url: String,
+    pub(crate) target: Target,
     pub(crate) namespace: String,
     pub(crate) lease: Duration,
     pub(crate) max_waiters: usize,
@@ -93,30 +93,31 @@ impl RedisLimitsBuilder {
             return Err(LimitError::backend("the queue grace must be at least 500 ms"));
         }
         let max_lease = self.max_lease.unwrap_or(self.lease).max(self.lease);
-        let client = redis::Client::open(self.url.as_str()).map_err(backend)?;
-        let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(self.op_timeout))
-            .set_connection_timeout(Some(self.op_timeout))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(500));
-        let mut conn = tokio::time::timeout(
-            self.op_timeout * 4,
-            ConnectionManager::new_with_config(client.clone(), config),
-        )
-        .await
-        .map_err(|_| LimitError::backend(format!("redis at {} did not answer", self.url)))?
-        .map_err(backend)?;
+        let conn = tokio::time::timeout(self.op_timeout * 4, self.connect())
+            .await
+            .map_err(|_| LimitError::backend(format!("redis at {} did not answer", self.where_())))?
+            .map_err(backend)?;
+        // The subscriber may listen on any node: a PUBLISH reaches every node of a cluster.
+        let subscribers = self
+            .target
+            .urls()
+            .iter()
+            .map(|url| redis::Client::open(url.as_str()))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(backend)?;
         let ns = &self.namespace;
         let id: u64 = redis::cmd("INCR")
             .arg(format!("lanes:{{{ns}}}:clients"))
-            .query_async(&mut conn)
+            .query_async(&mut conn.live())
             .await
             .map_err(backend)?;
         let client_id = id % (1 << CLIENT_BITS);
-        let epoch =
-            ensure_epoch(&mut conn, &format!("lanes:{{{ns}}}:epoch")).await.map_err(backend)?;
+        let epoch = ensure_epoch(&mut conn.live(), &format!("lanes:{{{ns}}}:epoch"))
+            .await
+            .map_err(backend)?;
         let inner = Arc::new(Inner {
             conn,
+            cluster: self.target.is_cluster(),
             script: Script::new(SCRIPT),
             namespace: self.namespace.clone(),
             channel_prefix: format!("lanes:{ns}:client:"),
@@ -137,11 +138,53 @@ impl RedisLimitsBuilder {
         });
         *lock(&inner.epoch) = Some(epoch);
         let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
-        let subscriber = tokio::spawn(subscribe(client, Arc::downgrade(&inner), subscribed_tx));
+        let subscriber =
+            tokio::spawn(subscribe(subscribers, Arc::downgrade(&inner), subscribed_tx));
         let renewer = tokio::spawn(maintain(Arc::downgrade(&inner), self.auto_renew));
-        lock(&inner.tasks).extend([subscriber, renewer]);
+        let watcher = tokio::spawn(watch_leases(Arc::downgrade(&inner)));
+        lock(&inner.tasks).extend([subscriber, renewer, watcher]);
         // Waiters are pushed: be listening before the first acquire.
         let _ = tokio::time::timeout(self.op_timeout * 4, subscribed).await;
         Ok(RedisLimits { inner })
+    }
+
+    /// The addresses, for messages.
+    fn where_(&self) -> String {
+        self.target.urls().join(", ")
+    }
+
+    /// The connection: to one Redis, or to the cluster its nodes belong to.
+    async fn connect(&self) -> Result<Conn, RedisError> {
+        match &self.target {
+            Target::Single(url) => {
+                let client = redis::Client::open(url.as_str())?;
+                let config = ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(self.op_timeout))
+                    .set_connection_timeout(Some(self.op_timeout))
+                    .set_number_of_retries(2)
+                    .set_max_delay(Duration::from_millis(500));
+                Ok(Conn::Single(ConnectionManager::new_with_config(client, config).await?))
+            }
+            Target::Cluster(nodes) => {
+                if nodes.is_empty() {
+                    return Err(RedisError::from((
+                        redis::ErrorKind::InvalidClientConfig,
+                        "a cluster needs at least one node address",
+                    )));
+                }
+                // Calls are bounded by `op_timeout` above the client; within it, a call that
+                // meets a failover (CLUSTERDOWN, TRYAGAIN, a dead primary) is retried on the
+                // refreshed slot map a few times.
+                let client =
+                    redis::cluster::ClusterClientBuilder::new(nodes.iter().map(String::as_str))
+                        .connection_timeout(self.op_timeout)
+                        .response_timeout(self.op_timeout)
+                        .retries(3)
+                        .min_retry_wait(10)
+                        .max_retry_wait(100)
+                        .build()?;
+                Conn::cluster(client, self.op_timeout * 4).await
+            }
+        }
     }
 }

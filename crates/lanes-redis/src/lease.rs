@@ -3,10 +3,16 @@
 // The crate root's private types and imports: this module is one of its impl blocks.
 use super::*;
 
+use futures_util::future::join_all;
+
 /// Every quarter of a second (or third of a lease, if shorter): checks the namespace's epoch
 /// (so a Redis that lost its state is seen within one tick), retries releases that could not
 /// reach Redis, tells the limits where this client waits that it is alive, and — every third of
 /// a lease — renews the permits it holds for itself.
+///
+/// The calls of a tick are made at once, not one after the other: on a cluster whose primary
+/// failed, each call to it waits out `op_timeout`, and the renewals of limits on the healthy
+/// primaries must not queue behind them (their leases would end while their holders wait).
 pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
     let (period, renew_every) = match inner.upgrade() {
         Some(inner) => ((inner.lease / 3).min(Duration::from_millis(250)), inner.lease / 3),
@@ -19,48 +25,70 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
     loop {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else { return };
-        let _ = inner.detect_loss().await;
         let orphans = std::mem::take(&mut lock(&inner.state).orphans);
-        for (name, ticket) in orphans {
+        let waiting: Vec<String> = if touched.elapsed() >= inner.queue_grace / 4 {
+            touched = Instant::now();
+            lock(&inner.state)
+                .limits
+                .iter()
+                .filter(|(_, limit)| limit.has_waiters())
+                .map(|(name, _)| name.clone())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let held: Vec<(String, Vec<u64>)> = if auto_renew && renewed.elapsed() >= renew_every {
+            renewed = Instant::now();
+            lock(&inner.state)
+                .limits
+                .iter()
+                .map(|(name, limit)| (name.clone(), limit.renewed()))
+                .filter(|(_, own)| !own.is_empty())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let inner = &*inner;
+        let releases = join_all(orphans.into_iter().map(|(name, ticket)| async move {
             if let Err(CallError::Outage(_)) =
                 inner.call(&name, "release", &[ticket.to_string()]).await
             {
                 lock(&inner.state).orphans.push((name, ticket));
             }
+        }));
+        let touches = join_all(waiting.iter().map(|name| inner.call(name, "touch", &[])));
+        let renewals = join_all(held.into_iter().map(|(name, tickets)| async move {
+            inner.renew_all(&name, tickets, inner.lease).await
+        }));
+        let _ = tokio::join!(inner.detect_loss(), releases, touches, renewals);
+    }
+}
+
+/// Reports each permit this client renews as lost the moment its lease may have ended on
+/// the server without a renewal (Redis unreachable, or too slow): from then on Redis may grant
+/// it to someone else, so its holder must stop believing it holds it. Scans at the next lease
+/// end, and at least every 50 ms (a new lease ends later than that).
+pub(crate) async fn watch_leases(inner: Weak<Inner>) {
+    loop {
+        let Some(strong) = inner.upgrade() else { return };
+        let now = Instant::now();
+        let mut lapsed = Vec::new();
+        let mut next = now + Duration::from_millis(50);
+        for (name, limit) in &mut lock(&strong.state).limits {
+            let (gone, soonest) = limit.lapse(now);
+            lapsed.extend(gone.into_iter().map(|ticket| (name.clone(), ticket)));
+            next = soonest.map_or(next, |soonest| soonest.min(next));
         }
-        if touched.elapsed() >= inner.queue_grace / 4 {
-            touched = Instant::now();
-            let waiting: Vec<String> = lock(&inner.state)
-                .limits
-                .iter()
-                .filter(|(_, limit)| limit.has_waiters())
-                .map(|(name, _)| name.clone())
-                .collect();
-            for name in waiting {
-                let _ = inner.call(&name, "touch", &[]).await;
-            }
+        for (name, ticket) in lapsed {
+            strong.mark_lost(&name, ticket);
         }
-        if !auto_renew || renewed.elapsed() < renew_every {
-            continue;
-        }
-        renewed = Instant::now();
-        let held: Vec<(String, Vec<u64>)> = lock(&inner.state)
-            .limits
-            .iter()
-            .map(|(name, limit)| (name.clone(), limit.renewed()))
-            .filter(|(_, own)| !own.is_empty())
-            .collect();
-        for (name, tickets) in held {
-            let _ = inner.renew_all(&name, tickets, inner.lease).await;
-        }
+        drop(strong);
+        tokio::time::sleep_until(next).await;
     }
 }
 
 /// Reads the namespace's epoch, creating a fresh random one if Redis has none.
-pub(crate) async fn ensure_epoch(
-    conn: &mut ConnectionManager,
-    key: &str,
-) -> Result<String, RedisError> {
+pub(crate) async fn ensure_epoch(conn: &mut Live, key: &str) -> Result<String, RedisError> {
     let fresh = {
         use std::hash::BuildHasher;
         let nanos = std::time::SystemTime::now()
@@ -83,16 +111,26 @@ impl Inner {
         lease: Duration,
     ) -> Result<Vec<u64>, CallError> {
         let args: Vec<String> = tickets.iter().map(u64::to_string).collect();
+        let sent = Instant::now();
         let value = self.call_leased(name, "renew", lease, &args).await?;
         let refused: Vec<u64> = if error_tag(&value).as_deref() == Some("unknown") {
             // Redis no longer knows the limit (it restarted empty): nothing is held there.
-            tickets
+            tickets.clone()
         } else {
             let Value::Array(items) = value else {
                 return Err(CallError::Other(LimitError::backend("redis: odd renewal")));
             };
             items.iter().filter_map(|v| text(v)?.parse().ok()).collect()
         };
+        {
+            let refused: BTreeSet<u64> = refused.iter().copied().collect();
+            let renewed: Vec<u64> =
+                tickets.into_iter().filter(|ticket| !refused.contains(ticket)).collect();
+            let mut state = lock(&self.state);
+            if let Some(limit) = state.limits.get_mut(name) {
+                limit.renewed_until(&renewed, self.lease_end(sent, lease));
+            }
+        }
         if !refused.is_empty() {
             let mut lost = Vec::new();
             {

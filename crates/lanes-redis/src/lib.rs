@@ -25,6 +25,10 @@
 //!   a client also wakes when the earliest lease of the limit can lapse, so a crashed holder's
 //!   permit moves on promptly.
 //! - **An outage policy** for when Redis is unreachable or slow ([`OutagePolicy`]).
+//! - **Redis Cluster** ([`RedisLimits::cluster_builder`]): each limit lives in one slot, so
+//!   limits spread over the primaries, and a failover (a replica promoted, possibly without the
+//!   last writes) holds the limits it moved for one longest lease, as after a Redis that lost
+//!   its state (see [Outages](#outages)).
 //!
 //! # Outages
 //!
@@ -41,11 +45,14 @@
 //!   this client: limits it defined, or read once (the client reads a limit's spec the first
 //!   time it acquires it under this policy).
 //!
-//! Permits held when Redis goes away stay with their holders: renewals fail, so on the server
-//! their leases end `lease` after the last renewal and the permits return to the pool (a Redis
-//! that restarted empty has forgotten them already). When Redis is back, renewals of lapsed
-//! permits are refused — the holder's fencing token is stale, which is what fencing is for —
-//! and they are counted in [`RedisStats::lost_leases`]. Releases that could not reach Redis are
+//! A permit whose lease ends without a renewal — Redis unreachable, or too slow — is reported
+//! lost to its holder ([`lanes::Permit::lost`], [`lanes::Permit::lease_lost`]) at that moment.
+//! The end is counted from when the grant or the last successful renewal was *asked for*, less
+//! 2%, so the holder knows no later than Redis reclaims the permit and grants it to someone
+//! else: a holder cut off from Redis (or from one primary of a cluster) stops believing it
+//! holds before anyone else can. When Redis is back, renewals of lapsed permits are refused —
+//! the holder's fencing token is stale, which is what fencing is for. Both are counted in
+//! [`RedisStats::lost_leases`], once per permit. Releases that could not reach Redis are
 //! retried in the background. A limit a restarted Redis no longer knows is defined again from
 //! the spec this client gave it. Tickets that fell back to the local share stay local until
 //! released; new acquires go to Redis again as soon as it answers.
@@ -72,6 +79,7 @@
 
 pub mod answer;
 mod builder;
+mod conn;
 mod lease;
 mod outage;
 mod push;
@@ -81,7 +89,8 @@ mod wire;
 pub use builder::RedisLimitsBuilder;
 pub use outage::OutagePolicy;
 
-use lease::{ensure_epoch, maintain};
+use conn::{Conn, Live, Target};
+use lease::{ensure_epoch, maintain, watch_leases};
 use push::subscribe;
 use tickets::{Delivered, Place, State, WaitPlan};
 use wire::{Ask, CallError, Reply, error_tag, int, parse_grant, text};
@@ -166,7 +175,9 @@ struct Stats {
 }
 
 struct Inner {
-    conn: ConnectionManager,
+    conn: Conn,
+    /// Whether `conn` is a cluster's: the script then watches which node serves each limit.
+    cluster: bool,
     script: Script,
     namespace: String,
     channel_prefix: String,
@@ -234,6 +245,8 @@ impl Inner {
             spec.burst.to_string(),
             rate,
             hold.as_millis().to_string(),
+            // On a cluster, the hold after the limit is found on another node (a failover).
+            if self.cluster { self.max_lease.as_millis().to_string() } else { "0".to_owned() },
         ];
         self.call(name, "define", &args).await?;
         self.command::<()>(redis::cmd("SADD").arg(self.registry_key()).arg(name)).await?;
@@ -296,14 +309,21 @@ impl Inner {
         })
     }
 
-    /// Applies an answer to this client's bookkeeping.
+    /// When a lease asked for at `sent` may end on the server, in local time: at the end of
+    /// `lease` counted from the ask (the server counts from a later moment), less 2% for clocks
+    /// that run at slightly different rates.
+    fn lease_end(&self, sent: Instant, lease: Duration) -> Instant {
+        sent + lease - lease / 50
+    }
+
+    /// Applies an answer to a call sent at `sent` to this client's bookkeeping.
     fn apply(
         &self,
         name: &str,
         ticket: u64,
-        answer: ScriptAnswer,
-        grant: Option<Grant>,
-        hint: Option<Duration>,
+        (answer, grant, hint): (ScriptAnswer, Option<Grant>, Option<Duration>),
+        sent: Instant,
+        lease: Duration,
     ) -> Answer {
         let mut state = lock(&self.state);
         let limit = state.limits.entry(name.to_owned()).or_default();
@@ -313,13 +333,16 @@ impl Inner {
         }
         match answer {
             ScriptAnswer::Granted => {
-                limit.hold(ticket, false);
+                limit.hold(ticket, false, self.lease_end(sent, lease));
                 Answer::Granted(grant.expect("parsed with the answer"))
             }
             ScriptAnswer::GrantedOther(other) => {
                 limit.queued(ticket, false);
                 let grant = grant.expect("parsed with the answer");
-                if limit.deliver(other, grant) == Delivered::Gone {
+                // The other ticket's lease is this client's (only its own tickets are asked
+                // for together).
+                let until = self.lease_end(sent, self.lease);
+                if limit.deliver(other, grant, until) == Delivered::Gone {
                     // Its acquire was dropped meanwhile: hand the permit back.
                     state.orphans.push((name.to_owned(), other));
                 }
@@ -379,6 +402,7 @@ impl Inner {
         let lease_or_own = lease.unwrap_or(self.lease);
         let mut ask = ask;
         for attempt in 0..3 {
+            let sent = Instant::now();
             match self.ask_remote(name, ticket, &ask, lease_or_own).await {
                 Ok(Reply::Answer(answer, grant, hint)) => {
                     if matches!(ask, Ask::Try) && !matches!(answer, ScriptAnswer::Granted) {
@@ -391,13 +415,14 @@ impl Inner {
                     }
                     if matches!(ask, Ask::Try) && lease.is_some() {
                         // Granted to a try with its own lease: its holder renews it.
-                        lock(&self.state)
-                            .limits
-                            .entry(name.to_owned())
-                            .or_default()
-                            .hold(ticket, true);
+                        lock(&self.state).limits.entry(name.to_owned()).or_default().hold(
+                            ticket,
+                            true,
+                            self.lease_end(sent, lease_or_own),
+                        );
                     }
-                    return Ok(self.apply(name, ticket, answer, grant, hint));
+                    let answer = (answer, grant, hint);
+                    return Ok(self.apply(name, ticket, answer, sent, lease_or_own));
                 }
                 Ok(Reply::TooManyWaiters) => {
                     lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
@@ -457,11 +482,15 @@ impl Inner {
                         Ok(true) => {}
                         Ok(false) => {
                             // Removed by another client: this one forgets it too, unless it
-                            // defined it itself (then define it again, as before).
+                            // defined it itself (then define it again, as before). On a
+                            // cluster it may instead have been lost in a failover (created
+                            // just before, never replicated): then its grants wait a lease.
                             let spec = lock(&self.state).specs.get(name).copied();
                             if let Some(spec) = spec {
                                 self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
-                                if let Err(err) = self.define(name, spec).await {
+                                let hold =
+                                    if self.cluster { self.max_lease } else { Duration::ZERO };
+                                if let Err(err) = self.define_held(name, spec, hold).await {
                                     return self.outage_for(name, ticket, ask, lease, err).await;
                                 }
                             }
@@ -543,8 +572,30 @@ impl Inner {
 impl RedisLimits {
     /// A builder for a client of the Redis at `url` (`redis://host:port/db`).
     pub fn builder(url: impl Into<String>) -> RedisLimitsBuilder {
+        Self::builder_for(Target::Single(url.into()))
+    }
+
+    /// A builder for a client of the Redis Cluster that `nodes` belong to
+    /// (`redis://host:port` each; one reachable node is enough, the rest are discovered).
+    ///
+    /// Each limit lives in one slot (its keys share a hash tag), so limits spread over the
+    /// cluster's primaries. When a primary fails and its replica is promoted, the replica may
+    /// lack the last writes (Redis replicates asynchronously): the first call that reaches a
+    /// limit on a node other than the one that last served it holds the limit's grants for
+    /// `max_lease`, as after a Redis that lost its state, and moves its fencing tokens past
+    /// any that may have been handed out. Holders whose grants were lost are told so at their
+    /// next renewal, within that hold. A resharding that moves a limit's slot holds it too.
+    pub fn cluster_builder<I, S>(nodes: I) -> RedisLimitsBuilder
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self::builder_for(Target::Cluster(nodes.into_iter().map(Into::into).collect()))
+    }
+
+    fn builder_for(target: Target) -> RedisLimitsBuilder {
         RedisLimitsBuilder {
-            url: url.into(),
+            target,
             namespace: "lanes".into(),
             lease: Duration::from_secs(3),
             max_waiters: lanes::LimitTable::DEFAULT_MAX_WAITERS,

@@ -65,7 +65,8 @@ end
 -- The limit's settings, read once per call.
 local meta = nil
 local function load_meta()
-  local v = redis.call('HMGET', M, 'concurrent', 'interval', 'burst', 'tat', 'maxuse', 'hold')
+  local v = redis.call('HMGET', M, 'concurrent', 'interval', 'burst', 'tat', 'maxuse', 'hold',
+    'movehold', 'node')
   if not v[1] then return false end
   meta = {
     concurrent = tonumber(v[1]),
@@ -74,8 +75,29 @@ local function load_meta()
     tat = tonumber(v[4]) or 0,
     maxuse = tonumber(v[5]) or 0,
     hold = tonumber(v[6]) or 0,
+    movehold = tonumber(v[7]) or 0,
+    node = v[8],
   }
   return true
+end
+
+-- On a Redis Cluster (movehold > 0): the limit is served by another node than the one that
+-- last wrote it, so a replica was promoted (or the slot moved) and may lack the last writes:
+-- grants it lost may still be believed held, and their fencing tokens handed out again. No
+-- grant before every lease that may have been lost has ended (the longest lease, movehold ms),
+-- and tokens go on from the clock, past any handed out.
+local function watch_node(now)
+  if meta.movehold <= 0 then return end
+  local me = redis.call('CLUSTER', 'MYID')
+  if me == meta.node then return end
+  if meta.node then
+    local hold = now + meta.movehold * 1000
+    if hold > meta.hold then meta.hold = hold end
+    local fence = math.max(num(M, 'fence'), now)
+    redis.call('HSET', M, 'hold', int(meta.hold), 'fence', int(fence))
+  end
+  redis.call('HSET', M, 'node', me)
+  meta.node = me
 end
 
 local function ring(level) return B .. ':r:' .. level end
@@ -284,7 +306,8 @@ end
 
 if op == 'define' then
   -- ARGV: concurrent, interval_us, burst, per_second (as the client wrote it, "" for none),
-  -- hold_ms (0: none)
+  -- hold_ms (0: none), movehold_ms (on a cluster: the hold after the limit changed nodes; 0
+  -- elsewhere)
   local fresh = redis.call('EXISTS', M) == 0
   local now = now_us()
   redis.call('HSET', M, 'concurrent', ARGV[6], 'interval', ARGV[7], 'burst', ARGV[8], 'rate', ARGV[9])
@@ -296,7 +319,10 @@ if op == 'define' then
     local hold = now + hold_ms * 1000
     if hold > num(M, 'hold') then redis.call('HSET', M, 'hold', int(hold)) end
   end
+  local movehold = tonumber(ARGV[11] or '0')
+  if movehold > 0 then redis.call('HSET', M, 'movehold', movehold) end
   load_meta()
+  watch_node(now)
   expire(now)
   kick(now)
   return 'ok'
@@ -304,6 +330,7 @@ end
 
 if not load_meta() then return { 'unknown' } end
 local now = now_us()
+watch_node(now)
 local reclaimed = expire(now)
 redis.call('HSET', C, caller, int(now))
 

@@ -57,11 +57,11 @@ impl Inner {
         if seen.is_some() && seen == known {
             return Ok(false);
         }
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn.live();
         let fresh = tokio::time::timeout(self.op_timeout, ensure_epoch(&mut conn, &key))
             .await
-            .map_err(|_| CallError::Outage("no answer".into()))?
-            .map_err(|e| CallError::Outage(e.to_string()))?;
+            .map_err(|_| self.outage("no answer".into()))?
+            .map_err(|e| self.outage(e.to_string()))?;
         {
             let mut epoch = lock(&self.epoch);
             if epoch.as_ref() == Some(&fresh) {

@@ -4,15 +4,16 @@
 use super::*;
 
 /// Listens on the client's channel; wakes the first waiter of each limit it names. Reconnects
-/// after a failure and then wakes every first waiter (notifications may have been missed).
+/// after a failure (to the next of `clients`, which are the nodes of a cluster or the one
+/// Redis) and then wakes every first waiter (notifications may have been missed).
 pub(crate) async fn subscribe(
-    client: redis::Client,
+    clients: Vec<redis::Client>,
     inner: Weak<Inner>,
     subscribed: tokio::sync::oneshot::Sender<()>,
 ) {
     let mut subscribed = Some(subscribed);
     let mut backoff = Duration::from_millis(50);
-    loop {
+    for client in clients.iter().cycle() {
         let Some(strong) = inner.upgrade() else { return };
         let channel = format!("{}{}", strong.channel_prefix, strong.client);
         let prefix = format!("{}:", strong.namespace);
@@ -25,7 +26,7 @@ pub(crate) async fn subscribe(
         let mut pubsub = match tokio::time::timeout(Duration::from_secs(2), pubsub).await {
             Ok(Ok(pubsub)) => pubsub,
             _ => {
-                tokio::time::sleep(backoff).await;
+                tokio::time::sleep(backoff / clients.len() as u32).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
                 continue;
             }
@@ -76,7 +77,11 @@ impl Inner {
             Some((ticket, grant, qualified)) => {
                 let name = qualified.strip_prefix(prefix)?;
                 let limit = state.limits.entry(name.to_owned()).or_default();
-                match limit.deliver(ticket, grant) {
+                // Granted before it got here, by up to the push's delay: counted as if asked for
+                // one op timeout (at most a quarter of the lease) ago.
+                let early = self.op_timeout.min(self.lease / 4);
+                let until = self.lease_end(Instant::now() - early, self.lease);
+                match limit.deliver(ticket, grant, until) {
                     Delivered::Woken | Delivered::Already => None,
                     Delivered::Gone => Some((name.to_owned(), ticket)),
                 }

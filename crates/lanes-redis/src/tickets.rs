@@ -41,9 +41,11 @@ enum Ticket {
     },
     /// The server granted it (pushed, or while another ticket asked); its acquire has not
     /// claimed the grant yet. It holds a permit on the server.
-    Granted { grant: Grant, external: bool },
-    /// Holds a permit on the server; renewed in the background unless `external`.
-    Held { external: bool },
+    Granted { grant: Grant, external: bool, until: Instant },
+    /// Holds a permit on the server; renewed in the background unless `external`. `until` is
+    /// when its lease may end on the server unless renewed (local time, no later than the
+    /// server's end: counted from when the grant or the last renewal was asked for).
+    Held { external: bool, until: Instant },
     /// Granted without a permit (fail-open).
     Open,
     /// Lives in the local share.
@@ -55,7 +57,7 @@ impl Ticket {
         match self {
             Self::Waiting { external, .. }
             | Self::Granted { external, .. }
-            | Self::Held { external } => *external,
+            | Self::Held { external, .. } => *external,
             Self::Open | Self::Local => false,
         }
     }
@@ -232,32 +234,70 @@ impl ClientLimit {
         self.next_expiry = hint.map(|after| Instant::now() + after);
     }
 
-    /// `ticket` was granted to its own ask: it holds a permit now. `external` marks a ticket
-    /// whose holder renews it; a ticket asked first with its own lease stays external.
-    pub(crate) fn hold(&mut self, ticket: u64, external: bool) {
+    /// `ticket` was granted to its own ask: it holds a permit now, until `until` unless
+    /// renewed. `external` marks a ticket whose holder renews it; a ticket asked first with its
+    /// own lease stays external.
+    pub(crate) fn hold(&mut self, ticket: u64, external: bool, until: Instant) {
         let external = external || self.tickets.get(&ticket).is_some_and(Ticket::external);
-        self.set(ticket, Ticket::Held { external });
+        self.set(ticket, Ticket::Held { external, until });
+    }
+
+    /// The leases of `tickets` were renewed: each held one lasts until `until` now.
+    pub(crate) fn renewed_until(&mut self, tickets: &[u64], until: Instant) {
+        for ticket in tickets {
+            if let Some(Ticket::Held { until: held, .. } | Ticket::Granted { until: held, .. }) =
+                self.tickets.get_mut(ticket)
+            {
+                *held = until;
+            }
+        }
+    }
+
+    /// The permits this client renews whose lease may have ended on the server by `now`
+    /// without a renewal: they hold nothing from now on. Returns them, and when the next
+    /// one may end.
+    pub(crate) fn lapse(&mut self, now: Instant) -> (Vec<u64>, Option<Instant>) {
+        let mut lapsed = Vec::new();
+        let mut next: Option<Instant> = None;
+        for (ticket, state) in &self.tickets {
+            let (Ticket::Held { external: false, until }
+            | Ticket::Granted { external: false, until, .. }) = state
+            else {
+                continue;
+            };
+            if *until <= now {
+                lapsed.push(*ticket);
+            } else {
+                next = Some(next.map_or(*until, |next| next.min(*until)));
+            }
+        }
+        lapsed.sort_unstable();
+        for ticket in &lapsed {
+            self.remove(*ticket);
+        }
+        (lapsed, next)
     }
 
     /// Claims a grant made on `ticket`'s behalf: the ticket holds its permit from now on.
     pub(crate) fn claim(&mut self, ticket: u64) -> Option<Grant> {
         match self.tickets.get(&ticket) {
-            Some(Ticket::Granted { grant, external }) => {
-                let (grant, external) = (*grant, *external);
-                self.set(ticket, Ticket::Held { external });
+            Some(Ticket::Granted { grant, external, until }) => {
+                let (grant, external, until) = (*grant, *external, *until);
+                self.set(ticket, Ticket::Held { external, until });
                 Some(grant)
             }
             _ => None,
         }
     }
 
-    /// A grant the server made for `ticket` while another ticket asked, or pushed.
-    pub(crate) fn deliver(&mut self, ticket: u64, grant: Grant) -> Delivered {
+    /// A grant the server made for `ticket` while another ticket asked, or pushed; its lease
+    /// may end at `until` unless renewed.
+    pub(crate) fn deliver(&mut self, ticket: u64, grant: Grant, until: Instant) -> Delivered {
         match self.tickets.get(&ticket) {
             Some(Ticket::Granted { .. } | Ticket::Held { .. }) => Delivered::Already,
             Some(Ticket::Waiting { notify, external, .. }) => {
                 let (notify, external) = (Arc::clone(notify), *external);
-                self.set(ticket, Ticket::Granted { grant, external });
+                self.set(ticket, Ticket::Granted { grant, external, until });
                 notify.notify_one();
                 Delivered::Woken
             }
@@ -359,6 +399,11 @@ impl ClientLimit {
 mod tests {
     use super::*;
 
+    /// A lease end far away.
+    fn far() -> Instant {
+        Instant::now() + Duration::from_secs(3600)
+    }
+
     fn grant(fence: u64) -> Grant {
         Grant { fencing_token: fence, expires_at: None }
     }
@@ -372,11 +417,31 @@ mod tests {
     }
 
     #[test]
+    fn an_unrenewed_lease_lapses_and_only_the_clients_own_permits_do() {
+        let mut limit = ClientLimit::default();
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        limit.hold(1, false, now + ms(10));
+        limit.hold(2, false, now + ms(100));
+        limit.hold(3, true, now); // external: its holder renews it
+        limit.ask(4, Priority::default(), false);
+        assert_eq!(limit.deliver(4, grant(1), now + ms(5)), Delivered::Woken);
+        let (lapsed, next) = limit.lapse(now + ms(20));
+        assert_eq!(lapsed, [1, 4]);
+        assert_eq!(next, Some(now + ms(100)));
+        assert!(!limit.holds(1) && limit.holds(2) && limit.holds(3) && !limit.holds(4));
+        assert!(limit.claim(4).is_none(), "a lapsed grant is not claimed");
+        limit.renewed_until(&[2], now + ms(500));
+        assert_eq!(limit.lapse(now + ms(200)), (Vec::new(), Some(now + ms(500))));
+        assert_eq!(limit.lapse(now + ms(500)).0, [2]);
+    }
+
+    #[test]
     fn an_ask_waits_and_its_own_grant_holds() {
         let mut limit = asked(&[7]);
         assert!(limit.is_waiting(7) && !limit.holds(7));
         assert_eq!(limit.priority(7), Some(Priority::default()));
-        limit.hold(7, false);
+        limit.hold(7, false, far());
         assert!(!limit.is_waiting(7) && limit.holds(7));
         assert!(!limit.has_waiters());
         assert_eq!(limit.renewed(), vec![7]);
@@ -390,7 +455,7 @@ mod tests {
         let WaitPlan::Remote(notify, _) = limit.plan_wait(2, Duration::from_secs(5)) else {
             panic!("a waiting ticket waits remotely");
         };
-        assert_eq!(limit.deliver(2, grant(9)), Delivered::Woken);
+        assert_eq!(limit.deliver(2, grant(9), far()), Delivered::Woken);
         // The permit was stored: its waiter's next `notified()` completes at once.
         let woken = notify.notified();
         futures_util::pin_mut!(woken);
@@ -398,7 +463,7 @@ mod tests {
         assert!(matches!(limit.plan_wait(2, Duration::from_secs(5)), WaitPlan::Ready));
         assert!(limit.holds(2) && !limit.is_waiting(2));
         assert_eq!(limit.renewed(), vec![2], "a granted ticket is renewed before it is claimed");
-        assert_eq!(limit.deliver(2, grant(9)), Delivered::Already);
+        assert_eq!(limit.deliver(2, grant(9), far()), Delivered::Already);
         assert_eq!(limit.claim(2), Some(grant(9)));
         assert_eq!(limit.claim(2), None, "claimed once");
         assert!(limit.holds(2));
@@ -409,9 +474,9 @@ mod tests {
     fn a_grant_for_a_gone_waiter_goes_back() {
         let mut limit = asked(&[3]);
         limit.release(3);
-        assert_eq!(limit.deliver(3, grant(1)), Delivered::Gone);
+        assert_eq!(limit.deliver(3, grant(1), far()), Delivered::Gone);
         limit.open(4);
-        assert_eq!(limit.deliver(4, grant(2)), Delivered::Gone);
+        assert_eq!(limit.deliver(4, grant(2), far()), Delivered::Gone);
         assert!(!limit.holds(3) && !limit.holds(4));
     }
 
@@ -439,7 +504,7 @@ mod tests {
     fn an_asker_granted_to_its_own_ask_hands_the_role_on() {
         let mut limit = asked(&[1, 2]);
         let next = limit.notify_of(2).cloned().unwrap();
-        limit.hold(1, false);
+        limit.hold(1, false, far());
         let pending = next.notified();
         futures_util::pin_mut!(pending);
         assert!(pending.as_mut().enable(), "the next waiter asks now");
@@ -448,7 +513,7 @@ mod tests {
     #[test]
     fn forget_leaves_a_held_ticket_held() {
         let mut limit = asked(&[1]);
-        limit.hold(1, false);
+        limit.hold(1, false, far());
         limit.forget(1);
         assert!(limit.holds(1));
     }
@@ -458,11 +523,11 @@ mod tests {
         let mut limit = ClientLimit::default();
         limit.ask(1, Priority::default(), true);
         limit.ask(2, Priority::default(), false);
-        limit.hold(1, false);
-        limit.hold(2, false);
-        limit.hold(3, true);
+        limit.hold(1, false, far());
+        limit.hold(2, false, far());
+        limit.hold(3, true, far());
         assert_eq!(limit.renewed(), vec![2]);
-        assert_eq!(limit.deliver(1, grant(1)), Delivered::Already);
+        assert_eq!(limit.deliver(1, grant(1), far()), Delivered::Already);
     }
 
     #[test]
@@ -485,15 +550,15 @@ mod tests {
     #[test]
     fn losing_state_drops_every_remote_permit_and_only_those() {
         let mut limit = asked(&[1, 2, 3, 4]);
-        limit.hold(1, false);
-        limit.deliver(2, grant(5));
+        limit.hold(1, false, far());
+        limit.deliver(2, grant(5), far());
         limit.open(3);
         let lost = limit.lose_all();
         assert_eq!(lost, vec![1, 2]);
         assert!(limit.is_open(3) && limit.is_waiting(4));
         assert!(!limit.lose(4), "a waiting ticket held nothing");
         assert!(limit.is_waiting(4));
-        limit.hold(4, false);
+        limit.hold(4, false, far());
         assert!(limit.lose(4) && !limit.holds(4));
     }
 

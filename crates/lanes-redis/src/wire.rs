@@ -21,11 +21,23 @@ impl From<CallError> for LimitError {
 }
 
 pub(crate) fn is_outage(err: &RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
     err.is_io_error()
         || err.is_timeout()
         || err.is_connection_dropped()
         || err.is_connection_refusal()
         || err.is_unrecoverable_error()
+        // A cluster in the middle of a failover, after the client's own retries.
+        || err.is_cluster_error()
+        || matches!(
+            err.kind(),
+            ErrorKind::ClusterConnectionNotFound
+                | ErrorKind::Server(
+                    ServerErrorKind::MasterDown
+                        | ServerErrorKind::ReadOnly
+                        | ServerErrorKind::BusyLoading
+                )
+        )
 }
 
 /// Which ask of a ticket.
@@ -103,7 +115,7 @@ impl Inner {
         for arg in args {
             invocation.arg(arg);
         }
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn.live();
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
         let result =
             tokio::time::timeout(self.op_timeout, invocation.invoke_async(&mut conn)).await;
@@ -111,26 +123,32 @@ impl Inner {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(err)) if is_outage(&err) => {
                 self.stats.outages.fetch_add(1, Ordering::Relaxed);
-                Err(CallError::Outage(err.to_string()))
+                Err(self.outage(err.to_string()))
             }
             Ok(Err(err)) => Err(CallError::Other(backend(err))),
             Err(_) => {
                 self.stats.outages.fetch_add(1, Ordering::Relaxed);
-                Err(CallError::Outage(format!("no answer within {:?}", self.op_timeout)))
+                Err(self.outage(format!("no answer within {:?}", self.op_timeout)))
             }
         }
+    }
+
+    /// A call failed for lack of Redis: the connection is told (a cluster's is replaced).
+    pub(crate) fn outage(&self, message: String) -> CallError {
+        self.conn.failed();
+        CallError::Outage(message)
     }
 
     pub(crate) async fn command<T: redis::FromRedisValue>(
         &self,
         cmd: &redis::Cmd,
     ) -> Result<T, CallError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.conn.live();
         match tokio::time::timeout(self.op_timeout, cmd.query_async(&mut conn)).await {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(err)) if is_outage(&err) => Err(CallError::Outage(err.to_string())),
+            Ok(Err(err)) if is_outage(&err) => Err(self.outage(err.to_string())),
             Ok(Err(err)) => Err(CallError::Other(backend(err))),
-            Err(_) => Err(CallError::Outage(format!("no answer within {:?}", self.op_timeout))),
+            Err(_) => Err(self.outage(format!("no answer within {:?}", self.op_timeout))),
         }
     }
 }

@@ -119,15 +119,23 @@ async fn permits_held_through_an_outage_are_reported_lost_when_redis_forgot_them
     let limits = Limits::with_backend(backend.clone());
     limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
     let held = limits.acquire("db", Priority::default()).await.unwrap();
+    let stopped = Instant::now();
     redis.stop();
-    sleep(Duration::from_millis(400)).await;
+    // Its lease ends without a renewal: the holder is told then, Redis or not.
+    timeout(Duration::from_secs(5), held.lost()).await.expect("the lost lease is reported");
+    let told = stopped.elapsed();
+    assert!(told <= backend.lease() + Duration::from_millis(100), "told after {told:?}");
+    assert!(held.lease_lost() && backend.stats().lost_leases == 1, "{:?}", backend.stats());
     redis.restart();
-    // The background renewal finds the permit gone (the restarted Redis has no record of it).
+    // Once Redis answers, a renewal is refused: the restarted Redis has no record of it.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while backend.stats().lost_leases == 0 {
-        assert!(Instant::now() < deadline, "the lost lease is reported: {:?}", backend.stats());
+    let err = loop {
+        let err = backend.renew("db", held.ticket()).await.unwrap_err();
+        if !err.is_backend() {
+            break err;
+        }
+        assert!(Instant::now() < deadline, "Redis answers again: {err}");
         sleep(Duration::from_millis(50)).await;
-    }
-    let err = backend.renew("db", held.ticket()).await.unwrap_err();
+    };
     assert!(err.is_lease_expired(), "{err}");
 }

@@ -1,5 +1,6 @@
-//! RedisLimits across OS processes: this test binary re-spawns itself as children that hammer
-//! one limit or hold a permit until they are killed.
+//! RedisLimits across OS processes, on a real Redis and on a real Redis Cluster: this test
+//! binary re-spawns itself as children that hammer one limit or hold a permit until they are
+//! killed.
 //!
 //! - Several processes hammering one limit never hold more than `concurrent` permits at once,
 //!   by the server's high-water mark and by the holders' own count; fencing tokens are unique
@@ -14,6 +15,7 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::Target;
 use lanes::{LimitSpec, Limits, Priority};
 use tokio::time::{Instant, sleep, timeout};
 
@@ -32,12 +34,14 @@ fn main() {
         Ok("hold") => runtime.block_on(hold()),
         Ok(other) => panic!("unknown child mode {other}"),
         Err(_) => {
-            println!("test processes_never_exceed_the_limit ...");
-            runtime.block_on(processes_never_exceed_the_limit());
-            println!("test processes_never_exceed_the_limit ... ok");
-            println!("test a_killed_holder_is_reclaimed_within_its_lease ...");
-            runtime.block_on(a_killed_holder_is_reclaimed());
-            println!("test a_killed_holder_is_reclaimed_within_its_lease ... ok");
+            for target in [Target::Single, Target::Cluster] {
+                println!("test processes_never_exceed_the_limit on {target:?} ...");
+                runtime.block_on(processes_never_exceed_the_limit(target));
+                println!("test processes_never_exceed_the_limit on {target:?} ... ok");
+                println!("test a_killed_holder_is_reclaimed_within_its_lease on {target:?} ...");
+                runtime.block_on(a_killed_holder_is_reclaimed(target));
+                println!("test a_killed_holder_is_reclaimed_within_its_lease on {target:?} ... ok");
+            }
         }
     }
 }
@@ -46,10 +50,12 @@ fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is set for children"))
 }
 
-fn child(mode: &str, ns: &str, lease_ms: u64) -> Command {
+fn child(mode: &str, ns: &str, lease_ms: u64, target: Target) -> Command {
     let mut command = Command::new(std::env::current_exe().expect("this binary"));
+    let target = if target == Target::Cluster { "cluster" } else { "single" };
     command
         .env("LANES_REDIS_CHILD", mode)
+        .env("LANES_TARGET", target)
         .env("LANES_NS", ns)
         .env("LANES_LEASE_MS", lease_ms.to_string())
         .stdout(Stdio::piped())
@@ -60,7 +66,11 @@ fn child(mode: &str, ns: &str, lease_ms: u64) -> Command {
 async fn child_limits() -> (Limits, redis::aio::MultiplexedConnection, String) {
     let ns = env("LANES_NS");
     let lease = Duration::from_millis(env("LANES_LEASE_MS").parse().unwrap());
-    let backend = common::builder(&ns).lease(lease).build().await.expect("redis");
+    let target = match env("LANES_TARGET").as_str() {
+        "cluster" => Target::Cluster,
+        _ => Target::Single,
+    };
+    let backend = common::builder_on(target, &ns).lease(lease).build().await.expect("redis");
     let conn = redis::Client::open(common::redis_url())
         .unwrap()
         .get_multiplexed_async_connection()
@@ -95,13 +105,13 @@ async fn hold() {
     sleep(Duration::from_secs(3600)).await;
 }
 
-async fn processes_never_exceed_the_limit() {
+async fn processes_never_exceed_the_limit(target: Target) {
     let ns = common::unique_ns("procs");
-    let _cleanup = common::Cleanup(ns.clone());
-    let limits = Limits::with_backend(common::client(&ns).await);
+    let _cleanup = common::Cleanup::on(target, &ns);
+    let limits = Limits::with_backend(common::client_on(target, &ns).await);
     limits.define("shared", LimitSpec::concurrent(CONCURRENT)).await.unwrap();
     let children: Vec<_> =
-        (0..CHILDREN).map(|_| child("hammer", &ns, 3000).spawn().expect("spawn a child")).collect();
+        (0..CHILDREN).map(|_| child("hammer", &ns, 3000, target).spawn().expect("spawn")).collect();
     let mut all_tokens = Vec::new();
     for child in children {
         let out = child.wait_with_output().expect("the child finishes");
@@ -127,13 +137,13 @@ async fn processes_never_exceed_the_limit() {
     assert_eq!(info.granted_total, (CHILDREN * ITERATIONS) as u64);
 }
 
-async fn a_killed_holder_is_reclaimed() {
+async fn a_killed_holder_is_reclaimed(target: Target) {
     let ns = common::unique_ns("kill");
-    let _cleanup = common::Cleanup(ns.clone());
+    let _cleanup = common::Cleanup::on(target, &ns);
     let lease = Duration::from_millis(500);
-    let limits = Limits::with_backend(common::client(&ns).await);
+    let limits = Limits::with_backend(common::client_on(target, &ns).await);
     limits.define("held", LimitSpec::concurrent(1)).await.unwrap();
-    let mut holder = child("hold", &ns, lease.as_millis() as u64).spawn().expect("spawn");
+    let mut holder = child("hold", &ns, lease.as_millis() as u64, target).spawn().expect("spawn");
     let stdout = holder.stdout.take().unwrap();
     let held = tokio::task::spawn_blocking(move || {
         let mut line = String::new();

@@ -1,24 +1,26 @@
-//! RedisLimits on a real Redis, several clients in one process: pushed waiters that wake only
-//! the client served next, fair order across clients, fencing, leases and renewal, reclaim of
-//! a vanished holder, and O(limits) traffic for a client with many waiters.
+//! RedisLimits on a real Redis and on a real Redis Cluster, several clients in one process:
+//! pushed waiters that wake only the client served next, fair order across clients, fencing,
+//! leases and renewal, reclaim of a vanished holder, and O(limits) traffic for a client with
+//! many waiters. Every test runs twice: `single::*` on `REDIS_URL`, `cluster::*` on
+//! `REDIS_CLUSTER_URLS`.
 
 mod common;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::Target;
 use lanes::{Answer, LimitBackend, LimitSpec, Limits, Priority};
 use tokio::time::{Instant, sleep, timeout};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_release_wakes_only_the_client_served_next() {
+async fn a_release_wakes_only_the_client_served_next(t: Target) {
     let ns = common::unique_ns("push");
-    let _cleanup = common::Cleanup(ns.clone());
+    let _cleanup = common::Cleanup::on(t, &ns);
     let backends = [
-        common::client(&ns).await,
-        common::client(&ns).await,
-        common::client(&ns).await,
-        common::client(&ns).await,
+        common::client_on(t, &ns).await,
+        common::client_on(t, &ns).await,
+        common::client_on(t, &ns).await,
+        common::client_on(t, &ns).await,
     ];
     let limits: Vec<Limits> = backends.iter().map(|b| Limits::with_backend(b.clone())).collect();
     limits[0].define("db", LimitSpec::concurrent(1)).await.unwrap();
@@ -48,12 +50,14 @@ async fn a_release_wakes_only_the_client_served_next() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fair_keys_take_turns_across_clients() {
+async fn fair_keys_take_turns_across_clients(t: Target) {
     let ns = common::unique_ns("fair");
-    let _cleanup = common::Cleanup(ns.clone());
-    let (a, b, c) =
-        (common::client(&ns).await, common::client(&ns).await, common::client(&ns).await);
+    let _cleanup = common::Cleanup::on(t, &ns);
+    let (a, b, c) = (
+        common::client_on(t, &ns).await,
+        common::client_on(t, &ns).await,
+        common::client_on(t, &ns).await,
+    );
     let (la, lb, lc) = (Limits::with_backend(a), Limits::with_backend(b), Limits::with_backend(c));
     la.define("api", LimitSpec::concurrent(1)).await.unwrap();
     let held = la.acquire("api", Priority::default()).await.unwrap();
@@ -79,15 +83,14 @@ async fn fair_keys_take_turns_across_clients() {
     assert!(order.windows(2).all(|w| w[0].1 < w[1].1), "fencing tokens grow: {order:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fencing_tokens_strictly_increase_across_clients() {
+async fn fencing_tokens_strictly_increase_across_clients(t: Target) {
     let ns = common::unique_ns("fence");
-    let _cleanup = common::Cleanup(ns.clone());
+    let _cleanup = common::Cleanup::on(t, &ns);
     let mut tasks = Vec::new();
-    let setup = Limits::with_backend(common::client(&ns).await);
+    let setup = Limits::with_backend(common::client_on(t, &ns).await);
     setup.define("ledger", LimitSpec::concurrent(2)).await.unwrap();
     for _ in 0..3 {
-        let limits = Limits::with_backend(common::client(&ns).await);
+        let limits = Limits::with_backend(common::client_on(t, &ns).await);
         tasks.push(tokio::spawn(async move {
             let mut tokens = Vec::new();
             for _ in 0..40 {
@@ -111,13 +114,12 @@ async fn fencing_tokens_strictly_increase_across_clients() {
     assert_eq!(info.granted_total, 120);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lapsed_lease_is_reclaimed_and_its_renewal_refused() {
+async fn a_lapsed_lease_is_reclaimed_and_its_renewal_refused(t: Target) {
     let ns = common::unique_ns("lapse");
-    let _cleanup = common::Cleanup(ns.clone());
+    let _cleanup = common::Cleanup::on(t, &ns);
     let lease = Duration::from_millis(200);
-    let holder = common::builder(&ns).lease(lease).auto_renew(false).build().await.unwrap();
-    let other = Limits::with_backend(common::client(&ns).await);
+    let holder = common::builder_on(t, &ns).lease(lease).auto_renew(false).build().await.unwrap();
+    let other = Limits::with_backend(common::client_on(t, &ns).await);
     other.define("job", LimitSpec::concurrent(1)).await.unwrap();
     let ticket = holder.ticket();
     let answer = holder.acquire("job", ticket, &Priority::default(), None).await.unwrap();
@@ -140,14 +142,13 @@ async fn a_lapsed_lease_is_reclaimed_and_its_renewal_refused() {
     assert_eq!(holder.stats().lost_leases, 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_permits_are_renewed_in_the_background() {
+async fn held_permits_are_renewed_in_the_background(t: Target) {
     let ns = common::unique_ns("renew");
-    let _cleanup = common::Cleanup(ns.clone());
+    let _cleanup = common::Cleanup::on(t, &ns);
     let holder = Limits::with_backend(
-        common::builder(&ns).lease(Duration::from_millis(300)).build().await.unwrap(),
+        common::builder_on(t, &ns).lease(Duration::from_millis(300)).build().await.unwrap(),
     );
-    let other = Limits::with_backend(common::client(&ns).await);
+    let other = Limits::with_backend(common::client_on(t, &ns).await);
     holder.define("job", LimitSpec::concurrent(1)).await.unwrap();
     let permit = holder.acquire("job", Priority::default()).await.unwrap();
     for _ in 0..4 {
@@ -159,14 +160,13 @@ async fn held_permits_are_renewed_in_the_background() {
     assert!(again.unwrap().is_ok());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_vanished_holder_is_reclaimed_within_its_lease() {
+async fn a_vanished_holder_is_reclaimed_within_its_lease(t: Target) {
     let ns = common::unique_ns("vanish");
-    let _cleanup = common::Cleanup(ns.clone());
+    let _cleanup = common::Cleanup::on(t, &ns);
     let lease = Duration::from_millis(300);
-    let waiter = Limits::with_backend(common::client(&ns).await);
+    let waiter = Limits::with_backend(common::client_on(t, &ns).await);
     waiter.define("job", LimitSpec::concurrent(1)).await.unwrap();
-    let holder = common::builder(&ns).lease(lease).build().await.unwrap();
+    let holder = common::builder_on(t, &ns).lease(lease).build().await.unwrap();
     let ticket = holder.ticket();
     assert!(matches!(
         holder.acquire("job", ticket, &Priority::default(), None).await,
@@ -184,14 +184,13 @@ async fn a_vanished_holder_is_reclaimed_within_its_lease() {
     assert!(granted - gone <= lease + Duration::from_millis(100), "{:?}", granted - gone);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_with_many_waiters_asks_for_one_of_them() {
+async fn a_client_with_many_waiters_asks_for_one_of_them(t: Target) {
     let ns = common::unique_ns("traffic");
-    let _cleanup = common::Cleanup(ns.clone());
-    let holder = Limits::with_backend(common::client(&ns).await);
+    let _cleanup = common::Cleanup::on(t, &ns);
+    let holder = Limits::with_backend(common::client_on(t, &ns).await);
     holder.define("db", LimitSpec::concurrent(1)).await.unwrap();
     let held = holder.acquire("db", Priority::default()).await.unwrap();
-    let crowd = common::client(&ns).await;
+    let crowd = common::client_on(t, &ns).await;
     let limits = Limits::with_backend(crowd.clone());
     let mut waiters = Vec::new();
     for _ in 0..20 {
@@ -225,13 +224,12 @@ async fn a_client_with_many_waiters_asks_for_one_of_them() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_rate_follows_the_redis_clock() {
+async fn the_rate_follows_the_redis_clock(t: Target) {
     let ns = common::unique_ns("rate");
-    let _cleanup = common::Cleanup(ns.clone());
+    let _cleanup = common::Cleanup::on(t, &ns);
     let (a, b) = (
-        Limits::with_backend(common::client(&ns).await),
-        Limits::with_backend(common::client(&ns).await),
+        Limits::with_backend(common::client_on(t, &ns).await),
+        Limits::with_backend(common::client_on(t, &ns).await),
     );
     a.define("api", LimitSpec::concurrent(10).per_second(5.0).burst(1)).await.unwrap();
     let _first = a.acquire("api", Priority::default()).await.unwrap();
@@ -244,23 +242,24 @@ async fn the_rate_follows_the_redis_clock() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most() {
+async fn a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most(t: Target) {
     let ns = common::unique_ns("deadwaiter");
-    let _cleanup = common::Cleanup(ns.clone());
+    let _cleanup = common::Cleanup::on(t, &ns);
     let lease = Duration::from_millis(300);
-    let holder = Limits::with_backend(common::builder(&ns).lease(lease).build().await.unwrap());
+    let holder =
+        Limits::with_backend(common::builder_on(t, &ns).lease(lease).build().await.unwrap());
     holder.define("db", LimitSpec::concurrent(1)).await.unwrap();
     let held = holder.acquire("db", Priority::default()).await.unwrap();
     // A client queues a ticket, then dies without withdrawing it.
-    let dead = common::builder(&ns).lease(lease).build().await.unwrap();
+    let dead = common::builder_on(t, &ns).lease(lease).build().await.unwrap();
     let ticket = dead.ticket();
     assert_eq!(
         dead.acquire("db", ticket, &Priority::default(), None).await.unwrap(),
         Answer::Queued
     );
     drop(dead);
-    let waiter = Limits::with_backend(common::builder(&ns).lease(lease).build().await.unwrap());
+    let waiter =
+        Limits::with_backend(common::builder_on(t, &ns).lease(lease).build().await.unwrap());
     let asking = tokio::spawn(async move {
         waiter.acquire("db", Priority::default()).await.map(|p| (Instant::now(), p.fencing_token()))
     });
@@ -278,17 +277,16 @@ async fn a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most() 
     assert!(took <= lease + Duration::from_millis(150), "{took:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn many_tasks_on_several_clients_never_hold_more_than_concurrent() {
+async fn many_tasks_on_several_clients_never_hold_more_than_concurrent(t: Target) {
     use std::sync::atomic::{AtomicI64, Ordering};
     let ns = common::unique_ns("hammer");
-    let _cleanup = common::Cleanup(ns.clone());
-    let setup = Limits::with_backend(common::client(&ns).await);
+    let _cleanup = common::Cleanup::on(t, &ns);
+    let setup = Limits::with_backend(common::client_on(t, &ns).await);
     setup.define("hot", LimitSpec::concurrent(2)).await.unwrap();
     let (holders, most) = (Arc::new(AtomicI64::new(0)), Arc::new(AtomicI64::new(0)));
     let mut tasks = Vec::new();
     for _ in 0..4 {
-        let limits = Limits::with_backend(common::client(&ns).await);
+        let limits = Limits::with_backend(common::client_on(t, &ns).await);
         for _ in 0..4 {
             let (limits, holders, most) = (limits.clone(), holders.clone(), most.clone());
             tasks.push(tokio::spawn(async move {
@@ -310,3 +308,38 @@ async fn many_tasks_on_several_clients_never_hold_more_than_concurrent() {
     let info = setup.info("hot").await.unwrap().unwrap();
     assert_eq!((info.max_in_use, info.granted_total), (2, 400));
 }
+
+/// Each test, once on the one Redis and once on the cluster.
+macro_rules! on_both {
+    ($($name:ident),* $(,)?) => {
+        mod single {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Target::Single).await;
+                }
+            )*
+        }
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    super::$name(super::Target::Cluster).await;
+                }
+            )*
+        }
+    };
+}
+
+on_both!(
+    a_release_wakes_only_the_client_served_next,
+    fair_keys_take_turns_across_clients,
+    fencing_tokens_strictly_increase_across_clients,
+    a_lapsed_lease_is_reclaimed_and_its_renewal_refused,
+    held_permits_are_renewed_in_the_background,
+    a_vanished_holder_is_reclaimed_within_its_lease,
+    a_client_with_many_waiters_asks_for_one_of_them,
+    the_rate_follows_the_redis_clock,
+    a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most,
+    many_tasks_on_several_clients_never_hold_more_than_concurrent,
+);
