@@ -111,16 +111,24 @@ async fn lanes_latency(ns: &str, clients: usize) -> serde_json::Value {
 }
 
 /// The anchor: `clients` connections running the sorted-set script, polling every `poll`
-/// while the set is full, for `window()`; holds each permit for `hold`.
-async fn sorted_set_throughput(ns: &str, clients: usize, limit: u32, hold: Duration) -> f64 {
+/// while the set is full, for `window()`; holds each permit for `hold`. With `shared`, the
+/// clients are tasks of one process sharing one multiplexed connection.
+async fn sorted_set_throughput(
+    ns: &str,
+    clients: usize,
+    limit: u32,
+    hold: Duration,
+    shared: bool,
+) -> f64 {
     let key = format!("{{{ns}}}:sorted-set-{clients}-{limit}");
     let script = redis::Script::new(SORTED_SET_ACQUIRE);
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
+    let one = connection().await;
     for c in 0..clients {
         let (key, script, stop, done) = (key.clone(), script.clone(), stop.clone(), done.clone());
-        let mut conn = connection().await;
+        let mut conn = if shared { one.clone() } else { connection().await };
         tasks.push(tokio::spawn(async move {
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
@@ -158,8 +166,15 @@ async fn sorted_set_throughput(ns: &str, clients: usize, limit: u32, hold: Durat
     done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
-/// `RedisLimits` through the `Limits` facade, same shape as the anchor.
-async fn lanes_throughput(ns: &str, clients: usize, limit: u32, hold: Duration) -> f64 {
+/// `RedisLimits` through the `Limits` facade, same shape as the anchor. With `shared`, the
+/// clients are tasks of one process sharing one `RedisLimits` (one connection).
+async fn lanes_throughput(
+    ns: &str,
+    clients: usize,
+    limit: u32,
+    hold: Duration,
+    shared: bool,
+) -> f64 {
     let name = format!("throughput-{clients}-{limit}");
     let setup =
         Limits::with_backend(RedisLimits::builder(url()).namespace(ns).build().await.unwrap());
@@ -168,8 +183,11 @@ async fn lanes_throughput(ns: &str, clients: usize, limit: u32, hold: Duration) 
     let done = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for _ in 0..clients {
-        let limits =
-            Limits::with_backend(RedisLimits::builder(url()).namespace(ns).build().await.unwrap());
+        let limits = if shared {
+            setup.clone()
+        } else {
+            Limits::with_backend(RedisLimits::builder(url()).namespace(ns).build().await.unwrap())
+        };
         let (name, stop, done) = (name.clone(), stop.clone(), done.clone());
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
@@ -259,13 +277,15 @@ fn main() {
             latency.push(result);
         }
         let mut throughput = Vec::new();
-        for (label, clients, limit, hold) in [
-            ("uncontended", 8usize, 100_000u32, Duration::ZERO),
-            ("contended", 16, 4, Duration::from_millis(2)),
+        for (label, clients, limit, hold, shared) in [
+            ("uncontended", 8usize, 100_000u32, Duration::ZERO, false),
+            ("contended", 16, 4, Duration::from_millis(2), false),
+            ("uncontended, one process", 8, 100_000, Duration::ZERO, true),
+            ("contended, one process", 16, 4, Duration::from_millis(2), true),
         ] {
-            let lanes = lanes_throughput(&ns, clients, limit, hold).await;
-            let anchor = sorted_set_throughput(&ns, clients, limit, hold).await;
-            let row = json!({ "scenario": label, "clients": clients, "limit": limit, "hold_ms": hold.as_millis() as u64, "lanes_per_s": lanes, "sorted_set_per_s": anchor });
+            let lanes = lanes_throughput(&ns, clients, limit, hold, shared).await;
+            let anchor = sorted_set_throughput(&ns, clients, limit, hold, shared).await;
+            let row = json!({ "scenario": label, "clients": clients, "limit": limit, "hold_ms": hold.as_millis() as u64, "shared": shared, "lanes_per_s": lanes, "sorted_set_per_s": anchor });
             println!("redis/throughput/{label}: {row}");
             throughput.push(row);
         }

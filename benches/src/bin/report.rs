@@ -508,13 +508,13 @@ impl Report {
             ping,
             f(&r["ping"]["p99_us"])
         ));
-        self.line("| clients | acquire p50 | acquire p99 | release p50 | release p99 | cycles/s | acquire p50 / PING (bar ≤ 1.5) |");
+        self.line("| clients | acquire p50 | acquire p99 | release p50 | release p99 | cycles/s | acquire p50 / PING (bar ≤ 1.3) |");
         self.line("|---|---|---|---|---|---|---|");
         for row in r["latency"].as_array().cloned().unwrap_or_default() {
             let acquire = f(&row["acquire"]["p50_us"]);
             let ratio = acquire / ping;
             let bar = if row["clients"] == 1 {
-                format!("{ratio:.2}× {}", pass(ratio <= 1.5))
+                format!("{ratio:.2}× {}", pass(ratio <= 1.3))
             } else {
                 format!("{ratio:.2}× (queueing at the server)")
             };
@@ -535,8 +535,15 @@ impl Report {
         self.line("|---|---|---|---|");
         for row in r["throughput"].as_array().cloned().unwrap_or_default() {
             let (ours, anchor) = (f(&row["lanes_per_s"]), f(&row["sorted_set_per_s"]));
+            // The bar is for clients of their own (processes); tasks sharing one client (and
+            // the anchor's tasks sharing one connection) are shown for what pipelining does.
+            let verdict = if row["shared"].as_bool() == Some(true) {
+                "(tasks of one process, one connection)".to_owned()
+            } else {
+                pass(ours / anchor >= 1.0).to_owned()
+            };
             let line = format!(
-                "| {} ({} clients, limit {}, hold {} ms) | {:.0}/s | {:.0}/s | {:.2}× {} |",
+                "| {} ({} clients, limit {}, hold {} ms) | {:.0}/s | {:.0}/s | {:.2}× {verdict} |",
                 row["scenario"].as_str().unwrap_or("?"),
                 row["clients"],
                 row["limit"],
@@ -544,7 +551,6 @@ impl Report {
                 ours,
                 anchor,
                 ours / anchor,
-                pass(ours / anchor >= 1.0)
             );
             self.line(&line);
         }

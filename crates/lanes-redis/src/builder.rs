@@ -115,10 +115,18 @@ impl RedisLimitsBuilder {
         let epoch = ensure_epoch(&mut conn.live(), &format!("lanes:{{{ns}}}:epoch"))
             .await
             .map_err(backend)?;
+        let library = Library::new();
+        let _: String =
+            library.load().query_async(&mut conn.live()).await.map_err(|err| {
+                match err.to_string().contains("unknown command") {
+                    true => LimitError::backend("lanes-redis needs Redis 7.0 or later (Functions)"),
+                    false => backend(err),
+                }
+            })?;
         let inner = Arc::new(Inner {
             conn,
             cluster: self.target.is_cluster(),
-            script: Script::new(SCRIPT),
+            library,
             namespace: self.namespace.clone(),
             channel_prefix: format!("lanes:{ns}:client:"),
             client: client_id,

@@ -93,7 +93,7 @@ use conn::{Conn, Live, Target};
 use lease::{ensure_epoch, maintain, watch_leases};
 use push::subscribe;
 use tickets::{Delivered, Place, State, WaitPlan};
-use wire::{Ask, CallError, Reply, error_tag, int, parse_grant, text};
+use wire::{Ask, CallError, Library, Reply, error_tag, int, parse_grant, text};
 
 /// The workspace README's examples (which use this crate as well as `lanes`), compiled and run
 /// as doctests.
@@ -114,7 +114,7 @@ use lanes::limit::{
 };
 use lanes::{Answer, BoxFuture, Priority};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{RedisError, Script, Value};
+use redis::{RedisError, Value};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -178,7 +178,7 @@ struct Inner {
     conn: Conn,
     /// Whether `conn` is a cluster's: the script then watches which node serves each limit.
     cluster: bool,
-    script: Script,
+    library: Library,
     namespace: String,
     channel_prefix: String,
     client: u64,

@@ -1,4 +1,7 @@
--- lanes-redis: one limit's state machine, run atomically by Redis.
+#!lua name=__LANES_LIBRARY__
+-- lanes-redis: one limit's state machine, run atomically by Redis: a Redis Functions library
+-- (Redis 7+) with one function, loaded once per server. Its helpers are defined once, when the
+-- library loads; each call sets the call's keys and arguments and runs one operation.
 --
 -- The same semantics as lanes' in-process LimitTable (crates/lanes/src/limit/table.rs) and
 -- WaitQueue (limit/waiters.rs): a counting semaphore and a GCRA token bucket in front of a wait queue
@@ -7,8 +10,8 @@
 --
 -- KEYS[1] is the limit's base key, "{namespace:limit}"; every key of the limit is derived from
 -- it and shares its hash tag, so the whole limit lives in one Redis Cluster slot.
---   B:m       hash: concurrent, interval (us, 0 = no rate), rate, burst, tat, fence (= grants
---             so far), maxuse, seq
+--   B:m       hash: concurrent, interval (us, 0 = no rate), rate, burst, tat, fence (the last
+--             token; grants so far = fence - fbase), maxuse, seq, hold, movehold, node
 --   B:h       hash: held ticket -> "fence:expires"
 --   B:e       zset: held ticket by lease expiry
 --   B:lv      zset: priority levels with waiters
@@ -18,9 +21,10 @@
 --   B:q:L:K   zset: key K's waiting tickets by arrival sequence
 --   B:l       hash: waiting ticket -> the lease (us) it asked for, used when it is granted on
 --             its behalf (never the lease of whoever's call made the grant)
---   B:c       hash: client id -> when it was last heard from (us); a queue head whose client
---             is silent past the queue grace is dropped, so a dead client's tickets never
---             hold a free limit
+--   B:c       hash: client id -> when it was last heard from (us: when it queued a ticket, or
+--             touched the limit, which it does while it has waiters); a queue head whose
+--             client is silent past the queue grace is dropped, so a dead client's tickets
+--             never hold a free limit
 --
 -- ARGV[1] is the operation, ARGV[2] the channel prefix of client notifications, ARGV[3] the
 -- lease in ms, ARGV[4] the queue grace in ms, ARGV[5] the calling client's id; the rest
@@ -34,21 +38,13 @@
 -- floor(ticket / 2^32). Answers to `acquire` are one u64, as 16 hex digits (Lua numbers are
 -- doubles): 0 queued, 1 granted, 2 + ms retry later, or bit 63 + zigzag(granted - asked).
 
-local B = KEYS[1]
-local op = ARGV[1]
-local channels = ARGV[2]
-local lease_us = tonumber(ARGV[3]) * 1000
-local grace_us = tonumber(ARGV[4]) * 1000
-local caller = ARGV[5]
-local M = B .. ':m'
-local H = B .. ':h'
-local E = B .. ':e'
-local LV = B .. ':lv'
-local I = B .. ':i'
-local C = B .. ':c'
-local L = B .. ':l'
+-- The call's keys and arguments, set by `call` (library-level, so the helpers below are
+-- created once, not on every call).
+local B, op, channels, lease_us, grace_us, caller, ARGV
+local M, H, E, LV, I, C, L, NAME
+-- The time of the call (us), once the limit is known to exist.
+local now
 local CLIENT = 4294967296
-local NAME = string.sub(B, 2, -2)
 
 local function hex(n) return string.format('%016x', n) end
 local function int(n) return string.format('%.0f', n) end
@@ -63,7 +59,7 @@ local function num(key, field)
 end
 
 -- The limit's settings, read once per call.
-local meta = nil
+local meta
 local function load_meta()
   local v = redis.call('HMGET', M, 'concurrent', 'interval', 'burst', 'tat', 'maxuse', 'hold',
     'movehold', 'node')
@@ -93,8 +89,10 @@ local function watch_node(now)
   if meta.node then
     local hold = now + meta.movehold * 1000
     if hold > meta.hold then meta.hold = hold end
-    local fence = math.max(num(M, 'fence'), now)
-    redis.call('HSET', M, 'hold', int(meta.hold), 'fence', int(fence))
+    local fence = num(M, 'fence')
+    local jump = math.max(now - fence, 0)
+    redis.call('HSET', M, 'hold', int(meta.hold), 'fence', int(fence + jump),
+      'fbase', int(num(M, 'fbase') + jump))
   end
   redis.call('HSET', M, 'node', me)
   meta.node = me
@@ -107,7 +105,7 @@ local function queue(level, keytok) return B .. ':q:' .. level .. ':' .. keytok 
 -- Leases ---------------------------------------------------------------------------------
 
 local function expire(now)
-  local dead = redis.call('ZRANGEBYSCORE', E, '-inf', now)
+  local dead = redis.call('ZRANGEBYSCORE', E, '-inf', int(now))
   for _, ticket in ipairs(dead) do
     redis.call('HDEL', H, ticket)
     redis.call('ZREM', E, ticket)
@@ -116,6 +114,13 @@ local function expire(now)
 end
 
 local function in_use() return redis.call('HLEN', H) end
+
+-- Grants so far (a limit created before `fbase` existed counted them in `granted`).
+local function granted()
+  local base = redis.call('HGET', M, 'fbase')
+  if not base then return num(M, 'granted') end
+  return num(M, 'fence') - tonumber(base)
+end
 
 -- GCRA: the time the next grant takes the bucket to, or nil and the time a token will be there.
 local function rate_check(now)
@@ -129,8 +134,9 @@ local function rate_check(now)
   return nil, earliest
 end
 
--- Grants the permit of `ticket`; returns its fencing token and lease end, as strings.
-local function grant(ticket, now, lease)
+-- Grants the permit of `ticket`; returns its fencing token and lease end, as strings. `used`
+-- is the permits in use before it, if the caller knows.
+local function grant(ticket, now, lease, used)
   if meta.interval > 0 then
     local tat = rate_check(now)
     if tat then
@@ -139,11 +145,10 @@ local function grant(ticket, now, lease)
     end
   end
   local fence = redis.call('HINCRBY', M, 'fence', 1)
-  redis.call('HINCRBY', M, 'granted', 1)
   local expires = int(now + (lease or lease_us))
   redis.call('HSET', H, ticket, int(fence) .. ':' .. expires)
   redis.call('ZADD', E, expires, ticket)
-  local used = in_use()
+  if used then used = used + 1 else used = in_use() end
   if used > meta.maxuse then
     meta.maxuse = used
     redis.call('HSET', M, 'maxuse', used)
@@ -199,6 +204,8 @@ local function push(ticket, level, keytok, weight)
   redis.call('ZADD', queue(level, keytok), seq, ticket)
   redis.call('HSET', I, ticket, level .. '|' .. keytok .. '|' .. seq)
   redis.call('HSET', L, ticket, int(lease_us))
+  -- Its client is alive: it queued a ticket now (and touches the limit while it waits).
+  redis.call('HSET', C, caller, int(now))
   return true
 end
 
@@ -275,6 +282,7 @@ local function purge(now)
 end
 
 local function kick(now)
+  if waiting() == 0 then return end
   purge(now)
   while true do
     local head, level, key = peek()
@@ -301,38 +309,6 @@ local function expiry_hint(now)
   if ms < 0 then ms = 0 end
   return ms
 end
-
--- Operations -----------------------------------------------------------------------------
-
-if op == 'define' then
-  -- ARGV: concurrent, interval_us, burst, per_second (as the client wrote it, "" for none),
-  -- hold_ms (0: none), movehold_ms (on a cluster: the hold after the limit changed nodes; 0
-  -- elsewhere)
-  local fresh = redis.call('EXISTS', M) == 0
-  local now = now_us()
-  redis.call('HSET', M, 'concurrent', ARGV[6], 'interval', ARGV[7], 'burst', ARGV[8], 'rate', ARGV[9])
-  if fresh then
-    redis.call('HSET', M, 'tat', 0, 'fence', int(now), 'maxuse', 0, 'seq', 0, 'hold', 0)
-  end
-  local hold_ms = tonumber(ARGV[10] or '0')
-  if hold_ms > 0 then
-    local hold = now + hold_ms * 1000
-    if hold > num(M, 'hold') then redis.call('HSET', M, 'hold', int(hold)) end
-  end
-  local movehold = tonumber(ARGV[11] or '0')
-  if movehold > 0 then redis.call('HSET', M, 'movehold', movehold) end
-  load_meta()
-  watch_node(now)
-  expire(now)
-  kick(now)
-  return 'ok'
-end
-
-if not load_meta() then return { 'unknown' } end
-local now = now_us()
-watch_node(now)
-local reclaimed = expire(now)
-redis.call('HSET', C, caller, int(now))
 
 -- The answer for a ticket that holds a permit (its grant again), or nil.
 local function held_answer(ticket)
@@ -377,111 +353,163 @@ local function answer_for(ticket)
   return { hex(0), expiry_hint(now) }
 end
 
-if op == 'acquire' then
-  -- ARGV: ticket, level, keytok, weight, max_waiters
-  local ticket, level, keytok, weight = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-  local max_waiters = tonumber(ARGV[10])
-  if reclaimed > 0 then kick(now) end
-  local held = held_answer(ticket)
-  if held then return held end
-  purge(now)
-  if waiting() == 0 and in_use() < meta.concurrent then
+-- Operations -----------------------------------------------------------------------------
+
+-- One call: `keys` and `args` as described at the top.
+local function call(keys, args)
+  B, ARGV = keys[1], args
+  op, channels = args[1], args[2]
+  lease_us, grace_us = tonumber(args[3]) * 1000, tonumber(args[4]) * 1000
+  caller = args[5]
+  M, H, E, LV = B .. ':m', B .. ':h', B .. ':e', B .. ':lv'
+  I, C, L = B .. ':i', B .. ':c', B .. ':l'
+  NAME = string.sub(B, 2, -2)
+  meta, now = nil, nil
+
+  if op == 'define' then
+    -- ARGV: concurrent, interval_us, burst, per_second (as the client wrote it, "" for none),
+    -- hold_ms (0: none), movehold_ms (on a cluster: the hold after the limit changed nodes; 0
+    -- elsewhere)
+    local fresh = redis.call('EXISTS', M) == 0
+    local now = now_us()
+    redis.call('HSET', M, 'concurrent', ARGV[6], 'interval', ARGV[7], 'burst', ARGV[8], 'rate', ARGV[9])
+    if fresh then
+      redis.call('HSET', M, 'tat', 0, 'fence', int(now), 'fbase', int(now), 'maxuse', 0, 'seq', 0,
+      'hold', 0)
+    end
+    local hold_ms = tonumber(ARGV[10] or '0')
+    if hold_ms > 0 then
+      local hold = now + hold_ms * 1000
+      if hold > num(M, 'hold') then redis.call('HSET', M, 'hold', int(hold)) end
+    end
+    local movehold = tonumber(ARGV[11] or '0')
+    if movehold > 0 then redis.call('HSET', M, 'movehold', movehold) end
+    load_meta()
+    watch_node(now)
+    expire(now)
+    kick(now)
+    return 'ok'
+  end
+
+  if not load_meta() then return { 'unknown' } end
+  now = now_us()
+  watch_node(now)
+  local reclaimed = expire(now)
+
+  if op == 'acquire' then
+    -- ARGV: ticket, level, keytok, weight, max_waiters
+    local ticket, level, keytok, weight = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
+    local max_waiters = tonumber(ARGV[10])
+    if reclaimed > 0 then kick(now) end
+    local held = held_answer(ticket)
+    if held then return held end
+    local waiters = waiting()
+    if waiters > 0 then
+      purge(now)
+      waiters = waiting()
+    end
+    local used = in_use()
+    if waiters == 0 and used < meta.concurrent then
+      local _, at = rate_check(now)
+      if not at then
+        local fence, expires = grant(ticket, now, nil, used)
+        return { hex(1), fence, expires }
+      end
+      if max_waiters == 0 then return { 'waiters' } end
+      push(ticket, level, keytok, weight)
+      return { hex(2 + math.ceil((at - now) / 1000)) }
+    end
+    if redis.call('HEXISTS', I, ticket) == 0 then
+      if waiting() >= max_waiters then return { 'waiters' } end
+      push(ticket, level, keytok, weight)
+    end
+    return answer_for(ticket)
+  end
+
+  if op == 'check' then
+    -- ARGV: ticket. Never queues: a ticket that neither holds nor waits is finished.
+    local ticket = ARGV[6]
+    if reclaimed > 0 then kick(now) end
+    local held = held_answer(ticket)
+    if held then return held end
+    if redis.call('HEXISTS', I, ticket) == 0 then return { 'finished' } end
+    return answer_for(ticket)
+  end
+
+  if op == 'try' then
+    -- ARGV: ticket. Grants only at once; never queues.
+    local ticket = ARGV[6]
+    if reclaimed > 0 then kick(now) end
+    local held = held_answer(ticket)
+    if held then return held end
+    purge(now)
+    if waiting() > 0 or in_use() >= meta.concurrent then return { hex(0), -1 } end
     local _, at = rate_check(now)
-    if not at then
-      local fence, expires = grant(ticket, now)
-      return { hex(1), fence, expires }
+    if at then return { hex(2 + math.ceil((at - now) / 1000)) } end
+    local fence, expires = grant(ticket, now)
+    return { hex(1), fence, expires }
+  end
+
+  if op == 'touch' then
+    -- The caller is alive (it has waiters here); let a waiter in if a lease lapsed.
+    redis.call('HSET', C, caller, int(now))
+    if reclaimed > 0 then kick(now) end
+    return 'ok'
+  end
+
+  if op == 'release' then
+    -- ARGV: ticket
+    local ticket = ARGV[6]
+    local answer = 0
+    if redis.call('HDEL', H, ticket) == 1 then
+      redis.call('ZREM', E, ticket)
+      answer = 1
+    else
+      local level, keytok = locate(ticket)
+      if level then
+        unlink(ticket, level, keytok)
+        answer = 2
+      end
     end
-    if max_waiters == 0 then return { 'waiters' } end
-    push(ticket, level, keytok, weight)
-    return { hex(2 + math.ceil((at - now) / 1000)) }
+    kick(now)
+    return answer
   end
-  if redis.call('HEXISTS', I, ticket) == 0 then
-    if waiting() >= max_waiters then return { 'waiters' } end
-    push(ticket, level, keytok, weight)
-  end
-  return answer_for(ticket)
-end
 
-if op == 'check' then
-  -- ARGV: ticket. Never queues: a ticket that neither holds nor waits is finished.
-  local ticket = ARGV[6]
-  if reclaimed > 0 then kick(now) end
-  local held = held_answer(ticket)
-  if held then return held end
-  if redis.call('HEXISTS', I, ticket) == 0 then return { 'finished' } end
-  return answer_for(ticket)
-end
-
-if op == 'try' then
-  -- ARGV: ticket. Grants only at once; never queues.
-  local ticket = ARGV[6]
-  if reclaimed > 0 then kick(now) end
-  local held = held_answer(ticket)
-  if held then return held end
-  purge(now)
-  if waiting() > 0 or in_use() >= meta.concurrent then return { hex(0), -1 } end
-  local _, at = rate_check(now)
-  if at then return { hex(2 + math.ceil((at - now) / 1000)) } end
-  local fence, expires = grant(ticket, now)
-  return { hex(1), fence, expires }
-end
-
-if op == 'touch' then
-  -- The caller is alive (done above); let a waiter in if a lease lapsed.
-  if reclaimed > 0 then kick(now) end
-  return 'ok'
-end
-
-if op == 'release' then
-  -- ARGV: ticket
-  local ticket = ARGV[6]
-  local answer = 0
-  if redis.call('HDEL', H, ticket) == 1 then
-    redis.call('ZREM', E, ticket)
-    answer = 1
-  else
-    local level, keytok = locate(ticket)
-    if level then
-      unlink(ticket, level, keytok)
-      answer = 2
+  if op == 'renew' then
+    -- ARGV: tickets...: extends the leases still held; answers the tickets that neither hold
+    -- nor wait (their lease ended, or they were lost).
+    if reclaimed > 0 then kick(now) end
+    local refused = {}
+    local expires = int(now + lease_us)
+    for i = 6, #ARGV do
+      local ticket = ARGV[i]
+      local held = redis.call('HGET', H, ticket)
+      if held then
+        local fence = string.match(held, '^(%d+):')
+        redis.call('HSET', H, ticket, fence .. ':' .. expires)
+        redis.call('ZADD', E, expires, ticket)
+      elseif redis.call('HEXISTS', I, ticket) == 0 then
+        table.insert(refused, ticket)
+      end
     end
+    return refused
   end
-  kick(now)
-  return answer
-end
 
-if op == 'renew' then
-  -- ARGV: tickets...: extends the leases still held; answers the tickets that neither hold
-  -- nor wait (their lease ended, or they were lost).
-  if reclaimed > 0 then kick(now) end
-  local refused = {}
-  local expires = int(now + lease_us)
-  for i = 6, #ARGV do
-    local ticket = ARGV[i]
-    local held = redis.call('HGET', H, ticket)
-    if held then
-      local fence = string.match(held, '^(%d+):')
-      redis.call('HSET', H, ticket, fence .. ':' .. expires)
-      redis.call('ZADD', E, expires, ticket)
-    elseif redis.call('HEXISTS', I, ticket) == 0 then
-      table.insert(refused, ticket)
-    end
+  if op == 'info' then
+    if reclaimed > 0 then kick(now) end
+    return {
+      meta.concurrent, redis.call('HGET', M, 'rate') or '', meta.burst, in_use(), waiting(),
+      granted(), meta.maxuse,
+    }
   end
-  return refused
+
+  if op == 'remove' then
+    if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
+    redis.call('DEL', M, H, E, LV, I, C, L)
+    return 'ok'
+  end
+
+  return redis.error_reply('lanes: unknown operation ' .. tostring(op))
 end
 
-if op == 'info' then
-  if reclaimed > 0 then kick(now) end
-  return {
-    meta.concurrent, redis.call('HGET', M, 'rate') or '', meta.burst, in_use(), waiting(),
-    num(M, 'granted'), meta.maxuse,
-  }
-end
-
-if op == 'remove' then
-  if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
-  redis.call('DEL', M, H, E, LV, I, C, L)
-  return 'ok'
-end
-
-return redis.error_reply('lanes: unknown operation ' .. tostring(op))
+redis.register_function('__LANES_LIBRARY__', call)

@@ -88,6 +88,32 @@ pub(crate) fn parse_grant(fence: &Value, expires: &Value) -> Option<Grant> {
     Some(Grant { fencing_token, expires_at: Some(Duration::from_micros(expires_us)) })
 }
 
+/// The limits' Redis Functions library (`limits.lua`), named after a hash of its code so that
+/// clients of different versions never replace each other's.
+pub(crate) struct Library {
+    pub(crate) name: String,
+    code: String,
+}
+
+impl Library {
+    pub(crate) fn new() -> Self {
+        // FNV-1a, 64 bits: stable across builds and platforms.
+        let hash = SCRIPT.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+        });
+        let name = format!("lanes_limits_{hash:016x}");
+        let code = SCRIPT.replace("__LANES_LIBRARY__", &name);
+        Self { name, code }
+    }
+
+    /// Loads it (on every primary of a cluster), replacing a library of the same code.
+    pub(crate) fn load(&self) -> redis::Cmd {
+        let mut load = redis::cmd("FUNCTION");
+        load.arg("LOAD").arg("REPLACE").arg(&self.code);
+        load
+    }
+}
+
 impl Inner {
     pub(crate) async fn call(
         &self,
@@ -105,21 +131,35 @@ impl Inner {
         lease: Duration,
         args: &[String],
     ) -> Result<Value, CallError> {
-        let mut invocation = self.script.key(self.base(name));
-        invocation
+        let mut fcall = redis::cmd("FCALL");
+        fcall
+            .arg(&self.library.name)
+            .arg(1)
+            .arg(self.base(name))
             .arg(op)
             .arg(&self.channel_prefix)
             .arg(lease.as_millis() as u64)
             .arg(self.queue_grace.as_millis() as u64)
             .arg(self.client);
         for arg in args {
-            invocation.arg(arg);
+            fcall.arg(arg);
         }
-        let mut conn = self.conn.live();
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
-        let result =
-            tokio::time::timeout(self.op_timeout, invocation.invoke_async(&mut conn)).await;
-        match result {
+        let mut result = self.query(&fcall).await;
+        if let Err(CallError::Other(err)) = &result
+            && err.to_string().contains("Function not found")
+        {
+            // A Redis that restarted empty (or a node that never had it): load it again.
+            self.command::<String>(&self.library.load()).await?;
+            result = self.query(&fcall).await;
+        }
+        result
+    }
+
+    /// One command, bounded by `op_timeout`, its failure sorted into outage or not.
+    async fn query(&self, cmd: &redis::Cmd) -> Result<Value, CallError> {
+        let mut conn = self.conn.live();
+        match tokio::time::timeout(self.op_timeout, cmd.query_async(&mut conn)).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(err)) if is_outage(&err) => {
                 self.stats.outages.fetch_add(1, Ordering::Relaxed);
