@@ -70,6 +70,102 @@ async fn ping_rtt() -> serde_json::Value {
     summary(samples)
 }
 
+/// Calls per command on the Redis at `url` (`INFO commandstats`), commands called by scripts
+/// and functions included.
+async fn commandstats(url: &str) -> std::collections::HashMap<String, u64> {
+    let mut conn =
+        redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let info: String = redis::cmd("INFO").arg("commandstats").query_async(&mut conn).await.unwrap();
+    info.lines()
+        .filter_map(|line| {
+            let (name, rest) = line.strip_prefix("cmdstat_")?.split_once(':')?;
+            let calls = rest.strip_prefix("calls=")?.split(',').next()?.parse().ok()?;
+            Some((name.to_owned(), calls))
+        })
+        .collect()
+}
+
+/// The CPU time (user + system, seconds) the Redis at `url` has used so far.
+async fn server_cpu(url: &str) -> f64 {
+    let mut conn =
+        redis::Client::open(url).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let info: String = redis::cmd("INFO").arg("cpu").query_async(&mut conn).await.unwrap();
+    info.lines()
+        .filter_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            ["used_cpu_user", "used_cpu_sys"]
+                .contains(&name)
+                .then(|| value.trim().parse::<f64>().ok())?
+        })
+        .sum()
+}
+
+/// Redis commands per acquire + release: one client cycling on a roomy limit; every command
+/// the server ran in the window (the function's own calls included, the FCALL itself apart),
+/// per cycle.
+async fn commands_per_cycle(ns: &str) -> serde_json::Value {
+    let backend = RedisLimits::builder(url()).namespace(ns).build().await.unwrap();
+    backend.define("commands", LimitSpec::concurrent(100_000)).await.unwrap();
+    let before = commandstats(&url()).await;
+    let cycles = 2_000u64;
+    for _ in 0..cycles {
+        let ticket = backend.ticket();
+        backend.acquire("commands", ticket, &Priority::default(), None).await.unwrap();
+        backend.release("commands", ticket).await.unwrap();
+    }
+    let after = commandstats(&url()).await;
+    let diff = |name: &str| after.get(name).unwrap_or(&0) - before.get(name).unwrap_or(&0);
+    let total: u64 = after
+        .keys()
+        .filter(|name| !["info", "fcall"].contains(&name.as_str()))
+        .map(|name| diff(name))
+        .sum();
+    json!({ "cycles": cycles, "fcalls_per_cycle": diff("fcall") as f64 / cycles as f64, "commands_per_cycle": total as f64 / cycles as f64 })
+}
+
+/// `clients` clients, each its own `RedisLimits` and its own limit, cycling acquire + release:
+/// what a Redis (or a cluster, whose primaries each serve some of the limits) sustains when
+/// the load is spread over many limits.
+async fn spread(builder: impl Fn() -> lanes_redis::RedisLimitsBuilder, clients: usize) -> f64 {
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for client in 0..clients {
+        let backend = builder().build().await.unwrap();
+        let name = format!("spread-{client}");
+        backend.define(&name, LimitSpec::concurrent(100_000)).await.unwrap();
+        let (stop, done) = (stop.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let priority = Priority::default();
+            while !stop.load(Ordering::Relaxed) {
+                let ticket = backend.ticket();
+                backend.acquire(&name, ticket, &priority, None).await.unwrap();
+                backend.release(&name, ticket).await.unwrap();
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    let start = Instant::now();
+    tokio::time::sleep(window()).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// The local cluster's nodes (`REDIS_CLUSTER_URLS`, default ports 7000-7005), if it answers.
+async fn cluster_urls() -> Option<Vec<String>> {
+    let urls: Vec<String> = match std::env::var("REDIS_CLUSTER_URLS") {
+        Ok(urls) => urls.split(',').map(|u| u.trim().to_owned()).collect(),
+        Err(_) => (7000..7006).map(|port| format!("redis://127.0.0.1:{port}")).collect(),
+    };
+    let client = redis::Client::open(urls[0].as_str()).ok()?;
+    let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+    let info: String = redis::cmd("CLUSTER").arg("INFO").query_async(&mut conn).await.ok()?;
+    info.contains("cluster_state:ok").then_some(urls)
+}
+
 /// `clients` clients, each its own `RedisLimits`, acquiring and releasing a roomy limit.
 async fn lanes_latency(ns: &str, clients: usize) -> serde_json::Value {
     let setup = RedisLimits::builder(url()).namespace(ns).build().await.unwrap();
@@ -247,12 +343,19 @@ async fn reclaim(ns: &str, lease: Duration) -> serde_json::Value {
 }
 
 async fn cleanup(ns: &str) {
-    let mut conn = connection().await;
+    cleanup_at(&url(), ns).await;
+}
+
+/// Deletes `ns`'s keys on the Redis at `url` (one key per DEL: on a cluster node they may be
+/// in different slots; a replica refuses, its primary deletes).
+async fn cleanup_at(url: &str, ns: &str) {
+    let Ok(client) = redis::Client::open(url) else { return };
+    let Ok(mut conn) = client.get_multiplexed_async_connection().await else { return };
     for pattern in [format!("{{{ns}:*"), format!("{{{ns}}}:*"), format!("lanes:{{{ns}}}:*")] {
         let keys: Vec<String> =
-            redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await.unwrap();
-        if !keys.is_empty() {
-            let _: () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await.unwrap();
+            redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await.unwrap_or_default();
+        for key in keys {
+            let _: Result<(), _> = redis::cmd("DEL").arg(key).query_async(&mut conn).await;
         }
     }
 }
@@ -291,10 +394,49 @@ fn main() {
         }
         let reclaim = reclaim(&ns, Duration::from_millis(500)).await;
         println!("redis/reclaim: {reclaim}");
+        let commands = commands_per_cycle(&ns).await;
+        println!("redis/commands: {commands}");
+        // The same load spread over 8 limits: on the one Redis, and on the cluster.
+        let cpu_before = server_cpu(&url()).await;
+        let spread_start = Instant::now();
+        let single = spread(|| RedisLimits::builder(url()).namespace(&ns), 8).await;
+        // Server CPU per cycle under that load, networking included: what one primary's core
+        // costs per acquire + release, the basis of docs/scale.md's extrapolation.
+        let cpu = server_cpu(&url()).await - cpu_before;
+        let cycles = single * spread_start.elapsed().as_secs_f64();
+        let server_us_per_cycle = cpu / cycles * 1e6;
+        let cluster = match cluster_urls().await {
+            Some(urls) => {
+                let cluster_ns = format!("{ns}-cluster");
+                let builder = || RedisLimits::cluster_builder(urls.clone()).namespace(&cluster_ns);
+                let cycles = spread(builder, 8).await;
+                let latency = {
+                    let backend = builder().build().await.unwrap();
+                    backend.define("latency", LimitSpec::concurrent(100_000)).await.unwrap();
+                    let mut samples = Vec::new();
+                    let end = Instant::now() + window();
+                    while Instant::now() < end {
+                        let ticket = backend.ticket();
+                        let start = Instant::now();
+                        backend.acquire("latency", ticket, &Priority::default(), None).await.unwrap();
+                        samples.push(start.elapsed().as_secs_f64() * 1e6);
+                        backend.release("latency", ticket).await.unwrap();
+                    }
+                    summary(samples)
+                };
+                for url in &urls {
+                    cleanup_at(url, &cluster_ns).await;
+                }
+                json!({ "nodes": urls.len(), "spread_cycles_per_s": cycles, "acquire": latency })
+            }
+            None => serde_json::Value::Null,
+        };
+        let spread = json!({ "clients": 8, "single_cycles_per_s": single, "server_cpu_us_per_cycle": server_us_per_cycle, "cluster": cluster });
+        println!("redis/spread: {spread}");
         cleanup(&ns).await;
         write_result(
             "redis",
-            &json!({ "ping": ping, "latency": latency, "throughput": throughput, "reclaim": reclaim }),
+            &json!({ "ping": ping, "latency": latency, "throughput": throughput, "reclaim": reclaim, "commands": commands, "spread": spread }),
         );
     });
 }

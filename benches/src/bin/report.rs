@@ -555,6 +555,37 @@ impl Report {
             self.line(&line);
         }
         self.line("");
+        if let Some(spread) = r.get("spread") {
+            let single = f(&spread["single_cycles_per_s"]);
+            self.line(&format!(
+ "Where the cost is: {:.0} Redis commands per acquire + release ({:.0} function calls; `INFO commandstats`), {:.1} µs of Redis CPU per acquire + release when 8 clients saturate it (`INFO cpu`), so one primary's core sustains about {:.0} acquires + releases per second; docs/scale.md extrapolates from these.\n",
+                f(&r["commands"]["commands_per_cycle"]),
+                f(&r["commands"]["fcalls_per_cycle"]),
+                f(&spread["server_cpu_us_per_cycle"]),
+                1e6 / f(&spread["server_cpu_us_per_cycle"]),
+            ));
+            self.line("The same load spread over 8 limits (8 clients, each its own limit), on the one Redis and on the local Redis Cluster (three primaries with a replica each, all on this host's 2 cores):\n");
+            self.line("| target | acquire + release cycles/s | acquire p50 (1 client) |");
+            self.line("|---|---|---|");
+            self.line(&format!(
+                "| one Redis | {single:.0} | {:.0} µs |",
+                f(&r["latency"][0]["acquire"]["p50_us"])
+            ));
+            let cluster = &spread["cluster"];
+            if cluster.is_null() {
+                self.line(
+                    "| Redis Cluster | (not running: `bash scripts/services.sh --cluster`) | |",
+                );
+            } else {
+                self.line(&format!(
+                    "| Redis Cluster, {} nodes | {:.0} | {:.0} µs |",
+                    cluster["nodes"],
+                    f(&cluster["spread_cycles_per_s"]),
+                    f(&cluster["acquire"]["p50_us"])
+                ));
+            }
+            self.line("");
+        }
         let reclaim = &r["reclaim"];
         let worst = f(&reclaim["after_lease_ms_max"]);
         self.line(&format!(
