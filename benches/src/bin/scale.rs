@@ -6,9 +6,9 @@
 //! cargo run -p lanes-benches --bin scale -- --instances 1000 --rate 50 --limits 1
 //! ```
 //!
-//! Options (defaults in brackets): `--instances` [1000], `--rate` acquires per second per
-//! instance [50], `--limits` the load is spread evenly over [1], `--hold-ms` how long a permit
-//! is held [100], `--lease-ms` [3000], `--waiting` share of acquires that queue first [0.0].
+//! Options, with their defaults: `--instances 1000`, `--rate 50` (acquires per second per
+//! instance), `--limits 1` (the load is spread evenly over them), `--hold-ms 100` (how long a
+//! permit is held), `--lease-ms 3000`, `--waiting 0` (the share of acquires that queue first).
 //! See docs/scale.md for what the numbers mean.
 #![allow(missing_docs)]
 
