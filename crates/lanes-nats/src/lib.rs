@@ -1,4 +1,40 @@
-//! Completion tracking for [`lanes`] dispatchers over a NATS JetStream key-value bucket.
+//! [`lanes`] over NATS JetStream: a durable queue of records kept in a stream
+//! ([`JetStreamQueue`]), and completion tracking for dispatchers over a key-value bucket
+//! ([`KvCompletions`]).
+//!
+//! # A durable queue in JetStream
+//!
+//! [`JetStreamQueue`] is a [`DurableQueue`](lanes::spill::DurableQueue): wherever a channel
+//! takes a spill, dead-letter or output queue, it can take one kept in a JetStream stream
+//! instead of a local directory, so a consumer on another machine (or a fleet draining one
+//! backlog) reads it. An append is acknowledged only once the stream stored it; a reader's
+//! records are delivered at least once, each until acknowledged.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use lanes::channel::{BinaryCodec, Channel, ChannelConfig, Overflow};
+//! use lanes_nats::{JetStreamOptions, JetStreamQueue};
+//!
+//! # async fn demo() -> Result<(), lanes::BoxError> {
+//! let client = async_nats::connect("nats://127.0.0.1:4222").await?;
+//! let backlog = JetStreamQueue::open(client, "ORDERS_BACKLOG", JetStreamOptions::default()).await?;
+//! // Records that do not fit in memory go to the stream, acknowledged once stored there.
+//! let channel = Channel::new(
+//!     ChannelConfig::new(1_000).overflow(Overflow::spill(backlog.clone(), BinaryCodec::new())),
+//! )?;
+//! channel.emit(42u64).await?;
+//!
+//! // Elsewhere (another process, another machine): drain the backlog.
+//! let mut reader = backlog.reader("drain", Duration::from_secs(30), 256).await?;
+//! while let Some(record) = reader.next(Duration::from_secs(1)).await? {
+//!     // process record.payload(), then:
+//!     record.ack().await?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Completion tracking
 //!
 //! Work is processed by a [`Dispatcher`](lanes::pool::Dispatcher), but completed elsewhere:
 //! another processor signals that an item is done by writing the item's key into a KV bucket.
@@ -41,6 +77,10 @@
 //! # }
 //! ```
 #![forbid(unsafe_code)]
+
+mod queue;
+
+pub use queue::{Delivery, JetStreamOptions, JetStreamQueue, JetStreamReader};
 
 use std::fmt;
 use std::pin::Pin;

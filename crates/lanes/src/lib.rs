@@ -114,7 +114,7 @@ pub use limit::{
 };
 pub use observe::{Observe, Registry, Snapshot};
 pub use pool::{Dispatcher, KeyedPool, SubmitError};
-pub use spill::{SpillError, SpillOptions, SpillQueue, SpillReader, SyncPolicy};
+pub use spill::{DurableQueue, SpillError, SpillOptions, SpillQueue, SpillReader, SyncPolicy};
 
 /// A type-erased error, as returned by jobs, finalizers, audit hooks and cleanups.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;

@@ -543,7 +543,7 @@ async fn dead_letter_sends_failures_to_their_queue() {
     let channel = Channel::new(ChannelConfig::new(8)).unwrap();
     let mut consumer = channel
         .consumer(
-            options(8).codec(JsonCodec::new()).on_failure(FailurePolicy::DeadLetter(dead.clone())),
+            options(8).codec(JsonCodec::new()).on_failure(FailurePolicy::dead_letter(dead.clone())),
         )
         .unwrap();
     let mut acks = AckSet::new();

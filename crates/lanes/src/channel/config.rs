@@ -10,7 +10,7 @@ use super::codec::Codec;
 use crate::config::{ConfigError, ConfigRule};
 use crate::limit::{Limits, OnRefusal, Priority, Throttle};
 use crate::observe::{Registration, Registry};
-use crate::spill::SpillQueue;
+use crate::spill::DurableQueue;
 
 /// The largest capacity a channel accepts.
 pub const MAX_CAPACITY: usize = 1 << 24;
@@ -33,13 +33,15 @@ pub enum Overflow<T> {
     DropOldest,
     /// The new record is encoded once with the codec and appended to the spill queue (counted in
     /// `spilled`). It never flows back into the channel: a slow-path consumer reads the queue.
-    Spill(SpillQueue, Arc<dyn Codec<T>>),
+    /// The queue is any [`DurableQueue`]: a local [`SpillQueue`](crate::spill::SpillQueue), or
+    /// one on another machine (`lanes_nats::JetStreamQueue`).
+    Spill(Arc<dyn DurableQueue>, Arc<dyn Codec<T>>),
 }
 
 impl<T> Overflow<T> {
-    /// [`Overflow::Spill`] with `codec`.
-    pub fn spill(queue: SpillQueue, codec: impl Codec<T> + 'static) -> Self {
-        Self::Spill(queue, Arc::new(codec))
+    /// [`Overflow::Spill`] to `queue` with `codec`.
+    pub fn spill(queue: impl DurableQueue, codec: impl Codec<T> + 'static) -> Self {
+        Self::Spill(Arc::new(queue), Arc::new(codec))
     }
 
     /// The policy's name, as snapshots report it.
@@ -55,7 +57,7 @@ impl<T> Overflow<T> {
     fn same(&self, other: &Self) -> bool {
         match (self, other) {
             (Self::Spill(a, ca), Self::Spill(b, cb)) => {
-                SpillQueue::same_queue(a, b) && ca.codec_id() == cb.codec_id()
+                a.same_as(&**b) && ca.codec_id() == cb.codec_id()
             }
             _ => self.kind() == other.kind(),
         }
@@ -274,7 +276,15 @@ pub enum FailurePolicy {
     /// this tag and the error's message as its envelope's tags.
     Tag(String),
     /// Append it to this dead-letter queue, with the error's message as its envelope's tag.
-    DeadLetter(SpillQueue),
+    DeadLetter(Arc<dyn DurableQueue>),
+}
+
+impl FailurePolicy {
+    /// [`FailurePolicy::DeadLetter`] to `queue`: a local
+    /// [`SpillQueue`](crate::spill::SpillQueue), or any other [`DurableQueue`].
+    pub fn dead_letter(queue: impl DurableQueue) -> Self {
+        Self::DeadLetter(Arc::new(queue))
+    }
 }
 
 impl fmt::Debug for FailurePolicy {
@@ -315,7 +325,7 @@ pub struct ConsumerOptions<T> {
     pub(crate) batch_max: usize,
     pub(crate) batch_flush: Duration,
     pub(crate) on_failure: FailurePolicy,
-    pub(crate) output: Option<SpillQueue>,
+    pub(crate) output: Option<Arc<dyn DurableQueue>>,
     pub(crate) codec: Option<Arc<dyn Codec<T>>>,
     pub(crate) limit: Option<ConsumerLimit>,
 }
@@ -360,9 +370,11 @@ impl<T> ConsumerOptions<T> {
     }
 
     /// The durable bridge downstream: processed records (and records failed under
-    /// [`FailurePolicy::Tag`]) are appended to `queue` as [`Envelope`](super::Envelope)s.
-    pub fn output(mut self, queue: SpillQueue) -> Self {
-        self.output = Some(queue);
+    /// [`FailurePolicy::Tag`]) are appended to `queue` as [`Envelope`](super::Envelope)s. The
+    /// queue is any [`DurableQueue`]: a local [`SpillQueue`](crate::spill::SpillQueue), or one
+    /// on another machine (`lanes_nats::JetStreamQueue`).
+    pub fn output(mut self, queue: impl DurableQueue) -> Self {
+        self.output = Some(Arc::new(queue));
         self
     }
 

@@ -18,7 +18,7 @@ use super::error::SettleError;
 use super::handle::{ChannelShared, Entry};
 use super::receipt::{ReceiptState, Settlement};
 use crate::limit::{LimitError, OnRefusal, Permit};
-use crate::spill::SpillQueue;
+use crate::spill::DurableQueue;
 use crate::util::lock;
 use crate::{BoxError, BoxFuture};
 
@@ -30,7 +30,7 @@ pub(crate) struct Plan<T> {
     batch_max: usize,
     batch_flush: Duration,
     on_failure: FailurePolicy,
-    output: Option<SpillQueue>,
+    output: Option<Arc<dyn DurableQueue>>,
     codec: Option<Arc<dyn Codec<T>>>,
     limit: Option<ConsumerLimit>,
 }
@@ -496,7 +496,8 @@ impl<T> Batch<T> {
         for (queue, bytes, at) in [(plan.output.as_ref(), out, out_at), (dead_queue, dead, dead_at)]
         {
             let (Some(queue), false) = (queue, bytes.is_empty()) else { continue };
-            let written = match queue.start_append(&bytes) {
+            let records: Vec<&[u8]> = bytes.iter().map(Vec::as_slice).collect();
+            let written = match queue.enqueue(&records) {
                 Ok(pending) => pending.await,
                 Err(err) => Err(err),
             };

@@ -180,7 +180,7 @@ impl<T: Send + 'static> Channel<T> {
             Ok(bytes) => bytes,
             Err(err) => return Err(EmitError::Encode(entry.record, err)),
         };
-        match queue.start_append([bytes]) {
+        match queue.enqueue(&[bytes.as_slice()]) {
             Ok(_in_write_path) => {
                 self.shared.spilled();
                 tracing::trace!(channel = %self.shared.name, "spilled");
@@ -206,7 +206,7 @@ impl<T: Send + 'static> Channel<T> {
             Ok(bytes) => bytes,
             Err(err) => return Err(EmitError::Encode(entry.record, err)),
         };
-        let written = match queue.start_append([bytes]) {
+        let written = match queue.enqueue(&[bytes.as_slice()]) {
             Ok(pending) => {
                 let mut in_flight = SpillInFlight { shared: &self.shared, armed: true };
                 let written = pending.await;

@@ -49,6 +49,10 @@ pub enum SpillError {
         /// Where.
         position: super::Position,
     },
+    /// A queue kept by a remote store (a [`DurableQueue`](super::DurableQueue) such as a
+    /// JetStream stream) could not take the records: unreachable, refused (its limits), or no
+    /// acknowledgement in time. They may or may not have been stored.
+    Remote(String),
 }
 
 impl SpillError {
@@ -82,6 +86,7 @@ impl fmt::Display for SpillError {
             Self::Closed => f.write_str("spill queue is closed"),
             Self::InvalidOptions(err) => err.fmt(f),
             Self::Corrupt { position } => write!(f, "spill record at {position} is corrupt"),
+            Self::Remote(message) => write!(f, "durable queue: {message}"),
         }
     }
 }

@@ -52,6 +52,7 @@
 
 mod config;
 mod core;
+mod durable;
 mod error;
 mod format;
 mod frame;
@@ -66,6 +67,7 @@ mod writer;
 use std::path::Path;
 
 pub use config::{SpillOptions, SyncPolicy};
+pub use durable::{Appending, DurableQueue};
 pub use error::SpillError;
 pub use format::{FORMAT_VERSION, Position};
 pub use handle::{PendingAppend, SpillQueue, SpillRecord};

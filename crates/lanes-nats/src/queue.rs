@@ -1,0 +1,494 @@
+//! [`JetStreamQueue`]: a [`DurableQueue`] kept in a NATS JetStream stream, so the records a
+//! channel spills, dead-letters or outputs live on the NATS servers — read by a consumer on
+//! another machine, or by a fleet draining one backlog — instead of on this machine's disk.
+
+use std::any::Any;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy};
+use async_nats::jetstream::consumer::{PullConsumer, pull};
+use async_nats::jetstream::context::{PublishAckFuture, PublishError, PublishErrorKind};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::stream::{DiscardPolicy, RetentionPolicy, StorageType};
+use async_nats::jetstream::{self, AckKind, Context};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use lanes::spill::{Appending, DurableQueue, SpillError};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
+use tokio::time::Instant;
+
+/// How a [`JetStreamQueue`] is kept: its stream's bounds and the client's.
+#[derive(Debug, Clone)]
+pub struct JetStreamOptions {
+    max_bytes: i64,
+    max_record: usize,
+    max_in_flight: usize,
+    publish_timeout: Duration,
+    replicas: usize,
+    duplicate_window: Duration,
+}
+
+impl Default for JetStreamOptions {
+    fn default() -> Self {
+        Self {
+            max_bytes: 1 << 30,
+            max_record: 1 << 20,
+            max_in_flight: 8 << 20,
+            publish_timeout: Duration::from_secs(30),
+            replicas: 1,
+            duplicate_window: Duration::from_secs(120),
+        }
+    }
+}
+
+impl JetStreamOptions {
+    /// The most bytes the stream keeps (default 1 GiB); beyond it an append is refused
+    /// ([`SpillError::Remote`]) until the reader acknowledges records. At least 1 KiB.
+    pub fn max_bytes(mut self, max_bytes: u64) -> Self {
+        self.max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
+        self
+    }
+
+    /// The largest record (default 1 MiB; at most the NATS server's `max_payload`).
+    pub fn max_record(mut self, max_record: usize) -> Self {
+        self.max_record = max_record;
+        self
+    }
+
+    /// The most bytes appended but not yet acknowledged by the stream (default 8 MiB); an
+    /// append beyond it is refused with [`SpillError::Full`]. At least `max_record`.
+    pub fn max_in_flight(mut self, max_in_flight: usize) -> Self {
+        self.max_in_flight = max_in_flight;
+        self
+    }
+
+    /// How long an append may take to be acknowledged, publishing again (deduplicated by the
+    /// record's id) while NATS is away (default 30 s, at most the duplicate window).
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
+    /// How many servers of a NATS cluster keep the stream (default 1).
+    pub fn replicas(mut self, replicas: usize) -> Self {
+        self.replicas = replicas;
+        self
+    }
+
+    /// How long the stream remembers record ids to drop a record published twice (default
+    /// 120 s; at least the publish timeout).
+    pub fn duplicate_window(mut self, window: Duration) -> Self {
+        self.duplicate_window = window;
+        self
+    }
+
+    fn validate(&self) -> Result<(), SpillError> {
+        let bad = |rule: &str| Err(SpillError::Remote(format!("invalid options: {rule}")));
+        if self.max_bytes < 1024 {
+            return bad("max_bytes must be at least 1024");
+        }
+        if self.max_record == 0 || self.max_record > i32::MAX as usize {
+            return bad("max_record must be between 1 and 2^31 - 1");
+        }
+        if self.max_in_flight < self.max_record || self.max_in_flight > u32::MAX as usize {
+            return bad("max_in_flight must be at least max_record (and below 4 GiB)");
+        }
+        if self.publish_timeout.is_zero() || self.publish_timeout > self.duplicate_window {
+            return bad(
+                "publish_timeout must be longer than zero and at most the duplicate window",
+            );
+        }
+        if self.replicas == 0 {
+            return bad("replicas must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// A durable queue of records in a NATS JetStream stream (see the [crate docs](crate)).
+///
+/// - **Appends** ([`DurableQueue::enqueue`]) are published in order by one writer task, each
+///   with an id of its own; an append resolves `Ok` once the stream acknowledged storing every
+///   record of it. While NATS is away the writer publishes again (same ids: the stream drops a
+///   record it has already stored) until the publish timeout, then the append fails
+///   ([`SpillError::Remote`]) — its records may or may not be stored.
+/// - **Bounded**: at most `max_in_flight` bytes await acknowledgement ([`SpillError::Full`]
+///   beyond), and the stream keeps at most `max_bytes` (an append beyond is refused).
+/// - **Reading** ([`reader`](Self::reader)): a durable pull consumer with explicit acks. A
+///   record is removed once acknowledged; one not acknowledged within `ack_wait` (its reader
+///   died, or is slow) is delivered again — at least once, never lost.
+///
+/// The stream has work-queue retention: one reader (consumer) per queue.
+#[derive(Clone)]
+pub struct JetStreamQueue {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    context: Context,
+    stream: String,
+    subject: String,
+    options: JetStreamOptions,
+    /// Bytes awaiting acknowledgement.
+    room: Arc<Semaphore>,
+    /// This handle's prefix for record ids, and the next record's number.
+    instance: String,
+    next: AtomicU64,
+    batches: mpsc::UnboundedSender<Batch>,
+    closed: AtomicBool,
+}
+
+/// One append, on its way to the writer.
+struct Batch {
+    records: Vec<(String, Bytes)>,
+    done: oneshot::Sender<Result<(), SpillError>>,
+    _room: OwnedSemaphorePermit,
+}
+
+impl JetStreamQueue {
+    /// Opens the queue kept in stream `stream` (created if missing, with subject
+    /// `lanes.queue.<stream>`, file storage and work-queue retention).
+    ///
+    /// # Errors
+    ///
+    /// [`SpillError::Remote`] for invalid options, or if JetStream cannot be reached or refuses
+    /// the stream (for instance one of that name with other settings).
+    pub async fn open(
+        client: async_nats::Client,
+        stream: &str,
+        options: JetStreamOptions,
+    ) -> Result<Self, SpillError> {
+        options.validate()?;
+        if stream.is_empty() || stream.contains(['.', ' ', '*', '>', '\t']) {
+            return Err(SpillError::Remote(format!(
+                "a stream name must be non-empty, without '.', spaces, '*' or '>': {stream:?}"
+            )));
+        }
+        let context = jetstream::new(client);
+        let subject = format!("lanes.queue.{stream}");
+        let config = jetstream::stream::Config {
+            name: stream.to_owned(),
+            subjects: vec![subject.clone()],
+            max_bytes: options.max_bytes,
+            max_message_size: i32::try_from(options.max_record + 256).unwrap_or(i32::MAX),
+            storage: StorageType::File,
+            retention: RetentionPolicy::WorkQueue,
+            discard: DiscardPolicy::New,
+            num_replicas: options.replicas,
+            duplicate_window: options.duplicate_window,
+            ..Default::default()
+        };
+        context.get_or_create_stream(config).await.map_err(remote("open the stream"))?;
+        let room = Arc::new(Semaphore::new(options.max_in_flight));
+        let (batches, receiver) = mpsc::unbounded_channel();
+        let instance = instance_id();
+        let inner = Arc::new(Inner {
+            context,
+            stream: stream.to_owned(),
+            subject,
+            options,
+            room,
+            instance,
+            next: AtomicU64::new(0),
+            batches,
+            closed: AtomicBool::new(false),
+        });
+        tokio::spawn(write(Arc::downgrade(&inner), receiver));
+        Ok(Self { inner })
+    }
+
+    /// The stream's name.
+    pub fn stream(&self) -> &str {
+        &self.inner.stream
+    }
+
+    /// Records in the stream now (appended and not yet acknowledged by the reader).
+    ///
+    /// # Errors
+    ///
+    /// [`SpillError::Remote`] if JetStream cannot answer.
+    pub async fn stored(&self) -> Result<u64, SpillError> {
+        let mut stream =
+            self.inner.context.get_stream(&self.inner.stream).await.map_err(remote("get"))?;
+        Ok(stream.info().await.map_err(remote("stream info"))?.state.messages)
+    }
+
+    /// Refuses further appends; appends already handed over still complete.
+    pub fn close(&self) {
+        self.inner.closed.store(true, Ordering::Release);
+    }
+
+    /// The queue's reader: the durable consumer `consumer` (created if missing). A record it
+    /// delivers is delivered again after `ack_wait` unless acknowledged; at most
+    /// `max_ack_pending` records are delivered and not yet acknowledged at once.
+    ///
+    /// # Errors
+    ///
+    /// [`SpillError::Remote`] if JetStream cannot be reached or refuses the consumer.
+    pub async fn reader(
+        &self,
+        consumer: &str,
+        ack_wait: Duration,
+        max_ack_pending: usize,
+    ) -> Result<JetStreamReader, SpillError> {
+        let stream =
+            self.inner.context.get_stream(&self.inner.stream).await.map_err(remote("get"))?;
+        let config = pull::Config {
+            durable_name: Some(consumer.to_owned()),
+            deliver_policy: DeliverPolicy::All,
+            ack_policy: AckPolicy::Explicit,
+            ack_wait,
+            max_ack_pending: i64::try_from(max_ack_pending.max(1)).unwrap_or(i64::MAX),
+            filter_subject: self.inner.subject.clone(),
+            ..Default::default()
+        };
+        let consumer: PullConsumer = stream
+            .get_or_create_consumer(consumer, config)
+            .await
+            .map_err(remote("create the consumer"))?;
+        Ok(JetStreamReader { consumer, messages: None })
+    }
+}
+
+impl fmt::Debug for JetStreamQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JetStreamQueue")
+            .field("stream", &self.inner.stream)
+            .field("subject", &self.inner.subject)
+            .finish()
+    }
+}
+
+impl DurableQueue for JetStreamQueue {
+    fn enqueue(&self, records: &[&[u8]]) -> Result<Appending, SpillError> {
+        let inner = &self.inner;
+        if inner.closed.load(Ordering::Acquire) {
+            return Err(SpillError::Closed);
+        }
+        let max = inner.options.max_record;
+        let mut bytes = 0usize;
+        for record in records {
+            if record.len() > max {
+                return Err(SpillError::TooLarge { len: record.len(), max: max as u32 });
+            }
+            bytes += record.len().max(1);
+        }
+        if records.is_empty() {
+            return Ok(Box::pin(async { Ok(()) }));
+        }
+        let full = || SpillError::Full { max_bytes: inner.options.max_in_flight as u64 };
+        let permits = u32::try_from(bytes).map_err(|_| full())?;
+        let room = inner.room.clone().try_acquire_many_owned(permits).map_err(|_| full())?;
+        let first = inner.next.fetch_add(records.len() as u64, Ordering::Relaxed);
+        let records = records
+            .iter()
+            .zip(first..)
+            .map(|(record, n)| (format!("{}-{n}", inner.instance), Bytes::copy_from_slice(record)))
+            .collect();
+        let (done, answer) = oneshot::channel();
+        inner.batches.send(Batch { records, done, _room: room }).map_err(|_| SpillError::Closed)?;
+        Ok(Box::pin(async move { answer.await.unwrap_or(Err(SpillError::Closed)) }))
+    }
+
+    fn same_as(&self, other: &dyn DurableQueue) -> bool {
+        other
+            .as_any()
+            .downcast_ref::<Self>()
+            .is_some_and(|other| Arc::ptr_eq(&self.inner, &other.inner))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn describe(&self) -> String {
+        format!("JetStream stream {}", self.inner.stream)
+    }
+}
+
+/// The writer: publishes every batch in order, then hands each batch's acknowledgements to a
+/// task of its own, so publishing never waits for the stream.
+async fn write(inner: std::sync::Weak<Inner>, mut batches: mpsc::UnboundedReceiver<Batch>) {
+    while let Some(batch) = batches.recv().await {
+        let Some(strong) = inner.upgrade() else { return };
+        let (context, subject) = (strong.context.clone(), strong.subject.clone());
+        let deadline = Instant::now() + strong.options.publish_timeout;
+        drop(strong);
+        let mut acks = Vec::with_capacity(batch.records.len());
+        for (id, payload) in &batch.records {
+            acks.push(publish(&context, &subject, id, payload).await);
+        }
+        tokio::spawn(async move {
+            let mut result = Ok(());
+            for ((id, payload), ack) in batch.records.iter().zip(acks) {
+                if let Err(err) = confirm(&context, &subject, id, payload, ack, deadline).await {
+                    result = Err(err);
+                    break;
+                }
+            }
+            let _ = batch.done.send(result);
+        });
+    }
+}
+
+async fn publish(
+    context: &Context,
+    subject: &str,
+    id: &str,
+    payload: &Bytes,
+) -> Result<PublishAckFuture, PublishError> {
+    let message = PublishMessage::build().payload(payload.clone()).message_id(id);
+    context.send_publish(subject.to_owned(), message).await
+}
+
+/// Whether a failed publish may succeed if made again: NATS or JetStream away (a timeout, a
+/// broken connection, no responders while the server restarts), not a refusal by the stream.
+fn transient(err: &PublishError) -> bool {
+    matches!(
+        err.kind(),
+        PublishErrorKind::TimedOut
+            | PublishErrorKind::BrokenPipe
+            | PublishErrorKind::StreamNotFound
+            | PublishErrorKind::MaxAckPending
+    )
+}
+
+/// Waits for one record's acknowledgement; publishes it again (same id: the stream drops a
+/// copy it already has) after a transient failure, with back-off, until `deadline`.
+async fn confirm(
+    context: &Context,
+    subject: &str,
+    id: &str,
+    payload: &Bytes,
+    first: Result<PublishAckFuture, PublishError>,
+    deadline: Instant,
+) -> Result<(), SpillError> {
+    let mut attempt = first;
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let outcome = match attempt {
+            Ok(ack) => ack.await.map(drop),
+            Err(err) => Err(err),
+        };
+        let err = match outcome {
+            Ok(()) => return Ok(()),
+            Err(err) => err,
+        };
+        if !transient(&err) {
+            return Err(SpillError::Remote(format!("the stream refused a record: {err}")));
+        }
+        if Instant::now() + backoff >= deadline {
+            return Err(SpillError::Remote(format!("no acknowledgement in time: {err}")));
+        }
+        tracing::debug!(subject, id, error = %err, "publishing again");
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(1));
+        attempt = publish(context, subject, id, payload).await;
+    }
+}
+
+/// A reader of a [`JetStreamQueue`]: a durable pull consumer with explicit acks.
+pub struct JetStreamReader {
+    consumer: PullConsumer,
+    messages: Option<pull::Stream>,
+}
+
+impl JetStreamReader {
+    /// The next record, waiting for one; `None` if none came within `wait`. A broken
+    /// subscription (NATS restarted) is opened again on the next call.
+    ///
+    /// # Errors
+    ///
+    /// [`SpillError::Remote`] if JetStream cannot be reached.
+    pub async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>, SpillError> {
+        if self.messages.is_none() {
+            self.messages = Some(self.consumer.messages().await.map_err(remote("subscribe"))?);
+        }
+        let messages = self.messages.as_mut().expect("opened above");
+        match tokio::time::timeout(wait, messages.next()).await {
+            Err(_elapsed) => Ok(None),
+            Ok(Some(Ok(message))) => Ok(Some(Delivery { message })),
+            Ok(Some(Err(err))) => {
+                self.messages = None;
+                Err(SpillError::Remote(format!("read: {err}")))
+            }
+            Ok(None) => {
+                self.messages = None;
+                Ok(None)
+            }
+        }
+    }
+}
+
+impl fmt::Debug for JetStreamReader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("JetStreamReader").finish_non_exhaustive()
+    }
+}
+
+/// One delivered record: acknowledge it once processed, or it is delivered again.
+pub struct Delivery {
+    message: jetstream::Message,
+}
+
+impl Delivery {
+    /// The record.
+    pub fn payload(&self) -> &[u8] {
+        &self.message.payload
+    }
+
+    /// How many times it has been delivered (1 the first time).
+    pub fn delivered(&self) -> i64 {
+        self.message.info().map_or(1, |info| info.delivered)
+    }
+
+    /// Acknowledges it and waits for the stream to confirm: it is removed from the queue and
+    /// never delivered again.
+    ///
+    /// # Errors
+    ///
+    /// [`SpillError::Remote`] if the acknowledgement was not confirmed (the record may then be
+    /// delivered again).
+    pub async fn ack(self) -> Result<(), SpillError> {
+        self.message.double_ack().await.map_err(|err| SpillError::Remote(format!("ack: {err}")))
+    }
+
+    /// Hands it back for delivery again at once (to this or another reader).
+    ///
+    /// # Errors
+    ///
+    /// [`SpillError::Remote`] if NATS cannot take the answer (it is delivered again after
+    /// `ack_wait` anyway).
+    pub async fn nak(self) -> Result<(), SpillError> {
+        self.message
+            .ack_with(AckKind::Nak(None))
+            .await
+            .map_err(|err| SpillError::Remote(format!("nak: {err}")))
+    }
+}
+
+impl fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Delivery").field("len", &self.payload().len()).finish()
+    }
+}
+
+fn remote<E: fmt::Display>(what: &'static str) -> impl Fn(E) -> SpillError {
+    move |err| SpillError::Remote(format!("{what}: {err}"))
+}
+
+/// An id unique to this handle: record ids are `<it>-<n>`, so two handles (or a restarted
+/// process) never share one within the duplicate window.
+fn instance_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(nanos);
+    hasher.write_u32(std::process::id());
+    format!("{:016x}", hasher.finish())
+}

@@ -1,0 +1,290 @@
+//! `JetStreamQueue` against the real NATS server (`NATS_URL`, default `nats://127.0.0.1:4222`,
+//! JetStream enabled): the channel's spill, dead-letter, output and receipt tests of the local
+//! spill queue (`crates/lanes/tests/channel.rs`), run with the queue in a JetStream stream, and
+//! the reader's acknowledgements, redelivery and bounds. Each test uses a stream of its own and
+//! deletes it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream;
+use lanes::channel::{
+    BinaryCodec, Channel, ChannelConfig, Codec, ConsumerOptions, EmitError, Emitted, Envelope,
+    FailurePolicy, JsonCodec, Overflow, Settlement,
+};
+use lanes::spill::{DurableQueue, SpillError};
+use lanes_nats::{JetStreamOptions, JetStreamQueue, JetStreamReader};
+use tokio::time::timeout;
+
+/// A stream of its own, deleted when dropped.
+struct Stream {
+    queue: JetStreamQueue,
+    js: jetstream::Context,
+    name: String,
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let (js, name) = (self.js.clone(), self.name.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async { js.delete_stream(&name).await.ok() });
+        })
+        .join();
+    }
+}
+
+async fn client() -> async_nats::Client {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    timeout(Duration::from_secs(5), async_nats::connect(&url))
+        .await
+        .unwrap_or_else(|_| panic!("NATS at {url} did not answer within 5 s (set NATS_URL)"))
+        .unwrap_or_else(|e| panic!("cannot connect to NATS at {url}: {e} (set NATS_URL)"))
+}
+
+async fn stream(test: &str, options: JetStreamOptions) -> Stream {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let client = client().await;
+    let js = jetstream::new(client.clone());
+    // A stream that is never deleted keeps the account's storage directory (see completion.rs).
+    js.get_or_create_stream(jetstream::stream::Config {
+        name: "LANES_TEST_ANCHOR".to_owned(),
+        subjects: vec!["lanes.test.anchor".to_owned()],
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("cannot create the anchor stream (is JetStream enabled?): {e}"));
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let name = format!(
+        "LANES_Q_{test}_{}_{}_{}",
+        std::process::id(),
+        nanos.subsec_nanos(),
+        SEQ.fetch_add(1, Ordering::SeqCst)
+    );
+    let queue = JetStreamQueue::open(client, &name, options).await.expect("the stream opens");
+    Stream { queue, js, name }
+}
+
+async fn reader(stream: &Stream) -> JetStreamReader {
+    stream.queue.reader("reader", Duration::from_secs(30), 1_000).await.unwrap()
+}
+
+/// Reads (and acknowledges) `n` records, decoded with `decode`.
+async fn read<T>(reader: &mut JetStreamReader, n: usize, decode: impl Fn(&[u8]) -> T) -> Vec<T> {
+    let mut out = Vec::new();
+    while out.len() < n {
+        let delivery = reader
+            .next(Duration::from_secs(5))
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("record {} of {n} arrives", out.len() + 1));
+        out.push(decode(delivery.payload()));
+        delivery.ack().await.unwrap();
+    }
+    out
+}
+
+fn u64_of(bytes: &[u8]) -> u64 {
+    Codec::<u64>::decode(&BinaryCodec::new(), bytes).unwrap()
+}
+
+fn envelope_u64(bytes: &[u8]) -> (u64, Vec<String>) {
+    let envelope = Envelope::from_bytes(bytes).unwrap();
+    (JsonCodec::new().decode(&envelope.payload).unwrap(), envelope.tags)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spill_sends_overflow_to_the_stream_once_and_never_back() {
+    let s = stream("spill", JetStreamOptions::default()).await;
+    let channel = Channel::new(
+        ChannelConfig::new(2).overflow(Overflow::spill(s.queue.clone(), BinaryCodec::new())),
+    )
+    .unwrap();
+    let mut consumer = channel.consumer(ConsumerOptions::new().batch_max(10)).unwrap();
+    for n in 0..5u64 {
+        let emitted = channel.emit(n).await.unwrap();
+        assert_eq!(emitted.is_queued(), n < 2, "record {n}");
+    }
+    assert!(matches!(channel.try_emit(5).unwrap(), Emitted::Spilled));
+    channel.close();
+    let batch = consumer.next_batch().await.unwrap();
+    assert_eq!(&batch[..], &[0, 1]);
+    batch.ack().await.unwrap();
+    assert!(consumer.next_batch().await.is_none());
+    let mut reader = reader(&s).await;
+    assert_eq!(read(&mut reader, 4, u64_of).await, [2, 3, 4, 5]);
+    assert!(reader.next(Duration::from_millis(300)).await.unwrap().is_none(), "nothing twice");
+    let snapshot = channel.snapshot();
+    assert_eq!((snapshot.emitted, snapshot.delivered, snapshot.spilled), (6, 2, 4));
+    assert_eq!(s.queue.stored().await.unwrap(), 0, "acknowledged records leave the stream");
+}
+
+/// An emit cancelled while its append is in the queue's write path still counts the record,
+/// and the counters reconcile with what the stream holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_spilling_emit_is_counted_as_the_stream_holds_it() {
+    let s = stream("cancel", JetStreamOptions::default()).await;
+    let channel = Channel::new(
+        ChannelConfig::new(1).overflow(Overflow::spill(s.queue.clone(), BinaryCodec::new())),
+    )
+    .unwrap();
+    channel.emit(1u64).await.unwrap();
+    let (mut cancelled, mut n) = (0, 1u64);
+    while cancelled < 5 && n < 500 {
+        n += 1;
+        if timeout(Duration::ZERO, channel.emit(n)).await.is_err() {
+            cancelled += 1;
+        }
+        assert!(channel.snapshot().reconciles());
+    }
+    assert!(cancelled > 0, "no emit was cancelled mid-append: the test saw nothing");
+    let total = usize::try_from(n - 1).unwrap();
+    let mut reader = reader(&s).await;
+    assert_eq!(read(&mut reader, total, u64_of).await, (2..=n).collect::<Vec<_>>());
+    let snapshot = channel.snapshot();
+    assert_eq!((snapshot.emitted, snapshot.spilled, snapshot.depth), (n, n - 1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_spill_hands_the_record_back_uncounted() {
+    let s = stream("refused", JetStreamOptions::default().max_record(16)).await;
+    let channel = Channel::new(
+        ChannelConfig::new(1).overflow(Overflow::spill(s.queue.clone(), JsonCodec::new())),
+    )
+    .unwrap();
+    channel.emit("short".to_owned()).await.unwrap();
+    let long = "this record is longer than sixteen bytes".to_owned();
+    let err = channel.emit(long.clone()).await.unwrap_err();
+    assert!(matches!(err, EmitError::Spill(_, SpillError::TooLarge { .. })), "{err}");
+    assert_eq!(err.into_record(), long);
+    let snapshot = channel.snapshot();
+    assert_eq!((snapshot.emitted, snapshot.spilled, snapshot.depth), (1, 0, 1));
+    assert!(snapshot.reconciles());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_and_output_go_to_streams_and_receipts_settle() {
+    let dead = stream("dead", JetStreamOptions::default()).await;
+    let output = stream("output", JetStreamOptions::default()).await;
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel
+        .consumer(
+            ConsumerOptions::new()
+                .batch_max(8)
+                .codec(JsonCodec::new())
+                .output(output.queue.clone())
+                .on_failure(FailurePolicy::dead_letter(dead.queue.clone())),
+        )
+        .unwrap();
+    let mut receipts = Vec::new();
+    for n in 0..4u64 {
+        receipts.push(channel.emit_with_receipt(n).await.unwrap());
+    }
+    let batch = consumer.next_batch().await.unwrap();
+    let outcomes: Vec<Result<(), lanes::BoxError>> = batch
+        .iter()
+        .map(|n| if n % 2 == 1 { Err(format!("odd {n}").into()) } else { Ok(()) })
+        .collect();
+    let report = batch.settle(outcomes).await.unwrap();
+    assert_eq!((report.processed, report.dead_lettered), (2, 2));
+    // Settled only once both streams acknowledged what they were given.
+    let mut settled = Vec::new();
+    for receipt in receipts {
+        settled.push(receipt.await);
+    }
+    use Settlement::{DeadLettered, Processed};
+    assert_eq!(settled, [Processed, DeadLettered, Processed, DeadLettered]);
+    let mut out = reader(&output).await;
+    let processed = read(&mut out, 2, envelope_u64).await;
+    assert_eq!(processed, [(0, vec![]), (2, vec![])]);
+    let mut failed = reader(&dead).await;
+    let dead_lettered = read(&mut failed, 2, envelope_u64).await;
+    assert_eq!(
+        dead_lettered,
+        [(1, vec!["error=odd 1".to_owned()]), (3, vec!["error=odd 3".to_owned()])]
+    );
+}
+
+/// A record delivered and not acknowledged comes back after `ack_wait`; an acknowledged one
+/// never does; a handed-back one (`nak`) comes back at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unacknowledged_records_are_delivered_again_and_acknowledged_ones_never() {
+    let s = stream("redeliver", JetStreamOptions::default()).await;
+    for n in 0..3u8 {
+        s.queue.enqueue(&[&[n]]).unwrap().await.unwrap();
+    }
+    let mut reader = s.queue.reader("r", Duration::from_millis(500), 10).await.unwrap();
+    let wait = Duration::from_secs(5);
+    let first = reader.next(wait).await.unwrap().unwrap();
+    assert_eq!((first.payload(), first.delivered()), (&[0u8][..], 1));
+    first.ack().await.unwrap();
+    let second = reader.next(wait).await.unwrap().unwrap();
+    assert_eq!(second.payload(), [1]);
+    drop(second); // neither acknowledged nor handed back: its reader "died"
+    let third = reader.next(wait).await.unwrap().unwrap();
+    assert_eq!(third.payload(), [2]);
+    third.nak().await.unwrap();
+    let mut again = Vec::new();
+    for _ in 0..2 {
+        let delivery = reader.next(wait).await.unwrap().expect("delivered again");
+        assert_eq!(delivery.delivered(), 2, "{:?}", delivery.payload());
+        again.push(delivery.payload()[0]);
+        delivery.ack().await.unwrap();
+    }
+    again.sort_unstable();
+    assert_eq!(again, [1, 2]);
+    assert!(reader.next(Duration::from_millis(800)).await.unwrap().is_none());
+    assert_eq!(s.queue.stored().await.unwrap(), 0);
+}
+
+/// Bytes awaiting acknowledgement are bounded (`Full`), so is the stream (`Remote`), and the
+/// options are checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn appends_are_bounded_and_options_checked() {
+    let s = stream(
+        "bounds",
+        JetStreamOptions::default().max_record(1024).max_in_flight(2048).max_bytes(8 * 1024),
+    )
+    .await;
+    let record = vec![7u8; 1024];
+    let first = s.queue.enqueue(&[&record, &record]).unwrap();
+    let refused = s.queue.enqueue(&[&record]).map(drop).unwrap_err();
+    assert!(matches!(refused, SpillError::Full { max_bytes: 2048 }), "{refused}");
+    first.await.unwrap();
+    s.queue.enqueue(&[&record]).unwrap().await.expect("room again once acknowledged");
+    // The stream keeps 8 KiB: appends beyond it are refused by JetStream.
+    let mut refused_by_stream = None;
+    for _ in 0..16 {
+        if let Err(err) = s.queue.enqueue(&[&record]).unwrap().await {
+            refused_by_stream = Some(err);
+            break;
+        }
+    }
+    let err = refused_by_stream.expect("the stream's bound refuses an append");
+    assert!(matches!(err, SpillError::Remote(_)), "{err}");
+    let client = client().await;
+    for (options, rule) in [
+        (JetStreamOptions::default().max_bytes(10), "max_bytes"),
+        (JetStreamOptions::default().max_record(0), "max_record"),
+        (JetStreamOptions::default().max_record(4096).max_in_flight(1024), "max_in_flight"),
+        (JetStreamOptions::default().replicas(0), "replicas"),
+        (JetStreamOptions::default().publish_timeout(Duration::from_secs(600)), "publish_timeout"),
+    ] {
+        let err = JetStreamQueue::open(client.clone(), "LANES_Q_NEVER", options).await.unwrap_err();
+        assert!(err.to_string().contains(rule), "{rule}: {err}");
+    }
+    let err = JetStreamQueue::open(client, "bad.name", JetStreamOptions::default()).await;
+    assert!(err.unwrap_err().to_string().contains("stream name"));
+}
+
+/// Two channel configs are the same only with the very same queue; a queue knows itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_is_the_same_only_as_itself() {
+    let a = stream("same_a", JetStreamOptions::default()).await;
+    let b = stream("same_b", JetStreamOptions::default()).await;
+    assert!(a.queue.same_as(&a.queue.clone()));
+    assert!(!a.queue.same_as(&b.queue));
+    assert!(a.queue.describe().contains(&a.name));
+    a.queue.close();
+    assert!(matches!(a.queue.enqueue(&[b"x"]).map(drop), Err(SpillError::Closed)));
+}
