@@ -78,6 +78,7 @@ mod local;
 mod lost;
 mod metrics;
 mod priority;
+pub mod share;
 mod snapshot;
 mod throttle;
 mod waiters;
