@@ -108,6 +108,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use lanes::limit::share::{Demand, SharePolicy};
 use lanes::limit::{
     BackendError, Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LocalLimits, LostLeases,
     Released,
@@ -141,6 +142,19 @@ const FIRST_REASK: Duration = Duration::from_secs(1);
 #[derive(Clone)]
 pub struct RedisLimits {
     inner: Arc<Inner>,
+}
+
+/// This client's share of a leased limit, from [`RedisLimits::refresh_share`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ShareLease {
+    /// The most permits this client may have out until the lease ends.
+    pub share: u32,
+    /// When the lease ends, on the Redis clock (since the Unix epoch).
+    pub expires_at: Duration,
+    /// Fencing tokens reserved for the grants this client makes from its share: unique across
+    /// the limit, increasing within the block.
+    pub tokens: std::ops::Range<u64>,
 }
 
 /// Counters of one client.
@@ -629,6 +643,61 @@ impl RedisLimits {
             Ok(_) => Err(LimitError::LeaseExpired { limit: name.to_owned(), ticket }),
             Err(err) => Err(err.into()),
         }
+    }
+
+    /// Refreshes this client's share of limit `name` under leased capacity: the refresh of
+    /// [`lanes::limit::share::Ledger`], run in Redis on the limit's own ledger (the limit's
+    /// `concurrent` is the capacity apportioned). `demand` is what this client wants (its
+    /// holders and waiters, per priority level), `held` the permits it has out now; `tokens`
+    /// asks for a block of that many fencing tokens for the grants it makes from its share.
+    /// The share lasts this client's lease.
+    ///
+    /// This is the store's half of leased capacity; the client half (serving acquires from
+    /// the share) is not built yet.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::UnknownLimit`] if `name` is not defined, [`LimitError::Backend`] if Redis
+    /// cannot answer.
+    pub async fn refresh_share(
+        &self,
+        name: &str,
+        demand: &Demand,
+        held: u32,
+        policy: SharePolicy,
+        tokens: u64,
+    ) -> Result<ShareLease, LimitError> {
+        let levels: Vec<String> =
+            demand.levels().map(|(level, n)| format!("{level}:{n}")).collect();
+        let policy = match policy {
+            SharePolicy::MaxMinFair => "maxmin",
+            SharePolicy::Proportional => "proportional",
+        };
+        let args = [
+            self.inner.client.to_string(),
+            held.to_string(),
+            levels.join(","),
+            policy.to_owned(),
+            tokens.to_string(),
+        ];
+        let value = self.inner.call(name, "lease", &args).await?;
+        if error_tag(&value).as_deref() == Some("unknown") {
+            return Err(LimitError::UnknownLimit(name.to_owned()));
+        }
+        let bad = || LimitError::backend(format!("redis: odd lease answer {value:?}"));
+        let Value::Array(items) = &value else { return Err(bad()) };
+        let field = |i: usize| items.get(i).and_then(int).and_then(|n| u64::try_from(n).ok());
+        let (share, expires, first, count) = (
+            field(0).ok_or_else(bad)?,
+            field(1).ok_or_else(bad)?,
+            field(2).ok_or_else(bad)?,
+            field(3).ok_or_else(bad)?,
+        );
+        Ok(ShareLease {
+            share: u32::try_from(share).map_err(|_| bad())?,
+            expires_at: Duration::from_micros(expires),
+            tokens: first..first + count,
+        })
     }
 
     /// This client's counters.

@@ -353,6 +353,102 @@ local function answer_for(ticket)
   return { hex(0), expiry_hint(now) }
 end
 
+-- Leased capacity ------------------------------------------------------------------------
+-- The same apportioning and ledger as lanes::limit::share (crates/lanes/src/limit/share.rs),
+-- run where the limit lives. B:ls holds each client's entry, "share|reserved|held|expires|
+-- demand" (demand as "level:n,level:n"); B:lt the targets of the live clients, valid while
+-- M's `lvalid` is 1 (a demand or the set of clients changing clears it).
+
+local function parse_demand(text)
+  local demand = {}
+  for level, n in string.gmatch(text or '', '(%d+):(%d+)') do
+    demand[tonumber(level)] = (demand[tonumber(level)] or 0) + tonumber(n)
+  end
+  return demand
+end
+
+-- Water-filling over `wants` ({id, want}), as share.rs's max_min.
+local function max_min(capacity, wants)
+  table.sort(wants, function(a, b)
+    if a.want ~= b.want then return a.want < b.want end
+    return a.id < b.id
+  end)
+  local left, n = capacity, #wants
+  for k, w in ipairs(wants) do
+    w.give = math.min(w.want, math.floor(left / (n - k + 1)))
+    left = left - w.give
+  end
+  for k = n, 1, -1 do
+    if left == 0 then break end
+    local w = wants[k]
+    if w.give < w.want then
+      w.give = w.give + 1
+      left = left - 1
+    end
+  end
+end
+
+-- In proportion to want, remainders largest first, as share.rs's proportional.
+local function proportional(capacity, wants)
+  local total = 0
+  for _, w in ipairs(wants) do total = total + w.want end
+  if total <= capacity then
+    for _, w in ipairs(wants) do w.give = w.want end
+    return
+  end
+  local left = capacity
+  for _, w in ipairs(wants) do
+    local scaled = capacity * w.want
+    w.give = math.floor(scaled / total)
+    w.rem = scaled % total
+    left = left - w.give
+  end
+  local order = {}
+  for k = 1, #wants do order[k] = wants[k] end
+  table.sort(order, function(a, b)
+    if a.rem ~= b.rem then return a.rem > b.rem end
+    return a.id < b.id
+  end)
+  for _, w in ipairs(order) do
+    if left == 0 then break end
+    if w.give < w.want then
+      w.give = w.give + 1
+      left = left - 1
+    end
+  end
+end
+
+-- Targets for `clients` ({id, demand}), by id: levels highest first, then the policy.
+local function apportion(capacity, clients, policy)
+  local shares, levels, seen = {}, {}, {}
+  for _, c in ipairs(clients) do
+    shares[c.id] = 0
+    for level in pairs(c.demand) do
+      if not seen[level] then
+        seen[level] = true
+        table.insert(levels, level)
+      end
+    end
+  end
+  table.sort(levels, function(a, b) return a > b end)
+  local left = capacity
+  for _, level in ipairs(levels) do
+    if left == 0 then break end
+    local wants = {}
+    for _, c in ipairs(clients) do
+      local want = c.demand[level] or 0
+      if want > 0 then table.insert(wants, { id = c.id, want = want }) end
+    end
+    if policy == 'proportional' then proportional(left, wants) else max_min(left, wants) end
+    for _, w in ipairs(wants) do
+      shares[w.id] = shares[w.id] + w.give
+      left = left - w.give
+    end
+  end
+  return shares
+end
+
+
 -- Operations -----------------------------------------------------------------------------
 
 -- One call: `keys` and `args` as described at the top.
@@ -384,6 +480,8 @@ local function call(keys, args)
     end
     local movehold = tonumber(ARGV[11] or '0')
     if movehold > 0 then redis.call('HSET', M, 'movehold', movehold) end
+    -- The capacity may have changed: leased shares' targets are computed again.
+    redis.call('HSET', M, 'lvalid', '0')
     load_meta()
     watch_node(now)
     expire(now)
@@ -495,6 +593,57 @@ local function call(keys, args)
     return refused
   end
 
+  if op == 'lease' then
+    -- ARGV: client, held, demand ("level:n,..."), policy ("maxmin" | "proportional"), tokens
+    -- wanted. The lease is ARGV[3]. Answers share, lease end (us), and a block of fencing
+    -- tokens [first, first + count) for the grants the client makes from its share.
+    local client, held = tonumber(ARGV[6]), tonumber(ARGV[7])
+    local demand_text, policy, want_tokens = ARGV[8], ARGV[9], tonumber(ARGV[10])
+    local LS, LT = B .. ':ls', B .. ':lt'
+    local entries = redis.call('HGETALL', LS)
+    local clients, mine, others = {}, nil, 0
+    local changed = redis.call('HGET', M, 'lvalid') ~= '1'
+    for k = 1, #entries, 2 do
+      local id = tonumber(entries[k])
+      local share, reserved, _, expires, demand =
+        string.match(entries[k + 1], '^(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
+      if tonumber(expires) <= now then
+        redis.call('HDEL', LS, entries[k])
+        changed = true
+      elseif id == client then
+        mine = { share = tonumber(share), demand = demand }
+      else
+        others = others + tonumber(reserved)
+        table.insert(clients, { id = id, demand = parse_demand(demand) })
+      end
+    end
+    if not mine or mine.demand ~= demand_text then changed = true end
+    table.insert(clients, { id = client, demand = parse_demand(demand_text) })
+    local target
+    if changed then
+      local targets = apportion(meta.concurrent, clients, policy)
+      redis.call('DEL', LT)
+      for id, t in pairs(targets) do redis.call('HSET', LT, int(id), t) end
+      redis.call('HSET', M, 'lvalid', '1')
+      target = targets[client]
+    else
+      target = tonumber(redis.call('HGET', LT, int(client)) or '0')
+    end
+    local share = 0
+    if meta.hold <= now then
+      share = math.min(target, math.max(meta.concurrent - others, 0))
+    end
+    local reserved = math.max(share, held)
+    local expires = now + lease_us
+    redis.call('HSET', LS, int(client),
+      int(share) .. '|' .. int(reserved) .. '|' .. int(held) .. '|' .. int(expires) .. '|' .. demand_text)
+    local first = 0
+    if want_tokens > 0 then
+      first = redis.call('HINCRBY', M, 'fence', want_tokens) - want_tokens + 1
+    end
+    return { share, int(expires), int(first), want_tokens }
+  end
+
   if op == 'info' then
     if reclaimed > 0 then kick(now) end
     return {
@@ -505,7 +654,7 @@ local function call(keys, args)
 
   if op == 'remove' then
     if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
-    redis.call('DEL', M, H, E, LV, I, C, L)
+    redis.call('DEL', M, H, E, LV, I, C, L, B .. ':ls', B .. ':lt')
     return 'ok'
   end
 
