@@ -181,15 +181,23 @@ local function next_key(level)
   return redis.call('ZRANGE', ring(level), 0, 0)[1]
 end
 
+-- The ticket served next, its level and key: looked up once per call until the queue
+-- changes (`push` and `unlink` forget it), since one call asks several times.
+local peeked
 local function peek()
-  local level = top_level()
-  if not level then return nil end
-  local key = next_key(level)
-  if not key then return nil end
-  return redis.call('ZRANGE', queue(level, key), 0, 0)[1], level, key
+  if not peeked then
+    peeked = {}
+    local level = top_level()
+    local key = level and next_key(level)
+    if key then
+      peeked = { redis.call('ZRANGE', queue(level, key), 0, 0)[1], level, key }
+    end
+  end
+  return peeked[1], peeked[2], peeked[3]
 end
 
 local function push(ticket, level, keytok, weight)
+  peeked = nil
   if redis.call('HEXISTS', I, ticket) == 1 then return false end
   local seq = redis.call('HINCRBY', M, 'seq', 1)
   local w = weights(level)
@@ -218,6 +226,7 @@ end
 
 -- WaitQueue::unlink: drops one waiter, then its key and level if they empty.
 local function unlink(ticket, level, keytok)
+  peeked = nil
   local q = queue(level, keytok)
   local w = weights(level)
   local r = ring(level)
@@ -460,7 +469,7 @@ local function call(keys, args)
   M, H, E, LV = B .. ':m', B .. ':h', B .. ':e', B .. ':lv'
   I, C, L = B .. ':i', B .. ':c', B .. ':l'
   NAME = string.sub(B, 2, -2)
-  meta, now = nil, nil
+  meta, now, peeked = nil, nil, nil
 
   if op == 'define' then
     -- ARGV: concurrent, interval_us, burst, per_second (as the client wrote it, "" for none),
