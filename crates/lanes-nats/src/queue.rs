@@ -114,7 +114,9 @@ impl JetStreamOptions {
 ///   with an id of its own; an append resolves `Ok` once the stream acknowledged storing every
 ///   record of it. While NATS is away the writer publishes again (same ids: the stream drops a
 ///   record it has already stored) until the publish timeout, then the append fails
-///   ([`SpillError::Remote`]) — its records may or may not be stored.
+///   ([`SpillError::Remote`]) — its records may or may not be stored. A record published again
+///   may be stored after records appended later: the stream keeps append order except for
+///   records whose first publish was lost.
 /// - **Bounded**: at most `max_in_flight` bytes await acknowledgement ([`SpillError::Full`]
 ///   beyond), and the stream keeps at most `max_bytes` (an append beyond is refused).
 /// - **Reading** ([`reader`](Self::reader)): a durable pull consumer with explicit acks. A
@@ -149,8 +151,9 @@ struct Batch {
 }
 
 impl JetStreamQueue {
-    /// Opens the queue kept in stream `stream` (created if missing, with subject
-    /// `lanes.queue.<stream>`, file storage and work-queue retention).
+    /// Opens the queue kept in stream `stream`, creating it if missing (subject
+    /// `lanes.queue.<stream>`, file storage, work-queue retention and these options' bounds).
+    /// An existing stream is used as it is: its settings are not compared with `options`.
     ///
     /// # Errors
     ///
@@ -196,7 +199,12 @@ impl JetStreamQueue {
             batches,
             closed: AtomicBool::new(false),
         });
-        tokio::spawn(write(Arc::downgrade(&inner), receiver));
+        tokio::spawn(write(
+            inner.context.clone(),
+            inner.subject.clone(),
+            inner.options.publish_timeout,
+            receiver,
+        ));
         Ok(Self { inner })
     }
 
@@ -309,27 +317,50 @@ impl DurableQueue for JetStreamQueue {
     }
 }
 
-/// The writer: publishes every batch in order, then hands each batch's acknowledgements to a
-/// task of its own, so publishing never waits for the stream.
-async fn write(inner: std::sync::Weak<Inner>, mut batches: mpsc::UnboundedReceiver<Batch>) {
+/// Records whose acknowledgements the writer lets pile up before handing them to a task of
+/// their own: async-nats allows 5,000 unacknowledged publishes per context, and a publish
+/// beyond waits for one to be acknowledged (awaited), so the writer must never hold more.
+const CHUNK: usize = 1_000;
+
+/// The writer: publishes every batch in order, handing each chunk's acknowledgements to a task
+/// of its own, so publishing never waits for the stream. It owns what it needs: batches
+/// already handed over are published even after every handle is dropped (the channel drains
+/// before it closes).
+async fn write(
+    context: Context,
+    subject: String,
+    publish_timeout: Duration,
+    mut batches: mpsc::UnboundedReceiver<Batch>,
+) {
     while let Some(batch) = batches.recv().await {
-        let Some(strong) = inner.upgrade() else { return };
-        let (context, subject) = (strong.context.clone(), strong.subject.clone());
-        let deadline = Instant::now() + strong.options.publish_timeout;
-        drop(strong);
-        let mut acks = Vec::with_capacity(batch.records.len());
-        for (id, payload) in &batch.records {
-            acks.push(publish(&context, &subject, id, payload).await);
+        let deadline = Instant::now() + publish_timeout;
+        let Batch { records, done, _room: room } = batch;
+        let records = Arc::new(records);
+        let mut chunks = Vec::new();
+        for start in (0..records.len()).step_by(CHUNK) {
+            let end = (start + CHUNK).min(records.len());
+            let mut acks = Vec::with_capacity(end - start);
+            for (id, payload) in &records[start..end] {
+                acks.push(publish(&context, &subject, id, payload).await);
+            }
+            let (context, subject, records) = (context.clone(), subject.clone(), records.clone());
+            chunks.push(tokio::spawn(async move {
+                for ((id, payload), ack) in records[start..end].iter().zip(acks) {
+                    confirm(&context, &subject, id, payload, ack, deadline).await?;
+                }
+                Ok::<(), SpillError>(())
+            }));
         }
         tokio::spawn(async move {
             let mut result = Ok(());
-            for ((id, payload), ack) in batch.records.iter().zip(acks) {
-                if let Err(err) = confirm(&context, &subject, id, payload, ack, deadline).await {
-                    result = Err(err);
-                    break;
+            for chunk in chunks {
+                let outcome = chunk.await.unwrap_or(Err(SpillError::Closed));
+                if result.is_ok() {
+                    result = outcome;
                 }
             }
-            let _ = batch.done.send(result);
+            drop(room);
+            let _ = done.send(result);
         });
     }
 }

@@ -288,3 +288,15 @@ async fn a_queue_is_the_same_only_as_itself() {
     a.queue.close();
     assert!(matches!(a.queue.enqueue(&[b"x"]).map(drop), Err(SpillError::Closed)));
 }
+
+/// One append of more records than async-nats lets await acknowledgement at once (5,000):
+/// it completes, every record stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_of_many_records_completes() {
+    let s = stream("many", JetStreamOptions::default()).await;
+    let records: Vec<[u8; 8]> = (0..6_000u64).map(u64::to_be_bytes).collect();
+    let refs: Vec<&[u8]> = records.iter().map(|r| r.as_slice()).collect();
+    let appending = s.queue.enqueue(&refs).unwrap();
+    timeout(Duration::from_secs(30), appending).await.expect("the append completes").unwrap();
+    assert_eq!(s.queue.stored().await.unwrap(), 6_000);
+}

@@ -93,13 +93,23 @@ impl Conn {
         }
         let cluster = cluster.clone();
         tokio::spawn(async move {
+            // Cleared however the task ends (a runtime that shuts down drops it mid-way).
+            let _done = Reconnected(&cluster);
             let fresh =
                 tokio::time::timeout(cluster.timeout, cluster.client.get_async_connection());
             if let Ok(Ok(conn)) = fresh.await {
                 *lock(&cluster.conn) = conn;
             }
-            lock(&cluster.reconnecting).0 = false;
         });
+    }
+}
+
+/// Marks a cluster's reconnection over when dropped.
+struct Reconnected<'a>(&'a Cluster);
+
+impl Drop for Reconnected<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.reconnecting).0 = false;
     }
 }
 

@@ -341,37 +341,45 @@ impl Inner {
     ) -> Answer {
         let mut state = lock(&self.state);
         let limit = state.limits.entry(name.to_owned()).or_default();
-        if let Some(pushed) = limit.claim(ticket) {
-            // Granted on its behalf (and pushed) while the answer travelled.
-            return Answer::Granted(pushed);
+        // A grant made for another ticket of this client is recorded whatever happened to
+        // this one (even if its own grant was pushed meanwhile): nobody else would renew it.
+        let mut gone = None;
+        if let ScriptAnswer::GrantedOther(other) = answer {
+            let grant = grant.expect("parsed with the answer");
+            // The other ticket's lease is this client's (only its own tickets are asked for
+            // together).
+            let until = self.lease_end(sent, self.lease);
+            if limit.deliver(other, grant, until) == Delivered::Gone {
+                // Its acquire was dropped meanwhile: hand the permit back.
+                gone = Some(other);
+            }
         }
-        match answer {
-            ScriptAnswer::Granted => {
+        let claimed = limit.claim(ticket);
+        let answer = match (claimed, answer) {
+            // Granted on its behalf (and pushed) while the answer travelled.
+            (Some(pushed), _) => Answer::Granted(pushed),
+            (None, ScriptAnswer::Granted) => {
                 limit.hold(ticket, false, self.lease_end(sent, lease));
                 Answer::Granted(grant.expect("parsed with the answer"))
             }
-            ScriptAnswer::GrantedOther(other) => {
+            (None, ScriptAnswer::GrantedOther(_)) => {
                 limit.queued(ticket, false);
-                let grant = grant.expect("parsed with the answer");
-                // The other ticket's lease is this client's (only its own tickets are asked
-                // for together).
-                let until = self.lease_end(sent, self.lease);
-                if limit.deliver(other, grant, until) == Delivered::Gone {
-                    // Its acquire was dropped meanwhile: hand the permit back.
-                    state.orphans.push((name.to_owned(), other));
-                }
                 Answer::Queued
             }
-            ScriptAnswer::Queued => {
+            (None, ScriptAnswer::Queued) => {
                 limit.queued(ticket, false);
                 limit.expires_in(hint);
                 Answer::Queued
             }
-            ScriptAnswer::RetryAfter(after) => {
+            (None, ScriptAnswer::RetryAfter(after)) => {
                 limit.queued(ticket, true);
                 Answer::RetryAfter(after)
             }
+        };
+        if let Some(other) = gone {
+            state.orphans.push((name.to_owned(), other));
         }
+        answer
     }
 
     /// The first ask (`Ask::First`), a check, or a try for `ticket`, with this client's
@@ -590,7 +598,9 @@ impl RedisLimits {
     }
 
     /// A builder for a client of the Redis Cluster that `nodes` belong to
-    /// (`redis://host:port` each; one reachable node is enough, the rest are discovered).
+    /// (`redis://host:port` each; one reachable node is enough to start, the rest are
+    /// discovered). Give several, ideally every primary: a connection that stops answering is
+    /// made again from these addresses, so one that survives must be among them.
     ///
     /// Each limit lives in one slot (its keys share a hash tag), so limits spread over the
     /// cluster's primaries. When a primary fails and its replica is promoted, the replica may

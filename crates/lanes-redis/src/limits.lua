@@ -89,8 +89,10 @@ local function watch_node(now)
   if meta.node then
     local hold = now + meta.movehold * 1000
     if hold > meta.hold then meta.hold = hold end
+    -- Past the clock, and past the copied counter by a margin: the new primary's clock may be
+    -- behind the old one's, and the grants lost with it are far fewer than a million.
     local fence = num(M, 'fence')
-    local jump = math.max(now - fence, 0)
+    local jump = math.max(now - fence, 0) + 1000000
     redis.call('HSET', M, 'hold', int(meta.hold), 'fence', int(fence + jump),
       'fbase', int(num(M, 'fbase') + jump))
   end
@@ -323,7 +325,13 @@ end
 local function held_answer(ticket)
   local held = redis.call('HGET', H, ticket)
   if not held then return nil end
+  -- Asked again (its answer or its push was lost, or a retry): its lease starts again now,
+  -- so the client, which counts the lease from its ask, never believes it longer than Redis.
+  -- The answer is the grant as first made (an acquire by ticket answers the same grant).
   local fence, expires = string.match(held, '^(%d+):(%d+)$')
+  local renewed = int(now + lease_us)
+  redis.call('HSET', H, ticket, fence .. ':' .. renewed)
+  redis.call('ZADD', E, renewed, ticket)
   return { hex(1), fence, expires }
 end
 

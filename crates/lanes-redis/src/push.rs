@@ -46,12 +46,15 @@ pub(crate) async fn subscribe(
             let Ok(payload) = message.get_payload::<String>() else { continue };
             strong.stats.notifications.fetch_add(1, Ordering::Relaxed);
             if let Some((name, ticket)) = strong.pushed(&prefix, &payload) {
-                // Granted to a waiter that is gone: hand the permit back now.
-                if let Err(CallError::Outage(_)) =
-                    strong.call(&name, "release", &[ticket.to_string()]).await
-                {
-                    lock(&strong.state).orphans.push((name, ticket));
-                }
+                // Granted to a waiter that is gone: hand the permit back now, in a task of its
+                // own, so the pushes behind this one are not delayed by the call.
+                tokio::spawn(async move {
+                    if let Err(CallError::Outage(_)) =
+                        strong.call(&name, "release", &[ticket.to_string()]).await
+                    {
+                        lock(&strong.state).orphans.push((name, ticket));
+                    }
+                });
             }
         }
     }

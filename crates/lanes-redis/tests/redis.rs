@@ -309,6 +309,27 @@ async fn many_tasks_on_several_clients_never_hold_more_than_concurrent(t: Target
     assert_eq!((info.max_in_use, info.granted_total), (2, 400));
 }
 
+/// A ticket that asks again for the permit it holds (its answer was lost, or it retries)
+/// starts its lease again: the client counts the lease from its ask, so Redis must not end it
+/// sooner.
+async fn asking_again_for_a_held_permit_starts_its_lease_again(t: Target) {
+    let ns = common::unique_ns("reask");
+    let _cleanup = common::Cleanup::on(t, &ns);
+    let lease = Duration::from_millis(400);
+    let holder = common::builder_on(t, &ns).lease(lease).auto_renew(false).build().await.unwrap();
+    let other = Limits::with_backend(common::client_on(t, &ns).await);
+    other.define("job", LimitSpec::concurrent(1)).await.unwrap();
+    let ticket = holder.ticket();
+    let first = holder.acquire("job", ticket, &Priority::default(), None).await.unwrap();
+    assert!(matches!(first, Answer::Granted(_)), "{first:?}");
+    sleep(lease * 3 / 4).await;
+    let again = holder.acquire("job", ticket, &Priority::default(), None).await.unwrap();
+    assert!(matches!(again, Answer::Granted(_)), "{again:?}");
+    // Past the first lease's end, within the second's: still held.
+    sleep(lease / 2).await;
+    assert!(other.try_acquire("job", Priority::default()).await.unwrap_err().is_busy());
+}
+
 /// Each test, once on the one Redis and once on the cluster.
 macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
@@ -332,6 +353,7 @@ macro_rules! on_both {
 }
 
 on_both!(
+    asking_again_for_a_held_permit_starts_its_lease_again,
     a_release_wakes_only_the_client_served_next,
     fair_keys_take_turns_across_clients,
     fencing_tokens_strictly_increase_across_clients,

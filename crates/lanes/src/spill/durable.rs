@@ -19,7 +19,9 @@ pub type Appending = BoxFuture<'static, Result<(), SpillError>>;
 ///
 /// - [`enqueue`](Self::enqueue) checks what it can at once (size, room, a failed queue) and then
 ///   hands the records over: from its `Ok` on they are in the queue's write path, in order, ahead
-///   of any later append, and dropping the returned [`Appending`] does not withdraw them.
+///   of any later append, and dropping the returned [`Appending`] (or the queue) does not
+///   withdraw them. (A remote queue that must publish a record again after losing its
+///   acknowledgement may store it after later ones.)
 /// - The [`Appending`] resolves `Ok` only once every record is durable by the queue's own rule:
 ///   a [`SpillQueue`] under its [`SyncPolicy`](super::SyncPolicy), a JetStream queue once the
 ///   stream has stored them (its publish acknowledgements). A record whose append resolved `Ok`
