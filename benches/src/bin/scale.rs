@@ -77,13 +77,13 @@ fn main() {
     let per_core = 1e6 / cpu_us;
 
     // Acquire + release cycles, and what a queued acquire adds. Measured with MONITOR: a cycle
-    // granted at once is 2 calls and 15 commands; a queued one is 2 calls and 63 commands (26 to
-    // queue, 37 for the release that hands the permit on, its PUBLISH included). At about 5.5 us
-    // per call and 1.2 us per command (suite 10's 31 us per uncontended cycle, of which 20 us
-    // inside the function), a queued cycle costs about 2.8 times an uncontended one.
+    // granted at once is 2 calls and 12 commands; a queued one is 2 calls and 63 commands (26 to
+    // queue, 37 for the release that hands the permit on, its PUBLISH included). At about 5.7 us
+    // per call and 1.2 us per command (suite 10's 26 us per uncontended cycle), a queued cycle
+    // costs about 3.4 times an uncontended one.
     let cycles = fleet.instances * fleet.rate;
     let per_limit = cycles / fleet.limits;
-    let queued_extra = 1.0 + fleet.waiting * 1.8;
+    let queued_extra = 1.0 + fleet.waiting * 2.4;
     let limit_cores = per_limit * queued_extra / per_core;
     // Background work per instance: the epoch check every 250 ms; renewals every third of a
     // lease for permits held longer than that (one call per limit, 3 + 3 per ticket commands);

@@ -506,6 +506,13 @@ local function call(keys, args)
     return 'ok'
   end
 
+  -- The common release: a held permit, and nobody waiting. There is nothing to grant, so
+  -- nothing to read or time: the holder's entries go, and that is all.
+  if op == 'release' and redis.call('HLEN', I) == 0 and redis.call('HDEL', H, ARGV[6]) == 1 then
+    redis.call('ZREM', E, ARGV[6])
+    return 1
+  end
+
   if not load_meta() then return { 'unknown' } end
   now = now_us()
   watch_node(now)
