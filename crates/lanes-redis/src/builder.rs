@@ -143,7 +143,9 @@ impl RedisLimitsBuilder {
             local: Arc::new(LocalLimits::with_max_waiters(self.max_waiters)),
             stats: Stats::default(),
             tasks: Mutex::new(Vec::new()),
+            me: std::sync::OnceLock::new(),
         });
+        let _ = inner.me.set(Arc::downgrade(&inner));
         *lock(&inner.epoch) = Some(epoch);
         let (subscribed_tx, subscribed) = tokio::sync::oneshot::channel();
         let subscriber =

@@ -81,6 +81,7 @@ pub mod answer;
 mod builder;
 mod conn;
 mod lease;
+mod leased;
 mod outage;
 mod push;
 mod tickets;
@@ -212,6 +213,8 @@ struct Inner {
     local: Arc<LocalLimits>,
     stats: Stats,
     tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// This client itself, for the tasks it starts later (a leased limit's refresher).
+    me: std::sync::OnceLock<Weak<Inner>>,
 }
 
 impl Drop for Inner {
@@ -261,6 +264,7 @@ impl Inner {
             hold.as_millis().to_string(),
             // On a cluster, the hold after the limit is found on another node (a failover).
             if self.cluster { self.max_lease.as_millis().to_string() } else { "0".to_owned() },
+            lock(&self.state).modes.get(name).cloned().unwrap_or_default(),
         ];
         self.call(name, "define", &args).await?;
         self.command::<()>(redis::cmd("SADD").arg(self.registry_key()).arg(name)).await?;
@@ -301,6 +305,8 @@ impl Inner {
             Some("unknown") => return Ok(Reply::Unknown),
             Some("waiters") => return Ok(Reply::TooManyWaiters),
             Some("finished") => return Ok(Reply::Finished),
+            Some("leased:maxmin") => return Ok(Reply::Leased(SharePolicy::MaxMinFair)),
+            Some("leased:proportional") => return Ok(Reply::Leased(SharePolicy::Proportional)),
             _ => {}
         }
         let Value::Array(items) = &value else { return Err(bad()) };
@@ -320,6 +326,48 @@ impl Inner {
                 Reply::Answer(answer, None, hint.map(Duration::from_millis))
             }
             ScriptAnswer::RetryAfter(_) => Reply::Answer(answer, None, None),
+        })
+    }
+
+    /// The store's half of leased capacity (see [`RedisLimits::refresh_share`]).
+    pub(crate) async fn refresh_share(
+        &self,
+        name: &str,
+        demand: &Demand,
+        held: u32,
+        policy: SharePolicy,
+        tokens: u64,
+    ) -> Result<ShareLease, LimitError> {
+        let levels: Vec<String> =
+            demand.levels().map(|(level, n)| format!("{level}:{n}")).collect();
+        let policy = match policy {
+            SharePolicy::MaxMinFair => "maxmin",
+            SharePolicy::Proportional => "proportional",
+        };
+        let args = [
+            self.client.to_string(),
+            held.to_string(),
+            levels.join(","),
+            policy.to_owned(),
+            tokens.to_string(),
+        ];
+        let value = self.call(name, "lease", &args).await?;
+        if error_tag(&value).as_deref() == Some("unknown") {
+            return Err(LimitError::UnknownLimit(name.to_owned()));
+        }
+        let bad = || LimitError::backend(format!("redis: odd lease answer {value:?}"));
+        let Value::Array(items) = &value else { return Err(bad()) };
+        let field = |i: usize| items.get(i).and_then(int).and_then(|n| u64::try_from(n).ok());
+        let (share, expires, first, count) = (
+            field(0).ok_or_else(bad)?,
+            field(1).ok_or_else(bad)?,
+            field(2).ok_or_else(bad)?,
+            field(3).ok_or_else(bad)?,
+        );
+        Ok(ShareLease {
+            share: u32::try_from(share).map_err(|_| bad())?,
+            expires_at: Duration::from_micros(expires),
+            tokens: first..first + count,
         })
     }
 
@@ -391,6 +439,9 @@ impl Inner {
         ask: Ask,
         lease: Option<Duration>,
     ) -> Result<Answer, LimitError> {
+        if let Some(leased) = self.leased(name) {
+            return Ok(leased::answer(&leased, ticket, &ask));
+        }
         let local = {
             let mut state = lock(&self.state);
             let limit = state.limits.entry(name.to_owned()).or_default();
@@ -493,6 +544,12 @@ impl Inner {
                         }
                     }
                 }
+                Ok(Reply::Leased(policy)) => {
+                    // Defined leased (by another client): served from this client's share.
+                    lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
+                    let leased = self.lease(name, policy);
+                    return Ok(leased::answer(&leased, ticket, &ask));
+                }
                 Ok(Reply::Unknown) => {
                     let known = lock(&self.state).specs.contains_key(name);
                     if !known || attempt == 2 {
@@ -527,6 +584,9 @@ impl Inner {
     }
 
     async fn release(&self, name: &str, ticket: u64) -> Result<Released, LimitError> {
+        if let Some(leased) = self.leased(name) {
+            return Ok(leased.release(ticket));
+        }
         self.lost.forget(name, ticket);
         let place = {
             let mut state = lock(&self.state);
@@ -551,6 +611,9 @@ impl Inner {
     }
 
     async fn wait(&self, name: &str, ticket: u64, at_most: Duration) {
+        if let Some(leased) = self.leased(name) {
+            return leased.wait(at_most).await;
+        }
         let plan =
             lock(&self.state).limits.entry(name.to_owned()).or_default().plan_wait(ticket, at_most);
         match plan {
@@ -660,10 +723,8 @@ impl RedisLimits {
     /// `concurrent` is the capacity apportioned). `demand` is what this client wants (its
     /// holders and waiters, per priority level), `held` the permits it has out now; `tokens`
     /// asks for a block of that many fencing tokens for the grants it makes from its share.
-    /// The share lasts this client's lease.
-    ///
-    /// This is the store's half of leased capacity; the client half (serving acquires from
-    /// the share) is not built yet.
+    /// The share lasts this client's lease. A limit defined with
+    /// [`define_leased`](Self::define_leased) is refreshed this way in the background.
     ///
     /// # Errors
     ///
@@ -677,37 +738,39 @@ impl RedisLimits {
         policy: SharePolicy,
         tokens: u64,
     ) -> Result<ShareLease, LimitError> {
-        let levels: Vec<String> =
-            demand.levels().map(|(level, n)| format!("{level}:{n}")).collect();
-        let policy = match policy {
-            SharePolicy::MaxMinFair => "maxmin",
-            SharePolicy::Proportional => "proportional",
-        };
-        let args = [
-            self.inner.client.to_string(),
-            held.to_string(),
-            levels.join(","),
-            policy.to_owned(),
-            tokens.to_string(),
-        ];
-        let value = self.inner.call(name, "lease", &args).await?;
-        if error_tag(&value).as_deref() == Some("unknown") {
-            return Err(LimitError::UnknownLimit(name.to_owned()));
+        self.inner.refresh_share(name, demand, held, policy, tokens).await
+    }
+
+    /// Defines `name` in leased mode: every client of the namespace serves it from a share of
+    /// its `concurrent` permits that it holds for a lease and refreshes every third of one,
+    /// with no round trip per acquire. Shares follow each client's demand (`policy`); they
+    /// never add up to more than `concurrent`. A permit handed out from a share is reported
+    /// lost if the share lapses unrefreshed. Fencing tokens come from blocks reserved in
+    /// Redis: unique across the fleet, increasing within each client. Leased mode serves
+    /// concurrency only (a rate is not apportioned yet) and its waiters first come first served
+    /// (a client states all of its demand at level 0).
+    ///
+    /// # Errors
+    ///
+    /// As for [`LimitBackend::define`]; [`LimitError::Backend`] for a spec with a rate.
+    pub async fn define_leased(
+        &self,
+        name: &str,
+        spec: LimitSpec,
+        policy: SharePolicy,
+    ) -> Result<(), LimitError> {
+        spec.validate()?;
+        if spec.per_second.is_some() {
+            return Err(LimitError::backend("leased mode apportions concurrency only, not a rate"));
         }
-        let bad = || LimitError::backend(format!("redis: odd lease answer {value:?}"));
-        let Value::Array(items) = &value else { return Err(bad()) };
-        let field = |i: usize| items.get(i).and_then(int).and_then(|n| u64::try_from(n).ok());
-        let (share, expires, first, count) = (
-            field(0).ok_or_else(bad)?,
-            field(1).ok_or_else(bad)?,
-            field(2).ok_or_else(bad)?,
-            field(3).ok_or_else(bad)?,
-        );
-        Ok(ShareLease {
-            share: u32::try_from(share).map_err(|_| bad())?,
-            expires_at: Duration::from_micros(expires),
-            tokens: first..first + count,
-        })
+        let mode = match policy {
+            SharePolicy::MaxMinFair => "leased:maxmin",
+            SharePolicy::Proportional => "leased:proportional",
+        };
+        lock(&self.inner.state).modes.insert(name.to_owned(), mode.to_owned());
+        self.inner.define(name, spec).await?;
+        self.inner.lease(name, policy);
+        Ok(())
     }
 
     /// This client's counters.

@@ -62,7 +62,7 @@ end
 local meta
 local function load_meta()
   local v = redis.call('HMGET', M, 'concurrent', 'interval', 'burst', 'tat', 'maxuse', 'hold',
-    'movehold', 'node')
+    'movehold', 'node', 'mode')
   if not v[1] then return false end
   meta = {
     concurrent = tonumber(v[1]),
@@ -73,6 +73,7 @@ local function load_meta()
     hold = tonumber(v[6]) or 0,
     movehold = tonumber(v[7]) or 0,
     node = v[8],
+    mode = v[9],
   }
   return true
 end
@@ -499,6 +500,12 @@ local function call(keys, args)
     if movehold > 0 then redis.call('HSET', M, 'movehold', movehold) end
     -- The capacity may have changed: leased shares' targets are computed again.
     redis.call('HSET', M, 'lvalid', '0')
+    -- ARGV[12]: the mode, "leased:<policy>" for leased capacity, "" (exact) otherwise.
+    if ARGV[12] and ARGV[12] ~= '' then
+      redis.call('HSET', M, 'mode', ARGV[12])
+    else
+      redis.call('HDEL', M, 'mode')
+    end
     load_meta()
     watch_node(now)
     expire(now)
@@ -514,6 +521,10 @@ local function call(keys, args)
   end
 
   if not load_meta() then return { 'unknown' } end
+  -- A leased limit is served from the clients' shares: they ask for those, not for permits.
+  if meta.mode and (op == 'acquire' or op == 'check' or op == 'try') then
+    return { meta.mode }
+  end
   now = now_us()
   watch_node(now)
   local reclaimed = expire(now)

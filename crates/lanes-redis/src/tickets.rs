@@ -22,8 +22,13 @@ pub(crate) struct State {
     pub(crate) limits: HashMap<String, ClientLimit>,
     /// Specs this client defined or read, for the local share and for redefinition.
     pub(crate) specs: HashMap<String, LimitSpec>,
+    /// The mode this client defined a limit with ("leased:maxmin", "leased:proportional"),
+    /// given again whenever it defines the limit again; none for exact limits.
+    pub(crate) modes: HashMap<String, String>,
     /// Releases that could not reach Redis, retried in the background.
     pub(crate) orphans: Vec<(String, u64)>,
+    /// Limits this client serves from its share (leased capacity).
+    pub(crate) leased: HashMap<String, Arc<super::leased::Leased>>,
 }
 
 /// Where one ticket of this client stands.

@@ -57,6 +57,8 @@ pub(crate) enum Reply {
     Unknown,
     TooManyWaiters,
     Finished,
+    /// The limit is leased: this client serves it from its share.
+    Leased(SharePolicy),
 }
 
 pub(crate) fn text(value: &Value) -> Option<String> {

@@ -32,6 +32,7 @@ fn main() {
     match std::env::var("LANES_REDIS_CHILD").as_deref() {
         Ok("hammer") => runtime.block_on(hammer()),
         Ok("hold") => runtime.block_on(hold()),
+        Ok("hold-leased") => runtime.block_on(hold_leased()),
         Ok(other) => panic!("unknown child mode {other}"),
         Err(_) => {
             for target in [Target::Single, Target::Cluster] {
@@ -42,6 +43,9 @@ fn main() {
                 runtime.block_on(a_killed_holder_is_reclaimed(target));
                 println!("test a_killed_holder_is_reclaimed_within_its_lease on {target:?} ... ok");
             }
+            println!("test a_killed_processes_share_is_reused_within_a_lease_and_a_refresh ...");
+            runtime.block_on(a_killed_processes_share_is_reused());
+            println!("test a_killed_processes_share_is_reused_within_a_lease_and_a_refresh ... ok");
         }
     }
 }
@@ -103,6 +107,65 @@ async fn hold() {
     let permit = limits.acquire("held", Priority::default()).await.expect("acquire");
     println!("HELD {}", permit.fencing_token());
     sleep(Duration::from_secs(3600)).await;
+}
+
+/// Child: takes both permits of the leased limit `leased` from its share, says so, and holds
+/// them until killed.
+async fn hold_leased() {
+    let (limits, _conn, _) = child_limits().await;
+    let first = limits.acquire("leased", Priority::default()).await.expect("acquire");
+    let second = limits.acquire("leased", Priority::default()).await.expect("acquire");
+    println!("HELD {} {}", first.fencing_token(), second.fencing_token());
+    sleep(Duration::from_secs(3600)).await;
+}
+
+/// A process holding a leased limit's whole capacity is killed with SIGKILL: a waiter in
+/// another process gets a permit once the dead share's lease ends and its own share is
+/// refreshed (a starved client refreshes every tenth of a lease), and its token is new.
+async fn a_killed_processes_share_is_reused() {
+    use lanes::limit::share::SharePolicy;
+    let ns = common::unique_ns("leased-kill");
+    let _cleanup = common::Cleanup::on(Target::Single, &ns);
+    let lease = Duration::from_millis(500);
+    let backend = common::builder(&ns).lease(lease).build().await.expect("redis");
+    backend
+        .define_leased("leased", LimitSpec::concurrent(2), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
+    let limits = Limits::with_backend(backend);
+    let mut holder =
+        child("hold-leased", &ns, lease.as_millis() as u64, Target::Single).spawn().expect("spawn");
+    let stdout = holder.stdout.take().unwrap();
+    let held = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        line
+    })
+    .await
+    .unwrap();
+    let child_tokens: Vec<u64> = held
+        .strip_prefix("HELD ")
+        .expect("the child holds both")
+        .split_whitespace()
+        .map(|t| t.parse().unwrap())
+        .collect();
+    let waiter = tokio::spawn({
+        let limits = limits.clone();
+        async move {
+            let permit = limits.acquire("leased", Priority::default()).await.unwrap();
+            (Instant::now(), permit.fencing_token())
+        }
+    });
+    sleep(lease * 2).await;
+    assert!(!waiter.is_finished(), "the live child keeps its share by refreshing it");
+    let killed = Instant::now();
+    holder.kill().expect("SIGKILL the holder");
+    let _ = holder.wait();
+    let (granted, token) =
+        timeout(Duration::from_secs(5), waiter).await.expect("the waiter is granted").unwrap();
+    let took = granted - killed;
+    assert!(took <= lease + lease / 3 + Duration::from_millis(150), "reused after {took:?}");
+    assert!(!child_tokens.contains(&token), "a token of its own: {token} vs {child_tokens:?}");
 }
 
 async fn processes_never_exceed_the_limit(target: Target) {

@@ -1,0 +1,140 @@
+//! Leased capacity end to end on a real Redis: a limit defined leased is served from each
+//! client's share, with no round trip per acquire. Several clients hammering it never hold more
+//! than `concurrent` permits together (by their own count, and their fencing tokens are
+//! unique), keep it busy, and make far fewer Redis calls than grants; a share that lapses
+//! reports its permits lost. (A killed process's share: `processes.rs`.)
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lanes::limit::share::SharePolicy;
+use lanes::{LimitSpec, Limits, Priority};
+use lanes_redis::RedisLimits;
+use tokio::time::{Instant, sleep, timeout};
+
+const LEASE: Duration = Duration::from_millis(600);
+
+async fn client(ns: &str) -> RedisLimits {
+    common::builder(ns).lease(LEASE).build().await.unwrap_or_else(|e| {
+        panic!("Redis is not reachable at {} ({e}); set REDIS_URL", common::redis_url())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_hammering_a_leased_limit_share_it_exactly_and_keep_it_busy() {
+    const CONCURRENT: i64 = 8;
+    let ns = common::unique_ns("leased");
+    let _cleanup = common::Cleanup::on(common::Target::Single, &ns);
+    let mut backends = Vec::new();
+    for _ in 0..4 {
+        backends.push(client(&ns).await);
+    }
+    backends[0]
+        .define_leased("pool", LimitSpec::concurrent(CONCURRENT as u32), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
+    let holders = Arc::new(AtomicI64::new(0));
+    let peak = Arc::new(AtomicI64::new(0));
+    let grants = Arc::new(AtomicU64::new(0));
+    let tokens = Arc::new(Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for (i, backend) in backends.iter().enumerate() {
+        let limits = Limits::with_backend(backend.clone());
+        for _ in 0..8 {
+            let (limits, holders, peak, grants, tokens, stop) = (
+                limits.clone(),
+                holders.clone(),
+                peak.clone(),
+                grants.clone(),
+                tokens.clone(),
+                stop.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let permit = limits
+                        .acquire_timeout("pool", Priority::default(), Duration::from_secs(5))
+                        .await
+                        .expect("granted from a share");
+                    let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
+                    peak.fetch_max(now, Ordering::SeqCst);
+                    grants.fetch_add(1, Ordering::Relaxed);
+                    tokens.lock().unwrap().push((i, permit.fencing_token()));
+                    n += 1;
+                    sleep(Duration::from_millis(1 + n % 3)).await;
+                    holders.fetch_sub(1, Ordering::SeqCst);
+                    drop(permit);
+                }
+            }));
+        }
+    }
+    // Shares settle, then the permits in use are sampled.
+    sleep(Duration::from_millis(700)).await;
+    let calls_before: u64 = backends.iter().map(|b| b.stats().calls).sum();
+    let grants_before = grants.load(Ordering::Relaxed);
+    let (mut sum, mut samples) = (0i64, 0i64);
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        sum += holders.load(Ordering::SeqCst);
+        samples += 1;
+        sleep(Duration::from_millis(2)).await;
+    }
+    let calls = backends.iter().map(|b| b.stats().calls).sum::<u64>() - calls_before;
+    let granted = grants.load(Ordering::Relaxed) - grants_before;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        timeout(Duration::from_secs(10), task).await.expect("tasks end").unwrap();
+    }
+    let utilisation = sum as f64 / samples as f64 / CONCURRENT as f64;
+    println!(
+        "peak {} of {CONCURRENT}, utilisation {:.1}%, {granted} grants for {calls} Redis calls",
+        peak.load(Ordering::SeqCst),
+        utilisation * 100.0
+    );
+    assert!(
+        peak.load(Ordering::SeqCst) <= CONCURRENT,
+        "held at once: {}",
+        peak.load(Ordering::SeqCst)
+    );
+    assert!(
+        utilisation >= 0.9,
+        "utilisation {:.1}% with demand above the limit",
+        utilisation * 100.0
+    );
+    assert!(granted >= 20 * calls.max(1), "{granted} grants for {calls} calls: not served locally");
+    let tokens = tokens.lock().unwrap();
+    let unique: BTreeSet<u64> = tokens.iter().map(|(_, t)| *t).collect();
+    assert_eq!(unique.len(), tokens.len(), "no fencing token twice");
+    for client in 0..4 {
+        let mine: Vec<u64> = tokens.iter().filter(|(i, _)| *i == client).map(|(_, t)| *t).collect();
+        assert!(!mine.is_empty(), "client {client} was served");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_share_that_lapses_reports_its_permits_lost() {
+    let mut redis = common::DedicatedRedis::start();
+    let backend = RedisLimits::builder(redis.url())
+        .namespace("leased-lapse")
+        .lease(LEASE)
+        .op_timeout(Duration::from_millis(100))
+        .build()
+        .await
+        .unwrap();
+    backend.define_leased("pool", LimitSpec::concurrent(2), SharePolicy::MaxMinFair).await.unwrap();
+    let limits = Limits::with_backend(backend);
+    let permit = timeout(Duration::from_secs(2), limits.acquire("pool", Priority::default()))
+        .await
+        .unwrap()
+        .unwrap();
+    let stopped = Instant::now();
+    redis.stop();
+    timeout(Duration::from_secs(3), permit.lost()).await.expect("the permit is reported lost");
+    assert!(permit.lease_lost());
+    assert!(stopped.elapsed() <= LEASE + Duration::from_millis(300), "{:?}", stopped.elapsed());
+}
