@@ -309,6 +309,58 @@ async fn lanes_throughput(
     done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
+/// Leased capacity against exact mode on the same Redis: one client (one instance) with
+/// `tasks` tasks acquiring and releasing a roomy limit, as fast as they can, for `window()`.
+/// Returns (acquires per second, Redis calls per second) for each mode.
+async fn leased_vs_exact(ns: &str, tasks: usize) -> serde_json::Value {
+    use lanes::limit::share::SharePolicy;
+    let mut rows = Vec::new();
+    for leased in [false, true] {
+        let backend = RedisLimits::builder(url()).namespace(ns).build().await.unwrap();
+        let name = if leased { "mode-leased" } else { "mode-exact" };
+        let spec = LimitSpec::concurrent(1_000);
+        if leased {
+            backend.define_leased(name, spec, SharePolicy::MaxMinFair).await.unwrap();
+        } else {
+            backend.define(name, spec).await.unwrap();
+        }
+        let limits = Limits::with_backend(backend.clone());
+        // Let a leased client's first refreshes give it its share.
+        drop(limits.acquire(name, Priority::default()).await.unwrap());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let stop = Arc::new(AtomicBool::new(false));
+        let done = Arc::new(AtomicU64::new(0));
+        let calls_before = backend.stats().calls;
+        let start = Instant::now();
+        let mut handles = Vec::new();
+        for _ in 0..tasks {
+            let (limits, stop, done) = (limits.clone(), stop.clone(), done.clone());
+            handles.push(tokio::spawn(async move {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let permit = limits.acquire(name, Priority::default()).await.unwrap();
+                    drop(permit);
+                    n += 1;
+                    // A leased acquire never waits: let the timers and the other tasks run.
+                    if n.is_multiple_of(64) {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                done.fetch_add(n, Ordering::Relaxed);
+            }));
+        }
+        tokio::time::sleep(window()).await;
+        stop.store(true, Ordering::Relaxed);
+        for handle in handles {
+            handle.await.unwrap();
+        }
+        let elapsed = start.elapsed().as_secs_f64();
+        let calls = (backend.stats().calls - calls_before) as f64 / elapsed;
+        rows.push(json!({ "mode": if leased { "leased" } else { "exact" }, "acquires_per_s": done.load(Ordering::Relaxed) as f64 / elapsed, "calls_per_s": calls }));
+    }
+    json!({ "tasks": tasks, "rows": rows })
+}
+
 /// A holder that vanishes (no release, no more renewals): how long after its last renewal's
 /// lease ends does a waiter get the permit.
 async fn reclaim(ns: &str, lease: Duration) -> serde_json::Value {
@@ -432,11 +484,13 @@ fn main() {
             None => serde_json::Value::Null,
         };
         let spread = json!({ "clients": 8, "single_cycles_per_s": single, "server_cpu_us_per_cycle": server_us_per_cycle, "cluster": cluster });
+        let leased = leased_vs_exact(&ns, 8).await;
+        println!("redis/leased: {leased}");
         println!("redis/spread: {spread}");
         cleanup(&ns).await;
         write_result(
             "redis",
-            &json!({ "ping": ping, "latency": latency, "throughput": throughput, "reclaim": reclaim, "commands": commands, "spread": spread }),
+            &json!({ "ping": ping, "latency": latency, "throughput": throughput, "reclaim": reclaim, "commands": commands, "spread": spread, "leased": leased }),
         );
     });
 }

@@ -586,6 +586,33 @@ impl Report {
             }
             self.line("");
         }
+        if let Some(leased) = r.get("leased").and_then(|l| l["rows"].as_array()) {
+            let find = |mode: &str| {
+                leased.iter().find(|row| row["mode"] == mode).cloned().unwrap_or_default()
+            };
+            let (exact, lease) = (find("exact"), find("leased"));
+            let ratio = f(&lease["acquires_per_s"]) / f(&exact["acquires_per_s"]);
+            self.line(&format!(
+                "Leased capacity against exact mode, same Redis: one client (one instance) with {} tasks acquiring and releasing a roomy limit as fast as they can (acquires per second; Redis calls per second):\n",
+                r["leased"]["tasks"]
+            ));
+            self.line(
+                "| mode | acquires/s per instance | Redis calls/s | leased / exact (bar ≥ 50×) |",
+            );
+            self.line("|---|---|---|---|");
+            self.line(&format!(
+                "| exact | {:.0} | {:.0} | |",
+                f(&exact["acquires_per_s"]),
+                f(&exact["calls_per_s"])
+            ));
+            self.line(&format!(
+                "| leased | {:.0} | {:.1} | {ratio:.0}× {} |",
+                f(&lease["acquires_per_s"]),
+                f(&lease["calls_per_s"]),
+                pass(ratio >= 50.0)
+            ));
+            self.line("");
+        }
         let reclaim = &r["reclaim"];
         let worst = f(&reclaim["after_lease_ms_max"]);
         self.line(&format!(

@@ -144,6 +144,7 @@ impl RedisLimitsBuilder {
             stats: Stats::default(),
             tasks: Mutex::new(Vec::new()),
             me: std::sync::OnceLock::new(),
+            leased: std::sync::RwLock::default(),
         });
         let _ = inner.me.set(Arc::downgrade(&inner));
         *lock(&inner.epoch) = Some(epoch);

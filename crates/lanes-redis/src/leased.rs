@@ -3,7 +3,8 @@
 //! every third of a lease ([`Inner::refresh_share`], the store's half), stating the demand
 //! (permits out plus waiters) and the permits out; acquires are granted locally, first come
 //! first served, while fewer than the share are out, each with a fencing token from the block
-//! the last refresh reserved. A share that is not refreshed before its lease ends becomes
+//! the last refresh reserved (sized to twice the grants of the last interval; a spent block
+//! brings the next refresh forward). A share that is not refreshed before its lease ends becomes
 //! nothing, and every permit handed out from it is reported lost, because Redis gives the
 //! capacity to others from then on.
 
@@ -19,6 +20,8 @@ pub(crate) struct Leased {
     state: Mutex<LeasedState>,
     /// Woken when a permit may be free (a release, a larger share, new tokens).
     room: Notify,
+    /// Wakes the refresher early: the block of tokens ran out.
+    hurry: Notify,
 }
 
 #[derive(Default)]
@@ -31,11 +34,30 @@ struct LeasedState {
     holders: BTreeMap<u64, u64>,
     /// Tickets waiting, in arrival order.
     waiting: VecDeque<u64>,
+    /// Grants since `counted_since` (the last refresh), to size the next block of tokens.
+    granted: u64,
+    counted_since: Option<Instant>,
+    /// While a refresh is unanswered (or failed): the permits out when it was sent. Redis
+    /// reserves for this client at least that many, and perhaps no more (it may already have
+    /// cut the share), so no more than that may be out until an answer comes.
+    cap: Option<u32>,
+}
+
+impl LeasedState {
+    /// The most permits that may be out now.
+    fn limit(&self) -> u32 {
+        self.cap.map_or(self.share, |cap| cap.min(self.share))
+    }
 }
 
 impl Leased {
     pub(crate) fn new(policy: SharePolicy) -> Self {
-        Self { policy, state: Mutex::new(LeasedState::default()), room: Notify::new() }
+        Self {
+            policy,
+            state: Mutex::new(LeasedState::default()),
+            room: Notify::new(),
+            hurry: Notify::new(),
+        }
     }
 
     /// A grant for `ticket` if its turn has come and the share has room; else it waits in line.
@@ -46,16 +68,24 @@ impl Leased {
         }
         let live = state.until.is_some_and(|until| until > Instant::now());
         let first = state.waiting.front().is_none_or(|head| *head == ticket);
-        let room = (state.holders.len() as u32) < state.share && !state.tokens.is_empty();
-        if live && first && room {
+        let room = (state.holders.len() as u32) < state.limit();
+        if live && room && state.tokens.is_empty() {
+            // The share has room but the block of tokens is spent: refresh now.
+            self.hurry.notify_one();
+        }
+        if live && first && room && !state.tokens.is_empty() {
             if state.waiting.front() == Some(&ticket) {
                 state.waiting.pop_front();
             }
             let token = state.tokens.next().expect("checked above");
             state.holders.insert(ticket, token);
+            state.granted += 1;
+            let others_wait = !state.waiting.is_empty();
             drop(state);
-            // The next in line may fit too.
-            self.room.notify_waiters();
+            if others_wait {
+                // The next in line may fit too.
+                self.room.notify_waiters();
+            }
             return Answer::Granted(Grant { fencing_token: token, expires_at: None });
         }
         if queue && !state.waiting.contains(&ticket) {
@@ -75,20 +105,43 @@ impl Leased {
         } else {
             Released::Unknown
         };
+        let others_wait = !state.waiting.is_empty();
         drop(state);
-        self.room.notify_waiters();
+        if others_wait {
+            self.room.notify_waiters();
+        }
         released
     }
 
-    /// Waits until a permit may be free, for at most `at_most`.
-    pub(crate) async fn wait(&self, at_most: Duration) {
-        let _ = tokio::time::timeout(at_most, self.room.notified()).await;
+    /// Waits until `ticket` may be granted, for at most `at_most`. Registered for the wake-up
+    /// before it looks, so a release between its last ask and this wait is not missed.
+    pub(crate) async fn wait(&self, ticket: u64, at_most: Duration) {
+        let notified = self.room.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.may_grant(ticket) {
+            return;
+        }
+        let _ = tokio::time::timeout(at_most, notified).await;
     }
 
-    /// What to tell the store: (permits out, permits out plus waiters).
-    fn demand(&self) -> (u32, u32) {
+    /// Whether an ask for `ticket` now would be granted.
+    fn may_grant(&self, ticket: u64) -> bool {
         let state = lock(&self.state);
+        state.until.is_some_and(|until| until > Instant::now())
+            && (state.holders.len() as u32) < state.limit()
+            && !state.tokens.is_empty()
+            && state.waiting.front().is_none_or(|head| *head == ticket)
+    }
+
+    /// What to tell the store: (permits out, permits out plus waiters). With `sending`, a
+    /// refresh goes out now: no more than these permits may be out until it is answered.
+    fn demand(&self, sending: bool) -> (u32, u32) {
+        let mut state = lock(&self.state);
         let held = state.holders.len() as u32;
+        if sending {
+            state.cap = Some(state.cap.map_or(held, |cap| cap.min(held)));
+        }
         (held, held + state.waiting.len() as u32)
     }
 
@@ -96,6 +149,7 @@ impl Leased {
     fn renewed(&self, share: u32, until: Instant, tokens: Range<u64>) {
         let mut state = lock(&self.state);
         state.share = share;
+        state.cap = None;
         state.until = Some(until);
         if !tokens.is_empty() {
             state.tokens = tokens;
@@ -115,22 +169,31 @@ impl Leased {
         std::mem::take(&mut state.holders).into_keys().collect()
     }
 
-    fn tokens_left(&self) -> u64 {
-        let state = lock(&self.state);
-        state.tokens.end - state.tokens.start
+    /// The size of the next block of tokens to ask for (0: the block left lasts): enough for
+    /// twice the grants a refresh interval (`every`) sees at the rate since the last refresh,
+    /// and at least sixteen per permit wanted.
+    fn tokens_wanted(&self, wanted: u32, every: Duration) -> u64 {
+        let mut state = lock(&self.state);
+        let used = std::mem::take(&mut state.granted);
+        let now = Instant::now();
+        let since = state.counted_since.replace(now).map_or(every, |at| now - at);
+        let per_second = used as f64 / since.as_secs_f64().max(1e-3);
+        let need =
+            ((per_second * every.as_secs_f64() * 2.0) as u64).max(u64::from(wanted.max(16)) * 16);
+        if state.tokens.end - state.tokens.start >= need { 0 } else { need * 2 }
     }
 }
 
 impl Inner {
     /// Starts serving `name` leased, if this client does not already.
     pub(crate) fn lease(&self, name: &str, policy: SharePolicy) -> Arc<Leased> {
-        let mut state = lock(&self.state);
-        if let Some(leased) = state.leased.get(name) {
+        let mut map = self.leased.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(leased) = map.get(name) {
             return leased.clone();
         }
         let leased = Arc::new(Leased::new(policy));
-        state.leased.insert(name.to_owned(), leased.clone());
-        drop(state);
+        map.insert(name.to_owned(), leased.clone());
+        drop(map);
         let me = self.me.get().cloned().unwrap_or_default();
         let task = tokio::spawn(refresh(me, name.to_owned(), leased.clone()));
         lock(&self.tasks).push(task);
@@ -139,7 +202,8 @@ impl Inner {
 
     /// The leased limit `name`, if this client serves it leased.
     pub(crate) fn leased(&self, name: &str) -> Option<Arc<Leased>> {
-        lock(&self.state).leased.get(name).cloned()
+        // A read lock of its own: the hot path of a leased limit touches no other state.
+        self.leased.read().unwrap_or_else(PoisonError::into_inner).get(name).cloned()
     }
 }
 
@@ -156,14 +220,9 @@ pub(crate) fn answer(leased: &Leased, ticket: u64, ask: &Ask) -> Answer {
 async fn refresh(inner: Weak<Inner>, name: String, leased: Arc<Leased>) {
     loop {
         let Some(strong) = inner.upgrade() else { return };
-        let (held, wanted) = leased.demand();
+        let (held, wanted) = leased.demand(true);
         let lease = strong.lease;
-        // Enough tokens for a third of a lease at a full share's turnover, at least 64.
-        let tokens = if leased.tokens_left() < u64::from(wanted.max(1)) * 4 {
-            u64::from(wanted.max(16)) * 16
-        } else {
-            0
-        };
+        let tokens = leased.tokens_wanted(wanted, lease / 3);
         let sent = Instant::now();
         let demand = Demand::of(wanted);
         if let Ok(answer) = strong.refresh_share(&name, &demand, held, leased.policy, tokens).await
@@ -173,10 +232,13 @@ async fn refresh(inner: Weak<Inner>, name: String, leased: Arc<Leased>) {
         for ticket in leased.lapse(Instant::now()) {
             strong.mark_lost(&name, ticket);
         }
-        let (_, wanted_now) = leased.demand();
+        let (_, wanted_now) = leased.demand(false);
         let starved = wanted_now > lock(&leased.state).share;
         drop(strong);
         let pause = if starved { lease / 10 } else { lease / 3 };
-        tokio::time::sleep(pause).await;
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            () = leased.hurry.notified() => {}
+        }
     }
 }

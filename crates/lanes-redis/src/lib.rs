@@ -215,6 +215,8 @@ struct Inner {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// This client itself, for the tasks it starts later (a leased limit's refresher).
     me: std::sync::OnceLock<Weak<Inner>>,
+    /// Limits this client serves from its share (leased capacity).
+    leased: std::sync::RwLock<HashMap<String, Arc<leased::Leased>>>,
 }
 
 impl Drop for Inner {
@@ -612,7 +614,7 @@ impl Inner {
 
     async fn wait(&self, name: &str, ticket: u64, at_most: Duration) {
         if let Some(leased) = self.leased(name) {
-            return leased.wait(at_most).await;
+            return leased.wait(ticket, at_most).await;
         }
         let plan =
             lock(&self.state).limits.entry(name.to_owned()).or_default().plan_wait(ticket, at_most);
@@ -842,6 +844,10 @@ impl LimitBackend for RedisLimits {
         priority: &'a Priority,
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        // A leased limit answers from its share at once: no future of the remote path.
+        if let Some(leased) = self.inner.leased(name) {
+            return Box::pin(std::future::ready(Ok(leased.ask(ticket, true))));
+        }
         Box::pin(self.inner.acquire(name, ticket, Ask::First(priority.clone()), lease))
     }
 
@@ -851,6 +857,9 @@ impl LimitBackend for RedisLimits {
         ticket: u64,
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        if let Some(leased) = self.inner.leased(name) {
+            return Box::pin(std::future::ready(Ok(leased.ask(ticket, false))));
+        }
         Box::pin(self.inner.acquire(name, ticket, Ask::Try, lease))
     }
 
@@ -860,6 +869,9 @@ impl LimitBackend for RedisLimits {
         ticket: u64,
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        if let Some(leased) = self.inner.leased(name) {
+            return Box::pin(std::future::ready(Ok(leased.ask(ticket, false))));
+        }
         Box::pin(self.inner.acquire(name, ticket, Ask::Check, lease))
     }
 
@@ -882,6 +894,16 @@ impl LimitBackend for RedisLimits {
         lease: Duration,
     ) -> BoxFuture<'a, Result<Vec<u64>, LimitError>> {
         Box::pin(async move { Ok(self.inner.renew_all(name, tickets.to_vec(), lease).await?) })
+    }
+
+    fn release_local(&self, name: &str, ticket: u64) -> bool {
+        match self.inner.leased(name) {
+            Some(leased) => {
+                leased.release(ticket);
+                true
+            }
+            None => false,
+        }
     }
 
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {

@@ -27,8 +27,6 @@ pub(crate) struct State {
     pub(crate) modes: HashMap<String, String>,
     /// Releases that could not reach Redis, retried in the background.
     pub(crate) orphans: Vec<(String, u64)>,
-    /// Limits this client serves from its share (leased capacity).
-    pub(crate) leased: HashMap<String, Arc<super::leased::Leased>>,
 }
 
 /// Where one ticket of this client stands.

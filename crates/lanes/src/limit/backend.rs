@@ -118,6 +118,14 @@ pub trait LimitBackend: Send + Sync + fmt::Debug + 'static {
     /// Every limit, in name order.
     fn list(&self) -> BoxFuture<'_, Result<Vec<LimitInfo>, LimitError>>;
 
+    /// Returns the permit of `ticket` at once, if this backend holds it locally (a permit
+    /// served from a leased share), and says whether it did. `false` (the default): the
+    /// permit goes back through [`release`](Self::release), in the background. A dropped
+    /// [`Permit`](crate::limit::Permit) asks this first.
+    fn release_local(&self, _name: &str, _ticket: u64) -> bool {
+        false
+    }
+
     /// Whether the permit of `ticket` is known lost: its lease could not be renewed, or the
     /// store lost its state. A backend without leases (in process) never loses a permit.
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {

@@ -553,7 +553,9 @@ impl Drop for Permit {
                 local.release_now(name, *ticket);
             }
             Kind::Ticket { release: Backend::Dyn(backend), name, ticket, .. } => {
-                release_in_background(backend.clone(), name.clone(), *ticket);
+                if !backend.release_local(name, *ticket) {
+                    release_in_background(backend.clone(), name.clone(), *ticket);
+                }
             }
         }
     }
