@@ -94,6 +94,13 @@ impl Leased {
         Answer::Queued
     }
 
+    /// (The share's limit now, permits out.)
+    pub(crate) fn share(&self) -> (u32, u32) {
+        let state = lock(&self.state);
+        let live = state.until.is_some_and(|until| until > Instant::now());
+        (if live { state.limit() } else { 0 }, state.holders.len() as u32)
+    }
+
     /// Gives `ticket`'s permit back, or withdraws it from the line.
     pub(crate) fn release(&self, ticket: u64) -> Released {
         let mut state = lock(&self.state);

@@ -775,6 +775,12 @@ impl RedisLimits {
         Ok(())
     }
 
+    /// This client's share of leased limit `name` now: the most permits it may have out, and
+    /// how many it has out; `None` for a limit it does not serve leased.
+    pub fn share(&self, name: &str) -> Option<(u32, u32)> {
+        self.inner.leased(name).map(|leased| leased.share())
+    }
+
     /// This client's counters.
     pub fn stats(&self) -> RedisStats {
         let s = &self.inner.stats;

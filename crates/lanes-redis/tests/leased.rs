@@ -138,3 +138,66 @@ async fn a_share_that_lapses_reports_its_permits_lost() {
     assert!(permit.lease_lost());
     assert!(stopped.elapsed() <= LEASE + Duration::from_millis(300), "{:?}", stopped.elapsed());
 }
+
+/// Spawns `n` tasks on `limits` that each hold a permit of "pool" for 5 ms at a time until
+/// `stop`.
+fn load(limits: &Limits, n: usize, stop: &Arc<AtomicBool>) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|_| {
+            let (limits, stop) = (limits.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let acquired = limits
+                        .acquire_timeout("pool", Priority::default(), Duration::from_millis(500))
+                        .await;
+                    if let Ok(permit) = acquired {
+                        sleep(Duration::from_millis(5)).await;
+                        drop(permit);
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+/// One client goes from 10% of the load to 90% (the other the other way): its share reaches
+/// its new fair share within three refresh intervals (a refresh every third of a lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_demand_shift_reaches_the_new_shares_within_three_refreshes() {
+    let ns = common::unique_ns("leased-shift");
+    let _cleanup = common::Cleanup::on(common::Target::Single, &ns);
+    let (a, b) = (client(&ns).await, client(&ns).await);
+    a.define_leased("pool", LimitSpec::concurrent(10), SharePolicy::MaxMinFair).await.unwrap();
+    let (la, lb) = (Limits::with_backend(a.clone()), Limits::with_backend(b.clone()));
+    let first = Arc::new(AtomicBool::new(false));
+    let mut tasks = load(&la, 1, &first);
+    tasks.extend(load(&lb, 9, &first));
+    sleep(Duration::from_millis(1_500)).await;
+    let before = (a.share("pool").unwrap().0, b.share("pool").unwrap().0);
+    assert!(before.0 <= 3 && before.1 >= 7, "shares follow a 10/90 load: {before:?}");
+    // The shift: A takes 90% of the load, B 10%.
+    first.store(true, Ordering::Relaxed);
+    let second = Arc::new(AtomicBool::new(false));
+    let shifted = Instant::now();
+    let mut tasks_after = load(&la, 9, &second);
+    tasks_after.extend(load(&lb, 1, &second));
+    let reached = timeout(Duration::from_secs(5), async {
+        loop {
+            if a.share("pool").unwrap().0 >= 9 {
+                return shifted.elapsed();
+            }
+            sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("A's share follows its demand");
+    second.store(true, Ordering::Relaxed);
+    for task in tasks.into_iter().chain(tasks_after) {
+        timeout(Duration::from_secs(5), task).await.expect("tasks end").unwrap();
+    }
+    let refresh = LEASE / 3;
+    println!(
+        "shares before {before:?}; A reached its fair 9 of 10 after {reached:?} (refresh every {refresh:?})"
+    );
+    assert!(reached <= refresh * 3, "new shares after {reached:?}, more than three refreshes");
+}
