@@ -43,6 +43,9 @@ fn main() {
                 runtime.block_on(a_killed_holder_is_reclaimed(target));
                 println!("test a_killed_holder_is_reclaimed_within_its_lease on {target:?} ... ok");
             }
+            println!("test processes_never_exceed_a_leased_limit ...");
+            runtime.block_on(processes_never_exceed_a_leased_limit());
+            println!("test processes_never_exceed_a_leased_limit ... ok");
             println!("test a_killed_processes_share_is_reused_within_a_lease_and_a_refresh ...");
             runtime.block_on(a_killed_processes_share_is_reused());
             println!("test a_killed_processes_share_is_reused_within_a_lease_and_a_refresh ... ok");
@@ -198,6 +201,46 @@ async fn processes_never_exceed_the_limit(target: Target) {
     assert!(info.max_in_use <= CONCURRENT, "server high-water mark {}", info.max_in_use);
     assert_eq!(info.max_in_use, CONCURRENT, "the hammering did fill the limit");
     assert_eq!(info.granted_total, (CHILDREN * ITERATIONS) as u64);
+}
+
+/// The same hammer on a leased limit: each process serves the limit from its share (learning
+/// that it is leased from its first acquire). By the processes' own count (a counter in Redis
+/// around each hold) never more than `concurrent` holders, and the limit was filled; fencing
+/// tokens unique across processes and growing within each.
+async fn processes_never_exceed_a_leased_limit() {
+    use lanes::limit::share::SharePolicy;
+    let ns = common::unique_ns("procs-leased");
+    let _cleanup = common::Cleanup::on(Target::Single, &ns);
+    let backend =
+        common::builder(&ns).lease(Duration::from_millis(600)).build().await.expect("redis");
+    backend
+        .define_leased("shared", LimitSpec::concurrent(CONCURRENT), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
+    let children: Vec<_> = (0..CHILDREN)
+        .map(|_| child("hammer", &ns, 600, Target::Single).spawn().expect("spawn"))
+        .collect();
+    let (mut all_tokens, mut most_seen) = (Vec::new(), 0);
+    for child in children {
+        let out = child.wait_with_output().expect("the child finishes");
+        assert!(out.status.success(), "a child failed: {:?}", out.status);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let line = stdout.lines().find(|l| l.starts_with("MOST ")).expect("a report");
+        let mut parts = line.split_whitespace();
+        let most: i64 = parts.nth(1).unwrap().parse().unwrap();
+        assert!(most <= i64::from(CONCURRENT), "holders counted {most} at once");
+        most_seen = most_seen.max(most);
+        let tokens: Vec<u64> =
+            parts.nth(1).unwrap().split(',').map(|t| t.parse().unwrap()).collect();
+        assert_eq!(tokens.len(), ITERATIONS);
+        assert!(tokens.windows(2).all(|w| w[0] < w[1]), "tokens grow within a process");
+        all_tokens.extend(tokens);
+    }
+    let total = all_tokens.len();
+    all_tokens.sort_unstable();
+    all_tokens.dedup();
+    assert_eq!(all_tokens.len(), total, "no fencing token was handed out twice");
+    assert_eq!(most_seen, i64::from(CONCURRENT), "the hammering did fill the limit");
 }
 
 async fn a_killed_holder_is_reclaimed(target: Target) {
