@@ -1,8 +1,9 @@
 //! Leased capacity, the client half: a limit defined `leased` is served from this client's
 //! share of it, with no round trip per acquire. A task per leased limit refreshes the share
 //! every third of a lease ([`Inner::refresh_share`], the store's half), stating the demand
-//! (permits out plus waiters) and the permits out; acquires are granted locally, first come
-//! first served, while fewer than the share are out, each with a fencing token from the block
+//! (permits out plus waiters, by priority level: a share goes first to clients with high-level
+//! demand) and the permits out; acquires are granted locally, highest level first and first come
+//! first served within a level, while fewer than the share are out, each with a fencing token from the block
 //! the last refresh reserved (sized to twice the grants of the last interval; a spent block
 //! brings the next refresh forward). A share that is not refreshed before its lease ends becomes
 //! nothing, and every permit handed out from it is reported lost, because Redis gives the
@@ -11,7 +12,8 @@
 // The crate root's private types and imports: this module is one of its impl blocks.
 use super::*;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 
 /// One leased limit as this client serves it.
@@ -30,10 +32,14 @@ struct LeasedState {
     /// When the share ends unless refreshed (local time, no later than Redis's end).
     until: Option<Instant>,
     tokens: Range<u64>,
-    /// Permits out: ticket -> its fencing token.
-    holders: BTreeMap<u64, u64>,
-    /// Tickets waiting, in arrival order.
-    waiting: VecDeque<u64>,
+    /// Permits out: ticket -> its fencing token and its level.
+    holders: BTreeMap<u64, (u64, u8)>,
+    /// Tickets waiting: the highest level first, in arrival order within a level.
+    waiting: BTreeMap<(Reverse<u8>, u64), u64>,
+    /// Where each waiting ticket is in `waiting`.
+    waiting_at: HashMap<u64, (Reverse<u8>, u64)>,
+    /// Arrivals so far (the order within a level).
+    arrivals: u64,
     /// Grants since `counted_since` (the last refresh), to size the next block of tokens.
     granted: u64,
     counted_since: Option<Instant>,
@@ -48,6 +54,24 @@ impl LeasedState {
     fn limit(&self) -> u32 {
         self.cap.map_or(self.share, |cap| cap.min(self.share))
     }
+
+    /// The ticket served next, if any waits.
+    fn head(&self) -> Option<u64> {
+        self.waiting.first_key_value().map(|(_, ticket)| *ticket)
+    }
+
+    fn unqueue(&mut self, ticket: u64) -> bool {
+        match self.waiting_at.remove(&ticket) {
+            Some(at) => self.waiting.remove(&at).is_some(),
+            None => false,
+        }
+    }
+}
+
+/// A priority level as a level of demand: `Priority::level`'s `i32` clamped to -128..=127,
+/// shifted to 0..=255 (order kept).
+pub(crate) fn level_of(priority: &Priority) -> u8 {
+    (priority.level.clamp(-128, 127) + 128) as u8
 }
 
 impl Leased {
@@ -60,25 +84,25 @@ impl Leased {
         }
     }
 
-    /// A grant for `ticket` if its turn has come and the share has room; else it waits in line.
-    pub(crate) fn ask(&self, ticket: u64, queue: bool) -> Answer {
+    /// A grant for `ticket` if its turn has come and the share has room; else, with a `level`
+    /// (its first ask), it waits in line at that level.
+    pub(crate) fn ask(&self, ticket: u64, level: Option<u8>) -> Answer {
         let mut state = lock(&self.state);
-        if let Some(token) = state.holders.get(&ticket) {
+        if let Some((token, _)) = state.holders.get(&ticket) {
             return Answer::Granted(Grant { fencing_token: *token, expires_at: None });
         }
         let live = state.until.is_some_and(|until| until > Instant::now());
-        let first = state.waiting.front().is_none_or(|head| *head == ticket);
+        let first = state.head().is_none_or(|head| head == ticket);
         let room = (state.holders.len() as u32) < state.limit();
         if live && room && state.tokens.is_empty() {
             // The share has room but the block of tokens is spent: refresh now.
             self.hurry.notify_one();
         }
         if live && first && room && !state.tokens.is_empty() {
-            if state.waiting.front() == Some(&ticket) {
-                state.waiting.pop_front();
-            }
+            let at = state.waiting_at.get(&ticket).map(|at| at.0.0);
+            state.unqueue(ticket);
             let token = state.tokens.next().expect("checked above");
-            state.holders.insert(ticket, token);
+            state.holders.insert(ticket, (token, at.or(level).unwrap_or(128)));
             state.granted += 1;
             let others_wait = !state.waiting.is_empty();
             drop(state);
@@ -88,8 +112,13 @@ impl Leased {
             }
             return Answer::Granted(Grant { fencing_token: token, expires_at: None });
         }
-        if queue && !state.waiting.contains(&ticket) {
-            state.waiting.push_back(ticket);
+        if let Some(level) = level
+            && !state.waiting_at.contains_key(&ticket)
+        {
+            state.arrivals += 1;
+            let at = (Reverse(level), state.arrivals);
+            state.waiting.insert(at, ticket);
+            state.waiting_at.insert(ticket, at);
         }
         Answer::Queued
     }
@@ -106,8 +135,7 @@ impl Leased {
         let mut state = lock(&self.state);
         let released = if state.holders.remove(&ticket).is_some() {
             Released::Permit
-        } else if let Some(at) = state.waiting.iter().position(|t| *t == ticket) {
-            state.waiting.remove(at);
+        } else if state.unqueue(ticket) {
             Released::Withdrawn
         } else {
             Released::Unknown
@@ -138,18 +166,26 @@ impl Leased {
         state.until.is_some_and(|until| until > Instant::now())
             && (state.holders.len() as u32) < state.limit()
             && !state.tokens.is_empty()
-            && state.waiting.front().is_none_or(|head| *head == ticket)
+            && state.head().is_none_or(|head| head == ticket)
     }
 
-    /// What to tell the store: (permits out, permits out plus waiters). With `sending`, a
-    /// refresh goes out now: no more than these permits may be out until it is answered.
-    fn demand(&self, sending: bool) -> (u32, u32) {
+    /// What to tell the store: the permits out, and the demand (permits out and waiters, by
+    /// level). With `sending`, a refresh goes out now: no more than these permits may be out
+    /// until it is answered.
+    fn demand(&self, sending: bool) -> (u32, Demand) {
         let mut state = lock(&self.state);
         let held = state.holders.len() as u32;
         if sending {
             state.cap = Some(state.cap.map_or(held, |cap| cap.min(held)));
         }
-        (held, held + state.waiting.len() as u32)
+        let mut demand = Demand::none();
+        for (_, level) in state.holders.values() {
+            demand = demand.at(*level, 1);
+        }
+        for (Reverse(level), _) in state.waiting.keys() {
+            demand = demand.at(*level, 1);
+        }
+        (held, demand)
     }
 
     /// A refresh came back: the new share until `until`, and a new block of tokens if asked.
@@ -217,8 +253,8 @@ impl Inner {
 /// A leased limit's answer to an ask.
 pub(crate) fn answer(leased: &Leased, ticket: u64, ask: &Ask) -> Answer {
     match ask {
-        Ask::First(_) => leased.ask(ticket, true),
-        Ask::Check | Ask::Try => leased.ask(ticket, false),
+        Ask::First(priority) => leased.ask(ticket, Some(level_of(priority))),
+        Ask::Check | Ask::Try => leased.ask(ticket, None),
     }
 }
 
@@ -227,11 +263,11 @@ pub(crate) fn answer(leased: &Leased, ticket: u64, ask: &Ask) -> Answer {
 async fn refresh(inner: Weak<Inner>, name: String, leased: Arc<Leased>) {
     loop {
         let Some(strong) = inner.upgrade() else { return };
-        let (held, wanted) = leased.demand(true);
+        let (held, demand) = leased.demand(true);
+        let wanted = demand.total();
         let lease = strong.lease;
         let tokens = leased.tokens_wanted(wanted, lease / 3);
         let sent = Instant::now();
-        let demand = Demand::of(wanted);
         if let Ok(answer) = strong.refresh_share(&name, &demand, held, leased.policy, tokens).await
         {
             leased.renewed(answer.share, strong.lease_end(sent, lease), answer.tokens);
@@ -239,7 +275,7 @@ async fn refresh(inner: Weak<Inner>, name: String, leased: Arc<Leased>) {
         for ticket in leased.lapse(Instant::now()) {
             strong.mark_lost(&name, ticket);
         }
-        let (_, wanted_now) = leased.demand(false);
+        let wanted_now = leased.demand(false).1.total();
         let starved = wanted_now > lock(&leased.state).share;
         drop(strong);
         let pause = if starved { lease / 10 } else { lease / 3 };

@@ -748,9 +748,11 @@ impl RedisLimits {
     /// with no round trip per acquire. Shares follow each client's demand (`policy`); they
     /// never add up to more than `concurrent`. A permit handed out from a share is reported
     /// lost if the share lapses unrefreshed. Fencing tokens come from blocks reserved in
-    /// Redis: unique across the fleet, increasing within each client. Leased mode serves
-    /// concurrency only (a rate is not apportioned yet) and its waiters first come first served
-    /// (a client states all of its demand at level 0).
+    /// Redis: unique across the fleet, increasing within each client. A client states its
+    /// demand by priority level (a share goes first to clients with high-level waiters) and
+    /// serves its own waiters highest level first, first come first served within a level
+    /// (fairness keys are not applied in leased mode). Leased mode serves concurrency only (a
+    /// rate is not apportioned yet).
     ///
     /// # Errors
     ///
@@ -852,7 +854,8 @@ impl LimitBackend for RedisLimits {
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         // A leased limit answers from its share at once: no future of the remote path.
         if let Some(leased) = self.inner.leased(name) {
-            return Box::pin(std::future::ready(Ok(leased.ask(ticket, true))));
+            let level = leased::level_of(priority);
+            return Box::pin(std::future::ready(Ok(leased.ask(ticket, Some(level)))));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::First(priority.clone()), lease))
     }
@@ -864,7 +867,7 @@ impl LimitBackend for RedisLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         if let Some(leased) = self.inner.leased(name) {
-            return Box::pin(std::future::ready(Ok(leased.ask(ticket, false))));
+            return Box::pin(std::future::ready(Ok(leased.ask(ticket, None))));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Try, lease))
     }
@@ -876,7 +879,7 @@ impl LimitBackend for RedisLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         if let Some(leased) = self.inner.leased(name) {
-            return Box::pin(std::future::ready(Ok(leased.ask(ticket, false))));
+            return Box::pin(std::future::ready(Ok(leased.ask(ticket, None))));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Check, lease))
     }

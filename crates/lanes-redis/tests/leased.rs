@@ -201,3 +201,73 @@ async fn a_demand_shift_reaches_the_new_shares_within_three_refreshes() {
     );
     assert!(reached <= refresh * 3, "new shares after {reached:?}, more than three refreshes");
 }
+
+/// Priority levels across and within clients: a client whose waiters are at a higher level gets
+/// the shares, and within a client a later high-level waiter goes before an earlier low one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn high_level_demand_gets_the_shares_first() {
+    let ns = common::unique_ns("leased-levels");
+    let _cleanup = common::Cleanup::on(common::Target::Single, &ns);
+    let (a, b) = (client(&ns).await, client(&ns).await);
+    a.define_leased("pool", LimitSpec::concurrent(2), SharePolicy::MaxMinFair).await.unwrap();
+    let (la, lb) = (Limits::with_backend(a.clone()), Limits::with_backend(b.clone()));
+    let stop = Arc::new(AtomicBool::new(false));
+    // B keeps both permits busy at level 0.
+    let low = load(&lb, 2, &stop);
+    sleep(Duration::from_millis(700)).await;
+    assert_eq!(b.share("pool").unwrap().0, 2, "B alone has the whole limit");
+    // A's waiters come at level 5: the shares move to A.
+    let high: Vec<_> = (0..2)
+        .map(|_| {
+            let (la, stop) = (la.clone(), stop.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let acquired = la
+                        .acquire_timeout("pool", Priority::level(5), Duration::from_millis(500))
+                        .await;
+                    if let Ok(permit) = acquired {
+                        sleep(Duration::from_millis(5)).await;
+                        drop(permit);
+                    }
+                }
+            })
+        })
+        .collect();
+    let moved = timeout(Duration::from_secs(3), async {
+        while a.share("pool").unwrap_or((0, 0)).0 < 2 {
+            sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let b_after = b.share("pool").unwrap().0;
+    stop.store(true, Ordering::Relaxed);
+    for task in low.into_iter().chain(high) {
+        timeout(Duration::from_secs(5), task).await.expect("tasks end").unwrap();
+    }
+    assert!(moved.is_ok(), "A's high-level demand gets both permits");
+    assert_eq!(b_after, 0, "B's level-0 demand gets nothing meanwhile");
+
+    // Within one client: both permits held, a level-0 waiter, then a level-9 one; the level-9
+    // waiter is served first.
+    let p1 = la.acquire("pool", Priority::default()).await.unwrap();
+    let p2 = la.acquire("pool", Priority::default()).await.unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for level in [0, 9] {
+        let (la, order) = (la.clone(), order.clone());
+        waiters.push(tokio::spawn(async move {
+            let permit = la.acquire("pool", Priority::level(level)).await.unwrap();
+            order.lock().unwrap().push(level);
+            sleep(Duration::from_millis(20)).await;
+            drop(permit);
+        }));
+        sleep(Duration::from_millis(20)).await;
+    }
+    drop(p1);
+    sleep(Duration::from_millis(5)).await;
+    drop(p2);
+    for waiter in waiters {
+        timeout(Duration::from_secs(5), waiter).await.expect("served").unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), [9, 0], "the higher level first");
+}
