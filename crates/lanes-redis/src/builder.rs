@@ -145,6 +145,8 @@ impl RedisLimitsBuilder {
             tasks: Mutex::new(Vec::new()),
             me: std::sync::OnceLock::new(),
             leased: std::sync::RwLock::default(),
+            ledger_id: ledger_id(),
+            share_seq: AtomicU64::new(0),
         });
         let _ = inner.me.set(Arc::downgrade(&inner));
         *lock(&inner.epoch) = Some(epoch);
@@ -198,4 +200,16 @@ impl RedisLimitsBuilder {
             }
         }
     }
+}
+
+/// A random identity for leased ledgers, below 2^53 (exact in Lua's numbers).
+fn ledger_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(nanos);
+    hasher.write_u32(std::process::id());
+    (hasher.finish() >> 11).max(1)
 }

@@ -40,6 +40,8 @@ struct LeasedState {
     waiting_at: HashMap<u64, (Reverse<u8>, u64)>,
     /// Arrivals so far (the order within a level).
     arrivals: u64,
+    /// The highest fencing token handed out (0: none yet).
+    last_token: u64,
     /// Grants since `counted_since` (the last refresh), to size the next block of tokens.
     granted: u64,
     counted_since: Option<Instant>,
@@ -102,6 +104,7 @@ impl Leased {
             let at = state.waiting_at.get(&ticket).map(|at| at.0.0);
             state.unqueue(ticket);
             let token = state.tokens.next().expect("checked above");
+            state.last_token = state.last_token.max(token);
             state.holders.insert(ticket, (token, at.or(level).unwrap_or(128)));
             state.granted += 1;
             let others_wait = !state.waiting.is_empty();
@@ -121,6 +124,12 @@ impl Leased {
             state.waiting_at.insert(ticket, at);
         }
         Answer::Queued
+    }
+
+    /// Whether `ticket` holds a permit here or waits for one.
+    pub(crate) fn knows(&self, ticket: u64) -> bool {
+        let state = lock(&self.state);
+        state.holders.contains_key(&ticket) || state.waiting_at.contains_key(&ticket)
     }
 
     /// (The share's limit now, permits out.)
@@ -188,20 +197,31 @@ impl Leased {
         (held, demand)
     }
 
-    /// A refresh came back: the new share until `until`, and a new block of tokens if asked.
-    fn renewed(&self, share: u32, until: Instant, tokens: Range<u64>) {
+    /// A refresh sent at `sent` came back: the new share until `until`, and a new block of
+    /// tokens if asked. Returns the permits to report lost: all of those out if the share had
+    /// lapsed before the answer (locally, or in Redis: `lapsed`), since their capacity may have
+    /// gone to others meanwhile.
+    fn renewed(&self, answer: ShareLease, until: Instant) -> Vec<u64> {
         let mut state = lock(&self.state);
-        state.share = share;
+        let ended = state.until.is_none_or(|old| old <= Instant::now());
+        let lost = if answer.lapsed || (ended && !state.holders.is_empty()) {
+            std::mem::take(&mut state.holders).into_keys().collect()
+        } else {
+            Vec::new()
+        };
+        state.share = answer.share;
         state.cap = None;
         state.until = Some(until);
-        if !tokens.is_empty() {
-            state.tokens = tokens;
+        if !answer.tokens.is_empty() {
+            state.tokens = answer.tokens;
         }
         drop(state);
         self.room.notify_waiters();
+        lost
     }
 
-    /// The share lapsed unrefreshed: nothing more is granted, and every permit out is lost.
+    /// The share lapsed unrefreshed by `now`: nothing more is granted, and every permit out is
+    /// lost. Returns them.
     fn lapse(&self, now: Instant) -> Vec<u64> {
         let mut state = lock(&self.state);
         if state.until.is_none_or(|until| until > now) {
@@ -210,6 +230,21 @@ impl Leased {
         state.share = 0;
         state.until = None;
         std::mem::take(&mut state.holders).into_keys().collect()
+    }
+
+    /// When the share ends unless refreshed.
+    fn until(&self) -> Option<Instant> {
+        lock(&self.state).until
+    }
+
+    /// What the next refresh asks for besides the demand.
+    fn share_ask(&self, tokens: u64) -> ShareAsk {
+        let state = lock(&self.state);
+        ShareAsk {
+            tokens,
+            last_token: state.last_token,
+            believes_held: state.until.is_some_and(|until| until > Instant::now()),
+        }
     }
 
     /// The size of the next block of tokens to ask for (0: the block left lasts): enough for
@@ -254,33 +289,47 @@ impl Inner {
 pub(crate) fn answer(leased: &Leased, ticket: u64, ask: &Ask) -> Answer {
     match ask {
         Ask::First(priority) => leased.ask(ticket, Some(level_of(priority))),
+        // A check never starts a ticket: one that neither holds nor waits is finished.
+        Ask::Check if !leased.knows(ticket) => Answer::Finished,
         Ask::Check | Ask::Try => leased.ask(ticket, None),
     }
 }
 
-/// Refreshes one leased limit's share every third of a lease (at once while it has waiters it
-/// cannot serve, every tenth of a lease), and reports its permits lost if the share lapses.
+/// Refreshes one leased limit's share every third of a lease (every tenth while it has waiters
+/// it cannot serve, and at once when its block of tokens is spent), and reports its permits lost
+/// the moment the share lapses: at its end without a refresh, or when a refresh finds that it
+/// had lapsed.
 async fn refresh(inner: Weak<Inner>, name: String, leased: Arc<Leased>) {
     loop {
         let Some(strong) = inner.upgrade() else { return };
+        for ticket in leased.lapse(Instant::now()) {
+            strong.mark_lost(&name, ticket);
+        }
         let (held, demand) = leased.demand(true);
         let wanted = demand.total();
         let lease = strong.lease;
-        let tokens = leased.tokens_wanted(wanted, lease / 3);
+        let ask = leased.share_ask(leased.tokens_wanted(wanted, lease / 3));
         let sent = Instant::now();
-        if let Ok(answer) = strong.refresh_share(&name, &demand, held, leased.policy, tokens).await
+        if let Ok(Some(answer)) =
+            strong.refresh_share(&name, &demand, held, leased.policy, ask).await
         {
-            leased.renewed(answer.share, strong.lease_end(sent, lease), answer.tokens);
+            for ticket in leased.renewed(answer, strong.lease_end(sent, lease)) {
+                strong.mark_lost(&name, ticket);
+            }
         }
         for ticket in leased.lapse(Instant::now()) {
             strong.mark_lost(&name, ticket);
         }
         let wanted_now = leased.demand(false).1.total();
         let starved = wanted_now > lock(&leased.state).share;
+        let until = leased.until();
         drop(strong);
         let pause = if starved { lease / 10 } else { lease / 3 };
+        // Awake at the share's end too: its permits are reported lost then, not a pause later.
+        let wake =
+            until.map_or(Instant::now() + pause, |until| (Instant::now() + pause).min(until));
         tokio::select! {
-            () = tokio::time::sleep(pause) => {}
+            () = tokio::time::sleep_until(wake) => {}
             () = leased.hurry.notified() => {}
         }
     }

@@ -156,6 +156,20 @@ pub struct ShareLease {
     /// Fencing tokens reserved for the grants this client makes from its share: unique across
     /// the limit, increasing within the block.
     pub tokens: std::ops::Range<u64>,
+    /// The client's share had lapsed in Redis before this refresh: permits it had out may have
+    /// gone to others, and must be reported lost.
+    pub lapsed: bool,
+}
+
+/// What a refresh of a share asks for besides the demand.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ShareAsk {
+    /// A block of this many tokens (0: none).
+    pub(crate) tokens: u64,
+    /// The highest token this client has handed out (0: none).
+    pub(crate) last_token: u64,
+    /// Whether the client believes it holds a live share.
+    pub(crate) believes_held: bool,
 }
 
 /// Counters of one client.
@@ -217,6 +231,10 @@ struct Inner {
     me: std::sync::OnceLock<Weak<Inner>>,
     /// Limits this client serves from its share (leased capacity).
     leased: std::sync::RwLock<HashMap<String, Arc<leased::Leased>>>,
+    /// This client's identity in leased ledgers (random, below 2^53), and the number of its
+    /// last refresh.
+    ledger_id: u64,
+    share_seq: AtomicU64,
 }
 
 impl Drop for Inner {
@@ -338,39 +356,51 @@ impl Inner {
         demand: &Demand,
         held: u32,
         policy: SharePolicy,
-        tokens: u64,
-    ) -> Result<ShareLease, LimitError> {
+        ask: ShareAsk,
+    ) -> Result<Option<ShareLease>, LimitError> {
         let levels: Vec<String> =
             demand.levels().map(|(level, n)| format!("{level}:{n}")).collect();
         let policy = match policy {
             SharePolicy::MaxMinFair => "maxmin",
             SharePolicy::Proportional => "proportional",
         };
+        let seq = self.share_seq.fetch_add(1, Ordering::Relaxed) + 1;
         let args = [
-            self.client.to_string(),
+            self.ledger_id.to_string(),
             held.to_string(),
             levels.join(","),
             policy.to_owned(),
-            tokens.to_string(),
+            ask.tokens.to_string(),
+            seq.to_string(),
+            ask.last_token.to_string(),
+            if ask.believes_held { "1" } else { "0" }.to_owned(),
         ];
         let value = self.call(name, "lease", &args).await?;
-        if error_tag(&value).as_deref() == Some("unknown") {
-            return Err(LimitError::UnknownLimit(name.to_owned()));
+        match error_tag(&value).as_deref() {
+            Some("unknown") => return Err(LimitError::UnknownLimit(name.to_owned())),
+            Some("exact") => {
+                return Err(LimitError::backend(format!("limit {name} is not defined leased")));
+            }
+            // Overtaken by a later refresh of this client: nothing to apply.
+            Some("stale") => return Ok(None),
+            _ => {}
         }
         let bad = || LimitError::backend(format!("redis: odd lease answer {value:?}"));
         let Value::Array(items) = &value else { return Err(bad()) };
         let field = |i: usize| items.get(i).and_then(int).and_then(|n| u64::try_from(n).ok());
-        let (share, expires, first, count) = (
+        let (share, expires, first, count, lapsed) = (
             field(0).ok_or_else(bad)?,
             field(1).ok_or_else(bad)?,
             field(2).ok_or_else(bad)?,
             field(3).ok_or_else(bad)?,
+            field(4).ok_or_else(bad)?,
         );
-        Ok(ShareLease {
+        Ok(Some(ShareLease {
             share: u32::try_from(share).map_err(|_| bad())?,
             expires_at: Duration::from_micros(expires),
             tokens: first..first + count,
-        })
+            lapsed: lapsed == 1,
+        }))
     }
 
     /// When a lease asked for at `sent` may end on the server, in local time: at the end of
@@ -586,7 +616,10 @@ impl Inner {
     }
 
     async fn release(&self, name: &str, ticket: u64) -> Result<Released, LimitError> {
-        if let Some(leased) = self.leased(name) {
+        if let Some(leased) = self.leased(name)
+            && leased.knows(ticket)
+        {
+            self.lost.forget(name, ticket);
             return Ok(leased.release(ticket));
         }
         self.lost.forget(name, ticket);
@@ -726,7 +759,9 @@ impl RedisLimits {
     /// holders and waiters, per priority level), `held` the permits it has out now; `tokens`
     /// asks for a block of that many fencing tokens for the grants it makes from its share.
     /// The share lasts this client's lease. A limit defined with
-    /// [`define_leased`](Self::define_leased) is refreshed this way in the background.
+    /// [`define_leased`](Self::define_leased) is refreshed this way in the background: do not
+    /// call this for a limit this client serves leased (its reservation would follow this
+    /// call's `held`, not the permits actually out).
     ///
     /// # Errors
     ///
@@ -740,7 +775,16 @@ impl RedisLimits {
         policy: SharePolicy,
         tokens: u64,
     ) -> Result<ShareLease, LimitError> {
-        self.inner.refresh_share(name, demand, held, policy, tokens).await
+        let ask = ShareAsk { tokens, ..ShareAsk::default() };
+        // Calls of one client are numbered in order: none of them is stale.
+        let lease = self.inner.refresh_share(name, demand, held, policy, ask).await?;
+        lease.ok_or_else(|| LimitError::backend("redis: a later refresh overtook this one"))
+    }
+
+    /// This client's identity in the ledgers of leased limits: random per client (not the id
+    /// its tickets carry, which a Redis that lost its state may hand out again).
+    pub fn ledger_id(&self) -> u64 {
+        self.inner.ledger_id
     }
 
     /// Defines `name` in leased mode: every client of the namespace serves it from a share of
@@ -906,12 +950,14 @@ impl LimitBackend for RedisLimits {
     }
 
     fn release_local(&self, name: &str, ticket: u64) -> bool {
+        // Only a permit of the share: one granted in exact mode goes back to Redis.
         match self.inner.leased(name) {
-            Some(leased) => {
+            Some(leased) if leased.knows(ticket) => {
+                self.inner.lost.forget(name, ticket);
                 leased.release(ticket);
                 true
             }
-            None => false,
+            _ => false,
         }
     }
 

@@ -500,11 +500,10 @@ local function call(keys, args)
     if movehold > 0 then redis.call('HSET', M, 'movehold', movehold) end
     -- The capacity may have changed: leased shares' targets are computed again.
     redis.call('HSET', M, 'lvalid', '0')
-    -- ARGV[12]: the mode, "leased:<policy>" for leased capacity, "" (exact) otherwise.
+    -- ARGV[12]: the mode, "leased:<policy>" for leased capacity; "" keeps the limit's mode
+    -- (exact for a new one). A leased limit goes back to exact only through a removal.
     if ARGV[12] and ARGV[12] ~= '' then
       redis.call('HSET', M, 'mode', ARGV[12])
-    else
-      redis.call('HDEL', M, 'mode')
     end
     load_meta()
     watch_node(now)
@@ -629,28 +628,44 @@ local function call(keys, args)
   end
 
   if op == 'lease' then
-    -- ARGV: client, held, demand ("level:n,..."), policy ("maxmin" | "proportional"), tokens
-    -- wanted. The lease is ARGV[3]. Answers share, lease end (us), and a block of fencing
-    -- tokens [first, first + count) for the grants the client makes from its share.
+    -- ARGV: client (its ledger id), held, demand ("level:n,..."), policy ("maxmin" |
+    -- "proportional"), tokens wanted, seq (the client's refresh number, increasing), the
+    -- highest token the client has handed out, and "1" if the client believes it holds a live
+    -- share. The lease is ARGV[3]. Answers share, lease end (us), a block of fencing tokens
+    -- [first, first + count) for the grants the client makes from its share, and 1 if the
+    -- client's share had lapsed here (its permits out must be reported lost: their capacity
+    -- may have gone to others); or { 'stale' } for a refresh older than one already applied,
+    -- { 'exact' } for a limit not defined leased.
+    if not meta.mode or string.sub(meta.mode, 1, 7) ~= 'leased:' then return { 'exact' } end
     local client, held = tonumber(ARGV[6]), tonumber(ARGV[7])
     local demand_text, policy, want_tokens = ARGV[8], ARGV[9], tonumber(ARGV[10])
+    local seq, last_token, believes = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1'
     local LS, LT = B .. ':ls', B .. ':lt'
     local entries = redis.call('HGETALL', LS)
     local clients, mine, others = {}, nil, 0
     local changed = redis.call('HGET', M, 'lvalid') ~= '1'
     for k = 1, #entries, 2 do
       local id = tonumber(entries[k])
-      local share, reserved, _, expires, demand =
-        string.match(entries[k + 1], '^(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
-      if tonumber(expires) <= now then
+      local share, reserved, _, expires, eseq, demand =
+        string.match(entries[k + 1], '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
+      if not id or not expires or tonumber(expires) <= now then
+        -- Lapsed (or not ours to read): its reservation ends.
         redis.call('HDEL', LS, entries[k])
         changed = true
       elseif id == client then
-        mine = { share = tonumber(share), demand = demand }
+        mine = { share = tonumber(share), demand = demand, seq = tonumber(eseq) }
       else
         others = others + tonumber(reserved)
         table.insert(clients, { id = id, demand = parse_demand(demand) })
       end
+    end
+    if mine and seq <= mine.seq then return { 'stale' } end
+    -- A client that believes it holds a share Redis no longer has: its permits out may have
+    -- been given to others, so it reports them lost and nothing is reserved for them.
+    local lapsed = 0
+    if not mine and believes and held > 0 then
+      lapsed = 1
+      held = 0
     end
     if not mine or mine.demand ~= demand_text then changed = true end
     table.insert(clients, { id = client, demand = parse_demand(demand_text) })
@@ -670,13 +685,16 @@ local function call(keys, args)
     end
     local reserved = math.max(share, held)
     local expires = now + lease_us
-    redis.call('HSET', LS, int(client),
-      int(share) .. '|' .. int(reserved) .. '|' .. int(held) .. '|' .. int(expires) .. '|' .. demand_text)
+    redis.call('HSET', LS, int(client), int(share) .. '|' .. int(reserved) .. '|' .. int(held) ..
+      '|' .. int(expires) .. '|' .. int(seq) .. '|' .. demand_text)
+    -- Tokens: past every token this client has handed out (after Redis lost its counter, the
+    -- clients' refreshes during the hold carry it past all of theirs), then a block.
+    if last_token > num(M, 'fence') then redis.call('HSET', M, 'fence', int(last_token)) end
     local first = 0
     if want_tokens > 0 then
       first = redis.call('HINCRBY', M, 'fence', want_tokens) - want_tokens + 1
     end
-    return { share, int(expires), int(first), want_tokens }
+    return { share, int(expires), int(first), want_tokens, lapsed }
   end
 
   if op == 'info' then
@@ -689,6 +707,12 @@ local function call(keys, args)
 
   if op == 'remove' then
     if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
+    -- A leased limit with live shares is in use too.
+    local shares = redis.call('HGETALL', B .. ':ls')
+    for k = 2, #shares, 2 do
+      local expires = string.match(shares[k], '^%d+|%d+|%d+|(%d+)|')
+      if expires and tonumber(expires) > now then return { 'in_use' } end
+    end
     redis.call('DEL', M, H, E, LV, I, C, L, B .. ':ls', B .. ':lt')
     return 'ok'
   end

@@ -9,7 +9,6 @@ mod common;
 
 use std::time::Duration;
 
-use lanes::LimitBackend;
 use lanes::limit::LimitSpec;
 use lanes::limit::share::{Demand, Ledger, SharePolicy};
 use lanes_redis::RedisLimits;
@@ -28,6 +27,15 @@ async fn clients(ns: &str, n: usize, lease: Duration) -> Vec<RedisLimits> {
         }));
     }
     clients
+}
+
+/// Defines "leased" in leased mode from a client that then goes away: the clients under test
+/// call `refresh_share` themselves, and nobody refreshes in the background. (The definer's own
+/// first refresh leaves an entry that wants nothing and reserves nothing.)
+async fn define_leased(ns: &str, capacity: u32, policy: SharePolicy) {
+    let definer = common::builder(ns).build().await.unwrap();
+    definer.define_leased("leased", LimitSpec::concurrent(capacity), policy).await.unwrap();
+    sleep(Duration::from_millis(20)).await;
 }
 
 fn step() -> impl Strategy<Value = (usize, Vec<(u8, u32)>, u32)> {
@@ -49,10 +57,10 @@ proptest! {
             let _cleanup = common::Cleanup::on(common::Target::Single, &ns);
             // Leases far longer than the test: the sequence alone decides the shares.
             let clients = clients(&ns, 6, Duration::from_secs(600)).await;
-            clients[0].define("leased", LimitSpec::concurrent(capacity)).await.unwrap();
+            define_leased(&ns, capacity, policy).await;
             let mut ledger = Ledger::new(capacity, policy, u64::MAX / 4);
             for (now, (k, levels, held_pct)) in steps.into_iter().enumerate() {
-                let id = clients[k].client_id();
+                let id = clients[k].ledger_id();
                 let demand = levels.iter().fold(Demand::none(), |d, (level, n)| d.at(*level, *n));
                 let reserved = ledger.clients(now as u64).find(|c| c.client == id).map_or(0, |c| c.reserved);
                 let held = reserved * held_pct / 100;
@@ -70,7 +78,7 @@ async fn a_silent_clients_share_comes_free_when_its_lease_ends() {
     let _cleanup = common::Cleanup::on(common::Target::Single, &ns);
     let lease = Duration::from_millis(300);
     let clients = clients(&ns, 2, lease).await;
-    clients[0].define("leased", LimitSpec::concurrent(10)).await.unwrap();
+    define_leased(&ns, 10, SharePolicy::MaxMinFair).await;
     let wants = Demand::of(10);
     let first =
         clients[0].refresh_share("leased", &wants, 0, SharePolicy::MaxMinFair, 4).await.unwrap();
@@ -101,7 +109,18 @@ async fn a_restarted_redis_gives_no_share_for_the_longest_lease() {
         .build()
         .await
         .unwrap();
-    client.define("leased", LimitSpec::concurrent(4)).await.unwrap();
+    // The definer stays: after the restart it defines the limit again, with the hold.
+    let definer = RedisLimits::builder(redis.url())
+        .namespace("share-restart")
+        .lease(lease)
+        .op_timeout(Duration::from_millis(200))
+        .build()
+        .await
+        .unwrap();
+    definer
+        .define_leased("leased", LimitSpec::concurrent(4), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
     let wants = Demand::of(4);
     assert_eq!(
         client.refresh_share("leased", &wants, 0, SharePolicy::MaxMinFair, 0).await.unwrap().share,
@@ -109,7 +128,7 @@ async fn a_restarted_redis_gives_no_share_for_the_longest_lease() {
     );
     redis.stop();
     redis.restart();
-    // The client sees the loss and defines the limit again with a hold of the longest lease.
+    // The definer sees the loss and defines the limit again with a hold of the longest lease.
     let mut shares = Vec::new();
     let started = tokio::time::Instant::now();
     while started.elapsed() < lease * 3 {

@@ -96,6 +96,10 @@ impl Drop for Withdraw {
 }
 
 pub(crate) fn release_in_background(backend: Arc<dyn LimitBackend>, name: Arc<str>, ticket: u64) {
+    // A permit (or a waiting ticket) the backend holds locally goes back at once, runtime or not.
+    if backend.release_local(&name, ticket) {
+        return;
+    }
     // Outside a runtime nothing can run the release; a leased backend reclaims the permit when
     // its lease expires.
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {

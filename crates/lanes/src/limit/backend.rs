@@ -118,10 +118,10 @@ pub trait LimitBackend: Send + Sync + fmt::Debug + 'static {
     /// Every limit, in name order.
     fn list(&self) -> BoxFuture<'_, Result<Vec<LimitInfo>, LimitError>>;
 
-    /// Returns the permit of `ticket` at once, if this backend holds it locally (a permit
-    /// served from a leased share), and says whether it did. `false` (the default): the
-    /// permit goes back through [`release`](Self::release), in the background. A dropped
-    /// [`Permit`](crate::limit::Permit) asks this first.
+    /// Returns the permit of `ticket` (or withdraws the waiting ticket) at once, if this
+    /// backend holds it locally (served from a leased share), and says whether it did. `false`
+    /// (the default): it goes back through [`release`](Self::release), in the background. A
+    /// dropped [`Permit`](crate::limit::Permit), or a dropped acquire, asks this first.
     fn release_local(&self, _name: &str, _ticket: u64) -> bool {
         false
     }

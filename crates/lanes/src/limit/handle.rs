@@ -553,6 +553,7 @@ impl Drop for Permit {
                 local.release_now(name, *ticket);
             }
             Kind::Ticket { release: Backend::Dyn(backend), name, ticket, .. } => {
+                // A local permit goes back at once; any other in a task.
                 if !backend.release_local(name, *ticket) {
                     release_in_background(backend.clone(), name.clone(), *ticket);
                 }
