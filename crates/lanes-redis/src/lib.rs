@@ -112,7 +112,7 @@ use futures_util::StreamExt;
 use lanes::limit::share::{Demand, SharePolicy};
 use lanes::limit::{
     BackendError, Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LocalLimits, LostLeases,
-    Released,
+    Released, ShareInfo,
 };
 use lanes::{Answer, BoxFuture, Priority};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -678,14 +678,36 @@ impl Inner {
             burst: u32::try_from(field(2)?).map_err(|_| bad())?,
         };
         lock(&self.state).specs.insert(name.to_owned(), spec);
-        Ok(Some(LimitInfo::new(
+        let info = LimitInfo::new(
             name,
             spec,
             u32::try_from(field(3)?).map_err(|_| bad())?,
             usize::try_from(field(4)?).map_err(|_| bad())?,
             u64::try_from(field(5)?).map_err(|_| bad())?,
             u32::try_from(field(6)?).map_err(|_| bad())?,
-        )))
+        );
+        let mode = items.get(7).and_then(text).unwrap_or_default();
+        if mode.is_empty() {
+            return Ok(Some(info));
+        }
+        let mut shares = Vec::new();
+        if let Some(Value::Array(entries)) = items.get(8) {
+            for entry in entries.iter().filter_map(text) {
+                let n: Vec<u64> = entry.split('|').filter_map(|f| f.parse().ok()).collect();
+                if let [client, share, reserved, held, demand] = n[..] {
+                    let narrow = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
+                    shares.push(ShareInfo::new(
+                        client,
+                        narrow(share),
+                        narrow(reserved),
+                        narrow(held),
+                        narrow(demand),
+                    ));
+                }
+            }
+        }
+        shares.sort_by_key(|s| s.client);
+        Ok(Some(info.leased(mode, shares)))
     }
 }
 

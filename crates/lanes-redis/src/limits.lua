@@ -699,9 +699,25 @@ local function call(keys, args)
 
   if op == 'info' then
     if reclaimed > 0 then kick(now) end
+    -- Then, for a leased limit, its mode and each live client's entry
+    -- ("id|share|reserved|held|demand total").
+    local shares = {}
+    if meta.mode then
+      local entries = redis.call('HGETALL', B .. ':ls')
+      for k = 1, #entries, 2 do
+        local share, reserved, held, expires, _, demand =
+          string.match(entries[k + 1], '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
+        if expires and tonumber(expires) > now then
+          local total = 0
+          for _, n in pairs(parse_demand(demand)) do total = total + n end
+          table.insert(shares, entries[k] .. '|' .. share .. '|' .. reserved .. '|' .. held ..
+            '|' .. int(total))
+        end
+      end
+    end
     return {
       meta.concurrent, redis.call('HGET', M, 'rate') or '', meta.burst, in_use(), waiting(),
-      granted(), meta.maxuse,
+      granted(), meta.maxuse, meta.mode or '', shares,
     }
   end
 

@@ -181,3 +181,42 @@ async fn the_dashboard_shows_each_fairness_key_at_700_and_1280_pixels() {
     }
     waiters.into_iter().for_each(|w| w.abort());
 }
+
+/// A leased limit on Redis: the dashboard of a server on that Redis names its mode and shows
+/// each client's share, permits out and demand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_shows_a_leased_limits_shares() {
+    use lanes::limit::share::SharePolicy;
+    let url = common::redis_url();
+    let ns = format!("dash-leased-{}", std::process::id());
+    let serve = Serve::start(&["--redis", &url, "--namespace", &ns]);
+    let client = lanes_redis::RedisLimits::builder(url.as_str())
+        .namespace(ns.as_str())
+        .build()
+        .await
+        .expect("Redis answers (REDIS_URL)");
+    client
+        .define_leased("leased-pool", lanes::LimitSpec::concurrent(4), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
+    let limits = lanes::Limits::with_backend(client.clone());
+    let _held = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        limits.acquire("leased-pool", lanes::Priority::default()),
+    )
+    .await
+    .expect("granted from the share")
+    .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(1_200)).await; // a refresh reports it
+    let dom = tokio::task::spawn_blocking({
+        let url = serve.url("/");
+        move || rendered(&url)
+    })
+    .await
+    .unwrap();
+    assert!(dom.contains("leased-pool (leased, maxmin)"), "the mode is shown: {dom}");
+    let row = dom.split("data-limit-shares=\"leased-pool\"").nth(1).expect("a shares row");
+    // It wants one permit (the one out), so its share is one, not all four.
+    let expected = format!("client {}: share 1, out 1, wants 1", client.ledger_id());
+    assert!(row.contains(&expected), "{expected} in {row}");
+}

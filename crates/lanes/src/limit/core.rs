@@ -622,6 +622,8 @@ impl LimitTable {
                 withdrawn_total: observed.withdrawn,
                 expired_total: observed.expired + state.expired,
                 keys: observed.keys(&state.queue.waiting_by_key()),
+                mode: None,
+                shares: Vec::new(),
             }
         })
     }

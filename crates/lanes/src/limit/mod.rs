@@ -98,6 +98,6 @@ pub use layer::{DefaultPriority, LimitLayer, LimitService, Overloaded, PriorityO
 pub use local::LocalLimits;
 pub use lost::LostLeases;
 pub use priority::Priority;
-pub use snapshot::{KeyInfo, LimitInfo};
+pub use snapshot::{KeyInfo, LimitInfo, ShareInfo};
 pub use throttle::{OnRefusal, Throttle};
 pub use waiters::WaitQueue;

@@ -48,9 +48,47 @@ pub struct LimitInfo {
     /// waiting lately, at most 64; empty where the backend does not observe them).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub keys: Vec<KeyInfo>,
+    /// How the limit is served: `None` for exact mode (every acquire decided where the limit
+    /// lives), `Some("leased:maxmin")` or `Some("leased:proportional")` for leased capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// Under leased capacity, each client's share and demand (live leases only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<ShareInfo>,
+}
+
+/// One client's share of a leased limit (see [`share`](super::share)).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct ShareInfo {
+    /// The client, by its ledger id.
+    pub client: u64,
+    /// The most permits it may have out.
+    pub share: u32,
+    /// The capacity set aside for it (its share, or its permits out where more).
+    pub reserved: u32,
+    /// The permits it had out at its last refresh.
+    pub held: u32,
+    /// What it wanted at its last refresh (permits out and waiters).
+    pub demand: u32,
+}
+
+impl ShareInfo {
+    /// One client's share as a backend reports it (for backends outside this crate).
+    pub fn new(client: u64, share: u32, reserved: u32, held: u32, demand: u32) -> Self {
+        Self { client, share, reserved, held, demand }
+    }
 }
 
 impl LimitInfo {
+    /// This info, with the limit's mode and its clients' shares (leased capacity).
+    #[must_use]
+    pub fn leased(mut self, mode: impl Into<String>, shares: Vec<ShareInfo>) -> Self {
+        self.mode = Some(mode.into());
+        self.shares = shares;
+        self
+    }
+
     /// A limit's state as a backend reports it (for backends outside this crate).
     pub fn new(
         name: impl Into<String>,
@@ -71,6 +109,8 @@ impl LimitInfo {
             withdrawn_total: 0,
             expired_total: 0,
             keys: Vec::new(),
+            mode: None,
+            shares: Vec::new(),
         }
     }
 }
