@@ -423,6 +423,12 @@ fn main() {
         tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     runtime.block_on(async {
         let ns = format!("bench-{}", std::process::id());
+        // LANES_REDIS_ONLY=leased measures leased against exact alone (while working on it).
+        if std::env::var("LANES_REDIS_ONLY").as_deref() == Ok("leased") {
+            println!("redis/leased: {}", leased_vs_exact(&ns, 8).await);
+            cleanup(&ns).await;
+            return;
+        }
         let ping = ping_rtt().await;
         println!("redis/ping: {ping}");
         let mut latency = Vec::new();

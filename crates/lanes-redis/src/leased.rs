@@ -42,6 +42,9 @@ struct LeasedState {
     arrivals: u64,
     /// The highest fencing token handed out (0: none yet).
     last_token: u64,
+    /// The most permits out plus waiters since the last refresh: the demand stated is never
+    /// below it, or a share sized to one instant's demand would keep the client short.
+    peak: u32,
     /// Grants since `counted_since` (the last refresh), to size the next block of tokens.
     granted: u64,
     counted_since: Option<Instant>,
@@ -55,6 +58,11 @@ impl LeasedState {
     /// The most permits that may be out now.
     fn limit(&self) -> u32 {
         self.cap.map_or(self.share, |cap| cap.min(self.share))
+    }
+
+    fn note_peak(&mut self) {
+        let now = (self.holders.len() + self.waiting.len()) as u32;
+        self.peak = self.peak.max(now);
     }
 
     /// The ticket served next, if any waits.
@@ -106,6 +114,7 @@ impl Leased {
             let token = state.tokens.next().expect("checked above");
             state.last_token = state.last_token.max(token);
             state.holders.insert(ticket, (token, at.or(level).unwrap_or(128)));
+            state.note_peak();
             state.granted += 1;
             let others_wait = !state.waiting.is_empty();
             drop(state);
@@ -122,6 +131,7 @@ impl Leased {
             let at = (Reverse(level), state.arrivals);
             state.waiting.insert(at, ticket);
             state.waiting_at.insert(ticket, at);
+            state.note_peak();
         }
         Answer::Queued
     }
@@ -193,6 +203,13 @@ impl Leased {
         }
         for (Reverse(level), _) in state.waiting.keys() {
             demand = demand.at(*level, 1);
+        }
+        // What was wanted at the busiest moment since the last refresh, beyond now, at the
+        // default level.
+        let now = held + state.waiting.len() as u32;
+        demand = demand.at(128, state.peak.saturating_sub(now));
+        if sending {
+            state.peak = now;
         }
         (held, demand)
     }

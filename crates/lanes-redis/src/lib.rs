@@ -616,11 +616,11 @@ impl Inner {
     }
 
     async fn release(&self, name: &str, ticket: u64) -> Result<Released, LimitError> {
-        if let Some(leased) = self.leased(name)
-            && leased.knows(ticket)
-        {
-            self.lost.forget(name, ticket);
-            return Ok(leased.release(ticket));
+        if let Some(leased) = self.leased(name) {
+            let released = leased.release(ticket);
+            if released != Released::Unknown {
+                return Ok(released);
+            }
         }
         self.lost.forget(name, ticket);
         let place = {
@@ -972,15 +972,9 @@ impl LimitBackend for RedisLimits {
     }
 
     fn release_local(&self, name: &str, ticket: u64) -> bool {
-        // Only a permit of the share: one granted in exact mode goes back to Redis.
-        match self.inner.leased(name) {
-            Some(leased) if leased.knows(ticket) => {
-                self.inner.lost.forget(name, ticket);
-                leased.release(ticket);
-                true
-            }
-            _ => false,
-        }
+        // Only a permit (or waiter) of the share: one granted in exact mode goes back to Redis,
+        // and so does one reported lost (it left the share then; its lost mark goes there).
+        self.inner.leased(name).is_some_and(|leased| leased.release(ticket) != Released::Unknown)
     }
 
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {
