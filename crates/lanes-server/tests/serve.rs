@@ -492,3 +492,86 @@ async fn a_config_file_predefines_limits_and_a_bad_one_is_refused() {
     assert!(stderr.contains("limits.broken") && stderr.contains("concurrent"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Two servers on one Redis serve a limit defined leased from their shares: HTTP clients of
+/// both never hold more than `concurrent` permits together, every acquire is granted, and the
+/// fencing tokens are unique.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_serve_a_leased_limit_from_their_shares() {
+    use lanes::limit::share::SharePolicy;
+    let ns = format!("serve-leased-{}", std::process::id());
+    let url = common::redis_url();
+    let a = Serve::start(&["--redis", &url, "--namespace", &ns]);
+    let b = Serve::start(&["--redis", &url, "--namespace", &ns]);
+    let definer = lanes_redis::RedisLimits::builder(url.as_str())
+        .namespace(ns.as_str())
+        .build()
+        .await
+        .expect("Redis answers (REDIS_URL)");
+    definer
+        .define_leased("leased", lanes::LimitSpec::concurrent(3), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
+    let c = http();
+    let holders = Arc::new(AtomicI64::new(0));
+    let most = Arc::new(AtomicI64::new(0));
+    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let base = if i % 2 == 0 { a.url("/v1/limits/leased") } else { b.url("/v1/limits/leased") };
+        let (c, holders, most, tokens) = (c.clone(), holders.clone(), most.clone(), tokens.clone());
+        tasks.push(tokio::spawn(async move {
+            let client = format!("worker-{i}");
+            for _ in 0..15 {
+                let mut ticket = None;
+                let token = loop {
+                    let reply: Value = c
+                        .post(format!("{base}/acquire"))
+                        .json(&json!({"client": client, "ticket": ticket, "wait_ms": 2000}))
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap();
+                    ticket = reply["ticket"].as_u64();
+                    if reply["granted"] == true {
+                        break reply["fencing_token"].as_u64().expect("a token");
+                    }
+                };
+                let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                tokens.lock().unwrap().push(token);
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                holders.fetch_sub(1, Ordering::SeqCst);
+                c.post(format!("{base}/release"))
+                    .json(&json!({"client": client, "ticket": ticket}))
+                    .send()
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(60), task).await.expect("workers end").unwrap();
+    }
+    assert!(most.load(Ordering::SeqCst) <= 3, "held at once: {}", most.load(Ordering::SeqCst));
+    let mut tokens = tokens.lock().unwrap().clone();
+    let total = tokens.len();
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!((total, tokens.len()), (120, 120), "every acquire granted, no token twice");
+    // Both servers served it leased: the ledger lists them (and the definer).
+    let info = lanes::LimitBackend::info(&definer, "leased").await.unwrap().unwrap();
+    assert!(info.shares.len() >= 3, "{info:?}");
+    drop(definer);
+    let client = redis::Client::open(url).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    for pattern in [format!("{{{ns}:*"), format!("lanes:{{{ns}}}:*")] {
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(pattern).query_async(&mut conn).await.unwrap();
+        for key in keys {
+            let _: () = redis::cmd("DEL").arg(key).query_async(&mut conn).await.unwrap();
+        }
+    }
+}
