@@ -138,47 +138,18 @@ async fn a_killed_processes_share_is_reused() {
     let limits = Limits::with_backend(backend);
     let mut holder =
         child("hold-leased", &ns, lease.as_millis() as u64, Target::Single).spawn().expect("spawn");
-    let stdout = holder.stdout.take().unwrap();
-    let held = tokio::task::spawn_blocking(move || {
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).unwrap();
-        line
-    })
-    .await
-    .unwrap();
-    let child_tokens: Vec<u64> = held
-        .strip_prefix("HELD ")
-        .expect("the child holds both")
-        .split_whitespace()
-        .map(|t| t.parse().unwrap())
-        .collect();
-    let waiter = tokio::spawn({
-        let limits = limits.clone();
-        async move {
-            let permit = limits.acquire("leased", Priority::default()).await.unwrap();
-            (Instant::now(), permit.fencing_token())
-        }
-    });
-    sleep(lease * 2).await;
-    assert!(!waiter.is_finished(), "the live child keeps its share by refreshing it");
-    let killed = Instant::now();
-    holder.kill().expect("SIGKILL the holder");
-    let _ = holder.wait();
-    let (granted, token) =
-        timeout(Duration::from_secs(5), waiter).await.expect("the waiter is granted").unwrap();
-    let took = granted - killed;
+    let child_tokens = held_tokens(&mut holder).await;
+    assert_eq!(child_tokens.len(), 2, "the child holds both");
+    let (took, token) = granted_after_kill(&limits, "leased", holder, lease).await;
     assert!(took <= lease + lease / 3 + Duration::from_millis(150), "reused after {took:?}");
     assert!(!child_tokens.contains(&token), "a token of its own: {token} vs {child_tokens:?}");
 }
 
-async fn processes_never_exceed_the_limit(target: Target) {
-    let ns = common::unique_ns("procs");
-    let _cleanup = common::Cleanup::on(target, &ns);
-    let limits = Limits::with_backend(common::client_on(target, &ns).await);
-    limits.define("shared", LimitSpec::concurrent(CONCURRENT)).await.unwrap();
-    let children: Vec<_> =
-        (0..CHILDREN).map(|_| child("hammer", &ns, 3000, target).spawn().expect("spawn")).collect();
-    let mut all_tokens = Vec::new();
+/// Waits for the hammer children and checks their reports: none counted more than
+/// `CONCURRENT` holders at once, each made `ITERATIONS` grants with growing tokens, and no token
+/// was handed out twice across them. Returns the most holders any of them counted.
+fn hammer_reports(children: Vec<std::process::Child>) -> i64 {
+    let (mut all_tokens, mut most_seen) = (Vec::new(), 0);
     for child in children {
         let out = child.wait_with_output().expect("the child finishes");
         assert!(out.status.success(), "a child failed: {:?}", out.status);
@@ -187,6 +158,7 @@ async fn processes_never_exceed_the_limit(target: Target) {
         let mut parts = line.split_whitespace();
         let most: i64 = parts.nth(1).unwrap().parse().unwrap();
         assert!(most <= i64::from(CONCURRENT), "holders counted {most} at once");
+        most_seen = most_seen.max(most);
         let tokens: Vec<u64> =
             parts.nth(1).unwrap().split(',').map(|t| t.parse().unwrap()).collect();
         assert_eq!(tokens.len(), ITERATIONS);
@@ -197,6 +169,57 @@ async fn processes_never_exceed_the_limit(target: Target) {
     all_tokens.sort_unstable();
     all_tokens.dedup();
     assert_eq!(all_tokens.len(), total, "no fencing token was handed out twice");
+    most_seen
+}
+
+/// The holder child's `HELD` line: the fencing tokens it holds.
+async fn held_tokens(holder: &mut std::process::Child) -> Vec<u64> {
+    let stdout = holder.stdout.take().unwrap();
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).unwrap();
+        line
+    })
+    .await
+    .unwrap();
+    let tokens = line.strip_prefix("HELD ").expect("the child holds").split_whitespace();
+    tokens.map(|t| t.parse().unwrap()).collect()
+}
+
+/// A waiter on `limit` must not be granted while the holder lives (two leases), and is once
+/// the holder is killed with SIGKILL. Returns how long after the kill, and its token.
+async fn granted_after_kill(
+    limits: &Limits,
+    limit: &'static str,
+    mut holder: std::process::Child,
+    lease: Duration,
+) -> (Duration, u64) {
+    let waiter = tokio::spawn({
+        let limits = limits.clone();
+        async move {
+            let permit = limits.acquire(limit, Priority::default()).await.unwrap();
+            (Instant::now(), permit.fencing_token())
+        }
+    });
+    // Longer than a lease: the child renews, so nobody gets the permit meanwhile.
+    sleep(lease * 2).await;
+    assert!(!waiter.is_finished(), "the live holder keeps its permit by renewing it");
+    let killed = Instant::now();
+    holder.kill().expect("SIGKILL the holder");
+    let _ = holder.wait();
+    let (granted, token) =
+        timeout(Duration::from_secs(5), waiter).await.expect("the waiter is granted").unwrap();
+    (granted - killed, token)
+}
+
+async fn processes_never_exceed_the_limit(target: Target) {
+    let ns = common::unique_ns("procs");
+    let _cleanup = common::Cleanup::on(target, &ns);
+    let limits = Limits::with_backend(common::client_on(target, &ns).await);
+    limits.define("shared", LimitSpec::concurrent(CONCURRENT)).await.unwrap();
+    let children: Vec<_> =
+        (0..CHILDREN).map(|_| child("hammer", &ns, 3000, target).spawn().expect("spawn")).collect();
+    hammer_reports(children);
     let info = limits.info("shared").await.unwrap().unwrap();
     assert!(info.max_in_use <= CONCURRENT, "server high-water mark {}", info.max_in_use);
     assert_eq!(info.max_in_use, CONCURRENT, "the hammering did fill the limit");
@@ -220,26 +243,7 @@ async fn processes_never_exceed_a_leased_limit() {
     let children: Vec<_> = (0..CHILDREN)
         .map(|_| child("hammer", &ns, 600, Target::Single).spawn().expect("spawn"))
         .collect();
-    let (mut all_tokens, mut most_seen) = (Vec::new(), 0);
-    for child in children {
-        let out = child.wait_with_output().expect("the child finishes");
-        assert!(out.status.success(), "a child failed: {:?}", out.status);
-        let stdout = String::from_utf8(out.stdout).unwrap();
-        let line = stdout.lines().find(|l| l.starts_with("MOST ")).expect("a report");
-        let mut parts = line.split_whitespace();
-        let most: i64 = parts.nth(1).unwrap().parse().unwrap();
-        assert!(most <= i64::from(CONCURRENT), "holders counted {most} at once");
-        most_seen = most_seen.max(most);
-        let tokens: Vec<u64> =
-            parts.nth(1).unwrap().split(',').map(|t| t.parse().unwrap()).collect();
-        assert_eq!(tokens.len(), ITERATIONS);
-        assert!(tokens.windows(2).all(|w| w[0] < w[1]), "tokens grow within a process");
-        all_tokens.extend(tokens);
-    }
-    let total = all_tokens.len();
-    all_tokens.sort_unstable();
-    all_tokens.dedup();
-    assert_eq!(all_tokens.len(), total, "no fencing token was handed out twice");
+    let most_seen = hammer_reports(children);
     assert_eq!(most_seen, i64::from(CONCURRENT), "the hammering did fill the limit");
 }
 
@@ -250,32 +254,8 @@ async fn a_killed_holder_is_reclaimed(target: Target) {
     let limits = Limits::with_backend(common::client_on(target, &ns).await);
     limits.define("held", LimitSpec::concurrent(1)).await.unwrap();
     let mut holder = child("hold", &ns, lease.as_millis() as u64, target).spawn().expect("spawn");
-    let stdout = holder.stdout.take().unwrap();
-    let held = tokio::task::spawn_blocking(move || {
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).unwrap();
-        line
-    })
-    .await
-    .unwrap();
-    let child_token: u64 =
-        held.strip_prefix("HELD ").expect("the child holds").trim().parse().unwrap();
-    let waiter = tokio::spawn({
-        let limits = limits.clone();
-        async move {
-            let permit = limits.acquire("held", Priority::default()).await.unwrap();
-            (Instant::now(), permit.fencing_token())
-        }
-    });
-    // Longer than a lease: the child renews, so nobody gets the permit meanwhile.
-    sleep(lease * 2).await;
-    assert!(!waiter.is_finished(), "the live holder keeps its permit by renewing it");
-    let killed = Instant::now();
-    holder.kill().expect("SIGKILL the holder");
-    let _ = holder.wait();
-    let (granted, token) =
-        timeout(Duration::from_secs(5), waiter).await.expect("the waiter is granted").unwrap();
-    let took = granted - killed;
+    let child_token = held_tokens(&mut holder).await[0];
+    let (took, token) = granted_after_kill(&limits, "held", holder, lease).await;
     assert!(took <= lease + Duration::from_millis(100), "reclaimed after {took:?}");
     assert!(token > child_token, "the new holder's token fences the dead one");
 }

@@ -375,64 +375,15 @@ async fn two_servers_share_a_limit_through_redis() {
     let c = http();
     let (status, reply) = put(&c, &a, "/v1/limits/shared", json!({"concurrent": 2})).await;
     assert_eq!(status, 200, "{reply}");
-    let holders = Arc::new(AtomicI64::new(0));
-    let most = Arc::new(AtomicI64::new(0));
-    let mut tasks = Vec::new();
-    for i in 0..8 {
-        let base = if i % 2 == 0 { a.url("/v1/limits/shared") } else { b.url("/v1/limits/shared") };
-        let (c, holders, most) = (c.clone(), holders.clone(), most.clone());
-        tasks.push(tokio::spawn(async move {
-            let client = format!("worker-{i}");
-            for _ in 0..15 {
-                let mut ticket = None;
-                loop {
-                    let reply: Value = c
-                        .post(format!("{base}/acquire"))
-                        .json(&json!({"client": client, "ticket": ticket, "wait_ms": 2000}))
-                        .send()
-                        .await
-                        .unwrap()
-                        .json()
-                        .await
-                        .unwrap();
-                    ticket = reply["ticket"].as_u64();
-                    if reply["granted"] == true {
-                        break;
-                    }
-                }
-                let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
-                most.fetch_max(now, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(3)).await;
-                holders.fetch_sub(1, Ordering::SeqCst);
-                c.post(format!("{base}/release"))
-                    .json(&json!({"client": client, "ticket": ticket}))
-                    .send()
-                    .await
-                    .unwrap();
-            }
-        }));
-    }
-    for task in tasks {
-        task.await.unwrap();
-    }
+    let (most, mut tokens) = hammer_two_servers(&a, &b, "shared").await;
     let (_, info) = get(&c, &b, "/v1/limits/shared").await;
-    assert!(
-        most.load(Ordering::SeqCst) <= 2,
-        "held at once: {} ({info})",
-        most.load(Ordering::SeqCst)
-    );
+    assert!(most <= 2, "held at once: {most} ({info})");
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!(tokens.len(), 120, "no fencing token twice");
     assert_eq!(info["max_in_use"].as_u64(), Some(2), "{info}");
     assert_eq!(info["granted_total"].as_u64(), Some(120));
-    // Clean the namespace.
-    let client = redis::Client::open(url).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    for pattern in [format!("{{{ns}:*"), format!("lanes:{{{ns}}}:*")] {
-        let keys: Vec<String> =
-            redis::cmd("KEYS").arg(pattern).query_async(&mut conn).await.unwrap();
-        if !keys.is_empty() {
-            let _: () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await.unwrap();
-        }
-    }
+    clean_namespace(&url, &ns).await;
 }
 
 #[test]
@@ -512,13 +463,31 @@ async fn two_servers_serve_a_leased_limit_from_their_shares() {
         .define_leased("leased", lanes::LimitSpec::concurrent(3), SharePolicy::MaxMinFair)
         .await
         .unwrap();
+    let (most, mut tokens) = hammer_two_servers(&a, &b, "leased").await;
+    assert!(most <= 3, "held at once: {most}");
+    let total = tokens.len();
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!((total, tokens.len()), (120, 120), "every acquire granted, no token twice");
+    // Both servers served it leased: the ledger lists them (and the definer).
+    let info = lanes::LimitBackend::info(&definer, "leased").await.unwrap().unwrap();
+    assert!(info.shares.len() >= 3, "{info:?}");
+    drop(definer);
+    clean_namespace(&url, &ns).await;
+}
+
+/// Eight HTTP workers, half on each server, each doing 15 acquire / hold 3 ms / release cycles
+/// on `limit`, counting the holders across both. Returns the most held at once and every
+/// fencing token granted.
+async fn hammer_two_servers(a: &Serve, b: &Serve, limit: &str) -> (i64, Vec<u64>) {
     let c = http();
     let holders = Arc::new(AtomicI64::new(0));
     let most = Arc::new(AtomicI64::new(0));
     let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for i in 0..8 {
-        let base = if i % 2 == 0 { a.url("/v1/limits/leased") } else { b.url("/v1/limits/leased") };
+        let server = if i % 2 == 0 { a } else { b };
+        let base = server.url(&format!("/v1/limits/{limit}"));
         let (c, holders, most, tokens) = (c.clone(), holders.clone(), most.clone(), tokens.clone());
         tasks.push(tokio::spawn(async move {
             let client = format!("worker-{i}");
@@ -555,16 +524,12 @@ async fn two_servers_serve_a_leased_limit_from_their_shares() {
     for task in tasks {
         tokio::time::timeout(Duration::from_secs(60), task).await.expect("workers end").unwrap();
     }
-    assert!(most.load(Ordering::SeqCst) <= 3, "held at once: {}", most.load(Ordering::SeqCst));
-    let mut tokens = tokens.lock().unwrap().clone();
-    let total = tokens.len();
-    tokens.sort_unstable();
-    tokens.dedup();
-    assert_eq!((total, tokens.len()), (120, 120), "every acquire granted, no token twice");
-    // Both servers served it leased: the ledger lists them (and the definer).
-    let info = lanes::LimitBackend::info(&definer, "leased").await.unwrap().unwrap();
-    assert!(info.shares.len() >= 3, "{info:?}");
-    drop(definer);
+    let tokens = tokens.lock().unwrap().clone();
+    (most.load(Ordering::SeqCst), tokens)
+}
+
+/// Deletes every key of namespace `ns` on the Redis at `url` (one key per DEL).
+async fn clean_namespace(url: &str, ns: &str) {
     let client = redis::Client::open(url).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     for pattern in [format!("{{{ns}:*"), format!("lanes:{{{ns}}}:*")] {
