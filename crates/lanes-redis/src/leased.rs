@@ -13,7 +13,7 @@
 use super::*;
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Range;
 
 /// One leased limit as this client serves it.
@@ -52,12 +52,82 @@ struct LeasedState {
     /// reserves for this client at least that many, and perhaps no more (it may already have
     /// cut the share), so no more than that may be out until an answer comes.
     cap: Option<u32>,
+    /// For a limit with a rate: this client's part of it, once a refresh said so.
+    rate: Option<RateState>,
+    /// First asks since the last refresh, by level: the rate demand.
+    arrived: BTreeMap<u8, u32>,
+    /// When the arrivals began to be counted (the last refresh sent).
+    arrived_since: Option<Instant>,
+    /// The arrivals counted at the last refreshes, and over how long each: the rate is
+    /// measured over the latest of them that cover a refresh interval, never over less (a few
+    /// arrivals more or less would swing it).
+    arrived_before: VecDeque<(BTreeMap<u8, u32>, Duration)>,
+    /// Since when someone has waited (`None`: nobody waits).
+    waiting_since: Option<Instant>,
+    /// How long someone waited since the last refresh, up to `waiting_since`.
+    waited: Duration,
+}
+
+/// How late a grant may come after its turn without losing that time to the rate.
+const LATE: Duration = Duration::from_millis(2);
+
+/// A leased limit's part of its rate as this client enforces it: GCRA at the share's rate.
+///
+/// Unlike permits, a rate share has no holders to wait for: a share cut applies to the next
+/// grant. The refresh states the share enforced until the answer (`held`), so Redis keeps it
+/// reserved until the refresh after, by when the cut is in force.
+struct RateState {
+    lease: RateLease,
+    /// The theoretical arrival time of the next grant at the share's rate.
+    tat: Option<Instant>,
+}
+
+impl RateState {
+    /// The time between grants at the share's rate; `None` for no share.
+    fn interval(&self) -> Option<Duration> {
+        (self.lease.share > 0)
+            .then(|| Duration::from_nanos(1_000_000_000_000u64.div_ceil(self.lease.share)))
+    }
+
+    /// The earliest moment a grant fits (`None`: never, with no share).
+    fn ready_at(&self, now: Instant) -> Option<Instant> {
+        let interval = self.interval()?;
+        let tolerance = interval.saturating_mul(self.lease.burst_share() - 1);
+        Some(self.tat.and_then(|tat| tat.checked_sub(tolerance)).map_or(now, |at| at.max(now)))
+    }
+
+    /// A grant was made at `now`. A waiter woken for its turn is granted a little after it
+    /// (the timer's tick, the wake-up, the ask): up to [`LATE`] (at most one interval) of that
+    /// is not lost to the rate, or a share with a burst of one would run a few percent slow.
+    /// So a client may grant one more than its burst in a window, never more.
+    fn take(&mut self, now: Instant) {
+        if let Some(interval) = self.interval() {
+            let late = now.checked_sub(LATE.min(interval)).unwrap_or(now);
+            self.tat = Some(self.tat.map_or(now, |tat| tat.max(late)) + interval);
+        }
+    }
+
+    /// A new share from a refresh at `now`: the debt of the old rate is kept, up to a full
+    /// bucket of the new (its burst of intervals), so a larger share applies at once and a
+    /// spent burst stays spent.
+    fn renew(&mut self, lease: RateLease, now: Instant) {
+        self.lease = lease;
+        if let (Some(tat), Some(interval)) = (self.tat, self.interval()) {
+            self.tat = Some(tat.min(now + interval.saturating_mul(lease.burst_share())));
+        }
+    }
 }
 
 impl LeasedState {
     /// The most permits that may be out now.
     fn limit(&self) -> u32 {
         self.cap.map_or(self.share, |cap| cap.min(self.share))
+    }
+
+    /// When the rate lets the next grant go: now for a limit without a rate; `None` for a
+    /// rate share of nothing.
+    fn rate_ready(&self, now: Instant) -> Option<Instant> {
+        self.rate.as_ref().map_or(Some(now), |rate| rate.ready_at(now))
     }
 
     fn note_peak(&mut self) {
@@ -71,10 +141,14 @@ impl LeasedState {
     }
 
     fn unqueue(&mut self, ticket: u64) -> bool {
-        match self.waiting_at.remove(&ticket) {
-            Some(at) => self.waiting.remove(&at).is_some(),
-            None => false,
+        let Some(at) = self.waiting_at.remove(&ticket) else { return false };
+        let removed = self.waiting.remove(&at).is_some();
+        if self.waiting.is_empty()
+            && let Some(since) = self.waiting_since.take()
+        {
+            self.waited += since.elapsed();
         }
+        removed
     }
 }
 
@@ -101,16 +175,27 @@ impl Leased {
         if let Some((token, _)) = state.holders.get(&ticket) {
             return Answer::Granted(Grant { fencing_token: *token, expires_at: None });
         }
-        let live = state.until.is_some_and(|until| until > Instant::now());
+        let now = Instant::now();
+        if let Some(level) = level
+            && !state.waiting_at.contains_key(&ticket)
+        {
+            let arrived = state.arrived.entry(level).or_insert(0);
+            *arrived = arrived.saturating_add(1);
+        }
+        let live = state.until.is_some_and(|until| until > now);
         let first = state.head().is_none_or(|head| head == ticket);
         let room = (state.holders.len() as u32) < state.limit();
         if live && room && state.tokens.is_empty() {
             // The share has room but the block of tokens is spent: refresh now.
             self.hurry.notify_one();
         }
-        if live && first && room && !state.tokens.is_empty() {
+        let rate_ok = state.rate_ready(now).is_some_and(|at| at <= now);
+        if live && first && room && rate_ok && !state.tokens.is_empty() {
             let at = state.waiting_at.get(&ticket).map(|at| at.0.0);
             state.unqueue(ticket);
+            if let Some(rate) = &mut state.rate {
+                rate.take(now);
+            }
             let token = state.tokens.next().expect("checked above");
             state.last_token = state.last_token.max(token);
             state.holders.insert(ticket, (token, at.or(level).unwrap_or(128)));
@@ -130,6 +215,7 @@ impl Leased {
             state.arrivals += 1;
             let at = (Reverse(level), state.arrivals);
             state.waiting.insert(at, ticket);
+            state.waiting_since.get_or_insert(now);
             state.waiting_at.insert(ticket, at);
             state.note_peak();
         }
@@ -140,6 +226,13 @@ impl Leased {
     pub(crate) fn knows(&self, ticket: u64) -> bool {
         let state = lock(&self.state);
         state.holders.contains_key(&ticket) || state.waiting_at.contains_key(&ticket)
+    }
+
+    /// The rate share now, in grants per second (`None` for a limit without a rate).
+    pub(crate) fn rate_share(&self) -> Option<f64> {
+        let state = lock(&self.state);
+        let live = state.until.is_some_and(|until| until > Instant::now());
+        state.rate.as_ref().map(|rate| if live { rate.lease.share as f64 / 1000.0 } else { 0.0 })
     }
 
     /// (The share's limit now, permits out.)
@@ -173,19 +266,87 @@ impl Leased {
         let notified = self.room.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if self.may_grant(ticket) {
-            return;
-        }
+        let now = Instant::now();
+        let at_most = match self.may_grant(ticket, now) {
+            Some(at) if at <= now => return,
+            // Only the rate holds it back: until the rate lets it go.
+            Some(at) => at_most.min(at - now),
+            None => at_most,
+        };
         let _ = tokio::time::timeout(at_most, notified).await;
     }
 
-    /// Whether an ask for `ticket` now would be granted.
-    fn may_grant(&self, ticket: u64) -> bool {
+    /// When an ask for `ticket` would be granted, if nothing but time holds it back: now, or
+    /// when the rate lets it go. `None`: it waits for something else (room, its turn, a share,
+    /// a block of tokens).
+    fn may_grant(&self, ticket: u64, now: Instant) -> Option<Instant> {
         let state = lock(&self.state);
-        state.until.is_some_and(|until| until > Instant::now())
+        let other = state.until.is_some_and(|until| until > now)
             && (state.holders.len() as u32) < state.limit()
             && !state.tokens.is_empty()
-            && state.head().is_none_or(|head| head == ticket)
+            && state.head().is_none_or(|head| head == ticket);
+        if other { state.rate_ready(now) } else { None }
+    }
+
+    /// What to tell the store of the rate: the share enforced now, and the demand in
+    /// thousandths of a grant per second by level — the rate arrivals came at over the last
+    /// refresh interval or more, a tenth more (a share of exactly the rate measured would keep
+    /// arrivals waiting), plus the waiters, to be served within a refresh interval (`every`).
+    /// Tasks that acquire back to back arrive only as fast as they are granted, so a client
+    /// bound by its share (someone waited for at least half the time since the last refresh)
+    /// asks for at least four times its share, at its highest waiting level: a starved
+    /// client's share grows geometrically to its fair part. Restarts the counts.
+    fn rate_demand(&self, every: Duration) -> (u64, Demand) {
+        let mut state = lock(&self.state);
+        let now = Instant::now();
+        let span = state.arrived_since.replace(now).map_or(every, |at| now - at);
+        let counted = std::mem::take(&mut state.arrived);
+        state.arrived_before.push_back((counted, span));
+        let mut covered: Duration = state.arrived_before.iter().map(|(_, over)| *over).sum();
+        while state.arrived_before.front().is_some_and(|(_, over)| covered - *over >= every) {
+            covered -= state.arrived_before.pop_front().map_or(Duration::ZERO, |(_, over)| over);
+        }
+        let mut arrived: BTreeMap<u8, u32> = BTreeMap::new();
+        for (counts, _) in &state.arrived_before {
+            for (level, n) in counts {
+                *arrived.entry(*level).or_insert(0) += n;
+            }
+        }
+        let since = covered;
+        // How long someone waited since the last refresh.
+        let mut waited = std::mem::take(&mut state.waited);
+        if let Some(since) = state.waiting_since {
+            waited += now - since;
+            state.waiting_since = Some(now);
+        }
+        let live = state.until.is_some_and(|until| until > now);
+        let held = match &state.rate {
+            Some(rate) if live => rate.lease.share,
+            _ => 0,
+        };
+        let mut backlog: BTreeMap<u8, u32> = BTreeMap::new();
+        for (Reverse(level), _) in state.waiting.keys() {
+            *backlog.entry(*level).or_insert(0) += 1;
+        }
+        let per_second = |n: u32, over: Duration, margin: f64| {
+            let milli = f64::from(n) * 1000.0 * margin / over.as_secs_f64().max(1e-3);
+            milli.min(f64::from(u32::MAX)) as u32
+        };
+        let mut demand = Demand::none();
+        for (level, n) in arrived {
+            demand = demand.at(level, per_second(n, since, 1.1));
+        }
+        let top = backlog.keys().next_back().copied();
+        for (level, n) in backlog {
+            demand = demand.at(level, per_second(n, every, 1.0));
+        }
+        let starved = waited >= span / 2;
+        if let Some(top) = top.filter(|_| starved) {
+            let wanted = u32::try_from(held.saturating_mul(4)).unwrap_or(u32::MAX);
+            let more = wanted.saturating_sub(demand.total());
+            demand = demand.at(top, more);
+        }
+        (held, demand)
     }
 
     /// What to tell the store: the permits out, and the demand (permits out and waiters, by
@@ -229,6 +390,10 @@ impl Leased {
         state.share = answer.share;
         state.cap = None;
         state.until = Some(until);
+        match (&mut state.rate, answer.rate) {
+            (Some(rate), Some(lease)) => rate.renew(lease, Instant::now()),
+            (rate, lease) => *rate = lease.map(|lease| RateState { lease, tat: None }),
+        }
         if !answer.tokens.is_empty() {
             state.tokens = answer.tokens;
         }
@@ -254,14 +419,23 @@ impl Leased {
         lock(&self.state).until
     }
 
-    /// What the next refresh asks for besides the demand.
-    fn share_ask(&self, tokens: u64) -> ShareAsk {
+    /// What the next refresh asks for besides the demand (the rate's part counted over the
+    /// refresh interval `every`).
+    fn share_ask(&self, tokens: u64, every: Duration) -> ShareAsk {
+        let rate = self.rate_demand(every);
         let state = lock(&self.state);
         ShareAsk {
             tokens,
             last_token: state.last_token,
             believes_held: state.until.is_some_and(|until| until > Instant::now()),
+            rate: Some(rate),
         }
+    }
+
+    /// Whether waiters are held back by the rate share (they want more of it).
+    fn rate_starved(&self) -> bool {
+        let state = lock(&self.state);
+        state.rate.is_some() && !state.waiting.is_empty()
     }
 
     /// The size of the next block of tokens to ask for (0: the block left lasts): enough for
@@ -313,7 +487,7 @@ pub(crate) fn answer(leased: &Leased, ticket: u64, ask: &Ask) -> Answer {
 }
 
 /// Refreshes one leased limit's share every third of a lease (every tenth while it has waiters
-/// it cannot serve, and at once when its block of tokens is spent), and reports its permits lost
+/// it cannot serve or after its share was cut, and at once when its block of tokens is spent), and reports its permits lost
 /// the moment the share lapses: at its end without a refresh, or when a refresh finds that it
 /// had lapsed.
 async fn refresh(inner: Weak<Inner>, name: String, leased: Arc<Leased>) {
@@ -325,11 +499,16 @@ async fn refresh(inner: Weak<Inner>, name: String, leased: Arc<Leased>) {
         let (held, demand) = leased.demand(true);
         let wanted = demand.total();
         let lease = strong.lease;
-        let ask = leased.share_ask(leased.tokens_wanted(wanted, lease / 3));
+        let ask = leased.share_ask(leased.tokens_wanted(wanted, lease / 3), lease / 3);
+        let rate_held = ask.rate.as_ref().map_or(0, |rate| rate.0);
         let sent = Instant::now();
+        // A share cut below what this client reserves: the next refresh, which reports the
+        // cut in force, frees the rest for others, so it comes soon.
+        let mut cut = false;
         if let Ok(Some(answer)) =
             strong.refresh_share(&name, &demand, held, leased.policy, ask).await
         {
+            cut = answer.share < held || answer.rate.is_some_and(|rate| rate.share < rate_held);
             for ticket in leased.renewed(answer, strong.lease_end(sent, lease)) {
                 strong.mark_lost(&name, ticket);
             }
@@ -338,10 +517,10 @@ async fn refresh(inner: Weak<Inner>, name: String, leased: Arc<Leased>) {
             strong.mark_lost(&name, ticket);
         }
         let wanted_now = leased.demand(false).1.total();
-        let starved = wanted_now > lock(&leased.state).share;
+        let starved = wanted_now > lock(&leased.state).share || leased.rate_starved();
         let until = leased.until();
         drop(strong);
-        let pause = if starved { lease / 10 } else { lease / 3 };
+        let pause = if starved || cut { lease / 10 } else { lease / 3 };
         // Awake at the share's end too: its permits are reported lost then, not a pause later.
         let wake =
             until.map_or(Instant::now() + pause, |until| (Instant::now() + pause).min(until));

@@ -159,10 +159,37 @@ pub struct ShareLease {
     /// The client's share had lapsed in Redis before this refresh: permits it had out may have
     /// gone to others, and must be reported lost.
     pub lapsed: bool,
+    /// For a limit with a rate, asked for with a rate demand: this client's part of the rate.
+    pub rate: Option<RateLease>,
+}
+
+/// This client's part of a leased limit's rate, in thousandths of a grant per second (so that
+/// small rates split finely); the client makes at most `share / 1000` grants a second, with a
+/// burst of the limit's burst in proportion to its share (at least one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RateLease {
+    /// This client's part, in thousandths of a grant per second.
+    pub share: u64,
+    /// The limit's whole rate, in thousandths of a grant per second.
+    pub limit: u64,
+    /// The limit's burst.
+    pub burst: u32,
+}
+
+impl RateLease {
+    /// The burst this client may use: the limit's, in proportion to its share, at least 1.
+    pub fn burst_share(&self) -> u32 {
+        if self.limit == 0 {
+            return 1;
+        }
+        let part = u128::from(self.burst) * u128::from(self.share) / u128::from(self.limit);
+        u32::try_from(part).unwrap_or(u32::MAX).max(1)
+    }
 }
 
 /// What a refresh of a share asks for besides the demand.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct ShareAsk {
     /// A block of this many tokens (0: none).
     pub(crate) tokens: u64,
@@ -170,6 +197,9 @@ pub(crate) struct ShareAsk {
     pub(crate) last_token: u64,
     /// Whether the client believes it holds a live share.
     pub(crate) believes_held: bool,
+    /// For a limit with a rate: the rate share the client enforces now and its rate demand
+    /// (thousandths of a grant per second).
+    pub(crate) rate: Option<(u64, Demand)>,
 }
 
 /// Counters of one client.
@@ -247,6 +277,12 @@ impl Drop for Inner {
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A demand as the `lease` operation reads it: "level:n,level:n".
+fn demand_text(demand: &Demand) -> String {
+    let levels: Vec<String> = demand.levels().map(|(level, n)| format!("{level}:{n}")).collect();
+    levels.join(",")
 }
 
 fn backend<E: std::error::Error + Send + Sync + 'static>(err: E) -> LimitError {
@@ -358,23 +394,25 @@ impl Inner {
         policy: SharePolicy,
         ask: ShareAsk,
     ) -> Result<Option<ShareLease>, LimitError> {
-        let levels: Vec<String> =
-            demand.levels().map(|(level, n)| format!("{level}:{n}")).collect();
         let policy = match policy {
             SharePolicy::MaxMinFair => "maxmin",
             SharePolicy::Proportional => "proportional",
         };
         let seq = self.share_seq.fetch_add(1, Ordering::Relaxed) + 1;
-        let args = [
+        let mut args = vec![
             self.ledger_id.to_string(),
             held.to_string(),
-            levels.join(","),
+            demand_text(demand),
             policy.to_owned(),
             ask.tokens.to_string(),
             seq.to_string(),
             ask.last_token.to_string(),
             if ask.believes_held { "1" } else { "0" }.to_owned(),
         ];
+        if let Some((rate_held, rate_demand)) = &ask.rate {
+            args.push(rate_held.to_string());
+            args.push(demand_text(rate_demand));
+        }
         let value = self.call(name, "lease", &args).await?;
         match error_tag(&value).as_deref() {
             Some("unknown") => return Err(LimitError::UnknownLimit(name.to_owned())),
@@ -395,11 +433,21 @@ impl Inner {
             field(3).ok_or_else(bad)?,
             field(4).ok_or_else(bad)?,
         );
+        // A rate share of -1: the limit has no rate, or none was asked for.
+        let rate = match (field(5), field(6), field(7)) {
+            (Some(share), Some(limit), Some(burst)) if ask.rate.is_some() => Some(RateLease {
+                share,
+                limit,
+                burst: u32::try_from(burst).map_err(|_| bad())?,
+            }),
+            _ => None,
+        };
         Ok(Some(ShareLease {
             share: u32::try_from(share).map_err(|_| bad())?,
             expires_at: Duration::from_micros(expires),
             tokens: first..first + count,
             lapsed: lapsed == 1,
+            rate,
         }))
     }
 
@@ -690,20 +738,31 @@ impl Inner {
         if mode.is_empty() {
             return Ok(Some(info));
         }
-        let mut shares = Vec::new();
-        if let Some(Value::Array(entries)) = items.get(8) {
-            for entry in entries.iter().filter_map(text) {
-                let n: Vec<u64> = entry.split('|').filter_map(|f| f.parse().ok()).collect();
-                if let [client, share, reserved, held, demand] = n[..] {
-                    let narrow = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
-                    shares.push(ShareInfo::new(
-                        client,
-                        narrow(share),
-                        narrow(reserved),
-                        narrow(held),
-                        narrow(demand),
-                    ));
-                }
+        // Each ledger's entries: "client|share|reserved|held|demand".
+        let entries = |i: usize| -> Vec<[u64; 5]> {
+            let Some(Value::Array(entries)) = items.get(i) else { return Vec::new() };
+            entries
+                .iter()
+                .filter_map(text)
+                .filter_map(|entry| {
+                    let n: Vec<u64> = entry.split('|').filter_map(|f| f.parse().ok()).collect();
+                    n.try_into().ok()
+                })
+                .collect()
+        };
+        let narrow = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
+        let mut shares: Vec<ShareInfo> = entries(8)
+            .into_iter()
+            .map(|[client, share, reserved, held, demand]| {
+                ShareInfo::new(client, narrow(share), narrow(reserved), narrow(held), narrow(demand))
+            })
+            .collect();
+        // The rate ledger, in thousandths of a grant per second.
+        for [client, share, _, _, demand] in entries(9) {
+            let milli = |v: u64| v as f64 / 1000.0;
+            match shares.iter_mut().find(|s| s.client == client) {
+                Some(info) => *info = info.clone().with_rate(milli(share), milli(demand)),
+                None => shares.push(ShareInfo::new(client, 0, 0, 0, 0).with_rate(milli(share), milli(demand))),
             }
         }
         shares.sort_by_key(|s| s.client);
@@ -810,19 +869,24 @@ impl RedisLimits {
     }
 
     /// Defines `name` in leased mode: every client of the namespace serves it from a share of
-    /// its `concurrent` permits that it holds for a lease and refreshes every third of one,
-    /// with no round trip per acquire. Shares follow each client's demand (`policy`); they
-    /// never add up to more than `concurrent`. A permit handed out from a share is reported
+    /// its `concurrent` permits (and of its rate, if it has one) that it holds for a lease and
+    /// refreshes every third of one, with no round trip per acquire. Shares follow each
+    /// client's demand (`policy`); they never add up to more than `concurrent`, nor to more
+    /// than the rate. A client's demand for the rate is the rate its acquires arrived at since
+    /// its last refresh plus its waiters (to be served within a refresh interval); it grants
+    /// at most its part of the rate (GCRA, with the burst in proportion to its part, at least
+    /// one), so the fleet grants at most the rate plus one burst per client. A rate share is
+    /// counted in thousandths of a grant per second: up to about 4.29 million grants a second
+    /// per level of demand. A permit handed out from a share is reported
     /// lost if the share lapses unrefreshed. Fencing tokens come from blocks reserved in
     /// Redis: unique across the fleet, increasing within each client. A client states its
     /// demand by priority level (a share goes first to clients with high-level waiters) and
     /// serves its own waiters highest level first, first come first served within a level
-    /// (fairness keys are not applied in leased mode). Leased mode serves concurrency only (a
-    /// rate is not apportioned yet).
+    /// (fairness keys are not applied in leased mode).
     ///
     /// # Errors
     ///
-    /// As for [`LimitBackend::define`]; [`LimitError::Backend`] for a spec with a rate.
+    /// As for [`LimitBackend::define`].
     pub async fn define_leased(
         &self,
         name: &str,
@@ -830,9 +894,6 @@ impl RedisLimits {
         policy: SharePolicy,
     ) -> Result<(), LimitError> {
         spec.validate()?;
-        if spec.per_second.is_some() {
-            return Err(LimitError::backend("leased mode apportions concurrency only, not a rate"));
-        }
         let mode = match policy {
             SharePolicy::MaxMinFair => "leased:maxmin",
             SharePolicy::Proportional => "leased:proportional",
@@ -847,6 +908,13 @@ impl RedisLimits {
     /// how many it has out; `None` for a limit it does not serve leased.
     pub fn share(&self, name: &str) -> Option<(u32, u32)> {
         self.inner.leased(name).map(|leased| leased.share())
+    }
+
+    /// This client's part of leased limit `name`'s rate now, in grants per second; `None` for
+    /// a limit it does not serve leased, or one without a rate (as far as its last refresh
+    /// said).
+    pub fn rate_share(&self, name: &str) -> Option<f64> {
+        self.inner.leased(name).and_then(|leased| leased.rate_share())
     }
 
     /// This client's counters.

@@ -374,8 +374,10 @@ end
 -- Leased capacity ------------------------------------------------------------------------
 -- The same apportioning and ledger as lanes::limit::share (crates/lanes/src/limit/share.rs),
 -- run where the limit lives. B:ls holds each client's entry, "share|reserved|held|expires|
--- demand" (demand as "level:n,level:n"); B:lt the targets of the live clients, valid while
--- M's `lvalid` is 1 (a demand or the set of clients changing clears it).
+-- seq|demand" (demand as "level:n,level:n"); B:lt the targets of the live clients, valid while
+-- M's `lvalid` is 1 (a demand or the set of clients changing clears it). A limit with a rate
+-- has a second ledger of the same shape for its rate, in thousandths of a grant per second:
+-- B:rs, B:rt and `rvalid`.
 
 local function parse_demand(text)
   local demand = {}
@@ -499,7 +501,7 @@ local function call(keys, args)
     local movehold = tonumber(ARGV[11] or '0')
     if movehold > 0 then redis.call('HSET', M, 'movehold', movehold) end
     -- The capacity may have changed: leased shares' targets are computed again.
-    redis.call('HSET', M, 'lvalid', '0')
+    redis.call('HSET', M, 'lvalid', '0', 'rvalid', '0')
     -- ARGV[12]: the mode, "leased:<policy>" for leased capacity; "" keeps the limit's mode
     -- (exact for a new one). A leased limit goes back to exact only through a removal.
     if ARGV[12] and ARGV[12] ~= '' then
@@ -630,63 +632,79 @@ local function call(keys, args)
   if op == 'lease' then
     -- ARGV: client (its ledger id), held, demand ("level:n,..."), policy ("maxmin" |
     -- "proportional"), tokens wanted, seq (the client's refresh number, increasing), the
-    -- highest token the client has handed out, and "1" if the client believes it holds a live
-    -- share. The lease is ARGV[3]. Answers share, lease end (us), a block of fencing tokens
-    -- [first, first + count) for the grants the client makes from its share, and 1 if the
-    -- client's share had lapsed here (its permits out must be reported lost: their capacity
-    -- may have gone to others); or { 'stale' } for a refresh older than one already applied,
-    -- { 'exact' } for a limit not defined leased.
+    -- highest token the client has handed out, "1" if the client believes it holds a live
+    -- share; then, for a limit with a rate, the rate share the client enforces now and its
+    -- rate demand ("level:n,..."), both in thousandths of a grant per second. The lease is
+    -- ARGV[3]. Answers share, lease end (us), a block of fencing tokens [first, first + count)
+    -- for the grants the client makes from its share, 1 if the client's share had lapsed here
+    -- (its permits out must be reported lost: their capacity may have gone to others), and for
+    -- a limit with a rate its rate share, its whole rate (thousandths of a grant per second)
+    -- and its burst (else -1, 0, 0); or { 'stale' } for a refresh older than one already
+    -- applied, { 'exact' } for a limit not defined leased.
     if not meta.mode or string.sub(meta.mode, 1, 7) ~= 'leased:' then return { 'exact' } end
     local client, held = tonumber(ARGV[6]), tonumber(ARGV[7])
     local demand_text, policy, want_tokens = ARGV[8], ARGV[9], tonumber(ARGV[10])
     local seq, last_token, believes = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1'
-    local LS, LT = B .. ':ls', B .. ':lt'
-    local entries = redis.call('HGETALL', LS)
-    local clients, mine, others = {}, nil, 0
-    local changed = redis.call('HGET', M, 'lvalid') ~= '1'
-    for k = 1, #entries, 2 do
-      local id = tonumber(entries[k])
-      local share, reserved, _, expires, eseq, demand =
-        string.match(entries[k + 1], '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
-      if not id or not expires or tonumber(expires) <= now then
-        -- Lapsed (or not ours to read): its reservation ends.
-        redis.call('HDEL', LS, entries[k])
-        changed = true
-      elseif id == client then
-        mine = { share = tonumber(share), demand = demand, seq = tonumber(eseq) }
-      else
-        others = others + tonumber(reserved)
-        table.insert(clients, { id = id, demand = parse_demand(demand) })
-      end
-    end
-    if mine and seq <= mine.seq then return { 'stale' } end
-    -- A client that believes it holds a share Redis no longer has: its permits out may have
-    -- been given to others, so it reports them lost and nothing is reserved for them.
-    local lapsed = 0
-    if not mine and believes and held > 0 then
-      lapsed = 1
-      held = 0
-    end
-    if not mine or mine.demand ~= demand_text then changed = true end
-    table.insert(clients, { id = client, demand = parse_demand(demand_text) })
-    local target
-    if changed then
-      local targets = apportion(meta.concurrent, clients, policy)
-      redis.call('DEL', LT)
-      for id, t in pairs(targets) do redis.call('HSET', LT, int(id), t) end
-      redis.call('HSET', M, 'lvalid', '1')
-      target = targets[client]
-    else
-      target = tonumber(redis.call('HGET', LT, int(client)) or '0')
-    end
-    local share = 0
-    if meta.hold <= now then
-      share = math.min(target, math.max(meta.concurrent - others, 0))
-    end
-    local reserved = math.max(share, held)
     local expires = now + lease_us
-    redis.call('HSET', LS, int(client), int(share) .. '|' .. int(reserved) .. '|' .. int(held) ..
-      '|' .. int(expires) .. '|' .. int(seq) .. '|' .. demand_text)
+    -- One ledger: its shares (LS), targets (LT, valid while M's `valid` field is 1).
+    local function refresh(LS, LT, valid, capacity, held, demand_text, lapse)
+      local entries = redis.call('HGETALL', LS)
+      local clients, mine, others = {}, nil, 0
+      local changed = redis.call('HGET', M, valid) ~= '1'
+      for k = 1, #entries, 2 do
+        local id = tonumber(entries[k])
+        local share, reserved, _, expiry, eseq, demand =
+          string.match(entries[k + 1], '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
+        if not id or not expiry or tonumber(expiry) <= now then
+          -- Lapsed (or not ours to read): its reservation ends.
+          redis.call('HDEL', LS, entries[k])
+          changed = true
+        elseif id == client then
+          mine = { share = tonumber(share), demand = demand, seq = tonumber(eseq) }
+        else
+          others = others + tonumber(reserved)
+          table.insert(clients, { id = id, demand = parse_demand(demand) })
+        end
+      end
+      if mine and seq <= mine.seq then return nil end
+      -- A client that believes it holds a share Redis no longer has: its permits out may have
+      -- been given to others, so it reports them lost and nothing is reserved for them.
+      local lapsed = 0
+      if lapse and not mine and believes and held > 0 then
+        lapsed = 1
+        held = 0
+      end
+      if not mine or mine.demand ~= demand_text then changed = true end
+      table.insert(clients, { id = client, demand = parse_demand(demand_text) })
+      local target
+      if changed then
+        local targets = apportion(capacity, clients, policy)
+        redis.call('DEL', LT)
+        for id, t in pairs(targets) do redis.call('HSET', LT, int(id), int(t)) end
+        redis.call('HSET', M, valid, '1')
+        target = targets[client]
+      else
+        target = tonumber(redis.call('HGET', LT, int(client)) or '0')
+      end
+      local share = 0
+      if meta.hold <= now then
+        share = math.min(target, math.max(capacity - others, 0))
+      end
+      local reserved = math.max(share, held)
+      redis.call('HSET', LS, int(client), int(share) .. '|' .. int(reserved) .. '|' .. int(held)
+        .. '|' .. int(expires) .. '|' .. int(seq) .. '|' .. demand_text)
+      return share, lapsed
+    end
+    local share, lapsed =
+      refresh(B .. ':ls', B .. ':lt', 'lvalid', meta.concurrent, held, demand_text, true)
+    if not share then return { 'stale' } end
+    local rshare, rcapacity, burst = -1, 0, 0
+    local rate = tonumber(redis.call('HGET', M, 'rate') or '')
+    if rate and ARGV[14] then
+      rcapacity, burst = math.floor(rate * 1000), meta.burst
+      rshare = refresh(B .. ':rs', B .. ':rt', 'rvalid', rcapacity, tonumber(ARGV[14]),
+        ARGV[15] or '', false) or 0
+    end
     -- Tokens: past every token this client has handed out (after Redis lost its counter, the
     -- clients' refreshes during the hold carry it past all of theirs), then a block.
     if last_token > num(M, 'fence') then redis.call('HSET', M, 'fence', int(last_token)) end
@@ -694,16 +712,17 @@ local function call(keys, args)
     if want_tokens > 0 then
       first = redis.call('HINCRBY', M, 'fence', want_tokens) - want_tokens + 1
     end
-    return { share, int(expires), int(first), want_tokens, lapsed }
+    return { int(share), int(expires), int(first), want_tokens, lapsed, int(rshare),
+      int(rcapacity), int(burst) }
   end
 
   if op == 'info' then
     if reclaimed > 0 then kick(now) end
-    -- Then, for a leased limit, its mode and each live client's entry
-    -- ("id|share|reserved|held|demand total").
-    local shares = {}
-    if meta.mode then
-      local entries = redis.call('HGETALL', B .. ':ls')
+    -- Then, for a leased limit, its mode and each live client's entry in each ledger
+    -- ("id|share|reserved|held|demand total"): permits, then rate (thousandths per second).
+    local function live_shares(LS)
+      local shares = {}
+      local entries = redis.call('HGETALL', LS)
       for k = 1, #entries, 2 do
         local share, reserved, held, expires, _, demand =
           string.match(entries[k + 1], '^(%d+)|(%d+)|(%d+)|(%d+)|(%d+)|(.*)$')
@@ -714,22 +733,29 @@ local function call(keys, args)
             '|' .. int(total))
         end
       end
+      return shares
+    end
+    local shares, rshares = {}, {}
+    if meta.mode then
+      shares, rshares = live_shares(B .. ':ls'), live_shares(B .. ':rs')
     end
     return {
       meta.concurrent, redis.call('HGET', M, 'rate') or '', meta.burst, in_use(), waiting(),
-      granted(), meta.maxuse, meta.mode or '', shares,
+      granted(), meta.maxuse, meta.mode or '', shares, rshares,
     }
   end
 
   if op == 'remove' then
     if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
     -- A leased limit with live shares is in use too.
-    local shares = redis.call('HGETALL', B .. ':ls')
-    for k = 2, #shares, 2 do
-      local expires = string.match(shares[k], '^%d+|%d+|%d+|(%d+)|')
-      if expires and tonumber(expires) > now then return { 'in_use' } end
+    for _, LS in ipairs({ B .. ':ls', B .. ':rs' }) do
+      local shares = redis.call('HGETALL', LS)
+      for k = 2, #shares, 2 do
+        local expires = string.match(shares[k], '^%d+|%d+|%d+|(%d+)|')
+        if expires and tonumber(expires) > now then return { 'in_use' } end
+      end
     end
-    redis.call('DEL', M, H, E, LV, I, C, L, B .. ':ls', B .. ':lt')
+    redis.call('DEL', M, H, E, LV, I, C, L, B .. ':ls', B .. ':lt', B .. ':rs', B .. ':rt')
     return 'ok'
   end
 

@@ -271,3 +271,106 @@ async fn high_level_demand_gets_the_shares_first() {
     }
     assert_eq!(*order.lock().unwrap(), [9, 0], "the higher level first");
 }
+
+/// `n` tasks acquiring the leased rate limit "rated" back to back until `stop`, counting their
+/// grants.
+fn rate_load(
+    limits: &Limits,
+    n: usize,
+    stop: &Arc<AtomicBool>,
+    grants: &Arc<AtomicU64>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    (0..n)
+        .map(|_| {
+            let (limits, stop, grants) = (limits.clone(), stop.clone(), grants.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let acquired = limits
+                        .acquire_timeout("rated", Priority::default(), Duration::from_millis(500))
+                        .await;
+                    if acquired.is_ok() {
+                        grants.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+/// Acquires of "rated" arriving every 100 ms (each its own task, however long the others
+/// wait) until `stop`, counting their grants.
+fn trickle(
+    limits: &Limits,
+    stop: &Arc<AtomicBool>,
+    grants: &Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    let (limits, stop, grants) = (limits.clone(), stop.clone(), grants.clone());
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        while !stop.load(Ordering::Relaxed) {
+            tick.tick().await;
+            let (limits, grants) = (limits.clone(), grants.clone());
+            tokio::spawn(async move {
+                if limits.acquire("rated", Priority::default()).await.is_ok() {
+                    grants.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+    })
+}
+
+/// A leased rate follows demand: a client whose acquires arrive at 10 a second gets that much
+/// of a 100-a-second limit and the hammering one the rest, neither over the rate together;
+/// when the loads swap, the shares follow within three refresh intervals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_rate_is_shared_by_demand_and_follows_a_shift() {
+    let ns = common::unique_ns("leased-rate");
+    let _cleanup = common::Cleanup::on(common::Target::Single, &ns);
+    let (a, b) = (client(&ns).await, client(&ns).await);
+    a.define_leased("rated", LimitSpec::rate(100.0).burst(10), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
+    let (la, lb) = (Limits::with_backend(a.clone()), Limits::with_backend(b.clone()));
+    let (light_grants, heavy_grants) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    // A: one acquire every 100 ms. B: eight tasks back to back.
+    let first = Arc::new(AtomicBool::new(false));
+    let light = trickle(&la, &first, &light_grants);
+    let heavy = rate_load(&lb, 8, &first, &heavy_grants);
+    sleep(Duration::from_millis(1_500)).await;
+    let (l0, h0) = (light_grants.load(Ordering::Relaxed), heavy_grants.load(Ordering::Relaxed));
+    sleep(Duration::from_secs(3)).await;
+    let (l1, h1) = (light_grants.load(Ordering::Relaxed), heavy_grants.load(Ordering::Relaxed));
+    let shares = (a.rate_share("rated").unwrap(), b.rate_share("rated").unwrap());
+    let (light_n, heavy_n) = (l1 - l0, h1 - h0);
+    println!("over 3 s: light {light_n} grants, heavy {heavy_n}; rate shares {shares:?}");
+    assert!((27..=31).contains(&light_n), "the light client got what it asked: {light_n}");
+    assert!(light_n + heavy_n <= 300 + 10 + 2, "over the rate: {light_n} + {heavy_n}");
+    // At least 90% of the rate used (the light client's share has a tenth of headroom, and
+    // shares move with its measured rate).
+    assert!(light_n + heavy_n >= 270, "the rate was used: {light_n} + {heavy_n}");
+    assert!(shares.0 + shares.1 <= 100.0 + 1e-9, "shares over the rate: {shares:?}");
+
+    // The shift: A hammers, B trickles.
+    first.store(true, Ordering::Relaxed);
+    let second = Arc::new(AtomicBool::new(false));
+    let shifted = Instant::now();
+    let mut after = rate_load(&la, 8, &second, &heavy_grants);
+    after.push(trickle(&lb, &second, &Arc::new(AtomicU64::new(0))));
+    let reached = timeout(Duration::from_secs(5), async {
+        loop {
+            if a.rate_share("rated").unwrap() >= 85.0 {
+                return shifted.elapsed();
+            }
+            sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("A's rate share follows its demand");
+    second.store(true, Ordering::Relaxed);
+    for task in heavy.into_iter().chain(after).chain([light]) {
+        timeout(Duration::from_secs(5), task).await.expect("tasks end").unwrap();
+    }
+    let refresh = LEASE / 3;
+    println!("A's rate share reached 85 of 100 after {reached:?} (refresh every {refresh:?})");
+    assert!(reached <= refresh * 3, "new shares after {reached:?}, more than three refreshes");
+}

@@ -6,6 +6,9 @@
 //!   by the server's high-water mark and by the holders' own count; fencing tokens are unique
 //!   and grow within each process.
 //! - A holder killed with SIGKILL loses its permit to a waiter within `lease + 100 ms`.
+//! - Leased: the same hammer never exceeds `concurrent`; a killed process's share is reused
+//!   within a lease and a refresh; four processes hammering a leased *rate* grant within ±5%
+//!   of the rate over every 10 s window.
 //!
 //! A plain `main` (harness = false): a child is this binary with `LANES_REDIS_CHILD` set.
 
@@ -33,6 +36,7 @@ fn main() {
         Ok("hammer") => runtime.block_on(hammer()),
         Ok("hold") => runtime.block_on(hold()),
         Ok("hold-leased") => runtime.block_on(hold_leased()),
+        Ok("rate-hammer") => runtime.block_on(rate_hammer()),
         Ok(other) => panic!("unknown child mode {other}"),
         Err(_) => {
             for target in [Target::Single, Target::Cluster] {
@@ -49,6 +53,9 @@ fn main() {
             println!("test a_killed_processes_share_is_reused_within_a_lease_and_a_refresh ...");
             runtime.block_on(a_killed_processes_share_is_reused());
             println!("test a_killed_processes_share_is_reused_within_a_lease_and_a_refresh ... ok");
+            println!("test processes_hammering_a_leased_rate_grant_it_within_5_percent ...");
+            runtime.block_on(processes_hammering_a_leased_rate_grant_it_within_5_percent());
+            println!("test processes_hammering_a_leased_rate_grant_it_within_5_percent ... ok");
         }
     }
 }
@@ -102,6 +109,94 @@ async fn hammer() {
     }
     let tokens: Vec<String> = tokens.iter().map(u64::to_string).collect();
     println!("MOST {most} TOKENS {}", tokens.join(","));
+}
+
+/// Microseconds since the Unix epoch: one clock for every process of the test.
+fn epoch_us() -> u64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    since.as_micros() as u64
+}
+
+/// Child: eight tasks acquire the leased rate limit `rated` back to back until
+/// `LANES_UNTIL_US` (epoch µs); reports the moment of every grant.
+async fn rate_hammer() {
+    let (limits, _conn, _) = child_limits().await;
+    let until: u64 = env("LANES_UNTIL_US").parse().unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let limits = limits.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut at = Vec::new();
+            while epoch_us() < until {
+                let permit = limits.acquire("rated", Priority::default()).await.expect("acquire");
+                at.push(epoch_us());
+                drop(permit);
+            }
+            at
+        }));
+    }
+    let mut all = Vec::new();
+    for task in tasks {
+        all.extend(task.await.unwrap());
+    }
+    let all: Vec<String> = all.iter().map(u64::to_string).collect();
+    println!("GRANTS {}", all.join(","));
+}
+
+/// Four processes hammer a leased rate of 200 a second (each process's share set by Redis
+/// from the rates its acquires arrive at): from two seconds in (the shares settle), every
+/// 10 s window, taken every 250 ms, sees 2,000 grants ±5% across the processes.
+async fn processes_hammering_a_leased_rate_grant_it_within_5_percent() {
+    use lanes::limit::share::SharePolicy;
+    const RATE: f64 = 200.0;
+    let ns = common::unique_ns("procs-rate");
+    let _cleanup = common::Cleanup::on(Target::Single, &ns);
+    let lease = Duration::from_millis(1500);
+    let backend = common::builder(&ns).lease(lease).build().await.expect("redis");
+    backend
+        .define_leased("rated", LimitSpec::rate(RATE).burst(4), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
+    let start = epoch_us();
+    let until = start + 13_000_000;
+    let children: Vec<_> = (0..CHILDREN)
+        .map(|_| {
+            let mut command = child("rate-hammer", &ns, lease.as_millis() as u64, Target::Single);
+            command.env("LANES_UNTIL_US", until.to_string()).spawn().expect("spawn")
+        })
+        .collect();
+    let mut grants = Vec::new();
+    let mut per_child = Vec::new();
+    for child in children {
+        let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+            .await
+            .unwrap()
+            .expect("the child finishes");
+        assert!(out.status.success(), "a child failed: {:?}", out.status);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let line = stdout.lines().find(|l| l.starts_with("GRANTS ")).expect("a report");
+        let at: Vec<u64> = line[7..].split(',').filter_map(|t| t.parse().ok()).collect();
+        per_child.push(at.len());
+        grants.extend(at);
+    }
+    grants.sort_unstable();
+    let window = 10_000_000u64;
+    let want = RATE * 10.0;
+    let mut from = start + 2_000_000;
+    let (mut least, mut most) = (f64::MAX, 0f64);
+    while from + window <= until {
+        let n = grants.iter().filter(|&&at| at >= from && at < from + window).count() as f64;
+        (least, most) = (least.min(n), most.max(n));
+        assert!(
+            (n - want).abs() <= want * 0.05,
+            "{n} grants in the 10 s from {:.2} s, want {want} ±5% (per process: {per_child:?})",
+            (from - start) as f64 / 1e6
+        );
+        from += 250_000;
+    }
+    println!("  10 s windows: {least} to {most} grants (want {want}); per process {per_child:?}");
+    // Every process had a part: the rate was shared, not taken by one.
+    assert!(per_child.iter().all(|&n| n as f64 > want / 8.0), "per process: {per_child:?}");
 }
 
 /// Child: take the permit, say so, and hold it until killed.

@@ -58,7 +58,7 @@ pub struct LimitInfo {
 }
 
 /// One client's share of a leased limit (see [`share`](super::share)).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct ShareInfo {
     /// The client, by its ledger id.
@@ -71,12 +71,27 @@ pub struct ShareInfo {
     pub held: u32,
     /// What it wanted at its last refresh (permits out and waiters).
     pub demand: u32,
+    /// For a limit with a rate: its part of the rate, in grants per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_second: Option<f64>,
+    /// For a limit with a rate: the rate it wanted at its last refresh, in grants per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_second_demand: Option<f64>,
 }
 
 impl ShareInfo {
     /// One client's share as a backend reports it (for backends outside this crate).
     pub fn new(client: u64, share: u32, reserved: u32, held: u32, demand: u32) -> Self {
-        Self { client, share, reserved, held, demand }
+        Self { client, share, reserved, held, demand, per_second: None, per_second_demand: None }
+    }
+
+    /// This share, with its part of the limit's rate and the rate it wanted (grants per
+    /// second).
+    #[must_use]
+    pub fn with_rate(mut self, per_second: f64, demand: f64) -> Self {
+        self.per_second = Some(per_second);
+        self.per_second_demand = Some(demand);
+        self
     }
 }
 
