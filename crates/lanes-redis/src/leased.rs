@@ -1,532 +1,58 @@
-//! Leased capacity, the client half: a limit defined `leased` is served from this client's
-//! share of it, with no round trip per acquire. A task per leased limit refreshes the share
-//! every third of a lease ([`Inner::refresh_share`], the store's half), stating the demand
-//! (permits out plus waiters, by priority level: a share goes first to clients with high-level
-//! demand) and the permits out; acquires are granted locally, highest level first and first come
-//! first served within a level, while fewer than the share are out, each with a fencing token from the block
-//! the last refresh reserved (sized to twice the grants of the last interval; a spent block
-//! brings the next refresh forward). A share that is not refreshed before its lease ends becomes
-//! nothing, and every permit handed out from it is reported lost, because Redis gives the
-//! capacity to others from then on.
+//! Leased capacity on Redis: the client half ([`LocalShare`], [`keep_share`]) is
+//! `lanes::limit::share`'s; this client is its [`ShareSource`], whose refreshes run the `lease`
+//! operation on the limit's ledger in Redis.
 
 // The crate root's private types and imports: this module is one of its impl blocks.
 use super::*;
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::ops::Range;
-
-/// One leased limit as this client serves it.
-pub(crate) struct Leased {
-    pub(crate) policy: SharePolicy,
-    state: Mutex<LeasedState>,
-    /// Woken when a permit may be free (a release, a larger share, new tokens).
-    room: Notify,
-    /// Wakes the refresher early: the block of tokens ran out.
-    hurry: Notify,
-}
-
-#[derive(Default)]
-struct LeasedState {
-    share: u32,
-    /// When the share ends unless refreshed (local time, no later than Redis's end).
-    until: Option<Instant>,
-    tokens: Range<u64>,
-    /// Permits out: ticket -> its fencing token and its level.
-    holders: BTreeMap<u64, (u64, u8)>,
-    /// Tickets waiting: the highest level first, in arrival order within a level.
-    waiting: BTreeMap<(Reverse<u8>, u64), u64>,
-    /// Where each waiting ticket is in `waiting`.
-    waiting_at: HashMap<u64, (Reverse<u8>, u64)>,
-    /// Arrivals so far (the order within a level).
-    arrivals: u64,
-    /// The highest fencing token handed out (0: none yet).
-    last_token: u64,
-    /// The most permits out plus waiters since the last refresh: the demand stated is never
-    /// below it, or a share sized to one instant's demand would keep the client short.
-    peak: u32,
-    /// Grants since `counted_since` (the last refresh), to size the next block of tokens.
-    granted: u64,
-    counted_since: Option<Instant>,
-    /// While a refresh is unanswered (or failed): the permits out when it was sent. Redis
-    /// reserves for this client at least that many, and perhaps no more (it may already have
-    /// cut the share), so no more than that may be out until an answer comes.
-    cap: Option<u32>,
-    /// For a limit with a rate: this client's part of it, once a refresh said so.
-    rate: Option<RateState>,
-    /// First asks since the last refresh, by level: the rate demand.
-    arrived: BTreeMap<u8, u32>,
-    /// When the arrivals began to be counted (the last refresh sent).
-    arrived_since: Option<Instant>,
-    /// The arrivals counted at the last refreshes, and over how long each: the rate is
-    /// measured over the latest of them that cover a refresh interval, never over less (a few
-    /// arrivals more or less would swing it).
-    arrived_before: VecDeque<(BTreeMap<u8, u32>, Duration)>,
-    /// Since when someone has waited (`None`: nobody waits).
-    waiting_since: Option<Instant>,
-    /// How long someone waited since the last refresh, up to `waiting_since`.
-    waited: Duration,
-}
-
-/// How late a grant may come after its turn without losing that time to the rate.
-const LATE: Duration = Duration::from_millis(2);
-
-/// A leased limit's part of its rate as this client enforces it: GCRA at the share's rate.
-///
-/// Unlike permits, a rate share has no holders to wait for: a share cut applies to the next
-/// grant. The refresh states the share enforced until the answer (`held`), so Redis keeps it
-/// reserved until the refresh after, by when the cut is in force.
-struct RateState {
-    lease: RateLease,
-    /// The theoretical arrival time of the next grant at the share's rate.
-    tat: Option<Instant>,
-}
-
-impl RateState {
-    /// The time between grants at the share's rate; `None` for no share.
-    fn interval(&self) -> Option<Duration> {
-        (self.lease.share > 0)
-            .then(|| Duration::from_nanos(1_000_000_000_000u64.div_ceil(self.lease.share)))
-    }
-
-    /// The earliest moment a grant fits (`None`: never, with no share).
-    fn ready_at(&self, now: Instant) -> Option<Instant> {
-        let interval = self.interval()?;
-        let tolerance = interval.saturating_mul(self.lease.burst_share() - 1);
-        Some(self.tat.and_then(|tat| tat.checked_sub(tolerance)).map_or(now, |at| at.max(now)))
-    }
-
-    /// A grant was made at `now`. A waiter woken for its turn is granted a little after it
-    /// (the timer's tick, the wake-up, the ask): up to [`LATE`] (at most one interval) of that
-    /// is not lost to the rate, or a share with a burst of one would run a few percent slow.
-    /// So a client may grant one more than its burst in a window, never more.
-    fn take(&mut self, now: Instant) {
-        if let Some(interval) = self.interval() {
-            let late = now.checked_sub(LATE.min(interval)).unwrap_or(now);
-            self.tat = Some(self.tat.map_or(now, |tat| tat.max(late)) + interval);
-        }
-    }
-
-    /// A new share from a refresh at `now`: the debt of the old rate is kept, up to a full
-    /// bucket of the new (its burst of intervals), so a larger share applies at once and a
-    /// spent burst stays spent.
-    fn renew(&mut self, lease: RateLease, now: Instant) {
-        self.lease = lease;
-        if let (Some(tat), Some(interval)) = (self.tat, self.interval()) {
-            self.tat = Some(tat.min(now + interval.saturating_mul(lease.burst_share())));
-        }
-    }
-}
-
-impl LeasedState {
-    /// The most permits that may be out now.
-    fn limit(&self) -> u32 {
-        self.cap.map_or(self.share, |cap| cap.min(self.share))
-    }
-
-    /// When the rate lets the next grant go: now for a limit without a rate; `None` for a
-    /// rate share of nothing.
-    fn rate_ready(&self, now: Instant) -> Option<Instant> {
-        self.rate.as_ref().map_or(Some(now), |rate| rate.ready_at(now))
-    }
-
-    fn note_peak(&mut self) {
-        let now = (self.holders.len() + self.waiting.len()) as u32;
-        self.peak = self.peak.max(now);
-    }
-
-    /// The ticket served next, if any waits.
-    fn head(&self) -> Option<u64> {
-        self.waiting.first_key_value().map(|(_, ticket)| *ticket)
-    }
-
-    fn unqueue(&mut self, ticket: u64) -> bool {
-        let Some(at) = self.waiting_at.remove(&ticket) else { return false };
-        let removed = self.waiting.remove(&at).is_some();
-        if self.waiting.is_empty()
-            && let Some(since) = self.waiting_since.take()
-        {
-            self.waited += since.elapsed();
-        }
-        removed
-    }
-}
-
-/// A priority level as a level of demand: `Priority::level`'s `i32` clamped to -128..=127,
-/// shifted to 0..=255 (order kept).
-pub(crate) fn level_of(priority: &Priority) -> u8 {
-    (priority.level.clamp(-128, 127) + 128) as u8
-}
-
-impl Leased {
-    pub(crate) fn new(policy: SharePolicy) -> Self {
-        Self {
-            policy,
-            state: Mutex::new(LeasedState::default()),
-            room: Notify::new(),
-            hurry: Notify::new(),
-        }
-    }
-
-    /// A grant for `ticket` if its turn has come and the share has room; else, with a `level`
-    /// (its first ask), it waits in line at that level.
-    pub(crate) fn ask(&self, ticket: u64, level: Option<u8>) -> Answer {
-        let mut state = lock(&self.state);
-        if let Some((token, _)) = state.holders.get(&ticket) {
-            return Answer::Granted(Grant { fencing_token: *token, expires_at: None });
-        }
-        let now = Instant::now();
-        if let Some(level) = level
-            && !state.waiting_at.contains_key(&ticket)
-        {
-            let arrived = state.arrived.entry(level).or_insert(0);
-            *arrived = arrived.saturating_add(1);
-        }
-        let live = state.until.is_some_and(|until| until > now);
-        let first = state.head().is_none_or(|head| head == ticket);
-        let room = (state.holders.len() as u32) < state.limit();
-        if live && room && state.tokens.is_empty() {
-            // The share has room but the block of tokens is spent: refresh now.
-            self.hurry.notify_one();
-        }
-        let rate_ok = state.rate_ready(now).is_some_and(|at| at <= now);
-        if live && first && room && rate_ok && !state.tokens.is_empty() {
-            let at = state.waiting_at.get(&ticket).map(|at| at.0.0);
-            state.unqueue(ticket);
-            if let Some(rate) = &mut state.rate {
-                rate.take(now);
-            }
-            let token = state.tokens.next().expect("checked above");
-            state.last_token = state.last_token.max(token);
-            state.holders.insert(ticket, (token, at.or(level).unwrap_or(128)));
-            state.note_peak();
-            state.granted += 1;
-            let others_wait = !state.waiting.is_empty();
-            drop(state);
-            if others_wait {
-                // The next in line may fit too.
-                self.room.notify_waiters();
-            }
-            return Answer::Granted(Grant { fencing_token: token, expires_at: None });
-        }
-        if let Some(level) = level
-            && !state.waiting_at.contains_key(&ticket)
-        {
-            state.arrivals += 1;
-            let at = (Reverse(level), state.arrivals);
-            state.waiting.insert(at, ticket);
-            state.waiting_since.get_or_insert(now);
-            state.waiting_at.insert(ticket, at);
-            state.note_peak();
-        }
-        Answer::Queued
-    }
-
-    /// Whether `ticket` holds a permit here or waits for one.
-    pub(crate) fn knows(&self, ticket: u64) -> bool {
-        let state = lock(&self.state);
-        state.holders.contains_key(&ticket) || state.waiting_at.contains_key(&ticket)
-    }
-
-    /// The rate share now, in grants per second (`None` for a limit without a rate).
-    pub(crate) fn rate_share(&self) -> Option<f64> {
-        let state = lock(&self.state);
-        let live = state.until.is_some_and(|until| until > Instant::now());
-        state.rate.as_ref().map(|rate| if live { rate.lease.share as f64 / 1000.0 } else { 0.0 })
-    }
-
-    /// (The share's limit now, permits out.)
-    pub(crate) fn share(&self) -> (u32, u32) {
-        let state = lock(&self.state);
-        let live = state.until.is_some_and(|until| until > Instant::now());
-        (if live { state.limit() } else { 0 }, state.holders.len() as u32)
-    }
-
-    /// Gives `ticket`'s permit back, or withdraws it from the line.
-    pub(crate) fn release(&self, ticket: u64) -> Released {
-        let mut state = lock(&self.state);
-        let released = if state.holders.remove(&ticket).is_some() {
-            Released::Permit
-        } else if state.unqueue(ticket) {
-            Released::Withdrawn
-        } else {
-            Released::Unknown
-        };
-        let others_wait = !state.waiting.is_empty();
-        drop(state);
-        if others_wait {
-            self.room.notify_waiters();
-        }
-        released
-    }
-
-    /// Waits until `ticket` may be granted, for at most `at_most`. Registered for the wake-up
-    /// before it looks, so a release between its last ask and this wait is not missed.
-    pub(crate) async fn wait(&self, ticket: u64, at_most: Duration) {
-        let notified = self.room.notified();
-        tokio::pin!(notified);
-        notified.as_mut().enable();
-        let now = Instant::now();
-        let at_most = match self.may_grant(ticket, now) {
-            Some(at) if at <= now => return,
-            // Only the rate holds it back: until the rate lets it go.
-            Some(at) => at_most.min(at - now),
-            None => at_most,
-        };
-        let _ = tokio::time::timeout(at_most, notified).await;
-    }
-
-    /// When an ask for `ticket` would be granted, if nothing but time holds it back: now, or
-    /// when the rate lets it go. `None`: it waits for something else (room, its turn, a share,
-    /// a block of tokens).
-    fn may_grant(&self, ticket: u64, now: Instant) -> Option<Instant> {
-        let state = lock(&self.state);
-        let other = state.until.is_some_and(|until| until > now)
-            && (state.holders.len() as u32) < state.limit()
-            && !state.tokens.is_empty()
-            && state.head().is_none_or(|head| head == ticket);
-        if other { state.rate_ready(now) } else { None }
-    }
-
-    /// What to tell the store of the rate: the share enforced now, and the demand in
-    /// thousandths of a grant per second by level — the rate arrivals came at over the last
-    /// refresh interval or more, a tenth more (a share of exactly the rate measured would keep
-    /// arrivals waiting), plus the waiters, to be served within a refresh interval (`every`).
-    /// Tasks that acquire back to back arrive only as fast as they are granted, so a client
-    /// bound by its share (someone waited for at least half the time since the last refresh)
-    /// asks for at least four times its share, at its highest waiting level: a starved
-    /// client's share grows geometrically to its fair part. Restarts the counts.
-    fn rate_demand(&self, every: Duration) -> (u64, Demand) {
-        let mut state = lock(&self.state);
-        let now = Instant::now();
-        let span = state.arrived_since.replace(now).map_or(every, |at| now - at);
-        let counted = std::mem::take(&mut state.arrived);
-        state.arrived_before.push_back((counted, span));
-        let mut covered: Duration = state.arrived_before.iter().map(|(_, over)| *over).sum();
-        while state.arrived_before.front().is_some_and(|(_, over)| covered - *over >= every) {
-            covered -= state.arrived_before.pop_front().map_or(Duration::ZERO, |(_, over)| over);
-        }
-        let mut arrived: BTreeMap<u8, u32> = BTreeMap::new();
-        for (counts, _) in &state.arrived_before {
-            for (level, n) in counts {
-                *arrived.entry(*level).or_insert(0) += n;
-            }
-        }
-        let since = covered;
-        // How long someone waited since the last refresh.
-        let mut waited = std::mem::take(&mut state.waited);
-        if let Some(since) = state.waiting_since {
-            waited += now - since;
-            state.waiting_since = Some(now);
-        }
-        let live = state.until.is_some_and(|until| until > now);
-        let held = match &state.rate {
-            Some(rate) if live => rate.lease.share,
-            _ => 0,
-        };
-        let mut backlog: BTreeMap<u8, u32> = BTreeMap::new();
-        for (Reverse(level), _) in state.waiting.keys() {
-            *backlog.entry(*level).or_insert(0) += 1;
-        }
-        let per_second = |n: u32, over: Duration, margin: f64| {
-            let milli = f64::from(n) * 1000.0 * margin / over.as_secs_f64().max(1e-3);
-            milli.min(f64::from(u32::MAX)) as u32
-        };
-        let mut demand = Demand::none();
-        for (level, n) in arrived {
-            demand = demand.at(level, per_second(n, since, 1.1));
-        }
-        let top = backlog.keys().next_back().copied();
-        for (level, n) in backlog {
-            demand = demand.at(level, per_second(n, every, 1.0));
-        }
-        let starved = waited >= span / 2;
-        if let Some(top) = top.filter(|_| starved) {
-            let wanted = u32::try_from(held.saturating_mul(4)).unwrap_or(u32::MAX);
-            let more = wanted.saturating_sub(demand.total());
-            demand = demand.at(top, more);
-        }
-        (held, demand)
-    }
-
-    /// What to tell the store: the permits out, and the demand (permits out and waiters, by
-    /// level). With `sending`, a refresh goes out now: no more than these permits may be out
-    /// until it is answered.
-    fn demand(&self, sending: bool) -> (u32, Demand) {
-        let mut state = lock(&self.state);
-        let held = state.holders.len() as u32;
-        if sending {
-            state.cap = Some(state.cap.map_or(held, |cap| cap.min(held)));
-        }
-        let mut demand = Demand::none();
-        for (_, level) in state.holders.values() {
-            demand = demand.at(*level, 1);
-        }
-        for (Reverse(level), _) in state.waiting.keys() {
-            demand = demand.at(*level, 1);
-        }
-        // What was wanted at the busiest moment since the last refresh, beyond now, at the
-        // default level.
-        let now = held + state.waiting.len() as u32;
-        demand = demand.at(128, state.peak.saturating_sub(now));
-        if sending {
-            state.peak = now;
-        }
-        (held, demand)
-    }
-
-    /// A refresh sent at `sent` came back: the new share until `until`, and a new block of
-    /// tokens if asked. Returns the permits to report lost: all of those out if the share had
-    /// lapsed before the answer (locally, or in Redis: `lapsed`), since their capacity may have
-    /// gone to others meanwhile.
-    fn renewed(&self, answer: ShareLease, until: Instant) -> Vec<u64> {
-        let mut state = lock(&self.state);
-        let ended = state.until.is_none_or(|old| old <= Instant::now());
-        let lost = if answer.lapsed || (ended && !state.holders.is_empty()) {
-            std::mem::take(&mut state.holders).into_keys().collect()
-        } else {
-            Vec::new()
-        };
-        state.share = answer.share;
-        state.cap = None;
-        state.until = Some(until);
-        match (&mut state.rate, answer.rate) {
-            (Some(rate), Some(lease)) => rate.renew(lease, Instant::now()),
-            (rate, lease) => *rate = lease.map(|lease| RateState { lease, tat: None }),
-        }
-        if !answer.tokens.is_empty() {
-            state.tokens = answer.tokens;
-        }
-        drop(state);
-        self.room.notify_waiters();
-        lost
-    }
-
-    /// The share lapsed unrefreshed by `now`: nothing more is granted, and every permit out is
-    /// lost. Returns them.
-    fn lapse(&self, now: Instant) -> Vec<u64> {
-        let mut state = lock(&self.state);
-        if state.until.is_none_or(|until| until > now) {
-            return Vec::new();
-        }
-        state.share = 0;
-        state.until = None;
-        std::mem::take(&mut state.holders).into_keys().collect()
-    }
-
-    /// When the share ends unless refreshed.
-    fn until(&self) -> Option<Instant> {
-        lock(&self.state).until
-    }
-
-    /// What the next refresh asks for besides the demand (the rate's part counted over the
-    /// refresh interval `every`).
-    fn share_ask(&self, tokens: u64, every: Duration) -> ShareAsk {
-        let rate = self.rate_demand(every);
-        let state = lock(&self.state);
-        ShareAsk {
-            tokens,
-            last_token: state.last_token,
-            believes_held: state.until.is_some_and(|until| until > Instant::now()),
-            rate: Some(rate),
-        }
-    }
-
-    /// Whether waiters are held back by the rate share (they want more of it).
-    fn rate_starved(&self) -> bool {
-        let state = lock(&self.state);
-        state.rate.is_some() && !state.waiting.is_empty()
-    }
-
-    /// The size of the next block of tokens to ask for (0: the block left lasts): enough for
-    /// twice the grants a refresh interval (`every`) sees at the rate since the last refresh,
-    /// and at least sixteen per permit wanted.
-    fn tokens_wanted(&self, wanted: u32, every: Duration) -> u64 {
-        let mut state = lock(&self.state);
-        let used = std::mem::take(&mut state.granted);
-        let now = Instant::now();
-        let since = state.counted_since.replace(now).map_or(every, |at| now - at);
-        let per_second = used as f64 / since.as_secs_f64().max(1e-3);
-        let need =
-            ((per_second * every.as_secs_f64() * 2.0) as u64).max(u64::from(wanted.max(16)) * 16);
-        if state.tokens.end - state.tokens.start >= need { 0 } else { need * 2 }
-    }
-}
+use lanes::limit::share::{LocalShare, ShareRequest, ShareSource, keep_share};
 
 impl Inner {
     /// Starts serving `name` leased, if this client does not already.
-    pub(crate) fn lease(&self, name: &str, policy: SharePolicy) -> Arc<Leased> {
+    pub(crate) fn serve_leased(&self, name: &str, policy: SharePolicy) -> Arc<LocalShare> {
         let mut map = self.leased.write().unwrap_or_else(PoisonError::into_inner);
         if let Some(leased) = map.get(name) {
             return leased.clone();
         }
-        let leased = Arc::new(Leased::new(policy));
+        let leased = Arc::new(LocalShare::new(policy));
         map.insert(name.to_owned(), leased.clone());
         drop(map);
         let me = self.me.get().cloned().unwrap_or_default();
-        let task = tokio::spawn(refresh(me, name.to_owned(), leased.clone()));
+        let task = tokio::spawn(keep_share(me, name.to_owned(), leased.clone()));
         lock(&self.tasks).push(task);
         leased
     }
 
     /// The leased limit `name`, if this client serves it leased.
-    pub(crate) fn leased(&self, name: &str) -> Option<Arc<Leased>> {
+    pub(crate) fn leased(&self, name: &str) -> Option<Arc<LocalShare>> {
         // A read lock of its own: the hot path of a leased limit touches no other state.
         self.leased.read().unwrap_or_else(PoisonError::into_inner).get(name).cloned()
     }
 }
 
 /// A leased limit's answer to an ask.
-pub(crate) fn answer(leased: &Leased, ticket: u64, ask: &Ask) -> Answer {
+pub(crate) fn answer(leased: &LocalShare, ticket: u64, ask: &Ask) -> Answer {
     match ask {
-        Ask::First(priority) => leased.ask(ticket, Some(level_of(priority))),
-        // A check never starts a ticket: one that neither holds nor waits is finished.
-        Ask::Check if !leased.knows(ticket) => Answer::Finished,
-        Ask::Check | Ask::Try => leased.ask(ticket, None),
+        Ask::First(priority) => leased.answer(ticket, Some(priority), false),
+        Ask::Check => leased.answer(ticket, None, true),
+        Ask::Try => leased.answer(ticket, None, false),
     }
 }
 
-/// Refreshes one leased limit's share every third of a lease (every tenth while it has waiters
-/// it cannot serve or after its share was cut, and at once when its block of tokens is spent), and reports its permits lost
-/// the moment the share lapses: at its end without a refresh, or when a refresh finds that it
-/// had lapsed.
-async fn refresh(inner: Weak<Inner>, name: String, leased: Arc<Leased>) {
-    loop {
-        let Some(strong) = inner.upgrade() else { return };
-        for ticket in leased.lapse(Instant::now()) {
-            strong.mark_lost(&name, ticket);
-        }
-        let (held, demand) = leased.demand(true);
-        let wanted = demand.total();
-        let lease = strong.lease;
-        let ask = leased.share_ask(leased.tokens_wanted(wanted, lease / 3), lease / 3);
-        let rate_held = ask.rate.as_ref().map_or(0, |rate| rate.0);
-        let sent = Instant::now();
-        // A share cut below what this client reserves: the next refresh, which reports the
-        // cut in force, frees the rest for others, so it comes soon.
-        let mut cut = false;
-        if let Ok(Some(answer)) =
-            strong.refresh_share(&name, &demand, held, leased.policy, ask).await
-        {
-            cut = answer.share < held || answer.rate.is_some_and(|rate| rate.share < rate_held);
-            for ticket in leased.renewed(answer, strong.lease_end(sent, lease)) {
-                strong.mark_lost(&name, ticket);
-            }
-        }
-        for ticket in leased.lapse(Instant::now()) {
-            strong.mark_lost(&name, ticket);
-        }
-        let wanted_now = leased.demand(false).1.total();
-        let starved = wanted_now > lock(&leased.state).share || leased.rate_starved();
-        let until = leased.until();
-        drop(strong);
-        let pause = if starved || cut { lease / 10 } else { lease / 3 };
-        // Awake at the share's end too: its permits are reported lost then, not a pause later.
-        let wake =
-            until.map_or(Instant::now() + pause, |until| (Instant::now() + pause).min(until));
-        tokio::select! {
-            () = tokio::time::sleep_until(wake) => {}
-            () = leased.hurry.notified() => {}
-        }
+impl ShareSource for Inner {
+    fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        name: &'a str,
+        request: ShareRequest,
+    ) -> BoxFuture<'a, Result<Option<ShareLease>, LimitError>> {
+        Box::pin(self.refresh_share(name, self.ledger_id, request, self.lease))
+    }
+
+    fn lost(&self, name: &str, ticket: u64) {
+        self.mark_lost(name, ticket);
     }
 }

@@ -109,7 +109,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use lanes::limit::share::{Demand, SharePolicy};
+use lanes::limit::share::{Demand, LocalShare, SharePolicy, ShareRequest};
+pub use lanes::limit::share::{RateLease, ShareLease};
 use lanes::limit::{
     BackendError, Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LocalLimits, LostLeases,
     Released, ShareInfo,
@@ -143,63 +144,6 @@ const FIRST_REASK: Duration = Duration::from_secs(1);
 #[derive(Clone)]
 pub struct RedisLimits {
     inner: Arc<Inner>,
-}
-
-/// This client's share of a leased limit, from [`RedisLimits::refresh_share`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ShareLease {
-    /// The most permits this client may have out until the lease ends.
-    pub share: u32,
-    /// When the lease ends, on the Redis clock (since the Unix epoch).
-    pub expires_at: Duration,
-    /// Fencing tokens reserved for the grants this client makes from its share: unique across
-    /// the limit, increasing within the block.
-    pub tokens: std::ops::Range<u64>,
-    /// The client's share had lapsed in Redis before this refresh: permits it had out may have
-    /// gone to others, and must be reported lost.
-    pub lapsed: bool,
-    /// For a limit with a rate, asked for with a rate demand: this client's part of the rate.
-    pub rate: Option<RateLease>,
-}
-
-/// This client's part of a leased limit's rate, in thousandths of a grant per second (so that
-/// small rates split finely); the client makes at most `share / 1000` grants a second, with a
-/// burst of the limit's burst in proportion to its share (at least one).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RateLease {
-    /// This client's part, in thousandths of a grant per second.
-    pub share: u64,
-    /// The limit's whole rate, in thousandths of a grant per second.
-    pub limit: u64,
-    /// The limit's burst.
-    pub burst: u32,
-}
-
-impl RateLease {
-    /// The burst this client may use: the limit's, in proportion to its share, at least 1.
-    pub fn burst_share(&self) -> u32 {
-        if self.limit == 0 {
-            return 1;
-        }
-        let part = u128::from(self.burst) * u128::from(self.share) / u128::from(self.limit);
-        u32::try_from(part).unwrap_or(u32::MAX).max(1)
-    }
-}
-
-/// What a refresh of a share asks for besides the demand.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct ShareAsk {
-    /// A block of this many tokens (0: none).
-    pub(crate) tokens: u64,
-    /// The highest token this client has handed out (0: none).
-    pub(crate) last_token: u64,
-    /// Whether the client believes it holds a live share.
-    pub(crate) believes_held: bool,
-    /// For a limit with a rate: the rate share the client enforces now and its rate demand
-    /// (thousandths of a grant per second).
-    pub(crate) rate: Option<(u64, Demand)>,
 }
 
 /// Counters of one client.
@@ -260,7 +204,7 @@ struct Inner {
     /// This client itself, for the tasks it starts later (a leased limit's refresher).
     me: std::sync::OnceLock<Weak<Inner>>,
     /// Limits this client serves from its share (leased capacity).
-    leased: std::sync::RwLock<HashMap<String, Arc<leased::Leased>>>,
+    leased: std::sync::RwLock<HashMap<String, Arc<LocalShare>>>,
     /// This client's identity in leased ledgers (random, below 2^53), and the number of its
     /// last refresh.
     ledger_id: u64,
@@ -385,35 +329,34 @@ impl Inner {
         })
     }
 
-    /// The store's half of leased capacity (see [`RedisLimits::refresh_share`]).
+    /// The store's half of leased capacity (see [`RedisLimits::refresh_share`]): a refresh of
+    /// ledger client `client`'s share of `name` for `lease`.
     pub(crate) async fn refresh_share(
         &self,
         name: &str,
-        demand: &Demand,
-        held: u32,
-        policy: SharePolicy,
-        ask: ShareAsk,
+        client: u64,
+        ask: ShareRequest,
+        lease: Duration,
     ) -> Result<Option<ShareLease>, LimitError> {
-        let policy = match policy {
+        let policy = match ask.policy {
             SharePolicy::MaxMinFair => "maxmin",
             SharePolicy::Proportional => "proportional",
         };
-        let seq = self.share_seq.fetch_add(1, Ordering::Relaxed) + 1;
         let mut args = vec![
-            self.ledger_id.to_string(),
-            held.to_string(),
-            demand_text(demand),
+            client.to_string(),
+            ask.held.to_string(),
+            demand_text(&ask.demand),
             policy.to_owned(),
             ask.tokens.to_string(),
-            seq.to_string(),
+            ask.seq.to_string(),
             ask.last_token.to_string(),
             if ask.believes_held { "1" } else { "0" }.to_owned(),
         ];
-        if let Some((rate_held, rate_demand)) = &ask.rate {
-            args.push(rate_held.to_string());
-            args.push(demand_text(rate_demand));
+        if let Some(rate) = &ask.rate {
+            args.push(rate.held.to_string());
+            args.push(demand_text(&rate.demand));
         }
-        let value = self.call(name, "lease", &args).await?;
+        let value = self.call_leased(name, "lease", lease, &args).await?;
         match error_tag(&value).as_deref() {
             Some("unknown") => return Err(LimitError::UnknownLimit(name.to_owned())),
             Some("exact") => {
@@ -434,20 +377,16 @@ impl Inner {
             field(4).ok_or_else(bad)?,
         );
         // A rate share of -1: the limit has no rate, or none was asked for.
-        let rate = match (field(5), field(6), field(7)) {
-            (Some(share), Some(limit), Some(burst)) if ask.rate.is_some() => Some(RateLease {
-                share,
-                limit,
-                burst: u32::try_from(burst).map_err(|_| bad())?,
-            }),
-            _ => None,
-        };
-        Ok(Some(ShareLease {
-            share: u32::try_from(share).map_err(|_| bad())?,
-            expires_at: Duration::from_micros(expires),
-            tokens: first..first + count,
-            lapsed: lapsed == 1,
-            rate,
+        let lease = ShareLease::new(
+            u32::try_from(share).map_err(|_| bad())?,
+            Duration::from_micros(expires),
+            first..first + count,
+        )
+        .lapsed(lapsed == 1);
+        Ok(Some(match (field(5), field(6), field(7)) {
+            (Some(share), Some(limit), Some(burst)) if ask.rate.is_some() => lease
+                .with_rate(RateLease::new(share, limit, u32::try_from(burst).map_err(|_| bad())?)),
+            _ => lease,
         }))
     }
 
@@ -627,7 +566,7 @@ impl Inner {
                 Ok(Reply::Leased(policy)) => {
                     // Defined leased (by another client): served from this client's share.
                     lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
-                    let leased = self.lease(name, policy);
+                    let leased = self.serve_leased(name, policy);
                     return Ok(leased::answer(&leased, ticket, &ask));
                 }
                 Ok(Reply::Unknown) => {
@@ -754,7 +693,13 @@ impl Inner {
         let mut shares: Vec<ShareInfo> = entries(8)
             .into_iter()
             .map(|[client, share, reserved, held, demand]| {
-                ShareInfo::new(client, narrow(share), narrow(reserved), narrow(held), narrow(demand))
+                ShareInfo::new(
+                    client,
+                    narrow(share),
+                    narrow(reserved),
+                    narrow(held),
+                    narrow(demand),
+                )
             })
             .collect();
         // The rate ledger, in thousandths of a grant per second.
@@ -762,7 +707,9 @@ impl Inner {
             let milli = |v: u64| v as f64 / 1000.0;
             match shares.iter_mut().find(|s| s.client == client) {
                 Some(info) => *info = info.clone().with_rate(milli(share), milli(demand)),
-                None => shares.push(ShareInfo::new(client, 0, 0, 0, 0).with_rate(milli(share), milli(demand))),
+                None => shares.push(
+                    ShareInfo::new(client, 0, 0, 0, 0).with_rate(milli(share), milli(demand)),
+                ),
             }
         }
         shares.sort_by_key(|s| s.client);
@@ -856,9 +803,11 @@ impl RedisLimits {
         policy: SharePolicy,
         tokens: u64,
     ) -> Result<ShareLease, LimitError> {
-        let ask = ShareAsk { tokens, ..ShareAsk::default() };
+        let mut ask = ShareRequest::new(demand.clone(), held, policy, tokens);
         // Calls of one client are numbered in order: none of them is stale.
-        let lease = self.inner.refresh_share(name, demand, held, policy, ask).await?;
+        ask.seq = self.inner.share_seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let inner = &self.inner;
+        let lease = inner.refresh_share(name, inner.ledger_id, ask, inner.lease).await?;
         lease.ok_or_else(|| LimitError::backend("redis: a later refresh overtook this one"))
     }
 
@@ -900,7 +849,7 @@ impl RedisLimits {
         };
         lock(&self.inner.state).modes.insert(name.to_owned(), mode.to_owned());
         self.inner.define(name, spec).await?;
-        self.inner.lease(name, policy);
+        self.inner.serve_leased(name, policy);
         Ok(())
     }
 
@@ -988,7 +937,7 @@ impl LimitBackend for RedisLimits {
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         // A leased limit answers from its share at once: no future of the remote path.
         if let Some(leased) = self.inner.leased(name) {
-            let level = leased::level_of(priority);
+            let level = lanes::limit::share::level_of(priority);
             return Box::pin(std::future::ready(Ok(leased.ask(ticket, Some(level)))));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::First(priority.clone()), lease))

@@ -26,8 +26,18 @@
 
 use std::collections::BTreeMap;
 
+use serde::{Deserialize, Serialize};
+
+mod client;
+
+pub use client::{
+    LocalShare, RateDemand, RateLease, ShareLease, ShareRequest, ShareSource, keep_share,
+    lease_end, level_of,
+};
+
 /// How capacity is shared among the clients of one priority level whose demand exceeds it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum SharePolicy {
     /// Max-min fair (the default): every client gets its demand or an equal part of what is
     /// left, whichever is smaller; what small demands leave goes to the larger ones.
@@ -39,7 +49,8 @@ pub enum SharePolicy {
 
 /// What one client wants of a limit: permits per priority level (its holders and its waiters
 /// at that level). Higher levels are served first.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
 pub struct Demand {
     levels: BTreeMap<u8, u32>,
 }
