@@ -49,7 +49,15 @@ impl ShareSource for Inner {
         name: &'a str,
         request: ShareRequest,
     ) -> BoxFuture<'a, Result<Option<ShareLease>, LimitError>> {
-        Box::pin(self.refresh_share(name, self.ledger_id, request, self.lease))
+        Box::pin(async move {
+            match self.refresh_share(name, self.ledger_id, request, self.lease).await? {
+                ShareReply::Leased(lease) => Ok(Some(lease)),
+                ShareReply::Stale => Ok(None),
+                ShareReply::Exact => {
+                    Err(LimitError::backend(format!("limit {name} is not defined leased")))
+                }
+            }
+        })
     }
 
     fn lost(&self, name: &str, ticket: u64) {

@@ -109,6 +109,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use lanes::limit::ShareReply;
 use lanes::limit::share::{Demand, LocalShare, SharePolicy, ShareRequest};
 pub use lanes::limit::share::{RateLease, ShareLease};
 use lanes::limit::{
@@ -221,6 +222,14 @@ impl Drop for Inner {
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The ledger id of a client named `client` (FNV-1a, below 2^53: Lua's numbers are doubles).
+fn ledger_id_of(client: &str) -> u64 {
+    let hash = client.bytes().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    });
+    (hash & ((1 << 53) - 1)).max(1)
 }
 
 /// A demand as the `lease` operation reads it: "level:n,level:n".
@@ -337,7 +346,7 @@ impl Inner {
         client: u64,
         ask: ShareRequest,
         lease: Duration,
-    ) -> Result<Option<ShareLease>, LimitError> {
+    ) -> Result<ShareReply, LimitError> {
         let policy = match ask.policy {
             SharePolicy::MaxMinFair => "maxmin",
             SharePolicy::Proportional => "proportional",
@@ -359,11 +368,9 @@ impl Inner {
         let value = self.call_leased(name, "lease", lease, &args).await?;
         match error_tag(&value).as_deref() {
             Some("unknown") => return Err(LimitError::UnknownLimit(name.to_owned())),
-            Some("exact") => {
-                return Err(LimitError::backend(format!("limit {name} is not defined leased")));
-            }
+            Some("exact") => return Ok(ShareReply::Exact),
             // Overtaken by a later refresh of this client: nothing to apply.
-            Some("stale") => return Ok(None),
+            Some("stale") => return Ok(ShareReply::Stale),
             _ => {}
         }
         let bad = || LimitError::backend(format!("redis: odd lease answer {value:?}"));
@@ -383,7 +390,7 @@ impl Inner {
             first..first + count,
         )
         .lapsed(lapsed == 1);
-        Ok(Some(match (field(5), field(6), field(7)) {
+        Ok(ShareReply::Leased(match (field(5), field(6), field(7)) {
             (Some(share), Some(limit), Some(burst)) if ask.rate.is_some() => lease
                 .with_rate(RateLease::new(share, limit, u32::try_from(burst).map_err(|_| bad())?)),
             _ => lease,
@@ -807,8 +814,15 @@ impl RedisLimits {
         // Calls of one client are numbered in order: none of them is stale.
         ask.seq = self.inner.share_seq.fetch_add(1, Ordering::Relaxed) + 1;
         let inner = &self.inner;
-        let lease = inner.refresh_share(name, inner.ledger_id, ask, inner.lease).await?;
-        lease.ok_or_else(|| LimitError::backend("redis: a later refresh overtook this one"))
+        match inner.refresh_share(name, inner.ledger_id, ask, inner.lease).await? {
+            ShareReply::Leased(lease) => Ok(lease),
+            ShareReply::Exact => {
+                Err(LimitError::backend(format!("limit {name} is not defined leased")))
+            }
+            ShareReply::Stale => {
+                Err(LimitError::backend("redis: a later refresh overtook this one"))
+            }
+        }
     }
 
     /// This client's identity in the ledgers of leased limits: random per client (not the id
@@ -996,6 +1010,29 @@ impl LimitBackend for RedisLimits {
 
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {
         self.inner.lost.is_lost(name, ticket)
+    }
+
+    fn define_leased<'a>(
+        &'a self,
+        name: &'a str,
+        spec: LimitSpec,
+        policy: SharePolicy,
+    ) -> BoxFuture<'a, Result<(), LimitError>> {
+        Box::pin(RedisLimits::define_leased(self, name, spec, policy))
+    }
+
+    /// A client of this client (an HTTP client of a `lanes serve` on Redis) refreshes its
+    /// share: the `lease` operation for ledger client `client` (hashed to an id below 2^53,
+    /// apart from every Redis client's own random one only by chance of 1 in 2^53).
+    fn refresh_share<'a>(
+        &'a self,
+        name: &'a str,
+        client: &'a str,
+        request: ShareRequest,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<ShareReply, LimitError>> {
+        let id = ledger_id_of(client);
+        Box::pin(self.inner.refresh_share(name, id, request, lease))
     }
 
     fn lost<'a>(&'a self, name: &'a str, ticket: u64) -> BoxFuture<'a, ()> {

@@ -643,7 +643,9 @@ local function call(keys, args)
     -- applied, { 'exact' } for a limit not defined leased.
     if not meta.mode or string.sub(meta.mode, 1, 7) ~= 'leased:' then return { 'exact' } end
     local client, held = tonumber(ARGV[6]), tonumber(ARGV[7])
-    local demand_text, policy, want_tokens = ARGV[8], ARGV[9], tonumber(ARGV[10])
+    -- The limit's own policy (its mode, "leased:<policy>"); ARGV[9] is the client's belief.
+    local demand_text, want_tokens = ARGV[8], tonumber(ARGV[10])
+    local policy = string.sub(meta.mode, 8)
     local seq, last_token, believes = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1'
     local expires = now + lease_us
     -- One ledger: its shares (LS), targets (LT, valid while M's `valid` field is 1).

@@ -81,19 +81,21 @@ const TICKET_START_MASK: u64 = (1 << 52) - 1;
 /// ```
 #[derive(Clone)]
 pub struct RemoteLimits {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
-    base: String,
+pub(crate) struct Inner {
+    pub(crate) base: String,
     http: reqwest::Client,
-    client: String,
+    pub(crate) client: String,
     tickets: AtomicU64,
-    lease: Duration,
+    pub(crate) lease: Duration,
     /// Every ticket asked for and not finished (invariant 1), by `(limit, ticket)`.
     live: Mutex<HashMap<(String, u64), Live>>,
     /// Held permits reported lost (invariant 4), until released.
-    lost: LostLeases,
+    pub(crate) lost: LostLeases,
+    /// Limits served from this client's shares (leased capacity).
+    pub(crate) shares: crate::leased::Shares,
     /// Notified (to every waiter) whenever `lost` grows.
     renewer: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The API token sent with every request, if the server wants one.
@@ -102,7 +104,7 @@ struct Inner {
 
 impl Inner {
     /// A request to `url`, with the API token if there is one.
-    fn request(
+    pub(crate) fn request(
         &self,
         method: reqwest::Method,
         url: impl reqwest::IntoUrl,
@@ -140,7 +142,7 @@ impl Drop for Inner {
     }
 }
 
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -155,13 +157,13 @@ fn chain(err: &dyn std::error::Error) -> String {
     message
 }
 
-fn transport(err: reqwest::Error) -> LimitError {
+pub(crate) fn transport(err: reqwest::Error) -> LimitError {
     let message = format!("lanes serve: {}", chain(&err));
     LimitError::Backend(lanes::limit::BackendError::with_source(message, err))
 }
 
 /// Percent-encodes one path segment.
-fn encode(segment: &str) -> String {
+pub(crate) fn encode(segment: &str) -> String {
     let mut encoded = String::with_capacity(segment.len());
     for byte in segment.bytes() {
         if byte.is_ascii_alphanumeric() || b"-_.~".contains(&byte) {
@@ -174,7 +176,9 @@ fn encode(segment: &str) -> String {
 }
 
 /// Reads a success answer's body.
-async fn answer<T: DeserializeOwned>(response: reqwest::Response) -> Result<T, LimitError> {
+pub(crate) async fn answer<T: DeserializeOwned>(
+    response: reqwest::Response,
+) -> Result<T, LimitError> {
     response.json().await.map_err(transport)
 }
 
@@ -188,7 +192,7 @@ fn not_granted(reason: Reason, retry_after_ms: u64) -> Answer {
 
 /// Turns an error response into the `LimitError` it stands for. A 429 is a full waiting room
 /// only for a request that queues (`queueing`).
-async fn failure(name: &str, response: reqwest::Response, queueing: bool) -> LimitError {
+pub(crate) async fn failure(name: &str, response: reqwest::Response, queueing: bool) -> LimitError {
     let status = response.status();
     let body: Option<wire::ErrorBody> = response.json().await.ok();
     let (message, ticket) = body.map_or((String::new(), None), |body| (body.error, body.ticket));
@@ -336,6 +340,7 @@ impl RemoteLimits {
             lease,
             live: Mutex::new(HashMap::new()),
             lost: LostLeases::default(),
+            shares: crate::leased::Shares::new(start),
             renewer: Mutex::new(None),
             token: std::sync::OnceLock::new(),
         });
@@ -368,12 +373,12 @@ impl RemoteLimits {
         format!("{}{path}", self.inner.base)
     }
 
-    fn limit_url(&self, name: &str, tail: &str) -> String {
+    pub(crate) fn limit_url(&self, name: &str, tail: &str) -> String {
         self.url(&format!("/v1/limits/{}{tail}", encode(name)))
     }
 
     /// Sends `request`; a non-success status becomes the `LimitError` it stands for.
-    async fn send(
+    pub(crate) async fn send(
         &self,
         name: &str,
         request: reqwest::RequestBuilder,
@@ -644,6 +649,10 @@ impl LimitBackend for RemoteLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         Box::pin(async move {
+            // A leased limit answers from this client's share.
+            if let Some(share) = self.inner.leased(name).await {
+                return Ok(share.answer(ticket, Some(priority), false));
+            }
             let key = (name.to_owned(), ticket);
             let fresh = Live {
                 lease,
@@ -682,6 +691,9 @@ impl LimitBackend for RemoteLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         Box::pin(async move {
+            if let Some(share) = self.inner.leased(name).await {
+                return Ok(share.answer(ticket, None, false));
+            }
             let key = (name.to_owned(), ticket);
             let asked = Live {
                 lease,
@@ -715,11 +727,17 @@ impl LimitBackend for RemoteLimits {
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         // A live ticket keeps the lease it was first asked with.
         let _ = lease;
+        if let Some(share) = self.inner.share_of(name) {
+            return Box::pin(std::future::ready(Ok(share.answer(ticket, None, true))));
+        }
         Box::pin(self.look(name, ticket, Duration::ZERO))
     }
 
     fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
         Box::pin(async move {
+            if let Some(share) = self.inner.share_of(name) {
+                return share.wait(ticket, at_most).await;
+            }
             let key = (name.to_owned(), ticket);
             let live = {
                 let live = lock(&self.inner.live);
@@ -753,6 +771,13 @@ impl LimitBackend for RemoteLimits {
         ticket: u64,
     ) -> BoxFuture<'a, Result<Released, LimitError>> {
         Box::pin(async move {
+            if let Some(share) = self.inner.share_of(name) {
+                let released = share.release(ticket);
+                if released != Released::Unknown {
+                    self.inner.lost.forget(name, ticket);
+                    return Ok(released);
+                }
+            }
             let key = (name.to_owned(), ticket);
             let live = lock(&self.inner.live).remove(&key);
             self.inner.lost.forget(&key.0, key.1);
@@ -772,9 +797,14 @@ impl LimitBackend for RemoteLimits {
             // Client id -> the tickets of `name` renewed through it.
             let mut owners: HashMap<String, Vec<u64>> = HashMap::new();
             let mut gone: HashSet<u64> = HashSet::new();
+            let share = self.inner.share_of(name);
             {
                 let live = lock(&self.inner.live);
                 for &ticket in tickets {
+                    // A permit from this client's share lives as long as the share.
+                    if share.as_ref().is_some_and(|share| share.knows(ticket)) {
+                        continue;
+                    }
                     match live.get(&(name.to_owned(), ticket)) {
                         Some(entry) => owners
                             .entry(self.inner.owner(ticket, entry.lease))
@@ -830,6 +860,26 @@ impl LimitBackend for RemoteLimits {
             let list: wire::LimitList = answer(response).await?;
             Ok(list.limits.into_iter().map(LimitInfo::from).collect())
         })
+    }
+
+    fn release_local(&self, name: &str, ticket: u64) -> bool {
+        let released = self
+            .inner
+            .share_of(name)
+            .is_some_and(|share| share.release(ticket) != Released::Unknown);
+        if released {
+            self.inner.lost.forget(name, ticket);
+        }
+        released
+    }
+
+    fn define_leased<'a>(
+        &'a self,
+        name: &'a str,
+        spec: LimitSpec,
+        policy: lanes::limit::share::SharePolicy,
+    ) -> BoxFuture<'a, Result<(), LimitError>> {
+        Box::pin(RemoteLimits::define_leased(self, name, spec, policy))
     }
 
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {

@@ -30,11 +30,13 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod leased;
 pub mod wire;
 
 use std::fmt;
 
 pub use client::RemoteLimits;
+pub use leased::EXACT_FOR;
 /// The HTTP client underneath, for [`RemoteLimits::with_http_client`].
 pub use reqwest;
 

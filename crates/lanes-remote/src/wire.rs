@@ -16,9 +16,13 @@
 //! | `POST /v1/limits/{name}/acquire` | [`AcquireRequest`] | 200 [`Granted`], 202 [`NotYet`], 429 [`TryRefused`] (a try) |
 //! | `POST /v1/limits/{name}/release` | [`ReleaseRequest`] | 200 [`ReleaseAnswer`] |
 //! | `POST /v1/clients/{client}/renew` | | 200 [`RenewAnswer`] |
+//! | `POST /v1/limits/{name}/share` | [`ShareRefresh`] | 200 [`ShareAnswer`] |
 //!
 //! Every error (4xx, 5xx) answers an [`ErrorBody`].
 
+use lanes::limit::ShareInfo;
+use lanes::limit::ShareReply;
+use lanes::limit::share::{Demand, RateDemand, RateLease, ShareLease, SharePolicy, ShareRequest};
 use lanes::{LimitInfo, LimitSpec};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -41,6 +45,13 @@ pub struct Spec {
     /// Grants at once after an idle period (`None`: `ceil(per_second)`, at least 1).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst: Option<u32>,
+    /// `leased`: clients serve the limit from shares of it they hold for a lease (leased
+    /// capacity; a server on Redis only). `None` or `exact`: every acquire asks the server.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// How a leased limit is shared: `max_min_fair` (the default) or `proportional`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
 }
 
 impl Spec {
@@ -59,7 +70,13 @@ impl Spec {
 
 impl From<LimitSpec> for Spec {
     fn from(spec: LimitSpec) -> Self {
-        Self { concurrent: spec.concurrent, per_second: spec.per_second, burst: Some(spec.burst) }
+        Self {
+            concurrent: spec.concurrent,
+            per_second: spec.per_second,
+            burst: Some(spec.burst),
+            mode: None,
+            policy: None,
+        }
     }
 }
 
@@ -83,6 +100,60 @@ pub struct Limit {
     pub max_in_use: u32,
     /// Permits granted since the limit was defined.
     pub granted_total: u64,
+    /// `leased:maxmin` or `leased:proportional` for a limit served from clients' shares
+    /// (absent: exact, every acquire decided where the limit lives).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    /// For a leased limit: each client's share and demand (live leases only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shares: Vec<Share>,
+}
+
+/// One client's share of a leased limit, in a [`Limit`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Share {
+    /// The client, by its id in the limit's ledger.
+    pub client: u64,
+    /// The most permits it may have out.
+    pub share: u32,
+    /// The capacity set aside for it (its share, or its permits out where more).
+    pub reserved: u32,
+    /// The permits it had out at its last refresh.
+    pub held: u32,
+    /// What it wanted at its last refresh (permits out and waiters).
+    pub demand: u32,
+    /// For a limit with a rate: its part of the rate, in grants per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_second: Option<f64>,
+    /// For a limit with a rate: the rate it wanted, in grants per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_second_demand: Option<f64>,
+}
+
+impl From<ShareInfo> for Share {
+    fn from(info: ShareInfo) -> Self {
+        Self {
+            client: info.client,
+            share: info.share,
+            reserved: info.reserved,
+            held: info.held,
+            demand: info.demand,
+            per_second: info.per_second,
+            per_second_demand: info.per_second_demand,
+        }
+    }
+}
+
+impl From<Share> for ShareInfo {
+    fn from(share: Share) -> Self {
+        let info =
+            ShareInfo::new(share.client, share.share, share.reserved, share.held, share.demand);
+        match (share.per_second, share.per_second_demand) {
+            (Some(rate), demand) => info.with_rate(rate, demand.unwrap_or(0.0)),
+            (None, _) => info,
+        }
+    }
 }
 
 impl From<LimitInfo> for Limit {
@@ -96,6 +167,8 @@ impl From<LimitInfo> for Limit {
             waiting: u64::try_from(info.waiting).unwrap_or(u64::MAX),
             max_in_use: info.max_in_use,
             granted_total: info.granted_total,
+            mode: info.mode,
+            shares: info.shares.into_iter().map(Share::from).collect(),
         }
     }
 }
@@ -107,14 +180,20 @@ impl From<Limit> for LimitInfo {
             per_second: limit.per_second,
             burst: limit.burst,
         };
-        LimitInfo::new(
+        let info = LimitInfo::new(
             limit.name,
             spec,
             limit.in_use,
             usize::try_from(limit.waiting).unwrap_or(usize::MAX),
             limit.granted_total,
             limit.max_in_use,
-        )
+        );
+        match limit.mode {
+            Some(mode) => {
+                info.leased(mode, limit.shares.into_iter().map(ShareInfo::from).collect())
+            }
+            None => info,
+        }
     }
 }
 
@@ -124,6 +203,187 @@ impl From<Limit> for LimitInfo {
 pub struct LimitList {
     /// The limits.
     pub limits: Vec<Limit>,
+}
+
+/// `POST /v1/limits/{name}/share`: a client refreshes its share of a leased limit (leased
+/// capacity): what it wants, what it has out. Demands are by priority level (0 to 255, the
+/// [`Priority`] level clamped to -128..=127 and shifted up by 128).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct ShareRefresh {
+    /// The client id (1 to [`MAX_CLIENT`] bytes, no control characters).
+    pub client: String,
+    /// Which instance of the client this is (random per instance): two processes sharing a
+    /// client id hold shares of their own.
+    #[serde(default)]
+    pub instance: u64,
+    /// The share's lease (`None`: the server's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_ms: Option<u64>,
+    /// This refresh's number, increasing per client and limit: an older one than one applied
+    /// is not applied.
+    pub seq: u64,
+    /// Permits the client has out (handed to its local holders).
+    pub held: u32,
+    /// Permits it wants, by level: `[[level, permits], ...]`.
+    #[serde(default)]
+    pub demand: Vec<(u8, u32)>,
+    /// A block of this many fencing tokens for its grants (0: none).
+    #[serde(default)]
+    pub tokens: u64,
+    /// The highest fencing token it has handed out (0: none).
+    #[serde(default)]
+    pub last_token: u64,
+    /// Whether it believes it holds a live share.
+    #[serde(default)]
+    pub believes_held: bool,
+    /// For a rate: the part it enforces now, in thousandths of a grant per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_held: Option<u64>,
+    /// For a rate: the part it wants, by level, in thousandths of a grant per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_demand: Option<Vec<(u8, u32)>>,
+}
+
+/// 200 to a share refresh. `mode` `exact`: the limit is not leased (every acquire asks the
+/// server), and the other fields are zero; `stale`: a later refresh of the client was applied
+/// already; `leased`: the client's share until its lease ends.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ShareAnswer {
+    /// `exact`, `stale` or `leased`.
+    pub mode: String,
+    /// The most permits the client may have out.
+    #[serde(default)]
+    pub share: u32,
+    /// When the share ends, on the server's store's clock (ms since the Unix epoch).
+    #[serde(default)]
+    pub expires_at_ms: u64,
+    /// The first of the fencing tokens reserved for the client's grants.
+    #[serde(default)]
+    pub tokens_first: u64,
+    /// How many tokens were reserved, from `tokens_first`.
+    #[serde(default)]
+    pub tokens_count: u64,
+    /// The client's share had lapsed before this refresh: permits it had out must be reported
+    /// lost.
+    #[serde(default)]
+    pub lapsed: bool,
+    /// For a limit with a rate: the client's part, in thousandths of a grant per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_share: Option<u64>,
+    /// For a limit with a rate: the whole rate, in thousandths of a grant per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_limit: Option<u64>,
+    /// For a limit with a rate: its burst.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u32>,
+}
+
+impl ShareAnswer {
+    /// An answer without a share: `exact` or `stale`.
+    pub fn without_share(mode: &str) -> Self {
+        Self {
+            mode: mode.to_owned(),
+            share: 0,
+            expires_at_ms: 0,
+            tokens_first: 0,
+            tokens_count: 0,
+            lapsed: false,
+            rate_share: None,
+            rate_limit: None,
+            burst: None,
+        }
+    }
+}
+
+fn demand_of(levels: &[(u8, u32)]) -> Demand {
+    levels.iter().fold(Demand::none(), |demand, (level, n)| demand.at(*level, *n))
+}
+
+fn levels_of(demand: &Demand) -> Vec<(u8, u32)> {
+    demand.levels().collect()
+}
+
+impl ShareRefresh {
+    /// The body of the refresh `request` of instance `instance` of `client`, for a share
+    /// lasting `lease_ms`.
+    pub fn new(client: &str, instance: u64, lease_ms: Option<u64>, request: &ShareRequest) -> Self {
+        Self {
+            client: client.to_owned(),
+            instance,
+            lease_ms,
+            seq: request.seq,
+            held: request.held,
+            demand: levels_of(&request.demand),
+            tokens: request.tokens,
+            last_token: request.last_token,
+            believes_held: request.believes_held,
+            rate_held: request.rate.as_ref().map(|rate| rate.held),
+            rate_demand: request.rate.as_ref().map(|rate| levels_of(&rate.demand)),
+        }
+    }
+
+    /// The request this body stands for (the policy is the limit's own, set at definition).
+    pub fn to_request(&self) -> ShareRequest {
+        let mut request = ShareRequest::new(
+            demand_of(&self.demand),
+            self.held,
+            SharePolicy::default(),
+            self.tokens,
+        );
+        request.seq = self.seq;
+        request.last_token = self.last_token;
+        request.believes_held = self.believes_held;
+        request.rate = match (self.rate_held, &self.rate_demand) {
+            (Some(held), Some(levels)) => Some(RateDemand::new(held, demand_of(levels))),
+            (Some(held), None) => Some(RateDemand::new(held, Demand::none())),
+            (None, _) => None,
+        };
+        request
+    }
+}
+
+impl ShareAnswer {
+    /// The answer for `reply`.
+    pub fn from_reply(reply: &ShareReply) -> Self {
+        match reply {
+            ShareReply::Exact => Self::without_share("exact"),
+            ShareReply::Stale => Self::without_share("stale"),
+            ShareReply::Leased(lease) => Self {
+                mode: "leased".to_owned(),
+                share: lease.share,
+                expires_at_ms: u64::try_from(lease.expires_at.as_millis()).unwrap_or(u64::MAX),
+                tokens_first: lease.tokens.start,
+                tokens_count: lease.tokens.end - lease.tokens.start,
+                lapsed: lease.lapsed,
+                rate_share: lease.rate.map(|rate| rate.share),
+                rate_limit: lease.rate.map(|rate| rate.limit),
+                burst: lease.rate.map(|rate| rate.burst),
+            },
+        }
+    }
+
+    /// The reply this answer stands for; `None` for a mode this client does not know.
+    pub fn to_reply(&self) -> Option<ShareReply> {
+        match self.mode.as_str() {
+            "exact" => Some(ShareReply::Exact),
+            "stale" => Some(ShareReply::Stale),
+            "leased" => {
+                let tokens = self.tokens_first..self.tokens_first.saturating_add(self.tokens_count);
+                let expires_at = std::time::Duration::from_millis(self.expires_at_ms);
+                let lease = ShareLease::new(self.share, expires_at, tokens).lapsed(self.lapsed);
+                Some(ShareReply::Leased(match (self.rate_share, self.rate_limit) {
+                    (Some(share), Some(limit)) => {
+                        lease.with_rate(RateLease::new(share, limit, self.burst.unwrap_or(1)))
+                    }
+                    _ => lease,
+                }))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// A waiter's priority, in an [`AcquireRequest`].
@@ -420,6 +680,8 @@ mod tests {
             waiting: 3,
             max_in_use: 4,
             granted_total: 5,
+            mode: None,
+            shares: Vec::new(),
         };
         round_trip(
             &limit,
@@ -431,6 +693,42 @@ mod tests {
             &LimitList { limits: vec![Limit { per_second: Some(2.5), ..limit }] },
             r#"{"limits":[{"name":"db","concurrent":10,"per_second":2.5,"burst":1,"in_use":2,"waiting":3,"max_in_use":4,"granted_total":5}]}"#,
         );
+    }
+
+    #[test]
+    fn share_bodies_carry_a_request_and_a_reply_whole() {
+        let demand = Demand::none().at(128, 3).at(200, 1);
+        let mut request = ShareRequest::new(demand.clone(), 2, SharePolicy::default(), 64);
+        request.seq = 7;
+        request.last_token = 99;
+        request.believes_held = true;
+        request.rate = Some(RateDemand::new(50_000, Demand::none().at(128, 80_000)));
+        let body = ShareRefresh::new("me", 5, Some(600), &request);
+        round_trip(
+            &body,
+            r#"{"client":"me","instance":5,"lease_ms":600,"seq":7,"held":2,"demand":[[200,1],[128,3]],"tokens":64,"last_token":99,"believes_held":true,"rate_held":50000,"rate_demand":[[128,80000]]}"#,
+        );
+        assert_eq!(body.to_request(), request);
+        let lease = ShareLease::new(4, std::time::Duration::from_millis(1_000), 10..74)
+            .lapsed(true)
+            .with_rate(RateLease::new(40_000, 100_000, 10));
+        let answer = ShareAnswer::from_reply(&ShareReply::Leased(lease.clone()));
+        round_trip(
+            &answer,
+            r#"{"mode":"leased","share":4,"expires_at_ms":1000,"tokens_first":10,"tokens_count":64,"lapsed":true,"rate_share":40000,"rate_limit":100000,"burst":10}"#,
+        );
+        assert_eq!(answer.to_reply(), Some(ShareReply::Leased(lease)));
+        for reply in [ShareReply::Exact, ShareReply::Stale] {
+            assert_eq!(ShareAnswer::from_reply(&reply).to_reply(), Some(reply));
+        }
+        let leased = Limit {
+            mode: Some("leased:maxmin".into()),
+            shares: vec![Share::from(ShareInfo::new(1, 2, 3, 2, 5).with_rate(1.5, 2.5))],
+            ..Limit::from(LimitInfo::new("db", LimitSpec::concurrent(3), 0, 0, 0, 0))
+        };
+        let info = LimitInfo::from(leased.clone());
+        assert_eq!(info.mode.as_deref(), Some("leased:maxmin"));
+        assert_eq!(Limit::from(info), leased);
     }
 
     #[test]

@@ -53,6 +53,8 @@ async fn tls_endpoint() -> (String, CertificateDer<'static>) {
                     waiting: 2,
                     max_in_use: 3,
                     granted_total: 9,
+                    mode: None,
+                    shares: Vec::new(),
                 };
                 let (status, body) = if head.starts_with("GET /v1/limits/db ") {
                     ("200 OK", serde_json::to_string(&limit).unwrap())

@@ -52,3 +52,151 @@ async fn a_permit_the_server_forgot_is_lease_lost() {
         .expect("the renewal learns that the server forgot the permit");
     assert!(permit.lease_lost());
 }
+
+/// Sums `lanes_http_requests_total` over every route and status in `serve`'s `/metrics`.
+async fn requests_served(serve: &Serve) -> u64 {
+    let text =
+        common::http().get(serve.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|line| line.starts_with("lanes_http_requests_total"))
+        .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Three HTTP clients of one `lanes serve` on Redis hammer a limit defined leased over HTTP:
+/// each serves it from its own share (no request per acquire), they never hold more than
+/// `concurrent` together, keep it busy, and their fencing tokens are unique.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_clients_serve_a_leased_limit_from_their_own_shares() {
+    use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+    use std::time::Duration;
+
+    use lanes::limit::share::SharePolicy;
+    const CONCURRENT: i64 = 6;
+    let ns = format!("remote-leased-{}", std::process::id());
+    let url = common::redis_url();
+    let serve = Serve::start(&["--redis", &url, "--namespace", &ns]);
+    let lease = Duration::from_millis(600);
+    let clients: Vec<RemoteLimits> = (0..3)
+        .map(|i| RemoteLimits::with_client(serve.base.clone(), format!("leased-{i}"), lease))
+        .collect::<Result<_, _>>()
+        .unwrap();
+    clients[0]
+        .define_leased(
+            "pool",
+            lanes::LimitSpec::concurrent(CONCURRENT as u32),
+            SharePolicy::MaxMinFair,
+        )
+        .await
+        .unwrap();
+    let (holders, peak, grants) =
+        (Arc::new(AtomicI64::new(0)), Arc::new(AtomicI64::new(0)), Arc::new(AtomicU64::new(0)));
+    let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for client in &clients {
+        let limits = lanes::Limits::with_backend(client.clone());
+        for _ in 0..8 {
+            let (limits, holders, peak, grants, tokens, stop) = (
+                limits.clone(),
+                holders.clone(),
+                peak.clone(),
+                grants.clone(),
+                tokens.clone(),
+                stop.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let permit = limits
+                        .acquire_timeout("pool", lanes::Priority::default(), Duration::from_secs(5))
+                        .await
+                        .expect("granted from a share");
+                    let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
+                    peak.fetch_max(now, Ordering::SeqCst);
+                    grants.fetch_add(1, Ordering::Relaxed);
+                    tokens.lock().unwrap().push(permit.fencing_token());
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    holders.fetch_sub(1, Ordering::SeqCst);
+                    drop(permit);
+                }
+            }));
+        }
+    }
+    // Shares settle, then the permits in use are sampled.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let (requests_before, grants_before) =
+        (requests_served(&serve).await, grants.load(Ordering::Relaxed));
+    let (mut sum, mut samples) = (0i64, 0i64);
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    while std::time::Instant::now() < until {
+        sum += holders.load(Ordering::SeqCst);
+        samples += 1;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let granted = grants.load(Ordering::Relaxed) - grants_before;
+    let requests = requests_served(&serve).await - requests_before;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(10), task).await.expect("tasks end").unwrap();
+    }
+    let utilisation = sum as f64 / samples as f64 / CONCURRENT as f64;
+    println!(
+        "peak {} of {CONCURRENT}, utilisation {:.1}%, {granted} grants for {requests} requests",
+        peak.load(Ordering::SeqCst),
+        utilisation * 100.0
+    );
+    assert!(peak.load(Ordering::SeqCst) <= CONCURRENT, "held at once: {peak:?}");
+    assert!(utilisation >= 0.9, "utilisation {:.1}%", utilisation * 100.0);
+    assert!(granted >= 20 * requests.max(1), "{granted} grants for {requests} requests");
+    for client in &clients {
+        assert!(client.share("pool").is_some(), "every client served the limit leased");
+    }
+    let mut tokens = tokens.lock().unwrap().clone();
+    let total = tokens.len();
+    tokens.sort_unstable();
+    tokens.dedup();
+    assert_eq!(tokens.len(), total, "no fencing token twice");
+    // The ledger lists the three clients (and the server itself, if it served any).
+    let info = clients[0].info("pool").await.unwrap().unwrap();
+    assert_eq!(info.mode.as_deref(), Some("leased:maxmin"), "{info:?}");
+    assert!(info.shares.len() >= 3, "{info:?}");
+}
+
+/// An HTTP client that loses its server keeps its share until the lease ends, then reports
+/// the permits handed out from it lost (their capacity may go to others from then on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_client_that_loses_its_server_reports_its_share_lost_at_the_lease_end() {
+    use std::time::Duration;
+
+    use lanes::limit::share::SharePolicy;
+    let ns = format!("remote-leased-lost-{}", std::process::id());
+    let url = common::redis_url();
+    let serve = Serve::start(&["--redis", &url, "--namespace", &ns]);
+    let lease = Duration::from_millis(600);
+    let remote = RemoteLimits::with_client(serve.base.clone(), "leased-lost", lease).unwrap();
+    remote
+        .define_leased("pool", lanes::LimitSpec::concurrent(2), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
+    let limits = lanes::Limits::with_backend(remote.clone());
+    let permit = tokio::time::timeout(
+        Duration::from_secs(3),
+        limits.acquire("pool", lanes::Priority::default()),
+    )
+    .await
+    .expect("granted from the share")
+    .unwrap();
+    assert!(remote.share("pool").is_some_and(|(share, out)| share >= 1 && out == 1));
+    // Renewed while the server lives.
+    tokio::time::sleep(lease * 2).await;
+    assert!(!permit.lease_lost(), "a refreshed share keeps its permits");
+    let stopped = std::time::Instant::now();
+    drop(serve);
+    tokio::time::timeout(Duration::from_secs(3), permit.lost())
+        .await
+        .expect("the permit is reported lost");
+    let after = stopped.elapsed();
+    assert!(permit.lease_lost());
+    assert!(after <= lease + Duration::from_millis(300), "lost after {after:?}");
+    assert!(after >= lease / 2, "kept until its lease ran out, not dropped at once: {after:?}");
+}

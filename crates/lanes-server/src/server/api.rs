@@ -9,6 +9,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use lanes::channel::Emitted;
 use lanes::limit::Released;
+use lanes::limit::share::SharePolicy;
 use lanes::{Answer, Priority};
 use lanes_remote::wire::{self, MAX_CLIENT, MAX_NAME, Reason};
 use serde::Serialize;
@@ -72,7 +73,31 @@ pub(crate) async fn define(
             .code("too_many_limits"));
         }
     }
-    app.backend.define(&name, spec).await.map_err(|e| ApiError::limit(&name, &e))?;
+    let policy = match body.policy.as_deref() {
+        None | Some("max_min_fair") => SharePolicy::MaxMinFair,
+        Some("proportional") => SharePolicy::Proportional,
+        Some(_) => {
+            return Err(ApiError::field("policy", "a policy is max_min_fair or proportional"));
+        }
+    };
+    match body.mode.as_deref() {
+        None | Some("exact") => {
+            if body.policy.is_some() {
+                return Err(ApiError::field("policy", "a policy is for a leased limit"));
+            }
+            app.backend.define(&name, spec).await
+        }
+        Some("leased") if app.options.redis.is_none() => {
+            return Err(ApiError::field(
+                "mode",
+                "leased mode needs a server on Redis (--redis): the embedded backend does not \
+                 lease capacity",
+            ));
+        }
+        Some("leased") => app.backend.define_leased(&name, spec, policy).await,
+        Some(_) => return Err(ApiError::field("mode", "a mode is exact or leased")),
+    }
+    .map_err(|e| ApiError::limit(&name, &e))?;
     let info = app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
     Ok(Json(info.map(wire::Limit::from)).into_response())
 }
@@ -193,17 +218,7 @@ pub(crate) async fn acquire(
     check_name(&name)?;
     check_client(&body.client)?;
     principal.act_as(&body.client)?;
-    let lease = Duration::from_millis(body.lease_ms.unwrap_or(app.options.default_lease_ms));
-    if !(MIN_LEASE..=app.options.max_lease).contains(&lease) {
-        return Err(ApiError::field(
-            "lease_ms",
-            format!(
-                "a lease is {} to {} ms",
-                MIN_LEASE.as_millis(),
-                app.options.max_lease.as_millis()
-            ),
-        ));
-    }
+    let lease = lease_of(&app, body.lease_ms)?;
     let priority = match &body.priority {
         None => Priority::default(),
         Some(p) => {
@@ -302,6 +317,54 @@ pub(crate) async fn acquire(
             Ok(not_yet(StatusCode::ACCEPTED, body, retry_after))
         }
     }
+}
+
+/// Refresh a client's share of a leased limit (leased capacity): the client serves acquires
+/// from its share with no round trip, and states here, every third of its lease, what it
+/// wants and what it has out. A limit that is not leased answers `mode` `exact`.
+#[utoipa::path(post, path = "/v1/limits/{name}/share", tag = "permits", params(("name" = String, Path, description = "The limit's name (1 to 200 bytes, no control characters).")),
+    request_body = wire::ShareRefresh,
+    responses(
+        (status = 200, description = "The client's share, or the limit's mode.", body = wire::ShareAnswer),
+        (status = 400, description = "A field out of range.", body = wire::ErrorBody),
+        (status = 404, description = "No such limit.", body = wire::ErrorBody),
+        (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
+    ),
+    security(("bearer" = [])))]
+pub(crate) async fn share(
+    State(app): State<Arc<App>>,
+    Path(name): Path<String>,
+    Extension(principal): Extension<Principal>,
+    JsonBody(body): JsonBody<wire::ShareRefresh>,
+) -> Result<Response, ApiError> {
+    check_name(&name)?;
+    check_client(&body.client)?;
+    principal.act_as(&body.client)?;
+    let lease = lease_of(&app, body.lease_ms)?;
+    let request = body.to_request();
+    let client = format!("http:{}:{}", body.client, body.instance);
+    let reply = app
+        .backend
+        .refresh_share(&name, &client, request, lease)
+        .await
+        .map_err(|e| ApiError::limit(&name, &e))?;
+    Ok(Json(wire::ShareAnswer::from_reply(&reply)).into_response())
+}
+
+/// The lease asked for (`None`: the server's default), checked against the server's bounds.
+fn lease_of(app: &App, lease_ms: Option<u64>) -> Result<Duration, ApiError> {
+    let lease = Duration::from_millis(lease_ms.unwrap_or(app.options.default_lease_ms));
+    if !(MIN_LEASE..=app.options.max_lease).contains(&lease) {
+        return Err(ApiError::field(
+            "lease_ms",
+            format!(
+                "a lease is {} to {} ms",
+                MIN_LEASE.as_millis(),
+                app.options.max_lease.as_millis()
+            ),
+        ));
+    }
+    Ok(lease)
 }
 
 /// Return a permit, or withdraw a queued ticket.

@@ -216,6 +216,7 @@ fn needs(method: &Method, route: &str) -> Option<Role> {
         _ if *method == Method::GET || *method == Method::HEAD => Some(Role::Read),
         "/v1/limits/{name}/acquire"
         | "/v1/limits/{name}/release"
+        | "/v1/limits/{name}/share"
         | "/v1/clients/{client}/renew" => Some(Role::Client),
         _ => Some(Role::Admin),
     }

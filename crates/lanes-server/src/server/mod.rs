@@ -549,6 +549,7 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/v1/limits/{name}", get(api::get).put(api::define).delete(api::remove))
         .route("/v1/limits/{name}/acquire", post(api::acquire))
         .route("/v1/limits/{name}/release", post(api::release))
+        .route("/v1/limits/{name}/share", post(api::share))
         .route("/v1/clients/{client}/renew", post(api::renew))
         .fallback(api::not_found)
         .layer(middleware::from_fn_with_state(app.clone(), auth::guard))

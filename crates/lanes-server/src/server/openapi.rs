@@ -81,6 +81,7 @@ pub(crate) enum TooMany {
         api::remove,
         api::acquire,
         api::release,
+        api::share,
         api::renew,
         api::snapshot,
         api::metrics,

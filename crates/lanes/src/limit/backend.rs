@@ -10,6 +10,7 @@ use super::config::LimitSpec;
 use super::core::{Grant, Released};
 use super::error::LimitError;
 use super::priority::Priority;
+use super::share::{ShareLease, SharePolicy, ShareRequest};
 use super::snapshot::LimitInfo;
 use crate::BoxFuture;
 
@@ -27,6 +28,19 @@ pub enum Answer {
     /// The ticket neither waits nor holds: it was released, withdrawn, or its lease ended.
     /// Nothing queues it again.
     Finished,
+}
+
+/// A store's answer to a refresh of a client's share of a limit (leased capacity; see
+/// [`LimitBackend::refresh_share`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShareReply {
+    /// The limit is not leased (or this backend does not lease capacity): every acquire asks
+    /// the store.
+    Exact,
+    /// The refresh was overtaken by a later one of the same client: nothing to apply.
+    Stale,
+    /// The client's share until the lease ends.
+    Leased(ShareLease),
 }
 
 /// A store of limits, speaking the whole ticket protocol with the semantics of
@@ -131,6 +145,36 @@ pub trait LimitBackend: Send + Sync + fmt::Debug + 'static {
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {
         let _ = (name, ticket);
         false
+    }
+
+    /// Defines or redefines `name` in leased mode: its clients serve it from shares of its
+    /// capacity that they hold for a lease (see [`share`](super::share)), apportioned by
+    /// `policy`. The default: refused, for a backend that does not lease capacity.
+    fn define_leased<'a>(
+        &'a self,
+        name: &'a str,
+        spec: LimitSpec,
+        policy: SharePolicy,
+    ) -> BoxFuture<'a, Result<(), LimitError>> {
+        let _ = (spec, policy);
+        let refused = LimitError::backend(format!(
+            "limit {name}: this backend does not lease capacity (leased mode needs Redis)"
+        ));
+        Box::pin(std::future::ready(Err(refused)))
+    }
+
+    /// Refreshes the share of limit `name` held by `client` (a client of this backend's
+    /// clients, such as an HTTP client of a `lanes serve`), for `lease`. The default:
+    /// [`ShareReply::Exact`], for a backend that does not lease capacity.
+    fn refresh_share<'a>(
+        &'a self,
+        name: &'a str,
+        client: &'a str,
+        request: ShareRequest,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<ShareReply, LimitError>> {
+        let _ = (name, client, request, lease);
+        Box::pin(std::future::ready(Ok(ShareReply::Exact)))
     }
 
     /// Resolves once the permit of `ticket` is known lost (see

@@ -85,7 +85,7 @@ mod waiters;
 
 pub use self::core::{Acquire, Grant, LimitTable, Next, Released};
 pub use acquire::{REASK, drive};
-pub use backend::{Answer, LimitBackend};
+pub use backend::{Answer, LimitBackend, ShareReply};
 pub use config::LimitSpec;
 pub use error::{AcquireError, BackendError, LimitError, SpecError, TryAcquireError};
 pub use handle::{Limit, Limits, LimitsBuilder, Permit};

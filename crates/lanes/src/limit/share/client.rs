@@ -84,6 +84,13 @@ pub struct RateDemand {
     pub demand: Demand,
 }
 
+impl RateDemand {
+    /// A part `held` enforced now and a demand `demand` (thousandths of a grant per second).
+    pub fn new(held: u64, demand: Demand) -> Self {
+        Self { held, demand }
+    }
+}
+
 /// A client's share of a leased limit, as the store answers a refresh.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
@@ -670,7 +677,10 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
         // A share cut below what this client reserves: the next refresh, which reports the
         // cut in force, frees the rest for others, so it comes soon.
         let mut cut = false;
-        if let Ok(Some(answer)) = strong.refresh(&name, request).await {
+        // A store that hangs must not keep the share past its end unreported: a refresh gets
+        // a third of a lease.
+        let refreshed = tokio::time::timeout(lease / 3, strong.refresh(&name, request)).await;
+        if let Ok(Ok(Some(answer))) = refreshed {
             cut = answer.share < held || answer.rate.is_some_and(|rate| rate.share < rate_held);
             for ticket in share.renewed(answer, lease_end(sent, lease)) {
                 strong.lost(&name, ticket);

@@ -1,0 +1,196 @@
+//! Leased capacity over HTTP: a limit defined leased on the server is served from this
+//! client's own share of it, with no request per acquire. The client half is
+//! `lanes::limit::share`'s ([`LocalShare`], [`keep_share`]); this client is its
+//! [`ShareSource`], refreshing through `POST /v1/limits/{name}/share`, and the server
+//! keeps the ledger in its store (Redis; a server on its embedded backend answers every limit
+//! `exact`, and acquires go through the server as always).
+//!
+//! Whether a limit is leased is learned at its first acquire here: one refresh asking for
+//! nothing. The answer `exact` is kept for [`EXACT_FOR`], then asked again, so a limit
+//! redefined leased is found.
+
+use std::collections::HashMap;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::Duration;
+
+use lanes::BoxFuture;
+use lanes::limit::ShareReply;
+use lanes::limit::share::{
+    Demand, LocalShare, ShareLease, SharePolicy, ShareRequest, ShareSource, keep_share,
+};
+use lanes::limit::{LimitError, LimitSpec};
+use reqwest::StatusCode;
+use tokio::time::Instant;
+
+use crate::RemoteLimits;
+use crate::client::{Inner, answer, encode, failure, lock, transport};
+use crate::wire;
+
+/// How long a limit found `exact` is taken to stay so.
+pub const EXACT_FOR: Duration = Duration::from_secs(30);
+
+/// This client's leased limits, and the limits it found exact.
+pub(crate) struct Shares {
+    /// This instance of the client, apart from others with the same client id.
+    instance: u64,
+    leased: RwLock<HashMap<String, Arc<LocalShare>>>,
+    /// Limits found exact, and when.
+    exact: std::sync::Mutex<HashMap<String, Instant>>,
+    keepers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl Shares {
+    pub(crate) fn new(instance: u64) -> Self {
+        Self {
+            instance,
+            leased: RwLock::default(),
+            exact: std::sync::Mutex::default(),
+            keepers: std::sync::Mutex::default(),
+        }
+    }
+}
+
+impl Drop for Shares {
+    fn drop(&mut self) {
+        for keeper in lock(&self.keepers).drain(..) {
+            keeper.abort();
+        }
+    }
+}
+
+impl Inner {
+    /// The share of `name`, if this client serves it leased.
+    pub(crate) fn share_of(&self, name: &str) -> Option<Arc<LocalShare>> {
+        self.shares.leased.read().unwrap_or_else(PoisonError::into_inner).get(name).cloned()
+    }
+
+    /// One refresh of `name`'s share, as `request`.
+    async fn refresh_once(
+        &self,
+        name: &str,
+        request: &ShareRequest,
+    ) -> Result<ShareReply, LimitError> {
+        let url = format!("{}/v1/limits/{}/share", self.base, encode(name));
+        let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
+        let body =
+            wire::ShareRefresh::new(&self.client, self.shares.instance, Some(lease_ms), request);
+        let response =
+            self.request(reqwest::Method::POST, url).json(&body).send().await.map_err(transport)?;
+        if response.status() != StatusCode::OK {
+            return Err(failure(name, response, false).await);
+        }
+        let reply: wire::ShareAnswer = answer(response).await?;
+        reply.to_reply().ok_or_else(|| {
+            LimitError::backend(format!("lanes serve: unknown share mode {:?}", reply.mode))
+        })
+    }
+
+    /// The share of `name` if it is leased: learned by a refresh asking for nothing, unless
+    /// the limit was found exact less than [`EXACT_FOR`] ago. Errors (an unknown limit, a
+    /// server that does not answer) are left to the request that follows.
+    pub(crate) async fn leased(self: &Arc<Self>, name: &str) -> Option<Arc<LocalShare>> {
+        if let Some(share) = self.share_of(name) {
+            return Some(share);
+        }
+        if lock(&self.shares.exact).get(name).is_some_and(|at| at.elapsed() < EXACT_FOR) {
+            return None;
+        }
+        let probe = ShareRequest::new(Demand::none(), 0, SharePolicy::default(), 0);
+        match self.refresh_once(name, &probe).await {
+            Ok(ShareReply::Exact) => {
+                lock(&self.shares.exact).insert(name.to_owned(), Instant::now());
+                None
+            }
+            Ok(ShareReply::Leased(_) | ShareReply::Stale) => Some(self.serve_leased(name)),
+            Err(_) => None,
+        }
+    }
+
+    /// Starts serving `name` from a share, if this client does not already.
+    fn serve_leased(self: &Arc<Self>, name: &str) -> Arc<LocalShare> {
+        let mut map = self.shares.leased.write().unwrap_or_else(PoisonError::into_inner);
+        if let Some(share) = map.get(name) {
+            return share.clone();
+        }
+        // The policy is the limit's own (the store applies it); this one is not sent.
+        let share = Arc::new(LocalShare::new(SharePolicy::default()));
+        map.insert(name.to_owned(), share.clone());
+        drop(map);
+        let keeper = tokio::spawn(keep_share(Arc::downgrade(self), name.to_owned(), share.clone()));
+        lock(&self.shares.keepers).push(keeper);
+        share
+    }
+}
+
+impl ShareSource for Inner {
+    fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    fn refresh<'a>(
+        &'a self,
+        name: &'a str,
+        request: ShareRequest,
+    ) -> BoxFuture<'a, Result<Option<ShareLease>, LimitError>> {
+        Box::pin(async move {
+            match self.refresh_once(name, &request).await? {
+                ShareReply::Leased(lease) => Ok(Some(lease)),
+                ShareReply::Stale => Ok(None),
+                ShareReply::Exact => {
+                    Err(LimitError::backend(format!("limit {name} is no longer leased")))
+                }
+            }
+        })
+    }
+
+    fn lost(&self, name: &str, ticket: u64) {
+        self.lost.mark(name, ticket);
+    }
+}
+
+impl RemoteLimits {
+    /// Defines `name` in leased mode on the server (a server on Redis): every client serves
+    /// it from a share of its `concurrent` permits (and of its rate) that it holds for a
+    /// lease, refreshed every third of one, with no request per acquire; shares follow each
+    /// client's demand by `policy` and never add up to more than the limit. See
+    /// `RedisLimits::define_leased` for the rules, and [`lanes::limit::share`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`LimitBackend::define`](lanes::limit::LimitBackend::define); a
+    /// [`LimitError::Backend`] from a server that does not lease capacity (its embedded
+    /// backend).
+    pub async fn define_leased(
+        &self,
+        name: &str,
+        spec: LimitSpec,
+        policy: SharePolicy,
+    ) -> Result<(), LimitError> {
+        spec.validate()?;
+        let mut body = wire::Spec::from(spec);
+        body.mode = Some("leased".to_owned());
+        body.policy = Some(
+            match policy {
+                SharePolicy::MaxMinFair => "max_min_fair",
+                SharePolicy::Proportional => "proportional",
+            }
+            .to_owned(),
+        );
+        let request = self.inner.request(reqwest::Method::PUT, self.limit_url(name, ""));
+        self.send(name, request.json(&body)).await?;
+        lock(&self.inner.shares.exact).remove(name);
+        Ok(())
+    }
+
+    /// This client's share of leased limit `name` now: the most permits it may have out, and
+    /// how many it has out; `None` for a limit it does not serve leased.
+    pub fn share(&self, name: &str) -> Option<(u32, u32)> {
+        self.inner.share_of(name).map(|share| share.share())
+    }
+
+    /// This client's part of leased limit `name`'s rate now, in grants per second; `None` for
+    /// a limit it does not serve leased, or one without a rate.
+    pub fn rate_share(&self, name: &str) -> Option<f64> {
+        self.inner.share_of(name).and_then(|share| share.rate_share())
+    }
+}
