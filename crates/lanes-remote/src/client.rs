@@ -25,6 +25,14 @@
 //! 4. A held permit reported lost by a renewal (named in `lost`, or every permit of a client
 //!    the server no longer knows) is recorded: [`lease_lost`](LimitBackend::lease_lost) says so
 //!    and [`lost`](LimitBackend::lost) resolves, until the ticket is released.
+//!
+//! # Leased limits
+//!
+//! A limit defined leased on a server on Redis ([`RemoteLimits::define_leased`], or `"mode":
+//! "leased"` in its `PUT`) is served from this client's own share of it, with no request per
+//! acquire: the first acquire here learns the mode (`POST /v1/limits/{name}/share`, asking for
+//! nothing), and a background task refreshes the share every third of the client's lease. Its
+//! permits need no renewal; they are reported lost if the share lapses unrefreshed.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
