@@ -28,6 +28,13 @@ impl Inner {
         // A read lock of its own: the hot path of a leased limit touches no other state.
         self.leased.read().unwrap_or_else(PoisonError::into_inner).get(name).cloned()
     }
+
+    /// The share that answers for `ticket` of `name`: `None` for a limit not leased, and for a
+    /// new ticket of a share out of touch with Redis (it lapsed unrefreshed), which goes the
+    /// exact path and so follows the outage policy.
+    pub(crate) fn serving(&self, name: &str, ticket: u64) -> Option<Arc<LocalShare>> {
+        self.leased(name).filter(|share| share.serves(ticket))
+    }
 }
 
 /// A leased limit's answer to an ask.

@@ -465,7 +465,7 @@ impl Inner {
         ask: Ask,
         lease: Option<Duration>,
     ) -> Result<Answer, LimitError> {
-        if let Some(leased) = self.leased(name) {
+        if let Some(leased) = self.serving(name, ticket) {
             return Ok(leased::answer(&leased, ticket, &ask));
         }
         let local = {
@@ -574,6 +574,7 @@ impl Inner {
                     // Defined leased (by another client): served from this client's share.
                     lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
                     let leased = self.serve_leased(name, policy);
+                    leased.store_answered();
                     return Ok(leased::answer(&leased, ticket, &ask));
                 }
                 Ok(Reply::Unknown) => {
@@ -640,7 +641,7 @@ impl Inner {
     }
 
     async fn wait(&self, name: &str, ticket: u64, at_most: Duration) {
-        if let Some(leased) = self.leased(name) {
+        if let Some(leased) = self.serving(name, ticket) {
             return leased.wait(ticket, at_most).await;
         }
         let plan =
@@ -950,7 +951,7 @@ impl LimitBackend for RedisLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         // A leased limit answers from its share at once: no future of the remote path.
-        if let Some(leased) = self.inner.leased(name) {
+        if let Some(leased) = self.inner.serving(name, ticket) {
             let level = lanes::limit::share::level_of(priority);
             return Box::pin(std::future::ready(Ok(leased.ask(ticket, Some(level)))));
         }
@@ -963,7 +964,7 @@ impl LimitBackend for RedisLimits {
         ticket: u64,
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        if let Some(leased) = self.inner.leased(name) {
+        if let Some(leased) = self.inner.serving(name, ticket) {
             return Box::pin(std::future::ready(Ok(leased.ask(ticket, None))));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Try, lease))
@@ -975,7 +976,7 @@ impl LimitBackend for RedisLimits {
         ticket: u64,
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        if let Some(leased) = self.inner.leased(name) {
+        if let Some(leased) = self.inner.serving(name, ticket) {
             return Box::pin(std::future::ready(Ok(leased.ask(ticket, None))));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Check, lease))

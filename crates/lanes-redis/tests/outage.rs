@@ -139,3 +139,66 @@ async fn permits_held_through_an_outage_are_reported_lost_when_redis_forgot_them
     };
     assert!(err.is_lease_expired(), "{err}");
 }
+
+/// A leased limit when Redis goes away: the client keeps serving from its share until the
+/// share's lease ends (the permits out are reported lost then), and afterwards new acquires
+/// follow the declared outage policy, as in exact mode: fail open grants without a permit,
+/// fail closed refuses. Once Redis is back, grants come from a share again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_limit_keeps_its_share_until_the_lease_ends_then_follows_the_outage_policy() {
+    use lanes::limit::share::SharePolicy;
+    for policy in [OutagePolicy::FailOpen, OutagePolicy::FailClosed] {
+        let mut redis = DedicatedRedis::start();
+        let backend = client(&redis, policy).await;
+        backend
+            .define_leased("db", LimitSpec::concurrent(2), SharePolicy::MaxMinFair)
+            .await
+            .unwrap();
+        let limits = Limits::with_backend(backend.clone());
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let permit = timeout(Duration::from_secs(2), limits.acquire("db", Priority::default()))
+                .await
+                .expect("granted from the share")
+                .unwrap();
+            held.push(permit);
+        }
+        let first = held.remove(0);
+        assert!(first.fencing_token() >= 1);
+        redis.stop();
+        let stopped = Instant::now();
+        // Within the lease the share still serves: a real permit in place of one returned.
+        drop(held);
+        let second = timeout(Duration::from_secs(1), limits.acquire("db", Priority::default()))
+            .await
+            .expect("granted from the share while its lease lasts")
+            .unwrap();
+        assert!(second.fencing_token() > first.fencing_token(), "{policy:?}: from the share");
+        assert!(stopped.elapsed() < backend.lease() / 2);
+        // At the lease's end its permits are lost...
+        timeout(Duration::from_secs(3), first.lost()).await.expect("reported lost");
+        assert!(stopped.elapsed() <= backend.lease() + Duration::from_millis(150));
+        timeout(Duration::from_millis(100), second.lost()).await.expect("both of them");
+        // ...and a new acquire follows the outage policy.
+        let asked = Instant::now();
+        let outcome =
+            limits.acquire_timeout("db", Priority::default(), Duration::from_secs(2)).await;
+        match policy {
+            OutagePolicy::FailOpen => {
+                let open = outcome.expect("fail open grants");
+                assert_eq!(open.fencing_token(), 0, "no real permit behind it");
+                assert!(backend.stats().open_grants >= 1, "{:?}", backend.stats());
+            }
+            _ => {
+                let err = outcome.expect_err("fail closed refuses");
+                assert!(matches!(&err, lanes::AcquireError::Limit(e) if e.is_backend()), "{err}");
+                assert!(asked.elapsed() < Duration::from_secs(1), "{:?}", asked.elapsed());
+            }
+        }
+        drop((first, second));
+        redis.restart();
+        let back = acquire_when_back(&limits, "db").await;
+        assert!(back.fencing_token() >= 1, "{policy:?}: a real permit again");
+        assert!(backend.share("db").is_some_and(|(share, _)| share >= 1), "from a share");
+    }
+}

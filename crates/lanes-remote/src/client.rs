@@ -657,8 +657,9 @@ impl LimitBackend for RemoteLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         Box::pin(async move {
-            // A leased limit answers from this client's share.
-            if let Some(share) = self.inner.leased(name).await {
+            // A leased limit answers from this client's share (unless the share lapsed for
+            // want of the server: then the request below says what became of it).
+            if let Some(share) = self.inner.leased(name).await.filter(|s| s.serves(ticket)) {
                 return Ok(share.answer(ticket, Some(priority), false));
             }
             let key = (name.to_owned(), ticket);
@@ -699,7 +700,7 @@ impl LimitBackend for RemoteLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         Box::pin(async move {
-            if let Some(share) = self.inner.leased(name).await {
+            if let Some(share) = self.inner.leased(name).await.filter(|s| s.serves(ticket)) {
                 return Ok(share.answer(ticket, None, false));
             }
             let key = (name.to_owned(), ticket);
@@ -735,7 +736,7 @@ impl LimitBackend for RemoteLimits {
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         // A live ticket keeps the lease it was first asked with.
         let _ = lease;
-        if let Some(share) = self.inner.share_of(name) {
+        if let Some(share) = self.inner.share_of(name).filter(|s| s.serves(ticket)) {
             return Box::pin(std::future::ready(Ok(share.answer(ticket, None, true))));
         }
         Box::pin(self.look(name, ticket, Duration::ZERO))
@@ -743,7 +744,7 @@ impl LimitBackend for RemoteLimits {
 
     fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            if let Some(share) = self.inner.share_of(name) {
+            if let Some(share) = self.inner.share_of(name).filter(|s| s.serves(ticket)) {
                 return share.wait(ticket, at_most).await;
             }
             let key = (name.to_owned(), ticket);

@@ -215,6 +215,8 @@ struct LeasedState {
     peak: u32,
     /// Refreshes sent.
     seq: u64,
+    /// The last refresh failed (the store did not answer in time).
+    failed: bool,
     /// Grants since `counted_since` (the last refresh), to size the next block of tokens.
     granted: u64,
     counted_since: Option<Instant>,
@@ -620,6 +622,40 @@ impl LocalShare {
         }
     }
 
+    /// Whether the share has lapsed because the store stopped answering: the last refresh
+    /// failed and the lease has ended. New asks then follow the client's outage policy, as for
+    /// a limit in exact mode; tickets that hold or wait here stay here.
+    pub fn out_of_touch(&self) -> bool {
+        let state = lock(&self.state);
+        state.failed && state.until.is_none_or(|until| until <= Instant::now())
+    }
+
+    /// Whether `ticket` is this share's to answer: it holds a permit here, or the share is not
+    /// out of touch (see [`out_of_touch`](Self::out_of_touch)). A ticket waiting here for a
+    /// share out of touch leaves the line: it goes to the client's outage policy instead.
+    pub fn serves(&self, ticket: u64) -> bool {
+        let mut state = lock(&self.state);
+        if state.holders.contains_key(&ticket) {
+            return true;
+        }
+        let out = state.failed && state.until.is_none_or(|until| until <= Instant::now());
+        if out {
+            state.unqueue(ticket);
+        }
+        !out
+    }
+
+    fn note_answered(&self, answered: bool) {
+        lock(&self.state).failed = !answered;
+    }
+
+    /// The store answered the client on another path: the share is not out of touch any
+    /// more (asks wait here for its next refresh, which comes at once).
+    pub fn store_answered(&self) {
+        self.note_answered(true);
+        self.hurry.notify_one();
+    }
+
     /// The policy the limit is shared by.
     pub fn policy(&self) -> SharePolicy {
         self.policy
@@ -680,6 +716,7 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
         // A store that hangs must not keep the share past its end unreported: a refresh gets
         // a third of a lease.
         let refreshed = tokio::time::timeout(lease / 3, strong.refresh(&name, request)).await;
+        share.note_answered(matches!(refreshed, Ok(Ok(_))));
         if let Ok(Ok(Some(answer))) = refreshed {
             cut = answer.share < held || answer.rate.is_some_and(|rate| rate.share < rate_held);
             for ticket in share.renewed(answer, lease_end(sent, lease)) {
