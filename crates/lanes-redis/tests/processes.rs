@@ -6,7 +6,8 @@
 //!   by the server's high-water mark and by the holders' own count; fencing tokens are unique
 //!   and grow within each process.
 //! - A holder killed with SIGKILL loses its permit to a waiter within `lease + 100 ms`.
-//! - Leased: the same hammer never exceeds `concurrent`; a killed process's share is reused
+//! - Leased: four processes hammering never exceed `concurrent` and keep at least 90% of it
+//!   busy; a killed process's share is reused
 //!   within a lease and a refresh; four processes hammering a leased *rate* grant within ±5%
 //!   of the rate over every 10 s window.
 //!
@@ -37,6 +38,7 @@ fn main() {
         Ok("hold") => runtime.block_on(hold()),
         Ok("hold-leased") => runtime.block_on(hold_leased()),
         Ok("rate-hammer") => runtime.block_on(rate_hammer()),
+        Ok("leased-hammer") => runtime.block_on(leased_hammer()),
         Ok(other) => panic!("unknown child mode {other}"),
         Err(_) => {
             for target in [Target::Single, Target::Cluster] {
@@ -141,6 +143,52 @@ async fn rate_hammer() {
     }
     let all: Vec<String> = all.iter().map(u64::to_string).collect();
     println!("GRANTS {}", all.join(","));
+}
+
+/// Child: six tasks hammer the leased limit `shared` until `LANES_UNTIL_US` (epoch µs), each
+/// counting itself in and out of a counter in Redis around a 1–3 ms hold; reports the most
+/// holders it counted, its fencing tokens (each task checks that its own grow), and every
+/// hold as `start-end` (µs).
+async fn leased_hammer() {
+    let (limits, conn, holders) = child_limits().await;
+    let until: u64 = env("LANES_UNTIL_US").parse().unwrap();
+    let mut tasks = Vec::new();
+    for t in 0..6u64 {
+        let (limits, mut conn, holders) = (limits.clone(), conn.clone(), holders.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut most, mut held) = (0i64, Vec::new());
+            let mut n = t;
+            while epoch_us() < until {
+                let permit = limits.acquire("shared", Priority::default()).await.expect("acquire");
+                let start = epoch_us();
+                let now: i64 =
+                    redis::cmd("INCR").arg(&holders).query_async(&mut conn).await.unwrap();
+                most = most.max(now);
+                n += 1;
+                sleep(Duration::from_millis(1 + n % 3)).await;
+                let _: i64 = redis::cmd("DECR").arg(&holders).query_async(&mut conn).await.unwrap();
+                let token = permit.fencing_token();
+                assert!(
+                    held.last().is_none_or(|last: &(u64, u64, u64)| last.0 < token),
+                    "tokens grow"
+                );
+                held.push((token, start, epoch_us()));
+                drop(permit);
+            }
+            (most, held)
+        }));
+    }
+    let (mut most, mut held) = (0, Vec::new());
+    for task in tasks {
+        let (m, h) = task.await.unwrap();
+        most = most.max(m);
+        held.extend(h);
+    }
+    let tokens: Vec<String> = held.iter().map(|(token, _, _)| token.to_string()).collect();
+    let spans: Vec<String> = held.iter().map(|(_, s, e)| format!("{s}-{e}")).collect();
+    println!("MOST {most}");
+    println!("TOKENS {}", tokens.join(","));
+    println!("SPANS {}", spans.join(","));
 }
 
 /// Four processes hammer a leased rate of 200 a second (each process's share set by Redis
@@ -321,25 +369,60 @@ async fn processes_never_exceed_the_limit(target: Target) {
     assert_eq!(info.granted_total, (CHILDREN * ITERATIONS) as u64);
 }
 
-/// The same hammer on a leased limit: each process serves the limit from its share (learning
-/// that it is leased from its first acquire). By the processes' own count (a counter in Redis
-/// around each hold) never more than `concurrent` holders, and the limit was filled; fencing
-/// tokens unique across processes and growing within each.
+/// A hammer on a leased limit: four processes of six tasks each serve the limit from their
+/// shares (learning that it is leased from their first acquire) for four seconds. By the
+/// processes' own count (a counter in Redis around each hold) never more than `concurrent`
+/// holders; from one second in (the shares settle), the holds cover at least 90% of
+/// `concurrent` × the time; fencing tokens unique across processes and growing within each.
 async fn processes_never_exceed_a_leased_limit() {
     use lanes::limit::share::SharePolicy;
+    const LEASED: u32 = 8;
     let ns = common::unique_ns("procs-leased");
     let _cleanup = common::Cleanup::on(Target::Single, &ns);
     let backend =
         common::builder(&ns).lease(Duration::from_millis(600)).build().await.expect("redis");
     backend
-        .define_leased("shared", LimitSpec::concurrent(CONCURRENT), SharePolicy::MaxMinFair)
+        .define_leased("shared", LimitSpec::concurrent(LEASED), SharePolicy::MaxMinFair)
         .await
         .unwrap();
+    let start = epoch_us();
+    let until = start + 4_000_000;
     let children: Vec<_> = (0..CHILDREN)
-        .map(|_| child("hammer", &ns, 600, Target::Single).spawn().expect("spawn"))
+        .map(|_| {
+            let mut command = child("leased-hammer", &ns, 600, Target::Single);
+            command.env("LANES_UNTIL_US", until.to_string()).spawn().expect("spawn")
+        })
         .collect();
-    let most_seen = hammer_reports(children);
-    assert_eq!(most_seen, i64::from(CONCURRENT), "the hammering did fill the limit");
+    let (mut all_tokens, mut spans) = (Vec::new(), Vec::new());
+    for child in children {
+        let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+            .await
+            .unwrap()
+            .expect("the child finishes");
+        assert!(out.status.success(), "a child failed: {:?}", out.status);
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let field = |tag: &str| {
+            let line = stdout.lines().find(|l| l.starts_with(tag)).expect("a report");
+            line[tag.len()..].to_owned()
+        };
+        let most: i64 = field("MOST ").parse().unwrap();
+        assert!(most <= i64::from(LEASED), "holders counted {most} at once");
+        all_tokens.extend(field("TOKENS ").split(',').map(|t| t.parse::<u64>().unwrap()));
+        for span in field("SPANS ").split(',') {
+            let (s, e) = span.split_once('-').unwrap();
+            spans.push((s.parse::<u64>().unwrap(), e.parse::<u64>().unwrap()));
+        }
+    }
+    let total = all_tokens.len();
+    all_tokens.sort_unstable();
+    all_tokens.dedup();
+    assert_eq!(all_tokens.len(), total, "no fencing token was handed out twice");
+    // Busy time in [1 s, end - 0.2 s], against `concurrent` × that window.
+    let (from, to) = (start + 1_000_000, until - 200_000);
+    let busy: u64 = spans.iter().map(|&(s, e)| e.min(to).saturating_sub(s.max(from))).sum();
+    let utilisation = busy as f64 / ((to - from) as f64 * f64::from(LEASED));
+    println!("  {total} grants; utilisation {:.1}% of {LEASED}", utilisation * 100.0);
+    assert!(utilisation >= 0.9, "utilisation {:.1}%", utilisation * 100.0);
 }
 
 async fn a_killed_holder_is_reclaimed(target: Target) {
