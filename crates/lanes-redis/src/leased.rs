@@ -32,7 +32,19 @@ impl Inner {
     /// The share that answers for `ticket` of `name`: `None` for a limit not leased, and for a
     /// new ticket of a share out of touch with Redis (it lapsed unrefreshed), which goes the
     /// exact path and so follows the outage policy.
+    /// A ticket first asked on the exact path (during an outage) stays there until finished.
     pub(crate) fn serving(&self, name: &str, ticket: u64) -> Option<Arc<LocalShare>> {
+        let share = self.leased(name)?;
+        if share.holds(ticket) {
+            return Some(share);
+        }
+        let exact = lock(&self.state).limits.get(name).is_some_and(|limit| limit.knows(ticket));
+        (!exact && share.serves(ticket)).then_some(share)
+    }
+
+    /// [`serving`](Self::serving) for a ticket's first ask: a new ticket, unknown to the exact
+    /// path (the hot path of a leased limit takes no lock of the client's).
+    pub(crate) fn serving_first(&self, name: &str, ticket: u64) -> Option<Arc<LocalShare>> {
         self.leased(name).filter(|share| share.serves(ticket))
     }
 }

@@ -224,12 +224,14 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The ledger id of a client named `client` (FNV-1a, below 2^53: Lua's numbers are doubles).
+/// The ledger id of a client named `client`: 53 bits of its SHA-1 (Lua's numbers are
+/// doubles). Finding another name with the same id (to refresh as another client's share)
+/// takes about 2^53 hashes: the ids a limit's snapshot shows give nothing away.
 fn ledger_id_of(client: &str) -> u64 {
-    let hash = client.bytes().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
-    });
-    (hash & ((1 << 53) - 1)).max(1)
+    let digest = sha1_smol::Sha1::from(client.as_bytes()).digest().bytes();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    (u64::from_be_bytes(first) & ((1 << 53) - 1)).max(1)
 }
 
 /// A demand as the `lease` operation reads it: "level:n,level:n".
@@ -611,7 +613,7 @@ impl Inner {
     }
 
     async fn release(&self, name: &str, ticket: u64) -> Result<Released, LimitError> {
-        if let Some(leased) = self.leased(name) {
+        if let Some(leased) = self.serving(name, ticket) {
             let released = leased.release(ticket);
             if released != Released::Unknown {
                 return Ok(released);
@@ -797,7 +799,9 @@ impl RedisLimits {
     /// The share lasts this client's lease. A limit defined with
     /// [`define_leased`](Self::define_leased) is refreshed this way in the background: do not
     /// call this for a limit this client serves leased (its reservation would follow this
-    /// call's `held`, not the permits actually out).
+    /// call's `held`, not the permits actually out, and the background refreshes would be
+    /// numbered behind it). `policy` is not used: the limit's own policy, set at its
+    /// definition, applies.
     ///
     /// # Errors
     ///
@@ -839,7 +843,8 @@ impl RedisLimits {
     /// than the rate. A client's demand for the rate is the rate its acquires arrived at since
     /// its last refresh plus its waiters (to be served within a refresh interval); it grants
     /// at most its part of the rate (GCRA, with the burst in proportion to its part, at least
-    /// one), so the fleet grants at most the rate plus one burst per client. A rate share is
+    /// one, and a grant up to 2 ms late keeps that time), so the fleet grants at most the
+    /// rate, the burst and two grants per client in any window. A rate share is
     /// counted in thousandths of a grant per second: up to about 4.29 million grants a second
     /// per level of demand. A permit handed out from a share is reported
     /// lost if the share lapses unrefreshed. Fencing tokens come from blocks reserved in
@@ -951,7 +956,7 @@ impl LimitBackend for RedisLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         // A leased limit answers from its share at once: no future of the remote path.
-        if let Some(leased) = self.inner.serving(name, ticket) {
+        if let Some(leased) = self.inner.serving_first(name, ticket) {
             let level = lanes::limit::share::level_of(priority);
             return Box::pin(std::future::ready(Ok(leased.ask(ticket, Some(level)))));
         }
@@ -964,8 +969,8 @@ impl LimitBackend for RedisLimits {
         ticket: u64,
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        if let Some(leased) = self.inner.serving(name, ticket) {
-            return Box::pin(std::future::ready(Ok(leased.ask(ticket, None))));
+        if let Some(leased) = self.inner.serving_first(name, ticket) {
+            return Box::pin(std::future::ready(Ok(leased::answer(&leased, ticket, &Ask::Try))));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Try, lease))
     }
@@ -977,7 +982,7 @@ impl LimitBackend for RedisLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         if let Some(leased) = self.inner.serving(name, ticket) {
-            return Box::pin(std::future::ready(Ok(leased.ask(ticket, None))));
+            return Box::pin(std::future::ready(Ok(leased::answer(&leased, ticket, &Ask::Check))));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Check, lease))
     }
@@ -1006,7 +1011,9 @@ impl LimitBackend for RedisLimits {
     fn release_local(&self, name: &str, ticket: u64) -> bool {
         // Only a permit (or waiter) of the share: one granted in exact mode goes back to Redis,
         // and so does one reported lost (it left the share then; its lost mark goes there).
-        self.inner.leased(name).is_some_and(|leased| leased.release(ticket) != Released::Unknown)
+        self.inner.leased(name).is_some_and(|leased| {
+            leased.knows(ticket) && leased.release(ticket) != Released::Unknown
+        })
     }
 
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {

@@ -372,7 +372,7 @@ local function answer_for(ticket)
 end
 
 -- Leased capacity ------------------------------------------------------------------------
--- The same apportioning and ledger as lanes::limit::share (crates/lanes/src/limit/share.rs),
+-- The same apportioning and ledger as lanes::limit::share (crates/lanes/src/limit/share/mod.rs),
 -- run where the limit lives. B:ls holds each client's entry, "share|reserved|held|expires|
 -- seq|demand" (demand as "level:n,level:n"); B:lt the targets of the live clients, valid while
 -- M's `lvalid` is 1 (a demand or the set of clients changing clears it). A limit with a rate
@@ -387,7 +387,7 @@ local function parse_demand(text)
   return demand
 end
 
--- Water-filling over `wants` ({id, want}), as share.rs's max_min.
+-- Water-filling over `wants` ({id, want}), as share/mod.rs's max_min.
 local function max_min(capacity, wants)
   table.sort(wants, function(a, b)
     if a.want ~= b.want then return a.want < b.want end
@@ -408,7 +408,7 @@ local function max_min(capacity, wants)
   end
 end
 
--- In proportion to want, remainders largest first, as share.rs's proportional.
+-- In proportion to want, remainders largest first, as share/mod.rs's proportional.
 local function proportional(capacity, wants)
   local total = 0
   for _, w in ipairs(wants) do total = total + w.want end
@@ -647,6 +647,12 @@ local function call(keys, args)
     local demand_text, want_tokens = ARGV[8], tonumber(ARGV[10])
     local policy = string.sub(meta.mode, 8)
     local seq, last_token, believes = tonumber(ARGV[11]), tonumber(ARGV[12]), ARGV[13] == '1'
+    -- Fencing tokens are exact below 2^53 only: a claim past that (or a block that would
+    -- reach it) is refused, so no client can make tokens repeat.
+    if not last_token or last_token >= 2^53 or not want_tokens or want_tokens < 0
+      or want_tokens > 2^24 then
+      return redis.error_reply('lanes: a fencing token claim out of range')
+    end
     local expires = now + lease_us
     -- One ledger: its shares (LS), targets (LT, valid while M's `valid` field is 1).
     local function refresh(LS, LT, valid, capacity, held, demand_text, lapse)

@@ -168,6 +168,12 @@ impl ClientLimit {
         self.queue.contains(&ticket)
     }
 
+    /// Whether this client's exact-mode bookkeeping knows `ticket` (waiting, held, local, or
+    /// granted open).
+    pub(crate) fn knows(&self, ticket: u64) -> bool {
+        self.tickets.contains_key(&ticket)
+    }
+
     /// Whether `ticket` lives in the local share.
     pub(crate) fn is_local(&self, ticket: u64) -> bool {
         matches!(self.tickets.get(&ticket), Some(Ticket::Local))

@@ -175,10 +175,27 @@ async fn a_leased_limit_keeps_its_share_until_the_lease_ends_then_follows_the_ou
             .unwrap();
         assert!(second.fencing_token() > first.fencing_token(), "{policy:?}: from the share");
         assert!(stopped.elapsed() < backend.lease() / 2);
+        // The share is full: a waiter waits in it, and is woken when the share lapses to go
+        // to the outage policy (not a re-ask period later).
+        let waiter = tokio::spawn({
+            let limits = limits.clone();
+            async move {
+                let outcome =
+                    limits.acquire_timeout("db", Priority::default(), Duration::from_secs(5)).await;
+                (outcome.map(|permit| permit.fencing_token()), Instant::now())
+            }
+        });
         // At the lease's end its permits are lost...
         timeout(Duration::from_secs(3), first.lost()).await.expect("reported lost");
         assert!(stopped.elapsed() <= backend.lease() + Duration::from_millis(150));
         timeout(Duration::from_millis(100), second.lost()).await.expect("both of them");
+        let (waited, at) =
+            timeout(Duration::from_secs(3), waiter).await.expect("the waiter is answered").unwrap();
+        assert!(at - stopped <= backend.lease() + Duration::from_millis(300), "{:?}", at - stopped);
+        match policy {
+            OutagePolicy::FailOpen => assert_eq!(waited.expect("fail open grants it"), 0),
+            _ => assert!(waited.is_err(), "fail closed refuses it"),
+        }
         // ...and a new acquire follows the outage policy.
         let asked = Instant::now();
         let outcome =

@@ -111,6 +111,11 @@ pub(crate) struct Inner {
 }
 
 impl Inner {
+    /// Whether `ticket` of `name` was asked through the server and is not finished.
+    pub(crate) fn asked_through_server(&self, name: &str, ticket: u64) -> bool {
+        lock(&self.live).contains_key(&(name.to_owned(), ticket))
+    }
+
     /// A request to `url`, with the API token if there is one.
     pub(crate) fn request(
         &self,
@@ -659,7 +664,9 @@ impl LimitBackend for RemoteLimits {
         Box::pin(async move {
             // A leased limit answers from this client's share (unless the share lapsed for
             // want of the server: then the request below says what became of it).
-            if let Some(share) = self.inner.leased(name).await.filter(|s| s.serves(ticket)) {
+            if self.inner.leased(name).await.is_some()
+                && let Some(share) = self.inner.share_for(name, ticket)
+            {
                 return Ok(share.answer(ticket, Some(priority), false));
             }
             let key = (name.to_owned(), ticket);
@@ -700,7 +707,9 @@ impl LimitBackend for RemoteLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         Box::pin(async move {
-            if let Some(share) = self.inner.leased(name).await.filter(|s| s.serves(ticket)) {
+            if self.inner.leased(name).await.is_some()
+                && let Some(share) = self.inner.share_for(name, ticket)
+            {
                 return Ok(share.answer(ticket, None, false));
             }
             let key = (name.to_owned(), ticket);
@@ -736,7 +745,7 @@ impl LimitBackend for RemoteLimits {
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         // A live ticket keeps the lease it was first asked with.
         let _ = lease;
-        if let Some(share) = self.inner.share_of(name).filter(|s| s.serves(ticket)) {
+        if let Some(share) = self.inner.share_for(name, ticket) {
             return Box::pin(std::future::ready(Ok(share.answer(ticket, None, true))));
         }
         Box::pin(self.look(name, ticket, Duration::ZERO))
@@ -744,7 +753,7 @@ impl LimitBackend for RemoteLimits {
 
     fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
         Box::pin(async move {
-            if let Some(share) = self.inner.share_of(name).filter(|s| s.serves(ticket)) {
+            if let Some(share) = self.inner.share_for(name, ticket) {
                 return share.wait(ticket, at_most).await;
             }
             let key = (name.to_owned(), ticket);
@@ -780,7 +789,7 @@ impl LimitBackend for RemoteLimits {
         ticket: u64,
     ) -> BoxFuture<'a, Result<Released, LimitError>> {
         Box::pin(async move {
-            if let Some(share) = self.inner.share_of(name) {
+            if let Some(share) = self.inner.share_for(name, ticket) {
                 let released = share.release(ticket);
                 if released != Released::Unknown {
                     self.inner.lost.forget(name, ticket);
@@ -875,7 +884,7 @@ impl LimitBackend for RemoteLimits {
         let released = self
             .inner
             .share_of(name)
-            .is_some_and(|share| share.release(ticket) != Released::Unknown);
+            .is_some_and(|share| share.knows(ticket) && share.release(ticket) != Released::Unknown);
         if released {
             self.inner.lost.forget(name, ticket);
         }

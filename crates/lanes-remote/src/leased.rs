@@ -7,7 +7,9 @@
 //!
 //! Whether a limit is leased is learned at its first acquire here: one refresh asking for
 //! nothing. The answer `exact` is kept for [`EXACT_FOR`], then asked again, so a limit
-//! redefined leased is found.
+//! redefined leased is found; a failed probe (an unknown limit, an older server, no server)
+//! is asked again after a tenth of that. A ticket first asked through the server stays there
+//! until it is finished, whatever the limit's mode becomes meanwhile.
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError, RwLock};
@@ -64,6 +66,18 @@ impl Inner {
         self.shares.leased.read().unwrap_or_else(PoisonError::into_inner).get(name).cloned()
     }
 
+    /// The share that answers for `ticket` of `name`: `None` for a limit not served leased,
+    /// for a ticket first asked through the server (it stays there until finished), and for a
+    /// new ticket of a share out of touch with the server.
+    pub(crate) fn share_for(&self, name: &str, ticket: u64) -> Option<Arc<LocalShare>> {
+        let share = self.share_of(name)?;
+        if share.holds(ticket) {
+            return Some(share);
+        }
+        let through_server = self.asked_through_server(name, ticket);
+        (!through_server && share.serves(ticket)).then_some(share)
+    }
+
     /// One refresh of `name`'s share, as `request`.
     async fn refresh_once(
         &self,
@@ -102,7 +116,14 @@ impl Inner {
                 None
             }
             Ok(ShareReply::Leased(_) | ShareReply::Stale) => Some(self.serve_leased(name)),
-            Err(_) => None,
+            Err(_) => {
+                // An unknown limit, a server without the endpoint, or no server: asked again
+                // after a tenth of `EXACT_FOR`, not before every acquire.
+                let retry = Instant::now().checked_sub(EXACT_FOR - EXACT_FOR / 10);
+                lock(&self.shares.exact)
+                    .insert(name.to_owned(), retry.unwrap_or_else(Instant::now));
+                None
+            }
         }
     }
 

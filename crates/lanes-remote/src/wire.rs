@@ -46,7 +46,8 @@ pub struct Spec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst: Option<u32>,
     /// `leased`: clients serve the limit from shares of it they hold for a lease (leased
-    /// capacity; a server on Redis only). `None` or `exact`: every acquire asks the server.
+    /// capacity; a server on Redis only). `None` or `exact`: every acquire asks the server —
+    /// for a new limit; a leased limit stays leased until it is removed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<String>,
     /// How a leased limit is shared: `max_min_fair` (the default) or `proportional`.

@@ -152,6 +152,22 @@ async fn bad_input_gets_the_documented_errors() {
             Some("policy"),
         ),
         (
+            "a block of fencing tokens too large",
+            reqwest::Method::POST,
+            "/v1/limits/db/share",
+            Some(json!({"client": "a", "seq": 1, "held": 0, "tokens": 1u64 << 25})),
+            400,
+            Some("tokens"),
+        ),
+        (
+            "a fencing token past 2^53",
+            reqwest::Method::POST,
+            "/v1/limits/db/share",
+            Some(json!({"client": "a", "seq": 1, "held": 0, "last_token": 1u64 << 60})),
+            400,
+            Some("last_token"),
+        ),
+        (
             "a share refresh without a client",
             reqwest::Method::POST,
             "/v1/limits/db/share",

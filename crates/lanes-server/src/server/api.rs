@@ -341,6 +341,16 @@ pub(crate) async fn share(
     check_client(&body.client)?;
     principal.act_as(&body.client)?;
     let lease = lease_of(&app, body.lease_ms)?;
+    // Fencing tokens are Lua numbers in Redis: exact below 2^53 only.
+    if body.tokens > MAX_SHARE_TOKENS {
+        return Err(ApiError::field(
+            "tokens",
+            format!("a block is at most {MAX_SHARE_TOKENS} fencing tokens"),
+        ));
+    }
+    if body.last_token >= 1 << 53 {
+        return Err(ApiError::field("last_token", "a fencing token is below 2^53"));
+    }
     let request = body.to_request();
     let client = format!("http:{}:{}", body.client, body.instance);
     let reply = app
@@ -350,6 +360,9 @@ pub(crate) async fn share(
         .map_err(|e| ApiError::limit(&name, &e))?;
     Ok(Json(wire::ShareAnswer::from_reply(&reply)).into_response())
 }
+
+/// The largest block of fencing tokens a share refresh may ask for.
+const MAX_SHARE_TOKENS: u64 = 1 << 24;
 
 /// The lease asked for (`None`: the server's default), checked against the server's bounds.
 fn lease_of(app: &App, lease_ms: Option<u64>) -> Result<Duration, ApiError> {

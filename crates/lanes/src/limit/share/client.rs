@@ -16,6 +16,7 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ops::Range;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
@@ -192,6 +193,9 @@ pub struct LocalShare {
     room: Notify,
     /// Wakes the refresher early: the block of tokens ran out.
     hurry: Notify,
+    /// The last refresh failed (the store did not answer in time). Outside the lock: the
+    /// common case, a store that answers, costs every ask one load.
+    failed: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -215,8 +219,6 @@ struct LeasedState {
     peak: u32,
     /// Refreshes sent.
     seq: u64,
-    /// The last refresh failed (the store did not answer in time).
-    failed: bool,
     /// Grants since `counted_since` (the last refresh), to size the next block of tokens.
     granted: u64,
     counted_since: Option<Instant>,
@@ -350,6 +352,7 @@ impl LocalShare {
             state: Mutex::new(LeasedState::default()),
             room: Notify::new(),
             hurry: Notify::new(),
+            failed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -405,6 +408,11 @@ impl LocalShare {
             state.note_peak();
         }
         Answer::Queued
+    }
+
+    /// Whether `ticket` holds a permit from this share.
+    pub fn holds(&self, ticket: u64) -> bool {
+        lock(&self.state).holders.contains_key(&ticket)
     }
 
     /// Whether `ticket` holds a permit here or waits for one.
@@ -596,7 +604,11 @@ impl LocalShare {
         }
         state.share = 0;
         state.until = None;
-        std::mem::take(&mut state.holders).into_keys().collect()
+        let lost = std::mem::take(&mut state.holders).into_keys().collect();
+        drop(state);
+        // Waiters ask again: a share out of touch sends them to the outage policy.
+        self.room.notify_waiters();
+        lost
     }
 
     /// When the share ends unless refreshed.
@@ -626,19 +638,22 @@ impl LocalShare {
     /// failed and the lease has ended. New asks then follow the client's outage policy, as for
     /// a limit in exact mode; tickets that hold or wait here stay here.
     pub fn out_of_touch(&self) -> bool {
-        let state = lock(&self.state);
-        state.failed && state.until.is_none_or(|until| until <= Instant::now())
+        self.failed.load(Ordering::Acquire)
+            && lock(&self.state).until.is_none_or(|until| until <= Instant::now())
     }
 
     /// Whether `ticket` is this share's to answer: it holds a permit here, or the share is not
     /// out of touch (see [`out_of_touch`](Self::out_of_touch)). A ticket waiting here for a
     /// share out of touch leaves the line: it goes to the client's outage policy instead.
     pub fn serves(&self, ticket: u64) -> bool {
+        if !self.failed.load(Ordering::Acquire) {
+            return true;
+        }
         let mut state = lock(&self.state);
         if state.holders.contains_key(&ticket) {
             return true;
         }
-        let out = state.failed && state.until.is_none_or(|until| until <= Instant::now());
+        let out = state.until.is_none_or(|until| until <= Instant::now());
         if out {
             state.unqueue(ticket);
         }
@@ -646,7 +661,15 @@ impl LocalShare {
     }
 
     fn note_answered(&self, answered: bool) {
-        lock(&self.state).failed = !answered;
+        let state = lock(&self.state);
+        let was_failed = self.failed.swap(!answered, Ordering::AcqRel);
+        let newly_out =
+            !answered && !was_failed && state.until.is_none_or(|until| until <= Instant::now());
+        drop(state);
+        if newly_out {
+            // Out of touch now: waiters ask again, and go to the outage policy.
+            self.room.notify_waiters();
+        }
     }
 
     /// The store answered the client on another path: the share is not out of touch any
