@@ -399,7 +399,7 @@ local function max_min(capacity, wants)
     left = left - w.give
   end
   for k = n, 1, -1 do
-    if left == 0 then break end
+    if left <= 0 then break end
     local w = wants[k]
     if w.give < w.want then
       w.give = w.give + 1
@@ -419,9 +419,17 @@ local function proportional(capacity, wants)
   local left = capacity
   for _, w in ipairs(wants) do
     local scaled = capacity * w.want
-    w.give = math.floor(scaled / total)
+    w.give = math.min(w.want, math.floor(scaled / total))
     w.rem = scaled % total
     left = left - w.give
+  end
+  -- Past 2^53 (a rate ledger's thousandths, times a demand) doubles round: whatever the
+  -- rounding, never more than the capacity.
+  for _, w in ipairs(wants) do
+    if left >= 0 then break end
+    local take = math.min(w.give, -left)
+    w.give = w.give - take
+    left = left + take
   end
   local order = {}
   for k = 1, #wants do order[k] = wants[k] end
@@ -430,7 +438,7 @@ local function proportional(capacity, wants)
     return a.id < b.id
   end)
   for _, w in ipairs(order) do
-    if left == 0 then break end
+    if left <= 0 then break end
     if w.give < w.want then
       w.give = w.give + 1
       left = left - 1
@@ -453,7 +461,7 @@ local function apportion(capacity, clients, policy)
   table.sort(levels, function(a, b) return a > b end)
   local left = capacity
   for _, level in ipairs(levels) do
-    if left == 0 then break end
+    if left <= 0 then break end
     local wants = {}
     for _, c in ipairs(clients) do
       local want = c.demand[level] or 0
