@@ -850,8 +850,10 @@ impl RedisLimits {
     /// lost if the share lapses unrefreshed. Fencing tokens come from blocks reserved in
     /// Redis: unique across the fleet, increasing within each client. A client states its
     /// demand by priority level (a share goes first to clients with high-level waiters) and
-    /// serves its own waiters highest level first, first come first served within a level
-    /// (fairness keys are not applied in leased mode).
+    /// serves its own waiters highest level first, fairness keys taking turns within a level
+    /// in proportion to their weights, first come first served within a key (keys take turns
+    /// within each client's line, not across clients, whose shares follow their demand by
+    /// level).
     ///
     /// # Errors
     ///
@@ -957,8 +959,7 @@ impl LimitBackend for RedisLimits {
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         // A leased limit answers from its share at once: no future of the remote path.
         if let Some(leased) = self.inner.serving_first(name, ticket) {
-            let level = lanes::limit::share::level_of(priority);
-            return Box::pin(std::future::ready(Ok(leased.ask(ticket, Some(level)))));
+            return Box::pin(std::future::ready(Ok(leased.answer(ticket, Some(priority), false))));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::First(priority.clone()), lease))
     }

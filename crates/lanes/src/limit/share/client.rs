@@ -6,8 +6,9 @@
 //! unserved or after a cut, at once when the block of fencing tokens is spent), stating the
 //! demand — permits out plus waiters by priority level (a share goes first to clients with
 //! high-level demand), and for a limit with a rate the rate acquires arrive at — and the
-//! permits out. [`LocalShare`] grants locally, highest level first and first come first served
-//! within a level, while fewer than the share are out and, for a rate, at the share's part of
+//! permits out. [`LocalShare`] grants locally, highest level first, fairness keys taking turns
+//! within a level (weighted fair queuing: no credit for a key that was idle), first come first
+//! served within a key, while fewer than the share are out and, for a rate, at the share's part of
 //! it (GCRA), each grant with a fencing token from the block the last refresh reserved (sized
 //! to twice the grants of the last interval). A share that is not refreshed before its lease
 //! ends becomes nothing, and every permit handed out from it is reported lost, because the
@@ -206,10 +207,16 @@ struct LeasedState {
     tokens: Range<u64>,
     /// Permits out: ticket -> its fencing token and its level.
     holders: BTreeMap<u64, (u64, u8)>,
-    /// Tickets waiting: the highest level first, in arrival order within a level.
-    waiting: BTreeMap<(Reverse<u8>, u64), u64>,
-    /// Where each waiting ticket is in `waiting`.
-    waiting_at: HashMap<u64, (Reverse<u8>, u64)>,
+    /// Tickets waiting: the highest level first; within a level by fair-queuing tag (the
+    /// fairness keys take turns, in proportion to their weights), then in arrival order.
+    waiting: BTreeMap<Place, u64>,
+    /// Where each waiting ticket is in `waiting`, and its fairness key.
+    waiting_at: HashMap<u64, (Place, Option<Arc<str>>)>,
+    /// Per level: the tag of the last ticket granted (the level's virtual clock).
+    clock: BTreeMap<u8, u64>,
+    /// Per level and fairness key with waiters: the tag of its last waiting ticket, and how
+    /// many of its tickets wait. (Keys without waiters have no entry: no credit is banked.)
+    keys: HashMap<(u8, Arc<str>), (u64, u32)>,
     /// Arrivals so far (the order within a level).
     arrivals: u64,
     /// The highest fencing token handed out (0: none yet).
@@ -244,6 +251,20 @@ struct LeasedState {
 
 /// How late a grant may come after its turn without losing that time to the rate.
 const LATE: Duration = Duration::from_millis(2);
+
+/// A waiting ticket's place in line: its level (highest first), its fair-queuing tag, its
+/// arrival.
+type Place = (Reverse<u8>, u64, u64);
+
+/// The tag a ticket of weight 1 adds to its key's: a weight of `w` adds `TAG_STEP / w`.
+const TAG_STEP: u64 = 1 << 16;
+
+/// A ticket's first ask: its level, fairness key and weight.
+struct First {
+    level: u8,
+    key: Option<Arc<str>>,
+    weight: u32,
+}
 
 /// A leased limit's part of its rate as this client enforces it: GCRA at the share's rate.
 ///
@@ -314,8 +335,38 @@ impl LeasedState {
         self.waiting.first_key_value().map(|(_, ticket)| *ticket)
     }
 
+    /// Puts `ticket` in line. Within its level it is tagged after its key's last waiting
+    /// ticket (or the level's clock, whichever is later) by `TAG_STEP / weight`; a ticket
+    /// without a key is a group of its own.
+    fn enqueue(&mut self, ticket: u64, first: First) {
+        let clock = self.clock.get(&first.level).copied().unwrap_or(0);
+        let step = TAG_STEP / u64::from(first.weight.max(1));
+        let tag = match &first.key {
+            Some(key) => {
+                let entry = self.keys.entry((first.level, key.clone())).or_insert((clock, 0));
+                entry.0 = entry.0.max(clock) + step.max(1);
+                entry.1 += 1;
+                entry.0
+            }
+            None => clock + TAG_STEP,
+        };
+        self.arrivals += 1;
+        let at = (Reverse(first.level), tag, self.arrivals);
+        self.waiting.insert(at, ticket);
+        self.waiting_at.insert(ticket, (at, first.key));
+    }
+
     fn unqueue(&mut self, ticket: u64) -> bool {
-        let Some(at) = self.waiting_at.remove(&ticket) else { return false };
+        let Some((at, key)) = self.waiting_at.remove(&ticket) else { return false };
+        if let Some(key) = key {
+            let slot = (at.0.0, key);
+            if let Some(entry) = self.keys.get_mut(&slot) {
+                entry.1 -= 1;
+                if entry.1 == 0 {
+                    self.keys.remove(&slot);
+                }
+            }
+        }
         let removed = self.waiting.remove(&at).is_some();
         if self.waiting.is_empty()
             && let Some(since) = self.waiting_since.take()
@@ -357,8 +408,13 @@ impl LocalShare {
     }
 
     /// A grant for `ticket` if its turn has come and the share has room; else, with a `level`
-    /// (its first ask), it waits in line at that level.
+    /// (its first ask), it waits in line at that level (with no fairness key).
     pub fn ask(&self, ticket: u64, level: Option<u8>) -> Answer {
+        self.enter(ticket, level.map(|level| First { level, key: None, weight: 1 }))
+    }
+
+    fn enter(&self, ticket: u64, first: Option<First>) -> Answer {
+        let level = first.as_ref().map(|first| first.level);
         let mut state = lock(&self.state);
         if let Some((token, _)) = state.holders.get(&ticket) {
             return Answer::Granted(Grant { fencing_token: *token, expires_at: None });
@@ -371,15 +427,21 @@ impl LocalShare {
             *arrived = arrived.saturating_add(1);
         }
         let live = state.until.is_some_and(|until| until > now);
-        let first = state.head().is_none_or(|head| head == ticket);
+        let served_next = state.head().is_none_or(|head| head == ticket);
         let room = (state.holders.len() as u32) < state.limit();
         if live && room && state.tokens.is_empty() {
             // The share has room but the block of tokens is spent: refresh now.
             self.hurry.notify_one();
         }
         let rate_ok = state.rate_ready(now).is_some_and(|at| at <= now);
-        if live && first && room && rate_ok && !state.tokens.is_empty() {
-            let at = state.waiting_at.get(&ticket).map(|at| at.0.0);
+        if live && served_next && room && rate_ok && !state.tokens.is_empty() {
+            let at = state.waiting_at.get(&ticket).map(|(at, _)| *at);
+            if let Some(at) = at {
+                // The level's clock moves to the tag served.
+                let clock = state.clock.entry(at.0.0).or_insert(0);
+                *clock = (*clock).max(at.1);
+            }
+            let at = at.map(|at| at.0.0);
             state.unqueue(ticket);
             if let Some(rate) = &mut state.rate {
                 rate.take(now);
@@ -397,17 +459,19 @@ impl LocalShare {
             }
             return Answer::Granted(Grant { fencing_token: token, expires_at: None });
         }
-        if let Some(level) = level
+        if let Some(first) = first
             && !state.waiting_at.contains_key(&ticket)
         {
-            state.arrivals += 1;
-            let at = (Reverse(level), state.arrivals);
-            state.waiting.insert(at, ticket);
+            state.enqueue(ticket, first);
             state.waiting_since.get_or_insert(now);
-            state.waiting_at.insert(ticket, at);
             state.note_peak();
         }
         Answer::Queued
+    }
+
+    #[cfg(test)]
+    fn keys_are_empty(&self) -> bool {
+        lock(&self.state).keys.is_empty()
     }
 
     /// Whether `ticket` holds a permit from this share.
@@ -518,7 +582,7 @@ impl LocalShare {
             _ => 0,
         };
         let mut backlog: BTreeMap<u8, u32> = BTreeMap::new();
-        for (Reverse(level), _) in state.waiting.keys() {
+        for (Reverse(level), _, _) in state.waiting.keys() {
             *backlog.entry(*level).or_insert(0) += 1;
         }
         let per_second = |n: u32, over: Duration, margin: f64| {
@@ -555,7 +619,7 @@ impl LocalShare {
         for (_, level) in state.holders.values() {
             demand = demand.at(*level, 1);
         }
-        for (Reverse(level), _) in state.waiting.keys() {
+        for (Reverse(level), _, _) in state.waiting.keys() {
             demand = demand.at(*level, 1);
         }
         // What was wanted at the busiest moment since the last refresh, beyond now, at the
@@ -689,7 +753,14 @@ impl LocalShare {
     /// or a try (granted only at once).
     pub fn answer(&self, ticket: u64, first: Option<&Priority>, check: bool) -> Answer {
         match first {
-            Some(priority) => self.ask(ticket, Some(level_of(priority))),
+            Some(priority) => self.enter(
+                ticket,
+                Some(First {
+                    level: level_of(priority),
+                    key: priority.fairness_key.clone(),
+                    weight: priority.fairness_weight,
+                }),
+            ),
             None if check && !self.knows(ticket) => Answer::Finished,
             None => self.ask(ticket, None),
         }
@@ -761,5 +832,73 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
             () = tokio::time::sleep_until(wake) => {}
             () = share.hurry.notified() => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A share of one permit that lasts: grants go one at a time.
+    fn one_permit() -> LocalShare {
+        let share = LocalShare::new(SharePolicy::default());
+        let lease = ShareLease::new(1, Duration::ZERO, 1..1_000);
+        share.renewed(lease, Instant::now() + Duration::from_secs(60));
+        share
+    }
+
+    /// Releases `holder` and asks every waiting ticket in turn until one is granted; returns
+    /// it (the one served next).
+    fn next_served(share: &LocalShare, holder: u64, waiting: &mut Vec<u64>) -> u64 {
+        assert_eq!(share.release(holder), Released::Permit);
+        let granted = waiting
+            .iter()
+            .copied()
+            .find(|&t| matches!(share.answer(t, None, true), Answer::Granted(_)))
+            .expect("the one served next is granted");
+        waiting.retain(|&t| t != granted);
+        granted
+    }
+
+    fn order(share: &LocalShare, mut holder: u64, mut waiting: Vec<u64>) -> Vec<u64> {
+        let mut served = Vec::new();
+        while !waiting.is_empty() {
+            holder = next_served(share, holder, &mut waiting);
+            served.push(holder);
+        }
+        served
+    }
+
+    #[test]
+    fn fairness_keys_take_turns_within_a_level_and_levels_come_first() {
+        let share = one_permit();
+        let first = share.answer(1, Some(&Priority::default()), false);
+        assert!(matches!(first, Answer::Granted(_)));
+        let a = Priority::default().key("a");
+        for ticket in 2..5 {
+            assert_eq!(share.answer(ticket, Some(&a), false), Answer::Queued);
+        }
+        assert_eq!(share.answer(5, Some(&Priority::default().key("b")), false), Answer::Queued);
+        // A later, higher level goes first; then the keys take turns; within a key, FIFO.
+        assert_eq!(share.answer(6, Some(&Priority::level(3)), false), Answer::Queued);
+        assert_eq!(order(&share, 1, vec![2, 3, 4, 5, 6]), [6, 2, 5, 3, 4]);
+    }
+
+    #[test]
+    fn a_heavier_key_gets_more_turns_and_an_idle_key_banks_nothing() {
+        let share = one_permit();
+        assert!(matches!(share.answer(1, Some(&Priority::default()), false), Answer::Granted(_)));
+        let heavy = Priority::default().key("heavy").weight(2);
+        let light = Priority::default().key("light");
+        for ticket in 2..6 {
+            share.answer(ticket, Some(&heavy), false);
+        }
+        for ticket in 6..8 {
+            share.answer(ticket, Some(&light), false);
+        }
+        // Heavy's tags step by half: two of its turns to each of light's.
+        assert_eq!(order(&share, 1, vec![2, 3, 4, 5, 6, 7]), [2, 3, 6, 4, 5, 7]);
+        // Nobody waits: a key that comes back starts at the clock, not ahead of it.
+        assert!(share.keys_are_empty());
     }
 }
