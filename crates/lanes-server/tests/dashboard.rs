@@ -182,8 +182,8 @@ async fn the_dashboard_shows_each_fairness_key_at_700_and_1280_pixels() {
     waiters.into_iter().for_each(|w| w.abort());
 }
 
-/// A leased limit on Redis: the dashboard of a server on that Redis names its mode and shows
-/// each client's share, permits out and demand.
+/// Leased limits on Redis: the dashboard of a server on that Redis names their mode and shows
+/// each client's share, permits out and demand, and for a rate its part of the rate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_shows_a_leased_limits_shares() {
     use lanes::limit::share::SharePolicy;
@@ -199,14 +199,22 @@ async fn the_dashboard_shows_a_leased_limits_shares() {
         .define_leased("leased-pool", lanes::LimitSpec::concurrent(4), SharePolicy::MaxMinFair)
         .await
         .unwrap();
+    client
+        .define_leased("leased-rate", lanes::LimitSpec::rate(50.0), SharePolicy::MaxMinFair)
+        .await
+        .unwrap();
     let limits = lanes::Limits::with_backend(client.clone());
-    let _held = tokio::time::timeout(
-        std::time::Duration::from_secs(5),
-        limits.acquire("leased-pool", lanes::Priority::default()),
-    )
-    .await
-    .expect("granted from the share")
-    .unwrap();
+    let mut held = Vec::new();
+    for limit in ["leased-pool", "leased-rate"] {
+        let permit = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            limits.acquire(limit, lanes::Priority::default()),
+        )
+        .await
+        .expect("granted from the share")
+        .unwrap();
+        held.push(permit);
+    }
     tokio::time::sleep(std::time::Duration::from_millis(1_200)).await; // a refresh reports it
     let dom = tokio::task::spawn_blocking({
         let url = serve.url("/");
@@ -219,4 +227,8 @@ async fn the_dashboard_shows_a_leased_limits_shares() {
     // It wants one permit (the one out), so its share is one, not all four.
     let expected = format!("client {}: share 1, out 1, wants 1", client.ledger_id());
     assert!(row.contains(&expected), "{expected} in {row}");
+    // A leased rate: each client's part of the rate, and the rate it wanted.
+    let row = dom.split("data-limit-shares=\"leased-rate\"").nth(1).expect("a rate shares row");
+    let row = row.split("</tr>").next().unwrap_or(row);
+    assert!(row.contains(", rate ") && row.contains("/s wanted"), "the rate share in {row}");
 }
