@@ -69,13 +69,7 @@ impl ShareSource for Inner {
         request: ShareRequest,
     ) -> BoxFuture<'a, Result<Option<ShareLease>, LimitError>> {
         Box::pin(async move {
-            match self.refresh_share(name, self.ledger_id, request, self.lease).await? {
-                ShareReply::Leased(lease) => Ok(Some(lease)),
-                ShareReply::Stale => Ok(None),
-                ShareReply::Exact => {
-                    Err(LimitError::backend(format!("limit {name} is not defined leased")))
-                }
-            }
+            self.refresh_share(name, self.ledger_id, request, self.lease).await?.into_lease(name)
         })
     }
 

@@ -819,15 +819,10 @@ impl RedisLimits {
         // Calls of one client are numbered in order: none of them is stale.
         ask.seq = self.inner.share_seq.fetch_add(1, Ordering::Relaxed) + 1;
         let inner = &self.inner;
-        match inner.refresh_share(name, inner.ledger_id, ask, inner.lease).await? {
-            ShareReply::Leased(lease) => Ok(lease),
-            ShareReply::Exact => {
-                Err(LimitError::backend(format!("limit {name} is not defined leased")))
-            }
-            ShareReply::Stale => {
-                Err(LimitError::backend("redis: a later refresh overtook this one"))
-            }
-        }
+        let reply = inner.refresh_share(name, inner.ledger_id, ask, inner.lease).await?;
+        reply
+            .into_lease(name)?
+            .ok_or_else(|| LimitError::backend("redis: a later refresh overtook this one"))
     }
 
     /// This client's identity in the ledgers of leased limits: random per client (not the id

@@ -216,14 +216,9 @@ async fn processes_hammering_a_leased_rate_grant_it_within_5_percent() {
     let mut grants = Vec::new();
     let mut per_child = Vec::new();
     for child in children {
-        let out = tokio::task::spawn_blocking(move || child.wait_with_output())
-            .await
-            .unwrap()
-            .expect("the child finishes");
-        assert!(out.status.success(), "a child failed: {:?}", out.status);
-        let stdout = String::from_utf8(out.stdout).unwrap();
-        let line = stdout.lines().find(|l| l.starts_with("GRANTS ")).expect("a report");
-        let at: Vec<u64> = line[7..].split(',').filter_map(|t| t.parse().ok()).collect();
+        let stdout = child_output(child).await;
+        let at: Vec<u64> =
+            report(&stdout, "GRANTS ").split(',').filter_map(|t| t.parse().ok()).collect();
         per_child.push(at.len());
         grants.extend(at);
     }
@@ -315,6 +310,22 @@ fn hammer_reports(children: Vec<std::process::Child>) -> i64 {
     most_seen
 }
 
+/// Waits for `child` (off the runtime's threads) and returns its stdout; it must succeed.
+async fn child_output(child: std::process::Child) -> String {
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .expect("the child finishes");
+    assert!(out.status.success(), "a child failed: {:?}", out.status);
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The rest of the report line of `stdout` that starts with `tag`.
+fn report<'a>(stdout: &'a str, tag: &str) -> &'a str {
+    let line = stdout.lines().find(|l| l.starts_with(tag)).expect("a report");
+    &line[tag.len()..]
+}
+
 /// The holder child's `HELD` line: the fencing tokens it holds.
 async fn held_tokens(holder: &mut std::process::Child) -> Vec<u64> {
     let stdout = holder.stdout.take().unwrap();
@@ -395,16 +406,8 @@ async fn processes_never_exceed_a_leased_limit() {
         .collect();
     let (mut all_tokens, mut spans) = (Vec::new(), Vec::new());
     for child in children {
-        let out = tokio::task::spawn_blocking(move || child.wait_with_output())
-            .await
-            .unwrap()
-            .expect("the child finishes");
-        assert!(out.status.success(), "a child failed: {:?}", out.status);
-        let stdout = String::from_utf8(out.stdout).unwrap();
-        let field = |tag: &str| {
-            let line = stdout.lines().find(|l| l.starts_with(tag)).expect("a report");
-            line[tag.len()..].to_owned()
-        };
+        let stdout = child_output(child).await;
+        let field = |tag: &str| report(&stdout, tag).to_owned();
         let most: i64 = field("MOST ").parse().unwrap();
         assert!(most <= i64::from(LEASED), "holders counted {most} at once");
         all_tokens.extend(field("TOKENS ").split(',').map(|t| t.parse::<u64>().unwrap()));

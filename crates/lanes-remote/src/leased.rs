@@ -153,15 +153,7 @@ impl ShareSource for Inner {
         name: &'a str,
         request: ShareRequest,
     ) -> BoxFuture<'a, Result<Option<ShareLease>, LimitError>> {
-        Box::pin(async move {
-            match self.refresh_once(name, &request).await? {
-                ShareReply::Leased(lease) => Ok(Some(lease)),
-                ShareReply::Stale => Ok(None),
-                ShareReply::Exact => {
-                    Err(LimitError::backend(format!("limit {name} is no longer leased")))
-                }
-            }
-        })
+        Box::pin(async move { self.refresh_once(name, &request).await?.into_lease(name) })
     }
 
     fn lost(&self, name: &str, ticket: u64) {
@@ -190,13 +182,7 @@ impl RemoteLimits {
         spec.validate()?;
         let mut body = wire::Spec::from(spec);
         body.mode = Some("leased".to_owned());
-        body.policy = Some(
-            match policy {
-                SharePolicy::MaxMinFair => "max_min_fair",
-                SharePolicy::Proportional => "proportional",
-            }
-            .to_owned(),
-        );
+        body.policy = Some(policy.name().to_owned());
         let request = self.inner.request(reqwest::Method::PUT, self.limit_url(name, ""));
         self.send(name, request.json(&body)).await?;
         lock(&self.inner.shares.exact).remove(name);

@@ -74,11 +74,9 @@ pub(crate) async fn define(
         }
     }
     let policy = match body.policy.as_deref() {
-        None | Some("max_min_fair") => SharePolicy::MaxMinFair,
-        Some("proportional") => SharePolicy::Proportional,
-        Some(_) => {
-            return Err(ApiError::field("policy", "a policy is max_min_fair or proportional"));
-        }
+        None => SharePolicy::default(),
+        Some(name) => SharePolicy::from_name(name)
+            .ok_or_else(|| ApiError::field("policy", "a policy is max_min_fair or proportional"))?,
     };
     match body.mode.as_deref() {
         None | Some("exact") => {

@@ -43,6 +43,22 @@ pub enum ShareReply {
     Leased(ShareLease),
 }
 
+impl ShareReply {
+    /// The lease to apply: `Some` for a share, `None` for a stale refresh (nothing to apply);
+    /// an error naming limit `name` for one that is not leased.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::Backend`] for [`ShareReply::Exact`].
+    pub fn into_lease(self, name: &str) -> Result<Option<ShareLease>, LimitError> {
+        match self {
+            Self::Leased(lease) => Ok(Some(lease)),
+            Self::Stale => Ok(None),
+            Self::Exact => Err(LimitError::backend(format!("limit {name} is not defined leased"))),
+        }
+    }
+}
+
 /// A store of limits, speaking the whole ticket protocol with the semantics of
 /// [`LimitTable`](super::LimitTable): a ticket is queued by its first ask
 /// ([`acquire`](Self::acquire)) at the priority of that ask, asked about afterwards with

@@ -884,6 +884,30 @@ mod tests {
         assert_eq!(order(&share, 1, vec![2, 3, 4, 5, 6]), [6, 2, 5, 3, 4]);
     }
 
+    /// A part of a rate: 10 a second with a burst of 1 (of a limit of 20/s, burst 2). On
+    /// paused time: the burst goes at once, the next grant waits exactly one interval (the
+    /// wait wakes by itself, with nothing else to wake it), and a third no sooner.
+    #[tokio::test(start_paused = true)]
+    async fn a_rate_share_paces_its_grants_and_its_wait_wakes_at_the_next_turn() {
+        let share = LocalShare::new(SharePolicy::default());
+        let lease = ShareLease::new(100, Duration::ZERO, 1..1_000)
+            .with_rate(RateLease::new(10_000, 20_000, 2));
+        share.renewed(lease, Instant::now() + Duration::from_secs(60));
+        assert_eq!(share.rate_share(), Some(10.0));
+        let start = Instant::now();
+        let first = Priority::default();
+        assert!(matches!(share.answer(1, Some(&first), false), Answer::Granted(_)));
+        assert_eq!(share.answer(2, Some(&first), false), Answer::Queued);
+        share.wait(2, Duration::from_secs(5)).await;
+        assert_eq!(start.elapsed(), Duration::from_millis(100), "woken at its turn");
+        assert!(matches!(share.answer(2, None, true), Answer::Granted(_)));
+        assert_eq!(share.answer(3, Some(&first), false), Answer::Queued);
+        tokio::time::advance(Duration::from_millis(99)).await;
+        assert_eq!(share.answer(3, None, true), Answer::Queued, "not before its interval");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert!(matches!(share.answer(3, None, true), Answer::Granted(_)));
+    }
+
     #[test]
     fn a_heavier_key_gets_more_turns_and_an_idle_key_banks_nothing() {
         let share = one_permit();

@@ -47,6 +47,21 @@ pub enum SharePolicy {
     Proportional,
 }
 
+impl SharePolicy {
+    /// The policy's name on the wire (as serde writes it): `max_min_fair` or `proportional`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::MaxMinFair => "max_min_fair",
+            Self::Proportional => "proportional",
+        }
+    }
+
+    /// The policy named `name` (see [`name`](Self::name)).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::MaxMinFair, Self::Proportional].into_iter().find(|p| p.name() == name)
+    }
+}
+
 /// What one client wants of a limit: permits per priority level (its holders and its waiters
 /// at that level). Higher levels are served first.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -327,6 +342,16 @@ mod tests {
 
     fn flat(wants: &[u32]) -> Vec<(u64, Demand)> {
         wants.iter().enumerate().map(|(i, w)| (i as u64, Demand::of(*w))).collect()
+    }
+
+    #[test]
+    fn a_policy_is_named_as_serde_writes_it() {
+        for policy in [SharePolicy::MaxMinFair, SharePolicy::Proportional] {
+            let json = serde_json::to_string(&policy).unwrap();
+            assert_eq!(json, format!("\"{}\"", policy.name()));
+            assert_eq!(SharePolicy::from_name(policy.name()), Some(policy));
+        }
+        assert_eq!(SharePolicy::from_name("lottery"), None);
     }
 
     #[test]
