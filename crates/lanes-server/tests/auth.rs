@@ -334,6 +334,14 @@ async fn remote_limits_sends_its_token() {
             .with_token(CLIENT);
     let limits = lanes::Limits::with_backend(stranger);
     assert!(limits.acquire("db", lanes::Priority::default()).await.is_err());
+    // A share is refreshed only as a client the token may act for.
+    let refresh = |client: &str| Some(json!({"client": client, "seq": 1, "held": 0}));
+    let (status, body) =
+        send(&serve, "POST", "/v1/limits/db/share", Some(CLIENT), refresh("w2")).await;
+    assert_eq!(status, 403, "{body}");
+    let (status, body) =
+        send(&serve, "POST", "/v1/limits/db/share", Some(CLIENT), refresh("w1")).await;
+    assert_eq!((status, body["mode"].as_str()), (200, Some("exact")), "{body}");
 }
 
 /// Every operation of the served OpenAPI document, with random tokens, path parameters,

@@ -386,6 +386,7 @@ mod tests {
     fn routes_need_the_least_role_that_may_use_them() {
         assert_eq!(needs(&Method::GET, "/v1/snapshot"), Some(Role::Read));
         assert_eq!(needs(&Method::POST, "/v1/limits/{name}/acquire"), Some(Role::Client));
+        assert_eq!(needs(&Method::POST, "/v1/limits/{name}/share"), Some(Role::Client));
         assert_eq!(needs(&Method::PUT, "/v1/limits/{name}"), Some(Role::Admin));
         assert_eq!(needs(&Method::DELETE, "/v1/limits/{name}"), Some(Role::Admin));
         assert_eq!(needs(&Method::GET, "/healthz"), None);
