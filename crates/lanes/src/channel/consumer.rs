@@ -1,5 +1,6 @@
 //! The consumer: batches out, settlements back.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::poll_fn;
 use std::ops::Deref;
@@ -94,7 +95,7 @@ pub struct Consumer<T> {
     /// The next pause after a refusal of the limit; `None` until one happens.
     next_backoff: Option<Duration>,
     /// Records `recv` took and has not handed out yet, last first.
-    local: Vec<Entry<T>>,
+    local: VecDeque<Entry<T>>,
 }
 
 impl<T: Send + 'static> Consumer<T> {
@@ -108,7 +109,7 @@ impl<T: Send + 'static> Consumer<T> {
             permits: Vec::new(),
             backoff: None,
             next_backoff: None,
-            local: Vec::new(),
+            local: VecDeque::new(),
         }
     }
 
@@ -138,12 +139,11 @@ impl<T: Send + 'static> Consumer<T> {
             let max = if self.plan.limit.is_some() { 1 } else { PREFETCH };
             let mut out = std::mem::take(&mut self.local);
             let taken = poll_fn(|cx| self.poll_take(cx, max, Duration::ZERO, &mut out)).await;
-            out.reverse();
             self.local = out;
             taken?;
             self.permits.clear();
         }
-        self.local.pop().map(|entry| self.hand_out(entry))
+        self.local.pop_front().map(|entry| self.hand_out(entry))
     }
 
     /// Moves up to `limit` queued records into `buffer` (waiting for at least one), settling
@@ -160,7 +160,6 @@ impl<T: Send + 'static> Consumer<T> {
         if self.local.is_empty() {
             let mut out = std::mem::take(&mut self.local);
             let taken = poll_fn(|cx| self.poll_take(cx, limit, Duration::ZERO, &mut out)).await;
-            out.reverse();
             self.local = out;
             if taken.is_none() {
                 return 0;
@@ -169,7 +168,7 @@ impl<T: Send + 'static> Consumer<T> {
         }
         let n = limit.min(self.local.len());
         for _ in 0..n {
-            let entry = self.local.pop().expect("counted");
+            let entry = self.local.pop_front().expect("counted");
             buffer.push(self.hand_out(entry));
         }
         n
@@ -186,9 +185,7 @@ impl<T: Send + 'static> Consumer<T> {
 
     /// Records `recv` took and did not hand out, in order.
     fn take_back_local(&mut self) -> Vec<Entry<T>> {
-        let mut local = std::mem::take(&mut self.local);
-        local.reverse();
-        local
+        Vec::from(std::mem::take(&mut self.local))
     }
 
     /// Polls for the next batch.
@@ -197,7 +194,7 @@ impl<T: Send + 'static> Consumer<T> {
         let mut taken = self.take_back_local();
         if taken.len() > max {
             let rest = taken.split_off(max);
-            self.local = rest.into_iter().rev().collect();
+            self.local = VecDeque::from(rest);
         }
         if taken.is_empty() && ready!(self.poll_take(cx, max, flush, &mut taken)).is_none() {
             return Poll::Ready(None);
@@ -228,7 +225,7 @@ impl<T: Send + 'static> Consumer<T> {
         cx: &mut Context<'_>,
         max: usize,
         flush: Duration,
-        out: &mut Vec<Entry<T>>,
+        out: &mut impl Extend<Entry<T>>,
     ) -> Poll<Option<()>> {
         loop {
             if let Some(sleep) = &mut self.backoff {

@@ -181,6 +181,24 @@ impl<T> Core<T> {
             self.enqueue(record, now);
             return Offer::Queued;
         }
+        self.overflow(record, channel_full, now)
+    }
+
+    /// The fast path of [`offer`](Self::offer) for a producer holding no handed-off slot when
+    /// no budget applies: queues `record` if the channel is open and has room, else hands it
+    /// back untouched (nothing counted) for `offer` to decide.
+    #[inline]
+    pub(crate) fn try_queue(&mut self, record: T, now: impl FnOnce() -> Instant) -> Result<(), T> {
+        if self.closed || !self.has_room() {
+            return Err(record);
+        }
+        self.counters.emitted += 1;
+        self.enqueue(record, now);
+        Ok(())
+    }
+
+    /// The overflow rule, for a record that did not fit (the channel or the budget full).
+    fn overflow(&mut self, record: T, channel_full: bool, now: impl FnOnce() -> Instant) -> Offer<T> {
         match self.overflow {
             OverflowKind::Block => Offer::Full { record, budget: !channel_full },
             OverflowKind::DropNewest => {
@@ -215,7 +233,7 @@ impl<T> Core<T> {
     }
 
     /// Removes up to `n` records from the front into `out`; returns how many.
-    pub(crate) fn take(&mut self, n: usize, out: &mut Vec<T>) -> usize {
+    pub(crate) fn take(&mut self, n: usize, out: &mut impl Extend<T>) -> usize {
         let n = n.min(self.buf.len());
         out.extend(self.buf.drain(..n));
         self.advance(n);
@@ -263,6 +281,7 @@ impl<T> Core<T> {
         if now >= deadline { Due::Now(len.min(max)) } else { Due::At(deadline) }
     }
 
+    #[inline]
     fn enqueue(&mut self, record: T, now: impl FnOnce() -> Instant) {
         let seq = self.head_seq + self.buf.len() as u64;
         if self.buf.is_empty() {

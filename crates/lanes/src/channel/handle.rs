@@ -412,6 +412,25 @@ impl<T> ChannelShared<T> {
         }
     }
 
+    /// The fast path of [`push`](Self::push) for a producer that is not waiting, on a channel
+    /// without a shared budget: queues `entry` if the channel is open and has room (the record
+    /// moved once, into the buffer); otherwise hands it back, nothing counted, for `push`.
+    #[inline]
+    pub(crate) fn try_queue(&self, entry: Entry<T>) -> Result<(), Entry<T>> {
+        if self.budget.is_some() {
+            return Err(entry);
+        }
+        let mut st = lock(&self.state);
+        st.core.try_queue(entry, Instant::now)?;
+        let consumer = st.consumer_waker();
+        drop(st);
+        if let Some(consumer) = consumer {
+            consumer.wake();
+        }
+        self.metrics.emitted.increment(1);
+        Ok(())
+    }
+
     fn budget(&self) -> &Budget {
         self.budget.as_deref().expect("only a channel with a budget waits on it")
     }
@@ -471,7 +490,12 @@ impl<T> ChannelShared<T> {
 
     /// Removes up to `n` records from the front, for the consumer, and hands the freed slots
     /// to the first waiting producers; returns their wakers.
-    pub(crate) fn take(&self, st: &mut State<T>, n: usize, out: &mut Vec<Entry<T>>) -> Vec<Waker> {
+    pub(crate) fn take(
+        &self,
+        st: &mut State<T>,
+        n: usize,
+        out: &mut impl Extend<Entry<T>>,
+    ) -> Vec<Waker> {
         st.core.take(n, out);
         let mut wakers = Vec::new();
         if !st.senders.is_empty() {

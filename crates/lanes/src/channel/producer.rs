@@ -106,7 +106,9 @@ impl<T: Send + 'static> Channel<T> {
     /// [`Overflow::Block`]), [`EmitError::Closed`], or, for a spill,
     /// [`EmitError::Spill`] / [`EmitError::Encode`].
     pub fn try_emit(&self, record: T) -> Result<Emitted<T>, EmitError<T>> {
-        let entry = Entry { record, receipt: None };
+        let Err(entry) = self.shared.try_queue(Entry { record, receipt: None }) else {
+            return Ok(Emitted::Queued);
+        };
         match self.shared.push(entry, None) {
             Pushed::Spill(entry) => self.spill_now(entry).map(|()| Emitted::Spilled),
             pushed => finish(pushed),
@@ -125,7 +127,10 @@ impl<T: Send + 'static> Channel<T> {
     ///
     /// As for [`try_emit`](Self::try_emit), except that a full channel waits instead.
     pub async fn emit(&self, record: T) -> Result<Emitted<T>, EmitError<T>> {
-        match self.push_waiting(Entry { record, receipt: None }).await {
+        let Err(entry) = self.shared.try_queue(Entry { record, receipt: None }) else {
+            return Ok(Emitted::Queued);
+        };
+        match self.push_waiting(entry).await {
             Pushed::Spill(entry) => self.spill_waiting(entry).await.map(|()| Emitted::Spilled),
             pushed => finish(pushed),
         }
@@ -142,6 +147,9 @@ impl<T: Send + 'static> Channel<T> {
     pub async fn emit_with_receipt(&self, record: T) -> Result<Receipt, EmitError<T>> {
         let state = ReceiptState::new(self.shared.config.ack_timeout);
         let entry = Entry { record, receipt: Some(state.clone()) };
+        let Err(entry) = self.shared.try_queue(entry) else {
+            return Ok(Receipt::new(state));
+        };
         match self.push_waiting(entry).await {
             Pushed::Queued => {}
             Pushed::DroppedNewest(entry) | Pushed::DroppedOldest(entry) => {
