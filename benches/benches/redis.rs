@@ -429,6 +429,20 @@ fn main() {
             cleanup(&ns).await;
             return;
         }
+        // LANES_REDIS_ONLY=throughput measures the two throughput rows alone (while working on
+        // the script).
+        if std::env::var("LANES_REDIS_ONLY").as_deref() == Ok("throughput") {
+            for (label, clients, limit, hold) in [
+                ("uncontended", 8usize, 100_000u32, Duration::ZERO),
+                ("contended", 16, 4, Duration::from_millis(2)),
+            ] {
+                let lanes = lanes_throughput(&ns, clients, limit, hold, false).await;
+                let anchor = sorted_set_throughput(&ns, clients, limit, hold, false).await;
+                println!("redis/throughput/{label}: lanes {lanes:.0}/s, sorted set {anchor:.0}/s, {:.2}x", lanes / anchor);
+            }
+            cleanup(&ns).await;
+            return;
+        }
         let ping = ping_rtt().await;
         println!("redis/ping: {ping}");
         let mut latency = Vec::new();

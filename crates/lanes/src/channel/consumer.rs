@@ -6,7 +6,7 @@ use std::future::poll_fn;
 use std::ops::Deref;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -96,6 +96,8 @@ pub struct Consumer<T> {
     next_backoff: Option<Duration>,
     /// Records `recv` took and has not handed out yet, last first.
     local: VecDeque<Entry<T>>,
+    /// The wakers of producers a take handed slots to (kept: no allocation per hand-off).
+    wakers: Vec<Waker>,
 }
 
 impl<T: Send + 'static> Consumer<T> {
@@ -110,6 +112,7 @@ impl<T: Send + 'static> Consumer<T> {
             backoff: None,
             next_backoff: None,
             local: VecDeque::new(),
+            wakers: Vec::new(),
         }
     }
 
@@ -296,9 +299,9 @@ impl<T: Send + 'static> Consumer<T> {
                     self.permits.truncate(n);
                 }
             }
-            let wakers = self.shared.take(&mut st, n, out);
+            self.shared.take(&mut st, n, out, &mut self.wakers);
             drop(st);
-            self.shared.after_take(n, wakers);
+            self.shared.after_take(n, &mut self.wakers);
             return Poll::Ready(Some(()));
         }
     }

@@ -15,7 +15,7 @@ use super::config::ChannelConfig;
 use super::core::{Core, Offer, Room};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
-use crate::util::{WaitKey, WaitList, lock};
+use crate::util::{Padded, WaitKey, WaitList, lock};
 
 /// A queued record and, if its producer asked for one, its receipt.
 pub(crate) struct Entry<T> {
@@ -236,11 +236,12 @@ pub(crate) struct ChannelShared<T> {
     pub(crate) config: ChannelConfig<T>,
     pub(crate) dynamic: bool,
     pub(crate) budget: Option<Arc<Budget>>,
-    pub(crate) state: Mutex<State<T>>,
+    /// The lock producers and the consumer share, on lines of its own.
+    pub(crate) state: Padded<Mutex<State<T>>>,
     pub(crate) producers: AtomicUsize,
     /// Records the consumer's plain reads handed out: counted processed without the lock
     /// (only the consumer writes it).
-    read: AtomicU64,
+    read: Padded<AtomicU64>,
     /// Woken when records may have reached their end (a settle, a drop, a close), for
     /// [`Channel::drained`](super::Channel::drained).
     pub(crate) settled: tokio::sync::Notify,
@@ -269,15 +270,15 @@ impl<T> ChannelShared<T> {
             config,
             dynamic,
             budget,
-            state: Mutex::new(State {
+            state: Padded(Mutex::new(State {
                 core,
                 consumer_taken: false,
                 recv_waker: None,
                 recv_want: 1,
                 senders: WaitList::default(),
-            }),
+            })),
             producers: AtomicUsize::new(0),
-            read: AtomicU64::new(0),
+            read: Padded(AtomicU64::new(0)),
             settled: tokio::sync::Notify::new(),
             drain_waiters: AtomicUsize::new(0),
             auto_close,
@@ -489,24 +490,26 @@ impl<T> ChannelShared<T> {
     }
 
     /// Removes up to `n` records from the front, for the consumer, and hands the freed slots
-    /// to the first waiting producers; returns their wakers.
+    /// to the first waiting producers, collecting their wakers in `wakers` (the consumer's
+    /// own, reused: no allocation per hand-off).
     pub(crate) fn take(
         &self,
         st: &mut State<T>,
         n: usize,
         out: &mut impl Extend<Entry<T>>,
-    ) -> Vec<Waker> {
+        wakers: &mut Vec<Waker>,
+    ) {
         st.core.take(n, out);
-        let mut wakers = Vec::new();
         if !st.senders.is_empty() {
-            st.hand_off(&mut wakers);
+            st.hand_off(wakers);
         }
-        wakers
     }
 
-    /// After `take`: outside the lock, wakes producers and returns budget.
-    pub(crate) fn after_take(&self, n: usize, wakers: Vec<Waker>) {
-        wake_all(wakers);
+    /// After `take`: outside the lock, wakes producers (emptying `wakers`) and returns budget.
+    pub(crate) fn after_take(&self, n: usize, wakers: &mut Vec<Waker>) {
+        for waker in wakers.drain(..) {
+            waker.wake();
+        }
         if let Some(budget) = &self.budget {
             budget.release(n);
         }

@@ -30,6 +30,20 @@ pub(crate) fn intern(name: &str) -> &'static str {
     }
 }
 
+/// A value on cache lines of its own (128 bytes: a line and its adjacent-line prefetch), so that
+/// a field one thread writes often does not slow another thread's access to its neighbours.
+#[derive(Debug, Default)]
+#[repr(align(128))]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 /// A panic was caught. The payload is dropped on the spot: it can carry user data, so it never
 /// reaches an error message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
