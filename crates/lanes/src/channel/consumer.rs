@@ -14,7 +14,7 @@ use tokio::time::{Instant, Sleep};
 
 use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
-use super::core::Due;
+use super::core::{Due, Take};
 use super::error::SettleError;
 use super::handle::{ChannelShared, Entry};
 use super::receipt::{ReceiptState, Settlement};
@@ -228,7 +228,7 @@ impl<T: Send + 'static> Consumer<T> {
         cx: &mut Context<'_>,
         max: usize,
         flush: Duration,
-        out: &mut impl Extend<Entry<T>>,
+        out: &mut impl Take<Entry<T>>,
     ) -> Poll<Option<()>> {
         loop {
             if let Some(sleep) = &mut self.backoff {

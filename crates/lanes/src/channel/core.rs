@@ -95,6 +95,30 @@ pub(crate) enum Due {
     At(Instant),
 }
 
+/// Where taken records go.
+pub(crate) trait Take<T> {
+    /// Moves the first `n` records of `buf` (`n <= buf.len()`) to the end of `self`.
+    fn take_front(&mut self, buf: &mut VecDeque<T>, n: usize);
+}
+
+impl<T> Take<T> for Vec<T> {
+    fn take_front(&mut self, buf: &mut VecDeque<T>, n: usize) {
+        self.extend(buf.drain(..n));
+    }
+}
+
+/// The consumer's read-ahead: a whole buffer taken into an empty one is swapped, not copied
+/// (the two allocations then alternate between the channel and the consumer).
+impl<T> Take<T> for VecDeque<T> {
+    fn take_front(&mut self, buf: &mut VecDeque<T>, n: usize) {
+        if self.is_empty() && n == buf.len() {
+            std::mem::swap(self, buf);
+        } else {
+            self.extend(buf.drain(..n));
+        }
+    }
+}
+
 /// The buffer, its counters, and the rules.
 #[derive(Debug)]
 pub(crate) struct Core<T> {
@@ -233,9 +257,9 @@ impl<T> Core<T> {
     }
 
     /// Removes up to `n` records from the front into `out`; returns how many.
-    pub(crate) fn take(&mut self, n: usize, out: &mut impl Extend<T>) -> usize {
+    pub(crate) fn take(&mut self, n: usize, out: &mut impl Take<T>) -> usize {
         let n = n.min(self.buf.len());
-        out.extend(self.buf.drain(..n));
+        out.take_front(&mut self.buf, n);
         self.advance(n);
         self.counters.delivered += n as u64;
         n
@@ -524,5 +548,31 @@ mod tests {
             });
         }
         assert_eq!(reads, 2, "records 0 and 32 are stamped");
+    }
+
+    #[test]
+    fn a_read_ahead_takes_records_in_order_whether_it_swaps_or_copies() {
+        let mut core = Core::new(8, OverflowKind::Block);
+        let t0 = Instant::now();
+        for i in 0..6 {
+            assert!(core.try_queue(i, || t0).is_ok());
+        }
+        let mut ahead = VecDeque::new();
+        // Part of the buffer: copied.
+        assert_eq!(core.take(2, &mut ahead), 2);
+        // The rest into a non-empty read-ahead: copied after what it holds.
+        assert_eq!(core.take(8, &mut ahead), 4);
+        assert_eq!(ahead.drain(..).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
+        // All of it into an empty read-ahead: swapped, and the channel goes on after it.
+        for i in 6..9 {
+            assert!(core.try_queue(i, || t0).is_ok());
+        }
+        assert_eq!(core.take(64, &mut ahead), 3);
+        assert_eq!(core.len(), 0);
+        assert!(core.try_queue(9, || t0).is_ok());
+        assert_eq!(core.take(64, &mut ahead), 1);
+        assert_eq!(ahead.into_iter().collect::<Vec<_>>(), vec![6, 7, 8, 9]);
+        assert_eq!(core.counters.delivered, 10);
+        assert_eq!(core.oldest_enqueued(), None);
     }
 }

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use super::channels::ChannelsInner;
 use super::config::ChannelConfig;
-use super::core::{Core, Offer, Room};
+use super::core::{Core, Offer, Room, Take};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
 use crate::util::{Padded, WaitKey, WaitList, lock};
@@ -496,7 +496,7 @@ impl<T> ChannelShared<T> {
         &self,
         st: &mut State<T>,
         n: usize,
-        out: &mut impl Extend<Entry<T>>,
+        out: &mut impl Take<Entry<T>>,
         wakers: &mut Vec<Waker>,
     ) {
         st.core.take(n, out);
