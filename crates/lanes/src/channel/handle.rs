@@ -3,7 +3,7 @@
 //! lock always reconciles.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::Waker;
 use std::time::Duration;
 
@@ -11,7 +11,7 @@ use metrics::Counter;
 use tokio::time::Instant;
 
 use super::channels::ChannelsInner;
-use super::config::ChannelConfig;
+use super::config::{ChannelConfig, OverflowKind};
 use super::core::{Core, Offer, Room, Take};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
@@ -250,6 +250,8 @@ pub(crate) struct ChannelShared<T> {
     pub(crate) drain_waiters: AtomicUsize,
     /// Close when the last producer handle is dropped (standalone channels).
     pub(crate) auto_close: bool,
+    /// The overflow policy is `Block` (read on every emit).
+    blocks: bool,
     pub(crate) home: Weak<ChannelsInner>,
     pub(crate) metrics: ChannelMetrics,
 }
@@ -263,6 +265,7 @@ impl<T> ChannelShared<T> {
         home: Weak<ChannelsInner>,
     ) -> Self {
         let auto_close = home.strong_count() == 0;
+        let blocks = config.overflow.kind() == OverflowKind::Block;
         let core = Core::new(config.capacity, config.overflow.kind());
         Self {
             metrics: ChannelMetrics::new(&name),
@@ -282,6 +285,7 @@ impl<T> ChannelShared<T> {
             settled: tokio::sync::Notify::new(),
             drain_waiters: AtomicUsize::new(0),
             auto_close,
+            blocks,
             home,
         }
     }
@@ -290,12 +294,38 @@ impl<T> ChannelShared<T> {
     /// queues a blocked producer, first come first served: a producer still queued is not
     /// offered again, and one the list woke offers with the slot (or budget unit) it was
     /// handed, so nobody barges past it.
-    pub(crate) fn push(
+    pub(crate) fn push(&self, entry: Entry<T>, wait: Option<(&mut Waiter, &Waker)>) -> Pushed<T> {
+        self.push_locked(lock(&self.state), entry, wait)
+    }
+
+    /// [`push`](Self::push) for a producer that does not wait: the fast path of
+    /// [`try_queue`](Self::try_queue) first, then, under the same lock, the overflow rule.
+    pub(crate) fn push_now(&self, entry: Entry<T>) -> Pushed<T> {
+        let mut st = lock(&self.state);
+        if self.budget.is_some() {
+            return self.push_locked(st, entry, None);
+        }
+        match st.core.try_queue(entry, Instant::now) {
+            Ok(()) => {
+                let consumer = st.consumer_waker();
+                drop(st);
+                if let Some(consumer) = consumer {
+                    consumer.wake();
+                }
+                self.metrics.emitted.increment(1);
+                Pushed::Queued
+            }
+            Err(entry) => self.push_locked(st, entry, None),
+        }
+    }
+
+    /// [`push`](Self::push), under the lock its caller took.
+    fn push_locked(
         &self,
+        mut st: MutexGuard<'_, State<T>>,
         mut entry: Entry<T>,
         mut wait: Option<(&mut Waiter, &Waker)>,
     ) -> Pushed<T> {
-        let mut st = lock(&self.state);
         loop {
             let (mut held_slot, mut held_unit) = (false, false);
             if let Some((waiter, waker)) = wait.as_mut()
@@ -411,6 +441,13 @@ impl<T> ChannelShared<T> {
                 }
             }
         }
+    }
+
+    /// Whether a producer waits for room (the overflow policy is `Block`); under any other
+    /// policy a full channel decides at once.
+    #[inline]
+    pub(crate) fn blocks(&self) -> bool {
+        self.blocks
     }
 
     /// The fast path of [`push`](Self::push) for a producer that is not waiting, on a channel

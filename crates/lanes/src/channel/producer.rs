@@ -106,10 +106,7 @@ impl<T: Send + 'static> Channel<T> {
     /// [`Overflow::Block`]), [`EmitError::Closed`], or, for a spill,
     /// [`EmitError::Spill`] / [`EmitError::Encode`].
     pub fn try_emit(&self, record: T) -> Result<Emitted<T>, EmitError<T>> {
-        let Err(entry) = self.shared.try_queue(Entry { record, receipt: None }) else {
-            return Ok(Emitted::Queued);
-        };
-        match self.shared.push(entry, None) {
+        match self.shared.push_now(Entry { record, receipt: None }) {
             Pushed::Spill(entry) => self.spill_now(entry).map(|()| Emitted::Spilled),
             pushed => finish(pushed),
         }
@@ -127,10 +124,17 @@ impl<T: Send + 'static> Channel<T> {
     ///
     /// As for [`try_emit`](Self::try_emit), except that a full channel waits instead.
     pub async fn emit(&self, record: T) -> Result<Emitted<T>, EmitError<T>> {
-        let Err(entry) = self.shared.try_queue(Entry { record, receipt: None }) else {
-            return Ok(Emitted::Queued);
+        let entry = Entry { record, receipt: None };
+        let pushed = if self.shared.blocks() {
+            match self.shared.try_queue(entry) {
+                Ok(()) => return Ok(Emitted::Queued),
+                Err(entry) => self.push_waiting(entry).await,
+            }
+        } else {
+            // Never waits: fits, or the overflow rule applies at once, under one lock.
+            self.shared.push_now(entry)
         };
-        match self.push_waiting(entry).await {
+        match pushed {
             Pushed::Spill(entry) => self.spill_waiting(entry).await.map(|()| Emitted::Spilled),
             pushed => finish(pushed),
         }
@@ -147,10 +151,15 @@ impl<T: Send + 'static> Channel<T> {
     pub async fn emit_with_receipt(&self, record: T) -> Result<Receipt, EmitError<T>> {
         let state = ReceiptState::new(self.shared.config.ack_timeout);
         let entry = Entry { record, receipt: Some(state.clone()) };
-        let Err(entry) = self.shared.try_queue(entry) else {
-            return Ok(Receipt::new(state));
+        let pushed = if self.shared.blocks() {
+            match self.shared.try_queue(entry) {
+                Ok(()) => return Ok(Receipt::new(state)),
+                Err(entry) => self.push_waiting(entry).await,
+            }
+        } else {
+            self.shared.push_now(entry)
         };
-        match self.push_waiting(entry).await {
+        match pushed {
             Pushed::Queued => {}
             Pushed::DroppedNewest(entry) | Pushed::DroppedOldest(entry) => {
                 entry.settle(Settlement::Dropped);
