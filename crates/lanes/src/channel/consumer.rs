@@ -94,7 +94,7 @@ pub struct Consumer<T> {
     backoff: Option<Pin<Box<Sleep>>>,
     /// The next pause after a refusal of the limit; `None` until one happens.
     next_backoff: Option<Duration>,
-    /// Records `recv` took and has not handed out yet, last first.
+    /// Records `recv` took and has not handed out yet, in order (the first at the front).
     local: VecDeque<Entry<T>>,
     /// The wakers of producers a take handed slots to (kept: no allocation per hand-off).
     wakers: Vec<Waker>,

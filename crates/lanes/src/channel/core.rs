@@ -338,7 +338,10 @@ mod tests {
         Offer { budget_room: bool, spill_ok: bool, held: bool },
         HandOff(usize),
         Unreserve,
-        Take(usize),
+        /// The fast path of a producer holding no handed-off slot, with no budget.
+        TryQueue,
+        /// A take into the consumer's read-ahead (a `VecDeque`, which swaps a whole buffer).
+        Take { n: usize, ahead: bool },
         Close { discard: bool },
         Due { max: usize, flush_ms: u64 },
         Wait(u64),
@@ -351,7 +354,8 @@ mod tests {
             2 => any::<bool>().prop_map(|b| Op::Offer { budget_room: b, spill_ok: true, held: true }),
             2 => (0usize..4).prop_map(Op::HandOff),
             1 => Just(Op::Unreserve),
-            3 => (0usize..6).prop_map(Op::Take),
+            2 => Just(Op::TryQueue),
+            3 => (0usize..6, any::<bool>()).prop_map(|(n, ahead)| Op::Take { n, ahead }),
             1 => any::<bool>().prop_map(|discard| Op::Close { discard }),
             2 => (1usize..6, 0u64..20).prop_map(|(max, flush_ms)| Op::Due { max, flush_ms }),
             2 => (0u64..10).prop_map(Op::Wait),
@@ -465,9 +469,29 @@ mod tests {
                             }
                         }
                     }
-                    Op::Take(n) => {
+                    Op::TryQueue => {
+                        let id = next;
+                        next += 1;
+                        let answer = core.try_queue(id, || now);
+                        // Refused exactly when closed or every slot is taken or handed off: a
+                        // producer on the fast path never takes a slot handed to another.
+                        if closed || model.len() + reserved >= capacity {
+                            prop_assert_eq!(answer, Err(id));
+                        } else {
+                            prop_assert_eq!(answer, Ok(()));
+                            enqueue(&mut model, &mut seq, &mut stamps, id, now);
+                        }
+                    }
+                    Op::Take { n, ahead } => {
                         let mut out = Vec::new();
-                        let got = core.take(n, &mut out);
+                        let got = if ahead {
+                            let mut read_ahead = VecDeque::new();
+                            let got = core.take(n, &mut read_ahead);
+                            out.extend(read_ahead);
+                            got
+                        } else {
+                            core.take(n, &mut out)
+                        };
                         let want: Vec<u64> =
                             (0..n.min(model.len())).map(|_| model.pop_front().unwrap().0).collect();
                         prop_assert_eq!(got, want.len());
