@@ -222,7 +222,12 @@ impl<T> Core<T> {
     }
 
     /// The overflow rule, for a record that did not fit (the channel or the budget full).
-    fn overflow(&mut self, record: T, channel_full: bool, now: impl FnOnce() -> Instant) -> Offer<T> {
+    fn overflow(
+        &mut self,
+        record: T,
+        channel_full: bool,
+        now: impl FnOnce() -> Instant,
+    ) -> Offer<T> {
         match self.overflow {
             OverflowKind::Block => Offer::Full { record, budget: !channel_full },
             OverflowKind::DropNewest => {
@@ -335,15 +340,27 @@ mod tests {
 
     #[derive(Debug, Clone)]
     enum Op {
-        Offer { budget_room: bool, spill_ok: bool, held: bool },
+        Offer {
+            budget_room: bool,
+            spill_ok: bool,
+            held: bool,
+        },
         HandOff(usize),
         Unreserve,
         /// The fast path of a producer holding no handed-off slot, with no budget.
         TryQueue,
         /// A take into the consumer's read-ahead (a `VecDeque`, which swaps a whole buffer).
-        Take { n: usize, ahead: bool },
-        Close { discard: bool },
-        Due { max: usize, flush_ms: u64 },
+        Take {
+            n: usize,
+            ahead: bool,
+        },
+        Close {
+            discard: bool,
+        },
+        Due {
+            max: usize,
+            flush_ms: u64,
+        },
         Wait(u64),
     }
 
