@@ -479,15 +479,54 @@ end
 
 -- Operations -----------------------------------------------------------------------------
 
+-- The common acquire, granted without the full path's reads: an exact limit without a rate on
+-- one node, nobody waiting, a permit free, no hold, and a ticket that holds nothing yet (a
+-- retry goes the full path, which answers the grant it holds). Lapsed leases are not swept
+-- here: they count as held until a call that finds the limit full, or waiters, sweeps them,
+-- which only ever grants less. nil: take the full path. 8 commands; the full path's 9 plus
+-- its queue logic cost about a third more Redis time.
+local function quick_acquire()
+  if redis.call('HLEN', I) ~= 0 then return nil end
+  local v = redis.call('HMGET', M, 'concurrent', 'interval', 'hold', 'movehold', 'mode', 'maxuse')
+  if not v[1] or v[5] or (tonumber(v[2]) or 0) ~= 0 or (tonumber(v[4]) or 0) > 0 then
+    return nil
+  end
+  local used = redis.call('HLEN', H)
+  if used >= tonumber(v[1]) then return nil end
+  local ticket = ARGV[6]
+  if redis.call('HEXISTS', H, ticket) == 1 then return nil end
+  local t = redis.call('TIME')
+  local at = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  if (tonumber(v[3]) or 0) > at then return nil end
+  local fence = int(redis.call('HINCRBY', M, 'fence', 1))
+  local expires = int(at + tonumber(ARGV[3]) * 1000)
+  redis.call('HSET', H, ticket, fence .. ':' .. expires)
+  redis.call('ZADD', E, expires, ticket)
+  used = used + 1
+  if used > (tonumber(v[6]) or 0) then redis.call('HSET', M, 'maxuse', used) end
+  return { hex(1), fence, expires }
+end
+
+-- The limit whose key names are set: calls in a row on one limit build them once.
+local named
+
 -- One call: `keys` and `args` as described at the top.
 local function call(keys, args)
   B, ARGV = keys[1], args
-  op, channels = args[1], args[2]
+  op = args[1]
+  if B ~= named then
+    M, H, E, LV = B .. ':m', B .. ':h', B .. ':e', B .. ':lv'
+    I, C, L = B .. ':i', B .. ':c', B .. ':l'
+    NAME = string.sub(B, 2, -2)
+    named = B
+  end
+  if op == 'acquire' then
+    local granted_now = quick_acquire()
+    if granted_now then return granted_now end
+  end
+  channels = args[2]
   lease_us, grace_us = tonumber(args[3]) * 1000, tonumber(args[4]) * 1000
   caller = args[5]
-  M, H, E, LV = B .. ':m', B .. ':h', B .. ':e', B .. ':lv'
-  I, C, L = B .. ':i', B .. ':c', B .. ':l'
-  NAME = string.sub(B, 2, -2)
   meta, now, peeked = nil, nil, nil
 
   if op == 'define' then

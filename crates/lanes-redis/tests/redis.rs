@@ -142,6 +142,38 @@ async fn a_lapsed_lease_is_reclaimed_and_its_renewal_refused(t: Target) {
     assert_eq!(holder.stats().lost_leases, 1);
 }
 
+/// The quick grant does not sweep lapsed leases; the call that finds the limit full does, so
+/// a lapsed lease never keeps a permit from the next caller, and counts are right after it.
+async fn a_lapsed_lease_left_by_quick_grants_is_swept_when_the_limit_is_full(t: Target) {
+    let ns = common::unique_ns("sweep");
+    let _cleanup = common::Cleanup::on(t, &ns);
+    let lease = Duration::from_millis(150);
+    let gone = common::builder_on(t, &ns).lease(lease).auto_renew(false).build().await.unwrap();
+    let other = common::client_on(t, &ns).await;
+    other.define("job", LimitSpec::concurrent(2)).await.unwrap();
+    let lapsing = gone.ticket();
+    let answer = gone.acquire("job", lapsing, &Priority::default(), None).await.unwrap();
+    assert!(matches!(answer, Answer::Granted(_)), "{answer:?}");
+    tokio::time::sleep(lease + Duration::from_millis(50)).await;
+    // One permit is free beside the lapsed one: granted at once, the lapsed lease still there.
+    let first = other.ticket();
+    let answer = other.acquire("job", first, &Priority::default(), None).await.unwrap();
+    assert!(matches!(answer, Answer::Granted(_)), "{answer:?}");
+    // The limit looks full only because of the lapsed lease: this call sweeps it and grants.
+    let second = other.ticket();
+    let answer = other.acquire("job", second, &Priority::default(), None).await.unwrap();
+    assert!(matches!(answer, Answer::Granted(_)), "the lapsed lease was swept: {answer:?}");
+    let info = other.info("job").await.unwrap().unwrap();
+    assert_eq!(info.in_use, 2, "{info:?}");
+    assert!(info.max_in_use <= 2, "{info:?}");
+    // And the limit is full now: a third caller waits.
+    let third = other.ticket();
+    let answer = other.acquire("job", third, &Priority::default(), None).await.unwrap();
+    assert!(!matches!(answer, Answer::Granted(_)), "{answer:?}");
+    let err = gone.renew("job", lapsing).await.unwrap_err();
+    assert!(err.is_lease_expired(), "{err}");
+}
+
 async fn held_permits_are_renewed_in_the_background(t: Target) {
     let ns = common::unique_ns("renew");
     let _cleanup = common::Cleanup::on(t, &ns);
@@ -358,6 +390,7 @@ on_both!(
     fair_keys_take_turns_across_clients,
     fencing_tokens_strictly_increase_across_clients,
     a_lapsed_lease_is_reclaimed_and_its_renewal_refused,
+    a_lapsed_lease_left_by_quick_grants_is_swept_when_the_limit_is_full,
     held_permits_are_renewed_in_the_background,
     a_vanished_holder_is_reclaimed_within_its_lease,
     a_client_with_many_waiters_asks_for_one_of_them,
