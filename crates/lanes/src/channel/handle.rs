@@ -307,12 +307,7 @@ impl<T> ChannelShared<T> {
         }
         match st.core.try_queue(entry, Instant::now) {
             Ok(()) => {
-                let consumer = st.consumer_waker();
-                drop(st);
-                if let Some(consumer) = consumer {
-                    consumer.wake();
-                }
-                self.metrics.emitted.increment(1);
+                self.queued(st);
                 Pushed::Queued
             }
             Err(entry) => self.push_locked(st, entry, None),
@@ -359,15 +354,10 @@ impl<T> ChannelShared<T> {
             };
             match st.core.offer(entry, budget, held_slot, Instant::now) {
                 Offer::Queued => {
-                    let consumer = st.consumer_waker();
-                    drop(st);
                     if let Some((waiter, _)) = wait {
                         *waiter = Waiter::default();
                     }
-                    if let Some(consumer) = consumer {
-                        consumer.wake();
-                    }
-                    self.metrics.emitted.increment(1);
+                    self.queued(st);
                     return Pushed::Queued;
                 }
                 Offer::Closed(entry) => {
@@ -387,12 +377,7 @@ impl<T> ChannelShared<T> {
                     return Pushed::DroppedNewest(entry);
                 }
                 Offer::DroppedOldest(oldest) => {
-                    let consumer = st.consumer_waker();
-                    drop(st);
-                    if let Some(consumer) = consumer {
-                        consumer.wake();
-                    }
-                    self.metrics.emitted.increment(1);
+                    self.queued(st);
                     self.metrics.dropped.increment(1);
                     return Pushed::DroppedOldest(oldest);
                 }
@@ -460,13 +445,20 @@ impl<T> ChannelShared<T> {
         }
         let mut st = lock(&self.state);
         st.core.try_queue(entry, Instant::now)?;
+        self.queued(st);
+        Ok(())
+    }
+
+    /// A record went in: out of the lock, wakes the consumer if it waits for it, and counts
+    /// the record emitted.
+    #[inline]
+    fn queued(&self, mut st: MutexGuard<'_, State<T>>) {
         let consumer = st.consumer_waker();
         drop(st);
         if let Some(consumer) = consumer {
             consumer.wake();
         }
         self.metrics.emitted.increment(1);
-        Ok(())
     }
 
     fn budget(&self) -> &Budget {
