@@ -524,6 +524,12 @@ local function call(keys, args)
     local granted_now = quick_acquire()
     if granted_now then return granted_now end
   end
+  -- The common release: a held permit, and nobody waiting. There is nothing to grant, so
+  -- nothing to read or time: the holder's entries go, and that is all.
+  if op == 'release' and redis.call('HLEN', I) == 0 and redis.call('HDEL', H, ARGV[6]) == 1 then
+    redis.call('ZREM', E, ARGV[6])
+    return 1
+  end
   channels = args[2]
   lease_us, grace_us = tonumber(args[3]) * 1000, tonumber(args[4]) * 1000
   caller = args[5]
@@ -559,13 +565,6 @@ local function call(keys, args)
     expire(now)
     kick(now)
     return 'ok'
-  end
-
-  -- The common release: a held permit, and nobody waiting. There is nothing to grant, so
-  -- nothing to read or time: the holder's entries go, and that is all.
-  if op == 'release' and redis.call('HLEN', I) == 0 and redis.call('HDEL', H, ARGV[6]) == 1 then
-    redis.call('ZREM', E, ARGV[6])
-    return 1
   end
 
   if not load_meta() then return { 'unknown' } end
