@@ -473,6 +473,7 @@ impl<T> ChannelShared<T> {
     }
 
     /// Counts `n` records handed out by a plain read as processed.
+    #[inline]
     pub(crate) fn count_read(&self, n: u64) {
         self.read.store(self.read.load(Ordering::Relaxed) + n, Ordering::Release);
         self.metrics.processed.increment(n);
@@ -481,6 +482,7 @@ impl<T> ChannelShared<T> {
 
     /// Records may have reached their end: wakes callers of `drained`, if any. A waiter counts
     /// itself (SeqCst) before it checks; a change made before this load is seen by its check.
+    #[inline]
     pub(crate) fn settled_changed(&self) {
         if self.drain_waiters.load(Ordering::SeqCst) > 0 {
             self.settled.notify_waiters();
