@@ -1247,3 +1247,104 @@ fn close_from_another_runtime_finalizes_parked_runs_on_theirs() {
     assert_eq!(finals.len(), 20);
     assert_eq!(*log.lock().unwrap(), [0], "no queued job ran");
 }
+
+/// A lane reuses the signal of a run that ended for a later run: nothing of the earlier run
+/// (its cancellation, its grant) may reach the later one. Eight runs time out, then sixteen
+/// runs admitted at once (most of them queued, on reused signals) must each start uncancelled,
+/// one at a time, and succeed.
+#[tokio::test(start_paused = true)]
+async fn a_reused_run_signal_carries_nothing_of_its_last_run() {
+    let lanes = set(&[("work", 1, 20)]);
+    let finals = Finals::default();
+    for tag in 0..8 {
+        let finals = finals.clone();
+        let run = Run::typed(move |cx: lanes::RunContext| async move {
+            cx.cancelled().await;
+            Res::Ok(tag)
+        })
+        .execution_timeout(Duration::from_secs(1))
+        .finalizer(move |outcome: Result<u32, RunFailure>| async move {
+            finals.push(outcome.clone());
+            outcome
+        });
+        lanes.spawn("work", run).unwrap();
+    }
+    while finals.len() < 8 {
+        sleep(Duration::from_millis(100)).await;
+    }
+    let timed_out = finals.failures();
+    assert_eq!(timed_out.len(), 8);
+    assert!(
+        timed_out.iter().all(|f| (f.stage(), f.reason()) == (Stage::Execution, Reason::Timeout))
+    );
+
+    let executing = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    for tag in 100..116 {
+        let (finals, executing, most) = (finals.clone(), executing.clone(), most.clone());
+        let run = Run::typed(move |cx: lanes::RunContext| async move {
+            let now = executing.fetch_add(1, Ordering::SeqCst) + 1;
+            most.fetch_max(now, Ordering::SeqCst);
+            assert_eq!(cx.cancel_reason(), None, "a new run starts uncancelled");
+            tokio::task::yield_now().await;
+            executing.fetch_sub(1, Ordering::SeqCst);
+            Res::Ok(tag)
+        })
+        .finalizer(move |outcome: Result<u32, RunFailure>| async move {
+            finals.push(outcome.clone());
+            outcome
+        });
+        lanes.spawn("work", run).unwrap();
+    }
+    while finals.len() < 24 {
+        settle().await;
+    }
+    let outcomes = finals.0.lock().unwrap().clone();
+    let later: Vec<u32> = outcomes[8..].iter().map(|o| *o.as_ref().expect("succeeded")).collect();
+    assert_eq!(later, (100..116).collect::<Vec<_>>(), "every later run succeeded, in FIFO order");
+    assert_eq!(most.load(Ordering::SeqCst), 1, "one execution slot, never two runs in it");
+}
+
+/// A job may keep its `RunContext` after its run ends: that run's signal is then never given to
+/// another run, so closing the set (which cancels the runs executing then) leaves the kept
+/// context uncancelled.
+#[tokio::test(start_paused = true)]
+async fn a_run_signal_a_job_kept_is_never_reused() {
+    let lanes = set(&[("work", 1, 8)]);
+    let kept: Arc<Mutex<Option<lanes::RunContext>>> = Arc::default();
+    let finals = Finals::default();
+    {
+        let (kept, finals) = (kept.clone(), finals.clone());
+        let run = Run::typed(move |cx: lanes::RunContext| async move {
+            *kept.lock().unwrap() = Some(cx);
+            Res::Ok(0)
+        })
+        .finalizer(move |outcome: Result<u32, RunFailure>| async move {
+            finals.push(outcome.clone());
+            outcome
+        });
+        lanes.spawn("work", run).unwrap();
+    }
+    while finals.len() < 1 {
+        settle().await;
+    }
+    for tag in 1..6 {
+        let finals = finals.clone();
+        let run = Run::typed(move |cx: lanes::RunContext| async move {
+            cx.cancelled().await;
+            Res::Ok(tag)
+        })
+        .finalizer(move |outcome: Result<u32, RunFailure>| async move {
+            finals.push(outcome.clone());
+            outcome
+        });
+        lanes.spawn("work", run).unwrap();
+    }
+    settle().await;
+    lanes.close();
+    lanes.drained().await;
+    assert_eq!(finals.len(), 6);
+    assert_eq!(finals.failures().len(), 5, "the runs after it were closed");
+    let kept = kept.lock().unwrap().take().expect("the first job kept its context");
+    assert_eq!(kept.cancel_reason(), None, "the kept context belongs to an ended run only");
+}

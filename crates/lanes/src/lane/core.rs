@@ -254,18 +254,16 @@ impl<W: Clone> LaneCore<W> {
     }
 
     /// The run in execution slot `slot` is done executing: the slot goes to the queue head.
-    /// Returns false if the slot was not in use.
+    /// Returns the run's payload, or `None` if the slot was not in use.
     pub(crate) fn release_execution(
         &mut self,
         slot: usize,
         on_grant: impl FnMut(u64, usize, &W),
-    ) -> bool {
-        if self.running.remove(slot).is_none() {
-            return false;
-        }
+    ) -> Option<W> {
+        let payload = self.running.remove(slot)?;
         self.executing -= 1;
         self.grant(on_grant);
-        true
+        Some(payload)
     }
 
     /// Takes a queued run out of the queue (cancelled or timed out while waiting). Returns
@@ -386,8 +384,8 @@ mod tests {
         assert_eq!(lane.admit(true, false, |s| s).unwrap().0, Admitted::Queued { seq: 3 });
         assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Full));
         let mut granted = Vec::new();
-        assert!(lane.release_execution(0, |s, slot, _| granted.push((s, slot))));
-        assert!(!lane.release_execution(1, |_, _, _| {}), "slot 1 was never used");
+        assert_eq!(lane.release_execution(0, |s, slot, _| granted.push((s, slot))), Some(1));
+        assert_eq!(lane.release_execution(1, |_, _, _| {}), None, "slot 1 was never used");
         assert_eq!(granted, [(2, 0)]);
         // Run 1 still owns its slot while it finalizes: the lane is still full.
         assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Full));
@@ -542,7 +540,8 @@ mod tests {
                         let seq = model_running.remove(i % model_running.len());
                         let mut granted = Vec::new();
                         let slot = slot_of.remove(&seq).unwrap();
-                        prop_assert!(lane.release_execution(slot, |s, slot, _| granted.push((s, slot))));
+                        let released = lane.release_execution(slot, |s, slot, _| granted.push((s, slot)));
+                        prop_assert!(released.is_some(), "the slot was in use");
                         finalizing.push(seq);
                         for (seq, slot) in &granted {
                             prop_assert!(!slot_of.values().any(|s| s == slot), "slot reused");

@@ -19,7 +19,11 @@
 //! 3. `shut_done` is set only after every lane's core was shut *under its lock*, so an admission
 //!    that won a lane lock before the shut has already counted itself in `owned`: `drained`
 //!    cannot resolve under its feet.
+//! 4. A run's signal is reused for a later run only once `Arc::get_mut` gives it to the lane
+//!    alone (its run ended and nobody kept its context or handle), and only after `reset`: a
+//!    reused signal is indistinguishable from a new one.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::pin::pin;
@@ -56,7 +60,7 @@ pub(super) struct LaneShared {
     /// The same name, interned: what refusals and job contexts carry.
     pub(super) label: &'static str,
     pub(super) limits: LaneLimits,
-    pub(super) core: Mutex<LaneCore<Arc<RunSignal>>>,
+    pub(super) core: Mutex<LaneState>,
     /// Woken (one waiter per run that ends, all on shut) for callers waiting for room.
     pub(super) room: Notify,
     /// Callers waiting for room: a run that ends touches `room` only if there are any (the
@@ -75,9 +79,63 @@ pub(super) struct LaneShared {
     pub(super) metrics: LaneMetrics,
 }
 
+/// The most signals a lane keeps for reuse: enough for a burst of a thousand admissions to
+/// allocate none, at about a hundred bytes each.
+const SPARE_SIGNALS: usize = 1024;
+
+/// What a lane's lock guards: its pure core, and the signals of runs that left their execution
+/// slot, kept for reuse (oldest first). A run then costs one allocation, its drive, instead of
+/// two: under a burst, the allocator's per-thread cache runs dry and each allocation takes its
+/// slow path.
+pub(super) struct LaneState {
+    core: LaneCore<Arc<RunSignal>>,
+    spare: VecDeque<Arc<RunSignal>>,
+}
+
+impl LaneState {
+    fn new(limits: LaneLimits) -> Self {
+        Self { core: LaneCore::new(limits), spare: VecDeque::new() }
+    }
+
+    /// A signal for a new run: a kept one that nobody else holds any more (its run ended, and
+    /// `get_mut` sees every access made through the other handles), else a new one.
+    fn signal(spare: &mut VecDeque<Arc<RunSignal>>) -> Arc<RunSignal> {
+        if let Some(mut kept) = spare.pop_front() {
+            if let Some(signal) = Arc::get_mut(&mut kept) {
+                signal.reset();
+                return kept;
+            }
+            // Its run is still finalizing (or its job kept its context): try it again later.
+            spare.push_back(kept);
+        }
+        Arc::new(RunSignal::new())
+    }
+
+    /// Keeps the signal of a run that left its execution slot, for a later run.
+    fn keep(&mut self, signal: Arc<RunSignal>) {
+        if self.spare.len() < SPARE_SIGNALS {
+            self.spare.push_back(signal);
+        }
+    }
+}
+
+impl std::ops::Deref for LaneState {
+    type Target = LaneCore<Arc<RunSignal>>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.core
+    }
+}
+
+impl std::ops::DerefMut for LaneState {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.core
+    }
+}
+
 impl LaneShared {
     /// Locks the lane's core, after counting the completions made without its lock.
-    pub(super) fn lock_core(&self) -> MutexGuard<'_, LaneCore<Arc<RunSignal>>> {
+    pub(super) fn lock_core(&self) -> MutexGuard<'_, LaneState> {
         let mut core = lock(&self.core);
         // SeqCst, against `complete`: see its comment on callers waiting for room.
         if self.completed.load(Ordering::SeqCst) > 0 {
@@ -150,7 +208,7 @@ impl LaneSet {
                 label: crate::util::intern(&name),
                 name: name.into(),
                 limits,
-                core: Mutex::new(LaneCore::new(limits)),
+                core: Mutex::new(LaneState::new(limits)),
                 room: Notify::new(),
                 waiting: AtomicUsize::new(0),
                 completed: AtomicUsize::new(0),
@@ -564,16 +622,17 @@ impl SetShared {
             return Err(AdmissionError::new(kind, lane.label, participation, run));
         }
         let prepared = prepare();
-        let mut core = lane.lock_core();
+        let mut state = lane.lock_core();
         let limited = run.limit.is_some();
-        match core.admit(count_full, limited, |_| Arc::new(RunSignal::new())) {
+        let LaneState { core, spare } = &mut *state;
+        match core.admit(count_full, limited, |_| LaneState::signal(spare)) {
             Ok((admitted, signal)) => {
                 // Counted under the lane lock (invariant 3); ids increase in admission order.
                 lane.owned.fetch_add(1, Ordering::Relaxed);
                 self.owned.fetch_add(1, Ordering::AcqRel);
                 let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
-                lane.publish(&core);
-                drop(core);
+                lane.publish(core);
+                drop(state);
                 lane.metrics.admitted.increment(1);
                 tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
                 let start = match admitted {
@@ -609,7 +668,7 @@ impl SetShared {
                 Ok(((ticket, Callbacks { job, finalizer, cleanup }), prepared))
             }
             Err(kind) => {
-                drop(core);
+                drop(state);
                 if count_full && kind == AdmissionErrorKind::Full {
                     lane.metrics.rejected.increment(1);
                 }
@@ -673,11 +732,14 @@ impl SetShared {
         let lane = &self.lanes[lane];
         let mut next = Next::default();
         let mut core = lane.lock_core();
-        core.release_execution(slot, |_seq, slot, signal| {
+        let released = core.release_execution(slot, |_seq, slot, signal| {
             if let Some(run) = signal.grant_parked(slot) {
                 next.push(run);
             }
         });
+        if let Some(signal) = released {
+            core.keep(signal);
+        }
         lane.publish(&core);
         next
     }

@@ -80,6 +80,16 @@ impl RunSignal {
         }
     }
 
+    /// Makes a signal of an ended run as good as new, for the next run (see
+    /// `handle::LaneState`): it is only reached through `Arc::get_mut`, so nobody else holds it.
+    pub(super) fn reset(&mut self) {
+        *self.grant.get_mut() = WAITING;
+        *self.slot.get_mut() = 0;
+        *self.cancel.get_mut() = 0;
+        *self.driver.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner) = Driver::None;
+        self.notify = Notify::new();
+    }
+
     pub(crate) fn grant(&self, slot: usize) {
         // Published by the release of the latch below.
         self.slot.store(slot, Ordering::Relaxed);
