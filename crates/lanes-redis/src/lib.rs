@@ -284,12 +284,14 @@ impl Inner {
     }
 
     /// One script ask about `ticket`: the first ask (`Some(priority)`, may queue), a check
-    /// (`None`, never queues), or a try.
+    /// (`None`, never queues), or a try. `fresh`: no call about the ticket was made before, so
+    /// Redis cannot hold it, and the script need not look.
     async fn ask_remote(
         &self,
         name: &str,
         ticket: u64,
         ask: &Ask,
+        fresh: bool,
         lease: Duration,
     ) -> Result<Reply, CallError> {
         let (op, args) = match ask {
@@ -304,6 +306,7 @@ impl Inner {
                     keytok,
                     priority.fairness_weight.max(1).to_string(),
                     self.max_waiters.to_string(),
+                    if fresh { "new" } else { "" }.to_owned(),
                 ];
                 ("acquire", args)
             }
@@ -470,7 +473,7 @@ impl Inner {
         if let Some(leased) = self.serving(name, ticket) {
             return Ok(leased::answer(&leased, ticket, &ask));
         }
-        let local = {
+        let (local, mut new) = {
             let mut state = lock(&self.state);
             let limit = state.limits.entry(name.to_owned()).or_default();
             if let Some(grant) = limit.claim(ticket) {
@@ -480,12 +483,13 @@ impl Inner {
                 return Ok(Answer::Granted(Grant { fencing_token: 0, expires_at: None }));
             }
             let local = limit.is_local(ticket);
+            let mut new = false;
             if !local && let Ask::First(priority) = &ask {
                 // Known before the call: a grant pushed while the call travels finds its waiter.
                 // (A check never adds a waiter: a ticket this client finished stays finished.)
-                limit.ask(ticket, priority.clone(), lease.is_some());
+                new = limit.ask(ticket, priority.clone(), lease.is_some());
             }
-            local
+            (local, new)
         };
         if local {
             return match &ask {
@@ -504,7 +508,10 @@ impl Inner {
         let mut ask = ask;
         for attempt in 0..3 {
             let sent = Instant::now();
-            match self.ask_remote(name, ticket, &ask, lease_or_own).await {
+            // Only the first call about a ticket may say so: a later one may follow a call
+            // whose answer was lost, and Redis may hold the ticket then.
+            let fresh = std::mem::take(&mut new);
+            match self.ask_remote(name, ticket, &ask, fresh, lease_or_own).await {
                 Ok(Reply::Answer(answer, grant, hint)) => {
                     if matches!(ask, Ask::Try) && !matches!(answer, ScriptAnswer::Granted) {
                         // A try leaves nothing behind, here either.

@@ -494,7 +494,9 @@ local function quick_acquire()
   local used = redis.call('HLEN', H)
   if used >= tonumber(v[1]) then return nil end
   local ticket = ARGV[6]
-  if redis.call('HEXISTS', H, ticket) == 1 then return nil end
+  -- ARGV[11] 'new': the client made no call about this ticket before, so it is not held here
+  -- (a retry after a lost answer never says so).
+  if ARGV[11] ~= 'new' and redis.call('HEXISTS', H, ticket) == 1 then return nil end
   local t = redis.call('TIME')
   local at = tonumber(t[1]) * 1000000 + tonumber(t[2])
   if (tonumber(v[3]) or 0) > at then return nil end
@@ -575,7 +577,7 @@ local function call(keys, args)
   local reclaimed = expire(now)
 
   if op == 'acquire' then
-    -- ARGV: ticket, level, keytok, weight, max_waiters
+    -- ARGV: ticket, level, keytok, weight, max_waiters, 'new' (see quick_acquire)
     local ticket, level, keytok, weight = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
     local max_waiters = tonumber(ARGV[10])
     if reclaimed > 0 then kick(now) end

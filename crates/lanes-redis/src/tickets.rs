@@ -198,20 +198,23 @@ impl ClientLimit {
     }
 
     /// A first ask: `ticket` waits from now on (before the call travels, so a grant pushed
-    /// meanwhile finds its waiter).
-    pub(crate) fn ask(&mut self, ticket: u64, priority: Priority, external: bool) {
+    /// meanwhile finds its waiter). Returns whether this client knew nothing of the ticket
+    /// before: then no call about it has been made, and Redis holds nothing for it.
+    pub(crate) fn ask(&mut self, ticket: u64, priority: Priority, external: bool) -> bool {
         if let Some(Ticket::Waiting { priority: p, external: e, .. }) =
             self.tickets.get_mut(&ticket)
         {
             // Asked again: its waiter may be sleeping on the same `notify`.
             (*p, *e) = (Some(priority), external);
-            return;
+            return false;
         }
+        let new = !self.tickets.contains_key(&ticket);
         let notify = Arc::default();
         self.set(
             ticket,
             Ticket::Waiting { notify, priority: Some(priority), retrying: false, external },
         );
+        new
     }
 
     /// `ticket` waits on the server, answered "retry after" (`retrying`) or queued. Keeps what

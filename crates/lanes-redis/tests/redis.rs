@@ -398,3 +398,52 @@ on_both!(
     a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most,
     many_tasks_on_several_clients_never_hold_more_than_concurrent,
 );
+
+/// The script itself, called as a client calls it (`FCALL`): a ticket's first call may say it
+/// is new, and the quick grant then skips looking the ticket up among the holders. A later ask
+/// for the same ticket (a client retrying after a lost answer never says "new") gets the grant
+/// the ticket holds, with its fencing token; and a client that wrongly says "new" for a held
+/// ticket gets a new token but never a second place among the holders.
+#[tokio::test]
+async fn a_tickets_first_call_may_skip_the_held_lookup_and_a_repeat_gets_its_grant() {
+    let ns = common::unique_ns("fresh");
+    let _cleanup = common::Cleanup::on(Target::Single, &ns);
+    let limits = Limits::with_backend(common::client(&ns).await);
+    limits.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    // The library is named after a hash of its code, as the client names it (wire.rs).
+    let script = include_str!("../src/limits.lua");
+    let hash = script.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let library = format!("lanes_limits_{hash:016x}");
+    let client = redis::Client::open(common::redis_url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let base = format!("{{{ns}:db}}");
+    let caller: u64 = 7;
+    let ticket = (caller << 32) + 1;
+    let acquire = |new: &str| {
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(&library).arg(1).arg(&base);
+        cmd.arg("acquire").arg("lanes-test:").arg(5_000).arg(1_000).arg(caller);
+        cmd.arg(ticket).arg(0).arg("_").arg(1).arg(100).arg(new);
+        cmd
+    };
+    let holders = |base: &str| {
+        let mut cmd = redis::cmd("HLEN");
+        cmd.arg(format!("{base}:h"));
+        cmd
+    };
+    let first: Vec<String> = acquire("new").query_async(&mut conn).await.unwrap();
+    assert_eq!(first[0], "0000000000000001", "granted at once: {first:?}");
+    let repeat: Vec<String> = acquire("").query_async(&mut conn).await.unwrap();
+    assert_eq!(repeat[0], "0000000000000001", "still granted: {repeat:?}");
+    assert_eq!(repeat[1], first[1], "a repeat gets the grant the ticket holds, same token");
+    let count: u64 = holders(&base).query_async(&mut conn).await.unwrap();
+    assert_eq!(count, 1);
+    let wrongly_new: Vec<String> = acquire("new").query_async(&mut conn).await.unwrap();
+    assert_eq!(wrongly_new[0], "0000000000000001");
+    let (old, new): (u64, u64) = (first[1].parse().unwrap(), wrongly_new[1].parse().unwrap());
+    assert!(new > old, "a grant made again carries a larger token: {old} then {new}");
+    let count: u64 = holders(&base).query_async(&mut conn).await.unwrap();
+    assert_eq!(count, 1, "a ticket holds one place, however it is asked");
+}
