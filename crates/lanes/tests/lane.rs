@@ -1250,8 +1250,8 @@ fn close_from_another_runtime_finalizes_parked_runs_on_theirs() {
 
 /// A lane reuses the signal of a run that ended for a later run: nothing of the earlier run
 /// (its cancellation, its grant) may reach the later one. Eight runs time out, then sixteen
-/// runs admitted at once (most of them queued, on reused signals) must each start uncancelled,
-/// one at a time, and succeed.
+/// runs admitted at once (the first eight on the reused signals of the timed-out runs, most of
+/// them queued) must each start uncancelled, one at a time, and succeed.
 #[tokio::test(start_paused = true)]
 async fn a_reused_run_signal_carries_nothing_of_its_last_run() {
     let lanes = set(&[("work", 1, 20)]);
@@ -1269,7 +1269,10 @@ async fn a_reused_run_signal_carries_nothing_of_its_last_run() {
         });
         lanes.spawn("work", run).unwrap();
     }
-    while finals.len() < 8 {
+    for _ in 0..100 {
+        if finals.len() == 8 {
+            break;
+        }
         sleep(Duration::from_millis(100)).await;
     }
     let timed_out = finals.failures();
@@ -1296,9 +1299,13 @@ async fn a_reused_run_signal_carries_nothing_of_its_last_run() {
         });
         lanes.spawn("work", run).unwrap();
     }
-    while finals.len() < 24 {
+    for _ in 0..100 {
+        if finals.len() == 24 {
+            break;
+        }
         settle().await;
     }
+    assert_eq!(finals.len(), 24, "every run was finalized");
     let outcomes = finals.0.lock().unwrap().clone();
     let later: Vec<u32> = outcomes[8..].iter().map(|o| *o.as_ref().expect("succeeded")).collect();
     assert_eq!(later, (100..116).collect::<Vec<_>>(), "every later run succeeded, in FIFO order");
@@ -1325,9 +1332,13 @@ async fn a_run_signal_a_job_kept_is_never_reused() {
         });
         lanes.spawn("work", run).unwrap();
     }
-    while finals.len() < 1 {
+    for _ in 0..100 {
+        if finals.len() == 1 {
+            break;
+        }
         settle().await;
     }
+    assert_eq!(finals.len(), 1, "the first run was finalized");
     for tag in 1..6 {
         let finals = finals.clone();
         let run = Run::typed(move |cx: lanes::RunContext| async move {

@@ -301,6 +301,9 @@ where
                     Err(err) => Err((Stage::Start, Reason::Audit, Some(err))),
                     Ok(()) => execute(&t, job, permit).await,
                 };
+                // The run waits on its signal no more: its task's waker goes now, outside any
+                // lock, rather than with the signal (which the lane may keep for a later run).
+                t.signal.forget_driver();
                 next = t.shared.release_execution(t.info.lane, slot);
                 match &executed {
                     Ok(_) => tracing::debug!("job ended"),

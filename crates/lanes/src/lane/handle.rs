@@ -80,7 +80,8 @@ pub(super) struct LaneShared {
 }
 
 /// The most signals a lane keeps for reuse: enough for a burst of a thousand admissions to
-/// allocate none, at about a hundred bytes each.
+/// allocate none, at about 150 bytes each (a kept signal holds no waker: its driver dropped
+/// it when its job ended).
 const SPARE_SIGNALS: usize = 1024;
 
 /// What a lane's lock guards: its pure core, and the signals of runs that left their execution
@@ -100,14 +101,14 @@ impl LaneState {
     /// A signal for a new run: a kept one that nobody else holds any more (its run ended, and
     /// `get_mut` sees every access made through the other handles), else a new one.
     fn signal(spare: &mut VecDeque<Arc<RunSignal>>) -> Arc<RunSignal> {
-        if let Some(mut kept) = spare.pop_front() {
-            if let Some(signal) = Arc::get_mut(&mut kept) {
-                signal.reset();
-                return kept;
-            }
-            // Its run is still finalizing (or its job kept its context): try it again later.
-            spare.push_back(kept);
+        if let Some(mut kept) = spare.pop_front()
+            && let Some(signal) = Arc::get_mut(&mut kept)
+        {
+            signal.reset();
+            return kept;
         }
+        // None kept, or the oldest is still held (its run is finalizing, or its job kept its
+        // context): that one is let go, so held signals never fill the list.
         Arc::new(RunSignal::new())
     }
 
@@ -708,6 +709,8 @@ impl SetShared {
                     signal.cancel(reason);
                 },
             );
+            // A shut lane admits nothing: the signals it kept go.
+            core.spare = VecDeque::new();
             lane.publish(&core);
         }
         self.shut_done.store(true, Ordering::Release);
@@ -828,5 +831,61 @@ impl crate::Lifecycle for LaneSet {
 
     fn snapshot(&self) -> LaneSetSnapshot {
         LaneSet::snapshot(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::future::ready;
+
+    use super::*;
+    use crate::Run;
+
+    /// The mechanism itself (the integration tests check what a reused signal must not carry):
+    /// the signal of a run that ended is kept, holds no waker, and is the one the next
+    /// admission gets; a shut lets the kept signals go.
+    #[tokio::test]
+    async fn an_ended_runs_signal_is_kept_and_given_to_the_next_run() {
+        let set = LaneSet::builder()
+            .lane("a", LaneLimits::new(1, 4))
+            .audit_timeout(Duration::from_secs(1))
+            .finalization_timeout(Duration::from_secs(1))
+            .worker_drain_timeout(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let job = || {
+            Run::typed(|_cx| async {
+                tokio::task::yield_now().await; // pending once: its driver registers a waker
+                Ok::<u32, Infallible>(1)
+            })
+        };
+        assert_eq!(set.run("a", job()).unwrap().await.unwrap(), 1);
+        let kept = {
+            let state = set.shared.lanes[0].lock_core();
+            assert_eq!(state.spare.len(), 1, "the ended run's signal is kept");
+            let kept = state.spare[0].clone();
+            assert!(!kept.has_driver(), "a kept signal holds no waker");
+            kept
+        };
+        // (Addresses cannot tell a reuse from a new signal: the allocator hands a freed one's
+        // memory straight back. Count the signals made instead.)
+        let made = || super::super::signal::MADE.with(std::cell::Cell::get);
+        // Held here: the next admission may not reuse it, and lets it go.
+        let before = made();
+        let second = set.run("a", job()).unwrap();
+        assert!(!Arc::ptr_eq(&second.signal, &kept), "a signal someone holds is not reused");
+        assert_eq!(made(), before + 1, "so the second run got a new one");
+        assert_eq!(set.shared.lanes[0].lock_core().spare.len(), 0);
+        assert_eq!(second.await.unwrap(), 1);
+        drop(kept);
+        assert_eq!(set.shared.lanes[0].lock_core().spare.len(), 1, "the second's is kept");
+        let before = made();
+        let third = set.run("a", Run::typed(|_cx| ready(Ok::<u32, Infallible>(3)))).unwrap();
+        assert_eq!(made(), before, "the third run made no signal: it got the kept one");
+        assert_eq!(set.shared.lanes[0].lock_core().spare.len(), 0);
+        assert_eq!(third.await.unwrap(), 3);
+        set.close();
+        assert_eq!(set.shared.lanes[0].lock_core().spare.len(), 0, "a shut lets them go");
     }
 }

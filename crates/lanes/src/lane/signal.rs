@@ -69,8 +69,16 @@ pub(crate) struct RunSignal {
     notify: Notify,
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Signals made on this thread (a test's admissions), to tell a reuse from a new one.
+    pub(super) static MADE: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 impl RunSignal {
     pub(crate) fn new() -> Self {
+        #[cfg(test)]
+        MADE.with(|made| made.set(made.get() + 1));
         Self {
             grant: AtomicU8::new(WAITING),
             slot: AtomicUsize::new(0),
@@ -87,7 +95,21 @@ impl RunSignal {
         *self.slot.get_mut() = 0;
         *self.cancel.get_mut() = 0;
         *self.driver.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner) = Driver::None;
+        self.driver.clear_poison();
         self.notify = Notify::new();
+    }
+
+    /// Whether a driver (a task's waker or a parked run) waits on the latches.
+    #[cfg(test)]
+    pub(super) fn has_driver(&self) -> bool {
+        !matches!(*lock(&self.driver), Driver::None)
+    }
+
+    /// The run's driver waits on the latches no more (its job ended): drops the waker it left.
+    pub(super) fn forget_driver(&self) {
+        let driver = std::mem::replace(&mut *lock(&self.driver), Driver::None);
+        debug_assert!(!matches!(driver, Driver::Parked(_)), "an executed run is not parked");
+        drop(driver);
     }
 
     pub(crate) fn grant(&self, slot: usize) {
