@@ -11,52 +11,10 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Emitted, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
+use lanes_benches::scenarios::{Big, RECORDS, Record, channel_block};
 use lanes_benches::{Flavor, config, quick, write_result};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
-
-const RECORDS: usize = 10_000;
-
-/// A record type of the matrix.
-trait Record: Send + 'static {
-    fn make(i: usize) -> Self;
-}
-
-impl Record for u64 {
-    fn make(i: usize) -> Self {
-        i as u64
-    }
-}
-
-/// A 256-byte record, moved by value (read through `black_box` only).
-#[allow(dead_code)]
-struct Big([u8; 256]);
-
-impl Record for Big {
-    fn make(i: usize) -> Self {
-        Big([i as u8; 256])
-    }
-}
-
-async fn lanes_block<R: Record>(capacity: usize, producers: usize) {
-    let channel = Channel::new(ChannelConfig::new(capacity)).unwrap();
-    let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
-    for _ in 0..producers {
-        let channel = channel.clone();
-        tokio::spawn(async move {
-            for i in 0..RECORDS / producers {
-                channel.emit(R::make(i)).await.ok().unwrap();
-            }
-        });
-    }
-    drop(channel);
-    let mut n = 0;
-    while let Some(record) = consumer.recv().await {
-        black_box(record);
-        n += 1;
-    }
-    assert_eq!(n, RECORDS);
-}
 
 async fn tokio_block<R: Record>(capacity: usize, producers: usize) {
     let (tx, mut rx) = tokio::sync::mpsc::channel(capacity);
@@ -168,7 +126,7 @@ fn block(c: &mut Criterion) {
                             });
                         };
                     }
-                    bench!("lanes", lanes_block);
+                    bench!("lanes", channel_block);
                     bench!("tokio_mpsc", tokio_block);
                     bench!("flume", flume_block);
                     bench!("kanal", kanal_block);

@@ -6,10 +6,11 @@ use std::convert::Infallible;
 use std::future::ready;
 use std::hint::black_box;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use lanes::{Lane, LaneLimits, LaneSet, Run};
+use lanes::Run;
+use lanes_benches::scenarios::{lane, lane_runs};
 use lanes_benches::{Done, Flavor, calibrate, config};
 use tokio::sync::{Semaphore, mpsc};
 
@@ -19,34 +20,6 @@ const RUNS: u64 = 1_000;
 const CONCURRENT: usize = 8;
 /// Waiting room: enough for a whole batch, so nothing is refused in the throughput scenario.
 const QUEUED: usize = 2_000;
-
-fn lane(concurrent: usize, queued: usize) -> Lane {
-    LaneSet::builder()
-        .lane("bench", LaneLimits::new(concurrent, queued))
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(1))
-        .build()
-        .expect("valid lane")
-        .lane("bench")
-        .expect("lane exists")
-}
-
-/// lanes: background runs whose finalizer counts completion.
-async fn ours(lane: Lane, runs: u64) {
-    let done = Done::new(runs);
-    for _ in 0..runs {
-        let done = done.clone();
-        let run = Run::typed(|_cx| ready(Ok::<(), Infallible>(()))).finalizer(move |_outcome| {
-            done.finish_one();
-            ready(Ok::<(), Infallible>(()))
-        });
-        if lane.spawn(run).is_err() {
-            panic!("the bench lane refused a run");
-        }
-    }
-    done.wait().await;
-}
 
 /// The hand-rolled lane users write today: an outer semaphore of `concurrent + queued` taken
 /// with `try_acquire` at admission, an inner one of `concurrent` awaited in the spawned task.
@@ -126,7 +99,7 @@ fn throughput(c: &mut Criterion) {
                     tokio::spawn(async move {
                         let start = Instant::now();
                         for _ in 0..iters {
-                            ours(lane.clone(), RUNS).await;
+                            lane_runs(lane.clone(), RUNS).await;
                         }
                         start.elapsed()
                     })

@@ -1,6 +1,8 @@
 //! Shared helpers for the side-by-side benchmarks: criterion configuration (with a quick mode),
 //! runtimes, a completion latch, and the calibration floor every suite starts with.
 
+pub mod scenarios;
+
 use std::hint::black_box;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -1248,6 +1248,18 @@ fn close_from_another_runtime_finalizes_parked_runs_on_theirs() {
     assert_eq!(*log.lock().unwrap(), [0], "no queued job ran");
 }
 
+/// A finalizer that records its outcome into `finals` and passes it on.
+fn recorded(
+    finals: &Finals,
+) -> impl FnOnce(Result<u32, RunFailure>) -> std::future::Ready<Result<u32, RunFailure>> + Send + 'static
+{
+    let finals = finals.clone();
+    move |outcome| {
+        finals.push(outcome.clone());
+        std::future::ready(outcome)
+    }
+}
+
 /// A lane reuses the signal of a run that ended for a later run: nothing of the earlier run
 /// (its cancellation, its grant) may reach the later one. Eight runs time out, then sixteen
 /// runs admitted at once (the first eight on the reused signals of the timed-out runs, most of
@@ -1257,16 +1269,12 @@ async fn a_reused_run_signal_carries_nothing_of_its_last_run() {
     let lanes = set(&[("work", 1, 20)]);
     let finals = Finals::default();
     for tag in 0..8 {
-        let finals = finals.clone();
         let run = Run::typed(move |cx: lanes::RunContext| async move {
             cx.cancelled().await;
             Res::Ok(tag)
         })
         .execution_timeout(Duration::from_secs(1))
-        .finalizer(move |outcome: Result<u32, RunFailure>| async move {
-            finals.push(outcome.clone());
-            outcome
-        });
+        .finalizer(recorded(&finals));
         lanes.spawn("work", run).unwrap();
     }
     for _ in 0..100 {
@@ -1284,7 +1292,7 @@ async fn a_reused_run_signal_carries_nothing_of_its_last_run() {
     let executing = Arc::new(AtomicUsize::new(0));
     let most = Arc::new(AtomicUsize::new(0));
     for tag in 100..116 {
-        let (finals, executing, most) = (finals.clone(), executing.clone(), most.clone());
+        let (executing, most) = (executing.clone(), most.clone());
         let run = Run::typed(move |cx: lanes::RunContext| async move {
             let now = executing.fetch_add(1, Ordering::SeqCst) + 1;
             most.fetch_max(now, Ordering::SeqCst);
@@ -1293,10 +1301,7 @@ async fn a_reused_run_signal_carries_nothing_of_its_last_run() {
             executing.fetch_sub(1, Ordering::SeqCst);
             Res::Ok(tag)
         })
-        .finalizer(move |outcome: Result<u32, RunFailure>| async move {
-            finals.push(outcome.clone());
-            outcome
-        });
+        .finalizer(recorded(&finals));
         lanes.spawn("work", run).unwrap();
     }
     for _ in 0..100 {
@@ -1321,15 +1326,12 @@ async fn a_run_signal_a_job_kept_is_never_reused() {
     let kept: Arc<Mutex<Option<lanes::RunContext>>> = Arc::default();
     let finals = Finals::default();
     {
-        let (kept, finals) = (kept.clone(), finals.clone());
+        let kept = kept.clone();
         let run = Run::typed(move |cx: lanes::RunContext| async move {
             *kept.lock().unwrap() = Some(cx);
             Res::Ok(0)
         })
-        .finalizer(move |outcome: Result<u32, RunFailure>| async move {
-            finals.push(outcome.clone());
-            outcome
-        });
+        .finalizer(recorded(&finals));
         lanes.spawn("work", run).unwrap();
     }
     for _ in 0..100 {
@@ -1340,15 +1342,11 @@ async fn a_run_signal_a_job_kept_is_never_reused() {
     }
     assert_eq!(finals.len(), 1, "the first run was finalized");
     for tag in 1..6 {
-        let finals = finals.clone();
         let run = Run::typed(move |cx: lanes::RunContext| async move {
             cx.cancelled().await;
             Res::Ok(tag)
         })
-        .finalizer(move |outcome: Result<u32, RunFailure>| async move {
-            finals.push(outcome.clone());
-            outcome
-        });
+        .finalizer(recorded(&finals));
         lanes.spawn("work", run).unwrap();
     }
     settle().await;

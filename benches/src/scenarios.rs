@@ -1,0 +1,90 @@
+//! The lanes side of the suite-2 lane cell and the suite-3 block-mode cells, shared by the
+//! criterion benches and the fixed-work driver (`src/bin/fixed.rs`), so both run the same code.
+
+use std::convert::Infallible;
+use std::future::ready;
+use std::hint::black_box;
+use std::time::Duration;
+
+use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
+use lanes::{Lane, LaneLimits, LaneSet, Run};
+
+use crate::Done;
+
+/// Records per channel run.
+pub const RECORDS: usize = 10_000;
+
+/// A record type of the channel matrix.
+pub trait Record: Send + 'static {
+    /// The `i`th record.
+    fn make(i: usize) -> Self;
+}
+
+impl Record for u64 {
+    fn make(i: usize) -> Self {
+        i as u64
+    }
+}
+
+/// A 256-byte record, moved by value (read through `black_box` only).
+#[derive(Debug)]
+#[allow(dead_code)]
+pub struct Big([u8; 256]);
+
+impl Record for Big {
+    fn make(i: usize) -> Self {
+        Big([i as u8; 256])
+    }
+}
+
+/// A lane of `concurrent` execution slots and `queued` waiting slots, every bound one second.
+pub fn lane(concurrent: usize, queued: usize) -> Lane {
+    LaneSet::builder()
+        .lane("bench", LaneLimits::new(concurrent, queued))
+        .audit_timeout(Duration::from_secs(1))
+        .finalization_timeout(Duration::from_secs(1))
+        .worker_drain_timeout(Duration::from_secs(1))
+        .build()
+        .expect("valid lane")
+        .lane("bench")
+        .expect("lane exists")
+}
+
+/// `runs` background runs of a no-op job whose finalizer counts completion, admitted at once;
+/// returns when every finalizer has run.
+pub async fn lane_runs(lane: Lane, runs: u64) {
+    let done = Done::new(runs);
+    for _ in 0..runs {
+        let done = done.clone();
+        let run = Run::typed(|_cx| ready(Ok::<(), Infallible>(()))).finalizer(move |_outcome| {
+            done.finish_one();
+            ready(Ok::<(), Infallible>(()))
+        });
+        if lane.spawn(run).is_err() {
+            panic!("the bench lane refused a run");
+        }
+    }
+    done.wait().await;
+}
+
+/// [`RECORDS`] records from `producers` tasks to one consumer reading with `recv`, through a
+/// block-mode channel of `capacity` made for this run.
+pub async fn channel_block<R: Record>(capacity: usize, producers: usize) {
+    let channel = Channel::new(ChannelConfig::new(capacity)).unwrap();
+    let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+    for _ in 0..producers {
+        let channel = channel.clone();
+        tokio::spawn(async move {
+            for i in 0..RECORDS / producers {
+                channel.emit(R::make(i)).await.ok().unwrap();
+            }
+        });
+    }
+    drop(channel);
+    let mut n = 0;
+    while let Some(record) = consumer.recv().await {
+        black_box(record);
+        n += 1;
+    }
+    assert_eq!(n, RECORDS);
+}
