@@ -137,8 +137,10 @@ async fn the_dashboard_shows_each_fairness_key_at_700_and_1280_pixels() {
     let c = http();
     c.put(serve.url("/v1/limits/shared")).json(&json!({"concurrent": 1})).send().await.unwrap();
     let acquire = |client: &str, key: &str| {
-        // Long-polls: the waiters stay in the queue while the page is rendered.
-        let body = json!({"client": client, "lease_ms": 60000, "wait_ms": 20000, "priority": {"key": key}});
+        // Long-polls: the waiters stay in the queue while the page is rendered, four Chromium
+        // runs beside the other tests' on two cores; the server's longest wait (30 s), since
+        // 20 s ran out before the second width in a CI run.
+        let body = json!({"client": client, "lease_ms": 60000, "wait_ms": 30000, "priority": {"key": key}});
         c.post(serve.url("/v1/limits/shared/acquire")).json(&body).send()
     };
     let held = acquire("holder", "tenant-a").await.unwrap();
