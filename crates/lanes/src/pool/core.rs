@@ -216,6 +216,9 @@ impl<T, K> KeyState<T, K> {
 /// item costs one lookup at push, and a key is never cloned into the ready queue.
 pub(crate) struct PerKey<T, K> {
     index: FastMap<K, u32>,
+    /// The most keys the key table has held since it was last shrunk: its memory follows this,
+    /// not `capacity()`, which counts the tombstones of removed keys as used room.
+    index_high: usize,
     /// Idle entries in the order they went idle, as (entry, `idled`); an entry that was used
     /// again since leaves a stale pair behind, skipped and compacted away.
     idle: VecDeque<(u32, u64)>,
@@ -255,6 +258,7 @@ impl<T, K: PoolKey> PerKey<T, K> {
     ) -> Self {
         Self {
             index: FastMap::default(),
+            index_high: 0,
             idle: VecDeque::new(),
             idle_count: 0,
             next_idled: 0,
@@ -320,9 +324,12 @@ impl<T, K: PoolKey> PerKey<T, K> {
     /// Gives memory back once the tables are mostly empty after a burst of keys: the key table
     /// is shrunk, and the slab loses its free tail (all of it once no key is tracked).
     fn shrink(&mut self) {
-        let (len, capacity) = (self.index.len(), self.index.capacity());
-        if capacity > SHRINK_FLOOR && len < capacity / 4 {
+        // Decided on the high-water mark: after many removals `capacity()` reads low (a
+        // tombstone is counted as taken), so a table of mostly tombstones would never shrink.
+        let len = self.index.len();
+        if self.index_high > SHRINK_FLOOR && len < self.index_high / 4 {
             self.index.shrink_to((len * 2).max(SHRINK_FLOOR));
+            self.index_high = len;
         }
         if self.idle.capacity() > SHRINK_FLOOR && self.idle.len() < self.idle.capacity() / 4 {
             self.idle.shrink_to((self.idle.len() * 2).max(SHRINK_FLOOR));
@@ -450,6 +457,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
                     }
                 };
                 new.insert(slot);
+                self.index_high = self.index_high.max(self.index.len());
                 slot
             }
         };
