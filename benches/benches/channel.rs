@@ -11,29 +11,10 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Emitted, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes_benches::scenarios::{Big, RECORDS, Record, channel_block};
+use lanes_benches::scenarios::{Big, RECORDS, Record, channel_block, tokio_block};
 use lanes_benches::{Flavor, config, quick, write_result};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
-
-async fn tokio_block<R: Record>(capacity: usize, producers: usize) {
-    let (tx, mut rx) = tokio::sync::mpsc::channel(capacity);
-    for _ in 0..producers {
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            for i in 0..RECORDS / producers {
-                tx.send(R::make(i)).await.ok().unwrap();
-            }
-        });
-    }
-    drop(tx);
-    let mut n = 0;
-    while let Some(record) = rx.recv().await {
-        black_box(record);
-        n += 1;
-    }
-    assert_eq!(n, RECORDS);
-}
 
 async fn flume_block<R: Record>(capacity: usize, producers: usize) {
     let (tx, rx) = flume::bounded(capacity);

@@ -1,5 +1,6 @@
-//! The lanes side of the suite-2 lane cell and the suite-3 block-mode cells, shared by the
-//! criterion benches and the fixed-work driver (`src/bin/fixed.rs`), so both run the same code.
+//! The lanes side of the suite-2 lane cell and the suite-3 block-mode cells, and tokio mpsc's
+//! side of the latter, shared by the criterion benches and the fixed-work driver
+//! (`src/bin/fixed.rs`), so both run the same code.
 
 use std::convert::Infallible;
 use std::future::ready;
@@ -83,6 +84,26 @@ pub async fn channel_block<R: Record>(capacity: usize, producers: usize) {
     drop(channel);
     let mut n = 0;
     while let Some(record) = consumer.recv().await {
+        black_box(record);
+        n += 1;
+    }
+    assert_eq!(n, RECORDS);
+}
+
+/// [`channel_block`] through a tokio mpsc channel: the anchor's side of the same cell.
+pub async fn tokio_block<R: Record>(capacity: usize, producers: usize) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(capacity);
+    for _ in 0..producers {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            for i in 0..RECORDS / producers {
+                tx.send(R::make(i)).await.ok().unwrap();
+            }
+        });
+    }
+    drop(tx);
+    let mut n = 0;
+    while let Some(record) = rx.recv().await {
         black_box(record);
         n += 1;
     }
