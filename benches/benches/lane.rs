@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use lanes::Run;
-use lanes_benches::scenarios::{lane, lane_runs};
+use lanes_benches::scenarios::{HandRolled, hand_rolled, lane, lane_runs};
 use lanes_benches::{Done, Flavor, calibrate, config};
 use tokio::sync::{Semaphore, mpsc};
 
@@ -20,39 +20,6 @@ const RUNS: u64 = 1_000;
 const CONCURRENT: usize = 8;
 /// Waiting room: enough for a whole batch, so nothing is refused in the throughput scenario.
 const QUEUED: usize = 2_000;
-
-/// The hand-rolled lane users write today: an outer semaphore of `concurrent + queued` taken
-/// with `try_acquire` at admission, an inner one of `concurrent` awaited in the spawned task.
-#[derive(Clone)]
-struct HandRolled {
-    outer: Arc<Semaphore>,
-    inner: Arc<Semaphore>,
-}
-
-impl HandRolled {
-    fn new(concurrent: usize, queued: usize) -> Self {
-        Self {
-            outer: Arc::new(Semaphore::new(concurrent + queued)),
-            inner: Arc::new(Semaphore::new(concurrent)),
-        }
-    }
-}
-
-async fn hand_rolled(lane: HandRolled, runs: u64) {
-    let done = Done::new(runs);
-    for _ in 0..runs {
-        let owned = lane.outer.clone().try_acquire_owned().expect("the hand-rolled lane refused");
-        let (inner, done) = (lane.inner.clone(), done.clone());
-        tokio::spawn(async move {
-            let slot = inner.acquire_owned().await.expect("open");
-            black_box(ready(Ok::<(), Infallible>(())).await).ok();
-            drop(slot);
-            done.finish_one(); // the "finalizer"
-            drop(owned);
-        });
-    }
-    done.wait().await;
-}
 
 /// A bounded mpsc queue drained by `CONCURRENT` worker tasks.
 async fn mpsc_workers(runs: u64) {

@@ -1,14 +1,16 @@
-//! The lanes side of the suite-2 lane cell and the suite-3 block-mode cells, and tokio mpsc's
-//! side of the latter, shared by the criterion benches and the fixed-work driver
-//! (`src/bin/fixed.rs`), so both run the same code.
+//! Both sides of the suite-2 lane cell (ours and the hand-rolled two-semaphore lane) and of the
+//! suite-3 block-mode cells (ours and tokio mpsc), shared by the criterion benches and the
+//! fixed-work and paired drivers (`src/bin/`), so all of them run the same code.
 
 use std::convert::Infallible;
 use std::future::ready;
 use std::hint::black_box;
+use std::sync::Arc;
 use std::time::Duration;
 
 use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
 use lanes::{Lane, LaneLimits, LaneSet, Run};
+use tokio::sync::Semaphore;
 
 use crate::Done;
 
@@ -64,6 +66,44 @@ pub async fn lane_runs(lane: Lane, runs: u64) {
         if lane.spawn(run).is_err() {
             panic!("the bench lane refused a run");
         }
+    }
+    done.wait().await;
+}
+
+/// The hand-rolled lane users write today: an outer semaphore of `concurrent + queued` taken
+/// with `try_acquire` at admission, an inner one of `concurrent` awaited in the spawned task.
+#[derive(Debug, Clone)]
+pub struct HandRolled {
+    /// Admission: `concurrent + queued` permits, taken without waiting.
+    pub outer: Arc<Semaphore>,
+    /// Execution: `concurrent` permits, awaited by each run's task.
+    pub inner: Arc<Semaphore>,
+}
+
+impl HandRolled {
+    /// A lane of `concurrent` execution slots and `queued` waiting slots.
+    pub fn new(concurrent: usize, queued: usize) -> Self {
+        Self {
+            outer: Arc::new(Semaphore::new(concurrent + queued)),
+            inner: Arc::new(Semaphore::new(concurrent)),
+        }
+    }
+}
+
+/// [`lane_runs`] through the hand-rolled lane: `runs` tasks admitted at once, each taking an
+/// execution slot, running the no-op job and counting its "finalizer".
+pub async fn hand_rolled(lane: HandRolled, runs: u64) {
+    let done = Done::new(runs);
+    for _ in 0..runs {
+        let owned = lane.outer.clone().try_acquire_owned().expect("the hand-rolled lane refused");
+        let (inner, done) = (lane.inner.clone(), done.clone());
+        tokio::spawn(async move {
+            let slot = inner.acquire_owned().await.expect("open");
+            black_box(ready(Ok::<(), Infallible>(())).await).ok();
+            drop(slot);
+            done.finish_one(); // the "finalizer"
+            drop(owned);
+        });
     }
     done.wait().await;
 }

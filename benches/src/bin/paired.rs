@@ -1,36 +1,64 @@
-//! Paired rounds of one block-mode channel cell of suite 3, ours against tokio mpsc, for the
-//! cells whose one-run ratio swings with the host's scheduler (the `multi_thread_2` cells:
-//! two runs of the same build read `spsc_1_u64` at 0.47× and 1.97×).
+//! Paired rounds of one cell, ours against its anchor, for the cells whose one-run ratio swings
+//! with the host's scheduler (the `multi_thread_2` cells: two runs of the same build read the
+//! channel's `spsc_1_u64` at 0.47× and 1.97× of tokio mpsc).
 //!
 //! Each pair runs both sides back to back, in alternating order (ours first in even pairs,
-//! tokio first in odd ones), each side for the same number of whole cells; the ratio of a
-//! pair is tokio's time over ours (above 1: ours is faster). Drift of the host between pairs
-//! cancels out of each pair's ratio, and the median over the pairs is the figure, with its
-//! quartiles as the spread:
+//! the anchor first in odd ones), each side for the same number of whole cells; the ratio of
+//! a pair is the anchor's time over ours (above 1: ours is faster). Drift of the host between
+//! pairs cancels out of each pair's ratio, and the median over the pairs is the figure, with
+//! its quartiles as the spread:
 //!
 //! ```sh
-//! cargo run --release -p lanes-benches --bin paired -- mt 64 4 u64 41
+//! cargo build --release -p lanes-benches --bin paired
+//! target/release/paired channel mt 64 4 u64 21   # suite 3: against tokio mpsc
+//! target/release/paired lane mt 21               # suite 2: against the hand-rolled lane
 //! ```
 //!
-//! Arguments: the runtime (`ct` or `mt`), the capacity, the producers, the record (`u64` or
-//! `256B`), and the pairs (odd: the median is one of them).
+//! Arguments: `channel`, the runtime (`ct` or `mt`), the capacity, the producers, the record
+//! (`u64` or `256B`) and the pairs; or `lane`, the runtime and the pairs (1,000 runs into 8
+//! execution slots, as in suite 2). An odd number of pairs makes the median one of them.
 
 use std::time::{Duration, Instant};
 
 use lanes_benches::Flavor;
-use lanes_benches::scenarios::{Big, Record, channel_block, tokio_block};
+use lanes_benches::scenarios::{
+    Big, HandRolled, Record, channel_block, hand_rolled, lane, lane_runs, tokio_block,
+};
 
 /// Cells per side in a pair: enough that one side takes a few milliseconds at the slowest.
 const CELLS: usize = 5;
+/// Runs per lane cell, and the lane's slots (suite 2's).
+const RUNS: u64 = 1_000;
+const CONCURRENT: usize = 8;
+const QUEUED: usize = 2_000;
 
-/// The time of `CELLS` cells of one side.
-fn side<R: Record>(
-    rt: &tokio::runtime::Runtime,
-    ours: bool,
-    capacity: usize,
-    producers: usize,
-) -> Duration {
-    let start = Instant::now();
+/// The ratio (the anchor's time over ours) of each of `pairs` pairs; `side(ours)` runs
+/// `CELLS` cells of one side.
+fn ratios(pairs: usize, side: impl Fn(bool)) -> Vec<f64> {
+    let timed = |ours: bool| -> Duration {
+        let start = Instant::now();
+        side(ours);
+        start.elapsed()
+    };
+    // One unmeasured pair warms both sides up.
+    timed(true);
+    timed(false);
+    (0..pairs)
+        .map(|pair| {
+            let (ours, anchor) = if pair % 2 == 0 {
+                let ours = timed(true);
+                (ours, timed(false))
+            } else {
+                let anchor = timed(false);
+                (timed(true), anchor)
+            };
+            anchor.as_secs_f64() / ours.as_secs_f64()
+        })
+        .collect()
+}
+
+/// Both sides of a channel cell.
+fn channel<R: Record>(rt: &tokio::runtime::Runtime, capacity: usize, producers: usize, ours: bool) {
     for _ in 0..CELLS {
         rt.block_on(async {
             if ours {
@@ -40,57 +68,63 @@ fn side<R: Record>(
             }
         });
     }
-    start.elapsed()
-}
-
-/// The ratio (tokio's time over ours) of each of `pairs` pairs.
-fn ratios<R: Record>(
-    rt: &tokio::runtime::Runtime,
-    capacity: usize,
-    producers: usize,
-    pairs: usize,
-) -> Vec<f64> {
-    // One unmeasured pair warms both sides up.
-    side::<R>(rt, true, capacity, producers);
-    side::<R>(rt, false, capacity, producers);
-    (0..pairs)
-        .map(|pair| {
-            let (ours, tokio) = if pair % 2 == 0 {
-                let ours = side::<R>(rt, true, capacity, producers);
-                (ours, side::<R>(rt, false, capacity, producers))
-            } else {
-                let tokio = side::<R>(rt, false, capacity, producers);
-                (side::<R>(rt, true, capacity, producers), tokio)
-            };
-            tokio.as_secs_f64() / ours.as_secs_f64()
-        })
-        .collect()
 }
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: paired (ct|mt) CAPACITY PRODUCERS (u64|256B) PAIRS";
-    let flavor = match args.first().map(String::as_str) {
+    let usage = "usage: paired channel (ct|mt) CAPACITY PRODUCERS (u64|256B) PAIRS\n       paired lane (ct|mt) PAIRS";
+    let flavor = match args.get(1).map(String::as_str) {
         Some("ct") => Flavor::CurrentThread,
         Some("mt") => Flavor::MultiThread,
         _ => panic!("{usage}"),
     };
-    let number = |i: usize| -> usize { args.get(i).and_then(|a| a.parse().ok()).expect(usage) };
-    let (capacity, producers, pairs) = (number(1), number(2), number(4));
-    assert!(capacity > 0 && producers > 0 && pairs > 0, "{usage}");
+    let number = |i: usize| -> usize {
+        args.get(i).and_then(|a| a.parse().ok()).filter(|n| *n > 0).expect(usage)
+    };
     let rt = flavor.runtime();
-    let mut ratios = match args.get(3).map(String::as_str) {
-        Some("u64") => ratios::<u64>(&rt, capacity, producers, pairs),
-        Some("256B") => ratios::<Big>(&rt, capacity, producers, pairs),
+    let (cell, anchor, mut ratios) = match args.first().map(String::as_str) {
+        Some("channel") => {
+            let (capacity, producers, pairs) = (number(2), number(3), number(5));
+            let record = args.get(4).map(String::as_str);
+            let ratios = match record {
+                Some("u64") => ratios(pairs, |ours| channel::<u64>(&rt, capacity, producers, ours)),
+                Some("256B") => {
+                    ratios(pairs, |ours| channel::<Big>(&rt, capacity, producers, ours))
+                }
+                _ => panic!("{usage}"),
+            };
+            let topology = if producers == 1 { "spsc" } else { "mpsc" };
+            let cell = format!("{topology}_{capacity}_{}", record.unwrap_or_default());
+            (cell, "tokio mpsc", ratios)
+        }
+        Some("lane") => {
+            let (ours_lane, hand) = (lane(CONCURRENT, QUEUED), HandRolled::new(CONCURRENT, QUEUED));
+            let ratios = ratios(number(2), |ours| {
+                let (ours_lane, hand) = (ours_lane.clone(), hand.clone());
+                rt.block_on(async move {
+                    // Admitted from a task, as in suite 2 (block_on's future is not one).
+                    tokio::spawn(async move {
+                        for _ in 0..CELLS {
+                            if ours {
+                                lane_runs(ours_lane.clone(), RUNS).await;
+                            } else {
+                                hand_rolled(hand.clone(), RUNS).await;
+                            }
+                        }
+                    })
+                    .await
+                    .expect("bench task");
+                });
+            });
+            ("admit_run_finalize".to_owned(), "the hand-rolled lane", ratios)
+        }
         _ => panic!("{usage}"),
     };
     ratios.sort_by(f64::total_cmp);
     let at = |q: f64| ratios[((ratios.len() - 1) as f64 * q).round() as usize];
-    let topology = if producers == 1 { "spsc" } else { "mpsc" };
     println!(
-        "{} {topology}_{capacity}_{}: ours / tokio mpsc = {:.2}× (quartiles {:.2}–{:.2}, {} pairs)",
+        "{} {cell}: ours / {anchor} = {:.2}× (quartiles {:.2}–{:.2}, {} pairs)",
         flavor.name(),
-        args[3],
         at(0.5),
         at(0.25),
         at(0.75),
