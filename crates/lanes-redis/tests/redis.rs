@@ -41,7 +41,10 @@ async fn a_release_wakes_only_the_client_served_next(t: Target) {
     let released = Instant::now();
     drop(held);
     let first = timeout(Duration::from_secs(2), waiters.remove(0)).await.unwrap().unwrap();
-    assert!(first - released < Duration::from_millis(100), "pushed: {:?}", first - released);
+    // Pushed, not polled: a waiter that missed the push re-asks a second after it asked (the
+    // holder's 3 s lease is further off), at least 910 ms after this release; anything well
+    // under that was told. The margin is for a loaded two-core CI host.
+    assert!(first - released < Duration::from_millis(500), "pushed: {:?}", first - released);
     let after: Vec<u64> = backends.iter().map(|b| b.stats().notifications).collect();
     assert!(after[1] > before[1], "the client served next was told");
     assert_eq!(after[3], before[3], "the last client was not woken by the first release");

@@ -356,7 +356,9 @@ async fn asking_again_with_the_same_ticket_is_idempotent() {
     post(&c, &serve, "/v1/limits/db/release", json!({"client": "a", "ticket": 7})).await;
     let (status, at) = waiting.await.unwrap();
     assert_eq!(status, 200);
-    assert!(at - released < Duration::from_millis(300), "{:?}", at - released);
+    // Answered by the release, not by the end of its 5 s wait; the margin is for a loaded
+    // two-core CI host.
+    assert!(at - released < Duration::from_millis(1000), "{:?}", at - released);
 }
 
 #[tokio::test]
