@@ -262,6 +262,37 @@ async fn sorted_set_throughput(
     done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
+/// The scenario's ceiling: the same clients, limit and hold on an in-process
+/// `tokio::sync::Semaphore` (no Redis, no round trip), for `window()`. With a hold, the
+/// holds and the timer's granularity bound what any shared limit can reach.
+async fn in_process_ceiling(clients: usize, limit: u32, hold: Duration) -> f64 {
+    let semaphore = Arc::new(tokio::sync::Semaphore::new(limit as usize));
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (semaphore, stop, done) = (semaphore.clone(), stop.clone(), done.clone());
+            tokio::spawn(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    let permit = semaphore.acquire().await.expect("open");
+                    if !hold.is_zero() {
+                        tokio::time::sleep(hold).await;
+                    }
+                    drop(permit);
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    tokio::time::sleep(window()).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
 /// `RedisLimits` through the `Limits` facade, same shape as the anchor. With `shared`, the
 /// clients are tasks of one process sharing one `RedisLimits` (one connection).
 async fn lanes_throughput(
@@ -438,7 +469,8 @@ fn main() {
             ] {
                 let lanes = lanes_throughput(&ns, clients, limit, hold, false).await;
                 let anchor = sorted_set_throughput(&ns, clients, limit, hold, false).await;
-                println!("redis/throughput/{label}: lanes {lanes:.0}/s, sorted set {anchor:.0}/s, {:.2}x", lanes / anchor);
+                let ceiling = in_process_ceiling(clients, limit, hold).await;
+                println!("redis/throughput/{label}: lanes {lanes:.0}/s, sorted set {anchor:.0}/s, {:.2}x; in-process ceiling {ceiling:.0}/s", lanes / anchor);
             }
             cleanup(&ns).await;
             return;
@@ -460,7 +492,8 @@ fn main() {
         ] {
             let lanes = lanes_throughput(&ns, clients, limit, hold, shared).await;
             let anchor = sorted_set_throughput(&ns, clients, limit, hold, shared).await;
-            let row = json!({ "scenario": label, "clients": clients, "limit": limit, "hold_ms": hold.as_millis() as u64, "shared": shared, "lanes_per_s": lanes, "sorted_set_per_s": anchor });
+            let ceiling = in_process_ceiling(clients, limit, hold).await;
+            let row = json!({ "scenario": label, "clients": clients, "limit": limit, "hold_ms": hold.as_millis() as u64, "shared": shared, "lanes_per_s": lanes, "sorted_set_per_s": anchor, "ceiling_per_s": ceiling });
             println!("redis/throughput/{label}: {row}");
             throughput.push(row);
         }

@@ -531,8 +531,9 @@ impl Report {
         }
         self.line("");
         self.line("Throughput against the common sorted-set semaphore script (`ZREMRANGEBYSCORE` + `ZCARD` + `ZADD`, release `ZREM`, polling every 5 ms while full — the distributed-lock / Redisson pattern), same clients, same run (acquisitions per second, ratio = lanes / anchor):\n");
-        self.line("| scenario | lanes `RedisLimits` | sorted-set script | ratio (bar ≥ 1.0) |");
-        self.line("|---|---|---|---|");
+        self.line("The last column is the scenario's ceiling: the same tasks, limit and hold on an in-process `tokio::sync::Semaphore` in the same run (no Redis); with a hold, it bounds what any shared limit can reach, and ours and the anchor's share of it are shown.\n");
+        self.line("| scenario | lanes `RedisLimits` | sorted-set script | ratio (bar ≥ 1.0) | in-process ceiling |");
+        self.line("|---|---|---|---|---|");
         for row in r["throughput"].as_array().cloned().unwrap_or_default() {
             let (ours, anchor) = (f(&row["lanes_per_s"]), f(&row["sorted_set_per_s"]));
             // The bar is for clients of their own (processes); tasks sharing one client (and
@@ -542,8 +543,17 @@ impl Report {
             } else {
                 pass(ours / anchor >= 1.0).to_owned()
             };
+            let ceiling = match row["ceiling_per_s"].as_f64() {
+                Some(ceiling) if row["hold_ms"].as_u64().is_some_and(|hold| hold > 0) => format!(
+                    "{ceiling:.0}/s (lanes {:.0}%, anchor {:.0}%)",
+                    100.0 * ours / ceiling,
+                    100.0 * anchor / ceiling
+                ),
+                Some(ceiling) => format!("{ceiling:.0}/s"),
+                None => "—".to_owned(),
+            };
             let line = format!(
-                "| {} ({} clients, limit {}, hold {} ms) | {:.0}/s | {:.0}/s | {:.2}× {verdict} |",
+                "| {} ({} clients, limit {}, hold {} ms) | {:.0}/s | {:.0}/s | {:.2}× {verdict} | {ceiling} |",
                 row["scenario"].as_str().unwrap_or("?"),
                 row["clients"],
                 row["limit"],
