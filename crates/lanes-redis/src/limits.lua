@@ -296,9 +296,12 @@ end
 local function kick(now)
   if waiting() == 0 then return end
   purge(now)
-  while true do
+  -- The permits in use, counted once: each grant below adds one and nothing else here changes
+  -- them, so a limit the last grant filled is seen before the next head is looked up.
+  local used = in_use()
+  while used < meta.concurrent do
     local head, level, key = peek()
-    if not head or in_use() >= meta.concurrent then return end
+    if not head then return end
     local _, at = rate_check(now)
     if at then
       redis.call('PUBLISH', channels .. client_of(head), NAME)
@@ -307,7 +310,8 @@ local function kick(now)
     local lease = tonumber(redis.call('HGET', L, head) or '0')
     if lease <= 0 then lease = nil end
     pop(head, level, key)
-    local fence, expires = grant(head, now, lease)
+    local fence, expires = grant(head, now, lease, used)
+    used = used + 1
     redis.call('PUBLISH', channels .. client_of(head), head .. '|' .. fence .. '|' .. expires .. '|' .. NAME)
   end
 end
@@ -338,12 +342,16 @@ end
 
 -- The answer to an ask for `ticket`, which waits: granted if it is served next and can be
 -- (or another ticket of the same client is, which is granted instead), else queued or retry.
-local function answer_for(ticket)
-  purge(now)
-  local head, hlevel, hkey = peek()
-  if in_use() >= meta.concurrent then
+-- `used` is the permits in use, if the caller counted them. A full limit answers before the
+-- queue is looked at: nothing can be granted, and a silent client's head is purged by the
+-- next call that can grant (every grant goes through `purge` first).
+local function answer_for(ticket, used)
+  used = used or in_use()
+  if used >= meta.concurrent then
     return { hex(0), expiry_hint(now) }
   end
+  purge(now)
+  local head, hlevel, hkey = peek()
   local _, at = rate_check(now)
   if at then
     if head == ticket then return { hex(2 + math.ceil((at - now) / 1000)) } end
@@ -351,7 +359,7 @@ local function answer_for(ticket)
   end
   if head == ticket then
     pop(head, hlevel, hkey)
-    local fence, expires = grant(head, now)
+    local fence, expires = grant(head, now, nil, used)
     kick(now)
     return { hex(1), fence, expires }
   end
@@ -360,7 +368,7 @@ local function answer_for(ticket)
     local lease = tonumber(redis.call('HGET', L, head) or '0')
     if lease <= 0 then lease = nil end
     pop(head, hlevel, hkey)
-    local fence, expires = grant(head, now, lease)
+    local fence, expires = grant(head, now, lease, used)
     kick(now)
     local distance = tonumber(head) - tonumber(ticket)
     local zigzag
@@ -599,11 +607,12 @@ local function call(keys, args)
       push(ticket, level, keytok, weight)
       return { hex(2 + math.ceil((at - now) / 1000)) }
     end
+    -- `waiters` and `used` still hold: nothing since changed the queue or the holders.
     if redis.call('HEXISTS', I, ticket) == 0 then
-      if waiting() >= max_waiters then return { 'waiters' } end
+      if waiters >= max_waiters then return { 'waiters' } end
       push(ticket, level, keytok, weight)
     end
-    return answer_for(ticket)
+    return answer_for(ticket, used)
   end
 
   if op == 'check' then
