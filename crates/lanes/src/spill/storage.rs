@@ -273,10 +273,21 @@ impl Storage for FsStorage {
             Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
             Err(err) => return Err(err),
         };
-        match file.try_lock_shared() {
-            Ok(()) => Ok(false),
-            Err(TryLockError::WouldBlock) => Ok(true),
-            Err(TryLockError::Error(err)) => Err(err),
+        // As in `lock`: a lock its owner just released can still be held for a moment by a
+        // child of the owner between fork and exec, so "owned" is said only after ~100 ms of
+        // asking (a test process that closes a queue and then runs `lanes spill check` on it
+        // while other tests spawn processes was told the queue was open).
+        let mut attempts = 0;
+        loop {
+            match file.try_lock_shared() {
+                Ok(()) => return Ok(false),
+                Err(TryLockError::WouldBlock) if attempts < 20 => {
+                    attempts += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(TryLockError::WouldBlock) => return Ok(true),
+                Err(TryLockError::Error(err)) => return Err(err),
+            }
         }
     }
 
