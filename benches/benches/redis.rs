@@ -145,6 +145,16 @@ async fn spread(builder: impl Fn() -> lanes_redis::RedisLimitsBuilder, clients: 
             }
         }));
     }
+    per_second_over_window(tasks, &stop, &done).await
+}
+
+/// Lets `tasks` run for `window()`, stops them (through `stop`), and returns the count they
+/// kept in `done` per second of that time.
+async fn per_second_over_window(
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    stop: &AtomicBool,
+    done: &AtomicU64,
+) -> f64 {
     let start = Instant::now();
     tokio::time::sleep(window()).await;
     stop.store(true, Ordering::Relaxed);
@@ -253,13 +263,7 @@ async fn sorted_set_throughput(
             }
         }));
     }
-    let start = Instant::now();
-    tokio::time::sleep(window()).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await.unwrap();
-    }
-    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+    per_second_over_window(tasks, &stop, &done).await
 }
 
 /// The scenario's ceiling: the same clients, limit and hold on an in-process
@@ -284,13 +288,7 @@ async fn in_process_ceiling(clients: usize, limit: u32, hold: Duration) -> f64 {
             })
         })
         .collect();
-    let start = Instant::now();
-    tokio::time::sleep(window()).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await.unwrap();
-    }
-    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+    per_second_over_window(tasks, &stop, &done).await
 }
 
 /// `RedisLimits` through the `Limits` facade, same shape as the anchor. With `shared`, the
@@ -331,13 +329,7 @@ async fn lanes_throughput(
             }
         }));
     }
-    let start = Instant::now();
-    tokio::time::sleep(window()).await;
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await.unwrap();
-    }
-    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+    per_second_over_window(tasks, &stop, &done).await
 }
 
 /// Leased capacity against exact mode on the same Redis: one client (one instance) with
