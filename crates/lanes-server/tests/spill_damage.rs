@@ -5,8 +5,9 @@
 //! never wedging.
 
 use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use lanes::spill::{SpillError, SpillOptions, SpillQueue, SyncPolicy};
@@ -361,4 +362,32 @@ async fn a_repair_with_a_smaller_max_record_drops_nothing() {
     assert_eq!(batch.len(), RECORDS);
     drop(reader);
     queue.close().await.unwrap();
+}
+
+/// A lock another process holds for a moment is waited out, not reported as a live owner: a
+/// child between fork and exec shares its parent's lock (in CI, a sibling test's child held a
+/// queue this test had just closed, and `spill check` said the queue was open). The moment is
+/// played by `flock` holding the LOCK for 20 ms; a lasting owner is still reported
+/// (`spill_cli.rs`).
+#[tokio::test]
+async fn a_lock_held_for_a_moment_by_another_process_is_waited_out() {
+    let dir = temp("lock-moment");
+    build(&dir).await;
+    let mut holder = Command::new("flock")
+        .arg("--exclusive")
+        .arg(dir.join("LOCK"))
+        .args(["-c", "echo held; sleep 0.02"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("run flock (util-linux)");
+    let mut line = String::new();
+    BufReader::new(holder.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "held", "flock holds the lock");
+    let path = dir.to_str().unwrap();
+    let out = lanes(&["spill", "check", path, "--max-record", "64"]);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(holder.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
 }
