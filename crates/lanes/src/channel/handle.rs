@@ -15,7 +15,7 @@ use super::config::{ChannelConfig, OverflowKind};
 use super::core::{Core, Offer, Room, Take};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
-use crate::util::{Padded, WaitKey, WaitList, lock};
+use crate::util::{Padded, WaitKey, WaitList, keep_waker, lock};
 
 /// A queued record and, if its producer asked for one, its receipt.
 pub(crate) struct Entry<T> {
@@ -184,10 +184,7 @@ impl<T> State<T> {
     /// Asks to be woken when `want` records are queued (or on close).
     pub(crate) fn wait_for(&mut self, want: usize, waker: &Waker) {
         self.recv_want = want.max(1);
-        match &mut self.recv_waker {
-            Some(current) => current.clone_from(waker),
-            None => self.recv_waker = Some(waker.clone()),
-        }
+        keep_waker(&mut self.recv_waker, waker);
     }
 }
 

@@ -20,7 +20,7 @@ use std::task::{Context, Poll, Waker};
 
 use tokio::sync::Notify;
 
-use crate::util::lock;
+use crate::util::{lock, same_waker};
 
 use super::core::Shut;
 use super::driver::Parked;
@@ -216,7 +216,7 @@ impl RunSignal {
             let mut slot = lock(&self.driver);
             debug_assert!(!matches!(*slot, Driver::Parked(_)), "a parked run has no driver");
             match &*slot {
-                Driver::Task(waker) if waker.will_wake(cx.waker()) => {}
+                Driver::Task(waker) if same_waker(waker, cx.waker()) => {}
                 _ => *slot = Driver::Task(cx.waker().clone()),
             }
         }

@@ -38,7 +38,7 @@ use super::priority::Priority;
 use super::snapshot::LimitInfo;
 use crate::BoxFuture;
 use crate::util::FastMap;
-use crate::util::lock;
+use crate::util::{lock, same_waker};
 
 #[derive(Debug)]
 struct Inner {
@@ -78,8 +78,8 @@ impl Inner {
     fn park(&mut self, ticket: u64, waker: &Waker, grant: OnBehalf, handoff: Option<&Handoff>) {
         match self.wakers.get_mut(&ticket) {
             Some(existing) => {
-                if !existing.waker.will_wake(waker) {
-                    existing.waker.clone_from(waker);
+                if !same_waker(&existing.waker, waker) {
+                    existing.waker = waker.clone();
                 }
                 existing.grant = grant;
             }

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
 use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 pub(crate) use wait_list::{WaitKey, WaitList};
 
@@ -41,6 +41,25 @@ impl<T> std::ops::Deref for Padded<T> {
 
     fn deref(&self) -> &T {
         &self.0
+    }
+}
+
+/// Whether waking `a` does what waking `b` does: [`Waker::will_wake`], or the same data with a
+/// vtable of the same functions. `will_wake` compares the vtables' addresses, and a runtime
+/// can hand out one waker under two copies of its vtable (tokio's `block_on` waker: the one a
+/// poll borrows and its clones differ), which would make every comparison fail and every kept
+/// waker a fresh clone.
+#[inline]
+pub(crate) fn same_waker(a: &Waker, b: &Waker) -> bool {
+    a.will_wake(b) || (a.data() == b.data() && a.vtable() == b.vtable())
+}
+
+/// Keeps `waker` in `slot`, cloning it only when the slot holds none or another one.
+#[inline]
+pub(crate) fn keep_waker(slot: &mut Option<Waker>, waker: &Waker) {
+    match slot {
+        Some(current) if same_waker(current, waker) => {}
+        _ => *slot = Some(waker.clone()),
     }
 }
 
@@ -183,5 +202,28 @@ pub(crate) fn block_on<F: std::future::Future>(what: &str, future: F) -> F::Outp
             return output;
         }
         std::thread::park();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::task::{Wake, Waker};
+
+    use super::same_waker;
+
+    struct Flag;
+
+    impl Wake for Flag {
+        fn wake(self: Arc<Self>) {}
+    }
+
+    #[test]
+    fn a_waker_and_its_clone_are_the_same_and_another_waker_is_not() {
+        let one = Waker::from(Arc::new(Flag));
+        let other = Waker::from(Arc::new(Flag));
+        assert!(same_waker(&one, &one.clone()));
+        assert!(!same_waker(&one, &other));
+        assert!(!same_waker(&one, Waker::noop()));
     }
 }

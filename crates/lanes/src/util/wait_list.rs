@@ -113,10 +113,8 @@ impl WaitList {
             return false;
         }
         let slot = &mut self.nodes[key.index as usize].waker;
-        if let Some(current) = slot
-            && !current.will_wake(waker)
-        {
-            current.clone_from(waker);
+        if slot.is_some() {
+            super::keep_waker(slot, waker);
         }
         true
     }
