@@ -339,6 +339,78 @@ async fn dropping_every_producer_closes_a_standalone_channel() {
     assert_eq!(consumer.recv_many(&mut got, 10).await, 0);
 }
 
+// A consumer that takes the last queued record registers for the next one under the same lock
+// and waits again without the lock until a record (or the close) comes. These check the wakes
+// it relies on, each bounded by a timeout so that a lost wake fails instead of hanging.
+
+#[tokio::test(start_paused = true)]
+async fn a_consumer_that_emptied_the_channel_is_woken_by_the_next_record_and_by_the_close() {
+    let channel = Channel::new(ChannelConfig::new(4)).unwrap();
+    let mut consumer = channel.consumer(options(4)).unwrap();
+    channel.emit(1).await.unwrap();
+    assert_eq!(consumer.recv().await, Some(1));
+    let producer = channel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        producer.emit(2).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        producer.close();
+    });
+    let bound = Duration::from_secs(1);
+    assert_eq!(tokio::time::timeout(bound, consumer.recv()).await, Ok(Some(2)));
+    assert_eq!(tokio::time::timeout(bound, consumer.recv()).await, Ok(None));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_consumer_moved_to_another_task_after_emptying_the_channel_waits_with_its_own_waker() {
+    let channel = Channel::new(ChannelConfig::new(4)).unwrap();
+    let mut consumer = channel.consumer(options(4)).unwrap();
+    channel.emit(1).await.unwrap();
+    // The first task empties the channel (registering its own waker), then ends.
+    let mut consumer = tokio::spawn(async move {
+        assert_eq!(consumer.recv().await, Some(1));
+        consumer
+    })
+    .await
+    .unwrap();
+    // This task's recv must register its waker: the first task's is gone.
+    let reader = tokio::spawn(async move { consumer.recv().await });
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    channel.emit(2).await.unwrap();
+    let got = tokio::time::timeout(Duration::from_secs(1), reader).await;
+    assert_eq!(got.expect("woken").unwrap(), Some(2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batching_consumer_that_emptied_the_channel_still_lingers_for_a_partial_batch() {
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel.consumer(options(4).batch_flush(Duration::from_millis(20))).unwrap();
+    for n in 0..4 {
+        channel.emit(n).await.unwrap();
+    }
+    let batch = consumer.next_batch().await.expect("a full batch");
+    assert_eq!(&batch[..], &[0, 1, 2, 3]);
+    batch.ack().await.unwrap();
+    let producer = channel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        producer.emit(4).await.unwrap();
+    });
+    let start = Instant::now();
+    let batch = tokio::time::timeout(Duration::from_secs(1), consumer.next_batch())
+        .await
+        .expect("flushed")
+        .expect("a partial batch");
+    assert_eq!(&batch[..], &[4]);
+    // Queued at 5 ms, flushed once it had waited batch_flush (less the timer's tick).
+    let waited = start.elapsed();
+    assert!(
+        waited >= Duration::from_millis(23) && waited <= Duration::from_millis(26),
+        "{waited:?}"
+    );
+    batch.ack().await.unwrap();
+}
+
 #[tokio::test]
 async fn dropping_the_consumer_closes_and_drops_what_is_queued() {
     let channel = Channel::new(ChannelConfig::new(4)).unwrap();
@@ -1001,6 +1073,66 @@ async fn counters_reconcile_under_random_stress() {
         if kind == lanes::channel::OverflowKind::Block {
             assert_eq!(s.dropped, 0);
         }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_reads_on_two_threads_get_every_record_once_in_order_and_never_stall() {
+    // A reading consumer that empties the channel waits for the next record without the lock;
+    // producers on the other thread queue into it the moment it looks. Nothing may be missed.
+    const PRODUCERS: u64 = 4;
+    const EACH: u64 = 20_000;
+    for capacity in [1, 4, 64] {
+        let channel = Channel::new(ChannelConfig::new(capacity)).unwrap();
+        let mut consumer = channel.consumer(options(8)).unwrap();
+        for p in 0..PRODUCERS {
+            let channel = channel.clone();
+            tokio::spawn(async move {
+                for i in 0..EACH {
+                    channel.emit(p * EACH + i).await.unwrap();
+                    if i % 97 == p {
+                        tokio::task::yield_now().await;
+                    }
+                }
+            });
+        }
+        drop(channel);
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            let mut buffer = Vec::new();
+            let mut seed = capacity as u64 + 1;
+            loop {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                if seed.is_multiple_of(2) {
+                    match consumer.recv().await {
+                        Some(record) => got.push(record),
+                        None => break,
+                    }
+                } else {
+                    buffer.clear();
+                    if consumer.recv_many(&mut buffer, 1 + (seed % 5) as usize).await == 0 {
+                        break;
+                    }
+                    got.extend_from_slice(&buffer);
+                }
+            }
+            got
+        });
+        let got = tokio::time::timeout(Duration::from_secs(60), reader)
+            .await
+            .expect("the reader never stalls")
+            .unwrap();
+        let mut last = [None::<u64>; PRODUCERS as usize];
+        for &r in &got {
+            let p = (r / EACH) as usize;
+            assert!(last[p].is_none_or(|l| l < r), "capacity {capacity}: per-producer FIFO");
+            last[p] = Some(r);
+        }
+        let mut all = got;
+        all.sort_unstable();
+        assert_eq!(all, (0..PRODUCERS * EACH).collect::<Vec<_>>(), "capacity {capacity}");
     }
 }
 

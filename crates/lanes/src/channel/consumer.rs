@@ -16,11 +16,11 @@ use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
 use super::core::{Due, Take};
 use super::error::SettleError;
-use super::handle::{ChannelShared, Entry};
+use super::handle::{ChannelShared, Entry, State};
 use super::receipt::{ReceiptState, Settlement};
 use crate::limit::{LimitError, OnRefusal, Permit};
 use crate::spill::DurableQueue;
-use crate::util::lock;
+use crate::util::{keep_waker, lock, same_waker};
 use crate::{BoxError, BoxFuture};
 
 /// The most records `recv` takes under one lock.
@@ -98,6 +98,9 @@ pub struct Consumer<T> {
     local: VecDeque<Entry<T>>,
     /// The wakers of producers a take handed slots to (kept: no allocation per hand-off).
     wakers: Vec<Waker>,
+    /// The waker last registered for the next record (while the channel's `recv_armed`
+    /// holds, a poll with the same waker may return `Pending` without the lock).
+    armed: Option<Waker>,
 }
 
 impl<T: Send + 'static> Consumer<T> {
@@ -113,6 +116,7 @@ impl<T: Send + 'static> Consumer<T> {
             next_backoff: None,
             local: VecDeque::new(),
             wakers: Vec::new(),
+            armed: None,
         }
     }
 
@@ -264,6 +268,12 @@ impl<T: Send + 'static> Consumer<T> {
                     }
                 }
             }
+            // Waiting for the next record with this waker, and none has come: no lock.
+            if self.shared.is_armed()
+                && self.armed.as_ref().is_some_and(|armed| same_waker(armed, cx.waker()))
+            {
+                return Poll::Pending;
+            }
             let mut st = lock(&self.shared.state);
             let len = match st.core.due(max, flush, Instant::now) {
                 Due::End => {
@@ -272,12 +282,12 @@ impl<T: Send + 'static> Consumer<T> {
                     return Poll::Ready(None);
                 }
                 Due::Empty => {
-                    st.wait_for(1, cx.waker());
+                    arm(&self.shared, &mut self.armed, &mut st, cx.waker());
                     return Poll::Pending;
                 }
                 Due::Now(n) => n,
                 Due::At(deadline) => {
-                    st.wait_for(max, cx.waker());
+                    self.shared.wait_for(&mut st, max, cx.waker());
                     drop(st);
                     let linger = match &mut self.linger {
                         Some(linger) => {
@@ -311,11 +321,23 @@ impl<T: Send + 'static> Consumer<T> {
                 }
             }
             self.shared.take(&mut st, n, out, &mut self.wakers);
+            if st.core.len() == 0 && !st.core.is_closed() {
+                // Emptied it: wait for the next record now, under this lock, so that the next
+                // poll finds out whether one came without taking it again.
+                arm(&self.shared, &mut self.armed, &mut st, cx.waker());
+            }
             drop(st);
             self.shared.after_take(n, &mut self.wakers);
             return Poll::Ready(Some(()));
         }
     }
+}
+
+/// Under the lock: registers `waker` for the channel's next record, and keeps it in `armed` to
+/// recognise the next poll's.
+fn arm<T>(shared: &ChannelShared<T>, armed: &mut Option<Waker>, st: &mut State<T>, waker: &Waker) {
+    shared.arm(st, waker);
+    keep_waker(armed, waker);
 }
 
 /// One attempt at one permit (waiting), then up to `want - 1` more that are free right now;

@@ -2,7 +2,7 @@
 //! and the waiters, the wake-ups, the shared budget and the metrics. A snapshot taken under the
 //! lock always reconciles.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::task::Waker;
 use std::time::Duration;
@@ -181,8 +181,9 @@ impl<T> State<T> {
         self.senders.pop_into(handed, wakers);
     }
 
-    /// Asks to be woken when `want` records are queued (or on close).
-    pub(crate) fn wait_for(&mut self, want: usize, waker: &Waker) {
+    /// Asks to be woken when `want` records are queued (or on close). The caller arms
+    /// [`ChannelShared::recv_armed`] for a `want` of 1 (see [`ChannelShared::arm`]).
+    fn wait_for(&mut self, want: usize, waker: &Waker) {
         self.recv_want = want.max(1);
         keep_waker(&mut self.recv_waker, waker);
     }
@@ -239,6 +240,10 @@ pub(crate) struct ChannelShared<T> {
     /// Records the consumer's plain reads handed out: counted processed without the lock
     /// (only the consumer writes it).
     read: Padded<AtomicU64>,
+    /// The consumer's waker is registered for the next record and none has come since (nor a
+    /// close): the consumer may wait again without taking the lock. Set and cleared under the
+    /// lock, read without it; whoever clears it takes the waker and wakes the consumer.
+    recv_armed: AtomicBool,
     /// Woken when records may have reached their end (a settle, a drop, a close), for
     /// [`Channel::drained`](super::Channel::drained).
     pub(crate) settled: tokio::sync::Notify,
@@ -279,6 +284,7 @@ impl<T> ChannelShared<T> {
             })),
             producers: AtomicUsize::new(0),
             read: Padded(AtomicU64::new(0)),
+            recv_armed: AtomicBool::new(false),
             settled: tokio::sync::Notify::new(),
             drain_waiters: AtomicUsize::new(0),
             auto_close,
@@ -451,6 +457,9 @@ impl<T> ChannelShared<T> {
     #[inline]
     fn queued(&self, mut st: MutexGuard<'_, State<T>>) {
         let consumer = st.consumer_waker();
+        if consumer.is_some() {
+            self.recv_armed.store(false, Ordering::Release);
+        }
         drop(st);
         if let Some(consumer) = consumer {
             consumer.wake();
@@ -467,6 +476,30 @@ impl<T> ChannelShared<T> {
         lock(&self.state).core.spilled();
         self.metrics.emitted.increment(1);
         self.metrics.spilled.increment(1);
+    }
+
+    /// Under the lock: the consumer waits for the next record (or the close) with `waker`,
+    /// and may wait again without the lock until one comes ([`is_armed`](Self::is_armed)).
+    pub(crate) fn arm(&self, st: &mut State<T>, waker: &Waker) {
+        st.wait_for(1, waker);
+        self.recv_armed.store(true, Ordering::Release);
+    }
+
+    /// Under the lock: the consumer waits for `want` records (or the close) with `waker`.
+    pub(crate) fn wait_for(&self, st: &mut State<T>, want: usize, waker: &Waker) {
+        if want <= 1 {
+            return self.arm(st, waker);
+        }
+        st.wait_for(want, waker);
+        self.recv_armed.store(false, Ordering::Release);
+    }
+
+    /// Whether the consumer's waker is still registered for the next record and nothing has
+    /// come since its last look (nothing queued, not closed). Read without the lock: a
+    /// producer that queues a record (or a close) clears it before waking the consumer.
+    #[inline]
+    pub(crate) fn is_armed(&self) -> bool {
+        self.recv_armed.load(Ordering::Acquire)
     }
 
     /// Counts `n` records handed out by a plain read as processed.
@@ -555,6 +588,7 @@ impl<T> ChannelShared<T> {
             let n = st.senders.len();
             st.senders.pop_into(n, &mut wakers);
             let consumer = st.recv_waker.take();
+            self.recv_armed.store(false, Ordering::Release);
             (dropped, wakers, consumer, was_closed)
         };
         self.metrics.dropped.increment(dropped.len() as u64);
