@@ -138,6 +138,10 @@ impl<T: Send + 'static> Consumer<T> {
     /// batch; records a dropped consumer still holds count as abandoned). With a consumer
     /// limit it takes one record at a time, each under a permit released on return.
     ///
+    /// A read that empties the channel registers the task for the next record under the same
+    /// lock, so that the next read finds out whether one came without taking it again: the
+    /// task may be woken once by the next record even if it is busy elsewhere by then.
+    ///
     /// # Cancel safety
     ///
     /// Cancel safe.
