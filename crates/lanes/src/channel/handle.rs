@@ -157,6 +157,15 @@ pub(crate) struct Waiter {
     counted: bool,
 }
 
+impl Waiter {
+    /// Whether it still has a place in a list (or a slot or unit handed to it): only then is
+    /// there anything for [`ChannelShared::cancel_wait`] to undo.
+    #[inline]
+    pub(crate) fn is_placed(&self) -> bool {
+        self.key.is_some()
+    }
+}
+
 /// What the channel's lock guards: the pure core and the wakers of the shell.
 pub(crate) struct State<T> {
     pub(crate) core: Core<Entry<T>>,

@@ -366,7 +366,10 @@ struct WaitGuard<'a, T> {
 
 impl<T> Drop for WaitGuard<'_, T> {
     fn drop(&mut self) {
-        self.shared.cancel_wait(&mut self.waiter);
+        // Checked here, inline: an emit that queued its record leaves nothing to undo.
+        if self.waiter.is_placed() {
+            self.shared.cancel_wait(&mut self.waiter);
+        }
     }
 }
 
