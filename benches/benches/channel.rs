@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Emitted, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes_benches::scenarios::{Big, RECORDS, Record, channel_block, tokio_block};
+use lanes_benches::scenarios::{Big, RECORDS, Record, channel_block, kanal_block, tokio_block};
 use lanes_benches::{Flavor, config, quick, write_result};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -29,25 +29,6 @@ async fn flume_block<R: Record>(capacity: usize, producers: usize) {
     drop(tx);
     let mut n = 0;
     while let Ok(record) = rx.recv_async().await {
-        black_box(record);
-        n += 1;
-    }
-    assert_eq!(n, RECORDS);
-}
-
-async fn kanal_block<R: Record>(capacity: usize, producers: usize) {
-    let (tx, rx) = kanal::bounded_async(capacity);
-    for _ in 0..producers {
-        let tx = tx.clone();
-        tokio::spawn(async move {
-            for i in 0..RECORDS / producers {
-                tx.send(R::make(i)).await.ok().unwrap();
-            }
-        });
-    }
-    drop(tx);
-    let mut n = 0;
-    while let Ok(record) = rx.recv().await {
         black_box(record);
         n += 1;
     }

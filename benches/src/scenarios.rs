@@ -149,3 +149,23 @@ pub async fn tokio_block<R: Record>(capacity: usize, producers: usize) {
     }
     assert_eq!(n, RECORDS);
 }
+
+/// [`channel_block`] through a kanal channel: the fastest anchor of suite 3 on `current_thread`.
+pub async fn kanal_block<R: Record>(capacity: usize, producers: usize) {
+    let (tx, rx) = kanal::bounded_async(capacity);
+    for _ in 0..producers {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            for i in 0..RECORDS / producers {
+                tx.send(R::make(i)).await.ok().unwrap();
+            }
+        });
+    }
+    drop(tx);
+    let mut n = 0;
+    while let Ok(record) = rx.recv().await {
+        black_box(record);
+        n += 1;
+    }
+    assert_eq!(n, RECORDS);
+}

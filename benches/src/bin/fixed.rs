@@ -18,20 +18,20 @@
 //! instructions; the cost per record is the difference of two round counts over the records
 //! between them (setup cancels out).
 //!
-//! Arguments: the cell (`channel`, `tokio` or `lane`), the channel's capacity (or the lane's
+//! Arguments: the cell (`channel`, `tokio`, `kanal` or `lane`), the channel's capacity (or the lane's
 //! execution slots), and the rounds (10,000 records or 1,000 runs each). It prints the records
 //! or runs per second it measured, as context.
 
 use std::time::Instant;
 
 use lanes_benches::Flavor;
-use lanes_benches::scenarios::{RECORDS, channel_block, lane, lane_runs, tokio_block};
+use lanes_benches::scenarios::{RECORDS, channel_block, kanal_block, lane, lane_runs, tokio_block};
 
 const RUNS: u64 = 1_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|lane) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -48,6 +48,13 @@ fn main() {
             let start = Instant::now();
             for _ in 0..rounds {
                 tokio_block::<u64>(size, 1).await;
+            }
+            (rounds * RECORDS as u64, start.elapsed())
+        }),
+        "kanal" => rt.block_on(async {
+            let start = Instant::now();
+            for _ in 0..rounds {
+                kanal_block::<u64>(size, 1).await;
             }
             (rounds * RECORDS as u64, start.elapsed())
         }),

@@ -11,18 +11,19 @@
 //! ```sh
 //! cargo build --release -p lanes-benches --bin paired
 //! target/release/paired channel mt 64 4 u64 21   # suite 3: against tokio mpsc
+//! target/release/paired channel ct 1024 1 u64 21 kanal   # suite 3's kanal bar
 //! target/release/paired lane mt 21               # suite 2: against the hand-rolled lane
 //! ```
 //!
 //! Arguments: `channel`, the runtime (`ct` or `mt`), the capacity, the producers, the record
-//! (`u64` or `256B`) and the pairs; or `lane`, the runtime and the pairs (1,000 runs into 8
+//! (`u64` or `256B`), the pairs and optionally the anchor (`tokio`, the default, or `kanal`); or `lane`, the runtime and the pairs (1,000 runs into 8
 //! execution slots, as in suite 2). An odd number of pairs makes the median one of them.
 
 use std::time::{Duration, Instant};
 
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    Big, HandRolled, Record, channel_block, hand_rolled, lane, lane_runs, tokio_block,
+    Big, HandRolled, Record, channel_block, hand_rolled, kanal_block, lane, lane_runs, tokio_block,
 };
 
 /// Cells per side in a pair: enough that one side takes a few milliseconds at the slowest.
@@ -58,11 +59,19 @@ fn ratios(pairs: usize, side: impl Fn(bool)) -> Vec<f64> {
 }
 
 /// Both sides of a channel cell.
-fn channel<R: Record>(rt: &tokio::runtime::Runtime, capacity: usize, producers: usize, ours: bool) {
+fn channel<R: Record>(
+    rt: &tokio::runtime::Runtime,
+    capacity: usize,
+    producers: usize,
+    kanal: bool,
+    ours: bool,
+) {
     for _ in 0..CELLS {
         rt.block_on(async {
             if ours {
                 channel_block::<R>(capacity, producers).await;
+            } else if kanal {
+                kanal_block::<R>(capacity, producers).await;
             } else {
                 tokio_block::<R>(capacity, producers).await;
             }
@@ -72,7 +81,7 @@ fn channel<R: Record>(rt: &tokio::runtime::Runtime, capacity: usize, producers: 
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: paired channel (ct|mt) CAPACITY PRODUCERS (u64|256B) PAIRS\n       paired lane (ct|mt) PAIRS";
+    let usage = "usage: paired channel (ct|mt) CAPACITY PRODUCERS (u64|256B) PAIRS [tokio|kanal]\n       paired lane (ct|mt) PAIRS";
     let flavor = match args.get(1).map(String::as_str) {
         Some("ct") => Flavor::CurrentThread,
         Some("mt") => Flavor::MultiThread,
@@ -86,16 +95,23 @@ fn main() {
         Some("channel") => {
             let (capacity, producers, pairs) = (number(2), number(3), number(5));
             let record = args.get(4).map(String::as_str);
+            let kanal = match args.get(6).map(String::as_str) {
+                None | Some("tokio") => false,
+                Some("kanal") => true,
+                _ => panic!("{usage}"),
+            };
             let ratios = match record {
-                Some("u64") => ratios(pairs, |ours| channel::<u64>(&rt, capacity, producers, ours)),
+                Some("u64") => {
+                    ratios(pairs, |ours| channel::<u64>(&rt, capacity, producers, kanal, ours))
+                }
                 Some("256B") => {
-                    ratios(pairs, |ours| channel::<Big>(&rt, capacity, producers, ours))
+                    ratios(pairs, |ours| channel::<Big>(&rt, capacity, producers, kanal, ours))
                 }
                 _ => panic!("{usage}"),
             };
             let topology = if producers == 1 { "spsc" } else { "mpsc" };
             let cell = format!("{topology}_{capacity}_{}", record.unwrap_or_default());
-            (cell, "tokio mpsc", ratios)
+            (cell, if kanal { "kanal" } else { "tokio mpsc" }, ratios)
         }
         Some("lane") => {
             let (ours_lane, hand) = (lane(CONCURRENT, QUEUED), HandRolled::new(CONCURRENT, QUEUED));
