@@ -48,6 +48,12 @@ local CLIENT = 4294967296
 
 local function hex(n) return string.format('%016x', n) end
 local function int(n) return string.format('%.0f', n) end
+-- A whole number (a time in us, a token) as decimal digits: '%d' formats it as an integer,
+-- where `int`'s '%.0f' goes through the floating-point printer, several times the cost inside
+-- Redis. The hot paths (grant, renewal, expiry) use this one.
+local function dec(n) return string.format('%d', n) end
+-- The answers `hex(1)` (granted) and `hex(0)` (queued), written out once.
+local GRANTED, QUEUED = '0000000000000001', '0000000000000000'
 
 local function now_us()
   local t = redis.call('TIME')
@@ -108,7 +114,7 @@ local function queue(level, keytok) return B .. ':q:' .. level .. ':' .. keytok 
 -- Leases ---------------------------------------------------------------------------------
 
 local function expire(now)
-  local dead = redis.call('ZRANGEBYSCORE', E, '-inf', int(now))
+  local dead = redis.call('ZRANGEBYSCORE', E, '-inf', dec(now))
   for _, ticket in ipairs(dead) do
     redis.call('HDEL', H, ticket)
     redis.call('ZREM', E, ticket)
@@ -144,19 +150,19 @@ local function grant(ticket, now, lease, used)
     local tat = rate_check(now)
     if tat then
       meta.tat = tat
-      redis.call('HSET', M, 'tat', int(tat))
+      redis.call('HSET', M, 'tat', dec(tat))
     end
   end
-  local fence = redis.call('HINCRBY', M, 'fence', 1)
-  local expires = int(now + (lease or lease_us))
-  redis.call('HSET', H, ticket, int(fence) .. ':' .. expires)
+  local fence = dec(redis.call('HINCRBY', M, 'fence', '1'))
+  local expires = dec(now + (lease or lease_us))
+  redis.call('HSET', H, ticket, fence .. ':' .. expires)
   redis.call('ZADD', E, expires, ticket)
   if used then used = used + 1 else used = in_use() end
   if used > meta.maxuse then
     meta.maxuse = used
     redis.call('HSET', M, 'maxuse', used)
   end
-  return int(fence), expires
+  return fence, expires
 end
 
 -- The wait queue -------------------------------------------------------------------------
@@ -202,13 +208,13 @@ end
 local function push(ticket, level, keytok, weight)
   peeked = nil
   if redis.call('HEXISTS', I, ticket) == 1 then return false end
-  local seq = redis.call('HINCRBY', M, 'seq', 1)
+  local seq = redis.call('HINCRBY', M, 'seq', '1')
   local w = weights(level)
   redis.call('ZADD', LV, level, level)
   if redis.call('ZSCORE', ring(level), keytok) then
     redis.call('HSET', w, keytok, weight)
   else
-    local pos = redis.call('HINCRBY', w, '~npos', 1) - 1
+    local pos = redis.call('HINCRBY', w, '~npos', '1') - 1
     redis.call('ZADD', ring(level), pos, keytok)
     redis.call('HSET', w, keytok, weight)
   end
@@ -216,7 +222,7 @@ local function push(ticket, level, keytok, weight)
   redis.call('HSET', I, ticket, level .. '|' .. keytok .. '|' .. seq)
   redis.call('HSET', L, ticket, int(lease_us))
   -- Its client is alive: it queued a ticket now (and touches the limit while it waits).
-  redis.call('HSET', C, caller, int(now))
+  redis.call('HSET', C, caller, dec(now))
   return true
 end
 
@@ -334,10 +340,10 @@ local function held_answer(ticket)
   -- so the client, which counts the lease from its ask, never believes it longer than Redis.
   -- The answer is the grant as first made (an acquire by ticket answers the same grant).
   local fence, expires = string.match(held, '^(%d+):(%d+)$')
-  local renewed = int(now + lease_us)
+  local renewed = dec(now + lease_us)
   redis.call('HSET', H, ticket, fence .. ':' .. renewed)
   redis.call('ZADD', E, renewed, ticket)
-  return { hex(1), fence, expires }
+  return { GRANTED, fence, expires }
 end
 
 -- The answer to an ask for `ticket`, which waits: granted if it is served next and can be
@@ -348,20 +354,20 @@ end
 local function answer_for(ticket, used)
   used = used or in_use()
   if used >= meta.concurrent then
-    return { hex(0), expiry_hint(now) }
+    return { QUEUED, expiry_hint(now) }
   end
   purge(now)
   local head, hlevel, hkey = peek()
   local _, at = rate_check(now)
   if at then
     if head == ticket then return { hex(2 + math.ceil((at - now) / 1000)) } end
-    return { hex(0), expiry_hint(now) }
+    return { QUEUED, expiry_hint(now) }
   end
   if head == ticket then
     pop(head, hlevel, hkey)
     local fence, expires = grant(head, now, nil, used)
     kick(now)
-    return { hex(1), fence, expires }
+    return { GRANTED, fence, expires }
   end
   if head and client_of(head) == client_of(ticket) then
     -- Another ticket of the same client is served next: grant it instead, with its own lease.
@@ -376,7 +382,7 @@ local function answer_for(ticket, used)
     return { '8' .. string.format('%015x', zigzag), fence, expires }
   end
   kick(now)
-  return { hex(0), expiry_hint(now) }
+  return { QUEUED, expiry_hint(now) }
 end
 
 -- Leased capacity ------------------------------------------------------------------------
@@ -496,7 +502,9 @@ end
 local function quick_acquire()
   if redis.call('HLEN', I) ~= 0 then return nil end
   local v = redis.call('HMGET', M, 'concurrent', 'interval', 'hold', 'movehold', 'mode', 'maxuse')
-  if not v[1] or v[5] or (tonumber(v[2]) or 0) ~= 0 or (tonumber(v[4]) or 0) > 0 then
+  -- Settings compared as the strings they are where that is enough: a number parsed inside
+  -- Redis costs about as much as one of the commands here.
+  if not v[1] or v[5] or (v[2] and v[2] ~= '0') or (v[4] and v[4] ~= '0') then
     return nil
   end
   local used = redis.call('HLEN', H)
@@ -507,12 +515,12 @@ local function quick_acquire()
   if ARGV[11] ~= 'new' and redis.call('HEXISTS', H, ticket) == 1 then return nil end
   local t = redis.call('TIME')
   local at = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  if (tonumber(v[3]) or 0) > at then return nil end
+  if v[3] and v[3] ~= '0' and tonumber(v[3]) > at then return nil end
   -- What `grant` reads, for a limit without a rate.
   meta = { interval = 0, maxuse = tonumber(v[6]) or 0 }
   lease_us = tonumber(ARGV[3]) * 1000
   local fence, expires = grant(ticket, at, nil, used)
-  return { hex(1), fence, expires }
+  return { GRANTED, fence, expires }
 end
 
 -- The limit whose key names are set: calls in a row on one limit build them once.
@@ -601,7 +609,7 @@ local function call(keys, args)
       local _, at = rate_check(now)
       if not at then
         local fence, expires = grant(ticket, now, nil, used)
-        return { hex(1), fence, expires }
+        return { GRANTED, fence, expires }
       end
       if max_waiters == 0 then return { 'waiters' } end
       push(ticket, level, keytok, weight)
@@ -632,16 +640,16 @@ local function call(keys, args)
     local held = held_answer(ticket)
     if held then return held end
     purge(now)
-    if waiting() > 0 or in_use() >= meta.concurrent then return { hex(0), -1 } end
+    if waiting() > 0 or in_use() >= meta.concurrent then return { QUEUED, -1 } end
     local _, at = rate_check(now)
     if at then return { hex(2 + math.ceil((at - now) / 1000)) } end
     local fence, expires = grant(ticket, now)
-    return { hex(1), fence, expires }
+    return { GRANTED, fence, expires }
   end
 
   if op == 'touch' then
     -- The caller is alive (it has waiters here); let a waiter in if a lease lapsed.
-    redis.call('HSET', C, caller, int(now))
+    redis.call('HSET', C, caller, dec(now))
     if reclaimed > 0 then kick(now) end
     return 'ok'
   end
@@ -669,7 +677,7 @@ local function call(keys, args)
     -- nor wait (their lease ended, or they were lost).
     if reclaimed > 0 then kick(now) end
     local refused = {}
-    local expires = int(now + lease_us)
+    local expires = dec(now + lease_us)
     for i = 6, #ARGV do
       local ticket = ARGV[i]
       local held = redis.call('HGET', H, ticket)
