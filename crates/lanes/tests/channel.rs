@@ -119,6 +119,38 @@ async fn a_cancelled_blocked_emit_leaves_nothing_enqueued_and_passes_its_turn() 
     assert!(s.reconciles());
 }
 
+/// A close reaches producers waiting for room: each gets its record back as `Closed`, the one
+/// handed a slot just before the close as well, and none of them is counted emitted.
+#[tokio::test(start_paused = true)]
+async fn producers_blocked_on_a_full_channel_get_their_records_back_when_it_closes() {
+    let channel = Channel::new(ChannelConfig::new(1)).unwrap();
+    let mut consumer = channel.consumer(options(1)).unwrap();
+    channel.emit(0u32).await.unwrap();
+    let blocked: Vec<_> = (1..=3u32)
+        .map(|n| {
+            let channel = channel.clone();
+            tokio::spawn(async move { channel.emit(n).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert_eq!(channel.snapshot().blocked_waits, 3);
+
+    // The first in line is handed the freed slot; the channel closes before it can use it.
+    assert_eq!(consumer.recv().await, Some(0));
+    channel.close();
+    for (n, producer) in (1..=3u32).zip(blocked) {
+        let emitted = tokio::time::timeout(Duration::from_secs(5), producer)
+            .await
+            .expect("a blocked producer saw the close")
+            .unwrap();
+        assert!(matches!(emitted, Err(EmitError::Closed(record)) if record == n), "{n}");
+    }
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.depth, s.blocked_waits), (1, 1, 0, 3));
+    assert!(s.reconciles());
+    assert_eq!(consumer.recv().await, None);
+}
+
 /// Blocked producers get room first come first served, and a slot freed for the first of them
 /// is its own until it uses it: a non-waiting emit cannot take it.
 #[tokio::test(start_paused = true)]

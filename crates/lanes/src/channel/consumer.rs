@@ -14,7 +14,7 @@ use tokio::time::{Instant, Sleep};
 
 use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
-use super::core::{Due, Take};
+use super::core::Due;
 use super::error::SettleError;
 use super::handle::{ChannelShared, Entry, State};
 use super::receipt::{ReceiptState, Settlement};
@@ -148,10 +148,7 @@ impl<T: Send + 'static> Consumer<T> {
     pub async fn recv(&mut self) -> Option<T> {
         if self.local.is_empty() {
             let max = if self.plan.limit.is_some() { 1 } else { PREFETCH };
-            let mut out = std::mem::take(&mut self.local);
-            let taken = poll_fn(|cx| self.poll_take(cx, max, Duration::ZERO, &mut out)).await;
-            self.local = out;
-            taken?;
+            poll_fn(|cx| self.poll_take(cx, max, Duration::ZERO, None)).await?;
             self.permits.clear();
         }
         self.local.pop_front().map(|entry| self.hand_out(entry))
@@ -169,9 +166,7 @@ impl<T: Send + 'static> Consumer<T> {
             return 0;
         }
         if self.local.is_empty() {
-            let mut out = std::mem::take(&mut self.local);
-            let taken = poll_fn(|cx| self.poll_take(cx, limit, Duration::ZERO, &mut out)).await;
-            self.local = out;
+            let taken = poll_fn(|cx| self.poll_take(cx, limit, Duration::ZERO, None)).await;
             if taken.is_none() {
                 return 0;
             }
@@ -218,7 +213,7 @@ impl<T: Send + 'static> Consumer<T> {
             let rest = taken.split_off(max);
             self.local = VecDeque::from(rest);
         }
-        if taken.is_empty() && ready!(self.poll_take(cx, max, flush, &mut taken)).is_none() {
+        if taken.is_empty() && ready!(self.poll_take(cx, max, flush, Some(&mut taken))).is_none() {
             return Poll::Ready(None);
         }
         let mut records = Vec::with_capacity(taken.len());
@@ -241,13 +236,14 @@ impl<T: Send + 'static> Consumer<T> {
         }))
     }
 
-    /// Takes up to `max` records once a batch is due, with the permits it needs.
+    /// Takes up to `max` records once a batch is due, with the permits it needs, into `out`,
+    /// or into the read-ahead (`local`) for `None`.
     fn poll_take(
         &mut self,
         cx: &mut Context<'_>,
         max: usize,
         flush: Duration,
-        out: &mut impl Take<Entry<T>>,
+        mut out: Option<&mut Vec<Entry<T>>>,
     ) -> Poll<Option<()>> {
         loop {
             if let Some(sleep) = &mut self.backoff {
@@ -324,7 +320,10 @@ impl<T: Send + 'static> Consumer<T> {
                     self.permits.truncate(n);
                 }
             }
-            self.shared.take(&mut st, n, out, &mut self.wakers);
+            match out.as_deref_mut() {
+                Some(out) => self.shared.take(&mut st, n, out, &mut self.wakers),
+                None => self.shared.take(&mut st, n, &mut self.local, &mut self.wakers),
+            }
             if st.core.len() == 0 && !st.core.is_closed() {
                 // Emptied it: wait for the next record now, under this lock, so that the next
                 // poll finds out whether one came without taking it again.

@@ -307,7 +307,47 @@ impl<T> ChannelShared<T> {
     /// offered again, and one the list woke offers with the slot (or budget unit) it was
     /// handed, so nobody barges past it.
     pub(crate) fn push(&self, entry: Entry<T>, wait: Option<(&mut Waiter, &Waker)>) -> Pushed<T> {
-        self.push_locked(lock(&self.state), entry, wait)
+        match wait {
+            Some((waiter, waker)) if self.blocks && self.budget.is_none() => {
+                self.push_block(entry, waiter, waker)
+            }
+            wait => self.push_locked(lock(&self.state), entry, wait),
+        }
+    }
+
+    /// [`push`](Self::push) for a producer that waits for room on a `Block` channel without a
+    /// shared budget: the same rule without the budget's branches. A blocked producer comes
+    /// here twice per record (to queue for a slot, then to use the slot it was handed), which
+    /// makes it the path of a full channel.
+    fn push_block(&self, entry: Entry<T>, waiter: &mut Waiter, waker: &Waker) -> Pushed<T> {
+        let mut st = lock(&self.state);
+        if let Some(key) = waiter.key {
+            // Still in line: the channel is open (a close empties the line).
+            if st.senders.refresh(key, waker) {
+                return Pushed::Full(entry);
+            }
+            // Woken: the slot it was handed is used now (or freed, if the channel closed).
+            *waiter = Waiter { counted: waiter.counted, ..Waiter::default() };
+            st.core.unreserve();
+        }
+        match st.core.try_queue(entry, Instant::now) {
+            Ok(()) => {
+                *waiter = Waiter::default();
+                self.queued(st);
+                Pushed::Queued
+            }
+            Err(entry) if st.core.is_closed() => Pushed::Closed(entry),
+            Err(entry) => {
+                if !waiter.counted {
+                    waiter.counted = true;
+                    st.core.blocked();
+                    self.metrics.blocked_waits.increment(1);
+                }
+                waiter.key = Some(st.senders.push(waker));
+                waiter.on = WaitOn::Channel;
+                Pushed::Full(entry)
+            }
+        }
     }
 
     /// [`push`](Self::push) for a producer that does not wait: the fast path of
@@ -577,8 +617,11 @@ impl<T> ChannelShared<T> {
 
     /// After `take`: outside the lock, wakes producers (emptying `wakers`) and returns budget.
     pub(crate) fn after_take(&self, n: usize, wakers: &mut Vec<Waker>) {
-        for waker in wakers.drain(..) {
-            waker.wake();
+        match wakers.len() {
+            0 => {}
+            // The common hand-off, without a drain's bookkeeping.
+            1 => wakers.pop().expect("one waker").wake(),
+            _ => wakers.drain(..).for_each(Waker::wake),
         }
         if let Some(budget) = &self.budget {
             budget.release(n);
