@@ -119,6 +119,38 @@ async fn a_cancelled_blocked_emit_leaves_nothing_enqueued_and_passes_its_turn() 
     assert!(s.reconciles());
 }
 
+/// An emit with a receipt waits for room like a plain one: cancelled while in line it leaves
+/// nothing behind, and once room comes its receipt settles with the record.
+#[tokio::test(start_paused = true)]
+async fn a_blocked_emit_with_receipt_waits_its_turn_and_cancels_cleanly() {
+    let channel = Channel::new(ChannelConfig::new(1)).unwrap();
+    let mut consumer = channel.consumer(options(1)).unwrap();
+    let first = channel.emit_with_receipt(1u32).await.unwrap();
+    let cancelled =
+        tokio::time::timeout(Duration::from_millis(5), channel.emit_with_receipt(2)).await;
+    assert!(cancelled.is_err(), "a full channel made it wait");
+    drop(channel.emit_with_receipt(3)); // never polled: nothing happens
+    let waiting = {
+        let channel = channel.clone();
+        tokio::spawn(async move { channel.emit_with_receipt(4).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert!(!waiting.is_finished());
+
+    assert_eq!(consumer.recv().await, Some(1));
+    assert_eq!(first.await, Settlement::Processed);
+    let fourth = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the cancelled emit passed its turn on")
+        .unwrap()
+        .unwrap();
+    assert_eq!(consumer.recv().await, Some(4));
+    assert_eq!(fourth.await, Settlement::Processed);
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.depth, s.blocked_waits), (2, 2, 0, 2));
+    assert!(s.reconciles());
+}
+
 /// A close reaches producers waiting for room: each gets its record back as `Closed`, the one
 /// handed a slot just before the close as well, and none of them is counted emitted.
 #[tokio::test(start_paused = true)]

@@ -1,11 +1,12 @@
 //! The producer's handle: emit records, take the consumer, close.
 
 use std::fmt;
-use std::future::poll_fn;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
-use std::task::Poll;
+use std::mem::ManuallyDrop;
+use std::pin::Pin;
+use std::task::{Context, Poll};
 
 use super::config::{ChannelConfig, ConsumerOptions, Emitted, Overflow};
 use super::consumer::Consumer;
@@ -13,6 +14,7 @@ use super::error::{ChannelError, EmitError};
 use super::handle::{ChannelShared, Entry, Pushed, Waiter};
 use super::receipt::{Receipt, ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
+use crate::BoxFuture;
 use crate::observe::{Observe, Snapshot};
 use crate::util::lock;
 
@@ -123,23 +125,11 @@ impl<T: Send + 'static> Channel<T> {
     /// # Errors
     ///
     /// As for [`try_emit`](Self::try_emit), except that a full channel waits instead.
-    pub async fn emit(&self, record: T) -> Result<Emitted<T>, EmitError<T>> {
-        let entry = Entry { record, receipt: None };
-        // Written out here and in `emit_with_receipt` rather than in a shared async helper: the
-        // helper's extra future cost 9-12% of the fast path (A/B, three alternating rounds).
-        let pushed = if self.shared.blocks() {
-            match self.shared.try_queue(entry) {
-                Ok(()) => return Ok(Emitted::Queued),
-                Err(entry) => self.push_waiting(entry).await,
-            }
-        } else {
-            // Never waits: fits, or the overflow rule applies at once, under one lock.
-            self.shared.push_now(entry)
-        };
-        match pushed {
-            Pushed::Spill(entry) => self.spill_waiting(entry).await.map(|()| Emitted::Spilled),
-            pushed => finish(pushed),
-        }
+    pub fn emit(
+        &self,
+        record: T,
+    ) -> impl Future<Output = Result<Emitted<T>, EmitError<T>>> + Send + '_ {
+        Emit::<T, false>::new(self, record, None)
     }
 
     /// Emits `record` like [`emit`](Self::emit) and returns its [`Receipt`], which settles
@@ -152,41 +142,8 @@ impl<T: Send + 'static> Channel<T> {
     /// receipt settles [`Dropped`](Settlement::Dropped)).
     pub async fn emit_with_receipt(&self, record: T) -> Result<Receipt, EmitError<T>> {
         let state = ReceiptState::new(self.shared.config.ack_timeout);
-        let entry = Entry { record, receipt: Some(state.clone()) };
-        let pushed = if self.shared.blocks() {
-            match self.shared.try_queue(entry) {
-                Ok(()) => return Ok(Receipt::new(state)),
-                Err(entry) => self.push_waiting(entry).await,
-            }
-        } else {
-            self.shared.push_now(entry)
-        };
-        match pushed {
-            Pushed::Queued => {}
-            Pushed::DroppedNewest(entry) | Pushed::DroppedOldest(entry) => {
-                entry.settle(Settlement::Dropped);
-            }
-            Pushed::Spill(entry) => self.spill_waiting(entry).await?,
-            Pushed::Full(entry) => return Err(EmitError::Full(entry.record)),
-            Pushed::Closed(entry) => return Err(EmitError::Closed(entry.record)),
-        }
+        Emit::<T, true>::new(self, record, Some(state.clone())).await?;
         Ok(Receipt::new(state))
-    }
-
-    async fn push_waiting(&self, entry: Entry<T>) -> Pushed<T> {
-        let mut entry = Some(entry);
-        let mut guard = WaitGuard { shared: &self.shared, waiter: Waiter::default() };
-        poll_fn(|cx| {
-            let pending = entry.take().expect("polled after completion");
-            match self.shared.push(pending, Some((&mut guard.waiter, cx.waker()))) {
-                Pushed::Full(pending) => {
-                    entry = Some(pending);
-                    Poll::Pending
-                }
-                done => Poll::Ready(done),
-            }
-        })
-        .await
     }
 
     /// Hands a record the core answered `Spill` to the spill queue's writer, without waiting;
@@ -358,17 +315,140 @@ fn finish<T>(pushed: Pushed<T>) -> Result<Emitted<T>, EmitError<T>> {
     }
 }
 
-/// Leaves the wait list when an emit stops waiting for any reason.
-struct WaitGuard<'a, T> {
-    shared: &'a ChannelShared<T>,
-    waiter: Waiter,
+/// The future of [`Channel::emit`] and [`Channel::emit_with_receipt`], written out rather than
+/// an `async fn`: its first poll takes the fast path (the record fits: one lock), and dropping
+/// the future of such an emit is one test, inline. An emit that must wait keeps its entry and
+/// its place in line; one that spills goes on to the (boxed) append. `RECEIPT` says whether the
+/// record carries a receipt, so that the plain emit's fast path has no test for one.
+///
+/// Against the `async fn` it replaces, on current_thread (cachegrind over `benches`' `fixed
+/// channel`): 241 -> 206 instructions per record at capacity 1,024, 245 -> 209 at 64, 2,691 ->
+/// 2,619 at 1.
+struct Emit<'a, T, const RECEIPT: bool> {
+    channel: &'a Channel<T>,
+    /// The record, until the first poll.
+    record: Option<T>,
+    /// Dropped by hand (`Drop` below), only when past the fast path: the drop of an emit that
+    /// queued its record at once is then a single test, inline.
+    slow: ManuallyDrop<Slow<'a, T>>,
 }
 
-impl<T> Drop for WaitGuard<'_, T> {
+/// Where an [`Emit`] past its first poll stands.
+enum Slow<'a, T> {
+    /// Not past its first poll, or done.
+    No,
+    /// Not polled yet: the receipt the record's entry carries.
+    Receipt(Arc<ReceiptState>),
+    /// Waiting for room: the entry and its place in line.
+    Waiting(Entry<T>, Waiter),
+    /// Writing to the spill queue.
+    Spilling(BoxFuture<'a, Result<(), EmitError<T>>>),
+}
+
+// No field is structurally pinned: the record moves, the spill is boxed.
+impl<T, const RECEIPT: bool> Unpin for Emit<'_, T, RECEIPT> {}
+
+impl<T: Send + 'static, const RECEIPT: bool> Future for Emit<'_, T, RECEIPT> {
+    type Output = Result<Emitted<T>, EmitError<T>>;
+
+    #[inline]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let shared = &this.channel.shared;
+        let pushed = if let Some(record) = this.record.take() {
+            let entry = Entry { record, receipt: this.take_receipt() };
+            if !shared.blocks() {
+                shared.push_now(entry)
+            } else {
+                match shared.try_queue(entry) {
+                    Ok(()) => return Poll::Ready(Ok(Emitted::Queued)),
+                    Err(entry) => match this.wait(entry, Waiter::default(), cx) {
+                        Some(pushed) => pushed,
+                        None => return Poll::Pending,
+                    },
+                }
+            }
+        } else {
+            match std::mem::replace(&mut *this.slow, Slow::No) {
+                Slow::Waiting(entry, waiter) => match this.wait(entry, waiter, cx) {
+                    Some(pushed) => pushed,
+                    None => return Poll::Pending,
+                },
+                Slow::Spilling(spill) => return this.spill(spill, cx),
+                Slow::No | Slow::Receipt(_) => panic!("emit polled after completion"),
+            }
+        };
+        match pushed {
+            Pushed::Spill(entry) => this.spill(Box::pin(this.channel.spill_waiting(entry)), cx),
+            pushed => Poll::Ready(finish(pushed)),
+        }
+    }
+}
+
+impl<'a, T: Send + 'static, const RECEIPT: bool> Emit<'a, T, RECEIPT> {
+    fn new(channel: &'a Channel<T>, record: T, receipt: Option<Arc<ReceiptState>>) -> Self {
+        let slow = receipt.map_or(Slow::No, Slow::Receipt);
+        Self { channel, record: Some(record), slow: ManuallyDrop::new(slow) }
+    }
+
+    /// The receipt of an emit with one (`RECEIPT`), on its first poll.
+    #[inline]
+    fn take_receipt(&mut self) -> Option<Arc<ReceiptState>> {
+        if !RECEIPT || !matches!(*self.slow, Slow::Receipt(_)) {
+            return None;
+        }
+        match std::mem::replace(&mut *self.slow, Slow::No) {
+            Slow::Receipt(receipt) => Some(receipt),
+            _ => unreachable!("matched above"),
+        }
+    }
+
+    /// Offers `entry` as a producer that waits for room; `None` while the channel is full (the
+    /// entry and its place in line are kept for the next poll).
+    fn wait(&mut self, entry: Entry<T>, mut waiter: Waiter, cx: &Context<'_>) -> Option<Pushed<T>> {
+        match self.channel.shared.push(entry, Some((&mut waiter, cx.waker()))) {
+            Pushed::Full(entry) => {
+                *self.slow = Slow::Waiting(entry, waiter);
+                None
+            }
+            pushed => Some(pushed),
+        }
+    }
+
+    /// Polls the append of a record that spilled.
+    fn spill(
+        &mut self,
+        mut spill: BoxFuture<'a, Result<(), EmitError<T>>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Emitted<T>, EmitError<T>>> {
+        let written = spill.as_mut().poll(cx);
+        if written.is_pending() {
+            *self.slow = Slow::Spilling(spill);
+        }
+        written.map(|written| written.map(|()| Emitted::Spilled))
+    }
+}
+
+impl<T, const RECEIPT: bool> Emit<'_, T, RECEIPT> {
+    /// Drops what the emit holds past its first poll; one dropped while in line leaves it,
+    /// passing on a slot it was handed.
+    #[cold]
+    #[inline(never)]
+    fn drop_slow(&mut self) {
+        let slow = std::mem::replace(&mut self.slow, ManuallyDrop::new(Slow::No));
+        if let Slow::Waiting(_, mut waiter) = ManuallyDrop::into_inner(slow)
+            && waiter.is_placed()
+        {
+            self.channel.shared.cancel_wait(&mut waiter);
+        }
+    }
+}
+
+impl<T, const RECEIPT: bool> Drop for Emit<'_, T, RECEIPT> {
+    #[inline]
     fn drop(&mut self) {
-        // Checked here, inline: an emit that queued its record leaves nothing to undo.
-        if self.waiter.is_placed() {
-            self.shared.cancel_wait(&mut self.waiter);
+        if !matches!(*self.slow, Slow::No) {
+            self.drop_slow();
         }
     }
 }
