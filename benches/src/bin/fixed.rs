@@ -21,9 +21,19 @@
 //! Arguments: the cell (`channel`, `tokio`, `kanal` or `lane`), the channel's capacity (or the lane's
 //! execution slots), and the rounds (10,000 records or 1,000 runs each). It prints the records
 //! or runs per second it measured, as context.
+//!
+//! Three more cells follow suites 4 and 5 on `current_thread` (their capacities are fixed; give
+//! any): `drop-oldest` (`try_emit` into a 64-record `DropOldest` channel, a consumer that works
+//! ~200 steps per record), `next-batch` (`emit` into 1,024 records, `next_batch` of 64 + `ack`;
+//! the linger is 10 s so that only the batch size and the close flush, as under cachegrind a
+//! shorter one would fire at times that vary) and `recv-many` (`recv_many` of 64).
 
 use std::time::Instant;
 
+use std::hint::black_box;
+use std::time::Duration;
+
+use lanes::channel::{Channel, ChannelConfig, ConsumerOptions, Overflow};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{RECORDS, channel_block, kanal_block, lane, lane_runs, tokio_block};
 
@@ -31,7 +41,8 @@ const RUNS: u64 = 1_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane) CAPACITY ROUNDS";
+    let usage =
+        "usage: fixed (channel|tokio|kanal|lane|drop-oldest|next-batch|recv-many) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -72,7 +83,85 @@ fn main() {
                 .expect("bench task")
             })
         }
+        "drop-oldest" | "next-batch" | "recv-many" => rt.block_on(async {
+            let start = Instant::now();
+            for _ in 0..rounds {
+                match cell.as_str() {
+                    "drop-oldest" => drop_oldest().await,
+                    "next-batch" => next_batch().await,
+                    _ => recv_many().await,
+                }
+            }
+            (rounds * RECORDS as u64, start.elapsed())
+        }),
         _ => panic!("{usage}"),
     };
     println!("{cell}: {:.2} M/s", items as f64 / elapsed.as_secs_f64() / 1e6);
+}
+
+/// Work a slow consumer does per record (suite 4's).
+fn consumer_work() {
+    let mut x = 0u64;
+    for i in 0..200u64 {
+        x = black_box(x.wrapping_mul(31).wrapping_add(i));
+    }
+    black_box(x);
+}
+
+/// Suite 4's drop-oldest cell: `RECORDS` emits without waiting into a slow consumer.
+async fn drop_oldest() {
+    let channel = Channel::new(ChannelConfig::new(64).overflow(Overflow::DropOldest)).unwrap();
+    let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+    let drain = tokio::spawn(async move {
+        while let Some(record) = consumer.recv().await {
+            black_box(record);
+            consumer_work();
+        }
+    });
+    for i in 0..RECORDS as u64 {
+        black_box(channel.try_emit(i).unwrap());
+    }
+    channel.close();
+    drain.await.unwrap();
+}
+
+/// Suite 5's `next_batch` + `ack` cell, flushed by size and close only.
+async fn next_batch() {
+    let channel = Channel::new(ChannelConfig::new(1024)).unwrap();
+    let options = ConsumerOptions::new().batch_max(64).batch_flush(Duration::from_secs(10));
+    let mut consumer = channel.consumer(options).unwrap();
+    tokio::spawn(async move {
+        for i in 0..RECORDS as u64 {
+            channel.emit(i).await.unwrap();
+        }
+    });
+    let mut n = 0;
+    while let Some(batch) = consumer.next_batch().await {
+        n += batch.len();
+        batch.ack().await.unwrap();
+    }
+    assert_eq!(n, RECORDS);
+}
+
+/// Suite 5's `recv_many` cell.
+async fn recv_many() {
+    let channel = Channel::new(ChannelConfig::new(1024)).unwrap();
+    let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+    tokio::spawn(async move {
+        for i in 0..RECORDS as u64 {
+            channel.emit(i).await.unwrap();
+        }
+    });
+    let mut buffer = Vec::with_capacity(64);
+    let mut n = 0;
+    loop {
+        let got = consumer.recv_many(&mut buffer, 64).await;
+        if got == 0 {
+            break;
+        }
+        n += got;
+        black_box(&buffer);
+        buffer.clear();
+    }
+    assert_eq!(n, RECORDS);
 }

@@ -211,7 +211,8 @@ impl<T> Core<T> {
     /// The fast path of [`offer`](Self::offer) for a producer holding no handed-off slot when
     /// no budget applies: queues `record` if the channel is open and has room, else hands it
     /// back untouched (nothing counted) for `offer` to decide.
-    #[inline]
+    // On every record's path (see `Emit::poll`).
+    #[inline(always)]
     pub(crate) fn try_queue(&mut self, record: T, now: impl FnOnce() -> Instant) -> Result<(), T> {
         if self.closed || !self.has_room() {
             return Err(record);
@@ -310,7 +311,8 @@ impl<T> Core<T> {
         if now >= deadline { Due::Now(len.min(max)) } else { Due::At(deadline) }
     }
 
-    #[inline]
+    // On every record's path (see `Emit::poll`).
+    #[inline(always)]
     fn enqueue(&mut self, record: T, now: impl FnOnce() -> Instant) {
         let seq = self.head_seq + self.buf.len() as u64;
         if self.buf.is_empty() {

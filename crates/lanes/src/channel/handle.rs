@@ -490,7 +490,8 @@ impl<T> ChannelShared<T> {
     /// The fast path of [`push`](Self::push) for a producer that is not waiting, on a channel
     /// without a shared budget: queues `entry` if the channel is open and has room (the record
     /// moved once, into the buffer); otherwise hands it back, nothing counted, for `push`.
-    #[inline]
+    // On every record's path (see `Emit::poll`).
+    #[inline(always)]
     pub(crate) fn try_queue(&self, entry: Entry<T>) -> Result<(), Entry<T>> {
         if self.budget.is_some() {
             return Err(entry);
