@@ -176,8 +176,12 @@ pub(crate) struct State<T> {
 }
 
 impl<T> State<T> {
+    #[inline]
     fn consumer_waker(&mut self) -> Option<Waker> {
-        if self.core.len() >= self.recv_want || self.core.is_closed() {
+        // Whether the consumer waits first: while it works through a burst it does not, and
+        // this is on every record's path.
+        if self.recv_waker.is_some() && (self.core.len() >= self.recv_want || self.core.is_closed())
+        {
             self.recv_waker.take()
         } else {
             None
