@@ -22,9 +22,11 @@
 //! execution slots), and the rounds (10,000 records or 1,000 runs each). It prints the records
 //! or runs per second it measured, as context.
 //!
-//! Three more cells follow suites 4 and 5 on `current_thread` (their capacities are fixed; give
+//! Four more cells follow suites 4 and 5 on `current_thread` (their capacities are fixed; give
 //! any): `drop-oldest` (`try_emit` into a 64-record `DropOldest` channel, a consumer that works
-//! ~200 steps per record), `next-batch` (`emit` into 1,024 records, `next_batch` of 64 + `ack`;
+//! ~200 steps per record), `spill` (the same into a `Spill` channel whose spill queue, under
+//! `SyncPolicy::Never`, lives in a fresh directory under the system's temporary one; cachegrind
+//! counts its writer thread too), `next-batch` (`emit` into 1,024 records, `next_batch` of 64 + `ack`;
 //! the linger is 10 s so that only the batch size and the close flush, as under cachegrind a
 //! shorter one would fire at times that vary) and `recv-many` (`recv_many` of 64).
 
@@ -33,7 +35,8 @@ use std::time::Instant;
 use std::hint::black_box;
 use std::time::Duration;
 
-use lanes::channel::{Channel, ChannelConfig, ConsumerOptions, Overflow};
+use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Overflow};
+use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{RECORDS, channel_block, kanal_block, lane, lane_runs, tokio_block};
 
@@ -41,8 +44,7 @@ const RUNS: u64 = 1_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage =
-        "usage: fixed (channel|tokio|kanal|lane|drop-oldest|next-batch|recv-many) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|drop-oldest|spill|next-batch|recv-many) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -83,11 +85,12 @@ fn main() {
                 .expect("bench task")
             })
         }
-        "drop-oldest" | "next-batch" | "recv-many" => rt.block_on(async {
+        "drop-oldest" | "spill" | "next-batch" | "recv-many" => rt.block_on(async {
             let start = Instant::now();
-            for _ in 0..rounds {
+            for round in 0..rounds {
                 match cell.as_str() {
                     "drop-oldest" => drop_oldest().await,
+                    "spill" => spill(round).await,
                     "next-batch" => next_batch().await,
                     _ => recv_many().await,
                 }
@@ -110,7 +113,22 @@ fn consumer_work() {
 
 /// Suite 4's drop-oldest cell: `RECORDS` emits without waiting into a slow consumer.
 async fn drop_oldest() {
-    let channel = Channel::new(ChannelConfig::new(64).overflow(Overflow::DropOldest)).unwrap();
+    overflow(Overflow::DropOldest).await;
+}
+
+/// Suite 4's spill cell, with a spill queue of its own (`round` names its directory).
+async fn spill(round: u64) {
+    let dir =
+        std::env::temp_dir().join(format!("lanes-fixed-spill-{}-{round}", std::process::id()));
+    let options = SpillOptions::default().sync(SyncPolicy::Never).max_bytes(1 << 34);
+    let (queue, _) = SpillQueue::open(&dir, options).await.expect("spill queue");
+    overflow(Overflow::spill(queue, BinaryCodec::new())).await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `RECORDS` emits without waiting into a 64-record channel under `policy`, with a slow consumer.
+async fn overflow(policy: Overflow<u64>) {
+    let channel = Channel::new(ChannelConfig::new(64).overflow(policy)).unwrap();
     let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
     let drain = tokio::spawn(async move {
         while let Some(record) = consumer.recv().await {
