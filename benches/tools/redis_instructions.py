@@ -8,6 +8,8 @@ the difference of the two totals over N is the cost of one cycle, server start-u
 Cycles measured:
 
   lanes        FCALL acquire (granted at once) + FCALL release of a fresh ticket
+  lanes-queued a limit of one: client A's acquire is granted, client B's queues, A's release
+               hands the permit to B (and publishes it), B releases: four calls
   sorted-set   the anchor of suite 10: its EVALSHA acquire script + a plain ZREM
   ping         a PING (the floor: reading, parsing and answering one command)
 
@@ -80,6 +82,23 @@ def lanes_cycles(conn, n):
         assert conn(*base, "release", *common, ticket) == b"1"
 
 
+def lanes_queued_cycles(conn, n):
+    library = open(LIBRARY).read().replace("__LANES_LIBRARY__", "lanes_icount")
+    conn("FUNCTION", "LOAD", "REPLACE", library)
+    base = ["FCALL", "lanes_icount", 1, "{icount:one}"]
+    conn(*base, "define", "lanes:{icount}:n:", 3000, 2000, 7, 1, 0, 1, "", 0, 0, "")
+    for i in range(n):
+        a, b = 7 * 2**32 + 2 * i + 1, 8 * 2**32 + 2 * i + 1
+        common_a = ["lanes:{icount}:n:", 3000, 2000, 7]
+        common_b = ["lanes:{icount}:n:", 3000, 2000, 8]
+        granted = conn(*base, "acquire", *common_a, a, 0, "k", 1, 1000, "new")
+        assert granted[0] == b"0000000000000001", granted
+        queued = conn(*base, "acquire", *common_b, b, 0, "k", 1, 1000, "new")
+        assert queued[0] == b"0000000000000000", queued
+        assert conn(*base, "release", *common_a, a) == b"1"
+        assert conn(*base, "release", *common_b, b) == b"1"
+
+
 def sorted_set_cycles(conn, n):
     sha = conn("SCRIPT", "LOAD", SORTED_SET_ACQUIRE)
     for i in range(n):
@@ -127,10 +146,13 @@ def instructions(cycles, n):
 
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    for name, cycles in [("lanes", lanes_cycles), ("sorted-set", sorted_set_cycles),
-                         ("ping", ping_cycles)]:
+    only = os.environ.get("ONLY")
+    for name, cycles in [("lanes", lanes_cycles), ("lanes-queued", lanes_queued_cycles),
+                         ("sorted-set", sorted_set_cycles), ("ping", ping_cycles)]:
+        if only and name != only:
+            continue
         per_cycle = (instructions(cycles, 2 * n) - instructions(cycles, n)) / n
-        print(f"{name:<11} {per_cycle:>9,.0f} instructions per cycle")
+        print(f"{name:<12} {per_cycle:>9,.0f} instructions per cycle")
 
 
 if __name__ == "__main__":

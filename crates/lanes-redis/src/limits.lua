@@ -168,7 +168,7 @@ end
 -- The wait queue -------------------------------------------------------------------------
 
 local function top_level()
-  local top = redis.call('ZREVRANGE', LV, 0, 0)
+  local top = redis.call('ZREVRANGE', LV, '0', '0')
   return top[1]
 end
 
@@ -184,10 +184,10 @@ local function next_key(level)
   if tpos then
     local key = key_at(level, tpos)
     if key and num(w, '~tused') < num(w, key) then return key end
-    local after = redis.call('ZRANGEBYSCORE', ring(level), '(' .. tpos, '+inf', 'LIMIT', 0, 1)
+    local after = redis.call('ZRANGEBYSCORE', ring(level), '(' .. tpos, '+inf', 'LIMIT', '0', '1')
     if after[1] then return after[1] end
   end
-  return redis.call('ZRANGE', ring(level), 0, 0)[1]
+  return redis.call('ZRANGE', ring(level), '0', '0')[1]
 end
 
 -- The ticket served next, its level and key: looked up once per call until the queue
@@ -199,7 +199,7 @@ local function peek()
     local level = top_level()
     local key = level and next_key(level)
     if key then
-      peeked = { redis.call('ZRANGE', queue(level, key), 0, 0)[1], level, key }
+      peeked = { redis.call('ZRANGE', queue(level, key), '0', '0')[1], level, key }
     end
   end
   return peeked[1], peeked[2], peeked[3]
@@ -208,19 +208,20 @@ end
 local function push(ticket, level, keytok, weight)
   peeked = nil
   if redis.call('HEXISTS', I, ticket) == 1 then return false end
-  local seq = redis.call('HINCRBY', M, 'seq', '1')
+  local seq = dec(redis.call('HINCRBY', M, 'seq', '1'))
   local w = weights(level)
+  local r = ring(level)
   redis.call('ZADD', LV, level, level)
-  if redis.call('ZSCORE', ring(level), keytok) then
+  if redis.call('ZSCORE', r, keytok) then
     redis.call('HSET', w, keytok, weight)
   else
-    local pos = redis.call('HINCRBY', w, '~npos', '1') - 1
-    redis.call('ZADD', ring(level), pos, keytok)
+    local pos = dec(redis.call('HINCRBY', w, '~npos', '1') - 1)
+    redis.call('ZADD', r, pos, keytok)
     redis.call('HSET', w, keytok, weight)
   end
   redis.call('ZADD', queue(level, keytok), seq, ticket)
   redis.call('HSET', I, ticket, level .. '|' .. keytok .. '|' .. seq)
-  redis.call('HSET', L, ticket, int(lease_us))
+  redis.call('HSET', L, ticket, dec(lease_us))
   -- Its client is alive: it queued a ticket now (and touches the limit while it waits).
   redis.call('HSET', C, caller, dec(now))
   return true
@@ -247,9 +248,9 @@ local function unlink(ticket, level, keytok)
     redis.call('ZREM', r, keytok)
     redis.call('HDEL', w, keytok)
     if redis.call('HGET', w, '~tpos') == pos then
-      local after = redis.call('ZRANGEBYSCORE', r, '(' .. pos, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+      local after = redis.call('ZRANGEBYSCORE', r, '(' .. pos, '+inf', 'WITHSCORES', 'LIMIT', '0', '1')
       if after[1] then
-        redis.call('HSET', w, '~tpos', after[2], '~tused', 0)
+        redis.call('HSET', w, '~tpos', after[2], '~tused', '0')
       else
         redis.call('HDEL', w, '~tpos', '~tused')
       end
@@ -271,9 +272,9 @@ local function pop(ticket, level, keytok)
   local tpos = redis.call('HGET', w, '~tpos')
   local tused = num(w, '~tused')
   if tpos == pos and tused < weight then
-    redis.call('HSET', w, '~tused', tused + 1)
+    redis.call('HSET', w, '~tused', dec(tused + 1))
   else
-    redis.call('HSET', w, '~tpos', pos, '~tused', 1)
+    redis.call('HSET', w, '~tpos', pos, '~tused', '1')
   end
   unlink(ticket, level, keytok)
 end
@@ -325,7 +326,7 @@ end
 -- Milliseconds until the earliest lease ends (-1 if none): a queued client wakes then, so a
 -- crashed holder's permit is handed on as soon as it lapses.
 local function expiry_hint(now)
-  local first = redis.call('ZRANGE', E, 0, 0, 'WITHSCORES')
+  local first = redis.call('ZRANGE', E, '0', '0', 'WITHSCORES')
   if not first[2] then return -1 end
   local ms = math.ceil((tonumber(first[2]) - now) / 1000)
   if ms < 0 then ms = 0 end
