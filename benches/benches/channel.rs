@@ -11,7 +11,10 @@ use std::time::{Duration, Instant};
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Emitted, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes_benches::scenarios::{Big, RECORDS, Record, channel_block, kanal_block, tokio_block};
+use lanes_benches::scenarios::{
+    BATCH, Big, RECORDS, Record, channel_block, kanal_block, next_batch_block, recv_many_block,
+    tokio_block, tokio_recv_many_block,
+};
 use lanes_benches::{Flavor, config, quick, write_result};
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -233,7 +236,6 @@ fn overflow(c: &mut Criterion) {
     write_result("channel_overflow_reconcile", &serde_json::Value::Object(reconcile));
 }
 
-const BATCH: usize = 64;
 const LINGER: Duration = Duration::from_millis(10);
 
 /// Suite 5, throughput: a producer at full speed, a consumer taking batches of 64.
@@ -242,74 +244,13 @@ fn batching(c: &mut Criterion) {
     group.throughput(Throughput::Elements(RECORDS as u64));
     let rt = Flavor::MultiThread.runtime();
     group.bench_function("lanes_next_batch", |b| {
-        b.iter(|| {
-            rt.block_on(async {
-                let channel = Channel::new(ChannelConfig::new(1024)).unwrap();
-                let mut consumer = channel
-                    .consumer(ConsumerOptions::new().batch_max(BATCH).batch_flush(LINGER))
-                    .unwrap();
-                tokio::spawn(async move {
-                    for i in 0..RECORDS as u64 {
-                        channel.emit(i).await.unwrap();
-                    }
-                });
-                let mut n = 0;
-                while let Some(batch) = consumer.next_batch().await {
-                    n += batch.len();
-                    batch.ack().await.unwrap();
-                }
-                assert_eq!(n, RECORDS);
-            })
-        })
+        b.iter(|| rt.block_on(next_batch_block(LINGER)));
     });
     group.bench_function("lanes_recv_many", |b| {
-        b.iter(|| {
-            rt.block_on(async {
-                let channel = Channel::new(ChannelConfig::new(1024)).unwrap();
-                let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
-                tokio::spawn(async move {
-                    for i in 0..RECORDS as u64 {
-                        channel.emit(i).await.unwrap();
-                    }
-                });
-                let mut buffer = Vec::with_capacity(BATCH);
-                let mut n = 0;
-                loop {
-                    let got = consumer.recv_many(&mut buffer, BATCH).await;
-                    if got == 0 {
-                        break;
-                    }
-                    n += got;
-                    black_box(&buffer);
-                    buffer.clear();
-                }
-                assert_eq!(n, RECORDS);
-            })
-        })
+        b.iter(|| rt.block_on(recv_many_block()));
     });
     group.bench_function("tokio_recv_many", |b| {
-        b.iter(|| {
-            rt.block_on(async {
-                let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
-                tokio::spawn(async move {
-                    for i in 0..RECORDS as u64 {
-                        tx.send(i).await.unwrap();
-                    }
-                });
-                let mut buffer = Vec::with_capacity(BATCH);
-                let mut n = 0;
-                loop {
-                    let got = rx.recv_many(&mut buffer, BATCH).await;
-                    if got == 0 {
-                        break;
-                    }
-                    n += got;
-                    black_box(&buffer);
-                    buffer.clear();
-                }
-                assert_eq!(n, RECORDS);
-            })
-        })
+        b.iter(|| rt.block_on(tokio_recv_many_block()));
     });
     group.bench_function("tokio_stream_chunks_timeout", |b| {
         b.iter(|| {

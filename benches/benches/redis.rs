@@ -18,17 +18,8 @@ use lanes_redis::RedisLimits;
 use serde_json::json;
 
 /// The sorted-set semaphore: members are holders, scored by acquisition time; stale ones are
-/// swept on every acquire.
-const SORTED_SET_ACQUIRE: &str = r"
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - tonumber(ARGV[3]))
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
-  redis.call('ZADD', KEYS[1], now_ms, ARGV[2])
-  return 1
-end
-return 0
-";
+/// swept on every acquire (also counted by `benches/tools/redis_instructions.py`).
+const SORTED_SET_ACQUIRE: &str = include_str!("sorted_set_acquire.lua");
 
 fn url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())

@@ -169,3 +169,64 @@ pub async fn kanal_block<R: Record>(capacity: usize, producers: usize) {
     }
     assert_eq!(n, RECORDS);
 }
+
+/// Suite 5's batch size.
+pub const BATCH: usize = 64;
+
+/// Suite 5's `next_batch` cell: a producer at full speed into 1,024 records, a consumer
+/// taking batches of up to [`BATCH`] that linger at most `linger`, each acked.
+pub async fn next_batch_block(linger: Duration) {
+    let channel = Channel::new(ChannelConfig::new(1024)).unwrap();
+    let mut consumer =
+        channel.consumer(ConsumerOptions::new().batch_max(BATCH).batch_flush(linger)).unwrap();
+    tokio::spawn(async move {
+        for i in 0..RECORDS as u64 {
+            channel.emit(i).await.unwrap();
+        }
+    });
+    let mut n = 0;
+    while let Some(batch) = consumer.next_batch().await {
+        n += batch.len();
+        batch.ack().await.unwrap();
+    }
+    assert_eq!(n, RECORDS);
+}
+
+/// Suite 5's `recv_many` cell: the same producer, a consumer reading up to [`BATCH`] at a time.
+pub async fn recv_many_block() {
+    let channel = Channel::new(ChannelConfig::new(1024)).unwrap();
+    let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+    tokio::spawn(async move {
+        for i in 0..RECORDS as u64 {
+            channel.emit(i).await.unwrap();
+        }
+    });
+    read_batches(async |buffer| consumer.recv_many(buffer, BATCH).await).await;
+}
+
+/// [`recv_many_block`] through a tokio mpsc channel: the anchor's side of the same cell.
+pub async fn tokio_recv_many_block() {
+    let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+    tokio::spawn(async move {
+        for i in 0..RECORDS as u64 {
+            tx.send(i).await.unwrap();
+        }
+    });
+    read_batches(async |buffer| rx.recv_many(buffer, BATCH).await).await;
+}
+
+/// Reads batches with `recv_many` until it returns 0; checks that every record came.
+async fn read_batches(mut recv_many: impl AsyncFnMut(&mut Vec<u64>) -> usize) {
+    let mut buffer = Vec::with_capacity(BATCH);
+    let mut n = 0;
+    loop {
+        let got = recv_many(&mut buffer).await;
+        if got == 0 {
+            break;
+        }
+        n += got;
+        black_box(&buffer);
+        buffer.clear();
+    }
+    assert_eq!(n, RECORDS);
+}

@@ -27,16 +27,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIBRARY = os.path.join(ROOT, "crates", "lanes-redis", "src", "limits.lua")
 PORT = 6397
-SORTED_SET_ACQUIRE = """
-local now = redis.call('TIME')
-local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms - tonumber(ARGV[3]))
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
-  redis.call('ZADD', KEYS[1], now_ms, ARGV[2])
-  return 1
-end
-return 0
-"""
+# Suite 10's anchor, the same script its Rust side loads.
+SORTED_SET_ACQUIRE = open(os.path.join(ROOT, "benches", "benches", "sorted_set_acquire.lua")).read()
 
 
 class Conn:

@@ -38,7 +38,10 @@ use std::time::Duration;
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
 use lanes_benches::Flavor;
-use lanes_benches::scenarios::{RECORDS, channel_block, kanal_block, lane, lane_runs, tokio_block};
+use lanes_benches::scenarios::{
+    RECORDS, channel_block, kanal_block, lane, lane_runs, next_batch_block, recv_many_block,
+    tokio_block,
+};
 
 const RUNS: u64 = 1_000;
 
@@ -91,8 +94,9 @@ fn main() {
                 match cell.as_str() {
                     "drop-oldest" => drop_oldest().await,
                     "spill" => spill(round).await,
-                    "next-batch" => next_batch().await,
-                    _ => recv_many().await,
+                    // A 10 s linger: under cachegrind a shorter one fires at times that vary.
+                    "next-batch" => next_batch_block(Duration::from_secs(10)).await,
+                    _ => recv_many_block().await,
                 }
             }
             (rounds * RECORDS as u64, start.elapsed())
@@ -141,45 +145,4 @@ async fn overflow(policy: Overflow<u64>) {
     }
     channel.close();
     drain.await.unwrap();
-}
-
-/// Suite 5's `next_batch` + `ack` cell, flushed by size and close only.
-async fn next_batch() {
-    let channel = Channel::new(ChannelConfig::new(1024)).unwrap();
-    let options = ConsumerOptions::new().batch_max(64).batch_flush(Duration::from_secs(10));
-    let mut consumer = channel.consumer(options).unwrap();
-    tokio::spawn(async move {
-        for i in 0..RECORDS as u64 {
-            channel.emit(i).await.unwrap();
-        }
-    });
-    let mut n = 0;
-    while let Some(batch) = consumer.next_batch().await {
-        n += batch.len();
-        batch.ack().await.unwrap();
-    }
-    assert_eq!(n, RECORDS);
-}
-
-/// Suite 5's `recv_many` cell.
-async fn recv_many() {
-    let channel = Channel::new(ChannelConfig::new(1024)).unwrap();
-    let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
-    tokio::spawn(async move {
-        for i in 0..RECORDS as u64 {
-            channel.emit(i).await.unwrap();
-        }
-    });
-    let mut buffer = Vec::with_capacity(64);
-    let mut n = 0;
-    loop {
-        let got = consumer.recv_many(&mut buffer, 64).await;
-        if got == 0 {
-            break;
-        }
-        n += got;
-        black_box(&buffer);
-        buffer.clear();
-    }
-    assert_eq!(n, RECORDS);
 }
