@@ -8,8 +8,9 @@ the difference of the two totals over N is the cost of one cycle, server start-u
 Cycles measured:
 
   lanes        FCALL acquire (granted at once) + FCALL release of a fresh ticket
-  lanes-queued a limit of one: client A's acquire is granted, client B's queues, A's release
-               hands the permit to B (and publishes it), B releases: four calls
+  lanes-queued suite 10's contended pattern on a limit of one with four clients: the holder
+               releases, which hands the permit to the first of three waiters (and
+               publishes it), then asks again and queues at the back: two calls
   sorted-set   the anchor of suite 10: its EVALSHA acquire script + a plain ZREM
   ping         a PING (the floor: reading, parsing and answering one command)
 
@@ -79,16 +80,29 @@ def lanes_queued_cycles(conn, n):
     conn("FUNCTION", "LOAD", "REPLACE", library)
     base = ["FCALL", "lanes_icount", 1, "{icount:one}"]
     conn(*base, "define", "lanes:{icount}:n:", 3000, 2000, 7, 1, 0, 1, "", 0, 0, "")
-    for i in range(n):
-        a, b = 7 * 2**32 + 2 * i + 1, 8 * 2**32 + 2 * i + 1
-        common_a = ["lanes:{icount}:n:", 3000, 2000, 7]
-        common_b = ["lanes:{icount}:n:", 3000, 2000, 8]
-        granted = conn(*base, "acquire", *common_a, a, 0, "k", 1, 1000, "new")
-        assert granted[0] == b"0000000000000001", granted
-        queued = conn(*base, "acquire", *common_b, b, 0, "k", 1, 1000, "new")
-        assert queued[0] == b"0000000000000000", queued
-        assert conn(*base, "release", *common_a, a) == b"1"
-        assert conn(*base, "release", *common_b, b) == b"1"
+    clients = [7, 8, 9, 10]
+    tickets = {c: 0 for c in clients}
+
+    def ask(client):
+        tickets[client] += 1
+        ticket = client * 2**32 + tickets[client]
+        common = ["lanes:{icount}:n:", 3000, 2000, client]
+        return ticket, conn(*base, "acquire", *common, ticket, 0, "k", 1, 1000, "new")
+
+    # The first client holds the permit; the others wait in line.
+    line = []
+    for client in clients:
+        ticket, answer = ask(client)
+        line.append((client, ticket))
+    holder = line.pop(0)
+    for _ in range(n):
+        client, ticket = holder
+        common = ["lanes:{icount}:n:", 3000, 2000, client]
+        assert conn(*base, "release", *common, ticket) == b"1"
+        holder = line.pop(0)  # granted on its behalf (pushed to its client)
+        again, answer = ask(client)
+        assert answer[0] == b"0000000000000000", answer
+        line.append((client, again))
 
 
 def sorted_set_cycles(conn, n):

@@ -64,7 +64,16 @@ local function num(key, field)
   return tonumber(redis.call('HGET', key, field) or '0')
 end
 
--- The limit's settings, read once per call.
+-- A setting as a number. Most are '0' or '1', which need no parser: inside Redis `tonumber`
+-- costs about as much as a command.
+local function setting(text, default)
+  if not text then return default end
+  if text == '0' then return 0 end
+  if text == '1' then return 1 end
+  return tonumber(text)
+end
+
+-- The limit's settings as numbers, read once per call.
 local meta
 local function load_meta()
   local v = redis.call('HMGET', M, 'concurrent', 'interval', 'burst', 'tat', 'maxuse', 'hold',
@@ -72,12 +81,12 @@ local function load_meta()
   if not v[1] then return false end
   meta = {
     concurrent = tonumber(v[1]),
-    interval = tonumber(v[2]) or 0,
-    burst = tonumber(v[3]) or 1,
-    tat = tonumber(v[4]) or 0,
-    maxuse = tonumber(v[5]) or 0,
-    hold = tonumber(v[6]) or 0,
-    movehold = tonumber(v[7]) or 0,
+    interval = setting(v[2], 0),
+    burst = setting(v[3], 1),
+    tat = setting(v[4], 0),
+    maxuse = setting(v[5], 0),
+    hold = setting(v[6], 0),
+    movehold = setting(v[7], 0),
     node = v[8],
     mode = v[9],
   }
@@ -518,7 +527,7 @@ local function quick_acquire()
   local at = tonumber(t[1]) * 1000000 + tonumber(t[2])
   if v[3] and v[3] ~= '0' and tonumber(v[3]) > at then return nil end
   -- What `grant` reads, for a limit without a rate.
-  meta = { interval = 0, maxuse = tonumber(v[6]) or 0 }
+  meta = { interval = 0, maxuse = setting(v[6], 0) }
   lease_us = tonumber(ARGV[3]) * 1000
   local fence, expires = grant(ticket, at, nil, used)
   return { GRANTED, fence, expires }
