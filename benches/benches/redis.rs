@@ -4,6 +4,9 @@
 //! run, uncontended and contended; and the time a vanished holder's permit takes to reach a
 //! waiter. Everything is written to `target/lanes-bench/redis.json` for the report.
 //!
+//! `LANES_REDIS_ONLY=throughput` runs the two throughput rows alone, `handoff` times the
+//! contended scenario's hand-offs (release to next grant), `leased` leased against exact.
+//!
 //! Needs Redis at `REDIS_URL` (default `redis://127.0.0.1:6379`); keys live under a namespace
 //! of their own and are deleted afterwards.
 #![allow(missing_docs)]
@@ -207,6 +210,37 @@ async fn lanes_latency(ns: &str, clients: usize) -> serde_json::Value {
     json!({ "clients": clients, "acquire": summary(acquires), "release": summary(releases), "cycles_per_s": per_second })
 }
 
+/// Grants and releases of a throughput run, timed: how long a permit takes to go from one
+/// holder to the next (`LANES_REDIS_ONLY=handoff`).
+#[derive(Default)]
+struct Handoffs(std::sync::Mutex<Vec<(Instant, bool)>>);
+
+impl Handoffs {
+    /// A holder was granted (`true`) or is about to release (`false`).
+    fn note(handoffs: Option<&Self>, granted: bool) {
+        if let Some(handoffs) = handoffs {
+            handoffs.0.lock().unwrap().push((Instant::now(), granted));
+        }
+    }
+
+    /// The time from a release to the grant after it (each grant paired with the latest
+    /// release not yet paired before it), in ms: p50 and p90.
+    fn gaps(&self) -> (f64, f64) {
+        let mut events = self.0.lock().unwrap().clone();
+        events.sort_by_key(|&(at, _)| at);
+        let (mut released, mut gaps) = (Vec::new(), Vec::new());
+        for (at, granted) in events {
+            if !granted {
+                released.push(at);
+            } else if let Some(release) = released.pop() {
+                gaps.push((at - release).as_secs_f64() * 1e3);
+            }
+        }
+        gaps.sort_by(f64::total_cmp);
+        (percentile(&gaps, 0.5), percentile(&gaps, 0.9))
+    }
+}
+
 /// The anchor: `clients` connections running the sorted-set script, polling every `poll`
 /// while the set is full, for `window()`; holds each permit for `hold`. With `shared`, the
 /// clients are tasks of one process sharing one multiplexed connection.
@@ -216,6 +250,7 @@ async fn sorted_set_throughput(
     limit: u32,
     hold: Duration,
     shared: bool,
+    handoffs: Option<Arc<Handoffs>>,
 ) -> f64 {
     let key = format!("{{{ns}}}:sorted-set-{clients}-{limit}");
     let script = redis::Script::new(SORTED_SET_ACQUIRE);
@@ -225,6 +260,7 @@ async fn sorted_set_throughput(
     let one = connection().await;
     for c in 0..clients {
         let (key, script, stop, done) = (key.clone(), script.clone(), stop.clone(), done.clone());
+        let handoffs = handoffs.clone();
         let mut conn = if shared { one.clone() } else { connection().await };
         tasks.push(tokio::spawn(async move {
             let mut n = 0u64;
@@ -245,9 +281,11 @@ async fn sorted_set_throughput(
                     }
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
+                Handoffs::note(handoffs.as_deref(), true);
                 if !hold.is_zero() {
                     tokio::time::sleep(hold).await;
                 }
+                Handoffs::note(handoffs.as_deref(), false);
                 let _: i64 =
                     redis::cmd("ZREM").arg(&key).arg(&id).query_async(&mut conn).await.unwrap();
                 done.fetch_add(1, Ordering::Relaxed);
@@ -290,6 +328,7 @@ async fn lanes_throughput(
     limit: u32,
     hold: Duration,
     shared: bool,
+    handoffs: Option<Arc<Handoffs>>,
 ) -> f64 {
     let name = format!("throughput-{clients}-{limit}");
     let setup =
@@ -305,15 +344,18 @@ async fn lanes_throughput(
             Limits::with_backend(RedisLimits::builder(url()).namespace(ns).build().await.unwrap())
         };
         let (name, stop, done) = (name.clone(), stop.clone(), done.clone());
+        let handoffs = handoffs.clone();
         tasks.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 let acquired = limits
                     .acquire_timeout(&name, Priority::default(), Duration::from_secs(2))
                     .await;
                 if let Ok(permit) = acquired {
+                    Handoffs::note(handoffs.as_deref(), true);
                     if !hold.is_zero() {
                         tokio::time::sleep(hold).await;
                     }
+                    Handoffs::note(handoffs.as_deref(), false);
                     drop(permit);
                     done.fetch_add(1, Ordering::Relaxed);
                 }
@@ -450,11 +492,24 @@ fn main() {
                 ("uncontended", 8usize, 100_000u32, Duration::ZERO),
                 ("contended", 16, 4, Duration::from_millis(2)),
             ] {
-                let lanes = lanes_throughput(&ns, clients, limit, hold, false).await;
-                let anchor = sorted_set_throughput(&ns, clients, limit, hold, false).await;
+                let lanes = lanes_throughput(&ns, clients, limit, hold, false, None).await;
+                let anchor = sorted_set_throughput(&ns, clients, limit, hold, false, None).await;
                 let ceiling = in_process_ceiling(clients, limit, hold).await;
                 println!("redis/throughput/{label}: lanes {lanes:.0}/s, sorted set {anchor:.0}/s, {:.2}x; in-process ceiling {ceiling:.0}/s", lanes / anchor);
             }
+            cleanup(&ns).await;
+            return;
+        }
+        // LANES_REDIS_ONLY=handoff times the contended scenario's hand-offs, ours and the
+        // anchor's: from one holder's release to the next grant.
+        if std::env::var("LANES_REDIS_ONLY").as_deref() == Ok("handoff") {
+            let hold = Duration::from_millis(2);
+            let ours = Arc::new(Handoffs::default());
+            let lanes = lanes_throughput(&ns, 16, 4, hold, false, Some(ours.clone())).await;
+            let theirs = Arc::new(Handoffs::default());
+            let anchor = sorted_set_throughput(&ns, 16, 4, hold, false, Some(theirs.clone())).await;
+            let ((p50, p90), (a50, a90)) = (ours.gaps(), theirs.gaps());
+            println!("redis/handoff: lanes {lanes:.0}/s, release -> next grant p50 {p50:.2} ms, p90 {p90:.2} ms; sorted set {anchor:.0}/s, p50 {a50:.2} ms, p90 {a90:.2} ms");
             cleanup(&ns).await;
             return;
         }
@@ -473,8 +528,8 @@ fn main() {
             ("uncontended, one process", 8, 100_000, Duration::ZERO, true),
             ("contended, one process", 16, 4, Duration::from_millis(2), true),
         ] {
-            let lanes = lanes_throughput(&ns, clients, limit, hold, shared).await;
-            let anchor = sorted_set_throughput(&ns, clients, limit, hold, shared).await;
+            let lanes = lanes_throughput(&ns, clients, limit, hold, shared, None).await;
+            let anchor = sorted_set_throughput(&ns, clients, limit, hold, shared, None).await;
             let ceiling = in_process_ceiling(clients, limit, hold).await;
             let row = json!({ "scenario": label, "clients": clients, "limit": limit, "hold_ms": hold.as_millis() as u64, "shared": shared, "lanes_per_s": lanes, "sorted_set_per_s": anchor, "ceiling_per_s": ceiling });
             println!("redis/throughput/{label}: {row}");
