@@ -228,6 +228,14 @@ impl ChannelMetrics {
     }
 }
 
+/// A record [`ChannelShared::try_queue`] could not queue at once, for the slow path.
+pub(crate) enum Refused<'a, T> {
+    /// The channel has a shared budget: nothing was tried.
+    Unlocked(Entry<T>),
+    /// Closed or full, found under this lock (a `Block` channel's first poll goes on under it).
+    Locked(Entry<T>, MutexGuard<'a, State<T>>),
+}
+
 /// What [`ChannelShared::push`] did with a record.
 pub(crate) enum Pushed<T> {
     Queued,
@@ -340,18 +348,33 @@ impl<T> ChannelShared<T> {
                 self.queued(st);
                 Pushed::Queued
             }
-            Err(entry) if st.core.is_closed() => Pushed::Closed(entry),
-            Err(entry) => {
-                if !waiter.counted {
-                    waiter.counted = true;
-                    st.core.blocked();
-                    self.metrics.blocked_waits.increment(1);
-                }
-                waiter.key = Some(st.senders.push(waker));
-                waiter.on = WaitOn::Channel;
-                Pushed::Full(entry)
-            }
+            Err(entry) => self.block(st, entry, waiter, waker),
         }
+    }
+
+    /// A producer that waits for room on a `Block` channel without a shared budget, whose
+    /// record the core just refused under `st` (the lock its caller holds): `Closed`, or it
+    /// joins the line of blocked producers. The first poll of an emit that finds the channel
+    /// full comes here from [`try_queue`](Self::try_queue) with the lock it already took, so
+    /// that a producer blocking on every record locks twice per record, not three times.
+    pub(crate) fn block(
+        &self,
+        mut st: MutexGuard<'_, State<T>>,
+        entry: Entry<T>,
+        waiter: &mut Waiter,
+        waker: &Waker,
+    ) -> Pushed<T> {
+        if st.core.is_closed() {
+            return Pushed::Closed(entry);
+        }
+        if !waiter.counted {
+            waiter.counted = true;
+            st.core.blocked();
+            self.metrics.blocked_waits.increment(1);
+        }
+        waiter.key = Some(st.senders.push(waker));
+        waiter.on = WaitOn::Channel;
+        Pushed::Full(entry)
     }
 
     /// [`push`](Self::push) for a producer that does not wait: the fast path of
@@ -493,17 +516,22 @@ impl<T> ChannelShared<T> {
 
     /// The fast path of [`push`](Self::push) for a producer that is not waiting, on a channel
     /// without a shared budget: queues `entry` if the channel is open and has room (the record
-    /// moved once, into the buffer); otherwise hands it back, nothing counted, for `push`.
+    /// moved once, into the buffer); otherwise hands it back, nothing counted, with the lock
+    /// if it took it (for [`block`](Self::block)), else for `push`.
     // On every record's path (see `Emit::poll`).
     #[inline(always)]
-    pub(crate) fn try_queue(&self, entry: Entry<T>) -> Result<(), Entry<T>> {
+    pub(crate) fn try_queue(&self, entry: Entry<T>) -> Result<(), Refused<'_, T>> {
         if self.budget.is_some() {
-            return Err(entry);
+            return Err(Refused::Unlocked(entry));
         }
         let mut st = lock(&self.state);
-        st.core.try_queue(entry, Instant::now)?;
-        self.queued(st);
-        Ok(())
+        match st.core.try_queue(entry, Instant::now) {
+            Ok(()) => {
+                self.queued(st);
+                Ok(())
+            }
+            Err(entry) => Err(Refused::Locked(entry, st)),
+        }
     }
 
     /// A record went in: out of the lock, wakes the consumer if it waits for it, and counts

@@ -11,7 +11,7 @@ use std::task::{Context, Poll};
 use super::config::{ChannelConfig, ConsumerOptions, Emitted, Overflow};
 use super::consumer::Consumer;
 use super::error::{ChannelError, EmitError};
-use super::handle::{ChannelShared, Entry, Pushed, Waiter};
+use super::handle::{ChannelShared, Entry, Pushed, Refused, Waiter};
 use super::receipt::{Receipt, ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
 use crate::BoxFuture;
@@ -365,10 +365,24 @@ impl<T: Send + 'static, const RECEIPT: bool> Future for Emit<'_, T, RECEIPT> {
             } else {
                 match shared.try_queue(entry) {
                     Ok(()) => return Poll::Ready(Ok(Emitted::Queued)),
-                    Err(entry) => match this.wait(entry, Waiter::default(), cx) {
-                        Some(pushed) => pushed,
-                        None => return Poll::Pending,
-                    },
+                    Err(Refused::Locked(entry, st)) => {
+                        let mut waiter = Waiter::default();
+                        match shared.block(st, entry, &mut waiter, cx.waker()) {
+                            Pushed::Full(entry) => {
+                                // `slow` is `No` here: assigned as a `ManuallyDrop`, nothing
+                                // is dropped first.
+                                this.slow = ManuallyDrop::new(Slow::Waiting(entry, waiter));
+                                return Poll::Pending;
+                            }
+                            pushed => pushed,
+                        }
+                    }
+                    Err(Refused::Unlocked(entry)) => {
+                        match this.wait(entry, Waiter::default(), cx) {
+                            Some(pushed) => pushed,
+                            None => return Poll::Pending,
+                        }
+                    }
                 }
             }
         } else {
@@ -382,6 +396,8 @@ impl<T: Send + 'static, const RECEIPT: bool> Future for Emit<'_, T, RECEIPT> {
             }
         };
         match pushed {
+            // A blocked producer's record, queued with the slot it was handed.
+            Pushed::Queued => Poll::Ready(Ok(Emitted::Queued)),
             Pushed::Spill(entry) => this.spill(Box::pin(this.channel.spill_waiting(entry)), cx),
             pushed => Poll::Ready(finish(pushed)),
         }
@@ -411,7 +427,8 @@ impl<'a, T: Send + 'static, const RECEIPT: bool> Emit<'a, T, RECEIPT> {
     fn wait(&mut self, entry: Entry<T>, mut waiter: Waiter, cx: &Context<'_>) -> Option<Pushed<T>> {
         match self.channel.shared.push(entry, Some((&mut waiter, cx.waker()))) {
             Pushed::Full(entry) => {
-                *self.slow = Slow::Waiting(entry, waiter);
+                // `slow` is `No` (the poll took it): nothing to drop first.
+                self.slow = ManuallyDrop::new(Slow::Waiting(entry, waiter));
                 None
             }
             pushed => Some(pushed),
