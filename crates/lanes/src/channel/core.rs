@@ -127,7 +127,12 @@ pub(crate) struct Core<T> {
     overflow: OverflowKind,
     /// Records ever removed from the front (taken or dropped as oldest).
     head_seq: u64,
-    /// `(sequence, enqueue time)` samples; the first is at or before the head.
+    /// The enqueue time of the last sample at or before the head (the oldest record's time,
+    /// within `STAMP_EVERY` records), while anything is queued.
+    first_stamp: Option<Instant>,
+    /// The later `(sequence, enqueue time)` samples, after the head, in order. Kept apart from
+    /// the first so that a record that finds the channel empty (every record, at capacity 1)
+    /// writes one field rather than clearing and pushing a queue.
     stamps: VecDeque<(u64, Instant)>,
     closed: bool,
     /// Slots handed to woken producers, not yet used.
@@ -142,6 +147,7 @@ impl<T> Core<T> {
             capacity,
             overflow,
             head_seq: 0,
+            first_stamp: None,
             stamps: VecDeque::new(),
             closed: false,
             reserved: 0,
@@ -290,7 +296,7 @@ impl<T> Core<T> {
         if self.buf.is_empty() {
             return None;
         }
-        self.stamps.front().map(|&(_, at)| at)
+        self.first_stamp
     }
 
     /// The batching rule: a batch of up to `max` is due once `max` records are queued, when
@@ -323,8 +329,10 @@ impl<T> Core<T> {
     fn enqueue(&mut self, record: T, now: impl FnOnce() -> Instant) {
         let seq = self.head_seq + self.buf.len() as u64;
         if self.buf.is_empty() {
-            self.stamps.clear();
-            self.stamps.push_back((seq, now()));
+            if !self.stamps.is_empty() {
+                self.stamps.clear();
+            }
+            self.first_stamp = Some(now());
         } else if seq.is_multiple_of(STAMP_EVERY) {
             self.stamps.push_back((seq, now()));
         }
@@ -333,7 +341,10 @@ impl<T> Core<T> {
 
     fn advance(&mut self, n: usize) {
         self.head_seq += n as u64;
-        while self.stamps.len() >= 2 && self.stamps[1].0 <= self.head_seq {
+        while let Some(&(seq, at)) = self.stamps.front()
+            && seq <= self.head_seq
+        {
+            self.first_stamp = Some(at);
             self.stamps.pop_front();
         }
     }
