@@ -60,6 +60,7 @@ impl WaitList {
     }
 
     /// Adds a waiter at the back.
+    #[inline]
     pub(crate) fn push(&mut self, waker: &Waker) -> WaitKey {
         self.stamps += 1;
         let stamp = self.stamps;
@@ -103,11 +104,13 @@ impl WaitList {
     }
 
     /// Whether `key` still waits (was neither woken nor removed).
+    #[inline]
     pub(crate) fn contains(&self, key: WaitKey) -> bool {
         self.nodes.get(key.index as usize).is_some_and(|node| node.stamp == key.stamp)
     }
 
     /// Registers `waker` for a waiter already in the list; `false` if `key` no longer waits.
+    #[inline]
     pub(crate) fn refresh(&mut self, key: WaitKey, waker: &Waker) -> bool {
         if !self.contains(key) {
             return false;
@@ -129,6 +132,7 @@ impl WaitList {
     }
 
     /// Removes the first waiter and returns its waker.
+    #[inline]
     pub(crate) fn pop(&mut self) -> Option<Waker> {
         match self.head {
             NIL => None,
@@ -137,6 +141,7 @@ impl WaitList {
     }
 
     /// Pops up to `n` waiters into `out`, in order.
+    #[inline]
     pub(crate) fn pop_into(&mut self, n: usize, out: &mut Vec<Waker>) {
         for _ in 0..n {
             match self.pop() {
@@ -158,6 +163,7 @@ impl WaitList {
         out
     }
 
+    #[inline]
     fn unlink(&mut self, index: u32) -> Option<Waker> {
         let node = &mut self.nodes[index as usize];
         let (prev, next) = (node.prev, node.next);
