@@ -60,7 +60,7 @@ impl WaitList {
     }
 
     /// Adds a waiter at the back.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn push(&mut self, waker: &Waker) -> WaitKey {
         self.stamps += 1;
         let stamp = self.stamps;
@@ -163,7 +163,7 @@ impl WaitList {
         out
     }
 
-    #[inline]
+    #[inline(always)]
     fn unlink(&mut self, index: u32) -> Option<Waker> {
         let node = &mut self.nodes[index as usize];
         let (prev, next) = (node.prev, node.next);
