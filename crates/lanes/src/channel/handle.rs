@@ -357,6 +357,7 @@ impl<T> ChannelShared<T> {
     /// joins the line of blocked producers. The first poll of an emit that finds the channel
     /// full comes here from [`try_queue`](Self::try_queue) with the lock it already took, so
     /// that a producer blocking on every record locks twice per record, not three times.
+    #[inline(always)]
     pub(crate) fn block(
         &self,
         mut st: MutexGuard<'_, State<T>>,
@@ -649,6 +650,7 @@ impl<T> ChannelShared<T> {
     }
 
     /// After `take`: outside the lock, wakes producers (emptying `wakers`) and returns budget.
+    #[inline(always)]
     pub(crate) fn after_take(&self, n: usize, wakers: &mut Vec<Waker>) {
         match wakers.len() {
             0 => {}
