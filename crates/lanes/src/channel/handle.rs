@@ -390,7 +390,48 @@ impl<T> ChannelShared<T> {
                 self.queued(st);
                 Pushed::Queued
             }
-            Err(entry) => self.push_locked(st, entry, None),
+            Err(entry) => self.overflow_now(st, entry),
+        }
+    }
+
+    /// [`push_locked`](Self::push_locked) for a producer that does not wait on a channel
+    /// without a shared budget, under the lock its caller took: the overflow rule without
+    /// the waiter's and the budget's branches. Under `DropOldest`, `DropNewest` and `Spill`
+    /// every record of a full channel comes here, and the lean function keeps its entry cheap.
+    fn overflow_now(&self, mut st: MutexGuard<'_, State<T>>, entry: Entry<T>) -> Pushed<T> {
+        match st.core.offer(entry, Room::Free, false, Instant::now) {
+            Offer::Queued => {
+                self.queued(st);
+                Pushed::Queued
+            }
+            Offer::Closed(entry) => Pushed::Closed(entry),
+            Offer::Full { record, .. } => Pushed::Full(record),
+            offer => self.overflowed(st, offer),
+        }
+    }
+
+    /// What became of a record the overflow rule dropped or sent to the spill queue.
+    #[inline(always)]
+    fn overflowed(&self, st: MutexGuard<'_, State<T>>, offer: Offer<Entry<T>>) -> Pushed<T> {
+        match offer {
+            Offer::DroppedNewest(entry) => {
+                drop(st);
+                self.metrics.emitted.increment(1);
+                self.metrics.dropped.increment(1);
+                Pushed::DroppedNewest(entry)
+            }
+            Offer::DroppedOldest(oldest) => {
+                self.queued(st);
+                self.metrics.dropped.increment(1);
+                Pushed::DroppedOldest(oldest)
+            }
+            Offer::Spill(entry) => {
+                drop(st);
+                Pushed::Spill(entry)
+            }
+            Offer::Queued | Offer::Closed(_) | Offer::Full { .. } => {
+                unreachable!("neither dropped nor spilled")
+            }
         }
     }
 
@@ -450,20 +491,8 @@ impl<T> ChannelShared<T> {
                     }
                     return Pushed::Closed(entry);
                 }
-                Offer::DroppedNewest(entry) => {
-                    drop(st);
-                    self.metrics.emitted.increment(1);
-                    self.metrics.dropped.increment(1);
-                    return Pushed::DroppedNewest(entry);
-                }
-                Offer::DroppedOldest(oldest) => {
-                    self.queued(st);
-                    self.metrics.dropped.increment(1);
-                    return Pushed::DroppedOldest(oldest);
-                }
-                Offer::Spill(entry) => {
-                    drop(st);
-                    return Pushed::Spill(entry);
+                offer @ (Offer::DroppedNewest(_) | Offer::DroppedOldest(_) | Offer::Spill(_)) => {
+                    return self.overflowed(st, offer);
                 }
                 Offer::Full { record, budget: budget_full } => {
                     let Some((waiter, waker)) = wait.as_mut() else {
