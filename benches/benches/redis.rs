@@ -6,6 +6,9 @@
 //!
 //! `LANES_REDIS_ONLY=throughput` runs the two throughput rows alone, `handoff` times the
 //! contended scenario's hand-offs (release to next grant), `leased` leased against exact.
+//! `LANES_REDIS_SIDE=lanes` (or `anchor`) runs one side of the uncontended row alone, so that
+//! the CPU time of the client process and of Redis can be split per cycle
+//! (`benches/tools/redis_cpu_split.sh`).
 //!
 //! Needs Redis at `REDIS_URL` (default `redis://127.0.0.1:6379`); keys live under a namespace
 //! of their own and are deleted afterwards.
@@ -482,6 +485,17 @@ fn main() {
         // LANES_REDIS_ONLY=leased measures leased against exact alone (while working on it).
         if std::env::var("LANES_REDIS_ONLY").as_deref() == Ok("leased") {
             println!("redis/leased: {}", leased_vs_exact(&ns, 8).await);
+            cleanup(&ns).await;
+            return;
+        }
+        // LANES_REDIS_SIDE=lanes|anchor runs one side of the uncontended row alone.
+        if let Ok(which) = std::env::var("LANES_REDIS_SIDE") {
+            let rate = if which == "lanes" {
+                lanes_throughput(&ns, 8, 100_000, Duration::ZERO, false, None).await
+            } else {
+                sorted_set_throughput(&ns, 8, 100_000, Duration::ZERO, false, None).await
+            };
+            println!("side {which}: {rate:.0}/s");
             cleanup(&ns).await;
             return;
         }
