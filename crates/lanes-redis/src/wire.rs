@@ -133,8 +133,17 @@ impl Inner {
         lease: Duration,
         args: &[String],
     ) -> Result<Value, CallError> {
-        let mut fcall = redis::cmd("FCALL");
+        // Sized once: grown argument by argument, the command's two buffers were reallocated
+        // about eight times per call, a fifth of the client's instructions per acquire.
+        let data = 96
+            + self.library.name.len()
+            + self.namespace.len()
+            + name.len()
+            + self.channel_prefix.len()
+            + args.iter().map(String::len).sum::<usize>();
+        let mut fcall = redis::Cmd::with_capacity(9 + args.len(), data);
         fcall
+            .arg("FCALL")
             .arg(&self.library.name)
             .arg(1)
             .arg(self.base(name))
