@@ -56,7 +56,7 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
                 lock(&inner.state).orphans.push((name, ticket));
             }
         }));
-        let touches = join_all(waiting.iter().map(|name| inner.call(name, "touch", &[])));
+        let touches = join_all(waiting.iter().map(|name| inner.call(name, "touch", NO_ARGS)));
         let renewals = join_all(held.into_iter().map(|(name, tickets)| async move {
             inner.renew_all(&name, tickets, inner.lease).await
         }));

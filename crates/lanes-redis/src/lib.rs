@@ -94,7 +94,7 @@ use conn::{Conn, Live, Target};
 use lease::{ensure_epoch, maintain, watch_leases};
 use push::subscribe;
 use tickets::{Delivered, Place, State, WaitPlan};
-use wire::{Ask, CallError, Library, Reply, error_tag, int, parse_grant, text};
+use wire::{Arg, Ask, CallError, Library, NO_ARGS, Reply, error_tag, int, parse_grant, text};
 
 /// The workspace README's examples (which use this crate as well as `lanes`), compiled and run
 /// as doctests.
@@ -301,26 +301,26 @@ impl Inner {
         fresh: bool,
         lease: Duration,
     ) -> Result<Reply, CallError> {
-        let (op, args) = match ask {
-            Ask::First(priority) => {
-                let keytok = match &priority.fairness_key {
-                    None => "_".to_owned(),
-                    Some(key) => format!("k{key}"),
-                };
-                let args = vec![
-                    ticket.to_string(),
-                    priority.level.to_string(),
-                    keytok,
-                    priority.fairness_weight.max(1).to_string(),
-                    self.max_waiters.to_string(),
-                    if fresh { "new" } else { "" }.to_owned(),
-                ];
-                ("acquire", args)
-            }
-            Ask::Check => ("check", vec![ticket.to_string()]),
-            Ask::Try => ("try", vec![ticket.to_string()]),
+        // Written straight into the command: no `String` per argument.
+        let keytok = match ask {
+            Ask::First(Priority { fairness_key: Some(key), .. }) => format!("k{key}"),
+            _ => "_".to_owned(),
         };
-        let value = self.call_leased(name, op, lease, &args).await?;
+        let value = match ask {
+            Ask::First(priority) => {
+                let args = [
+                    Arg::Int(ticket),
+                    Arg::Signed(i64::from(priority.level)),
+                    Arg::Text(&keytok),
+                    Arg::Int(u64::from(priority.fairness_weight.max(1))),
+                    Arg::Int(self.max_waiters as u64),
+                    Arg::Text(if fresh { "new" } else { "" }),
+                ];
+                self.call_leased(name, "acquire", lease, &args).await?
+            }
+            Ask::Check => self.call_leased(name, "check", lease, &[Arg::Int(ticket)]).await?,
+            Ask::Try => self.call_leased(name, "try", lease, &[Arg::Int(ticket)]).await?,
+        };
         let bad = || CallError::Other(LimitError::backend(format!("redis: odd answer {value:?}")));
         match error_tag(&value).as_deref() {
             Some("unknown") => return Ok(Reply::Unknown),
@@ -641,7 +641,7 @@ impl Inner {
         match place {
             Place::Open => Ok(Released::Permit),
             Place::Local => self.local.release(name, ticket).await,
-            Place::Remote => match self.call(name, "release", &[ticket.to_string()]).await {
+            Place::Remote => match self.call(name, "release", &[Arg::Int(ticket)]).await {
                 Ok(value) => Ok(match int(&value) {
                     Some(1) => Released::Permit,
                     Some(2) => Released::Withdrawn,
@@ -675,7 +675,7 @@ impl Inner {
     }
 
     async fn info(&self, name: &str) -> Result<Option<LimitInfo>, LimitError> {
-        let value = self.call(name, "info", &[]).await?;
+        let value = self.call(name, "info", NO_ARGS).await?;
         if error_tag(&value).as_deref() == Some("unknown") {
             return Ok(None);
         }
@@ -942,7 +942,7 @@ impl LimitBackend for RedisLimits {
 
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>> {
         Box::pin(async move {
-            let value = self.inner.call(name, "remove", &[]).await?;
+            let value = self.inner.call(name, "remove", NO_ARGS).await?;
             match error_tag(&value).as_deref() {
                 Some("unknown") => return Err(LimitError::UnknownLimit(name.to_owned())),
                 Some("in_use") => return Err(LimitError::InUse(name.to_owned())),
