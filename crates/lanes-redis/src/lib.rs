@@ -302,16 +302,20 @@ impl Inner {
         lease: Duration,
     ) -> Result<Reply, CallError> {
         // Written straight into the command: no `String` per argument.
+        let keyed;
         let keytok = match ask {
-            Ask::First(Priority { fairness_key: Some(key), .. }) => format!("k{key}"),
-            _ => "_".to_owned(),
+            Ask::First(Priority { fairness_key: Some(key), .. }) => {
+                keyed = format!("k{key}");
+                keyed.as_str()
+            }
+            _ => "_",
         };
         let value = match ask {
             Ask::First(priority) => {
                 let args = [
                     Arg::Int(ticket),
                     Arg::Signed(i64::from(priority.level)),
-                    Arg::Text(&keytok),
+                    Arg::Text(keytok),
                     Arg::Int(u64::from(priority.fairness_weight.max(1))),
                     Arg::Int(self.max_waiters as u64),
                     Arg::Text(if fresh { "new" } else { "" }),

@@ -148,7 +148,7 @@ impl<T: Send + 'static> Consumer<T> {
     pub async fn recv(&mut self) -> Option<T> {
         if self.local.is_empty() {
             let max = if self.plan.limit.is_some() { 1 } else { PREFETCH };
-            poll_fn(|cx| self.poll_take(cx, max, Duration::ZERO, None)).await?;
+            poll_fn(|cx| self.poll_recv(cx, max)).await?;
             self.permits.clear();
         }
         self.local.pop_front().map(|entry| self.hand_out(entry))
@@ -166,7 +166,7 @@ impl<T: Send + 'static> Consumer<T> {
             return 0;
         }
         if self.local.is_empty() {
-            let taken = poll_fn(|cx| self.poll_take_locked(cx, limit, Duration::ZERO, None)).await;
+            let taken = poll_fn(|cx| self.poll_take(cx, limit, Duration::ZERO, None)).await;
             if taken.is_none() {
                 return 0;
             }
@@ -213,9 +213,7 @@ impl<T: Send + 'static> Consumer<T> {
             let rest = taken.split_off(max);
             self.local = VecDeque::from(rest);
         }
-        if taken.is_empty()
-            && ready!(self.poll_take_locked(cx, max, flush, Some(&mut taken))).is_none()
-        {
+        if taken.is_empty() && ready!(self.poll_take(cx, max, flush, Some(&mut taken))).is_none() {
             return Poll::Ready(None);
         }
         let mut records = Vec::with_capacity(taken.len());
@@ -238,24 +236,18 @@ impl<T: Send + 'static> Consumer<T> {
         }))
     }
 
-    /// [`poll_take_locked`](Self::poll_take_locked) for `recv`: a consumer polled again while
-    /// it waits for the next record with the same waker, and none has come, is answered here
-    /// inline, without the lock or a call (at capacity 1 every other poll is one of those, and
-    /// the call's entry and exit cost more than its test). The batch reads call
-    /// `poll_take_locked`, which makes the same test inside: for them the test out here cost
-    /// two instructions a record and saved none.
+    /// [`poll_take`](Self::poll_take) into the read-ahead, for `recv`: a consumer polled again
+    /// while it waits for the next record with the same waker, and none has come, is answered
+    /// here inline, without the lock or a call (at capacity 1 every other poll is one of those,
+    /// and the call's entry and exit cost more than its test). The batch reads call
+    /// `poll_take`, which makes the same test inside: for them the test out here cost two
+    /// instructions a record and saved none.
     #[inline(always)]
-    fn poll_take(
-        &mut self,
-        cx: &mut Context<'_>,
-        max: usize,
-        flush: Duration,
-        out: Option<&mut Vec<Entry<T>>>,
-    ) -> Poll<Option<()>> {
+    fn poll_recv(&mut self, cx: &mut Context<'_>, max: usize) -> Poll<Option<()>> {
         if self.backoff.is_none() && self.acquiring.is_none() && self.still_armed(cx) {
             return Poll::Pending;
         }
-        self.poll_take_locked(cx, max, flush, out)
+        self.poll_take(cx, max, Duration::ZERO, None)
     }
 
     /// Whether the consumer waits for the next record with `cx`'s waker and none has come.
@@ -267,7 +259,7 @@ impl<T: Send + 'static> Consumer<T> {
 
     /// Takes up to `max` records once a batch is due, with the permits it needs, into `out`,
     /// or into the read-ahead (`local`) for `None`.
-    fn poll_take_locked(
+    fn poll_take(
         &mut self,
         cx: &mut Context<'_>,
         max: usize,

@@ -367,14 +367,10 @@ impl<T: Send + 'static, const RECEIPT: bool> Future for Emit<'_, T, RECEIPT> {
                     Ok(()) => return Poll::Ready(Ok(Emitted::Queued)),
                     Err(Refused::Locked(entry, st)) => {
                         let mut waiter = Waiter::default();
-                        match shared.block(st, entry, &mut waiter, cx.waker()) {
-                            Pushed::Full(entry) => {
-                                // `slow` is `No` here: assigned as a `ManuallyDrop`, nothing
-                                // is dropped first.
-                                this.slow = ManuallyDrop::new(Slow::Waiting(entry, waiter));
-                                return Poll::Pending;
-                            }
-                            pushed => pushed,
+                        let pushed = shared.block(st, entry, &mut waiter, cx.waker());
+                        match this.hold(pushed, waiter) {
+                            Some(pushed) => pushed,
+                            None => return Poll::Pending,
                         }
                     }
                     Err(Refused::Unlocked(entry)) => {
@@ -425,9 +421,18 @@ impl<'a, T: Send + 'static, const RECEIPT: bool> Emit<'a, T, RECEIPT> {
     /// Offers `entry` as a producer that waits for room; `None` while the channel is full (the
     /// entry and its place in line are kept for the next poll).
     fn wait(&mut self, entry: Entry<T>, mut waiter: Waiter, cx: &Context<'_>) -> Option<Pushed<T>> {
-        match self.channel.shared.push(entry, Some((&mut waiter, cx.waker()))) {
+        let pushed = self.channel.shared.push(entry, Some((&mut waiter, cx.waker())));
+        self.hold(pushed, waiter)
+    }
+
+    /// What a producer that waits for room makes of `pushed`: a full channel keeps the entry
+    /// and `waiter`'s place in line for the next poll (`None`); anything else is the answer.
+    #[inline(always)]
+    fn hold(&mut self, pushed: Pushed<T>, waiter: Waiter) -> Option<Pushed<T>> {
+        match pushed {
             Pushed::Full(entry) => {
-                // `slow` is `No` (the poll took it): nothing to drop first.
+                // `slow` is `No` (the poll took it): assigned as a `ManuallyDrop`, nothing is
+                // dropped first.
                 self.slow = ManuallyDrop::new(Slow::Waiting(entry, waiter));
                 None
             }
