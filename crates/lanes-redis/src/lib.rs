@@ -10,7 +10,10 @@
 //! - **One round trip per operation.** Each acquire, release and renewal is one atomic Lua
 //!   script. The Redis server's clock (`TIME`) is the only clock, so clients with skewed clocks
 //!   agree. Every key of a limit shares one hash tag (`{namespace:limit}`): one Redis Cluster
-//!   slot.
+//!   slot. A dropped permit rides: its release goes ahead of the client's next call on the
+//!   limit, in the same script call, so a task that releases and asks again makes one round
+//!   trip, and a waiter is handed the permit before the asker queues (with no call to ride, a
+//!   task sends it at once; up to 64 releases ride one call).
 //! - **Leases and fencing.** Every permit is a lease of `lease` (default 3 s), renewed in the
 //!   background while it is held. A holder that crashes, or is cut off, loses its permits when
 //!   their leases end — not before, so a limit holds across failover. Every grant carries a
@@ -93,7 +96,7 @@ pub use outage::OutagePolicy;
 use conn::{Conn, Live, Target};
 use lease::{ensure_epoch, maintain, watch_leases};
 use push::subscribe;
-use tickets::{Delivered, Place, State, WaitPlan};
+use tickets::{ClientLimit, Delivered, Place, State, WaitPlan};
 use wire::{Arg, Ask, CallError, Library, NO_ARGS, Reply, error_tag, int, parse_grant, text};
 
 /// The workspace README's examples (which use this crate as well as `lanes`), compiled and run
@@ -660,6 +663,29 @@ impl Inner {
         }
     }
 
+    /// A dropped permit (or waiting ticket) of `name`: its release rides ahead of this
+    /// client's next call on the limit, so that a task that drops a permit and asks again
+    /// makes one call, with the release first (a waiter gets the permit before the asker is
+    /// queued). If no call comes first, a task started now sends it. `false` when it cannot
+    /// ride: a ticket served without Redis, or no runtime to send it.
+    fn ride(&self, name: &str, ticket: u64) -> bool {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
+        let Some(me) = self.me.get().and_then(Weak::upgrade) else { return false };
+        let first = {
+            let mut state = lock(&self.state);
+            match state.limits.get_mut(name).and_then(|limit| limit.ride(ticket)) {
+                Some(first) => first,
+                None => return false,
+            }
+        };
+        self.lost.forget(name, ticket);
+        if first {
+            let name = name.to_owned();
+            runtime.spawn(async move { me.flush_riders(&name).await });
+        }
+        true
+    }
+
     async fn wait(&self, name: &str, ticket: u64, at_most: Duration) {
         if let Some(leased) = self.serving(name, ticket) {
             return leased.wait(ticket, at_most).await;
@@ -1023,11 +1049,12 @@ impl LimitBackend for RedisLimits {
     }
 
     fn release_local(&self, name: &str, ticket: u64) -> bool {
-        // Only a permit (or waiter) of the share: one granted in exact mode goes back to Redis,
-        // and so does one reported lost (it left the share then; its lost mark goes there).
+        // A permit (or waiter) of the share goes back to it; one granted in exact mode goes
+        // back to Redis, and so does one reported lost (it left the share then; its lost mark
+        // goes there): ahead of this client's next call on the limit.
         self.inner.leased(name).is_some_and(|leased| {
             leased.knows(ticket) && leased.release(ticket) != Released::Unknown
-        })
+        }) || self.inner.ride(name, ticket)
     }
 
     fn lease_lost(&self, name: &str, ticket: u64) -> bool {

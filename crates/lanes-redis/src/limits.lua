@@ -28,7 +28,9 @@
 --
 -- ARGV[1] is the operation, ARGV[2] the channel prefix of client notifications, ARGV[3] the
 -- lease in ms, ARGV[4] the queue grace in ms, ARGV[5] the calling client's id; the rest
--- (from ARGV[6]) depends on the operation.
+-- (from ARGV[6]) depends on the operation. `acquire`, `check`, `try` and `release` may carry
+-- riders after their own arguments: tickets of the same client to release first (permits it
+-- dropped since its last call, sent with its next one rather than in calls of their own).
 --
 -- Fencing tokens start from the Redis clock (us) when a limit is created, so they keep growing
 -- across a DELETE + PUT and across a restart that lost everything (a limit would have to grant
@@ -509,8 +511,8 @@ end
 -- here: they count as held until a call that finds the limit full, or waiters, sweeps them,
 -- which only ever grants less. nil: take the full path. 8 commands; the full path's 9 plus
 -- its queue logic cost about a third more Redis time.
-local function quick_acquire()
-  if redis.call('HLEN', I) ~= 0 then return nil end
+local function quick_acquire(nobody_waits)
+  if not nobody_waits and redis.call('HLEN', I) ~= 0 then return nil end
   local v = redis.call('HMGET', M, 'concurrent', 'interval', 'hold', 'movehold', 'mode', 'maxuse')
   -- Settings compared as the strings they are where that is enough: a number parsed inside
   -- Redis costs about as much as one of the commands here.
@@ -536,6 +538,25 @@ end
 -- The limit whose key names are set: calls in a row on one limit build them once.
 local named
 
+-- Where an operation's riders start (see the top), by operation. A release's own ticket is
+-- released the same way as its riders: from ARGV[6].
+local RIDERS = { acquire = 12, check = 7, try = 7, release = 6 }
+
+-- Releases `ticket`, held or waiting: 1 if it held a permit, 2 if it waited, 0 if neither.
+-- The caller kicks the queue afterwards.
+local function release_one(ticket)
+  if redis.call('HDEL', H, ticket) == 1 then
+    redis.call('ZREM', E, ticket)
+    return 1
+  end
+  local level, keytok = locate(ticket)
+  if level then
+    unlink(ticket, level, keytok)
+    return 2
+  end
+  return 0
+end
+
 -- One call: `keys` and `args` as described at the top.
 local function call(keys, args)
   B, ARGV = keys[1], args
@@ -546,15 +567,26 @@ local function call(keys, args)
     NAME = string.sub(B, 2, -2)
     named = B
   end
-  if op == 'acquire' then
-    local granted_now = quick_acquire()
-    if granted_now then return granted_now end
+  -- Riders (and a release's own ticket) while nobody waits: there is nothing to grant, so
+  -- nothing to read or time: the holders' entries go, and that is all. Else they are
+  -- released on the full path, which then hands their permits on.
+  local riders = RIDERS[op]
+  local nobody_waits = false
+  if riders and ARGV[riders] and redis.call('HLEN', I) == 0 then
+    nobody_waits = true
+    local first = 0
+    for k = riders, #ARGV do
+      local held = redis.call('HDEL', H, ARGV[k])
+      if held == 1 then redis.call('ZREM', E, ARGV[k]) end
+      if k == 6 then first = held end
+    end
+    riders = nil
+    -- The common release: a held permit, and nobody waiting.
+    if op == 'release' then return first end
   end
-  -- The common release: a held permit, and nobody waiting. There is nothing to grant, so
-  -- nothing to read or time: the holder's entries go, and that is all.
-  if op == 'release' and redis.call('HLEN', I) == 0 and redis.call('HDEL', H, ARGV[6]) == 1 then
-    redis.call('ZREM', E, ARGV[6])
-    return 1
+  if op == 'acquire' then
+    local granted_now = quick_acquire(nobody_waits)
+    if granted_now then return granted_now end
   end
   channels = args[2]
   lease_us, grace_us = tonumber(args[3]) * 1000, tonumber(args[4]) * 1000
@@ -594,13 +626,27 @@ local function call(keys, args)
   end
 
   if not load_meta() then return { 'unknown' } end
+  now = now_us()
+  watch_node(now)
+  local reclaimed = expire(now)
+  if op == 'release' then
+    -- ARGV: ticket, then riders
+    local answer = 0
+    for k = 6, #ARGV do
+      local released = release_one(ARGV[k])
+      if k == 6 then answer = released end
+    end
+    kick(now)
+    return answer
+  end
+  if riders and ARGV[riders] then
+    for k = riders, #ARGV do release_one(ARGV[k]) end
+    kick(now)
+  end
   -- A leased limit is served from the clients' shares: they ask for those, not for permits.
   if meta.mode and (op == 'acquire' or op == 'check' or op == 'try') then
     return { meta.mode }
   end
-  now = now_us()
-  watch_node(now)
-  local reclaimed = expire(now)
 
   if op == 'acquire' then
     -- ARGV: ticket, level, keytok, weight, max_waiters, 'new' (see quick_acquire)
@@ -662,24 +708,6 @@ local function call(keys, args)
     redis.call('HSET', C, caller, dec(now))
     if reclaimed > 0 then kick(now) end
     return 'ok'
-  end
-
-  if op == 'release' then
-    -- ARGV: ticket
-    local ticket = ARGV[6]
-    local answer = 0
-    if redis.call('HDEL', H, ticket) == 1 then
-      redis.call('ZREM', E, ticket)
-      answer = 1
-    else
-      local level, keytok = locate(ticket)
-      if level then
-        unlink(ticket, level, keytok)
-        answer = 2
-      end
-    end
-    kick(now)
-    return answer
   end
 
   if op == 'renew' then

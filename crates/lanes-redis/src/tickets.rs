@@ -107,7 +107,14 @@ pub(crate) struct ClientLimit {
     queue: BTreeSet<u64>,
     /// When the earliest lease of the limit can lapse (server's answer, in local time).
     next_expiry: Option<Instant>,
+    /// Releases not sent yet (permits and waiting tickets dropped): each rides ahead of this
+    /// client's next call on the limit, or goes in a call of its own if none comes first.
+    riders: Vec<u64>,
 }
+
+/// The most releases one call carries ahead of its own operation: a burst of drops becomes a
+/// few calls of bounded length, not one script that holds Redis for long.
+pub(crate) const MAX_RIDERS: usize = 64;
 
 impl ClientLimit {
     /// Moves `ticket` to `state`. A ticket that stops waiting while it was the asker hands
@@ -333,6 +340,25 @@ impl ClientLimit {
     /// Redis was unreachable: `ticket` lives in the local share.
     pub(crate) fn local(&mut self, ticket: u64) {
         self.set(ticket, Ticket::Local);
+    }
+
+    /// A dropped permit or waiting ticket whose release is to ride with this client's next
+    /// call on the limit: it leaves the bookkeeping now. `None` for a ticket served without
+    /// Redis (the local share, fail-open), which goes back the usual way; else whether no
+    /// other release was waiting (then whoever queued it must see that it is sent).
+    pub(crate) fn ride(&mut self, ticket: u64) -> Option<bool> {
+        if self.is_local(ticket) || self.is_open(ticket) {
+            return None;
+        }
+        self.remove(ticket);
+        self.riders.push(ticket);
+        Some(self.riders.len() == 1)
+    }
+
+    /// Up to [`MAX_RIDERS`] releases waiting to ride, oldest first, for the call about to go.
+    pub(crate) fn take_riders(&mut self) -> Vec<u64> {
+        let n = self.riders.len().min(MAX_RIDERS);
+        self.riders.drain(..n).collect()
     }
 
     /// Releases `ticket` from any state and says where it was.

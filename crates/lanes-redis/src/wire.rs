@@ -156,6 +156,44 @@ impl Inner {
         lease: Duration,
         args: &[A],
     ) -> Result<Value, CallError> {
+        // The operations that carry riders (see `limits.lua`): releases of this client's
+        // dropped permits on the limit, done first, in the same call.
+        let riders = match op {
+            "acquire" | "check" | "try" | "release" => self.take_riders(name),
+            _ => Vec::new(),
+        };
+        self.call_riding(name, op, lease, args, riders).await
+    }
+
+    /// Sends releases waiting to ride on `name` in calls of their own, when no other call
+    /// took them first (the task that queued the first of them runs this).
+    pub(crate) async fn flush_riders(&self, name: &str) {
+        loop {
+            let riders = self.take_riders(name);
+            if riders.is_empty() {
+                return;
+            }
+            // A release whose ticket is its first rider (the script reads them alike).
+            let _ = self.call_riding(name, "release", self.lease, NO_ARGS, riders).await;
+        }
+    }
+
+    fn take_riders(&self, name: &str) -> Vec<u64> {
+        lock(&self.state).limits.get_mut(name).map(ClientLimit::take_riders).unwrap_or_default()
+    }
+
+    async fn call_riding<A: ToRedisArgs + Sync>(
+        &self,
+        name: &str,
+        op: &str,
+        lease: Duration,
+        args: &[A],
+        riders: Vec<u64>,
+    ) -> Result<Value, CallError> {
+        // Releases that the call may not have made (it failed, timed out, or was dropped)
+        // are retried in the background, as releases that could not reach Redis are (a
+        // second release of a ticket is a no-op).
+        let mut riding = Riding { inner: self, name, tickets: riders };
         // Sized once: grown argument by argument, the command's two buffers were reallocated
         // about eight times per call, a fifth of the client's instructions per acquire. An
         // operation's own arguments are a few numbers and short words (24 bytes is roomy).
@@ -164,8 +202,8 @@ impl Inner {
             + self.namespace.len()
             + name.len()
             + self.channel_prefix.len()
-            + 24 * args.len();
-        let mut fcall = redis::Cmd::with_capacity(9 + args.len(), data);
+            + 24 * (args.len() + riding.tickets.len());
+        let mut fcall = redis::Cmd::with_capacity(9 + args.len() + riding.tickets.len(), data);
         fcall
             .arg("FCALL")
             .arg(&self.library.name)
@@ -179,6 +217,9 @@ impl Inner {
         for arg in args {
             fcall.arg(arg);
         }
+        for ticket in &riding.tickets {
+            fcall.arg(*ticket);
+        }
         self.stats.calls.fetch_add(1, Ordering::Relaxed);
         let mut result = self.query(&fcall).await;
         if let Err(CallError::Other(err)) = &result
@@ -187,6 +228,9 @@ impl Inner {
             // A Redis that restarted empty (or a node that never had it): load it again.
             self.command::<String>(&self.library.load()).await?;
             result = self.query(&fcall).await;
+        }
+        if result.is_ok() {
+            riding.tickets.clear();
         }
         result
     }
@@ -224,6 +268,25 @@ impl Inner {
             Ok(Err(err)) if is_outage(&err) => Err(self.outage(err.to_string())),
             Ok(Err(err)) => Err(CallError::Other(backend(err))),
             Err(_) => Err(self.outage(format!("no answer within {:?}", self.op_timeout))),
+        }
+    }
+}
+
+/// The riders of a call until it is answered: dropped before that, it hands them to the
+/// background retry of releases.
+struct Riding<'a> {
+    inner: &'a Inner,
+    name: &'a str,
+    tickets: Vec<u64>,
+}
+
+impl Drop for Riding<'_> {
+    fn drop(&mut self) {
+        if !self.tickets.is_empty() {
+            let mut state = lock(&self.inner.state);
+            state
+                .orphans
+                .extend(self.tickets.drain(..).map(|ticket| (self.name.to_owned(), ticket)));
         }
     }
 }

@@ -148,10 +148,13 @@ pub trait LimitBackend: Send + Sync + fmt::Debug + 'static {
     /// Every limit, in name order.
     fn list(&self) -> BoxFuture<'_, Result<Vec<LimitInfo>, LimitError>>;
 
-    /// Returns the permit of `ticket` (or withdraws the waiting ticket) at once, if this
-    /// backend holds it locally (served from a leased share), and says whether it did. `false`
-    /// (the default): it goes back through [`release`](Self::release), in the background. A
-    /// dropped [`Permit`](crate::limit::Permit), or a dropped acquire, asks this first.
+    /// Takes back the permit of `ticket` (or withdraws the waiting ticket) without the
+    /// caller's help, if this backend can, and says whether it did: at once, if it holds it
+    /// locally (served from a leased share), or by sending the release itself (a remote
+    /// backend may send it ahead of its next call on the limit, in the same round trip).
+    /// `false` (the default): it goes back through [`release`](Self::release), in the
+    /// background. A dropped [`Permit`](crate::limit::Permit), or a dropped acquire, asks this
+    /// first.
     fn release_local(&self, _name: &str, _ticket: u64) -> bool {
         false
     }
