@@ -7,10 +7,14 @@ Starts a redis-server of its own under `valgrind --tool=cachegrind` on a spare p
 the difference of the two totals over N is the cost of one cycle, server start-up cancelled.
 Cycles measured:
 
-  lanes        FCALL acquire (granted at once) + FCALL release of a fresh ticket
+  lanes        FCALL acquire (granted at once) + FCALL release of a fresh ticket (the
+               backend's own calls, as `RedisLimits::acquire` and `release` make them)
+  lanes-riding the same through the `Limits` facade, a task that drops its permit and asks
+               again: one FCALL acquire carrying the release of the ticket before it
   lanes-queued suite 10's contended pattern on a limit of one with four clients: the holder
                releases, which hands the permit to the first of three waiters (and
                publishes it), then asks again and queues at the back: two calls
+  lanes-queued-riding  the same as one call: the acquire carrying the release
   sorted-set   the anchor of suite 10: its EVALSHA acquire script + a plain ZREM
   ping         a PING (the floor: reading, parsing and answering one command)
 
@@ -71,11 +75,25 @@ def lanes_cycles(conn, n):
     for i in range(n):
         ticket = 7 * 2**32 + i + 1
         granted = conn(*base, "acquire", *common, ticket, 0, "k", 1, 1000, "new")
-        assert granted[0] == b"0000000000000001", granted
+        assert b":" in granted, granted  # "fence:expires"
         assert conn(*base, "release", *common, ticket) == b"1"
 
 
-def lanes_queued_cycles(conn, n):
+def lanes_riding_cycles(conn, n):
+    library = open(LIBRARY).read().replace("__LANES_LIBRARY__", "lanes_icount")
+    conn("FUNCTION", "LOAD", "REPLACE", library)
+    base = ["FCALL", "lanes_icount", 1, "{icount:limit}"]
+    common = ["lanes:{icount}:n:", 3000, 2000, 7]
+    conn(*base, "define", *common, 100000, 0, 1, "", 0, 0, "")
+    rider = []
+    for i in range(n):
+        ticket = 7 * 2**32 + i + 1
+        granted = conn(*base, "acquire", *common, ticket, 0, "k", 1, 1000, "new", *rider)
+        assert b":" in granted, granted
+        rider = [ticket]
+
+
+def lanes_queued_cycles(conn, n, riding=False):
     library = open(LIBRARY).read().replace("__LANES_LIBRARY__", "lanes_icount")
     conn("FUNCTION", "LOAD", "REPLACE", library)
     base = ["FCALL", "lanes_icount", 1, "{icount:one}"]
@@ -83,11 +101,11 @@ def lanes_queued_cycles(conn, n):
     clients = [7, 8, 9, 10]
     tickets = {c: 0 for c in clients}
 
-    def ask(client):
+    def ask(client, rider=()):
         tickets[client] += 1
         ticket = client * 2**32 + tickets[client]
         common = ["lanes:{icount}:n:", 3000, 2000, client]
-        return ticket, conn(*base, "acquire", *common, ticket, 0, "k", 1, 1000, "new")
+        return ticket, conn(*base, "acquire", *common, ticket, 0, "k", 1, 1000, "new", *rider)
 
     # The first client holds the permit; the others wait in line.
     line = []
@@ -98,9 +116,10 @@ def lanes_queued_cycles(conn, n):
     for _ in range(n):
         client, ticket = holder
         common = ["lanes:{icount}:n:", 3000, 2000, client]
-        assert conn(*base, "release", *common, ticket) == b"1"
+        if not riding:
+            assert conn(*base, "release", *common, ticket) == b"1"
         holder = line.pop(0)  # granted on its behalf (pushed to its client)
-        again, answer = ask(client)
+        again, answer = ask(client, [ticket] if riding else [])
         assert answer[0] == b"0000000000000000", answer
         line.append((client, again))
 
@@ -153,12 +172,15 @@ def instructions(cycles, n):
 def main():
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
     only = os.environ.get("ONLY")
-    for name, cycles in [("lanes", lanes_cycles), ("lanes-queued", lanes_queued_cycles),
+    for name, cycles in [("lanes", lanes_cycles), ("lanes-riding", lanes_riding_cycles),
+                         ("lanes-queued", lanes_queued_cycles),
+                         ("lanes-queued-riding",
+                          lambda conn, n: lanes_queued_cycles(conn, n, riding=True)),
                          ("sorted-set", sorted_set_cycles), ("ping", ping_cycles)]:
         if only and name != only:
             continue
         per_cycle = (instructions(cycles, 2 * n) - instructions(cycles, n)) / n
-        print(f"{name:<12} {per_cycle:>9,.0f} instructions per cycle")
+        print(f"{name:<20} {per_cycle:>9,.0f} instructions per cycle")
 
 
 if __name__ == "__main__":

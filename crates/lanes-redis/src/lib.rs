@@ -97,7 +97,9 @@ use conn::{Conn, Live, Target};
 use lease::{ensure_epoch, maintain, watch_leases};
 use push::subscribe;
 use tickets::{ClientLimit, Delivered, Place, State, WaitPlan};
-use wire::{Arg, Ask, CallError, Library, NO_ARGS, Reply, error_tag, int, parse_grant, text};
+use wire::{
+    Arg, Ask, CallError, Library, NO_ARGS, Reply, error_tag, int, parse_grant, parse_held, text,
+};
 
 /// The workspace README's examples (which use this crate as well as `lanes`), compiled and run
 /// as doctests.
@@ -329,6 +331,11 @@ impl Inner {
             Ask::Try => self.call_leased(name, "try", lease, &[Arg::Int(ticket)]).await?,
         };
         let bad = || CallError::Other(LimitError::backend(format!("redis: odd answer {value:?}")));
+        if let Value::BulkString(held) = &value {
+            // Granted to this ticket: the answer is the grant alone.
+            let grant = parse_held(held).ok_or_else(bad)?;
+            return Ok(Reply::Answer(ScriptAnswer::Granted, Some(grant), None));
+        }
         match error_tag(&value).as_deref() {
             Some("unknown") => return Ok(Reply::Unknown),
             Some("waiters") => return Ok(Reply::TooManyWaiters),

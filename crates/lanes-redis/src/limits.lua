@@ -37,8 +37,11 @@
 -- more than once per microsecond to catch up with the clock). After a client saw Redis lose its
 -- state it redefines the limit with a hold: no grant before `hold` (the end of every lease that
 -- could still be believed held). Tickets travel as decimal strings; a ticket's client is
--- floor(ticket / 2^32). Answers to `acquire` are one u64, as 16 hex digits (Lua numbers are
--- doubles): 0 queued, 1 granted, 2 + ms retry later, or bit 63 + zigzag(granted - asked).
+-- floor(ticket / 2^32). An ask (`acquire`, `check`, `try`) granted to the ticket asked about
+-- is answered with the grant alone, "fence:expires" as one string (the holder's entry); any
+-- other answer is an array whose first element is one u64, as 16 hex digits (Lua numbers are
+-- doubles): 0 queued, 2 + ms retry later, or bit 63 + zigzag(granted - asked) with that
+-- grant's fence and expiry.
 
 -- The call's keys and arguments, set by `call` (library-level, so the helpers below are
 -- created once, not on every call).
@@ -54,25 +57,37 @@ local function int(n) return string.format('%.0f', n) end
 -- where `int`'s '%.0f' goes through the floating-point printer, several times the cost inside
 -- Redis. The hot paths (grant, renewal, expiry) use this one.
 local function dec(n) return string.format('%d', n) end
--- The answers `hex(1)` (granted) and `hex(0)` (queued), written out once.
-local GRANTED, QUEUED = '0000000000000001', '0000000000000000'
+-- The answer `hex(0)` (queued), written out once.
+local QUEUED = '0000000000000000'
+
+-- Numbers parsed from the few strings that come back call after call (settings, leases, the
+-- clock's seconds): inside Redis `tonumber` costs about as much as a command, a lookup here a
+-- tenth of that. Each entry is the string's own value, so it is never stale; the table is
+-- emptied when it reaches 1,024 entries.
+local parsed, nparsed = {}, 0
+local function number(text)
+  local n = parsed[text]
+  if n then return n end
+  n = tonumber(text)
+  if nparsed >= 1024 then parsed, nparsed = {}, 0 end
+  parsed[text] = n
+  nparsed = nparsed + 1
+  return n
+end
 
 local function now_us()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return number(t[1]) * 1000000 + tonumber(t[2])
 end
 
 local function num(key, field)
   return tonumber(redis.call('HGET', key, field) or '0')
 end
 
--- A setting as a number. Most are '0' or '1', which need no parser: inside Redis `tonumber`
--- costs about as much as a command.
+-- A setting as a number.
 local function setting(text, default)
   if not text then return default end
-  if text == '0' then return 0 end
-  if text == '1' then return 1 end
-  return tonumber(text)
+  return number(text)
 end
 
 -- The limit's settings as numbers, read once per call.
@@ -82,7 +97,7 @@ local function load_meta()
     'movehold', 'node', 'mode')
   if not v[1] then return false end
   meta = {
-    concurrent = tonumber(v[1]),
+    concurrent = number(v[1]),
     interval = setting(v[2], 0),
     burst = setting(v[3], 1),
     tat = setting(v[4], 0),
@@ -154,8 +169,9 @@ local function rate_check(now)
   return nil, earliest
 end
 
--- Grants the permit of `ticket`; returns its fencing token and lease end, as strings. `used`
--- is the permits in use before it, if the caller knows.
+-- Grants the permit of `ticket`; returns its fencing token and lease end, as strings, and
+-- the two as its holder's entry ("fence:expires"), which is also the answer of a grant to the
+-- ticket asked about. `used` is the permits in use before it, if the caller knows.
 local function grant(ticket, now, lease, used)
   if meta.interval > 0 then
     local tat = rate_check(now)
@@ -166,14 +182,15 @@ local function grant(ticket, now, lease, used)
   end
   local fence = dec(redis.call('HINCRBY', M, 'fence', '1'))
   local expires = dec(now + (lease or lease_us))
-  redis.call('HSET', H, ticket, fence .. ':' .. expires)
+  local held = fence .. ':' .. expires
+  redis.call('HSET', H, ticket, held)
   redis.call('ZADD', E, expires, ticket)
   if used then used = used + 1 else used = in_use() end
   if used > meta.maxuse then
     meta.maxuse = used
     redis.call('HSET', M, 'maxuse', used)
   end
-  return fence, expires
+  return fence, expires, held
 end
 
 -- The wait queue -------------------------------------------------------------------------
@@ -325,7 +342,7 @@ local function kick(now)
       redis.call('PUBLISH', channels .. client_of(head), NAME)
       return
     end
-    local lease = tonumber(redis.call('HGET', L, head) or '0')
+    local lease = number(redis.call('HGET', L, head) or '0')
     if lease <= 0 then lease = nil end
     pop(head, level, key)
     local fence, expires = grant(head, now, lease, used)
@@ -351,11 +368,11 @@ local function held_answer(ticket)
   -- Asked again (its answer or its push was lost, or a retry): its lease starts again now,
   -- so the client, which counts the lease from its ask, never believes it longer than Redis.
   -- The answer is the grant as first made (an acquire by ticket answers the same grant).
-  local fence, expires = string.match(held, '^(%d+):(%d+)$')
+  local fence = string.match(held, '^(%d+):')
   local renewed = dec(now + lease_us)
   redis.call('HSET', H, ticket, fence .. ':' .. renewed)
   redis.call('ZADD', E, renewed, ticket)
-  return { GRANTED, fence, expires }
+  return held
 end
 
 -- The answer to an ask for `ticket`, which waits: granted if it is served next and can be
@@ -377,13 +394,13 @@ local function answer_for(ticket, used)
   end
   if head == ticket then
     pop(head, hlevel, hkey)
-    local fence, expires = grant(head, now, nil, used)
+    local _, _, held = grant(head, now, nil, used)
     kick(now)
-    return { GRANTED, fence, expires }
+    return held
   end
   if head and client_of(head) == client_of(ticket) then
     -- Another ticket of the same client is served next: grant it instead, with its own lease.
-    local lease = tonumber(redis.call('HGET', L, head) or '0')
+    local lease = number(redis.call('HGET', L, head) or '0')
     if lease <= 0 then lease = nil end
     pop(head, hlevel, hkey)
     local fence, expires = grant(head, now, lease, used)
@@ -520,19 +537,19 @@ local function quick_acquire(nobody_waits)
     return nil
   end
   local used = redis.call('HLEN', H)
-  if used >= tonumber(v[1]) then return nil end
+  if used >= number(v[1]) then return nil end
   local ticket = ARGV[6]
   -- ARGV[11] 'new': the client made no call about this ticket before, so it is not held here
   -- (a retry after a lost answer never says so).
   if ARGV[11] ~= 'new' and redis.call('HEXISTS', H, ticket) == 1 then return nil end
   local t = redis.call('TIME')
-  local at = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local at = number(t[1]) * 1000000 + tonumber(t[2])
   if v[3] and v[3] ~= '0' and tonumber(v[3]) > at then return nil end
   -- What `grant` reads, for a limit without a rate.
   meta = { interval = 0, maxuse = setting(v[6], 0) }
-  lease_us = tonumber(ARGV[3]) * 1000
-  local fence, expires = grant(ticket, at, nil, used)
-  return { GRANTED, fence, expires }
+  lease_us = number(ARGV[3]) * 1000
+  local _, _, held = grant(ticket, at, nil, used)
+  return held
 end
 
 -- The limit whose key names are set: calls in a row on one limit build them once.
@@ -589,7 +606,7 @@ local function call(keys, args)
     if granted_now then return granted_now end
   end
   channels = args[2]
-  lease_us, grace_us = tonumber(args[3]) * 1000, tonumber(args[4]) * 1000
+  lease_us, grace_us = number(args[3]) * 1000, number(args[4]) * 1000
   caller = args[5]
   meta, now, peeked = nil, nil, nil
 
@@ -651,7 +668,7 @@ local function call(keys, args)
   if op == 'acquire' then
     -- ARGV: ticket, level, keytok, weight, max_waiters, 'new' (see quick_acquire)
     local ticket, level, keytok, weight = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
-    local max_waiters = tonumber(ARGV[10])
+    local max_waiters = number(ARGV[10])
     if reclaimed > 0 then kick(now) end
     local held = held_answer(ticket)
     if held then return held end
@@ -664,8 +681,8 @@ local function call(keys, args)
     if waiters == 0 and used < meta.concurrent then
       local _, at = rate_check(now)
       if not at then
-        local fence, expires = grant(ticket, now, nil, used)
-        return { GRANTED, fence, expires }
+        local _, _, held = grant(ticket, now, nil, used)
+        return held
       end
       if max_waiters == 0 then return { 'waiters' } end
       push(ticket, level, keytok, weight)
@@ -699,8 +716,8 @@ local function call(keys, args)
     if waiting() > 0 or in_use() >= meta.concurrent then return { QUEUED, -1 } end
     local _, at = rate_check(now)
     if at then return { hex(2 + math.ceil((at - now) / 1000)) } end
-    local fence, expires = grant(ticket, now)
-    return { GRANTED, fence, expires }
+    local _, _, held = grant(ticket, now)
+    return held
   end
 
   if op == 'touch' then
