@@ -233,9 +233,10 @@ local function peek()
   return peeked[1], peeked[2], peeked[3]
 end
 
-local function push(ticket, level, keytok, weight)
+-- `fresh`: the ticket's first call (see quick_acquire), so it cannot be queued already.
+local function push(ticket, level, keytok, weight, fresh)
   peeked = nil
-  if redis.call('HEXISTS', I, ticket) == 1 then return false end
+  if not fresh and redis.call('HEXISTS', I, ticket) == 1 then return false end
   local seq = dec(redis.call('HINCRBY', M, 'seq', '1'))
   local w = weights(level)
   local r = ring(level)
@@ -262,8 +263,9 @@ local function locate(ticket)
   return level, keytok
 end
 
--- WaitQueue::unlink: drops one waiter, then its key and level if they empty.
-local function unlink(ticket, level, keytok)
+-- WaitQueue::unlink: drops one waiter, then its key and level if they empty. `single`: the
+-- level's ring is known to hold this one key, so it has no turn to clear.
+local function unlink(ticket, level, keytok, single)
   peeked = nil
   local q = queue(level, keytok)
   local w = weights(level)
@@ -289,16 +291,20 @@ local function unlink(ticket, level, keytok)
       return
     end
   end
-  if redis.call('ZCARD', r) == 1 then redis.call('HDEL', w, '~tpos', '~tused') end
+  if not single and redis.call('ZCARD', r) == 1 then redis.call('HDEL', w, '~tpos', '~tused') end
 end
 
--- WaitQueue::pop of the ticket `peek` returned.
+-- WaitQueue::pop of the ticket `peek` returned. Turns are kept only between keys: a level
+-- with one key has none (unlink clears it when a level comes down to one key).
 local function pop(ticket, level, keytok)
+  if redis.call('ZCARD', ring(level)) == 1 then
+    unlink(ticket, level, keytok, true)
+    return
+  end
   local w = weights(level)
   local pos = redis.call('ZSCORE', ring(level), keytok)
-  local weight = num(w, keytok)
-  local tpos = redis.call('HGET', w, '~tpos')
-  local tused = num(w, '~tused')
+  local v = redis.call('HMGET', w, keytok, '~tpos', '~tused')
+  local weight, tpos, tused = tonumber(v[1] or '0'), v[2], tonumber(v[3] or '0')
   if tpos == pos and tused < weight then
     redis.call('HSET', w, '~tused', dec(tused + 1))
   else
@@ -588,9 +594,10 @@ local function call(keys, args)
   -- nothing to read or time: the holders' entries go, and that is all. Else they are
   -- released on the full path, which then hands their permits on.
   local riders = RIDERS[op]
-  local nobody_waits = false
-  if riders and ARGV[riders] and redis.call('HLEN', I) == 0 then
-    nobody_waits = true
+  -- The tickets waiting, once read.
+  local in_queue
+  if riders and ARGV[riders] then in_queue = redis.call('HLEN', I) end
+  if in_queue == 0 then
     local first = 0
     for k = riders, #ARGV do
       local held = redis.call('HDEL', H, ARGV[k])
@@ -601,8 +608,8 @@ local function call(keys, args)
     -- The common release: a held permit, and nobody waiting.
     if op == 'release' then return first end
   end
-  if op == 'acquire' then
-    local granted_now = quick_acquire(nobody_waits)
+  if op == 'acquire' and (not in_queue or in_queue == 0) then
+    local granted_now = quick_acquire(in_queue == 0)
     if granted_now then return granted_now end
   end
   channels = args[2]
@@ -669,15 +676,21 @@ local function call(keys, args)
     -- ARGV: ticket, level, keytok, weight, max_waiters, 'new' (see quick_acquire)
     local ticket, level, keytok, weight = ARGV[6], ARGV[7], ARGV[8], ARGV[9]
     local max_waiters = number(ARGV[10])
+    -- A ticket's first call: it neither holds nor waits here yet.
+    local fresh = ARGV[11] == 'new'
     if reclaimed > 0 then kick(now) end
-    local held = held_answer(ticket)
-    if held then return held end
+    if not fresh then
+      local held = held_answer(ticket)
+      if held then return held end
+    end
     local waiters = waiting()
-    if waiters > 0 then
+    local used = in_use()
+    -- Silent clients' heads are dropped when a grant can be made, or when the waiting room is
+    -- full (they may make room); else the next call that can grant drops them.
+    if waiters > 0 and (used < meta.concurrent or waiters >= max_waiters) then
       purge(now)
       waiters = waiting()
     end
-    local used = in_use()
     if waiters == 0 and used < meta.concurrent then
       local _, at = rate_check(now)
       if not at then
@@ -685,13 +698,13 @@ local function call(keys, args)
         return held
       end
       if max_waiters == 0 then return { 'waiters' } end
-      push(ticket, level, keytok, weight)
+      push(ticket, level, keytok, weight, fresh)
       return { hex(2 + math.ceil((at - now) / 1000)) }
     end
     -- `waiters` and `used` still hold: nothing since changed the queue or the holders.
-    if redis.call('HEXISTS', I, ticket) == 0 then
+    if fresh or redis.call('HEXISTS', I, ticket) == 0 then
       if waiters >= max_waiters then return { 'waiters' } end
-      push(ticket, level, keytok, weight)
+      push(ticket, level, keytok, weight, fresh)
     end
     return answer_for(ticket, used)
   end
