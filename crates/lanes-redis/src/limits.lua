@@ -317,6 +317,14 @@ local function waiting() return redis.call('HLEN', I) end
 
 local function client_of(ticket) return math.floor(tonumber(ticket) / CLIENT) end
 
+-- The client of the ticket `peek` returned, as the decimal id its channel and its entry in C
+-- are named by: worked out once per head (a number parsed and printed costs as much inside
+-- Redis as a few commands).
+local function head_client()
+  if not peeked[4] then peeked[4] = dec(client_of(peeked[1])) end
+  return peeked[4]
+end
+
 -- Hands out what can be handed out: while the ticket served next can be granted, grant it on
 -- its waiter's behalf and tell its client (one client per grant, never every waiter). A head
 -- that waits for the bucket gets a plain wake-up, so its client asks and learns when.
@@ -327,8 +335,7 @@ local function purge(now)
   while true do
     local head, level, key = peek()
     if not head then return end
-    local client = tostring(client_of(head))
-    local seen = tonumber(redis.call('HGET', C, client) or '0')
+    local seen = tonumber(redis.call('HGET', C, head_client()) or '0')
     if now - seen <= grace_us then return end
     unlink(head, level, key)
   end
@@ -345,15 +352,16 @@ local function kick(now)
     if not head then return end
     local _, at = rate_check(now)
     if at then
-      redis.call('PUBLISH', channels .. client_of(head), NAME)
+      redis.call('PUBLISH', channels .. head_client(), NAME)
       return
     end
     local lease = number(redis.call('HGET', L, head) or '0')
     if lease <= 0 then lease = nil end
+    local client = head_client()
     pop(head, level, key)
     local fence, expires = grant(head, now, lease, used)
     used = used + 1
-    redis.call('PUBLISH', channels .. client_of(head), head .. '|' .. fence .. '|' .. expires .. '|' .. NAME)
+    redis.call('PUBLISH', channels .. client, head .. '|' .. fence .. '|' .. expires .. '|' .. NAME)
   end
 end
 
