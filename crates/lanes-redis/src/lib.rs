@@ -13,7 +13,9 @@
 //!   slot. A dropped permit rides: its release goes ahead of the client's next call on the
 //!   limit, in the same script call, so a task that releases and asks again makes one round
 //!   trip, and a waiter is handed the permit before the asker queues (with no call to ride, a
-//!   task sends it at once; up to 64 releases ride one call).
+//!   task sends it at once; up to 64 releases ride one call). On a limit where the client's
+//!   last ask was queued, the permits go back in a call of their own just before the next
+//!   acquire: a waiter's grant is pushed when that call ends, not after the asker's queueing.
 //! - **Leases and fencing.** Every permit is a lease of `lease` (default 3 s), renewed in the
 //!   background while it is held. A holder that crashes, or is cut off, loses its permits when
 //!   their leases end — not before, so a limit holds across failover. Every grant carries a
@@ -455,6 +457,7 @@ impl Inner {
             }
         }
         let claimed = limit.claim(ticket);
+        limit.busy = !matches!(answer, ScriptAnswer::Granted);
         let answer = match (claimed, answer) {
             // Granted on its behalf (and pushed) while the answer travelled.
             (Some(pushed), _) => Answer::Granted(pushed),

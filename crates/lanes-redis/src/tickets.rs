@@ -109,7 +109,11 @@ pub(crate) struct ClientLimit {
     next_expiry: Option<Instant>,
     /// Releases not sent yet (permits and waiting tickets dropped): each rides ahead of this
     /// client's next call on the limit, or goes in a call of its own if none comes first.
-    riders: Vec<u64>,
+    riders: Vec<(u64, bool)>,
+    /// Whether this client's last ask on the limit was queued (the limit was busy): its
+    /// releases then go ahead of its next acquire in a call of their own (see
+    /// `Inner::call_leased`).
+    pub(crate) busy: bool,
 }
 
 /// The most releases one call carries ahead of its own operation: a burst of drops becomes a
@@ -350,15 +354,19 @@ impl ClientLimit {
         if self.is_local(ticket) || self.is_open(ticket) {
             return None;
         }
+        // A ticket not known here may hold a permit in Redis (this client forgot it).
+        let held = !self.is_waiting(ticket);
         self.remove(ticket);
-        self.riders.push(ticket);
+        self.riders.push((ticket, held));
         Some(self.riders.len() == 1)
     }
 
-    /// Up to [`MAX_RIDERS`] releases waiting to ride, oldest first, for the call about to go.
-    pub(crate) fn take_riders(&mut self) -> Vec<u64> {
+    /// Up to [`MAX_RIDERS`] releases waiting to ride, oldest first, for the call about to go,
+    /// and whether any of them returns a permit (rather than withdrawing a waiting ticket).
+    pub(crate) fn take_riders(&mut self) -> (Vec<u64>, bool) {
         let n = self.riders.len().min(MAX_RIDERS);
-        self.riders.drain(..n).collect()
+        let permits = self.riders[..n].iter().any(|&(_, held)| held);
+        (self.riders.drain(..n).map(|(ticket, _)| ticket).collect(), permits)
     }
 
     /// Releases `ticket` from any state and says where it was.

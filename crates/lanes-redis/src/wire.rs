@@ -169,18 +169,30 @@ impl Inner {
     ) -> Result<Value, CallError> {
         // The operations that carry riders (see `limits.lua`): releases of this client's
         // dropped permits on the limit, done first, in the same call.
-        let riders = match op {
+        let (riders, permits) = match op {
             "acquire" | "check" | "try" | "release" => self.take_riders(name),
-            _ => Vec::new(),
+            _ => (Vec::new(), false),
         };
+        if op == "acquire" && permits && self.busy(name) {
+            // The limit was busy at this client's last ask, so this acquire will likely queue:
+            // the permits go back first in a call of their own, whose grants to waiters are
+            // pushed as soon as it ends, not after the queueing of this ask too. The asker,
+            // which would wait anyway, pays a round trip.
+            let _ = self.call_riding(name, "release", self.lease, NO_ARGS, riders).await;
+            return self.call_riding(name, op, lease, args, Vec::new()).await;
+        }
         self.call_riding(name, op, lease, args, riders).await
+    }
+
+    fn busy(&self, name: &str) -> bool {
+        lock(&self.state).limits.get(name).is_some_and(|limit| limit.busy)
     }
 
     /// Sends releases waiting to ride on `name` in calls of their own, when no other call
     /// took them first (the task that queued the first of them runs this).
     pub(crate) async fn flush_riders(&self, name: &str) {
         loop {
-            let riders = self.take_riders(name);
+            let (riders, _) = self.take_riders(name);
             if riders.is_empty() {
                 return;
             }
@@ -189,7 +201,7 @@ impl Inner {
         }
     }
 
-    fn take_riders(&self, name: &str) -> Vec<u64> {
+    fn take_riders(&self, name: &str) -> (Vec<u64>, bool) {
         lock(&self.state).limits.get_mut(name).map(ClientLimit::take_riders).unwrap_or_default()
     }
 

@@ -109,7 +109,29 @@ async fn a_riding_release_hands_its_permit_on_before_its_client_queues(t: Target
     // The release rode with the queued acquire; the grant after the waiter's release was
     // pushed.
     assert_eq!(a.stats().calls - before, 1, "the release and the acquire in one call");
+
+    // Now the client's last ask was queued (the limit is busy): its next release goes first
+    // in a call of its own, so the waiter's grant is pushed before the asker queues.
+    let lb = Limits::with_backend(b.clone());
+    let waiter = tokio::spawn(async move {
+        let permit = lb.acquire("db", Priority::default()).await.unwrap();
+        let token = permit.fencing_token();
+        sleep(Duration::from_millis(50)).await;
+        drop(permit);
+        token
+    });
+    settles(&a, "db", 1, 1).await;
+    let before = a.stats().calls;
+    let second = again.fencing_token();
     drop(again);
+    let third = timeout(Duration::from_secs(5), la.acquire("db", Priority::default()))
+        .await
+        .expect("granted after the waiter's hold")
+        .unwrap();
+    let waiter_token = timeout(Duration::from_secs(1), waiter).await.unwrap().unwrap();
+    assert!(second < waiter_token && waiter_token < third.fencing_token());
+    assert_eq!(a.stats().calls - before, 2, "the release, then the acquire");
+    drop(third);
     settles(&a, "db", 0, 0).await;
 }
 
