@@ -2,7 +2,7 @@
 //! of the client's next call on the limit, in the same call, or in a call of its own when no
 //! other comes first. Counted in script calls (`RedisStats::calls`) on a one-thread runtime,
 //! where the order of the client's tasks is fixed; each test runs on the one Redis and on the
-//! cluster.
+//! cluster, but the one that loses a call, which pauses and kills clients on a Redis of its own.
 
 mod common;
 
@@ -161,6 +161,57 @@ async fn a_dropped_waiting_acquire_is_withdrawn_ahead_of_the_next_call(t: Target
     sleep(Duration::from_millis(100)).await;
     assert_eq!(b.stats().calls - before, 2, "and the permit's release went on its own");
     settles(&a, "db", 0, 0).await;
+}
+
+/// A release whose call never reaches Redis is not lost: the call timed out while Redis was
+/// paused, and its connection was killed with the call still unread, so Redis never ran it.
+/// The client retries the release in the background once Redis answers again.
+#[tokio::test]
+async fn a_release_whose_call_is_lost_is_retried() {
+    let redis = common::DedicatedRedis::start();
+    let backend = RedisLimits::builder(redis.url())
+        .namespace(common::unique_ns("lost-ride"))
+        .lease(Duration::from_secs(60))
+        .op_timeout(Duration::from_millis(200))
+        .build()
+        .await
+        .unwrap();
+    let limits = Limits::with_backend(backend.clone());
+    limits.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    let permit = limits.acquire("db", Priority::default()).await.unwrap();
+    let admin = redis::Client::open(redis.url()).unwrap();
+    let mut admin = admin.get_multiplexed_async_connection().await.unwrap();
+    let (): () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(5_000)
+        .arg("WRITE")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    drop(permit);
+    // The release goes in a call of its own, which Redis holds unread until it times out.
+    sleep(Duration::from_millis(400)).await;
+    assert!(backend.stats().outages >= 1, "the call timed out: {:?}", backend.stats());
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(killed >= 1, "the client's connection was killed");
+    let (): () = redis::cmd("CLIENT").arg("UNPAUSE").query_async(&mut admin).await.unwrap();
+    // Retried within a maintenance tick (a quarter of a second) of Redis answering.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Ok(Some(info)) = backend.info("db").await
+            && info.in_use == 0
+        {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the release was lost");
+        sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Each test, once on the one Redis and once on the cluster, on one thread.
