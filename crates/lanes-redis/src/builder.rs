@@ -144,6 +144,7 @@ impl RedisLimitsBuilder {
             stats: Stats::default(),
             tasks: Mutex::new(Vec::new()),
             me: std::sync::OnceLock::new(),
+            runtime: tokio::runtime::Handle::current(),
             leased: std::sync::RwLock::default(),
             ledger_id: ledger_id(),
             share_seq: AtomicU64::new(0),

@@ -7,7 +7,7 @@ use futures_util::future::join_all;
 
 /// Every quarter of a second (or third of a lease, if shorter): checks the namespace's epoch
 /// (so a Redis that lost its state is seen within one tick), retries releases that could not
-/// reach Redis, tells the limits where this client waits that it is alive, and — every third of
+/// reach Redis, sends releases still waiting to ride (whose own task did not run), tells the limits where this client waits that it is alive, and — every third of
 /// a lease — renews the permits it holds for itself.
 ///
 /// The calls of a tick are made at once, not one after the other: on a cluster whose primary
@@ -26,6 +26,12 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else { return };
         let orphans = std::mem::take(&mut lock(&inner.state).orphans);
+        let riding: Vec<String> = lock(&inner.state)
+            .limits
+            .iter()
+            .filter(|(_, limit)| limit.has_riders())
+            .map(|(name, _)| name.clone())
+            .collect();
         let waiting: Vec<String> = if touched.elapsed() >= inner.queue_grace / 4 {
             touched = Instant::now();
             lock(&inner.state)
@@ -56,11 +62,12 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
                 lock(&inner.state).orphans.push((name, ticket));
             }
         }));
+        let riders = join_all(riding.iter().map(|name| inner.flush_riders(name)));
         let touches = join_all(waiting.iter().map(|name| inner.call(name, "touch", NO_ARGS)));
         let renewals = join_all(held.into_iter().map(|(name, tickets)| async move {
             inner.renew_all(&name, tickets, inner.lease).await
         }));
-        let _ = tokio::join!(inner.detect_loss(), releases, touches, renewals);
+        let _ = tokio::join!(inner.detect_loss(), releases, riders, touches, renewals);
     }
 }
 

@@ -211,6 +211,9 @@ struct Inner {
     tasks: Mutex<Vec<JoinHandle<()>>>,
     /// This client itself, for the tasks it starts later (a leased limit's refresher).
     me: std::sync::OnceLock<Weak<Inner>>,
+    /// The runtime the client was built on, where its background tasks run: a permit
+    /// dropped elsewhere (another runtime, or none) still has its release sent.
+    runtime: tokio::runtime::Handle,
     /// Limits this client serves from its share (leased capacity).
     leased: std::sync::RwLock<HashMap<String, Arc<LocalShare>>>,
     /// This client's identity in leased ledgers (random, below 2^53), and the number of its
@@ -676,10 +679,10 @@ impl Inner {
     /// A dropped permit (or waiting ticket) of `name`: its release rides ahead of this
     /// client's next call on the limit, so that a task that drops a permit and asks again
     /// makes one call, with the release first (a waiter gets the permit before the asker is
-    /// queued). If no call comes first, a task started now sends it. `false` when it cannot
-    /// ride: a ticket served without Redis, or no runtime to send it.
+    /// queued). If no call comes first, a task started now on the client's runtime sends it,
+    /// and the maintenance loop sends any left waiting (that task may never run: its runtime
+    /// may be shutting down). `false` when it cannot ride: a ticket served without Redis.
     fn ride(&self, name: &str, ticket: u64) -> bool {
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
         let Some(me) = self.me.get().and_then(Weak::upgrade) else { return false };
         let first = {
             let mut state = lock(&self.state);
@@ -691,7 +694,7 @@ impl Inner {
         self.lost.forget(name, ticket);
         if first {
             let name = name.to_owned();
-            runtime.spawn(async move { me.flush_riders(&name).await });
+            self.runtime.spawn(async move { me.flush_riders(&name).await });
         }
         true
     }

@@ -657,7 +657,13 @@ local function call(keys, args)
     return 'ok'
   end
 
-  if not load_meta() then return { 'unknown' } end
+  if not load_meta() then
+    -- The limit is gone (removed, or its settings lost): its riders' entries go anyway.
+    if riders and ARGV[riders] then
+      for k = riders, #ARGV do release_one(ARGV[k]) end
+    end
+    return { 'unknown' }
+  end
   now = now_us()
   watch_node(now)
   local reclaimed = expire(now)

@@ -361,6 +361,11 @@ impl ClientLimit {
         Some(self.riders.len() == 1)
     }
 
+    /// Whether releases wait to ride.
+    pub(crate) fn has_riders(&self) -> bool {
+        !self.riders.is_empty()
+    }
+
     /// Up to [`MAX_RIDERS`] releases waiting to ride, oldest first, for the call about to go,
     /// and whether any of them returns a permit (rather than withdrawing a waiting ticket).
     pub(crate) fn take_riders(&mut self) -> (Vec<u64>, bool) {

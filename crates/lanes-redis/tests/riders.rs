@@ -214,6 +214,21 @@ async fn a_release_whose_call_is_lost_is_retried() {
     }
 }
 
+/// A permit dropped on a thread without a runtime still goes back to Redis: its release is
+/// sent by a task on the client's own runtime (it used to wait for the end of its lease, and
+/// the client renewed it meanwhile).
+async fn a_permit_dropped_outside_a_runtime_goes_back(t: Target) {
+    let ns = common::unique_ns("noruntime");
+    let _cleanup = common::Cleanup::on(t, &ns);
+    let backend = quiet_client(t, &ns).await;
+    let limits = Limits::with_backend(backend.clone());
+    limits.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    let permit = limits.acquire("db", Priority::default()).await.unwrap();
+    settles(&backend, "db", 1, 0).await;
+    std::thread::spawn(move || drop(permit)).join().unwrap();
+    settles(&backend, "db", 0, 0).await;
+}
+
 /// Each test, once on the one Redis and once on the cluster, on one thread.
 macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
@@ -241,4 +256,5 @@ on_both!(
     a_burst_of_drops_goes_back_in_a_few_calls,
     a_riding_release_hands_its_permit_on_before_its_client_queues,
     a_dropped_waiting_acquire_is_withdrawn_ahead_of_the_next_call,
+    a_permit_dropped_outside_a_runtime_goes_back,
 );
