@@ -66,12 +66,22 @@ class Conn:
         raise RuntimeError(f"odd reply {line!r}")
 
 
-def lanes_cycles(conn, n):
+def load_library(conn):
     library = open(LIBRARY).read().replace("__LANES_LIBRARY__", "lanes_icount")
     conn("FUNCTION", "LOAD", "REPLACE", library)
+
+
+def roomy_limit(conn):
+    """A limit of 100,000 on a fresh library: the FCALL prefix and the common arguments."""
+    load_library(conn)
     base = ["FCALL", "lanes_icount", 1, "{icount:limit}"]
     common = ["lanes:{icount}:n:", 3000, 2000, 7]
     conn(*base, "define", *common, 100000, 0, 1, "", 0, 0, "")
+    return base, common
+
+
+def lanes_cycles(conn, n):
+    base, common = roomy_limit(conn)
     for i in range(n):
         ticket = 7 * 2**32 + i + 1
         granted = conn(*base, "acquire", *common, ticket, 0, "k", 1, 1000, "new")
@@ -80,11 +90,7 @@ def lanes_cycles(conn, n):
 
 
 def lanes_riding_cycles(conn, n):
-    library = open(LIBRARY).read().replace("__LANES_LIBRARY__", "lanes_icount")
-    conn("FUNCTION", "LOAD", "REPLACE", library)
-    base = ["FCALL", "lanes_icount", 1, "{icount:limit}"]
-    common = ["lanes:{icount}:n:", 3000, 2000, 7]
-    conn(*base, "define", *common, 100000, 0, 1, "", 0, 0, "")
+    base, common = roomy_limit(conn)
     rider = []
     for i in range(n):
         ticket = 7 * 2**32 + i + 1
@@ -94,8 +100,7 @@ def lanes_riding_cycles(conn, n):
 
 
 def lanes_queued_cycles(conn, n, riding=False):
-    library = open(LIBRARY).read().replace("__LANES_LIBRARY__", "lanes_icount")
-    conn("FUNCTION", "LOAD", "REPLACE", library)
+    load_library(conn)
     base = ["FCALL", "lanes_icount", 1, "{icount:one}"]
     conn(*base, "define", "lanes:{icount}:n:", 3000, 2000, 7, 1, 0, 1, "", 0, 0, "")
     clients = [7, 8, 9, 10]

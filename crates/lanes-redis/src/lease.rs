@@ -7,8 +7,9 @@ use futures_util::future::join_all;
 
 /// Every quarter of a second (or third of a lease, if shorter): checks the namespace's epoch
 /// (so a Redis that lost its state is seen within one tick), retries releases that could not
-/// reach Redis, sends releases still waiting to ride (whose own task did not run), tells the limits where this client waits that it is alive, and — every third of
-/// a lease — renews the permits it holds for itself.
+/// reach Redis, sends releases still waiting to ride (whose own task did not run), tells the
+/// limits where this client waits that it is alive, and — every third of a lease — renews the
+/// permits it holds for itself.
 ///
 /// The calls of a tick are made at once, not one after the other: on a cluster whose primary
 /// failed, each call to it waits out `op_timeout`, and the renewals of limits on the healthy
@@ -25,13 +26,16 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
     loop {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else { return };
-        let orphans = std::mem::take(&mut lock(&inner.state).orphans);
-        let riding: Vec<String> = lock(&inner.state)
-            .limits
-            .iter()
-            .filter(|(_, limit)| limit.has_riders())
-            .map(|(name, _)| name.clone())
-            .collect();
+        let (orphans, riding) = {
+            let mut state = lock(&inner.state);
+            let riding: Vec<String> = state
+                .limits
+                .iter()
+                .filter(|(_, limit)| limit.has_riders())
+                .map(|(name, _)| name.clone())
+                .collect();
+            (std::mem::take(&mut state.orphans), riding)
+        };
         let waiting: Vec<String> = if touched.elapsed() >= inner.queue_grace / 4 {
             touched = Instant::now();
             lock(&inner.state)

@@ -367,11 +367,12 @@ impl ClientLimit {
     }
 
     /// Up to [`MAX_RIDERS`] releases waiting to ride, oldest first, for the call about to go,
-    /// and whether any of them returns a permit (rather than withdrawing a waiting ticket).
+    /// and whether they should go first in a call of their own: some return a permit (rather
+    /// than withdraw a waiting ticket) on a limit that was busy at this client's last ask.
     pub(crate) fn take_riders(&mut self) -> (Vec<u64>, bool) {
         let n = self.riders.len().min(MAX_RIDERS);
-        let permits = self.riders[..n].iter().any(|&(_, held)| held);
-        (self.riders.drain(..n).map(|(ticket, _)| ticket).collect(), permits)
+        let first = self.busy && self.riders[..n].iter().any(|&(_, held)| held);
+        (self.riders.drain(..n).map(|(ticket, _)| ticket).collect(), first)
     }
 
     /// Releases `ticket` from any state and says where it was.

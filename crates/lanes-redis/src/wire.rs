@@ -169,11 +169,11 @@ impl Inner {
     ) -> Result<Value, CallError> {
         // The operations that carry riders (see `limits.lua`): releases of this client's
         // dropped permits on the limit, done first, in the same call.
-        let (riders, permits) = match op {
+        let (riders, alone) = match op {
             "acquire" | "check" | "try" | "release" => self.take_riders(name),
             _ => (Vec::new(), false),
         };
-        if op == "acquire" && permits && self.busy(name) {
+        if op == "acquire" && alone {
             // The limit was busy at this client's last ask, so this acquire will likely queue:
             // the permits go back first in a call of their own, whose grants to waiters are
             // pushed as soon as it ends, not after the queueing of this ask too. The asker,
@@ -182,10 +182,6 @@ impl Inner {
             return self.call_riding(name, op, lease, args, Vec::new()).await;
         }
         self.call_riding(name, op, lease, args, riders).await
-    }
-
-    fn busy(&self, name: &str) -> bool {
-        lock(&self.state).limits.get(name).is_some_and(|limit| limit.busy)
     }
 
     /// Sends releases waiting to ride on `name` in calls of their own, when no other call

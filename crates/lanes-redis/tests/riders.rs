@@ -76,6 +76,17 @@ async fn a_burst_of_drops_goes_back_in_a_few_calls(t: Target) {
     settles(&backend, "db", 0, 0).await;
 }
 
+/// A task that waits for a permit of `db`, holds it 50 ms, and returns its fencing token.
+fn spawn_waiter(limits: Limits) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let permit = limits.acquire("db", Priority::default()).await.unwrap();
+        let token = permit.fencing_token();
+        sleep(Duration::from_millis(50)).await;
+        drop(permit);
+        token
+    })
+}
+
 /// A release riding ahead of its client's next acquire on a full limit hands the permit to the
 /// waiter served next, and the asker queues behind it: one call, the release first.
 async fn a_riding_release_hands_its_permit_on_before_its_client_queues(t: Target) {
@@ -86,13 +97,7 @@ async fn a_riding_release_hands_its_permit_on_before_its_client_queues(t: Target
     la.define("db", LimitSpec::concurrent(1)).await.unwrap();
     let held = la.acquire("db", Priority::default()).await.unwrap();
     let first_token = held.fencing_token();
-    let waiter = tokio::spawn(async move {
-        let permit = lb.acquire("db", Priority::default()).await.unwrap();
-        let token = permit.fencing_token();
-        sleep(Duration::from_millis(50)).await;
-        drop(permit);
-        token
-    });
+    let waiter = spawn_waiter(lb);
     settles(&a, "db", 1, 1).await;
     let before = a.stats().calls;
     drop(held);
@@ -112,14 +117,7 @@ async fn a_riding_release_hands_its_permit_on_before_its_client_queues(t: Target
 
     // Now the client's last ask was queued (the limit is busy): its next release goes first
     // in a call of its own, so the waiter's grant is pushed before the asker queues.
-    let lb = Limits::with_backend(b.clone());
-    let waiter = tokio::spawn(async move {
-        let permit = lb.acquire("db", Priority::default()).await.unwrap();
-        let token = permit.fencing_token();
-        sleep(Duration::from_millis(50)).await;
-        drop(permit);
-        token
-    });
+    let waiter = spawn_waiter(Limits::with_backend(b.clone()));
     settles(&a, "db", 1, 1).await;
     let before = a.stats().calls;
     let second = again.fencing_token();
