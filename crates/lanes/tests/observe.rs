@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
 use lanes::observe::{METRICS, Observe, Registry, Snapshot};
 use lanes::spill::MemStorage;
 use lanes::{LaneLimits, LaneSet, LimitSpec, Limits, Priority, Run, SpillOptions, SpillQueue};
@@ -160,6 +161,41 @@ fn a_spill_queue_counts_appends_acks_and_unacknowledged_bytes() {
     assert_eq!(
         value(&snapshot, "lanes_spill_unacked_bytes", &orders),
         &DebugValue::Gauge(44.0.into())
+    );
+}
+
+#[test]
+fn a_channel_counts_what_its_reads_hand_out_by_quiescence() {
+    let counts = Arc::new(std::sync::Mutex::new(None));
+    let seen = counts.clone();
+    let snapshot = in_runtime(async move {
+        let channel = Channel::named("reads", ChannelConfig::new(256)).unwrap();
+        let mut consumer = channel.consumer(ConsumerOptions::new().batch_max(4)).unwrap();
+        for n in 0..100u32 {
+            channel.emit(n).await.unwrap();
+        }
+        // A whole burst of reads, part of one, a batch that takes back the rest, a
+        // `recv_many`, then a consumer dropped with part of a burst handed out and part not.
+        for n in 0..70u32 {
+            assert_eq!(consumer.recv().await, Some(n));
+        }
+        consumer.next_batch().await.unwrap().ack().await.unwrap();
+        let mut got = Vec::new();
+        assert_eq!(consumer.recv_many(&mut got, 3).await, 3);
+        assert_eq!(consumer.recv().await, Some(77));
+        assert_eq!(consumer.recv().await, Some(78));
+        drop(consumer);
+        let s = channel.snapshot();
+        *seen.lock().unwrap() = Some((s.processed, s.abandoned));
+    });
+    let (processed, abandoned) = counts.lock().unwrap().expect("ran");
+    // 70 read one by one, a batch of 4, 3 by `recv_many`, 2 more; the dropped consumer's
+    // read-ahead still held 79..=99, with 5 of its records handed out and not yet published.
+    assert_eq!((processed, abandoned), (79, 21));
+    let reads = [("channel", "reads")];
+    assert_eq!(
+        value(&snapshot, "lanes_channel_processed_total", &reads),
+        &DebugValue::Counter(processed)
     );
 }
 
