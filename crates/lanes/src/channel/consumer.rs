@@ -96,10 +96,6 @@ pub struct Consumer<T> {
     next_backoff: Option<Duration>,
     /// Records `recv` took and has not handed out yet, in order (the first at the front).
     local: VecDeque<Entry<T>>,
-    /// Records `recv` handed out of `local` (each counted processed at once) that the
-    /// `processed` metric and `drained`'s waiters have not heard of: they hear once `local` runs
-    /// dry (or is taken back, or the consumer drops), not once per record.
-    handed: u64,
     /// The wakers of producers a take handed slots to (kept: no allocation per hand-off).
     wakers: Vec<Waker>,
     /// The waker last registered for the next record (while the channel's `recv_armed`
@@ -119,7 +115,6 @@ impl<T: Send + 'static> Consumer<T> {
             backoff: None,
             next_backoff: None,
             local: VecDeque::new(),
-            handed: 0,
             wakers: Vec::new(),
             armed: None,
         }
@@ -140,10 +135,8 @@ impl<T: Send + 'static> Consumer<T> {
     ///
     /// To take the lock once per burst rather than once per record, `recv` moves up to 64
     /// queued records at a time into the consumer (they count as delivered then, like a
-    /// batch; records a dropped consumer still holds count as abandoned). Each counts as
-    /// processed in the channel's snapshot as it is handed out; the `processed` metric is
-    /// added to once per such burst, when its last record is handed out. With a consumer limit
-    /// it takes one record at a time, each under a permit released on return.
+    /// batch; records a dropped consumer still holds count as abandoned). With a consumer
+    /// limit it takes one record at a time, each under a permit released on return.
     ///
     /// A read that empties the channel registers the task for the next record under the same
     /// lock, so that the next read finds out whether one came without taking it again: the
@@ -158,12 +151,7 @@ impl<T: Send + 'static> Consumer<T> {
             poll_fn(|cx| self.poll_recv(cx, max)).await?;
             self.permits.clear();
         }
-        let entry = self.local.pop_front()?;
-        let record = self.hand_out(entry);
-        if self.local.is_empty() {
-            self.count_handed();
-        }
-        Some(record)
+        self.local.pop_front().map(|entry| self.hand_out(entry))
     }
 
     /// Moves up to `limit` queued records into `buffer` (waiting for at least one), settling
@@ -187,35 +175,20 @@ impl<T: Send + 'static> Consumer<T> {
         let n = limit.min(self.local.len());
         for _ in 0..n {
             let entry = self.local.pop_front().expect("counted");
-            let record = self.hand_out(entry);
-            buffer.push(record);
-        }
-        if self.local.is_empty() {
-            self.count_handed();
+            buffer.push(self.hand_out(entry));
         }
         n
     }
 
-    /// Hands out a record taken by `recv`: it counts as processed, its receipt settles; the
-    /// metric hears of it with the rest of its burst ([`count_handed`](Self::count_handed)).
+    /// Hands out a record taken by `recv`: it counts as processed, its receipt settles.
     /// Inlined: the record stays in registers on its way out instead of going through memory.
     #[inline]
-    fn hand_out(&mut self, entry: Entry<T>) -> T {
-        self.shared.count_read();
-        self.handed += 1;
+    fn hand_out(&self, entry: Entry<T>) -> T {
+        self.shared.count_read(1);
         if let Some(receipt) = &entry.receipt {
             self.settle_read(receipt);
         }
         entry.record
-    }
-
-    /// Tells the metric and `drained`'s waiters of the records handed out since the last time:
-    /// one metric call and one look for waiters per burst instead of per record (`drained`
-    /// cannot hold while the burst's records are not all handed out).
-    fn count_handed(&mut self) {
-        if self.handed > 0 {
-            self.shared.publish_reads(std::mem::take(&mut self.handed));
-        }
     }
 
     /// A record handed out by `recv` had a receipt: it settles processed (late, if it timed
@@ -229,7 +202,6 @@ impl<T: Send + 'static> Consumer<T> {
 
     /// Records `recv` took and did not hand out, in order.
     fn take_back_local(&mut self) -> Vec<Entry<T>> {
-        self.count_handed();
         Vec::from(std::mem::take(&mut self.local))
     }
 
@@ -413,9 +385,6 @@ impl<T> Unpin for Consumer<T> {}
 
 impl<T> Drop for Consumer<T> {
     fn drop(&mut self) {
-        if self.handed > 0 {
-            self.shared.publish_reads(self.handed);
-        }
         if !self.local.is_empty() {
             lock(&self.shared.state).core.counters.abandoned += self.local.len() as u64;
             for entry in self.local.drain(..) {

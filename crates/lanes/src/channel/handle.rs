@@ -614,16 +614,10 @@ impl<T> ChannelShared<T> {
         self.recv_armed.load(Ordering::Acquire)
     }
 
-    /// Counts a record handed out by a plain read as processed (in the snapshot; the metric
-    /// hears of it from [`publish_reads`](Self::publish_reads)).
+    /// Counts `n` records handed out by a plain read as processed.
     #[inline]
-    pub(crate) fn count_read(&self) {
-        self.read.store(self.read.load(Ordering::Relaxed) + 1, Ordering::Release);
-    }
-
-    /// `n` records counted by [`count_read`](Self::count_read) reach the `processed` metric,
-    /// and `drained`'s waiters look again.
-    pub(crate) fn publish_reads(&self, n: u64) {
+    pub(crate) fn count_read(&self, n: u64) {
+        self.read.store(self.read.load(Ordering::Relaxed) + n, Ordering::Release);
         self.metrics.processed.increment(n);
         self.settled_changed();
     }
