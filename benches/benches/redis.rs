@@ -4,8 +4,10 @@
 //! run, uncontended and contended; and the time a vanished holder's permit takes to reach a
 //! waiter. Everything is written to `target/lanes-bench/redis.json` for the report.
 //!
-//! `LANES_REDIS_ONLY=throughput` runs the two throughput rows alone, `handoff` times the
-//! contended scenario's hand-offs (release to next grant), `leased` leased against exact.
+//! `LANES_REDIS_ONLY=throughput` runs the two throughput rows alone, `paired` runs them as
+//! pairs of ours and the anchor's back to back in alternating order (`LANES_REDIS_PAIRS`,
+//! default 9) and prints the median ratio with its quartiles, `handoff` times the contended
+//! scenario's hand-offs (release to next grant), `leased` leased against exact.
 //! `LANES_REDIS_SIDE=lanes` (or `anchor`) runs one side of the uncontended row alone, so that
 //! the CPU time of the client process and of Redis can be split per cycle
 //! (`benches/tools/redis_cpu_split.sh`).
@@ -510,6 +512,40 @@ fn main() {
                 let anchor = sorted_set_throughput(&ns, clients, limit, hold, false, None).await;
                 let ceiling = in_process_ceiling(clients, limit, hold).await;
                 println!("redis/throughput/{label}: lanes {lanes:.0}/s, sorted set {anchor:.0}/s, {:.2}x; in-process ceiling {ceiling:.0}/s", lanes / anchor);
+            }
+            cleanup(&ns).await;
+            return;
+        }
+        // LANES_REDIS_ONLY=paired measures the two throughput rows in pairs, ours and the
+        // anchor's back to back in alternating order (`LANES_REDIS_PAIRS` of them, 9 unless
+        // set): the ratio is taken within each pair, so drift of the host between pairs
+        // cancels, and the median of the pairs is the figure, with its quartiles as the spread.
+        if std::env::var("LANES_REDIS_ONLY").as_deref() == Ok("paired") {
+            let pairs: usize =
+                std::env::var("LANES_REDIS_PAIRS").ok().and_then(|p| p.parse().ok()).unwrap_or(9);
+            for (label, clients, limit, hold) in [
+                ("uncontended", 8usize, 100_000u32, Duration::ZERO),
+                ("contended", 16, 4, Duration::from_millis(2)),
+            ] {
+                let mut ratios = Vec::new();
+                for pair in 0..pairs {
+                    let (lanes, anchor) = if pair % 2 == 0 {
+                        let lanes = lanes_throughput(&ns, clients, limit, hold, false, None).await;
+                        (lanes, sorted_set_throughput(&ns, clients, limit, hold, false, None).await)
+                    } else {
+                        let anchor =
+                            sorted_set_throughput(&ns, clients, limit, hold, false, None).await;
+                        (lanes_throughput(&ns, clients, limit, hold, false, None).await, anchor)
+                    };
+                    ratios.push(lanes / anchor);
+                }
+                ratios.sort_by(f64::total_cmp);
+                println!(
+                    "redis/paired/{label}: lanes / sorted set = {:.2}x (quartiles {:.2}-{:.2}, {pairs} pairs)",
+                    percentile(&ratios, 0.5),
+                    percentile(&ratios, 0.25),
+                    percentile(&ratios, 0.75)
+                );
             }
             cleanup(&ns).await;
             return;
