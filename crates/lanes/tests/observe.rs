@@ -179,9 +179,12 @@ fn a_channel_counts_what_its_reads_hand_out_by_quiescence() {
         for n in 0..70u32 {
             assert_eq!(consumer.recv().await, Some(n));
         }
-        consumer.next_batch().await.unwrap().ack().await.unwrap();
+        let batch = consumer.next_batch().await.unwrap();
+        assert_eq!(&batch[..], &[70, 71, 72, 73]);
+        batch.ack().await.unwrap();
         let mut got = Vec::new();
         assert_eq!(consumer.recv_many(&mut got, 3).await, 3);
+        assert_eq!(got, [74, 75, 76]);
         assert_eq!(consumer.recv().await, Some(77));
         assert_eq!(consumer.recv().await, Some(78));
         drop(consumer);
@@ -190,7 +193,7 @@ fn a_channel_counts_what_its_reads_hand_out_by_quiescence() {
     });
     let (processed, abandoned) = counts.lock().unwrap().expect("ran");
     // 70 read one by one, a batch of 4, 3 by `recv_many`, 2 more; the dropped consumer's
-    // read-ahead still held 79..=99.
+    // read-ahead (64 records at a time) still held 79..=99.
     assert_eq!((processed, abandoned), (79, 21));
     let reads = [("channel", "reads")];
     assert_eq!(
