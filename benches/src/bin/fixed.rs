@@ -22,6 +22,11 @@
 //! execution slots), and the rounds (10,000 records or 1,000 runs each). It prints the records
 //! or runs per second it measured, as context.
 //!
+//! `permits` and `semaphore` are suite 1's contended cell on one thread: the second argument is
+//! the number of tasks sharing 2 permits, each taking and returning one 64 times with a yield
+//! while holding it, through a `Limit` handle or a `tokio::sync::Semaphore` (a round is every
+//! task's 64 acquires).
+//!
 //! Four more cells follow suites 4 and 5 on `current_thread` (their capacities are fixed; give
 //! any): `drop-oldest` (`try_emit` into a 64-record `DropOldest` channel, a consumer that works
 //! ~200 steps per record), `spill` (the same into a `Spill` channel whose spill queue, under
@@ -35,19 +40,23 @@ use std::time::Instant;
 use std::hint::black_box;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
+use lanes::{LimitSpec, Limits};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
     RECORDS, channel_block, kanal_block, lane, lane_runs, next_batch_block, recv_many_block,
     tokio_block,
 };
+use tokio::sync::Semaphore;
 
 const RUNS: u64 = 1_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane|drop-oldest|spill|next-batch|recv-many) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|drop-oldest|spill|next-batch|recv-many) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -88,6 +97,13 @@ fn main() {
                 .expect("bench task")
             })
         }
+        "permits" | "semaphore" => rt.block_on(async {
+            let start = Instant::now();
+            for _ in 0..rounds {
+                contended(cell == "permits", size).await;
+            }
+            (rounds * size as u64 * PER_TASK, start.elapsed())
+        }),
         "drop-oldest" | "spill" | "next-batch" | "recv-many" => rt.block_on(async {
             let start = Instant::now();
             for round in 0..rounds {
@@ -104,6 +120,40 @@ fn main() {
         _ => panic!("{usage}"),
     };
     println!("{cell}: {:.2} M/s", items as f64 / elapsed.as_secs_f64() / 1e6);
+}
+
+/// Acquires per task in suite 1's contended cell.
+const PER_TASK: u64 = 64;
+
+/// Suite 1's contended cell on one thread: `tasks` tasks share 2 permits, each taking and
+/// returning one `PER_TASK` times with a yield while holding it, through a `Limit` handle
+/// (`ours`) or a `tokio::sync::Semaphore`.
+async fn contended(ours: bool, tasks: usize) {
+    let limits = Limits::new();
+    limits.define("l", LimitSpec::concurrent(2)).await.expect("define");
+    let handle = limits.limit("l");
+    let semaphore = Arc::new(Semaphore::new(2));
+    let running: Vec<_> = (0..tasks)
+        .map(|_| {
+            let (handle, semaphore) = (handle.clone(), semaphore.clone());
+            tokio::spawn(async move {
+                for _ in 0..PER_TASK {
+                    if ours {
+                        let permit = handle.acquire().await;
+                        tokio::task::yield_now().await;
+                        drop(permit);
+                    } else {
+                        let permit = semaphore.acquire().await;
+                        tokio::task::yield_now().await;
+                        drop(permit);
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in running {
+        task.await.expect("task");
+    }
 }
 
 /// Work a slow consumer does per record (suite 4's).
