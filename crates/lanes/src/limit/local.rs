@@ -469,7 +469,11 @@ impl LocalLimits {
             // Nobody waits in this backend: nothing to grant on anyone's behalf.
             return;
         }
-        while let Ok(Some(Next::Ready(ticket))) = inner.table.next(name, now) {
+        // The queue's answer is asked once per change: after the loop it still holds (nothing
+        // changed since; a break leaves a `Ready`, which needs no timer), so the head's timer
+        // below reads it rather than asking again (each ask is a lookup and a queue peek).
+        let mut next = inner.table.next(name, now);
+        while let Ok(Some(Next::Ready(ticket))) = next {
             // A waiter that is not polling (a server ticket between long-polls) is left for its
             // own next look, so a grant never lands on an absent waiter; one that only wants a
             // wake-up asks itself, with its own lease.
@@ -484,8 +488,9 @@ impl LocalLimits {
                 let _ = handoff.set(grant);
             }
             waiter.waker.wake();
+            next = inner.table.next(name, now);
         }
-        let head = match inner.table.next(name, now) {
+        let head = match next {
             Ok(Some(Next::At(ticket, _))) => Some(ticket),
             // Blocked by held permits: only leases can end without a release, so only then does
             // the head need its timer (re)armed.
