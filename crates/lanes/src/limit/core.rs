@@ -125,7 +125,8 @@ struct LimitState {
     /// Permits held outside the table (the in-process fast path's), counted in `in_use`.
     #[serde(default)]
     external: u32,
-    /// Leases reclaimed since the owner last asked ([`LimitTable::take_expired`]).
+    /// Leases reclaimed since the owner last asked
+    /// ([`LimitTable::take_expired_and_set_external`]).
     #[serde(skip)]
     expired: u64,
     /// What the table saw of this limit's waiters (for the snapshot; not state).
@@ -657,9 +658,12 @@ impl LimitTable {
         state.max_in_use = state.max_in_use.max(counters.max_in_use);
     }
 
-    /// How many leased permits of `name` were reclaimed since the last call.
-    pub(crate) fn take_expired(&mut self, name: &str) -> u64 {
+    /// How many leased permits of `name` were reclaimed since the last call; also sets how many
+    /// of its permits are held outside the table, as [`set_external`](Self::set_external) does
+    /// (the owner's settling step after every table operation, in one lookup of `name`).
+    pub(crate) fn take_expired_and_set_external(&mut self, name: &str, external: u32) -> u64 {
         let Some(state) = self.limits.get_mut(name) else { return 0 };
+        state.external = external;
         let taken = std::mem::take(&mut state.expired);
         state.observed.0.expired += taken;
         taken

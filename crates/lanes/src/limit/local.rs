@@ -256,11 +256,11 @@ impl LocalLimits {
         if !slot.cell.is_slow() || slot.is_removed() {
             return;
         }
-        let expired = inner.table.take_expired(&slot.name);
+        let expired =
+            inner.table.take_expired_and_set_external(&slot.name, slot.cell.fast_in_use());
         if expired > 0 {
             slot.metrics().expired.increment(expired);
         }
-        inner.table.set_external(&slot.name, slot.cell.fast_in_use());
         Self::pump(inner, &slot.name, now);
         if let Some(counters) = inner.table.release_if_idle(&slot.name) {
             slot.cell.go_fast(counters);
