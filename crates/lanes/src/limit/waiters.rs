@@ -98,6 +98,10 @@ pub struct WaitQueue {
     /// Found by hashing; never iterated in the map's order.
     index: FastMap<u64, (Loc, FairKey)>,
     next_seq: u64,
+    /// The ticket served next ([`find_head`](Self::find_head)), found again after every change
+    /// rather than on every [`peek`](Self::peek): a limit's owner asks for the head several
+    /// times per change (whether to grant, what to wake, which timer to arm).
+    head: Option<u64>,
 }
 
 impl WaitQueue {
@@ -139,14 +143,20 @@ impl WaitQueue {
         self.next_seq += 1;
         let seq = self.next_seq;
         let key = priority.fairness_key.clone();
+        // The head can move only if the ticket goes to the top level (or above it), and there
+        // either starts a key or changes a key's weight; behind a key's last waiter it cannot.
+        let top = self.levels.last_key_value().map(|(level, _)| *level);
+        let mut head_moves = top.is_none_or(|top| priority.level > top);
         let level = self.levels.entry(priority.level).or_default();
         let weight = priority.effective_weight();
         match level.keys.get_mut(&key) {
             Some(queue) => {
+                head_moves |= top == Some(priority.level) && queue.weight != weight;
                 queue.weight = weight;
                 queue.tickets.push_back((seq, ticket));
             }
             None => {
+                head_moves |= top == Some(priority.level);
                 let pos = level.next_pos;
                 level.next_pos += 1;
                 level.ring.insert(pos, key.clone());
@@ -155,11 +165,19 @@ impl WaitQueue {
             }
         }
         self.index.insert(ticket, (Loc { level: priority.level, seq }, key));
+        if head_moves {
+            self.head = self.find_head();
+        }
         true
     }
 
-    /// The ticket served next, if any. O(log n).
+    /// The ticket served next, if any. O(1).
     pub fn peek(&self) -> Option<u64> {
+        self.head
+    }
+
+    /// The ticket served next, found in the levels. O(log n).
+    fn find_head(&self) -> Option<u64> {
         let (_, level) = self.levels.last_key_value()?;
         let key = level.next_key()?;
         level.keys[key].tickets.front().map(|(_, ticket)| *ticket)
@@ -179,6 +197,7 @@ impl WaitQueue {
             _ => Turn { pos, used: 1 },
         });
         Self::unlink(&mut self.levels, loc, &key);
+        self.head = self.find_head();
         Some(ticket)
     }
 
@@ -188,6 +207,7 @@ impl WaitQueue {
             return false;
         };
         Self::unlink(&mut self.levels, loc, &key);
+        self.head = self.find_head();
         true
     }
 
@@ -310,6 +330,8 @@ impl WaitQueue {
                 }
             }
         }
+        // The turns restored above may move the head.
+        queue.head = queue.find_head();
         Ok(queue)
     }
 }
@@ -574,6 +596,8 @@ mod tests {
                     }
                 }
                 prop_assert_eq!(queue.len(), model.waiting.len());
+                // The head kept across changes is the one the levels give now.
+                prop_assert_eq!(queue.peek(), queue.find_head());
             }
         }
     }
