@@ -12,6 +12,7 @@ use std::time::Instant;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
 use lanes::{LimitSpec, LimitTable, Limits, Priority, WaitQueue};
+use lanes_benches::scenarios::{PER_TASK, Permits, contended};
 use lanes_benches::{Flavor, config, rss_bytes, write_result};
 use tokio::sync::Semaphore;
 
@@ -71,67 +72,28 @@ fn permits(c: &mut Criterion) {
     });
     group.finish();
 
-    const PER_TASK: u64 = 64;
     let mut group = c.benchmark_group("permits_contended");
     let rt = Flavor::MultiThread.runtime();
     for tasks in [2u64, 8, 64, 1024] {
         group.throughput(Throughput::Elements(tasks * PER_TASK));
         let limits = limits_with("l", LimitSpec::concurrent(2));
-        // A handle per task, as each tokio task holds an `Arc<Semaphore>`.
-        let handle = limits.limit("l");
-        group.bench_function(BenchmarkId::new("lanes", tasks), |b| {
-            b.iter_custom(|iters| {
-                let handle = handle.clone();
-                block_on(&rt, async move {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        let handles: Vec<_> = (0..tasks)
-                            .map(|_| {
-                                let handle = handle.clone();
-                                tokio::spawn(async move {
-                                    for _ in 0..PER_TASK {
-                                        let p = handle.acquire().await;
-                                        tokio::task::yield_now().await;
-                                        drop(p);
-                                    }
-                                })
-                            })
-                            .collect();
-                        for h in handles {
-                            h.await.expect("task");
+        let sides = [
+            ("lanes", Permits::Lanes(limits.limit("l"))),
+            ("tokio_semaphore", Permits::Tokio(Arc::new(Semaphore::new(2)))),
+        ];
+        for (side, permits) in sides {
+            group.bench_function(BenchmarkId::new(side, tasks), |b| {
+                b.iter_custom(|iters| {
+                    block_on(&rt, async {
+                        let start = Instant::now();
+                        for _ in 0..iters {
+                            contended(&permits, tasks).await;
                         }
-                    }
-                    start.elapsed()
+                        start.elapsed()
+                    })
                 })
-            })
-        });
-        let sem = Arc::new(Semaphore::new(2));
-        group.bench_function(BenchmarkId::new("tokio_semaphore", tasks), |b| {
-            b.iter_custom(|iters| {
-                let sem = sem.clone();
-                block_on(&rt, async move {
-                    let start = Instant::now();
-                    for _ in 0..iters {
-                        let handles: Vec<_> = (0..tasks)
-                            .map(|_| {
-                                let sem = sem.clone();
-                                tokio::spawn(async move {
-                                    for _ in 0..PER_TASK {
-                                        let p = sem.acquire().await;
-                                        tokio::task::yield_now().await;
-                                        drop(p);
-                                    }
-                                })
-                            })
-                            .collect();
-                        for h in handles {
-                            h.await.expect("task");
-                        }
-                    }
-                    start.elapsed()
-                })
-            })
-        });
+            });
+        }
     }
     group.finish();
 }

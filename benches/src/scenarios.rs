@@ -1,6 +1,7 @@
-//! Both sides of the suite-2 lane cell (ours and the hand-rolled two-semaphore lane) and of the
-//! suite-3 block-mode cells (ours and tokio mpsc), shared by the criterion benches and the
-//! fixed-work and paired drivers (`src/bin/`), so all of them run the same code.
+//! Both sides of the suite-1 contended permit cell (ours and tokio's `Semaphore`), of the
+//! suite-2 lane cell (ours and the hand-rolled two-semaphore lane) and of the suite-3
+//! block-mode cells (ours and tokio mpsc), shared by the criterion benches and the fixed-work
+//! and paired drivers (`src/bin/`), so all of them run the same code.
 
 use std::convert::Infallible;
 use std::future::ready;
@@ -9,13 +10,54 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
-use lanes::{Lane, LaneLimits, LaneSet, Run};
+use lanes::{Lane, LaneLimits, LaneSet, Limit, Run};
 use tokio::sync::Semaphore;
 
 use crate::Done;
 
 /// Records per channel run.
 pub const RECORDS: usize = 10_000;
+
+/// Acquires per task in suite 1's contended cell.
+pub const PER_TASK: u64 = 64;
+
+/// The permit a contended task takes: a `Limit` handle's, or a semaphore's.
+#[derive(Debug, Clone)]
+pub enum Permits {
+    /// Ours, through a handle (as each tokio task holds an `Arc<Semaphore>`).
+    Lanes(Limit),
+    /// The anchor.
+    Tokio(Arc<Semaphore>),
+}
+
+/// Suite 1's contended cell: `tasks` tasks share the permits, each taking and returning one
+/// [`PER_TASK`] times with a yield while holding it; returns when every task is done.
+pub async fn contended(permits: &Permits, tasks: u64) {
+    let running: Vec<_> = (0..tasks)
+        .map(|_| {
+            let permits = permits.clone();
+            tokio::spawn(async move {
+                for _ in 0..PER_TASK {
+                    match &permits {
+                        Permits::Lanes(handle) => {
+                            let permit = handle.acquire().await;
+                            tokio::task::yield_now().await;
+                            drop(permit);
+                        }
+                        Permits::Tokio(semaphore) => {
+                            let permit = semaphore.acquire().await;
+                            tokio::task::yield_now().await;
+                            drop(permit);
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in running {
+        task.await.expect("task");
+    }
+}
 
 /// A record type of the channel matrix.
 pub trait Record: Send + 'static {

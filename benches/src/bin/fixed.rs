@@ -47,8 +47,8 @@ use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
 use lanes::{LimitSpec, Limits};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    RECORDS, channel_block, kanal_block, lane, lane_runs, next_batch_block, recv_many_block,
-    tokio_block,
+    PER_TASK, Permits, RECORDS, channel_block, contended, kanal_block, lane, lane_runs,
+    next_batch_block, recv_many_block, tokio_block,
 };
 use tokio::sync::Semaphore;
 
@@ -98,9 +98,16 @@ fn main() {
             })
         }
         "permits" | "semaphore" => rt.block_on(async {
+            let permits = if cell == "permits" {
+                let limits = Limits::new();
+                limits.define("l", LimitSpec::concurrent(2)).await.expect("define");
+                Permits::Lanes(limits.limit("l"))
+            } else {
+                Permits::Tokio(Arc::new(Semaphore::new(2)))
+            };
             let start = Instant::now();
             for _ in 0..rounds {
-                contended(cell == "permits", size).await;
+                contended(&permits, size as u64).await;
             }
             (rounds * size as u64 * PER_TASK, start.elapsed())
         }),
@@ -120,40 +127,6 @@ fn main() {
         _ => panic!("{usage}"),
     };
     println!("{cell}: {:.2} M/s", items as f64 / elapsed.as_secs_f64() / 1e6);
-}
-
-/// Acquires per task in suite 1's contended cell.
-const PER_TASK: u64 = 64;
-
-/// Suite 1's contended cell on one thread: `tasks` tasks share 2 permits, each taking and
-/// returning one `PER_TASK` times with a yield while holding it, through a `Limit` handle
-/// (`ours`) or a `tokio::sync::Semaphore`.
-async fn contended(ours: bool, tasks: usize) {
-    let limits = Limits::new();
-    limits.define("l", LimitSpec::concurrent(2)).await.expect("define");
-    let handle = limits.limit("l");
-    let semaphore = Arc::new(Semaphore::new(2));
-    let running: Vec<_> = (0..tasks)
-        .map(|_| {
-            let (handle, semaphore) = (handle.clone(), semaphore.clone());
-            tokio::spawn(async move {
-                for _ in 0..PER_TASK {
-                    if ours {
-                        let permit = handle.acquire().await;
-                        tokio::task::yield_now().await;
-                        drop(permit);
-                    } else {
-                        let permit = semaphore.acquire().await;
-                        tokio::task::yield_now().await;
-                        drop(permit);
-                    }
-                }
-            })
-        })
-        .collect();
-    for task in running {
-        task.await.expect("task");
-    }
 }
 
 /// Work a slow consumer does per record (suite 4's).
