@@ -29,6 +29,11 @@ use serde_json::json;
 /// swept on every acquire (also counted by `benches/tools/redis_instructions.py`).
 const SORTED_SET_ACQUIRE: &str = include_str!("sorted_set_acquire.lua");
 
+/// The two throughput rows run on their own (`LANES_REDIS_ONLY=throughput` or `paired`): a
+/// label, the clients, the limit and how long each permit is held.
+const THROUGHPUT_ROWS: [(&str, usize, u32, Duration); 2] =
+    [("uncontended", 8, 100_000, Duration::ZERO), ("contended", 16, 4, Duration::from_millis(2))];
+
 fn url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
 }
@@ -504,10 +509,7 @@ fn main() {
         // LANES_REDIS_ONLY=throughput measures the two throughput rows alone (while working on
         // the script).
         if std::env::var("LANES_REDIS_ONLY").as_deref() == Ok("throughput") {
-            for (label, clients, limit, hold) in [
-                ("uncontended", 8usize, 100_000u32, Duration::ZERO),
-                ("contended", 16, 4, Duration::from_millis(2)),
-            ] {
+            for (label, clients, limit, hold) in THROUGHPUT_ROWS {
                 let lanes = lanes_throughput(&ns, clients, limit, hold, false, None).await;
                 let anchor = sorted_set_throughput(&ns, clients, limit, hold, false, None).await;
                 let ceiling = in_process_ceiling(clients, limit, hold).await;
@@ -523,10 +525,7 @@ fn main() {
         if std::env::var("LANES_REDIS_ONLY").as_deref() == Ok("paired") {
             let pairs: usize =
                 std::env::var("LANES_REDIS_PAIRS").ok().and_then(|p| p.parse().ok()).unwrap_or(9);
-            for (label, clients, limit, hold) in [
-                ("uncontended", 8usize, 100_000u32, Duration::ZERO),
-                ("contended", 16, 4, Duration::from_millis(2)),
-            ] {
+            for (label, clients, limit, hold) in THROUGHPUT_ROWS {
                 let mut ratios = Vec::new();
                 for pair in 0..pairs {
                     let (lanes, anchor) = if pair % 2 == 0 {

@@ -99,8 +99,8 @@ pub struct WaitQueue {
     index: FastMap<u64, (Loc, FairKey)>,
     next_seq: u64,
     /// The ticket served next ([`find_head`](Self::find_head)), found again after every change
-    /// rather than on every [`peek`](Self::peek): a limit's owner asks for the head several
-    /// times per change (whether to grant, what to wake, which timer to arm).
+    /// that can move it rather than on every [`peek`](Self::peek): a limit's owner asks for the
+    /// head several times per change (whether to grant, what to wake, which timer to arm).
     head: Option<u64>,
 }
 
