@@ -27,6 +27,12 @@
 //! while holding it, through a `Limit` handle or a `tokio::sync::Semaphore` (a round is every
 //! task's 64 acquires).
 //!
+//! `rate` and `governor` are suite 6's direct rate check (a `Limit` handle's `try_acquire` and
+//! its permit dropped, against governor's `check`); `uncontended`, `named` and
+//! `tokio-uncontended` are suite 1's uncontended acquire + release (through a `Limit` handle,
+//! by name through `Limits`, and of a `tokio::sync::Semaphore`). A round is 10,000 of them;
+//! the second argument is ignored.
+//!
 //! Four more cells follow suites 4 and 5 on `current_thread` (their capacities are fixed; give
 //! any): `drop-oldest` (`try_emit` into a 64-record `DropOldest` channel, a consumer that works
 //! ~200 steps per record), `spill` (the same into a `Spill` channel whose spill queue, under
@@ -42,21 +48,25 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
+use governor::{Quota, RateLimiter};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes::{LimitSpec, Limits};
+use lanes::{LimitSpec, Limits, Priority};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
     PER_TASK, Permits, RECORDS, channel_block, contended, kanal_block, lane, lane_runs,
     next_batch_block, recv_many_block, tokio_block,
 };
+use std::num::NonZeroU32;
 use tokio::sync::Semaphore;
 
 const RUNS: u64 = 1_000;
+/// Checks per round of the `rate`, `uncontended` and `governor` cells.
+const CHECKS: u64 = 10_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|drop-oldest|spill|next-batch|recv-many) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -111,6 +121,53 @@ fn main() {
             }
             (rounds * size as u64 * PER_TASK, start.elapsed())
         }),
+        "rate" => rt.block_on(async {
+            let limits = Limits::new();
+            let spec = LimitSpec::concurrent(u32::MAX).per_second(1e9).burst(u32::MAX);
+            limits.define("r", spec).await.expect("define");
+            let handle = limits.limit("r");
+            let checks = rounds * CHECKS;
+            let start = Instant::now();
+            for _ in 0..checks {
+                drop(black_box(handle.try_acquire().await.expect("limit")));
+            }
+            (checks, start.elapsed())
+        }),
+        "uncontended" | "named" => rt.block_on(async {
+            let limits = Limits::new();
+            limits.define("l", LimitSpec::concurrent(1_000)).await.expect("define");
+            let handle = limits.limit("l");
+            let checks = rounds * CHECKS;
+            let start = Instant::now();
+            for _ in 0..checks {
+                let permit = if cell == "named" {
+                    limits.acquire("l", Priority::default()).await
+                } else {
+                    handle.acquire().await
+                };
+                drop(black_box(permit.expect("permit")));
+            }
+            (checks, start.elapsed())
+        }),
+        "tokio-uncontended" => rt.block_on(async {
+            let semaphore = Semaphore::new(1_000);
+            let checks = rounds * CHECKS;
+            let start = Instant::now();
+            for _ in 0..checks {
+                drop(black_box(semaphore.acquire().await.expect("permit")));
+            }
+            (checks, start.elapsed())
+        }),
+        "governor" => {
+            let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));
+            let limiter = RateLimiter::direct(quota);
+            let checks = rounds * CHECKS;
+            let start = Instant::now();
+            for _ in 0..checks {
+                black_box(limiter.check()).expect("limit");
+            }
+            (checks, start.elapsed())
+        }
         "drop-oldest" | "spill" | "next-batch" | "recv-many" => rt.block_on(async {
             let start = Instant::now();
             for round in 0..rounds {
