@@ -361,6 +361,61 @@ async fn fencing_tokens_survive_remove_and_define() {
     assert!(second > first, "{first} then {second}");
 }
 
+/// A lookup by name answers the limit the map holds now, whatever this thread looked up
+/// before: the same name in another `Limits` (also one allocated where a dropped one was),
+/// and a name removed and defined again, each holding its own permits.
+#[tokio::test]
+async fn a_lookup_by_name_finds_this_backends_current_limit() {
+    let one = Limits::new();
+    let two = Limits::new();
+    one.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    two.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    // Tries, not waits: a lookup that found the wrong limit fails here rather than hangs.
+    let held_one = one.try_acquire("db", Priority::default()).await.unwrap();
+    let held_two = two.try_acquire("db", Priority::default()).await.unwrap();
+    assert!(one.try_acquire("db", Priority::default()).await.unwrap_err().is_busy());
+    let second_two = two.try_acquire("db", Priority::default()).await.unwrap();
+    assert_eq!(one.info("db").await.unwrap().unwrap().in_use, 1);
+    assert_eq!(two.info("db").await.unwrap().unwrap().in_use, 2);
+    drop((held_one, held_two, second_two));
+
+    // Removed: unknown by name, though this thread found it a moment ago.
+    one.remove("db").await.unwrap();
+    assert!(matches!(
+        one.try_acquire("db", Priority::default()).await,
+        Err(lanes::TryAcquireError::Limit(LimitError::UnknownLimit(_)))
+    ));
+    // Defined again: the new limit, not the removed one.
+    one.define("db", LimitSpec::concurrent(3)).await.unwrap();
+    let held: Vec<_> = take_now(&one, 3).await;
+    assert_eq!(held.len(), 3);
+    assert_eq!(one.info("db").await.unwrap().unwrap().in_use, 3);
+    assert!(one.try_acquire("db", Priority::default()).await.unwrap_err().is_busy());
+    drop(held);
+
+    // Backends dropped and made anew, likely at the same address: each finds its own.
+    drop((one, two));
+    for spec in 1..=8u32 {
+        let limits = Limits::new();
+        limits.define("db", LimitSpec::concurrent(spec)).await.unwrap();
+        let held = take_now(&limits, spec as usize).await;
+        assert_eq!(held.len(), spec as usize);
+        assert!(limits.try_acquire("db", Priority::default()).await.unwrap_err().is_busy());
+        assert_eq!(limits.info("db").await.unwrap().unwrap().in_use, spec);
+    }
+}
+
+/// Up to `n` permits of "db", taken by name without waiting.
+async fn take_now(limits: &Limits, n: usize) -> Vec<lanes::Permit> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        if let Ok(permit) = limits.try_acquire("db", Priority::default()).await {
+            held.push(permit);
+        }
+    }
+    held
+}
+
 /// The fast path and the table hand a limit back and forth under real threads: waiting
 /// acquires, tries, timeouts and cancellations, with and without a rate. Never more holders
 /// than `concurrent`, never a fencing token twice, and at quiescence nothing held or waiting.
