@@ -6,16 +6,24 @@
 //!
 //! # Invariants
 //!
-//! 1. `state` holds the permits taken through the fast path (low 32 bits), a generation (bits
-//!    32..63, bumped at every hand-over to or from the table) and the `SLOW` bit. A fast
+//! 1. `state` is one word: the permits taken through the fast path (bits 0..21), the fast
+//!    grants since the table last handed the limit back (bits 21..42), a generation (bits
+//!    42..63, bumped at every hand-over to or from the table) and the `SLOW` bit. A fast
 //!    acquire commits with one compare-and-swap of the whole word, so it can only commit
 //!    while `SLOW` is clear, there is room, and no hand-over happened since it looked.
-//! 2. A fast acquire takes its token (GCRA `tat`) and its fencing token *before* it commits.
-//!    So the table, which reads both after setting `SLOW`, sees every committed fast grant;
-//!    an attempt that fails to commit wastes at most one token and one fencing number (the
-//!    rate is never exceeded, tokens never repeat; they need not be contiguous).
-//! 3. While `SLOW` is set only the table grants; fast permits can still be returned (a release
-//!    decrements the count, then lets the table hand the permit on).
+//! 2. A grant's fencing token is the fence at the last hand-back plus the grant's number in
+//!    the word, and the total of grants is counted the same way: both are decided by the
+//!    commit itself, so the table, which reads the word as it sets `SLOW`, sees exactly the
+//!    committed grants and the last token (no extra atomic per grant, no token skipped). The
+//!    bases are written only while `SLOW` is set, before the hand-back's new generation; an
+//!    attempt reads them before its commit, which the generation validates.
+//! 3. A fast acquire takes its GCRA token (`tat`) *before* it commits, so the table sees it
+//!    too; an attempt that fails to commit wastes at most one token (the rate is never
+//!    exceeded).
+//! 4. While `SLOW` is set only the table grants; fast permits can still be returned (a release
+//!    decrements the count, then lets the table hand the permit on). When either field of the
+//!    word is full, the fast path answers [`Miss::Spent`]: the table takes the grant, and its
+//!    hand-back starts the grants field again from zero.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -23,9 +31,13 @@ use std::time::Duration;
 use super::config::LimitSpec;
 use super::core::Counters;
 
-const COUNT: u64 = 0xFFFF_FFFF;
-const GENERATION: u64 = 1 << 32;
+const COUNT: u64 = (1 << 21) - 1;
+const GRANT: u64 = 1 << 21;
+const GRANTS: u64 = COUNT << 21;
+const GENERATION: u64 = 1 << 42;
 const SLOW: u64 = 1 << 63;
+/// The bits a commit must find unchanged besides the count and the grants.
+const EPOCH: u64 = !(COUNT | GRANTS);
 
 /// Why the fast path could not grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,6 +46,15 @@ pub(crate) enum Miss {
     Slow,
     /// The bucket has a token at this time (ns since the backend's origin).
     Rate(u64),
+    /// The fast path's word is full (invariant 4): ask the table, which may grant.
+    Spent,
+}
+
+/// What a fast acquire saw before taking its token.
+#[derive(Debug, Clone, Copy)]
+struct Look {
+    seen: u64,
+    fence_base: u64,
 }
 
 #[derive(Debug)]
@@ -47,15 +68,20 @@ pub(crate) struct Cell {
     per_second: AtomicU64,
     /// GCRA's theoretical arrival time, ns since the backend's origin.
     tat: AtomicU64,
-    /// The last fencing token issued.
-    fence: AtomicU64,
-    /// The fencing token before the first grant, so grants = `fence - fence_start` while fast.
-    granted: AtomicU64,
+    /// The last fencing token issued when the table last handed the limit back (invariant 2).
+    fence_base: AtomicU64,
+    /// The grants counted when the table last handed the limit back.
+    granted_base: AtomicU64,
     max_in_use: AtomicU32,
 }
 
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The fast grants in `state` since the last hand-back.
+fn grants(state: u64) -> u64 {
+    (state & GRANTS) >> 21
 }
 
 impl Cell {
@@ -67,8 +93,8 @@ impl Cell {
             interval: AtomicU64::new(0),
             per_second: AtomicU64::new(0),
             tat: AtomicU64::new(0),
-            fence: AtomicU64::new(fence),
-            granted: AtomicU64::new(0),
+            fence_base: AtomicU64::new(fence),
+            granted_base: AtomicU64::new(0),
             max_in_use: AtomicU32::new(0),
         };
         cell.set_spec(spec);
@@ -104,54 +130,81 @@ impl Cell {
     /// bucket has a token at `now` (ns; ignored without a rate). Answers the fencing token.
     #[inline]
     pub(crate) fn try_fast(&self, now: u64) -> Result<u64, Miss> {
-        let mut seen = self.state.load(Ordering::Acquire);
-        if seen & SLOW != 0 || (seen & COUNT) as u32 >= self.concurrent.load(Ordering::Acquire) {
+        let look = self.look()?;
+        // Invariant 3: the token first, then the commit.
+        self.take_token(now)?;
+        self.commit(look)
+    }
+
+    /// The word and the fence base under its generation, if the fast path may grant.
+    #[inline]
+    fn look(&self) -> Result<Look, Miss> {
+        let seen = self.state.load(Ordering::Acquire);
+        if seen & SLOW != 0 || (seen & COUNT) >= u64::from(self.concurrent.load(Ordering::Acquire))
+        {
             return Err(Miss::Slow);
         }
-        // Invariant 2: the token and the fencing number first, then the commit.
+        // Read after the word; the commit validates its generation (invariant 2).
+        Ok(Look { seen, fence_base: self.fence_base.load(Ordering::Acquire) })
+    }
+
+    /// Takes a GCRA token at `now`, if the limit has a rate.
+    #[inline]
+    fn take_token(&self, now: u64) -> Result<(), Miss> {
         let interval = self.interval.load(Ordering::Relaxed);
-        if interval != 0 {
-            let burst = u64::from(self.burst.load(Ordering::Relaxed).saturating_sub(1));
-            let tolerance = interval.saturating_mul(burst);
-            let mut tat = self.tat.load(Ordering::Acquire);
-            loop {
-                let base = tat.max(now);
-                let earliest = base.saturating_sub(tolerance);
-                if earliest > now {
-                    return Err(Miss::Rate(earliest));
-                }
-                match self.tat.compare_exchange_weak(
-                    tat,
-                    base.saturating_add(interval),
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                ) {
-                    Ok(_) => break,
-                    Err(actual) => tat = actual,
-                }
+        if interval == 0 {
+            return Ok(());
+        }
+        let burst = u64::from(self.burst.load(Ordering::Relaxed).saturating_sub(1));
+        let tolerance = interval.saturating_mul(burst);
+        let mut tat = self.tat.load(Ordering::Acquire);
+        loop {
+            let base = tat.max(now);
+            let earliest = base.saturating_sub(tolerance);
+            if earliest > now {
+                return Err(Miss::Rate(earliest));
+            }
+            match self.tat.compare_exchange_weak(
+                tat,
+                base.saturating_add(interval),
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(actual) => tat = actual,
             }
         }
-        let fence = self.fence.fetch_add(1, Ordering::AcqRel) + 1;
+    }
+
+    /// Commits a grant against what `look` saw: only in the same generation (invariant 1).
+    #[inline]
+    fn commit(&self, look: Look) -> Result<u64, Miss> {
+        let mut seen = look.seen;
         loop {
-            let used = (seen & COUNT) as u32;
-            if seen & SLOW != 0 || used >= self.concurrent.load(Ordering::Acquire) {
+            let used = seen & COUNT;
+            if seen & SLOW != 0 || used >= u64::from(self.concurrent.load(Ordering::Acquire)) {
                 return Err(Miss::Slow);
+            }
+            if used == COUNT || seen & GRANTS == GRANTS {
+                return Err(Miss::Spent);
             }
             match self.state.compare_exchange_weak(
                 seen,
-                seen + 1,
+                seen + 1 + GRANT,
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
-                    self.granted.fetch_add(1, Ordering::Relaxed);
-                    if used + 1 > self.max_in_use.load(Ordering::Relaxed) {
-                        self.max_in_use.fetch_max(used + 1, Ordering::Relaxed);
+                    // `used` < COUNT < u32::MAX, so the peak fits.
+                    let peak = (used + 1) as u32;
+                    if peak > self.max_in_use.load(Ordering::Relaxed) {
+                        self.max_in_use.fetch_max(peak, Ordering::Relaxed);
                     }
-                    return Ok(fence);
+                    return Ok(look.fence_base + grants(seen) + 1);
                 }
-                // A hand-over happened since the token was taken: it may not count (inv. 1).
-                Err(actual) if actual & !COUNT != seen & !COUNT => return Err(Miss::Slow),
+                // A hand-over happened since the look: its fence base and the token taken
+                // may not count (invariants 1 and 3).
+                Err(actual) if actual & EPOCH != look.seen & EPOCH => return Err(Miss::Slow),
                 Err(actual) => seen = actual,
             }
         }
@@ -165,6 +218,7 @@ impl Cell {
 
     /// Fast permits held now.
     pub(crate) fn fast_in_use(&self) -> u32 {
+        // At most `COUNT`, which fits.
         (self.state.load(Ordering::Acquire) & COUNT) as u32
     }
 
@@ -184,10 +238,11 @@ impl Cell {
                 Err(actual) => seen = actual,
             }
         }
+        // While slow nothing commits, so the word just replaced holds every fast grant.
         Counters {
             tat: origin_nanos(self.tat.load(Ordering::Acquire)),
-            fencing: self.fence.load(Ordering::Acquire),
-            granted_total: self.granted.load(Ordering::Acquire),
+            fencing: self.fence_base.load(Ordering::Acquire) + grants(seen),
+            granted_total: self.granted_base.load(Ordering::Acquire) + grants(seen),
             max_in_use: self.max_in_use.load(Ordering::Acquire),
         }
     }
@@ -195,12 +250,13 @@ impl Cell {
     /// Takes the limit back from the table (call under the table's lock) with its counters.
     pub(crate) fn go_fast(&self, counters: Counters) {
         self.tat.store(nanos(counters.tat), Ordering::Release);
-        self.fence.fetch_max(counters.fencing, Ordering::AcqRel);
-        self.granted.store(counters.granted_total, Ordering::Release);
+        self.fence_base.store(counters.fencing, Ordering::Release);
+        self.granted_base.store(counters.granted_total, Ordering::Release);
         self.max_in_use.fetch_max(counters.max_in_use, Ordering::AcqRel);
         let mut seen = self.state.load(Ordering::Acquire);
         loop {
-            let next = (seen & !SLOW).wrapping_add(GENERATION) & !SLOW;
+            // The grants start again from the new bases; the count stays.
+            let next = (seen & !(SLOW | GRANTS)).wrapping_add(GENERATION) & !SLOW;
             match self.state.compare_exchange_weak(seen, next, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => break,
@@ -209,11 +265,13 @@ impl Cell {
         }
     }
 
-    /// The counters while fast: grants, the last token, the peak.
+    /// The counters while fast (call under the table's lock, so that no hand-over moves the
+    /// bases meanwhile): grants, the last token, the peak.
     pub(crate) fn counters(&self) -> (u64, u64, u32) {
+        let grants = grants(self.state.load(Ordering::Acquire));
         (
-            self.granted.load(Ordering::Acquire),
-            self.fence.load(Ordering::Acquire),
+            self.granted_base.load(Ordering::Acquire) + grants,
+            self.fence_base.load(Ordering::Acquire) + grants,
             self.max_in_use.load(Ordering::Acquire),
         )
     }
@@ -231,7 +289,43 @@ mod tests {
         assert_eq!(cell.try_fast(0), Err(Miss::Slow));
         assert!(!cell.release_fast());
         assert_eq!(cell.fast_in_use(), 1);
-        assert!(cell.try_fast(0).unwrap() > 12, "tokens never repeat");
+        assert_eq!(cell.try_fast(0), Ok(13), "tokens never repeat, and none is skipped");
+    }
+
+    #[test]
+    fn a_commit_across_a_hand_over_fails_and_never_reuses_the_old_base() {
+        let cell = Cell::new(LimitSpec::concurrent(4), 10);
+        assert_eq!(cell.try_fast(0), Ok(11));
+        let look = cell.look().unwrap();
+        // The table takes the limit, grants 8 tokens (12..=19), and hands it back.
+        let counters = cell.go_slow(Duration::from_nanos);
+        assert_eq!(counters.fencing, 11);
+        cell.go_fast(Counters { fencing: 19, granted_total: 9, ..counters });
+        assert_eq!(cell.commit(look), Err(Miss::Slow));
+        assert_eq!(cell.try_fast(0), Ok(20));
+        assert_eq!(cell.counters(), (10, 20, 2));
+    }
+
+    #[test]
+    fn a_full_grants_field_sends_the_grant_to_the_table_and_the_hand_back_restarts_it() {
+        let cell = Cell::new(LimitSpec::concurrent(1), 100);
+        let mut last = 100;
+        for _ in 0..GRANTS >> 21 {
+            last = cell.try_fast(0).unwrap();
+            cell.release_fast();
+        }
+        assert_eq!(last, 100 + (GRANTS >> 21));
+        assert_eq!(cell.try_fast(0), Err(Miss::Spent));
+        let counters = cell.go_slow(Duration::from_nanos);
+        assert_eq!((counters.fencing, counters.granted_total), (last, GRANTS >> 21));
+        // The table grants one, then hands the limit back.
+        cell.go_fast(Counters {
+            fencing: last + 1,
+            granted_total: counters.granted_total + 1,
+            ..counters
+        });
+        assert_eq!(cell.try_fast(0), Ok(last + 2));
+        assert_eq!(cell.counters(), ((GRANTS >> 21) + 2, last + 2, 1));
     }
 
     #[test]
@@ -263,6 +357,27 @@ mod tests {
         let cell = Arc::new(Cell::new(LimitSpec::concurrent(3), 0));
         let held = Arc::new(AtomicU32::new(0));
         let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
+        // Hand-overs mid-race: a slow period in which the table grants 8 tokens of its own
+        // (counted with the fast ones), then the table hands the limit back.
+        let handover = {
+            let (cell, tokens) = (cell.clone(), tokens.clone());
+            std::thread::spawn(move || {
+                let mut granted = 0;
+                for _ in 0..2_000 {
+                    let counters = cell.go_slow(Duration::from_nanos);
+                    let table = counters.fencing + 1..=counters.fencing + 8;
+                    tokens.lock().unwrap().extend(table.clone());
+                    granted += 8;
+                    cell.go_fast(Counters {
+                        fencing: *table.end(),
+                        granted_total: counters.granted_total + 8,
+                        ..counters
+                    });
+                    std::thread::yield_now();
+                }
+                granted
+            })
+        };
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 let (cell, held, tokens) = (cell.clone(), held.clone(), tokens.clone());
@@ -282,11 +397,17 @@ mod tests {
         for thread in threads {
             thread.join().unwrap();
         }
+        let table_granted = handover.join().unwrap();
         let mut tokens = Arc::try_unwrap(tokens).unwrap().into_inner().unwrap();
         let n = tokens.len();
         tokens.sort_unstable();
         tokens.dedup();
         assert_eq!(tokens.len(), n, "no token twice");
         assert_eq!(cell.fast_in_use(), 0);
+        // Every committed grant counted, and the last token is the highest given out.
+        let counters = cell.go_slow(Duration::from_nanos);
+        assert_eq!(counters.granted_total, n as u64);
+        assert!(table_granted > 0 && table_granted < n as u64, "both granted");
+        assert_eq!(counters.fencing, *tokens.last().unwrap());
     }
 }
