@@ -182,6 +182,29 @@ fn rate(c: &mut Criterion) {
             })
         })
     });
+    // A check holds nothing, as governor's `check` does.
+    group.bench_function("lanes_check", |b| {
+        b.iter_custom(|iters| {
+            block_on(&rt, async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    handle.check().await.expect("limit");
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.bench_function("lanes_limits_check", |b| {
+        b.iter_custom(|iters| {
+            block_on(&rt, async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    limits.check("r").await.expect("limit");
+                }
+                start.elapsed()
+            })
+        })
+    });
     let mut table = LimitTable::new();
     table.define("r", fast).expect("define");
     let origin = Instant::now();
@@ -220,6 +243,30 @@ fn rate(c: &mut Criterion) {
                         .await
                         .expect("limit");
                     drop(black_box(permit));
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.bench_function("lanes_check", |b| {
+        b.iter_custom(|iters| {
+            block_on(&rt, async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    i = (i + 7919) % KEYS;
+                    keyed_limits.check(&names[i]).await.expect("limit");
+                }
+                start.elapsed()
+            })
+        })
+    });
+    group.bench_function("lanes_check", |b| {
+        b.iter_custom(|iters| {
+            block_on(&rt, async {
+                let start = Instant::now();
+                for _ in 0..iters {
+                    i = (i + 7919) % KEYS;
+                    keyed_limits.check(&names[i]).await.expect("limit");
                 }
                 start.elapsed()
             })

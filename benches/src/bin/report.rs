@@ -222,7 +222,7 @@ impl Report {
             "## Suite 6 — rate check
 ",
         );
-        self.line("One check of a rate that every check passes (time per check; ratio = lanes / governor, lower is better). `Limits` is the async facade with its permit; `LimitTable` is the pure core the facade locks:
+        self.line("One check of a rate that every check passes (time per check; ratio = lanes / governor, lower is better). `Limits` is the async facade: `try_acquire` takes a permit (dropped at once here), `check` spends a token and holds nothing (as governor's `check`); `LimitTable` is the pure core the facade locks:
 ");
         self.line("| scenario | lanes | governor | ratio | bar |");
         self.line("|---|---|---|---|---|");
@@ -239,6 +239,18 @@ impl Report {
             "≤ 2×",
         );
         self.time_row(
+            "direct, `Limit::check()` (a handle; holds nothing, as governor's `check`)",
+            "rate_check_direct/lanes_check",
+            "rate_check_direct/governor",
+            "≤ 2×",
+        );
+        self.time_row(
+            "direct, `Limits::check(name)`",
+            "rate_check_direct/lanes_limits_check",
+            "rate_check_direct/governor",
+            "≤ 2×",
+        );
+        self.time_row(
             "direct, `LimitTable` acquire + release",
             "rate_check_direct/lanes_table",
             "rate_check_direct/governor",
@@ -247,6 +259,12 @@ impl Report {
         self.time_row(
             "keyed, 100k keys, `Limits::try_acquire`",
             "rate_check_keyed_100k/lanes_limits",
+            "rate_check_keyed_100k/governor",
+            "≤ 2×",
+        );
+        self.time_row(
+            "keyed, 100k keys, `Limits::check(name)`",
+            "rate_check_keyed_100k/lanes_check",
             "rate_check_keyed_100k/governor",
             "≤ 2×",
         );

@@ -361,6 +361,49 @@ async fn fencing_tokens_survive_remove_and_define() {
     assert!(second > first, "{first} then {second}");
 }
 
+/// A check spends a token and holds nothing; it is refused while every permit is held or
+/// others wait (it never barges), and refused with the time to wait while the bucket is
+/// empty; it counts as a grant, on the fast path and through the table alike.
+#[tokio::test(start_paused = true)]
+async fn a_check_spends_a_token_holds_nothing_and_never_barges() {
+    let limits = Limits::new();
+    limits.define("api", LimitSpec::concurrent(1).per_second(10.0).burst(2)).await.unwrap();
+    let api = limits.limit("api");
+    api.check().await.unwrap();
+    limits.check("api").await.unwrap();
+    let info = limits.info("api").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.granted_total), (0, 2));
+    let refused = api.check().await.unwrap_err();
+    assert_eq!(refused.retry_after(), Some(Duration::from_millis(100)));
+    sleep(Duration::from_millis(100)).await;
+
+    // Held: busy. Held with a waiter (the table governs): still busy, and the waiter is
+    // served first when the permit comes back.
+    let held = api.acquire().await.unwrap();
+    assert!(api.check().await.unwrap_err().is_busy());
+    sleep(Duration::from_millis(100)).await;
+    let waiter = tokio::spawn({
+        let api = api.clone();
+        async move { api.acquire().await.unwrap().fencing_token() }
+    });
+    settle().await;
+    assert_eq!(limits.info("api").await.unwrap().unwrap().waiting, 1);
+    assert!(api.check().await.unwrap_err().is_busy());
+    drop(held);
+    let token = waiter.await.unwrap();
+    assert_eq!(token, 4, "checks used tokens 1 and 2, the first holder 3");
+
+    // Through the table (it may still govern): a check is a permit taken and returned.
+    sleep(Duration::from_millis(100)).await;
+    limits.check("api").await.unwrap();
+    let info = limits.info("api").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting, info.granted_total), (0, 0, 5));
+    assert!(matches!(
+        limits.check("nope").await,
+        Err(lanes::TryAcquireError::Limit(LimitError::UnknownLimit(_)))
+    ));
+}
+
 /// A lookup by name answers the limit the map holds now, whatever this thread looked up
 /// before: the same name in another `Limits` (also one allocated where a dropped one was),
 /// and a name removed and defined again, each holding its own permits.

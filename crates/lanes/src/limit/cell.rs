@@ -133,7 +133,16 @@ impl Cell {
         let look = self.look()?;
         // Invariant 3: the token first, then the commit.
         self.take_token(now)?;
-        self.commit(look)
+        self.commit(look, 1)
+    }
+
+    /// Spends a token at `now` if a permit could be taken now, and takes none: a permit taken
+    /// and returned at once, counted as a grant (its fencing number is used up).
+    #[inline]
+    pub(crate) fn check_fast(&self, now: u64) -> Result<(), Miss> {
+        let look = self.look()?;
+        self.take_token(now)?;
+        self.commit(look, 0).map(drop)
     }
 
     /// The word and the fence base under its generation, if the fast path may grant.
@@ -177,8 +186,9 @@ impl Cell {
     }
 
     /// Commits a grant against what `look` saw: only in the same generation (invariant 1).
+    /// `held` is 1 for a permit kept, 0 for a check (returned at once).
     #[inline]
-    fn commit(&self, look: Look) -> Result<u64, Miss> {
+    fn commit(&self, look: Look, held: u64) -> Result<u64, Miss> {
         let mut seen = look.seen;
         loop {
             let used = seen & COUNT;
@@ -190,7 +200,7 @@ impl Cell {
             }
             match self.state.compare_exchange_weak(
                 seen,
-                seen + 1 + GRANT,
+                seen + held + GRANT,
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
@@ -301,9 +311,23 @@ mod tests {
         let counters = cell.go_slow(Duration::from_nanos);
         assert_eq!(counters.fencing, 11);
         cell.go_fast(Counters { fencing: 19, granted_total: 9, ..counters });
-        assert_eq!(cell.commit(look), Err(Miss::Slow));
+        assert_eq!(cell.commit(look, 1), Err(Miss::Slow));
         assert_eq!(cell.try_fast(0), Ok(20));
         assert_eq!(cell.counters(), (10, 20, 2));
+    }
+
+    #[test]
+    fn a_check_spends_a_token_and_a_number_and_holds_nothing() {
+        // 10 per second, burst 2, one permit.
+        let cell = Cell::new(LimitSpec::concurrent(1).per_second(10.0).burst(2), 0);
+        assert_eq!(cell.check_fast(0), Ok(()));
+        assert_eq!(cell.fast_in_use(), 0);
+        assert_eq!(cell.try_fast(0), Ok(2), "the check used up token 1");
+        assert_eq!(cell.check_fast(100_000_000), Err(Miss::Slow), "the one permit is held");
+        cell.release_fast();
+        assert_eq!(cell.check_fast(0), Err(Miss::Rate(100_000_000)), "the bucket is empty");
+        assert_eq!(cell.check_fast(100_000_000), Ok(()));
+        assert_eq!(cell.counters(), (3, 3, 1));
     }
 
     #[test]

@@ -346,6 +346,75 @@ impl Limits {
         self.try_cached(name, priority, None).await
     }
 
+    /// Spends one token of `name`'s rate now, if a permit could be granted now, and holds
+    /// nothing: a permit taken and returned at once (counted as a grant; its fencing token is
+    /// used up). What a rate limiter's `check` does, for a limit that guards a rate rather
+    /// than work in flight. Never queues and never waits.
+    ///
+    /// In process, while nobody waits, a check is a few atomic operations and never touches a
+    /// lock or the permit's reference count; otherwise (others wait, or another backend holds
+    /// the limit) it is a [`try_acquire`](Self::try_acquire) whose permit is dropped at once.
+    ///
+    /// ```
+    /// use lanes::{LimitSpec, Limits};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let limits = Limits::new();
+    /// limits.define("api", LimitSpec::rate(10.0).burst(2)).await?;
+    /// limits.check("api").await?;
+    /// limits.check("api").await?;
+    /// let refused = limits.check("api").await.unwrap_err();
+    /// assert!(refused.retry_after().is_some());
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As for [`try_acquire`](Self::try_acquire).
+    pub async fn check(&self, name: &str) -> Result<(), TryAcquireError> {
+        self.check_cached(name, None).await
+    }
+
+    async fn check_cached(
+        &self,
+        name: &str,
+        cached: Option<&Arc<Slot>>,
+    ) -> Result<(), TryAcquireError> {
+        if let Backend::Local(local) = &self.backend {
+            let looked;
+            let slot = match cached {
+                Some(slot) if !slot.is_removed() => slot,
+                _ => match local.slot(name) {
+                    Some(slot) => {
+                        looked = slot;
+                        &looked
+                    }
+                    None => {
+                        return Err(TryAcquireError::Limit(LimitError::UnknownLimit(
+                            name.to_owned(),
+                        )));
+                    }
+                },
+            };
+            match local.check_fast(slot) {
+                Ok(()) => {
+                    slot.metrics().acquired.increment(1);
+                    return Ok(());
+                }
+                Err(miss) => {
+                    if let Some(refused) = refused_fast(local, slot, miss) {
+                        slot.metrics().refused.increment(1);
+                        return Err(refused);
+                    }
+                }
+            }
+        }
+        // The table governs the limit, or another backend holds it.
+        self.try_cached(name, Priority::default(), cached).await.map(drop)
+    }
+
     async fn try_cached(
         &self,
         name: &str,
@@ -358,30 +427,22 @@ impl Limits {
                 let Some((slot, fast)) = self.fast(name, cached) else {
                     return Err(TryAcquireError::Limit(LimitError::UnknownLimit(name.to_owned())));
                 };
-                // The clock is read only on a miss (the fast path reads its own).
-                let rate_limited = |at: Duration| {
-                    TryAcquireError::RateLimited(
-                        local.at(at).saturating_duration_since(Instant::now()),
-                    )
-                };
                 let refused = match fast {
                     Ok(fence) => return Ok(Permit::fast(slot, fence)),
-                    // Nobody waits: the fast path's answer is the answer.
-                    Err(Miss::Rate(at)) if !slot.cell.is_slow() => {
-                        rate_limited(Duration::from_nanos(at))
-                    }
-                    Err(Miss::Slow) if !slot.cell.is_slow() => TryAcquireError::Busy,
-                    // The table governs the limit: ask it.
-                    Err(_) => {
-                        let ticket = local.next_ticket();
-                        match local.try_now(&slot, ticket, None)? {
-                            Acquire::Granted(grant) => {
-                                return Ok(Permit::local(local, slot, ticket, grant, None));
+                    Err(miss) => match refused_fast(local, &slot, miss) {
+                        Some(refused) => refused,
+                        // The table governs the limit: ask it.
+                        None => {
+                            let ticket = local.next_ticket();
+                            match local.try_now(&slot, ticket, None)? {
+                                Acquire::Granted(grant) => {
+                                    return Ok(Permit::local(local, slot, ticket, grant, None));
+                                }
+                                Acquire::RetryAt(at) => rate_limited(local, at),
+                                Acquire::Queued | Acquire::Finished => TryAcquireError::Busy,
                             }
-                            Acquire::RetryAt(at) => rate_limited(at),
-                            Acquire::Queued | Acquire::Finished => TryAcquireError::Busy,
                         }
-                    }
+                    },
                 };
                 slot.metrics().refused.increment(1);
                 return Err(refused);
@@ -461,6 +522,24 @@ enum Kind {
     Local { local: Arc<LocalLimits>, slot: Arc<Slot>, ticket: u64, grant: Grant },
     /// Granted to a ticket by another backend.
     Ticket { release: Backend, name: Arc<str>, ticket: u64, grant: Grant },
+}
+
+/// The answer to a caller the fast path refused, if the refusal is the answer (nobody waits:
+/// no permit is free, or the bucket is empty); `None` when the table must be asked.
+fn refused_fast(local: &LocalLimits, slot: &Slot, miss: Miss) -> Option<TryAcquireError> {
+    match miss {
+        Miss::Rate(at) if !slot.cell.is_slow() => {
+            Some(rate_limited(local, Duration::from_nanos(at)))
+        }
+        Miss::Slow if !slot.cell.is_slow() => Some(TryAcquireError::Busy),
+        _ => None,
+    }
+}
+
+/// Refused until the bucket has a token at `at` (the backend's time): the clock is read only
+/// on a refusal (the fast path reads its own).
+fn rate_limited(local: &LocalLimits, at: Duration) -> TryAcquireError {
+    TryAcquireError::RateLimited(local.at(at).saturating_duration_since(Instant::now()))
 }
 
 impl Permit {
@@ -662,6 +741,15 @@ impl Limit {
     /// As for [`Limits::try_acquire`].
     pub async fn try_acquire(&self) -> Result<Permit, TryAcquireError> {
         self.limits.try_cached(&self.name, Priority::default(), self.slot.as_ref()).await
+    }
+
+    /// Spends one token of the limit's rate now, holding nothing. See [`Limits::check`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`Limits::try_acquire`].
+    pub async fn check(&self) -> Result<(), TryAcquireError> {
+        self.limits.check_cached(&self.name, self.slot.as_ref()).await
     }
 
     /// The limit's state, `None` if it is not defined.

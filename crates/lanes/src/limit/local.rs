@@ -274,12 +274,23 @@ impl LocalLimits {
     /// A permit of `slot` without the lock, or why not (see [`Cell::try_fast`]).
     #[inline]
     pub(crate) fn try_fast(&self, slot: &Slot) -> Result<u64, Miss> {
-        let now = if slot.cell.has_rate() {
+        slot.cell.try_fast(self.fast_now(slot))
+    }
+
+    /// A check of `slot` without the lock, or why not (see [`Cell::check_fast`]).
+    #[inline]
+    pub(crate) fn check_fast(&self, slot: &Slot) -> Result<(), Miss> {
+        slot.cell.check_fast(self.fast_now(slot))
+    }
+
+    /// The time for the fast path, in ns since the origin: read only if the limit has a rate.
+    #[inline]
+    fn fast_now(&self, slot: &Slot) -> u64 {
+        if slot.cell.has_rate() {
             u64::try_from(self.now().as_nanos()).unwrap_or(u64::MAX)
         } else {
             0
-        };
-        slot.cell.try_fast(now)
+        }
     }
 
     /// Hands `name` to the table if the fast path governs it, and tells the table how many fast
