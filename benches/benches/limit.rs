@@ -260,18 +260,6 @@ fn rate(c: &mut Criterion) {
             })
         })
     });
-    group.bench_function("lanes_check", |b| {
-        b.iter_custom(|iters| {
-            block_on(&rt, async {
-                let start = Instant::now();
-                for _ in 0..iters {
-                    i = (i + 7919) % KEYS;
-                    keyed_limits.check(&names[i]).await.expect("limit");
-                }
-                start.elapsed()
-            })
-        })
-    });
     let keyed = RateLimiter::keyed(quota);
     for name in &names {
         let _ = keyed.check_key(name);
