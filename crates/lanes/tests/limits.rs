@@ -423,9 +423,14 @@ async fn a_lookup_by_name_finds_this_backends_current_limit() {
     drop((held_one, held_two, second_two));
 
     // Removed: unknown by name, though this thread found it a moment ago.
+    one.check("db").await.unwrap();
     one.remove("db").await.unwrap();
     assert!(matches!(
         one.try_acquire("db", Priority::default()).await,
+        Err(lanes::TryAcquireError::Limit(LimitError::UnknownLimit(_)))
+    ));
+    assert!(matches!(
+        one.check("db").await,
         Err(lanes::TryAcquireError::Limit(LimitError::UnknownLimit(_)))
     ));
     // Defined again: the new limit, not the removed one.

@@ -374,45 +374,34 @@ impl Limits {
     ///
     /// As for [`try_acquire`](Self::try_acquire).
     pub async fn check(&self, name: &str) -> Result<(), TryAcquireError> {
-        self.check_cached(name, None).await
+        match self.check_now(name, None) {
+            Some(answer) => answer,
+            None => self.try_cached(name, Priority::default(), None).await.map(drop),
+        }
     }
 
-    async fn check_cached(
+    /// A check's answer on the fast path, `None` when the table (or another backend) must
+    /// answer. Each `check` future calls it directly (always inlined), so that the common
+    /// answer costs no call into a shared future.
+    #[inline(always)]
+    fn check_now(
         &self,
         name: &str,
         cached: Option<&Arc<Slot>>,
-    ) -> Result<(), TryAcquireError> {
-        if let Backend::Local(local) = &self.backend {
-            let looked;
-            let slot = match cached {
-                Some(slot) if !slot.is_removed() => slot,
-                _ => match local.slot(name) {
-                    Some(slot) => {
-                        looked = slot;
-                        &looked
-                    }
-                    None => {
-                        return Err(TryAcquireError::Limit(LimitError::UnknownLimit(
-                            name.to_owned(),
-                        )));
-                    }
-                },
-            };
-            match local.check_fast(slot) {
-                Ok(()) => {
-                    slot.metrics().acquired.increment(1);
-                    return Ok(());
+    ) -> Option<Result<(), TryAcquireError>> {
+        let Backend::Local(local) = &self.backend else { return None };
+        let answer = match cached {
+            Some(slot) if !slot.is_removed() => check_fast(local, slot),
+            _ => match check_by_name(local, name) {
+                Some(answer) => answer,
+                None => {
+                    return Some(Err(TryAcquireError::Limit(LimitError::UnknownLimit(
+                        name.to_owned(),
+                    ))));
                 }
-                Err(miss) => {
-                    if let Some(refused) = refused_fast(local, slot, miss) {
-                        slot.metrics().refused.increment(1);
-                        return Err(refused);
-                    }
-                }
-            }
-        }
-        // The table governs the limit, or another backend holds it.
-        self.try_cached(name, Priority::default(), cached).await.map(drop)
+            },
+        };
+        answer.map(|answer| answer.map_err(|refusal| refusal.error(local)))
     }
 
     async fn try_cached(
@@ -429,8 +418,8 @@ impl Limits {
                 };
                 let refused = match fast {
                     Ok(fence) => return Ok(Permit::fast(slot, fence)),
-                    Err(miss) => match refused_fast(local, &slot, miss) {
-                        Some(refused) => refused,
+                    Err(miss) => match Refusal::of(&slot, miss) {
+                        Some(refusal) => refusal.error(local),
                         // The table governs the limit: ask it.
                         None => {
                             let ticket = local.next_ticket();
@@ -524,16 +513,56 @@ enum Kind {
     Ticket { release: Backend, name: Arc<str>, ticket: u64, grant: Grant },
 }
 
-/// The answer to a caller the fast path refused, if the refusal is the answer (nobody waits:
-/// no permit is free, or the bucket is empty); `None` when the table must be asked.
-fn refused_fast(local: &LocalLimits, slot: &Slot, miss: Miss) -> Option<TryAcquireError> {
-    match miss {
-        Miss::Rate(at) if !slot.cell.is_slow() => {
-            Some(rate_limited(local, Duration::from_nanos(at)))
+/// Why the fast path refused a caller, when that is the answer (nobody waits). Small, so that
+/// the fast path's answer stays in registers; [`error`](Self::error) makes the caller's error.
+#[derive(Debug, Clone, Copy)]
+enum Refusal {
+    /// No permit is free.
+    Busy,
+    /// The bucket has a token at this time (the backend's).
+    RateAt(Duration),
+}
+
+impl Refusal {
+    /// The fast path's miss as the answer, if it is one (nobody waits: no permit is free, or
+    /// the bucket is empty); `None` when the table must be asked.
+    fn of(slot: &Slot, miss: Miss) -> Option<Self> {
+        match miss {
+            Miss::Rate(at) if !slot.cell.is_slow() => Some(Self::RateAt(Duration::from_nanos(at))),
+            Miss::Slow if !slot.cell.is_slow() => Some(Self::Busy),
+            _ => None,
         }
-        Miss::Slow if !slot.cell.is_slow() => Some(TryAcquireError::Busy),
-        _ => None,
     }
+
+    fn error(self, local: &LocalLimits) -> TryAcquireError {
+        match self {
+            Self::Busy => TryAcquireError::Busy,
+            Self::RateAt(at) => rate_limited(local, at),
+        }
+    }
+}
+
+/// A check of `slot` on the fast path: `None` when the table must answer.
+#[inline]
+fn check_fast(local: &LocalLimits, slot: &Slot) -> Option<Result<(), Refusal>> {
+    match local.check_fast(slot) {
+        Ok(()) => {
+            slot.metrics().acquired.increment(1);
+            Some(Ok(()))
+        }
+        Err(miss) => {
+            let refusal = Refusal::of(slot, miss)?;
+            slot.metrics().refused.increment(1);
+            Some(Err(refusal))
+        }
+    }
+}
+
+/// [`check_fast`] of the limit called `name`; `None` if it is not defined. Not inlined, so
+/// that a handle's check (which needs no lookup) stays small enough to be inlined itself.
+#[inline(never)]
+fn check_by_name(local: &LocalLimits, name: &str) -> Option<Option<Result<(), Refusal>>> {
+    local.with_slot(name, |slot| check_fast(local, slot))
 }
 
 /// Refused until the bucket has a token at `at` (the backend's time): the clock is read only
@@ -749,7 +778,11 @@ impl Limit {
     ///
     /// As for [`Limits::try_acquire`].
     pub async fn check(&self) -> Result<(), TryAcquireError> {
-        self.limits.check_cached(&self.name, self.slot.as_ref()).await
+        let slot = self.slot.as_ref();
+        match self.limits.check_now(&self.name, slot) {
+            Some(answer) => answer,
+            None => self.limits.try_cached(&self.name, Priority::default(), slot).await.map(drop),
+        }
     }
 
     /// The limit's state, `None` if it is not defined.

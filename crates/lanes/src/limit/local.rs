@@ -245,19 +245,40 @@ impl LocalLimits {
     /// The fast path of `name`, if it is defined.
     pub(crate) fn slot(&self, name: &str) -> Option<Arc<Slot>> {
         let way = recent_way(name);
-        let hit = RECENT.with_borrow(|recent| {
-            recent[way]
-                .as_ref()
-                .filter(|slot| {
-                    std::ptr::eq(slot.shared.as_ptr(), Arc::as_ptr(&self.shared))
-                        && *slot.name == *name
-                        && !slot.is_removed()
-                })
-                .cloned()
-        });
+        let hit = RECENT.with_borrow(|recent| self.recent_hit(&recent[way], name).map(Arc::clone));
         if hit.is_some() {
             return hit;
         }
+        self.slot_missed(name, way)
+    }
+
+    /// Calls `f` with the slot of `name`, if it is defined, without taking a reference when
+    /// this thread looked it up lately (a check holds nothing, so it needs none).
+    pub(crate) fn with_slot<T>(&self, name: &str, f: impl FnOnce(&Arc<Slot>) -> T) -> Option<T> {
+        let way = recent_way(name);
+        let mut f = Some(f);
+        // `f` runs inside the borrow; it must not look a slot up (a check does not).
+        let hit = RECENT.with_borrow(|recent| {
+            self.recent_hit(&recent[way], name).map(|slot| (f.take().expect("once"))(slot))
+        });
+        match hit {
+            Some(answer) => Some(answer),
+            None => self.slot_missed(name, way).map(|slot| (f.take().expect("once"))(&slot)),
+        }
+    }
+
+    /// The cached slot in one way of [`RECENT`], if it is `name`'s in this backend and its
+    /// limit was not removed.
+    fn recent_hit<'a>(&self, cached: &'a Option<Arc<Slot>>, name: &str) -> Option<&'a Arc<Slot>> {
+        cached.as_ref().filter(|slot| {
+            std::ptr::eq(slot.shared.as_ptr(), Arc::as_ptr(&self.shared))
+                && *slot.name == *name
+                && !slot.is_removed()
+        })
+    }
+
+    /// The slot of `name` from the shared map, kept in its way of [`RECENT`].
+    fn slot_missed(&self, name: &str, way: usize) -> Option<Arc<Slot>> {
         let slot = self
             .shared
             .slots
