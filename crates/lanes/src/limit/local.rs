@@ -118,16 +118,26 @@ thread_local! {
     /// limit is not removed (a redefinition changes a slot in place; a removal marks it), so it
     /// never answers what the map would not. It holds at most 16 slots per thread alive after
     /// their limit's removal, until their way is reused.
-    static RECENT: std::cell::RefCell<[Option<Arc<Slot>>; RECENT_WAYS]> =
-        const { std::cell::RefCell::new([const { None }; RECENT_WAYS]) };
+    static RECENT: std::cell::RefCell<[Recent; RECENT_WAYS]> =
+        const { std::cell::RefCell::new([const { Recent { seen: 0, slot: None } }; RECENT_WAYS]) };
 }
 
-/// The way of `name` in [`RECENT`].
-fn recent_way(name: &str) -> usize {
+/// One way of [`RECENT`].
+struct Recent {
+    /// The hash of the last name that missed here. A slot is kept only when the same name
+    /// misses twice in a row: a thread that looks up many names once each (keyed limits)
+    /// would otherwise replace an entry on every lookup, touching the evicted slot's
+    /// reference count (a cold cache line) and gaining nothing.
+    seen: u64,
+    slot: Option<Arc<Slot>>,
+}
+
+/// The way of `name` in [`RECENT`], and its hash.
+fn recent_way(name: &str) -> (usize, u64) {
     use std::hash::BuildHasher;
     let hash = foldhash::fast::FixedState::with_seed(0).hash_one(name);
     // The high bits: foldhash's low bits mix less for short keys.
-    (hash >> 60) as usize % RECENT_WAYS
+    ((hash >> 60) as usize % RECENT_WAYS, hash)
 }
 
 /// One limit's fast path, shared by its permits.
@@ -244,26 +254,27 @@ impl LocalLimits {
 
     /// The fast path of `name`, if it is defined.
     pub(crate) fn slot(&self, name: &str) -> Option<Arc<Slot>> {
-        let way = recent_way(name);
-        let hit = RECENT.with_borrow(|recent| self.recent_hit(&recent[way], name).map(Arc::clone));
+        let (way, hash) = recent_way(name);
+        let hit =
+            RECENT.with_borrow(|recent| self.recent_hit(&recent[way].slot, name).map(Arc::clone));
         if hit.is_some() {
             return hit;
         }
-        self.slot_missed(name, way)
+        self.slot_missed(name, way, hash)
     }
 
     /// Calls `f` with the slot of `name`, if it is defined, without taking a reference when
     /// this thread looked it up lately (a check holds nothing, so it needs none).
     pub(crate) fn with_slot<T>(&self, name: &str, f: impl FnOnce(&Arc<Slot>) -> T) -> Option<T> {
-        let way = recent_way(name);
+        let (way, hash) = recent_way(name);
         let mut f = Some(f);
         // `f` runs inside the borrow; it must not look a slot up (a check does not).
         let hit = RECENT.with_borrow(|recent| {
-            self.recent_hit(&recent[way], name).map(|slot| (f.take().expect("once"))(slot))
+            self.recent_hit(&recent[way].slot, name).map(|slot| (f.take().expect("once"))(slot))
         });
         match hit {
             Some(answer) => Some(answer),
-            None => self.slot_missed(name, way).map(|slot| (f.take().expect("once"))(&slot)),
+            None => self.slot_missed(name, way, hash).map(|slot| (f.take().expect("once"))(&slot)),
         }
     }
 
@@ -277,8 +288,9 @@ impl LocalLimits {
         })
     }
 
-    /// The slot of `name` from the shared map, kept in its way of [`RECENT`].
-    fn slot_missed(&self, name: &str, way: usize) -> Option<Arc<Slot>> {
+    /// The slot of `name` from the shared map, kept in its way of [`RECENT`] if `name` (of
+    /// `hash`) was the last to miss there.
+    fn slot_missed(&self, name: &str, way: usize, hash: u64) -> Option<Arc<Slot>> {
         let slot = self
             .shared
             .slots
@@ -287,7 +299,15 @@ impl LocalLimits {
             .get(name)
             .cloned()?;
         // The entry it replaces is dropped after the borrow ends.
-        let evicted = RECENT.with_borrow_mut(|recent| recent[way].replace(slot.clone()));
+        let evicted = RECENT.with_borrow_mut(|recent| {
+            let recent = &mut recent[way];
+            if recent.seen == hash {
+                recent.slot.replace(slot.clone())
+            } else {
+                recent.seen = hash;
+                None
+            }
+        });
         drop(evicted);
         Some(slot)
     }
