@@ -343,7 +343,11 @@ impl Limits {
         name: &str,
         priority: Priority,
     ) -> Result<Permit, TryAcquireError> {
-        self.try_cached(name, priority, None).await
+        let _ = priority;
+        match &self.backend {
+            Backend::Local(local) => Self::try_local(local, name, None),
+            Backend::Dyn(backend) => Self::try_dyn(backend, name).await,
+        }
     }
 
     /// Spends one token of `name`'s rate now, if a permit could be granted now, and holds
@@ -411,42 +415,63 @@ impl Limits {
         cached: Option<&Arc<Slot>>,
     ) -> Result<Permit, TryAcquireError> {
         let _ = priority;
-        let answer = match &self.backend {
-            Backend::Local(local) => {
-                let Some((slot, fast)) = self.fast(name, cached) else {
+        match &self.backend {
+            Backend::Local(local) => Self::try_local(local, name, cached),
+            Backend::Dyn(backend) => Self::try_dyn(backend, name).await,
+        }
+    }
+
+    /// A try of a limit held in this process: the fast path, else the table (no waiting, so
+    /// no future). Always inlined, so that each `try_acquire` future holds the common answer
+    /// itself rather than calling into a shared one.
+    #[inline(always)]
+    fn try_local(
+        local: &Arc<LocalLimits>,
+        name: &str,
+        cached: Option<&Arc<Slot>>,
+    ) -> Result<Permit, TryAcquireError> {
+        let slot = match cached {
+            Some(slot) if !slot.is_removed() => slot.clone(),
+            _ => match local.slot(name) {
+                Some(slot) => slot,
+                None => {
                     return Err(TryAcquireError::Limit(LimitError::UnknownLimit(name.to_owned())));
-                };
-                let refused = match fast {
-                    Ok(fence) => return Ok(Permit::fast(slot, fence)),
-                    Err(miss) => match Refusal::of(&slot, miss) {
-                        Some(refusal) => refusal.error(local),
-                        // The table governs the limit: ask it.
-                        None => {
-                            let ticket = local.next_ticket();
-                            match local.try_now(&slot, ticket, None)? {
-                                Acquire::Granted(grant) => {
-                                    return Ok(Permit::local(local, slot, ticket, grant, None));
-                                }
-                                Acquire::RetryAt(at) => rate_limited(local, at),
-                                Acquire::Queued | Acquire::Finished => TryAcquireError::Busy,
-                            }
-                        }
-                    },
-                };
-                slot.metrics().refused.increment(1);
-                return Err(refused);
-            }
-            Backend::Dyn(backend) => {
-                let ticket = backend.ticket();
-                (backend.try_acquire(name, ticket, None).await?, ticket, backend)
-            }
+                }
+            },
         };
-        match answer {
-            (Answer::Granted(grant), ticket, backend) => {
+        let refused = match local.try_fast(&slot) {
+            Ok(fence) => return Ok(Permit::fast(slot, fence)),
+            Err(miss) => match Refusal::of(&slot, miss) {
+                Some(refusal) => refusal.error(local),
+                // The table governs the limit: ask it.
+                None => {
+                    let ticket = local.next_ticket();
+                    match local.try_now(&slot, ticket, None)? {
+                        Acquire::Granted(grant) => {
+                            return Ok(Permit::local(local, slot, ticket, grant, None));
+                        }
+                        Acquire::RetryAt(at) => rate_limited(local, at),
+                        Acquire::Queued | Acquire::Finished => TryAcquireError::Busy,
+                    }
+                }
+            },
+        };
+        slot.metrics().refused.increment(1);
+        Err(refused)
+    }
+
+    /// A try of a limit another backend holds.
+    async fn try_dyn(
+        backend: &Arc<dyn LimitBackend>,
+        name: &str,
+    ) -> Result<Permit, TryAcquireError> {
+        let ticket = backend.ticket();
+        match backend.try_acquire(name, ticket, None).await? {
+            Answer::Granted(grant) => {
                 Ok(Permit::of_ticket(Backend::Dyn(backend.clone()), Arc::from(name), ticket, grant))
             }
-            (Answer::RetryAfter(after), ..) => Err(TryAcquireError::RateLimited(after)),
-            (Answer::Queued | Answer::Finished, ..) => Err(TryAcquireError::Busy),
+            Answer::RetryAfter(after) => Err(TryAcquireError::RateLimited(after)),
+            Answer::Queued | Answer::Finished => Err(TryAcquireError::Busy),
         }
     }
 
@@ -769,7 +794,10 @@ impl Limit {
     ///
     /// As for [`Limits::try_acquire`].
     pub async fn try_acquire(&self) -> Result<Permit, TryAcquireError> {
-        self.limits.try_cached(&self.name, Priority::default(), self.slot.as_ref()).await
+        match &self.limits.backend {
+            Backend::Local(local) => Limits::try_local(local, &self.name, self.slot.as_ref()),
+            Backend::Dyn(backend) => Limits::try_dyn(backend, &self.name).await,
+        }
     }
 
     /// Spends one token of the limit's rate now, holding nothing. See [`Limits::check`].
