@@ -6,11 +6,14 @@
 //!
 //! # Invariants
 //!
-//! 1. `state` is one word: the permits taken through the fast path (bits 0..21), the fast
-//!    grants since the table last handed the limit back (bits 21..42), a generation (bits
-//!    42..63, bumped at every hand-over to or from the table) and the `SLOW` bit. A fast
+//! 1. `state` is one word: the permits taken through the fast path (bits 0..16), the fast
+//!    grants since the table last handed the limit back (bits 16..31), a generation (bits
+//!    31..63, bumped at every hand-over to or from the table) and the `SLOW` bit. A fast
 //!    acquire commits with one compare-and-swap of the whole word, so it can only commit
-//!    while `SLOW` is clear, there is room, and no hand-over happened since it looked.
+//!    while `SLOW` is clear, there is room, and no hand-over happened since it looked. The
+//!    generation has 32 bits because a fast acquire paused across exactly 2^31 hand-and-back
+//!    cycles would commit against its stale look (and reuse a token); the two counts are
+//!    narrower because running out of either only costs a visit to the table.
 //! 2. A grant's fencing token is the fence at the last hand-back plus the grant's number in
 //!    the word, and the total of grants is counted the same way: both are decided by the
 //!    commit itself, so the table, which reads the word as it sets `SLOW`, sees exactly the
@@ -31,10 +34,10 @@ use std::time::Duration;
 use super::config::LimitSpec;
 use super::core::Counters;
 
-const COUNT: u64 = (1 << 21) - 1;
-const GRANT: u64 = 1 << 21;
-const GRANTS: u64 = COUNT << 21;
-const GENERATION: u64 = 1 << 42;
+const COUNT: u64 = (1 << 16) - 1;
+const GRANT: u64 = 1 << 16;
+const GRANTS: u64 = ((1 << 15) - 1) << 16;
+const GENERATION: u64 = 1 << 31;
 const SLOW: u64 = 1 << 63;
 /// The bits a commit must find unchanged besides the count and the grants.
 const EPOCH: u64 = !(COUNT | GRANTS);
@@ -48,6 +51,9 @@ pub(crate) enum Miss {
     Rate(u64),
     /// The fast path's word is full (invariant 4): ask the table, which may grant.
     Spent,
+    /// The table took the limit (and may have handed it back) while this attempt looked:
+    /// ask the table, which knows whether a permit is free now.
+    Handover,
 }
 
 /// What a fast acquire saw before taking its token.
@@ -81,7 +87,7 @@ fn nanos(d: Duration) -> u64 {
 
 /// The fast grants in `state` since the last hand-back.
 fn grants(state: u64) -> u64 {
-    (state & GRANTS) >> 21
+    (state & GRANTS) >> 16
 }
 
 impl Cell {
@@ -214,7 +220,9 @@ impl Cell {
                 }
                 // A hand-over happened since the look: its fence base and the token taken
                 // may not count (invariants 1 and 3).
-                Err(actual) if actual & EPOCH != look.seen & EPOCH => return Err(Miss::Slow),
+                Err(actual) if actual & EPOCH != look.seen & EPOCH => {
+                    return Err(Miss::Handover);
+                }
                 Err(actual) => seen = actual,
             }
         }
@@ -311,7 +319,7 @@ mod tests {
         let counters = cell.go_slow(Duration::from_nanos);
         assert_eq!(counters.fencing, 11);
         cell.go_fast(Counters { fencing: 19, granted_total: 9, ..counters });
-        assert_eq!(cell.commit(look, 1), Err(Miss::Slow));
+        assert_eq!(cell.commit(look, 1), Err(Miss::Handover));
         assert_eq!(cell.try_fast(0), Ok(20));
         assert_eq!(cell.counters(), (10, 20, 2));
     }
@@ -331,17 +339,34 @@ mod tests {
     }
 
     #[test]
+    fn the_generation_wraps_without_touching_the_slow_bit_or_the_counts() {
+        let cell = Cell::new(LimitSpec::concurrent(4), 0);
+        let first = cell.try_fast(0).unwrap();
+        // The last generation before the wrap, with the permit and the grant just taken.
+        cell.state.store((EPOCH & !SLOW) | 1 | GRANT, Ordering::Release);
+        let counters = cell.go_slow(Duration::from_nanos);
+        assert!(cell.is_slow());
+        assert_eq!(cell.fast_in_use(), 1);
+        assert_eq!((counters.fencing, counters.granted_total), (first, 1));
+        cell.go_fast(counters);
+        assert!(!cell.is_slow());
+        assert_eq!(cell.state.load(Ordering::Acquire) & EPOCH, GENERATION, "wrapped to one");
+        assert_eq!(cell.fast_in_use(), 1);
+        assert_eq!(cell.try_fast(0), Ok(first + 1));
+    }
+
+    #[test]
     fn a_full_grants_field_sends_the_grant_to_the_table_and_the_hand_back_restarts_it() {
         let cell = Cell::new(LimitSpec::concurrent(1), 100);
         let mut last = 100;
-        for _ in 0..GRANTS >> 21 {
+        for _ in 0..GRANTS >> 16 {
             last = cell.try_fast(0).unwrap();
             cell.release_fast();
         }
-        assert_eq!(last, 100 + (GRANTS >> 21));
+        assert_eq!(last, 100 + (GRANTS >> 16));
         assert_eq!(cell.try_fast(0), Err(Miss::Spent));
         let counters = cell.go_slow(Duration::from_nanos);
-        assert_eq!((counters.fencing, counters.granted_total), (last, GRANTS >> 21));
+        assert_eq!((counters.fencing, counters.granted_total), (last, GRANTS >> 16));
         // The table grants one, then hands the limit back.
         cell.go_fast(Counters {
             fencing: last + 1,
@@ -349,7 +374,7 @@ mod tests {
             ..counters
         });
         assert_eq!(cell.try_fast(0), Ok(last + 2));
-        assert_eq!(cell.counters(), ((GRANTS >> 21) + 2, last + 2, 1));
+        assert_eq!(cell.counters(), ((GRANTS >> 16) + 2, last + 2, 1));
     }
 
     #[test]
