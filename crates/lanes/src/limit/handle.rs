@@ -355,9 +355,12 @@ impl Limits {
     /// used up). What a rate limiter's `check` does, for a limit that guards a rate rather
     /// than work in flight. Never queues and never waits.
     ///
-    /// In process, while nobody waits, a check is a few atomic operations and never touches a
-    /// lock or the permit's reference count; otherwise (others wait, or another backend holds
-    /// the limit) it is a [`try_acquire`](Self::try_acquire) whose permit is dropped at once.
+    /// In process, while nobody waits, a check is a few atomic operations on the limit: no
+    /// lock, and (through a [`Limit`] handle, or by a name this thread used lately) no
+    /// reference count. Otherwise (others wait, or another backend holds the limit) it is a
+    /// [`try_acquire`](Self::try_acquire) whose permit is dropped at once; a backend that
+    /// returns permits over the network returns it in a background task, so there a check
+    /// holds a permit of a `concurrent` bound for that round trip.
     ///
     /// ```
     /// use lanes::{LimitSpec, Limits};

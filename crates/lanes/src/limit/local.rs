@@ -116,8 +116,9 @@ thread_local! {
     /// atomic read-modify-writes on a word every thread shares, about as dear as the rest of
     /// an uncontended acquire. An entry is used only for the same backend and name while its
     /// limit is not removed (a redefinition changes a slot in place; a removal marks it), so it
-    /// never answers what the map would not. It holds at most 16 slots per thread alive after
-    /// their limit's removal, until their way is reused.
+    /// never answers what the map would not. It keeps at most 16 slots per thread alive after
+    /// their limit's removal or their backend's drop (with the backend's allocation, not its
+    /// contents), until their way is reused or the thread ends.
     static RECENT: std::cell::RefCell<[Recent; RECENT_WAYS]> =
         const { std::cell::RefCell::new([const { Recent { seen: 0, slot: None } }; RECENT_WAYS]) };
 }
@@ -255,8 +256,12 @@ impl LocalLimits {
     /// The fast path of `name`, if it is defined.
     pub(crate) fn slot(&self, name: &str) -> Option<Arc<Slot>> {
         let (way, hash) = recent_way(name);
-        let hit =
-            RECENT.with_borrow(|recent| self.recent_hit(&recent[way].slot, name).map(Arc::clone));
+        // After this thread's locals are gone (a lookup from another local's destructor),
+        // the map answers alone.
+        let hit = RECENT
+            .try_with(|recent| self.recent_hit(&recent.borrow()[way].slot, name).map(Arc::clone))
+            .ok()
+            .flatten();
         if hit.is_some() {
             return hit;
         }
@@ -268,10 +273,18 @@ impl LocalLimits {
     pub(crate) fn with_slot<T>(&self, name: &str, f: impl FnOnce(&Arc<Slot>) -> T) -> Option<T> {
         let (way, hash) = recent_way(name);
         let mut f = Some(f);
-        // `f` runs inside the borrow; it must not look a slot up (a check does not).
-        let hit = RECENT.with_borrow(|recent| {
-            self.recent_hit(&recent[way].slot, name).map(|slot| (f.take().expect("once"))(slot))
-        });
+        // `f` runs inside the borrow, so it must not look a slot up. Nor may anything it
+        // calls: a slot whose `metrics` handles are not resolved yet is not lent (resolving
+        // them runs the `metrics` recorder, which is the user's code).
+        let hit = RECENT
+            .try_with(|recent| {
+                let recent = recent.borrow();
+                let slot = self.recent_hit(&recent[way].slot, name)?;
+                slot.metrics.get()?;
+                Some((f.take().expect("once"))(slot))
+            })
+            .ok()
+            .flatten();
         match hit {
             Some(answer) => Some(answer),
             None => self.slot_missed(name, way, hash).map(|slot| (f.take().expect("once"))(&slot)),
@@ -299,8 +312,8 @@ impl LocalLimits {
             .get(name)
             .cloned()?;
         // The entry it replaces is dropped after the borrow ends.
-        let evicted = RECENT.with_borrow_mut(|recent| {
-            let recent = &mut recent[way];
+        let evicted = RECENT.try_with(|recent| {
+            let recent = &mut recent.borrow_mut()[way];
             if recent.seen == hash {
                 recent.slot.replace(slot.clone())
             } else {
