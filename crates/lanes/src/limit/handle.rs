@@ -177,21 +177,36 @@ impl Limits {
     ///
     /// [`LimitError::UnknownLimit`], [`LimitError::TooManyWaiters`], or a backend failure.
     pub async fn acquire(&self, name: &str, priority: Priority) -> Result<Permit, LimitError> {
-        self.acquire_cached(name, priority, None).await
+        match self.acquire_now(name, None) {
+            Ok(permit) => Ok(permit),
+            Err(missed) => self.acquire_waiting(name, &priority, missed).await,
+        }
     }
 
-    async fn acquire_cached(
+    /// An acquire's fast path: a permit, or why it must wait (the limit's slot when it is held
+    /// in this process). Each `acquire` future calls it directly (always inlined), so that the
+    /// common answer costs no call into a shared future.
+    #[inline(always)]
+    fn acquire_now(
         &self,
         name: &str,
-        priority: Priority,
-        slot: Option<&Arc<Slot>>,
+        cached: Option<&Arc<Slot>>,
+    ) -> Result<Permit, Option<Arc<Slot>>> {
+        match self.fast(name, cached) {
+            Some((slot, Ok(fence))) => Ok(Permit::fast(slot, fence)),
+            Some((slot, Err(_))) => Err(Some(slot)),
+            None => Err(None),
+        }
+    }
+
+    /// An acquire that missed the fast path: it waits, without a deadline.
+    async fn acquire_waiting(
+        &self,
+        name: &str,
+        priority: &Priority,
+        missed: Option<Arc<Slot>>,
     ) -> Result<Permit, LimitError> {
-        let slot = match self.fast(name, slot) {
-            Some((slot, Ok(fence))) => return Ok(Permit::fast(slot, fence)),
-            Some((slot, Err(_))) => Some(slot),
-            None => None,
-        };
-        match self.acquire_inner(name, &priority, None, slot).await {
+        match self.acquire_inner(name, priority, None, missed).await {
             Ok(permit) => Ok(permit),
             Err(AcquireError::Limit(err)) => Err(err),
             Err(AcquireError::Timeout(_)) => unreachable!("no deadline, no timeout"),
@@ -245,8 +260,11 @@ impl Limits {
         deadline: Option<Instant>,
         missed: Option<Arc<Slot>>,
     ) -> Result<Permit, AcquireError> {
-        let started = Instant::now();
-        let timed_out = |deadline: Instant| AcquireError::Timeout(deadline - started);
+        // The clock is read only when a deadline needs the wait's length.
+        let started = deadline.map(|_| Instant::now());
+        let timed_out = |deadline: Instant| {
+            AcquireError::Timeout(deadline.saturating_duration_since(started.unwrap_or(deadline)))
+        };
         match &self.backend {
             Backend::Local(local) => {
                 // The fast path first (unless the caller just missed it), then the table.
@@ -749,7 +767,12 @@ impl Limit {
     ///
     /// As for [`Limits::acquire`].
     pub async fn acquire(&self) -> Result<Permit, LimitError> {
-        self.limits.acquire_cached(&self.name, Priority::default(), self.slot.as_ref()).await
+        match self.limits.acquire_now(&self.name, self.slot.as_ref()) {
+            Ok(permit) => Ok(permit),
+            Err(missed) => {
+                self.limits.acquire_waiting(&self.name, &Priority::default(), missed).await
+            }
+        }
     }
 
     /// Waits for a permit at `priority`. See [`Limits::acquire`].
@@ -762,7 +785,10 @@ impl Limit {
     ///
     /// As for [`Limits::acquire`].
     pub async fn acquire_with(&self, priority: Priority) -> Result<Permit, LimitError> {
-        self.limits.acquire_cached(&self.name, priority, self.slot.as_ref()).await
+        match self.limits.acquire_now(&self.name, self.slot.as_ref()) {
+            Ok(permit) => Ok(permit),
+            Err(missed) => self.limits.acquire_waiting(&self.name, &priority, missed).await,
+        }
     }
 
     /// Waits at most `timeout`. See [`Limits::acquire_timeout`].
