@@ -3,7 +3,10 @@
 //!
 //! # Invariants
 //!
-//! 1. Every waiting ticket is in exactly one key queue, and `index` maps it there.
+//! 1. Every waiting ticket is in exactly one key queue, or in the plain queue, and `index`
+//!    maps it there. The plain queue holds waiters only while `levels` is empty: it is the
+//!    whole queue of a limit whose waiters all have the default priority, served in arrival
+//!    order without the levels' lookups.
 //! 2. A key is in its level's `ring` iff its queue is non-empty; a level is in `levels` iff it
 //!    has a key. Ring positions only grow, so a key that empties and comes back joins the end of
 //!    the rotation.
@@ -94,6 +97,11 @@ impl Level {
 /// ```
 #[derive(Debug, Clone, Default)]
 pub struct WaitQueue {
+    /// While every waiter has the default priority: `(arrival sequence, ticket)` in arrival
+    /// order, and `levels` is empty (a plain FIFO, which a default-priority concurrency limit
+    /// uses all its life). The first push of another priority moves these into `levels` as
+    /// level 0's one unkeyed queue, which serves them in the same order.
+    plain: VecDeque<(u64, u64)>,
     levels: BTreeMap<i32, Level>,
     /// Found by hashing; never iterated in the map's order.
     index: FastMap<u64, (Loc, FairKey)>,
@@ -142,6 +150,15 @@ impl WaitQueue {
         }
         self.next_seq += 1;
         let seq = self.next_seq;
+        if self.levels.is_empty() && priority.is_default() {
+            self.plain.push_back((seq, ticket));
+            self.index.insert(ticket, (Loc { level: 0, seq }, None));
+            if self.plain.len() == 1 {
+                self.head = Some(ticket);
+            }
+            return true;
+        }
+        self.leave_plain();
         let key = priority.fairness_key.clone();
         // The head can move only if the ticket goes to the top level (or above it), and there
         // either starts a key or changes a key's weight; behind a key's last waiter it cannot.
@@ -171,6 +188,20 @@ impl WaitQueue {
         true
     }
 
+    /// Moves the plain queue's waiters into `levels`, as level 0's one unkeyed queue (a lone
+    /// key has no turn, invariant 4), before a push of another priority.
+    fn leave_plain(&mut self) {
+        if self.plain.is_empty() {
+            return;
+        }
+        let tickets = std::mem::take(&mut self.plain);
+        let mut level = Level::default();
+        level.ring.insert(0, None);
+        level.next_pos = 1;
+        level.keys.insert(None, KeyQueue { pos: 0, weight: 1, tickets });
+        self.levels.insert(0, level);
+    }
+
     /// The ticket served next, if any. O(1).
     pub fn peek(&self) -> Option<u64> {
         self.head
@@ -178,6 +209,9 @@ impl WaitQueue {
 
     /// The ticket served next, found in the levels. O(log n).
     fn find_head(&self) -> Option<u64> {
+        if let Some((_, ticket)) = self.plain.front() {
+            return Some(*ticket);
+        }
         let (_, level) = self.levels.last_key_value()?;
         let key = level.next_key()?;
         level.keys[key].tickets.front().map(|(_, ticket)| *ticket)
@@ -187,6 +221,11 @@ impl WaitQueue {
     pub fn pop(&mut self) -> Option<u64> {
         let ticket = self.peek()?;
         let (loc, key) = self.index.remove(&ticket)?;
+        if let Some((_, first)) = self.plain.pop_front() {
+            debug_assert_eq!(first, ticket, "the plain queue's head is the head");
+            self.head = self.plain.front().map(|(_, ticket)| *ticket);
+            return Some(ticket);
+        }
         let level = self.levels.get_mut(&loc.level)?;
         let queue = &level.keys[&key];
         let pos = queue.pos;
@@ -206,6 +245,13 @@ impl WaitQueue {
         let Some((loc, key)) = self.index.remove(&ticket) else {
             return false;
         };
+        if !self.plain.is_empty() {
+            if let Ok(at) = self.plain.binary_search_by_key(&loc.seq, |(seq, _)| *seq) {
+                self.plain.remove(at);
+            }
+            self.head = self.plain.front().map(|(_, ticket)| *ticket);
+            return true;
+        }
         Self::unlink(&mut self.levels, loc, &key);
         self.head = self.find_head();
         true
@@ -251,6 +297,9 @@ impl WaitQueue {
     }
 
     fn repr(&self) -> Repr {
+        if !self.plain.is_empty() {
+            return Repr::Fifo(self.plain.iter().map(|(_, ticket)| *ticket).collect());
+        }
         let only_default = self.levels.len() <= 1
             && self.levels.iter().all(|(level, l)| {
                 *level == 0
@@ -566,11 +615,38 @@ mod tests {
         ]
     }
 
+    /// Mostly default-priority pushes, so that the plain queue runs long and is left (for
+    /// levels) and taken again (once the queue empties) many times.
+    fn mostly_default_op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            6 => (0u64..40).prop_map(|t| Op::Push(t, 0, None, 1)),
+            1 => (0u64..40, 0i32..2, proptest::option::of(0u8..2), 0u32..3)
+                .prop_map(|(t, l, k, w)| Op::Push(t, l, k, w)),
+            5 => Just(Op::Pop),
+            2 => (0u64..40).prop_map(Op::Remove),
+            1 => Just(Op::RoundTrip),
+        ]
+    }
+
     proptest! {
+        /// As below, with the plain queue of default-priority waiters in most steps.
+        #[test]
+        fn matches_the_reference_model_mostly_default(
+            ops in proptest::collection::vec(mostly_default_op(), 1..300)
+        ) {
+            check_against_the_model(ops)?;
+        }
+
         /// The queue serves exactly what the brute-force model serves, and survives a serde round
         /// trip at any point without changing what it serves.
         #[test]
         fn matches_the_reference_model(ops in proptest::collection::vec(op(), 1..300)) {
+            check_against_the_model(ops)?;
+        }
+    }
+
+    fn check_against_the_model(ops: Vec<Op>) -> Result<(), TestCaseError> {
+        {
             let mut queue = WaitQueue::new();
             let mut model = Model::default();
             for op in ops {
@@ -598,7 +674,10 @@ mod tests {
                 prop_assert_eq!(queue.len(), model.waiting.len());
                 // The head kept across changes is the one the levels give now.
                 prop_assert_eq!(queue.peek(), queue.find_head());
+                // Plain only while every waiter has the default priority, with nothing in levels.
+                prop_assert!(queue.plain.is_empty() || queue.levels.is_empty());
             }
         }
+        Ok(())
     }
 }
