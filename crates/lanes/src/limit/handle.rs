@@ -401,7 +401,7 @@ impl Limits {
     pub async fn check(&self, name: &str) -> Result<(), TryAcquireError> {
         match self.check_now(name, None) {
             Some(answer) => answer,
-            None => self.try_cached(name, Priority::default(), None).await.map(drop),
+            None => self.try_cached(name, None).await.map(drop),
         }
     }
 
@@ -416,7 +416,7 @@ impl Limits {
     ) -> Option<Result<(), TryAcquireError>> {
         let Backend::Local(local) = &self.backend else { return None };
         let answer = match cached {
-            Some(slot) if !slot.is_removed() => check_fast(local, slot),
+            Some(slot) if !slot.is_removed() => check_answer(local, slot),
             _ => match check_by_name(local, name) {
                 Some(answer) => answer,
                 None => {
@@ -429,13 +429,12 @@ impl Limits {
         answer.map(|answer| answer.map_err(|refusal| refusal.error(local)))
     }
 
+    /// A try at the default priority (a check's, when the fast path cannot answer it).
     async fn try_cached(
         &self,
         name: &str,
-        priority: Priority,
         cached: Option<&Arc<Slot>>,
     ) -> Result<Permit, TryAcquireError> {
-        let _ = priority;
         match &self.backend {
             Backend::Local(local) => Self::try_local(local, name, cached),
             Backend::Dyn(backend) => Self::try_dyn(backend, name).await,
@@ -590,7 +589,7 @@ impl Refusal {
 
 /// A check of `slot` on the fast path: `None` when the table must answer.
 #[inline]
-fn check_fast(local: &LocalLimits, slot: &Slot) -> Option<Result<(), Refusal>> {
+fn check_answer(local: &LocalLimits, slot: &Slot) -> Option<Result<(), Refusal>> {
     match local.check_fast(slot) {
         Ok(()) => {
             slot.metrics().acquired.increment(1);
@@ -604,11 +603,11 @@ fn check_fast(local: &LocalLimits, slot: &Slot) -> Option<Result<(), Refusal>> {
     }
 }
 
-/// [`check_fast`] of the limit called `name`; `None` if it is not defined. Not inlined, so
+/// [`check_answer`] of the limit called `name`; `None` if it is not defined. Not inlined, so
 /// that a handle's check (which needs no lookup) stays small enough to be inlined itself.
 #[inline(never)]
 fn check_by_name(local: &LocalLimits, name: &str) -> Option<Option<Result<(), Refusal>>> {
-    local.with_slot(name, |slot| check_fast(local, slot))
+    local.with_slot(name, |slot| check_answer(local, slot))
 }
 
 /// Refused until the bucket has a token at `at` (the backend's time): the clock is read only
@@ -838,7 +837,7 @@ impl Limit {
         let slot = self.slot.as_ref();
         match self.limits.check_now(&self.name, slot) {
             Some(answer) => answer,
-            None => self.limits.try_cached(&self.name, Priority::default(), slot).await.map(drop),
+            None => self.limits.try_cached(&self.name, slot).await.map(drop),
         }
     }
 

@@ -255,17 +255,7 @@ impl LocalLimits {
 
     /// The fast path of `name`, if it is defined.
     pub(crate) fn slot(&self, name: &str) -> Option<Arc<Slot>> {
-        let (way, hash) = recent_way(name);
-        // After this thread's locals are gone (a lookup from another local's destructor),
-        // the map answers alone.
-        let hit = RECENT
-            .try_with(|recent| self.recent_hit(&recent.borrow()[way].slot, name).map(Arc::clone))
-            .ok()
-            .flatten();
-        if hit.is_some() {
-            return hit;
-        }
-        self.slot_missed(name, way, hash)
+        self.with_slot(name, Arc::clone)
     }
 
     /// Calls `f` with the slot of `name`, if it is defined, without taking a reference when
@@ -275,7 +265,8 @@ impl LocalLimits {
         let mut f = Some(f);
         // `f` runs inside the borrow, so it must not look a slot up. Nor may anything it
         // calls: a slot whose `metrics` handles are not resolved yet is not lent (resolving
-        // them runs the `metrics` recorder, which is the user's code).
+        // them runs the `metrics` recorder, which is the user's code). After this thread's
+        // locals are gone (a lookup from another local's destructor), the map answers alone.
         let hit = RECENT
             .try_with(|recent| {
                 let recent = recent.borrow();
