@@ -18,6 +18,12 @@
 //! instructions; the cost per record is the difference of two round counts over the records
 //! between them (setup cancels out).
 //!
+//! `LANES_FIXED_PRODUCERS=4` runs the `channel`, `tokio` and `kanal` cells with four producers
+//! (suite 3's `mpsc` shape) instead of one.
+//!
+//! `LANES_FIXED_FLAVOR=multi_thread_2` runs any cell on two worker threads instead (for wall
+//! time and system calls, not instruction counts: the work then depends on the scheduling).
+//!
 //! Arguments: the cell (`channel`, `tokio`, `kanal` or `lane`), the channel's capacity (or the lane's
 //! execution slots), and the rounds (10,000 records or 1,000 runs each). It prints the records
 //! or runs per second it measured, as context.
@@ -71,26 +77,32 @@ fn main() {
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
-    let rt = Flavor::CurrentThread.runtime();
+    let producers: usize =
+        std::env::var("LANES_FIXED_PRODUCERS").map_or(1, |p| p.parse().expect(usage));
+    let flavor = match std::env::var("LANES_FIXED_FLAVOR").as_deref() {
+        Ok("multi_thread_2") => Flavor::MultiThread,
+        _ => Flavor::CurrentThread,
+    };
+    let rt = flavor.runtime();
     let (items, elapsed) = match cell.as_str() {
         "channel" => rt.block_on(async {
             let start = Instant::now();
             for _ in 0..rounds {
-                channel_block::<u64>(size, 1).await;
+                channel_block::<u64>(size, producers).await;
             }
             (rounds * RECORDS as u64, start.elapsed())
         }),
         "tokio" => rt.block_on(async {
             let start = Instant::now();
             for _ in 0..rounds {
-                tokio_block::<u64>(size, 1).await;
+                tokio_block::<u64>(size, producers).await;
             }
             (rounds * RECORDS as u64, start.elapsed())
         }),
         "kanal" => rt.block_on(async {
             let start = Instant::now();
             for _ in 0..rounds {
-                kanal_block::<u64>(size, 1).await;
+                kanal_block::<u64>(size, producers).await;
             }
             (rounds * RECORDS as u64, start.elapsed())
         }),
