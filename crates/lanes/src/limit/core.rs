@@ -256,6 +256,13 @@ pub struct LimitTable {
     observed: Observations,
 }
 
+/// The error for a table operation on a name that is not defined.
+#[cold]
+#[inline(never)]
+fn unknown(name: &str) -> LimitError {
+    LimitError::UnknownLimit(name.to_owned())
+}
+
 fn sorted<S: Serializer>(limits: &ByName, serializer: S) -> Result<S::Ok, S::Error> {
     limits.iter().collect::<BTreeMap<_, _>>().serialize(serializer)
 }
@@ -285,6 +292,9 @@ struct ByName {
 }
 
 impl ByName {
+    /// Where `name` is: the kept entry if `name` is its very string (the owner's calls, about
+    /// ten a contended cycle, come here inlined), else the index.
+    #[inline(always)]
     fn find(&self, name: &str) -> Option<usize> {
         if let Some((kept, _)) = self.entries.get(self.last)
             && std::ptr::eq(kept.as_ptr(), name.as_ptr())
@@ -292,6 +302,13 @@ impl ByName {
         {
             return Some(self.last);
         }
+        self.find_hashed(name)
+    }
+
+    /// [`find`](Self::find) through the index: out of line, so that the inlined check stays
+    /// small.
+    #[inline(never)]
+    fn find_hashed(&self, name: &str) -> Option<usize> {
         self.index.get(name).copied()
     }
 
@@ -435,8 +452,14 @@ impl LimitTable {
         Ok(state.spec)
     }
 
+    /// `name`'s state. Inlined into every table operation (a contended cycle makes about ten),
+    /// with the error built out of line.
+    #[inline(always)]
     fn state(&mut self, name: &str) -> Result<&mut LimitState, LimitError> {
-        self.limits.get_mut(name).ok_or_else(|| LimitError::UnknownLimit(name.to_owned()))
+        match self.limits.get_mut(name) {
+            Some(state) => Ok(state),
+            None => Err(unknown(name)),
+        }
     }
 
     /// Asks for the permit of `ticket` (no lease). See [`acquire_leased`](Self::acquire_leased).
@@ -500,17 +523,16 @@ impl LimitTable {
                 }
             };
         }
-        if !state.queue.contains(ticket) {
-            if state.queue.len() >= max_waiters {
-                return too_many(&mut state.observed.0);
-            }
-            state.queue.push(ticket, priority);
+        // `push` answers whether the ticket is new, so a new one costs one lookup, not two.
+        if state.queue.len() < max_waiters && state.queue.push(ticket, priority) {
             state.observed.0.queued(ticket, key.clone(), now);
             // Whatever path a ticket left by, the observations forget it before they grow.
             if state.observed.0.waiting_len() > 2 * state.queue.len() + 64 {
                 let queue = &state.queue;
                 state.observed.0.forget_unless(|ticket| queue.contains(ticket));
             }
+        } else if !state.queue.contains(ticket) {
+            return too_many(&mut state.observed.0);
         }
         let answer = state.answer_waiting(ticket, now, lease);
         if let Acquire::Granted(_) = answer {
@@ -535,12 +557,15 @@ impl LimitTable {
     ) -> Result<Acquire, LimitError> {
         let state = self.state(name)?;
         state.expire(now, &mut Vec::new());
-        if let Some(held) = state.held.get(&ticket) {
-            return Ok(Acquire::Granted(held.grant));
+        // A waiting ticket holds nothing (a grant takes it out of the queue), so the head (the
+        // ticket a release grants on its waiter's behalf) needs no lookup at all.
+        if state.queue.peek() != Some(ticket) && !state.queue.contains(ticket) {
+            return Ok(match state.held.get(&ticket) {
+                Some(held) => Acquire::Granted(held.grant),
+                None => Acquire::Finished,
+            });
         }
-        if !state.queue.contains(ticket) {
-            return Ok(Acquire::Finished);
-        }
+        debug_assert!(!state.held.contains_key(&ticket), "a waiting ticket holds nothing");
         let answer = state.answer_waiting(ticket, now, lease);
         if let Acquire::Granted(_) = answer {
             state.observed.0.granted(ticket, None, now);
