@@ -14,7 +14,7 @@ use super::cell::Miss;
 use super::config::LimitSpec;
 use super::core::{Acquire, Grant};
 use super::error::{AcquireError, LimitError, TryAcquireError};
-use super::local::{Handoff, LocalLimits, Slot};
+use super::local::{LocalLimits, Slot, WaitHandoff};
 use super::priority::Priority;
 use super::snapshot::LimitInfo;
 use crate::config::{ConfigError, ConfigRule};
@@ -284,7 +284,7 @@ impl Limits {
                 slot.metrics().waiters.increment(1.0);
                 tracing::trace!(limit = %slot.name, ticket, "waiting for a permit");
                 let mut withdraw = LocalWithdraw { local, slot: &slot, ticket, armed: true };
-                let handoff = Handoff::default();
+                let handoff = WaitHandoff::new();
                 let mut first = Some(priority);
                 let mut timer = None;
                 let mut expiry = deadline.map(|at| Box::pin(tokio::time::sleep_until(at)));

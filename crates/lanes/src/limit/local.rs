@@ -21,7 +21,7 @@
 use std::fmt;
 use std::future::poll_fn;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -64,7 +64,98 @@ struct Waiter {
 }
 
 /// A grant handed to a woken waiter without the lock.
-pub(crate) type Handoff = Arc<std::sync::OnceLock<Grant>>;
+pub(crate) type Handoff = Arc<GrantCell>;
+
+/// Where a grant made on a waiter's behalf waits for it: set once (under the table's lock),
+/// read without a lock. Three plain atomics: a `OnceLock`'s set goes through its `Once`, which
+/// cost a contended cycle about 170 instructions.
+#[derive(Debug, Default)]
+pub(crate) struct GrantCell {
+    /// The grant's fencing token; 0 until set (a table's tokens start at 1).
+    fence: AtomicU64,
+    /// The lease's end, seconds and nanoseconds; `NO_LEASE` nanoseconds for none.
+    secs: AtomicU64,
+    nanos: AtomicU32,
+}
+
+/// [`GrantCell::nanos`] of a grant without a lease: more than any `Duration` holds.
+const NO_LEASE: u32 = u32::MAX;
+
+impl GrantCell {
+    /// Hands `grant` over. Called once per wait, under the table's lock.
+    fn set(&self, grant: Grant) {
+        debug_assert!(grant.fencing_token != 0, "a table's fencing tokens start at 1");
+        debug_assert_eq!(self.fence.load(Ordering::Relaxed), 0, "one grant per wait");
+        let (secs, nanos) =
+            grant.expires_at.map_or((0, NO_LEASE), |at| (at.as_secs(), at.subsec_nanos()));
+        self.secs.store(secs, Ordering::Relaxed);
+        self.nanos.store(nanos, Ordering::Relaxed);
+        // Release: whoever sees the token sees the lease stored above.
+        self.fence.store(grant.fencing_token, Ordering::Release);
+    }
+
+    /// The grant handed over, if any.
+    pub(crate) fn get(&self) -> Option<Grant> {
+        let fencing_token = self.fence.load(Ordering::Acquire);
+        if fencing_token == 0 {
+            return None;
+        }
+        let nanos = self.nanos.load(Ordering::Relaxed);
+        let expires_at =
+            (nanos != NO_LEASE).then(|| Duration::new(self.secs.load(Ordering::Relaxed), nanos));
+        Some(Grant { fencing_token, expires_at })
+    }
+
+    /// Empty again, for the next wait.
+    fn clear(&mut self) {
+        *self.fence.get_mut() = 0;
+    }
+}
+
+/// Empty [`Handoff`]s a thread keeps for its next waits.
+const SPARE_HANDOFFS: usize = 16;
+
+thread_local! {
+    /// [`Handoff`]s finished waits on this thread left empty for the next ones, so that a
+    /// limit whose callers wait on every acquire does not allocate one per wait.
+    static SPARE_HANDOFF: std::cell::RefCell<Vec<Handoff>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// An empty [`Handoff`] for one wait; it goes back to its thread's spares when dropped, if
+/// nothing else holds it then.
+pub(crate) struct WaitHandoff(Option<Handoff>);
+
+impl WaitHandoff {
+    pub(crate) fn new() -> Self {
+        let spare = SPARE_HANDOFF.try_with(|spare| spare.borrow_mut().pop()).ok().flatten();
+        Self(Some(spare.unwrap_or_default()))
+    }
+}
+
+impl std::ops::Deref for WaitHandoff {
+    type Target = Handoff;
+
+    fn deref(&self) -> &Handoff {
+        self.0.as_ref().expect("held until dropped")
+    }
+}
+
+impl Drop for WaitHandoff {
+    fn drop(&mut self) {
+        let Some(mut handoff) = self.0.take() else { return };
+        // Only a handoff nobody else holds is emptied and kept (a waiter's entry in the table
+        // may still hold it after a cancelled wait: then it is freed with the entry).
+        if let Some(cell) = Arc::get_mut(&mut handoff) {
+            cell.clear();
+            let _ = SPARE_HANDOFF.try_with(|spare| {
+                let mut spare = spare.borrow_mut();
+                if spare.len() < SPARE_HANDOFFS {
+                    spare.push(handoff);
+                }
+            });
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum OnBehalf {
@@ -583,7 +674,7 @@ impl LocalLimits {
             if let Ok(Acquire::Granted(grant)) = inner.table.check(name, ticket, now, lease)
                 && let Some(handoff) = &waiter.handoff
             {
-                let _ = handoff.set(grant);
+                handoff.set(grant);
             }
             waiter.waker.wake();
             next = inner.table.next(name, now);
@@ -744,7 +835,7 @@ impl LocalLimits {
     ) -> Poll<Result<Grant, LimitError>> {
         // Granted on its behalf since the last poll: take it without the lock.
         if let Some(grant) = handoff.get() {
-            return Poll::Ready(Ok(*grant));
+            return Poll::Ready(Ok(grant));
         }
         loop {
             let step = self.step(slot, ticket, first.take(), None, cx.waker(), Some(handoff));
@@ -880,5 +971,46 @@ impl LimitBackend for LocalLimits {
 
     fn list(&self) -> BoxFuture<'_, Result<Vec<LimitInfo>, LimitError>> {
         Box::pin(std::future::ready(Ok(self.infos())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_grant_cell_hands_over_the_whole_grant_once_and_clears_for_the_next_wait() {
+        let leases =
+            [None, Some(Duration::ZERO), Some(Duration::new(7, 999_999_999)), Some(Duration::MAX)];
+        let mut cell = GrantCell::default();
+        for (i, expires_at) in leases.into_iter().enumerate() {
+            assert_eq!(cell.get(), None, "empty before the grant");
+            let grant = Grant { fencing_token: i as u64 + 1, expires_at };
+            cell.set(grant);
+            assert_eq!(cell.get(), Some(grant));
+            assert_eq!(cell.get(), Some(grant), "reading does not take it");
+            cell.clear();
+        }
+        assert_eq!(cell.get(), None);
+    }
+
+    #[test]
+    fn a_wait_handoff_is_reused_only_when_nothing_else_holds_it() {
+        let first = WaitHandoff::new();
+        let first_ptr = Arc::as_ptr(&first);
+        first.set(Grant { fencing_token: 3, expires_at: None });
+        drop(first);
+        // The spare comes back empty.
+        let second = WaitHandoff::new();
+        assert_eq!(Arc::as_ptr(&second), first_ptr, "the spare is reused");
+        assert_eq!(second.get(), None, "and emptied");
+        // One still held elsewhere (a waiter's entry) is not kept: its grant could still land.
+        let held_elsewhere = Arc::clone(&second);
+        drop(second);
+        held_elsewhere.set(Grant { fencing_token: 4, expires_at: None });
+        let third = WaitHandoff::new();
+        assert_ne!(Arc::as_ptr(&third), first_ptr);
+        assert_eq!(third.get(), None);
+        assert_eq!(held_elsewhere.get().map(|g| g.fencing_token), Some(4));
     }
 }
