@@ -18,6 +18,7 @@
 //! timer (a refill, or the end of the earliest lease when permits are leased), so a limit needs
 //! one timer, not one per waiter.
 
+use std::collections::hash_map::Entry;
 use std::fmt;
 use std::future::poll_fn;
 use std::pin::Pin;
@@ -167,16 +168,17 @@ enum OnBehalf {
 
 impl Inner {
     fn park(&mut self, ticket: u64, waker: &Waker, grant: OnBehalf, handoff: Option<&Handoff>) {
-        match self.wakers.get_mut(&ticket) {
-            Some(existing) => {
+        match self.wakers.entry(ticket) {
+            Entry::Occupied(mut existing) => {
+                let existing = existing.get_mut();
                 if !same_waker(&existing.waker, waker) {
                     existing.waker = waker.clone();
                 }
                 existing.grant = grant;
             }
-            None => {
+            Entry::Vacant(entry) => {
                 let handoff = handoff.cloned();
-                self.wakers.insert(ticket, Waiter { waker: waker.clone(), grant, handoff });
+                entry.insert(Waiter { waker: waker.clone(), grant, handoff });
             }
         }
     }
@@ -550,6 +552,9 @@ impl LocalLimits {
                 let at = match answer {
                     Acquire::RetryAt(at) => Some(at),
                     // The head blocked by held permits wakes when the earliest lease can end.
+                    // Without a lease held (expiring one never adds one) there is no such end,
+                    // and the queue need not be asked.
+                    _ if inner.table.next_expiry_of(&slot.name).is_none() => None,
                     _ => match inner.table.next(&slot.name, now) {
                         Ok(Some(Next::Blocked(head))) if head == ticket => {
                             inner.table.next_expiry_of(&slot.name)

@@ -16,6 +16,7 @@
 //! 3. Every collection is ordered (`BTreeMap`): identical operation sequences give identical
 //!    answers, which is what lets a replicated store apply the same queue.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
@@ -145,19 +146,25 @@ impl WaitQueue {
     /// Adds `ticket` at `priority`. Returns false (and changes nothing) if it already waits: a
     /// waiter keeps the priority it first asked with. O(log n).
     pub fn push(&mut self, ticket: u64, priority: &Priority) -> bool {
-        if self.index.contains_key(&ticket) {
-            return false;
-        }
-        self.next_seq += 1;
-        let seq = self.next_seq;
         if self.levels.is_empty() && priority.is_default() {
+            // The plain queue: one probe of the index both checks and inserts.
+            let Entry::Vacant(entry) = self.index.entry(ticket) else {
+                return false;
+            };
+            self.next_seq += 1;
+            let seq = self.next_seq;
+            entry.insert((Loc { level: 0, seq }, None));
             self.plain.push_back((seq, ticket));
-            self.index.insert(ticket, (Loc { level: 0, seq }, None));
             if self.plain.len() == 1 {
                 self.head = Some(ticket);
             }
             return true;
         }
+        if self.index.contains_key(&ticket) {
+            return false;
+        }
+        self.next_seq += 1;
+        let seq = self.next_seq;
         self.leave_plain();
         let key = priority.fairness_key.clone();
         // The head can move only if the ticket goes to the top level (or above it), and there
