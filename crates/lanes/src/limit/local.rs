@@ -127,6 +127,7 @@ thread_local! {
 pub(crate) struct WaitHandoff(Option<Handoff>);
 
 impl WaitHandoff {
+    /// A spare from this thread's list, or a new cell.
     pub(crate) fn new() -> Self {
         let spare = SPARE_HANDOFF.try_with(|spare| spare.borrow_mut().pop()).ok().flatten();
         Self(Some(spare.unwrap_or_default()))
