@@ -497,8 +497,7 @@ impl LimitTable {
         lease: Option<Duration>,
     ) -> Result<Acquire, LimitError> {
         let max_waiters = self.max_waiters;
-        let state =
-            self.limits.get_mut(name).ok_or_else(|| LimitError::UnknownLimit(name.to_owned()))?;
+        let state = self.state(name)?;
         state.expire(now, &mut Vec::new());
         if let Some(held) = state.held.get(&ticket) {
             return Ok(Acquire::Granted(held.grant));
