@@ -571,7 +571,7 @@ where
                     // Its turn came and the room was taken (by a non-waiting submit): it keeps
                     // its place at the front.
                     Refused::Full if turn == Some(Blocked::Full) => {
-                        (Blocked::Full, state.blocked.push_front(waker))
+                        (Blocked::Full, state.blocked.push_front(waker, ()))
                     }
                     Refused::Full => (Blocked::Full, state.blocked.push(waker)),
                     Refused::KeyFull | Refused::TooManyKeys => {

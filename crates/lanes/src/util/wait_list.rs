@@ -1,5 +1,7 @@
 //! A FIFO list of waiting tasks: O(1) push, removal by key and wake of the first, with stale
-//! keys detected. The owner keeps it under its own lock and decides what a wake hands over.
+//! keys detected. The owner keeps it under its own lock and decides what a wake hands over;
+//! each waiter may carry a value of its own (`T`) that comes out with it, such as the cell a
+//! permit's fencing token is handed over in.
 //!
 //! Nodes live in a slab (a `Vec` with a free list) linked both ways by index, so removing a
 //! waiter that went away (a cancelled future) costs the same as waking the first one, however
@@ -23,18 +25,20 @@ impl WaitKey {
 }
 
 #[derive(Debug)]
-struct Node {
+struct Node<T> {
     waker: Option<Waker>,
+    /// What the waiter carries; taken with its waker.
+    data: Option<T>,
     prev: u32,
     next: u32,
     /// The stamp of the push that put the waiter here; 0 when the node is free.
     stamp: u64,
 }
 
-/// Waiting tasks in arrival order.
+/// Waiting tasks in arrival order, each with a `T` of its own.
 #[derive(Debug)]
-pub(crate) struct WaitList {
-    nodes: Vec<Node>,
+pub(crate) struct WaitList<T = ()> {
+    nodes: Vec<Node<T>>,
     free: Vec<u32>,
     head: u32,
     tail: u32,
@@ -43,13 +47,27 @@ pub(crate) struct WaitList {
     stamps: u64,
 }
 
-impl Default for WaitList {
+impl<T> Default for WaitList<T> {
     fn default() -> Self {
         Self { nodes: Vec::new(), free: Vec::new(), head: NIL, tail: NIL, len: 0, stamps: 0 }
     }
 }
 
 impl WaitList {
+    /// Adds a waiter at the back.
+    #[inline(always)]
+    pub(crate) fn push(&mut self, waker: &Waker) -> WaitKey {
+        self.push_with(waker, ())
+    }
+
+    /// Removes the first waiter and returns its waker.
+    #[inline]
+    pub(crate) fn pop(&mut self) -> Option<Waker> {
+        self.pop_with().map(|(waker, ())| waker)
+    }
+}
+
+impl<T> WaitList<T> {
     /// Waiters in the list.
     pub(crate) fn len(&self) -> usize {
         self.len
@@ -59,12 +77,18 @@ impl WaitList {
         self.len == 0
     }
 
-    /// Adds a waiter at the back.
+    /// Adds a waiter carrying `data` at the back.
     #[inline(always)]
-    pub(crate) fn push(&mut self, waker: &Waker) -> WaitKey {
+    pub(crate) fn push_with(&mut self, waker: &Waker, data: T) -> WaitKey {
         self.stamps += 1;
         let stamp = self.stamps;
-        let node = Node { waker: Some(waker.clone()), prev: self.tail, next: NIL, stamp };
+        let node = Node {
+            waker: Some(waker.clone()),
+            data: Some(data),
+            prev: self.tail,
+            next: NIL,
+            stamp,
+        };
         let index = match self.free.pop() {
             Some(index) => {
                 self.nodes[index as usize] = node;
@@ -86,8 +110,8 @@ impl WaitList {
     }
 
     /// Adds a waiter at the front: one whose turn came and found it taken keeps its place.
-    pub(crate) fn push_front(&mut self, waker: &Waker) -> WaitKey {
-        let key = self.push(waker);
+    pub(crate) fn push_front(&mut self, waker: &Waker, data: T) -> WaitKey {
+        let key = self.push_with(waker, data);
         if self.head != key.index {
             // Unlink from the back and relink at the front.
             let index = key.index;
@@ -131,21 +155,21 @@ impl WaitList {
         true
     }
 
-    /// Removes the first waiter and returns its waker.
+    /// Removes the first waiter and returns its waker and what it carried.
     #[inline]
-    pub(crate) fn pop(&mut self) -> Option<Waker> {
+    pub(crate) fn pop_with(&mut self) -> Option<(Waker, T)> {
         match self.head {
             NIL => None,
             head => self.unlink(head),
         }
     }
 
-    /// Pops up to `n` waiters into `out`, in order.
+    /// Pops up to `n` waiters' wakers into `out`, in order.
     #[inline]
     pub(crate) fn pop_into(&mut self, n: usize, out: &mut Vec<Waker>) {
         for _ in 0..n {
-            match self.pop() {
-                Some(waker) => out.push(waker),
+            match self.pop_with() {
+                Some((waker, _)) => out.push(waker),
                 None => break,
             }
         }
@@ -164,10 +188,10 @@ impl WaitList {
     }
 
     #[inline(always)]
-    fn unlink(&mut self, index: u32) -> Option<Waker> {
+    fn unlink(&mut self, index: u32) -> Option<(Waker, T)> {
         let node = &mut self.nodes[index as usize];
         let (prev, next) = (node.prev, node.next);
-        let waker = node.waker.take();
+        let taken = node.waker.take().zip(node.data.take());
         node.stamp = 0;
         match prev {
             NIL => self.head = next,
@@ -185,7 +209,7 @@ impl WaitList {
             self.free.clear();
             self.nodes.shrink_to(64);
         }
-        waker
+        taken
     }
 }
 
@@ -248,7 +272,7 @@ mod tests {
                     }
                     Op::PushFront => {
                         let id = keys.len();
-                        keys.push(list.push_front(&waker(id)));
+                        keys.push(list.push_front(&waker(id), ()));
                         model.push_front(id);
                     }
                     Op::Pop => {
