@@ -630,3 +630,255 @@ mod fencing_after_lapsed_leases {
         );
     }
 }
+
+/// Callers of the default priority that wait while the fast path governs a limit wait in its
+/// line (a semaphore's list), not in the table; these check that the line keeps every promise
+/// the table keeps: order, no barging, cancel safety, the waiting room, redefinition, removal,
+/// unique tokens, and the hand-over to the table when another priority arrives.
+mod line {
+    use super::*;
+
+    /// Spawns a task that acquires "db" at `priority`, records `id` once granted, holds the
+    /// permit for 10 ms and returns its fencing token.
+    fn waiter(
+        limits: &Limits,
+        priority: Priority,
+        id: usize,
+        order: &Arc<Mutex<Vec<usize>>>,
+    ) -> tokio::task::JoinHandle<u64> {
+        let (limits, order) = (limits.clone(), order.clone());
+        tokio::spawn(async move {
+            let permit = limits.acquire("db", priority).await.unwrap();
+            order.lock().await.push(id);
+            sleep(Duration::from_millis(10)).await;
+            permit.fencing_token()
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_higher_priority_goes_ahead_of_the_line_which_keeps_its_order() {
+        let limits = Limits::new();
+        limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        let held = limits.acquire("db", Priority::default()).await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for id in 0..3 {
+            tasks.push(waiter(&limits, Priority::default(), id, &order));
+            settle().await;
+        }
+        assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 3);
+        tasks.push(waiter(&limits, Priority::level(5), 9, &order));
+        settle().await;
+        // The table took the line, in order, then queued the new caller ahead of it.
+        assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 4);
+        // A later default caller queues behind the line's callers, not beside them.
+        tasks.push(waiter(&limits, Priority::default(), 3, &order));
+        settle().await;
+        drop(held);
+        let mut tokens = Vec::new();
+        for task in tasks {
+            tokens.push(task.await.unwrap());
+        }
+        assert_eq!(*order.lock().await, [9, 0, 1, 2, 3]);
+        tokens.sort_unstable();
+        tokens.dedup();
+        assert_eq!(tokens.len(), 5, "no token twice");
+        let info = limits.info("db").await.unwrap().unwrap();
+        assert_eq!((info.in_use, info.waiting, info.granted_total), (0, 0, 6));
+        // Idle again: the fast path governs, and a new line forms.
+        let held = limits.acquire("db", Priority::default()).await.unwrap();
+        let task = waiter(&limits, Priority::default(), 4, &order);
+        settle().await;
+        assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 1);
+        drop(held);
+        task.await.unwrap();
+        assert_eq!(limits.info("db").await.unwrap().unwrap().granted_total, 8);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_handed_a_permit_and_dropped_before_it_ran_passes_the_permit_on() {
+        let limits = Limits::new();
+        limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        let held = limits.acquire("db", Priority::default()).await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let first = waiter(&limits, Priority::default(), 0, &order);
+        settle().await;
+        let second = waiter(&limits, Priority::default(), 1, &order);
+        settle().await;
+        // The release hands the permit to the first caller; it is dropped before it runs.
+        drop(held);
+        first.abort();
+        assert!(first.await.unwrap_err().is_cancelled());
+        // Bounded: a permit the dropped caller kept would leave the second waiting for good.
+        tokio::time::timeout(Duration::from_secs(5), second)
+            .await
+            .expect("the dropped caller's permit went on to the next")
+            .unwrap();
+        assert_eq!(*order.lock().await, [1]);
+        let info = limits.info("db").await.unwrap().unwrap();
+        assert_eq!((info.in_use, info.waiting), (0, 0), "{info:?}");
+        // The permit handed to the dropped caller was granted (its token is used up).
+        assert_eq!(info.granted_total, 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_line_refuses_with_a_typed_error_and_counts_it() {
+        let limits = Limits::with_max_waiters(2);
+        limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        let held = limits.acquire("db", Priority::default()).await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let tasks = [0, 1].map(|id| waiter(&limits, Priority::default(), id, &order));
+        settle().await;
+        let refused = limits.acquire("db", Priority::default()).await.unwrap_err();
+        assert!(matches!(refused, LimitError::TooManyWaiters { max: 2, .. }), "{refused}");
+        // A try never needs the waiting room: busy, since others wait.
+        assert!(limits.try_acquire("db", Priority::default()).await.unwrap_err().is_busy());
+        let info = limits.info("db").await.unwrap().unwrap();
+        assert_eq!((info.waiting, info.refused_total), (2, 1), "{info:?}");
+        // A timed-out caller leaves the line and is counted as withdrawn.
+        drop(tasks);
+        let timed_out =
+            limits.acquire_timeout("db", Priority::default(), Duration::from_millis(1)).await;
+        assert!(timed_out.is_err(), "the line is full, then the time is up");
+        drop(held);
+        sleep(Duration::from_millis(50)).await;
+        assert_eq!(*order.lock().await, [0, 1]);
+        let info = limits.info("db").await.unwrap().unwrap();
+        assert_eq!((info.in_use, info.waiting), (0, 0), "{info:?}");
+        // The timed-out call was refused at once (the line was full): two refusals.
+        assert_eq!((info.refused_total, info.withdrawn_total), (2, 0), "{info:?}");
+        let nobody = limits.acquire_timeout("db", Priority::default(), Duration::from_millis(1));
+        let held = limits.acquire("db", Priority::default()).await.unwrap();
+        assert!(nobody.await.is_err());
+        drop(held);
+        let info = limits.info("db").await.unwrap().unwrap();
+        assert_eq!(info.withdrawn_total, 1, "{info:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn redefining_a_limit_lets_its_line_in_and_a_rate_applies_to_it() {
+        let limits = Limits::new();
+        limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        let held = limits.acquire("db", Priority::default()).await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let tasks: Vec<_> =
+            (0..4).map(|id| waiter(&limits, Priority::default(), id, &order)).collect();
+        settle().await;
+        assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 4);
+        // Two more permits, and one grant per second: the first waiter now, the next a second
+        // later (the burst is one).
+        limits.define("db", LimitSpec::concurrent(3).per_second(1.0)).await.unwrap();
+        settle().await;
+        assert_eq!(*order.lock().await, [0]);
+        sleep(Duration::from_millis(1_005)).await;
+        assert_eq!(*order.lock().await, [0, 1]);
+        drop(held);
+        for task in tasks {
+            task.await.unwrap();
+        }
+        assert_eq!(*order.lock().await, [0, 1, 2, 3]);
+        let info = limits.info("db").await.unwrap().unwrap();
+        assert_eq!((info.in_use, info.waiting, info.granted_total), (0, 0, 5));
+        assert!(info.max_in_use <= 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_limit_with_callers_in_line_is_not_removed() {
+        let limits = Limits::new();
+        limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        let held = limits.acquire("db", Priority::default()).await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let task = waiter(&limits, Priority::default(), 0, &order);
+        settle().await;
+        assert!(matches!(limits.remove("db").await, Err(LimitError::InUse(_))));
+        drop(held);
+        task.await.unwrap();
+        limits.remove("db").await.unwrap();
+    }
+
+    /// Two callers take turns on one permit, so one is always in line, for more grants than
+    /// the fast path's word counts between two visits of the table: the grant that finds it
+    /// full goes through the table, which hands the limit back. Tokens still rise by one per
+    /// grant, in the order of the grants.
+    #[tokio::test(start_paused = true)]
+    async fn tokens_rise_by_one_per_grant_past_a_full_grants_field() {
+        const ROUNDS: usize = 20_000;
+        let limits = Limits::new();
+        limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        let tokens = Arc::new(std::sync::Mutex::new(Vec::with_capacity(2 * ROUNDS)));
+        let tasks: Vec<_> = (0..2)
+            .map(|_| {
+                let (db, tokens) = (limits.limit("db"), tokens.clone());
+                tokio::spawn(async move {
+                    for _ in 0..ROUNDS {
+                        let permit = db.acquire().await.unwrap();
+                        tokens.lock().unwrap().push(permit.fencing_token());
+                        tokio::task::yield_now().await;
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let tokens = std::mem::take(&mut *tokens.lock().unwrap());
+        assert_eq!(tokens.len(), 2 * ROUNDS);
+        assert!(tokens.windows(2).all(|w| w[1] == w[0] + 1), "one token per grant, in order");
+        let info = limits.info("db").await.unwrap().unwrap();
+        assert_eq!((info.in_use, info.waiting), (0, 0));
+        assert_eq!(info.granted_total, 2 * ROUNDS as u64);
+    }
+
+    /// Real threads on the line: waits, timeouts, cancellations, tries, and now and then a
+    /// caller of another priority that hands the line to the table. Never more holders than
+    /// `concurrent`, never a token twice, and at quiescence nothing held or waiting.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_line_never_breaks_the_bound_under_threads() {
+        use std::collections::HashSet;
+        let limits = Limits::new();
+        limits.define("db", LimitSpec::concurrent(2)).await.unwrap();
+        let holders = Arc::new(AtomicUsize::new(0));
+        let tokens = Arc::new(std::sync::Mutex::new(HashSet::new()));
+        let mut tasks = Vec::new();
+        for task in 0..12u64 {
+            let (limits, holders, tokens) = (limits.clone(), holders.clone(), tokens.clone());
+            tasks.push(tokio::spawn(async move {
+                let db = limits.limit("db");
+                for round in 0..600u64 {
+                    let permit = match (task * 7 + round) % 40 {
+                        0 => limits.acquire("db", Priority::level(1)).await.ok(),
+                        1..=4 => db.try_acquire().await.ok(),
+                        5..=9 => db.acquire_timeout(Duration::from_micros(100)).await.ok(),
+                        10..=14 => tokio::time::timeout(Duration::from_micros(30), db.acquire())
+                            .await
+                            .ok()
+                            .map(Result::unwrap),
+                        _ => Some(db.acquire().await.unwrap()),
+                    };
+                    if let Some(permit) = permit {
+                        let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
+                        assert!(now <= 2, "{now} holders");
+                        assert!(
+                            tokens.lock().unwrap().insert(permit.fencing_token()),
+                            "token twice"
+                        );
+                        tokio::task::yield_now().await;
+                        holders.fetch_sub(1, Ordering::SeqCst);
+                        drop(permit);
+                    }
+                }
+            }));
+        }
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let info = limits.info("db").await.unwrap().unwrap();
+        assert_eq!((info.in_use, info.waiting), (0, 0), "{info:?}");
+        assert!(info.max_in_use <= 2, "{info:?}");
+        let seen = tokens.lock().unwrap().len() as u64;
+        assert!(info.granted_total >= seen, "{info:?}");
+        // Idle: a permit is free at once, on the fast path (no ticket).
+        let permit = limits.try_acquire("db", Priority::default()).await.unwrap();
+        assert_eq!(permit.ticket(), 0);
+    }
+}

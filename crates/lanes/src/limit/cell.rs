@@ -7,10 +7,12 @@
 //! # Invariants
 //!
 //! 1. `state` is one word: the permits taken through the fast path (bits 0..16), the fast
-//!    grants since the table last handed the limit back (bits 16..31), a generation (bits
-//!    31..63, bumped at every hand-over to or from the table) and the `SLOW` bit. A fast
-//!    acquire commits with one compare-and-swap of the whole word, so it can only commit
-//!    while `SLOW` is clear, there is room, and no hand-over happened since it looked. The
+//!    grants since the table last handed the limit back (bits 16..30), the `WAIT` bit (bit
+//!    30: callers wait in the limit's line, see invariant 5), a generation (bits 31..63,
+//!    bumped at every hand-over to or from the table and whenever the line empties) and the
+//!    `SLOW` bit. A fast acquire commits with one compare-and-swap of the whole word, so it
+//!    can only commit while `SLOW` and `WAIT` are clear, there is room, and no hand-over
+//!    happened since it looked. The
 //!    generation has 32 bits because a fast acquire paused across exactly 2^31 hand-and-back
 //!    cycles would commit against its stale look (and reuse a token); the two counts are
 //!    narrower because running out of either only costs a visit to the table.
@@ -27,6 +29,14 @@
 //!    decrements the count, then lets the table hand the permit on). When either field of the
 //!    word is full, the fast path answers [`Miss::Spent`]: the table takes the grant, and its
 //!    hand-back starts the grants field again from zero.
+//! 5. While the fast path governs, callers of the default priority that find no permit wait
+//!    in the limit's *line* (a FIFO list under a lock of its own, as a semaphore's waiters
+//!    do) instead of handing the limit to the table. Under the line's lock, `WAIT` is set
+//!    exactly while someone is in line; no fast acquire commits while it is, so nobody
+//!    barges. A returned permit that finds `WAIT` set is handed to the first in line: the
+//!    count stays, the grants field counts one more ([`Cell::take_for_line`]). `SLOW` is
+//!    set only with the line's lock held, and the table takes the line with it, so while
+//!    the line has anyone in it the limit is not slow.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -36,11 +46,14 @@ use super::core::Counters;
 
 const COUNT: u64 = (1 << 16) - 1;
 const GRANT: u64 = 1 << 16;
-const GRANTS: u64 = ((1 << 15) - 1) << 16;
+const GRANTS: u64 = ((1 << 14) - 1) << 16;
+const WAIT: u64 = 1 << 30;
 const GENERATION: u64 = 1 << 31;
 const SLOW: u64 = 1 << 63;
 /// The bits a commit must find unchanged besides the count and the grants.
 const EPOCH: u64 = !(COUNT | GRANTS);
+/// Either bit closes the fast path.
+const CLOSED: u64 = SLOW | WAIT;
 
 /// Why the fast path could not grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +67,28 @@ pub(crate) enum Miss {
     /// The table took the limit (and may have handed it back) while this attempt looked:
     /// ask the table, which knows whether a permit is free now.
     Handover,
+}
+
+/// What a returned permit asks of its returner (see [`Cell::release_fast`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Returned {
+    /// Nothing: nobody waits.
+    Done,
+    /// The table governs the limit: let it hand the permit on.
+    Table,
+    /// Callers wait in the line: hand the permit to the first of them.
+    Line,
+}
+
+/// What [`Cell::enter_line`] and [`Cell::take_for_line`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Turn {
+    /// A permit, taken: its fencing token.
+    Taken(u64),
+    /// Every permit is held (or others are in line first): wait in line.
+    Wait,
+    /// The table must decide: it governs the limit, or the word is full (invariant 4).
+    Table,
 }
 
 /// What a fast acquire saw before taking its token.
@@ -155,7 +190,8 @@ impl Cell {
     #[inline]
     fn look(&self) -> Result<Look, Miss> {
         let seen = self.state.load(Ordering::Acquire);
-        if seen & SLOW != 0 || (seen & COUNT) >= u64::from(self.concurrent.load(Ordering::Acquire))
+        if seen & CLOSED != 0
+            || (seen & COUNT) >= u64::from(self.concurrent.load(Ordering::Acquire))
         {
             return Err(Miss::Slow);
         }
@@ -198,7 +234,7 @@ impl Cell {
         let mut seen = look.seen;
         loop {
             let used = seen & COUNT;
-            if seen & SLOW != 0 || used >= u64::from(self.concurrent.load(Ordering::Acquire)) {
+            if seen & CLOSED != 0 || used >= u64::from(self.concurrent.load(Ordering::Acquire)) {
                 return Err(Miss::Slow);
             }
             if used == COUNT || seen & GRANTS == GRANTS {
@@ -211,11 +247,7 @@ impl Cell {
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
-                    // `used` < COUNT < u32::MAX, so the peak fits.
-                    let peak = (used + 1) as u32;
-                    if peak > self.max_in_use.load(Ordering::Relaxed) {
-                        self.max_in_use.fetch_max(peak, Ordering::Relaxed);
-                    }
+                    self.peak(used);
                     return Ok(look.fence_base + grants(seen) + 1);
                 }
                 // A hand-over happened since the look: its fence base and the token taken
@@ -228,10 +260,109 @@ impl Cell {
         }
     }
 
-    /// Returns a fast permit; answers whether the table governs the limit now (then the caller
-    /// must let the table hand the permit on).
-    pub(crate) fn release_fast(&self) -> bool {
-        self.state.fetch_sub(1, Ordering::AcqRel) & SLOW != 0
+    /// Returns a fast permit; answers who must hand it on, if anyone waits.
+    #[inline]
+    pub(crate) fn release_fast(&self) -> Returned {
+        let seen = self.state.fetch_sub(1, Ordering::AcqRel);
+        if seen & CLOSED == 0 {
+            Returned::Done
+        } else if seen & SLOW != 0 {
+            Returned::Table
+        } else {
+            Returned::Line
+        }
+    }
+
+    /// For a caller about to wait in line (call under the line's lock): a permit if one is
+    /// free and nobody is in line, else `WAIT` set, so that no fast acquire takes the next
+    /// free permit before the line does (invariant 5).
+    pub(crate) fn enter_line(&self) -> Turn {
+        let mut seen = self.state.load(Ordering::Acquire);
+        loop {
+            if seen & SLOW != 0 {
+                return Turn::Table;
+            }
+            let used = seen & COUNT;
+            let next =
+                if seen & WAIT == 0 && used < u64::from(self.concurrent.load(Ordering::Acquire)) {
+                    if used == COUNT || seen & GRANTS == GRANTS {
+                        return Turn::Table;
+                    }
+                    seen + 1 + GRANT
+                } else {
+                    seen | WAIT
+                };
+            match self.state.compare_exchange_weak(seen, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) if next & WAIT != 0 => return Turn::Wait,
+                // The bases are stable: `SLOW` is set only under the line's lock.
+                Ok(_) => return Turn::Taken(self.granted(seen, used)),
+                Err(actual) => seen = actual,
+            }
+        }
+    }
+
+    /// Takes a free permit for the first in line (call under the line's lock, someone in
+    /// line): `Wait` while every permit is held.
+    pub(crate) fn take_for_line(&self) -> Turn {
+        let mut seen = self.state.load(Ordering::Acquire);
+        loop {
+            debug_assert!(seen & WAIT != 0 && seen & SLOW == 0, "someone is in line");
+            let used = seen & COUNT;
+            if used >= u64::from(self.concurrent.load(Ordering::Acquire)) {
+                return Turn::Wait;
+            }
+            if used == COUNT || seen & GRANTS == GRANTS {
+                return Turn::Table;
+            }
+            match self.state.compare_exchange_weak(
+                seen,
+                seen + 1 + GRANT,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Turn::Taken(self.granted(seen, used)),
+                Err(actual) => seen = actual,
+            }
+        }
+    }
+
+    /// The line is empty (call under its lock): fast acquires may commit again. A new
+    /// generation, so that an attempt that looked before the line formed never commits.
+    pub(crate) fn leave_line(&self) {
+        let mut seen = self.state.load(Ordering::Acquire);
+        while seen & WAIT != 0 {
+            // Never slow here (the table takes the line with the limit).
+            let next = (seen & !(WAIT | SLOW)).wrapping_add(GENERATION) & !SLOW;
+            match self.state.compare_exchange_weak(seen, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return,
+                Err(actual) => seen = actual,
+            }
+        }
+    }
+
+    /// Whether callers wait in the line.
+    pub(crate) fn has_line(&self) -> bool {
+        self.state.load(Ordering::Acquire) & WAIT != 0
+    }
+
+    /// A grant just committed on `seen` under the line's lock (with `used` permits held
+    /// before it): the peak, and its fencing token (invariant 2).
+    #[inline]
+    fn granted(&self, seen: u64, used: u64) -> u64 {
+        self.peak(used);
+        self.fence_base.load(Ordering::Acquire) + grants(seen) + 1
+    }
+
+    /// Notes `used + 1` permits held at once.
+    #[inline]
+    fn peak(&self, used: u64) {
+        // `used` < COUNT < u32::MAX, so the peak fits.
+        let peak = (used + 1) as u32;
+        if peak > self.max_in_use.load(Ordering::Relaxed) {
+            self.max_in_use.fetch_max(peak, Ordering::Relaxed);
+        }
     }
 
     /// Fast permits held now.
@@ -249,7 +380,8 @@ impl Cell {
     pub(crate) fn go_slow(&self, origin_nanos: impl Fn(u64) -> Duration) -> Counters {
         let mut seen = self.state.load(Ordering::Acquire);
         loop {
-            let next = (seen | SLOW).wrapping_add(GENERATION) | SLOW;
+            // The line, if any, goes to the table with it (invariant 5).
+            let next = ((seen | SLOW) & !WAIT).wrapping_add(GENERATION) | SLOW;
             match self.state.compare_exchange_weak(seen, next, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => break,
@@ -305,7 +437,7 @@ mod tests {
         assert_eq!(cell.try_fast(0), Ok(11));
         assert_eq!(cell.try_fast(0), Ok(12));
         assert_eq!(cell.try_fast(0), Err(Miss::Slow));
-        assert!(!cell.release_fast());
+        assert_eq!(cell.release_fast(), Returned::Done);
         assert_eq!(cell.fast_in_use(), 1);
         assert_eq!(cell.try_fast(0), Ok(13), "tokens never repeat, and none is skipped");
     }
@@ -378,6 +510,49 @@ mod tests {
     }
 
     #[test]
+    fn the_line_closes_the_fast_path_and_takes_returned_permits_in_turn() {
+        let cell = Cell::new(LimitSpec::concurrent(2), 10);
+        assert_eq!(cell.try_fast(0), Ok(11));
+        let stale = cell.look().unwrap();
+        assert_eq!(cell.enter_line(), Turn::Taken(12), "free and nobody in line: taken");
+        assert_eq!(cell.enter_line(), Turn::Wait);
+        assert!(cell.has_line());
+        assert_eq!(cell.release_fast(), Returned::Line, "a returned permit goes to the line");
+        assert_eq!(cell.try_fast(0), Err(Miss::Slow), "nobody barges past the line");
+        assert_eq!(cell.commit(stale, 1), Err(Miss::Handover), "nor commits what it saw before");
+        assert_eq!(cell.take_for_line(), Turn::Taken(13));
+        assert_eq!(cell.take_for_line(), Turn::Wait, "both permits held");
+        cell.leave_line();
+        assert!(!cell.has_line());
+        assert_eq!(cell.release_fast(), Returned::Done);
+        assert_eq!(cell.try_fast(0), Ok(14), "open again, tokens in grant order");
+        assert_eq!(cell.counters(), (4, 14, 2));
+    }
+
+    #[test]
+    fn the_table_takes_the_line_and_a_full_grants_field_sends_the_line_to_it() {
+        let cell = Cell::new(LimitSpec::concurrent(1), 0);
+        assert!(matches!(cell.enter_line(), Turn::Taken(1)));
+        assert_eq!(cell.enter_line(), Turn::Wait);
+        let counters = cell.go_slow(Duration::from_nanos);
+        assert!(cell.is_slow() && !cell.has_line(), "the table took the line");
+        assert_eq!(cell.enter_line(), Turn::Table);
+        assert_eq!(cell.release_fast(), Returned::Table);
+        cell.go_fast(Counters { fencing: 1, granted_total: 1, ..counters });
+        // Grants up to a full field, then a caller in line.
+        for _ in 1..GRANTS >> 16 {
+            cell.try_fast(0).unwrap();
+            cell.release_fast();
+        }
+        assert!(matches!(cell.enter_line(), Turn::Taken(_)), "the field's last grant");
+        assert_eq!(cell.enter_line(), Turn::Wait);
+        assert_eq!(cell.release_fast(), Returned::Line);
+        assert_eq!(cell.take_for_line(), Turn::Table, "no grant left in the word");
+        let counters = cell.go_slow(Duration::from_nanos);
+        assert_eq!(counters.fencing, 1 + (GRANTS >> 16));
+    }
+
+    #[test]
     fn the_bucket_is_gcra() {
         // 10 per second, burst 2: two at once, then one every 100 ms.
         let cell = Cell::new(LimitSpec::concurrent(100).per_second(10.0).burst(2), 0);
@@ -395,7 +570,11 @@ mod tests {
         let counters = cell.go_slow(Duration::from_nanos);
         assert_eq!((counters.fencing, counters.granted_total, counters.max_in_use), (first, 1, 1));
         assert_eq!(cell.try_fast(0), Err(Miss::Slow));
-        assert!(cell.release_fast(), "a release while slow must reach the table");
+        assert_eq!(
+            cell.release_fast(),
+            Returned::Table,
+            "a release while slow must reach the table"
+        );
         cell.go_fast(Counters { fencing: first + 5, ..counters });
         assert_eq!(cell.try_fast(0), Ok(first + 6));
     }

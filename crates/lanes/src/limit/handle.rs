@@ -14,7 +14,7 @@ use super::cell::Miss;
 use super::config::LimitSpec;
 use super::core::{Acquire, Grant};
 use super::error::{AcquireError, LimitError, TryAcquireError};
-use super::local::{LocalLimits, Slot, WaitHandoff};
+use super::local::{Granted, LocalLimits, Slot, Wait};
 use super::priority::Priority;
 use super::snapshot::LimitInfo;
 use crate::config::{ConfigError, ConfigRule};
@@ -279,19 +279,12 @@ impl Limits {
                         }
                     },
                 };
-                let ticket = local.next_ticket();
                 let since = crate::observe::timing_start();
-                slot.metrics().waiters.increment(1.0);
-                tracing::trace!(limit = %slot.name, ticket, "waiting for a permit");
-                let mut withdraw = LocalWithdraw { local, slot: &slot, ticket, armed: true };
-                let handoff = WaitHandoff::new();
-                let mut first = Some(priority);
-                let mut timer = None;
+                tracing::trace!(limit = %slot.name, "waiting for a permit");
+                let mut wait = Wait::new(local, &slot, priority);
                 let mut expiry = deadline.map(|at| Box::pin(tokio::time::sleep_until(at)));
                 let granted = poll_fn(|cx| {
-                    if let Poll::Ready(done) =
-                        local.poll_step(cx, &slot, ticket, &mut first, &mut timer, &handoff)
-                    {
+                    if let Poll::Ready(done) = wait.poll(cx) {
                         return Poll::Ready(done.map_err(AcquireError::Limit));
                     }
                     match &mut expiry {
@@ -303,20 +296,25 @@ impl Limits {
                     }
                 })
                 .await;
-                let grant = match granted {
-                    Ok(grant) => grant,
+                // A wait that ended undoes nothing; one that timed out leaves (cancel safe).
+                drop(wait);
+                match granted {
+                    Ok(Granted::Line(fence)) => {
+                        tracing::trace!(limit = %slot.name, fencing_token = fence, "granted in line");
+                        Ok(Permit::fast_waited(slot, fence, since))
+                    }
+                    Ok(Granted::Table(ticket, grant)) => {
+                        tracing::trace!(limit = %slot.name, ticket, fencing_token = grant.fencing_token, "granted");
+                        Ok(Permit::local(local, slot, ticket, grant, since))
+                    }
                     Err(err) => {
                         if matches!(err, AcquireError::Timeout(_)) {
                             slot.metrics().timed_out.increment(1);
                         }
-                        tracing::debug!(limit = %slot.name, ticket, error = %err, "acquire ended without a permit");
-                        return Err(err);
+                        tracing::debug!(limit = %slot.name, error = %err, "acquire ended without a permit");
+                        Err(err)
                     }
-                };
-                tracing::trace!(limit = %slot.name, ticket, fencing_token = grant.fencing_token, "granted");
-                withdraw.armed = false;
-                drop(withdraw);
-                Ok(Permit::local(local, slot, ticket, grant, since))
+                }
             }
             Backend::Dyn(backend) => {
                 let name: Arc<str> = Arc::from(name);
@@ -526,23 +524,6 @@ impl Observe for LocalLimits {
     }
 }
 
-/// Withdraws the ticket of a dropped local acquire (or returns a permit granted on its behalf).
-struct LocalWithdraw<'a> {
-    local: &'a LocalLimits,
-    slot: &'a Slot,
-    ticket: u64,
-    armed: bool,
-}
-
-impl Drop for LocalWithdraw<'_> {
-    fn drop(&mut self) {
-        self.slot.metrics().waiters.decrement(1.0);
-        if self.armed {
-            self.local.release_slot(self.slot, self.ticket);
-        }
-    }
-}
-
 /// A permit of a limit. Returned to the limit when dropped.
 #[must_use = "a permit is returned as soon as it is dropped"]
 pub struct Permit {
@@ -618,7 +599,12 @@ fn rate_limited(local: &LocalLimits, at: Duration) -> TryAcquireError {
 
 impl Permit {
     fn fast(slot: Arc<Slot>, fence: u64) -> Self {
-        slot.metrics().granted(None);
+        Self::fast_waited(slot, fence, None)
+    }
+
+    /// A fast permit handed over in the limit's line, after waiting since `waited`.
+    fn fast_waited(slot: Arc<Slot>, fence: u64, waited: Option<tokio::time::Instant>) -> Self {
+        slot.metrics().granted(waited);
         Self { kind: Kind::Fast { slot, fence } }
     }
 
@@ -646,8 +632,8 @@ impl Permit {
         }
     }
 
-    /// The ticket the permit was granted to; 0 for a permit taken in process while nobody
-    /// waited (it never needed a ticket).
+    /// The ticket the permit was granted to; 0 for a permit taken in process without the
+    /// table (nobody waited, or it waited in its limit's line): it never needed a ticket.
     pub fn ticket(&self) -> u64 {
         match &self.kind {
             Kind::Fast { .. } => 0,

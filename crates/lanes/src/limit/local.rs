@@ -5,13 +5,22 @@
 //!
 //! While nobody waits, `Limits::acquire` and `try_acquire` take and return a permit with a few
 //! atomic operations on the limit's cell and never touch the mutex. The first caller that must
-//! wait hands the limit to the table (`go_slow`, under the mutex): from then on the table grants,
+//! wait at another priority than the default (or any ticket's first ask) hands the limit to
+//! the table (`go_slow`, under the mutex): from then on the table grants,
 //! counting the fast permits still out as held, until its queue is empty and it holds no
 //! ticket's permit, when it hands the limit back (`settle`). Tickets (the [`LimitBackend`]
 //! protocol: leases, checks, renewals) always live in the table.
 //!
-//! A waiter's future asks the table with its ticket on every poll and, unless granted, leaves
-//! its waker under its ticket. Every change that can grant (a release, a withdrawal, a
+//! A caller of the default priority that finds no permit while the fast path governs waits in
+//! the limit's *line* instead: a FIFO list beside the cell, under a lock of its own, as a
+//! semaphore's waiters wait (cell invariant 5). A returned permit goes straight to the first
+//! in line, with its fencing token, through the caller's [`Handoff`]: no ticket, no table, no
+//! hash lookup. Anything the line does not keep (another priority, a ticket, a rate, a
+//! redefinition, a full grants field) hands the limit to the table, which takes the line's
+//! callers with it, in order, as tickets of the default priority.
+//!
+//! A waiter's future in the table asks it with its ticket on every poll and, unless granted,
+//! leaves its waker under its ticket. Every change that can grant (a release, a withdrawal, a
 //! redefinition, a grant that moved the queue) *pumps* the limit: it grants the queue head(s)
 //! on their waiters' behalf and wakes exactly those waiters; if the head is only waiting for
 //! the bucket, it wakes the head, which sleeps until the refill. Only the head ever sleeps on a
@@ -30,7 +39,7 @@ use std::time::Duration;
 use tokio::time::{Instant, Sleep, sleep_until};
 
 use super::backend::{Answer, LimitBackend};
-use super::cell::{Cell, Miss};
+use super::cell::{Cell, Miss, Returned, Turn};
 use super::config::LimitSpec;
 use super::core::{Acquire, Grant, LimitTable, Next, Released};
 use super::error::LimitError;
@@ -39,7 +48,7 @@ use super::priority::Priority;
 use super::snapshot::LimitInfo;
 use crate::BoxFuture;
 use crate::util::FastMap;
-use crate::util::{lock, same_waker};
+use crate::util::{WaitKey, WaitList, lock, same_waker};
 
 #[derive(Debug)]
 struct Inner {
@@ -77,6 +86,9 @@ pub(crate) struct GrantCell {
     /// The lease's end, seconds and nanoseconds; `NO_LEASE` nanoseconds for none.
     secs: AtomicU64,
     nanos: AtomicU32,
+    /// The ticket of a waiter the table took from its limit's line (0 while it is in line or
+    /// never was): a grant set after it is the table's, held by that ticket.
+    ticket: AtomicU64,
 }
 
 /// [`GrantCell::nanos`] of a grant without a lease: more than any `Duration` holds.
@@ -107,9 +119,18 @@ impl GrantCell {
         Some(Grant { fencing_token, expires_at })
     }
 
+    /// The table's ticket of a waiter it took from the line, if it did.
+    pub(crate) fn moved(&self) -> Option<u64> {
+        match self.ticket.load(Ordering::Acquire) {
+            0 => None,
+            ticket => Some(ticket),
+        }
+    }
+
     /// Empty again, for the next wait.
     fn clear(&mut self) {
         *self.fence.get_mut() = 0;
+        *self.ticket.get_mut() = 0;
     }
 }
 
@@ -199,6 +220,8 @@ struct LocalState {
     slots: RwLock<FastMap<Arc<str>, Arc<Slot>>>,
     origin: Instant,
     tickets: AtomicU64,
+    /// The table's waiting room, which each limit's line keeps too.
+    max_waiters: usize,
 }
 
 /// Entries in a thread's cache of recently looked-up slots.
@@ -248,19 +271,152 @@ pub(crate) struct Slot {
     /// Resolved on first use: a limit only a remote client ever touches (through `lanes
     /// serve`) gets no series of this process's handles, so deleting it leaves none behind.
     metrics: std::sync::OnceLock<LimitMetrics>,
+    /// Callers of the default priority waiting for a permit while the fast path governs
+    /// (see [`Line`]).
+    line: Mutex<Line>,
+}
+
+/// The callers of one limit that wait for a permit at the default priority while the fast
+/// path governs it, in arrival order: a semaphore's wait list (cell invariant 5). A returned
+/// permit goes straight to the first of them, through its [`Handoff`], with no ticket, no
+/// table and no hash lookup. The first caller of another priority, the first ticket (a
+/// server's), a redefinition or a full grants field hands the limit to the table, which
+/// takes the line with it, in order.
+#[derive(Debug, Default)]
+struct Line {
+    waiters: WaitList<Handoff>,
+    /// Callers refused because the line held `max_waiters` already.
+    refused: u64,
+    /// Callers that left the line without a permit (timed out or cancelled).
+    withdrawn: u64,
+}
+
+/// Where a caller that asked to wait in line stands.
+pub(crate) enum Joined {
+    /// A permit was free and nobody was in line: taken, with this fencing token.
+    Granted(u64),
+    /// In line under this key.
+    InLine(WaitKey),
+    /// The table governs the limit (or must take it): ask the table.
+    Table,
 }
 
 impl Slot {
-    /// Returns a fast permit; if the table governs the limit now, lets it hand the permit on.
+    /// Returns a fast permit, handing it to the first in line if anyone waits there, or
+    /// letting the table hand it on if the table governs the limit now.
     pub(crate) fn release_fast(&self) {
-        if self.cell.release_fast()
-            && let Some(shared) = self.shared.upgrade()
-        {
-            let local = LocalLimits { shared };
-            let now = local.now_for(self, None);
-            let mut inner = lock(&local.shared.inner);
-            LocalLimits::settle(&mut inner, self, now);
+        match self.cell.release_fast() {
+            Returned::Done => {}
+            Returned::Line => {
+                if self.hand_on() {
+                    self.via_table();
+                }
+            }
+            Returned::Table => self.via_table(),
         }
+    }
+
+    /// Lets the table take the limit (if it has not) and hand its free permits on.
+    #[cold]
+    fn via_table(&self) {
+        let Some(shared) = self.shared.upgrade() else { return };
+        let local = LocalLimits { shared };
+        let now = local.now_for(self, None);
+        let mut inner = lock(&local.shared.inner);
+        if !self.cell.is_slow() {
+            local.go_slow(&mut inner, self, now);
+        }
+        LocalLimits::settle(&mut inner, self, now);
+    }
+
+    /// Queues a caller in line (its grant comes through `handoff`), unless a permit is free
+    /// and nobody is in line, or the table must answer.
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::TooManyWaiters`] when `max_waiters` callers are in line already.
+    pub(crate) fn join_line(
+        &self,
+        waker: &Waker,
+        handoff: &Handoff,
+        max_waiters: usize,
+    ) -> Result<Joined, LimitError> {
+        let mut line = lock(&self.line);
+        match self.cell.enter_line() {
+            Turn::Taken(fence) => Ok(Joined::Granted(fence)),
+            Turn::Table => Ok(Joined::Table),
+            Turn::Wait if line.waiters.len() >= max_waiters => {
+                line.refused += 1;
+                if line.waiters.is_empty() {
+                    self.cell.leave_line();
+                }
+                Err(LimitError::TooManyWaiters { limit: self.name.to_string(), max: max_waiters })
+            }
+            Turn::Wait => Ok(Joined::InLine(line.waiters.push_with(waker, handoff.clone()))),
+        }
+    }
+
+    /// Whether `key` is still in line; refreshes its waker if so.
+    pub(crate) fn refresh_line(&self, key: WaitKey, waker: &Waker) -> bool {
+        lock(&self.line).waiters.refresh(key, waker)
+    }
+
+    /// Takes a caller out of line before its turn; `false` if it is no longer there (it was
+    /// handed a permit, or the table took it: the caller undoes either).
+    pub(crate) fn leave_line(&self, key: WaitKey) -> bool {
+        let mut line = lock(&self.line);
+        if !line.waiters.remove(key) {
+            return false;
+        }
+        line.withdrawn += 1;
+        if line.waiters.is_empty() {
+            self.cell.leave_line();
+        }
+        true
+    }
+
+    /// Hands free permits to the first callers in line, waking them once the line's lock is
+    /// released. Answers whether the table must take the limit (the word's grants are full).
+    fn hand_on(&self) -> bool {
+        let mut first: Option<Waker> = None;
+        let mut more = Vec::new();
+        let to_table = {
+            let mut line = lock(&self.line);
+            loop {
+                // Emptied meanwhile: its last caller left, or the table took the line.
+                if line.waiters.is_empty() {
+                    break false;
+                }
+                match self.cell.take_for_line() {
+                    Turn::Taken(fence_token) => {
+                        let (waker, handoff) = line.waiters.pop_with().expect("someone in line");
+                        handoff.set(Grant { fencing_token: fence_token, expires_at: None });
+                        // Let go of the cell before the wake, so its waiter can reuse it.
+                        drop(handoff);
+                        match first {
+                            None => first = Some(waker),
+                            Some(_) => more.push(waker),
+                        }
+                        if line.waiters.is_empty() {
+                            self.cell.leave_line();
+                        }
+                    }
+                    Turn::Wait => break false,
+                    Turn::Table => break true,
+                }
+            }
+        };
+        if let Some(waker) = first {
+            waker.wake();
+        }
+        more.into_iter().for_each(Waker::wake);
+        to_table
+    }
+
+    /// Callers in line, and those the line refused and lost, for the snapshot.
+    fn line_counts(&self) -> (usize, u64, u64) {
+        let line = lock(&self.line);
+        (line.waiters.len(), line.refused, line.withdrawn)
     }
 
     /// The limit's `metrics` handles.
@@ -313,6 +469,7 @@ impl LocalLimits {
                 slots: RwLock::new(FastMap::default()),
                 origin: Instant::now(),
                 tickets: AtomicU64::new(1),
+                max_waiters,
             }),
         }
     }
@@ -432,14 +589,38 @@ impl LocalLimits {
         }
     }
 
-    /// Hands `name` to the table if the fast path governs it, and tells the table how many fast
-    /// permits are out. Call under the lock before a table operation that may grant.
-    fn go_slow(inner: &mut Inner, slot: &Slot) {
-        if !slot.cell.is_slow() {
-            let counters = slot.cell.go_slow(Duration::from_nanos);
-            inner.table.adopt(&slot.name, slot.cell.spec(), counters);
+    /// Hands `name` to the table if the fast path governs it, with the callers in its line
+    /// (queued in order, at the default priority), and tells the table how many fast permits
+    /// are out. Call under the lock before a table operation that may grant; then settle.
+    fn go_slow(&self, inner: &mut Inner, slot: &Slot, now: Duration) {
+        if slot.cell.is_slow() {
+            inner.table.set_external(&slot.name, slot.cell.fast_in_use());
+            return;
         }
+        // `SLOW` is set only under the line's lock (cell invariant 5).
+        let mut line = lock(&slot.line);
+        let counters = slot.cell.go_slow(Duration::from_nanos);
+        inner.table.adopt(&slot.name, slot.cell.spec(), counters);
         inner.table.set_external(&slot.name, slot.cell.fast_in_use());
+        let default = Priority::default();
+        while let Some((waker, handoff)) = line.waiters.pop_with() {
+            let ticket = self.next_ticket();
+            // Before any grant: a grant seen after this is the table's.
+            handoff.ticket.store(ticket, Ordering::Release);
+            match inner.table.acquire_leased(&slot.name, ticket, &default, now, None) {
+                Ok(Acquire::Granted(grant)) => {
+                    handoff.set(grant);
+                    waker.wake();
+                }
+                Ok(_) => inner.park(ticket, &waker, OnBehalf::Grant(None), Some(&handoff)),
+                // The table's queue was empty and the line no longer than its room: only a
+                // broken invariant lands here. The waiter asks and finds its ticket finished.
+                Err(_) => {
+                    debug_assert!(false, "the table refused a caller from the line");
+                    waker.wake();
+                }
+            }
+        }
     }
 
     /// After a table operation on `slot`'s limit: counts the fast permits, lets waiters in, and
@@ -470,6 +651,12 @@ impl LocalLimits {
         let mut inner = lock(&self.shared.inner);
         match self.slot(name) {
             Some(slot) => {
+                // Callers in line go to the table first: it decides what the new spec lets
+                // in (a rate, which the line does not keep, or more permits).
+                if slot.cell.has_line() {
+                    let now = self.now_for(&slot, None);
+                    self.go_slow(&mut inner, &slot, now);
+                }
                 slot.cell.set_spec(spec);
                 if slot.cell.is_slow() {
                     inner.table.define(name, spec)?;
@@ -487,6 +674,7 @@ impl LocalLimits {
                     removed: AtomicBool::new(false),
                     leased: AtomicBool::new(false),
                     metrics: std::sync::OnceLock::new(),
+                    line: Mutex::new(Line::default()),
                 });
                 self.shared
                     .slots
@@ -506,7 +694,7 @@ impl LocalLimits {
         let now = self.now();
         self.reclaim_all(&mut inner, now);
         // Close the fast path first, so no fast acquire commits while the limit goes.
-        Self::go_slow(&mut inner, &slot);
+        self.go_slow(&mut inner, &slot, now);
         if let Err(err) = inner.table.remove(name, now) {
             Self::settle(&mut inner, &slot, now);
             return Err(err);
@@ -589,14 +777,14 @@ impl LocalLimits {
         }
         let answer = match first {
             Some(priority) => {
-                Self::go_slow(inner, slot);
+                self.go_slow(inner, slot, now);
                 inner.table.acquire_leased(&slot.name, ticket, priority, now, lease)
             }
             None => {
                 if !inner.table.governs(&slot.name) {
                     return Ok(Acquire::Finished);
                 }
-                Self::go_slow(inner, slot);
+                self.go_slow(inner, slot, now);
                 inner.table.check(&slot.name, ticket, now, lease)
             }
         };
@@ -624,7 +812,7 @@ impl LocalLimits {
             slot.leased.store(true, Ordering::Relaxed);
         }
         // A ticket's permit lives in the table (the fast path has no tickets).
-        Self::go_slow(&mut inner, slot);
+        self.go_slow(&mut inner, slot, now);
         let answer = inner.table.try_acquire(&slot.name, ticket, now, lease)?;
         Self::settle(&mut inner, slot, now);
         Ok(answer)
@@ -711,14 +899,22 @@ impl LocalLimits {
     fn info_locked(&self, inner: &mut Inner, name: &str) -> Option<LimitInfo> {
         let slot = self.slot(name)?;
         let spec = slot.cell.spec();
-        if slot.cell.is_slow() {
+        // The line's own count of who waits there, and of those it refused and lost: the
+        // table counts its own (the line's callers it took are its waiters from then on).
+        let (in_line, refused, withdrawn) = slot.line_counts();
+        let governed = if slot.cell.is_slow() {
             inner.table.set_external(name, slot.cell.fast_in_use());
-            if let Some(info) = inner.table.info(name) {
-                return Some(info);
-            }
-        }
-        let (granted, _, max_in_use) = slot.cell.counters();
-        Some(LimitInfo::new(name, spec, slot.cell.fast_in_use(), 0, granted, max_in_use))
+            inner.table.info(name)
+        } else {
+            None
+        };
+        let mut info = governed.unwrap_or_else(|| {
+            let (granted, _, max_in_use) = slot.cell.counters();
+            LimitInfo::new(name, spec, slot.cell.fast_in_use(), in_line, granted, max_in_use)
+        });
+        info.refused_total += refused;
+        info.withdrawn_total += withdrawn;
+        Some(info)
     }
 
     pub(crate) fn infos(&self) -> Vec<LimitInfo> {
@@ -869,6 +1065,153 @@ impl LocalLimits {
                     }
                     // The refill or lease end is due: look again.
                 }
+            }
+        }
+    }
+}
+
+/// What a local wait ended with.
+pub(crate) enum Granted {
+    /// A permit handed over in the limit's line (or free when it asked): a fast permit, with
+    /// this fencing token.
+    Line(u64),
+    /// A permit the table granted to this ticket.
+    Table(u64, Grant),
+}
+
+/// Where a local wait stands.
+enum Place<'p> {
+    /// Not asked yet.
+    Start(&'p Priority),
+    /// In the limit's line.
+    Line(WaitKey),
+    /// Waiting in the table under `ticket` (`first` until the table queued it).
+    Table { ticket: u64, first: Option<&'p Priority> },
+    /// Granted, or failed: nothing to undo.
+    Done,
+}
+
+/// One caller's wait for a permit of a local limit: in the limit's line when it asks at the
+/// default priority while the fast path governs (a semaphore's wait), else in the table.
+/// Dropped before its end, it leaves the line or withdraws its ticket, and returns a permit
+/// handed to it meanwhile: cancel safe.
+pub(crate) struct Wait<'a> {
+    local: &'a LocalLimits,
+    slot: &'a Slot,
+    place: Place<'a>,
+    /// The table's timer for the head of its queue (a refill or a lease end).
+    timer: Option<Pin<Box<Sleep>>>,
+    /// Where a grant made on this caller's behalf is handed over; dropped after the wait is
+    /// undone (the fields drop after [`Drop::drop`]), so an emptied cell goes back to the
+    /// thread's spares.
+    handoff: WaitHandoff,
+}
+
+impl<'a> Wait<'a> {
+    /// A wait for a permit of `slot`'s limit at `priority`.
+    pub(crate) fn new(local: &'a LocalLimits, slot: &'a Slot, priority: &'a Priority) -> Self {
+        slot.metrics().waiters.increment(1.0);
+        Self {
+            local,
+            slot,
+            place: Place::Start(priority),
+            timer: None,
+            handoff: WaitHandoff::new(),
+        }
+    }
+
+    /// Polls the wait: granted, failed, or waiting with `cx`'s waker left where a grant
+    /// will wake it.
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Granted, LimitError>> {
+        loop {
+            match self.place {
+                Place::Start(priority) => {
+                    // The line keeps arrival order and nothing else: no levels, keys or rate.
+                    if priority.is_default() && !self.slot.cell.has_rate() {
+                        let max_waiters = self.local.shared.max_waiters;
+                        let joined = self.slot.join_line(cx.waker(), &self.handoff, max_waiters);
+                        match joined {
+                            Ok(Joined::Granted(fence)) => {
+                                return self.end(Ok(Granted::Line(fence)));
+                            }
+                            Ok(Joined::InLine(key)) => {
+                                self.place = Place::Line(key);
+                                return Poll::Pending;
+                            }
+                            Ok(Joined::Table) => {}
+                            Err(err) => return self.end(Err(err)),
+                        }
+                    }
+                    let ticket = self.local.next_ticket();
+                    self.place = Place::Table { ticket, first: Some(priority) };
+                }
+                Place::Line(key) => {
+                    // The grant first, then whose it is: the table stores its ticket before
+                    // it grants (`go_slow`), so a grant the table made is seen with it.
+                    if let Some(grant) = self.handoff.get() {
+                        return self.end(Ok(match self.handoff.moved() {
+                            Some(ticket) => Granted::Table(ticket, grant),
+                            None => Granted::Line(grant.fencing_token),
+                        }));
+                    }
+                    if let Some(ticket) = self.handoff.moved() {
+                        self.place = Place::Table { ticket, first: None };
+                    } else if self.slot.refresh_line(key, cx.waker()) {
+                        return Poll::Pending;
+                    }
+                    // Handed a permit or taken by the table since the look above: look again.
+                }
+                Place::Table { ticket, ref mut first } => {
+                    let step = self.local.poll_step(
+                        cx,
+                        self.slot,
+                        ticket,
+                        first,
+                        &mut self.timer,
+                        &self.handoff,
+                    );
+                    return match step {
+                        Poll::Ready(Ok(grant)) => self.end(Ok(Granted::Table(ticket, grant))),
+                        // The ticket is withdrawn when the wait is dropped, as on a timeout.
+                        Poll::Ready(Err(err)) => Poll::Ready(Err(err)),
+                        Poll::Pending => Poll::Pending,
+                    };
+                }
+                Place::Done => panic!("a wait polled after its end"),
+            }
+        }
+    }
+
+    /// The end of the wait: nothing left to undo.
+    fn end(&mut self, done: Result<Granted, LimitError>) -> Poll<Result<Granted, LimitError>> {
+        self.place = Place::Done;
+        Poll::Ready(done)
+    }
+}
+
+impl Drop for Wait<'_> {
+    fn drop(&mut self) {
+        self.slot.metrics().waiters.decrement(1.0);
+        match std::mem::replace(&mut self.place, Place::Done) {
+            Place::Start(_) | Place::Done => {}
+            Place::Line(key) => {
+                if self.slot.leave_line(key) {
+                    return;
+                }
+                // Handed a permit, or taken by the table, meanwhile (both under the line's
+                // lock, which `leave_line` took after them).
+                match self.handoff.moved() {
+                    Some(ticket) => {
+                        self.local.release_slot(self.slot, ticket);
+                    }
+                    None => {
+                        debug_assert!(self.handoff.get().is_some(), "out of line: handed a permit");
+                        self.slot.release_fast();
+                    }
+                }
+            }
+            Place::Table { ticket, .. } => {
+                self.local.release_slot(self.slot, ticket);
             }
         }
     }
