@@ -486,6 +486,21 @@ async fn take_now(limits: &Limits, n: usize) -> Vec<lanes::Permit> {
     held
 }
 
+/// Holds `permit` across a yield as one of at most `bound` holders; its token must be new.
+async fn hold_checked(
+    permit: lanes::Permit,
+    holders: &AtomicUsize,
+    bound: usize,
+    tokens: &std::sync::Mutex<std::collections::HashSet<u64>>,
+) {
+    let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
+    assert!(now <= bound, "{now} holders");
+    assert!(tokens.lock().unwrap().insert(permit.fencing_token()), "token twice");
+    tokio::task::yield_now().await;
+    holders.fetch_sub(1, Ordering::SeqCst);
+    drop(permit);
+}
+
 /// The fast path and the table hand a limit back and forth under real threads: waiting
 /// acquires, tries, timeouts and cancellations, with and without a rate. Never more holders
 /// than `concurrent`, never a fencing token twice, and at quiescence nothing held or waiting.
@@ -533,15 +548,7 @@ async fn the_fast_path_and_the_table_never_break_the_bound() {
                         _ => Some(db.acquire().await.unwrap()),
                     };
                     if let Some(permit) = permit {
-                        let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
-                        assert!(now <= 3, "{now} holders");
-                        assert!(
-                            tokens.lock().unwrap().insert(permit.fencing_token()),
-                            "token twice"
-                        );
-                        tokio::task::yield_now().await;
-                        holders.fetch_sub(1, Ordering::SeqCst);
-                        drop(permit);
+                        hold_checked(permit, &holders, 3, &tokens).await;
                     }
                 }
             }));
@@ -797,9 +804,9 @@ mod line {
     }
 
     /// Two callers take turns on one permit, so one is always in line, for more grants than
-    /// the fast path's word counts between two visits of the table: the grant that finds it
-    /// full goes through the table, which hands the limit back. Tokens still rise by one per
-    /// grant, in the order of the grants.
+    /// the cell's word counts between two moves of its bases (the line moves them itself;
+    /// the fast path leaves that grant to the table). Tokens still rise by one per grant, in
+    /// the order of the grants.
     #[tokio::test(start_paused = true)]
     async fn tokens_rise_by_one_per_grant_past_a_full_grants_field() {
         const ROUNDS: usize = 20_000;
@@ -856,15 +863,7 @@ mod line {
                         _ => Some(db.acquire().await.unwrap()),
                     };
                     if let Some(permit) = permit {
-                        let now = holders.fetch_add(1, Ordering::SeqCst) + 1;
-                        assert!(now <= 2, "{now} holders");
-                        assert!(
-                            tokens.lock().unwrap().insert(permit.fencing_token()),
-                            "token twice"
-                        );
-                        tokio::task::yield_now().await;
-                        holders.fetch_sub(1, Ordering::SeqCst);
-                        drop(permit);
+                        hold_checked(permit, &holders, 2, &tokens).await;
                     }
                 }
             }));

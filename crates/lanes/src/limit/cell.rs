@@ -20,8 +20,10 @@
 //!    the word, and the total of grants is counted the same way: both are decided by the
 //!    commit itself, so the table, which reads the word as it sets `SLOW`, sees exactly the
 //!    committed grants and the last token (no extra atomic per grant, no token skipped). The
-//!    bases are written only while `SLOW` is set, before the hand-back's new generation; an
-//!    attempt reads them before its commit, which the generation validates.
+//!    bases are written only while `SLOW` is set, before the hand-back's new generation, or
+//!    under the line's lock while `WAIT` is set (a full grants field moved into them); an
+//!    attempt reads them before its commit, which the generation validates, and anyone else
+//!    reads them under the table's or the line's lock.
 //! 3. A fast acquire takes its GCRA token (`tat`) *before* it commits, so the table sees it
 //!    too; an attempt that fails to commit wastes at most one token (the rate is never
 //!    exceeded).
@@ -303,7 +305,7 @@ impl Cell {
     }
 
     /// Takes a free permit for the first in line (call under the line's lock, someone in
-    /// line): `Wait` while every permit is held.
+    /// line): `Wait` while every permit is held, `Table` only if the count field is full.
     pub(crate) fn take_for_line(&self) -> Turn {
         let mut seen = self.state.load(Ordering::Acquire);
         loop {
@@ -312,8 +314,28 @@ impl Cell {
             if used >= u64::from(self.concurrent.load(Ordering::Acquire)) {
                 return Turn::Wait;
             }
-            if used == COUNT || seen & GRANTS == GRANTS {
+            if used == COUNT {
                 return Turn::Table;
+            }
+            if seen & GRANTS == GRANTS {
+                // The grants field is full: its grants go into the bases (invariant 2), so
+                // that a busy line never needs the table for them.
+                match self.state.compare_exchange_weak(
+                    seen,
+                    seen & !GRANTS,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                ) {
+                    Ok(_) => {
+                        self.fence_base.fetch_add(grants(seen), Ordering::AcqRel);
+                        self.granted_base.fetch_add(grants(seen), Ordering::AcqRel);
+                        seen &= !GRANTS;
+                    }
+                    Err(actual) => {
+                        seen = actual;
+                        continue;
+                    }
+                }
             }
             match self.state.compare_exchange_weak(
                 seen,
@@ -415,8 +437,9 @@ impl Cell {
         }
     }
 
-    /// The counters while fast (call under the table's lock, so that no hand-over moves the
-    /// bases meanwhile): grants, the last token, the peak.
+    /// The counters while fast (call under the table's lock and the line's, so that neither
+    /// a hand-over nor the line moves the bases meanwhile): grants, the last token, the
+    /// peak.
     pub(crate) fn counters(&self) -> (u64, u64, u32) {
         let grants = grants(self.state.load(Ordering::Acquire));
         (
@@ -530,7 +553,7 @@ mod tests {
     }
 
     #[test]
-    fn the_table_takes_the_line_and_a_full_grants_field_sends_the_line_to_it() {
+    fn the_table_takes_the_line_and_the_line_moves_a_full_grants_field_into_the_bases() {
         let cell = Cell::new(LimitSpec::concurrent(1), 0);
         assert!(matches!(cell.enter_line(), Turn::Taken(1)));
         assert_eq!(cell.enter_line(), Turn::Wait);
@@ -547,9 +570,11 @@ mod tests {
         assert!(matches!(cell.enter_line(), Turn::Taken(_)), "the field's last grant");
         assert_eq!(cell.enter_line(), Turn::Wait);
         assert_eq!(cell.release_fast(), Returned::Line);
-        assert_eq!(cell.take_for_line(), Turn::Table, "no grant left in the word");
+        let last = 1 + (GRANTS >> 16);
+        assert_eq!(cell.take_for_line(), Turn::Taken(last + 1), "the field starts again");
+        assert_eq!(cell.counters(), (last + 1, last + 1, 1));
         let counters = cell.go_slow(Duration::from_nanos);
-        assert_eq!(counters.fencing, 1 + (GRANTS >> 16));
+        assert_eq!((counters.fencing, counters.granted_total), (last + 1, last + 1));
     }
 
     #[test]

@@ -16,8 +16,8 @@
 //! semaphore's waiters wait (cell invariant 5). A returned permit goes straight to the first
 //! in line, with its fencing token, through the caller's [`Handoff`]: no ticket, no table, no
 //! hash lookup. Anything the line does not keep (another priority, a ticket, a rate, a
-//! redefinition, a full grants field) hands the limit to the table, which takes the line's
-//! callers with it, in order, as tickets of the default priority.
+//! redefinition, 65,535 permits held at once) hands the limit to the table, which takes the
+//! line's callers with it, in order, as tickets of the default priority.
 //!
 //! A waiter's future in the table asks it with its ticket on every poll and, unless granted,
 //! leaves its waker under its ticket. Every change that can grant (a release, a withdrawal, a
@@ -280,8 +280,8 @@ pub(crate) struct Slot {
 /// path governs it, in arrival order: a semaphore's wait list (cell invariant 5). A returned
 /// permit goes straight to the first of them, through its [`Handoff`], with no ticket, no
 /// table and no hash lookup. The first caller of another priority, the first ticket (a
-/// server's), a redefinition or a full grants field hands the limit to the table, which
-/// takes the line with it, in order.
+/// server's), a redefinition, or a full count field in the cell's word hands the limit to
+/// the table, which takes the line with it, in order.
 #[derive(Debug, Default)]
 struct Line {
     waiters: WaitList<Handoff>,
@@ -289,6 +289,15 @@ struct Line {
     refused: u64,
     /// Callers that left the line without a permit (timed out or cancelled).
     withdrawn: u64,
+}
+
+/// What [`Slot::line_counts`] read.
+struct LineCounts {
+    waiting: usize,
+    refused: u64,
+    withdrawn: u64,
+    /// Grants, the last token, the peak (see [`Cell::counters`]).
+    counters: (u64, u64, u32),
 }
 
 /// Where a caller that asked to wait in line stands.
@@ -376,7 +385,7 @@ impl Slot {
     }
 
     /// Hands free permits to the first callers in line, waking them once the line's lock is
-    /// released. Answers whether the table must take the limit (the word's grants are full).
+    /// released. Answers whether the table must take the limit (the word's count is full).
     fn hand_on(&self) -> bool {
         let mut first: Option<Waker> = None;
         let mut more = Vec::new();
@@ -413,10 +422,17 @@ impl Slot {
         to_table
     }
 
-    /// Callers in line, and those the line refused and lost, for the snapshot.
-    fn line_counts(&self) -> (usize, u64, u64) {
+    /// For the snapshot (call under the table's lock): callers in line, those the line
+    /// refused and lost, and the cell's counters, read under the line's lock (the line moves
+    /// the counters' bases).
+    fn line_counts(&self) -> LineCounts {
         let line = lock(&self.line);
-        (line.waiters.len(), line.refused, line.withdrawn)
+        LineCounts {
+            waiting: line.waiters.len(),
+            refused: line.refused,
+            withdrawn: line.withdrawn,
+            counters: self.cell.counters(),
+        }
     }
 
     /// The limit's `metrics` handles.
@@ -901,7 +917,7 @@ impl LocalLimits {
         let spec = slot.cell.spec();
         // The line's own count of who waits there, and of those it refused and lost: the
         // table counts its own (the line's callers it took are its waiters from then on).
-        let (in_line, refused, withdrawn) = slot.line_counts();
+        let line = slot.line_counts();
         let governed = if slot.cell.is_slow() {
             inner.table.set_external(name, slot.cell.fast_in_use());
             inner.table.info(name)
@@ -909,11 +925,11 @@ impl LocalLimits {
             None
         };
         let mut info = governed.unwrap_or_else(|| {
-            let (granted, _, max_in_use) = slot.cell.counters();
-            LimitInfo::new(name, spec, slot.cell.fast_in_use(), in_line, granted, max_in_use)
+            let (granted, _, max_in_use) = line.counters;
+            LimitInfo::new(name, spec, slot.cell.fast_in_use(), line.waiting, granted, max_in_use)
         });
-        info.refused_total += refused;
-        info.withdrawn_total += withdrawn;
+        info.refused_total += line.refused;
+        info.withdrawn_total += line.withdrawn;
         Some(info)
     }
 
