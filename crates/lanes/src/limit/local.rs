@@ -272,8 +272,9 @@ pub(crate) struct Slot {
     /// serve`) gets no series of this process's handles, so deleting it leaves none behind.
     metrics: std::sync::OnceLock<LimitMetrics>,
     /// Callers of the default priority waiting for a permit while the fast path governs
-    /// (see [`Line`]).
-    line: Mutex<Line>,
+    /// (see [`Line`]). Made when the first caller joins: most limits never have anyone in
+    /// line, and a keyed limit's slot stays small (16 bytes here, not 96).
+    line: Mutex<Option<Box<Line>>>,
 }
 
 /// The callers of one limit that wait for a permit at the default priority while the fast
@@ -351,6 +352,7 @@ impl Slot {
         max_waiters: usize,
     ) -> Result<Joined, LimitError> {
         let mut line = lock(&self.line);
+        let line = line.get_or_insert_with(Box::default);
         match self.cell.enter_line() {
             Turn::Taken(fence) => Ok(Joined::Granted(fence)),
             Turn::Table => Ok(Joined::Table),
@@ -367,13 +369,14 @@ impl Slot {
 
     /// Whether `key` is still in line; refreshes its waker if so.
     pub(crate) fn refresh_line(&self, key: WaitKey, waker: &Waker) -> bool {
-        lock(&self.line).waiters.refresh(key, waker)
+        lock(&self.line).as_mut().is_some_and(|line| line.waiters.refresh(key, waker))
     }
 
     /// Takes a caller out of line before its turn; `false` if it is no longer there (it was
     /// handed a permit, or the table took it: the caller undoes either).
     pub(crate) fn leave_line(&self, key: WaitKey) -> bool {
         let mut line = lock(&self.line);
+        let Some(line) = line.as_mut() else { return false };
         if !line.waiters.remove(key) {
             return false;
         }
@@ -393,9 +396,9 @@ impl Slot {
             let mut line = lock(&self.line);
             loop {
                 // Emptied meanwhile: its last caller left, or the table took the line.
-                if line.waiters.is_empty() {
+                let Some(line) = line.as_mut().filter(|line| !line.waiters.is_empty()) else {
                     break false;
-                }
+                };
                 match self.cell.take_for_line() {
                     Turn::Taken(fence_token) => {
                         let (waker, handoff) = line.waiters.pop_with().expect("someone in line");
@@ -427,12 +430,10 @@ impl Slot {
     /// the counters' bases).
     fn line_counts(&self) -> LineCounts {
         let line = lock(&self.line);
-        LineCounts {
-            waiting: line.waiters.len(),
-            refused: line.refused,
-            withdrawn: line.withdrawn,
-            counters: self.cell.counters(),
-        }
+        let (waiting, refused, withdrawn) = line
+            .as_ref()
+            .map_or((0, 0, 0), |line| (line.waiters.len(), line.refused, line.withdrawn));
+        LineCounts { waiting, refused, withdrawn, counters: self.cell.counters() }
     }
 
     /// The limit's `metrics` handles.
@@ -618,6 +619,7 @@ impl LocalLimits {
         let counters = slot.cell.go_slow(Duration::from_nanos);
         inner.table.adopt(&slot.name, slot.cell.spec(), counters);
         inner.table.set_external(&slot.name, slot.cell.fast_in_use());
+        let Some(line) = line.as_mut() else { return };
         let default = Priority::default();
         while let Some((waker, handoff)) = line.waiters.pop_with() {
             let ticket = self.next_ticket();
@@ -690,7 +692,7 @@ impl LocalLimits {
                     removed: AtomicBool::new(false),
                     leased: AtomicBool::new(false),
                     metrics: std::sync::OnceLock::new(),
-                    line: Mutex::new(Line::default()),
+                    line: Mutex::new(None),
                 });
                 self.shared
                     .slots
