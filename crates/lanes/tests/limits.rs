@@ -836,6 +836,31 @@ mod line {
         assert_eq!(info.granted_total, 2 * ROUNDS as u64);
     }
 
+    /// Review finding: a redefinition that checked the line before a caller joined it, then
+    /// raised the bound, left that caller waiting beside a free permit (nothing hands a
+    /// permit on until one is returned). Raced on real threads, many times: the caller must
+    /// get the new permit while the old one is still held.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_redefinition_racing_a_caller_into_the_line_lets_it_in() {
+        for round in 0..2_000 {
+            let limits = Limits::new();
+            limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+            let held = limits.acquire("db", Priority::default()).await.unwrap();
+            let caller = tokio::spawn({
+                let limits = limits.clone();
+                async move { limits.acquire("db", Priority::default()).await.unwrap() }
+            });
+            // Roughly when the caller joins the line.
+            for _ in 0..round % 4 {
+                tokio::task::yield_now().await;
+            }
+            limits.define("db", LimitSpec::concurrent(2)).await.unwrap();
+            let granted = tokio::time::timeout(Duration::from_secs(5), caller).await;
+            assert!(granted.is_ok(), "round {round}: a free permit, and the caller still waits");
+            drop(held);
+        }
+    }
+
     /// Real threads on the line: waits, timeouts, cancellations, tries, and now and then a
     /// caller of another priority that hands the line to the table. Never more holders than
     /// `concurrent`, never a token twice, and at quiescence nothing held or waiting.

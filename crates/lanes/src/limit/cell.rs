@@ -277,8 +277,12 @@ impl Cell {
 
     /// For a caller about to wait in line (call under the line's lock): a permit if one is
     /// free and nobody is in line, else `WAIT` set, so that no fast acquire takes the next
-    /// free permit before the line does (invariant 5).
+    /// free permit before the line does (invariant 5). `Table` for a limit with a rate.
     pub(crate) fn enter_line(&self) -> Turn {
+        // The line keeps no bucket: a limit with a rate waits in the table.
+        if self.has_rate() {
+            return Turn::Table;
+        }
         let mut seen = self.state.load(Ordering::Acquire);
         loop {
             if seen & SLOW != 0 {
@@ -305,8 +309,13 @@ impl Cell {
     }
 
     /// Takes a free permit for the first in line (call under the line's lock, someone in
-    /// line): `Wait` while every permit is held, `Table` only if the count field is full.
+    /// line): `Wait` while every permit is held; `Table` if the count field is full or the
+    /// limit now has a rate.
     pub(crate) fn take_for_line(&self) -> Turn {
+        // A rate set since the line formed: the table takes the line and keeps the bucket.
+        if self.has_rate() {
+            return Turn::Table;
+        }
         let mut seen = self.state.load(Ordering::Acquire);
         loop {
             debug_assert!(seen & WAIT != 0 && seen & SLOW == 0, "someone is in line");
@@ -575,6 +584,18 @@ mod tests {
         assert_eq!(cell.counters(), (last + 1, last + 1, 1));
         let counters = cell.go_slow(Duration::from_nanos);
         assert_eq!((counters.fencing, counters.granted_total), (last + 1, last + 1));
+    }
+
+    #[test]
+    fn a_limit_with_a_rate_never_grants_in_line() {
+        let cell = Cell::new(LimitSpec::concurrent(1), 0);
+        assert!(matches!(cell.enter_line(), Turn::Taken(1)));
+        assert_eq!(cell.enter_line(), Turn::Wait);
+        // A rate set while someone is in line: the returned permit goes to the table.
+        cell.set_spec(LimitSpec::concurrent(1).per_second(10.0));
+        assert_eq!(cell.release_fast(), Returned::Line);
+        assert_eq!(cell.take_for_line(), Turn::Table, "the line keeps no bucket");
+        assert_eq!(cell.enter_line(), Turn::Table);
     }
 
     #[test]

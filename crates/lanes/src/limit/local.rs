@@ -295,6 +295,8 @@ struct Line {
 /// What [`Slot::line_counts`] read.
 struct LineCounts {
     waiting: usize,
+    /// Permits held through the fast path (its own and those handed over in line).
+    in_use: u32,
     refused: u64,
     withdrawn: u64,
     /// Grants, the last token, the peak (see [`Cell::counters`]).
@@ -319,21 +321,23 @@ impl Slot {
             Returned::Done => {}
             Returned::Line => {
                 if self.hand_on() {
-                    self.via_table();
+                    self.via_table(true);
                 }
             }
-            Returned::Table => self.via_table(),
+            Returned::Table => self.via_table(false),
         }
     }
 
-    /// Lets the table take the limit (if it has not) and hand its free permits on.
+    /// Lets the table hand the limit's free permits on; `take` hands it the limit first if
+    /// the fast path governs (the line could not hand a permit on), else a limit handed back
+    /// meanwhile is left to the fast path.
     #[cold]
-    fn via_table(&self) {
+    fn via_table(&self, take: bool) {
         let Some(shared) = self.shared.upgrade() else { return };
         let local = LocalLimits { shared };
         let now = local.now_for(self, None);
         let mut inner = lock(&local.shared.inner);
-        if !self.cell.is_slow() {
+        if take && !self.cell.is_slow() {
             local.go_slow(&mut inner, self, now);
         }
         LocalLimits::settle(&mut inner, self, now);
@@ -352,18 +356,20 @@ impl Slot {
         max_waiters: usize,
     ) -> Result<Joined, LimitError> {
         let mut line = lock(&self.line);
-        let line = line.get_or_insert_with(Box::default);
         match self.cell.enter_line() {
             Turn::Taken(fence) => Ok(Joined::Granted(fence)),
             Turn::Table => Ok(Joined::Table),
-            Turn::Wait if line.waiters.len() >= max_waiters => {
+            Turn::Wait => {
+                let line = line.get_or_insert_with(Box::default);
+                if line.waiters.len() < max_waiters {
+                    return Ok(Joined::InLine(line.waiters.push_with(waker, handoff.clone())));
+                }
                 line.refused += 1;
                 if line.waiters.is_empty() {
                     self.cell.leave_line();
                 }
                 Err(LimitError::TooManyWaiters { limit: self.name.to_string(), max: max_waiters })
             }
-            Turn::Wait => Ok(Joined::InLine(line.waiters.push_with(waker, handoff.clone()))),
         }
     }
 
@@ -388,7 +394,8 @@ impl Slot {
     }
 
     /// Hands free permits to the first callers in line, waking them once the line's lock is
-    /// released. Answers whether the table must take the limit (the word's count is full).
+    /// released. Answers whether the table must take the limit (the word's count is full,
+    /// or the limit now has a rate).
     fn hand_on(&self) -> bool {
         let mut first: Option<Waker> = None;
         let mut more = Vec::new();
@@ -433,7 +440,8 @@ impl Slot {
         let (waiting, refused, withdrawn) = line
             .as_ref()
             .map_or((0, 0, 0), |line| (line.waiters.len(), line.refused, line.withdrawn));
-        LineCounts { waiting, refused, withdrawn, counters: self.cell.counters() }
+        let in_use = self.cell.fast_in_use();
+        LineCounts { waiting, refused, withdrawn, in_use, counters: self.cell.counters() }
     }
 
     /// The limit's `metrics` handles.
@@ -669,13 +677,19 @@ impl LocalLimits {
         let mut inner = lock(&self.shared.inner);
         match self.slot(name) {
             Some(slot) => {
-                // Callers in line go to the table first: it decides what the new spec lets
-                // in (a rate, which the line does not keep, or more permits).
-                if slot.cell.has_line() {
+                // Set under the line's lock, so that a caller joins the line either before
+                // (then the table takes the line below and decides what the new spec lets in:
+                // more permits, or a rate, which the line does not keep) or after (then it
+                // sees the new spec).
+                let in_line = {
+                    let _line = lock(&slot.line);
+                    slot.cell.set_spec(spec);
+                    slot.cell.has_line()
+                };
+                if in_line {
                     let now = self.now_for(&slot, None);
                     self.go_slow(&mut inner, &slot, now);
                 }
-                slot.cell.set_spec(spec);
                 if slot.cell.is_slow() {
                     inner.table.define(name, spec)?;
                     // A larger spec may let waiters in.
@@ -928,7 +942,7 @@ impl LocalLimits {
         };
         let mut info = governed.unwrap_or_else(|| {
             let (granted, _, max_in_use) = line.counters;
-            LimitInfo::new(name, spec, slot.cell.fast_in_use(), line.waiting, granted, max_in_use)
+            LimitInfo::new(name, spec, line.in_use, line.waiting, granted, max_in_use)
         });
         info.refused_total += line.refused;
         info.withdrawn_total += line.withdrawn;
