@@ -26,9 +26,9 @@ impl WaitKey {
 
 #[derive(Debug)]
 struct Node<T> {
-    waker: Option<Waker>,
-    /// What the waiter carries; taken with its waker.
-    data: Option<T>,
+    /// The waiter's waker and what it carries, taken together; `None` once it is gone. One
+    /// option, so that a `WaitList<()>`'s node stays as small as a waker alone.
+    entry: Option<(Waker, T)>,
     prev: u32,
     next: u32,
     /// The stamp of the push that put the waiter here; 0 when the node is free.
@@ -82,13 +82,7 @@ impl<T> WaitList<T> {
     pub(crate) fn push_with(&mut self, waker: &Waker, data: T) -> WaitKey {
         self.stamps += 1;
         let stamp = self.stamps;
-        let node = Node {
-            waker: Some(waker.clone()),
-            data: Some(data),
-            prev: self.tail,
-            next: NIL,
-            stamp,
-        };
+        let node = Node { entry: Some((waker.clone(), data)), prev: self.tail, next: NIL, stamp };
         let index = match self.free.pop() {
             Some(index) => {
                 self.nodes[index as usize] = node;
@@ -139,9 +133,10 @@ impl<T> WaitList<T> {
         if !self.contains(key) {
             return false;
         }
-        let slot = &mut self.nodes[key.index as usize].waker;
-        if slot.is_some() {
-            super::keep_waker(slot, waker);
+        if let Some((current, _)) = &mut self.nodes[key.index as usize].entry
+            && !super::same_waker(current, waker)
+        {
+            *current = waker.clone();
         }
         true
     }
@@ -181,7 +176,7 @@ impl<T> WaitList<T> {
         let mut at = self.head;
         while at != NIL {
             let node = &self.nodes[at as usize];
-            out.extend(node.waker.clone());
+            out.extend(node.entry.as_ref().map(|(waker, _)| waker.clone()));
             at = node.next;
         }
         out
@@ -191,7 +186,7 @@ impl<T> WaitList<T> {
     fn unlink(&mut self, index: u32) -> Option<(Waker, T)> {
         let node = &mut self.nodes[index as usize];
         let (prev, next) = (node.prev, node.next);
-        let taken = node.waker.take().zip(node.data.take());
+        let taken = node.entry.take();
         node.stamp = 0;
         match prev {
             NIL => self.head = next,
