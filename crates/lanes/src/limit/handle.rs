@@ -251,8 +251,11 @@ impl Limits {
         self.acquire_inner(name, &priority, Some(deadline), None).await
     }
 
-    /// The one acquire future (see `acquire.rs`): owns a fresh ticket, withdraws it on drop or
-    /// at the deadline, wakes on grant, refill or lease end.
+    /// The one acquire future. In process, a [`Wait`]: in the limit's line for the default
+    /// priority while the fast path governs, else a fresh ticket in the table; dropped or past
+    /// its deadline, it leaves the line or withdraws its ticket (and returns a permit handed to
+    /// it meanwhile). Another backend's: a fresh ticket driven by `acquire.rs`, withdrawn the
+    /// same way. Either wakes on grant, refill or lease end.
     async fn acquire_inner(
         &self,
         name: &str,
