@@ -1,7 +1,8 @@
 //! The one acquire future: every way to wait for a permit — [`Limits::acquire`],
 //! [`acquire_timeout`](Limits::acquire_timeout), [`acquire_until`](Limits::acquire_until), the
 //! per-limit [`Limit`](super::Limit) handle, and the HTTP long-poll of `lanes serve` — is a call
-//! of [`drive`] (or, in process, of its lock-level twin in `local.rs`).
+//! of [`drive`] (or, in process, of its lock-level twin in `local.rs`, `Wait`, which waits in
+//! the limit's line instead of the table while only default-priority callers wait there).
 //!
 //! # Invariants
 //!
