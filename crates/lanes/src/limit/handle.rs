@@ -206,7 +206,13 @@ impl Limits {
         priority: &Priority,
         missed: Option<Arc<Slot>>,
     ) -> Result<Permit, LimitError> {
-        match self.acquire_inner(name, priority, None, missed).await {
+        if let (Backend::Local(local), Some(slot)) = (&self.backend, missed) {
+            return Self::wait_local(local, slot, priority).await.map_err(|err| match err {
+                AcquireError::Limit(err) => err,
+                AcquireError::Timeout(_) => unreachable!("no deadline, no timeout"),
+            });
+        }
+        match self.acquire_inner(name, priority, None, None).await {
             Ok(permit) => Ok(permit),
             Err(AcquireError::Limit(err)) => Err(err),
             Err(AcquireError::Timeout(_)) => unreachable!("no deadline, no timeout"),
@@ -282,67 +288,110 @@ impl Limits {
                         }
                     },
                 };
+                let Some(deadline) = deadline else {
+                    return Self::wait_local(local, slot, priority).await;
+                };
                 let since = crate::observe::timing_start();
                 tracing::trace!(limit = %slot.name, "waiting for a permit");
                 let mut wait = Wait::new(local, &slot, priority);
-                let mut expiry = deadline.map(|at| Box::pin(tokio::time::sleep_until(at)));
+                let mut expiry = Box::pin(tokio::time::sleep_until(deadline));
                 let granted = poll_fn(|cx| {
                     if let Poll::Ready(done) = wait.poll(cx) {
                         return Poll::Ready(done.map_err(AcquireError::Limit));
                     }
-                    match &mut expiry {
-                        Some(sleep) => match sleep.as_mut().poll(cx) {
-                            Poll::Ready(()) => Poll::Ready(Err(timed_out(sleep.deadline()))),
-                            Poll::Pending => Poll::Pending,
-                        },
-                        None => Poll::Pending,
+                    match expiry.as_mut().poll(cx) {
+                        Poll::Ready(()) => Poll::Ready(Err(timed_out(deadline))),
+                        Poll::Pending => Poll::Pending,
                     }
                 })
                 .await;
                 // A wait that ended undoes nothing; one that timed out leaves (cancel safe).
                 drop(wait);
-                match granted {
-                    Ok(Granted::Line(fence)) => {
-                        tracing::trace!(limit = %slot.name, fencing_token = fence, "granted in line");
-                        Ok(Permit::fast_waited(slot, fence, since))
-                    }
-                    Ok(Granted::Table(ticket, grant)) => {
-                        tracing::trace!(limit = %slot.name, ticket, fencing_token = grant.fencing_token, "granted");
-                        Ok(Permit::local(local, slot, ticket, grant, since))
-                    }
-                    Err(err) => {
-                        if matches!(err, AcquireError::Timeout(_)) {
-                            slot.metrics().timed_out.increment(1);
-                        }
-                        tracing::debug!(limit = %slot.name, error = %err, "acquire ended without a permit");
-                        Err(err)
-                    }
-                }
+                Self::waited(local, slot, granted, since)
             }
+            // Boxed: a remote wait makes round trips, and its future inline would make every
+            // in-process acquire future several hundred bytes larger.
             Backend::Dyn(backend) => {
-                let name: Arc<str> = Arc::from(name);
-                let ticket = backend.ticket();
-                let mut withdraw =
-                    Withdraw { backend: backend.clone(), name: name.clone(), ticket, armed: true };
-                let mut first = Some(priority);
-                loop {
-                    let answer = drive(&**backend, &name, ticket, first.take(), None, deadline)
-                        .await
-                        .map_err(AcquireError::Limit)?;
-                    match answer {
-                        Answer::Granted(grant) => {
-                            withdraw.armed = false;
-                            let release = Backend::Dyn(backend.clone());
-                            return Ok(Permit::of_ticket(release, name, ticket, grant));
-                        }
-                        // Its owner is still waiting, so the store lost the ticket (a restart):
-                        // ask anew, first ask again.
-                        Answer::Finished => first = Some(priority),
-                        Answer::Queued | Answer::RetryAfter(_) => {
-                            let deadline = deadline.expect("drive returns pending only at one");
-                            return Err(timed_out(deadline));
-                        }
-                    }
+                Box::pin(Self::acquire_remote(backend, name, priority, deadline, started)).await
+            }
+        }
+    }
+
+    /// [`acquire_inner`](Self::acquire_inner) in process without a deadline, once the fast
+    /// path missed: only the [`Wait`] (no timer to poll beside it).
+    async fn wait_local(
+        local: &Arc<LocalLimits>,
+        slot: Arc<Slot>,
+        priority: &Priority,
+    ) -> Result<Permit, AcquireError> {
+        let since = crate::observe::timing_start();
+        tracing::trace!(limit = %slot.name, "waiting for a permit");
+        let mut wait = Wait::new(local, &slot, priority);
+        let granted = poll_fn(|cx| wait.poll(cx)).await.map_err(AcquireError::Limit);
+        // A wait that ended undoes nothing; one dropped before leaves (cancel safe).
+        drop(wait);
+        Self::waited(local, slot, granted, since)
+    }
+
+    /// The permit (or the error) an in-process wait that began at `since` ended with.
+    fn waited(
+        local: &Arc<LocalLimits>,
+        slot: Arc<Slot>,
+        granted: Result<Granted, AcquireError>,
+        since: Option<tokio::time::Instant>,
+    ) -> Result<Permit, AcquireError> {
+        match granted {
+            Ok(Granted::Line(fence)) => {
+                tracing::trace!(limit = %slot.name, fencing_token = fence, "granted in line");
+                Ok(Permit::fast_waited(slot, fence, since))
+            }
+            Ok(Granted::Table(ticket, grant)) => {
+                tracing::trace!(limit = %slot.name, ticket, fencing_token = grant.fencing_token, "granted");
+                Ok(Permit::local(local, slot, ticket, grant, since))
+            }
+            Err(err) => {
+                if matches!(err, AcquireError::Timeout(_)) {
+                    slot.metrics().timed_out.increment(1);
+                }
+                tracing::debug!(limit = %slot.name, error = %err, "acquire ended without a permit");
+                Err(err)
+            }
+        }
+    }
+
+    /// [`acquire_inner`](Self::acquire_inner) on another backend: a fresh ticket driven by
+    /// `acquire.rs`, withdrawn if the wait is dropped or times out.
+    async fn acquire_remote(
+        backend: &Arc<dyn LimitBackend>,
+        name: &str,
+        priority: &Priority,
+        deadline: Option<Instant>,
+        started: Option<Instant>,
+    ) -> Result<Permit, AcquireError> {
+        let timed_out = |deadline: Instant| {
+            AcquireError::Timeout(deadline.saturating_duration_since(started.unwrap_or(deadline)))
+        };
+        let name: Arc<str> = Arc::from(name);
+        let ticket = backend.ticket();
+        let mut withdraw =
+            Withdraw { backend: backend.clone(), name: name.clone(), ticket, armed: true };
+        let mut first = Some(priority);
+        loop {
+            let answer = drive(&**backend, &name, ticket, first.take(), None, deadline)
+                .await
+                .map_err(AcquireError::Limit)?;
+            match answer {
+                Answer::Granted(grant) => {
+                    withdraw.armed = false;
+                    let release = Backend::Dyn(backend.clone());
+                    return Ok(Permit::of_ticket(release, name, ticket, grant));
+                }
+                // Its owner is still waiting, so the store lost the ticket (a restart):
+                // ask anew, first ask again.
+                Answer::Finished => first = Some(priority),
+                Answer::Queued | Answer::RetryAfter(_) => {
+                    let deadline = deadline.expect("drive returns pending only at one");
+                    return Err(timed_out(deadline));
                 }
             }
         }
