@@ -13,21 +13,31 @@
 //! target/release/paired channel mt 64 4 u64 21   # suite 3: against tokio mpsc
 //! target/release/paired channel ct 1024 1 u64 21 kanal   # suite 3's kanal bar
 //! target/release/paired lane mt 21               # suite 2: against the hand-rolled lane
+//! target/release/paired permits mt 8 21          # suite 1: 8 tasks, against tokio's semaphore
 //! ```
 //!
 //! Arguments: `channel`, the runtime (`ct` or `mt`), the capacity, the producers, the record
 //! (`u64` or `256B`), the pairs and optionally the anchor (`tokio`, the default, or `kanal`); or `lane`, the runtime and the pairs (1,000 runs into 8
-//! execution slots, as in suite 2). An odd number of pairs makes the median one of them.
+//! execution slots, as in suite 2); or `permits`, the runtime, the tasks and the pairs (suite 1's
+//! contended cell: the tasks share 2 permits through a `Limit` handle or a
+//! `tokio::sync::Semaphore`, each taking and returning one 64 times). An odd number of pairs
+//! makes the median one of them.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use lanes::{LimitSpec, Limits};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    Big, HandRolled, Record, channel_block, hand_rolled, kanal_block, lane, lane_runs, tokio_block,
+    Big, HandRolled, Permits, Record, channel_block, contended, hand_rolled, kanal_block, lane,
+    lane_runs, tokio_block,
 };
+use tokio::sync::Semaphore;
 
 /// Cells per side in a pair: enough that one side takes a few milliseconds at the slowest.
 const CELLS: usize = 5;
+/// Cells per side of a `permits` pair (a cell of 8 tasks is 512 acquires: well under 1 ms).
+const PERMIT_CELLS: usize = 40;
 /// Runs per lane cell, and the lane's slots (suite 2's).
 const RUNS: u64 = 1_000;
 const CONCURRENT: usize = 8;
@@ -81,7 +91,7 @@ fn channel<R: Record>(
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: paired channel (ct|mt) CAPACITY PRODUCERS (u64|256B) PAIRS [tokio|kanal]\n       paired lane (ct|mt) PAIRS";
+    let usage = "usage: paired channel (ct|mt) CAPACITY PRODUCERS (u64|256B) PAIRS [tokio|kanal]\n       paired lane (ct|mt) PAIRS\n       paired permits (ct|mt) TASKS PAIRS";
     let flavor = match args.get(1).map(String::as_str) {
         Some("ct") => Flavor::CurrentThread,
         Some("mt") => Flavor::MultiThread,
@@ -133,6 +143,22 @@ fn main() {
                 });
             });
             ("admit_run_finalize".to_owned(), "the hand-rolled lane", ratios)
+        }
+        Some("permits") => {
+            let tasks = number(2);
+            let limits = Limits::new();
+            rt.block_on(limits.define("l", LimitSpec::concurrent(2))).expect("define");
+            let ours = Permits::Lanes(limits.limit("l"));
+            let anchor = Permits::Tokio(Arc::new(Semaphore::new(2)));
+            let ratios = ratios(number(3), |side| {
+                let permits = if side { &ours } else { &anchor };
+                rt.block_on(async {
+                    for _ in 0..PERMIT_CELLS {
+                        contended(permits, tasks as u64).await;
+                    }
+                });
+            });
+            (format!("contended_{tasks}"), "tokio's semaphore", ratios)
         }
         _ => panic!("{usage}"),
     };
