@@ -585,10 +585,20 @@ pub struct Permit {
 enum Kind {
     /// Taken on the in-process fast path: no ticket, no lock.
     Fast { slot: Arc<Slot>, fence: u64 },
-    /// Granted to a ticket by the in-process table.
-    Local { local: Arc<LocalLimits>, slot: Arc<Slot>, ticket: u64, grant: Grant },
-    /// Granted to a ticket by another backend.
-    Ticket { release: Backend, name: Arc<str>, ticket: u64, grant: Grant },
+    /// Granted to a ticket by the in-process table, with this fencing token (its lease, if it
+    /// asked for one, is the table's to keep: an in-process permit is never lost).
+    Local { local: Arc<LocalLimits>, slot: Arc<Slot>, ticket: u64, fence: u64 },
+    /// Granted to a ticket by another backend (boxed: a remote permit is rare next to the
+    /// in-process ones, and inline it made every `Permit` and every acquire's result larger).
+    Ticket(Box<TicketPermit>),
+}
+
+/// A permit granted to a ticket by another backend.
+struct TicketPermit {
+    release: Backend,
+    name: Arc<str>,
+    ticket: u64,
+    grant: Grant,
 }
 
 /// Why the fast path refused a caller, when that is the answer (nobody waits). Small, so that
@@ -669,18 +679,19 @@ impl Permit {
         waited: Option<tokio::time::Instant>,
     ) -> Self {
         slot.metrics().granted(waited);
-        Self { kind: Kind::Local { local: local.clone(), slot, ticket, grant } }
+        let fence = grant.fencing_token;
+        Self { kind: Kind::Local { local: local.clone(), slot, ticket, fence } }
     }
 
     fn of_ticket(release: Backend, name: Arc<str>, ticket: u64, grant: Grant) -> Self {
-        Self { kind: Kind::Ticket { release, name, ticket, grant } }
+        Self { kind: Kind::Ticket(Box::new(TicketPermit { release, name, ticket, grant })) }
     }
 
     /// The limit this permit belongs to.
     pub fn limit(&self) -> &str {
         match &self.kind {
             Kind::Fast { slot, .. } | Kind::Local { slot, .. } => &slot.name,
-            Kind::Ticket { name, .. } => name,
+            Kind::Ticket(permit) => &permit.name,
         }
     }
 
@@ -689,15 +700,16 @@ impl Permit {
     pub fn ticket(&self) -> u64 {
         match &self.kind {
             Kind::Fast { .. } => 0,
-            Kind::Local { ticket, .. } | Kind::Ticket { ticket, .. } => *ticket,
+            Kind::Local { ticket, .. } => *ticket,
+            Kind::Ticket(permit) => permit.ticket,
         }
     }
 
     /// Strictly increasing per limit: hand it to a downstream so it can refuse stale holders.
     pub fn fencing_token(&self) -> u64 {
         match &self.kind {
-            Kind::Fast { fence, .. } => *fence,
-            Kind::Local { grant, .. } | Kind::Ticket { grant, .. } => grant.fencing_token,
+            Kind::Fast { fence, .. } | Kind::Local { fence, .. } => *fence,
+            Kind::Ticket(permit) => permit.grant.fencing_token,
         }
     }
 
@@ -706,9 +718,10 @@ impl Permit {
     /// permit of the in-process backend is never lost.
     pub fn lease_lost(&self) -> bool {
         match &self.kind {
-            Kind::Ticket { release: Backend::Dyn(backend), name, ticket, .. } => {
-                backend.lease_lost(name, *ticket)
-            }
+            Kind::Ticket(permit) => match &permit.release {
+                Backend::Dyn(backend) => backend.lease_lost(&permit.name, permit.ticket),
+                Backend::Local(_) => false,
+            },
             _ => false,
         }
     }
@@ -721,8 +734,8 @@ impl Permit {
     /// Cancel safe: dropping the future changes nothing.
     pub async fn lost(&self) {
         match &self.kind {
-            Kind::Ticket { release: Backend::Dyn(backend), name, ticket, .. } => {
-                backend.lost(name, *ticket).await;
+            Kind::Ticket(permit) if let Backend::Dyn(backend) = &permit.release => {
+                backend.lost(&permit.name, permit.ticket).await;
             }
             _ => std::future::pending().await,
         }
@@ -740,13 +753,18 @@ impl Drop for Permit {
                 slot.metrics().held.decrement(1.0);
                 local.release_slot(slot, *ticket);
             }
-            Kind::Ticket { release: Backend::Local(local), name, ticket, .. } => {
-                local.release_now(name, *ticket);
-            }
-            Kind::Ticket { release: Backend::Dyn(backend), name, ticket, .. } => {
-                // A local permit goes back at once; any other in a task.
-                if !backend.release_local(name, *ticket) {
-                    release_in_background(backend.clone(), name.clone(), *ticket);
+            Kind::Ticket(permit) => {
+                let TicketPermit { release, name, ticket, .. } = &**permit;
+                match release {
+                    Backend::Local(local) => {
+                        local.release_now(name, *ticket);
+                    }
+                    Backend::Dyn(backend) => {
+                        // A local permit goes back at once; any other in a task.
+                        if !backend.release_local(name, *ticket) {
+                            release_in_background(backend.clone(), name.clone(), *ticket);
+                        }
+                    }
                 }
             }
         }
