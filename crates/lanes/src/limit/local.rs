@@ -127,10 +127,10 @@ impl GrantCell {
         }
     }
 
-    /// Empty again, for the next wait.
-    fn clear(&mut self) {
-        *self.fence.get_mut() = 0;
-        *self.ticket.get_mut() = 0;
+    /// Empty again, for the next wait (by its one holder).
+    fn clear(&self) {
+        self.fence.store(0, Ordering::Relaxed);
+        self.ticket.store(0, Ordering::Relaxed);
     }
 }
 
@@ -165,11 +165,15 @@ impl std::ops::Deref for WaitHandoff {
 
 impl Drop for WaitHandoff {
     fn drop(&mut self) {
-        let Some(mut handoff) = self.0.take() else { return };
+        let Some(handoff) = self.0.take() else { return };
         // Only a handoff nobody else holds is emptied and kept (a waiter's entry in the table
-        // may still hold it after a cancelled wait: then it is freed with the entry).
-        if let Some(cell) = Arc::get_mut(&mut handoff) {
-            cell.clear();
+        // may still hold it after a cancelled wait: then it is freed with the entry). Nothing
+        // makes a `Weak` of it, so a count of one means this wait is its one holder and nobody
+        // can clone it any more (cheaper than `Arc::get_mut`, which locks the weak count); the
+        // fence pairs with the other holders' release of their clones, as `Arc`'s drop does.
+        if Arc::strong_count(&handoff) == 1 {
+            std::sync::atomic::fence(Ordering::Acquire);
+            handoff.clear();
             let _ = SPARE_HANDOFF.try_with(|spare| {
                 let mut spare = spare.borrow_mut();
                 if spare.len() < SPARE_HANDOFFS {
