@@ -432,7 +432,10 @@ impl Slot {
         if let Some(waker) = first {
             waker.wake();
         }
-        more.into_iter().for_each(Waker::wake);
+        // Usually empty: one returned permit hands on to one caller.
+        if !more.is_empty() {
+            more.into_iter().for_each(Waker::wake);
+        }
         to_table
     }
 
