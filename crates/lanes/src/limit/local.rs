@@ -1161,7 +1161,23 @@ impl<'a> Wait<'a> {
 
     /// Polls the wait: granted, failed, or waiting with `cx`'s waker left where a grant
     /// will wake it.
+    ///
+    /// The common second poll of a wait in line, woken with its permit, is answered here
+    /// (inlined into the caller's future); anything else in [`poll_any`](Self::poll_any).
+    #[inline]
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<Granted, LimitError>> {
+        if let Place::Line(_) = self.place
+            && let Some(grant) = self.handoff.get()
+            && self.handoff.moved().is_none()
+        {
+            return self.end(Ok(Granted::Line(grant.fencing_token)));
+        }
+        self.poll_any(cx)
+    }
+
+    /// [`poll`](Self::poll), in every state.
+    #[inline(never)]
+    fn poll_any(&mut self, cx: &mut Context<'_>) -> Poll<Result<Granted, LimitError>> {
         loop {
             match self.place {
                 Place::Start(priority) => {
