@@ -1383,10 +1383,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_hand_over_cell_is_reused_only_when_its_wait_was_its_last_holder() {
+        let spares = || SPARE_HANDOFF.with(|spare| spare.borrow().len());
+        let grant = Grant { fencing_token: 9, expires_at: None };
+        // Held elsewhere too (a table's waiter entry after a cancelled wait): not kept.
+        let waited = WaitHandoff::new();
+        let elsewhere = Handoff::clone(&waited);
+        elsewhere.set(grant);
+        let before = spares();
+        drop(waited);
+        assert_eq!(spares(), before, "a cell someone else holds is not kept");
+        assert_eq!(elsewhere.get(), Some(grant), "and is left as it was");
+        // Its last holder: emptied and kept, and the next wait on this thread gets it.
+        let last = WaitHandoff::new();
+        last.set(grant);
+        let address = Arc::as_ptr(&last) as usize;
+        let before = spares();
+        drop(last);
+        assert_eq!(spares(), before + 1, "kept for the next wait");
+        let next = WaitHandoff::new();
+        assert_eq!(Arc::as_ptr(&next) as usize, address, "the kept cell comes back");
+        assert_eq!(next.get(), None, "emptied before reuse");
+        assert_eq!(next.moved(), None);
+    }
+
+    #[test]
     fn a_grant_cell_hands_over_the_whole_grant_once_and_clears_for_the_next_wait() {
         let leases =
             [None, Some(Duration::ZERO), Some(Duration::new(7, 999_999_999)), Some(Duration::MAX)];
-        let mut cell = GrantCell::default();
+        let cell = GrantCell::default();
         for (i, expires_at) in leases.into_iter().enumerate() {
             assert_eq!(cell.get(), None, "empty before the grant");
             let grant = Grant { fencing_token: i as u64 + 1, expires_at };
