@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
-use lanes::{LimitSpec, LimitTable, Limits, Priority, WaitQueue};
+use lanes::{KeyedLimit, LimitSpec, LimitTable, Limits, Priority, WaitQueue};
 use lanes_benches::scenarios::{PER_TASK, Permits, contended};
 use lanes_benches::{Flavor, config, rss_bytes, write_result};
 use tokio::sync::Semaphore;
@@ -122,7 +122,15 @@ fn memory_probe(which: &str) -> ! {
     let names: Vec<String> = (0..KEYS).map(|i| format!("key-{i}")).collect();
     let fast = LimitSpec::concurrent(u32::MAX).per_second(1e9).burst(u32::MAX);
     let before = rss_bytes();
-    let keep: Box<dyn std::any::Any> = if which == "lanes" {
+    let keep: Box<dyn std::any::Any> = if which == "keyed" {
+        // Keys stay in use: each check leaves its bucket short of full for a second.
+        let keyed: KeyedLimit = KeyedLimit::new("keyed", keyed_spec()).expect("spec");
+        for name in &names {
+            keyed.check(name.as_str()).expect("check");
+        }
+        assert_eq!(keyed.keys(), KEYS, "every key kept");
+        Box::new(keyed)
+    } else if which == "lanes" {
         let rt = Flavor::CurrentThread.runtime();
         let limits = Limits::new();
         block_on(&rt, async {
@@ -144,6 +152,13 @@ fn memory_probe(which: &str) -> ! {
     println!("LANES_MEM_PROBE {grown}");
     drop(keep);
     std::process::exit(0);
+}
+
+/// A keyed limit's spec for suite 6: every check passes (a bucket of 2^32 tokens) and leaves
+/// the key in use (one token a second refills it), as governor's keyed limiter keeps every key
+/// until `retain_recent`.
+fn keyed_spec() -> LimitSpec {
+    LimitSpec::rate(1.0).burst(u32::MAX)
 }
 
 /// Suite 6: the rate check, direct and keyed, and memory per key.
@@ -260,6 +275,16 @@ fn rate(c: &mut Criterion) {
             })
         })
     });
+    let family: KeyedLimit = KeyedLimit::new("keyed", keyed_spec()).expect("spec");
+    for name in &names {
+        family.check(name.as_str()).expect("check");
+    }
+    group.bench_function("lanes_keyed", |b| {
+        b.iter(|| {
+            i = (i + 7919) % KEYS;
+            black_box(family.check(names[i].as_str()).is_ok())
+        })
+    });
     let keyed = RateLimiter::keyed(quota);
     for name in &names {
         let _ = keyed.check_key(name);
@@ -277,6 +302,7 @@ fn rate(c: &mut Criterion) {
         &serde_json::json!({
             "keys": KEYS,
             "lanes_bytes_per_key": memory_per_key("lanes"),
+            "keyed_bytes_per_key": memory_per_key("keyed"),
             "governor_bytes_per_key": memory_per_key("governor"),
         }),
     );

@@ -33,6 +33,8 @@ pub enum ConfigRule {
         /// The smallest accepted value.
         min: u64,
     },
+    /// The value must be a finite number above zero.
+    Positive,
 }
 
 /// An invalid configuration: names the field and the rule it broke.
@@ -89,6 +91,7 @@ impl fmt::Display for ConfigError {
             ConfigRule::Duplicate => f.write_str("is already taken"),
             ConfigRule::Unsupported => f.write_str("is not supported here"),
             ConfigRule::NoRuntime => f.write_str("needs a tokio runtime (build inside one)"),
+            ConfigRule::Positive => f.write_str("must be finite and above zero"),
         }
     }
 }

@@ -203,6 +203,39 @@ fn a_channel_counts_what_its_reads_hand_out_by_quiescence() {
 }
 
 #[test]
+fn a_keyed_limit_counts_over_its_keys() {
+    let snapshot = in_runtime(async {
+        let keyed =
+            lanes::KeyedLimit::<String>::new("per-tenant", LimitSpec::concurrent(1)).unwrap();
+        let held = keyed.try_acquire("a").unwrap();
+        assert!(keyed.try_acquire("a").is_err());
+        keyed.check("b").unwrap();
+        let waiting = keyed.acquire_timeout("a", Duration::from_millis(1));
+        assert!(waiting.await.unwrap_err().is_timeout());
+        std::mem::forget(held);
+    });
+    let tenant = [("limit", "per-tenant")];
+    assert_eq!(
+        value(&snapshot, "lanes_keyed_limit_acquired_total", &tenant),
+        &DebugValue::Counter(2)
+    );
+    assert_eq!(
+        value(&snapshot, "lanes_keyed_limit_refused_total", &tenant),
+        &DebugValue::Counter(1)
+    );
+    assert_eq!(
+        value(&snapshot, "lanes_keyed_limit_timed_out_total", &tenant),
+        &DebugValue::Counter(1)
+    );
+    assert_eq!(value(&snapshot, "lanes_keyed_limit_held", &tenant), &DebugValue::Gauge(1.0.into()));
+    assert_eq!(
+        value(&snapshot, "lanes_keyed_limit_waiters", &tenant),
+        &DebugValue::Gauge(0.0.into())
+    );
+    assert_eq!(value(&snapshot, "lanes_keyed_limit_keys", &tenant), &DebugValue::Gauge(2.0.into()));
+}
+
+#[test]
 fn every_emitted_name_is_in_the_table() {
     let snapshot = in_runtime(async {
         let _ = LaneSet::builder()
@@ -215,6 +248,8 @@ fn every_emitted_name_is_in_the_table() {
         let limits = Limits::new();
         limits.define("x", LimitSpec::concurrent(1)).await.unwrap();
         drop(limits.acquire("x", Priority::default()).await.unwrap());
+        let keyed = lanes::KeyedLimit::<String>::new("k", LimitSpec::concurrent(1)).unwrap();
+        drop(keyed.acquire("a").await.unwrap());
         let (queue, _) =
             SpillQueue::open_with(MemStorage::new(), SpillOptions::default()).await.unwrap();
         queue.append(b"r").await.unwrap();

@@ -72,6 +72,7 @@ mod error;
 mod handle;
 #[cfg(feature = "http")]
 mod http;
+mod keyed;
 #[cfg(feature = "tower")]
 mod layer;
 mod local;
@@ -92,6 +93,7 @@ pub use handle::{Limit, Limits, LimitsBuilder, Permit};
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use http::{HttpLimitLayer, HttpLimitService};
+pub use keyed::{KeyedLimit, KeyedLimitBuilder, KeyedLimitInfo, KeyedPermit};
 #[cfg(feature = "tower")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
 pub use layer::{DefaultPriority, LimitLayer, LimitService, Overloaded, PriorityOf, WhenBusy};

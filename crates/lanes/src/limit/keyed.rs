@@ -1,0 +1,1016 @@
+//! A keyed limit: one [`LimitSpec`] applied to every key on its own (a tenant, a client
+//! address, a downstream host), each key's state made on first use and forgotten once idle.
+//! See [`KeyedLimit`].
+
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasher, Hash};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use foldhash::fast::{FixedState, RandomState};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::config::LimitSpec;
+use super::core::LimitTable;
+use super::error::{AcquireError, LimitError, TryAcquireError};
+use crate::config::{ConfigError, ConfigRule};
+use crate::observe::{Observe, Registration, Registry, Snapshot};
+use crate::util::{Padded, WaitKey, WaitList, lock};
+
+/// The fewest keys a shard keeps before it first looks for idle ones.
+const MIN_SWEEP: usize = 64;
+
+/// A [`LimitSpec`] applied to each key on its own, in process: a rate limit per client
+/// address, a concurrency limit per tenant, without defining a limit per key.
+///
+/// `check` and `try_acquire` answer at once; `acquire` waits, FIFO per key. Cheap to clone:
+/// clones share the keys. Where [`Limits`](super::Limits) holds named limits (defined and
+/// removed on purpose, with fencing tokens, priorities and fair queues, and shareable across
+/// processes), a keyed limit is for keys that come and go with traffic: a few dozen bytes per
+/// key, and memory that follows the keys in use rather than every key ever seen.
+///
+/// # Per key
+///
+/// A key holds GCRA's theoretical arrival time (its rate), the permits held (its concurrency)
+/// and, while callers wait for a permit of that key, their line (FIFO; nobody overtakes it).
+/// A key whose permits are all returned, whose line is empty and whose bucket is full again
+/// answers exactly as a key never seen: it is *idle*. A shard forgets its idle keys whenever
+/// its count of keys has doubled since it last looked (and [`KeyedLimit::forget_idle`] does it
+/// on demand), so the keys kept are at most about twice those in use at the last look, never
+/// every key ever seen.
+///
+/// # Waiting
+///
+/// [`acquire`](KeyedLimit::acquire) first takes one of the key's `concurrent` permits, in the
+/// key's line if all are held: a returned permit goes to the first in line. Then, with a rate,
+/// it reserves the key's next token and sleeps until the token is due: tokens go out in the
+/// order they were reserved, and a wait dropped while it sleeps returns its permit but not its
+/// token (a rate is never exceeded, at worst under-used). A deadline that a token would miss
+/// is refused at once, with nothing spent. At most `max_waiters` callers wait per key, in line
+/// or for their token.
+///
+/// # Examples
+///
+/// ```
+/// use lanes::LimitSpec;
+/// use lanes::limit::KeyedLimit;
+///
+/// // Each client address: 2 requests a second (a burst of 2), 1 upload at a time.
+/// let per_client = KeyedLimit::<String>::new("per-client", LimitSpec::concurrent(1).per_second(2.0))?;
+///
+/// assert!(per_client.check("10.0.0.7").is_ok());
+/// let upload = per_client.try_acquire("10.0.0.7")?;
+/// assert!(per_client.try_acquire("10.0.0.7").unwrap_err().is_busy()); // one at a time
+/// assert!(per_client.try_acquire("10.0.0.8").is_ok()); // another key is another limit
+/// drop(upload);
+/// assert!(per_client.check("10.0.0.7").unwrap_err().is_rate_limited()); // 2 tokens spent
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct KeyedLimit<K = String> {
+    shared: Arc<Shared<K>>,
+}
+
+impl<K> Clone for KeyedLimit<K> {
+    fn clone(&self) -> Self {
+        Self { shared: Arc::clone(&self.shared) }
+    }
+}
+
+impl<K> fmt::Debug for KeyedLimit<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyedLimit")
+            .field("name", &self.shared.name)
+            .field("spec", &self.shared.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Shared<K> {
+    name: Arc<str>,
+    spec: LimitSpec,
+    rules: Rules,
+    max_waiters: usize,
+    /// Time zero of every key's theoretical arrival time (tokio's clock, so paused time in
+    /// tests moves it).
+    origin: Instant,
+    /// Picks a key's shard; the shards' maps hash with seeds of their own, so that the keys
+    /// of one shard do not share their low bits in its map.
+    pick: FixedState,
+    shards: Box<[Padded<Mutex<Shard<K>>>]>,
+    metrics: KeyedMetrics,
+}
+
+/// The spec as the arithmetic uses it.
+#[derive(Debug, Clone, Copy)]
+struct Rules {
+    concurrent: u32,
+    /// Nanoseconds between tokens at the sustained rate; 0 without a rate.
+    interval: u64,
+    /// How far ahead of now the theoretical arrival time may run: the burst less one token.
+    tolerance: u64,
+}
+
+impl Rules {
+    fn new(spec: &LimitSpec) -> Self {
+        let interval = spec
+            .emission_interval()
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .max(u64::from(spec.per_second.is_some()));
+        let tolerance = interval.saturating_mul(u64::from(spec.burst.saturating_sub(1)));
+        Self { concurrent: spec.concurrent, interval, tolerance }
+    }
+}
+
+struct Shard<K> {
+    keys: HashMap<K, KeyState, RandomState>,
+    /// Look for idle keys when `keys` reaches this many.
+    sweep_at: usize,
+    counts: Counts,
+}
+
+/// Permits held and callers waiting over a shard's keys, and what it counted.
+#[derive(Debug, Default)]
+struct Counts {
+    held: u64,
+    waiting: u64,
+    acquired: u64,
+    refused: u64,
+    timed_out: u64,
+}
+
+/// One key's state. Pure: every method takes the time it acts at.
+#[derive(Debug, Default)]
+struct KeyState {
+    /// GCRA's theoretical arrival time, nanoseconds since the limit's origin.
+    tat: u64,
+    held: u32,
+    /// Callers holding a permit of this key while they sleep until their token is due.
+    sleeping: u32,
+    /// Callers waiting for a permit, in arrival order; made for the first one.
+    line: Option<Box<WaitList>>,
+}
+
+/// Why a key gave no permit now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// Every permit is held, or others wait ahead.
+    Busy,
+    /// The bucket is empty until this time (nanoseconds since the origin).
+    Rate(u64),
+}
+
+impl KeyState {
+    fn in_line(&self) -> usize {
+        self.line.as_ref().map_or(0, |line| line.len())
+    }
+
+    fn waiting(&self) -> usize {
+        self.in_line() + self.sleeping as usize
+    }
+
+    /// Whether a permit is free and nobody waits ahead for one.
+    fn has_room(&self, rules: &Rules) -> bool {
+        self.held < rules.concurrent && self.in_line() == 0
+    }
+
+    /// A permit and a token at `now` (the permit kept if `hold`, else returned at once), or
+    /// why not. Nothing changes on a refusal.
+    fn take(&mut self, rules: &Rules, now: u64, hold: bool) -> Result<(), Refusal> {
+        if !self.has_room(rules) {
+            return Err(Refusal::Busy);
+        }
+        if rules.interval != 0 {
+            let base = self.tat.max(now);
+            let earliest = base.saturating_sub(rules.tolerance);
+            if earliest > now {
+                return Err(Refusal::Rate(earliest));
+            }
+            self.tat = base.saturating_add(rules.interval);
+        }
+        self.held += u32::from(hold);
+        Ok(())
+    }
+
+    /// When the next token is due (`now` at the earliest).
+    fn due(&self, rules: &Rules, now: u64) -> u64 {
+        if rules.interval == 0 {
+            return now;
+        }
+        self.tat.max(now).saturating_sub(rules.tolerance).max(now)
+    }
+
+    /// Spends the next token, due at [`due`](Self::due).
+    fn reserve(&mut self, rules: &Rules, now: u64) {
+        if rules.interval != 0 {
+            self.tat = self.tat.max(now).saturating_add(rules.interval);
+        }
+    }
+
+    /// Returns a permit: to the first caller in line (whose waker is returned: the permit is
+    /// now its), or to the key.
+    fn release(&mut self) -> Option<Waker> {
+        if let Some(waker) = self.line.as_mut().and_then(|line| line.pop()) {
+            return Some(waker);
+        }
+        debug_assert!(self.held > 0, "a release without a permit");
+        self.held = self.held.saturating_sub(1);
+        None
+    }
+
+    /// Whether the key answers as a key never seen: nothing held, nobody waiting, the bucket
+    /// full (a theoretical arrival time not after `now` counts as `now`).
+    fn idle(&self, now: u64) -> bool {
+        self.held == 0 && self.waiting() == 0 && self.tat <= now
+    }
+}
+
+impl<K: Hash + Eq> Shard<K> {
+    fn new() -> Self {
+        Self {
+            keys: HashMap::with_hasher(RandomState::default()),
+            sweep_at: MIN_SWEEP,
+            counts: Counts::default(),
+        }
+    }
+
+    /// Forgets the idle keys; returns how many.
+    fn sweep(&mut self, now: u64) -> usize {
+        let before = self.keys.len();
+        self.keys.retain(|_, state| !state.idle(now));
+        let kept = self.keys.len();
+        if self.keys.capacity() > 4 * kept.max(MIN_SWEEP) {
+            self.keys.shrink_to(2 * kept.max(MIN_SWEEP));
+        }
+        self.sweep_at = (2 * kept).max(MIN_SWEEP);
+        before - kept
+    }
+}
+
+/// The family's `metrics` handles, labelled by its name.
+struct KeyedMetrics {
+    acquired: metrics::Counter,
+    refused: metrics::Counter,
+    timed_out: metrics::Counter,
+    held: metrics::Gauge,
+    waiters: metrics::Gauge,
+    keys: metrics::Gauge,
+}
+
+impl KeyedMetrics {
+    fn new(name: &str) -> Self {
+        let labels = [("limit", name.to_owned())];
+        Self {
+            acquired: metrics::counter!("lanes_keyed_limit_acquired_total", &labels),
+            refused: metrics::counter!("lanes_keyed_limit_refused_total", &labels),
+            timed_out: metrics::counter!("lanes_keyed_limit_timed_out_total", &labels),
+            held: metrics::gauge!("lanes_keyed_limit_held", &labels),
+            waiters: metrics::gauge!("lanes_keyed_limit_waiters", &labels),
+            keys: metrics::gauge!("lanes_keyed_limit_keys", &labels),
+        }
+    }
+}
+
+/// What a keyed limit reports: its spec and its totals over every key.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct KeyedLimitInfo {
+    /// The limit's name.
+    pub name: String,
+    /// The spec each key has.
+    pub spec: LimitSpec,
+    /// Keys kept now (in use, or idle and not yet forgotten).
+    pub keys: usize,
+    /// Permits held now, over every key.
+    pub held: u64,
+    /// Callers waiting now, over every key: for a permit, or for their token.
+    pub waiting: u64,
+    /// Permits granted (and checks passed) since the limit was made.
+    pub acquired_total: u64,
+    /// Checks and tries refused, and acquires that found the waiting room full.
+    pub refused_total: u64,
+    /// Acquires that gave up at their deadline.
+    pub timed_out_total: u64,
+}
+
+impl Snapshot {
+    /// The keyed limit registered as `name`.
+    pub fn keyed_limit(&self, name: &str) -> Option<KeyedLimitInfo> {
+        self.get("keyed_limits", name)
+    }
+}
+
+/// Builds a [`KeyedLimit`] with options beyond [`KeyedLimit::new`].
+#[derive(Debug)]
+pub struct KeyedLimitBuilder<K> {
+    name: String,
+    spec: LimitSpec,
+    max_waiters: usize,
+    registry: Option<Registration>,
+    key: std::marker::PhantomData<fn() -> K>,
+}
+
+impl<K: Hash + Eq + Clone + Send + Sync + 'static> KeyedLimitBuilder<K> {
+    /// At most `max_waiters` callers wait per key, in line or for their token; the next is
+    /// refused with [`LimitError::TooManyWaiters`]. Default: as for a named limit,
+    /// [`LimitTable::DEFAULT_MAX_WAITERS`].
+    #[must_use]
+    pub fn max_waiters(mut self, max_waiters: usize) -> Self {
+        self.max_waiters = max_waiters;
+        self
+    }
+
+    /// Reports the limit in `registry` under `name` ([`Snapshot::keyed_limit`]).
+    #[must_use]
+    pub fn registry(mut self, registry: &Registry, name: impl Into<String>) -> Self {
+        self.registry = Some(Registration::new(registry, name));
+        self
+    }
+
+    /// Builds the limit.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`]: a spec field that breaks its rule (`keyed_limit.concurrent` or
+    /// `keyed_limit.burst` of 0: [`ConfigRule::Zero`]; `keyed_limit.per_second` not finite
+    /// and above zero: [`ConfigRule::Positive`]), `max_waiters` of 0, a registry name
+    /// already taken.
+    pub fn build(self) -> Result<KeyedLimit<K>, ConfigError> {
+        if let Err(err) = self.spec.validate() {
+            let rule = match err.field() {
+                "per_second" => ConfigRule::Positive,
+                _ => ConfigRule::Zero,
+            };
+            return Err(ConfigError::new(format!("keyed_limit.{}", err.field()), rule));
+        }
+        if self.max_waiters == 0 {
+            return Err(ConfigError::new("keyed_limit.max_waiters", ConfigRule::Zero));
+        }
+        if let Some(registration) = &self.registry {
+            registration.check()?;
+        }
+        let shards = std::thread::available_parallelism()
+            .map_or(4, std::num::NonZeroUsize::get)
+            .saturating_mul(4)
+            .next_power_of_two()
+            .min(256);
+        let shared = Arc::new(Shared {
+            name: Arc::from(self.name.as_str()),
+            spec: self.spec,
+            rules: Rules::new(&self.spec),
+            max_waiters: self.max_waiters,
+            origin: Instant::now(),
+            pick: FixedState::with_seed(0x6c61_6e65_735f_6b79),
+            shards: (0..shards).map(|_| Padded(Mutex::new(Shard::new()))).collect(),
+            metrics: KeyedMetrics::new(&self.name),
+        });
+        if let Some(registration) = &self.registry {
+            registration.register(&shared)?;
+        }
+        Ok(KeyedLimit { shared })
+    }
+}
+
+impl<K: Hash + Eq + Clone + Send + Sync + 'static> KeyedLimit<K> {
+    /// A keyed limit named `name` (its `metrics` label) giving each key `spec`.
+    ///
+    /// # Errors
+    ///
+    /// As [`KeyedLimitBuilder::build`]: a spec field that breaks its rule.
+    pub fn new(name: &str, spec: LimitSpec) -> Result<Self, ConfigError> {
+        Self::builder(name, spec).build()
+    }
+
+    /// A builder, for the waiting room's size and a registry.
+    pub fn builder(name: &str, spec: LimitSpec) -> KeyedLimitBuilder<K> {
+        KeyedLimitBuilder {
+            name: name.to_owned(),
+            spec,
+            max_waiters: LimitTable::DEFAULT_MAX_WAITERS,
+            registry: None,
+            key: std::marker::PhantomData,
+        }
+    }
+
+    /// The limit's name.
+    pub fn name(&self) -> &str {
+        &self.shared.name
+    }
+
+    /// The spec each key has.
+    pub fn spec(&self) -> LimitSpec {
+        self.shared.spec
+    }
+
+    /// Spends a token of `key` if a permit could be granted now, and holds nothing (governor's
+    /// `check_key`; a limit without a rate only looks for a free permit).
+    ///
+    /// # Errors
+    ///
+    /// [`TryAcquireError::Busy`] if every permit of the key is held or others wait for one,
+    /// [`TryAcquireError::RateLimited`] (with the time to the next token) if its bucket is
+    /// empty.
+    pub fn check<Q>(&self, key: &Q) -> Result<(), TryAcquireError>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        self.shared.take(key, false).map(drop)
+    }
+
+    /// A permit of `key` now, or why not; it is returned when dropped. Never waits.
+    ///
+    /// # Errors
+    ///
+    /// As [`check`](Self::check).
+    pub fn try_acquire<Q>(&self, key: &Q) -> Result<KeyedPermit<K>, TryAcquireError>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        let hash = self.shared.take(key, true)?;
+        Ok(KeyedPermit { shared: Arc::clone(&self.shared), key: key.to_owned(), hash })
+    }
+
+    /// A permit of `key`, waiting for it as long as it takes (see [Waiting](KeyedLimit#waiting)).
+    /// Cancel-safe: dropped while it waits, it leaves the key's line (or passes on a permit
+    /// handed to it).
+    ///
+    /// # Errors
+    ///
+    /// [`LimitError::TooManyWaiters`] if `max_waiters` callers wait for this key already.
+    pub async fn acquire<Q>(&self, key: &Q) -> Result<KeyedPermit<K>, LimitError>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        match self.wait(key.to_owned(), None).await {
+            Ok(permit) => Ok(permit),
+            Err(Waited::Refused(err)) => Err(err),
+            Err(Waited::Late) => unreachable!("a wait without a deadline is never late"),
+        }
+    }
+
+    /// [`acquire`](Self::acquire), giving up after `timeout`.
+    ///
+    /// # Errors
+    ///
+    /// [`AcquireError::Timeout`] when no permit came in time, or at once when the key's next
+    /// token would come too late (nothing is spent then); [`AcquireError::Limit`] as for
+    /// [`acquire`](Self::acquire).
+    pub async fn acquire_timeout<Q>(
+        &self,
+        key: &Q,
+        timeout: Duration,
+    ) -> Result<KeyedPermit<K>, AcquireError>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        match self.wait(key.to_owned(), Some(Instant::now() + timeout)).await {
+            Ok(permit) => Ok(permit),
+            Err(Waited::Refused(err)) => Err(AcquireError::Limit(err)),
+            Err(Waited::Late) => Err(AcquireError::Timeout(timeout)),
+        }
+    }
+
+    /// Forgets every idle key now (the shards also do it as they grow); returns how many.
+    pub fn forget_idle(&self) -> usize {
+        let now = self.shared.now();
+        let mut forgotten = 0;
+        for shard in &self.shared.shards {
+            forgotten += lock(shard).sweep(now);
+        }
+        self.shared.metrics.keys.decrement(forgotten as f64);
+        forgotten
+    }
+
+    /// Keys kept now: in use, or idle and not yet forgotten.
+    pub fn keys(&self) -> usize {
+        self.shared.shards.iter().map(|shard| lock(shard).keys.len()).sum()
+    }
+
+    /// The limit's totals now.
+    pub fn info(&self) -> KeyedLimitInfo {
+        self.shared.info()
+    }
+
+    async fn wait(&self, key: K, deadline: Option<Instant>) -> Result<KeyedPermit<K>, Waited> {
+        let shared = &*self.shared;
+        let hash = shared.pick.hash_one(&key);
+        let mut line = InLine { shared, key: &key, hash, at: None, done: false };
+        let joined = std::future::poll_fn(|cx| line.poll(cx));
+        let slot = match deadline {
+            None => joined.await,
+            Some(at) => match tokio::time::timeout_at(at, joined).await {
+                Ok(slot) => slot,
+                Err(_) => {
+                    // `joined` is dropped: `line` leaves the line (or passes a permit on).
+                    drop(line);
+                    return Err(shared.late(hash));
+                }
+            },
+        };
+        drop(line);
+        slot.map_err(Waited::Refused)?;
+        // The permit is ours from here: anything below that gives up returns it.
+        let permit = KeyedPermit { shared: Arc::clone(&self.shared), key, hash };
+        if shared.rules.interval == 0 {
+            return Ok(permit);
+        }
+        let now = shared.now();
+        let due = {
+            let mut guard = lock(shared.shard(hash));
+            let Shard { keys, counts, .. } = &mut *guard;
+            let state = keys.get_mut(&permit.key).expect("a key with a permit held is kept");
+            let due = state.due(&shared.rules, now);
+            if due > now {
+                if deadline.is_some_and(|at| shared.at(due) > at) {
+                    drop(guard);
+                    // Nothing spent: dropping the permit returns it.
+                    drop(permit);
+                    return Err(shared.late(hash));
+                }
+                state.sleeping += 1;
+                counts.waiting += 1;
+                shared.metrics.waiters.increment(1.0);
+            }
+            state.reserve(&shared.rules, now);
+            due
+        };
+        if due > now {
+            let _asleep = Asleep { shared, key: &permit.key, hash };
+            tokio::time::sleep_until(shared.at(due)).await;
+        }
+        Ok(permit)
+    }
+}
+
+/// Why a wait ended without a permit.
+enum Waited {
+    Refused(LimitError),
+    /// Its deadline came first, or its token would come after it.
+    Late,
+}
+
+impl<K> Shared<K> {
+    fn now(&self) -> u64 {
+        u64::try_from(Instant::now().saturating_duration_since(self.origin).as_nanos())
+            .unwrap_or(u64::MAX)
+    }
+
+    fn at(&self, nanos: u64) -> Instant {
+        self.origin + Duration::from_nanos(nanos)
+    }
+
+    /// The shard of a key whose hash (by `pick`) is `hash`.
+    #[inline]
+    fn shard(&self, hash: u64) -> &Mutex<Shard<K>> {
+        // The high bits: a hash's low bits also pick its bucket in the map.
+        &self.shards[(hash >> 40) as usize & (self.shards.len() - 1)]
+    }
+
+    /// Counts a wait that gave up at its deadline.
+    fn late(&self, hash: u64) -> Waited {
+        lock(self.shard(hash)).counts.timed_out += 1;
+        self.metrics.timed_out.increment(1);
+        Waited::Late
+    }
+}
+
+impl<K: Hash + Eq> Shared<K> {
+    /// Returns a permit of `key`: to the first caller in its line, or to the key.
+    fn release(&self, key: &K, hash: u64) {
+        let mut guard = lock(self.shard(hash));
+        let Shard { keys, counts, .. } = &mut *guard;
+        let Some(state) = keys.get_mut(key) else {
+            debug_assert!(false, "a key with a permit held is kept");
+            return;
+        };
+        match state.release() {
+            Some(next) => {
+                drop(guard);
+                next.wake();
+            }
+            None => {
+                counts.held -= 1;
+                self.metrics.held.decrement(1.0);
+            }
+        }
+    }
+
+    /// Runs `f` on `key`'s state under its shard's lock, making the state if the key is new
+    /// (after forgetting the shard's idle keys if it has grown enough since it last looked).
+    #[inline]
+    fn with_key<Q, R>(
+        &self,
+        key: &Q,
+        hash: u64,
+        now: u64,
+        f: impl FnOnce(&mut KeyState, &mut Counts) -> R,
+    ) -> R
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        let mut guard = lock(self.shard(hash));
+        let Shard { keys, counts, .. } = &mut *guard;
+        if let Some(state) = keys.get_mut(key) {
+            return f(state, counts);
+        }
+        self.make_key(&mut guard, key, now, f)
+    }
+
+    #[inline(never)]
+    fn make_key<Q, R>(
+        &self,
+        shard: &mut Shard<K>,
+        key: &Q,
+        now: u64,
+        f: impl FnOnce(&mut KeyState, &mut Counts) -> R,
+    ) -> R
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        if shard.keys.len() >= shard.sweep_at {
+            let forgotten = shard.sweep(now);
+            self.metrics.keys.decrement(forgotten as f64);
+        }
+        self.metrics.keys.increment(1.0);
+        let Shard { keys, counts, .. } = shard;
+        f(keys.entry(key.to_owned()).or_default(), counts)
+    }
+
+    /// `check` (`hold` false) or `try_acquire`: returns the key's hash on success.
+    #[inline]
+    fn take<Q>(&self, key: &Q, hold: bool) -> Result<u64, TryAcquireError>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        let now = self.now();
+        let hash = self.pick.hash_one(key);
+        let answer = self.with_key(key, hash, now, |state, counts| {
+            let answer = state.take(&self.rules, now, hold);
+            match answer {
+                Ok(()) => {
+                    counts.acquired += 1;
+                    counts.held += u64::from(hold);
+                }
+                Err(_) => counts.refused += 1,
+            }
+            answer
+        });
+        match answer {
+            Ok(()) => {
+                self.metrics.acquired.increment(1);
+                if hold {
+                    self.metrics.held.increment(1.0);
+                }
+                Ok(hash)
+            }
+            Err(refusal) => {
+                self.metrics.refused.increment(1);
+                Err(match refusal {
+                    Refusal::Busy => TryAcquireError::Busy,
+                    Refusal::Rate(at) => {
+                        TryAcquireError::RateLimited(Duration::from_nanos(at.saturating_sub(now)))
+                    }
+                })
+            }
+        }
+    }
+
+    fn info(&self) -> KeyedLimitInfo {
+        let mut info = KeyedLimitInfo {
+            name: self.name.to_string(),
+            spec: self.spec,
+            keys: 0,
+            held: 0,
+            waiting: 0,
+            acquired_total: 0,
+            refused_total: 0,
+            timed_out_total: 0,
+        };
+        for shard in &self.shards {
+            let shard = lock(shard);
+            info.keys += shard.keys.len();
+            info.held += shard.counts.held;
+            info.waiting += shard.counts.waiting;
+            info.acquired_total += shard.counts.acquired;
+            info.refused_total += shard.counts.refused;
+            info.timed_out_total += shard.counts.timed_out;
+        }
+        info
+    }
+}
+
+impl<K: Hash + Eq + Send + Sync> Observe for Shared<K> {
+    fn report(&self, name: &str, snapshot: &mut Snapshot) {
+        snapshot.insert("keyed_limits", name, &self.info());
+    }
+}
+
+/// A caller on its way to a permit of its key: at once, or through the key's line. Dropped
+/// while in line, it leaves; dropped after a permit was handed to it but before it took it,
+/// it passes the permit on.
+struct InLine<'a, K: Hash + Eq> {
+    shared: &'a Shared<K>,
+    key: &'a K,
+    hash: u64,
+    /// Its place in the key's line while it waits there.
+    at: Option<WaitKey>,
+    /// It has its permit (or was refused): nothing to undo.
+    done: bool,
+}
+
+impl<K: Hash + Eq + Clone> InLine<'_, K> {
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), LimitError>> {
+        let shared = self.shared;
+        let Some(at) = self.at else {
+            return self.join(cx);
+        };
+        let mut guard = lock(shared.shard(self.hash));
+        let Shard { keys, counts, .. } = &mut *guard;
+        let state = keys.get_mut(self.key).expect("a key with a caller in line is kept");
+        let line = state.line.as_mut().expect("a key with a caller in line has a line");
+        if line.refresh(at, cx.waker()) {
+            return Poll::Pending;
+        }
+        // Popped by a release: the permit it returned is ours.
+        counts.waiting -= 1;
+        counts.acquired += 1;
+        self.done = true;
+        shared.metrics.waiters.decrement(1.0);
+        shared.metrics.acquired.increment(1);
+        Poll::Ready(Ok(()))
+    }
+
+    /// The first poll: a permit at once, or a place at the back of the key's line.
+    fn join(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), LimitError>> {
+        let shared = self.shared;
+        let now = shared.now();
+        let answer = shared.with_key(self.key, self.hash, now, |state, counts| {
+            if state.has_room(&shared.rules) {
+                state.held += 1;
+                counts.held += 1;
+                counts.acquired += 1;
+                return Ok(None);
+            }
+            if state.waiting() >= shared.max_waiters {
+                counts.refused += 1;
+                return Err(LimitError::TooManyWaiters {
+                    limit: shared.name.to_string(),
+                    max: shared.max_waiters,
+                });
+            }
+            counts.waiting += 1;
+            Ok(Some(state.line.get_or_insert_default().push(cx.waker())))
+        });
+        match answer {
+            Ok(None) => {
+                self.done = true;
+                shared.metrics.acquired.increment(1);
+                shared.metrics.held.increment(1.0);
+                Poll::Ready(Ok(()))
+            }
+            Ok(Some(at)) => {
+                self.at = Some(at);
+                shared.metrics.waiters.increment(1.0);
+                Poll::Pending
+            }
+            Err(err) => {
+                self.done = true;
+                shared.metrics.refused.increment(1);
+                Poll::Ready(Err(err))
+            }
+        }
+    }
+}
+
+impl<K: Hash + Eq> Drop for InLine<'_, K> {
+    fn drop(&mut self) {
+        let (false, Some(at)) = (self.done, self.at) else { return };
+        let shared = self.shared;
+        let mut guard = lock(shared.shard(self.hash));
+        let Shard { keys, counts, .. } = &mut *guard;
+        let Some(state) = keys.get_mut(self.key) else {
+            debug_assert!(false, "a key with a caller in line is kept");
+            return;
+        };
+        counts.waiting -= 1;
+        shared.metrics.waiters.decrement(1.0);
+        if state.line.as_mut().is_some_and(|line| line.remove(at)) {
+            return;
+        }
+        // Handed a permit before it took it: the permit goes on as if returned.
+        match state.release() {
+            Some(next) => {
+                drop(guard);
+                next.wake();
+            }
+            None => {
+                counts.held -= 1;
+                shared.metrics.held.decrement(1.0);
+            }
+        }
+    }
+}
+
+/// A caller asleep until its token is due: counted as waiting until it wakes or is dropped.
+struct Asleep<'a, K: Hash + Eq> {
+    shared: &'a Shared<K>,
+    key: &'a K,
+    hash: u64,
+}
+
+impl<K: Hash + Eq> Drop for Asleep<'_, K> {
+    fn drop(&mut self) {
+        let mut guard = lock(self.shared.shard(self.hash));
+        let Shard { keys, counts, .. } = &mut *guard;
+        if let Some(state) = keys.get_mut(self.key) {
+            state.sleeping -= 1;
+        }
+        counts.waiting -= 1;
+        self.shared.metrics.waiters.decrement(1.0);
+    }
+}
+
+/// A permit of one key of a [`KeyedLimit`]; returned when dropped (to the first caller in the
+/// key's line, if any).
+pub struct KeyedPermit<K: Hash + Eq = String> {
+    shared: Arc<Shared<K>>,
+    key: K,
+    hash: u64,
+}
+
+impl<K: Hash + Eq> KeyedPermit<K> {
+    /// The key the permit is of.
+    pub fn key(&self) -> &K {
+        &self.key
+    }
+}
+
+impl<K: Hash + Eq + fmt::Debug> fmt::Debug for KeyedPermit<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyedPermit")
+            .field("limit", &self.shared.name)
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+impl<K: Hash + Eq> Drop for KeyedPermit<K> {
+    fn drop(&mut self) {
+        self.shared.release(&self.key, self.hash);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn rules(concurrent: u32, per_second: Option<f64>, burst: u32) -> Rules {
+        Rules::new(&LimitSpec { concurrent, per_second, burst })
+    }
+
+    #[test]
+    fn a_key_grants_its_burst_then_one_token_per_interval() {
+        let rules = rules(u32::MAX, Some(10.0), 3);
+        let mut key = KeyState::default();
+        for _ in 0..3 {
+            assert_eq!(key.take(&rules, 0, false), Ok(()));
+        }
+        assert_eq!(key.take(&rules, 0, false), Err(Refusal::Rate(100_000_000)));
+        assert_eq!(key.take(&rules, 99_999_999, false), Err(Refusal::Rate(100_000_000)));
+        assert_eq!(key.take(&rules, 100_000_000, false), Ok(()));
+        assert!(!key.idle(100_000_000));
+        assert!(key.idle(400_000_000), "the bucket is full again");
+    }
+
+    #[test]
+    fn a_key_holds_at_most_its_concurrency_and_a_release_goes_to_the_line_first() {
+        let rules = rules(2, None, 1);
+        let mut key = KeyState::default();
+        assert_eq!(key.take(&rules, 0, true), Ok(()));
+        assert_eq!(key.take(&rules, 0, true), Ok(()));
+        assert_eq!(key.take(&rules, 0, true), Err(Refusal::Busy));
+        assert_eq!(key.take(&rules, 0, false), Err(Refusal::Busy), "a check needs room too");
+        let waker = Waker::noop();
+        let _first = key.line.get_or_insert_default().push(waker);
+        assert!(key.release().is_some(), "the first in line takes the permit");
+        assert_eq!(key.held, 2, "the permit passed on, still held");
+        assert!(key.release().is_none());
+        assert_eq!(key.held, 1);
+        assert_eq!(key.take(&rules, 0, true), Ok(()));
+        assert!(!key.idle(0));
+    }
+
+    #[test]
+    fn a_reserved_token_is_due_in_reservation_order() {
+        let rules = rules(u32::MAX, Some(1.0), 1);
+        let mut key = KeyState::default();
+        assert_eq!(key.take(&rules, 0, true), Ok(()));
+        let mut dues = Vec::new();
+        for _ in 0..3 {
+            dues.push(key.due(&rules, 0));
+            key.reserve(&rules, 0);
+        }
+        assert_eq!(dues, [1_000_000_000, 2_000_000_000, 3_000_000_000]);
+        assert_eq!(key.take(&rules, 3_000_000_000, false), Err(Refusal::Rate(4_000_000_000)));
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Take { hold: bool },
+        Reserve,
+        Release,
+        Wait(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            any::<bool>().prop_map(|hold| Op::Take { hold }),
+            Just(Op::Reserve),
+            Just(Op::Release),
+            (0u64..3_000_000_000).prop_map(Op::Wait),
+        ]
+    }
+
+    /// Applies `ops` from `now`, answering what each take said.
+    fn run(
+        key: &mut KeyState,
+        rules: &Rules,
+        mut now: u64,
+        ops: &[Op],
+    ) -> Vec<Result<(), Refusal>> {
+        let mut answers = Vec::new();
+        for op in ops {
+            match op {
+                Op::Take { hold } => answers.push(key.take(rules, now, *hold)),
+                Op::Reserve if key.held > 0 => key.reserve(rules, now),
+                Op::Release if key.held > 0 => drop(key.release()),
+                Op::Wait(nanos) => now += nanos,
+                Op::Reserve | Op::Release => {}
+            }
+        }
+        answers
+    }
+
+    proptest! {
+        /// Forgetting an idle key loses nothing: from the moment it is idle, it answers every
+        /// sequence of operations exactly as a key never seen.
+        #[test]
+        fn an_idle_key_answers_as_a_new_one(
+            concurrent in 1u32..4,
+            per_second in prop::option::of(0.5f64..50.0),
+            burst in 1u32..5,
+            before in prop::collection::vec(op(), 0..40),
+            after in prop::collection::vec(op(), 0..40),
+        ) {
+            let rules = rules(concurrent, per_second, burst);
+            let mut key = KeyState::default();
+            let mut now = 0;
+            run(&mut key, &rules, now, &before);
+            for op in &before {
+                if let Op::Wait(nanos) = op {
+                    now += nanos;
+                }
+            }
+            if key.idle(now) {
+                let mut fresh = KeyState::default();
+                prop_assert_eq!(run(&mut key, &rules, now, &after), run(&mut fresh, &rules, now, &after));
+            }
+        }
+
+        /// Over any window, a key grants at most its burst plus one token per interval.
+        #[test]
+        fn a_key_never_exceeds_its_rate(
+            per_second in 0.5f64..50.0,
+            burst in 1u32..5,
+            gaps in prop::collection::vec(0u64..300_000_000, 1..200),
+        ) {
+            let rules = rules(u32::MAX, Some(per_second), burst);
+            let mut key = KeyState::default();
+            let mut now = 0;
+            let mut granted = Vec::new();
+            for gap in gaps {
+                now += gap;
+                if key.take(&rules, now, false).is_ok() {
+                    granted.push(now);
+                }
+            }
+            for (i, start) in granted.iter().enumerate() {
+                let within = granted[i..].iter().take_while(|at| **at - start <= 1_000_000_000).count();
+                let allowed = u64::from(burst) + 1_000_000_000 / rules.interval;
+                prop_assert!(within as u64 <= allowed, "{} grants in a second, at most {}", within, allowed);
+            }
+        }
+    }
+}

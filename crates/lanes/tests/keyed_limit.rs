@@ -1,0 +1,337 @@
+//! `KeyedLimit` through its public API: per-key rate and concurrency, the key's line, cancel
+//! safety, deadlines, the waiting room, forgetting idle keys, and real threads hammering it.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lanes::limit::{KeyedLimit, KeyedLimitInfo};
+use lanes::{ConfigRule, LimitSpec, Registry};
+use tokio::time::Instant;
+
+fn keyed(spec: LimitSpec) -> KeyedLimit {
+    KeyedLimit::new("test", spec).expect("valid spec")
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_key_has_its_own_bucket_and_a_refusal_says_when_to_come_back() {
+    let limit = keyed(LimitSpec::rate(2.0).burst(2));
+    assert!(limit.check("a").is_ok());
+    assert!(limit.check("a").is_ok());
+    let refused = limit.check("a").unwrap_err();
+    assert!(refused.is_rate_limited());
+    assert_eq!(refused.retry_after(), Some(Duration::from_millis(500)));
+    assert!(limit.check("b").is_ok(), "another key is another limit");
+    tokio::time::advance(Duration::from_millis(499)).await;
+    assert!(limit.check("a").is_err());
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert!(limit.check("a").is_ok());
+    let info = limit.info();
+    assert_eq!((info.acquired_total, info.refused_total), (4, 2));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_key_holds_at_most_its_concurrency_and_returns_permits_when_dropped() {
+    let limit = keyed(LimitSpec::concurrent(2));
+    let a1 = limit.try_acquire("a").unwrap();
+    let _a2 = limit.try_acquire("a").unwrap();
+    assert!(limit.try_acquire("a").unwrap_err().is_busy());
+    assert!(limit.check("a").unwrap_err().is_busy(), "a check needs a free permit");
+    let _b = limit.try_acquire("b").unwrap();
+    assert_eq!(a1.key(), "a");
+    assert_eq!(limit.info().held, 3);
+    drop(a1);
+    assert!(limit.try_acquire("a").is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn callers_of_a_busy_key_are_served_in_arrival_order_and_nobody_overtakes_them() {
+    let limit = keyed(LimitSpec::concurrent(1));
+    let held = limit.try_acquire("k").unwrap();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..5 {
+        let (limit, order) = (limit.clone(), order.clone());
+        tasks.push(tokio::spawn(async move {
+            let permit = limit.acquire("k").await.expect("a permit");
+            order.lock().unwrap().push(i);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            drop(permit);
+        }));
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(limit.info().waiting, 5);
+    drop(held);
+    // Handed to the first in line: a try cannot take it, even before the first one runs.
+    assert!(limit.try_acquire("k").unwrap_err().is_busy());
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(*order.lock().unwrap(), [0, 1, 2, 3, 4]);
+    let info = limit.info();
+    assert_eq!((info.held, info.waiting, info.acquired_total), (0, 0, 6));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_caller_dropped_in_line_leaves_it_and_one_dropped_after_its_turn_passes_it_on() {
+    let limit = keyed(LimitSpec::concurrent(1));
+    let held = limit.try_acquire("k").unwrap();
+    // Two callers join the line; the first is handed the permit, then dropped unpolled.
+    let mut first = Box::pin(limit.acquire("k"));
+    let mut second = Box::pin(limit.acquire("k"));
+    let third = tokio::spawn({
+        let limit = limit.clone();
+        async move { limit.acquire("k").await.map(drop) }
+    });
+    assert!(futures_poll(&mut first).is_none());
+    assert!(futures_poll(&mut second).is_none());
+    tokio::task::yield_now().await;
+    assert_eq!(limit.info().waiting, 3);
+    // The second leaves before its turn.
+    drop(second);
+    assert_eq!(limit.info().waiting, 2);
+    drop(held);
+    // The first was handed the permit; dropped without taking it, it passes it on.
+    drop(first);
+    tokio::time::timeout(Duration::from_secs(1), third)
+        .await
+        .expect("the third got the permit the first passed on")
+        .unwrap()
+        .unwrap();
+    let info = limit.info();
+    assert_eq!((info.held, info.waiting), (0, 0));
+    assert!(limit.try_acquire("k").is_ok());
+}
+
+/// Polls a future once with a no-op waker.
+fn futures_poll<F: std::future::Future + Unpin>(future: &mut F) -> Option<F::Output> {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::Pin::new(future).poll(&mut cx) {
+        std::task::Poll::Ready(out) => Some(out),
+        std::task::Poll::Pending => None,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deadline_ends_a_wait_in_line_and_refuses_at_once_a_token_that_would_come_too_late() {
+    let limit = keyed(LimitSpec::concurrent(1));
+    let held = limit.try_acquire("k").unwrap();
+    let started = Instant::now();
+    let err = limit.acquire_timeout("k", Duration::from_millis(50)).await.unwrap_err();
+    assert!(err.is_timeout());
+    assert_eq!(started.elapsed(), Duration::from_millis(50));
+    drop(held);
+    assert_eq!(limit.info().timed_out_total, 1);
+    assert!(limit.try_acquire("k").is_ok(), "the timed-out caller left the line");
+
+    let rate = keyed(LimitSpec::rate(1.0).burst(1));
+    rate.check("k").unwrap();
+    let started = Instant::now();
+    let err = rate.acquire_timeout("k", Duration::from_millis(500)).await.unwrap_err();
+    assert!(err.is_timeout());
+    assert_eq!(started.elapsed(), Duration::ZERO, "refused at once");
+    // Nothing was spent: the next token is still due one second after the first.
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert!(rate.check("k").is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn rate_waits_are_served_in_reservation_order_one_interval_apart() {
+    let limit = keyed(LimitSpec::rate(10.0).burst(1));
+    let started = Instant::now();
+    let grants = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for i in 0..4 {
+        let (limit, grants) = (limit.clone(), grants.clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = limit.acquire("k").await.unwrap();
+            grants.lock().unwrap().push((i, started.elapsed()));
+        }));
+        tokio::task::yield_now().await;
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let grants = grants.lock().unwrap().clone();
+    let at: Vec<_> = grants.iter().map(|(_, at)| at.as_millis()).collect();
+    assert_eq!(at, [0, 100, 200, 300]);
+    assert_eq!(grants.iter().map(|(i, _)| *i).collect::<Vec<_>>(), [0, 1, 2, 3]);
+    assert_eq!(limit.info().waiting, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_dropped_while_it_sleeps_returns_its_permit_but_not_its_token() {
+    let limit = keyed(LimitSpec::concurrent(1).per_second(1.0));
+    limit.check("k").unwrap();
+    let sleeper = tokio::spawn({
+        let limit = limit.clone();
+        async move { limit.acquire("k").await.map(drop) }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(limit.info().waiting, 1);
+    assert!(limit.try_acquire("k").unwrap_err().is_busy(), "the sleeper holds the permit");
+    sleeper.abort();
+    let _ = sleeper.await;
+    let info = limit.info();
+    assert_eq!((info.held, info.waiting), (0, 0));
+    // Its token was spent: the next is due two seconds after the first, not one.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert!(limit.check("k").unwrap_err().is_rate_limited());
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert!(limit.check("k").is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_waiting_room_refuses_with_a_typed_error() {
+    let limit: KeyedLimit =
+        KeyedLimit::builder("room", LimitSpec::concurrent(1)).max_waiters(2).build().unwrap();
+    let _held = limit.try_acquire("k").unwrap();
+    let mut waiting = Vec::new();
+    for _ in 0..2 {
+        let limit = limit.clone();
+        waiting.push(tokio::spawn(async move { limit.acquire("k").await.map(drop) }));
+    }
+    tokio::task::yield_now().await;
+    let err = limit.acquire("k").await.unwrap_err();
+    assert!(err.is_too_many_waiters(), "{err}");
+    assert!(limit.try_acquire("other").is_ok(), "the room is per key");
+    assert_eq!(limit.info().refused_total, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_keys_are_forgotten_as_the_shards_grow_and_keys_in_use_never_are() {
+    let limit = keyed(LimitSpec::concurrent(1).per_second(1.0));
+    let held: Vec<_> = (0..10).map(|i| limit.try_acquire(&format!("held-{i}")).unwrap()).collect();
+    for i in 0..100_000 {
+        limit.check(&format!("once-{i}")).unwrap();
+        if i % 1_000 == 0 {
+            // Time passes: earlier keys' buckets fill up again and they become idle.
+            tokio::time::advance(Duration::from_secs(2)).await;
+        }
+    }
+    let kept = limit.keys();
+    assert!(kept < 20_000, "{kept} keys kept after 100,000 distinct keys");
+    // The held keys survived every sweep: their permits are still counted, and refused.
+    for i in 0..10 {
+        assert!(limit.try_acquire(&format!("held-{i}")).unwrap_err().is_busy());
+    }
+    drop(held);
+    tokio::time::advance(Duration::from_secs(2)).await;
+    limit.forget_idle();
+    assert_eq!(limit.keys(), 0);
+    let info = limit.info();
+    assert_eq!((info.keys, info.held), (0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_key_whose_bucket_is_not_full_is_never_forgotten() {
+    let limit = keyed(LimitSpec::rate(1.0).burst(1));
+    limit.check("hot").unwrap();
+    // Enough new keys to make every shard look for idle ones, several times over.
+    for i in 0..20_000 {
+        let _ = limit.check(&format!("other-{i}"));
+    }
+    assert!(limit.forget_idle() == 0, "no bucket has refilled yet");
+    assert!(limit.check("hot").unwrap_err().is_rate_limited(), "forgotten, it would pass");
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(limit.forget_idle(), 20_001);
+    assert!(limit.check("hot").is_ok());
+}
+
+#[test]
+fn a_bad_spec_or_waiting_room_is_a_config_error_naming_its_field() {
+    let err = KeyedLimit::<String>::new("x", LimitSpec::concurrent(0)).unwrap_err();
+    assert_eq!((err.field(), err.rule()), ("keyed_limit.concurrent", ConfigRule::Zero));
+    let err = KeyedLimit::<String>::new("x", LimitSpec::rate(f64::NAN)).unwrap_err();
+    assert_eq!((err.field(), err.rule()), ("keyed_limit.per_second", ConfigRule::Positive));
+    let err = KeyedLimit::<String>::builder("x", LimitSpec::concurrent(1))
+        .max_waiters(0)
+        .build()
+        .unwrap_err();
+    assert_eq!(err.field(), "keyed_limit.max_waiters");
+}
+
+#[tokio::test]
+async fn a_registered_keyed_limit_reports_its_totals() {
+    let registry = Registry::new();
+    let limit: KeyedLimit<u64> = KeyedLimit::builder("per-user", LimitSpec::concurrent(3))
+        .registry(&registry, "per-user")
+        .build()
+        .unwrap();
+    let _permit = limit.try_acquire(&7).unwrap();
+    limit.check(&8).unwrap();
+    let info: KeyedLimitInfo = registry.snapshot().keyed_limit("per-user").unwrap();
+    assert_eq!((info.keys, info.held, info.acquired_total), (2, 1, 2));
+    assert!(
+        KeyedLimit::<u64>::builder("again", LimitSpec::concurrent(1))
+            .registry(&registry, "per-user")
+            .build()
+            .is_err()
+    );
+}
+
+/// Real threads: tasks acquire, try, check, time out and get cancelled on a few keys of
+/// concurrency 2; no key is ever held more than twice, and at quiescence nothing is held or
+/// waiting, and every key is forgotten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_threads_never_exceed_a_keys_concurrency_and_leave_nothing_behind() {
+    let limit = keyed(LimitSpec::concurrent(2));
+    let holders: Arc<HashMap<u32, AtomicU32>> =
+        Arc::new((0..4).map(|k| (k, AtomicU32::new(0))).collect());
+    let mut tasks = Vec::new();
+    for task in 0..16u64 {
+        let (limit, holders) = (limit.clone(), holders.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut seed = task.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            let mut next = move || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            for _ in 0..300 {
+                let key = (next() % 4) as u32;
+                let name = format!("k{key}");
+                let permit = match next() % 4 {
+                    0 => limit.try_acquire(&name).ok(),
+                    1 => {
+                        limit.acquire_timeout(&name, Duration::from_micros(next() % 300)).await.ok()
+                    }
+                    2 => {
+                        // Cancelled at a random point of its wait.
+                        let wait = limit.acquire(&name);
+                        tokio::time::timeout(Duration::from_micros(next() % 200), wait)
+                            .await
+                            .ok()
+                            .map(|permit| permit.expect("no waiting room limit reached"))
+                    }
+                    _ => Some(limit.acquire(&name).await.expect("a permit")),
+                };
+                if let Some(permit) = permit {
+                    let now = holders[&key].fetch_add(1, Ordering::SeqCst) + 1;
+                    assert!(now <= 2, "key {key} held {now} times");
+                    if next() % 2 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                    holders[&key].fetch_sub(1, Ordering::SeqCst);
+                    drop(permit);
+                }
+                let _ = limit.check(&name);
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let info = limit.info();
+    assert_eq!((info.held, info.waiting), (0, 0), "{info:?}");
+    limit.forget_idle();
+    assert_eq!(limit.keys(), 0);
+    for key in 0..4 {
+        let name = format!("k{key}");
+        let (a, b) = (limit.try_acquire(&name).unwrap(), limit.try_acquire(&name).unwrap());
+        assert!(limit.try_acquire(&name).is_err());
+        drop((a, b));
+    }
+}
