@@ -200,6 +200,41 @@ async fn a_full_waiting_room_refuses_with_a_typed_error() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn callers_asleep_for_their_token_count_against_the_waiting_room() {
+    let limit: KeyedLimit = KeyedLimit::builder("rate-room", LimitSpec::rate(1.0).burst(1))
+        .max_waiters(2)
+        .build()
+        .unwrap();
+    limit.check("k").unwrap();
+    let mut asleep = Vec::new();
+    for _ in 0..2 {
+        let limit = limit.clone();
+        asleep.push(tokio::spawn(async move { limit.acquire("k").await.map(drop) }));
+    }
+    tokio::task::yield_now().await;
+    assert_eq!(limit.info().waiting, 2);
+    let err = limit.acquire("k").await.unwrap_err();
+    assert!(err.is_too_many_waiters(), "{err}");
+    let started = Instant::now();
+    for task in asleep {
+        task.await.unwrap().unwrap();
+    }
+    assert_eq!(started.elapsed(), Duration::from_secs(2), "the refused caller spent nothing");
+    let info = limit.info();
+    assert_eq!((info.acquired_total, info.refused_total, info.waiting, info.held), (3, 1, 0, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_key_an_operation_leaves_idle_is_not_kept() {
+    let limit = keyed(LimitSpec::concurrent(3));
+    limit.check("only-looked-at").unwrap();
+    assert_eq!(limit.keys(), 0);
+    drop(limit.try_acquire("held-once").unwrap());
+    assert_eq!(limit.keys(), 1, "kept until a sweep");
+    assert_eq!(limit.forget_idle(), 1);
+}
+
+#[tokio::test(start_paused = true)]
 async fn idle_keys_are_forgotten_as_the_shards_grow_and_keys_in_use_never_are() {
     let limit = keyed(LimitSpec::concurrent(1).per_second(1.0));
     let held: Vec<_> = (0..10).map(|i| limit.try_acquire(&format!("held-{i}")).unwrap()).collect();
@@ -262,7 +297,8 @@ async fn a_registered_keyed_limit_reports_its_totals() {
     let _permit = limit.try_acquire(&7).unwrap();
     limit.check(&8).unwrap();
     let info: KeyedLimitInfo = registry.snapshot().keyed_limit("per-user").unwrap();
-    assert_eq!((info.keys, info.held, info.acquired_total), (2, 1, 2));
+    // Key 8's check left it idle: only the held key is kept.
+    assert_eq!((info.keys, info.held, info.acquired_total), (1, 1, 2));
     assert!(
         KeyedLimit::<u64>::builder("again", LimitSpec::concurrent(1))
             .registry(&registry, "per-user")
@@ -272,16 +308,26 @@ async fn a_registered_keyed_limit_reports_its_totals() {
 }
 
 /// Real threads: tasks acquire, try, check, time out and get cancelled on a few keys of
-/// concurrency 2; no key is ever held more than twice, and at quiescence nothing is held or
-/// waiting, and every key is forgotten.
+/// concurrency 2, with and without a rate; no key is ever held more than twice, a key with a
+/// rate never grants more than its burst plus its rate over the run, and at quiescence
+/// nothing is held or waiting, and every key is forgotten.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_threads_never_exceed_a_keys_concurrency_and_leave_nothing_behind() {
-    let limit = keyed(LimitSpec::concurrent(2));
+    for spec in [LimitSpec::concurrent(2), LimitSpec::concurrent(2).per_second(20_000.0).burst(4)] {
+        hammer(spec).await;
+    }
+}
+
+async fn hammer(spec: LimitSpec) {
+    let limit = keyed(spec);
     let holders: Arc<HashMap<u32, AtomicU32>> =
         Arc::new((0..4).map(|k| (k, AtomicU32::new(0))).collect());
+    let grants: Arc<HashMap<u32, AtomicU32>> =
+        Arc::new((0..4).map(|k| (k, AtomicU32::new(0))).collect());
+    let started = std::time::Instant::now();
     let mut tasks = Vec::new();
     for task in 0..16u64 {
-        let (limit, holders) = (limit.clone(), holders.clone());
+        let (limit, holders, grants) = (limit.clone(), holders.clone(), grants.clone());
         tasks.push(tokio::spawn(async move {
             let mut seed = task.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
             let mut next = move || {
@@ -304,11 +350,12 @@ async fn real_threads_never_exceed_a_keys_concurrency_and_leave_nothing_behind()
                         tokio::time::timeout(Duration::from_micros(next() % 200), wait)
                             .await
                             .ok()
-                            .map(|permit| permit.expect("no waiting room limit reached"))
+                            .map(|permit| permit.expect("the waiting room is large"))
                     }
                     _ => Some(limit.acquire(&name).await.expect("a permit")),
                 };
                 if let Some(permit) = permit {
+                    grants[&key].fetch_add(1, Ordering::SeqCst);
                     let now = holders[&key].fetch_add(1, Ordering::SeqCst) + 1;
                     assert!(now <= 2, "key {key} held {now} times");
                     if next() % 2 == 0 {
@@ -317,15 +364,26 @@ async fn real_threads_never_exceed_a_keys_concurrency_and_leave_nothing_behind()
                     holders[&key].fetch_sub(1, Ordering::SeqCst);
                     drop(permit);
                 }
-                let _ = limit.check(&name);
+                if limit.check(&name).is_ok() {
+                    grants[&key].fetch_add(1, Ordering::SeqCst);
+                }
             }
         }));
     }
     for task in tasks {
         task.await.unwrap();
     }
+    let elapsed = started.elapsed().as_secs_f64();
+    if let Some(rate) = spec.per_second {
+        for (key, granted) in grants.iter() {
+            let granted = f64::from(granted.load(Ordering::SeqCst));
+            let allowed = f64::from(spec.burst) + rate * elapsed + 1.0;
+            assert!(granted <= allowed, "key {key}: {granted} grants, at most {allowed}");
+        }
+    }
     let info = limit.info();
     assert_eq!((info.held, info.waiting), (0, 0), "{info:?}");
+    tokio::time::sleep(Duration::from_millis(1)).await;
     limit.forget_idle();
     assert_eq!(limit.keys(), 0);
     for key in 0..4 {

@@ -30,17 +30,19 @@ const MIN_SWEEP: usize = 64;
 /// `check` and `try_acquire` answer at once; `acquire` waits, FIFO per key. Cheap to clone:
 /// clones share the keys. Where [`Limits`](super::Limits) holds named limits (defined and
 /// removed on purpose, with fencing tokens, priorities and fair queues, and shareable across
-/// processes), a keyed limit is for keys that come and go with traffic: a few dozen bytes per
-/// key, and memory that follows the keys in use rather than every key ever seen.
+/// processes), a keyed limit is for keys that come and go with traffic: about a hundred bytes
+/// per key, and memory that follows the keys in use rather than every key ever seen.
 ///
 /// # Per key
 ///
 /// A key holds GCRA's theoretical arrival time (its rate), the permits held (its concurrency)
 /// and, while callers wait for a permit of that key, their line (FIFO; nobody overtakes it).
 /// A key whose permits are all returned, whose line is empty and whose bucket is full again
-/// answers exactly as a key never seen: it is *idle*. A shard forgets its idle keys whenever
-/// its count of keys has doubled since it last looked (and [`KeyedLimit::forget_idle`] does it
-/// on demand), so the keys kept are at most about twice those in use at the last look, never
+/// answers exactly as a key never seen: it is *idle* (a key with a rate stays in use until its
+/// bucket has refilled: at most `burst` tokens' time). A key an operation leaves idle is not
+/// kept at all. A shard forgets its idle keys whenever its count of keys has doubled since it
+/// last looked (and [`KeyedLimit::forget_idle`] does it on demand), so a shard keeps at most
+/// about twice the keys in use at its last look, and no fewer than 64 before it looks, never
 /// every key ever seen.
 ///
 /// # Waiting
@@ -140,6 +142,9 @@ struct Counts {
     acquired: u64,
     refused: u64,
     timed_out: u64,
+    /// The last stamp of every line dropped in this shard: a new line's stamps start after
+    /// it, so a caller's place in a dropped line never matches a place in a new one.
+    stamps: u64,
 }
 
 /// One key's state. Pure: every method takes the time it acts at.
@@ -221,6 +226,13 @@ impl KeyState {
         None
     }
 
+    /// Drops the line once it is empty (its stamps go on in `stamps`).
+    fn tidy(&mut self, stamps: &mut u64) {
+        if let Some(line) = self.line.take_if(|line| line.is_empty()) {
+            *stamps = (*stamps).max(line.stamps());
+        }
+    }
+
     /// Whether the key answers as a key never seen: nothing held, nobody waiting, the bucket
     /// full (a theoretical arrival time not after `now` counts as `now`).
     fn idle(&self, now: u64) -> bool {
@@ -264,12 +276,12 @@ impl KeyedMetrics {
     fn new(name: &str) -> Self {
         let labels = [("limit", name.to_owned())];
         Self {
-            acquired: metrics::counter!("lanes_keyed_limit_acquired_total", &labels),
-            refused: metrics::counter!("lanes_keyed_limit_refused_total", &labels),
-            timed_out: metrics::counter!("lanes_keyed_limit_timed_out_total", &labels),
-            held: metrics::gauge!("lanes_keyed_limit_held", &labels),
-            waiters: metrics::gauge!("lanes_keyed_limit_waiters", &labels),
-            keys: metrics::gauge!("lanes_keyed_limit_keys", &labels),
+            acquired: metrics::counter!("lanes_limit_keyed_acquired_total", &labels),
+            refused: metrics::counter!("lanes_limit_keyed_refused_total", &labels),
+            timed_out: metrics::counter!("lanes_limit_keyed_timed_out_total", &labels),
+            held: metrics::gauge!("lanes_limit_keyed_held", &labels),
+            waiters: metrics::gauge!("lanes_limit_keyed_waiters", &labels),
+            keys: metrics::gauge!("lanes_limit_keyed_keys", &labels),
         }
     }
 }
@@ -304,7 +316,6 @@ impl Snapshot {
 }
 
 /// Builds a [`KeyedLimit`] with options beyond [`KeyedLimit::new`].
-#[derive(Debug)]
 pub struct KeyedLimitBuilder<K> {
     name: String,
     spec: LimitSpec,
@@ -313,7 +324,18 @@ pub struct KeyedLimitBuilder<K> {
     key: std::marker::PhantomData<fn() -> K>,
 }
 
-impl<K: Hash + Eq + Clone + Send + Sync + 'static> KeyedLimitBuilder<K> {
+impl<K> fmt::Debug for KeyedLimitBuilder<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyedLimitBuilder")
+            .field("name", &self.name)
+            .field("spec", &self.spec)
+            .field("max_waiters", &self.max_waiters)
+            .field("registry", &self.registry)
+            .finish()
+    }
+}
+
+impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
     /// At most `max_waiters` callers wait per key, in line or for their token; the next is
     /// refused with [`LimitError::TooManyWaiters`]. Default: as for a named limit,
     /// [`LimitTable::DEFAULT_MAX_WAITERS`].
@@ -374,7 +396,7 @@ impl<K: Hash + Eq + Clone + Send + Sync + 'static> KeyedLimitBuilder<K> {
     }
 }
 
-impl<K: Hash + Eq + Clone + Send + Sync + 'static> KeyedLimit<K> {
+impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimit<K> {
     /// A keyed limit named `name` (its `metrics` label) giving each key `spec`.
     ///
     /// # Errors
@@ -444,7 +466,7 @@ impl<K: Hash + Eq + Clone + Send + Sync + 'static> KeyedLimit<K> {
     /// [`LimitError::TooManyWaiters`] if `max_waiters` callers wait for this key already.
     pub async fn acquire<Q>(&self, key: &Q) -> Result<KeyedPermit<K>, LimitError>
     where
-        K: Borrow<Q>,
+        K: Borrow<Q> + Clone,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
         match self.wait(key.to_owned(), None).await {
@@ -467,10 +489,11 @@ impl<K: Hash + Eq + Clone + Send + Sync + 'static> KeyedLimit<K> {
         timeout: Duration,
     ) -> Result<KeyedPermit<K>, AcquireError>
     where
-        K: Borrow<Q>,
+        K: Borrow<Q> + Clone,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
-        match self.wait(key.to_owned(), Some(Instant::now() + timeout)).await {
+        // A timeout past the clock's range waits as long as it takes.
+        match self.wait(key.to_owned(), Instant::now().checked_add(timeout)).await {
             Ok(permit) => Ok(permit),
             Err(Waited::Refused(err)) => Err(AcquireError::Limit(err)),
             Err(Waited::Late) => Err(AcquireError::Timeout(timeout)),
@@ -498,7 +521,10 @@ impl<K: Hash + Eq + Clone + Send + Sync + 'static> KeyedLimit<K> {
         self.shared.info()
     }
 
-    async fn wait(&self, key: K, deadline: Option<Instant>) -> Result<KeyedPermit<K>, Waited> {
+    async fn wait(&self, key: K, deadline: Option<Instant>) -> Result<KeyedPermit<K>, Waited>
+    where
+        K: Clone,
+    {
         let shared = &*self.shared;
         let hash = shared.pick.hash_one(&key);
         let mut line = InLine { shared, key: &key, hash, at: None, done: false };
@@ -518,33 +544,14 @@ impl<K: Hash + Eq + Clone + Send + Sync + 'static> KeyedLimit<K> {
         slot.map_err(Waited::Refused)?;
         // The permit is ours from here: anything below that gives up returns it.
         let permit = KeyedPermit { shared: Arc::clone(&self.shared), key, hash };
-        if shared.rules.interval == 0 {
-            return Ok(permit);
-        }
-        let now = shared.now();
-        let due = {
-            let mut guard = lock(shared.shard(hash));
-            let Shard { keys, counts, .. } = &mut *guard;
-            let state = keys.get_mut(&permit.key).expect("a key with a permit held is kept");
-            let due = state.due(&shared.rules, now);
-            if due > now {
-                if deadline.is_some_and(|at| shared.at(due) > at) {
-                    drop(guard);
-                    // Nothing spent: dropping the permit returns it.
-                    drop(permit);
-                    return Err(shared.late(hash));
-                }
-                state.sleeping += 1;
-                counts.waiting += 1;
-                shared.metrics.waiters.increment(1.0);
-            }
-            state.reserve(&shared.rules, now);
-            due
-        };
-        if due > now {
+        let due =
+            if shared.rules.interval == 0 { None } else { shared.reserve(&permit, deadline)? };
+        if let Some(due) = due {
             let _asleep = Asleep { shared, key: &permit.key, hash };
             tokio::time::sleep_until(shared.at(due)).await;
         }
+        lock(shared.shard(hash)).counts.acquired += 1;
+        shared.metrics.acquired.increment(1);
         Ok(permit)
     }
 }
@@ -573,6 +580,10 @@ impl<K> Shared<K> {
         &self.shards[(hash >> 40) as usize & (self.shards.len() - 1)]
     }
 
+    fn too_many(&self) -> LimitError {
+        LimitError::TooManyWaiters { limit: self.name.to_string(), max: self.max_waiters }
+    }
+
     /// Counts a wait that gave up at its deadline.
     fn late(&self, hash: u64) -> Waited {
         lock(self.shard(hash)).counts.timed_out += 1;
@@ -590,7 +601,9 @@ impl<K: Hash + Eq> Shared<K> {
             debug_assert!(false, "a key with a permit held is kept");
             return;
         };
-        match state.release() {
+        let next = state.release();
+        state.tidy(&mut counts.stamps);
+        match next {
             Some(next) => {
                 drop(guard);
                 next.wake();
@@ -600,6 +613,41 @@ impl<K: Hash + Eq> Shared<K> {
                 self.metrics.held.decrement(1.0);
             }
         }
+    }
+
+    /// Spends the next token of `permit`'s key for it: `None` if it is due now, else when it
+    /// is due, the caller counted as waiting until then (see [`Asleep`]). Spends nothing if
+    /// the token would come after `deadline`, or if the key's waiting room is full.
+    fn reserve(
+        &self,
+        permit: &KeyedPermit<K>,
+        deadline: Option<Instant>,
+    ) -> Result<Option<u64>, Waited> {
+        let now = self.now();
+        let mut guard = lock(self.shard(permit.hash));
+        let Shard { keys, counts, .. } = &mut *guard;
+        let state = keys.get_mut(&permit.key).expect("a key with a permit held is kept");
+        let due = state.due(&self.rules, now);
+        if due <= now {
+            state.reserve(&self.rules, now);
+            return Ok(None);
+        }
+        // Refused without spending: dropping the permit (after the lock) returns it.
+        if deadline.is_some_and(|at| self.at(due) > at) {
+            counts.timed_out += 1;
+            self.metrics.timed_out.increment(1);
+            return Err(Waited::Late);
+        }
+        if state.waiting() >= self.max_waiters {
+            counts.refused += 1;
+            self.metrics.refused.increment(1);
+            return Err(Waited::Refused(self.too_many()));
+        }
+        state.reserve(&self.rules, now);
+        state.sleeping += 1;
+        counts.waiting += 1;
+        self.metrics.waiters.increment(1.0);
+        Ok(Some(due))
     }
 
     /// Runs `f` on `key`'s state under its shard's lock, making the state if the key is new
@@ -640,9 +688,15 @@ impl<K: Hash + Eq> Shared<K> {
             let forgotten = shard.sweep(now);
             self.metrics.keys.decrement(forgotten as f64);
         }
-        self.metrics.keys.increment(1.0);
-        let Shard { keys, counts, .. } = shard;
-        f(keys.entry(key.to_owned()).or_default(), counts)
+        let mut state = KeyState::default();
+        let answer = f(&mut state, &mut shard.counts);
+        // A key the operation left idle (a check of a limit without a rate, or one whose
+        // bucket refills at once) is not worth keeping.
+        if !state.idle(now) {
+            shard.keys.insert(key.to_owned(), state);
+            self.metrics.keys.increment(1.0);
+        }
+        answer
     }
 
     /// `check` (`hold` false) or `try_acquire`: returns the key's hash on success.
@@ -709,6 +763,16 @@ impl<K: Hash + Eq> Shared<K> {
     }
 }
 
+impl<K> Drop for Shared<K> {
+    fn drop(&mut self) {
+        // Every permit and wait holds the limit: nothing is held or waiting by now, but the
+        // keys still counted leave the gauge with it.
+        let keys: usize =
+            self.shards.iter_mut().map(|shard| shard.0.get_mut().map_or(0, |s| s.keys.len())).sum();
+        self.metrics.keys.decrement(keys as f64);
+    }
+}
+
 impl<K: Hash + Eq + Send + Sync> Observe for Shared<K> {
     fn report(&self, name: &str, snapshot: &mut Snapshot) {
         snapshot.insert("keyed_limits", name, &self.info());
@@ -737,16 +801,14 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
         let mut guard = lock(shared.shard(self.hash));
         let Shard { keys, counts, .. } = &mut *guard;
         let state = keys.get_mut(self.key).expect("a key with a caller in line is kept");
-        let line = state.line.as_mut().expect("a key with a caller in line has a line");
-        if line.refresh(at, cx.waker()) {
+        // A line that is gone was emptied by the release that popped this caller.
+        if state.line.as_mut().is_some_and(|line| line.refresh(at, cx.waker())) {
             return Poll::Pending;
         }
         // Popped by a release: the permit it returned is ours.
         counts.waiting -= 1;
-        counts.acquired += 1;
         self.done = true;
         shared.metrics.waiters.decrement(1.0);
-        shared.metrics.acquired.increment(1);
         Poll::Ready(Ok(()))
     }
 
@@ -758,23 +820,20 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
             if state.has_room(&shared.rules) {
                 state.held += 1;
                 counts.held += 1;
-                counts.acquired += 1;
                 return Ok(None);
             }
             if state.waiting() >= shared.max_waiters {
                 counts.refused += 1;
-                return Err(LimitError::TooManyWaiters {
-                    limit: shared.name.to_string(),
-                    max: shared.max_waiters,
-                });
+                return Err(shared.too_many());
             }
             counts.waiting += 1;
-            Ok(Some(state.line.get_or_insert_default().push(cx.waker())))
+            let stamps = counts.stamps;
+            let line = state.line.get_or_insert_with(|| Box::new(WaitList::after(stamps)));
+            Ok(Some(line.push(cx.waker())))
         });
         match answer {
             Ok(None) => {
                 self.done = true;
-                shared.metrics.acquired.increment(1);
                 shared.metrics.held.increment(1.0);
                 Poll::Ready(Ok(()))
             }
@@ -805,10 +864,13 @@ impl<K: Hash + Eq> Drop for InLine<'_, K> {
         counts.waiting -= 1;
         shared.metrics.waiters.decrement(1.0);
         if state.line.as_mut().is_some_and(|line| line.remove(at)) {
+            state.tidy(&mut counts.stamps);
             return;
         }
         // Handed a permit before it took it: the permit goes on as if returned.
-        match state.release() {
+        let next = state.release();
+        state.tidy(&mut counts.stamps);
+        match next {
             Some(next) => {
                 drop(guard);
                 next.wake();
@@ -842,6 +904,7 @@ impl<K: Hash + Eq> Drop for Asleep<'_, K> {
 
 /// A permit of one key of a [`KeyedLimit`]; returned when dropped (to the first caller in the
 /// key's line, if any).
+#[must_use = "a permit is returned as soon as it is dropped"]
 pub struct KeyedPermit<K: Hash + Eq = String> {
     shared: Arc<Shared<K>>,
     key: K,

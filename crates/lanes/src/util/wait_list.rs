@@ -68,6 +68,17 @@ impl WaitList {
 }
 
 impl<T> WaitList<T> {
+    /// An empty list whose stamps continue after `stamps` (another list's
+    /// [`stamps`](Self::stamps)): a key from a list that was dropped never matches this one.
+    pub(crate) fn after(stamps: u64) -> Self {
+        Self { stamps, ..Self::default() }
+    }
+
+    /// The last stamp handed out.
+    pub(crate) fn stamps(&self) -> u64 {
+        self.stamps
+    }
+
     /// Waiters in the list.
     pub(crate) fn len(&self) -> usize {
         self.len
