@@ -274,6 +274,70 @@ async fn a_key_whose_bucket_is_not_full_is_never_forgotten() {
     assert!(limit.check("hot").is_ok());
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_cap_on_keys_refuses_new_keys_while_those_kept_are_in_use_and_serves_the_kept_ones() {
+    let limit: KeyedLimit =
+        KeyedLimit::builder("capped", LimitSpec::rate(1.0).burst(1)).max_keys(64).build().unwrap();
+    let mut kept = Vec::new();
+    let mut refused = 0;
+    for i in 0..1_000 {
+        let key = format!("client-{i}");
+        match limit.check(&key) {
+            Ok(()) => kept.push(key),
+            Err(err) => {
+                assert!(
+                    matches!(&err, lanes::TryAcquireError::Limit(e) if e.is_too_many_keys()),
+                    "{err}"
+                );
+                refused += 1;
+            }
+        }
+    }
+    assert!(limit.keys() <= 64 && kept.len() == limit.keys(), "{} kept", limit.keys());
+    assert!(kept.len() >= 32, "the cap is split over the shards: {} kept", kept.len());
+    assert_eq!(refused, 1_000 - kept.len());
+    // A kept key is still served, and still limited.
+    assert!(limit.check(&kept[0]).unwrap_err().is_rate_limited());
+    assert_eq!(limit.info().refused_total, refused as u64 + 1);
+    // Once their buckets refill, the kept keys are idle and new keys get in again.
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let newcomers = (0..1_000).filter(|i| limit.check(&format!("later-{i}")).is_ok()).count();
+    assert_eq!(newcomers, kept.len(), "the same room again");
+    assert!(limit.keys() <= 64);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_key_can_have_a_spec_of_its_own() {
+    let limit: KeyedLimit = KeyedLimit::builder("tiers", LimitSpec::concurrent(1).per_second(1.0))
+        .spec_for(|tenant: &String| match tenant.split('-').next() {
+            Some("gold") => Some(LimitSpec::concurrent(3).per_second(100.0).burst(5)),
+            Some("broken") => Some(LimitSpec::concurrent(0)),
+            _ => None,
+        })
+        .build()
+        .unwrap();
+    let gold: Vec<_> = (0..3).map(|_| limit.try_acquire("gold-acme").unwrap()).collect();
+    assert!(limit.try_acquire("gold-acme").unwrap_err().is_busy());
+    let free = limit.try_acquire("free-bob").unwrap();
+    assert!(limit.try_acquire("free-bob").unwrap_err().is_busy());
+    drop(free);
+    assert!(limit.check("free-bob").unwrap_err().is_rate_limited(), "one a second");
+    drop(gold);
+    assert!(limit.check("gold-acme").is_ok(), "burst of 5: the fourth token");
+    // A waiting acquire follows the key's own rate too.
+    let started = Instant::now();
+    for _ in 0..3 {
+        drop(limit.acquire("gold-acme").await.unwrap());
+    }
+    assert_eq!(started.elapsed(), Duration::from_millis(20), "tokens 5, 6 and 7 at 100 a second");
+    let err = limit.try_acquire("broken-eve").unwrap_err();
+    assert!(
+        matches!(err, lanes::TryAcquireError::Limit(lanes::LimitError::InvalidSpec(_))),
+        "{err}"
+    );
+    assert!(limit.acquire("broken-eve").await.is_err());
+}
+
 #[test]
 fn a_bad_spec_or_waiting_room_is_a_config_error_naming_its_field() {
     let err = KeyedLimit::<String>::new("x", LimitSpec::concurrent(0)).unwrap_err();
@@ -285,6 +349,11 @@ fn a_bad_spec_or_waiting_room_is_a_config_error_naming_its_field() {
         .build()
         .unwrap_err();
     assert_eq!(err.field(), "keyed_limit.max_waiters");
+    let err = KeyedLimit::<String>::builder("x", LimitSpec::concurrent(1))
+        .max_keys(0)
+        .build()
+        .unwrap_err();
+    assert_eq!((err.field(), err.rule()), ("keyed_limit.max_keys", ConfigRule::Zero));
 }
 
 #[tokio::test]

@@ -53,7 +53,9 @@ impl ApiError {
             LimitError::InvalidSpec(spec) => {
                 return Self::field(spec.field(), err.to_string());
             }
-            LimitError::TooManyWaiters { .. } => StatusCode::TOO_MANY_REQUESTS,
+            LimitError::TooManyWaiters { .. } | LimitError::TooManyKeys { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             LimitError::InUse(_) => StatusCode::CONFLICT,
             LimitError::LeaseExpired { .. } => StatusCode::GONE,
             // The backend (Redis) could not answer: the service is unavailable, not broken.

@@ -21,6 +21,15 @@ pub enum LimitError {
     },
     /// The limit cannot be removed while permits are held or tickets wait.
     InUse(String),
+    /// A [`KeyedLimit`](super::KeyedLimit) keeps its maximum of keys, every one of them in use
+    /// (holding a permit, waited for, or with a bucket still refilling): a new key is refused
+    /// until some go idle.
+    TooManyKeys {
+        /// The keyed limit.
+        limit: String,
+        /// The configured maximum.
+        max: usize,
+    },
     /// The backend could not answer (I/O, timeout, outage, an odd reply): what it said, and the
     /// underlying error through `source()`.
     Backend(BackendError),
@@ -45,6 +54,11 @@ impl LimitError {
         matches!(self, Self::TooManyWaiters { .. })
     }
 
+    /// A keyed limit keeps its maximum of keys.
+    pub fn is_too_many_keys(&self) -> bool {
+        matches!(self, Self::TooManyKeys { .. })
+    }
+
     /// A renewal came after the lease ended.
     pub fn is_lease_expired(&self) -> bool {
         matches!(self, Self::LeaseExpired { .. })
@@ -65,6 +79,9 @@ impl fmt::Display for LimitError {
                 write!(f, "limit {limit:?} already has {max} waiters")
             }
             Self::InUse(name) => write!(f, "limit {name:?} has permits held or tickets waiting"),
+            Self::TooManyKeys { limit, max } => {
+                write!(f, "keyed limit {limit:?} already keeps {max} keys in use")
+            }
             Self::Backend(err) => write!(f, "limit backend failed: {err}"),
             Self::LeaseExpired { limit, ticket } => {
                 write!(f, "the lease of ticket {ticket} on limit {limit:?} expired")

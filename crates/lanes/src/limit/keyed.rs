@@ -43,7 +43,13 @@ const MIN_SWEEP: usize = 64;
 /// kept at all. A shard forgets its idle keys whenever its count of keys has doubled since it
 /// last looked (and [`KeyedLimit::forget_idle`] does it on demand), so a shard keeps at most
 /// about twice the keys in use at its last look, and no fewer than 64 before it looks, never
-/// every key ever seen.
+/// every key ever seen. For a hard bound whatever the traffic (a flood of new client
+/// addresses, each key in use while its bucket refills), [`max_keys`] caps the keys kept and
+/// refuses a new key past it with a typed error; and a key can have a spec of its own
+/// ([`spec_for`]: a paying tenant's higher rate).
+///
+/// [`max_keys`]: KeyedLimitBuilder::max_keys
+/// [`spec_for`]: KeyedLimitBuilder::spec_for
 ///
 /// # Waiting
 ///
@@ -103,11 +109,20 @@ struct Shared<K> {
     /// of one shard do not share their low bits in its map.
     pick: FixedState,
     shards: Box<[Padded<Mutex<Shard<K>>>]>,
+    /// The most keys a shard keeps (`max_keys` split over the shards); `usize::MAX` for none.
+    shard_cap: usize,
+    /// `max_keys` as configured, for the error.
+    max_keys: Option<usize>,
+    /// A key's own spec, asked when its state is made.
+    spec_for: Option<SpecFor<K>>,
     metrics: KeyedMetrics,
 }
 
+/// A key's own spec, if it differs from the limit's.
+type SpecFor<K> = Box<dyn Fn(&K) -> Option<LimitSpec> + Send + Sync>;
+
 /// The spec as the arithmetic uses it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Rules {
     concurrent: u32,
     /// Nanoseconds between tokens at the sustained rate; 0 without a rate.
@@ -131,6 +146,9 @@ struct Shard<K> {
     keys: HashMap<K, KeyState, RandomState>,
     /// Look for idle keys when `keys` reaches this many.
     sweep_at: usize,
+    /// New keys to refuse at the cap before looking for idle keys again: a look costs the
+    /// whole shard, so a flood of new keys pays for one per quarter of the cap.
+    refuse_before_sweep: usize,
     counts: Counts,
 }
 
@@ -157,6 +175,8 @@ struct KeyState {
     sleeping: u32,
     /// Callers waiting for a permit, in arrival order; made for the first one.
     line: Option<Box<WaitList>>,
+    /// The key's own spec, where [`KeyedLimitBuilder::spec_for`] gave it one.
+    own: Option<Box<Rules>>,
 }
 
 /// Why a key gave no permit now.
@@ -169,6 +189,11 @@ enum Refusal {
 }
 
 impl KeyState {
+    /// The rules this key follows: its own, or the limit's.
+    fn rules(&self, limit: &Rules) -> Rules {
+        *self.own.as_deref().unwrap_or(limit)
+    }
+
     fn in_line(&self) -> usize {
         self.line.as_ref().map_or(0, |line| line.len())
     }
@@ -245,6 +270,7 @@ impl<K: Hash + Eq> Shard<K> {
         Self {
             keys: HashMap::with_hasher(RandomState::default()),
             sweep_at: MIN_SWEEP,
+            refuse_before_sweep: 0,
             counts: Counts::default(),
         }
     }
@@ -320,6 +346,8 @@ pub struct KeyedLimitBuilder<K> {
     name: String,
     spec: LimitSpec,
     max_waiters: usize,
+    max_keys: Option<usize>,
+    spec_for: Option<SpecFor<K>>,
     registry: Option<Registration>,
     key: std::marker::PhantomData<fn() -> K>,
 }
@@ -330,6 +358,8 @@ impl<K> fmt::Debug for KeyedLimitBuilder<K> {
             .field("name", &self.name)
             .field("spec", &self.spec)
             .field("max_waiters", &self.max_waiters)
+            .field("max_keys", &self.max_keys)
+            .field("spec_for", &self.spec_for.as_ref().map(|_| "fn"))
             .field("registry", &self.registry)
             .finish()
     }
@@ -342,6 +372,45 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
     #[must_use]
     pub fn max_waiters(mut self, max_waiters: usize) -> Self {
         self.max_waiters = max_waiters;
+        self
+    }
+
+    /// At most about `max_keys` keys kept at once (split evenly over the limit's shards, so a
+    /// new key may be refused a little before the whole limit keeps `max_keys`). A new key
+    /// that finds its shard full of keys in use is refused with
+    /// [`LimitError::TooManyKeys`] (for `check` and `try_acquire`, inside
+    /// [`TryAcquireError::Limit`]); keys already kept are served as before. Default: no cap,
+    /// the keys kept follow the keys in use.
+    #[must_use]
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = Some(max_keys);
+        self
+    }
+
+    /// A key's own spec, where it differs from the limit's (a paying tenant's higher rate):
+    /// asked when the key's state is made, that is on its first use and again after it was
+    /// forgotten, so it should answer the same for a key every time. `None` keeps the
+    /// limit's spec. A spec that breaks a rule refuses the key's operations with
+    /// [`LimitError::InvalidSpec`].
+    ///
+    /// ```
+    /// use lanes::{KeyedLimit, LimitSpec};
+    ///
+    /// let per_tenant: KeyedLimit = KeyedLimit::builder("per-tenant", LimitSpec::concurrent(1))
+    ///     .spec_for(|tenant: &String| tenant.starts_with("gold-").then(|| LimitSpec::concurrent(10)))
+    ///     .build()?;
+    /// let _a = per_tenant.try_acquire("gold-acme")?;
+    /// let _b = per_tenant.try_acquire("gold-acme")?;
+    /// let _c = per_tenant.try_acquire("free-bob")?;
+    /// assert!(per_tenant.try_acquire("free-bob").unwrap_err().is_busy());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    #[must_use]
+    pub fn spec_for(
+        mut self,
+        spec_for: impl Fn(&K) -> Option<LimitSpec> + Send + Sync + 'static,
+    ) -> Self {
+        self.spec_for = Some(Box::new(spec_for));
         self
     }
 
@@ -358,8 +427,8 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
     ///
     /// A [`ConfigError`]: a spec field that breaks its rule (`keyed_limit.concurrent` or
     /// `keyed_limit.burst` of 0: [`ConfigRule::Zero`]; `keyed_limit.per_second` not finite
-    /// and above zero: [`ConfigRule::Positive`]), `max_waiters` of 0, a registry name
-    /// already taken.
+    /// and above zero: [`ConfigRule::Positive`]), `max_waiters` or `max_keys` of 0, a
+    /// registry name already taken.
     pub fn build(self) -> Result<KeyedLimit<K>, ConfigError> {
         if let Err(err) = self.spec.validate() {
             let rule = match err.field() {
@@ -370,6 +439,9 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
         }
         if self.max_waiters == 0 {
             return Err(ConfigError::new("keyed_limit.max_waiters", ConfigRule::Zero));
+        }
+        if self.max_keys == Some(0) {
+            return Err(ConfigError::new("keyed_limit.max_keys", ConfigRule::Zero));
         }
         if let Some(registration) = &self.registry {
             registration.check()?;
@@ -387,6 +459,9 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
             origin: Instant::now(),
             pick: FixedState::with_seed(0x6c61_6e65_735f_6b79),
             shards: (0..shards).map(|_| Padded(Mutex::new(Shard::new()))).collect(),
+            shard_cap: self.max_keys.map_or(usize::MAX, |max| max.div_ceil(shards)),
+            max_keys: self.max_keys,
+            spec_for: self.spec_for,
             metrics: KeyedMetrics::new(&self.name),
         });
         if let Some(registration) = &self.registry {
@@ -412,6 +487,8 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimit<K> {
             name: name.to_owned(),
             spec,
             max_waiters: LimitTable::DEFAULT_MAX_WAITERS,
+            max_keys: None,
+            spec_for: None,
             registry: None,
             key: std::marker::PhantomData,
         }
@@ -544,8 +621,8 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimit<K> {
         slot.map_err(Waited::Refused)?;
         // The permit is ours from here: anything below that gives up returns it.
         let permit = KeyedPermit { shared: Arc::clone(&self.shared), key, hash };
-        let due =
-            if shared.rules.interval == 0 { None } else { shared.reserve(&permit, deadline)? };
+        let rated = shared.rules.interval != 0 || shared.spec_for.is_some();
+        let due = if rated { shared.reserve(&permit, deadline)? } else { None };
         if let Some(due) = due {
             let _asleep = Asleep { shared, key: &permit.key, hash };
             tokio::time::sleep_until(shared.at(due)).await;
@@ -627,9 +704,10 @@ impl<K: Hash + Eq> Shared<K> {
         let mut guard = lock(self.shard(permit.hash));
         let Shard { keys, counts, .. } = &mut *guard;
         let state = keys.get_mut(&permit.key).expect("a key with a permit held is kept");
-        let due = state.due(&self.rules, now);
+        let rules = state.rules(&self.rules);
+        let due = state.due(&rules, now);
         if due <= now {
-            state.reserve(&self.rules, now);
+            state.reserve(&rules, now);
             return Ok(None);
         }
         // Refused without spending: dropping the permit (after the lock) returns it.
@@ -643,7 +721,7 @@ impl<K: Hash + Eq> Shared<K> {
             self.metrics.refused.increment(1);
             return Err(Waited::Refused(self.too_many()));
         }
-        state.reserve(&self.rules, now);
+        state.reserve(&rules, now);
         state.sleeping += 1;
         counts.waiting += 1;
         self.metrics.waiters.increment(1.0);
@@ -651,7 +729,7 @@ impl<K: Hash + Eq> Shared<K> {
     }
 
     /// Runs `f` on `key`'s state under its shard's lock, making the state if the key is new
-    /// (after forgetting the shard's idle keys if it has grown enough since it last looked).
+    /// (see [`make_key`](Self::make_key)).
     #[inline]
     fn with_key<Q, R>(
         &self,
@@ -659,7 +737,7 @@ impl<K: Hash + Eq> Shared<K> {
         hash: u64,
         now: u64,
         f: impl FnOnce(&mut KeyState, &mut Counts) -> R,
-    ) -> R
+    ) -> Result<R, LimitError>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
@@ -667,11 +745,14 @@ impl<K: Hash + Eq> Shared<K> {
         let mut guard = lock(self.shard(hash));
         let Shard { keys, counts, .. } = &mut *guard;
         if let Some(state) = keys.get_mut(key) {
-            return f(state, counts);
+            return Ok(f(state, counts));
         }
         self.make_key(&mut guard, key, now, f)
     }
 
+    /// A new key: forgets the shard's idle keys first if it has grown enough since it last
+    /// looked (or is at its cap), refuses the key if the shard is still at its cap, gives it
+    /// its own spec if it has one, and keeps it unless `f` left it idle.
     #[inline(never)]
     fn make_key<Q, R>(
         &self,
@@ -679,24 +760,50 @@ impl<K: Hash + Eq> Shared<K> {
         key: &Q,
         now: u64,
         f: impl FnOnce(&mut KeyState, &mut Counts) -> R,
-    ) -> R
+    ) -> Result<R, LimitError>
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
-        if shard.keys.len() >= shard.sweep_at {
+        let len = shard.keys.len();
+        let at_cap = len >= self.shard_cap;
+        if len >= shard.sweep_at || (at_cap && shard.refuse_before_sweep == 0) {
             let forgotten = shard.sweep(now);
             self.metrics.keys.decrement(forgotten as f64);
+            shard.refuse_before_sweep = 0;
+        }
+        if shard.keys.len() >= self.shard_cap {
+            if shard.refuse_before_sweep == 0 {
+                shard.refuse_before_sweep = (self.shard_cap / 4).max(1);
+            }
+            shard.refuse_before_sweep -= 1;
+            shard.counts.refused += 1;
+            self.metrics.refused.increment(1);
+            return Err(LimitError::TooManyKeys {
+                limit: self.name.to_string(),
+                max: self.max_keys.unwrap_or(usize::MAX),
+            });
         }
         let mut state = KeyState::default();
+        let mut owned = None;
+        if let Some(spec_for) = &self.spec_for {
+            let key = owned.insert(key.to_owned());
+            if let Some(spec) = spec_for(key) {
+                spec.validate().map_err(LimitError::InvalidSpec)?;
+                let rules = Rules::new(&spec);
+                if rules != self.rules {
+                    state.own = Some(Box::new(rules));
+                }
+            }
+        }
         let answer = f(&mut state, &mut shard.counts);
         // A key the operation left idle (a check of a limit without a rate, or one whose
         // bucket refills at once) is not worth keeping.
         if !state.idle(now) {
-            shard.keys.insert(key.to_owned(), state);
+            shard.keys.insert(owned.unwrap_or_else(|| key.to_owned()), state);
             self.metrics.keys.increment(1.0);
         }
-        answer
+        Ok(answer)
     }
 
     /// `check` (`hold` false) or `try_acquire`: returns the key's hash on success.
@@ -709,7 +816,7 @@ impl<K: Hash + Eq> Shared<K> {
         let now = self.now();
         let hash = self.pick.hash_one(key);
         let answer = self.with_key(key, hash, now, |state, counts| {
-            let answer = state.take(&self.rules, now, hold);
+            let answer = state.take(&state.rules(&self.rules), now, hold);
             match answer {
                 Ok(()) => {
                     counts.acquired += 1;
@@ -718,7 +825,7 @@ impl<K: Hash + Eq> Shared<K> {
                 Err(_) => counts.refused += 1,
             }
             answer
-        });
+        })?;
         match answer {
             Ok(()) => {
                 self.metrics.acquired.increment(1);
@@ -817,7 +924,7 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
         let shared = self.shared;
         let now = shared.now();
         let answer = shared.with_key(self.key, self.hash, now, |state, counts| {
-            if state.has_room(&shared.rules) {
+            if state.has_room(&state.rules(&shared.rules)) {
                 state.held += 1;
                 counts.held += 1;
                 return Ok(None);
@@ -831,6 +938,8 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
             let line = state.line.get_or_insert_with(|| Box::new(WaitList::after(stamps)));
             Ok(Some(line.push(cx.waker())))
         });
+        // A key refused (the cap, its own spec invalid) is an answer like a full room.
+        let answer = answer.and_then(|answer| answer);
         match answer {
             Ok(None) => {
                 self.done = true;
