@@ -165,18 +165,26 @@ struct Counts {
     stamps: u64,
 }
 
-/// One key's state. Pure: every method takes the time it acts at.
+/// One key's state. Pure: every method takes the time it acts at. 24 bytes: what most keys
+/// never need is behind one pointer.
 #[derive(Debug, Default)]
 struct KeyState {
     /// GCRA's theoretical arrival time, nanoseconds since the limit's origin.
     tat: u64,
     held: u32,
+    /// Made while callers wait for the key, or for a key with a spec of its own.
+    more: Option<Box<More>>,
+}
+
+/// What a key keeps only while callers wait for it, or when it has a spec of its own.
+#[derive(Debug)]
+struct More {
+    /// Callers waiting for a permit, in arrival order.
+    line: WaitList,
     /// Callers holding a permit of this key while they sleep until their token is due.
     sleeping: u32,
-    /// Callers waiting for a permit, in arrival order; made for the first one.
-    line: Option<Box<WaitList>>,
     /// The key's own spec, where [`KeyedLimitBuilder::spec_for`] gave it one.
-    own: Option<Box<Rules>>,
+    own: Option<Rules>,
 }
 
 /// Why a key gave no permit now.
@@ -191,15 +199,23 @@ enum Refusal {
 impl KeyState {
     /// The rules this key follows: its own, or the limit's.
     fn rules(&self, limit: &Rules) -> Rules {
-        *self.own.as_deref().unwrap_or(limit)
+        self.more.as_ref().and_then(|more| more.own).unwrap_or(*limit)
     }
 
     fn in_line(&self) -> usize {
-        self.line.as_ref().map_or(0, |line| line.len())
+        self.more.as_ref().map_or(0, |more| more.line.len())
     }
 
     fn waiting(&self) -> usize {
-        self.in_line() + self.sleeping as usize
+        self.more.as_ref().map_or(0, |more| more.line.len() + more.sleeping as usize)
+    }
+
+    /// What the key keeps beyond its counts, made if need be (a new line's stamps start
+    /// after `stamps`).
+    fn more(&mut self, stamps: u64) -> &mut More {
+        self.more.get_or_insert_with(|| {
+            Box::new(More { line: WaitList::after(stamps), sleeping: 0, own: None })
+        })
     }
 
     /// Whether a permit is free and nobody waits ahead for one.
@@ -243,7 +259,7 @@ impl KeyState {
     /// Returns a permit: to the first caller in line (whose waker is returned: the permit is
     /// now its), or to the key.
     fn release(&mut self) -> Option<Waker> {
-        if let Some(waker) = self.line.as_mut().and_then(|line| line.pop()) {
+        if let Some(waker) = self.more.as_mut().and_then(|more| more.line.pop()) {
             return Some(waker);
         }
         debug_assert!(self.held > 0, "a release without a permit");
@@ -251,10 +267,13 @@ impl KeyState {
         None
     }
 
-    /// Drops the line once it is empty (its stamps go on in `stamps`).
+    /// Drops what the key keeps beyond its counts once nothing is left in it (the line's
+    /// stamps go on in `stamps`).
     fn tidy(&mut self, stamps: &mut u64) {
-        if let Some(line) = self.line.take_if(|line| line.is_empty()) {
-            *stamps = (*stamps).max(line.stamps());
+        let unused =
+            |more: &mut Box<More>| more.line.is_empty() && more.sleeping == 0 && more.own.is_none();
+        if let Some(more) = self.more.take_if(unused) {
+            *stamps = (*stamps).max(more.line.stamps());
         }
     }
 
@@ -722,7 +741,7 @@ impl<K: Hash + Eq> Shared<K> {
             return Err(Waited::Refused(self.too_many()));
         }
         state.reserve(&rules, now);
-        state.sleeping += 1;
+        state.more(counts.stamps).sleeping += 1;
         counts.waiting += 1;
         self.metrics.waiters.increment(1.0);
         Ok(Some(due))
@@ -792,7 +811,7 @@ impl<K: Hash + Eq> Shared<K> {
                 spec.validate().map_err(LimitError::InvalidSpec)?;
                 let rules = Rules::new(&spec);
                 if rules != self.rules {
-                    state.own = Some(Box::new(rules));
+                    state.more(shard.counts.stamps).own = Some(rules);
                 }
             }
         }
@@ -909,7 +928,7 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
         let Shard { keys, counts, .. } = &mut *guard;
         let state = keys.get_mut(self.key).expect("a key with a caller in line is kept");
         // A line that is gone was emptied by the release that popped this caller.
-        if state.line.as_mut().is_some_and(|line| line.refresh(at, cx.waker())) {
+        if state.more.as_mut().is_some_and(|more| more.line.refresh(at, cx.waker())) {
             return Poll::Pending;
         }
         // Popped by a release: the permit it returned is ours.
@@ -935,8 +954,7 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
             }
             counts.waiting += 1;
             let stamps = counts.stamps;
-            let line = state.line.get_or_insert_with(|| Box::new(WaitList::after(stamps)));
-            Ok(Some(line.push(cx.waker())))
+            Ok(Some(state.more(stamps).line.push(cx.waker())))
         });
         // A key refused (the cap, its own spec invalid) is an answer like a full room.
         let answer = answer.and_then(|answer| answer);
@@ -972,7 +990,7 @@ impl<K: Hash + Eq> Drop for InLine<'_, K> {
         };
         counts.waiting -= 1;
         shared.metrics.waiters.decrement(1.0);
-        if state.line.as_mut().is_some_and(|line| line.remove(at)) {
+        if state.more.as_mut().is_some_and(|more| more.line.remove(at)) {
             state.tidy(&mut counts.stamps);
             return;
         }
@@ -1003,8 +1021,11 @@ impl<K: Hash + Eq> Drop for Asleep<'_, K> {
     fn drop(&mut self) {
         let mut guard = lock(self.shared.shard(self.hash));
         let Shard { keys, counts, .. } = &mut *guard;
-        if let Some(state) = keys.get_mut(self.key) {
-            state.sleeping -= 1;
+        if let Some(state) = keys.get_mut(self.key)
+            && let Some(more) = &mut state.more
+        {
+            more.sleeping -= 1;
+            state.tidy(&mut counts.stamps);
         }
         counts.waiting -= 1;
         self.shared.metrics.waiters.decrement(1.0);
@@ -1053,6 +1074,13 @@ mod tests {
     }
 
     #[test]
+    fn a_keys_state_stays_small() {
+        // Memory per key (suite 6) is this, the key and the map's slot: what only waiting or
+        // an own spec needs is behind one pointer.
+        assert_eq!(std::mem::size_of::<KeyState>(), 24);
+    }
+
+    #[test]
     fn a_key_grants_its_burst_then_one_token_per_interval() {
         let rules = rules(u32::MAX, Some(10.0), 3);
         let mut key = KeyState::default();
@@ -1075,7 +1103,7 @@ mod tests {
         assert_eq!(key.take(&rules, 0, true), Err(Refusal::Busy));
         assert_eq!(key.take(&rules, 0, false), Err(Refusal::Busy), "a check needs room too");
         let waker = Waker::noop();
-        let _first = key.line.get_or_insert_default().push(waker);
+        let _first = key.more(0).line.push(waker);
         assert!(key.release().is_some(), "the first in line takes the permit");
         assert_eq!(key.held, 2, "the permit passed on, still held");
         assert!(key.release().is_none());
