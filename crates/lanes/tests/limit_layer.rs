@@ -98,3 +98,68 @@ async fn the_http_layer_goes_into_an_axum_router_and_answers_refusals() {
     assert_eq!(unknown.oneshot(request()).await.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(limits.info("api").await.unwrap().unwrap().in_use, 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_keyed_layer_limits_each_client_on_its_own_and_answers_429_with_its_retry_after() {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use axum::routing::get;
+    use lanes::KeyedLimit;
+
+    let per_client: KeyedLimit =
+        KeyedLimit::new("per-client", LimitSpec::rate(2.0).burst(2)).unwrap();
+    let client = |req: &Request<Body>| {
+        let addr = req.headers().get("x-client").and_then(|v| v.to_str().ok());
+        Priority::default().key(addr.unwrap_or("unknown"))
+    };
+    let app = axum::Router::new()
+        .route("/", get(|| async { "hello" }))
+        .layer(LimitLayer::keyed(&per_client).priority(client).when_busy(WhenBusy::Reject).http());
+    let from = |addr: &str| Request::get("/").header("x-client", addr).body(Body::empty()).unwrap();
+    for _ in 0..2 {
+        assert_eq!(app.clone().oneshot(from("a")).await.unwrap().status(), StatusCode::OK);
+    }
+    let limited = app.clone().oneshot(from("a")).await.unwrap();
+    assert_eq!(limited.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(limited.headers()["retry-after"], "1");
+    let body = axum::body::to_bytes(limited.into_body(), 1 << 16).await.unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(body["limit"], "per-client", "{body}");
+    // Another client is another limit; the first gets a token back after 500 ms.
+    assert_eq!(app.clone().oneshot(from("b")).await.unwrap().status(), StatusCode::OK);
+    tokio::time::advance(Duration::from_millis(500)).await;
+    assert_eq!(app.clone().oneshot(from("a")).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(per_client.info().refused_total, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_keyed_layer_in_waiting_mode_runs_one_request_per_key_at_a_time() {
+    use lanes::KeyedLimit;
+
+    let per_user: KeyedLimit = KeyedLimit::new("per-user", LimitSpec::concurrent(1)).unwrap();
+    let in_flight: Arc<[AtomicUsize; 3]> = Arc::new(Default::default());
+    let service = {
+        let in_flight = in_flight.clone();
+        service_fn(move |req: u32| {
+            let in_flight = in_flight.clone();
+            async move {
+                let slot = &in_flight[(req % 3) as usize];
+                assert_eq!(slot.fetch_add(1, Ordering::SeqCst), 0, "one per key at a time");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                slot.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, Infallible>(req)
+            }
+        })
+    };
+    let service = LimitLayer::keyed(&per_user)
+        .priority(|req: &u32| Priority::default().key(format!("user-{}", req % 3)))
+        .layer(service);
+    let started = tokio::time::Instant::now();
+    let calls: Vec<_> = (0..12).map(|i| tokio::spawn(service.clone().oneshot(i))).collect();
+    for (i, call) in calls.into_iter().enumerate() {
+        assert_eq!(call.await.unwrap().unwrap(), i as u32);
+    }
+    // Three keys in parallel, four requests each one after another.
+    assert_eq!(started.elapsed(), Duration::from_millis(40));
+    assert_eq!(per_user.info().held, 0);
+}

@@ -8,7 +8,8 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::error::TryAcquireError;
-use super::handle::Limits;
+use super::handle::{Limits, Permit};
+use super::keyed::{KeyedLimit, KeyedPermit};
 use super::priority::Priority;
 use crate::{BoxError, BoxFuture};
 
@@ -25,6 +26,12 @@ pub enum WhenBusy {
 /// Takes a permit of a limit for every request, at a priority extracted from the request, and
 /// holds it until the response is ready.
 ///
+/// The limit is a named limit of a [`Limits`] ([`new`](LimitLayer::new)), or a
+/// [`KeyedLimit`] ([`keyed`](LimitLayer::keyed)): then the priority's fairness key picks the
+/// request's key (a client address, a tenant), so each key has a limit of its own — the
+/// per-client rate limiting of `tower_governor`, with waiting and memory that follows the
+/// keys in use.
+///
 /// # Examples
 ///
 /// ```
@@ -38,10 +45,32 @@ pub enum WhenBusy {
 /// # let _ = layer;
 /// ```
 pub struct LimitLayer<P = DefaultPriority> {
-    limits: Limits,
-    name: Arc<str>,
+    target: Target,
     priority: P,
     when_busy: WhenBusy,
+}
+
+/// The limit a [`LimitLayer`] takes its permits of.
+#[derive(Clone)]
+enum Target {
+    Named { limits: Limits, name: Arc<str> },
+    Keyed(KeyedLimit),
+}
+
+impl Target {
+    fn name(&self) -> &str {
+        match self {
+            Self::Named { name, .. } => name,
+            Self::Keyed(keyed) => keyed.name(),
+        }
+    }
+}
+
+/// What a request holds while it runs: kept only to be dropped with the response.
+#[allow(dead_code, reason = "held for its drop, which returns the permit")]
+pub(super) enum Held {
+    Named(Permit),
+    Keyed(KeyedPermit),
 }
 
 /// Every request at the default priority.
@@ -70,8 +99,36 @@ impl LimitLayer {
     /// Limits requests with limit `name` of `limits`, waiting at the default priority.
     pub fn new(limits: &Limits, name: impl Into<Arc<str>>) -> Self {
         Self {
-            limits: limits.clone(),
-            name: name.into(),
+            target: Target::Named { limits: limits.clone(), name: name.into() },
+            priority: DefaultPriority,
+            when_busy: WhenBusy::Wait,
+        }
+    }
+
+    /// Limits requests with `keyed`, a key per request: the fairness key of the priority
+    /// [`priority`](LimitLayer::priority) extracts (requests without one share the empty key
+    /// `""`). Levels and weights do not apply: each key is served in arrival order.
+    ///
+    /// ```
+    /// use axum::{Router, http::Request, routing::get};
+    /// use lanes::limit::{KeyedLimit, LimitLayer, WhenBusy};
+    /// use lanes::{LimitSpec, Priority};
+    ///
+    /// // Each client address: 10 requests a second, a burst of 20; past it, 429 with Retry-After.
+    /// let per_client: KeyedLimit = KeyedLimit::new("per-client", LimitSpec::rate(10.0).burst(20))?;
+    /// let client = |req: &Request<axum::body::Body>| {
+    ///     let addr = req.headers().get("x-forwarded-for").and_then(|v| v.to_str().ok());
+    ///     Priority::default().key(addr.unwrap_or("unknown"))
+    /// };
+    /// let app: Router = Router::new()
+    ///     .route("/", get(|| async { "hello" }))
+    ///     .layer(LimitLayer::keyed(&per_client).priority(client).when_busy(WhenBusy::Reject).http());
+    /// # drop(app);
+    /// # Ok::<(), lanes::ConfigError>(())
+    /// ```
+    pub fn keyed(keyed: &KeyedLimit) -> Self {
+        Self {
+            target: Target::Keyed(keyed.clone()),
             priority: DefaultPriority,
             when_busy: WhenBusy::Wait,
         }
@@ -81,7 +138,7 @@ impl LimitLayer {
 impl<P> LimitLayer<P> {
     /// Orders requests by `priority(&request)`.
     pub fn priority<Q>(self, priority: Q) -> LimitLayer<Q> {
-        LimitLayer { limits: self.limits, name: self.name, priority, when_busy: self.when_busy }
+        LimitLayer { target: self.target, priority, when_busy: self.when_busy }
     }
 
     /// What to do when no permit is free.
@@ -95,8 +152,7 @@ impl<P> LimitLayer<P> {
 impl<P: Clone> Clone for LimitLayer<P> {
     fn clone(&self) -> Self {
         Self {
-            limits: self.limits.clone(),
-            name: self.name.clone(),
+            target: self.target.clone(),
             priority: self.priority.clone(),
             when_busy: self.when_busy,
         }
@@ -106,7 +162,8 @@ impl<P: Clone> Clone for LimitLayer<P> {
 impl<P> fmt::Debug for LimitLayer<P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LimitLayer")
-            .field("limit", &self.name)
+            .field("limit", &self.target.name())
+            .field("keyed", &matches!(self.target, Target::Keyed(_)))
             .field("when_busy", &self.when_busy)
             .finish_non_exhaustive()
     }
@@ -118,8 +175,7 @@ impl<S, P: Clone> Layer<S> for LimitLayer<P> {
     fn layer(&self, inner: S) -> Self::Service {
         LimitService {
             inner,
-            limits: self.limits.clone(),
-            name: self.name.clone(),
+            target: self.target.clone(),
             priority: self.priority.clone(),
             when_busy: self.when_busy,
         }
@@ -130,8 +186,7 @@ impl<S, P: Clone> Layer<S> for LimitLayer<P> {
 /// [`LimitError`](super::LimitError), or [`Overloaded`].
 pub struct LimitService<S, P = DefaultPriority> {
     pub(super) inner: S,
-    limits: Limits,
-    name: Arc<str>,
+    target: Target,
     pub(super) priority: P,
     when_busy: WhenBusy,
 }
@@ -159,25 +214,40 @@ impl<S, P> LimitService<S, P> {
     pub(super) fn admit(
         &self,
         priority: Priority,
-    ) -> impl std::future::Future<Output = Result<super::Permit, Refused>> + Send + 'static {
-        let (limits, name, when_busy) = (self.limits.clone(), self.name.clone(), self.when_busy);
+    ) -> impl std::future::Future<Output = Result<Held, Refused>> + Send + 'static {
+        let (target, when_busy) = (self.target.clone(), self.when_busy);
         async move {
-            match when_busy {
-                WhenBusy::Wait => limits.acquire(&name, priority).await.map_err(Refused::Limit),
-                WhenBusy::Reject => match limits.try_acquire(&name, priority).await {
-                    Ok(permit) => Ok(permit),
-                    Err(TryAcquireError::Limit(err)) => Err(Refused::Limit(err)),
-                    Err(TryAcquireError::RateLimited(after)) => {
-                        Err(Refused::Overloaded(Overloaded {
-                            limit: name,
-                            retry_after: Some(after),
-                        }))
+            let tried = match (&target, when_busy) {
+                (Target::Named { limits, name }, WhenBusy::Wait) => {
+                    return limits
+                        .acquire(name, priority)
+                        .await
+                        .map(Held::Named)
+                        .map_err(Refused::Limit);
+                }
+                (Target::Keyed(keyed), WhenBusy::Wait) => {
+                    let key = priority.fairness_key.as_deref().unwrap_or("");
+                    return keyed.acquire(key).await.map(Held::Keyed).map_err(Refused::Limit);
+                }
+                (Target::Named { limits, name }, WhenBusy::Reject) => {
+                    limits.try_acquire(name, priority).await.map(Held::Named)
+                }
+                (Target::Keyed(keyed), WhenBusy::Reject) => keyed
+                    .try_acquire(priority.fairness_key.as_deref().unwrap_or(""))
+                    .map(Held::Keyed),
+            };
+            tried.map_err(|err| {
+                let limit = Arc::from(target.name());
+                match err {
+                    TryAcquireError::Limit(err) => Refused::Limit(err),
+                    TryAcquireError::RateLimited(after) => {
+                        Refused::Overloaded(Overloaded { limit, retry_after: Some(after) })
                     }
-                    Err(TryAcquireError::Busy) => {
-                        Err(Refused::Overloaded(Overloaded { limit: name, retry_after: None }))
+                    TryAcquireError::Busy => {
+                        Refused::Overloaded(Overloaded { limit, retry_after: None })
                     }
-                },
-            }
+                }
+            })
         }
     }
 }
@@ -186,8 +256,7 @@ impl<S: Clone, P: Clone> Clone for LimitService<S, P> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
-            limits: self.limits.clone(),
-            name: self.name.clone(),
+            target: self.target.clone(),
             priority: self.priority.clone(),
             when_busy: self.when_busy,
         }
@@ -197,7 +266,7 @@ impl<S: Clone, P: Clone> Clone for LimitService<S, P> {
 impl<S, P> fmt::Debug for LimitService<S, P> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LimitService")
-            .field("limit", &self.name)
+            .field("limit", &self.target.name())
             .field("when_busy", &self.when_busy)
             .finish_non_exhaustive()
     }
