@@ -1,6 +1,6 @@
-//! An application with its own `lanes` dashboard: a run lane set and per-tenant limits,
-//! registered in one `Registry`, and the dashboard mounted under `/lanes` of the
-//! application's axum router.
+//! An application with its own `lanes` dashboard: a run lane set, per-tenant limits and a
+//! rate limit per client in front of its own route, registered in one `Registry`, and the
+//! dashboard mounted under `/lanes` of the application's axum router.
 //!
 //! ```sh
 //! cargo run -p lanes-server --example embedded_dashboard
@@ -10,8 +10,11 @@
 use std::time::Duration;
 
 use axum::Router;
+use axum::body::Body;
+use axum::http::Request;
 use axum::routing::get;
-use lanes::{LaneLimits, LaneSet, LimitSpec, Limits, Priority, Registry, Run};
+use lanes::limit::{LimitLayer, WhenBusy};
+use lanes::{KeyedLimit, LaneLimits, LaneSet, LimitSpec, Limits, Priority, Registry, Run};
 
 /// The application: its router (its own routes and the dashboard at `/lanes`), and the
 /// primitives behind it, all reporting to one registry.
@@ -27,8 +30,19 @@ pub(crate) async fn application() -> Result<(Router, LaneSet, Limits), Box<dyn s
         .build()?;
     let limits = Limits::builder().registry(&registry, "app-limits").build()?;
     limits.define("payments-api", LimitSpec::concurrent(8).per_second(100.0)).await?;
+    // Each client (by its `x-client` header): 50 requests a second, a burst of 100; past it,
+    // 429 with Retry-After. The layer keeps the limit alive; the registry only reports it.
+    let per_client: KeyedLimit =
+        KeyedLimit::builder("per-client", LimitSpec::rate(50.0).burst(100))
+            .registry(&registry, "per-client")
+            .build()?;
+    let client = |req: &Request<Body>| {
+        let client = req.headers().get("x-client").and_then(|v| v.to_str().ok());
+        Priority::default().key(client.unwrap_or("anonymous"))
+    };
     let router = Router::new()
         .route("/", get(|| async { "the application" }))
+        .layer(LimitLayer::keyed(&per_client).priority(client).when_busy(WhenBusy::Reject).http())
         .nest("/lanes", lanes_server::embed::dashboard(registry));
     Ok((router, lanes, limits))
 }

@@ -21,6 +21,10 @@ async fn an_application_mounts_its_own_dashboard() {
     let c = reqwest::Client::new();
     let own = c.get(format!("{base}/")).send().await.unwrap().text().await.unwrap();
     assert_eq!(own, "the application");
+    for client in ["10.0.0.1", "10.0.0.2"] {
+        let answer = c.get(format!("{base}/")).header("x-client", client).send().await.unwrap();
+        assert_eq!(answer.status(), 200);
+    }
     let snapshot: Value =
         c.get(format!("{base}/lanes/v1/snapshot")).send().await.unwrap().json().await.unwrap();
     let lane_names: Vec<&str> = snapshot["lane_sets"]["app"]["lanes"]
@@ -33,6 +37,10 @@ async fn an_application_mounts_its_own_dashboard() {
     let limit = &snapshot["limits"]["app-limits"][0];
     assert_eq!(limit["name"], "payments-api", "{snapshot}");
     assert!(limit["granted_total"].as_u64().unwrap() > 0, "{snapshot}");
+    // The rate limit per client in front of the application's own route.
+    let per_client = &snapshot["keyed_limits"]["per-client"];
+    assert_eq!(per_client["keys"], 3, "two clients and the anonymous one: {snapshot}");
+    assert_eq!(per_client["acquired_total"], 3, "{snapshot}");
 
     // The page, at the mount point.
     let page = c.get(format!("{base}/lanes")).send().await.unwrap();
@@ -44,6 +52,7 @@ async fn an_application_mounts_its_own_dashboard() {
         .await
         .unwrap();
     assert!(dom.contains("payments-api"), "{dom}");
+    assert!(dom.contains("data-keyed-limit=\"per-client\""), "{dom}");
     assert!(dom.contains("checkout") && dom.contains("reports"), "{dom}");
     assert!(dom.contains("this application's registry"), "{dom}");
     lanes.close();
