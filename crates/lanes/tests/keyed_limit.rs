@@ -125,6 +125,14 @@ async fn a_deadline_ends_a_wait_in_line_and_refuses_at_once_a_token_that_would_c
     assert_eq!(limit.info().timed_out_total, 1);
     assert!(limit.try_acquire("k").is_ok(), "the timed-out caller left the line");
 
+    let held = limit.try_acquire("k").unwrap();
+    let deadline = Instant::now() + Duration::from_millis(30);
+    let err = limit.acquire_until("k", deadline).await.unwrap_err();
+    assert_eq!(err, lanes::AcquireError::Timeout(Duration::from_millis(30)));
+    assert_eq!(Instant::now(), deadline);
+    drop(held);
+    assert_eq!(limit.info().timed_out_total, 2);
+
     let rate = keyed(LimitSpec::rate(1.0).burst(1));
     rate.check("k").unwrap();
     let started = Instant::now();

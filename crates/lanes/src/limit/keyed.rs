@@ -589,7 +589,39 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimit<K> {
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
         // A timeout past the clock's range waits as long as it takes.
-        match self.wait(key.to_owned(), Instant::now().checked_add(timeout)).await {
+        self.wait_for(key.to_owned(), Instant::now().checked_add(timeout), timeout).await
+    }
+
+    /// [`acquire`](Self::acquire), giving up at `deadline` (tokio's clock).
+    ///
+    /// # Errors
+    ///
+    /// As for [`acquire_timeout`](Self::acquire_timeout); a timeout carries the time from the
+    /// call to `deadline`.
+    pub async fn acquire_until<Q>(
+        &self,
+        key: &Q,
+        deadline: Instant,
+    ) -> Result<KeyedPermit<K>, AcquireError>
+    where
+        K: Borrow<Q> + Clone,
+        Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
+    {
+        let timeout = deadline.saturating_duration_since(Instant::now());
+        self.wait_for(key.to_owned(), Some(deadline), timeout).await
+    }
+
+    /// [`wait`](Self::wait), its lateness told as a timeout of `timeout`.
+    async fn wait_for(
+        &self,
+        key: K,
+        deadline: Option<Instant>,
+        timeout: Duration,
+    ) -> Result<KeyedPermit<K>, AcquireError>
+    where
+        K: Clone,
+    {
+        match self.wait(key, deadline).await {
             Ok(permit) => Ok(permit),
             Err(Waited::Refused(err)) => Err(AcquireError::Limit(err)),
             Err(Waited::Late) => Err(AcquireError::Timeout(timeout)),
@@ -689,14 +721,24 @@ impl<K> Shared<K> {
 }
 
 impl<K: Hash + Eq> Shared<K> {
-    /// Returns a permit of `key`: to the first caller in its line, or to the key.
-    fn release(&self, key: &K, hash: u64) {
+    /// Returns a permit of `key`: to the first caller in its line, or to the key. With
+    /// `leaving`, a caller dropped in the key's line leaves it first, and returns nothing if
+    /// it was still there (it never had a permit; one handed to it goes on).
+    fn release(&self, key: &K, hash: u64, leaving: Option<WaitKey>) {
         let mut guard = lock(self.shard(hash));
         let Shard { keys, counts, .. } = &mut *guard;
         let Some(state) = keys.get_mut(key) else {
-            debug_assert!(false, "a key with a permit held is kept");
+            debug_assert!(false, "a key with a permit held or a caller in line is kept");
             return;
         };
+        if let Some(at) = leaving {
+            counts.waiting -= 1;
+            self.metrics.waiters.decrement(1.0);
+            if state.more.as_mut().is_some_and(|more| more.line.remove(at)) {
+                state.tidy(&mut counts.stamps);
+                return;
+            }
+        }
         let next = state.release();
         state.tidy(&mut counts.stamps);
         match next {
@@ -980,32 +1022,8 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
 
 impl<K: Hash + Eq> Drop for InLine<'_, K> {
     fn drop(&mut self) {
-        let (false, Some(at)) = (self.done, self.at) else { return };
-        let shared = self.shared;
-        let mut guard = lock(shared.shard(self.hash));
-        let Shard { keys, counts, .. } = &mut *guard;
-        let Some(state) = keys.get_mut(self.key) else {
-            debug_assert!(false, "a key with a caller in line is kept");
-            return;
-        };
-        counts.waiting -= 1;
-        shared.metrics.waiters.decrement(1.0);
-        if state.more.as_mut().is_some_and(|more| more.line.remove(at)) {
-            state.tidy(&mut counts.stamps);
-            return;
-        }
-        // Handed a permit before it took it: the permit goes on as if returned.
-        let next = state.release();
-        state.tidy(&mut counts.stamps);
-        match next {
-            Some(next) => {
-                drop(guard);
-                next.wake();
-            }
-            None => {
-                counts.held -= 1;
-                shared.metrics.held.decrement(1.0);
-            }
+        if let (false, Some(at)) = (self.done, self.at) {
+            self.shared.release(self.key, self.hash, Some(at));
         }
     }
 }
@@ -1059,7 +1077,7 @@ impl<K: Hash + Eq + fmt::Debug> fmt::Debug for KeyedPermit<K> {
 
 impl<K: Hash + Eq> Drop for KeyedPermit<K> {
     fn drop(&mut self) {
-        self.shared.release(&self.key, self.hash);
+        self.shared.release(&self.key, self.hash, None);
     }
 }
 
