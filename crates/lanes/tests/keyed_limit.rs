@@ -307,11 +307,73 @@ async fn a_cap_on_keys_refuses_new_keys_while_those_kept_are_in_use_and_serves_t
     // A kept key is still served, and still limited.
     assert!(limit.check(&kept[0]).unwrap_err().is_rate_limited());
     assert_eq!(limit.info().refused_total, refused as u64 + 1);
-    // Once their buckets refill, the kept keys are idle and new keys get in again.
+    // An acquire of a new key at the cap is refused too, and counted once.
+    let before = limit.info().refused_total;
+    let refused_keys = (0..200).filter_map(|i| {
+        let key = format!("waiter-{i}");
+        futures_poll(&mut Box::pin(limit.acquire(&key)))
+    });
+    assert!(refused_keys.map(|answer| answer.unwrap_err()).all(|err| err.is_too_many_keys()));
+    assert_eq!(limit.info().refused_total - before, 200);
+    // Once their buckets refill, the kept keys are idle: a single new key after the quiet
+    // spell gets in at once, and then as many as the room holds.
     tokio::time::advance(Duration::from_secs(1)).await;
+    assert!(limit.check("after-quiet").is_ok());
     let newcomers = (0..1_000).filter(|i| limit.check(&format!("later-{i}")).is_ok()).count();
-    assert_eq!(newcomers, kept.len(), "the same room again");
+    assert_eq!(newcomers + 1, kept.len(), "the same room again");
     assert!(limit.keys() <= 64);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_shard_looks_for_idle_keys_again_after_a_quiet_spell() {
+    let limit: KeyedLimit =
+        KeyedLimit::builder("quiet", LimitSpec::rate(1.0)).max_keys(800).build().unwrap();
+    // A flood: every shard full, and many new keys refused after it.
+    let refused = (0..3_000).filter(|i| limit.check(&format!("flood-{i}")).is_err()).count();
+    assert!(refused >= 2_000, "{refused} refused");
+    // The flood's keys go idle; the next new keys get in at once, whatever each shard's
+    // count of refusals before its next look.
+    tokio::time::advance(Duration::from_millis(1_000)).await;
+    for i in 0..40 {
+        assert!(
+            limit.check(&format!("after-{i}")).is_ok(),
+            "key {i} refused after the quiet spell"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cap_smaller_than_the_shards_is_still_a_cap() {
+    for max in [1, 3, 5] {
+        let limit: KeyedLimit =
+            KeyedLimit::builder("small", LimitSpec::rate(1.0)).max_keys(max).build().unwrap();
+        let kept = (0..100).filter(|i| limit.check(&format!("k{i}")).is_ok()).count();
+        assert!(kept >= 1 && kept <= max && limit.keys() == kept, "max {max}: {kept} kept");
+    }
+}
+
+#[tokio::test]
+async fn a_keys_own_spec_may_look_at_the_limit_itself() {
+    use std::sync::OnceLock;
+
+    let me: Arc<OnceLock<KeyedLimit>> = Arc::default();
+    let seen = me.clone();
+    let limit: KeyedLimit = KeyedLimit::builder("looks", LimitSpec::concurrent(1))
+        .spec_for(move |_key: &String| {
+            // Under the shard's lock this would deadlock.
+            let kept = seen.get().map_or(0, KeyedLimit::keys);
+            (kept > 0).then(|| LimitSpec::concurrent(2))
+        })
+        .build()
+        .unwrap();
+    assert!(me.set(limit.clone()).is_ok());
+    let checked = tokio::task::spawn_blocking(move || {
+        let first = limit.try_acquire("a").unwrap();
+        // A second key, made while one is kept: its own spec allows two.
+        let second = (limit.try_acquire("b").unwrap(), limit.try_acquire("b").unwrap());
+        drop((first, second));
+    });
+    tokio::time::timeout(Duration::from_secs(5), checked).await.expect("no deadlock").unwrap();
 }
 
 #[tokio::test(start_paused = true)]

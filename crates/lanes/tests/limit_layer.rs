@@ -133,6 +133,36 @@ async fn a_keyed_layer_limits_each_client_on_its_own_and_answers_429_with_its_re
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_keyed_layer_full_of_keys_in_use_answers_429_not_503() {
+    use axum::body::Body;
+    use axum::http::{Request, StatusCode};
+    use axum::routing::get;
+    use lanes::KeyedLimit;
+
+    let per_client: KeyedLimit =
+        KeyedLimit::builder("per-client", LimitSpec::rate(1.0)).max_keys(1).build().unwrap();
+    let client = |req: &Request<Body>| {
+        Priority::default().key(req.headers()["x-client"].to_str().unwrap().to_owned())
+    };
+    for when_busy in [WhenBusy::Reject, WhenBusy::Wait] {
+        let app = axum::Router::new()
+            .route("/", get(|| async { "hello" }))
+            .layer(LimitLayer::keyed(&per_client).priority(client).when_busy(when_busy).http());
+        let from =
+            |addr: &str| Request::get("/").header("x-client", addr).body(Body::empty()).unwrap();
+        if when_busy == WhenBusy::Reject {
+            assert_eq!(app.clone().oneshot(from("a")).await.unwrap().status(), StatusCode::OK);
+        }
+        // "a" is kept (its bucket refills for a second): no room for "b".
+        let full = app.clone().oneshot(from("b")).await.unwrap();
+        assert_eq!(full.status(), StatusCode::TOO_MANY_REQUESTS, "{when_busy:?}");
+        let body = axum::body::to_bytes(full.into_body(), 1 << 16).await.unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(body["limit"], "per-client", "{body}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_keyed_layer_in_waiting_mode_runs_one_request_per_key_at_a_time() {
     use lanes::KeyedLimit;
 

@@ -11,9 +11,11 @@ use tower_service::Service;
 use super::layer::{LimitLayer, LimitService, PriorityOf, Refused};
 use crate::BoxFuture;
 
-/// [`LimitLayer`] for HTTP services: a request refused under [`WhenBusy::Reject`] is answered
-/// `429 Too Many Requests` with `Retry-After`, one the limit refuses (an unknown limit, a
-/// backend down) `503 Service Unavailable`; both with a JSON body `{"error", "limit"}`.
+/// [`LimitLayer`] for HTTP services: a request refused under [`WhenBusy::Reject`] (or one
+/// that found the waiting room full, or a keyed limit full of keys in use) is answered
+/// `429 Too Many Requests` with `Retry-After`, one the limit refuses otherwise (an unknown
+/// limit, a backend down) `503 Service Unavailable`; both with a JSON body
+/// `{"error", "limit"}`.
 ///
 /// [`WhenBusy::Reject`]: super::WhenBusy::Reject
 ///

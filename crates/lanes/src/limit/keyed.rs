@@ -24,6 +24,11 @@ use crate::util::{Padded, WaitKey, WaitList, lock};
 /// The fewest keys a shard keeps before it first looks for idle ones.
 const MIN_SWEEP: usize = 64;
 
+/// A shard at its cap of keys looks for idle ones again after this long at the latest (and
+/// after a quarter of its cap in new keys at the cap): keys that went idle in a quiet spell
+/// make room within it.
+const CAP_SWEEP_GAP: u64 = 100_000_000;
+
 /// A [`LimitSpec`] applied to each key on its own, in process: a rate limit per client
 /// address, a concurrency limit per tenant, without defining a limit per key.
 ///
@@ -146,9 +151,11 @@ struct Shard<K> {
     keys: HashMap<K, KeyState, RandomState>,
     /// Look for idle keys when `keys` reaches this many.
     sweep_at: usize,
-    /// New keys to refuse at the cap before looking for idle keys again: a look costs the
-    /// whole shard, so a flood of new keys pays for one per quarter of the cap.
-    refuse_before_sweep: usize,
+    /// New keys to meet at the cap before looking for idle keys again: a look costs the whole
+    /// shard, so a flood of new keys pays for one per quarter of the cap.
+    cap_countdown: usize,
+    /// When the shard last looked for idle keys at its cap (nanoseconds since the origin).
+    cap_swept_at: u64,
     counts: Counts,
 }
 
@@ -289,7 +296,8 @@ impl<K: Hash + Eq> Shard<K> {
         Self {
             keys: HashMap::with_hasher(RandomState::default()),
             sweep_at: MIN_SWEEP,
-            refuse_before_sweep: 0,
+            cap_countdown: 0,
+            cap_swept_at: 0,
             counts: Counts::default(),
         }
     }
@@ -297,7 +305,15 @@ impl<K: Hash + Eq> Shard<K> {
     /// Forgets the idle keys; returns how many.
     fn sweep(&mut self, now: u64) -> usize {
         let before = self.keys.len();
-        self.keys.retain(|_, state| !state.idle(now));
+        let stamps = &mut self.counts.stamps;
+        self.keys.retain(|_, state| {
+            let idle = state.idle(now);
+            // Its line's stamps go on, as when a line is dropped (see `KeyState::tidy`).
+            if idle && let Some(more) = &state.more {
+                *stamps = (*stamps).max(more.line.stamps());
+            }
+            !idle
+        });
         let kept = self.keys.len();
         if self.keys.capacity() > 4 * kept.max(MIN_SWEEP) {
             self.keys.shrink_to(2 * kept.max(MIN_SWEEP));
@@ -337,7 +353,7 @@ impl KeyedMetrics {
 pub struct KeyedLimitInfo {
     /// The limit's name.
     pub name: String,
-    /// The spec each key has.
+    /// The limit's spec: each key's, unless [`KeyedLimitBuilder::spec_for`] gave it its own.
     pub spec: LimitSpec,
     /// Keys kept now (in use, or idle and not yet forgotten).
     pub keys: usize,
@@ -347,7 +363,8 @@ pub struct KeyedLimitInfo {
     pub waiting: u64,
     /// Permits granted (and checks passed) since the limit was made.
     pub acquired_total: u64,
-    /// Checks and tries refused, and acquires that found the waiting room full.
+    /// Checks and tries refused, acquires that found the waiting room full, and new keys
+    /// refused (past `max_keys`, or with an invalid own spec).
     pub refused_total: u64,
     /// Acquires that gave up at their deadline.
     pub timed_out_total: u64,
@@ -394,12 +411,14 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
         self
     }
 
-    /// At most about `max_keys` keys kept at once (split evenly over the limit's shards, so a
-    /// new key may be refused a little before the whole limit keeps `max_keys`). A new key
-    /// that finds its shard full of keys in use is refused with
-    /// [`LimitError::TooManyKeys`] (for `check` and `try_acquire`, inside
-    /// [`TryAcquireError::Limit`]); keys already kept are served as before. Default: no cap,
-    /// the keys kept follow the keys in use.
+    /// At most `max_keys` keys kept at once (split evenly over the limit's shards, so a new
+    /// key may be refused a little before the whole limit keeps `max_keys`). A new key that
+    /// finds its shard full of keys in use is refused with [`LimitError::TooManyKeys`] (for
+    /// `check` and `try_acquire`, inside [`TryAcquireError::Limit`]); keys already kept are
+    /// served as before. A full shard looks for idle keys again after a quarter of its share
+    /// in new keys, or 100 ms, whichever comes first: a flood of new keys pays for a look
+    /// over many refusals, and keys that went idle in a quiet spell make room within 100 ms.
+    /// Default: no cap, the keys kept follow the keys in use.
     #[must_use]
     pub fn max_keys(mut self, max_keys: usize) -> Self {
         self.max_keys = Some(max_keys);
@@ -410,7 +429,9 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
     /// asked when the key's state is made, that is on its first use and again after it was
     /// forgotten, so it should answer the same for a key every time. `None` keeps the
     /// limit's spec. A spec that breaks a rule refuses the key's operations with
-    /// [`LimitError::InvalidSpec`].
+    /// [`LimitError::InvalidSpec`]. It is called without the limit's locks, so it may take
+    /// its time or look at this limit; a clone of the limit captured in it would keep the
+    /// limit alive for good (a cycle), so capture what it needs instead.
     ///
     /// ```
     /// use lanes::{KeyedLimit, LimitSpec};
@@ -465,11 +486,15 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
         if let Some(registration) = &self.registry {
             registration.check()?;
         }
-        let shards = std::thread::available_parallelism()
+        let mut shards = std::thread::available_parallelism()
             .map_or(4, std::num::NonZeroUsize::get)
             .saturating_mul(4)
             .next_power_of_two()
             .min(256);
+        if let Some(max) = self.max_keys {
+            // No more shards than keys, so that each has room for one and all for `max`.
+            shards = shards.min(1 << max.ilog2());
+        }
         let shared = Arc::new(Shared {
             name: Arc::from(self.name.as_str()),
             spec: self.spec,
@@ -478,7 +503,7 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
             origin: Instant::now(),
             pick: FixedState::with_seed(0x6c61_6e65_735f_6b79),
             shards: (0..shards).map(|_| Padded(Mutex::new(Shard::new()))).collect(),
-            shard_cap: self.max_keys.map_or(usize::MAX, |max| max.div_ceil(shards)),
+            shard_cap: self.max_keys.map_or(usize::MAX, |max| max / shards),
             max_keys: self.max_keys,
             spec_for: self.spec_for,
             metrics: KeyedMetrics::new(&self.name),
@@ -518,7 +543,7 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimit<K> {
         &self.shared.name
     }
 
-    /// The spec each key has.
+    /// The limit's spec: each key's, unless [`KeyedLimitBuilder::spec_for`] gave it its own.
     pub fn spec(&self) -> LimitSpec {
         self.shared.spec
     }
@@ -530,7 +555,9 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimit<K> {
     ///
     /// [`TryAcquireError::Busy`] if every permit of the key is held or others wait for one,
     /// [`TryAcquireError::RateLimited`] (with the time to the next token) if its bucket is
-    /// empty.
+    /// empty; for a new key, [`TryAcquireError::Limit`] with [`LimitError::TooManyKeys`]
+    /// (past [`max_keys`](KeyedLimitBuilder::max_keys)) or [`LimitError::InvalidSpec`] (its
+    /// own spec breaks a rule).
     pub fn check<Q>(&self, key: &Q) -> Result<(), TryAcquireError>
     where
         K: Borrow<Q>,
@@ -559,7 +586,9 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimit<K> {
     ///
     /// # Errors
     ///
-    /// [`LimitError::TooManyWaiters`] if `max_waiters` callers wait for this key already.
+    /// [`LimitError::TooManyWaiters`] if `max_waiters` callers wait for this key already; for
+    /// a new key, [`LimitError::TooManyKeys`] or [`LimitError::InvalidSpec`] as for
+    /// [`check`](Self::check).
     pub async fn acquire<Q>(&self, key: &Q) -> Result<KeyedPermit<K>, LimitError>
     where
         K: Borrow<Q> + Clone,
@@ -633,7 +662,9 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimit<K> {
         let now = self.shared.now();
         let mut forgotten = 0;
         for shard in &self.shared.shards {
-            forgotten += lock(shard).sweep(now);
+            let mut shard = lock(shard);
+            forgotten += shard.sweep(now);
+            shard.cap_countdown = 0;
         }
         self.shared.metrics.keys.decrement(forgotten as f64);
         forgotten
@@ -790,7 +821,8 @@ impl<K: Hash + Eq> Shared<K> {
     }
 
     /// Runs `f` on `key`'s state under its shard's lock, making the state if the key is new
-    /// (see [`make_key`](Self::make_key)).
+    /// (see [`make_key`](Self::make_key)). A refusal of a new key (the cap, an invalid own
+    /// spec) is counted here, once.
     #[inline]
     fn with_key<Q, R>(
         &self,
@@ -808,17 +840,40 @@ impl<K: Hash + Eq> Shared<K> {
         if let Some(state) = keys.get_mut(key) {
             return Ok(f(state, counts));
         }
-        self.make_key(&mut guard, key, now, f)
+        let Some(spec_for) = &self.spec_for else {
+            return self.make_key(&mut guard, key, None, now, f);
+        };
+        // The user's function runs without the shard's lock: it may be slow, or look at this
+        // limit. Someone may make the key meanwhile; then theirs is used.
+        drop(guard);
+        let owned = key.to_owned();
+        let own = match spec_for(&owned).map(|spec| spec.validate().map(|()| Rules::new(&spec))) {
+            Some(Err(err)) => {
+                lock(self.shard(hash)).counts.refused += 1;
+                self.metrics.refused.increment(1);
+                return Err(LimitError::InvalidSpec(err));
+            }
+            Some(Ok(rules)) if rules != self.rules => Some(rules),
+            Some(Ok(_)) | None => None,
+        };
+        let mut guard = lock(self.shard(hash));
+        let Shard { keys, counts, .. } = &mut *guard;
+        if let Some(state) = keys.get_mut(key) {
+            return Ok(f(state, counts));
+        }
+        self.make_key(&mut guard, key, Some((owned, own)), now, f)
     }
 
-    /// A new key: forgets the shard's idle keys first if it has grown enough since it last
-    /// looked (or is at its cap), refuses the key if the shard is still at its cap, gives it
-    /// its own spec if it has one, and keeps it unless `f` left it idle.
+    /// A new key (with its own rules, where `spec_for` gave some): forgets the shard's idle
+    /// keys first if it has grown enough since it last looked (or is at its cap: see
+    /// [`CAP_SWEEP_GAP`]), refuses the key if the shard is still at its cap, and keeps it
+    /// unless `f` left it idle.
     #[inline(never)]
     fn make_key<Q, R>(
         &self,
         shard: &mut Shard<K>,
         key: &Q,
+        made: Option<(K, Option<Rules>)>,
         now: u64,
         f: impl FnOnce(&mut KeyState, &mut Counts) -> R,
     ) -> Result<R, LimitError>
@@ -827,17 +882,22 @@ impl<K: Hash + Eq> Shared<K> {
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
         let len = shard.keys.len();
-        let at_cap = len >= self.shard_cap;
-        if len >= shard.sweep_at || (at_cap && shard.refuse_before_sweep == 0) {
+        let mut swept = len >= shard.sweep_at;
+        if len >= self.shard_cap {
+            // At the cap: look again after a quarter of the cap in new keys met here, or
+            // after a quiet spell, whichever comes first.
+            if shard.cap_countdown == 0 || now >= shard.cap_swept_at.saturating_add(CAP_SWEEP_GAP) {
+                swept = true;
+                shard.cap_countdown = (self.shard_cap / 4).max(1);
+                shard.cap_swept_at = now;
+            }
+            shard.cap_countdown -= 1;
+        }
+        if swept {
             let forgotten = shard.sweep(now);
             self.metrics.keys.decrement(forgotten as f64);
-            shard.refuse_before_sweep = 0;
         }
         if shard.keys.len() >= self.shard_cap {
-            if shard.refuse_before_sweep == 0 {
-                shard.refuse_before_sweep = (self.shard_cap / 4).max(1);
-            }
-            shard.refuse_before_sweep -= 1;
             shard.counts.refused += 1;
             self.metrics.refused.increment(1);
             return Err(LimitError::TooManyKeys {
@@ -846,16 +906,9 @@ impl<K: Hash + Eq> Shared<K> {
             });
         }
         let mut state = KeyState::default();
-        let mut owned = None;
-        if let Some(spec_for) = &self.spec_for {
-            let key = owned.insert(key.to_owned());
-            if let Some(spec) = spec_for(key) {
-                spec.validate().map_err(LimitError::InvalidSpec)?;
-                let rules = Rules::new(&spec);
-                if rules != self.rules {
-                    state.more(shard.counts.stamps).own = Some(rules);
-                }
-            }
+        let (owned, own) = made.map_or((None, None), |(owned, own)| (Some(owned), own));
+        if let Some(own) = own {
+            state.more(shard.counts.stamps).own = Some(own);
         }
         let answer = f(&mut state, &mut shard.counts);
         // A key the operation left idle (a check of a limit without a rate, or one whose
@@ -992,15 +1045,16 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
             }
             if state.waiting() >= shared.max_waiters {
                 counts.refused += 1;
+                shared.metrics.refused.increment(1);
                 return Err(shared.too_many());
             }
             counts.waiting += 1;
             let stamps = counts.stamps;
             Ok(Some(state.more(stamps).line.push(cx.waker())))
         });
-        // A key refused (the cap, its own spec invalid) is an answer like a full room.
-        let answer = answer.and_then(|answer| answer);
-        match answer {
+        // A new key refused (the cap, its own spec invalid) is an answer like a full room;
+        // each was counted where it was made.
+        match answer.and_then(|answer| answer) {
             Ok(None) => {
                 self.done = true;
                 shared.metrics.held.increment(1.0);
@@ -1013,7 +1067,6 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
             }
             Err(err) => {
                 self.done = true;
-                shared.metrics.refused.increment(1);
                 Poll::Ready(Err(err))
             }
         }

@@ -193,9 +193,10 @@ pub struct LimitService<S, P = DefaultPriority> {
 
 /// Why a request got no permit.
 pub(super) enum Refused {
-    /// No free permit under [`WhenBusy::Reject`].
+    /// No free permit under [`WhenBusy::Reject`], a full waiting room, a keyed limit full of
+    /// keys.
     Overloaded(Overloaded),
-    /// The limit refused (unknown limit, backend failure).
+    /// The limit refused otherwise (unknown limit, invalid spec, backend failure).
     Limit(super::LimitError),
 }
 
@@ -217,28 +218,32 @@ impl<S, P> LimitService<S, P> {
     ) -> impl std::future::Future<Output = Result<Held, Refused>> + Send + 'static {
         let (target, when_busy) = (self.target.clone(), self.when_busy);
         async move {
-            let tried = match (&target, when_busy) {
+            let key =
+                |priority: &Priority| priority.fairness_key.as_deref().unwrap_or("").to_owned();
+            let answer = match (&target, when_busy) {
                 (Target::Named { limits, name }, WhenBusy::Wait) => {
-                    return limits
-                        .acquire(name, priority)
-                        .await
-                        .map(Held::Named)
-                        .map_err(Refused::Limit);
+                    limits.acquire(name, priority).await.map(Held::Named).map_err(Into::into)
                 }
                 (Target::Keyed(keyed), WhenBusy::Wait) => {
-                    let key = priority.fairness_key.as_deref().unwrap_or("");
-                    return keyed.acquire(key).await.map(Held::Keyed).map_err(Refused::Limit);
+                    keyed.acquire(&key(&priority)).await.map(Held::Keyed).map_err(Into::into)
                 }
                 (Target::Named { limits, name }, WhenBusy::Reject) => {
                     limits.try_acquire(name, priority).await.map(Held::Named)
                 }
-                (Target::Keyed(keyed), WhenBusy::Reject) => keyed
-                    .try_acquire(priority.fairness_key.as_deref().unwrap_or(""))
-                    .map(Held::Keyed),
+                (Target::Keyed(keyed), WhenBusy::Reject) => {
+                    keyed.try_acquire(&key(&priority)).map(Held::Keyed)
+                }
             };
-            tried.map_err(|err| {
+            answer.map_err(|err| {
                 let limit = Arc::from(target.name());
                 match err {
+                    // A full waiting room, or a keyed limit full of keys in use: overload,
+                    // as a busy limit is.
+                    TryAcquireError::Limit(err)
+                        if err.is_too_many_waiters() || err.is_too_many_keys() =>
+                    {
+                        Refused::Overloaded(Overloaded { limit, retry_after: None })
+                    }
                     TryAcquireError::Limit(err) => Refused::Limit(err),
                     TryAcquireError::RateLimited(after) => {
                         Refused::Overloaded(Overloaded { limit, retry_after: Some(after) })
@@ -302,7 +307,8 @@ where
     }
 }
 
-/// A [`LimitService`] set to [`WhenBusy::Reject`] found no free permit.
+/// A [`LimitService`] set to [`WhenBusy::Reject`] found no free permit; or, in either mode,
+/// the limit's waiting room was full, or a keyed limit kept its maximum of keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Overloaded {
     limit: Arc<str>,

@@ -153,7 +153,7 @@ pub const METRICS: &[MetricName] = &[
         "lanes_limit_keyed_refused_total",
         Counter,
         LIMIT,
-        "Checks and tries a keyed limit refused, and acquires that found a key's waiting room full.",
+        "Checks and tries a keyed limit refused, acquires that found a key's waiting room full, and new keys refused (past max_keys, or an invalid own spec).",
     ),
     metric(
         "lanes_limit_keyed_timed_out_total",
