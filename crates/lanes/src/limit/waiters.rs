@@ -9,7 +9,10 @@
 //!    order without the levels' lookups.
 //! 2. A key is in its level's `ring` iff its queue is non-empty; a level is in `levels` iff it
 //!    has a key. Ring positions only grow, so a key that empties and comes back joins the end of
-//!    the rotation.
+//!    the rotation. A key with waiters has a slot in its level: `keys` maps the key to it, the
+//!    ring lists it, `slots` holds its queue, and a waiting ticket's place names it (a pop
+//!    neither hashes the key nor counts a reference to it); an emptied key's slot is free
+//!    (`None`, in `free`) for the next key.
 //! 4. A level with a single key has no turn: a lone key is served in arrival order, and when a
 //!    second key arrives the rotation starts with a fresh turn of the first. (So the turn never
 //!    needs saving for a default-priority queue, whose saved form is a plain list.)
@@ -27,14 +30,22 @@ use crate::util::FastMap;
 
 type FairKey = Option<Arc<str>>;
 
+/// Emptied ticket lists (of at most 16 places) a level keeps for its next keys.
+const SPARE_LISTS: usize = 64;
+
+/// Where a waiting ticket is: its level, its arrival sequence and its key's slot in the
+/// level (so that a pop or a removal finds its key without hashing it or counting a reference
+/// to it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Loc {
     level: i32,
     seq: u64,
+    slot: u32,
 }
 
 #[derive(Debug, Clone)]
 struct KeyQueue {
+    key: FairKey,
     pos: u64,
     weight: u32,
     /// `(arrival sequence, ticket)`, in arrival order (pushes append increasing sequences).
@@ -49,28 +60,65 @@ struct Turn {
 
 #[derive(Debug, Clone, Default)]
 struct Level {
-    /// Found by hashing; never iterated in the map's order (service order is the ring's).
-    keys: FastMap<FairKey, KeyQueue>,
-    /// Rotation order: ring position → key.
-    ring: BTreeMap<u64, FairKey>,
+    /// A key's slot in `slots`, found by hashing; never iterated in the map's order (service
+    /// order is the ring's).
+    keys: FastMap<FairKey, u32>,
+    /// The keys with waiters; `None` for a free slot (listed in `free`).
+    slots: Vec<Option<KeyQueue>>,
+    free: Vec<u32>,
+    /// Emptied ticket lists kept for the next keys (see [`SPARE_LISTS`]): a key that comes
+    /// and goes allocates nothing.
+    spare: Vec<VecDeque<(u64, u64)>>,
+    /// Rotation order: ring position → slot.
+    ring: BTreeMap<u64, u32>,
     next_pos: u64,
     turn: Option<Turn>,
 }
 
 impl Level {
-    /// The key whose head is served next.
-    fn next_key(&self) -> Option<&FairKey> {
-        if let Some(turn) = self.turn {
-            if let Some(key) = self.ring.get(&turn.pos)
-                && turn.used < self.keys[key].weight
-            {
-                return Some(key);
+    fn queue(&self, slot: u32) -> &KeyQueue {
+        self.slots[slot as usize].as_ref().expect("a slot in the ring holds a key")
+    }
+
+    fn queue_mut(&mut self, slot: u32) -> &mut KeyQueue {
+        self.slots[slot as usize].as_mut().expect("a slot in the ring holds a key")
+    }
+
+    /// Takes a slot for `key`, at the end of the rotation; returns it.
+    fn add_key(&mut self, key: FairKey, weight: u32, first: (u64, u64)) -> u32 {
+        let pos = self.next_pos;
+        self.next_pos += 1;
+        let mut tickets = self.spare.pop().unwrap_or_default();
+        tickets.push_back(first);
+        let queue = KeyQueue { key: key.clone(), pos, weight, tickets };
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(queue);
+                slot
             }
-            if let Some((_, key)) = self.ring.range(turn.pos + 1..).next() {
-                return Some(key);
+            None => {
+                self.slots.push(Some(queue));
+                u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 keys")
+            }
+        };
+        self.ring.insert(pos, slot);
+        self.keys.insert(key, slot);
+        slot
+    }
+
+    /// The slot of the key whose head is served next.
+    fn next_key(&self) -> Option<u32> {
+        if let Some(turn) = self.turn {
+            if let Some(&slot) = self.ring.get(&turn.pos)
+                && turn.used < self.queue(slot).weight
+            {
+                return Some(slot);
+            }
+            if let Some((_, &slot)) = self.ring.range(turn.pos + 1..).next() {
+                return Some(slot);
             }
         }
-        self.ring.values().next()
+        self.ring.values().next().copied()
     }
 }
 
@@ -105,7 +153,7 @@ pub struct WaitQueue {
     plain: VecDeque<(u64, u64)>,
     levels: BTreeMap<i32, Level>,
     /// Found by hashing; never iterated in the map's order.
-    index: FastMap<u64, (Loc, FairKey)>,
+    index: FastMap<u64, Loc>,
     next_seq: u64,
     /// The ticket served next ([`find_head`](Self::find_head)), found again after every change
     /// that can move it rather than on every [`peek`](Self::peek): a limit's owner asks for the
@@ -132,8 +180,13 @@ impl WaitQueue {
     /// How many tickets wait per fairness key.
     pub fn waiting_by_key(&self) -> BTreeMap<Option<Arc<str>>, usize> {
         let mut waiting = BTreeMap::new();
-        for (_, key) in self.index.values() {
-            *waiting.entry(key.clone()).or_insert(0) += 1;
+        if !self.plain.is_empty() {
+            waiting.insert(None, self.plain.len());
+        }
+        for level in self.levels.values() {
+            for queue in level.slots.iter().flatten() {
+                *waiting.entry(queue.key.clone()).or_insert(0) += queue.tickets.len();
+            }
         }
         waiting
     }
@@ -153,7 +206,7 @@ impl WaitQueue {
             };
             self.next_seq += 1;
             let seq = self.next_seq;
-            entry.insert((Loc { level: 0, seq }, None));
+            entry.insert(Loc { level: 0, seq, slot: 0 });
             self.plain.push_back((seq, ticket));
             if self.plain.len() == 1 {
                 self.head = Some(ticket);
@@ -166,29 +219,27 @@ impl WaitQueue {
         self.next_seq += 1;
         let seq = self.next_seq;
         self.leave_plain();
-        let key = priority.fairness_key.clone();
+        let key = &priority.fairness_key;
         // The head can move only if the ticket goes to the top level (or above it), and there
         // either starts a key or changes a key's weight; behind a key's last waiter it cannot.
         let top = self.levels.last_key_value().map(|(level, _)| *level);
         let mut head_moves = top.is_none_or(|top| priority.level > top);
         let level = self.levels.entry(priority.level).or_default();
         let weight = priority.effective_weight();
-        match level.keys.get_mut(&key) {
-            Some(queue) => {
+        let slot = match level.keys.get(key) {
+            Some(&slot) => {
+                let queue = level.queue_mut(slot);
                 head_moves |= top == Some(priority.level) && queue.weight != weight;
                 queue.weight = weight;
                 queue.tickets.push_back((seq, ticket));
+                slot
             }
             None => {
                 head_moves |= top == Some(priority.level);
-                let pos = level.next_pos;
-                level.next_pos += 1;
-                level.ring.insert(pos, key.clone());
-                let tickets = VecDeque::from([(seq, ticket)]);
-                level.keys.insert(key.clone(), KeyQueue { pos, weight, tickets });
+                level.add_key(key.clone(), weight, (seq, ticket))
             }
-        }
-        self.index.insert(ticket, (Loc { level: priority.level, seq }, key));
+        };
+        self.index.insert(ticket, Loc { level: priority.level, seq, slot });
         if head_moves {
             self.head = self.find_head();
         }
@@ -203,9 +254,10 @@ impl WaitQueue {
         }
         let tickets = std::mem::take(&mut self.plain);
         let mut level = Level::default();
-        level.ring.insert(0, None);
+        level.slots.push(Some(KeyQueue { key: None, pos: 0, weight: 1, tickets }));
+        level.ring.insert(0, 0);
         level.next_pos = 1;
-        level.keys.insert(None, KeyQueue { pos: 0, weight: 1, tickets });
+        level.keys.insert(None, 0);
         self.levels.insert(0, level);
     }
 
@@ -220,21 +272,21 @@ impl WaitQueue {
             return Some(*ticket);
         }
         let (_, level) = self.levels.last_key_value()?;
-        let key = level.next_key()?;
-        level.keys[key].tickets.front().map(|(_, ticket)| *ticket)
+        let slot = level.next_key()?;
+        level.queue(slot).tickets.front().map(|(_, ticket)| *ticket)
     }
 
     /// Serves the next ticket. O(log n).
     pub fn pop(&mut self) -> Option<u64> {
         let ticket = self.peek()?;
-        let (loc, key) = self.index.remove(&ticket)?;
+        let loc = self.index.remove(&ticket)?;
         if let Some((_, first)) = self.plain.pop_front() {
             debug_assert_eq!(first, ticket, "the plain queue's head is the head");
             self.head = self.plain.front().map(|(_, ticket)| *ticket);
             return Some(ticket);
         }
         let level = self.levels.get_mut(&loc.level)?;
-        let queue = &level.keys[&key];
+        let queue = level.queue(loc.slot);
         let pos = queue.pos;
         level.turn = Some(match level.turn {
             Some(turn) if turn.pos == pos && turn.used < queue.weight => {
@@ -242,14 +294,14 @@ impl WaitQueue {
             }
             _ => Turn { pos, used: 1 },
         });
-        Self::unlink(&mut self.levels, loc, &key);
+        Self::unlink(&mut self.levels, loc);
         self.head = self.find_head();
         Some(ticket)
     }
 
     /// Takes `ticket` out of the queue wherever it is. Returns whether it was waiting. O(log n).
     pub fn remove(&mut self, ticket: u64) -> bool {
-        let Some((loc, key)) = self.index.remove(&ticket) else {
+        let Some(loc) = self.index.remove(&ticket) else {
             return false;
         };
         if !self.plain.is_empty() {
@@ -259,17 +311,17 @@ impl WaitQueue {
             self.head = self.plain.front().map(|(_, ticket)| *ticket);
             return true;
         }
-        Self::unlink(&mut self.levels, loc, &key);
+        Self::unlink(&mut self.levels, loc);
         self.head = self.find_head();
         true
     }
 
     /// Drops one waiter from its key queue, and the key and level if they empty (invariant 2).
-    fn unlink(levels: &mut BTreeMap<i32, Level>, loc: Loc, key: &FairKey) {
+    fn unlink(levels: &mut BTreeMap<i32, Level>, loc: Loc) {
         let Some(level) = levels.get_mut(&loc.level) else {
             return;
         };
-        let Some(queue) = level.keys.get_mut(key) else {
+        let Some(queue) = level.slots.get_mut(loc.slot as usize).and_then(Option::as_mut) else {
             return;
         };
         if queue.tickets.front().is_some_and(|(seq, _)| *seq == loc.seq) {
@@ -279,7 +331,13 @@ impl WaitQueue {
         }
         if queue.tickets.is_empty() {
             let pos = queue.pos;
-            level.keys.remove(key);
+            let queue = level.slots[loc.slot as usize].take().expect("matched above");
+            level.keys.remove(&queue.key);
+            level.free.push(loc.slot);
+            // Small ones only: a burst's long list is given back.
+            if level.spare.len() < SPARE_LISTS && queue.tickets.capacity() <= 16 {
+                level.spare.push(queue.tickets);
+            }
             level.ring.remove(&pos);
             // The turn moves on to the next key, which starts its turn.
             if level.turn.is_some_and(|turn| turn.pos == pos) {
@@ -311,13 +369,13 @@ impl WaitQueue {
             && self.levels.iter().all(|(level, l)| {
                 *level == 0
                     && l.keys.len() == 1
-                    && l.keys.iter().all(|(key, q)| key.is_none() && q.weight == 1)
+                    && l.slots.iter().flatten().all(|q| q.key.is_none() && q.weight == 1)
             });
         if only_default {
             let tickets = self
                 .levels
                 .values()
-                .flat_map(|l| l.keys.values())
+                .flat_map(|l| l.slots.iter().flatten())
                 .flat_map(|q| q.tickets.iter().map(|(_, ticket)| *ticket))
                 .collect();
             return Repr::Fifo(tickets);
@@ -329,16 +387,16 @@ impl WaitQueue {
             .map(|(level, l)| LevelRepr {
                 level: *level,
                 turn: l.turn.and_then(|turn| {
-                    let key = l.ring.get(&turn.pos)?;
-                    Some(TurnRepr { key: key.clone(), used: turn.used })
+                    let &slot = l.ring.get(&turn.pos)?;
+                    Some(TurnRepr { key: l.queue(slot).key.clone(), used: turn.used })
                 }),
                 keys: l
                     .ring
                     .values()
-                    .map(|key| {
-                        let q = &l.keys[key];
+                    .map(|&slot| {
+                        let q = l.queue(slot);
                         KeyRepr {
-                            key: key.clone(),
+                            key: q.key.clone(),
                             weight: q.weight,
                             tickets: q.tickets.iter().map(|(_, ticket)| *ticket).collect(),
                         }
@@ -379,9 +437,9 @@ impl WaitQueue {
                     }
                     if let Some(turn) = level.turn
                         && let Some(l) = queue.levels.get_mut(&level.level)
-                        && let Some(q) = l.keys.get(&turn.key)
+                        && let Some(&slot) = l.keys.get(&turn.key)
                     {
-                        l.turn = Some(Turn { pos: q.pos, used: turn.used });
+                        l.turn = Some(Turn { pos: l.queue(slot).pos, used: turn.used });
                     }
                 }
             }
