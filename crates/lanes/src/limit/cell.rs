@@ -43,7 +43,7 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-use super::config::LimitSpec;
+use super::config::{LimitSpec, gcra};
 use super::core::Counters;
 
 const COUNT: u64 = (1 << 16) - 1;
@@ -145,8 +145,7 @@ impl Cell {
     }
 
     pub(crate) fn set_spec(&self, spec: LimitSpec) {
-        let interval =
-            spec.emission_interval().map_or(0, nanos).max(u64::from(spec.per_second.is_some()));
+        let interval = spec.interval_nanos();
         self.per_second.store(spec.per_second.unwrap_or(0.0).to_bits(), Ordering::Relaxed);
         self.burst.store(spec.burst, Ordering::Relaxed);
         self.interval.store(interval, Ordering::Relaxed);
@@ -212,17 +211,8 @@ impl Cell {
         let tolerance = interval.saturating_mul(burst);
         let mut tat = self.tat.load(Ordering::Acquire);
         loop {
-            let base = tat.max(now);
-            let earliest = base.saturating_sub(tolerance);
-            if earliest > now {
-                return Err(Miss::Rate(earliest));
-            }
-            match self.tat.compare_exchange_weak(
-                tat,
-                base.saturating_add(interval),
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
+            let next = gcra(tat, now, interval, tolerance).map_err(Miss::Rate)?;
+            match self.tat.compare_exchange_weak(tat, next, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => return Ok(()),
                 Err(actual) => tat = actual,
             }

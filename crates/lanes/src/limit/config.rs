@@ -96,6 +96,25 @@ impl LimitSpec {
         let whole = nanos as u64;
         Some(Duration::from_nanos(if (whole as f64) < nanos { whole + 1 } else { whole }))
     }
+
+    /// [`emission_interval`](Self::emission_interval) in nanoseconds for the integer GCRA
+    /// ([`gcra`]): 0 without a rate, at least 1 with one.
+    pub(crate) fn interval_nanos(&self) -> u64 {
+        self.emission_interval()
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .max(u64::from(self.per_second.is_some()))
+    }
+}
+
+/// One GCRA step in nanoseconds: a grant at `now` against a theoretical arrival time `tat`
+/// that may run `tolerance` ahead of now (the burst less one token) answers the arrival time
+/// after it, or the earliest time a grant conforms. Shared by the fast path's cell (which
+/// commits it with a compare-and-swap) and the keyed limit's keys.
+#[inline]
+pub(crate) fn gcra(tat: u64, now: u64, interval: u64, tolerance: u64) -> Result<u64, u64> {
+    let base = tat.max(now);
+    let earliest = base.saturating_sub(tolerance);
+    if earliest > now { Err(earliest) } else { Ok(base.saturating_add(interval)) }
 }
 
 #[cfg(test)]

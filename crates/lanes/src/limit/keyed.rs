@@ -14,7 +14,7 @@ use foldhash::fast::{FixedState, RandomState};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use super::config::LimitSpec;
+use super::config::{LimitSpec, gcra};
 use super::core::LimitTable;
 use super::error::{AcquireError, LimitError, TryAcquireError};
 use crate::config::{ConfigError, ConfigRule};
@@ -138,10 +138,7 @@ struct Rules {
 
 impl Rules {
     fn new(spec: &LimitSpec) -> Self {
-        let interval = spec
-            .emission_interval()
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
-            .max(u64::from(spec.per_second.is_some()));
+        let interval = spec.interval_nanos();
         let tolerance = interval.saturating_mul(u64::from(spec.burst.saturating_sub(1)));
         Self { concurrent: spec.concurrent, interval, tolerance }
     }
@@ -237,12 +234,8 @@ impl KeyState {
             return Err(Refusal::Busy);
         }
         if rules.interval != 0 {
-            let base = self.tat.max(now);
-            let earliest = base.saturating_sub(rules.tolerance);
-            if earliest > now {
-                return Err(Refusal::Rate(earliest));
-            }
-            self.tat = base.saturating_add(rules.interval);
+            self.tat =
+                gcra(self.tat, now, rules.interval, rules.tolerance).map_err(Refusal::Rate)?;
         }
         self.held += u32::from(hold);
         Ok(())
@@ -253,7 +246,7 @@ impl KeyState {
         if rules.interval == 0 {
             return now;
         }
-        self.tat.max(now).saturating_sub(rules.tolerance).max(now)
+        gcra(self.tat, now, rules.interval, rules.tolerance).err().unwrap_or(now)
     }
 
     /// Spends the next token, due at [`due`](Self::due).
@@ -525,7 +518,7 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimit<K> {
         Self::builder(name, spec).build()
     }
 
-    /// A builder, for the waiting room's size and a registry.
+    /// A builder, for the waiting room's size, a cap on keys, a spec per key and a registry.
     pub fn builder(name: &str, spec: LimitSpec) -> KeyedLimitBuilder<K> {
         KeyedLimitBuilder {
             name: name.to_owned(),
