@@ -21,9 +21,10 @@ pub enum LimitError {
     },
     /// The limit cannot be removed while permits are held or tickets wait.
     InUse(String),
-    /// A [`KeyedLimit`](super::KeyedLimit) keeps its maximum of keys, every one of them in use
-    /// (holding a permit, waited for, or with a bucket still refilling): a new key is refused
-    /// until some go idle.
+    /// A [`KeyedLimit`](super::KeyedLimit) keeps its maximum of keys (those of the new key's
+    /// shard), in use (holding a permit, waited for, or with a bucket still refilling) or gone
+    /// idle since the shard last looked (it looks again within 100 ms): a new key is refused
+    /// until some make room.
     TooManyKeys {
         /// The keyed limit.
         limit: String,
