@@ -47,6 +47,12 @@
 //! counts its writer thread too), `next-batch` (`emit` into 1,024 records, `next_batch` of 64 + `ack`;
 //! the linger is 10 s so that only the batch size and the close flush, as under cachegrind a
 //! shorter one would fire at times that vary) and `recv-many` (`recv_many` of 64).
+//!
+//! `wait-queue` is suite 7's pop + push of the fair wait queue, the second argument being the
+//! number of fairness keys (two tickets wait per key); a round is 100,000 pops and pushes. With
+//! cachegrind's cache simulation and its last level set to this host's L2
+//! (`--cache-sim=yes --LL=1048576,16,64`), the difference of two round counts gives the misses
+//! per operation as well as the instructions.
 
 use std::time::Instant;
 
@@ -58,7 +64,7 @@ use std::sync::Arc;
 use governor::{Quota, RateLimiter};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes::{LimitSpec, Limits, Priority};
+use lanes::{LimitSpec, Limits, Priority, WaitQueue};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
     PER_TASK, Permits, RECORDS, channel_block, contended, kanal_block, lane, lane_runs,
@@ -73,7 +79,7 @@ const CHECKS: u64 = 10_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many|wait-queue) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -210,6 +216,29 @@ fn main() {
             }
             (rounds * RECORDS as u64, start.elapsed())
         }),
+        "wait-queue" => {
+            let priorities: Vec<Priority> =
+                (0..size).map(|k| Priority::default().key(format!("k{k}"))).collect();
+            let mut queue = WaitQueue::new();
+            let mut ticket = 0u64;
+            for _ in 0..2 {
+                for priority in &priorities {
+                    ticket += 1;
+                    queue.push(ticket, priority);
+                }
+            }
+            let ops = rounds * 100_000;
+            let mut next_key = 0usize;
+            let start = Instant::now();
+            for _ in 0..ops {
+                let served = queue.pop();
+                ticket += 1;
+                next_key = (next_key + 1) % size;
+                queue.push(ticket, &priorities[next_key]);
+                black_box(served);
+            }
+            (ops, start.elapsed())
+        }
         _ => panic!("{usage}"),
     };
     println!("{cell}: {:.2} M/s", items as f64 / elapsed.as_secs_f64() / 1e6);
