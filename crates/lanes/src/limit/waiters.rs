@@ -7,17 +7,19 @@
 //!    maps it there. The plain queue holds waiters only while `levels` is empty: it is the
 //!    whole queue of a limit whose waiters all have the default priority, served in arrival
 //!    order without the levels' lookups.
-//! 2. A key is in its level's `ring` iff its queue is non-empty; a level is in `levels` iff it
-//!    has a key. Ring positions only grow, so a key that empties and comes back joins the end of
-//!    the rotation. A key with waiters has a slot in its level: `keys` maps the key to it, the
-//!    ring lists it, `slots` holds its queue, and a waiting ticket's place names it (a pop
-//!    neither hashes the key nor counts a reference to it); an emptied key's slot is free
-//!    (`None`, in `free`) for the next key.
+//! 2. A key is in its level's rotation iff its queue is non-empty; a level is in `levels` iff
+//!    it has a key. A key joins the end of the rotation, so one that empties and comes back
+//!    goes last. A key with waiters has a slot in its level: `keys` maps the key to it, `slots`
+//!    holds its queue and its neighbours in the rotation (a list through the slots, from
+//!    `first` to `last`), and a waiting ticket's place names it (a pop neither hashes the key,
+//!    counts a reference to it nor searches an ordered map for the next key); an emptied key's
+//!    slot is free (`None`, in `free`) for the next key.
 //! 4. A level with a single key has no turn: a lone key is served in arrival order, and when a
 //!    second key arrives the rotation starts with a fresh turn of the first. (So the turn never
 //!    needs saving for a default-priority queue, whose saved form is a plain list.)
-//! 3. Every collection is ordered (`BTreeMap`): identical operation sequences give identical
-//!    answers, which is what lets a replicated store apply the same queue.
+//! 3. Nothing depends on a hash map's order (levels are a `BTreeMap`, the rotation a list):
+//!    identical operation sequences give identical answers, which is what lets a replicated
+//!    store apply the same queue.
 
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
@@ -33,6 +35,9 @@ type FairKey = Option<Arc<str>>;
 /// Emptied ticket lists (of at most 16 places) a level keeps for its next keys.
 const SPARE_LISTS: usize = 64;
 
+/// No slot: the end of the rotation's list.
+const NIL: u32 = u32::MAX;
+
 /// Where a waiting ticket is: its level, its arrival sequence and its key's slot in the
 /// level (so that a pop or a removal finds its key without hashing it or counting a reference
 /// to it).
@@ -46,19 +51,21 @@ struct Loc {
 #[derive(Debug, Clone)]
 struct KeyQueue {
     key: FairKey,
-    pos: u64,
     weight: u32,
+    /// The slots before and after this key in the rotation ([`NIL`] at its ends).
+    prev: u32,
+    next: u32,
     /// `(arrival sequence, ticket)`, in arrival order (pushes append increasing sequences).
     tickets: VecDeque<(u64, u64)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Turn {
-    pos: u64,
+    slot: u32,
     used: u32,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 struct Level {
     /// A key's slot in `slots`, found by hashing; never iterated in the map's order (service
     /// order is the ring's).
@@ -69,28 +76,43 @@ struct Level {
     /// Emptied ticket lists kept for the next keys (see [`SPARE_LISTS`]): a key that comes
     /// and goes allocates nothing.
     spare: Vec<VecDeque<(u64, u64)>>,
-    /// Rotation order: ring position → slot.
-    ring: BTreeMap<u64, u32>,
-    next_pos: u64,
+    /// The rotation's first and last slots ([`NIL`] while it is empty).
+    first: u32,
+    last: u32,
+    /// The key whose turn it is, and the grants it has had in this turn. Always a key in the
+    /// rotation: a key that leaves passes its turn to the next one.
     turn: Option<Turn>,
+}
+
+impl Default for Level {
+    fn default() -> Self {
+        Self {
+            keys: FastMap::default(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            spare: Vec::new(),
+            first: NIL,
+            last: NIL,
+            turn: None,
+        }
+    }
 }
 
 impl Level {
     fn queue(&self, slot: u32) -> &KeyQueue {
-        self.slots[slot as usize].as_ref().expect("a slot in the ring holds a key")
+        self.slots[slot as usize].as_ref().expect("a slot in the rotation holds a key")
     }
 
     fn queue_mut(&mut self, slot: u32) -> &mut KeyQueue {
-        self.slots[slot as usize].as_mut().expect("a slot in the ring holds a key")
+        self.slots[slot as usize].as_mut().expect("a slot in the rotation holds a key")
     }
 
     /// Takes a slot for `key`, at the end of the rotation; returns it.
     fn add_key(&mut self, key: FairKey, weight: u32, first: (u64, u64)) -> u32 {
-        let pos = self.next_pos;
-        self.next_pos += 1;
         let mut tickets = self.spare.pop().unwrap_or_default();
         tickets.push_back(first);
-        let queue = KeyQueue { key: key.clone(), pos, weight, tickets };
+        let prev = self.last;
+        let queue = KeyQueue { key: key.clone(), weight, prev, next: NIL, tickets };
         let slot = match self.free.pop() {
             Some(slot) => {
                 self.slots[slot as usize] = Some(queue);
@@ -101,24 +123,55 @@ impl Level {
                 u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 keys")
             }
         };
-        self.ring.insert(pos, slot);
+        match prev {
+            NIL => self.first = slot,
+            prev => self.queue_mut(prev).next = slot,
+        }
+        self.last = slot;
         self.keys.insert(key, slot);
         slot
     }
 
-    /// The slot of the key whose head is served next.
+    /// Takes `slot`'s key out of the rotation, passing its turn (if it has it) to the next key.
+    fn unlink_key(&mut self, slot: u32, queue: &KeyQueue) {
+        match queue.prev {
+            NIL => self.first = queue.next,
+            prev => self.queue_mut(prev).next = queue.next,
+        }
+        match queue.next {
+            NIL => self.last = queue.prev,
+            next => self.queue_mut(next).prev = queue.prev,
+        }
+        if self.turn.is_some_and(|turn| turn.slot == slot) {
+            self.turn = (queue.next != NIL).then_some(Turn { slot: queue.next, used: 0 });
+        }
+    }
+
+    /// The slot of the key whose head is served next: the key whose turn it is while it has
+    /// grants left in it, then the next key, wrapping round to the first.
     fn next_key(&self) -> Option<u32> {
         if let Some(turn) = self.turn {
-            if let Some(&slot) = self.ring.get(&turn.pos)
-                && turn.used < self.queue(slot).weight
-            {
-                return Some(slot);
+            let queue = self.queue(turn.slot);
+            if turn.used < queue.weight {
+                return Some(turn.slot);
             }
-            if let Some((_, &slot)) = self.ring.range(turn.pos + 1..).next() {
-                return Some(slot);
+            if queue.next != NIL {
+                return Some(queue.next);
             }
         }
-        self.ring.values().next().copied()
+        (self.first != NIL).then_some(self.first)
+    }
+
+    /// The keys' slots in rotation order.
+    fn rotation(&self) -> impl Iterator<Item = u32> + '_ {
+        let mut slot = self.first;
+        std::iter::from_fn(move || {
+            let at = slot;
+            (at != NIL).then(|| {
+                slot = self.queue(at).next;
+                at
+            })
+        })
     }
 }
 
@@ -213,12 +266,12 @@ impl WaitQueue {
             }
             return true;
         }
-        if self.index.contains_key(&ticket) {
+        let Entry::Vacant(entry) = self.index.entry(ticket) else {
             return false;
-        }
+        };
+        Self::leave_plain(&mut self.plain, &mut self.levels);
         self.next_seq += 1;
         let seq = self.next_seq;
-        self.leave_plain();
         let key = &priority.fairness_key;
         // The head can move only if the ticket goes to the top level (or above it), and there
         // either starts a key or changes a key's weight; behind a key's last waiter it cannot.
@@ -239,7 +292,7 @@ impl WaitQueue {
                 level.add_key(key.clone(), weight, (seq, ticket))
             }
         };
-        self.index.insert(ticket, Loc { level: priority.level, seq, slot });
+        entry.insert(Loc { level: priority.level, seq, slot });
         if head_moves {
             self.head = self.find_head();
         }
@@ -248,17 +301,16 @@ impl WaitQueue {
 
     /// Moves the plain queue's waiters into `levels`, as level 0's one unkeyed queue (a lone
     /// key has no turn, invariant 4), before a push of another priority.
-    fn leave_plain(&mut self) {
-        if self.plain.is_empty() {
+    fn leave_plain(plain: &mut VecDeque<(u64, u64)>, levels: &mut BTreeMap<i32, Level>) {
+        if plain.is_empty() {
             return;
         }
-        let tickets = std::mem::take(&mut self.plain);
+        let tickets = std::mem::take(plain);
         let mut level = Level::default();
-        level.slots.push(Some(KeyQueue { key: None, pos: 0, weight: 1, tickets }));
-        level.ring.insert(0, 0);
-        level.next_pos = 1;
+        level.slots.push(Some(KeyQueue { key: None, weight: 1, prev: NIL, next: NIL, tickets }));
+        (level.first, level.last) = (0, 0);
         level.keys.insert(None, 0);
-        self.levels.insert(0, level);
+        levels.insert(0, level);
     }
 
     /// The ticket served next, if any. O(1).
@@ -286,13 +338,13 @@ impl WaitQueue {
             return Some(ticket);
         }
         let level = self.levels.get_mut(&loc.level)?;
-        let queue = level.queue(loc.slot);
-        let pos = queue.pos;
+        let weight = level.queue(loc.slot).weight;
+        let slot = loc.slot;
         level.turn = Some(match level.turn {
-            Some(turn) if turn.pos == pos && turn.used < queue.weight => {
-                Turn { pos, used: turn.used + 1 }
+            Some(turn) if turn.slot == slot && turn.used < weight => {
+                Turn { slot, used: turn.used + 1 }
             }
-            _ => Turn { pos, used: 1 },
+            _ => Turn { slot, used: 1 },
         });
         Self::unlink(&mut self.levels, loc);
         self.head = self.find_head();
@@ -330,19 +382,13 @@ impl WaitQueue {
             queue.tickets.remove(at);
         }
         if queue.tickets.is_empty() {
-            let pos = queue.pos;
             let queue = level.slots[loc.slot as usize].take().expect("matched above");
+            level.unlink_key(loc.slot, &queue);
             level.keys.remove(&queue.key);
             level.free.push(loc.slot);
             // Small ones only: a burst's long list is given back.
             if level.spare.len() < SPARE_LISTS && queue.tickets.capacity() <= 16 {
                 level.spare.push(queue.tickets);
-            }
-            level.ring.remove(&pos);
-            // The turn moves on to the next key, which starts its turn.
-            if level.turn.is_some_and(|turn| turn.pos == pos) {
-                let next = level.ring.range(pos + 1..).next().map(|(next, _)| *next);
-                level.turn = next.map(|pos| Turn { pos, used: 0 });
             }
             if level.keys.is_empty() {
                 levels.remove(&loc.level);
@@ -386,14 +432,12 @@ impl WaitQueue {
             .rev()
             .map(|(level, l)| LevelRepr {
                 level: *level,
-                turn: l.turn.and_then(|turn| {
-                    let &slot = l.ring.get(&turn.pos)?;
-                    Some(TurnRepr { key: l.queue(slot).key.clone(), used: turn.used })
-                }),
+                turn: l
+                    .turn
+                    .map(|turn| TurnRepr { key: l.queue(turn.slot).key.clone(), used: turn.used }),
                 keys: l
-                    .ring
-                    .values()
-                    .map(|&slot| {
+                    .rotation()
+                    .map(|slot| {
                         let q = l.queue(slot);
                         KeyRepr {
                             key: q.key.clone(),
@@ -439,7 +483,7 @@ impl WaitQueue {
                         && let Some(l) = queue.levels.get_mut(&level.level)
                         && let Some(&slot) = l.keys.get(&turn.key)
                     {
-                        l.turn = Some(Turn { pos: l.queue(slot).pos, used: turn.used });
+                        l.turn = Some(Turn { slot, used: turn.used });
                     }
                 }
             }
