@@ -435,6 +435,32 @@ fn fairness(c: &mut Criterion) {
             })
         });
     }
+    // The floor of scaling: the fair queue anyone would hand-roll (a map from the key's name
+    // to its FIFO, and a round-robin list of the keys with waiters), no ticket index, no
+    // levels, no weights, no removal of a waiter from the middle. The same keys and the same
+    // pop + push as above; what its cost at 100,000 keys over its cost at 10 shows is what the
+    // memory hierarchy alone does to anything that finds a waiter's queue by its key's name.
+    for keys in [10usize, 1_000, 100_000] {
+        let names: Vec<Arc<str>> = (0..keys).map(|k| Arc::from(format!("k{k}"))).collect();
+        let mut queue = RoundRobin::default();
+        let mut ticket = 0u64;
+        for _ in 0..2 {
+            for name in &names {
+                ticket += 1;
+                queue.push(ticket, name);
+            }
+        }
+        let mut next_key = 0usize;
+        group.bench_function(BenchmarkId::new("round_robin_floor", keys), |b| {
+            b.iter(|| {
+                let served = queue.pop();
+                ticket += 1;
+                next_key = (next_key + 1) % keys;
+                queue.push(ticket, &names[next_key]);
+                black_box(served)
+            })
+        });
+    }
     let mut fifo: VecDeque<u64> = (0..1_000).collect();
     let mut n = 1_000u64;
     group.bench_function("vecdeque_floor", |b| {
@@ -446,6 +472,36 @@ fn fairness(c: &mut Criterion) {
         })
     });
     group.finish();
+}
+
+/// A hand-rolled fair queue: a FIFO per key found by its name, keys served in turn (suite 7's
+/// floor of scaling).
+#[derive(Default)]
+struct RoundRobin {
+    queues: std::collections::HashMap<Arc<str>, VecDeque<u64>>,
+    turns: VecDeque<Arc<str>>,
+}
+
+impl RoundRobin {
+    fn push(&mut self, ticket: u64, key: &Arc<str>) {
+        let queue = self.queues.entry(Arc::clone(key)).or_default();
+        if queue.is_empty() {
+            self.turns.push_back(Arc::clone(key));
+        }
+        queue.push_back(ticket);
+    }
+
+    fn pop(&mut self) -> Option<u64> {
+        let key = self.turns.pop_front()?;
+        let queue = self.queues.get_mut(&key).expect("a key in turn has a queue");
+        let ticket = queue.pop_front();
+        if queue.is_empty() {
+            self.queues.remove(&key);
+        } else {
+            self.turns.push_back(key);
+        }
+        ticket
+    }
 }
 
 criterion_group! {

@@ -339,23 +339,36 @@ impl Report {
             }
             self.line("");
         }
-        self.line("Per-dequeue cost of the wait queue with every key holding 2 waiters (pop + push, time per pair), against a `VecDeque` FIFO floor:
+        self.line("Per-dequeue cost of the wait queue with every key holding 2 waiters (pop + push, time per pair), against a `VecDeque` FIFO floor and a hand-rolled round robin (a `HashMap` from the key's name to its FIFO and a list of keys in turn: no ticket index, levels, weights or removal):
 ");
-        self.line("| keys | lanes `WaitQueue` | `VecDeque` floor | ratio |");
-        self.line("|---|---|---|---|");
+        self.line("| keys | lanes `WaitQueue` | `VecDeque` floor | ratio | hand-rolled round robin | lanes / round robin |");
+        self.line("|---|---|---|---|---|---|");
         let floor = self.get("wait_queue_dequeue/vecdeque_floor");
+        let ns = |v: Option<f64>| v.map_or("—".to_owned(), fmt_ns);
+        let ratio = |a: Option<f64>, b: Option<f64>, digits: usize| match (a, b) {
+            (Some(a), Some(b)) => format!("{:.digits$}×", a / b),
+            _ => "—".to_owned(),
+        };
         for keys in [10u32, 1_000, 100_000] {
             let ours = self.get(&format!("wait_queue_dequeue/lanes_pop_push/{keys}"));
-            let ratio = match (ours, floor) {
-                (Some(o), Some(f)) => format!("{:.0}×", o / f),
-                _ => "—".to_owned(),
-            };
+            let hand = self.get(&format!("wait_queue_dequeue/round_robin_floor/{keys}"));
             let row = format!(
-                "| {keys} | {} | {} | {ratio} |",
-                ours.map_or("—".to_owned(), fmt_ns),
-                floor.map_or("—".to_owned(), fmt_ns)
+                "| {keys} | {} | {} | {} | {} | {} |",
+                ns(ours),
+                ns(floor),
+                ratio(ours, floor, 0),
+                ns(hand),
+                ratio(ours, hand, 2)
             );
             self.line(&row);
+        }
+        let hand_small = self.get("wait_queue_dequeue/round_robin_floor/10");
+        let hand_large = self.get("wait_queue_dequeue/round_robin_floor/100000");
+        if let (Some(small), Some(large)) = (hand_small, hand_large) {
+            self.line(&format!(
+                "\nThe hand-rolled round robin's own cost at 100k keys / at 10 keys: {:.2}× (context for the bar below: the same growth with none of the queue's bookkeeping).",
+                large / small
+            ));
         }
         let small = self.get("wait_queue_dequeue/lanes_pop_push/10");
         let large = self.get("wait_queue_dequeue/lanes_pop_push/100000");
