@@ -79,7 +79,7 @@ const CHECKS: u64 = 10_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many|wait-queue) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-cancel) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -239,9 +239,31 @@ fn main() {
             }
             (ops, start.elapsed())
         }
+        "wait-queue-cancel" => {
+            // `size` waiters of the default priority, every one withdrawn in a scattered
+            // order (as callers time out or go away); a round is one such fill and drain.
+            let mut queue = WaitQueue::new();
+            let start = Instant::now();
+            let n = size as u64;
+            for _ in 0..rounds {
+                for ticket in 0..n {
+                    queue.push(ticket, &Priority::default());
+                }
+                // A stride coprime with n visits every ticket once, far from its neighbours.
+                let stride = (0x9e37_79b9_u64..).find(|s| gcd(*s, n) == 1).expect("a stride");
+                for i in 0..n {
+                    assert!(queue.remove(i.wrapping_mul(stride) % n));
+                }
+            }
+            (rounds * n, start.elapsed())
+        }
         _ => panic!("{usage}"),
     };
     println!("{cell}: {:.2} M/s", items as f64 / elapsed.as_secs_f64() / 1e6);
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// Work a slow consumer does per record (suite 4's).
