@@ -52,7 +52,12 @@
 //! number of fairness keys (two tickets wait per key); a round is 100,000 pops and pushes. With
 //! cachegrind's cache simulation and its last level set to this host's L2
 //! (`--cache-sim=yes --LL=1048576,16,64`), the difference of two round counts gives the misses
-//! per operation as well as the instructions.
+//! per operation as well as the instructions. `wait-queue-cancel` fills the queue with that
+//! many default-priority waiters and withdraws every one in a scattered order.
+//!
+//! `limit-cancel` and `semaphore-cancel` do the same through a `Limit` (or tokio's
+//! `Semaphore`): that many tasks wait on one held permit and are aborted in a scattered order
+//! (`LANES_FIXED_KEYS=k` spreads the limit's waiters over k fairness keys).
 
 use std::time::Instant;
 
@@ -79,7 +84,7 @@ const CHECKS: u64 = 10_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-cancel) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-cancel|limit-cancel|semaphore-cancel) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -239,6 +244,63 @@ fn main() {
             }
             (ops, start.elapsed())
         }
+        "limit-cancel" | "semaphore-cancel" => rt.block_on(async {
+            // The same through a limit's async facade (or tokio's semaphore): `size` tasks
+            // wait on one held permit, then are aborted in a scattered order; a round ends
+            // when the permit is taken again at once.
+            let n = size as u64;
+            let keys: Option<u64> =
+                std::env::var("LANES_FIXED_KEYS").ok().map(|k| k.parse().expect(usage));
+            let limits = Limits::new();
+            limits.define("l", LimitSpec::concurrent(1)).await.expect("define");
+            let limit = limits.limit("l");
+            let semaphore = Arc::new(Semaphore::new(1));
+            let start = Instant::now();
+            for _ in 0..rounds {
+                let (lanes_held, tokio_held) = if cell == "limit-cancel" {
+                    (Some(limit.acquire().await.expect("permit")), None)
+                } else {
+                    (None, Some(semaphore.clone().acquire_owned().await.expect("permit")))
+                };
+                let tasks: Vec<_> = (0..n)
+                    .map(|i| {
+                        let (limit, semaphore) = (limit.clone(), semaphore.clone());
+                        let lanes = cell == "limit-cancel";
+                        // With `LANES_FIXED_KEYS=k`, waiters take turns over k fairness keys
+                        // (the limit's fair wait queue instead of its plain line).
+                        let priority = keys.map(|k| Priority::default().key(format!("k{}", i % k)));
+                        tokio::spawn(async move {
+                            if lanes {
+                                match priority {
+                                    Some(priority) => drop(limit.acquire_with(priority).await),
+                                    None => drop(limit.acquire().await),
+                                }
+                            } else {
+                                drop(semaphore.acquire().await);
+                            }
+                        })
+                    })
+                    .collect();
+                // Let every task reach the line.
+                for _ in 0..4 {
+                    tokio::task::yield_now().await;
+                }
+                let stride = (0x9e37_79b9_u64..).find(|s| gcd(*s, n) == 1).expect("a stride");
+                for i in 0..n {
+                    tasks[(i.wrapping_mul(stride) % n) as usize].abort();
+                }
+                for task in tasks {
+                    let _ = task.await;
+                }
+                drop((lanes_held, tokio_held));
+                if cell == "limit-cancel" {
+                    drop(limit.try_acquire().await.expect("the permit is free again"));
+                } else {
+                    drop(semaphore.try_acquire().expect("the permit is free again"));
+                }
+            }
+            (rounds * n, start.elapsed())
+        }),
         "wait-queue-cancel" => {
             // `size` waiters of the default priority, every one withdrawn in a scattered
             // order (as callers time out or go away); a round is one such fill and drain.
