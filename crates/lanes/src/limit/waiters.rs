@@ -410,7 +410,8 @@ impl WaitQueue {
     }
 
     /// Adds `ticket` at `priority`. Returns false (and changes nothing) if it already waits: a
-    /// waiter keeps the priority it first asked with. O(log n).
+    /// waiter keeps the priority it first asked with. O(1) expected (a hash of the ticket and
+    /// of the fairness key), plus O(log l) for l priority levels in use.
     pub fn push(&mut self, ticket: u64, priority: &Priority) -> bool {
         if self.levels.is_empty() && priority.is_default() {
             // The plain queue: one probe of the index both checks and inserts.
@@ -478,7 +479,7 @@ impl WaitQueue {
         self.head
     }
 
-    /// The ticket served next, found in the levels. O(log n).
+    /// The ticket served next, found in the levels. O(log l) for l priority levels in use.
     fn find_head(&self) -> Option<u64> {
         if let Some(ticket) = self.plain.front() {
             return Some(ticket);
@@ -488,7 +489,7 @@ impl WaitQueue {
         level.queue(slot).tickets.front()
     }
 
-    /// Serves the next ticket. O(log n).
+    /// Serves the next ticket. O(1) expected, plus O(log l) for l priority levels in use.
     pub fn pop(&mut self) -> Option<u64> {
         let ticket = self.peek()?;
         let loc = self.index.remove(&ticket)?;
@@ -511,7 +512,10 @@ impl WaitQueue {
         Some(ticket)
     }
 
-    /// Takes `ticket` out of the queue wherever it is. Returns whether it was waiting. O(log n).
+    /// Takes `ticket` out of the queue wherever it is. Returns whether it was waiting.
+    /// Amortized O(log k) for k tickets waiting under its key (a search by arrival order; the
+    /// entry is marked, and dropped when it reaches the front or the key's line is compacted),
+    /// plus O(log l) for l priority levels in use.
     pub fn remove(&mut self, ticket: u64) -> bool {
         let Some(loc) = self.index.remove(&ticket) else {
             return false;
