@@ -84,7 +84,7 @@ const CHECKS: u64 = 10_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-cancel|limit-cancel|semaphore-cancel) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-fifo|wait-queue-cancel|limit-cancel|semaphore-cancel) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -301,6 +301,21 @@ fn main() {
             }
             (rounds * n, start.elapsed())
         }),
+        "wait-queue-fifo" => {
+            // A limit's plain line at a steady `size` waiters: pop the oldest, push a new one.
+            let mut queue = WaitQueue::new();
+            let n = size as u64;
+            for ticket in 0..n {
+                queue.push(ticket, &Priority::default());
+            }
+            let ops = rounds * 100_000;
+            let start = Instant::now();
+            for ticket in n..n + ops {
+                black_box(queue.pop());
+                queue.push(ticket, &Priority::default());
+            }
+            (ops, start.elapsed())
+        }
         "wait-queue-cancel" => {
             // `size` waiters of the default priority, every one withdrawn in a scattered
             // order (as callers time out or go away); a round is one such fill and drain.

@@ -22,8 +22,7 @@
 //!    store apply the same queue.
 
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::hash::{BuildHasher, Hasher};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
@@ -150,7 +149,7 @@ struct Turn {
 #[derive(Debug, Clone)]
 struct Level {
     /// A key's slot in `slots`, found by hashing; never iterated in the map's order (service
-    /// order is the ring's).
+    /// order is the rotation's).
     keys: FastMap<FairKey, u32>,
     /// The keys with waiters; `None` for a free slot (listed in `free`).
     slots: Vec<Option<KeyQueue>>,
@@ -202,7 +201,9 @@ impl Level {
             }
             None => {
                 self.slots.push(Some(queue));
-                u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 keys")
+                let slot = u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 - 1 keys");
+                assert_ne!(slot, NIL, "fewer than 2^32 - 1 keys");
+                slot
             }
         };
         match prev {
@@ -257,84 +258,6 @@ impl Level {
     }
 }
 
-/// Tickets per run of neighbouring buckets in the ticket index (see [`TicketHash`]).
-const TICKET_RUN: u64 = 64;
-
-/// Hashes a ticket so that tickets close in number land in neighbouring buckets of the index.
-///
-/// A limit numbers its tickets in arrival order, and serves them roughly in that order (in
-/// arrival order within a key, keys in turn): with a hash that scatters them, each push and
-/// each pop of a queue larger than the cache missed it twice, once to insert a ticket and once
-/// to remove one. Here the run of [`TICKET_RUN`] tickets that a ticket belongs to is placed at
-/// random (a seeded hash of its number, so tickets far apart, strided ones included, spread
-/// as with any hash) and the ticket at its offset within the run; the probe's tag (a hash
-/// map's top 7 bits) is a hash of the whole ticket, so that neighbours do not share it.
-#[derive(Debug, Clone)]
-struct TicketHash {
-    seed: u64,
-}
-
-impl Default for TicketHash {
-    fn default() -> Self {
-        Self { seed: foldhash::fast::RandomState::default().hash_one(0x5eed_u64) }
-    }
-}
-
-impl BuildHasher for TicketHash {
-    type Hasher = TicketHasher;
-
-    fn build_hasher(&self) -> TicketHasher {
-        TicketHasher { seed: self.seed, hash: 0 }
-    }
-}
-
-/// See [`TicketHash`].
-#[derive(Debug)]
-struct TicketHasher {
-    seed: u64,
-    hash: u64,
-}
-
-impl TicketHasher {
-    /// The bits a hash map takes its tag from (the top 7 of 64); the rest place the bucket.
-    const TAG: u64 = !0 << 57;
-
-    /// Odd constants whose products spread a number's bits upwards (the top bits of a product
-    /// depend on every bit of the number).
-    const SPREAD: [u64; 2] = [0x9e37_79b9_7f4a_7c15, 0xd6e8_feb8_6659_fd93];
-
-    /// A folded multiply: the product's high half folded onto its low half, so that every bit
-    /// of `x` reaches every bit of the result (a plain product's low bits see only the low bits
-    /// of `x`: tickets a power of two apart would share them).
-    fn fold(x: u64) -> u64 {
-        let product = u128::from(x) * u128::from(Self::SPREAD[0]);
-        (product as u64) ^ ((product >> 64) as u64)
-    }
-}
-
-impl Hasher for TicketHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        // Only tickets (`write_u64`) are hashed here; anything else is folded in byte by byte.
-        for byte in bytes {
-            self.hash = Self::fold(self.hash ^ self.seed ^ u64::from(*byte));
-        }
-    }
-
-    fn write_u64(&mut self, ticket: u64) {
-        // The run's place from two folded multiplies (one leaves runs in a row bunched for
-        // some seeds: a test over 3,000 seeds found half the buckets of a random hash's
-        // coverage filled); the tag from the top bits of a product.
-        let run = Self::fold(Self::fold((ticket / TICKET_RUN) ^ self.seed) ^ Self::SPREAD[1]);
-        let place = run.wrapping_add(ticket % TICKET_RUN);
-        let tag = (ticket ^ self.seed).wrapping_mul(Self::SPREAD[1]);
-        self.hash = (place & !Self::TAG) | (tag & Self::TAG);
-    }
-
-    fn finish(&self) -> u64 {
-        self.hash
-    }
-}
-
 /// Waiters of one limit, in the order they are served. See the [module docs](super) for the
 /// ordering rules.
 ///
@@ -366,7 +289,7 @@ pub struct WaitQueue {
     plain: Line,
     levels: BTreeMap<i32, Level>,
     /// Found by hashing; never iterated in the map's order.
-    index: HashMap<u64, Loc, TicketHash>,
+    index: FastMap<u64, Loc>,
     next_seq: u64,
     /// The ticket served next ([`find_head`](Self::find_head)), found again after every change
     /// that can move it rather than on every [`peek`](Self::peek): a limit's owner asks for the
@@ -747,7 +670,7 @@ mod tests {
         queue.push(1, &key("a"));
         queue.push(2, &key("b"));
         queue.push(3, &key("c"));
-        assert_eq!(queue.pop(), Some(1)); // "a" empties and leaves the ring
+        assert_eq!(queue.pop(), Some(1)); // "a" empties and leaves the rotation
         queue.push(4, &key("a"));
         assert_eq!(drain(&mut queue), [2, 3, 4]);
     }
@@ -794,36 +717,6 @@ mod tests {
                 serde_json::from_str(&serde_json::to_string(&queue).unwrap()).unwrap();
             assert_eq!(back, queue, "withdrawn tickets are not saved");
             assert_eq!(drain(&mut queue), (0..1_000).step_by(2).collect::<Vec<_>>());
-        }
-    }
-
-    fn ticket_hash(hasher: &TicketHash, ticket: u64) -> u64 {
-        hasher.hash_one(ticket)
-    }
-
-    #[test]
-    fn tickets_of_a_run_sit_side_by_side_with_tags_of_their_own() {
-        let hasher = TicketHash::default();
-        let place = |t: u64| ticket_hash(&hasher, t) & !TicketHasher::TAG;
-        let tag = |t: u64| ticket_hash(&hasher, t) >> 57;
-        let start = 5 * TICKET_RUN;
-        for t in start..start + TICKET_RUN - 1 {
-            assert_eq!(place(t + 1).wrapping_sub(place(t)) & !TicketHasher::TAG, 1, "ticket {t}");
-        }
-        let tags: std::collections::HashSet<u64> = (start..start + TICKET_RUN).map(tag).collect();
-        assert!(tags.len() > 32, "neighbours share tags: {} of {TICKET_RUN}", tags.len());
-        assert_eq!(ticket_hash(&hasher, 77), ticket_hash(&hasher, 77), "deterministic");
-    }
-
-    #[test]
-    fn strided_tickets_spread_over_the_buckets() {
-        // Tickets one run apart, or far apart, fall in distinct runs, which are placed at
-        // random: over 4,096 buckets they should fill about as many as a random hash (63%).
-        let hasher = TicketHash::default();
-        for stride in [TICKET_RUN, 1 << 20, 1 << 40, 3 * TICKET_RUN + 1] {
-            let buckets: std::collections::HashSet<u64> =
-                (0..4096u64).map(|i| ticket_hash(&hasher, i * stride) & 4095).collect();
-            assert!(buckets.len() > 2400, "stride {stride}: {} buckets of 4096", buckets.len());
         }
     }
 
