@@ -74,26 +74,24 @@ impl Line {
         Some(ticket)
     }
 
-    /// Withdraws the ticket that arrived as `seq`, wherever it is. Returns whether it waited.
-    fn withdraw(&mut self, seq: u64) -> bool {
+    /// Withdraws the ticket that arrived as `seq` (the index says it waits here), wherever it
+    /// is.
+    fn withdraw(&mut self, seq: u64) {
         if self.entries.front().is_some_and(|(first, _)| *first == seq) {
             self.pop_front();
-            return true;
+            return;
         }
         let Ok(at) = self.entries.binary_search_by_key(&seq, |(seq, _)| seq & !WITHDRAWN) else {
-            return false;
+            return;
         };
         let entry = &mut self.entries[at].0;
-        if *entry & WITHDRAWN != 0 {
-            return false;
-        }
+        debug_assert_eq!(*entry & WITHDRAWN, 0, "a ticket is withdrawn once");
         *entry |= WITHDRAWN;
         self.withdrawn += 1;
         if self.withdrawn * 2 > self.entries.len() {
             self.entries.retain(|(seq, _)| seq & WITHDRAWN == 0);
             self.withdrawn = 0;
         }
-        true
     }
 
     fn drop_withdrawn_front(&mut self) {
@@ -716,7 +714,15 @@ mod tests {
             let back: WaitQueue =
                 serde_json::from_str(&serde_json::to_string(&queue).unwrap()).unwrap();
             assert_eq!(back, queue, "withdrawn tickets are not saved");
-            assert_eq!(drain(&mut queue), (0..1_000).step_by(2).collect::<Vec<_>>());
+            // Past half of the line withdrawn, it is compacted: 100 more from its middle.
+            for ticket in (400..600).step_by(2) {
+                assert!(queue.remove(ticket), "{ticket} waited");
+            }
+            assert_eq!(queue.len(), 400);
+            let rest: Vec<u64> =
+                (0..1_000).step_by(2).filter(|t| !(400..600).contains(t)).collect();
+            assert_eq!(queue.tickets().count(), 400);
+            assert_eq!(drain(&mut queue), rest);
         }
     }
 
