@@ -52,8 +52,10 @@
 //! number of fairness keys (two tickets wait per key); a round is 100,000 pops and pushes. With
 //! cachegrind's cache simulation and its last level set to this host's L2
 //! (`--cache-sim=yes --LL=1048576,16,64`), the difference of two round counts gives the misses
-//! per operation as well as the instructions. `wait-queue-cancel` fills the queue with that
-//! many default-priority waiters and withdraws every one in a scattered order.
+//! per operation as well as the instructions. `wait-queue-fifo` keeps that many
+//! default-priority waiters (a limit's plain line) and pops the oldest and pushes a new one;
+//! `wait-queue-cancel` fills the queue with that many default-priority waiters and withdraws
+//! every one in a scattered order.
 //!
 //! `limit-cancel` and `semaphore-cancel` do the same through a `Limit` (or tokio's
 //! `Semaphore`): that many tasks wait on one held permit and are aborted in a scattered order
