@@ -109,9 +109,9 @@ pub use lane::{
 };
 pub use lifecycle::Lifecycle;
 pub use limit::{
-    Acquire, AcquireError, Answer, KeyedLimit, KeyedPermit, Limit, LimitBackend, LimitError,
-    LimitInfo, LimitSpec, LimitTable, Limits, LimitsBuilder, Permit, Priority, TryAcquireError,
-    WaitQueue,
+    Acquire, AcquireError, AcquireFuture, Answer, KeyedLimit, KeyedPermit, Limit, LimitBackend,
+    LimitError, LimitInfo, LimitSpec, LimitTable, Limits, LimitsBuilder, Permit, Priority,
+    TryAcquireError, WaitQueue,
 };
 pub use observe::{Observe, Registry, Snapshot};
 pub use pool::{Dispatcher, KeyedPool, SubmitError};

@@ -349,6 +349,42 @@ async fn a_limit_handle_acquires_like_a_semaphore_and_honours_deadlines() {
     drop((a, b, c));
 }
 
+/// A handle's acquire when the handle holds no live slot: made before its limit was defined,
+/// or kept across a removal and a new definition. It waits as a lookup by name would, for the
+/// limit defined now; dropped while it waits, it leaves nothing in line and holds nothing.
+#[tokio::test(start_paused = true)]
+async fn a_handle_without_a_live_slot_waits_for_the_limit_defined_now() {
+    let limits = Limits::new();
+    let early = limits.limit("db");
+    assert!(matches!(early.acquire().await, Err(LimitError::UnknownLimit(_))));
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = early.acquire().await.unwrap();
+    let waiting = tokio::spawn({
+        let early = early.clone();
+        async move { early.acquire().await.unwrap().fencing_token() }
+    });
+    settle().await;
+    assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 1);
+    let first = held.fencing_token();
+    drop(held);
+    assert_eq!(waiting.await.unwrap(), first + 1, "served in line, with the next token");
+
+    // Kept across a removal and a new definition of the name.
+    let kept = limits.limit("db");
+    limits.remove("db").await.unwrap();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = kept.acquire().await.unwrap();
+    assert!(held.fencing_token() > first + 1, "the new limit's tokens start above the old one's");
+    let timed_out = tokio::time::timeout(Duration::from_millis(50), kept.acquire()).await;
+    assert!(timed_out.is_err(), "the one permit is held");
+    let info = limits.info("db").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (1, 0), "the dropped wait left the line");
+    drop(held);
+    let info = limits.info("db").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (0, 0));
+    drop(kept.acquire().await.unwrap());
+}
+
 /// Fencing tokens keep growing across a removal and a new definition of the same name.
 #[tokio::test]
 async fn fencing_tokens_survive_remove_and_define() {

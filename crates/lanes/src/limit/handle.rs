@@ -806,6 +806,105 @@ pub struct Limit {
     slot: Option<Arc<Slot>>,
 }
 
+/// The default priority, borrowed by a handle's waits ([`AcquireFuture`]).
+static DEFAULT_PRIORITY: Priority = Priority { level: 0, fairness_key: None, fairness_weight: 1 };
+
+/// The future of [`Limit::acquire`]: a permit of the limit at the default priority.
+///
+/// One hand-written state machine rather than nested `async fn`s: a handle held in this
+/// process polls its limit's fast path and then its wait directly (each layer of `async fn`
+/// cost a contended acquire about a hundred instructions of moves and dispatch). A handle on
+/// another backend, or whose limit was removed (or not defined) when it was made, goes the
+/// way of [`Limits::acquire`], boxed.
+///
+/// # Cancel safety
+///
+/// As for [`Limits::acquire`]: dropping the future leaves the line or withdraws its ticket,
+/// and a permit handed to it meanwhile goes back to the limit.
+#[must_use = "futures do nothing unless polled"]
+pub struct AcquireFuture<'a> {
+    limit: &'a Limit,
+    state: AcquireState<'a>,
+}
+
+enum AcquireState<'a> {
+    /// Not polled yet: nothing taken.
+    Start,
+    /// Waiting in this process; `since` is when, if wait timing is on.
+    Local { local: &'a Arc<LocalLimits>, wait: Wait<'a>, since: Option<Instant> },
+    /// Any other way: [`Limits::acquire`].
+    Other(crate::BoxFuture<'a, Result<Permit, LimitError>>),
+    /// Answered.
+    Done,
+}
+
+impl fmt::Debug for AcquireFuture<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = match self.state {
+            AcquireState::Start => "start",
+            AcquireState::Local { .. } => "waiting",
+            AcquireState::Other(_) => "waiting (backend)",
+            AcquireState::Done => "done",
+        };
+        f.debug_struct("AcquireFuture")
+            .field("limit", &self.limit.name)
+            .field("state", &state)
+            .finish()
+    }
+}
+
+impl Future for AcquireFuture<'_> {
+    type Output = Result<Permit, LimitError>;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        loop {
+            match &mut this.state {
+                AcquireState::Start => {
+                    let limit = this.limit;
+                    if let (Backend::Local(local), Some(slot)) =
+                        (&limit.limits.backend, &limit.slot)
+                        && !slot.is_removed()
+                    {
+                        if let Ok(fence) = local.try_fast(slot) {
+                            this.state = AcquireState::Done;
+                            return Poll::Ready(Ok(Permit::fast(slot.clone(), fence)));
+                        }
+                        let since = crate::observe::timing_start();
+                        tracing::trace!(limit = %slot.name, "waiting for a permit");
+                        let wait = Wait::new(local, slot, &DEFAULT_PRIORITY);
+                        this.state = AcquireState::Local { local, wait, since };
+                    } else {
+                        let name = &limit.name;
+                        let acquire = limit.limits.acquire(name, Priority::default());
+                        this.state = AcquireState::Other(Box::pin(acquire));
+                    }
+                }
+                AcquireState::Local { local, wait, since } => {
+                    let Poll::Ready(granted) = wait.poll(cx) else { return Poll::Pending };
+                    let (local, since) = (*local, *since);
+                    // A wait that ended undoes nothing.
+                    this.state = AcquireState::Done;
+                    let slot = this.limit.slot.clone().expect("a local wait has the handle's slot");
+                    let granted = granted.map_err(AcquireError::Limit);
+                    return Poll::Ready(Limits::waited(local, slot, granted, since).map_err(
+                        |err| match err {
+                            AcquireError::Limit(err) => err,
+                            AcquireError::Timeout(_) => unreachable!("no deadline, no timeout"),
+                        },
+                    ));
+                }
+                AcquireState::Other(acquire) => {
+                    let done = std::task::ready!(acquire.as_mut().poll(cx));
+                    this.state = AcquireState::Done;
+                    return Poll::Ready(done);
+                }
+                AcquireState::Done => panic!("`AcquireFuture` polled after it completed"),
+            }
+        }
+    }
+}
+
 impl Limit {
     /// The limit's name.
     pub fn name(&self) -> &str {
@@ -821,13 +920,8 @@ impl Limit {
     /// # Errors
     ///
     /// As for [`Limits::acquire`].
-    pub async fn acquire(&self) -> Result<Permit, LimitError> {
-        match self.limits.acquire_now(&self.name, self.slot.as_ref()) {
-            Ok(permit) => Ok(permit),
-            Err(missed) => {
-                self.limits.acquire_waiting(&self.name, &Priority::default(), missed).await
-            }
-        }
+    pub fn acquire(&self) -> AcquireFuture<'_> {
+        AcquireFuture { limit: self, state: AcquireState::Start }
     }
 
     /// Waits for a permit at `priority`. See [`Limits::acquire`].

@@ -89,7 +89,7 @@ pub use acquire::{REASK, drive};
 pub use backend::{Answer, LimitBackend, ShareReply};
 pub use config::LimitSpec;
 pub use error::{AcquireError, BackendError, LimitError, SpecError, TryAcquireError};
-pub use handle::{Limit, Limits, LimitsBuilder, Permit};
+pub use handle::{AcquireFuture, Limit, Limits, LimitsBuilder, Permit};
 #[cfg(feature = "http")]
 #[cfg_attr(docsrs, doc(cfg(feature = "http")))]
 pub use http::{HttpLimitLayer, HttpLimitService};
