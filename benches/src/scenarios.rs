@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
-use lanes::{Lane, LaneLimits, LaneSet, Limit, Run};
+use lanes::{Lane, LaneLimits, LaneSet, Limit, Limits, Priority, Run};
 use tokio::sync::Semaphore;
 
 use crate::Done;
@@ -26,6 +26,8 @@ pub const PER_TASK: u64 = 64;
 pub enum Permits {
     /// Ours, through a handle (as each tokio task holds an `Arc<Semaphore>`).
     Lanes(Limit),
+    /// Ours, by the limit's name (as the tower layer and a lane's limited runs ask).
+    Named(Limits),
     /// The anchor.
     Tokio(Arc<Semaphore>),
 }
@@ -41,6 +43,11 @@ pub async fn contended(permits: &Permits, tasks: u64) {
                     match &permits {
                         Permits::Lanes(handle) => {
                             let permit = handle.acquire().await;
+                            tokio::task::yield_now().await;
+                            drop(permit);
+                        }
+                        Permits::Named(limits) => {
+                            let permit = limits.acquire("l", Priority::default()).await;
                             tokio::task::yield_now().await;
                             drop(permit);
                         }

@@ -31,7 +31,7 @@
 //! `permits` and `semaphore` are suite 1's contended cell on one thread: the second argument is
 //! the number of tasks sharing 2 permits, each taking and returning one 64 times with a yield
 //! while holding it, through a `Limit` handle or a `tokio::sync::Semaphore` (a round is every
-//! task's 64 acquires).
+//! task's 64 acquires); `permits-named` is the same cell through `Limits::acquire(name)`.
 //!
 //! `rate`, `check` and `governor` are suite 6's direct rate check (a `Limit` handle's
 //! `try_acquire` and its permit dropped, its `check`, `Limits::check(name)`, and governor's
@@ -133,11 +133,15 @@ fn main() {
                 .expect("bench task")
             })
         }
-        "permits" | "semaphore" => rt.block_on(async {
-            let permits = if cell == "permits" {
+        "permits" | "permits-named" | "semaphore" => rt.block_on(async {
+            let permits = if cell != "semaphore" {
                 let limits = Limits::new();
                 limits.define("l", LimitSpec::concurrent(2)).await.expect("define");
-                Permits::Lanes(limits.limit("l"))
+                if cell == "permits" {
+                    Permits::Lanes(limits.limit("l"))
+                } else {
+                    Permits::Named(limits)
+                }
             } else {
                 Permits::Tokio(Arc::new(Semaphore::new(2)))
             };

@@ -349,6 +349,43 @@ async fn a_limit_handle_acquires_like_a_semaphore_and_honours_deadlines() {
     drop((a, b, c));
 }
 
+/// An acquire by name that waits in the table (at another priority than the default) and
+/// is refused there (a full waiting room) or dropped while it waits leaves no ticket behind;
+/// the callers that stay are served in order, and nothing is held or waiting at the end.
+#[tokio::test(start_paused = true)]
+async fn a_wait_by_name_in_the_table_refused_or_dropped_leaves_nothing() {
+    let limits = Limits::with_max_waiters(2);
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = limits.acquire("db", Priority::level(2)).await.unwrap();
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(10), limits.acquire("db", Priority::level(1)));
+    assert!(dropped.await.is_err(), "the one permit is held");
+    assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "the dropped wait left");
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let waiters: Vec<_> = [1, 5]
+        .map(|level| {
+            let (limits, order) = (limits.clone(), order.clone());
+            tokio::spawn(async move {
+                let permit = limits.acquire("db", Priority::level(level)).await.unwrap();
+                order.lock().await.push(level);
+                drop(permit);
+            })
+        })
+        .into();
+    settle().await;
+    let refused = limits.acquire("db", Priority::level(3)).await.unwrap_err();
+    assert!(matches!(refused, LimitError::TooManyWaiters { max: 2, .. }), "{refused}");
+    let info = limits.info("db").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (1, 2), "{info:?}");
+    drop(held);
+    for waiter in waiters {
+        waiter.await.unwrap();
+    }
+    assert_eq!(*order.lock().await, [5, 1], "the higher level first");
+    let info = limits.info("db").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (0, 0), "{info:?}");
+}
+
 /// A handle's acquire when the handle holds no live slot: made before its limit was defined,
 /// or kept across a removal and a new definition. It waits as a lookup by name would, for the
 /// limit defined now; dropped while it waits, it leaves nothing in line and holds nothing.

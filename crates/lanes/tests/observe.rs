@@ -106,6 +106,35 @@ async fn futures_join<T, E>(
     outcomes
 }
 
+/// The waiters gauge comes back to 0 however a wait ends: granted, dropped while it waits (a
+/// handle's in the limit's line, one by name in the table), or refused by a full waiting room
+/// in the table.
+#[test]
+fn the_waiters_gauge_returns_to_zero_however_a_wait_ends() {
+    let snapshot = in_runtime(async {
+        let limits = Limits::with_max_waiters(1);
+        limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        let db = limits.limit("db");
+        let held = db.acquire().await.unwrap();
+        let dropped = tokio::time::timeout(Duration::from_millis(1), db.acquire()).await;
+        assert!(dropped.is_err(), "the only permit is held");
+        let by_name = limits.acquire("db", Priority::level(1));
+        assert!(tokio::time::timeout(Duration::from_millis(1), by_name).await.is_err());
+        let limits2 = limits.clone();
+        let waiter = tokio::spawn(async move {
+            limits2.acquire("db", Priority::level(1)).await.map(|permit| permit.fencing_token())
+        });
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let refused = limits.acquire("db", Priority::level(2)).await.unwrap_err();
+        assert!(matches!(refused, lanes::LimitError::TooManyWaiters { max: 1, .. }), "{refused}");
+        drop(held);
+        assert!(waiter.await.unwrap().is_ok());
+    });
+    let db = [("limit", "db")];
+    assert_eq!(value(&snapshot, "lanes_limit_waiters", &db), &DebugValue::Gauge(0.0.into()));
+    assert_eq!(value(&snapshot, "lanes_limit_held", &db), &DebugValue::Gauge(0.0.into()));
+}
+
 #[test]
 fn a_limit_counts_acquires_refusals_timeouts_and_holders() {
     let snapshot = in_runtime(async {
