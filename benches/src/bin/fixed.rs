@@ -24,8 +24,9 @@
 //! `LANES_FIXED_FLAVOR=multi_thread_2` runs any cell on two worker threads instead (for wall
 //! time and system calls, not instruction counts: the work then depends on the scheduling).
 //!
-//! Arguments: the cell (`channel`, `tokio`, `kanal` or `lane`), the channel's capacity (or the lane's
-//! execution slots), and the rounds (10,000 records or 1,000 runs each). It prints the records
+//! Arguments: the cell (`channel`, `tokio`, `kanal`, `lane` or `hand-rolled`, suite 2's
+//! two-semaphore lane), the channel's capacity (or the lane's execution slots), and the
+//! rounds (10,000 records or 1,000 runs each). It prints the records
 //! or runs per second it measured, as context.
 //!
 //! `permits` and `semaphore` are suite 1's contended cell on one thread: the second argument is
@@ -74,8 +75,8 @@ use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
 use lanes::{LimitSpec, Limits, Priority, WaitQueue};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    PER_TASK, Permits, RECORDS, channel_block, contended, kanal_block, lane, lane_runs,
-    next_batch_block, recv_many_block, tokio_block,
+    HandRolled, PER_TASK, Permits, RECORDS, channel_block, contended, hand_rolled, kanal_block,
+    lane, lane_runs, next_batch_block, recv_many_block, tokio_block,
 };
 use std::num::NonZeroU32;
 use tokio::sync::Semaphore;
@@ -119,6 +120,20 @@ fn main() {
             }
             (rounds * RECORDS as u64, start.elapsed())
         }),
+        "hand-rolled" => {
+            let lane = HandRolled::new(size, 2_000);
+            rt.block_on(async {
+                tokio::spawn(async move {
+                    let start = Instant::now();
+                    for _ in 0..rounds {
+                        hand_rolled(lane.clone(), RUNS).await;
+                    }
+                    (rounds * RUNS, start.elapsed())
+                })
+                .await
+                .expect("bench task")
+            })
+        }
         "lane" => {
             let lane = lane(size, 2_000);
             rt.block_on(async {
