@@ -834,6 +834,8 @@ fn public_types_are_send_and_sync() {
     send::<lanes::RunHandle<u32>>();
     send_sync::<lanes::AdmissionError<()>>();
     send_sync::<lanes::ConfigError>();
+    // A limit's acquire future moves between worker threads like the `async fn` it replaced.
+    send::<lanes::AcquireFuture<'static>>();
 }
 
 #[tokio::test(start_paused = true)]

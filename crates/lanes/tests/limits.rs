@@ -386,6 +386,30 @@ async fn a_wait_by_name_in_the_table_refused_or_dropped_leaves_nothing() {
     assert_eq!((info.in_use, info.waiting), (0, 0), "{info:?}");
 }
 
+/// A handle's acquire that finds the limit's line full is refused with the typed error, and
+/// leaves nothing behind; the callers in line are served in order.
+#[tokio::test(start_paused = true)]
+async fn a_handles_acquire_is_refused_by_a_full_line() {
+    let limits = Limits::with_max_waiters(1);
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let db = limits.limit("db");
+    let held = db.acquire().await.unwrap();
+    let waiting = tokio::spawn({
+        let db = db.clone();
+        async move { db.acquire().await.unwrap().fencing_token() }
+    });
+    settle().await;
+    let refused = db.acquire().await.unwrap_err();
+    assert_eq!(refused, LimitError::TooManyWaiters { limit: "db".into(), max: 1 });
+    let info = limits.info("db").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (1, 1), "{info:?}");
+    let first = held.fencing_token();
+    drop(held);
+    assert_eq!(waiting.await.unwrap(), first + 1);
+    let info = limits.info("db").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (0, 0), "{info:?}");
+}
+
 /// A handle's acquire when the handle holds no live slot: made before its limit was defined,
 /// or kept across a removal and a new definition. It waits as a lookup by name would, for the
 /// limit defined now; dropped while it waits, it leaves nothing in line and holds nothing.

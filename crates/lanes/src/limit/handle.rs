@@ -807,21 +807,23 @@ pub struct Limit {
 }
 
 /// The default priority, borrowed by a handle's waits ([`AcquireFuture`]).
-static DEFAULT_PRIORITY: Priority = Priority { level: 0, fairness_key: None, fairness_weight: 1 };
+static DEFAULT_PRIORITY: Priority = Priority::DEFAULT;
 
 /// The future of [`Limit::acquire`]: a permit of the limit at the default priority.
 ///
-/// One hand-written state machine rather than nested `async fn`s: a handle held in this
-/// process polls its limit's fast path and then its wait directly (each layer of `async fn`
-/// cost a contended acquire about a hundred instructions of moves and dispatch). A handle on
-/// another backend, or whose limit was removed (or not defined) when it was made, goes the
-/// way of [`Limits::acquire`], boxed.
+/// In this process it takes a free permit at once, or waits in the limit's line (or its
+/// queue) as [`Limits::acquire`] does. A handle whose limit is not live when the future is
+/// first polled (not defined yet, or removed since the handle was made) looks the name up,
+/// as [`Limits::acquire`] does, and waits through it if it must; so does a handle on another
+/// backend.
 ///
 /// # Cancel safety
 ///
 /// As for [`Limits::acquire`]: dropping the future leaves the line or withdraws its ticket,
 /// and a permit handed to it meanwhile goes back to the limit.
 #[must_use = "futures do nothing unless polled"]
+// One hand-written state machine rather than nested `async fn`s: each layer of `async fn`
+// cost a contended acquire about a hundred instructions of moves and dispatch.
 pub struct AcquireFuture<'a> {
     limit: &'a Limit,
     state: AcquireState<'a>,
@@ -875,7 +877,16 @@ impl Future for AcquireFuture<'_> {
                         let wait = Wait::new(local, slot, &DEFAULT_PRIORITY);
                         this.state = AcquireState::Local { local, wait, since };
                     } else {
+                        // Not live: by name, whose fast path allocates nothing (the boxed
+                        // future is only for a wait, or another backend).
                         let name = &limit.name;
+                        if let Backend::Local(local) = &limit.limits.backend
+                            && let Some(slot) = local.slot(name)
+                            && let Ok(fence) = local.try_fast(&slot)
+                        {
+                            this.state = AcquireState::Done;
+                            return Poll::Ready(Ok(Permit::fast(slot, fence)));
+                        }
                         let acquire = limit.limits.acquire(name, Priority::default());
                         this.state = AcquireState::Other(Box::pin(acquire));
                     }

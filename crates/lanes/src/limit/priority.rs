@@ -69,9 +69,14 @@ impl Priority {
     }
 }
 
+impl Priority {
+    /// [`Priority::default()`], as a constant a `static` can borrow.
+    pub(crate) const DEFAULT: Self = Self { level: 0, fairness_key: None, fairness_weight: 1 };
+}
+
 impl Default for Priority {
     fn default() -> Self {
-        Self { level: 0, fairness_key: None, fairness_weight: 1 }
+        Self::DEFAULT
     }
 }
 
