@@ -122,31 +122,11 @@ fn main() {
         }),
         "hand-rolled" => {
             let lane = HandRolled::new(size, 2_000);
-            rt.block_on(async {
-                tokio::spawn(async move {
-                    let start = Instant::now();
-                    for _ in 0..rounds {
-                        hand_rolled(lane.clone(), RUNS).await;
-                    }
-                    (rounds * RUNS, start.elapsed())
-                })
-                .await
-                .expect("bench task")
-            })
+            lane_rounds(&rt, rounds, move || hand_rolled(lane.clone(), RUNS))
         }
         "lane" => {
             let lane = lane(size, 2_000);
-            rt.block_on(async {
-                tokio::spawn(async move {
-                    let start = Instant::now();
-                    for _ in 0..rounds {
-                        lane_runs(lane.clone(), RUNS).await;
-                    }
-                    (rounds * RUNS, start.elapsed())
-                })
-                .await
-                .expect("bench task")
-            })
+            lane_rounds(&rt, rounds, move || lane_runs(lane.clone(), RUNS))
         }
         "permits" | "permits-named" | "semaphore" => rt.block_on(async {
             let permits = if cell != "semaphore" {
@@ -358,6 +338,26 @@ fn main() {
         _ => panic!("{usage}"),
     };
     println!("{cell}: {:.2} M/s", items as f64 / elapsed.as_secs_f64() / 1e6);
+}
+
+/// `rounds` rounds of a lane cell (each [`RUNS`] runs) in a spawned task, as suite 2 runs
+/// them: the runs and the time they took.
+fn lane_rounds<F, Fut>(rt: &tokio::runtime::Runtime, rounds: u64, mut round: F) -> (u64, Duration)
+where
+    F: FnMut() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    rt.block_on(async {
+        tokio::spawn(async move {
+            let start = Instant::now();
+            for _ in 0..rounds {
+                round().await;
+            }
+            (rounds * RUNS, start.elapsed())
+        })
+        .await
+        .expect("bench task")
+    })
 }
 
 fn gcd(a: u64, b: u64) -> u64 {
