@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use governor::{Quota, RateLimiter};
-use lanes::{KeyedLimit, LimitSpec, LimitTable, Limits, Priority, WaitQueue};
-use lanes_benches::scenarios::{PER_TASK, Permits, contended};
+use lanes::{KeyedLimit, LimitSpec, LimitTable, Limits, Priority};
+use lanes_benches::scenarios::{FairQueueCell, PER_TASK, Permits, contended};
 use lanes_benches::{Flavor, config, rss_bytes, write_result};
 use tokio::sync::Semaphore;
 
@@ -414,25 +414,9 @@ fn fairness(c: &mut Criterion) {
 
     let mut group = c.benchmark_group("wait_queue_dequeue");
     for keys in [10usize, 1_000, 100_000] {
-        let mut queue = WaitQueue::new();
-        let priorities: Vec<Priority> =
-            (0..keys).map(|k| Priority::default().key(format!("k{k}"))).collect();
-        let mut ticket = 0u64;
-        for _ in 0..2 {
-            for p in &priorities {
-                ticket += 1;
-                queue.push(ticket, p);
-            }
-        }
-        let mut next_key = 0usize;
+        let mut cell = FairQueueCell::new(keys);
         group.bench_function(BenchmarkId::new("lanes_pop_push", keys), |b| {
-            b.iter(|| {
-                let served = queue.pop();
-                ticket += 1;
-                next_key = (next_key + 1) % keys;
-                queue.push(ticket, &priorities[next_key]);
-                black_box(served)
-            })
+            b.iter(|| black_box(cell.step()))
         });
     }
     // The floor of scaling: the fair queue anyone would hand-roll (a map from the key's name

@@ -1,6 +1,6 @@
 //! Both sides of the suite-1 contended permit cell (ours and tokio's `Semaphore`), of the
 //! suite-2 lane cell (ours and the hand-rolled two-semaphore lane) and of the suite-3
-//! block-mode cells (ours and tokio mpsc), shared by the criterion benches and the fixed-work
+//! block-mode cells (ours and tokio mpsc), and suite 7's pop + push of the wait queue, shared by the criterion benches and the fixed-work
 //! and paired drivers (`src/bin/`), so all of them run the same code.
 
 use std::convert::Infallible;
@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
-use lanes::{Lane, LaneLimits, LaneSet, Limit, Limits, Priority, Run};
+use lanes::{Lane, LaneLimits, LaneSet, Limit, Limits, Priority, Run, WaitQueue};
 use tokio::sync::Semaphore;
 
 use crate::Done;
@@ -278,4 +278,41 @@ async fn read_batches(mut recv_many: impl AsyncFnMut(&mut Vec<u64>) -> usize) {
         buffer.clear();
     }
     assert_eq!(n, RECORDS);
+}
+
+/// Suite 7's wait queue in its steady state: every one of `keys` fairness keys holds two
+/// waiters, and each step serves the next ticket and queues a new one for the next key.
+#[derive(Debug)]
+pub struct FairQueueCell {
+    queue: WaitQueue,
+    priorities: Vec<Priority>,
+    ticket: u64,
+    next_key: usize,
+}
+
+impl FairQueueCell {
+    /// The queue with two waiters for each of `keys` keys.
+    pub fn new(keys: usize) -> Self {
+        let priorities: Vec<Priority> =
+            (0..keys).map(|k| Priority::default().key(format!("k{k}"))).collect();
+        let mut queue = WaitQueue::new();
+        let mut ticket = 0u64;
+        for _ in 0..2 {
+            for priority in &priorities {
+                ticket += 1;
+                queue.push(ticket, priority);
+            }
+        }
+        Self { queue, priorities, ticket, next_key: 0 }
+    }
+
+    /// One pop + push; the ticket served.
+    #[inline]
+    pub fn step(&mut self) -> Option<u64> {
+        let served = self.queue.pop();
+        self.ticket += 1;
+        self.next_key = (self.next_key + 1) % self.priorities.len();
+        self.queue.push(self.ticket, &self.priorities[self.next_key]);
+        served
+    }
 }

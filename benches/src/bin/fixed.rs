@@ -75,8 +75,8 @@ use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
 use lanes::{LimitSpec, Limits, Priority, WaitQueue};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    HandRolled, PER_TASK, Permits, RECORDS, channel_block, contended, hand_rolled, kanal_block,
-    lane, lane_runs, next_batch_block, recv_many_block, tokio_block,
+    FairQueueCell, HandRolled, PER_TASK, Permits, RECORDS, channel_block, contended, hand_rolled,
+    kanal_block, lane, lane_runs, next_batch_block, recv_many_block, tokio_block,
 };
 use std::num::NonZeroU32;
 use tokio::sync::Semaphore;
@@ -223,25 +223,11 @@ fn main() {
             (rounds * RECORDS as u64, start.elapsed())
         }),
         "wait-queue" => {
-            let priorities: Vec<Priority> =
-                (0..size).map(|k| Priority::default().key(format!("k{k}"))).collect();
-            let mut queue = WaitQueue::new();
-            let mut ticket = 0u64;
-            for _ in 0..2 {
-                for priority in &priorities {
-                    ticket += 1;
-                    queue.push(ticket, priority);
-                }
-            }
+            let mut cell = FairQueueCell::new(size);
             let ops = rounds * 100_000;
-            let mut next_key = 0usize;
             let start = Instant::now();
             for _ in 0..ops {
-                let served = queue.pop();
-                ticket += 1;
-                next_key = (next_key + 1) % size;
-                queue.push(ticket, &priorities[next_key]);
-                black_box(served);
+                black_box(cell.step());
             }
             (ops, start.elapsed())
         }
