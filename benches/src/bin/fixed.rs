@@ -49,6 +49,10 @@
 //! the linger is 10 s so that only the batch size and the close flush, as under cachegrind a
 //! shorter one would fire at times that vary) and `recv-many` (`recv_many` of 64).
 //!
+//! `reject` and `reject-hand-rolled` are suite 2's reject path: a run refused by a full lane
+//! (one slot, held, no waiting room), and `try_acquire_owned` refused by the hand-rolled
+//! lane's full outer semaphore; a round is 10,000 refusals, the second argument is ignored.
+//!
 //! `wait-queue` is suite 7's pop + push of the fair wait queue, the second argument being the
 //! number of fairness keys (two tickets wait per key); a round is 100,000 pops and pushes. With
 //! cachegrind's cache simulation and its last level set to this host's L2
@@ -72,12 +76,14 @@ use std::sync::Arc;
 use governor::{Quota, RateLimiter};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes::{LimitSpec, Limits, Priority, WaitQueue};
+use lanes::{LimitSpec, Limits, Priority, Run, WaitQueue};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
     FairQueueCell, HandRolled, PER_TASK, Permits, RECORDS, channel_block, contended, hand_rolled,
     kanal_block, lane, lane_runs, next_batch_block, recv_many_block, tokio_block,
 };
+use std::convert::Infallible;
+use std::future::ready;
 use std::num::NonZeroU32;
 use tokio::sync::Semaphore;
 
@@ -87,7 +93,7 @@ const CHECKS: u64 = 10_000;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-fifo|wait-queue-cancel|limit-cancel|semaphore-cancel) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|reject|reject-hand-rolled|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-fifo|wait-queue-cancel|limit-cancel|semaphore-cancel) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -187,6 +193,36 @@ fn main() {
                     handle.acquire().await
                 };
                 drop(black_box(permit.expect("permit")));
+            }
+            (checks, start.elapsed())
+        }),
+        "reject" => rt.block_on(async {
+            // Suite 2's reject path: one slot, no waiting room, held by a job that never ends.
+            let full = lane(1, 0);
+            let hold = Arc::new(Semaphore::new(0));
+            let held = hold.clone();
+            full.spawn(Run::typed(move |_cx| async move {
+                let _ = held.acquire().await;
+                Ok::<(), Infallible>(())
+            }))
+            .expect("first run admitted");
+            let checks = rounds * CHECKS;
+            let start = Instant::now();
+            for _ in 0..checks {
+                let refused = full.spawn(Run::typed(|_cx| ready(Ok::<(), Infallible>(()))));
+                black_box(refused.is_err());
+            }
+            let elapsed = start.elapsed();
+            hold.add_permits(1);
+            (checks, elapsed)
+        }),
+        "reject-hand-rolled" => rt.block_on(async {
+            let hand = HandRolled::new(1, 0);
+            let _held = hand.outer.clone().try_acquire_owned().expect("first permit");
+            let checks = rounds * CHECKS;
+            let start = Instant::now();
+            for _ in 0..checks {
+                black_box(hand.outer.clone().try_acquire_owned().is_err());
             }
             (checks, start.elapsed())
         }),
