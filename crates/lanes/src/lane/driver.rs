@@ -378,7 +378,7 @@ where
         // Cleanup, then ownership goes back.
         if let Some(cleanup) = cleanup {
             let limit = t.shared.audit_timeout;
-            let cleaned = bounded(Stage::Cleanup, limit, call_contained(cleanup), &mut next).await;
+            let cleaned = bounded(Stage::Cleanup, limit, call_contained(*cleanup), &mut next).await;
             if let Err(err) = cleaned {
                 match &result {
                     Err(fail) => fail.attach(Stage::Cleanup, err),

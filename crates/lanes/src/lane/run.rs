@@ -125,7 +125,14 @@ impl<T: Send + 'static> Finalize<T> for Passthrough {
     }
 }
 
-pub(crate) type Cleanup = Box<dyn FnOnce() -> BoxFuture<'static, Result<(), BoxError>> + Send>;
+/// A run's cleanup, behind a thin pointer: a run without one holds a null word, written whole.
+/// As a (two-word) `Box<dyn FnOnce>`, its `None` wrote only the data pointer, and a move of the
+/// run (into a refusal, say) that read it back as part of a 16-byte load stalled on store
+/// forwarding, as the [`Timeout`]s did. A cleanup costs one more allocation for it.
+pub(crate) type Cleanup = Box<CleanupFn>;
+
+/// What [`Cleanup`] points to.
+type CleanupFn = Box<dyn FnOnce() -> BoxFuture<'static, Result<(), BoxError>> + Send>;
 
 /// A unit of work for a lane: a job plus a finalizer that receives its outcome exactly once.
 ///
@@ -271,10 +278,11 @@ impl<J: Job, F> Run<J, F> {
         Fut: Future<Output = Result<(), E>> + Send + 'static,
         E: Into<BoxError> + 'static,
     {
-        self.cleanup = Some(Box::new(move || {
+        let cleanup: CleanupFn = Box::new(move || {
             let fut = cleanup();
             Box::pin(async move { fut.await.map_err(Into::into) })
-        }));
+        });
+        self.cleanup = Some(Box::new(cleanup));
         self
     }
 
