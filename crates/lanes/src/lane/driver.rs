@@ -22,7 +22,7 @@ use super::audit::{Audit, AuditEvent, AuditKind};
 use super::core::{Admitted, Shut};
 use super::error::{PanicError, PoisonError, Reason, RunFailure, Stage, TimeoutError};
 use super::handle::SetShared;
-use super::run::{Cleanup, Finalize, Job, Participation, RunContext, RunId};
+use super::run::{Cleanup, Finalize, Job, Participation, RunContext, RunId, Timeout};
 use super::signal::{Decision, RunSignal};
 use crate::BoxError;
 use crate::limit::{Permit, Throttle};
@@ -37,8 +37,10 @@ pub(super) struct Ticket {
     pub(super) info: TicketInfo,
     pub(super) start: Start,
     pub(super) signal: Arc<RunSignal>,
-    pub(super) queue_timeout: Option<Duration>,
-    pub(super) execution_timeout: Option<Duration>,
+    /// Whole words (see [`Timeout`]): the ticket is moved into the run's boxed future right
+    /// after it is written.
+    pub(super) queue_timeout: Timeout,
+    pub(super) execution_timeout: Timeout,
     pub(super) limit: Option<Throttle>,
 }
 
@@ -424,7 +426,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         Woke::Decided(Decision::Waiting) => unreachable!("only decisions wake the queue wait"),
         Woke::Cancelled(reason) => reason,
     };
-    let cause = match (reason, t.queue_timeout) {
+    let cause = match (reason, t.queue_timeout.get()) {
         (Reason::Timeout, Some(limit)) => {
             Some(Box::new(TimeoutError::new(Stage::Queue, limit)) as BoxError)
         }
@@ -515,7 +517,7 @@ async fn await_permit(
         Woke::Permit(Err(err)) => (Reason::Limit, Some(Box::new(err) as BoxError)),
         Woke::Shut(why) => return shut_failure(why),
         Woke::Cancelled(reason) => {
-            let cause = match (reason, t.queue_timeout) {
+            let cause = match (reason, t.queue_timeout.get()) {
                 (Reason::Timeout, Some(limit)) => {
                     Some(Box::new(TimeoutError::new(Stage::Queue, limit)) as BoxError)
                 }
@@ -543,7 +545,7 @@ async fn execute<J: Job>(t: &Ticket, job: J, permit: Option<Permit>) -> Result<J
         Err((Stage::Execution, Reason::Panic, Some(cause)))
     };
     // The execution clock starts at grant (the run's permit, if any, is held already).
-    let mut deadline = Deadline::new(t.execution_timeout.map(|limit| Instant::now() + limit));
+    let mut deadline = Deadline::new(t.execution_timeout.get().map(|limit| Instant::now() + limit));
     // Dropped when this function returns: after the job, before the finalizer.
     let _permit = permit;
     let cx = RunContext {
@@ -601,7 +603,7 @@ async fn execute<J: Job>(t: &Ticket, job: J, permit: Option<Permit>) -> Result<J
             }
         },
     };
-    let cause = match (reason, t.execution_timeout) {
+    let cause = match (reason, t.execution_timeout.get()) {
         (Reason::Timeout, Some(limit)) => {
             Some(Box::new(TimeoutError::new(Stage::Execution, limit)) as BoxError)
         }

@@ -662,8 +662,8 @@ impl SetShared {
                     info,
                     start,
                     signal,
-                    queue_timeout: queue_timeout.get(),
-                    execution_timeout: execution_timeout.get(),
+                    queue_timeout,
+                    execution_timeout,
                     limit,
                 };
                 Ok(((ticket, Callbacks { job, finalizer, cleanup }), prepared))
