@@ -9,10 +9,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use lanes::Run;
-use lanes_benches::scenarios::{HandRolled, hand_rolled, lane, lane_runs};
+use lanes_benches::scenarios::{HandRolled, full_lane, hand_rolled, lane, lane_runs, refuse};
 use lanes_benches::{Done, Flavor, calibrate, config};
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::mpsc;
 
 /// Runs per measured batch.
 const RUNS: u64 = 1_000;
@@ -116,22 +115,8 @@ fn reject(c: &mut Criterion) {
     let rt = Flavor::CurrentThread.runtime();
     let _guard = rt.enter();
     // One slot, no waiting room, held by a job that never ends while we measure.
-    let full = lane(1, 0);
-    let hold = Arc::new(Semaphore::new(0));
-    {
-        let hold = hold.clone();
-        full.spawn(Run::typed(move |_cx| async move {
-            let _ = hold.acquire().await;
-            Ok::<(), Infallible>(())
-        }))
-        .expect("first run admitted");
-    }
-    group.bench_function("lanes", |b| {
-        b.iter(|| {
-            let refused = full.spawn(Run::typed(|_cx| ready(Ok::<(), Infallible>(()))));
-            black_box(refused.is_err())
-        })
-    });
+    let (full, hold) = full_lane();
+    group.bench_function("lanes", |b| b.iter(|| black_box(refuse(&full))));
     let hand = HandRolled::new(1, 0);
     let _held = hand.outer.clone().try_acquire_owned().expect("first permit");
     group.bench_function("hand_rolled_two_semaphores", |b| {

@@ -102,6 +102,26 @@ pub fn lane(concurrent: usize, queued: usize) -> Lane {
         .expect("lane exists")
 }
 
+/// Suite 2's reject path: a lane of one execution slot and no waiting room, held by a run
+/// that waits until the returned semaphore gets a permit (add one to end it).
+pub fn full_lane() -> (Lane, Arc<Semaphore>) {
+    let full = lane(1, 0);
+    let hold = Arc::new(Semaphore::new(0));
+    let held = hold.clone();
+    let holder = Run::typed(move |_cx| async move {
+        let _ = held.acquire().await;
+        Ok::<(), Infallible>(())
+    });
+    full.spawn(holder).expect("first run admitted");
+    (full, hold)
+}
+
+/// One admission into a [`full_lane`]: whether it was refused (always, while the lane is held).
+#[inline]
+pub fn refuse(full: &Lane) -> bool {
+    full.spawn(Run::typed(|_cx| ready(Ok::<(), Infallible>(())))).is_err()
+}
+
 /// `runs` background runs of a no-op job whose finalizer counts completion, admitted at once;
 /// returns when every finalizer has run.
 pub async fn lane_runs(lane: Lane, runs: u64) {

@@ -76,14 +76,13 @@ use std::sync::Arc;
 use governor::{Quota, RateLimiter};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes::{LimitSpec, Limits, Priority, Run, WaitQueue};
+use lanes::{LimitSpec, Limits, Priority, WaitQueue};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    FairQueueCell, HandRolled, PER_TASK, Permits, RECORDS, channel_block, contended, hand_rolled,
-    kanal_block, lane, lane_runs, next_batch_block, recv_many_block, tokio_block,
+    FairQueueCell, HandRolled, PER_TASK, Permits, RECORDS, channel_block, contended, full_lane,
+    hand_rolled, kanal_block, lane, lane_runs, next_batch_block, recv_many_block, refuse,
+    tokio_block,
 };
-use std::convert::Infallible;
-use std::future::ready;
 use std::num::NonZeroU32;
 use tokio::sync::Semaphore;
 
@@ -197,20 +196,11 @@ fn main() {
             (checks, start.elapsed())
         }),
         "reject" => rt.block_on(async {
-            // Suite 2's reject path: one slot, no waiting room, held by a job that never ends.
-            let full = lane(1, 0);
-            let hold = Arc::new(Semaphore::new(0));
-            let held = hold.clone();
-            full.spawn(Run::typed(move |_cx| async move {
-                let _ = held.acquire().await;
-                Ok::<(), Infallible>(())
-            }))
-            .expect("first run admitted");
+            let (full, hold) = full_lane();
             let checks = rounds * CHECKS;
             let start = Instant::now();
             for _ in 0..checks {
-                let refused = full.spawn(Run::typed(|_cx| ready(Ok::<(), Infallible>(()))));
-                black_box(refused.is_err());
+                black_box(refuse(&full));
             }
             let elapsed = start.elapsed();
             hold.add_permits(1);
