@@ -339,7 +339,8 @@ async fn queued_cancellation_finalizes_exactly_once_with_the_callers_error() {
         .unwrap();
     let err = timed.await.unwrap_err();
     assert_eq!((err.stage(), err.reason()), (Stage::Queue, Reason::Timeout));
-    assert!(err.cause().unwrap().downcast_ref::<TimeoutError>().is_some());
+    let timeout = err.cause().unwrap().downcast_ref::<TimeoutError>().unwrap();
+    assert_eq!((timeout.stage(), timeout.after()), (Stage::Queue, Duration::from_secs(1)));
     let seen = finals.failures();
     assert_eq!(seen.len(), 2);
     assert!(RunFailure::ptr_eq(&seen[1], &err), "same failure, not a copy");
@@ -628,8 +629,261 @@ async fn audit_events_precede_the_finalizer_and_failures_are_handled() {
         .await
         .unwrap_err();
     assert_eq!((err.stage(), err.reason()), (Stage::Start, Reason::Audit));
-    assert!(err.cause().unwrap().downcast_ref::<TimeoutError>().is_some());
+    let timeout = err.cause().unwrap().downcast_ref::<TimeoutError>().unwrap();
+    assert_eq!((timeout.stage(), timeout.after()), (Stage::Start, Duration::from_secs(1)));
     assert_eq!(ran.load(Ordering::SeqCst), 1, "a failed start audit means the job never ran");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_slow_or_panicking_audit_fails_the_run_at_its_stage() {
+    // 0: the completed event fails; 1: it outlasts the audit timeout; 2: the start event panics.
+    let mode = Arc::new(AtomicUsize::new(0));
+    let lanes = {
+        let mode = mode.clone();
+        builder()
+            .lane("work", LaneLimits::new(1, 1))
+            .audit(move |event: AuditEvent| {
+                let mode = mode.load(Ordering::SeqCst);
+                async move {
+                    match (mode, event.kind) {
+                        (0, AuditKind::Completed) => Err(std::io::Error::other("audit down")),
+                        (1, AuditKind::Completed) => {
+                            sleep(Duration::from_secs(10)).await;
+                            Ok(())
+                        }
+                        (2, AuditKind::Started) => panic!("audit secret"),
+                        _ => Ok(()),
+                    }
+                }
+            })
+            .build()
+            .unwrap()
+    };
+    let finals = Finals::default();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let run = |finals: &Finals, ran: &Arc<AtomicUsize>| {
+        let (finals, ran) = (finals.clone(), ran.clone());
+        Run::typed(move |_cx| async move {
+            ran.fetch_add(1, Ordering::SeqCst);
+            Res::Ok(7)
+        })
+        .finalizer(move |outcome: Result<u32, RunFailure>| {
+            finals.push(outcome.clone());
+            async move { outcome }
+        })
+    };
+
+    let err = lanes.run("work", run(&finals, &ran)).unwrap().await.unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Terminal, Reason::Audit));
+    assert_eq!(err.cause().unwrap().to_string(), "audit down");
+    assert!(RunFailure::ptr_eq(&finals.failures()[0], &err), "the finalizer saw this failure");
+
+    mode.store(1, Ordering::SeqCst);
+    let started = tokio::time::Instant::now();
+    let err = lanes.run("work", run(&finals, &ran)).unwrap().await.unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Terminal, Reason::Audit));
+    let timeout = err.cause().unwrap().downcast_ref::<TimeoutError>().unwrap();
+    assert_eq!((timeout.stage(), timeout.after()), (Stage::Terminal, Duration::from_secs(1)));
+    assert_eq!(started.elapsed(), Duration::from_secs(1), "bounded by the audit timeout");
+
+    mode.store(2, Ordering::SeqCst);
+    let err = lanes.run("work", run(&finals, &ran)).unwrap().await.unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Start, Reason::Audit));
+    let panicked = err.cause().unwrap().downcast_ref::<PanicError>().unwrap();
+    assert_eq!(panicked.stage(), Stage::Start);
+    assert!(!format!("{err} {err:?}").contains("secret"), "panic payloads never leak");
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        2,
+        "the job of a run whose start audit failed never ran"
+    );
+    assert_eq!(finals.len(), 3, "one finalizer call per run");
+}
+
+#[tokio::test(start_paused = true)]
+async fn cleanup_runs_once_after_the_finalizer_bounded_and_contained() {
+    let lanes = set(&[("work", 1, 1)]);
+    let log = Arc::new(Mutex::new(Vec::<&str>::new()));
+    let logged = |log: &Arc<Mutex<Vec<&'static str>>>, what: &'static str| {
+        let log = log.clone();
+        move || {
+            log.lock().unwrap().push(what);
+        }
+    };
+    let job = |_cx| async { Res::Ok(1) };
+
+    // A successful cleanup: once, after the finalizer; the run succeeds.
+    let (fin, clean) = (logged(&log, "finalizer"), logged(&log, "cleanup"));
+    let value = lanes
+        .run(
+            "work",
+            Run::typed(job)
+                .finalizer(move |outcome: Result<u32, RunFailure>| {
+                    fin();
+                    async move { outcome }
+                })
+                .cleanup(move || {
+                    clean();
+                    async { Res::Ok(()) }
+                }),
+        )
+        .unwrap()
+        .await
+        .unwrap();
+    assert_eq!(value, 1);
+    assert_eq!(*log.lock().unwrap(), ["finalizer", "cleanup"]);
+
+    // A failing cleanup fails an otherwise successful run at its stage.
+    let err = lanes
+        .run(
+            "work",
+            Run::typed(job).cleanup(|| async { Err::<(), _>(std::io::Error::other("clean")) }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Cleanup, Reason::Cleanup));
+    assert_eq!(err.cause().unwrap().to_string(), "clean");
+
+    // A slow one is bounded by the audit timeout.
+    let started = tokio::time::Instant::now();
+    let err = lanes
+        .run(
+            "work",
+            Run::typed(job).cleanup(|| async {
+                sleep(Duration::from_secs(60)).await;
+                Res::Ok(())
+            }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    let timeout = err.cause().unwrap().downcast_ref::<TimeoutError>().unwrap();
+    assert_eq!((timeout.stage(), timeout.after()), (Stage::Cleanup, Duration::from_secs(1)));
+    assert_eq!(started.elapsed(), Duration::from_secs(1));
+
+    // A panic, in the closure or in its future, is contained and redacted.
+    let closure_panics = lanes
+        .run(
+            "work",
+            Run::typed(job).cleanup(|| -> std::future::Ready<Res<()>> { panic!("cleanup secret") }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    let future_panics = lanes
+        .run(
+            "work",
+            Run::typed(job).cleanup(|| async {
+                if true {
+                    panic!("cleanup secret");
+                }
+                Res::Ok(())
+            }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    for err in [closure_panics, future_panics] {
+        assert_eq!(err.stage(), Stage::Cleanup);
+        let panicked = err.cause().unwrap().downcast_ref::<PanicError>().unwrap();
+        assert_eq!(panicked.stage(), Stage::Cleanup);
+        assert!(!format!("{err} {err:?}").contains("secret"));
+    }
+
+    // The run owns its place until its cleanup has finished.
+    let gate = Gate::new();
+    let cleaning = {
+        let gate = gate.clone();
+        let cleanup = move || async move {
+            gate.wait().await;
+            Res::Ok(())
+        };
+        lanes.run("work", Run::typed(job).cleanup(cleanup)).unwrap()
+    };
+    settle().await;
+    assert_eq!(lanes.snapshot().lanes[0].owned, 1, "owned while its cleanup runs");
+    gate.open();
+    cleaning.await.unwrap();
+    assert_eq!(lanes.snapshot().lanes[0].owned, 0);
+
+    // A run refused and admitted again keeps its cleanup, and it runs once.
+    let full = set(&[("work", 1, 0)]);
+    let gate = Gate::new();
+    let holder = {
+        let gate = gate.clone();
+        let job = move |_cx| async move {
+            gate.wait().await;
+            Res::Ok(())
+        };
+        full.run("work", Run::typed(job))
+    }
+    .unwrap();
+    let counted = Arc::new(AtomicUsize::new(0));
+    let run = {
+        let counted = counted.clone();
+        Run::typed(job).cleanup(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Res::Ok(()) }
+        })
+    };
+    let refused = full.run("work", run).unwrap_err();
+    assert_eq!(refused.kind(), AdmissionErrorKind::Full);
+    gate.open();
+    holder.await.unwrap();
+    full.run("work", refused.into_run()).unwrap().await.unwrap();
+    assert_eq!(counted.load(Ordering::SeqCst), 1);
+    full.close();
+    full.drained().await;
+    assert_eq!(counted.load(Ordering::SeqCst), 1, "once, not again at the drain");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiting_terminal_audit_or_cleanup_starts_the_run_it_granted_its_slot_to() {
+    // The first run's slot goes to the queued second run when its job ends; the first run then
+    // waits (in its terminal audit, or its cleanup). The second must start meanwhile, not after.
+    for waits_in in ["audit", "cleanup"] {
+        let gate = Gate::new();
+        let mut builder = builder().lane("work", LaneLimits::new(1, 2));
+        if waits_in == "audit" {
+            let gate = gate.clone();
+            let first = Arc::new(AtomicUsize::new(0));
+            builder = builder.audit(move |event: AuditEvent| {
+                let (gate, first) = (gate.clone(), first.clone());
+                async move {
+                    let is_first_end = matches!(event.kind, AuditKind::Completed)
+                        && first.fetch_add(1, Ordering::SeqCst) == 0;
+                    if is_first_end {
+                        gate.wait().await;
+                    }
+                    Ok::<(), std::io::Error>(())
+                }
+            });
+        }
+        let lanes = builder.build().unwrap();
+        let mut run_a = Run::typed(|_cx| async { Res::Ok(()) });
+        if waits_in == "cleanup" {
+            let gate = gate.clone();
+            run_a = run_a.cleanup(move || async move {
+                gate.wait().await;
+                Res::Ok(())
+            });
+        }
+        let (started_tx, started_rx) = oneshot::channel();
+        let run_b = Run::typed(move |_cx| async move {
+            started_tx.send(()).unwrap();
+            Res::Ok(())
+        });
+        lanes.spawn("work", run_a).unwrap();
+        lanes.spawn("work", run_b).unwrap();
+        let started = tokio::time::timeout(Duration::from_millis(100), started_rx).await;
+        assert!(started.is_ok(), "run b started while run a waits in its {waits_in}");
+        gate.open();
+        lanes.close();
+        lanes.drained().await;
+        let lane = &lanes.snapshot().lanes[0];
+        assert_eq!((lane.completed, lane.owned), (2, 0), "{waits_in}");
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -913,6 +1167,9 @@ async fn a_run_takes_its_limit_before_its_slot_and_returns_it_before_the_finaliz
         .unwrap_err();
     assert_eq!((err.stage(), err.reason()), (Stage::Queue, Reason::Timeout));
     assert!(err.is_queue_failure());
+    // The queue's timeout, not the execution's: each is the run's own.
+    let timeout = err.cause().unwrap().downcast_ref::<TimeoutError>().unwrap();
+    assert_eq!((timeout.stage(), timeout.after()), (Stage::Queue, Duration::from_secs(1)));
     assert_eq!(ran.load(Ordering::SeqCst), 0);
     assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "the wait was withdrawn");
 }

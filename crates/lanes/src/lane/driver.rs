@@ -24,21 +24,24 @@ use super::error::{PanicError, PoisonError, Reason, RunFailure, Stage, TimeoutEr
 use super::handle::SetShared;
 use super::run::{Cleanup, Finalize, Job, Participation, RunContext, RunId, Timeout};
 use super::signal::{Decision, RunSignal};
-use crate::BoxError;
 use crate::limit::{Permit, Throttle};
 use crate::util::{CatchUnwind, Panicked, call_contained};
+use crate::{BoxError, BoxFuture};
 
 /// An admitted run, on its way to its driver task, without its job and finalizer.
 ///
-/// `drive` keeps it as its one argument for its whole life (an async fn's arguments stay in its
-/// state machine), so the run's data lives there once instead of being copied into locals.
+/// `drive`'s future owns it for the run's whole life and borrows it (`drive` returns an
+/// `async` block, which keeps its captures once, where an async fn would copy its arguments
+/// into locals), so the run's data lives there once.
+///
+/// Its timeouts are whole words ([`Timeout`]), not `Option<Duration>`s: a ticket is moved into
+/// the run's boxed future right after it is written, and a `None` duration is a 4-byte write
+/// that such a move reads back as part of a wider load.
 pub(super) struct Ticket {
     pub(super) shared: Arc<SetShared>,
     pub(super) info: TicketInfo,
     pub(super) start: Start,
     pub(super) signal: Arc<RunSignal>,
-    /// Whole words (see [`Timeout`]): the ticket is moved into the run's boxed future right
-    /// after it is written.
     pub(super) queue_timeout: Timeout,
     pub(super) execution_timeout: Timeout,
     pub(super) limit: Option<Throttle>,
@@ -218,12 +221,12 @@ impl Ticket {
         RunFailure::new(run_id, self.lane_name(), participation, stage, reason, cause)
     }
 
-    /// Records an audit event, bounded by `audit_timeout`. `Ok` at once without a hook (no
-    /// future to set up: that cost a run about fifty instructions); boxed with one, to keep the
-    /// run's state machine small for the common case.
+    /// Records an audit event, bounded by `audit_timeout`. `Ok` at once without a hook, with
+    /// no future set up; boxed with one, to keep the run's state machine small for the common
+    /// case.
     fn audit<'a>(&'a self, kind: AuditKind, next: &'a mut Next) -> Audited<'a> {
         Audited(self.shared.audit.as_ref().map(|audit| {
-            Box::pin(self.record(audit, kind, next)) as Pin<Box<dyn AuditFuture + 'a>>
+            Box::pin(self.record(audit, kind, next)) as BoxFuture<'a, Result<(), BoxError>>
         }))
     }
 
@@ -248,13 +251,9 @@ impl Ticket {
     }
 }
 
-/// The future of a hook's audit record.
-trait AuditFuture: Future<Output = Result<(), BoxError>> + Send {}
-
-impl<T: Future<Output = Result<(), BoxError>> + Send> AuditFuture for T {}
-
 /// An audit record in progress ([`Ticket::audit`]): none without a hook.
-struct Audited<'a>(Option<Pin<Box<dyn AuditFuture + 'a>>>);
+#[must_use = "an audit records nothing unless awaited"]
+struct Audited<'a>(Option<BoxFuture<'a, Result<(), BoxError>>>);
 
 impl Future for Audited<'_> {
     type Output = Result<(), BoxError>;
@@ -271,10 +270,10 @@ impl Future for Audited<'_> {
 ///
 /// An `async` block rather than an `async fn`: an async fn copies its arguments into locals, so
 /// its state machine would hold them twice.
-#[allow(clippy::manual_async_fn, reason = "an async fn would hold its arguments twice")]
 ///
 /// `end` receives the run's result and the parked run it granted its slot to: [`background`]
 /// or [`blocking`] (a function, so that no wrapping future stores this one twice).
+#[allow(clippy::manual_async_fn, reason = "an async fn would hold its arguments twice")]
 pub(super) fn drive<J, F, O>(
     t: Ticket,
     callbacks: Callbacks<J, F>,

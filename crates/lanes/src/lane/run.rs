@@ -461,3 +461,19 @@ impl<U> fmt::Debug for RunHandle<U> {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_runs_optional_parts_are_whole_words() {
+        // A run is moved (into a refusal, into its driver's future) right after it is built;
+        // an optional part whose `None` writes part of a word stalls that move (see `Cleanup`
+        // and `Timeout`). A two-word cleanup or an `Option<Duration>` fails these.
+        assert_eq!(std::mem::size_of::<Option<Cleanup>>(), std::mem::size_of::<usize>());
+        assert_eq!(std::mem::size_of::<Timeout>(), 8);
+        assert_eq!(Timeout::NONE.get(), None);
+        assert_eq!(Timeout::new(Duration::from_secs(3)).get(), Some(Duration::from_secs(3)));
+    }
+}
