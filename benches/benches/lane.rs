@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use lanes_benches::scenarios::{HandRolled, full_lane, hand_rolled, lane, lane_runs, refuse};
+use lanes_benches::scenarios::{
+    HandRolled, full_hand_rolled, full_lane, hand_rolled, lane, lane_runs, refuse,
+    refuse_hand_rolled,
+};
 use lanes_benches::{Done, Flavor, calibrate, config};
 use tokio::sync::mpsc;
 
@@ -117,10 +120,9 @@ fn reject(c: &mut Criterion) {
     // One slot, no waiting room, held by a job that never ends while we measure.
     let (full, hold) = full_lane();
     group.bench_function("lanes", |b| b.iter(|| black_box(refuse(&full))));
-    let hand = HandRolled::new(1, 0);
-    let _held = hand.outer.clone().try_acquire_owned().expect("first permit");
+    let (hand, _held) = full_hand_rolled();
     group.bench_function("hand_rolled_two_semaphores", |b| {
-        b.iter(|| black_box(hand.outer.clone().try_acquire_owned().is_err()))
+        b.iter(|| black_box(refuse_hand_rolled(&hand)))
     });
     let (tx, _rx) = mpsc::channel::<()>(1);
     tx.try_send(()).expect("first message");

@@ -159,6 +159,20 @@ impl HandRolled {
     }
 }
 
+/// Suite 2's reject path through the hand-rolled lane: its outer semaphore's one permit is
+/// taken and kept in the returned permit.
+pub fn full_hand_rolled() -> (HandRolled, tokio::sync::OwnedSemaphorePermit) {
+    let hand = HandRolled::new(1, 0);
+    let held = hand.outer.clone().try_acquire_owned().expect("first permit");
+    (hand, held)
+}
+
+/// One admission into a [`full_hand_rolled`] lane: whether it was refused (always).
+#[inline]
+pub fn refuse_hand_rolled(full: &HandRolled) -> bool {
+    full.outer.clone().try_acquire_owned().is_err()
+}
+
 /// [`lane_runs`] through the hand-rolled lane: `runs` tasks admitted at once, each taking an
 /// execution slot, running the no-op job and counting its "finalizer".
 pub async fn hand_rolled(lane: HandRolled, runs: u64) {

@@ -79,9 +79,9 @@ use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
 use lanes::{LimitSpec, Limits, Priority, WaitQueue};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    FairQueueCell, HandRolled, PER_TASK, Permits, RECORDS, channel_block, contended, full_lane,
-    hand_rolled, kanal_block, lane, lane_runs, next_batch_block, recv_many_block, refuse,
-    tokio_block,
+    FairQueueCell, HandRolled, PER_TASK, Permits, RECORDS, channel_block, contended,
+    full_hand_rolled, full_lane, hand_rolled, kanal_block, lane, lane_runs, next_batch_block,
+    recv_many_block, refuse, refuse_hand_rolled, tokio_block,
 };
 use std::num::NonZeroU32;
 use tokio::sync::Semaphore;
@@ -207,12 +207,11 @@ fn main() {
             (checks, elapsed)
         }),
         "reject-hand-rolled" => rt.block_on(async {
-            let hand = HandRolled::new(1, 0);
-            let _held = hand.outer.clone().try_acquire_owned().expect("first permit");
+            let (hand, _held) = full_hand_rolled();
             let checks = rounds * CHECKS;
             let start = Instant::now();
             for _ in 0..checks {
-                black_box(hand.outer.clone().try_acquire_owned().is_err());
+                black_box(refuse_hand_rolled(&hand));
             }
             (checks, start.elapsed())
         }),
