@@ -1,7 +1,8 @@
 //! Both sides of the suite-1 contended permit cell (ours and tokio's `Semaphore`), of the
-//! suite-2 lane cell (ours and the hand-rolled two-semaphore lane) and of the suite-3
-//! block-mode cells (ours and tokio mpsc), and suite 7's pop + push of the wait queue, shared by the criterion benches and the fixed-work
-//! and paired drivers (`src/bin/`), so all of them run the same code.
+//! suite-2 lane and reject cells (ours and the hand-rolled two-semaphore lane) and of the
+//! suite-3 block-mode cells (ours and tokio mpsc), and suite 7's pop + push of the wait queue,
+//! shared by the criterion benches and the fixed-work and paired drivers (`src/bin/`), so all
+//! of them run the same code.
 
 use std::convert::Infallible;
 use std::future::ready;

@@ -67,9 +67,7 @@ impl Priority {
     pub(crate) fn effective_weight(&self) -> u32 {
         self.fairness_weight.max(1)
     }
-}
 
-impl Priority {
     /// [`Priority::default()`], as a constant a `static` can borrow.
     pub(crate) const DEFAULT: Self = Self { level: 0, fairness_key: None, fairness_weight: 1 };
 }
