@@ -314,6 +314,72 @@ async fn rejection_happens_before_ownership() {
     assert_eq!((lane.admitted, lane.rejected.full, lane.rejected.closed), (2, 1, 1));
 }
 
+/// A full lane refuses without its lock and counts the refusal on the refusing thread: the
+/// snapshot must still see every refusal from every thread exactly once, with the ones counted
+/// under the lock (a wait for room that gave up) beside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn refusals_from_many_threads_are_each_counted_once() {
+    let lanes = set(&[("work", 1, 0), ("idle", 1, 1)]);
+    let gate = Gate::new();
+    let (log, finals) = (Arc::new(Mutex::new(Vec::new())), Finals::default());
+    let held = lanes.run("work", gated(1, &gate, &log, &finals)).unwrap();
+    let tasks: Vec<_> = (0..8u64)
+        .map(|task| {
+            let lanes = lanes.clone();
+            tokio::spawn(async move {
+                let mut refused = 0;
+                for i in 0..500u64 {
+                    let run =
+                        Run::typed(move |_cx| async move { Ok::<_, std::io::Error>(task + i) });
+                    let err = lanes.spawn("work", run).unwrap_err();
+                    assert_eq!(err.kind(), AdmissionErrorKind::Full);
+                    refused += 1;
+                    if i % 64 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                refused
+            })
+        })
+        .collect();
+    // From plain threads too, outside the runtime's workers.
+    let threads: Vec<_> = (0..3)
+        .map(|_| {
+            let lanes = lanes.clone();
+            let handle = tokio::runtime::Handle::current();
+            std::thread::spawn(move || {
+                let _guard = handle.enter();
+                (0..300)
+                    .filter(|_| {
+                        let run = Run::typed(|_cx| async { Ok::<_, std::io::Error>(0u64) });
+                        lanes.spawn("work", run).is_err()
+                    })
+                    .count()
+            })
+        })
+        .collect();
+    let mut refused = 0;
+    for task in tasks {
+        refused += task.await.unwrap();
+    }
+    for thread in threads {
+        refused += thread.join().unwrap();
+    }
+    assert_eq!(refused, 8 * 500 + 3 * 300);
+    // One more, counted under the lock: a wait for room that gives up.
+    let deadline = Some(tokio::time::Instant::now() + Duration::from_millis(20));
+    let run = Run::typed(|_cx| async { Ok::<_, std::io::Error>(0u64) });
+    let waited = lanes.spawn_wait("work", run, deadline).await.unwrap_err();
+    assert_eq!(waited.kind(), AdmissionErrorKind::Full, "the lane stays full while held");
+    refused += 1;
+    let snapshot = lanes.snapshot();
+    let (work, idle) = (&snapshot.lanes[0], &snapshot.lanes[1]);
+    assert_eq!(work.rejected.full, refused as u64, "every refusal, once");
+    assert_eq!((work.admitted, idle.rejected.full), (1, 0), "no other lane's count moved");
+    gate.open();
+    held.await.unwrap();
+}
+
 #[tokio::test(start_paused = true)]
 async fn queued_cancellation_finalizes_exactly_once_with_the_callers_error() {
     let lanes = set(&[("work", 1, 2)]);

@@ -49,7 +49,7 @@ use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use crate::BoxError;
 use crate::config::ConfigError;
 use crate::observe::{Observe, Snapshot};
-use crate::util::lock;
+use crate::util::{Tally, lock};
 
 const OPEN: u8 = 0;
 const CLOSED: u8 = 1;
@@ -70,9 +70,10 @@ pub(super) struct LaneShared {
     /// does not take the lane lock, and whoever takes it next counts them first
     /// ([`lock_core`](Self::lock_core)), so no reader of the core ever misses one.
     pub(super) completed: AtomicUsize,
-    /// Admissions refused `Full` without the lane lock, not counted by the core yet (counted
-    /// like `completed`).
-    pub(super) refused: AtomicUsize,
+    /// Admissions refused `Full` without the lane lock, which the core does not count: a
+    /// snapshot adds them to the core's. A tally, not an atomic: a refusal does nothing else
+    /// that costs, and under overload every thread refuses at once.
+    pub(super) refused: Tally,
     /// Runs owned, exactly: taken under the lane lock at admission, given back without it at
     /// completion. A lane it shows full refuses without taking its lock.
     pub(super) owned: AtomicUsize,
@@ -142,11 +143,6 @@ impl LaneShared {
         if self.completed.load(Ordering::SeqCst) > 0 {
             core.complete_many(self.completed.swap(0, Ordering::SeqCst));
         }
-        if self.refused.load(Ordering::Relaxed) > 0 {
-            for _ in 0..self.refused.swap(0, Ordering::Relaxed) {
-                core.count_rejected(AdmissionErrorKind::Full);
-            }
-        }
         core
     }
 
@@ -213,7 +209,7 @@ impl LaneSet {
                 room: Notify::new(),
                 waiting: AtomicUsize::new(0),
                 completed: AtomicUsize::new(0),
-                refused: AtomicUsize::new(0),
+                refused: Tally::default(),
                 owned: AtomicUsize::new(0),
             })
             .collect();
@@ -616,7 +612,7 @@ impl SetShared {
         let full = lane.owned.load(Ordering::SeqCst) >= lane.limits.capacity();
         if full && self.state.load(Ordering::Relaxed) == OPEN {
             if count_full {
-                lane.refused.fetch_add(1, Ordering::Relaxed);
+                lane.refused.add_one();
                 lane.metrics.rejected.increment(1);
             }
             let kind = AdmissionErrorKind::Full;
@@ -776,6 +772,9 @@ impl SetShared {
         let lane = &self.lanes[index];
         let core = lane.lock_core();
         let counters = core.counters();
+        let mut rejected = counters.rejected;
+        // After the core's lock: every refusal without it that happened before is in the tally.
+        rejected.full += lane.refused.total();
         LaneSnapshot {
             name: lane.name.to_string(),
             limits: lane.limits,
@@ -783,7 +782,7 @@ impl SetShared {
             queued: core.queued(),
             owned: core.owned(),
             admitted: counters.admitted,
-            rejected: counters.rejected,
+            rejected,
             completed: counters.completed,
             failed: counters.failed,
             max_executing: counters.max_executing,

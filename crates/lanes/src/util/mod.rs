@@ -1,6 +1,8 @@
-//! Small shared helpers: panic containment for futures and callbacks, and the FIFO list of
-//! waiting tasks every primitive's blocked callers queue in.
+//! Small shared helpers: panic containment for futures and callbacks, the FIFO list of
+//! waiting tasks every primitive's blocked callers queue in, and a per-thread tally for counts
+//! added on hot paths.
 
+mod tally;
 mod wait_list;
 
 use std::collections::HashMap;
@@ -10,6 +12,7 @@ use std::pin::Pin;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
+pub(crate) use tally::Tally;
 pub(crate) use wait_list::{WaitKey, WaitList};
 
 /// The one copy of `name` kept for the life of the process: names that identify configured
