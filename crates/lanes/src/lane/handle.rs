@@ -567,12 +567,9 @@ where
     F: Finalize<J::Output>,
 {
     let participation = Participation::Background;
-    // The runtime is taken before admission: outside one, this panics with nothing admitted.
-    // (It is dropped on this thread: a handle dropped on another thread would bounce its
-    // reference count between cores, a tenth of a run's cost on two threads.)
-    let current = tokio::runtime::Handle::current;
-    let ((ticket, callbacks), runtime) =
-        shared.admit(index, participation, run, count_full, current)?;
+    // The runtime is checked before admission: outside one, this panics with nothing admitted.
+    let ((ticket, callbacks), ()) =
+        shared.admit(index, participation, run, count_full, in_runtime)?;
     let run_id = ticket.info.run_id;
     // Nothing to time and nobody to answer: a queued run without a deadline waits as data,
     // and its task is spawned when the lane decides (or it is cancelled), on this runtime.
@@ -582,12 +579,21 @@ where
     match signal {
         Some(signal) => {
             // A shut made from outside this runtime spawns the parked runs it fails here.
-            shared.runtime.get_or_init(|| runtime);
+            shared.runtime.get_or_init(tokio::runtime::Handle::current);
             signal.park(Parked(step));
         }
-        None => drop(runtime.spawn(work(step))),
+        None => drop(tokio::spawn(work(step))),
     }
     Ok(run_id)
+}
+
+/// Panics outside a tokio runtime. Inside a task, the common case, its id says so without
+/// cloning the runtime's handle: a clone and its drop are two locked writes to a reference
+/// count every admitting thread shares, a fifth of a background admission on two workers.
+fn in_runtime() {
+    if tokio::task::try_id().is_none() {
+        drop(tokio::runtime::Handle::current());
+    }
 }
 
 impl SetShared {
