@@ -15,7 +15,7 @@
 
 use std::pin::pin;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 
 use tokio::sync::Notify;
@@ -65,6 +65,9 @@ pub(crate) struct RunSignal {
     cancel: AtomicU8,
     /// The driver task's waker, or the parked run whose driver is not spawned yet.
     driver: Mutex<Driver>,
+    /// Whether the driver task ever left its waker in `driver`: written and read by the
+    /// driver task alone, so that a run that never waited forgets no waker under the lock.
+    registered: AtomicBool,
     /// Other waiters: only ever wait for cancellation.
     notify: Notify,
 }
@@ -84,6 +87,7 @@ impl RunSignal {
             slot: AtomicUsize::new(0),
             cancel: AtomicU8::new(0),
             driver: Mutex::new(Driver::None),
+            registered: AtomicBool::new(false),
             notify: Notify::new(),
         }
     }
@@ -96,6 +100,7 @@ impl RunSignal {
         *self.cancel.get_mut() = 0;
         *self.driver.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner) = Driver::None;
         self.driver.clear_poison();
+        *self.registered.get_mut() = false;
         self.notify = Notify::new();
     }
 
@@ -106,7 +111,13 @@ impl RunSignal {
     }
 
     /// The run's driver waits on the latches no more (its job ended): drops the waker it left.
+    /// Called by the driver task, which alone leaves a waker there: a driver that never waited
+    /// left none (a parked run's slot was emptied when it was started), and takes no lock.
     pub(super) fn forget_driver(&self) {
+        if !self.registered.load(Ordering::Relaxed) {
+            return;
+        }
+        self.registered.store(false, Ordering::Relaxed);
         let driver = std::mem::replace(&mut *lock(&self.driver), Driver::None);
         debug_assert!(!matches!(driver, Driver::Parked(_)), "an executed run is not parked");
         drop(driver);
@@ -219,6 +230,7 @@ impl RunSignal {
                 Driver::Task(waker) if same_waker(waker, cx.waker()) => {}
                 _ => *slot = Driver::Task(cx.waker().clone()),
             }
+            self.registered.store(true, Ordering::Relaxed);
         }
         // Re-read: a latch set before the registration did not see this waker.
         ready(self).map_or(Poll::Pending, Poll::Ready)
