@@ -132,6 +132,11 @@ impl<W> Slots<W> {
         Some(payload)
     }
 
+    /// The payload in `slot`, which is in use.
+    fn get(&self, slot: usize) -> &W {
+        self.slots[slot].as_ref().expect("a slot in use")
+    }
+
     fn iter(&self) -> impl Iterator<Item = &W> {
         self.slots.iter().flatten()
     }
@@ -248,8 +253,10 @@ impl<W: Clone> LaneCore<W> {
             let Some((seq, payload)) = self.queue.pop() else {
                 break;
             };
-            let slot = self.start(payload.clone());
-            on_grant(seq, slot, &payload);
+            // Moved, not cloned: a payload is a reference count, and its clone and drop would
+            // be two locked writes under the lane's lock.
+            let slot = self.start(payload);
+            on_grant(seq, slot, self.running.get(slot));
         }
     }
 
