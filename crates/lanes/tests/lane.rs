@@ -314,6 +314,52 @@ async fn rejection_happens_before_ownership() {
     assert_eq!((lane.admitted, lane.rejected.full, lane.rejected.closed), (2, 1, 1));
 }
 
+/// Completed runs give their ownership back without the lane lock and failed ones under it,
+/// from two workers at once, while callers wait for room: every run is counted once, as what
+/// it ended as, no waiter is left behind, and the lane owns nothing at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_and_failures_from_two_workers_reconcile_with_waiters_for_room() {
+    let lanes = set(&[("work", 2, 3)]);
+    let tasks: Vec<_> = (0..6u64)
+        .map(|task| {
+            let lanes = lanes.clone();
+            tokio::spawn(async move {
+                for i in 0..200u64 {
+                    let fails = (task + i) % 3 == 0;
+                    let run = Run::typed(move |_cx| async move {
+                        if i % 4 == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                        if fails { Err(std::io::Error::other("failed")) } else { Ok(i) }
+                    });
+                    lanes.spawn_wait("work", run, None).await.unwrap();
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    // Every run ends on its own before the close (which would fail the queued ones).
+    let ended = async {
+        while lanes.snapshot().owned > 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), ended).await.unwrap();
+    lanes.close();
+    lanes.drained().await;
+    let snapshot = lanes.snapshot();
+    let work = &snapshot.lanes[0];
+    let failing = (0..6u64).flat_map(|t| (0..200u64).map(move |i| (t + i) % 3 == 0));
+    let failing = failing.filter(|fails| *fails).count() as u64;
+    assert_eq!(work.admitted, 1_200);
+    assert_eq!((work.completed, work.failed.job), (1_200 - failing, failing));
+    assert_eq!(work.failed.total(), failing, "no other failure");
+    assert_eq!((work.owned, snapshot.owned), (0, 0));
+    assert_eq!(work.rejected.full, 0, "no waiter gave up");
+}
+
 /// A full lane refuses without its lock and counts the refusal on the refusing thread: the
 /// snapshot must still see every refusal from every thread exactly once, with the ones counted
 /// under the lock (a wait for room that gave up) beside them.

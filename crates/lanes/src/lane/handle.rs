@@ -66,16 +66,16 @@ pub(super) struct LaneShared {
     /// Callers waiting for room: a run that ends touches `room` only if there are any (the
     /// common case, nobody waiting, costs one load).
     pub(super) waiting: AtomicUsize,
-    /// Runs that completed successfully and that the core has not counted yet: a completion
-    /// does not take the lane lock, and whoever takes it next counts them first
-    /// ([`lock_core`](Self::lock_core)), so no reader of the core ever misses one.
-    pub(super) completed: AtomicUsize,
     /// Admissions refused `Full` without the lane lock, which the core does not count: a
     /// snapshot adds them to the core's. A tally, not an atomic: a refusal does nothing else
     /// that costs, and under overload every thread refuses at once.
     pub(super) refused: Tally,
-    /// Runs owned, exactly: taken under the lane lock at admission, given back without it at
-    /// completion. A lane it shows full refuses without taking its lock.
+    /// Runs owned, exactly: taken under the lane lock at admission, given back under it by a
+    /// failed run and without it by a completed one. A lane it shows full refuses without
+    /// taking its lock. Only completions change it outside the lock, so under the lock the
+    /// core's count of owned runs less this one is the completions the core has not counted
+    /// yet: whoever takes the lock next counts them first ([`lock_core`](Self::lock_core)),
+    /// and a completion writes one shared word, not two.
     pub(super) owned: AtomicUsize,
     pub(super) metrics: LaneMetrics,
 }
@@ -140,8 +140,11 @@ impl LaneShared {
     pub(super) fn lock_core(&self) -> MutexGuard<'_, LaneState> {
         let mut core = lock(&self.core);
         // SeqCst, against `complete`: see its comment on callers waiting for room.
-        if self.completed.load(Ordering::SeqCst) > 0 {
-            core.complete_many(self.completed.swap(0, Ordering::SeqCst));
+        let owned = self.owned.load(Ordering::SeqCst);
+        debug_assert!(owned <= core.owned(), "only completions give ownership back unlocked");
+        let completed = core.owned().saturating_sub(owned);
+        if completed > 0 {
+            core.complete_many(completed);
         }
         core
     }
@@ -208,7 +211,6 @@ impl LaneSet {
                 core: Mutex::new(LaneState::new(limits)),
                 room: Notify::new(),
                 waiting: AtomicUsize::new(0),
-                completed: AtomicUsize::new(0),
                 refused: Tally::default(),
                 owned: AtomicUsize::new(0),
             })
@@ -752,19 +754,24 @@ impl SetShared {
     /// Gives a run's ownership back (the run is over).
     pub(super) fn complete(&self, lane: usize, failure: Option<Reason>) {
         let shared = &self.lanes[lane];
-        shared.owned.fetch_sub(1, Ordering::SeqCst);
         match failure {
             // The common case takes no lock: the next locker counts it (see `lock_core`).
             None => {
-                shared.completed.fetch_add(1, Ordering::SeqCst);
+                shared.owned.fetch_sub(1, Ordering::SeqCst);
             }
-            Some(_) => shared.lock_core().complete(failure),
+            // Counted by the core before `owned` drops, both under the lock: the next locker
+            // must not take it for a completion.
+            Some(_) => {
+                let mut core = shared.lock_core();
+                core.complete(failure);
+                shared.owned.fetch_sub(1, Ordering::SeqCst);
+            }
         }
         shared.metrics.finished(failure);
         // One run's room: one waiter (a waiter that gave up passes it on). A waiter counts
-        // itself (SeqCst) before its first try, which reads `owned` and, under the lock, the
-        // completions (SeqCst, both written above): either the load below sees the waiter, or
-        // its try sees this room.
+        // itself (SeqCst) before its first try, which reads `owned` (SeqCst, written above),
+        // before and under the lock: either the load below sees the waiter, or its try sees
+        // this room.
         if shared.waiting.load(Ordering::SeqCst) > 0 {
             shared.room.notify_one();
         }
