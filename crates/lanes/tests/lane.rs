@@ -1605,6 +1605,19 @@ fn spawn_outside_a_runtime_admits_nothing() {
     assert_eq!((snapshot.owned, snapshot.lanes[0].admitted), (0, 0));
 }
 
+/// A caller waiting for its run (`run`) outside a runtime panics before anything is admitted
+/// too: the run is not left owned with no task to drive it.
+#[test]
+fn run_outside_a_runtime_admits_nothing() {
+    let lanes = set(&[("work", 1, 4)]);
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        lanes.run("work", Run::typed(|_cx| async { Res::Ok(()) })).map(|_| ())
+    }));
+    assert!(ran.is_err(), "no runtime: a panic");
+    let snapshot = lanes.snapshot();
+    assert_eq!((snapshot.owned, snapshot.lanes[0].admitted), (0, 0));
+}
+
 /// Closing from inside another, short-lived runtime still finalizes the parked runs, on the
 /// runtime that admitted them.
 #[test]

@@ -552,9 +552,12 @@ where
     F: Finalize<J::Output>,
 {
     let participation = Participation::Blocking;
-    let ((ticket, callbacks), ()) = shared.admit(index, participation, run, count_full, || ())?;
+    // As in `admit_background`: outside a runtime, this panics with nothing admitted.
+    let current = tokio::runtime::Handle::current;
+    let ((ticket, callbacks), runtime) =
+        shared.admit(index, participation, run, count_full, current)?;
     let (run_id, signal) = (ticket.info.run_id, ticket.signal.clone());
-    let join = tokio::spawn(Box::pin(drive(ticket, callbacks, blocking)));
+    let join = runtime.spawn(Box::pin(drive(ticket, callbacks, blocking)));
     Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
 }
 
@@ -569,9 +572,14 @@ where
     F: Finalize<J::Output>,
 {
     let participation = Participation::Background;
-    // The runtime is checked before admission: outside one, this panics with nothing admitted.
-    let ((ticket, callbacks), ()) =
-        shared.admit(index, participation, run, count_full, in_runtime)?;
+    // The runtime is taken before admission: outside one, this panics with nothing admitted.
+    // Its handle, not tokio's task id: a task of a `LocalSet` that no runtime drives has an
+    // id, and `tokio::spawn` would panic there after the run was admitted, leaving it owned
+    // for good. (The handle is dropped on this thread: dropped on another, its reference
+    // count would bounce between cores, a tenth of a run's cost on two threads.)
+    let current = tokio::runtime::Handle::current;
+    let ((ticket, callbacks), runtime) =
+        shared.admit(index, participation, run, count_full, current)?;
     let run_id = ticket.info.run_id;
     // Nothing to time and nobody to answer: a queued run without a deadline waits as data,
     // and its task is spawned when the lane decides (or it is cancelled), on this runtime.
@@ -581,22 +589,12 @@ where
     match signal {
         Some(signal) => {
             // A shut made from outside this runtime spawns the parked runs it fails here.
-            shared.runtime.get_or_init(tokio::runtime::Handle::current);
+            shared.runtime.get_or_init(|| runtime);
             signal.park(Parked(step));
         }
-        None => drop(tokio::spawn(work(step))),
+        None => drop(runtime.spawn(work(step))),
     }
     Ok(run_id)
-}
-
-/// Panics outside a tokio runtime. Inside a task, the common case, its id says so without
-/// cloning the runtime's handle: a clone and its drop are two locked writes to a reference
-/// count every admitting thread shares (the drop alone was over a third of `Lane::spawn`'s
-/// own time in a profile of `fixed lane 8` on one thread).
-fn in_runtime() {
-    if tokio::task::try_id().is_none() {
-        drop(tokio::runtime::Handle::current());
-    }
 }
 
 impl SetShared {
