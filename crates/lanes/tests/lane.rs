@@ -337,9 +337,13 @@ async fn completions_and_failures_from_two_workers_reconcile_with_waiters_for_ro
             })
         })
         .collect();
-    for task in tasks {
-        task.await.unwrap();
-    }
+    // A lost wake-up of a waiter would hang here: fail instead.
+    let joined = async {
+        for task in tasks {
+            task.await.unwrap();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), joined).await.expect("every caller admitted");
     // Every run ends on its own before the close (which would fail the queued ones).
     let ended = async {
         while lanes.snapshot().owned > 0 {

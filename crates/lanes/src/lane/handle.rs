@@ -67,8 +67,8 @@ pub(super) struct LaneShared {
     /// common case, nobody waiting, costs one load).
     pub(super) waiting: AtomicUsize,
     /// Admissions refused `Full` without the lane lock, which the core does not count: a
-    /// snapshot adds them to the core's. A tally, not an atomic: a refusal does nothing else
-    /// that costs, and under overload every thread refuses at once.
+    /// snapshot adds them to the core's. A tally, not an atomic: without a metrics recorder a
+    /// refusal does nothing else that costs, and under overload every thread refuses at once.
     pub(super) refused: Tally,
     /// Runs owned, exactly: taken under the lane lock at admission, given back under it by a
     /// failed run and without it by a completed one. A lane it shows full refuses without

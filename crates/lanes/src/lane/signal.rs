@@ -115,6 +115,7 @@ impl RunSignal {
     /// left none (a parked run's slot was emptied when it was started), and takes no lock.
     pub(super) fn forget_driver(&self) {
         if !self.registered.load(Ordering::Relaxed) {
+            debug_assert!(!matches!(*lock(&self.driver), Driver::Parked(_)), "not parked");
             return;
         }
         self.registered.store(false, Ordering::Relaxed);

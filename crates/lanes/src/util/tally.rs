@@ -19,8 +19,12 @@ use super::Padded;
 ///
 /// `thread_local::ThreadLocal` keeps the cells: a per-object, per-thread slot that can be
 /// iterated, with its `unsafe` contained there (used by `tracing-subscriber` and `regex`).
-/// A thread's cell lives as long as the tally (a slot is reused by a later thread that takes
-/// its id); memory grows with the number of threads that ever added, not with the count.
+/// A thread's cell lives as long as the tally, and a later thread that takes its id (ids are
+/// reused as threads exit) adds to it. Memory is about half a KiB inline, plus cells for ids up
+/// to the highest one that added, allocated in whole buckets of doubling size (256 bytes a
+/// cell): a handful of KiB for a runtime's worker threads, 64-128 KiB once a thread with an id in
+/// the hundreds has added. Adding from a thread-local's destructor, while the thread's own
+/// thread-locals are torn down, may panic (the crate looks up the thread's id there).
 #[derive(Default)]
 pub(crate) struct Tally {
     cells: ThreadLocal<Padded<AtomicU64>>,
