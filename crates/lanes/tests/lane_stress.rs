@@ -233,3 +233,42 @@ async fn random_workloads_keep_every_invariant() {
         stress(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15), 2_000).await;
     }
 }
+
+/// The set's owned count is the sum of its lanes': when the last runs of two lanes end at once
+/// on two threads after a close, one of them must see the set drained and wake `drained`.
+#[test]
+fn the_last_runs_of_two_lanes_ending_at_once_drain_the_set() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_time()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        for round in 0..500 {
+            let set = LaneSet::builder()
+                .lane("a", LaneLimits::new(1, 0))
+                .lane("b", LaneLimits::new(1, 0))
+                .audit_timeout(Duration::from_secs(5))
+                .finalization_timeout(Duration::from_secs(5))
+                .worker_drain_timeout(Duration::from_secs(5))
+                .build()
+                .unwrap();
+            // Both jobs end on one signal, after the close, so their runs end together.
+            let go = Arc::new(tokio::sync::Barrier::new(3));
+            for lane in ["a", "b"] {
+                let go = go.clone();
+                let run = Run::typed(move |_cx| async move {
+                    go.wait().await;
+                    Ok::<(), std::io::Error>(())
+                });
+                set.spawn(lane, run).expect("an empty lane admits");
+            }
+            set.close();
+            go.wait().await;
+            tokio::time::timeout(Duration::from_secs(10), set.drained())
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: the set never drained"));
+            assert_eq!(set.snapshot().owned, 0);
+        }
+    });
+}

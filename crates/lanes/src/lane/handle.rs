@@ -162,8 +162,6 @@ pub(super) struct SetShared {
     pub(super) state: AtomicU8,
     /// Every lane was shut (see invariant 3).
     pub(super) shut_done: AtomicBool,
-    /// Runs owned across all lanes.
-    pub(super) owned: AtomicUsize,
     pub(super) drained: Notify,
     pub(super) poisoned_by: OnceLock<RunId>,
     pub(super) next_run_id: AtomicU64,
@@ -219,7 +217,6 @@ impl LaneSet {
             lanes,
             state: AtomicU8::new(OPEN),
             shut_done: AtomicBool::new(false),
-            owned: AtomicUsize::new(0),
             drained: Notify::new(),
             poisoned_by: OnceLock::new(),
             next_run_id: AtomicU64::new(0),
@@ -414,7 +411,7 @@ impl fmt::Debug for LaneSet {
         f.debug_struct("LaneSet")
             .field("lanes", &self.lane_names().collect::<Vec<_>>())
             .field("state", &self.shared.set_state())
-            .field("owned", &self.shared.owned.load(Ordering::Relaxed))
+            .field("owned", &self.shared.owned())
             .finish()
     }
 }
@@ -632,8 +629,7 @@ impl SetShared {
         match core.admit(count_full, limited, |_| LaneState::signal(spare)) {
             Ok((admitted, signal)) => {
                 // Counted under the lane lock (invariant 3); ids increase in admission order.
-                lane.owned.fetch_add(1, Ordering::Relaxed);
-                self.owned.fetch_add(1, Ordering::AcqRel);
+                lane.owned.fetch_add(1, Ordering::SeqCst);
                 let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
                 lane.publish(core);
                 drop(state);
@@ -682,8 +678,16 @@ impl SetShared {
         }
     }
 
+    /// Runs owned across all lanes: the lanes' own counts, summed. There is no count of the
+    /// set's own: every admission and completion would write it, on whichever thread it runs,
+    /// and two threads that admit and finish runs would pass its line back and forth.
+    fn owned(&self) -> usize {
+        self.lanes.iter().map(|lane| lane.owned.load(Ordering::SeqCst)).sum()
+    }
+
+    /// SeqCst, with the lanes' `owned` and `shut_done` written SeqCst: see `complete`.
     fn is_drained(&self) -> bool {
-        self.shut_done.load(Ordering::Acquire) && self.owned.load(Ordering::Acquire) == 0
+        self.shut_done.load(Ordering::SeqCst) && self.owned() == 0
     }
 
     fn set_state(&self) -> SetState {
@@ -716,7 +720,7 @@ impl SetShared {
             core.spare = VecDeque::new();
             lane.publish(&core);
         }
-        self.shut_done.store(true, Ordering::Release);
+        self.shut_done.store(true, Ordering::SeqCst);
         for lane in self.lanes.iter() {
             lane.room.notify_waiters();
         }
@@ -753,19 +757,17 @@ impl SetShared {
     /// Gives a run's ownership back (the run is over).
     pub(super) fn complete(&self, lane: usize, failure: Option<Reason>) {
         let shared = &self.lanes[lane];
-        match failure {
+        let owned = match failure {
             // The common case takes no lock: the next locker counts it (see `lock_core`).
-            None => {
-                shared.owned.fetch_sub(1, Ordering::SeqCst);
-            }
+            None => shared.owned.fetch_sub(1, Ordering::SeqCst),
             // Counted by the core before `owned` drops, both under the lock: the next locker
             // must not take it for a completion.
             Some(_) => {
                 let mut core = shared.lock_core();
                 core.complete(failure);
-                shared.owned.fetch_sub(1, Ordering::SeqCst);
+                shared.owned.fetch_sub(1, Ordering::SeqCst)
             }
-        }
+        };
         shared.metrics.finished(failure);
         // One run's room: one waiter (a waiter that gave up passes it on). A waiter counts
         // itself (SeqCst) before its first try, which reads `owned` (SeqCst, written above),
@@ -774,8 +776,11 @@ impl SetShared {
         if shared.waiting.load(Ordering::SeqCst) > 0 {
             shared.room.notify_one();
         }
-        if self.owned.fetch_sub(1, Ordering::AcqRel) == 1 && self.shut_done.load(Ordering::Acquire)
-        {
+        // This lane's last run: the set is drained if the others own none either. Of two lanes'
+        // last runs ending at once, the later decrement (all SeqCst) sees the other's. A
+        // decrement that missed the shut is followed by the shut's own wake-up, after which a
+        // waiter's read sees the decrement (it came before the shut's store in SeqCst order).
+        if owned == 1 && self.shut_done.load(Ordering::SeqCst) && self.owned() == 0 {
             self.drained.notify_waiters();
         }
     }
@@ -807,7 +812,7 @@ impl SetShared {
     fn snapshot(&self) -> LaneSetSnapshot {
         LaneSetSnapshot {
             state: self.set_state(),
-            owned: self.owned.load(Ordering::Acquire),
+            owned: self.owned(),
             lanes: (0..self.lanes.len()).map(|index| self.lane_snapshot(index)).collect(),
         }
     }
