@@ -234,6 +234,78 @@ async fn random_workloads_keep_every_invariant() {
     }
 }
 
+/// A queued run that gives up (its caller dropped its handle) while another thread grants it
+/// the slot: the grant is decided under the lane lock and its latch set just after, so the run
+/// may find it cannot withdraw before the latch is set. It must wait for the grant, give the
+/// slot back and fail, never leave its run owned. Real threads and a real clock: the race is
+/// between two cores. The queue is short, so that a run given up on is often its head.
+#[test]
+fn queued_runs_giving_up_while_granted_across_threads_keep_every_invariant() {
+    const RUNS: u64 = 100_000;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_time()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let set = LaneSet::builder()
+            .lane("one", LaneLimits::new(1, 4))
+            .audit_timeout(Duration::from_secs(5))
+            .finalization_timeout(Duration::from_secs(5))
+            .worker_drain_timeout(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let finalized = Arc::new(Mutex::new(BTreeMap::<RunId, usize>::new()));
+        let (give_up, mut given_up) = tokio::sync::mpsc::unbounded_channel();
+        // Drops every handle it gets, as soon as it gets it, on whichever thread it runs.
+        let dropper = tokio::spawn(async move { while given_up.recv().await.is_some() {} });
+        let producer = {
+            let (set, finalized) = (set.clone(), finalized.clone());
+            tokio::spawn(async move {
+                let mut admitted = 0u64;
+                while admitted < RUNS {
+                    let finalized = finalized.clone();
+                    let run = Run::typed(|cx: lanes::RunContext| {
+                        std::future::ready(Ok::<RunId, std::io::Error>(cx.run_id()))
+                    })
+                    .finalizer(move |outcome: Result<RunId, RunFailure>| {
+                        let id = match &outcome {
+                            Ok(id) => *id,
+                            Err(failure) => failure.run_id(),
+                        };
+                        *finalized.lock().unwrap().entry(id).or_default() += 1;
+                        std::future::ready(outcome)
+                    });
+                    match set.run("one", run) {
+                        Ok(handle) => {
+                            admitted += 1;
+                            give_up.send(handle).unwrap();
+                        }
+                        Err(_full) => tokio::task::yield_now().await,
+                    }
+                }
+                admitted
+            })
+        };
+        let admitted = producer.await.unwrap();
+        dropper.await.unwrap();
+        set.close();
+        tokio::time::timeout(Duration::from_secs(30), set.drained())
+            .await
+            .expect("every admitted run ends: none was left owned");
+        let snapshot = set.snapshot();
+        let lane = &snapshot.lanes[0];
+        assert_eq!(snapshot.owned, 0);
+        assert_eq!(lane.admitted, admitted);
+        assert_eq!(lane.admitted, lane.completed + lane.failed.total());
+        assert!(lane.max_executing <= 1, "one slot, never two runs");
+        assert!(lane.failed.canceled > 0, "the workload should give up on queued runs");
+        let finalized = finalized.lock().unwrap();
+        assert_eq!(finalized.len() as u64, admitted, "every admitted run was finalized");
+        assert!(finalized.values().all(|calls| *calls == 1), "and each exactly once");
+    });
+}
+
 /// The set's owned count is the sum of its lanes': when the last runs of two lanes end at once
 /// on two threads after a close, one of them must see the set drained and wake `drained`.
 #[test]

@@ -133,8 +133,8 @@ impl<W> Slots<W> {
     }
 
     /// The payload in `slot`, which is in use.
-    fn get(&self, slot: usize) -> &W {
-        self.slots[slot].as_ref().expect("a slot in use")
+    fn get_mut(&mut self, slot: usize) -> &mut W {
+        self.slots[slot].as_mut().expect("a slot in use")
     }
 
     fn iter(&self) -> impl Iterator<Item = &W> {
@@ -158,7 +158,7 @@ pub(crate) struct LaneCore<W> {
     counters: LaneCounters,
 }
 
-impl<W: Clone> LaneCore<W> {
+impl<W> LaneCore<W> {
     pub(crate) fn new(limits: LaneLimits) -> Self {
         Self {
             limits,
@@ -173,17 +173,18 @@ impl<W: Clone> LaneCore<W> {
         }
     }
 
-    /// Admits a run, or says why not. `make` builds the run's payload only once the run is
-    /// admitted, so a rejection costs no allocation. A full lane is counted as a refusal only
-    /// if `count_full` (a caller waiting for room counts once, when it gives up). A `limited`
-    /// run (one that names a limit) is owned but not ready: it waits for its permit in
-    /// `limited`, and [`ready`](Self::ready) moves it on.
+    /// Admits a run, or says why not. `make(seq, starts)` builds the run's payload only once
+    /// the run is admitted, so a rejection costs no allocation; `starts` says whether the run
+    /// takes an execution slot at once. A full lane is counted as a refusal only if
+    /// `count_full` (a caller waiting for room counts once, when it gives up). A `limited` run
+    /// (one that names a limit) is owned but not ready: it waits for its permit in `limited`,
+    /// and [`ready`](Self::ready) moves it on.
     pub(crate) fn admit(
         &mut self,
         count_full: bool,
         limited: bool,
-        make: impl FnOnce(u64) -> W,
-    ) -> Result<(Admitted, W), AdmissionErrorKind> {
+        make: impl FnOnce(u64, bool) -> W,
+    ) -> Result<Admitted, AdmissionErrorKind> {
         let rejection = match self.shut {
             Some(Shut::Closed) => Some(AdmissionErrorKind::Closed),
             Some(Shut::Poisoned) => Some(AdmissionErrorKind::Poisoned),
@@ -198,22 +199,27 @@ impl<W: Clone> LaneCore<W> {
         }
         self.next_seq += 1;
         let seq = self.next_seq;
-        let payload = make(seq);
+        let payload = make(seq, !limited && self.can_start());
         self.owned += 1;
         self.counters.admitted += 1;
         self.counters.max_owned = self.counters.max_owned.max(self.owned);
         if limited {
-            self.limited.push(seq, payload.clone());
-            return Ok((Admitted::Limited { seq }, payload));
+            self.limited.push(seq, payload);
+            return Ok(Admitted::Limited { seq });
         }
-        let admitted = self.enter(payload.clone());
-        Ok((admitted, payload))
+        Ok(self.enter(payload))
+    }
+
+    /// Whether a run that becomes ready now starts at once: nobody waits ahead of it and a
+    /// slot is free.
+    fn can_start(&self) -> bool {
+        self.queue.is_empty() && self.executing < self.limits.concurrent
     }
 
     /// A ready run takes a free slot if nobody is ahead of it, else joins the queue's tail.
     fn enter(&mut self, payload: W) -> Admitted {
         let seq = self.next_seq;
-        if self.queue.is_empty() && self.executing < self.limits.concurrent {
+        if self.can_start() {
             let slot = self.start(payload);
             Admitted::Executing { seq, slot }
         } else {
@@ -244,8 +250,9 @@ impl<W: Clone> LaneCore<W> {
     }
 
     /// Grants execution slots to the queue head while slots are free; `on_grant(seq, slot,
-    /// payload)` is called for each granted run, in admission order.
-    fn grant(&mut self, mut on_grant: impl FnMut(u64, usize, &W)) {
+    /// payload)` is called for each granted run, in admission order, with the payload in its
+    /// slot.
+    fn grant(&mut self, mut on_grant: impl FnMut(u64, usize, &mut W)) {
         if self.shut.is_some() {
             return;
         }
@@ -256,7 +263,7 @@ impl<W: Clone> LaneCore<W> {
             // Moved, not cloned: a payload is a reference count, and its clone and drop would
             // be two locked writes under the lane's lock.
             let slot = self.start(payload);
-            on_grant(seq, slot, self.running.get(slot));
+            on_grant(seq, slot, self.running.get_mut(slot));
         }
     }
 
@@ -265,7 +272,7 @@ impl<W: Clone> LaneCore<W> {
     pub(crate) fn release_execution(
         &mut self,
         slot: usize,
-        on_grant: impl FnMut(u64, usize, &W),
+        on_grant: impl FnMut(u64, usize, &mut W),
     ) -> Option<W> {
         let payload = self.running.remove(slot)?;
         self.executing -= 1;
@@ -384,36 +391,36 @@ mod tests {
     fn grants_in_admission_order() {
         let mut lane = core(1, 2);
         assert_eq!(
-            lane.admit(true, false, |s| s).unwrap().0,
+            lane.admit(true, false, |s, _| s).unwrap(),
             Admitted::Executing { seq: 1, slot: 0 }
         );
-        assert_eq!(lane.admit(true, false, |s| s).unwrap().0, Admitted::Queued { seq: 2 });
-        assert_eq!(lane.admit(true, false, |s| s).unwrap().0, Admitted::Queued { seq: 3 });
-        assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Full));
+        assert_eq!(lane.admit(true, false, |s, _| s).unwrap(), Admitted::Queued { seq: 2 });
+        assert_eq!(lane.admit(true, false, |s, _| s).unwrap(), Admitted::Queued { seq: 3 });
+        assert_eq!(lane.admit(true, false, |s, _| s), Err(AdmissionErrorKind::Full));
         let mut granted = Vec::new();
         assert_eq!(lane.release_execution(0, |s, slot, _| granted.push((s, slot))), Some(1));
         assert_eq!(lane.release_execution(1, |_, _, _| {}), None, "slot 1 was never used");
         assert_eq!(granted, [(2, 0)]);
         // Run 1 still owns its slot while it finalizes: the lane is still full.
-        assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Full));
+        assert_eq!(lane.admit(true, false, |s, _| s), Err(AdmissionErrorKind::Full));
         lane.complete(None);
-        assert_eq!(lane.admit(true, false, |s| s).unwrap().0, Admitted::Queued { seq: 4 });
+        assert_eq!(lane.admit(true, false, |s, _| s).unwrap(), Admitted::Queued { seq: 4 });
     }
 
     #[test]
     fn withdraw_does_not_grant_and_close_detaches() {
         let mut lane = core(1, 3);
-        lane.admit(true, false, |s| s).unwrap();
-        lane.admit(true, false, |s| s).unwrap();
-        lane.admit(true, false, |s| s).unwrap();
+        lane.admit(true, false, |s, _| s).unwrap();
+        lane.admit(true, false, |s, _| s).unwrap();
+        lane.admit(true, false, |s, _| s).unwrap();
         assert!(lane.withdraw(2));
         assert!(!lane.withdraw(2));
         let (mut detached, mut cancelled) = (Vec::new(), Vec::new());
         lane.shut(Shut::Closed, |w| detached.push(w), |w| cancelled.push(*w));
         assert_eq!((detached, cancelled), (vec![3], vec![1]));
-        assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Closed));
+        assert_eq!(lane.admit(true, false, |s, _| s), Err(AdmissionErrorKind::Closed));
         lane.shut(Shut::Poisoned, |_| {}, |_| {});
-        assert_eq!(lane.admit(true, false, |s| s), Err(AdmissionErrorKind::Poisoned));
+        assert_eq!(lane.admit(true, false, |s, _| s), Err(AdmissionErrorKind::Poisoned));
         assert_eq!(lane.counters().rejected.closed, 1);
         assert_eq!(lane.counters().rejected.poisoned, 1);
     }
@@ -477,14 +484,19 @@ mod tests {
                             + model_limited.len()
                             + model_running.len()
                             + finalizing.len();
-                        let answer = lane.admit(true, true, |s| s);
+                        let mut starts = None;
+                        let answer = lane.admit(true, true, |s, now| {
+                            starts = Some(now);
+                            s
+                        });
                         if closed {
                             prop_assert_eq!(answer, Err(AdmissionErrorKind::Closed));
                         } else if owned >= concurrent + queued {
                             prop_assert_eq!(answer, Err(AdmissionErrorKind::Full));
                         } else {
                             next += 1;
-                            prop_assert_eq!(answer, Ok((Admitted::Limited { seq: next }, next)));
+                            prop_assert_eq!(answer, Ok(Admitted::Limited { seq: next }));
+                            prop_assert_eq!(starts, Some(false), "a limited run waits first");
                             model_limited.push(next);
                         }
                     }
@@ -519,7 +531,11 @@ mod tests {
                             + model_limited.len()
                             + model_running.len()
                             + finalizing.len();
-                        let answer = lane.admit(true, false, |s| s);
+                        let mut starts = None;
+                        let answer = lane.admit(true, false, |s, now| {
+                            starts = Some(now);
+                            s
+                        });
                         if closed {
                             prop_assert_eq!(answer, Err(AdmissionErrorKind::Closed));
                         } else if owned >= concurrent + queued {
@@ -527,17 +543,19 @@ mod tests {
                         } else {
                             next += 1;
                             if model_queue.is_empty() && model_running.len() < concurrent {
-                                let Ok((Admitted::Executing { seq, slot }, payload)) = answer else {
+                                let Ok(Admitted::Executing { seq, slot }) = answer else {
                                     return Err(TestCaseError::fail(format!("{answer:?}")));
                                 };
-                                prop_assert_eq!((seq, payload), (next, next));
+                                prop_assert_eq!(seq, next);
+                                prop_assert_eq!(starts, Some(true), "made knowing it starts");
                                 payload_of.insert(next, next);
                                 prop_assert!(!slot_of.values().any(|s| *s == slot), "slot reused");
                                 slot_of.insert(next, slot);
                                 model_running.push(next);
                                 grant_order.push(next);
                             } else {
-                                prop_assert_eq!(answer, Ok((Admitted::Queued { seq: next }, next)));
+                                prop_assert_eq!(answer, Ok(Admitted::Queued { seq: next }));
+                                prop_assert_eq!(starts, Some(false), "made knowing it waits");
                                 payload_of.insert(next, next);
                                 model_queue.push(next);
                             }

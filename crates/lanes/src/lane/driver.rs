@@ -123,6 +123,14 @@ impl Next {
         }
     }
 
+    /// Grants `slot` to the run of `signal`: a parked one is carried, one with a task of its
+    /// own is woken.
+    pub(super) fn push_granted(&mut self, signal: &RunSignal, slot: usize) {
+        if let Some(run) = signal.grant(slot) {
+            self.push(run);
+        }
+    }
+
     /// Spawns the carried run, if any: its carrier is about to wait.
     fn spawn(&mut self) {
         if let Some(run) = self.0.take() {
@@ -201,11 +209,6 @@ pub(super) struct TicketInfo {
     pub(super) lane: usize,
     pub(super) run_id: RunId,
     pub(super) participation: Participation,
-}
-
-/// Tells a queued run it holds execution slot `slot` (called under the lane lock).
-pub(super) fn grant(_seq: u64, slot: usize, signal: &Arc<RunSignal>) {
-    signal.grant(slot);
 }
 
 /// Where and why a run failed before its finalizer, and the cause.
@@ -431,23 +434,34 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         }
         _ => None,
     };
-    // Leave the queue, unless the lane decided first: the grant latch is only set under the
-    // lane lock, so it is final while we hold it.
-    let lane = &t.shared.lanes[t.info.lane];
-    let mut core = lane.lock_core();
-    if core.withdraw(seq) {
-        lane.publish(&core);
-        return Err((Stage::Queue, reason, cause));
-    }
-    match signal.grant_state() {
-        Decision::Shut(why) => shut_failure(why),
-        // Granted at the same time: give the slot back, the job never started.
-        Decision::Granted(slot) => {
-            core.release_execution(slot, grant);
+    // Leave the queue, unless the lane decided first.
+    {
+        let lane = &t.shared.lanes[t.info.lane];
+        let mut core = lane.lock_core();
+        if core.withdraw(seq) {
             lane.publish(&core);
+            return Err((Stage::Queue, reason, cause));
+        }
+    }
+    // Out of the queue: shut (the latch was set under the lock), or granted a slot. A grant's
+    // latch is set just after its granter's lock (`SetShared::release_execution`), so it may
+    // not be set yet: wait for it, it is on its way.
+    let decided = poll_fn(|cx| {
+        signal.poll_driver(cx, |s| match s.grant_state() {
+            Decision::Waiting => None,
+            decided => Some(decided),
+        })
+    })
+    .await;
+    match decided {
+        Decision::Shut(why) => shut_failure(why),
+        // Granted at the same time: give the slot back (to the next queued run, which starts
+        // when `Next` is dropped here), the job never started.
+        Decision::Granted(slot) => {
+            drop(t.shared.release_execution(t.info.lane, slot));
             Err((Stage::Queue, reason, cause))
         }
-        Decision::Waiting => unreachable!("a run out of the queue was granted or shut"),
+        Decision::Waiting => unreachable!("the wait ends on a decision"),
     }
 }
 

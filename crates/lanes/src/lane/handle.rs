@@ -90,8 +90,17 @@ const SPARE_SIGNALS: usize = 1024;
 /// two: under a burst, the allocator's per-thread cache runs dry and each allocation takes its
 /// slow path.
 pub(super) struct LaneState {
-    core: LaneCore<Arc<RunSignal>>,
+    core: LaneCore<Held>,
     spare: VecDeque<Arc<RunSignal>>,
+}
+
+/// What a lane's core holds for a run: its signal, and for a run that waits for its slot a
+/// second reference to it, moved out to whoever grants it the slot. The granter sets the
+/// grant latch after the lane lock, so the lock is never held across the signal's cache lines,
+/// which the run's admission wrote on another thread (see `SetShared::release_execution`).
+pub(super) struct Held {
+    signal: Arc<RunSignal>,
+    handoff: Option<Arc<RunSignal>>,
 }
 
 impl LaneState {
@@ -122,7 +131,7 @@ impl LaneState {
 }
 
 impl std::ops::Deref for LaneState {
-    type Target = LaneCore<Arc<RunSignal>>;
+    type Target = LaneCore<Held>;
 
     fn deref(&self) -> &Self::Target {
         &self.core
@@ -150,7 +159,7 @@ impl LaneShared {
     }
 
     /// Publishes the lane's gauges (called under the lane lock, after a change).
-    pub(super) fn publish(&self, core: &LaneCore<Arc<RunSignal>>) {
+    pub(super) fn publish(&self, core: &LaneCore<Held>) {
         self.metrics.executing.set(core.executing() as f64);
         self.metrics.queued.set(core.queued() as f64);
     }
@@ -626,8 +635,16 @@ impl SetShared {
         let mut state = lane.lock_core();
         let limited = run.limit.is_some();
         let LaneState { core, spare } = &mut *state;
-        match core.admit(count_full, limited, |_| LaneState::signal(spare)) {
-            Ok((admitted, signal)) => {
+        let mut made = None;
+        let answer = core.admit(count_full, limited, |_, starts| {
+            let signal = LaneState::signal(spare);
+            let held = Held { handoff: (!starts).then(|| signal.clone()), signal: signal.clone() };
+            made = Some(signal);
+            held
+        });
+        match answer {
+            Ok(admitted) => {
+                let signal = made.expect("an admitted run's signal was made");
                 // Counted under the lane lock (invariant 3); ids increase in admission order.
                 lane.owned.fetch_add(1, Ordering::SeqCst);
                 let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
@@ -711,9 +728,9 @@ impl SetShared {
             let mut core = lane.lock_core();
             core.shut(
                 why,
-                |signal| signal.shut(why),
-                |signal| {
-                    signal.cancel(reason);
+                |held| held.signal.shut(why),
+                |held| {
+                    held.signal.cancel(reason);
                 },
             );
             // A shut lane admits nothing: the signals it kept go.
@@ -738,19 +755,37 @@ impl SetShared {
 
     /// Gives a run's execution slot back; the next queued run is granted. A parked run
     /// granted the slot is handed back, for the caller's task to start (see `driver::Next`).
+    ///
+    /// The grant is decided under the lane lock and its latch set right after: the latch's
+    /// line was last written by the granted run's admission, often on another thread, and
+    /// fetching it under the lock would hold the lock that much longer. Meanwhile the run is
+    /// out of the queue and in its slot (a shut cancels it there), and a queued run that gives
+    /// up finds it cannot withdraw and waits for the latch (`driver::await_grant`).
     pub(super) fn release_execution(&self, lane: usize, slot: usize) -> Next {
         let lane = &self.lanes[lane];
         let mut next = Next::default();
-        let mut core = lane.lock_core();
-        let released = core.release_execution(slot, |_seq, slot, signal| {
-            if let Some(run) = signal.grant_parked(slot) {
-                next.push(run);
-            }
-        });
-        if let Some(signal) = released {
-            core.keep(signal);
+        let mut granted = None;
+        let unused = {
+            let mut core = lane.lock_core();
+            let released = core.release_execution(slot, |_seq, slot, held| {
+                match held.handoff.take() {
+                    Some(signal) if granted.is_none() => granted = Some((slot, signal)),
+                    // (One slot was freed, so one run is granted: never reached.)
+                    _ => next.push_granted(&held.signal, slot),
+                }
+            });
+            let unused = released.map(|Held { signal, handoff }| {
+                core.keep(signal);
+                handoff
+            });
+            lane.publish(&core);
+            unused
+        };
+        // A run granted its slot at admission never used its second reference.
+        drop(unused);
+        if let Some((slot, signal)) = granted {
+            next.push_granted(&signal, slot);
         }
-        lane.publish(&core);
         next
     }
 

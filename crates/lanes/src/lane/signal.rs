@@ -1,8 +1,9 @@
 //! The per-run signal shared by a run's driver, its job context and its lane.
 //!
 //! Two independent one-way latches and one `Notify`:
-//! - the *grant* latch moves once from waiting to granted, closed or poisoned (set by the lane,
-//!   under the lane lock);
+//! - the *grant* latch moves once from waiting to granted, closed or poisoned (closed and
+//!   poisoned by the lane under its lock; granted by the run that freed the slot, right after
+//!   it decided the grant under that lock);
 //! - the *cancel* latch moves once from none to a reason (set by the caller's handle, the
 //!   execution timeout, close or poison); the first reason wins.
 //!
@@ -124,15 +125,10 @@ impl RunSignal {
         drop(driver);
     }
 
-    pub(crate) fn grant(&self, slot: usize) {
+    /// Grants execution slot `slot`: wakes the driver task, or hands a parked run back to the
+    /// caller to start.
+    pub(super) fn grant(&self, slot: usize) -> Option<Parked> {
         // Published by the release of the latch below.
-        self.slot.store(slot, Ordering::Relaxed);
-        self.set_grant(GRANTED);
-    }
-
-    /// Grants `slot` like [`grant`](Self::grant), but hands a parked run back to the caller
-    /// instead of starting it.
-    pub(super) fn grant_parked(&self, slot: usize) -> Option<Parked> {
         self.slot.store(slot, Ordering::Relaxed);
         let set =
             self.grant.compare_exchange(WAITING, GRANTED, Ordering::AcqRel, Ordering::Acquire);
