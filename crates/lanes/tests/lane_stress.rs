@@ -247,7 +247,9 @@ fn queued_runs_giving_up_while_granted_across_threads_keep_every_invariant() {
         .enable_time()
         .build()
         .unwrap();
-    runtime.block_on(async {
+    // Bounded as a whole: a run left owned fills the lane for good, and the producer would
+    // retry forever.
+    let bounded = async {
         let set = LaneSet::builder()
             .lane("one", LaneLimits::new(1, 4))
             .audit_timeout(Duration::from_secs(5))
@@ -303,11 +305,18 @@ fn queued_runs_giving_up_while_granted_across_threads_keep_every_invariant() {
         let finalized = finalized.lock().unwrap();
         assert_eq!(finalized.len() as u64, admitted, "every admitted run was finalized");
         assert!(finalized.values().all(|calls| *calls == 1), "and each exactly once");
+    };
+    runtime.block_on(async {
+        tokio::time::timeout(Duration::from_secs(120), bounded)
+            .await
+            .expect("the workload ends: no run was left owned")
     });
 }
 
 /// The set's owned count is the sum of its lanes': when the last runs of two lanes end at once
-/// on two threads after a close, one of them must see the set drained and wake `drained`.
+/// on two threads after a close, one of them must see the set drained and wake `drained`. The
+/// jobs succeed before the close and the finalizers end together after it, so both runs give
+/// their ownership back on the lock-free path, racing each other.
 #[test]
 fn the_last_runs_of_two_lanes_ending_at_once_drain_the_set() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -325,22 +334,34 @@ fn the_last_runs_of_two_lanes_ending_at_once_drain_the_set() {
                 .worker_drain_timeout(Duration::from_secs(5))
                 .build()
                 .unwrap();
-            // Both jobs end on one signal, after the close, so their runs end together.
             let go = Arc::new(tokio::sync::Barrier::new(3));
+            let finalizing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             for lane in ["a", "b"] {
-                let go = go.clone();
-                let run = Run::typed(move |_cx| async move {
-                    go.wait().await;
-                    Ok::<(), std::io::Error>(())
-                });
+                let (go, finalizing) = (go.clone(), finalizing.clone());
+                let run = Run::typed(|_cx| std::future::ready(Ok::<(), std::io::Error>(())))
+                    .finalizer(move |outcome: Result<(), RunFailure>| async move {
+                        finalizing.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        go.wait().await;
+                        outcome
+                    });
                 set.spawn(lane, run).expect("an empty lane admits");
             }
-            set.close();
-            go.wait().await;
-            tokio::time::timeout(Duration::from_secs(10), set.drained())
+            let ended = async {
+                // Both jobs have succeeded once both finalizers have started.
+                while finalizing.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+                    tokio::task::yield_now().await;
+                }
+                set.close();
+                go.wait().await;
+                set.drained().await;
+            };
+            tokio::time::timeout(Duration::from_secs(10), ended)
                 .await
                 .unwrap_or_else(|_| panic!("round {round}: the set never drained"));
-            assert_eq!(set.snapshot().owned, 0);
+            let snapshot = set.snapshot();
+            assert_eq!(snapshot.owned, 0);
+            let completed: u64 = snapshot.lanes.iter().map(|lane| lane.completed).sum();
+            assert_eq!(completed, 2, "round {round}: both runs succeeded, after the close");
         }
     });
 }

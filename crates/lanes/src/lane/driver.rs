@@ -458,6 +458,8 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         // Granted at the same time: give the slot back (to the next queued run, which starts
         // when `Next` is dropped here), the job never started.
         Decision::Granted(slot) => {
+            // Its waker goes first, as after a job: the lane keeps the signal for a later run.
+            signal.forget_driver();
             drop(t.shared.release_execution(t.info.lane, slot));
             Err((Stage::Queue, reason, cause))
         }

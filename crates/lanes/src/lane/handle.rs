@@ -130,6 +130,19 @@ impl LaneState {
     }
 }
 
+/// A grant decided under the lane lock and not yet told to its run (its slot, and the
+/// run's signal). Told when dropped, if [`SetShared::release_execution`] did not get to it:
+/// when a panic unwinds through it.
+struct Handoff(Option<(usize, Arc<RunSignal>)>);
+
+impl Drop for Handoff {
+    fn drop(&mut self) {
+        if let Some((slot, signal)) = self.0.take() {
+            Next::default().push_granted(&signal, slot);
+        }
+    }
+}
+
 impl std::ops::Deref for LaneState {
     type Target = LaneCore<Held>;
 
@@ -764,12 +777,14 @@ impl SetShared {
     pub(super) fn release_execution(&self, lane: usize, slot: usize) -> Next {
         let lane = &self.lanes[lane];
         let mut next = Next::default();
-        let mut granted = None;
+        // Declared before the lock's guard, so dropped after it if a metrics recorder panics
+        // in `publish`: the latch is set then too, and the granted run does not wait forever.
+        let mut granted = Handoff(None);
         let unused = {
             let mut core = lane.lock_core();
             let released = core.release_execution(slot, |_seq, slot, held| {
                 match held.handoff.take() {
-                    Some(signal) if granted.is_none() => granted = Some((slot, signal)),
+                    Some(signal) if granted.0.is_none() => granted.0 = Some((slot, signal)),
                     // (One slot was freed, so one run is granted: never reached.)
                     _ => next.push_granted(&held.signal, slot),
                 }
@@ -783,7 +798,7 @@ impl SetShared {
         };
         // A run granted its slot at admission never used its second reference.
         drop(unused);
-        if let Some((slot, signal)) = granted {
+        if let Some((slot, signal)) = granted.0.take() {
             next.push_granted(&signal, slot);
         }
         next
