@@ -445,6 +445,120 @@ async fn a_consumer_moved_to_another_task_after_emptying_the_channel_waits_with_
     assert_eq!(got.expect("woken").unwrap(), Some(2));
 }
 
+// A plain read that waits is handed the next record: delivered at once, outside the capacity.
+
+/// Polls `consumer.recv()` in a task until it waits, and returns the task.
+async fn waiting_read<T: Send + 'static>(
+    mut consumer: lanes::channel::Consumer<T>,
+) -> tokio::task::JoinHandle<(Option<T>, lanes::channel::Consumer<T>)> {
+    let reader = tokio::spawn(async move {
+        let got = consumer.recv().await;
+        (got, consumer)
+    });
+    // current_thread: the spawned read runs (and waits) at the next yield.
+    tokio::task::yield_now().await;
+    assert!(!reader.is_finished(), "nothing was queued: the read waits");
+    reader
+}
+
+#[tokio::test]
+async fn a_waiting_read_is_handed_the_next_record_without_it_taking_a_slot() {
+    let channel = Channel::new(ChannelConfig::new(1)).unwrap();
+    let consumer = channel.consumer(options(1)).unwrap();
+    let reader = waiting_read(consumer).await;
+
+    // The first record goes to the read; the channel's one slot is still free for the next.
+    assert!(matches!(channel.try_emit(1u32), Ok(Emitted::Queued)));
+    assert!(matches!(channel.try_emit(2), Ok(Emitted::Queued)), "the slot was free");
+    assert!(matches!(channel.try_emit(3), Err(EmitError::Full(3))), "now the channel is full");
+    let s = channel.snapshot();
+    assert_eq!((s.depth, s.emitted, s.delivered), (1, 2, 1), "{s:?}");
+    assert!(s.reconciles());
+
+    let (got, mut consumer) = reader.await.unwrap();
+    assert_eq!(got, Some(1));
+    assert_eq!(consumer.recv().await, Some(2), "order is kept");
+    let s = channel.snapshot();
+    assert_eq!((s.depth, s.delivered, s.processed), (0, 2, 2), "{s:?}");
+}
+
+#[tokio::test]
+async fn a_record_handed_to_a_consumer_that_goes_away_is_counted_abandoned() {
+    let channel = Channel::new(ChannelConfig::new(1)).unwrap();
+    let consumer = channel.consumer(options(1)).unwrap();
+    let reader = waiting_read(consumer).await;
+    // The read's task is aborted before it runs again: the handed record is never read.
+    let receipt = channel.emit_with_receipt(7u32).await.unwrap();
+    reader.abort();
+    assert!(reader.await.unwrap_err().is_cancelled());
+    assert_eq!(receipt.settlement(), Some(Settlement::Dropped));
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.abandoned, s.processed), (1, 1, 1, 0), "{s:?}");
+    assert!(s.reconciles() && s.closed);
+    tokio::time::timeout(Duration::from_secs(5), channel.drained()).await.expect("drained");
+}
+
+#[tokio::test]
+async fn a_record_handed_to_the_read_is_still_delivered_after_the_close() {
+    let channel = Channel::new(ChannelConfig::new(1).discard_on_close()).unwrap();
+    let consumer = channel.consumer(options(1)).unwrap();
+    let reader = waiting_read(consumer).await;
+    channel.try_emit(1u32).unwrap();
+    channel.try_emit(2).unwrap();
+    // A discarding close drops what is queued (2), not what the read was handed (1).
+    channel.close();
+    let (got, mut consumer) = reader.await.unwrap();
+    assert_eq!(got, Some(1));
+    assert_eq!(consumer.recv().await, None);
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.dropped, s.processed), (2, 1, 1, 1), "{s:?}");
+    assert!(s.reconciles());
+}
+
+#[tokio::test]
+async fn a_batch_after_a_read_takes_the_record_handed_to_the_read_first() {
+    let channel = Channel::new(ChannelConfig::new(2)).unwrap();
+    let mut consumer = channel.consumer(options(4)).unwrap();
+    // A read that empties the channel registers for the next record.
+    channel.emit(0u32).await.unwrap();
+    assert_eq!(consumer.recv().await, Some(0));
+    for n in 1..=3 {
+        channel.try_emit(n).unwrap();
+    }
+    assert_eq!(channel.len(), 2, "1 went to the read's registration, 2 and 3 are queued");
+    let batch = consumer.next_batch().await.unwrap();
+    assert_eq!(&batch[..], &[1, 2, 3]);
+    batch.ack().await.unwrap();
+    let s = channel.snapshot();
+    assert_eq!((s.delivered, s.processed), (4, 4), "{s:?}");
+}
+
+#[tokio::test]
+async fn batches_and_reads_under_a_limit_are_not_handed_records() {
+    // A batching consumer waits for its batch, and a limited one for its permit first: the
+    // record queues in both cases.
+    let limits = Limits::new();
+    limits.define("sink", LimitSpec::concurrent(1)).await.unwrap();
+    for batching in [true, false] {
+        let channel = Channel::new(ChannelConfig::new(1)).unwrap();
+        let reader = if batching {
+            let mut consumer =
+                channel.consumer(options(4).batch_flush(Duration::from_millis(5))).unwrap();
+            tokio::spawn(async move { consumer.next_batch().await.map(|b| b.len()) })
+        } else {
+            let limit = options(1).limit(&limits, "sink", Priority::default(), PermitPer::Record);
+            let mut consumer = channel.consumer(limit).unwrap();
+            tokio::spawn(async move { consumer.recv().await.map(|_| 1) })
+        };
+        tokio::task::yield_now().await;
+        assert!(!reader.is_finished());
+        channel.try_emit(1u32).unwrap();
+        assert!(matches!(channel.try_emit(2), Err(EmitError::Full(2))), "batching: {batching}");
+        assert_eq!(channel.len(), 1);
+        reader.abort();
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_batching_consumer_that_emptied_the_channel_still_lingers_for_a_partial_batch() {
     let channel = Channel::new(ChannelConfig::new(8)).unwrap();
@@ -1050,6 +1164,124 @@ async fn the_snapshot_reports_the_age_of_the_oldest_record() {
 }
 
 // ---------------------------------------------------------------- stress and end to end
+
+/// Reads that wait are handed records (suite 3's fast path at small capacities): with
+/// producers that block, give up (an emit dropped after one poll) or do not wait, and a
+/// consumer that switches between `recv`, `recv_many` and `next_batch`, every record is
+/// delivered once or handed back, in each producer's order, and the counters reconcile with
+/// the depth within the capacity throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reads_handed_records_lose_nothing_and_keep_order_under_random_stress() {
+    const PRODUCERS: u64 = 4;
+    const EACH: u64 = 5_000;
+    for capacity in [1usize, 2, 16] {
+        let channel = Channel::new(ChannelConfig::new(capacity)).unwrap();
+        let mut consumer = channel.consumer(options(3)).unwrap();
+        let mut producers = Vec::new();
+        for p in 0..PRODUCERS {
+            let channel = channel.clone();
+            producers.push(tokio::spawn(async move {
+                let mut turned_away = Vec::new();
+                let mut seed = p + 11;
+                for i in 0..EACH {
+                    let record = p * EACH + i;
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    let result = match seed % 4 {
+                        0 => channel.try_emit(record),
+                        // Polled once, dropped if it must wait: cancel safe, not enqueued.
+                        1 => match tokio::time::timeout(Duration::ZERO, channel.emit(record)).await
+                        {
+                            Ok(result) => result,
+                            Err(_) => Err(EmitError::Full(record)),
+                        },
+                        _ => channel.emit(record).await,
+                    };
+                    match result {
+                        Ok(Emitted::Queued) => {}
+                        Err(EmitError::Full(r)) => turned_away.push(r),
+                        other => panic!("{other:?}"),
+                    }
+                    if seed % 8 == 0 {
+                        tokio::task::yield_now().await;
+                    }
+                }
+                turned_away
+            }));
+        }
+        let watcher = {
+            let channel = channel.clone();
+            tokio::spawn(async move {
+                for _ in 0..500 {
+                    let s = channel.snapshot();
+                    assert!(s.reconciles(), "{s:?}");
+                    assert!(s.depth <= capacity, "{s:?}");
+                    tokio::task::yield_now().await;
+                }
+            })
+        };
+        let consumer_task = tokio::spawn(async move {
+            let (mut delivered, mut buffer, mut seed) = (Vec::new(), Vec::new(), 7u64);
+            loop {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let got: Vec<u64> = match seed % 3 {
+                    0 => match consumer.recv().await {
+                        Some(r) => vec![r],
+                        None => break,
+                    },
+                    1 => {
+                        buffer.clear();
+                        if consumer.recv_many(&mut buffer, 1 + (seed % 5) as usize).await == 0 {
+                            break;
+                        }
+                        buffer.clone()
+                    }
+                    _ => match consumer.next_batch().await {
+                        Some(batch) => {
+                            let records = batch.to_vec();
+                            batch.ack().await.unwrap();
+                            records
+                        }
+                        None => break,
+                    },
+                };
+                delivered.extend(got);
+            }
+            delivered
+        });
+        let mut turned_away = Vec::new();
+        for producer in producers {
+            turned_away.extend(producer.await.unwrap());
+        }
+        watcher.await.unwrap();
+        channel.close();
+        let delivered = tokio::time::timeout(Duration::from_secs(60), consumer_task)
+            .await
+            .expect("the consumer ends once the channel is closed and drained")
+            .unwrap();
+        let s = channel.snapshot();
+        assert!(s.reconciles(), "capacity {capacity}: {s:?}");
+        assert_eq!(s.delivered, delivered.len() as u64, "capacity {capacity}: {s:?}");
+        assert_eq!(s.processed, s.delivered);
+        assert_eq!(s.dropped, 0);
+        let mut last = [None::<u64>; PRODUCERS as usize];
+        for &r in &delivered {
+            let p = (r / EACH) as usize;
+            assert!(last[p].is_none_or(|l| l < r), "capacity {capacity}: per-producer FIFO");
+            last[p] = Some(r);
+        }
+        let mut all: Vec<u64> = delivered.into_iter().chain(turned_away).collect();
+        all.sort_unstable();
+        assert_eq!(
+            all,
+            (0..PRODUCERS * EACH).collect::<Vec<_>>(),
+            "capacity {capacity}: each record delivered once or handed back, none lost"
+        );
+    }
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn counters_reconcile_under_random_stress() {

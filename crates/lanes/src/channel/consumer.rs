@@ -142,6 +142,12 @@ impl<T: Send + 'static> Consumer<T> {
     /// lock, so that the next read finds out whether one came without taking it again: the
     /// task may be woken once by the next record even if it is busy elsewhere by then.
     ///
+    /// While it is registered, the next record emitted is handed to it rather than queued: it
+    /// counts as delivered at once and does not take a slot of the channel's capacity, so its
+    /// producer goes on without waiting for the consumer to run (at most one record at a
+    /// time; order is kept, since the channel held nothing). A [`next_batch`](Self::next_batch)
+    /// called after such a read takes that record first.
+    ///
     /// # Cancel safety
     ///
     /// Cancel safe.
@@ -266,6 +272,9 @@ impl<T: Send + 'static> Consumer<T> {
         flush: Duration,
         mut out: Option<&mut Vec<Entry<T>>>,
     ) -> Poll<Option<()>> {
+        // A plain read (into the read-ahead, taking what is there, with no permits to take
+        // first) is handed the next record when it waits ([`Core::await_read`]).
+        let read = out.is_none() && flush.is_zero() && self.plan.limit.is_none();
         loop {
             if let Some(sleep) = &mut self.backoff {
                 ready!(sleep.as_mut().poll(cx));
@@ -294,6 +303,9 @@ impl<T: Send + 'static> Consumer<T> {
                 return Poll::Pending;
             }
             let mut st = lock(&self.shared.state);
+            // A read takes a record handed to it besides `max` queued ones (a whole buffer
+            // then still moves at once); a batch counts it among its `max`.
+            let max = max + usize::from(read && st.core.has_handed());
             let len = match st.core.due(max, flush, Instant::now) {
                 Due::End => {
                     drop(st);
@@ -301,7 +313,7 @@ impl<T: Send + 'static> Consumer<T> {
                     return Poll::Ready(None);
                 }
                 Due::Empty => {
-                    arm(&self.shared, &mut self.armed, &mut st, cx.waker());
+                    arm(&self.shared, &mut self.armed, &mut st, cx.waker(), read);
                     return Poll::Pending;
                 }
                 Due::Now(n) => n,
@@ -346,7 +358,7 @@ impl<T: Send + 'static> Consumer<T> {
             if st.core.len() == 0 && !st.core.is_closed() {
                 // Emptied it: wait for the next record now, under this lock, so that the next
                 // poll finds out whether one came without taking it again.
-                arm(&self.shared, &mut self.armed, &mut st, cx.waker());
+                arm(&self.shared, &mut self.armed, &mut st, cx.waker(), read);
             }
             drop(st);
             self.shared.after_take(n, &mut self.wakers);
@@ -357,8 +369,14 @@ impl<T: Send + 'static> Consumer<T> {
 
 /// Under the lock: registers `waker` for the channel's next record, and keeps it in `armed` to
 /// recognise the next poll's.
-fn arm<T>(shared: &ChannelShared<T>, armed: &mut Option<Waker>, st: &mut State<T>, waker: &Waker) {
-    shared.arm(st, waker);
+fn arm<T>(
+    shared: &ChannelShared<T>,
+    armed: &mut Option<Waker>,
+    st: &mut State<T>,
+    waker: &Waker,
+    read: bool,
+) {
+    shared.arm(st, waker, read);
     keep_waker(armed, waker);
 }
 
@@ -385,8 +403,15 @@ impl<T> Unpin for Consumer<T> {}
 
 impl<T> Drop for Consumer<T> {
     fn drop(&mut self) {
+        {
+            let mut st = lock(&self.shared.state);
+            // A record handed to its read was delivered: abandoned with the read-ahead.
+            if let Some(entry) = st.core.take_handed() {
+                self.local.push_back(entry);
+            }
+            st.core.counters.abandoned += self.local.len() as u64;
+        }
         if !self.local.is_empty() {
-            lock(&self.shared.state).core.counters.abandoned += self.local.len() as u64;
             for entry in self.local.drain(..) {
                 entry.settle(Settlement::Dropped);
             }

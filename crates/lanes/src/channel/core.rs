@@ -14,6 +14,9 @@
 //! 3. Records leave in the order they were queued (FIFO), by [`Core::take`], by
 //!    [`Offer::DroppedOldest`], or by a discarding [`Core::close`].
 //! 4. Once closed, every offer is refused with [`Offer::Closed`] and nothing is queued again.
+//! 5. A record handed to the consumer's waiting read ([`Core::await_read`]) never occupies
+//!    the buffer: it is counted emitted and delivered at once, and the next take returns it
+//!    first. The read waits only while nothing is queued, so this keeps the order of 3.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -99,6 +102,12 @@ pub(crate) enum Due {
 pub(crate) trait Take<T> {
     /// Moves the first `n` records of `buf` (`n <= buf.len()`) to the end of `self`.
     fn take_front(&mut self, buf: &mut VecDeque<T>, n: usize);
+
+    /// How many records `self` holds.
+    fn held(&self) -> usize;
+
+    /// Puts `record` at position `at` (`at <= self.held()`).
+    fn put_at(&mut self, at: usize, record: T);
 }
 
 /// From this many records on, a take into an empty destination moves them in bulk
@@ -136,6 +145,14 @@ impl<T> Take<T> for Vec<T> {
             self.extend(buf.drain(..n));
         }
     }
+
+    fn held(&self) -> usize {
+        self.len()
+    }
+
+    fn put_at(&mut self, at: usize, record: T) {
+        self.insert(at, record);
+    }
 }
 
 /// The consumer's read-ahead: a whole buffer taken into an empty one is swapped, not copied;
@@ -154,6 +171,14 @@ impl<T> Take<T> for VecDeque<T> {
         } else {
             self.extend(buf.drain(..n));
         }
+    }
+
+    fn held(&self) -> usize {
+        self.len()
+    }
+
+    fn put_at(&mut self, at: usize, record: T) {
+        self.insert(at, record);
     }
 }
 
@@ -175,6 +200,12 @@ pub(crate) struct Core<T> {
     closed: bool,
     /// Slots handed to woken producers, not yet used.
     reserved: usize,
+    /// The consumer's read waits for the next record (set only while nothing is queued): the
+    /// record that comes is handed to it rather than queued.
+    reader: bool,
+    /// A record handed to the waiting read, not taken yet: counted delivered, outside the
+    /// buffer and its capacity.
+    handed: Option<T>,
     pub(crate) counters: Counters,
 }
 
@@ -189,13 +220,37 @@ impl<T> Core<T> {
             stamps: VecDeque::new(),
             closed: false,
             reserved: 0,
+            reader: false,
+            handed: None,
             counters: Counters::default(),
         }
     }
 
-    /// Records queued now.
+    /// Records queued now (a record handed to the waiting read is not queued).
     pub(crate) fn len(&self) -> usize {
         self.buf.len()
+    }
+
+    /// Records the consumer's next take finds: those queued, and one handed to its read.
+    #[inline]
+    pub(crate) fn ready(&self) -> usize {
+        self.buf.len() + usize::from(self.handed.is_some())
+    }
+
+    /// The consumer's plain read waits for the next record (`read`), or it waits otherwise
+    /// (for a batch, or with a limit's permit to take first) or not at all. A read waits only
+    /// while the channel is open and holds nothing: then the next record to come is handed to
+    /// it, not queued ([`try_queue`](Self::try_queue), [`offer`](Self::offer)), and counted
+    /// delivered as it is handed, as though the read had taken it as it came. A record
+    /// queued ahead of it would have to be taken first, so the rule keeps the order.
+    pub(crate) fn await_read(&mut self, read: bool) {
+        self.reader = read && self.buf.is_empty() && self.handed.is_none() && !self.closed;
+    }
+
+    /// The record handed to the consumer's read and not taken, if any (a consumer that goes
+    /// away counts it abandoned).
+    pub(crate) fn take_handed(&mut self) -> Option<T> {
+        self.handed.take()
     }
 
     /// Whether a record of a producer holding no handed-off slot fits in the channel itself
@@ -306,19 +361,40 @@ impl<T> Core<T> {
         self.counters.blocked_waits += 1;
     }
 
-    /// Removes up to `n` records from the front into `out`; returns how many.
+    /// Removes up to `n` records from the front into `out`, a record handed to the read
+    /// first (counted delivered already); returns how many. The consumer no longer waits.
     pub(crate) fn take(&mut self, n: usize, out: &mut impl Take<T>) -> usize {
-        let n = n.min(self.buf.len());
-        out.take_front(&mut self.buf, n);
-        self.advance(n);
-        self.counters.delivered += n as u64;
-        n
+        self.reader = false;
+        let handed = if n > 0 { self.handed.take() } else { None };
+        let at = out.held();
+        let queued = (n - usize::from(handed.is_some())).min(self.buf.len());
+        // The queued records first, so that a whole buffer into an empty read-ahead is still
+        // swapped; then the handed record goes in ahead of them (at the front of a read-ahead,
+        // where it costs nothing).
+        out.take_front(&mut self.buf, queued);
+        self.advance(queued);
+        self.counters.delivered += queued as u64;
+        match handed {
+            Some(record) => {
+                out.put_at(at, record);
+                queued + 1
+            }
+            None => queued,
+        }
+    }
+
+    /// Whether a record was handed to the read and not taken.
+    #[inline]
+    pub(crate) fn has_handed(&self) -> bool {
+        self.handed.is_some()
     }
 
     /// Closes the channel; with `discard`, drops what is queued (counted) and returns it.
+    /// A record handed to the read stays there: it was delivered.
     pub(crate) fn close(&mut self, discard: bool) -> Vec<T> {
         self.closed = true;
         self.reserved = 0;
+        self.reader = false;
         if !discard {
             return Vec::new();
         }
@@ -340,9 +416,13 @@ impl<T> Core<T> {
     /// The batching rule: a batch of up to `max` is due once `max` records are queued, when
     /// the channel is closed, or once its oldest record has lingered `flush` (all at once for a
     /// zero `flush`).
-    /// `now` is read only for a partial batch of an open channel.
+    /// `now` is read only for a partial batch of an open channel. A record handed to the read
+    /// is due at once, with what is queued behind it.
     pub(crate) fn due(&self, max: usize, flush: Duration, now: impl FnOnce() -> Instant) -> Due {
         let len = self.buf.len();
+        if self.handed.is_some() {
+            return Due::Now((len + 1).min(max));
+        }
         if len == 0 {
             return if self.closed { Due::End } else { Due::Empty };
         }
@@ -362,11 +442,20 @@ impl<T> Core<T> {
         if now >= deadline { Due::Now(self.buf.len().min(max)) } else { Due::At(deadline) }
     }
 
+    /// Queues `record`, or hands it to the waiting read (counted emitted by the caller).
     // On every record's path (see `Emit::poll`).
     #[inline(always)]
     fn enqueue(&mut self, record: T, now: impl FnOnce() -> Instant) {
         let seq = self.head_seq + self.buf.len() as u64;
         if self.buf.is_empty() {
+            // A read waits only while nothing is queued: tested here, off the path of a
+            // record that joins others.
+            if self.reader {
+                self.reader = false;
+                self.handed = Some(record);
+                self.counters.delivered += 1;
+                return;
+            }
             if !self.stamps.is_empty() {
                 self.stamps.clear();
             }
@@ -422,6 +511,8 @@ mod tests {
             flush_ms: u64,
         },
         Wait(u64),
+        /// The consumer waits: a plain read (`true`, handed the next record) or otherwise.
+        AwaitRead(bool),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -437,17 +528,31 @@ mod tests {
             1 => any::<bool>().prop_map(|discard| Op::Close { discard }),
             2 => (1usize..6, 0u64..20).prop_map(|(max, flush_ms)| Op::Due { max, flush_ms }),
             2 => (0u64..10).prop_map(Op::Wait),
+            2 => any::<bool>().prop_map(Op::AwaitRead),
         ]
     }
 
-    /// The model's enqueue, sampling times as the core does.
+    /// The model's waiting read and the record handed to it.
+    #[derive(Default)]
+    struct Read {
+        waits: bool,
+        handed: Option<u64>,
+    }
+
+    /// The model's enqueue, sampling times as the core does; a waiting read is handed the
+    /// record instead.
     fn enqueue(
         model: &mut VecDeque<(u64, u64)>,
         seq: &mut u64,
         stamps: &mut Vec<(u64, Instant)>,
+        read: &mut Read,
         id: u64,
         now: Instant,
     ) {
+        if read.waits {
+            *read = Read { waits: false, handed: Some(id) };
+            return;
+        }
         if model.is_empty() || seq.is_multiple_of(STAMP_EVERY) {
             stamps.push((*seq, now));
         }
@@ -481,6 +586,7 @@ mod tests {
             let mut model: VecDeque<(u64, u64)> = VecDeque::new();
             let (mut seq, mut stamps) = (0u64, Vec::<(u64, Instant)>::new());
             let mut reserved = 0usize;
+            let mut read = Read::default();
 
             let mut closed = false;
             let (mut next, mut taken, mut dropped, mut spilled) = (0u64, Vec::new(), Vec::new(), 0u64);
@@ -519,7 +625,7 @@ mod tests {
                             _ if closed => prop_assert!(false, "offered to a closed channel"),
                             Offer::Queued => {
                                 prop_assert!(!full);
-                                enqueue(&mut model, &mut seq, &mut stamps, id, now);
+                                enqueue(&mut model, &mut seq, &mut stamps, &mut read, id, now);
                             }
                             Offer::Full { record, budget } => {
                                 prop_assert!(full && overflow == OverflowKind::Block && record == id);
@@ -536,7 +642,7 @@ mod tests {
                                 let (oldest, _) = model.pop_front().unwrap();
                                 prop_assert_eq!(r, oldest);
                                 dropped.push(r);
-                                enqueue(&mut model, &mut seq, &mut stamps, id, now);
+                                enqueue(&mut model, &mut seq, &mut stamps, &mut read, id, now);
                             }
                             Offer::Spill(r) => {
                                 prop_assert!(full && overflow == OverflowKind::Spill && r == id);
@@ -559,7 +665,7 @@ mod tests {
                                 prop_assert_eq!(answer, Err(id));
                             } else {
                                 prop_assert_eq!(answer, Ok(()));
-                                enqueue(&mut model, &mut seq, &mut stamps, id, now);
+                                enqueue(&mut model, &mut seq, &mut stamps, &mut read, id, now);
                             }
                         }
                     }
@@ -574,8 +680,14 @@ mod tests {
                         } else {
                             core.take(n, &mut out)
                         };
-                        let want: Vec<u64> =
-                            (0..n.min(model.len())).map(|_| model.pop_front().unwrap().0).collect();
+                        // The record handed to the read comes first.
+                        let mut want: Vec<u64> = Vec::new();
+                        if n > 0 {
+                            want.extend(read.handed.take());
+                        }
+                        let rest = (n - want.len()).min(model.len());
+                        want.extend((0..rest).map(|_| model.pop_front().unwrap().0));
+                        read.waits = false;
                         prop_assert_eq!(got, want.len());
                         prop_assert_eq!(&out, &want);
                         taken.extend(out);
@@ -591,11 +703,13 @@ mod tests {
                         }
                         closed = true;
                         reserved = 0;
+                        read.waits = false;
                     }
                     Op::Due { max, flush_ms } => {
                         let flush = Duration::from_millis(flush_ms);
                         let due = core.due(max, flush, || now);
                         let expected = match model.front() {
+                            _ if read.handed.is_some() => Due::Now((model.len() + 1).min(max)),
                             None if closed => Due::End,
                             None => Due::Empty,
                             Some(_) if model.len() >= max || closed || flush.is_zero() => {
@@ -613,12 +727,19 @@ mod tests {
                         prop_assert_eq!(due, expected);
                     }
                     Op::Wait(ms) => now += Duration::from_millis(ms),
+                    Op::AwaitRead(waits) => {
+                        core.await_read(waits);
+                        // A read waits only for a channel that is open and holds nothing.
+                        read.waits = waits && model.is_empty() && read.handed.is_none() && !closed;
+                    }
                 }
                 let c = core.counters;
                 prop_assert!(core.len() + reserved <= capacity);
                 prop_assert_eq!(core.len(), model.len());
                 prop_assert_eq!(c.emitted, c.delivered + c.dropped + c.spilled + core.len() as u64);
-                prop_assert_eq!(c.delivered, taken.len() as u64);
+                prop_assert_eq!(c.delivered, (taken.len() + usize::from(read.handed.is_some())) as u64);
+                prop_assert_eq!(core.ready(), model.len() + usize::from(read.handed.is_some()));
+                prop_assert_eq!(core.reader, read.waits);
                 prop_assert_eq!(c.dropped, dropped.len() as u64);
                 prop_assert_eq!(c.spilled, spilled);
             }

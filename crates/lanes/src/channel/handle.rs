@@ -180,7 +180,8 @@ impl<T> State<T> {
     fn consumer_waker(&mut self) -> Option<Waker> {
         // Whether the consumer waits first: while it works through a burst it does not, and
         // this is on every record's path.
-        if self.recv_waker.is_some() && (self.core.len() >= self.recv_want || self.core.is_closed())
+        if self.recv_waker.is_some()
+            && (self.core.ready() >= self.recv_want || self.core.is_closed())
         {
             self.recv_waker.take()
         } else {
@@ -195,8 +196,10 @@ impl<T> State<T> {
     }
 
     /// Asks to be woken when `want` records are queued (or on close). The caller arms
-    /// [`ChannelShared::recv_armed`] for a `want` of 1 (see [`ChannelShared::arm`]).
-    fn wait_for(&mut self, want: usize, waker: &Waker) {
+    /// [`ChannelShared::recv_armed`] for a `want` of 1 (see [`ChannelShared::arm`]); `read`
+    /// says the consumer's plain read waits (it is handed the next record: [`Core::await_read`]).
+    fn wait_for(&mut self, want: usize, read: bool, waker: &Waker) {
+        self.core.await_read(read && want <= 1);
         self.recv_want = want.max(1);
         keep_waker(&mut self.recv_waker, waker);
     }
@@ -592,17 +595,19 @@ impl<T> ChannelShared<T> {
 
     /// Under the lock: the consumer waits for the next record (or the close) with `waker`,
     /// and may wait again without the lock until one comes ([`is_armed`](Self::is_armed)).
-    pub(crate) fn arm(&self, st: &mut State<T>, waker: &Waker) {
-        st.wait_for(1, waker);
+    /// `read` says it is a plain read, which is handed the next record
+    /// ([`Core::await_read`]).
+    pub(crate) fn arm(&self, st: &mut State<T>, waker: &Waker, read: bool) {
+        st.wait_for(1, read, waker);
         self.recv_armed.store(true, Ordering::Release);
     }
 
     /// Under the lock: the consumer waits for `want` records (or the close) with `waker`.
     pub(crate) fn wait_for(&self, st: &mut State<T>, want: usize, waker: &Waker) {
         if want <= 1 {
-            return self.arm(st, waker);
+            return self.arm(st, waker, false);
         }
-        st.wait_for(want, waker);
+        st.wait_for(want, false, waker);
         self.recv_armed.store(false, Ordering::Release);
     }
 
