@@ -499,6 +499,91 @@ async fn a_record_handed_to_a_consumer_that_goes_away_is_counted_abandoned() {
 }
 
 #[tokio::test]
+async fn a_record_handed_to_a_dropped_consumer_gives_its_budget_unit_back() {
+    let channels = Channels::with_budget(1).unwrap();
+    let a = channels.create::<u32>("a", ChannelConfig::new(4)).unwrap();
+    let b = channels.create::<u32>("b", ChannelConfig::new(4)).unwrap();
+    let reader = waiting_read(a.consumer(options(1)).unwrap()).await;
+    // Handed to the read: it holds the registry's one unit until taken.
+    assert!(matches!(a.try_emit(1), Ok(Emitted::Queued)));
+    assert_eq!(channels.budget_used(), Some(1));
+    assert!(matches!(b.try_emit(2), Err(EmitError::Full(2))), "the budget is used up");
+    // The reader goes away without reading it: abandoned, and the unit is free again.
+    reader.abort();
+    assert!(reader.await.unwrap_err().is_cancelled());
+    assert_eq!(channels.budget_used(), Some(0));
+    let s = a.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.abandoned), (1, 1, 1), "{s:?}");
+    assert!(matches!(b.try_emit(2), Ok(Emitted::Queued)));
+}
+
+/// A consumer dropped right after a read that emptied the channel (so registered for the next
+/// record) while producers keep emitting on other threads: every record ends processed,
+/// abandoned or dropped, and `drained` returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_dropped_while_records_come_leaves_every_record_settled() {
+    for round in 0..200u32 {
+        let channel = Channel::new(ChannelConfig::new(1)).unwrap();
+        let mut consumer = channel.consumer(options(1)).unwrap();
+        let producer = {
+            let channel = channel.clone();
+            tokio::spawn(async move {
+                let mut receipts = Vec::new();
+                for n in 0..50u32 {
+                    match channel.emit_with_receipt(n).await {
+                        Ok(receipt) => receipts.push(receipt),
+                        Err(EmitError::Closed(_)) => break,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                receipts
+            })
+        };
+        // Reads until the channel is empty for a moment, then drops the consumer.
+        let reads = usize::try_from(round % 7).unwrap();
+        for _ in 0..reads {
+            if consumer.recv().await.is_none() {
+                break;
+            }
+        }
+        drop(consumer);
+        let receipts = producer.await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), channel.drained())
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: drained: {:?}", channel.snapshot()));
+        let s = channel.snapshot();
+        assert!(s.reconciles(), "round {round}: {s:?}");
+        assert_eq!(s.delivered, s.processed + s.abandoned, "round {round}: {s:?}");
+        assert_eq!(s.emitted, receipts.len() as u64, "round {round}: {s:?}");
+        for receipt in &receipts {
+            assert!(receipt.settlement().is_some(), "round {round}: a receipt is unsettled: {s:?}");
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_read_after_a_plain_read_still_lingers() {
+    let channel = Channel::new(ChannelConfig::new(4)).unwrap();
+    let mut consumer = channel.consumer(options(4).batch_flush(Duration::from_millis(20))).unwrap();
+    // The read empties the channel and stays registered for the next record.
+    channel.emit(0u32).await.unwrap();
+    assert_eq!(consumer.recv().await, Some(0));
+    let producer = channel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        producer.emit(1).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        producer.emit(2).await.unwrap();
+    });
+    // A batch read in the same task (so with the read's waker) withdraws that registration:
+    // the next record is queued, not handed over, and the batch waits its linger for more.
+    let start = Instant::now();
+    let batch = consumer.next_batch().await.expect("a batch");
+    assert_eq!(&batch[..], &[1, 2]);
+    assert!(start.elapsed() >= Duration::from_millis(20), "it lingered: {:?}", start.elapsed());
+}
+
+#[tokio::test]
 async fn a_record_handed_to_the_read_is_still_delivered_after_the_close() {
     let channel = Channel::new(ChannelConfig::new(1).discard_on_close()).unwrap();
     let consumer = channel.consumer(options(1)).unwrap();

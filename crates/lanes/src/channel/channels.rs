@@ -60,7 +60,8 @@ impl ChannelsInner {
 ///
 /// *Configured* channels ([`configure`](Self::configure)) are declared up front with their own
 /// capacity. *Dynamic* channels ([`create`](Self::create), [`get_or_create`](Self::get_or_create))
-/// come and go at run time and share the registry's `total_budget` of queued records: when the
+/// come and go at run time and share the registry's `total_budget` of queued records (and of
+/// records handed to a waiting read and not yet taken by it): when the
 /// budget is used up, each applies its own overflow policy as if it were full. A channel leaves
 /// the registry when it is closed (its name is free again); closing an owner closes all of its
 /// channels.

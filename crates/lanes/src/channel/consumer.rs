@@ -101,6 +101,9 @@ pub struct Consumer<T> {
     /// The waker last registered for the next record (while the channel's `recv_armed`
     /// holds, a poll with the same waker may return `Pending` without the lock).
     armed: Option<Waker>,
+    /// The registration in `armed` is a plain read's, which the next record is handed to: a
+    /// batch read goes to the lock to withdraw it rather than wait on it.
+    armed_read: bool,
 }
 
 impl<T: Send + 'static> Consumer<T> {
@@ -117,6 +120,7 @@ impl<T: Send + 'static> Consumer<T> {
             local: VecDeque::new(),
             wakers: Vec::new(),
             armed: None,
+            armed_read: false,
         }
     }
 
@@ -299,7 +303,7 @@ impl<T: Send + 'static> Consumer<T> {
                 }
             }
             // Waiting for the next record with this waker, and none has come: no lock.
-            if self.still_armed(cx) {
+            if self.still_armed(cx) && (read || !self.armed_read) {
                 return Poll::Pending;
             }
             let mut st = lock(&self.shared.state);
@@ -313,6 +317,7 @@ impl<T: Send + 'static> Consumer<T> {
                     return Poll::Ready(None);
                 }
                 Due::Empty => {
+                    self.armed_read = read;
                     arm(&self.shared, &mut self.armed, &mut st, cx.waker(), read);
                     return Poll::Pending;
                 }
@@ -358,6 +363,7 @@ impl<T: Send + 'static> Consumer<T> {
             if st.core.len() == 0 && !st.core.is_closed() {
                 // Emptied it: wait for the next record now, under this lock, so that the next
                 // poll finds out whether one came without taking it again.
+                self.armed_read = read;
                 arm(&self.shared, &mut self.armed, &mut st, cx.waker(), read);
             }
             drop(st);
@@ -403,13 +409,20 @@ impl<T> Unpin for Consumer<T> {}
 
 impl<T> Drop for Consumer<T> {
     fn drop(&mut self) {
-        {
+        let handed = {
             let mut st = lock(&self.shared.state);
+            // No record is handed to it from now on: the close that follows drops what comes
+            // meanwhile with what is queued.
+            st.core.await_read(false);
             // A record handed to its read was delivered: abandoned with the read-ahead.
-            if let Some(entry) = st.core.take_handed() {
-                self.local.push_back(entry);
-            }
-            st.core.counters.abandoned += self.local.len() as u64;
+            let handed = st.core.take_handed();
+            st.core.counters.abandoned += (self.local.len() + usize::from(handed.is_some())) as u64;
+            handed
+        };
+        if let Some(entry) = handed {
+            // As a take would: its budget unit goes back, and it counts delivered.
+            self.shared.after_take(1, &mut self.wakers);
+            self.local.push_back(entry);
         }
         if !self.local.is_empty() {
             for entry in self.local.drain(..) {

@@ -513,6 +513,8 @@ mod tests {
         Wait(u64),
         /// The consumer waits: a plain read (`true`, handed the next record) or otherwise.
         AwaitRead(bool),
+        /// A consumer going away takes back what was handed to its read.
+        TakeHanded,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -529,6 +531,7 @@ mod tests {
             2 => (1usize..6, 0u64..20).prop_map(|(max, flush_ms)| Op::Due { max, flush_ms }),
             2 => (0u64..10).prop_map(Op::Wait),
             2 => any::<bool>().prop_map(Op::AwaitRead),
+            1 => Just(Op::TakeHanded),
         ]
     }
 
@@ -731,6 +734,11 @@ mod tests {
                         core.await_read(waits);
                         // A read waits only for a channel that is open and holds nothing.
                         read.waits = waits && model.is_empty() && read.handed.is_none() && !closed;
+                    }
+                    Op::TakeHanded => {
+                        let handed = core.take_handed();
+                        prop_assert_eq!(handed, read.handed.take());
+                        taken.extend(handed);
                     }
                 }
                 let c = core.counters;

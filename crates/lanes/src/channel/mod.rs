@@ -8,7 +8,9 @@
 //! [`SpillQueue`](crate::spill::SpillQueue) ([`Spill`](Overflow::Spill)). Each record takes
 //! exactly one path; spilled records never flow back into the channel — a slow-path consumer
 //! reads the spill queue, so order across the two paths is not kept (use `Block` where it
-//! matters).
+//! matters). Records the consumer has taken are delivered and out of the channel: a `recv`
+//! reads ahead up to 64 at a time, and a read waiting on an empty channel is handed the next
+//! record directly, so its producer does not wait for the consumer to run.
 //!
 //! The [`Consumer`] receives [`Batch`]es of up to `batch_max` records, a partial batch once its
 //! oldest record has waited `batch_flush`, and settles each record: processed (written to the

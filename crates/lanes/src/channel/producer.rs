@@ -287,7 +287,8 @@ impl<T> Channel<T> {
     }
 
     /// Closes the channel and drops what is queued (counted as `dropped`, receipts settled
-    /// `Dropped`); batches the consumer holds still settle.
+    /// `Dropped`); batches the consumer holds still settle, and a record already handed to a
+    /// waiting read is still read.
     pub fn abort(&self) {
         self.shared.close_with(true);
     }

@@ -86,7 +86,7 @@ pub struct ChannelsSnapshot {
 pub struct BudgetSnapshot {
     /// The most records the dynamic channels hold together.
     pub total: usize,
-    /// Records they hold now.
+    /// Records they hold now (queued, or handed to a waiting read and not yet taken).
     pub used: usize,
 }
 
