@@ -1250,6 +1250,31 @@ async fn the_snapshot_reports_the_age_of_the_oldest_record() {
 
 // ---------------------------------------------------------------- stress and end to end
 
+/// One step of a xorshift generator: the stress tests' cheap, seeded randomness.
+fn xorshift(seed: &mut u64) {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+}
+
+/// Checks `rounds` snapshots of `channel`, yielding between them, while the others run: the
+/// counters reconcile and the depth stays within `capacity` in each.
+fn watch_reconciling(
+    channel: &Channel<u64>,
+    capacity: usize,
+    rounds: usize,
+) -> tokio::task::JoinHandle<()> {
+    let channel = channel.clone();
+    tokio::spawn(async move {
+        for _ in 0..rounds {
+            let s = channel.snapshot();
+            assert!(s.reconciles(), "{s:?}");
+            assert!(s.depth <= capacity, "{s:?}");
+            tokio::task::yield_now().await;
+        }
+    })
+}
+
 /// Reads that wait are handed records (suite 3's fast path at small capacities): with
 /// producers that block, give up (an emit dropped after one poll) or do not wait, and a
 /// consumer that switches between `recv`, `recv_many` and `next_batch`, every record is
@@ -1270,9 +1295,7 @@ async fn reads_handed_records_lose_nothing_and_keep_order_under_random_stress() 
                 let mut seed = p + 11;
                 for i in 0..EACH {
                     let record = p * EACH + i;
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
+                    xorshift(&mut seed);
                     let result = match seed % 4 {
                         0 => channel.try_emit(record),
                         // Polled once, dropped if it must wait: cancel safe, not enqueued.
@@ -1295,23 +1318,11 @@ async fn reads_handed_records_lose_nothing_and_keep_order_under_random_stress() 
                 turned_away
             }));
         }
-        let watcher = {
-            let channel = channel.clone();
-            tokio::spawn(async move {
-                for _ in 0..500 {
-                    let s = channel.snapshot();
-                    assert!(s.reconciles(), "{s:?}");
-                    assert!(s.depth <= capacity, "{s:?}");
-                    tokio::task::yield_now().await;
-                }
-            })
-        };
+        let watcher = watch_reconciling(&channel, capacity, 500);
         let consumer_task = tokio::spawn(async move {
             let (mut delivered, mut buffer, mut seed) = (Vec::new(), Vec::new(), 7u64);
             loop {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
+                xorshift(&mut seed);
                 let got: Vec<u64> = match seed % 3 {
                     0 => match consumer.recv().await {
                         Some(r) => vec![r],
@@ -1385,9 +1396,7 @@ async fn counters_reconcile_under_random_stress() {
                 let mut seed = p + 1;
                 for i in 0..EACH {
                     let record = p * EACH + i;
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
+                    xorshift(&mut seed);
                     let result = if seed % 3 == 0 {
                         channel.try_emit(record)
                     } else {
@@ -1407,17 +1416,7 @@ async fn counters_reconcile_under_random_stress() {
                 dropped
             }));
         }
-        let watcher = {
-            let channel = channel.clone();
-            tokio::spawn(async move {
-                for _ in 0..200 {
-                    let s = channel.snapshot();
-                    assert!(s.reconciles(), "{s:?}");
-                    assert!(s.depth <= 16);
-                    tokio::task::yield_now().await;
-                }
-            })
-        };
+        let watcher = watch_reconciling(&channel, 16, 200);
         drop(channel.clone());
         let consumer_task = tokio::spawn(async move {
             let mut delivered = Vec::new();
@@ -1483,9 +1482,7 @@ async fn plain_reads_on_two_threads_get_every_record_once_in_order_and_never_sta
             let mut buffer = Vec::new();
             let mut seed = capacity as u64 + 1;
             loop {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
+                xorshift(&mut seed);
                 if seed.is_multiple_of(2) {
                     match consumer.recv().await {
                         Some(record) => got.push(record),
