@@ -231,6 +231,41 @@ fn a_channel_counts_what_its_reads_hand_out_by_quiescence() {
     );
 }
 
+/// Records handed straight to a read that waits count in the metrics as taken ones do,
+/// including one that a dropped consumer never read.
+#[test]
+fn a_channel_counts_records_handed_to_its_read() {
+    let counts = Arc::new(std::sync::Mutex::new(None));
+    let seen = counts.clone();
+    let snapshot = in_runtime(async move {
+        let channel = Channel::named("handed", ChannelConfig::new(1)).unwrap();
+        let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+        channel.emit(0u32).await.unwrap();
+        // This read empties the channel, so it stays registered: 1 is handed to it, 2 queued.
+        assert_eq!(consumer.recv().await, Some(0));
+        channel.try_emit(1).unwrap();
+        channel.try_emit(2).unwrap();
+        assert_eq!(channel.len(), 1);
+        assert_eq!(consumer.recv().await, Some(1));
+        assert_eq!(consumer.recv().await, Some(2));
+        // Handed to the registered read, then the consumer goes away without reading it.
+        channel.try_emit(3).unwrap();
+        drop(consumer);
+        let s = channel.snapshot();
+        *seen.lock().unwrap() = Some((s.emitted, s.delivered, s.processed, s.abandoned));
+    });
+    let counted = counts.lock().unwrap().expect("ran");
+    assert_eq!(counted, (4, 4, 3, 1));
+    let handed = [("channel", "handed")];
+    for (name, want) in [
+        ("lanes_channel_emitted_total", 4),
+        ("lanes_channel_delivered_total", 4),
+        ("lanes_channel_processed_total", 3),
+    ] {
+        assert_eq!(value(&snapshot, name, &handed), &DebugValue::Counter(want), "{name}");
+    }
+}
+
 #[test]
 fn a_keyed_limit_counts_over_its_keys() {
     let snapshot = in_runtime(async {

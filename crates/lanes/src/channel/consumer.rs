@@ -419,17 +419,17 @@ impl<T> Drop for Consumer<T> {
             st.core.counters.abandoned += (self.local.len() + usize::from(handed.is_some())) as u64;
             handed
         };
-        if let Some(entry) = handed {
-            // As a take would: its budget unit goes back, and it counts delivered.
-            self.shared.after_take(1, &mut self.wakers);
-            self.local.push_back(entry);
-        }
-        if !self.local.is_empty() {
-            for entry in self.local.drain(..) {
-                entry.settle(Settlement::Dropped);
-            }
+        let handed = handed.map(|entry| entry.settle(Settlement::Dropped)).is_some();
+        for entry in self.local.drain(..) {
+            entry.settle(Settlement::Dropped);
         }
         self.shared.close_with(true);
+        if handed {
+            // As a take would: its budget unit goes back (once the channel is closed, so that
+            // no producer of this channel uses it for a record the close would drop), and it
+            // counts delivered.
+            self.shared.after_take(1, &mut self.wakers);
+        }
     }
 }
 
