@@ -1310,6 +1310,77 @@ fn watch_reconciling(
     })
 }
 
+/// A producer of records `first..first + count` into `channel`, seeded: each record is offered
+/// without waiting, by an emit polled once and dropped if it must wait (cancel safe: then it
+/// is not enqueued), or by an emit that waits. Returns the records handed back (refused, or
+/// dropped by the overflow policy).
+fn random_producer(
+    channel: Channel<u64>,
+    first: u64,
+    count: u64,
+    mut seed: u64,
+) -> tokio::task::JoinHandle<Vec<u64>> {
+    tokio::spawn(async move {
+        let mut turned_away = Vec::new();
+        for record in first..first + count {
+            xorshift(&mut seed);
+            let result = match seed % 4 {
+                0 => channel.try_emit(record),
+                1 => match tokio::time::timeout(Duration::ZERO, channel.emit(record)).await {
+                    Ok(result) => result,
+                    Err(_) => Err(EmitError::Full(record)),
+                },
+                _ => channel.emit(record).await,
+            };
+            match result {
+                Ok(Emitted::Queued) => {}
+                Ok(Emitted::Dropped(r) | Emitted::DroppedOldest(r)) => turned_away.push(r),
+                Err(EmitError::Full(r)) => turned_away.push(r),
+                other => panic!("{other:?}"),
+            }
+            if seed.is_multiple_of(8) {
+                tokio::task::yield_now().await;
+            }
+        }
+        turned_away
+    })
+}
+
+/// A consumer that switches at random (seeded) between `recv`, `recv_many` and `next_batch`
+/// until the channel is closed and drained; returns what it read, in order.
+fn random_reader(
+    mut consumer: lanes::channel::Consumer<u64>,
+    mut seed: u64,
+) -> tokio::task::JoinHandle<Vec<u64>> {
+    tokio::spawn(async move {
+        let (mut delivered, mut buffer) = (Vec::new(), Vec::new());
+        loop {
+            xorshift(&mut seed);
+            match seed % 3 {
+                0 => match consumer.recv().await {
+                    Some(r) => delivered.push(r),
+                    None => break,
+                },
+                1 => {
+                    buffer.clear();
+                    if consumer.recv_many(&mut buffer, 1 + (seed % 5) as usize).await == 0 {
+                        break;
+                    }
+                    delivered.extend_from_slice(&buffer);
+                }
+                _ => match consumer.next_batch().await {
+                    Some(batch) => {
+                        delivered.extend_from_slice(&batch);
+                        batch.ack().await.unwrap();
+                    }
+                    None => break,
+                },
+            }
+        }
+        delivered
+    })
+}
+
 /// Reads that wait are handed records (suite 3's fast path at small capacities): with
 /// producers that block, give up (an emit dropped after one poll) or do not wait, and a
 /// consumer that switches between `recv`, `recv_many` and `next_batch`, every record is
@@ -1321,68 +1392,12 @@ async fn reads_handed_records_lose_nothing_and_keep_order_under_random_stress() 
     const EACH: u64 = 5_000;
     for capacity in [1usize, 2, 16] {
         let channel = Channel::new(ChannelConfig::new(capacity)).unwrap();
-        let mut consumer = channel.consumer(options(3)).unwrap();
-        let mut producers = Vec::new();
-        for p in 0..PRODUCERS {
-            let channel = channel.clone();
-            producers.push(tokio::spawn(async move {
-                let mut turned_away = Vec::new();
-                let mut seed = p + 11;
-                for i in 0..EACH {
-                    let record = p * EACH + i;
-                    xorshift(&mut seed);
-                    let result = match seed % 4 {
-                        0 => channel.try_emit(record),
-                        // Polled once, dropped if it must wait: cancel safe, not enqueued.
-                        1 => match tokio::time::timeout(Duration::ZERO, channel.emit(record)).await
-                        {
-                            Ok(result) => result,
-                            Err(_) => Err(EmitError::Full(record)),
-                        },
-                        _ => channel.emit(record).await,
-                    };
-                    match result {
-                        Ok(Emitted::Queued) => {}
-                        Err(EmitError::Full(r)) => turned_away.push(r),
-                        other => panic!("{other:?}"),
-                    }
-                    if seed % 8 == 0 {
-                        tokio::task::yield_now().await;
-                    }
-                }
-                turned_away
-            }));
-        }
+        let consumer = channel.consumer(options(3)).unwrap();
+        let producers: Vec<_> = (0..PRODUCERS)
+            .map(|p| random_producer(channel.clone(), p * EACH, EACH, p + 11))
+            .collect();
         let watcher = watch_reconciling(&channel, capacity, 500);
-        let consumer_task = tokio::spawn(async move {
-            let (mut delivered, mut buffer, mut seed) = (Vec::new(), Vec::new(), 7u64);
-            loop {
-                xorshift(&mut seed);
-                let got: Vec<u64> = match seed % 3 {
-                    0 => match consumer.recv().await {
-                        Some(r) => vec![r],
-                        None => break,
-                    },
-                    1 => {
-                        buffer.clear();
-                        if consumer.recv_many(&mut buffer, 1 + (seed % 5) as usize).await == 0 {
-                            break;
-                        }
-                        buffer.clone()
-                    }
-                    _ => match consumer.next_batch().await {
-                        Some(batch) => {
-                            let records = batch.to_vec();
-                            batch.ack().await.unwrap();
-                            records
-                        }
-                        None => break,
-                    },
-                };
-                delivered.extend(got);
-            }
-            delivered
-        });
+        let consumer_task = random_reader(consumer, 7);
         let mut turned_away = Vec::new();
         for producer in producers {
             turned_away.extend(producer.await.unwrap());
@@ -1412,6 +1427,54 @@ async fn reads_handed_records_lose_nothing_and_keep_order_under_random_stress() 
             "capacity {capacity}: each record delivered once or handed back, none lost"
         );
     }
+}
+
+/// Dynamic channels sharing a registry's budget, their reads handed records, on four
+/// threads: producers that block, give up or do not wait, under `Block` and `DropOldest`;
+/// consumers that switch between `recv`, `recv_many` and `next_batch`. Every record is
+/// delivered once or handed back, in its producer's order, and every budget unit comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn channels_sharing_a_budget_hand_records_to_reads_and_return_every_unit() {
+    const CHANNELS: u64 = 4;
+    const EACH: u64 = 3_000;
+    let channels = Channels::with_budget(3).unwrap();
+    let mut runs = Vec::new();
+    for c in 0..CHANNELS {
+        let overflow = if c % 2 == 0 { Overflow::Block } else { Overflow::DropOldest };
+        let config = ChannelConfig::new(1 + c as usize % 2).overflow(overflow);
+        let channel = channels.create::<u64>(&format!("c{c}"), config).unwrap();
+        let reader = random_reader(channel.consumer(options(3)).unwrap(), c + 17);
+        let producer = random_producer(channel.clone(), c * EACH, EACH, c + 3);
+        runs.push((channel, producer, reader));
+    }
+    let mut turned_away = Vec::new();
+    let mut readers = Vec::new();
+    for (channel, producer, reader) in runs {
+        turned_away.extend(producer.await.unwrap());
+        readers.push((channel, reader));
+    }
+    let mut delivered = Vec::new();
+    for (channel, reader) in readers {
+        channel.close();
+        let got = tokio::time::timeout(Duration::from_secs(60), reader)
+            .await
+            .expect("a consumer ends once its channel is closed and drained")
+            .unwrap();
+        let s = channel.snapshot();
+        assert!(s.reconciles(), "{s:?}");
+        assert_eq!(s.delivered, got.len() as u64, "{s:?}");
+        assert_eq!(s.processed, s.delivered, "{s:?}");
+        let mut last = None;
+        for &r in &got {
+            assert!(last.is_none_or(|l| l < r), "{}: FIFO", s.name);
+            last = Some(r);
+        }
+        delivered.extend(got);
+    }
+    assert_eq!(channels.budget_used(), Some(0), "every unit came back");
+    let mut all: Vec<u64> = delivered.into_iter().chain(turned_away).collect();
+    all.sort_unstable();
+    assert_eq!(all, (0..CHANNELS * EACH).collect::<Vec<_>>(), "each record once, none lost");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
