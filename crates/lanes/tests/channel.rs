@@ -1346,6 +1346,24 @@ fn random_producer(
     })
 }
 
+/// Closes `channel` and waits (bounded) for its reader to drain it; checks that the counters
+/// reconcile and that every record delivered was read and counted processed.
+async fn close_and_read(
+    channel: &Channel<u64>,
+    reader: tokio::task::JoinHandle<Vec<u64>>,
+) -> (Vec<u64>, lanes::channel::ChannelSnapshot) {
+    channel.close();
+    let read = tokio::time::timeout(Duration::from_secs(60), reader)
+        .await
+        .expect("the consumer ends once the channel is closed and drained")
+        .unwrap();
+    let s = channel.snapshot();
+    assert!(s.reconciles(), "{s:?}");
+    assert_eq!(s.delivered, read.len() as u64, "{s:?}");
+    assert_eq!(s.processed, s.delivered, "{s:?}");
+    (read, s)
+}
+
 /// A consumer that switches at random (seeded) between `recv`, `recv_many` and `next_batch`
 /// until the channel is closed and drained; returns what it read, in order.
 fn random_reader(
@@ -1403,16 +1421,8 @@ async fn reads_handed_records_lose_nothing_and_keep_order_under_random_stress() 
             turned_away.extend(producer.await.unwrap());
         }
         watcher.await.unwrap();
-        channel.close();
-        let delivered = tokio::time::timeout(Duration::from_secs(60), consumer_task)
-            .await
-            .expect("the consumer ends once the channel is closed and drained")
-            .unwrap();
-        let s = channel.snapshot();
-        assert!(s.reconciles(), "capacity {capacity}: {s:?}");
-        assert_eq!(s.delivered, delivered.len() as u64, "capacity {capacity}: {s:?}");
-        assert_eq!(s.processed, s.delivered);
-        assert_eq!(s.dropped, 0);
+        let (delivered, s) = close_and_read(&channel, consumer_task).await;
+        assert_eq!(s.dropped, 0, "capacity {capacity}: {s:?}");
         let mut last = [None::<u64>; PRODUCERS as usize];
         for &r in &delivered {
             let p = (r / EACH) as usize;
@@ -1455,15 +1465,7 @@ async fn channels_sharing_a_budget_hand_records_to_reads_and_return_every_unit()
     }
     let mut delivered = Vec::new();
     for (channel, reader) in readers {
-        channel.close();
-        let got = tokio::time::timeout(Duration::from_secs(60), reader)
-            .await
-            .expect("a consumer ends once its channel is closed and drained")
-            .unwrap();
-        let s = channel.snapshot();
-        assert!(s.reconciles(), "{s:?}");
-        assert_eq!(s.delivered, got.len() as u64, "{s:?}");
-        assert_eq!(s.processed, s.delivered, "{s:?}");
+        let (got, s) = close_and_read(&channel, reader).await;
         let mut last = None;
         for &r in &got {
             assert!(last.is_none_or(|l| l < r), "{}: FIFO", s.name);

@@ -45,6 +45,23 @@ enum Ending {
     Panic,
 }
 
+/// A runtime of two worker threads, for the tests that race a run's end across them.
+fn two_workers() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_time().build().unwrap()
+}
+
+/// A set of these lanes, with timeouts long enough never to fire in a passing test.
+fn lanes_of(lanes: &[(&str, LaneLimits)]) -> LaneSet {
+    lanes
+        .iter()
+        .fold(LaneSet::builder(), |b, (name, l)| b.lane(*name, *l))
+        .audit_timeout(Duration::from_secs(5))
+        .finalization_timeout(Duration::from_secs(5))
+        .worker_drain_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap()
+}
+
 fn lanes_under_test() -> (LaneSet, Vec<(&'static str, LaneLimits)>) {
     let limits = vec![
         ("a", LaneLimits::new(2, 5)),
@@ -242,21 +259,11 @@ async fn random_workloads_keep_every_invariant() {
 #[test]
 fn queued_runs_giving_up_while_granted_across_threads_keep_every_invariant() {
     const RUNS: u64 = 100_000;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_time()
-        .build()
-        .unwrap();
+    let runtime = two_workers();
     // Bounded as a whole: a run left owned fills the lane for good, and the producer would
     // retry forever.
     let bounded = async {
-        let set = LaneSet::builder()
-            .lane("one", LaneLimits::new(1, 4))
-            .audit_timeout(Duration::from_secs(5))
-            .finalization_timeout(Duration::from_secs(5))
-            .worker_drain_timeout(Duration::from_secs(5))
-            .build()
-            .unwrap();
+        let set = lanes_of(&[("one", LaneLimits::new(1, 4))]);
         let finalized = Arc::new(Mutex::new(BTreeMap::<RunId, usize>::new()));
         let (give_up, mut given_up) = tokio::sync::mpsc::unbounded_channel();
         // Drops every handle it gets, as soon as it gets it, on whichever thread it runs.
@@ -319,21 +326,10 @@ fn queued_runs_giving_up_while_granted_across_threads_keep_every_invariant() {
 /// their ownership back on the lock-free path, racing each other.
 #[test]
 fn the_last_runs_of_two_lanes_ending_at_once_drain_the_set() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_time()
-        .build()
-        .unwrap();
+    let runtime = two_workers();
     runtime.block_on(async {
         for round in 0..500 {
-            let set = LaneSet::builder()
-                .lane("a", LaneLimits::new(1, 0))
-                .lane("b", LaneLimits::new(1, 0))
-                .audit_timeout(Duration::from_secs(5))
-                .finalization_timeout(Duration::from_secs(5))
-                .worker_drain_timeout(Duration::from_secs(5))
-                .build()
-                .unwrap();
+            let set = lanes_of(&[("a", LaneLimits::new(1, 0)), ("b", LaneLimits::new(1, 0))]);
             let go = Arc::new(tokio::sync::Barrier::new(3));
             let finalizing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             for lane in ["a", "b"] {
