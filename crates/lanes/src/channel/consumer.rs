@@ -419,12 +419,13 @@ impl<T> Drop for Consumer<T> {
             st.core.counters.abandoned += (self.local.len() + usize::from(handed.is_some())) as u64;
             handed
         };
-        let handed = handed.map(|entry| entry.settle(Settlement::Dropped)).is_some();
+        let was_handed = handed.is_some();
+        self.local.extend(handed);
         for entry in self.local.drain(..) {
             entry.settle(Settlement::Dropped);
         }
         self.shared.close_with(true);
-        if handed {
+        if was_handed {
             // As a take would: its budget unit goes back (once the channel is closed, so that
             // no producer of this channel uses it for a record the close would drop), and it
             // counts delivered.
