@@ -18,6 +18,9 @@
 //! instructions; the cost per record is the difference of two round counts over the records
 //! between them (setup cancels out).
 //!
+//! `LANES_FIXED_RECORD=256B` runs the `channel`, `tokio` and `kanal` cells with suite 3's
+//! 256-byte records instead of `u64`s.
+//!
 //! `LANES_FIXED_PRODUCERS=4` runs the `channel`, `tokio` and `kanal` cells with four producers
 //! (suite 3's `mpsc` shape) instead of one.
 //!
@@ -79,7 +82,7 @@ use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
 use lanes::{LimitSpec, Limits, Priority, WaitQueue};
 use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    FairQueueCell, HandRolled, PER_TASK, Permits, RECORDS, channel_block, contended,
+    Big, FairQueueCell, HandRolled, PER_TASK, Permits, RECORDS, Record, channel_block, contended,
     full_hand_rolled, full_lane, hand_rolled, kanal_block, lane, lane_runs, next_batch_block,
     recv_many_block, refuse, refuse_hand_rolled, tokio_block,
 };
@@ -89,6 +92,28 @@ use tokio::sync::Semaphore;
 const RUNS: u64 = 1_000;
 /// Checks per round of the `rate`, `uncontended` and `governor` cells.
 const CHECKS: u64 = 10_000;
+
+/// `rounds` rounds of suite 3's block-mode cell with `R` records, through our channel, tokio
+/// mpsc or kanal (`cell`).
+fn channel_rounds<R: Record>(
+    rt: &tokio::runtime::Runtime,
+    cell: &str,
+    capacity: usize,
+    producers: usize,
+    rounds: u64,
+) -> (u64, Duration) {
+    rt.block_on(async {
+        let start = Instant::now();
+        for _ in 0..rounds {
+            match cell {
+                "channel" => channel_block::<R>(capacity, producers).await,
+                "tokio" => tokio_block::<R>(capacity, producers).await,
+                _ => kanal_block::<R>(capacity, producers).await,
+            }
+        }
+        (rounds * RECORDS as u64, start.elapsed())
+    })
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -102,29 +127,17 @@ fn main() {
         Ok("multi_thread_2") => Flavor::MultiThread,
         _ => Flavor::CurrentThread,
     };
+    let big = match std::env::var("LANES_FIXED_RECORD").as_deref() {
+        Ok("256B") => true,
+        Ok("u64") | Err(_) => false,
+        Ok(_) => panic!("LANES_FIXED_RECORD is u64 or 256B"),
+    };
     let rt = flavor.runtime();
     let (items, elapsed) = match cell.as_str() {
-        "channel" => rt.block_on(async {
-            let start = Instant::now();
-            for _ in 0..rounds {
-                channel_block::<u64>(size, producers).await;
-            }
-            (rounds * RECORDS as u64, start.elapsed())
-        }),
-        "tokio" => rt.block_on(async {
-            let start = Instant::now();
-            for _ in 0..rounds {
-                tokio_block::<u64>(size, producers).await;
-            }
-            (rounds * RECORDS as u64, start.elapsed())
-        }),
-        "kanal" => rt.block_on(async {
-            let start = Instant::now();
-            for _ in 0..rounds {
-                kanal_block::<u64>(size, producers).await;
-            }
-            (rounds * RECORDS as u64, start.elapsed())
-        }),
+        "channel" | "tokio" | "kanal" if big => {
+            channel_rounds::<Big>(&rt, &cell, size, producers, rounds)
+        }
+        "channel" | "tokio" | "kanal" => channel_rounds::<u64>(&rt, &cell, size, producers, rounds),
         "hand-rolled" => {
             let lane = HandRolled::new(size, 2_000);
             lane_rounds(&rt, rounds, move || hand_rolled(lane.clone(), RUNS))
