@@ -155,13 +155,8 @@ impl<T: Send + 'static> Consumer<T> {
     /// # Cancel safety
     ///
     /// Cancel safe.
-    pub async fn recv(&mut self) -> Option<T> {
-        if self.local.is_empty() {
-            let max = if self.plan.limit.is_some() { 1 } else { PREFETCH };
-            poll_fn(|cx| self.poll_recv(cx, max)).await?;
-            self.permits.clear();
-        }
-        self.local.pop_front().map(|entry| self.hand_out(entry))
+    pub fn recv(&mut self) -> impl Future<Output = Option<T>> + Send + '_ {
+        Recv { consumer: self }
     }
 
     /// Moves up to `limit` queued records into `buffer` (waiting for at least one), settling
@@ -394,6 +389,31 @@ fn acquire(
 ) -> BoxFuture<'static, Result<Vec<Permit>, LimitError>> {
     let throttle = limit.throttle.clone();
     Box::pin(async move { throttle.acquire_up_to_once(want).await })
+}
+
+/// The future of [`Consumer::recv`]. Written by hand rather than as an `async fn`: a read
+/// from the read-ahead (63 of 64 reads of a busy channel) is then a test and a pop, without
+/// an `async fn`'s states to enter and leave.
+struct Recv<'a, T> {
+    consumer: &'a mut Consumer<T>,
+}
+
+impl<T: Send + 'static> Future for Recv<'_, T> {
+    type Output = Option<T>;
+
+    // On every record's path, like `Emit::poll`.
+    #[inline(always)]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        let consumer = &mut *self.get_mut().consumer;
+        if consumer.local.is_empty() {
+            let max = if consumer.plan.limit.is_some() { 1 } else { PREFETCH };
+            if ready!(consumer.poll_recv(cx, max)).is_none() {
+                return Poll::Ready(None);
+            }
+            consumer.permits.clear();
+        }
+        Poll::Ready(consumer.local.pop_front().map(|entry| consumer.hand_out(entry)))
+    }
 }
 
 impl<T: Send + 'static> futures_core::Stream for Consumer<T> {
