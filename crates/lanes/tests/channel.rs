@@ -679,6 +679,80 @@ async fn batches_and_reads_under_a_limit_are_not_handed_records() {
     }
 }
 
+#[tokio::test]
+async fn a_limited_read_releases_its_permit_when_it_returns() {
+    // Under a consumer limit, `recv` takes one record under one permit, released on return:
+    // between reads the limit is free for others, and a read waits while others hold it.
+    for per in [PermitPer::Record, PermitPer::Batch] {
+        let limits = Limits::new();
+        limits.define("sink", LimitSpec::concurrent(1)).await.unwrap();
+        let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+        let mut consumer =
+            channel.consumer(options(1).limit(&limits, "sink", Priority::default(), per)).unwrap();
+        for n in 0..3u32 {
+            channel.try_emit(n).unwrap();
+        }
+        assert_eq!(consumer.recv().await, Some(0));
+        let outside = limits.try_acquire("sink", Priority::default()).await;
+        assert!(outside.is_ok(), "{per:?}: the read kept its permit");
+        drop(outside);
+        assert_eq!(consumer.recv().await, Some(1));
+        let held = limits.acquire("sink", Priority::default()).await.unwrap();
+        let waited = tokio::time::timeout(Duration::from_millis(20), consumer.recv()).await;
+        assert!(waited.is_err(), "{per:?}: read past a held limit");
+        drop(held);
+        assert_eq!(consumer.recv().await, Some(2), "{per:?}");
+        let s = channel.snapshot();
+        assert_eq!((s.emitted, s.delivered, s.processed), (3, 3, 3), "{per:?}: {s:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_read_dropped_while_it_waits_loses_nothing() {
+    // A `recv` given up while it waits (here by a timeout, then by `select!` in the same task,
+    // whose next read has the same waker) leaves the consumer registered for the next record:
+    // the record handed to it is read next, in order, and the counters reconcile.
+    let channel = Channel::new(ChannelConfig::new(4)).unwrap();
+    let mut consumer = channel.consumer(options(1)).unwrap();
+    assert!(tokio::time::timeout(Duration::from_millis(5), consumer.recv()).await.is_err());
+    channel.try_emit(1u32).unwrap();
+    channel.try_emit(2).unwrap();
+    assert_eq!(channel.len(), 1, "the first record was handed to the dropped read");
+    assert_eq!(consumer.recv().await, Some(1));
+    assert_eq!(consumer.recv().await, Some(2));
+    for n in 3..6u32 {
+        tokio::select! {
+            biased;
+            got = consumer.recv() => panic!("read {got:?} from an empty channel"),
+            () = tokio::task::yield_now() => {}
+        }
+        channel.try_emit(n).unwrap();
+        assert_eq!(consumer.recv().await, Some(n));
+    }
+    channel.close();
+    assert_eq!(consumer.recv().await, None);
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.delivered, s.processed, s.depth), (5, 5, 5, 0), "{s:?}");
+}
+
+#[tokio::test]
+async fn records_read_ahead_are_still_read_after_a_discarding_close() {
+    // `recv` took the queued records into the consumer: they were delivered, so a close that
+    // discards what is queued does not drop them, and the read after it returns them first.
+    let channel = Channel::new(ChannelConfig::new(8).discard_on_close()).unwrap();
+    let mut consumer = channel.consumer(options(1)).unwrap();
+    for n in 0..3u32 {
+        channel.try_emit(n).unwrap();
+    }
+    assert_eq!(consumer.recv().await, Some(0));
+    channel.close();
+    assert_eq!(consumer.recv().await, Some(1));
+    assert_eq!(consumer.recv().await, Some(2));
+    assert_eq!(consumer.recv().await, None);
+    let s = channel.snapshot();
+    assert_eq!((s.delivered, s.processed, s.dropped), (3, 3, 0), "{s:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_batching_consumer_that_emptied_the_channel_still_lingers_for_a_partial_batch() {
     let channel = Channel::new(ChannelConfig::new(8)).unwrap();
