@@ -393,7 +393,9 @@ fn acquire(
 
 /// The future of [`Consumer::recv`]. Written by hand rather than as an `async fn`: a read
 /// from the read-ahead (63 of 64 reads of a busy channel) is then a test and a pop, without
-/// an `async fn`'s states to enter and leave.
+/// an `async fn`'s states to enter and leave. It keeps no state of its own (all of it is the
+/// consumer's), so dropping it while it waits loses nothing, and polled again after it returned
+/// it reads again, as a new `recv` would.
 struct Recv<'a, T> {
     consumer: &'a mut Consumer<T>,
 }
