@@ -178,9 +178,14 @@ impl<T: Send + 'static> Consumer<T> {
             self.permits.clear();
         }
         let n = limit.min(self.local.len());
-        for _ in 0..n {
-            let entry = self.local.pop_front().expect("counted");
-            buffer.push(self.hand_out(entry));
+        // Handed out together: counted processed once, then each receipt settles.
+        self.shared.count_read(n as u64);
+        buffer.reserve(n);
+        for entry in self.local.drain(..n) {
+            if let Some(receipt) = &entry.receipt {
+                settle_read(&self.shared, receipt);
+            }
+            buffer.push(entry.record);
         }
         n
     }
@@ -191,18 +196,9 @@ impl<T: Send + 'static> Consumer<T> {
     fn hand_out(&self, entry: Entry<T>) -> T {
         self.shared.count_read(1);
         if let Some(receipt) = &entry.receipt {
-            self.settle_read(receipt);
+            settle_read(&self.shared, receipt);
         }
         entry.record
-    }
-
-    /// A record handed out by `recv` had a receipt: it settles processed (late, if it timed
-    /// out first).
-    #[cold]
-    fn settle_read(&self, receipt: &ReceiptState) {
-        if !receipt.settle(Settlement::Processed) {
-            lock(&self.shared.state).core.counters.late_settlements += 1;
-        }
     }
 
     /// Records `recv` took and did not hand out, in order.
@@ -389,6 +385,15 @@ fn acquire(
 ) -> BoxFuture<'static, Result<Vec<Permit>, LimitError>> {
     let throttle = limit.throttle.clone();
     Box::pin(async move { throttle.acquire_up_to_once(want).await })
+}
+
+/// A record handed out by a read had a receipt: it settles processed (late, if it timed out
+/// first).
+#[cold]
+fn settle_read<T>(shared: &ChannelShared<T>, receipt: &ReceiptState) {
+    if !receipt.settle(Settlement::Processed) {
+        lock(&shared.state).core.counters.late_settlements += 1;
+    }
 }
 
 /// The future of [`Consumer::recv`]. Written by hand rather than as an `async fn`: a read
