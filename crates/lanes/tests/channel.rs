@@ -1087,6 +1087,46 @@ async fn a_receipt_times_out_and_a_late_settlement_is_ignored() {
     assert_eq!((s.processed, s.late_settlements), (2, 2));
 }
 
+#[tokio::test]
+async fn recv_many_settles_every_receipt_it_hands_out_as_processed() {
+    // A call that takes the records itself, and hands out all it took.
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel.consumer(options(8)).unwrap();
+    let mut receipts = Vec::new();
+    for n in 0..5u32 {
+        receipts.push(channel.emit_with_receipt(n).await.unwrap());
+    }
+    let mut got = Vec::new();
+    assert_eq!(consumer.recv_many(&mut got, 8).await, 5);
+    assert_eq!(got, [0, 1, 2, 3, 4]);
+    for (n, receipt) in receipts.into_iter().enumerate() {
+        assert_eq!(receipt.await, Settlement::Processed, "record {n}");
+    }
+    channel.close();
+    assert_eq!(consumer.recv_many(&mut got, 8).await, 0);
+    channel.drained().await;
+    let s = channel.snapshot();
+    assert_eq!((s.delivered, s.processed, s.late_settlements), (5, 5, 0), "{s:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn recv_many_counts_records_whose_receipts_timed_out_as_late() {
+    let channel = Channel::new(ChannelConfig::new(8).ack_timeout(Duration::from_secs(2))).unwrap();
+    let mut consumer = channel.consumer(options(8)).unwrap();
+    let mut receipts = Vec::new();
+    for n in 0..3u32 {
+        receipts.push(channel.emit_with_receipt(n).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut got = Vec::new();
+    assert_eq!(consumer.recv_many(&mut got, 8).await, 3);
+    for receipt in receipts {
+        assert_eq!(receipt.await, Settlement::TimedOut, "a late read does not change it");
+    }
+    let s = channel.snapshot();
+    assert_eq!((s.processed, s.late_settlements), (3, 3), "{s:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn an_ack_set_waits_for_all_and_gates_the_commit() {
     let channel = Channel::new(ChannelConfig::new(8)).unwrap();

@@ -178,8 +178,8 @@ impl<T: Send + 'static> Consumer<T> {
             self.permits.clear();
         }
         let n = limit.min(self.local.len());
-        // Handed out together: counted processed once, then each receipt settles.
-        self.shared.count_read(n as u64);
+        // Handed out together: each receipt settles, then they count processed at once (as a
+        // batch's settlement does), so that `drained` never sees them counted and unsettled.
         buffer.reserve(n);
         for entry in self.local.drain(..n) {
             if let Some(receipt) = &entry.receipt {
@@ -187,6 +187,7 @@ impl<T: Send + 'static> Consumer<T> {
             }
             buffer.push(entry.record);
         }
+        self.shared.count_read(n as u64);
         n
     }
 

@@ -272,7 +272,7 @@ pub(crate) struct ChannelShared<T> {
     /// [`Channel::drained`](super::Channel::drained).
     pub(crate) settled: tokio::sync::Notify,
     /// Callers in `drained`: settles wake `settled` only if there are any (a notify takes a
-    /// lock, and a settle happens per batch or per read record).
+    /// lock, and a settle happens per batch, per `recv_many` call or per record `recv` reads).
     pub(crate) drain_waiters: AtomicUsize,
     /// Close when the last producer handle is dropped (standalone channels).
     pub(crate) auto_close: bool,
