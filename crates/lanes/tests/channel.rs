@@ -1109,6 +1109,39 @@ async fn recv_many_settles_every_receipt_it_hands_out_as_processed() {
     assert_eq!((s.delivered, s.processed, s.late_settlements), (5, 5, 0), "{s:?}");
 }
 
+/// A read settles a record's receipt before it counts the record processed, so that whoever
+/// sees every record processed (a snapshot, `drained`) sees every receipt settled: the receipt's
+/// waker, run by the settle, still finds the record uncounted. For `recv` and `recv_many`.
+#[tokio::test]
+async fn a_read_settles_the_receipt_before_it_counts_the_record_processed() {
+    struct SeeProcessed(Channel<u32>, std::sync::Mutex<Option<u64>>);
+    impl std::task::Wake for SeeProcessed {
+        fn wake(self: Arc<Self>) {
+            *self.1.lock().unwrap() = Some(self.0.snapshot().processed);
+        }
+    }
+
+    for many in [false, true] {
+        let channel = Channel::new(ChannelConfig::new(2)).unwrap();
+        let mut consumer = channel.consumer(options(1)).unwrap();
+        let mut receipt = channel.emit_with_receipt(1u32).await.unwrap();
+        let seen = Arc::new(SeeProcessed(channel.clone(), std::sync::Mutex::new(None)));
+        let waker = std::task::Waker::from(seen.clone());
+        let polled =
+            std::pin::Pin::new(&mut receipt).poll(&mut std::task::Context::from_waker(&waker));
+        assert!(polled.is_pending());
+        if many {
+            let mut got = Vec::new();
+            assert_eq!(consumer.recv_many(&mut got, 4).await, 1);
+        } else {
+            assert_eq!(consumer.recv().await, Some(1));
+        }
+        assert_eq!(*seen.1.lock().unwrap(), Some(0), "recv_many: {many}");
+        assert_eq!(receipt.settlement(), Some(Settlement::Processed));
+        assert_eq!(channel.snapshot().processed, 1);
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn recv_many_counts_records_whose_receipts_timed_out_as_late() {
     let channel = Channel::new(ChannelConfig::new(8).ack_timeout(Duration::from_secs(2))).unwrap();

@@ -191,13 +191,13 @@ impl<T: Send + 'static> Consumer<T> {
         n
     }
 
-    /// Hands out a record taken by `recv`: it counts as processed, its receipt settles.
+    /// Hands out a record taken by `recv`: its receipt settles, then it counts as processed.
     /// Inlined: the record stays in registers on its way out instead of going through memory.
     #[inline]
     fn hand_out(&self, entry: Entry<T>) -> T {
-        self.shared.count_read(1);
-        if let Some(receipt) = &entry.receipt {
-            settle_read(&self.shared, receipt);
+        match &entry.receipt {
+            None => self.shared.count_read(1),
+            Some(receipt) => read_with_receipt(&self.shared, receipt),
         }
         entry.record
     }
@@ -395,6 +395,16 @@ fn settle_read<T>(shared: &ChannelShared<T>, receipt: &ReceiptState) {
     if !receipt.settle(Settlement::Processed) {
         lock(&shared.state).core.counters.late_settlements += 1;
     }
+}
+
+/// `recv` hands out a record with a receipt: the receipt settles first, as `recv_many` and a
+/// batch settle, so that whoever sees the record processed sees its receipt settled; then the
+/// record counts. Out of line, off the path of records without one.
+#[cold]
+#[inline(never)]
+fn read_with_receipt<T>(shared: &ChannelShared<T>, receipt: &ReceiptState) {
+    settle_read(shared, receipt);
+    shared.count_read(1);
 }
 
 /// The future of [`Consumer::recv`]. Written by hand rather than as an `async fn`: a read
