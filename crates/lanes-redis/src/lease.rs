@@ -36,7 +36,7 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
                 .collect();
             (std::mem::take(&mut state.orphans), riding)
         };
-        let waiting: Vec<String> = if touched.elapsed() >= inner.queue_grace / 4 {
+        let waiting: Vec<String> = if due(touched.elapsed(), period, inner.queue_grace / 4) {
             touched = Instant::now();
             lock(&inner.state)
                 .limits
@@ -47,17 +47,18 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
         } else {
             Vec::new()
         };
-        let held: Vec<(String, Vec<u64>)> = if auto_renew && renewed.elapsed() >= renew_every {
-            renewed = Instant::now();
-            lock(&inner.state)
-                .limits
-                .iter()
-                .map(|(name, limit)| (name.clone(), limit.renewed()))
-                .filter(|(_, own)| !own.is_empty())
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let held: Vec<(String, Vec<u64>)> =
+            if auto_renew && due(renewed.elapsed(), period, renew_every) {
+                renewed = Instant::now();
+                lock(&inner.state)
+                    .limits
+                    .iter()
+                    .map(|(name, limit)| (name.clone(), limit.renewed()))
+                    .filter(|(_, own)| !own.is_empty())
+                    .collect()
+            } else {
+                Vec::new()
+            };
         let inner = &*inner;
         let releases = join_all(orphans.into_iter().map(|(name, ticket)| async move {
             if let Err(CallError::Outage(_)) =
@@ -73,6 +74,15 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
         }));
         let _ = tokio::join!(inner.detect_loss(), releases, riders, touches, renewals);
     }
+}
+
+/// Whether a chore done `every` is due at a tick, `since` its last run, ticks coming every
+/// `period`. Half a period of slack: the ticks keep their schedule, but each is handled a
+/// little late, so a tick handled less late than the last is less than `period` after it. With
+/// a plain `since >= every` such a tick would skip the chore and leave it for the next: a
+/// renewal every two thirds of a lease instead of every third.
+fn due(since: Duration, period: Duration, every: Duration) -> bool {
+    since + period / 2 >= every
 }
 
 /// Reports each permit this client renews as lost the moment its lease may have ended on
@@ -155,5 +165,25 @@ impl Inner {
             }
         }
         Ok(refused)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// The tick after a late one comes less than a period after it: the chore still runs.
+    #[test]
+    fn a_tick_handled_less_late_than_the_last_still_renews() {
+        // Lease 300 ms: a tick and a renewal every 100 ms. The last renewal was handled 3 ms
+        // after its tick, this tick 1 ms after its own: 98 ms since.
+        assert!(due(98 * MS, 100 * MS, 100 * MS));
+        // A lease of 30 s: ticks every 250 ms, a renewal every 10 s, not at every tick.
+        assert!(!due(9_700 * MS, 250 * MS, 10_000 * MS));
+        assert!(due(9_998 * MS, 250 * MS, 10_000 * MS));
+        // Nor does a tick that comes right after a renewal.
+        assert!(!due(MS, 100 * MS, 100 * MS));
     }
 }
