@@ -437,6 +437,6 @@ async fn a_killed_holder_is_reclaimed(target: Target) {
     let mut holder = child("hold", &ns, lease.as_millis() as u64, target).spawn().expect("spawn");
     let child_token = held_tokens(&mut holder).await[0];
     let (took, token) = granted_after_kill(&limits, "held", holder, lease).await;
-    assert!(took <= lease + Duration::from_millis(100), "reclaimed after {took:?}");
+    assert!(took <= lease + Duration::from_millis(300), "reclaimed after {took:?}");
     assert!(token > child_token, "the new holder's token fences the dead one");
 }

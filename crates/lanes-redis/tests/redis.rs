@@ -25,22 +25,27 @@ async fn a_release_wakes_only_the_client_served_next(t: Target) {
     let limits: Vec<Limits> = backends.iter().map(|b| Limits::with_backend(b.clone())).collect();
     limits[0].define("db", LimitSpec::concurrent(1)).await.unwrap();
     let held = limits[0].acquire("db", Priority::default()).await.unwrap();
-    let mut waiters = Vec::new();
+    // Each waiter holds what it is granted until `go`: nothing but the first release can
+    // notify anyone before the counts are read (a waiter that let go after a fixed hold could,
+    // on a loaded host, pass the permit on to the last client before they were).
+    let (go, go_rx) = tokio::sync::watch::channel(false);
+    let (mut waiters, mut granted) = (Vec::new(), Vec::new());
     for l in &limits[1..] {
-        let l = l.clone();
+        let (l, mut go) = (l.clone(), go_rx.clone());
+        let (grant, granted_rx) = tokio::sync::oneshot::channel();
+        granted.push(granted_rx);
         waiters.push(tokio::spawn(async move {
             let permit = l.acquire("db", Priority::default()).await.unwrap();
-            let at = Instant::now();
-            sleep(Duration::from_millis(30)).await;
+            grant.send(Instant::now()).unwrap();
+            go.wait_for(|go| *go).await.unwrap();
             drop(permit);
-            at
         }));
         sleep(Duration::from_millis(30)).await;
     }
     let before: Vec<u64> = backends.iter().map(|b| b.stats().notifications).collect();
     let released = Instant::now();
     drop(held);
-    let first = timeout(Duration::from_secs(2), waiters.remove(0)).await.unwrap().unwrap();
+    let first = timeout(Duration::from_secs(2), granted.remove(0)).await.unwrap().unwrap();
     // Pushed, not polled: a waiter that missed the push re-asks a second after it asked (the
     // holder's 3 s lease is further off), at least 910 ms after this release; anything well
     // under that was told. The margin is for a loaded two-core CI host.
@@ -48,6 +53,7 @@ async fn a_release_wakes_only_the_client_served_next(t: Target) {
     let after: Vec<u64> = backends.iter().map(|b| b.stats().notifications).collect();
     assert!(after[1] > before[1], "the client served next was told");
     assert_eq!(after[3], before[3], "the last client was not woken by the first release");
+    go.send(true).unwrap();
     for waiter in waiters {
         timeout(Duration::from_secs(3), waiter).await.unwrap().unwrap();
     }
@@ -127,8 +133,10 @@ async fn a_lapsed_lease_is_reclaimed_and_its_renewal_refused(t: Target) {
     let ticket = holder.ticket();
     let answer = holder.acquire("job", ticket, &Priority::default(), None).await.unwrap();
     let Answer::Granted(first) = answer else { panic!("{answer:?}") };
-    holder.renew("job", ticket).await.expect("a renewal within the lease is fine");
+    // Timed from before the renewal, which Redis handles after this instant: the lease it
+    // restarts cannot end sooner than `lease` from here, however late this task is woken.
     let asked = Instant::now();
+    holder.renew("job", ticket).await.expect("a renewal within the lease is fine");
     let permit = timeout(Duration::from_secs(2), other.acquire("job", Priority::default()))
         .await
         .unwrap()
@@ -138,7 +146,9 @@ async fn a_lapsed_lease_is_reclaimed_and_its_renewal_refused(t: Target) {
         waited >= lease - Duration::from_millis(20),
         "reclaimed only after the lease: {waited:?}"
     );
-    assert!(waited <= lease + Duration::from_millis(100), "reclaimed promptly: {waited:?}");
+    // Well under the second after which a waiter that missed the push would ask again; the
+    // margin is for the renewal's round trip and a loaded two-core host.
+    assert!(waited <= lease + Duration::from_millis(300), "reclaimed promptly: {waited:?}");
     assert!(permit.fencing_token() > first.fencing_token);
     let err = holder.renew("job", ticket).await.unwrap_err();
     assert!(err.is_lease_expired(), "{err}");
@@ -216,7 +226,8 @@ async fn a_vanished_holder_is_reclaimed_within_its_lease(t: Target) {
     let gone = Instant::now();
     drop(holder);
     let granted = timeout(Duration::from_secs(3), asking).await.unwrap().unwrap().unwrap();
-    assert!(granted - gone <= lease + Duration::from_millis(100), "{:?}", granted - gone);
+    // The margin (under the second after which a waiter re-asks) is for a loaded host.
+    assert!(granted - gone <= lease + Duration::from_millis(300), "{:?}", granted - gone);
 }
 
 async fn a_client_with_many_waiters_asks_for_one_of_them(t: Target) {
@@ -267,12 +278,14 @@ async fn the_rate_follows_the_redis_clock(t: Target) {
         Limits::with_backend(common::client_on(t, &ns).await),
     );
     a.define("api", LimitSpec::concurrent(10).per_second(5.0).burst(1)).await.unwrap();
-    let _first = a.acquire("api", Priority::default()).await.unwrap();
+    // Timed from before the first grant, which Redis stamps after this instant: the second
+    // cannot come sooner than a token's 200 ms from here, however late this task is woken.
     let start = Instant::now();
+    let _first = a.acquire("api", Priority::default()).await.unwrap();
     let _second = b.acquire("api", Priority::default()).await.unwrap();
     let waited = start.elapsed();
     assert!(
-        waited >= Duration::from_millis(150) && waited <= Duration::from_millis(400),
+        waited >= Duration::from_millis(150) && waited <= Duration::from_millis(600),
         "{waited:?}"
     );
 }
@@ -309,7 +322,7 @@ async fn a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most(t:
         took >= lease - Duration::from_millis(50),
         "the dead ticket was served first: {took:?}"
     );
-    assert!(took <= lease + Duration::from_millis(150), "{took:?}");
+    assert!(took <= lease + Duration::from_millis(300), "{took:?}");
 }
 
 async fn many_tasks_on_several_clients_never_hold_more_than_concurrent(t: Target) {
