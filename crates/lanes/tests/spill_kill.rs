@@ -75,15 +75,22 @@ fn acknowledged_appends_survive_kill_9() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        // Kill at a random moment: sometimes during startup, mostly mid-append.
+        let ack =
+            |line: &str| line.trim_end().strip_prefix("ack ").and_then(|n| n.parse::<u64>().ok());
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut acked: Vec<u64> = Vec::new();
+        // Kill at a random moment: in one cycle of four during startup, in the others
+        // mid-append, counted from the child's first acknowledgement (not from its spawn, which
+        // a loaded host can make take longer than the whole window).
+        if cycle % 4 != 0 {
+            let mut first = String::new();
+            stdout.read_line(&mut first).unwrap();
+            acked.extend(ack(&first));
+        }
         std::thread::sleep(Duration::from_micros(2_000 + seed % 25_000));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
-        let acked: Vec<u64> = BufReader::new(child.stdout.take().unwrap())
-            .lines()
-            .map_while(Result::ok)
-            .filter_map(|line| line.strip_prefix("ack ").and_then(|n| n.parse().ok()))
-            .collect();
+        acked.extend(stdout.lines().map_while(Result::ok).filter_map(|line| ack(&line)));
         total_acked += acked.len();
 
         let survived: Vec<u64> = rt.block_on(async {
