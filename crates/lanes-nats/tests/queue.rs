@@ -215,7 +215,10 @@ async fn unacknowledged_records_are_delivered_again_and_acknowledged_ones_never(
     for n in 0..3u8 {
         s.queue.enqueue(&[&[n]]).unwrap().await.unwrap();
     }
-    let mut reader = s.queue.reader("r", Duration::from_millis(500), 10).await.unwrap();
+    // Two seconds: every step below until the redelivery must finish within `ack_wait`, or
+    // JetStream delivers a record again early (a loaded host can stall a step for hundreds
+    // of milliseconds).
+    let mut reader = s.queue.reader("r", Duration::from_secs(2), 10).await.unwrap();
     let wait = Duration::from_secs(5);
     let first = reader.next(wait).await.unwrap().unwrap();
     assert_eq!((first.payload(), first.delivered()), (&[0u8][..], 1));
