@@ -74,14 +74,25 @@ async fn state(c: &reqwest::Client, s: &Serve, limit: &str) -> (u64, u64) {
 
 /// Waits (up to `within`) for a limit to be idle, and asserts it is.
 async fn settles_idle(c: &reqwest::Client, s: &Serve, limit: &str, within: Duration) {
+    settles_to(c, s, limit, (0, 0), within).await;
+}
+
+/// Waits (up to `within`) for a limit's `(in_use, waiting)` to be `want`, and asserts it is.
+async fn settles_to(
+    c: &reqwest::Client,
+    s: &Serve,
+    limit: &str,
+    want: (u64, u64),
+    within: Duration,
+) {
     let deadline = Instant::now() + within;
     loop {
         let now = state(c, s, limit).await;
-        if now == (0, 0) {
+        if now == want {
             return;
         }
-        assert!(Instant::now() < deadline, "{limit}: (in_use, waiting) = {now:?}, expected idle");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(Instant::now() < deadline, "{limit}: (in_use, waiting) = {now:?}, want {want:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -186,7 +197,9 @@ async fn release_during_long_poll(args: &[&str]) {
             (reply, started.elapsed())
         }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // W's long-poll waits before it is released (a fixed pause could end first on a loaded
+    // host, and the release would then find nothing to withdraw).
+    settles_to(&c, &serve, "lp", (1, 1), Duration::from_secs(5)).await;
     let released =
         post(&c, &serve, "/v1/limits/lp/release", json!({"client": "W", "ticket": 5})).await;
     assert_eq!((released.status, &released.body["released"]), (200, &json!(true)), "{released:?}");

@@ -36,14 +36,15 @@ async fn a_permit_the_server_forgot_is_lease_lost() {
     let remote = RemoteLimits::with_client(
         first.base.clone(),
         "lease-lost",
-        std::time::Duration::from_millis(300),
+        std::time::Duration::from_millis(600),
     )
     .unwrap();
     let limits = lanes::Limits::with_backend(remote);
     limits.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
     let permit = limits.acquire("db", lanes::Priority::default()).await.unwrap();
-    // Renewed in the background well past its lease.
-    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+    // Renewed in the background (every 200 ms) well past its lease; a renewal's round trip
+    // may take a loaded host 400 ms before the lease would end.
+    tokio::time::sleep(std::time::Duration::from_millis(1_400)).await;
     assert!(!permit.lease_lost(), "a renewed permit is not lost");
     drop(first);
     let _second = Serve::start_at(&addr, &[]);

@@ -381,12 +381,13 @@ async fn a_silent_client_loses_its_waiters_after_the_grace_and_its_permits_with_
     tokio::time::sleep(Duration::from_millis(600)).await;
     let (_, info) = get(&c, &serve, "/v1/limits/db").await;
     assert_eq!((info["in_use"].as_u64(), info["waiting"].as_u64()), (Some(0), Some(0)), "{info}");
-    // A renewing client keeps its permit past the lease.
+    // A renewing client keeps its permit past the lease (renewing every fifth of it: a renewal
+    // late by a loaded host's stall still comes in time).
     let (_, held) =
-        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "c", "lease_ms": 300})).await;
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "c", "lease_ms": 1000})).await;
     assert_eq!(held["granted"], true);
     for _ in 0..8 {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(post(&c, &serve, "/v1/clients/c/renew", json!({})).await.0, 200);
     }
     let (_, info) = get(&c, &serve, "/v1/limits/db").await;
@@ -407,7 +408,13 @@ async fn sigterm_answers_long_polls_and_exits_cleanly() {
             (response.status().as_u16(), response.json::<Value>().await.unwrap())
         }
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The long-poll waits before the server is asked to stop (a fixed pause could end first on
+    // a loaded host, and the request would then find the server gone).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while get(&c, &serve, "/v1/limits/db").await.1["waiting"] != 1 {
+        assert!(Instant::now() < deadline, "b's long-poll never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let asked_to_stop = Instant::now();
     let status = tokio::task::spawn_blocking(move || serve.terminate()).await.unwrap();
     assert!(status.success(), "exit status {status:?}");
