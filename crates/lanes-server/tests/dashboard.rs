@@ -217,7 +217,14 @@ async fn the_dashboard_shows_a_leased_limits_shares() {
         .unwrap();
         held.push(permit);
     }
-    tokio::time::sleep(std::time::Duration::from_millis(1_200)).await; // a refresh reports it
+    // A refresh reports the demand and brings the share down to it (polled: on a loaded host
+    // the refresh can come later than any fixed pause).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while client.share("leased-pool") != Some((1, 1)) || client.rate_share("leased-rate").is_none()
+    {
+        assert!(std::time::Instant::now() < deadline, "{:?}", client.share("leased-pool"));
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let dom = tokio::task::spawn_blocking({
         let url = serve.url("/");
         move || rendered(&url)
