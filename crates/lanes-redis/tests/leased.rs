@@ -223,8 +223,13 @@ async fn high_level_demand_gets_the_shares_first() {
     let stop = Arc::new(AtomicBool::new(false));
     // B keeps both permits busy at level 0.
     let low = load(&lb, 2, &stop);
-    sleep(Duration::from_millis(700)).await;
-    assert_eq!(b.share("pool").unwrap().0, 2, "B alone has the whole limit");
+    // Polled: a refresh brings B its share, on a loaded host later than any fixed pause.
+    let alone = timeout(Duration::from_secs(5), async {
+        while b.share("pool").unwrap_or((0, 0)).0 != 2 {
+            sleep(Duration::from_millis(5)).await;
+        }
+    });
+    alone.await.expect("B alone has the whole limit");
     // A's waiters come at level 5: the shares move to A.
     let high: Vec<_> = (0..2)
         .map(|_| {
@@ -270,7 +275,9 @@ async fn high_level_demand_gets_the_shares_first() {
             sleep(Duration::from_millis(20)).await;
             drop(permit);
         }));
-        sleep(Duration::from_millis(20)).await;
+        // Time for the waiter to queue in this client's share (no Redis call: the share is
+        // held), with room for a loaded host.
+        sleep(Duration::from_millis(200)).await;
     }
     drop(p1);
     sleep(Duration::from_millis(5)).await;

@@ -67,20 +67,28 @@ async fn fair_keys_take_turns_across_clients(t: Target) {
         common::client_on(t, &ns).await,
         common::client_on(t, &ns).await,
     );
-    let (la, lb, lc) = (Limits::with_backend(a), Limits::with_backend(b), Limits::with_backend(c));
+    let (la, lb, lc) =
+        (Limits::with_backend(a.clone()), Limits::with_backend(b), Limits::with_backend(c));
     la.define("api", LimitSpec::concurrent(1)).await.unwrap();
     let held = la.acquire("api", Priority::default()).await.unwrap();
     let order = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
-    for (label, limits, key) in
+    for (queued, (label, limits, key)) in
         [("b1", &lb, "x"), ("b2", &lb, "x"), ("b3", &lb, "x"), ("c1", &lc, "y"), ("c2", &lc, "y")]
+            .into_iter()
+            .enumerate()
     {
         let (limits, order) = (limits.clone(), order.clone());
         tasks.push(tokio::spawn(async move {
             let permit = limits.acquire("api", Priority::default().key(key)).await.unwrap();
             order.lock().unwrap().push((label, permit.fencing_token()));
         }));
-        sleep(Duration::from_millis(20)).await;
+        // Each waits in Redis before the next asks: the arrival order is the spawn order.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while a.info("api").await.unwrap().unwrap().waiting <= queued {
+            assert!(Instant::now() < deadline, "{label} never queued");
+            sleep(Duration::from_millis(5)).await;
+        }
     }
     drop(held);
     for task in tasks {
