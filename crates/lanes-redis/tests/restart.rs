@@ -174,9 +174,10 @@ async fn a_kill_and_empty_restart_mid_hammer_keeps_the_bound() {
                 peak.fetch_max(now, Ordering::SeqCst);
                 grants.fetch_add(1, Ordering::Relaxed);
                 // Long enough that the permits held at the kill are still held when the loss is
-                // seen: each of them must be reported lost.
+                // seen, even if the pause before the kill oversleeps on a loaded host: each of
+                // them must be reported lost.
                 tokio::select! {
-                    () = sleep(Duration::from_millis(1_500)) => {}
+                    () = sleep(Duration::from_millis(4_000)) => {}
                     () = permit.lost() => { lost.fetch_add(1, Ordering::Relaxed); }
                 }
                 holders.fetch_sub(1, Ordering::SeqCst);
