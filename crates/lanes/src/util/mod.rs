@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 use std::task::{Context, Poll, Waker};
 
 pub(crate) use tally::Tally;
@@ -126,6 +126,46 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// [`lock`], for a thread that would rather wait a few microseconds than sleep: a channel's
+/// consumer taking records, whose producers on other threads hold the lock for a push at a time.
+/// While the lock is held it spins briefly, then yields its core a few times, and only then
+/// waits as [`lock`] does (std's mutex spins about as briefly, then sleeps in the kernel, and
+/// its owner's unlock must then wake it with a system call).
+///
+/// Only the consumer's side uses it: the same change on the producers' path made the compiler
+/// copy a large record twice more per emit (a codegen accident, 523 to 614 instructions per
+/// 256-byte record on one thread), for no gain on two workers.
+#[inline(always)]
+pub(crate) fn lock_spinning<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    match mutex.try_lock() {
+        Ok(guard) => guard,
+        Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(TryLockError::WouldBlock) => lock_contended(mutex),
+    }
+}
+
+/// [`lock_spinning`]'s wait: spins of 4, 8 and 16 rounds, then up to seven yields, trying the
+/// lock after each, then [`lock`].
+#[cold]
+#[inline(never)]
+fn lock_contended<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    for attempt in 0..10u32 {
+        if attempt < 3 {
+            for _ in 0..(4u32 << attempt) {
+                std::hint::spin_loop();
+            }
+        } else {
+            std::thread::yield_now();
+        }
+        match mutex.try_lock() {
+            Ok(guard) => return guard,
+            Err(TryLockError::Poisoned(poisoned)) => return poisoned.into_inner(),
+            Err(TryLockError::WouldBlock) => {}
+        }
+    }
+    lock(mutex)
+}
+
 /// A hash map with a fast, per-map-seeded hasher (keys can come from clients). Never iterate
 /// it where the order could reach an answer.
 pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
@@ -213,7 +253,7 @@ mod tests {
     use std::sync::Arc;
     use std::task::{Wake, Waker};
 
-    use super::same_waker;
+    use super::{lock_spinning, same_waker};
 
     struct Flag;
 
@@ -228,5 +268,47 @@ mod tests {
         assert!(same_waker(&one, &one.clone()));
         assert!(!same_waker(&one, &other));
         assert!(!same_waker(&one, Waker::noop()));
+    }
+
+    /// The lock is had at once when free, after its owner lets go when held (longer than the
+    /// spins and yields: the wait ends asleep), and when poisoned; every increment counts.
+    #[test]
+    fn lock_spinning_gets_a_free_a_held_and_a_poisoned_lock() {
+        let count = Arc::new(std::sync::Mutex::new(0u64));
+        *lock_spinning(&count) += 1;
+        let held = lock_spinning(&count);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = std::thread::spawn({
+            let count = count.clone();
+            move || {
+                tx.send(()).unwrap();
+                *lock_spinning(&count) += 1;
+            }
+        });
+        rx.recv().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        drop(held);
+        waiter.join().unwrap();
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let count = count.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..10_000 {
+                        *lock_spinning(&count) += 1;
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|t| t.join().unwrap());
+        assert_eq!(*lock_spinning(&count), 40_002);
+        let poisoner = count.clone();
+        let _ = std::thread::spawn(move || {
+            let _guard = poisoner.lock().unwrap();
+            panic!("poisons the lock");
+        })
+        .join();
+        assert!(count.is_poisoned());
+        *lock_spinning(&count) += 1;
+        assert_eq!(*lock_spinning(&count), 40_003);
     }
 }
