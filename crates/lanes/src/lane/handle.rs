@@ -49,7 +49,7 @@ use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use crate::BoxError;
 use crate::config::ConfigError;
 use crate::observe::{Observe, Snapshot};
-use crate::util::{Tally, lock};
+use crate::util::{Tally, lock_spinning};
 
 const OPEN: u8 = 0;
 const CLOSED: u8 = 1;
@@ -160,7 +160,10 @@ impl std::ops::DerefMut for LaneState {
 impl LaneShared {
     /// Locks the lane's core, after counting the completions made without its lock.
     pub(super) fn lock_core(&self) -> MutexGuard<'_, LaneState> {
-        let mut core = lock(&self.core);
+        // Admissions and completions on other threads hold it briefly: wait for it awake
+        // (paired against the hand-rolled lane on two workers, nine alternating processes:
+        // 1.02-1.07× with std's wait, 1.04-1.15× with this one, in the host's fast mode).
+        let mut core = lock_spinning(&self.core);
         // SeqCst, against `complete`: see its comment on callers waiting for room.
         let owned = self.owned.load(Ordering::SeqCst);
         debug_assert!(owned <= core.owned(), "only completions give ownership back unlocked");

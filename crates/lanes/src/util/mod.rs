@@ -127,14 +127,15 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// [`lock`], for a thread that would rather wait a few microseconds than sleep: a channel's
-/// consumer taking records, whose producers on other threads hold the lock for a push at a time.
+/// consumer taking records, whose producers on other threads hold the lock for a push at a
+/// time, and a run lane's admissions and completions.
 /// While the lock is held it spins briefly, then yields its core a few times, and only then
 /// waits as [`lock`] does (std's mutex spins about as briefly, then sleeps in the kernel, and
 /// its owner's unlock must then wake it with a system call).
 ///
-/// Only the consumer's side uses it: the same change on the producers' path made the compiler
-/// copy a large record twice more per emit (a codegen accident, 523 to 614 instructions per
-/// 256-byte record on one thread), for no gain on two workers.
+/// A channel's producers do not use it: on their path it made the compiler copy a large record
+/// twice more per emit (a codegen accident, 523 to 614 instructions per 256-byte record on one
+/// thread), for no gain on two workers.
 #[inline(always)]
 pub(crate) fn lock_spinning<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     match mutex.try_lock() {
