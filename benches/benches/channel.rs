@@ -67,9 +67,6 @@ fn block(c: &mut Criterion) {
             let topology = if producers == 1 { "spsc" } else { "mpsc" };
             for capacity in [1usize, 64, 1024] {
                 for record in ["u64", "256B"] {
-                    if record == "256B" && flavor == Flavor::CurrentThread {
-                        continue;
-                    }
                     let id = |name: &str| {
                         BenchmarkId::new(
                             format!("{topology}_{capacity}_{record}/{name}"),

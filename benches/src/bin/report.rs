@@ -692,9 +692,6 @@ impl Report {
             for topology in ["spsc", "mpsc"] {
                 for capacity in [1, 64, 1024] {
                     for record in ["u64", "256B"] {
-                        if record == "256B" && flavor == "current_thread" {
-                            continue;
-                        }
                         let shape = format!("{topology}_{capacity}_{record}");
                         let ours = self.get(&format!("channel_block/{shape}_lanes/{flavor}"));
                         let times: Vec<Option<f64>> = anchors
