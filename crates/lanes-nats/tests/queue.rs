@@ -238,7 +238,8 @@ async fn unacknowledged_records_are_delivered_again_and_acknowledged_ones_never(
     }
     again.sort_unstable();
     assert_eq!(again, [1, 2]);
-    assert!(reader.next(Duration::from_millis(800)).await.unwrap().is_none());
+    // Longer than `ack_wait`: acknowledged records are not delivered again.
+    assert!(reader.next(Duration::from_millis(2_500)).await.unwrap().is_none());
     assert_eq!(s.queue.stored().await.unwrap(), 0);
 }
 

@@ -30,7 +30,7 @@ async fn a_release_wakes_only_the_client_served_next(t: Target) {
     // on a loaded host, pass the permit on to the last client before they were).
     let (go, go_rx) = tokio::sync::watch::channel(false);
     let (mut waiters, mut granted) = (Vec::new(), Vec::new());
-    for l in &limits[1..] {
+    for (queued, l) in limits[1..].iter().enumerate() {
         let (l, mut go) = (l.clone(), go_rx.clone());
         let (grant, granted_rx) = tokio::sync::oneshot::channel();
         granted.push(granted_rx);
@@ -40,16 +40,24 @@ async fn a_release_wakes_only_the_client_served_next(t: Target) {
             go.wait_for(|go| *go).await.unwrap();
             drop(permit);
         }));
-        sleep(Duration::from_millis(30)).await;
+        // Each waits in Redis before the next asks: client 1 is the one served next.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while backends[0].info("db").await.unwrap().unwrap().waiting <= queued {
+            assert!(Instant::now() < deadline, "waiter {} never queued", queued + 1);
+            sleep(Duration::from_millis(5)).await;
+        }
     }
     let before: Vec<u64> = backends.iter().map(|b| b.stats().notifications).collect();
     let released = Instant::now();
     drop(held);
     let first = timeout(Duration::from_secs(2), granted.remove(0)).await.unwrap().unwrap();
     // Pushed, not polled: a waiter that missed the push re-asks a second after it asked (the
-    // holder's 3 s lease is further off), at least 910 ms after this release; anything well
-    // under that was told. The margin is for a loaded two-core CI host.
+    // holder's 3 s lease is further off), well after this release; anything well under that
+    // was told. The margin is for a loaded two-core CI host.
     assert!(first - released < Duration::from_millis(500), "pushed: {:?}", first - released);
+    // Time for a notification sent to others with client 1's to arrive, if one was: nothing
+    // else can notify anyone before `go`.
+    sleep(Duration::from_millis(150)).await;
     let after: Vec<u64> = backends.iter().map(|b| b.stats().notifications).collect();
     assert!(after[1] > before[1], "the client served next was told");
     assert_eq!(after[3], before[3], "the last client was not woken by the first release");

@@ -34,9 +34,9 @@ async fn settles(backend: &RedisLimits, name: &str, in_use: u32, waiting: usize)
     panic!("{name}: (in use, waiting) stayed {last:?}, want ({in_use}, {waiting})");
 }
 
-/// The script calls `backend` made since `before`, once they reach `want` (polled: the calls
-/// a test waits for go out from tasks of their own, which a loaded host can run late) and
-/// 50 ms more have passed without another: a count above `want` means a call too many.
+/// The script calls `backend` made since `before`, read once they reach `want` (polled: the
+/// calls a test waits for go out from tasks of their own, which a loaded host can run late) and
+/// again 100 ms later: a count above `want` means a call too many.
 async fn calls_since(backend: &RedisLimits, before: u64, want: u64) -> u64 {
     for _ in 0..500 {
         if backend.stats().calls - before >= want {
@@ -44,7 +44,7 @@ async fn calls_since(backend: &RedisLimits, before: u64, want: u64) -> u64 {
         }
         sleep(Duration::from_millis(10)).await;
     }
-    sleep(Duration::from_millis(50)).await;
+    sleep(Duration::from_millis(100)).await;
     backend.stats().calls - before
 }
 

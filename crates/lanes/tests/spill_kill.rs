@@ -75,22 +75,44 @@ fn acknowledged_appends_survive_kill_9() {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
+        // Lines go through a thread of their own, so that waiting for the first ack has a
+        // deadline (a child that wedges, say on a stale lock, must fail the test, not hang it).
+        // An ack may share its line with the test harness's own output: found anywhere in it.
         let ack =
-            |line: &str| line.trim_end().strip_prefix("ack ").and_then(|n| n.parse::<u64>().ok());
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+            |line: &str| line.split_once("ack ").and_then(|(_, n)| n.trim().parse::<u64>().ok());
+        let stdout = child.stdout.take().unwrap();
+        let (lines_tx, lines) = std::sync::mpsc::channel();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if lines_tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
         let mut acked: Vec<u64> = Vec::new();
         // Kill at a random moment: in one cycle of four during startup, in the others
         // mid-append, counted from the child's first acknowledgement (not from its spawn, which
         // a loaded host can make take longer than the whole window).
         if cycle % 4 != 0 {
-            let mut first = String::new();
-            stdout.read_line(&mut first).unwrap();
-            acked.extend(ack(&first));
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while acked.is_empty() {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match lines.recv_timeout(left) {
+                    Ok(line) => acked.extend(ack(&line)),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                        let _ = child.kill();
+                        panic!("cycle {cycle}: the child acknowledged nothing within 30 s");
+                    }
+                    // It died before its first ack: nothing to wait for.
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            }
         }
         std::thread::sleep(Duration::from_micros(2_000 + seed % 25_000));
         child.kill().unwrap(); // SIGKILL
         child.wait().unwrap();
-        acked.extend(stdout.lines().map_while(Result::ok).filter_map(|line| ack(&line)));
+        reader.join().unwrap();
+        acked.extend(lines.into_iter().filter_map(|line| ack(&line)));
         total_acked += acked.len();
 
         let survived: Vec<u64> = rt.block_on(async {
