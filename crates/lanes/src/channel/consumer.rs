@@ -300,7 +300,7 @@ impl<T: Send + 'static> Consumer<T> {
             }
             // Producers on other threads hold the lock for a push at a time: wait for it
             // awake (paired against tokio mpsc on two workers, `spsc_1024_256B` read
-            // 0.68-1.30× with std's wait and 1.11-1.37× with this one; BENCHMARKS.md, suite 3).
+            // 0.68-1.30× with std's wait and 1.11-1.58× with this one; BENCHMARKS.md, suite 3).
             let mut st = lock_spinning(&self.shared.state);
             // A read takes a record handed to it besides `max` queued ones (a whole buffer
             // then still moves at once); a batch counts it among its `max`.

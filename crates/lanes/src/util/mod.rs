@@ -130,7 +130,7 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// consumer taking records, whose producers on other threads hold the lock for a push at a
 /// time, and a run lane's admissions and completions.
 /// While the lock is held it spins briefly, then yields its core a few times, and only then
-/// waits as [`lock`] does (std's mutex spins about as briefly, then sleeps in the kernel, and
+/// waits as [`lock`] does (std's mutex spins for up to 100 rounds, then sleeps in the kernel, and
 /// its owner's unlock must then wake it with a system call).
 ///
 /// A channel's producers do not use it: on their path it made the compiler copy a large record
