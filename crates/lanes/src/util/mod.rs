@@ -138,10 +138,16 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// thread), for no gain on two workers.
 #[inline(always)]
 pub(crate) fn lock_spinning<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    try_lock_now(mutex).unwrap_or_else(|| lock_contended(mutex))
+}
+
+/// The lock if it is free now (poisoned or not).
+#[inline(always)]
+fn try_lock_now<T>(mutex: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
     match mutex.try_lock() {
-        Ok(guard) => guard,
-        Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-        Err(TryLockError::WouldBlock) => lock_contended(mutex),
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
     }
 }
 
@@ -158,10 +164,8 @@ fn lock_contended<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         } else {
             std::thread::yield_now();
         }
-        match mutex.try_lock() {
-            Ok(guard) => return guard,
-            Err(TryLockError::Poisoned(poisoned)) => return poisoned.into_inner(),
-            Err(TryLockError::WouldBlock) => {}
+        if let Some(guard) = try_lock_now(mutex) {
+            return guard;
         }
     }
     lock(mutex)
@@ -311,5 +315,20 @@ mod tests {
         assert!(count.is_poisoned());
         *lock_spinning(&count) += 1;
         assert_eq!(*lock_spinning(&count), 40_003);
+        // Poisoned while this thread waits for it: still had.
+        let (held_tx, held) = std::sync::mpsc::channel();
+        let holder = std::thread::spawn({
+            let count = count.clone();
+            move || {
+                let _guard = lock_spinning(&count);
+                held_tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                panic!("poisons the lock while another waits");
+            }
+        });
+        held.recv().unwrap();
+        *lock_spinning(&count) += 1;
+        assert!(holder.join().is_err());
+        assert_eq!(*lock_spinning(&count), 40_004);
     }
 }
