@@ -23,8 +23,9 @@ use crate::spill::DurableQueue;
 use crate::util::{keep_waker, lock, lock_spinning, same_waker};
 use crate::{BoxError, BoxFuture};
 
-/// The most records `recv` takes under one lock.
-const PREFETCH: usize = 64;
+/// The most records `recv` takes under one lock: a block of large records
+/// ([`BLOCK`](super::buffer::BLOCK)), so that a read of a busy channel takes one whole.
+const PREFETCH: usize = super::buffer::BLOCK;
 
 /// How a consumer's batches are formed and settled; shared with its batches.
 pub(crate) struct Plan<T> {
@@ -351,10 +352,10 @@ impl<T: Send + 'static> Consumer<T> {
                     self.permits.truncate(n);
                 }
             }
-            match out.as_deref_mut() {
+            let n = match out.as_deref_mut() {
                 Some(out) => self.shared.take(&mut st, n, out, &mut self.wakers),
                 None => self.shared.take(&mut st, n, &mut self.local, &mut self.wakers),
-            }
+            };
             if st.core.len() == 0 && !st.core.is_closed() {
                 // Emptied it: wait for the next record now, under this lock, so that the next
                 // poll finds out whether one came without taking it again.

@@ -10,9 +10,10 @@ use std::time::Duration;
 use metrics::Counter;
 use tokio::time::Instant;
 
+use super::buffer::Take;
 use super::channels::ChannelsInner;
 use super::config::{ChannelConfig, OverflowKind};
-use super::core::{Core, Offer, Room, Take};
+use super::core::{Core, Offer, Room};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
 use crate::util::{Padded, WaitKey, WaitList, keep_waker, lock};
@@ -667,20 +668,21 @@ impl<T> ChannelShared<T> {
         }
     }
 
-    /// Removes up to `n` records from the front, for the consumer, and hands the freed slots
-    /// to the first waiting producers, collecting their wakers in `wakers` (the consumer's
-    /// own, reused: no allocation per hand-off).
+    /// Removes up to `n` records from the front, for the consumer ([`Core::take`]; returns how
+    /// many), and hands the freed slots to the first waiting producers, collecting their
+    /// wakers in `wakers` (the consumer's own, reused: no allocation per hand-off).
     pub(crate) fn take(
         &self,
         st: &mut State<T>,
         n: usize,
         out: &mut impl Take<Entry<T>>,
         wakers: &mut Vec<Waker>,
-    ) {
-        st.core.take(n, out);
+    ) -> usize {
+        let taken = st.core.take(n, out);
         if !st.senders.is_empty() {
             st.hand_off(wakers);
         }
+        taken
     }
 
     /// After `take`: outside the lock, wakes producers (emptying `wakers`) and returns budget.

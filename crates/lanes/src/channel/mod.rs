@@ -63,6 +63,7 @@
 //! producer that commits its source only when an [`AckSet`] allows it re-reads, after a crash,
 //! everything not yet processed or spilled (at least once).
 
+mod buffer;
 mod channels;
 mod codec;
 mod config;

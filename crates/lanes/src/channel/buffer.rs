@@ -1,0 +1,380 @@
+//! Where a channel's queued records sit, and how a take moves them out.
+//!
+//! Small records (with their entry's receipt, at most [`BLOCK_MIN_BYTES`]) sit in one ring. A
+//! read of a whole ring into an empty read-ahead swaps it; many at once move in bulk.
+//!
+//! Large records sit in blocks of up to [`BLOCK`], the back one taking new records, so that a
+//! read of a busy channel moves a block rather than copying its records, and a channel never
+//! regrows (copies) a large ring. An emptied block is kept for the next one needed, and a
+//! read-ahead swapped for a full block comes back as the next empty one: a busy channel
+//! allocates nothing. With 256-byte records at capacity 1,024 on one thread, a ring's reads
+//! copied 64 records each, and a new channel's ring doubled its way to 270 KB (two thirds of
+//! the time in `memcpy`, a tenth in page faults): 10.1 M/s against 12.9 M/s at capacity 64,
+//! 580 instructions a record against 498 in blocks (BENCHMARKS.md, suite 3).
+//!
+//! Small records stay in a ring: blocks cost them instructions (stop 46 tried them for every
+//! record type: 197 → 202 a `u64` record at capacity 64), and their bulk moves are cheap. The
+//! record type fixes the layout at compile time: the other one's fields stay empty and its
+//! branches are folded away.
+
+use std::collections::VecDeque;
+
+/// Records of more than this many bytes (with their entry's receipt) are kept in blocks, and
+/// only records of at most this many move in bulk: a large record's move is a block copy
+/// either way, and the bulk path would copy it twice and ask the allocator for a large block
+/// (with 256-byte records on two threads it read 0.8–0.97× the one-by-one move, in paired
+/// rounds).
+pub(crate) const BLOCK_MIN_BYTES: usize = 64;
+
+/// Records per block of large records: the consumer's read-ahead, so that a read of a busy
+/// channel takes a block whole.
+pub(crate) const BLOCK: usize = 64;
+
+/// From this many records on, a take of small records into an empty destination moves them
+/// in bulk ([`split_front`]: two block copies and an allocation) rather than one at a time (a
+/// drain's move of each record costs about 25 instructions; an allocation and its free, about
+/// 150).
+pub(crate) const BULK: usize = 16;
+
+/// Whether records of type `T` are kept in blocks.
+const fn blocked<T>() -> bool {
+    size_of::<T>() > BLOCK_MIN_BYTES
+}
+
+/// Whether a take of `n` records of type `T` into an empty destination moves them in bulk.
+const fn bulk<T>(n: usize) -> bool {
+    n >= BULK && !blocked::<T>()
+}
+
+/// The first `n` records of `ring`, in an allocation of their own: the ring is rotated so that
+/// they sit at its end (no copy when it is full to its allocation, as a full channel of
+/// power-of-two capacity is; else a block copy of the shorter side), then split off (one block
+/// copy).
+fn split_front<T>(ring: &mut VecDeque<T>, n: usize) -> VecDeque<T> {
+    ring.rotate_left(n);
+    ring.split_off(ring.len() - n)
+}
+
+/// Where taken records go.
+pub(crate) trait Take<T> {
+    /// A read-ahead takes at most one block of large records at a time, so that the next read
+    /// of a busy channel finds the next block whole; a batch takes all it asks for.
+    const ONE_BLOCK: bool;
+
+    /// Moves the first `n` records of `ring` (`n <= ring.len()`) to the end of `self`.
+    fn take_front(&mut self, ring: &mut VecDeque<T>, n: usize);
+
+    /// Moves every record of `block` to the end of `self`; returns an empty allocation (the
+    /// block's, or `self`'s own if it swapped them).
+    fn take_block(&mut self, block: VecDeque<T>) -> VecDeque<T>;
+
+    /// How many records `self` holds.
+    fn held(&self) -> usize;
+
+    /// Puts `record` at position `at` (`at <= self.held()`).
+    fn put_at(&mut self, at: usize, record: T);
+}
+
+/// A batch: many small records into an empty batch move in bulk ([`split_front`]; the block
+/// split off becomes the `Vec` without a copy).
+impl<T> Take<T> for Vec<T> {
+    const ONE_BLOCK: bool = false;
+
+    fn take_front(&mut self, ring: &mut VecDeque<T>, n: usize) {
+        if self.is_empty() && bulk::<T>(n) {
+            *self = Vec::from(split_front(ring, n));
+        } else {
+            self.extend(ring.drain(..n));
+        }
+    }
+
+    fn take_block(&mut self, mut block: VecDeque<T>) -> VecDeque<T> {
+        self.extend(block.drain(..));
+        block
+    }
+
+    fn held(&self) -> usize {
+        self.len()
+    }
+
+    fn put_at(&mut self, at: usize, record: T) {
+        self.insert(at, record);
+    }
+}
+
+/// The consumer's read-ahead: a whole ring or block taken into an empty one is swapped, not
+/// copied; many small records into an empty one move in bulk ([`split_front`]). A swap may
+/// hand the channel a read-ahead's allocation smaller than its ring, which it regrows as
+/// records come (a few reallocations per burst, bounded by the capacity); keeping the
+/// channel's allocation instead (swapping only into a read-ahead at least as large) ran
+/// slower at capacity 1,024, 0.60× kanal against 0.67–0.79× in alternating paired rounds,
+/// although it saved an instruction a record.
+impl<T> Take<T> for VecDeque<T> {
+    const ONE_BLOCK: bool = true;
+
+    fn take_front(&mut self, ring: &mut VecDeque<T>, n: usize) {
+        if self.is_empty() && n == ring.len() {
+            std::mem::swap(self, ring);
+        } else if self.is_empty() && bulk::<T>(n) {
+            *self = split_front(ring, n);
+        } else {
+            self.extend(ring.drain(..n));
+        }
+    }
+
+    fn take_block(&mut self, mut block: VecDeque<T>) -> VecDeque<T> {
+        if self.is_empty() {
+            std::mem::swap(self, &mut block);
+        } else {
+            self.extend(block.drain(..));
+        }
+        block
+    }
+
+    fn held(&self) -> usize {
+        self.len()
+    }
+
+    fn put_at(&mut self, at: usize, record: T) {
+        self.insert(at, record);
+    }
+}
+
+/// A channel's queued records, in order: a ring of small records, or blocks of large ones.
+#[derive(Debug)]
+pub(crate) struct Buffer<T> {
+    /// Small records; or the back block of large ones, which takes new records (it moves to
+    /// `blocks` once it holds [`BLOCK`], so it holds fewer).
+    ring: VecDeque<T>,
+    /// The blocks of large records ahead of the back one, oldest first, each of 1 to
+    /// [`BLOCK`] records (none empty).
+    blocks: VecDeque<VecDeque<T>>,
+    /// Records in `blocks`.
+    in_blocks: usize,
+    /// An emptied block's allocation, kept for the next back block (no allocation when
+    /// empty).
+    spare: VecDeque<T>,
+    /// The room a back block of large records is allocated with ([`prepare`](Self::prepare)).
+    block_room: usize,
+}
+
+impl<T> Buffer<T> {
+    /// A buffer for a channel of `capacity`; it allocates nothing until a record comes.
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            ring: VecDeque::new(),
+            blocks: VecDeque::new(),
+            in_blocks: 0,
+            spare: VecDeque::new(),
+            block_room: capacity.min(BLOCK) + 1,
+        }
+    }
+
+    /// Before a record comes to an empty buffer: the back block of large records, if it has
+    /// no allocation (a new channel's, or one a read swapped for an empty read-ahead), gets
+    /// one of a whole block (up to [`BLOCK`], or the capacity if less) and one more, for a
+    /// record handed to the read ahead of them ([`Core::take`](super::core::Core::take)), so
+    /// that neither regrows it.
+    #[inline(always)]
+    pub(crate) fn prepare(&mut self) {
+        if blocked::<T>() && self.ring.capacity() == 0 {
+            self.ring.reserve_exact(self.block_room);
+        }
+    }
+
+    /// Records queued.
+    #[inline(always)]
+    pub(crate) fn len(&self) -> usize {
+        if blocked::<T>() { self.in_blocks + self.ring.len() } else { self.ring.len() }
+    }
+
+    #[inline(always)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Queues `record` at the back.
+    // On every record's path (see `Emit::poll`).
+    #[inline(always)]
+    pub(crate) fn push_back(&mut self, record: T) {
+        self.ring.push_back(record);
+        // Sealed once full, after the push: a test before it made the compiler copy a large
+        // record through the stack once more (635 instructions a record against 543).
+        if blocked::<T>() && self.ring.len() >= BLOCK {
+            self.seal();
+        }
+    }
+
+    /// Moves the full back block behind the others, and starts a new one.
+    #[inline(never)]
+    fn seal(&mut self) {
+        let mut next = std::mem::take(&mut self.spare);
+        if next.capacity() == 0 {
+            next = VecDeque::with_capacity(self.block_room);
+        }
+        let full = std::mem::replace(&mut self.ring, next);
+        self.in_blocks += full.len();
+        self.blocks.push_back(full);
+    }
+
+    /// Removes the oldest record.
+    pub(crate) fn pop_front(&mut self) -> Option<T> {
+        if !blocked::<T>() {
+            return self.ring.pop_front();
+        }
+        let Some(front) = self.blocks.front_mut() else {
+            return self.ring.pop_front();
+        };
+        let record = front.pop_front();
+        if front.is_empty() {
+            let emptied = self.blocks.pop_front().expect("the front block");
+            self.recycle(emptied);
+        }
+        self.in_blocks -= 1;
+        record
+    }
+
+    /// Removes every record, in order.
+    pub(crate) fn drain_all(&mut self) -> Vec<T> {
+        self.in_blocks = 0;
+        self.blocks.drain(..).flatten().chain(self.ring.drain(..)).collect()
+    }
+
+    /// Moves up to `n` records from the front to the end of `out`, in order; returns how
+    /// many. Small records: `n`, or all there are if fewer. Large records: the same into a
+    /// batch, but a read-ahead ([`Take::ONE_BLOCK`]) takes at most the front block, whole
+    /// when it can.
+    pub(crate) fn take_into<O: Take<T>>(&mut self, n: usize, out: &mut O) -> usize {
+        if !blocked::<T>() {
+            let n = n.min(self.ring.len());
+            out.take_front(&mut self.ring, n);
+            return n;
+        }
+        let mut moved = 0;
+        while moved < n
+            && let Some(front) = self.blocks.front_mut()
+        {
+            let k = (n - moved).min(front.len());
+            if k == front.len() {
+                let block = self.blocks.pop_front().expect("the front block");
+                let emptied = out.take_block(block);
+                self.recycle(emptied);
+            } else {
+                out.take_front(front, k);
+            }
+            self.in_blocks -= k;
+            moved += k;
+            if O::ONE_BLOCK {
+                return moved;
+            }
+        }
+        // The back block (swapped whole into an empty read-ahead).
+        let k = (n - moved).min(self.ring.len());
+        out.take_front(&mut self.ring, k);
+        moved + k
+    }
+
+    /// Keeps an emptied block's allocation for the next back block, if none is kept and it
+    /// holds a whole block.
+    fn recycle(&mut self, emptied: VecDeque<T>) {
+        debug_assert!(emptied.is_empty());
+        if self.spare.capacity() == 0 && emptied.capacity() >= BLOCK {
+            self.spare = emptied;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A record large enough to be kept in blocks: its id, padded.
+    #[derive(Debug, Clone, PartialEq)]
+    struct Wide(u64, [u64; 15]);
+
+    fn fill(buf: &mut Buffer<Wide>, ids: std::ops::Range<u64>) {
+        for id in ids {
+            buf.push_back(Wide(id, [id; 15]));
+        }
+    }
+
+    fn read(buf: &mut Buffer<Wide>, ahead: &mut VecDeque<Wide>) -> Vec<u64> {
+        let n = buf.take_into(BLOCK, ahead);
+        assert_eq!(n, ahead.len());
+        ahead.drain(..).map(|r| r.0).collect()
+    }
+
+    #[test]
+    fn large_records_sit_in_blocks_and_small_ones_in_a_ring() {
+        assert!(blocked::<Wide>());
+        assert!(!blocked::<u64>());
+        let mut small = Buffer::new(1024);
+        (0..200u64).for_each(|i| small.push_back(i));
+        assert_eq!((small.len(), small.ring.len(), small.blocks.len()), (200, 200, 0));
+        let mut large = Buffer::new(1024);
+        fill(&mut large, 0..200);
+        // Three full blocks, and the back one taking records.
+        assert_eq!((large.len(), large.ring.len(), large.blocks.len()), (200, 8, 3));
+        fill(&mut large, 200..256);
+        assert_eq!((large.len(), large.ring.len(), large.blocks.len()), (256, 0, 4));
+    }
+
+    #[test]
+    fn a_read_takes_the_front_block_whole_and_the_channel_recycles_its_read_ahead() {
+        let mut buf = Buffer::new(1024);
+        let mut ahead = VecDeque::new();
+        fill(&mut buf, 0..200);
+        let lens: Vec<usize> = (0..4).map(|_| read(&mut buf, &mut ahead).len()).collect();
+        assert_eq!(lens, [64, 64, 64, 8]);
+        assert!(buf.is_empty() && buf.blocks.is_empty());
+        // The read-ahead, swapped for a block and emptied, is the next back block.
+        assert!(buf.spare.capacity() >= BLOCK);
+        let spare = buf.spare.as_slices().0.as_ptr();
+        fill(&mut buf, 200..265);
+        assert_eq!(buf.ring.as_slices().0.as_ptr(), spare);
+        assert_eq!(read(&mut buf, &mut ahead), (200..264).collect::<Vec<_>>());
+        assert_eq!(read(&mut buf, &mut ahead), [264]);
+    }
+
+    #[test]
+    fn reads_after_a_dropped_oldest_record_find_whole_blocks_again() {
+        let mut buf = Buffer::new(1024);
+        let mut ahead = VecDeque::new();
+        fill(&mut buf, 0..192);
+        assert_eq!(buf.pop_front().map(|r| r.0), Some(0));
+        // The rest of the front block, then the next blocks whole.
+        assert_eq!(read(&mut buf, &mut ahead), (1..64).collect::<Vec<_>>());
+        assert_eq!(read(&mut buf, &mut ahead), (64..128).collect::<Vec<_>>());
+        // A partial take from a block leaves its rest for the next read.
+        assert_eq!(buf.take_into(10, &mut ahead), 10);
+        ahead.clear();
+        assert_eq!(read(&mut buf, &mut ahead), (138..192).collect::<Vec<_>>());
+        assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn a_batch_takes_all_it_asks_for_across_blocks_in_order() {
+        let mut buf = Buffer::new(1024);
+        fill(&mut buf, 0..150);
+        let mut batch = vec![Wide(999, [0; 15])];
+        assert_eq!(buf.take_into(100, &mut batch), 100);
+        let ids: Vec<u64> = batch.iter().map(|r| r.0).collect();
+        assert_eq!(ids, [999].into_iter().chain(0..100).collect::<Vec<_>>());
+        assert_eq!(buf.len(), 50);
+        let rest: Vec<u64> = buf.drain_all().into_iter().map(|r| r.0).collect();
+        assert_eq!(rest, (100..150).collect::<Vec<_>>());
+        assert!(buf.is_empty() && buf.blocks.is_empty());
+    }
+
+    #[test]
+    fn a_read_into_a_read_ahead_holding_records_appends_after_them() {
+        let mut buf = Buffer::new(1024);
+        fill(&mut buf, 0..70);
+        let mut ahead: VecDeque<Wide> = VecDeque::new();
+        ahead.push_back(Wide(999, [0; 15]));
+        assert_eq!(buf.take_into(BLOCK, &mut ahead), 64);
+        let ids: Vec<u64> = ahead.iter().map(|r| r.0).collect();
+        assert_eq!(ids, [999].into_iter().chain(0..64).collect::<Vec<_>>());
+        assert_eq!(buf.len(), 6);
+    }
+}
