@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
+use lanes::pool::KeyedPool;
 use lanes::{Lane, LaneLimits, LaneSet, Limit, Limits, Priority, Run, WaitQueue};
 use tokio::sync::Semaphore;
 
@@ -350,4 +351,39 @@ impl FairQueueCell {
         self.queue.push(self.ticket, &self.priorities[self.next_key]);
         served
     }
+}
+
+/// Items per keyed-pool cell (suite 8's).
+pub const POOL_ITEMS: u64 = 10_000;
+/// A keyed pool's workers, or shards (suite 8's).
+pub const POOL_WORKERS: usize = 8;
+
+/// A keyed pool of suite 8: per-key, or hashed shards (the seed's design); each item counts
+/// itself on `done`.
+pub fn keyed_pool(hashed: bool, done: Done) -> KeyedPool<(usize, u64)> {
+    let builder = KeyedPool::builder()
+        .queue_size(POOL_ITEMS as usize)
+        .key_of(|item: &(usize, u64)| item.0 as u64);
+    let builder =
+        if hashed { builder.hashed_shards(POOL_WORKERS) } else { builder.workers(POOL_WORKERS) };
+    builder
+        .build(move |_, _: (usize, u64)| {
+            done.finish_one();
+            ready(Ok::<(), Infallible>(()))
+        })
+        .expect("pool")
+}
+
+/// Suite 8's uniform work: `POOL_ITEMS` items over `keys` keys, as (key, sequence).
+pub fn pool_items(keys: usize) -> Vec<(usize, u64)> {
+    (0..POOL_ITEMS).map(|i| ((i as usize * 7919) % keys, i)).collect()
+}
+
+/// One cell of suite 8: submits `work` to `pool` and waits until every item is done.
+pub async fn pool_cell(pool: &KeyedPool<(usize, u64)>, done: &Done, work: &[(usize, u64)]) {
+    done.reset(work.len() as u64);
+    for item in work {
+        pool.submit(*item).expect("room for every item");
+    }
+    done.wait().await;
 }

@@ -52,6 +52,10 @@
 //! the linger is 10 s so that only the batch size and the close flush, as under cachegrind a
 //! shorter one would fire at times that vary) and `recv-many` (`recv_many` of 64).
 //!
+//! `pool` and `pool-hashed` are suite 8's uniform cell: 10,000 no-op items over as many keys
+//! as the second argument says, submitted from the runtime's `block_on` to a per-key pool of 8
+//! workers, or to the hashed-shard pool of 8 shards; a round is 10,000 items.
+//!
 //! `reject` and `reject-hand-rolled` are suite 2's reject path: a run refused by a full lane
 //! (one slot, held, no waiting room), and `try_acquire_owned` refused by the hand-rolled
 //! lane's full outer semaphore; a round is 10,000 refusals, the second argument is ignored.
@@ -80,12 +84,13 @@ use governor::{Quota, RateLimiter};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
 use lanes::{LimitSpec, Limits, Priority, WaitQueue};
-use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    Big, FairQueueCell, HandRolled, PER_TASK, Permits, RECORDS, Record, channel_block, contended,
-    full_hand_rolled, full_lane, hand_rolled, kanal_block, lane, lane_runs, next_batch_block,
-    recv_many_block, refuse, refuse_hand_rolled, tokio_block,
+    Big, FairQueueCell, HandRolled, PER_TASK, POOL_ITEMS, Permits, RECORDS, Record, channel_block,
+    contended, full_hand_rolled, full_lane, hand_rolled, kanal_block, keyed_pool, lane, lane_runs,
+    next_batch_block, pool_cell, pool_items, recv_many_block, refuse, refuse_hand_rolled,
+    tokio_block,
 };
+use lanes_benches::{Done, Flavor};
 use std::num::NonZeroU32;
 use tokio::sync::Semaphore;
 
@@ -117,7 +122,7 @@ fn channel_rounds<R: Record>(
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|reject|reject-hand-rolled|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-fifo|wait-queue-cancel|limit-cancel|semaphore-cancel) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|pool|pool-hashed|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|reject|reject-hand-rolled|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-fifo|wait-queue-cancel|limit-cancel|semaphore-cancel) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -145,6 +150,21 @@ fn main() {
         "lane" => {
             let lane = lane(size, 2_000);
             lane_rounds(&rt, rounds, move || lane_runs(lane.clone(), RUNS))
+        }
+        "pool" | "pool-hashed" => {
+            let done = Done::new(0);
+            let pool = {
+                let _guard = rt.enter();
+                keyed_pool(cell == "pool-hashed", done.clone())
+            };
+            let work = pool_items(size);
+            rt.block_on(async {
+                let start = Instant::now();
+                for _ in 0..rounds {
+                    pool_cell(&pool, &done, &work).await;
+                }
+                (rounds * POOL_ITEMS, start.elapsed())
+            })
         }
         "permits" | "permits-named" | "semaphore" => rt.block_on(async {
             let permits = if cell != "semaphore" {

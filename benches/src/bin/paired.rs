@@ -14,24 +14,29 @@
 //! target/release/paired channel ct 1024 1 u64 21 kanal   # suite 3's kanal bar
 //! target/release/paired lane mt 21               # suite 2: against the hand-rolled lane
 //! target/release/paired permits mt 8 21          # suite 1: 8 tasks, against tokio's semaphore
+//! target/release/paired pool 1 21                # suite 8: per-key against hashed, 1 key
 //! ```
 //!
 //! Arguments: `channel`, the runtime (`ct` or `mt`), the capacity, the producers, the record
 //! (`u64` or `256B`), the pairs and optionally the anchor (`tokio`, the default, or `kanal`); or `lane`, the runtime and the pairs (1,000 runs into 8
 //! execution slots, as in suite 2); or `permits`, the runtime, the tasks and the pairs (suite 1's
 //! contended cell: the tasks share 2 permits through a `Limit` handle or a
-//! `tokio::sync::Semaphore`, each taking and returning one 64 times). An odd number of pairs
-//! makes the median one of them.
+//! `tokio::sync::Semaphore`, each taking and returning one 64 times); or `pool`, the keys and
+//! the pairs (suite 8's uniform cell on two workers: 10,000 no-op items over that many keys
+//! into a per-key pool of 8 workers, against the hashed-shard pool of 8 shards; no runtime
+//! argument). `LANES_PAIRED_CONTROL=1` makes the anchor of a `pool` pair a second per-key
+//! pool: the spread of a design against itself. An odd number of pairs makes the median one of
+//! them.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use lanes::{LimitSpec, Limits};
-use lanes_benches::Flavor;
 use lanes_benches::scenarios::{
-    Big, HandRolled, Permits, Record, channel_block, contended, hand_rolled, kanal_block, lane,
-    lane_runs, tokio_block,
+    Big, HandRolled, Permits, Record, channel_block, contended, hand_rolled, kanal_block,
+    keyed_pool, lane, lane_runs, pool_cell, pool_items, tokio_block,
 };
+use lanes_benches::{Done, Flavor};
 use tokio::sync::Semaphore;
 
 /// Cells per side in a pair: enough that one side takes a few milliseconds at the slowest.
@@ -91,8 +96,9 @@ fn channel<R: Record>(
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: paired channel (ct|mt) CAPACITY PRODUCERS (u64|256B) PAIRS [tokio|kanal]\n       paired lane (ct|mt) PAIRS\n       paired permits (ct|mt) TASKS PAIRS";
+    let usage = "usage: paired channel (ct|mt) CAPACITY PRODUCERS (u64|256B) PAIRS [tokio|kanal]\n       paired lane (ct|mt) PAIRS\n       paired permits (ct|mt) TASKS PAIRS\n       paired pool KEYS PAIRS";
     let flavor = match args.get(1).map(String::as_str) {
+        _ if args.first().map(String::as_str) == Some("pool") => Flavor::MultiThread,
         Some("ct") => Flavor::CurrentThread,
         Some("mt") => Flavor::MultiThread,
         _ => panic!("{usage}"),
@@ -159,6 +165,25 @@ fn main() {
                 });
             });
             (format!("contended_{tasks}"), "tokio's semaphore", ratios)
+        }
+        Some("pool") => {
+            let keys = number(1);
+            let control = std::env::var("LANES_PAIRED_CONTROL").is_ok_and(|v| v == "1");
+            let (work, done) = (pool_items(keys), Done::new(0));
+            let (per_key, anchor) = {
+                let _guard = rt.enter();
+                (keyed_pool(false, done.clone()), keyed_pool(!control, done.clone()))
+            };
+            let ratios = ratios(number(2), |ours| {
+                let pool = if ours { &per_key } else { &anchor };
+                rt.block_on(async {
+                    for _ in 0..CELLS {
+                        pool_cell(pool, &done, &work).await;
+                    }
+                });
+            });
+            let anchor = if control { "a second per-key pool" } else { "the hashed-shard pool" };
+            (format!("keyed_uniform_{keys}"), anchor, ratios)
         }
         _ => panic!("{usage}"),
     };
