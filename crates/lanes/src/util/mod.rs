@@ -128,7 +128,7 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 /// [`lock`], for a thread that would rather wait a few microseconds than sleep: a channel's
 /// consumer taking records, whose producers on other threads hold the lock for a push at a
-/// time, and a run lane's admissions and completions.
+/// time, a run lane's admissions and completions, and a pool's submits and workers.
 /// While the lock is held it spins briefly, then yields its core a few times, and only then
 /// waits as [`lock`] does (std's mutex spins for up to 100 rounds, then sleeps in the kernel, and
 /// its owner's unlock must then wake it with a system call).
