@@ -1674,14 +1674,56 @@ async fn large_records_lose_nothing_and_keep_order_under_random_stress() {
 /// delivered once or handed back, in its producer's order, and every budget unit comes back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn channels_sharing_a_budget_hand_records_to_reads_and_return_every_unit() {
+    share_a_budget::<u64>(3, |c| 1 + c as usize % 2).await;
+}
+
+/// The same with large records in channels of several blocks: a read-ahead that takes fewer
+/// records than it asked for (the rest of a block that lost its oldest record) returns a
+/// budget unit for each record it took, no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn channels_of_large_records_sharing_a_budget_return_every_unit() {
+    share_a_budget::<Wide>(200, |c| 70 + 60 * (c as usize % 2)).await;
+}
+
+/// Large records sit in blocks of 64, and a plain read takes the rest of the front block: after
+/// the oldest record was dropped, the first read takes 63 records, in order, and returns a
+/// budget unit for each of them, no more.
+#[tokio::test]
+async fn a_read_of_large_records_returns_a_budget_unit_for_each_record_it_took() {
+    let channels = Channels::with_budget(1_000).unwrap();
+    let config = ChannelConfig::new(130).overflow(Overflow::DropOldest);
+    let channel = channels.create::<Wide>("wide", config).unwrap();
+    let mut consumer = channel.consumer(options(8)).unwrap();
+    for id in 0..130 {
+        assert!(matches!(channel.try_emit(Wide::of(id)), Ok(Emitted::Queued)));
+    }
+    match channel.try_emit(Wide::of(130)) {
+        Ok(Emitted::DroppedOldest(oldest)) => assert_eq!(oldest.id(), 0),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(channels.budget_used(), Some(130));
+    assert_eq!(consumer.recv().await.map(|r| r.id()), Some(1));
+    assert_eq!(channels.budget_used(), Some(130 - 63), "the rest of the front block, read ahead");
+    for id in 2..131 {
+        assert_eq!(consumer.recv().await.map(|r| r.id()), Some(id));
+    }
+    assert_eq!(channels.budget_used(), Some(0));
+    let s = channel.snapshot();
+    assert!(s.reconciles(), "{s:?}");
+    assert_eq!((s.delivered, s.dropped, s.depth), (130, 1, 0));
+}
+
+/// Four channels of `capacity(c)` sharing a budget of `budget` units, a producer and a
+/// random reader each.
+async fn share_a_budget<R: Rec>(budget: usize, capacity: impl Fn(u64) -> usize) {
     const CHANNELS: u64 = 4;
     const EACH: u64 = 3_000;
-    let channels = Channels::with_budget(3).unwrap();
+    let channels = Channels::with_budget(budget).unwrap();
     let mut runs = Vec::new();
     for c in 0..CHANNELS {
         let overflow = if c % 2 == 0 { Overflow::Block } else { Overflow::DropOldest };
-        let config = ChannelConfig::new(1 + c as usize % 2).overflow(overflow);
-        let channel = channels.create::<u64>(&format!("c{c}"), config).unwrap();
+        let config = ChannelConfig::new(capacity(c)).overflow(overflow);
+        let channel = channels.create::<R>(&format!("c{c}"), config).unwrap();
         let reader = random_reader(channel.consumer(options(3)).unwrap(), c + 17);
         let producer = random_producer(channel.clone(), c * EACH, EACH, c + 3);
         runs.push((channel, producer, reader));

@@ -4,10 +4,12 @@
 //! read of a whole ring into an empty read-ahead swaps it; many at once move in bulk.
 //!
 //! Large records sit in blocks of up to [`BLOCK`], the back one taking new records, so that a
-//! read of a busy channel moves a block rather than copying its records, and a channel never
-//! regrows (copies) a large ring. An emptied block is kept for the next one needed, and a
-//! read-ahead swapped for a full block comes back as the next empty one: a busy channel
-//! allocates nothing. With 256-byte records at capacity 1,024 on one thread, a ring's reads
+//! read of a busy channel moves a block rather than copying its records, and a busy channel
+//! never regrows (copies) a large ring: only the first back block grows as records come, as a
+//! ring does, so that a quiet channel holds no more than it needs. An emptied block is kept for
+//! the next one needed, and a read-ahead swapped for a full block comes back as the next empty
+//! one: a busy channel read by `recv` allocates nothing (batches of more than a block empty
+//! several, and one is kept). With 256-byte records at capacity 1,024 on one thread, a ring's reads
 //! copied 64 records each, and a new channel's ring doubled its way to 270 KB (two thirds of
 //! the time in `memcpy`, a tenth in page faults): 10.1 M/s against 12.9 M/s at capacity 64,
 //! 580 instructions a record against 498 in blocks (BENCHMARKS.md, suite 3).
@@ -29,6 +31,11 @@ pub(crate) const BLOCK_MIN_BYTES: usize = 64;
 /// Records per block of large records: the consumer's read-ahead, so that a read of a busy
 /// channel takes a block whole.
 pub(crate) const BLOCK: usize = 64;
+
+/// The room a new block is allocated with: a block, and one more for a record handed to the
+/// read, which goes in front of a block taken whole ([`Core::take`](super::core::Core::take)),
+/// so that the read-ahead does not regrow it.
+const BLOCK_ROOM: usize = BLOCK + 1;
 
 /// From this many records on, a take of small records into an empty destination moves them
 /// in bulk ([`split_front`]: two block copies and an allocation) rather than one at a time (a
@@ -154,31 +161,16 @@ pub(crate) struct Buffer<T> {
     /// An emptied block's allocation, kept for the next back block (no allocation when
     /// empty).
     spare: VecDeque<T>,
-    /// The room a back block of large records is allocated with ([`prepare`](Self::prepare)).
-    block_room: usize,
 }
 
 impl<T> Buffer<T> {
-    /// A buffer for a channel of `capacity`; it allocates nothing until a record comes.
-    pub(crate) fn new(capacity: usize) -> Self {
+    /// An empty buffer; it allocates nothing until a record comes.
+    pub(crate) fn new() -> Self {
         Self {
             ring: VecDeque::new(),
             blocks: VecDeque::new(),
             in_blocks: 0,
             spare: VecDeque::new(),
-            block_room: capacity.min(BLOCK) + 1,
-        }
-    }
-
-    /// Before a record comes to an empty buffer: the back block of large records, if it has
-    /// no allocation (a new channel's, or one a read swapped for an empty read-ahead), gets
-    /// one of a whole block (up to [`BLOCK`], or the capacity if less) and one more, for a
-    /// record handed to the read ahead of them ([`Core::take`](super::core::Core::take)), so
-    /// that neither regrows it.
-    #[inline(always)]
-    pub(crate) fn prepare(&mut self) {
-        if blocked::<T>() && self.ring.capacity() == 0 {
-            self.ring.reserve_exact(self.block_room);
         }
     }
 
@@ -199,7 +191,7 @@ impl<T> Buffer<T> {
     pub(crate) fn push_back(&mut self, record: T) {
         self.ring.push_back(record);
         // Sealed once full, after the push: a test before it made the compiler copy a large
-        // record through the stack once more (635 instructions a record against 543).
+        // record through the stack once more (635 instructions a record against 530).
         if blocked::<T>() && self.ring.len() >= BLOCK {
             self.seal();
         }
@@ -210,7 +202,7 @@ impl<T> Buffer<T> {
     fn seal(&mut self) {
         let mut next = std::mem::take(&mut self.spare);
         if next.capacity() == 0 {
-            next = VecDeque::with_capacity(self.block_room);
+            next = VecDeque::with_capacity(BLOCK_ROOM);
         }
         let full = std::mem::replace(&mut self.ring, next);
         self.in_blocks += full.len();
@@ -275,12 +267,21 @@ impl<T> Buffer<T> {
     }
 
     /// Keeps an emptied block's allocation for the next back block, if none is kept and it
-    /// holds a whole block.
+    /// has a block's room ([`BLOCK_ROOM`]).
     fn recycle(&mut self, emptied: VecDeque<T>) {
         debug_assert!(emptied.is_empty());
-        if self.spare.capacity() == 0 && emptied.capacity() >= BLOCK {
+        if self.spare.capacity() == 0 && emptied.capacity() >= BLOCK_ROOM {
             self.spare = emptied;
         }
+    }
+
+    /// How many records a read-ahead's take finds in one piece: the front block's, or all
+    /// there are of small records.
+    pub(crate) fn front_run(&self) -> usize {
+        if !blocked::<T>() {
+            return self.ring.len();
+        }
+        self.blocks.front().map_or(self.ring.len(), VecDeque::len)
     }
 }
 
@@ -308,10 +309,10 @@ mod tests {
     fn large_records_sit_in_blocks_and_small_ones_in_a_ring() {
         assert!(blocked::<Wide>());
         assert!(!blocked::<u64>());
-        let mut small = Buffer::new(1024);
+        let mut small = Buffer::new();
         (0..200u64).for_each(|i| small.push_back(i));
         assert_eq!((small.len(), small.ring.len(), small.blocks.len()), (200, 200, 0));
-        let mut large = Buffer::new(1024);
+        let mut large = Buffer::new();
         fill(&mut large, 0..200);
         // Three full blocks, and the back one taking records.
         assert_eq!((large.len(), large.ring.len(), large.blocks.len()), (200, 8, 3));
@@ -321,7 +322,7 @@ mod tests {
 
     #[test]
     fn a_read_takes_the_front_block_whole_and_the_channel_recycles_its_read_ahead() {
-        let mut buf = Buffer::new(1024);
+        let mut buf = Buffer::new();
         let mut ahead = VecDeque::new();
         fill(&mut buf, 0..200);
         let lens: Vec<usize> = (0..4).map(|_| read(&mut buf, &mut ahead).len()).collect();
@@ -338,7 +339,7 @@ mod tests {
 
     #[test]
     fn reads_after_a_dropped_oldest_record_find_whole_blocks_again() {
-        let mut buf = Buffer::new(1024);
+        let mut buf = Buffer::new();
         let mut ahead = VecDeque::new();
         fill(&mut buf, 0..192);
         assert_eq!(buf.pop_front().map(|r| r.0), Some(0));
@@ -354,7 +355,7 @@ mod tests {
 
     #[test]
     fn a_batch_takes_all_it_asks_for_across_blocks_in_order() {
-        let mut buf = Buffer::new(1024);
+        let mut buf = Buffer::new();
         fill(&mut buf, 0..150);
         let mut batch = vec![Wide(999, [0; 15])];
         assert_eq!(buf.take_into(100, &mut batch), 100);
@@ -368,7 +369,7 @@ mod tests {
 
     #[test]
     fn a_read_into_a_read_ahead_holding_records_appends_after_them() {
-        let mut buf = Buffer::new(1024);
+        let mut buf = Buffer::new();
         fill(&mut buf, 0..70);
         let mut ahead: VecDeque<Wide> = VecDeque::new();
         ahead.push_back(Wide(999, [0; 15]));

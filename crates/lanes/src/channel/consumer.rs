@@ -336,7 +336,8 @@ impl<T: Send + 'static> Consumer<T> {
                     continue;
                 }
             };
-            let mut n = len;
+            // Into the read-ahead, what one take finds (large records: up to a block's end).
+            let mut n = if out.is_none() { st.core.read_run(len) } else { len };
             if let Some(limit) = &self.plan.limit {
                 if self.permits.is_empty() {
                     drop(st);
