@@ -12,7 +12,7 @@
 //! several, and one is kept). With 256-byte records at capacity 1,024 on one thread, a ring's reads
 //! copied 64 records each, and a new channel's ring doubled its way to 270 KB (two thirds of
 //! the time in `memcpy`, a tenth in page faults): 10.1 M/s against 12.9 M/s at capacity 64,
-//! 580 instructions a record against 498 in blocks (BENCHMARKS.md, suite 3).
+//! 580 instructions a record against 502 in blocks (BENCHMARKS.md, suite 3).
 //!
 //! Small records stay in a ring: blocks cost them instructions (stop 46 tried them for every
 //! record type: 197 → 202 a `u64` record at capacity 64), and their bulk moves are cheap. The
