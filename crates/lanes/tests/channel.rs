@@ -1601,20 +1601,33 @@ async fn reads_handed_records_lose_nothing_and_keep_order_under_random_stress() 
         watcher.await.unwrap();
         let (delivered, s) = close_and_read(&channel, consumer_task).await;
         assert_eq!(s.dropped, 0, "capacity {capacity}: {s:?}");
-        let mut last = [None::<u64>; PRODUCERS as usize];
-        for &r in &delivered {
-            let p = (r / EACH) as usize;
-            assert!(last[p].is_none_or(|l| l < r), "capacity {capacity}: per-producer FIFO");
-            last[p] = Some(r);
-        }
-        let mut all: Vec<u64> = delivered.into_iter().chain(turned_away).collect();
-        all.sort_unstable();
-        assert_eq!(
-            all,
-            (0..PRODUCERS * EACH).collect::<Vec<_>>(),
-            "capacity {capacity}: each record delivered once or handed back, none lost"
-        );
+        check_delivery(delivered, turned_away, PRODUCERS, EACH, &format!("capacity {capacity}"));
     }
+}
+
+/// What `producers` producers of `each` records (producer p's are `p * each..`) sent came out
+/// right: `delivered` keeps each producer's order, and with `turned_away` (refused or dropped)
+/// holds every record exactly once.
+fn check_delivery(
+    delivered: Vec<u64>,
+    turned_away: Vec<u64>,
+    producers: u64,
+    each: u64,
+    what: &str,
+) {
+    let mut last = vec![None::<u64>; producers as usize];
+    for &r in &delivered {
+        let p = (r / each) as usize;
+        assert!(last[p].is_none_or(|l| l < r), "{what}: per-producer FIFO");
+        last[p] = Some(r);
+    }
+    let mut all: Vec<u64> = delivered.into_iter().chain(turned_away).collect();
+    all.sort_unstable();
+    assert_eq!(
+        all,
+        (0..producers * each).collect::<Vec<_>>(),
+        "{what}: each record delivered once or handed back, none lost"
+    );
 }
 
 /// Large records sit in blocks of 64, and a plain read takes a block whole: with capacities
@@ -1649,22 +1662,10 @@ async fn large_records_lose_nothing_and_keep_order_under_random_stress() {
         }
         watcher.await.unwrap();
         let (delivered, s) = close_and_read(&channel, consumer_task).await;
-        let mut last = [None::<u64>; PRODUCERS as usize];
-        for &r in &delivered {
-            let p = (r / EACH) as usize;
-            assert!(last[p].is_none_or(|l| l < r), "{capacity} {kind:?}: per-producer FIFO");
-            last[p] = Some(r);
-        }
         if kind == lanes::channel::OverflowKind::Block {
             assert_eq!(s.dropped, 0, "{capacity}: {s:?}");
         }
-        let mut all: Vec<u64> = delivered.into_iter().chain(turned_away).collect();
-        all.sort_unstable();
-        assert_eq!(
-            all,
-            (0..PRODUCERS * EACH).collect::<Vec<_>>(),
-            "{capacity} {kind:?}: each record delivered once or handed back, none lost"
-        );
+        check_delivery(delivered, turned_away, PRODUCERS, EACH, &format!("{capacity} {kind:?}"));
     }
 }
 
