@@ -1714,6 +1714,28 @@ async fn a_read_of_large_records_returns_a_budget_unit_for_each_record_it_took()
     assert_eq!((s.delivered, s.dropped, s.depth), (130, 1, 0));
 }
 
+/// A read of large records under a per-record rate limit asks for permits only for what one
+/// take finds (the rest of a front block that lost its oldest record): no token is spent on a
+/// record it did not take.
+#[tokio::test(start_paused = true)]
+async fn a_limited_read_of_large_records_spends_a_token_per_record_it_took() {
+    let limits = Limits::new();
+    limits.define("sink", LimitSpec::rate(0.001).burst(64)).await.unwrap();
+    let config = ChannelConfig::new(130).overflow(Overflow::DropOldest);
+    let channel = Channel::<Wide>::new(config).unwrap();
+    let limit = options(8).limit(&limits, "sink", Priority::default(), PermitPer::Record);
+    let mut consumer = channel.consumer(limit).unwrap();
+    for id in 0..=130 {
+        // The last one drops record 0.
+        channel.try_emit(Wide::of(id)).unwrap();
+    }
+    let mut read = Vec::new();
+    assert_eq!(consumer.recv_many(&mut read, 100).await, 63);
+    assert_eq!(read.iter().map(Rec::id).collect::<Vec<_>>(), (1..64).collect::<Vec<_>>());
+    assert!(limits.try_acquire("sink", Priority::default()).await.is_ok(), "one token is left");
+    assert!(limits.try_acquire("sink", Priority::default()).await.is_err());
+}
+
 /// Four channels of `capacity(c)` sharing a budget of `budget` units, a producer and a
 /// random reader each.
 async fn share_a_budget<R: Rec>(budget: usize, capacity: impl Fn(u64) -> usize) {

@@ -5,8 +5,9 @@
 //!
 //! Large records sit in blocks of up to [`BLOCK`], the back one taking new records, so that a
 //! read of a busy channel moves a block rather than copying its records, and a busy channel
-//! never regrows (copies) a large ring: only the first back block grows as records come, as a
-//! ring does, so that a quiet channel holds no more than it needs. An emptied block is kept for
+//! does not regrow (copy) a large ring: only a back block that did not come from a sealed
+//! block's room (a new channel's, or a read-ahead's swapped in for it) grows as records come,
+//! as a ring does, so that a quiet channel holds no more than it needs. An emptied block is kept for
 //! the next one needed, and a read-ahead swapped for a full block comes back as the next empty
 //! one: a busy channel read by `recv` allocates nothing (batches of more than a block empty
 //! several, and one is kept). With 256-byte records at capacity 1,024 on one thread, a ring's reads
@@ -329,7 +330,7 @@ mod tests {
         assert_eq!(lens, [64, 64, 64, 8]);
         assert!(buf.is_empty() && buf.blocks.is_empty());
         // The read-ahead, swapped for a block and emptied, is the next back block.
-        assert!(buf.spare.capacity() >= BLOCK);
+        assert!(buf.spare.capacity() >= BLOCK_ROOM);
         let spare = buf.spare.as_slices().0.as_ptr();
         fill(&mut buf, 200..265);
         assert_eq!(buf.ring.as_slices().0.as_ptr(), spare);
@@ -351,6 +352,17 @@ mod tests {
         ahead.clear();
         assert_eq!(read(&mut buf, &mut ahead), (138..192).collect::<Vec<_>>());
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn a_quiet_channel_of_large_records_holds_no_more_than_it_needs() {
+        let mut buf = Buffer::new();
+        assert_eq!(buf.ring.capacity(), 0);
+        fill(&mut buf, 0..1);
+        assert!(buf.ring.capacity() < BLOCK, "{} slots for one record", buf.ring.capacity());
+        // Sealed blocks of a busy channel have a block's room, and one more.
+        fill(&mut buf, 1..70);
+        assert!(buf.ring.capacity() >= BLOCK_ROOM);
     }
 
     #[test]

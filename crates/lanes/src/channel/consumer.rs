@@ -336,7 +336,10 @@ impl<T: Send + 'static> Consumer<T> {
                     continue;
                 }
             };
-            // Into the read-ahead, what one take finds (large records: up to a block's end).
+            // Into the read-ahead, what one take finds (large records: up to a block's end),
+            // so that permits taken per record are all used. (Permits are taken without the
+            // lock: if a dropped oldest record shortens the front block meanwhile, the surplus
+            // is released below, and a rate limit's tokens for it are spent.)
             let mut n = if out.is_none() { st.core.read_run(len) } else { len };
             if let Some(limit) = &self.plan.limit {
                 if self.permits.is_empty() {
