@@ -45,7 +45,7 @@ const BLOCK_ROOM: usize = BLOCK + 1;
 pub(crate) const BULK: usize = 16;
 
 /// Whether records of type `T` are kept in blocks.
-const fn blocked<T>() -> bool {
+pub(crate) const fn blocked<T>() -> bool {
     size_of::<T>() > BLOCK_MIN_BYTES
 }
 
