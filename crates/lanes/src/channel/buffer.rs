@@ -72,10 +72,6 @@ pub(crate) trait Take<T> {
     /// Moves the first `n` records of `ring` (`n <= ring.len()`) to the end of `self`.
     fn take_front(&mut self, ring: &mut VecDeque<T>, n: usize);
 
-    /// Moves every record of `block` to the end of `self`; returns an empty allocation (the
-    /// block's, or `self`'s own if it swapped them).
-    fn take_block(&mut self, block: VecDeque<T>) -> VecDeque<T>;
-
     /// How many records `self` holds.
     fn held(&self) -> usize;
 
@@ -94,11 +90,6 @@ impl<T> Take<T> for Vec<T> {
         } else {
             self.extend(ring.drain(..n));
         }
-    }
-
-    fn take_block(&mut self, mut block: VecDeque<T>) -> VecDeque<T> {
-        self.extend(block.drain(..));
-        block
     }
 
     fn held(&self) -> usize {
@@ -120,6 +111,9 @@ impl<T> Take<T> for Vec<T> {
 impl<T> Take<T> for VecDeque<T> {
     const ONE_BLOCK: bool = true;
 
+    // Inlined at both of `take_into`'s calls: called out of line, a read at capacity 1 cost
+    // 16 instructions a 256-byte record more.
+    #[inline(always)]
     fn take_front(&mut self, ring: &mut VecDeque<T>, n: usize) {
         if self.is_empty() && n == ring.len() {
             std::mem::swap(self, ring);
@@ -128,15 +122,6 @@ impl<T> Take<T> for VecDeque<T> {
         } else {
             self.extend(ring.drain(..n));
         }
-    }
-
-    fn take_block(&mut self, mut block: VecDeque<T>) -> VecDeque<T> {
-        if self.is_empty() {
-            std::mem::swap(self, &mut block);
-        } else {
-            self.extend(block.drain(..));
-        }
-        block
     }
 
     fn held(&self) -> usize {
@@ -248,12 +233,12 @@ impl<T> Buffer<T> {
             && let Some(front) = self.blocks.front_mut()
         {
             let k = (n - moved).min(front.len());
-            if k == front.len() {
-                let block = self.blocks.pop_front().expect("the front block");
-                let emptied = out.take_block(block);
+            // A whole block into an empty read-ahead is swapped: the block's place then holds
+            // the read-ahead's empty allocation.
+            out.take_front(front, k);
+            if front.is_empty() {
+                let emptied = self.blocks.pop_front().expect("the front block");
                 self.recycle(emptied);
-            } else {
-                out.take_front(front, k);
             }
             self.in_blocks -= k;
             moved += k;
