@@ -416,7 +416,7 @@ mod tests {
     use proptest::prelude::*;
     use proptest::test_runner::TestCaseError;
 
-    use super::super::buffer::{BLOCK, BLOCK_MIN_BYTES, BULK};
+    use super::super::buffer::{BLOCK, BULK};
     use super::*;
 
     /// A record type of the model test: made from, and known by, its id.
@@ -712,7 +712,7 @@ mod tests {
                             prop_assert!(
                                 got >= want.len() + rest.min(1) && got <= want.len() + rest
                             );
-                            if size_of::<R>() <= BLOCK_MIN_BYTES {
+                            if !blocked::<R>() {
                                 prop_assert_eq!(got, want.len() + rest);
                             }
                             rest = got - want.len();
