@@ -20,7 +20,7 @@ use super::handle::{ChannelShared, Entry, State};
 use super::receipt::{ReceiptState, Settlement};
 use crate::limit::{LimitError, OnRefusal, Permit};
 use crate::spill::DurableQueue;
-use crate::util::{keep_waker, lock, lock_spinning, same_waker};
+use crate::util::{keep_waker, same_waker, spin_lock};
 use crate::{BoxError, BoxFuture};
 
 /// The most records `recv` takes under one lock: a block of large records
@@ -286,7 +286,7 @@ impl<T: Send + 'static> Consumer<T> {
                         self.next_backoff = None;
                     }
                     Err(_) => {
-                        lock(&self.shared.state).core.counters.limit_errors += 1;
+                        spin_lock(&self.shared.state).core.counters.limit_errors += 1;
                         let (first, max) = self.plan.backoff();
                         let wait = self.next_backoff.unwrap_or(first);
                         self.next_backoff = Some((wait * 2).min(max));
@@ -299,10 +299,10 @@ impl<T: Send + 'static> Consumer<T> {
             if self.still_armed(cx) && (read || !self.armed_read) {
                 return Poll::Pending;
             }
-            // Producers on other threads hold the lock for a push at a time: wait for it
-            // awake (paired against tokio mpsc on two workers, `spsc_1024_256B` read
-            // 0.68-1.30× with std's wait and 1.11-1.58× with this one; BENCHMARKS.md, suite 3).
-            let mut st = lock_spinning(&self.shared.state);
+            // Producers on other threads hold the lock for a push at a time: waited for awake
+            // (`util::SpinLock`; std's sleeping wait read 0.68-1.30× tokio mpsc in two-worker
+            // `spsc_1024_256B`, a spinning one 1.11-1.58×; BENCHMARKS.md, suite 3).
+            let mut st = spin_lock(&self.shared.state);
             // A read takes a record handed to it besides `max` queued ones (a whole buffer
             // then still moves at once); a batch counts it among its `max`.
             let max = max + usize::from(read && st.core.has_handed());
@@ -401,7 +401,7 @@ fn acquire(
 #[cold]
 fn settle_read<T>(shared: &ChannelShared<T>, receipt: &ReceiptState) {
     if !receipt.settle(Settlement::Processed) {
-        lock(&shared.state).core.counters.late_settlements += 1;
+        spin_lock(&shared.state).core.counters.late_settlements += 1;
     }
 }
 
@@ -456,7 +456,7 @@ impl<T> Unpin for Consumer<T> {}
 impl<T> Drop for Consumer<T> {
     fn drop(&mut self) {
         let handed = {
-            let mut st = lock(&self.shared.state);
+            let mut st = spin_lock(&self.shared.state);
             // No record is handed to it from now on: the close that follows drops what comes
             // meanwhile with what is queued.
             st.core.await_read(false);
@@ -675,7 +675,7 @@ impl<T> Batch<T> {
         report.failed = fates.len() - report.processed;
         self.settled = true;
         {
-            let mut st = lock_spinning(&self.shared.state);
+            let mut st = spin_lock(&self.shared.state);
             let c = &mut st.core.counters;
             c.processed += report.processed as u64;
             c.failed += report.failed as u64;
@@ -708,7 +708,7 @@ impl<T> Drop for Batch<T> {
         for receipt in self.receipts.iter().flatten() {
             receipt.settle(Settlement::Dropped);
         }
-        lock(&self.shared.state).core.counters.abandoned += self.records.len() as u64;
+        spin_lock(&self.shared.state).core.counters.abandoned += self.records.len() as u64;
         self.shared.settled_changed();
     }
 }

@@ -230,12 +230,27 @@ impl<T> Core<T> {
     // On every record's path (see `Emit::poll`).
     #[inline(always)]
     pub(crate) fn try_queue(&mut self, record: T, now: impl FnOnce() -> Instant) -> Result<(), T> {
-        if self.closed || !self.has_room() {
+        if !self.can_queue() {
             return Err(record);
         }
+        self.queue(record, now);
+        Ok(())
+    }
+
+    /// Whether [`try_queue`](Self::try_queue) would queue a record now: the channel is open
+    /// and has room for a producer holding no handed-off slot.
+    #[inline(always)]
+    pub(crate) fn can_queue(&self) -> bool {
+        !self.closed && self.has_room()
+    }
+
+    /// [`try_queue`](Self::try_queue) once [`can_queue`](Self::can_queue) said yes: lets the
+    /// caller move its record straight into the buffer, rather than through a refusal's value.
+    #[inline(always)]
+    pub(crate) fn queue(&mut self, record: T, now: impl FnOnce() -> Instant) {
+        debug_assert!(self.can_queue());
         self.counters.emitted += 1;
         self.enqueue(record, now);
-        Ok(())
     }
 
     /// The overflow rule, for a record that did not fit (the channel or the budget full).

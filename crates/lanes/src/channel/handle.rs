@@ -3,7 +3,7 @@
 //! lock always reconciles.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::Waker;
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ use super::config::{ChannelConfig, OverflowKind};
 use super::core::{Core, Offer, Room};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
-use crate::util::{Padded, WaitKey, WaitList, keep_waker, lock};
+use crate::util::{Padded, SpinGuard, SpinLock, WaitKey, WaitList, keep_waker, lock, spin_lock};
 
 /// A queued record and, if its producer asked for one, its receipt.
 pub(crate) struct Entry<T> {
@@ -232,12 +232,13 @@ impl ChannelMetrics {
     }
 }
 
-/// A record [`ChannelShared::try_queue`] could not queue at once, for the slow path.
+/// Why [`ChannelShared::try_queue`] did not queue a record at once (its caller still holds
+/// it), for the slow path.
 pub(crate) enum Refused<'a, T> {
     /// The channel has a shared budget: nothing was tried.
-    Unlocked(Entry<T>),
+    Unlocked,
     /// Closed or full, found under this lock (a `Block` channel's first poll goes on under it).
-    Locked(Entry<T>, MutexGuard<'a, State<T>>),
+    Locked(SpinGuard<'a, State<T>>),
 }
 
 /// What [`ChannelShared::push`] did with a record.
@@ -260,7 +261,7 @@ pub(crate) struct ChannelShared<T> {
     pub(crate) dynamic: bool,
     pub(crate) budget: Option<Arc<Budget>>,
     /// The lock producers and the consumer share, on lines of its own.
-    pub(crate) state: Padded<Mutex<State<T>>>,
+    pub(crate) state: Padded<SpinLock<State<T>>>,
     pub(crate) producers: AtomicUsize,
     /// Records the consumer's plain reads handed out: counted processed without the lock
     /// (only the consumer writes it).
@@ -300,7 +301,7 @@ impl<T> ChannelShared<T> {
             config,
             dynamic,
             budget,
-            state: Padded(Mutex::new(State {
+            state: Padded(SpinLock::new(State {
                 core,
                 consumer_taken: false,
                 recv_waker: None,
@@ -327,7 +328,7 @@ impl<T> ChannelShared<T> {
             Some((waiter, waker)) if self.blocks && self.budget.is_none() => {
                 self.push_block(entry, waiter, waker)
             }
-            wait => self.push_locked(lock(&self.state), entry, wait),
+            wait => self.push_locked(spin_lock(&self.state), entry, wait),
         }
     }
 
@@ -336,7 +337,7 @@ impl<T> ChannelShared<T> {
     /// here twice per record (to queue for a slot, then to use the slot it was handed), which
     /// makes it the path of a full channel.
     fn push_block(&self, entry: Entry<T>, waiter: &mut Waiter, waker: &Waker) -> Pushed<T> {
-        let mut st = lock(&self.state);
+        let mut st = spin_lock(&self.state);
         if let Some(key) = waiter.key {
             // Still in line: the channel is open (a close empties the line).
             if st.senders.refresh(key, waker) {
@@ -364,7 +365,7 @@ impl<T> ChannelShared<T> {
     #[inline(always)]
     pub(crate) fn block(
         &self,
-        mut st: MutexGuard<'_, State<T>>,
+        mut st: SpinGuard<'_, State<T>>,
         entry: Entry<T>,
         waiter: &mut Waiter,
         waker: &Waker,
@@ -385,7 +386,7 @@ impl<T> ChannelShared<T> {
     /// [`push`](Self::push) for a producer that does not wait: the fast path of
     /// [`try_queue`](Self::try_queue) first, then, under the same lock, the overflow rule.
     pub(crate) fn push_now(&self, entry: Entry<T>) -> Pushed<T> {
-        let mut st = lock(&self.state);
+        let mut st = spin_lock(&self.state);
         if self.budget.is_some() {
             return self.push_locked(st, entry, None);
         }
@@ -402,7 +403,7 @@ impl<T> ChannelShared<T> {
     /// without a shared budget, under the lock its caller took: the overflow rule without
     /// the waiter's and the budget's branches. Under `DropOldest`, `DropNewest` and `Spill`
     /// every record of a full channel comes here, and the lean function keeps its entry cheap.
-    fn overflow_now(&self, mut st: MutexGuard<'_, State<T>>, entry: Entry<T>) -> Pushed<T> {
+    fn overflow_now(&self, mut st: SpinGuard<'_, State<T>>, entry: Entry<T>) -> Pushed<T> {
         match st.core.offer(entry, Room::Free, false, Instant::now) {
             Offer::Queued => {
                 self.queued(st);
@@ -416,7 +417,7 @@ impl<T> ChannelShared<T> {
 
     /// What became of a record the overflow rule dropped or sent to the spill queue.
     #[inline(always)]
-    fn overflowed(&self, st: MutexGuard<'_, State<T>>, offer: Offer<Entry<T>>) -> Pushed<T> {
+    fn overflowed(&self, st: SpinGuard<'_, State<T>>, offer: Offer<Entry<T>>) -> Pushed<T> {
         match offer {
             Offer::DroppedNewest(entry) => {
                 drop(st);
@@ -442,7 +443,7 @@ impl<T> ChannelShared<T> {
     /// [`push`](Self::push), under the lock its caller took.
     fn push_locked(
         &self,
-        mut st: MutexGuard<'_, State<T>>,
+        mut st: SpinGuard<'_, State<T>>,
         mut entry: Entry<T>,
         mut wait: Option<(&mut Waiter, &Waker)>,
     ) -> Pushed<T> {
@@ -549,29 +550,29 @@ impl<T> ChannelShared<T> {
     }
 
     /// The fast path of [`push`](Self::push) for a producer that is not waiting, on a channel
-    /// without a shared budget: queues `entry` if the channel is open and has room (the record
-    /// moved once, into the buffer); otherwise hands it back, nothing counted, with the lock
-    /// if it took it (for [`block`](Self::block)), else for `push`.
+    /// without a shared budget: if the channel is open and has room, queues the entry `entry`
+    /// makes (called under the lock, so that the record moves once: from the caller's future
+    /// into the buffer); otherwise says why not, with the lock if it took it (for
+    /// [`block`](Self::block)), and the caller keeps its record.
     // On every record's path (see `Emit::poll`).
     #[inline(always)]
-    pub(crate) fn try_queue(&self, entry: Entry<T>) -> Result<(), Refused<'_, T>> {
+    pub(crate) fn try_queue(&self, entry: impl FnOnce() -> Entry<T>) -> Result<(), Refused<'_, T>> {
         if self.budget.is_some() {
-            return Err(Refused::Unlocked(entry));
+            return Err(Refused::Unlocked);
         }
-        let mut st = lock(&self.state);
-        match st.core.try_queue(entry, Instant::now) {
-            Ok(()) => {
-                self.queued(st);
-                Ok(())
-            }
-            Err(entry) => Err(Refused::Locked(entry, st)),
+        let mut st = spin_lock(&self.state);
+        if !st.core.can_queue() {
+            return Err(Refused::Locked(st));
         }
+        st.core.queue(entry(), Instant::now);
+        self.queued(st);
+        Ok(())
     }
 
     /// A record went in: out of the lock, wakes the consumer if it waits for it, and counts
     /// the record emitted.
     #[inline]
-    fn queued(&self, mut st: MutexGuard<'_, State<T>>) {
+    fn queued(&self, mut st: SpinGuard<'_, State<T>>) {
         let consumer = st.consumer_waker();
         if consumer.is_some() {
             self.recv_armed.store(false, Ordering::Release);
@@ -589,7 +590,7 @@ impl<T> ChannelShared<T> {
 
     /// A record answered `Spill` reached the spill queue: count it (never before).
     pub(crate) fn spilled(&self) {
-        lock(&self.state).core.spilled();
+        spin_lock(&self.state).core.spilled();
         self.metrics.emitted.increment(1);
         self.metrics.spilled.increment(1);
     }
@@ -640,7 +641,7 @@ impl<T> ChannelShared<T> {
     /// Closed, nothing queued, and every delivered record settled (processed, failed or
     /// abandoned).
     pub(crate) fn is_drained(&self) -> bool {
-        let st = lock(&self.state);
+        let st = spin_lock(&self.state);
         let c = st.core.counters;
         let settled = c.processed + self.read.load(Ordering::Acquire) + c.failed + c.abandoned;
         st.core.is_closed() && st.core.len() == 0 && c.delivered == settled
@@ -656,7 +657,7 @@ impl<T> ChannelShared<T> {
             WaitOn::Channel => {
                 let mut wakers = Vec::new();
                 {
-                    let mut st = lock(&self.state);
+                    let mut st = spin_lock(&self.state);
                     if !st.senders.remove(key) {
                         st.core.unreserve();
                         st.hand_off(&mut wakers);
@@ -704,7 +705,7 @@ impl<T> ChannelShared<T> {
     /// the channel discards on close, or `discard` is set because the consumer went away).
     pub(crate) fn close_with(&self, discard: bool) {
         let (dropped, wakers, consumer, was_closed) = {
-            let mut st = lock(&self.state);
+            let mut st = spin_lock(&self.state);
             let was_closed = st.core.is_closed();
             let dropped = st.core.close(discard || self.config.discard_on_close);
             let mut wakers = Vec::new();
@@ -734,11 +735,11 @@ impl<T> ChannelShared<T> {
     }
 
     pub(crate) fn is_closed(&self) -> bool {
-        lock(&self.state).core.is_closed()
+        spin_lock(&self.state).core.is_closed()
     }
 
     pub(crate) fn snapshot(&self) -> ChannelSnapshot {
-        let st = lock(&self.state);
+        let st = spin_lock(&self.state);
         let c = st.core.counters;
         let oldest_age = st.core.oldest_enqueued().map_or(Duration::ZERO, |at| at.elapsed());
         ChannelSnapshot {

@@ -16,7 +16,7 @@ use super::receipt::{Receipt, ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
 use crate::BoxFuture;
 use crate::observe::{Observe, Snapshot};
-use crate::util::lock;
+use crate::util::spin_lock;
 
 /// A bounded in-process channel of records: the producers' handle. Clones are more producers
 /// of the same channel; one [`Consumer`] receives.
@@ -222,7 +222,7 @@ impl<T: Send + 'static> Channel<T> {
         }
         options.validate(&self.shared.name)?;
         {
-            let mut st = lock(&self.shared.state);
+            let mut st = spin_lock(&self.shared.state);
             if st.consumer_taken {
                 return Err(ChannelError::ConsumerTaken(self.shared.name.to_string()));
             }
@@ -245,7 +245,7 @@ impl<T> Channel<T> {
 
     /// Records queued now.
     pub fn len(&self) -> usize {
-        lock(&self.shared.state).core.len()
+        spin_lock(&self.shared.state).core.len()
     }
 
     /// Whether no record is queued.
@@ -358,23 +358,24 @@ impl<T: Send + 'static, const RECEIPT: bool> Future for Emit<'_, T, RECEIPT> {
     #[inline(always)]
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let shared = &this.channel.shared;
-        let pushed = if let Some(record) = this.record.take() {
-            let entry = Entry { record, receipt: this.take_receipt() };
+        let channel = this.channel;
+        let shared = &channel.shared;
+        let pushed = if this.record.is_some() {
             if !shared.blocks() {
-                shared.push_now(entry)
+                shared.push_now(this.first_entry())
             } else {
-                match shared.try_queue(entry) {
+                match shared.try_queue(|| this.first_entry()) {
                     Ok(()) => return Poll::Ready(Ok(Emitted::Queued)),
-                    Err(Refused::Locked(entry, st)) => {
+                    Err(Refused::Locked(st)) => {
                         let mut waiter = Waiter::default();
-                        let pushed = shared.block(st, entry, &mut waiter, cx.waker());
+                        let pushed = shared.block(st, this.first_entry(), &mut waiter, cx.waker());
                         match this.hold(pushed, waiter) {
                             Some(pushed) => pushed,
                             None => return Poll::Pending,
                         }
                     }
-                    Err(Refused::Unlocked(entry)) => {
+                    Err(Refused::Unlocked) => {
+                        let entry = this.first_entry();
                         match this.wait(entry, Waiter::default(), cx) {
                             Some(pushed) => pushed,
                             None => return Poll::Pending,
@@ -405,6 +406,13 @@ impl<'a, T: Send + 'static, const RECEIPT: bool> Emit<'a, T, RECEIPT> {
     fn new(channel: &'a Channel<T>, record: T, receipt: Option<Arc<ReceiptState>>) -> Self {
         let slow = receipt.map_or(Slow::No, Slow::Receipt);
         Self { channel, record: Some(record), slow: ManuallyDrop::new(slow) }
+    }
+
+    /// The record's entry, on the first poll (`record` is still there).
+    #[inline(always)]
+    fn first_entry(&mut self) -> Entry<T> {
+        let record = self.record.take().expect("an emit's first poll has its record");
+        Entry { record, receipt: self.take_receipt() }
     }
 
     /// The receipt of an emit with one (`RECEIPT`), on its first poll.
