@@ -126,8 +126,9 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// [`lock`], for a thread that would rather wait a few microseconds than sleep: a run lane's
-/// admissions and completions, and a pool's submits and workers.
+/// [`lock`], for a thread that would rather wait a few microseconds than sleep: a pool's
+/// submits and workers (a [`SpinLock`] there read no clearer, in paired rounds too noisy to
+/// tell).
 /// While the lock is held it spins briefly, then yields its core a few times, and only then
 /// waits as [`lock`] does (std's mutex spins for up to 100 rounds, then sleeps in the kernel, and
 /// its owner's unlock must then wake it with a system call).
@@ -166,8 +167,8 @@ fn lock_contended<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     lock(mutex)
 }
 
-/// The channel's lock (`spin`'s spin mutex): taken with one compare-and-swap and released with a
-/// plain store. std's mutex is released with a swap, to learn whether a sleeper must be woken:
+/// The lock of a channel's state and of a run lane's core (`spin`'s spin mutex): taken with one
+/// compare-and-swap and released with a plain store. std's mutex is released with a swap, to learn whether a sleeper must be woken:
 /// a second locked instruction per record on a channel's path, which waits for the record's
 /// copy into the buffer to leave the store buffer. On the Xeon host of stop 49 the producer's
 /// lock and unlock took three quarters of its samples; with this lock the one-thread channel
