@@ -9,8 +9,8 @@
 //! is built at admission and parked in its signal, and the run that gives its slot back runs it
 //! next in the same task (`driver::Next`), so queued runs cost no task and a busy lane runs on
 //! about one task per execution slot. The lane's pure core (`core.rs`) sits behind one
-//! `std::sync::Mutex` per lane, never held across an await. A run's [`RunSignal`] carries the grant and the
-//! cancellation between the lane, the caller's handle and the job.
+//! [`SpinLock`] per lane, never held across an await. A run's [`RunSignal`] carries the grant
+//! and the cancellation between the lane, the caller's handle and the job.
 //!
 //! # Invariants
 //!

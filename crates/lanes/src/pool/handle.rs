@@ -351,8 +351,8 @@ where
             let mut next_worker = None;
             let taken = {
                 // Submits and the other workers hold the lock for a push or a pop at a time:
-                // wait for it awake, as a channel's consumer does (two workers, `fixed pool
-                // 10000`: 4.8-9.9 M/s with std's wait, 12.1-13.6 M/s with this one;
+                // wait for it awake, as a channel's consumer did before stop 49 (two workers,
+                // `fixed pool 10000`: 4.8-9.9 M/s with std's wait, 12.1-13.6 M/s with this one;
                 // BENCHMARKS.md, suite 8).
                 let mut state = lock_spinning(&self.state);
                 if state.phase == Phase::Aborted {

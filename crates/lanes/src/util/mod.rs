@@ -168,18 +168,22 @@ fn lock_contended<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The lock of a channel's state and of a run lane's core (`spin`'s spin mutex): taken with one
-/// compare-and-swap and released with a plain store. std's mutex is released with a swap, to learn whether a sleeper must be woken:
-/// a second locked instruction per record on a channel's path, which waits for the record's
-/// copy into the buffer to leave the store buffer. On the Xeon host of stop 49 the producer's
+/// compare-and-swap and released with a plain store. std's mutex is released with a swap, to
+/// learn whether a sleeper must be woken: a second locked instruction per record on a
+/// channel's path, which waits for the record's copy into the buffer to leave the store buffer. On the Xeon host of stop 49 the producer's
 /// lock and unlock took three quarters of its samples; with this lock the one-thread channel
 /// went from 0.91–0.97× kanal to 1.13–1.20× with `u64` records, and from 0.72× and 0.86× to
 /// 0.86× and 1.04× with 256-byte ones, at capacities 64 and 1,024 (paired rounds).
 ///
 /// Nobody sleeps on it in the kernel: a waiter spins briefly, then yields its core until the
 /// lock is free ([`spin_lock`]). That suits a lock held for a push, a take or a count (a
-/// ring's growth at most), never across an await or a wake, and taken mostly by a runtime's
-/// workers (about as many threads as cores). It does not poison: a panic while
-/// holding it releases it, and the channel's critical sections leave the core consistent (as
+/// ring's growth at most) on the hot paths, and taken mostly by a runtime's workers (about as
+/// many threads as cores). It is never held across an await (`clippy.toml` makes holding its
+/// guard across one a lint error: the guard is `Send`, so the compiler would not refuse it).
+/// Rare paths do more under it: a channel with a shared budget takes the budget's lock and
+/// wakes its waiters, and a lane's `shut` wakes or starts each of its runs. It is not
+/// re-entrant (neither is std's). It does not poison: a panic while holding it releases it,
+/// and the critical sections of the channel and the lane leave their cores consistent (as
 /// with [`lock`]).
 pub(crate) type SpinLock<T> = spin::mutex::SpinMutex<T>;
 
@@ -321,8 +325,8 @@ mod tests {
         assert!(!same_waker(&one, Waker::noop()));
     }
 
-    /// The lock is had at once when free, after its owner lets go when held (longer than the
-    /// spins and yields: the wait ends asleep), and when poisoned; every increment counts.
+    /// The spin lock is had at once when free, and only after its owner lets go when held (for
+    /// longer than its spins); every increment of four threads counts.
     #[test]
     fn spin_lock_gets_a_free_lock_and_waits_out_a_held_one() {
         let lock = Arc::new(SpinLock::new(0u64));
@@ -356,6 +360,8 @@ mod tests {
         assert_eq!(*spin_lock(&lock), 40_002);
     }
 
+    /// The lock is had at once when free, after its owner lets go when held (longer than the
+    /// spins and yields: the wait ends asleep), and when poisoned; every increment counts.
     #[test]
     fn lock_spinning_gets_a_free_a_held_and_a_poisoned_lock() {
         let count = Arc::new(std::sync::Mutex::new(0u64));
