@@ -564,7 +564,7 @@ impl<T> ChannelShared<T> {
         if !st.core.can_queue() {
             return Err(Refused::Locked(st));
         }
-        st.core.queue(entry(), Instant::now);
+        st.core.queue(entry, Instant::now);
         self.queued(st);
         Ok(())
     }
