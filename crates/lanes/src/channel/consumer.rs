@@ -300,9 +300,9 @@ impl<T: Send + 'static> Consumer<T> {
                 return Poll::Pending;
             }
             // Producers on other threads hold the lock for a push at a time: waited for awake
-            // (`util::SpinLock`). Stop 47 measured the awake wait against std's sleeping one
-            // (then with `util::lock_spinning`): two-worker `spsc_1024_256B` read 1.11-1.58×
-            // tokio mpsc against 0.68-1.30× (BENCHMARKS.md, suite 3).
+            // (`util::SpinLock`). Stop 47 measured an awake wait against std's sleeping one
+            // (then a spinning wait on std's mutex): two-worker `spsc_1024_256B` read
+            // 1.11-1.58× tokio mpsc against 0.68-1.30× (BENCHMARKS.md, suite 3).
             let mut st = spin_lock(&self.shared.state);
             // A read takes a record handed to it besides `max` queued ones (a whole buffer
             // then still moves at once); a batch counts it among its `max`.

@@ -18,7 +18,7 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::Duration;
 
@@ -33,8 +33,8 @@ use super::error::{AbortReport, StopTimeout, SubmitError};
 use crate::BoxError;
 use crate::limit::Throttle;
 use crate::util::{
-    CatchPanic, PanicPayload, WaitKey, WaitList, call_contained, drop_contained, lock,
-    lock_spinning,
+    CatchPanic, PanicPayload, SpinGuard, SpinLock, WaitKey, WaitList, call_contained,
+    drop_contained, lock, spin_lock,
 };
 
 /// An item with the time it was accepted, if wait timing is on (for the queue-wait
@@ -217,7 +217,7 @@ pub(crate) trait Core<T>: Send + Sync {
 }
 
 pub(crate) struct Engine<T, S, P> {
-    state: Mutex<State<S>>,
+    state: SpinLock<State<S>>,
     wake: Box<[Notify]>,
     finished: Notify,
     tasks: Mutex<Vec<AbortHandle>>,
@@ -257,7 +257,7 @@ where
         name: &str,
     ) -> Arc<Self> {
         let engine = Arc::new(Self {
-            state: Mutex::new(State {
+            state: SpinLock::new(State {
                 sched,
                 phase: Phase::Running,
                 idle: Vec::with_capacity(workers),
@@ -307,7 +307,7 @@ where
     }
 
     /// Refuses `item`: the pool no longer accepts (counted rejected).
-    fn stopped(&self, mut state: MutexGuard<'_, State<S>>, item: T) -> SubmitError<T> {
+    fn stopped(&self, mut state: SpinGuard<'_, State<S>>, item: T) -> SubmitError<T> {
         state.stats.rejected += 1;
         drop(state);
         self.metrics.rejected.increment(1);
@@ -351,10 +351,10 @@ where
             let mut next_worker = None;
             let taken = {
                 // Submits and the other workers hold the lock for a push or a pop at a time:
-                // wait for it awake, as a channel's consumer did before stop 49 (two workers,
-                // `fixed pool 10000`: 4.8-9.9 M/s with std's wait, 12.1-13.6 M/s with this one;
-                // BENCHMARKS.md, suite 8).
-                let mut state = lock_spinning(&self.state);
+                // a `SpinLock`, waited for awake (two workers, `fixed pool 10000`: 4.8-9.9 M/s
+                // with std's sleeping wait, 12.1-13.6 M/s with a spinning one; BENCHMARKS.md,
+                // suite 8).
+                let mut state = spin_lock(&self.state);
                 if state.phase == Phase::Aborted {
                     // The abort counted an item in flight as dropped.
                     return;
@@ -519,7 +519,7 @@ where
 {
     fn offer(&self, item: T, count: bool) -> Result<(), SubmitError<T>> {
         // Awake, as the workers wait (`work`).
-        let mut state = lock_spinning(&self.state);
+        let mut state = spin_lock(&self.state);
         if state.phase != Phase::Running {
             return Err(self.stopped(state, item));
         }
@@ -543,7 +543,7 @@ where
     }
 
     fn offer_waiting(&self, item: T, waiter: &mut PoolWaiter, waker: &Waker) -> Offered<T> {
-        let mut state = lock(&self.state);
+        let mut state = spin_lock(&self.state);
         // Still queued: not its turn (unless the pool stopped). Gone from its list: its turn.
         let mut turn = None;
         if let Some((list, key)) = waiter.at.take() {
@@ -600,7 +600,7 @@ where
     fn cancel_wait(&self, waiter: &mut PoolWaiter) {
         let Some((list, key)) = waiter.at.take() else { return };
         let passed = {
-            let mut state = lock(&self.state);
+            let mut state = spin_lock(&self.state);
             match list {
                 // Woken already: its turn goes to the next producer.
                 Blocked::Full if !state.blocked.remove(key) => state.blocked.pop(),
@@ -618,7 +618,7 @@ where
 
     fn begin_stop(&self) {
         let idle = {
-            let mut state = lock(&self.state);
+            let mut state = spin_lock(&self.state);
             if state.phase != Phase::Running {
                 return;
             }
@@ -636,7 +636,7 @@ where
 
     fn abort(&self) -> AbortReport {
         let (discarded, report, producers) = {
-            let mut state = lock(&self.state);
+            let mut state = spin_lock(&self.state);
             if matches!(state.phase, Phase::Aborted | Phase::Stopped) {
                 return AbortReport::default();
             }
@@ -674,15 +674,15 @@ where
     }
 
     fn is_finished(&self) -> bool {
-        matches!(lock(&self.state).phase, Phase::Stopped | Phase::Aborted)
+        matches!(spin_lock(&self.state).phase, Phase::Stopped | Phase::Aborted)
     }
 
     fn stats(&self) -> PoolStats {
-        lock(&self.state).stats
+        spin_lock(&self.state).stats
     }
 
     fn phase(&self) -> Phase {
-        lock(&self.state).phase
+        spin_lock(&self.state).phase
     }
 }
 

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
-use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 pub(crate) use tally::Tally;
@@ -126,48 +126,7 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// [`lock`], for a thread that would rather wait a few microseconds than sleep: a pool's
-/// submits and workers (a [`SpinLock`] there read no clearer, in paired rounds too noisy to
-/// tell).
-/// While the lock is held it spins briefly, then yields its core a few times, and only then
-/// waits as [`lock`] does (std's mutex spins for up to 100 rounds, then sleeps in the kernel, and
-/// its owner's unlock must then wake it with a system call).
-#[inline(always)]
-pub(crate) fn lock_spinning<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    try_lock_now(mutex).unwrap_or_else(|| lock_contended(mutex))
-}
-
-/// The lock if it is free now (poisoned or not).
-#[inline(always)]
-fn try_lock_now<T>(mutex: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
-    match mutex.try_lock() {
-        Ok(guard) => Some(guard),
-        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
-        Err(TryLockError::WouldBlock) => None,
-    }
-}
-
-/// [`lock_spinning`]'s wait: spins of 4, 8 and 16 rounds, then up to seven yields, trying the
-/// lock after each, then [`lock`].
-#[cold]
-#[inline(never)]
-fn lock_contended<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    for attempt in 0..10u32 {
-        if attempt < 3 {
-            for _ in 0..(4u32 << attempt) {
-                std::hint::spin_loop();
-            }
-        } else {
-            std::thread::yield_now();
-        }
-        if let Some(guard) = try_lock_now(mutex) {
-            return guard;
-        }
-    }
-    lock(mutex)
-}
-
-/// The lock of a channel's state and of a run lane's core (`spin`'s spin mutex): taken with one
+/// The lock of a channel's state, a run lane's core and a pool's engine (`spin`'s spin mutex): taken with one
 /// compare-and-swap and released with a plain store. std's mutex is released with a swap, to
 /// learn whether a sleeper must be woken: a second locked instruction per record on a
 /// channel's path, which waits for the record's copy into the buffer to leave the store buffer. On the Xeon host of stop 49 the producer's
@@ -190,8 +149,10 @@ pub(crate) type SpinLock<T> = spin::mutex::SpinMutex<T>;
 /// A held [`SpinLock`].
 pub(crate) type SpinGuard<'a, T> = spin::mutex::SpinMutexGuard<'a, T>;
 
-/// Takes a [`SpinLock`]: at once if it is free, else as [`lock_spinning`] waits (spins of 4, 8
-/// and 16 rounds), then yielding the core between tries for as long as it is held.
+/// Takes a [`SpinLock`]: at once if it is free, else after spins of 4, 8 and 16 rounds, then
+/// yielding the core between tries for as long as it is held. (std's mutex spins for up to 100
+/// rounds, then sleeps in the kernel, and its owner's unlock must then wake it with a system
+/// call; stops 47 and 48 measured a wait like this one's against it, BENCHMARKS.md.)
 #[inline(always)]
 pub(crate) fn spin_lock<T>(lock: &SpinLock<T>) -> SpinGuard<'_, T> {
     lock.try_lock().unwrap_or_else(|| spin_contended(lock))
@@ -308,7 +269,7 @@ mod tests {
     use std::task::{Wake, Waker};
     use std::time::Duration;
 
-    use super::{SpinLock, lock_spinning, same_waker, spin_lock};
+    use super::{SpinLock, same_waker, spin_lock};
 
     struct Flag;
 
@@ -358,62 +319,5 @@ mod tests {
             .collect();
         threads.into_iter().for_each(|t| t.join().unwrap());
         assert_eq!(*spin_lock(&lock), 40_002);
-    }
-
-    /// The lock is had at once when free, after its owner lets go when held (longer than the
-    /// spins and yields: the wait ends asleep), and when poisoned; every increment counts.
-    #[test]
-    fn lock_spinning_gets_a_free_a_held_and_a_poisoned_lock() {
-        let count = Arc::new(std::sync::Mutex::new(0u64));
-        *lock_spinning(&count) += 1;
-        let held = lock_spinning(&count);
-        let (tx, rx) = std::sync::mpsc::channel();
-        let waiter = std::thread::spawn({
-            let count = count.clone();
-            move || {
-                tx.send(()).unwrap();
-                *lock_spinning(&count) += 1;
-            }
-        });
-        rx.recv().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        drop(held);
-        waiter.join().unwrap();
-        let threads: Vec<_> = (0..4)
-            .map(|_| {
-                let count = count.clone();
-                std::thread::spawn(move || {
-                    for _ in 0..10_000 {
-                        *lock_spinning(&count) += 1;
-                    }
-                })
-            })
-            .collect();
-        threads.into_iter().for_each(|t| t.join().unwrap());
-        assert_eq!(*lock_spinning(&count), 40_002);
-        let poisoner = count.clone();
-        let _ = std::thread::spawn(move || {
-            let _guard = poisoner.lock().unwrap();
-            panic!("poisons the lock");
-        })
-        .join();
-        assert!(count.is_poisoned());
-        *lock_spinning(&count) += 1;
-        assert_eq!(*lock_spinning(&count), 40_003);
-        // Poisoned while this thread waits for it: still had.
-        let (held_tx, held) = std::sync::mpsc::channel();
-        let holder = std::thread::spawn({
-            let count = count.clone();
-            move || {
-                let _guard = lock_spinning(&count);
-                held_tx.send(()).unwrap();
-                std::thread::sleep(std::time::Duration::from_millis(20));
-                panic!("poisons the lock while another waits");
-            }
-        });
-        held.recv().unwrap();
-        *lock_spinning(&count) += 1;
-        assert!(holder.join().is_err());
-        assert_eq!(*lock_spinning(&count), 40_004);
     }
 }
