@@ -1669,6 +1669,58 @@ async fn large_records_lose_nothing_and_keep_order_under_random_stress() {
     }
 }
 
+/// More threads than cores on one channel's lock (a spin lock, waited for by spinning, then
+/// yielding): eight OS threads, each with a runtime of its own, emit into a small `Block`
+/// channel, two of them with `try_emit` retried on `Full`, while the consumer reads on this
+/// thread. Nothing is lost or duplicated, each producer's order holds, and the counters
+/// reconcile.
+#[tokio::test]
+async fn more_producer_threads_than_cores_lose_nothing_on_the_channel_lock() {
+    const PRODUCERS: u64 = 8;
+    const EACH: u64 = 5_000;
+    let channel = Channel::<u64>::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel.consumer(options(8)).unwrap();
+    let threads: Vec<_> = (0..PRODUCERS)
+        .map(|p| {
+            let channel = channel.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_time().build();
+                rt.unwrap().block_on(async move {
+                    for r in p * EACH..(p + 1) * EACH {
+                        if p < 2 {
+                            let mut record = r;
+                            loop {
+                                match channel.try_emit(record) {
+                                    Ok(Emitted::Queued) => break,
+                                    Err(EmitError::Full(back)) => {
+                                        record = back;
+                                        std::thread::yield_now();
+                                    }
+                                    other => panic!("{other:?}"),
+                                }
+                            }
+                        } else {
+                            channel.emit(r).await.unwrap();
+                        }
+                    }
+                });
+            })
+        })
+        .collect();
+    let mut delivered = Vec::new();
+    while (delivered.len() as u64) < PRODUCERS * EACH {
+        delivered.push(consumer.recv().await.expect("open until every record came"));
+    }
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    let s = channel.snapshot();
+    assert!(s.reconciles(), "{s:?}");
+    assert_eq!(
+        (s.emitted, s.delivered, s.dropped, s.depth),
+        (PRODUCERS * EACH, PRODUCERS * EACH, 0, 0)
+    );
+    check_delivery(delivered, Vec::new(), PRODUCERS, EACH, "eight producer threads");
+}
+
 /// Dynamic channels sharing a registry's budget, their reads handed records, on four
 /// threads: producers that block, give up or do not wait, under `Block` and `DropOldest`;
 /// consumers that switch between `recv`, `recv_many` and `next_batch`. Every record is
