@@ -1669,8 +1669,8 @@ async fn large_records_lose_nothing_and_keep_order_under_random_stress() {
     }
 }
 
-/// More threads than cores on one channel's lock (a spin lock, waited for by spinning, then
-/// yielding): eight OS threads, each with a runtime of its own, emit into a small `Block`
+/// More threads than cores (on hosts of up to 8) on one channel's lock (a spin lock, waited
+/// for by spinning, then yielding): eight OS threads, each with a runtime of its own, emit into a small `Block`
 /// channel, two of them with `try_emit` retried on `Full`, while the consumer reads on this
 /// thread. Nothing is lost or duplicated, each producer's order holds, and the counters
 /// reconcile.
@@ -1707,10 +1707,16 @@ async fn more_producer_threads_than_cores_lose_nothing_on_the_channel_lock() {
             })
         })
         .collect();
-    let mut delivered = Vec::new();
-    while (delivered.len() as u64) < PRODUCERS * EACH {
-        delivered.push(consumer.recv().await.expect("open until every record came"));
-    }
+    // A lost record would leave the read waiting: bounded, so that it fails instead.
+    let delivered = tokio::time::timeout(Duration::from_secs(120), async {
+        let mut delivered = Vec::new();
+        while (delivered.len() as u64) < PRODUCERS * EACH {
+            delivered.push(consumer.recv().await.expect("open until every record came"));
+        }
+        delivered
+    })
+    .await
+    .expect("every record arrives");
     threads.into_iter().for_each(|t| t.join().unwrap());
     let s = channel.snapshot();
     assert!(s.reconciles(), "{s:?}");

@@ -351,9 +351,9 @@ where
             let mut next_worker = None;
             let taken = {
                 // Submits and the other workers hold the lock for a push or a pop at a time:
-                // a `SpinLock`, waited for awake (two workers, `fixed pool 10000`: 4.8-9.9 M/s
-                // with std's sleeping wait, 12.1-13.6 M/s with a spinning one; BENCHMARKS.md,
-                // suite 8).
+                // a `SpinLock`, waited for awake (stop 48, two workers, `fixed pool 10000`:
+                // 4.8-9.9 M/s with std's sleeping wait, 12.1-13.6 M/s with a spinning wait on
+                // std's mutex; BENCHMARKS.md, suite 8).
                 let mut state = spin_lock(&self.state);
                 if state.phase == Phase::Aborted {
                     // The abort counted an item in flight as dropped.

@@ -265,6 +265,11 @@ impl<T: Send + 'static, F> KeyedPoolBuilder<T, F> {
     }
 
     /// The key of an item.
+    ///
+    /// `key_of` and the key's `Hash`, `Eq`, `Clone`, [`PoolKey::key_bytes`] and `Drop` run
+    /// while the pool's lock is held (a spin lock: other submits and the workers wait for it
+    /// awake), so they should be quick, and must not call back into the same pool (a submit or
+    /// `stats()` from in there never returns).
     pub fn key_of<K, G>(self, key_of: G) -> KeyedPoolBuilder<T, G>
     where
         K: PoolKey,

@@ -126,8 +126,8 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The lock of a channel's state, a run lane's core and a pool's engine (`spin`'s spin mutex): taken with one
-/// compare-and-swap and released with a plain store. std's mutex is released with a swap, to
+/// The lock of a channel's state, a run lane's core and a pool's engine (`spin`'s spin mutex):
+/// taken with one compare-and-swap and released with a plain store. std's mutex is released with a swap, to
 /// learn whether a sleeper must be woken: a second locked instruction per record on a
 /// channel's path, which waits for the record's copy into the buffer to leave the store buffer. On the Xeon host of stop 49 the producer's
 /// lock and unlock took three quarters of its samples; with this lock the one-thread channel
@@ -139,10 +139,12 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// ring's growth at most) on the hot paths, and taken mostly by a runtime's workers (about as
 /// many threads as cores). It is never held across an await (`clippy.toml` makes holding its
 /// guard across one a lint error: the guard is `Send`, so the compiler would not refuse it).
-/// Rare paths do more under it: a channel with a shared budget takes the budget's lock and
-/// wakes its waiters, and a lane's `shut` wakes or starts each of its runs. It is not
-/// re-entrant (neither is std's). It does not poison: a panic while holding it releases it,
-/// and the critical sections of the channel and the lane leave their cores consistent (as
+/// Some paths do more under it: a channel with a shared budget takes the budget's lock and
+/// wakes its waiters; a lane's `shut` wakes or starts each of its runs; a pool runs the
+/// user's key function and the key's `Hash`, `Eq`, `Clone` and `Drop` on each keyed submit
+/// (documented at `key_of`), and compacts its key table as keys go idle. It is not re-entrant
+/// (neither is std's): code run under it must not take it again. It does not poison: a panic
+/// while holding it releases it, and the critical sections leave their cores consistent (as
 /// with [`lock`]).
 pub(crate) type SpinLock<T> = spin::mutex::SpinMutex<T>;
 
