@@ -1,6 +1,6 @@
 //! Randomized stress of the keyed pool: per-key order over a million items and 10k keys with
 //! random durations (0 violations), and a burst of a million distinct keys that leaves nothing
-//! tracked behind.
+//! tracked behind; and eight OS threads submitting through the pool's spin lock at once.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -114,4 +114,69 @@ async fn a_burst_of_a_million_keys_leaves_nothing_tracked() {
     // ...and none once their items are done.
     let stats = pool.stats();
     assert_eq!((stats.keys, stats.completed), (0, 1_000_000));
+}
+
+/// More threads than cores (on hosts of up to 8) on one pool's lock (a spin lock, waited for
+/// by spinning, then yielding): eight OS threads, each with a runtime of its own, submit keyed
+/// items that wait for room in a small pool whose workers run on this runtime. Every item runs
+/// once, each key in its producer's order, and the pool ends with nothing tracked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_submitting_threads_than_cores_keep_order_on_the_pool_lock() {
+    const THREADS: u32 = 8;
+    const EACH: u64 = 4_000;
+    const KEYS_PER_THREAD: u32 = 16;
+    let keys = (THREADS * KEYS_PER_THREAD) as usize;
+    let expected: Arc<Vec<AtomicU64>> = Arc::new((0..keys).map(|_| AtomicU64::new(0)).collect());
+    let violations = Arc::new(AtomicUsize::new(0));
+    let processed = Arc::new(AtomicU64::new(0));
+    let pool = {
+        let (expected, violations, processed) =
+            (expected.clone(), violations.clone(), processed.clone());
+        KeyedPool::builder()
+            .queue_size(32)
+            .workers(4)
+            .key_of(|item: &(u32, u64)| item.0)
+            .build(move |_, (key, seq): (u32, u64)| {
+                let slot = &expected[key as usize];
+                if slot.load(Ordering::SeqCst) != seq {
+                    violations.fetch_add(1, Ordering::SeqCst);
+                }
+                slot.store(seq + 1, Ordering::SeqCst);
+                processed.fetch_add(1, Ordering::SeqCst);
+                std::future::ready(Res::Ok(()))
+            })
+            .unwrap()
+    };
+    let pool = Arc::new(pool);
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let pool = pool.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_time().build();
+                rt.unwrap().block_on(async move {
+                    // Thread t owns keys t * 16.. t * 16 + 15, each fed in sequence order.
+                    for i in 0..EACH {
+                        let key = t * KEYS_PER_THREAD + (i % u64::from(KEYS_PER_THREAD)) as u32;
+                        let seq = i / u64::from(KEYS_PER_THREAD);
+                        pool.submit_wait((key, seq)).await.unwrap();
+                    }
+                });
+            })
+        })
+        .collect();
+    // A lost wake-up would leave a submit waiting: bounded, so that it fails instead.
+    let joined = tokio::task::spawn_blocking(move || {
+        threads.into_iter().for_each(|t| t.join().unwrap());
+    });
+    tokio::time::timeout(Duration::from_secs(120), joined)
+        .await
+        .expect("every submit returns")
+        .unwrap();
+    pool.stop(Duration::from_secs(120)).await.unwrap();
+    let total = u64::from(THREADS) * EACH;
+    assert_eq!(violations.load(Ordering::SeqCst), 0, "per-key order violated");
+    assert_eq!(processed.load(Ordering::SeqCst), total, "each item ran once");
+    let stats = pool.stats();
+    assert_eq!(stats.completed, total);
+    assert_eq!((stats.keys, stats.queued, stats.inflight), (0, 0, 0));
 }
