@@ -623,11 +623,26 @@ mod tests {
         let tokens = Arc::new(std::sync::Mutex::new(Vec::new()));
         // Hand-overs mid-race: a slow period in which the table grants 8 tokens of its own
         // (counted with the fast ones), then the table hands the limit back.
+        // The threads meet at a barrier so that the race overlaps, and the hand-overs go on
+        // until every racing thread has made its attempts and the fast path has granted too:
+        // a scheduler that parks the hand-over thread while the limit is slow cannot starve
+        // the fast path for the whole run.
+        let start = Arc::new(std::sync::Barrier::new(5));
+        let (fast_granted, attempted) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let handover = {
-            let (cell, tokens) = (cell.clone(), tokens.clone());
+            let (cell, tokens, start) = (cell.clone(), tokens.clone(), start.clone());
+            let (fast_granted, attempted, done) =
+                (fast_granted.clone(), attempted.clone(), done.clone());
             std::thread::spawn(move || {
+                start.wait();
                 let mut granted = 0;
-                for _ in 0..2_000 {
+                let mut round = 0;
+                while round < 200
+                    || attempted.load(Ordering::Acquire) < 4
+                    || fast_granted.load(Ordering::Relaxed) < 100
+                {
+                    round += 1;
                     let counters = cell.go_slow(Duration::from_nanos);
                     let table = counters.fencing + 1..=counters.fencing + 8;
                     tokens.lock().unwrap().extend(table.clone());
@@ -639,19 +654,31 @@ mod tests {
                     });
                     std::thread::yield_now();
                 }
+                done.store(true, Ordering::Release);
                 granted
             })
         };
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 let (cell, held, tokens) = (cell.clone(), held.clone(), tokens.clone());
+                let (start, fast_granted, done) =
+                    (start.clone(), fast_granted.clone(), done.clone());
+                let attempted = attempted.clone();
                 std::thread::spawn(move || {
-                    for _ in 0..20_000 {
+                    start.wait();
+                    for attempt in 0.. {
+                        if attempt == 20_000 {
+                            attempted.fetch_add(1, Ordering::Release);
+                        }
+                        if attempt >= 20_000 && done.load(Ordering::Acquire) {
+                            break;
+                        }
                         if let Ok(token) = cell.try_fast(0) {
                             let now = held.fetch_add(1, Ordering::SeqCst) + 1;
                             assert!(now <= 3, "{now} holders");
                             tokens.lock().unwrap().push(token);
                             held.fetch_sub(1, Ordering::SeqCst);
+                            fast_granted.fetch_add(1, Ordering::Relaxed);
                             cell.release_fast();
                         }
                     }
