@@ -103,7 +103,9 @@ async fn waiters_on_redis_honour_their_deadline() {
     }
     for waiter in waiters {
         let took = waiter.await.unwrap();
-        assert!(took <= Duration::from_millis(1_100), "answered after {took:?}");
+        // The deadline, plus a round trip the waiter may have in flight and a loaded runner's
+        // late timer; without the deadline a waiter would wait for ever (the permit is held).
+        assert!(took <= Duration::from_millis(1_500), "answered after {took:?}");
     }
 }
 

@@ -13,11 +13,20 @@ use lanes::{LimitBackend, LimitSpec, Limits, Priority};
 use lanes_redis::RedisLimits;
 use tokio::time::{sleep, timeout};
 
-/// A client whose maintenance makes no script call during a test (no renewal is due).
+/// A client whose maintenance makes no script call during a test: no renewal is due, and no
+/// touch of a limit where it waits (those go every quarter of the queue grace, and a test's
+/// queued ask would otherwise count one when a tick falls inside it).
 async fn quiet_client(t: Target, ns: &str) -> RedisLimits {
-    common::builder_on(t, ns).lease(Duration::from_secs(60)).build().await.unwrap_or_else(|e| {
-        panic!("Redis ({t:?}) is not reachable ({e}); start it: bash scripts/services.sh --cluster")
-    })
+    common::builder_on(t, ns)
+        .lease(Duration::from_secs(60))
+        .queue_grace(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "Redis ({t:?}) is not reachable ({e}); start it: bash scripts/services.sh --cluster"
+            )
+        })
 }
 
 /// Waits until `name` has `in_use` permits held and `waiting` tickets queued in Redis.

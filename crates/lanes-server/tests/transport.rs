@@ -119,7 +119,8 @@ fn slow_connections_are_closed_by_the_header_timeout_while_others_are_served() {
         })
         .collect();
     times.sort();
-    assert!(times[2] < Duration::from_millis(100), "answered in {times:?}");
+    // Well before the header timeout frees the slow ones (a loaded runner's slack included).
+    assert!(times[2] < Duration::from_millis(400), "answered in {times:?}");
     // Every slow connection is closed by the server within the header timeout (plus the
     // time it took to open them all, and some slack).
     let deadline = opened + Duration::from_millis(1000) + opened.elapsed() + Duration::from_secs(2);
