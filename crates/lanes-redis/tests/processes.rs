@@ -6,7 +6,7 @@
 //!   by the server's high-water mark and by the holders' own count; fencing tokens are unique
 //!   and grow within each process.
 //! - A holder killed with SIGKILL loses its permit to a waiter within `lease + 100 ms`.
-//! - Leased: four processes hammering never exceed `concurrent` and keep at least 90% of it
+//! - Leased: four processes hammering never exceed `concurrent` and keep at least 85% of it
 //!   busy; a killed process's share is reused
 //!   within a lease and a refresh; four processes hammering a leased *rate* grant within ±5%
 //!   of the rate over every 10 s window.
@@ -279,7 +279,7 @@ async fn a_killed_processes_share_is_reused() {
     let child_tokens = held_tokens(&mut holder).await;
     assert_eq!(child_tokens.len(), 2, "the child holds both");
     let (took, token) = granted_after_kill(&limits, "leased", holder, lease).await;
-    assert!(took <= lease + lease / 3 + Duration::from_millis(300), "reused after {took:?}");
+    assert!(took <= lease + lease / 3 + Duration::from_millis(200), "reused after {took:?}");
     assert!(!child_tokens.contains(&token), "a token of its own: {token} vs {child_tokens:?}");
 }
 
@@ -383,7 +383,7 @@ async fn processes_never_exceed_the_limit(target: Target) {
 /// A hammer on a leased limit: four processes of six tasks each serve the limit from their
 /// shares (learning that it is leased from their first acquire) for four seconds. By the
 /// processes' own count (a counter in Redis around each hold) never more than `concurrent`
-/// holders; from one second in (the shares settle), the holds cover at least 90% of
+/// holders; from one second in (the shares settle), the holds cover at least 85% of
 /// `concurrent` × the time; fencing tokens unique across processes and growing within each.
 async fn processes_never_exceed_a_leased_limit() {
     use lanes::limit::share::SharePolicy;

@@ -373,7 +373,9 @@ async fn a_silent_client_loses_its_waiters_after_the_grace_and_its_permits_with_
         200
     );
     assert_eq!(
-        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "b", "lease_ms": 400})).await.0,
+        // b's lease is long: a ticket wrongly kept past the grace would be granted a's permit
+        // and hold it well past the poll below.
+        post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "b", "lease_ms": 5000})).await.0,
         202
     );
     let (_, info) = get(&c, &serve, "/v1/limits/db").await;

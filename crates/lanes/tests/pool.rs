@@ -236,9 +236,13 @@ async fn stop_and_submit_race_loses_nothing() {
             .collect();
         sleep(Duration::from_millis(2 + round % 5)).await;
         // Stop races submits in flight, not producers a loaded runner has not yet started.
-        while accepted.load(Ordering::SeqCst) == 0 {
-            tokio::task::yield_now().await;
-        }
+        timeout(Duration::from_secs(10), async {
+            while accepted.load(Ordering::SeqCst) == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the producers submit");
         pool.stop(Duration::from_secs(10)).await.unwrap();
         for p in producers {
             p.await.unwrap();
