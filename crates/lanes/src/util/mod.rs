@@ -127,9 +127,10 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The lock of a channel's state, a run lane's core and a pool's engine (`spin`'s spin mutex):
-/// taken with one compare-and-swap and released with a plain store. std's mutex is released with a swap, to
-/// learn whether a sleeper must be woken: a second locked instruction per record on a
-/// channel's path, which waits for the record's copy into the buffer to leave the store buffer. On the Xeon host of stop 49 the producer's
+/// taken with one compare-and-swap and released with a plain store. std's mutex is released
+/// with a swap, to learn whether a sleeper must be woken: a second locked instruction per
+/// record on a channel's path, which waits for the record's copy into the buffer to leave the
+/// store buffer. On the Xeon host of stop 49 the producer's
 /// lock and unlock took three quarters of its samples; with this lock the one-thread channel
 /// went from 0.91–0.97× kanal to 1.13–1.20× with `u64` records, and from 0.72× and 0.86× to
 /// 0.86× and 1.04× with 256-byte ones, at capacities 64 and 1,024 (paired rounds).
@@ -151,27 +152,44 @@ pub(crate) type SpinLock<T> = spin::mutex::SpinMutex<T>;
 /// A held [`SpinLock`].
 pub(crate) type SpinGuard<'a, T> = spin::mutex::SpinMutexGuard<'a, T>;
 
-/// Takes a [`SpinLock`]: at once if it is free, else after spins of 4, 8 and 16 rounds, then
-/// yielding the core between tries for as long as it is held. (std's mutex spins for up to 100
-/// rounds, then sleeps in the kernel, and its owner's unlock must then wake it with a system
-/// call; stops 47 and 48 measured a wait like this one's against it, BENCHMARKS.md.)
+/// Takes a [`SpinLock`]: at once if it is free, else after spinning a while ([`SPIN_BUDGET`]),
+/// then yielding the core between tries for as long as it is held. (std's mutex spins for up
+/// to 100 rounds, then sleeps in the kernel, and its owner's unlock must then wake it with a
+/// system call; stops 47 and 48 measured a wait like this one's against it, BENCHMARKS.md.)
 #[inline(always)]
 pub(crate) fn spin_lock<T>(lock: &SpinLock<T>) -> SpinGuard<'_, T> {
     lock.try_lock().unwrap_or_else(|| spin_contended(lock))
 }
 
+/// The pauses (`spin_loop`) a waiter for a [`SpinLock`] spends before it starts yielding its
+/// core. Its holder is usually running on another core and done within a push or a take, so
+/// a wait that yields early pays a system call per look while the lock is about to come free.
+/// Stop 50, two workers, `fixed pool 1 100` (one key: the submitter and one worker take the
+/// lock for every item), one process per reading: stop 49's 28 pauses (looks after 4, 8 and
+/// 16) read 10.7-11.0 M/s in four processes of five (17.1 in one), an eighth of the samples in
+/// `sched_yield`; 252 pauses 14.4-15.6 M/s; this budget 17.0-21.2 M/s.
+const SPIN_BUDGET: u32 = 1024;
+
+/// The most pauses between two looks at the lock. Each look reads the lock's line, which the
+/// holder must then take back to release it: looking every 16 pauses with the same budget
+/// read 9.5-12.2 M/s in the runs above.
+const SPIN_ROUND: u32 = 64;
+
 /// [`spin_lock`]'s wait. A try is made only once the lock looks free, so that waiters read
-/// the lock's line rather than take it from its holder.
+/// the lock's line rather than take it from its holder. Looks come after 4, 8, 16, 32 pauses,
+/// then every 64 until [`SPIN_BUDGET`] is spent; then the waiter yields its core between looks
+/// (a holder that was preempted needs it when there are more threads than cores).
 #[cold]
 #[inline(never)]
 fn spin_contended<T>(lock: &SpinLock<T>) -> SpinGuard<'_, T> {
-    let mut attempt = 0u32;
+    let (mut spun, mut round) = (0u32, 4u32);
     loop {
-        if attempt < 3 {
-            for _ in 0..(4u32 << attempt) {
+        if spun < SPIN_BUDGET {
+            for _ in 0..round {
                 std::hint::spin_loop();
             }
-            attempt += 1;
+            spun += round;
+            round = (round * 2).min(SPIN_ROUND);
         } else {
             std::thread::yield_now();
         }
