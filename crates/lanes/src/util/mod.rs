@@ -165,8 +165,8 @@ pub(crate) fn spin_lock<T>(lock: &SpinLock<T>) -> SpinGuard<'_, T> {
 /// core. Its holder is usually running on another core and done within a push or a take, so
 /// a wait that yields early pays a system call per look while the lock is about to come free.
 /// Stop 50, two workers, `fixed pool 1 100` (one key: the submitter and one worker take the
-/// lock for every item), one process per reading: stop 49's 28 pauses (looks after 4, 8 and
-/// 16) read 10.7-11.0 M/s in four processes of five (17.1 in one), an eighth of the samples in
+/// lock for every item), one process per reading: stop 49's 28 pauses (looks after rounds of
+/// 4, 8 and 16) read 10.7-11.0 M/s in four processes of five (17.1 in one), an eighth of the samples in
 /// `sched_yield`; 252 pauses 14.4-15.6 M/s; this budget 15.6-21.2 M/s in six processes.
 const SPIN_BUDGET: u32 = 1024;
 
@@ -176,9 +176,9 @@ const SPIN_BUDGET: u32 = 1024;
 const SPIN_ROUND: u32 = 64;
 
 /// [`spin_lock`]'s wait. A try is made only once the lock looks free, so that waiters read
-/// the lock's line rather than take it from its holder. Looks come after 4, 8, 16, 32 pauses,
-/// then every 64 until [`SPIN_BUDGET`] is spent; then the waiter yields its core between looks
-/// (a holder that was preempted needs it when there are more threads than cores).
+/// the lock's line rather than take it from its holder. Looks come after rounds of 4, 8, 16
+/// and 32 pauses, then every 64 until [`SPIN_BUDGET`] is spent; then the waiter yields its core
+/// between looks (a holder that was preempted needs it when there are more threads than cores).
 #[cold]
 #[inline(never)]
 fn spin_contended<T>(lock: &SpinLock<T>) -> SpinGuard<'_, T> {
@@ -189,7 +189,8 @@ fn spin_contended<T>(lock: &SpinLock<T>) -> SpinGuard<'_, T> {
                 std::hint::spin_loop();
             }
             spun += round;
-            round = (round * 2).min(SPIN_ROUND);
+            // The last round ends the budget exactly (`spun` never passes it).
+            round = (round * 2).min(SPIN_ROUND).min(SPIN_BUDGET - spun);
         } else {
             std::thread::yield_now();
         }
