@@ -203,5 +203,6 @@ async fn an_http_client_that_loses_its_server_reports_its_share_lost_at_the_leas
     let after = stopped.elapsed();
     assert!(permit.lease_lost());
     assert!(after <= lease + Duration::from_millis(300), "lost after {after:?}");
-    assert!(after >= lease / 2, "kept until its lease ran out, not dropped at once: {after:?}");
+    // (A quarter: the last refresh, due every third of a lease, may have run late.)
+    assert!(after >= lease / 4, "kept until its lease ran out, not dropped at once: {after:?}");
 }

@@ -268,9 +268,10 @@ pub async fn waiters_are_pushed_on_release(b: Arc<dyn LimitBackend>, prefix: &st
     drop(held);
     let (granted_at, _) =
         timeout(Duration::from_secs(5), waiter).await.expect("push: woken").expect("task");
-    // Well under the facade's 1 s safety re-ask: the release woke the waiter.
+    // Under the facade's 1 s safety re-ask (with a loaded runner's slack): the release woke
+    // the waiter.
     assert!(
-        granted_at - released_at < Duration::from_millis(500),
+        granted_at - released_at < Duration::from_millis(800),
         "push: took {:?}",
         granted_at - released_at
     );
