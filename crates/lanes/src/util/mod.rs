@@ -166,8 +166,9 @@ pub(crate) fn spin_lock<T>(lock: &SpinLock<T>) -> SpinGuard<'_, T> {
 /// a wait that yields early pays a system call per look while the lock is about to come free.
 /// Stop 50, two workers, `fixed pool 1 100` (one key: the submitter and one worker take the
 /// lock for every item), one process per reading: stop 49's 28 pauses (looks after rounds of
-/// 4, 8 and 16) read 10.7-11.0 M/s in four processes of five (17.1 in one), an eighth of the samples in
-/// `sched_yield`; 252 pauses 14.4-15.6 M/s; this budget 15.6-21.2 M/s in six processes.
+/// 4, 8 and 16) read 10.7-11.0 M/s in four processes of five (17.1 in one), an eighth of the
+/// samples in `sched_yield`; 252 pauses 14.4-15.6 M/s; this budget 15.6-21.2 M/s in six
+/// processes.
 const SPIN_BUDGET: u32 = 1024;
 
 /// The most pauses between two looks at the lock. Each look reads the lock's line, which the
