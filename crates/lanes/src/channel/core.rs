@@ -202,6 +202,10 @@ impl<T> Core<T> {
     /// `budget` is the shared budget's answer, asked only when the record has room in the
     /// channel (pass [`Room::Free`] otherwise); `now` is read only if the record needs a
     /// timestamp.
+    // Inlined, with `overflow` under it, into the shell's two callers: out of line, each
+    // `try_emit` of a full `DropOldest` channel moved its record and the answer through two
+    // more frames (cachegrind, `fixed drop-oldest`: 306 -> 246 instructions a record).
+    #[inline(always)]
     pub(crate) fn offer(
         &mut self,
         record: T,
@@ -255,6 +259,7 @@ impl<T> Core<T> {
     }
 
     /// The overflow rule, for a record that did not fit (the channel or the budget full).
+    #[inline(always)]
     fn overflow(
         &mut self,
         record: T,

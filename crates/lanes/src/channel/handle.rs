@@ -385,6 +385,7 @@ impl<T> ChannelShared<T> {
 
     /// [`push`](Self::push) for a producer that does not wait: the fast path of
     /// [`try_queue`](Self::try_queue) first, then, under the same lock, the overflow rule.
+    #[inline(always)]
     pub(crate) fn push_now(&self, entry: Entry<T>) -> Pushed<T> {
         let mut st = spin_lock(&self.state);
         if self.budget.is_some() {
@@ -402,7 +403,9 @@ impl<T> ChannelShared<T> {
     /// [`push_locked`](Self::push_locked) for a producer that does not wait on a channel
     /// without a shared budget, under the lock its caller took: the overflow rule without
     /// the waiter's and the budget's branches. Under `DropOldest`, `DropNewest` and `Spill`
-    /// every record of a full channel comes here, and the lean function keeps its entry cheap.
+    /// every record of a full channel comes here: inlined, with [`Core::offer`], into
+    /// `try_emit` and the emit future, so that its record and answer stay out of extra frames.
+    #[inline(always)]
     fn overflow_now(&self, mut st: SpinGuard<'_, State<T>>, entry: Entry<T>) -> Pushed<T> {
         match st.core.offer(entry, Room::Free, false, Instant::now) {
             Offer::Queued => {

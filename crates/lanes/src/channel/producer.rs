@@ -299,6 +299,8 @@ impl<T> Channel<T> {
     }
 }
 
+// Inlined into `try_emit`, as the shell's `push_now` is (see `Core::offer`).
+#[inline(always)]
 fn finish<T>(pushed: Pushed<T>) -> Result<Emitted<T>, EmitError<T>> {
     match pushed {
         Pushed::Queued => Ok(Emitted::Queued),
