@@ -574,7 +574,7 @@ impl<T> ChannelShared<T> {
 
     /// A record went in: out of the lock, wakes the consumer if it waits for it, and counts
     /// the record emitted.
-    #[inline]
+    #[inline(always)]
     fn queued(&self, mut st: SpinGuard<'_, State<T>>) {
         let consumer = st.consumer_waker();
         if consumer.is_some() {
