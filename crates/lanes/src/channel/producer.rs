@@ -364,7 +364,7 @@ impl<T: Send + 'static, const RECEIPT: bool> Future for Emit<'_, T, RECEIPT> {
         let shared = &channel.shared;
         let pushed = if this.record.is_some() {
             if !shared.blocks() {
-                shared.push_now(this.first_entry())
+                shared.push_now_outlined(this.first_entry())
             } else {
                 match shared.try_queue(|| this.first_entry()) {
                     Ok(()) => return Poll::Ready(Ok(Emitted::Queued)),
