@@ -299,7 +299,9 @@ impl<T> Channel<T> {
     }
 }
 
-// Inlined into `try_emit`, as the shell's `push_now` is (see `Core::offer`).
+// Inlined into `try_emit`, as the shell's `push_now` is (see `Core::offer`), and so into the
+// emit future's tail too: left to the compiler there, `fixed channel 64 3000` read 44-62 M/s
+// against 59-62 (alternating builds; the record path does not call it).
 #[inline(always)]
 fn finish<T>(pushed: Pushed<T>) -> Result<Emitted<T>, EmitError<T>> {
     match pushed {
