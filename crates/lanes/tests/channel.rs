@@ -1672,8 +1672,8 @@ async fn large_records_lose_nothing_and_keep_order_under_random_stress() {
 /// More threads than cores (on hosts of up to 8) on one channel's lock (a spin lock, waited
 /// for by spinning, then yielding): eight OS threads, each with a runtime of its own, emit
 /// into a small `Block` channel, two of them with `try_emit` retried on `Full`, while the
-/// consumer reads on this thread. Nothing is lost or duplicated, each producer's order holds, and the counters
-/// reconcile.
+/// consumer reads on this thread. Nothing is lost or duplicated, each producer's order holds,
+/// and the counters reconcile.
 #[tokio::test]
 async fn more_producer_threads_than_cores_lose_nothing_on_the_channel_lock() {
     const PRODUCERS: u64 = 8;
