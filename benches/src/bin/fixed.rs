@@ -1,8 +1,7 @@
-//! A fixed amount of work for `perf stat`: the channel's block-mode SPSC cell of suite 3 (ours
-//! and tokio mpsc's) and the run lane's admit → run → finalize cell of suite 2 (the same code,
-//! `src/scenarios.rs`),
-//! on a `current_thread` runtime, a fixed number of rounds (criterion picks its iteration counts by time, so two builds do not
-//! run the same work there).
+//! A fixed amount of work for `perf stat`: the channel's block-mode SPSC cell of suite 3 (ours and
+//! tokio mpsc's) and the run lane's admit → run → finalize cell of suite 2 (the same code,
+//! `src/scenarios.rs`), on a `current_thread` runtime, a fixed number of rounds (criterion picks
+//! its iteration counts by time, so two builds do not run the same work there).
 //!
 //! Instructions and cycles per record are much steadier than wall time on a shared host, so
 //! an A/B of a small change reads them:
@@ -48,8 +47,8 @@
 //! any): `drop-oldest` (`try_emit` into a 64-record `DropOldest` channel, a consumer that works
 //! ~200 steps per record), `spill` (the same into a `Spill` channel whose spill queue, under
 //! `SyncPolicy::Never`, lives in a fresh directory under the system's temporary one; cachegrind
-//! counts its writer thread too), `next-batch` (`emit` into 1,024 records, `next_batch` of 64 + `ack`;
-//! the linger is 10 s so that only the batch size and the close flush, as under cachegrind a
+//! counts its writer thread too), `next-batch` (`emit` into 1,024 records, `next_batch` of 64 +
+//! `ack`; the linger is 10 s so that only the batch size and the close flush, as under cachegrind a
 //! shorter one would fire at times that vary) and `recv-many` (`recv_many` of 64).
 //!
 //! `pool` and `pool-hashed` are suite 8's uniform cell: 10,000 no-op items over as many keys

@@ -1,10 +1,10 @@
-//! A fleet against leased capacity's pure core (`lanes::limit::share`): 1,000 simulated
-//! clients with shifting demand share one limit through a `Ledger`; each refreshes once per
-//! interval, at a random moment of it (twice if it has waiters its share cannot serve),
-//! reporting what it wants and what it has out (its holders turn over within an interval). Reports per policy: utilisation (permits in use over what
-//! could be in use), fairness (Jain's index over each client's use divided by its
-//! demand-capped fair share) and how many intervals shares take to reach their new targets
-//! after a large demand shift. Runs in a few seconds:
+//! A fleet against leased capacity's pure core (`lanes::limit::share`): 1,000 simulated clients
+//! with shifting demand share one limit through a `Ledger`; each refreshes once per interval, at a
+//! random moment of it (twice if it has waiters its share cannot serve), reporting what it wants
+//! and what it has out (its holders turn over within an interval). Reports per policy: utilisation
+//! (permits in use over what could be in use), fairness (Jain's index over each client's use
+//! divided by its demand-capped fair share) and how many intervals shares take to reach their new
+//! targets after a large demand shift. Runs in a few seconds:
 //!
 //! ```text
 //! cargo run --release -p lanes-benches --bin fleet [-- --clients 1000 --capacity 5000]

@@ -17,14 +17,14 @@
 //! target/release/paired pool 1 21                # suite 8: per-key against hashed, 1 key
 //! ```
 //!
-//! Arguments: `channel`, the runtime (`ct` or `mt`), the capacity, the producers, the record
-//! (`u64` or `256B`), the pairs and optionally the anchor (`tokio`, the default, or `kanal`); or `lane`, the runtime and the pairs (1,000 runs into 8
-//! execution slots, as in suite 2); or `permits`, the runtime, the tasks and the pairs (suite 1's
-//! contended cell: the tasks share 2 permits through a `Limit` handle or a
-//! `tokio::sync::Semaphore`, each taking and returning one 64 times); or `pool`, the keys and
-//! the pairs (suite 8's uniform cell on two workers: 10,000 no-op items over that many keys
-//! into a per-key pool of 8 workers, against the hashed-shard pool of 8 shards; no runtime
-//! argument). `LANES_PAIRED_CONTROL=1` makes the anchor of a `pool` pair a second per-key
+//! Arguments: `channel`, the runtime (`ct` or `mt`), the capacity, the producers, the record (`u64`
+//! or `256B`), the pairs and optionally the anchor (`tokio`, the default, or `kanal`); or `lane`,
+//! the runtime and the pairs (1,000 runs into 8 execution slots, as in suite 2); or `permits`, the
+//! runtime, the tasks and the pairs (suite 1's contended cell: the tasks share 2 permits through a
+//! `Limit` handle or a `tokio::sync::Semaphore`, each taking and returning one 64 times); or
+//! `pool`, the keys and the pairs (suite 8's uniform cell on two workers: 10,000 no-op items over
+//! that many keys into a per-key pool of 8 workers, against the hashed-shard pool of 8 shards; no
+//! runtime argument). `LANES_PAIRED_CONTROL=1` makes the anchor of a `pool` pair a second per-key
 //! pool: the spread of a design against itself. An odd number of pairs makes the median one of
 //! them.
 

@@ -3,17 +3,17 @@
 //! Small records (with their entry's receipt, at most [`BLOCK_MIN_BYTES`]) sit in one ring. A
 //! read of a whole ring into an empty read-ahead swaps it; many at once move in bulk.
 //!
-//! Large records sit in blocks of up to [`BLOCK`], the back one taking new records, so that a
-//! read of a busy channel moves a block rather than copying its records, and a busy channel
-//! does not regrow (copy) a large ring: only a back block that did not come from a sealed
-//! block's room (a new channel's, or a read-ahead's swapped in for it) grows as records come,
-//! as a ring does, so that a quiet channel holds no more than it needs. An emptied block is kept for
-//! the next one needed, and a read-ahead swapped for a full block comes back as the next empty
-//! one: a busy channel read by `recv` allocates nothing (batches of more than a block empty
-//! several, and one is kept). With 256-byte records at capacity 1,024 on one thread, a ring's reads
-//! copied 64 records each, and a new channel's ring doubled its way to 270 KB (two thirds of
-//! the time in `memcpy`, a tenth in page faults): 10.1 M/s against 12.9 M/s at capacity 64,
-//! 580 instructions a record against 502 in blocks (BENCHMARKS.md, suite 3).
+//! Large records sit in blocks of up to [`BLOCK`], the back one taking new records, so that a read
+//! of a busy channel moves a block rather than copying its records, and a busy channel does not
+//! regrow (copy) a large ring: only a back block that did not come from a sealed block's room (a
+//! new channel's, or a read-ahead's swapped in for it) grows as records come, as a ring does, so
+//! that a quiet channel holds no more than it needs. An emptied block is kept for the next one
+//! needed, and a read-ahead swapped for a full block comes back as the next empty one: a busy
+//! channel read by `recv` allocates nothing (batches of more than a block empty several, and one is
+//! kept). With 256-byte records at capacity 1,024 on one thread, a ring's reads copied 64 records
+//! each, and a new channel's ring doubled its way to 270 KB (two thirds of the time in `memcpy`, a
+//! tenth in page faults): 10.1 M/s against 12.9 M/s at capacity 64, 580 instructions a record
+//! against 502 in blocks (BENCHMARKS.md, suite 3).
 //!
 //! Small records stay in a ring: blocks cost them instructions (stop 46 tried them for every
 //! record type: 197 → 202 a `u64` record at capacity 64), and their bulk moves are cheap. The

@@ -11,7 +11,7 @@ use crate::spill::SpillError;
 /// A record that was not emitted, handed back.
 #[derive(Debug)]
 pub enum EmitError<T> {
-    /// The channel is full and its policy is [`Overflow::Block`](super::Overflow::Block)(super::Overflow::Block) (from
+    /// The channel is full and its policy is [`Overflow::Block`](super::Overflow::Block) (from
     /// [`try_emit`](super::Channel::try_emit)).
     Full(T),
     /// The channel is closed.

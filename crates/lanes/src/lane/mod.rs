@@ -58,14 +58,14 @@
 //!
 //! # Tasks
 //!
-//! A run that starts at once, or has a caller waiting, a queue timeout or a limit, is driven by
-//! a task of its own. A queued background run without a queue timeout holds no task while it
-//! waits: the run that gives it its slot drives it next, in the same task (or spawns it the
-//! moment its own terminal audit, finalizer or cleanup has to wait). A busy lane thus runs on
-//! about one task per execution slot; such a task yields to the scheduler between runs when its
-//! budget is spent. The queued run therefore starts once those callbacks have returned from
-//! their first poll: one that does long synchronous work before its first `.await` delays it,
-//! and callbacks, like jobs, must not block the thread. If the runtime shuts down before the set is drained, runs still queued are
+//! A run that starts at once, or has a caller waiting, a queue timeout or a limit, is driven by a
+//! task of its own. A queued background run without a queue timeout holds no task while it waits:
+//! the run that gives it its slot drives it next, in the same task (or spawns it the moment its own
+//! terminal audit, finalizer or cleanup has to wait). A busy lane thus runs on about one task per
+//! execution slot; such a task yields to the scheduler between runs when its budget is spent. The
+//! queued run therefore starts once those callbacks have returned from their first poll: one that
+//! does long synchronous work before its first `.await` delays it, and callbacks, like jobs, must
+//! not block the thread. If the runtime shuts down before the set is drained, runs still queued are
 //! neither run nor finalized, and their memory is not reclaimed.
 //!
 //! # Shutdown

@@ -195,7 +195,8 @@ impl std::error::Error for AcquireError {
     }
 }
 
-/// Why [`Limits::try_acquire`](super::Limits::try_acquire) gave no permit. A try never queues, so nothing is left behind.
+/// Why [`Limits::try_acquire`](super::Limits::try_acquire) gave no permit. A try never queues, so
+/// nothing is left behind.
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
 pub enum TryAcquireError {

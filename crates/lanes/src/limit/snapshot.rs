@@ -1,7 +1,8 @@
-//! What a limit reports: [`LimitInfo`], and what a [`LimitTable`](super::LimitTable) observes
-//! of each limit's waiters, for the snapshot and the dashboard: refusals, withdrawals and lease expiries, and per fairness key the grants
-//! and the time grants waited. Not part of the table's state: never serialized, never compared,
-//! kept across the limit's hand-offs to the in-process fast path, bounded in memory.
+//! What a limit reports: [`LimitInfo`], and what a [`LimitTable`](super::LimitTable) observes of
+//! each limit's waiters, for the snapshot and the dashboard: refusals, withdrawals and lease
+//! expiries, and per fairness key the grants and the time grants waited. Not part of the table's
+//! state: never serialized, never compared, kept across the limit's hand-offs to the in-process
+//! fast path, bounded in memory.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

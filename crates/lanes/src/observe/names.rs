@@ -1,9 +1,9 @@
 //! The table of every metric the library emits, with its kind, labels and help text.
 //!
-//! The naming rule: `lanes_<primitive>_<quantity>`, where `<primitive>` is `lane`, `limit`,
-//! `pool`, `channel` or `spill`; counters end in `_total`, durations are histograms in
-//! `_seconds`, sizes in `_bytes`; gauges have no suffix. Every series carries the label that
-//! names its primitive (`lane_set` and `lane`, `limit`, `pool`, `channel`, `spill`). A limit's series come in two
+//! The naming rule: `lanes_<primitive>_<quantity>`, where `<primitive>` is `lane`, `limit`, `pool`,
+//! `channel` or `spill`; counters end in `_total`, durations are histograms in `_seconds`, sizes in
+//! `_bytes`; gauges have no suffix. Every series carries the label that names its primitive
+//! (`lane_set` and `lane`, `limit`, `pool`, `channel`, `spill`). A limit's series come in two
 //! views: this process's handles (`acquired`, `held`, `waiters`...) and, rendered by `lanes serve`
 //! from the store, every client's (`in_use`, `waiting`, `granted`...).
 

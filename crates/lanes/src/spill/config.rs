@@ -46,8 +46,8 @@ pub struct SpillOptions {
     /// waiting. Default: zero (appends that arrive while a sync runs form the next group).
     pub batch_window: Duration,
     /// Unacknowledged bytes (frames included) the queue may hold; one more append fails with
-    /// [`SpillError::Full`](super::SpillError::Full). Default: 1 GiB. At least one whole frame of the largest record:
-    /// `12 + max_record`.
+    /// [`SpillError::Full`](super::SpillError::Full). Default: 1 GiB. At least one whole frame of
+    /// the largest record: `12 + max_record`.
     pub max_bytes: u64,
     /// The largest record, 1 to 2^31 - 1 bytes. Default: 8 MiB.
     pub max_record: u32,

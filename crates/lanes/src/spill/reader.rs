@@ -15,7 +15,8 @@ use super::handle::{Inner, SpillRecord};
 use super::storage::Storage;
 use crate::util::lock;
 
-/// Reads a [`SpillQueue`](super::SpillQueue) in order and commits what it processed. One per queue at a time.
+/// Reads a [`SpillQueue`](super::SpillQueue) in order and commits what it processed. One per queue
+/// at a time.
 pub struct SpillReader {
     pub(super) inner: Arc<Inner>,
     pub(super) cursor: Position,
