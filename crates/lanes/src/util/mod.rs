@@ -126,14 +126,14 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The lock of a channel's state, a run lane's core and a pool's engine (`spin`'s spin mutex):
-/// taken with one compare-and-swap and released with a plain store. std's mutex is released
-/// with a swap, to learn whether a sleeper must be woken: a second locked instruction per
-/// record on a channel's path, which waits for the record's copy into the buffer to leave the
-/// store buffer. On the Xeon host of stop 49 the producer's lock and unlock took three
-/// quarters of its samples; with this lock the one-thread channel went from 0.91–0.97× kanal
-/// to 1.13–1.20× with `u64` records, and from 0.72× and 0.86× to 0.86× and 1.04× with
-/// 256-byte ones, at capacities 64 and 1,024 (paired rounds).
+/// The lock of a channel's state, a run lane's core, a run's signal and a pool's engine (`spin`'s
+/// spin mutex): taken with one compare-and-swap and released with a plain store. std's mutex is
+/// released with a swap, to learn whether a sleeper must be woken: a second locked instruction per
+/// record on a channel's path, which waits for the record's copy into the buffer to leave the store
+/// buffer. On the Xeon host of stop 49 the producer's lock and unlock took three quarters of its
+/// samples; with this lock the one-thread channel went from 0.91–0.97× kanal to 1.13–1.20× with
+/// `u64` records, and from 0.72× and 0.86× to 0.86× and 1.04× with 256-byte ones, at capacities 64
+/// and 1,024 (paired rounds).
 ///
 /// Nobody sleeps on it in the kernel: a waiter spins briefly, then yields its core until the
 /// lock is free ([`spin_lock`]). That suits a lock held for a push, a take or a count (a
