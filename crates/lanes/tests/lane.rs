@@ -3,6 +3,7 @@
 //! Every wait uses paused tokio time or explicit gates; nothing sleeps on the wall clock.
 
 use std::error::Error as _;
+use std::panic::{RefUnwindSafe, UnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -10,7 +11,7 @@ use std::time::Duration;
 use lanes::lane::{AttachedError, PanicError, PoisonError, SetState, TimeoutError};
 use lanes::{
     AdmissionErrorKind, AuditEvent, AuditKind, ConfigRule, LaneLimits, LaneSet, LaneSetBuilder,
-    Participation, Reason, Registry, Run, RunFailure, Stage,
+    Participation, Reason, Registry, Run, RunContext, RunFailure, RunHandle, Stage,
 };
 use tokio::sync::{Semaphore, oneshot};
 use tokio::time::sleep;
@@ -208,6 +209,16 @@ async fn concurrent_capacity_grants_exactly_the_limit() {
         }
         assert_eq!(lanes.snapshot().lanes[0].max_executing, concurrent);
     }
+}
+
+/// A run's context and its handle cross `catch_unwind` as tokio's `JoinHandle` does. The signal
+/// they share keeps its driver slot under the crate's spin lock, which (unlike std's mutex) is
+/// not unwind safe by itself: a regression here is a compile error.
+#[test]
+fn a_runs_context_and_handle_are_unwind_safe() {
+    fn unwind_safe<T: UnwindSafe + RefUnwindSafe>() {}
+    unwind_safe::<RunContext>();
+    unwind_safe::<RunHandle<u32>>();
 }
 
 #[test]

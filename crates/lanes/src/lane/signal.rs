@@ -63,12 +63,14 @@ pub(crate) struct RunSignal {
     /// The execution slot, valid once `grant` is `GRANTED`.
     slot: AtomicUsize,
     cancel: AtomicU8,
-    /// The driver task's waker, or the parked run whose driver is not spawned yet. Held to
-    /// swap one value; a queued run takes it to park and its granter to start it, on the
-    /// lane's hot path: a `SpinLock`, released with a plain store where std's mutex releases
-    /// with a second locked instruction (cachegrind, `fixed lane 8 30` minus `10`: 1,970 ->
-    /// 1,915 instructions a run; paired against the hand-rolled lane on one thread 1.23-1.25×
-    /// -> 1.30-1.34×, alternating builds).
+    /// The driver task's waker, or the parked run whose driver is not spawned yet. Held for a
+    /// value's swap (or a waker's comparison and clone, or a park's look at the latches); a
+    /// queued run takes it to park and the run that grants it a slot to take it out, once each
+    /// per run on the lane's hot path. So a `SpinLock`, released with a plain store where std's
+    /// mutex releases with a second locked instruction. Stop 52, AMD host: cachegrind, `fixed
+    /// lane 8 30` minus `10`, 1,970 → 1,915 instructions a run; paired against the hand-rolled
+    /// lane (alternating builds), one thread 1.23–1.25× → 1.30–1.34×, two workers medians
+    /// 1.075× → 1.115× over six processes each.
     driver: SpinLock<Driver>,
     /// Whether the driver task ever left its waker in `driver`: written and read by the
     /// driver task alone, so that a run that never waited forgets no waker under the lock.
@@ -76,6 +78,13 @@ pub(crate) struct RunSignal {
     /// Other waiters: only ever wait for cancellation.
     notify: Notify,
 }
+
+// As std's mutex is, which the driver slot's lock was: a panic under the lock leaves the slot
+// whole (each critical section stores one value, or none), and nothing relied on poisoning.
+// Without these, the spin lock's cell would make a run's context and handle unwind-unsafe
+// (`tests/lane.rs`, `a_runs_context_and_handle_are_unwind_safe`).
+impl std::panic::UnwindSafe for RunSignal {}
+impl std::panic::RefUnwindSafe for RunSignal {}
 
 #[cfg(test)]
 thread_local! {

@@ -135,18 +135,18 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// `u64` records, and from 0.72× and 0.86× to 0.86× and 1.04× with 256-byte ones, at capacities 64
 /// and 1,024 (paired rounds).
 ///
-/// Nobody sleeps on it in the kernel: a waiter spins briefly, then yields its core until the
-/// lock is free ([`spin_lock`]). That suits a lock held for a push, a take or a count (a
-/// ring's growth at most) on the hot paths, and taken mostly by a runtime's workers (about as
-/// many threads as cores). It is never held across an await (`clippy.toml` makes holding its
-/// guard across one a lint error: the guard is `Send`, so the compiler would not refuse it).
-/// Some paths do more under it: a channel with a shared budget takes the budget's lock and
-/// wakes its waiters; a lane's `shut` wakes or starts each of its runs; a pool runs the
-/// user's key function and the key's `Hash`, `Eq`, `Clone` and `Drop` on each keyed submit
-/// (documented at `key_of`), and compacts its key table as keys go idle. It is not re-entrant
-/// (neither is std's): code run under it must not take it again. It does not poison: a panic
-/// while holding it releases it, and the critical sections leave their cores consistent (as
-/// with [`lock`]).
+/// Nobody sleeps on it in the kernel: a waiter spins briefly, then yields its core until the lock
+/// is free ([`spin_lock`]). That suits a lock held for a push, a take or a count (a ring's growth
+/// at most) on the hot paths, and taken mostly by a runtime's workers (about as many threads as
+/// cores). It is never held across an await (`clippy.toml` makes holding its guard across one a
+/// lint error: the guard is `Send`, so the compiler would not refuse it). Some paths do more under
+/// it: a channel with a shared budget takes the budget's lock and wakes its waiters; a lane's
+/// `shut` wakes or starts each of its runs; a pool runs the user's key function and the key's
+/// `Hash`, `Eq`, `Clone` and `Drop` on each keyed submit (documented at `key_of`), and compacts its
+/// key table as keys go idle. It is not re-entrant (neither is std's): code run under it must not
+/// take it again. A lane's `shut` takes each run's signal under the lane's core; nothing takes a
+/// lane's core under a signal. It does not poison: a panic while holding it releases it, and the
+/// critical sections leave their cores consistent (as with [`lock`]).
 pub(crate) type SpinLock<T> = spin::mutex::SpinMutex<T>;
 
 /// A held [`SpinLock`].
