@@ -27,21 +27,20 @@
 //! time and system calls, not instruction counts: the work then depends on the scheduling).
 //!
 //! Arguments: the cell (`channel`, `tokio`, `kanal`, `lane` or `hand-rolled`, suite 2's
-//! two-semaphore lane), the channel's capacity (or the lane's execution slots), and the
-//! rounds (10,000 records or 1,000 runs each). It prints the records
-//! or runs per second it measured, as context.
+//! two-semaphore lane), the channel's capacity (or the lane's execution slots), and the rounds
+//! (10,000 records or 1,000 runs each). It prints the records or runs per second it measured, as
+//! context.
 //!
 //! `permits` and `semaphore` are suite 1's contended cell on one thread: the second argument is
 //! the number of tasks sharing 2 permits, each taking and returning one 64 times with a yield
 //! while holding it, through a `Limit` handle or a `tokio::sync::Semaphore` (a round is every
 //! task's 64 acquires); `permits-named` is the same cell through `Limits::acquire(name)`.
 //!
-//! `rate`, `check` and `governor` are suite 6's direct rate check (a `Limit` handle's
-//! `try_acquire` and its permit dropped, its `check`, `Limits::check(name)`, and governor's
-//! `check`); `uncontended`, `named` and
-//! `tokio-uncontended` are suite 1's uncontended acquire + release (through a `Limit` handle,
-//! by name through `Limits`, and of a `tokio::sync::Semaphore`). A round is 10,000 of them;
-//! the second argument is ignored.
+//! `rate`, `check` and `governor` are suite 6's direct rate check (a `Limit` handle's `try_acquire`
+//! and its permit dropped, its `check`, `Limits::check(name)`, and governor's `check`);
+//! `uncontended`, `named` and `tokio-uncontended` are suite 1's uncontended acquire + release
+//! (through a `Limit` handle, by name through `Limits`, and of a `tokio::sync::Semaphore`). A round
+//! is 10,000 of them; the second argument is ignored.
 //!
 //! Four more cells follow suites 4 and 5 on `current_thread` (their capacities are fixed; give
 //! any): `drop-oldest` (`try_emit` into a 64-record `DropOldest` channel, a consumer that works

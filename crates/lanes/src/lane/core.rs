@@ -1,8 +1,8 @@
 //! The pure lane scheduler: admission, strict FIFO grants, ownership and counters.
 //!
-//! No I/O, no clock, no tasks: the async shell in `handle.rs` drives it under one mutex per lane
-//! and turns its answers into wake-ups. Each run carries a payload `W` (the shell's signal handle)
-//! that the core hands back when the run is granted, detached or cancelled.
+//! No I/O, no clock, no tasks: the async shell in `handle.rs` drives it under one lock per lane and
+//! turns its answers into wake-ups. Each run carries a payload `W` (the shell's signal handle) that
+//! the core hands back when the run is granted, detached or cancelled.
 //!
 //! # Invariants
 //!
