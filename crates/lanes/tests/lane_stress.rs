@@ -361,3 +361,268 @@ fn the_last_runs_of_two_lanes_ending_at_once_drain_the_set() {
         }
     });
 }
+
+/// While every slot of a lane is taken, a queued background run is admitted into the lane's
+/// inbox without the lane's lock, and taken into the queue when a slot is next given. Here
+/// four tasks on two worker threads admit into lanes whose slots are freed and taken while
+/// they do (blocking runs and runs with a queue timeout take the lane's lock among them), a
+/// task reads snapshots throughout, and every other round closes the set part way. No run may
+/// be stranded in the inbox (the set drains), each admitted run is finalized exactly once,
+/// bounds hold at every snapshot, a lane of one slot starts its runs in their ids' order, and
+/// the counts reconcile.
+#[test]
+fn admissions_from_many_threads_into_busy_lanes_keep_every_invariant() {
+    const LANES: [(&str, usize, usize); 2] = [("one", 1, 40), ("few", 3, 120)];
+    const SPAWNERS: u64 = 4;
+    const PER_SPAWNER: u64 = 1_500;
+    for round in 0..40u64 {
+        let runtime = two_workers();
+        let bounded = async move {
+            let lanes: Vec<(&str, LaneLimits)> =
+                LANES.iter().map(|(n, c, q)| (*n, LaneLimits::new(*c, *q))).collect();
+            let set = lanes_of(&lanes);
+            let finalized = Arc::new(Mutex::new(BTreeMap::<RunId, usize>::new()));
+            let starts = Arc::new(Mutex::new(Vec::<RunId>::new()));
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let watcher = {
+                let (set, stop) = (set.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let mut looks = 0u64;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        for (lane, (_, concurrent, queued)) in
+                            set.snapshot().lanes.iter().zip(LANES)
+                        {
+                            assert!(lane.executing <= concurrent, "round {round}: executing");
+                            assert!(lane.owned <= concurrent + queued, "round {round}: owned");
+                            assert!(lane.executing + lane.queued <= lane.owned, "round {round}");
+                        }
+                        looks += 1;
+                        tokio::task::yield_now().await;
+                    }
+                    looks
+                })
+            };
+            let spawners: Vec<_> = (0..SPAWNERS)
+                .map(|spawner| {
+                    let (set, finalized, starts) = (set.clone(), finalized.clone(), starts.clone());
+                    tokio::spawn(async move {
+                        let seed =
+                            (round * SPAWNERS + spawner + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                        let mut rng = Rng(seed);
+                        let mut admitted = Vec::new();
+                        let mut refused = 0u64;
+                        let mut callers = Vec::new();
+                        for i in 0..PER_SPAWNER {
+                            if round % 2 == 1 && spawner == 0 && i == PER_SPAWNER / 2 {
+                                set.close();
+                            }
+                            let lane = LANES[rng.below(2) as usize].0;
+                            let yields = rng.below(3);
+                            let (finalized, starts) = (finalized.clone(), starts.clone());
+                            let mut run = Run::typed(move |cx: lanes::RunContext| async move {
+                                if cx.lane() == "one" {
+                                    starts.lock().unwrap().push(cx.run_id());
+                                }
+                                for _ in 0..yields {
+                                    tokio::task::yield_now().await;
+                                }
+                                Ok::<RunId, std::io::Error>(cx.run_id())
+                            })
+                            .finalizer(
+                                move |outcome: Result<RunId, RunFailure>| {
+                                    let id = match &outcome {
+                                        Ok(id) => *id,
+                                        Err(failure) => failure.run_id(),
+                                    };
+                                    *finalized.lock().unwrap().entry(id).or_default() += 1;
+                                    std::future::ready(outcome)
+                                },
+                            );
+                            if rng.below(8) == 0 {
+                                run = run.queue_timeout(Duration::from_millis(rng.below(3)));
+                            }
+                            let admission = if rng.below(8) == 0 {
+                                set.run(lane, run).map(|handle| {
+                                    let id = handle.run_id();
+                                    callers.push(tokio::spawn(handle));
+                                    id
+                                })
+                            } else {
+                                set.spawn(lane, run)
+                            };
+                            match admission {
+                                Ok(id) => admitted.push(id),
+                                Err(_) => refused += 1,
+                            }
+                            if rng.below(16) == 0 {
+                                tokio::task::yield_now().await;
+                            }
+                        }
+                        for caller in callers {
+                            let _ = caller.await.unwrap();
+                        }
+                        (admitted, refused)
+                    })
+                })
+                .collect();
+            let (mut admitted, mut refused) = (Vec::new(), 0u64);
+            for spawner in spawners {
+                let (ids, refusals) = spawner.await.unwrap();
+                admitted.extend(ids);
+                refused += refusals;
+            }
+            if round % 2 == 0 {
+                // Not closed: every admitted run runs, none waits on in an inbox or a queue
+                // with a slot free (a close would fail such a run, and hide it).
+                let idle = async {
+                    while set.snapshot().owned > 0 {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
+                };
+                tokio::time::timeout(Duration::from_secs(10), idle)
+                    .await
+                    .unwrap_or_else(|_| panic!("round {round}: a run waits with a slot free"));
+            }
+            set.close();
+            tokio::time::timeout(Duration::from_secs(30), set.drained())
+                .await
+                .unwrap_or_else(|_| panic!("round {round}: a run was left owned"));
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            assert!(watcher.await.unwrap() > 0, "the snapshots ran");
+
+            let snapshot = set.snapshot();
+            assert_eq!(snapshot.owned, 0);
+            let finalized = finalized.lock().unwrap();
+            admitted.sort();
+            assert_eq!(
+                finalized.keys().copied().collect::<Vec<_>>(),
+                admitted,
+                "round {round}: the finalized runs are the admitted ones"
+            );
+            assert!(finalized.values().all(|calls| *calls == 1), "round {round}: once each");
+            let (mut counted_in, mut counted_out) = (0, 0);
+            for (lane, (name, concurrent, queued)) in snapshot.lanes.iter().zip(LANES) {
+                assert!(lane.max_executing <= concurrent, "round {round}: {name} executing");
+                assert!(lane.max_owned <= concurrent + queued, "round {round}: {name} owned");
+                assert_eq!(lane.admitted, lane.completed + lane.failed.total(), "round {round}");
+                counted_in += lane.admitted;
+                counted_out += lane.rejected.total();
+            }
+            assert_eq!(counted_in, admitted.len() as u64, "round {round}: admissions counted");
+            assert_eq!(counted_out, refused, "round {round}: refusals counted");
+            if round % 2 == 0 {
+                assert!(refused > 0, "round {round}: the workload should fill the lanes");
+            }
+            // One slot: a run starts only once the one before it ended, in the queue's order,
+            // which is the order of the ids.
+            let starts = starts.lock().unwrap();
+            if round % 2 == 0 {
+                assert!(starts.len() > 100, "round {round}: the lane of one slot ran runs");
+            }
+            assert!(starts.windows(2).all(|w| w[0] < w[1]), "round {round}: not FIFO");
+        };
+        runtime.block_on(async {
+            tokio::time::timeout(Duration::from_secs(120), bounded)
+                .await
+                .expect("the workload ends: no run was left owned")
+        });
+    }
+}
+
+/// The race the inbox's admission must win: an admission reads the lane's one slot taken,
+/// and before it has put its run in the inbox, the running run ends on a worker thread and
+/// finds nothing to grant its slot to. The admission must then see the slot free and grant
+/// it; else its run waits in the inbox for a grant nobody will make. Admitting from a thread
+/// of its own, into a lane of one slot whose runs end at once, meets that window often over
+/// many admissions; the lane must then go idle by itself, with no close to fail what waits.
+#[test]
+fn a_run_admitted_as_the_last_slot_frees_is_not_stranded() {
+    const RUNS: u64 = 200_000;
+    let runtime = two_workers();
+    let set = lanes_of(&[("one", LaneLimits::new(1, 2))]);
+    let spawner = {
+        let (set, handle) = (set.clone(), runtime.handle().clone());
+        std::thread::spawn(move || {
+            // In the runtime's context, not one of its workers: the runs execute on both.
+            let _runtime = handle.enter();
+            let mut admitted = 0u64;
+            while admitted < RUNS {
+                let run = Run::typed(|_cx| std::future::ready(Ok::<(), std::io::Error>(())));
+                match set.spawn("one", run) {
+                    Ok(_) => admitted += 1,
+                    Err(_full) => std::thread::yield_now(),
+                }
+            }
+        })
+    };
+    runtime.block_on(async {
+        let admitting = async {
+            while !spawner.is_finished() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), admitting)
+            .await
+            .expect("the lane keeps admitting: no run waits with its slot free");
+        let idle = async {
+            while set.snapshot().owned > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), idle)
+            .await
+            .expect("every admitted run ran: none waits with the slot free");
+    });
+    spawner.join().unwrap();
+    let lane = &set.snapshot().lanes[0];
+    assert_eq!(lane.admitted, RUNS);
+    assert_eq!(lane.completed, RUNS);
+}
+
+/// The bound holds across admissions that race for a lane's last places, whichever way each
+/// goes in (its lock for the first, which takes the slot; the inbox for the rest). Four
+/// threads admit at once into a lane of three places whose runs hold on until the close:
+/// exactly three are admitted, every time.
+#[test]
+fn racing_admissions_never_exceed_the_bound() {
+    const THREADS: usize = 4;
+    let runtime = two_workers();
+    let barrier = Arc::new(std::sync::Barrier::new(THREADS + 1));
+    let slot: Arc<Mutex<Option<LaneSet>>> = Arc::new(Mutex::new(None));
+    let (results, answers) = std::sync::mpsc::channel::<bool>();
+    let threads: Vec<_> = (0..THREADS)
+        .map(|_| {
+            let (barrier, slot, results) = (barrier.clone(), slot.clone(), results.clone());
+            let handle = runtime.handle().clone();
+            std::thread::spawn(move || {
+                let _runtime = handle.enter();
+                loop {
+                    barrier.wait();
+                    let Some(set) = slot.lock().unwrap().clone() else { return };
+                    let run = Run::typed(|cx: lanes::RunContext| async move {
+                        cx.cancelled().await;
+                        Ok::<(), std::io::Error>(())
+                    });
+                    results.send(set.spawn("one", run).is_ok()).unwrap();
+                    barrier.wait();
+                }
+            })
+        })
+        .collect();
+    for trial in 0..2_000 {
+        let set = lanes_of(&[("one", LaneLimits::new(1, 2))]);
+        *slot.lock().unwrap() = Some(set.clone());
+        barrier.wait();
+        barrier.wait();
+        let admitted = answers.try_iter().take(THREADS).filter(|ok| *ok).count();
+        assert_eq!(admitted, 3, "trial {trial}: three places, three runs");
+        assert_eq!(set.snapshot().lanes[0].max_owned, 3, "trial {trial}");
+        set.close();
+        runtime.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), set.drained()).await.expect("drains")
+        });
+    }
+    *slot.lock().unwrap() = None;
+    barrier.wait();
+    threads.into_iter().for_each(|thread| thread.join().unwrap());
+}

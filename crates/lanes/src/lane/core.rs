@@ -210,6 +210,33 @@ impl<W> LaneCore<W> {
         Ok(self.enter(payload))
     }
 
+    /// Takes in a run admitted without the lane's lock (the shell's inbox), whose ownership
+    /// the shell counted against the bound already: it is ready, and waits at the queue's tail.
+    /// Only ever called while every slot is taken or someone waits ahead, and on an open lane
+    /// (a shut takes the inbox's runs in first, then detaches them with the queue).
+    pub(crate) fn enqueue_admitted(&mut self, payload: W) {
+        debug_assert!(self.shut.is_none(), "a shut lane takes in no more runs");
+        self.next_seq += 1;
+        self.owned += 1;
+        self.counters.admitted += 1;
+        self.counters.max_owned = self.counters.max_owned.max(self.owned);
+        self.queue.push(self.next_seq, payload);
+    }
+
+    /// Grants free execution slots to the queue head, as [`release_execution`] does once it
+    /// freed one: for runs that joined the queue while a slot was free (the inbox's, taken in
+    /// after the slot was given back).
+    ///
+    /// [`release_execution`]: Self::release_execution
+    pub(crate) fn grant_free(&mut self, on_grant: impl FnMut(u64, usize, &mut W)) {
+        self.grant(on_grant);
+    }
+
+    /// Whether a slot is free: then nobody waits in the queue (invariant 4).
+    pub(crate) fn has_free_slot(&self) -> bool {
+        self.executing < self.limits.concurrent
+    }
+
     /// Whether a run that becomes ready now starts at once: nobody waits ahead of it and a
     /// slot is free.
     fn can_start(&self) -> bool {

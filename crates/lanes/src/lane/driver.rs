@@ -511,7 +511,8 @@ async fn await_permit(
     let (reason, cause) = match woke {
         Woke::Permit(Ok(permit)) => {
             let ready = {
-                let mut core = lane.lock_core();
+                // Behind the runs admitted into the inbox before it became ready.
+                let mut core = lane.lock_core_exact();
                 let ready = core.ready(seq);
                 lane.publish(&core);
                 ready

@@ -12,13 +12,25 @@
 //! [`SpinLock`] per lane, never held across an await. A run's [`RunSignal`] carries the grant
 //! and the cancellation between the lane, the caller's handle and the job.
 //!
+//! While every execution slot of a lane is taken, such a queued background run is admitted
+//! without the lane's lock: into the lane's [`Inbox`], under a lock of its own, which the lane
+//! takes in at the tail of its queue when it next has a slot to give (or must be exact). The
+//! admitting thread then shares one line with the threads that run the lane's jobs instead of
+//! the core's, and the two stop waiting for each other's lock (see `SetShared::admit`).
+//!
 //! # Invariants
 //!
 //! 1. Runs end only in the driver (see `driver.rs`): `complete` is its one call per run.
-//! 2. Admission and the shut take a lane's lock; the driver gives slots back under it.
+//! 2. Admission and the shut take a lane's lock; the driver gives slots back under it. The one
+//!    exception is an admission into the inbox, which takes the inbox's lock alone. Every
+//!    admission holds the inbox's lock while it decides against the bound, counts itself in
+//!    `owned` and takes its run id, so admissions into a lane have one order, which is their
+//!    ids' order and their place in the queue. The lane's lock is taken before the inbox's.
 //! 3. `shut_done` is set only after every lane's core was shut *under its lock*, so an admission
 //!    that won a lane lock before the shut has already counted itself in `owned`: `drained`
-//!    cannot resolve under its feet.
+//!    cannot resolve under its feet. A shut takes the inbox's runs in under both locks and
+//!    closes the inbox, so a run admitted into it before is detached with the queue, and an
+//!    admission after finds it closed and goes to the lane's lock, which refuses it.
 //! 4. A run's signal is reused for a later run only once `Arc::get_mut` gives it to the lane
 //!    alone (its run ended and nobody kept its context or handle), and only after `reset`: a
 //!    reused signal is indistinguishable from a new one.
@@ -49,7 +61,7 @@ use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use crate::BoxError;
 use crate::config::ConfigError;
 use crate::observe::{Observe, Snapshot};
-use crate::util::{SpinGuard, SpinLock, Tally, spin_lock};
+use crate::util::{Padded, SpinGuard, SpinLock, Tally, spin_lock};
 
 const OPEN: u8 = 0;
 const CLOSED: u8 = 1;
@@ -70,14 +82,51 @@ pub(super) struct LaneShared {
     /// snapshot adds them to the core's. A tally, not an atomic: without a metrics recorder a
     /// refusal does nothing else that costs, and under overload every thread refuses at once.
     pub(super) refused: Tally,
-    /// Runs owned, exactly: taken under the lane lock at admission, given back under it by a
-    /// failed run and without it by a completed one. A lane it shows full refuses without
-    /// taking its lock. Only completions change it outside the lock, so under the lock the
-    /// core's count of owned runs less this one is the completions the core has not counted
-    /// yet: whoever takes the lock next counts them first ([`lock_core`](Self::lock_core)),
-    /// and a completion writes one shared word, not two.
+    /// Runs owned, exactly: taken at admission under the inbox's lock (and the lane's, unless
+    /// the run went into the inbox), given back under the lane's lock by a failed run and
+    /// without it by a completed one. A lane it shows full refuses without taking a lock.
+    /// Under both locks, the core's count of owned runs plus the inbox's runs, less this one,
+    /// is the completions the core has not counted yet; under the lane's alone, that less the
+    /// inbox's runs at most. Whoever takes the lock next counts them first
+    /// ([`lock_core`](Self::lock_core)), and a completion writes one shared word, not two.
     pub(super) owned: AtomicUsize,
     pub(super) metrics: LaneMetrics,
+    /// Queued background runs admitted without the lane's lock, and the signals kept for them.
+    pub(super) inbox: Padded<SpinLock<Inbox>>,
+    /// The core's `executing`, stored under the lane's lock after every change: an admission
+    /// that reads every slot taken goes to the inbox (see `SetShared::admit`).
+    pub(super) executing: AtomicUsize,
+}
+
+/// Runs admitted while every execution slot of the lane was taken, waiting to be taken into
+/// the core's queue, in admission order; and signals for them. A run that gives its slot
+/// back takes the runs in when the queue it grants from has run dry, so under a burst the
+/// admitting thread and the running ones meet here once per batch, not once per run.
+#[derive(Default)]
+pub(super) struct Inbox {
+    runs: Vec<Held>,
+    /// Signals of ended runs, for the runs admitted here: moved over from the core's in
+    /// batches (see `SetShared::release_execution`).
+    spare: Vec<Arc<RunSignal>>,
+    /// Set by a shut once it took the runs in: no more are admitted here.
+    shut: bool,
+}
+
+/// The fewest signals the lane moves to its inbox at once, and the most the inbox holds:
+/// a move costs the inbox's lock and its line, once per this many runs.
+const INBOX_SPARE: usize = 64;
+
+impl Inbox {
+    /// A signal for a run admitted here: as [`LaneState::signal`].
+    fn signal(&mut self) -> Arc<RunSignal> {
+        if let Some(mut kept) = self.spare.pop()
+            && let Some(signal) = Arc::get_mut(&mut kept)
+        {
+            signal.reset();
+            return kept;
+        }
+        Arc::new(RunSignal::new())
+    }
 }
 
 /// The most signals a lane keeps for reuse: enough for a burst of a thousand admissions to
@@ -165,18 +214,95 @@ impl LaneShared {
         // `paired lane RT 15` on stop 49's Xeon host: two workers 0.90-0.93× -> 0.94-1.04×,
         // one thread 1.05-1.06× -> 1.13-1.14×, against std's mutex waited for spinning).
         let mut core = spin_lock(&self.core);
+        // Runs in the inbox count in `owned` and not yet in the core: this counts fewer
+        // completions than were made, never more, and `take_inbox` counts the rest.
+        self.count_completions(&mut core, 0);
+        core
+    }
+
+    /// Counts the completions made without the lane's lock, with `inboxed` runs owned outside
+    /// the core (see `owned`).
+    fn count_completions(&self, core: &mut LaneCore<Held>, inboxed: usize) {
         // SeqCst, against `complete`: see its comment on callers waiting for room.
         let owned = self.owned.load(Ordering::SeqCst);
-        debug_assert!(owned <= core.owned(), "only completions give ownership back unlocked");
-        let completed = core.owned().saturating_sub(owned);
+        let completed = (core.owned() + inboxed).saturating_sub(owned);
         if completed > 0 {
             core.complete_many(completed);
         }
-        core
+    }
+
+    /// Takes the inbox's runs in at the tail of the core's queue, in their admission order
+    /// (under the lane's lock), and answers the inbox's lock, still held: while it is, nothing
+    /// is admitted, and the core's count of owned runs is exact.
+    fn take_inbox<'a>(&'a self, core: &mut LaneCore<Held>) -> SpinGuard<'a, Inbox> {
+        let mut inbox = spin_lock(&self.inbox);
+        self.count_completions(core, inbox.runs.len());
+        for held in inbox.runs.drain(..) {
+            core.enqueue_admitted(held);
+        }
+        inbox
+    }
+
+    /// Locks the lane's core with the inbox's runs taken in: for what must see every admitted
+    /// run (a snapshot, a run that becomes ready, whose place is behind them).
+    pub(super) fn lock_core_exact(&self) -> SpinGuard<'_, LaneState> {
+        let mut state = self.lock_core();
+        drop(self.take_inbox(&mut state.core));
+        state
+    }
+
+    /// Admits a queued background run into the inbox, where every slot was read taken: its
+    /// run id and signal; or `None`, admitting nothing, if the inbox is shut or the lane full
+    /// (the lane's lock refuses the run then, and counts the refusal).
+    fn admit_to_inbox(&self, next_run_id: &AtomicU64) -> Option<(RunId, Arc<RunSignal>)> {
+        let mut inbox = spin_lock(&self.inbox);
+        // Exact: only completions change `owned` without this lock, and they lower it.
+        if inbox.shut || self.owned.load(Ordering::SeqCst) >= self.limits.capacity() {
+            return None;
+        }
+        let signal = inbox.signal();
+        inbox.runs.push(Held { handoff: Some(signal.clone()), signal: signal.clone() });
+        self.owned.fetch_add(1, Ordering::SeqCst);
+        let run_id = RunId::new(next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
+        drop(inbox);
+        // A slot given back since the read: the run that gave it stored `executing` before it
+        // took the inbox's lock to look for runs (`SetShared::release_execution`). If that
+        // lock came after this one, it took this run in; if before, this reads its store.
+        if self.executing.load(Ordering::SeqCst) < self.limits.concurrent {
+            self.grant_inbox();
+        }
+        Some((run_id, signal))
+    }
+
+    /// Takes the inbox's runs in and grants the free slots, for an admission into the inbox
+    /// that found a slot free after all. The granted runs are woken or started after the lock.
+    fn grant_inbox(&self) {
+        let mut next = Next::default();
+        // Declared before the lock's guard: a panic in `publish` still sets their latches.
+        let mut granted: Vec<Handoff> = Vec::new();
+        {
+            let mut state = self.lock_core();
+            drop(self.take_inbox(&mut state.core));
+            state.core.grant_free(|_seq, slot, held| {
+                // A run granted here was queued: it holds a second reference.
+                if let Some(signal) = held.handoff.take() {
+                    granted.push(Handoff(Some((slot, signal))));
+                }
+            });
+            self.publish(&state.core);
+        }
+        for mut handoff in granted {
+            if let Some((slot, signal)) = handoff.0.take() {
+                next.push_granted(&signal, slot);
+            }
+        }
+        // Dropped here: a parked run it carries gets a task of its own, on this runtime.
+        drop(next);
     }
 
     /// Publishes the lane's gauges (called under the lane lock, after a change).
     pub(super) fn publish(&self, core: &LaneCore<Held>) {
+        self.executing.store(core.executing(), Ordering::SeqCst);
         self.metrics.executing.set(core.executing() as f64);
         self.metrics.queued.set(core.queued() as f64);
     }
@@ -237,6 +363,8 @@ impl LaneSet {
                 waiting: AtomicUsize::new(0),
                 refused: Tally::default(),
                 owned: AtomicUsize::new(0),
+                inbox: Padded(SpinLock::new(Inbox::default())),
+                executing: AtomicUsize::new(0),
             })
             .collect();
         let shared = Arc::new(SetShared {
@@ -649,9 +777,28 @@ impl SetShared {
             return Err(AdmissionError::new(kind, lane.label, participation, run));
         }
         let prepared = prepare();
+        // A background run that would wait as data while every slot is taken (it names no
+        // limit and has no deadline): into the inbox, without the lane's lock.
+        let inboxed = participation == Participation::Background
+            && run.limit.is_none()
+            && run.queue_timeout.get().is_none()
+            && lane.executing.load(Ordering::SeqCst) >= lane.limits.concurrent;
+        if inboxed && let Some((run_id, signal)) = lane.admit_to_inbox(&self.next_run_id) {
+            lane.metrics.admitted.increment(1);
+            tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
+            // Its place in the queue is not known yet, and not needed: the run is never
+            // withdrawn from it (it has no deadline and no handle, so only a shut, which
+            // decides for it, wakes it before its grant).
+            let start =
+                Start::Queued { seq: 0, deadline: None, since: crate::observe::timing_start() };
+            return Ok((self.ticket(index, run_id, participation, start, signal, run), prepared));
+        }
         let mut state = lane.lock_core();
-        let limited = run.limit.is_some();
         let LaneState { core, spare } = &mut *state;
+        // Every admission holds the inbox's lock while it decides (invariant 2); runs admitted
+        // into it before this one are ahead of it.
+        let inbox = lane.take_inbox(core);
+        let limited = run.limit.is_some();
         let mut made = None;
         let answer = core.admit(count_full, limited, |_, starts| {
             let signal = LaneState::signal(spare);
@@ -665,6 +812,7 @@ impl SetShared {
                 // Counted under the lane lock (invariant 3); ids increase in admission order.
                 lane.owned.fetch_add(1, Ordering::SeqCst);
                 let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
+                drop(inbox);
                 lane.publish(core);
                 drop(state);
                 lane.metrics.admitted.increment(1);
@@ -688,20 +836,10 @@ impl SetShared {
                         since: crate::observe::timing_start(),
                     },
                 };
-                let info = TicketInfo { lane: index, run_id, participation };
-                let Run { job, finalizer, cleanup, queue_timeout, execution_timeout, limit } = run;
-                let ticket = Ticket {
-                    shared: self.clone(),
-                    info,
-                    start,
-                    signal,
-                    queue_timeout,
-                    execution_timeout,
-                    limit,
-                };
-                Ok(((ticket, Callbacks { job, finalizer, cleanup }), prepared))
+                Ok((self.ticket(index, run_id, participation, start, signal, run), prepared))
             }
             Err(kind) => {
+                drop(inbox);
                 drop(state);
                 if count_full && kind == AdmissionErrorKind::Full {
                     lane.metrics.rejected.increment(1);
@@ -710,6 +848,30 @@ impl SetShared {
                 Err(AdmissionError::new(kind, lane.label, participation, run))
             }
         }
+    }
+
+    /// An admitted run's ticket and callbacks.
+    fn ticket<J, F>(
+        self: &Arc<Self>,
+        lane: usize,
+        run_id: RunId,
+        participation: Participation,
+        start: Start,
+        signal: Arc<RunSignal>,
+        run: Run<J, F>,
+    ) -> Admission<J, F> {
+        let info = TicketInfo { lane, run_id, participation };
+        let Run { job, finalizer, cleanup, queue_timeout, execution_timeout, limit } = run;
+        let ticket = Ticket {
+            shared: self.clone(),
+            info,
+            start,
+            signal,
+            queue_timeout,
+            execution_timeout,
+            limit,
+        };
+        (ticket, Callbacks { job, finalizer, cleanup })
     }
 
     /// Runs owned across all lanes: the lanes' own counts, summed. There is no count of the
@@ -743,6 +905,11 @@ impl SetShared {
         self.state.fetch_max(code, Ordering::AcqRel);
         for lane in self.lanes.iter() {
             let mut core = lane.lock_core();
+            let mut inbox = lane.take_inbox(&mut core.core);
+            // Nothing more is admitted there; its signals go with the core's (below).
+            inbox.shut = true;
+            inbox.spare = Vec::new();
+            drop(inbox);
             core.shut(
                 why,
                 |held| held.signal.shut(why),
@@ -786,17 +953,32 @@ impl SetShared {
         let mut granted = Handoff(None);
         let unused = {
             let mut core = lane.lock_core();
-            let released = core.release_execution(slot, |_seq, slot, held| {
+            let mut on_grant = |_seq, slot, held: &mut Held| {
                 match held.handoff.take() {
                     Some(signal) if granted.0.is_none() => granted.0 = Some((slot, signal)),
                     // (One slot was freed, so one run is granted: never reached.)
                     _ => next.push_granted(&held.signal, slot),
                 }
-            });
+            };
+            let released = core.release_execution(slot, &mut on_grant);
+            if released.is_some() && core.has_free_slot() {
+                // The queue ran dry: the inbox's runs are next. Stored before the inbox's lock
+                // is taken, against an admission into it (see `LaneShared::admit_to_inbox`).
+                lane.executing.store(core.executing(), Ordering::SeqCst);
+                drop(lane.take_inbox(&mut core.core));
+                core.grant_free(&mut on_grant);
+            }
             let unused = released.map(|Held { signal, handoff }| {
                 core.keep(signal);
                 handoff
             });
+            if core.spare.len() >= INBOX_SPARE {
+                // Signals for the inbox's runs, a batch at a time, if it is running short.
+                let mut inbox = spin_lock(&lane.inbox);
+                if inbox.spare.len() < INBOX_SPARE && !inbox.shut {
+                    inbox.spare.extend(core.spare.drain(..));
+                }
+            }
             lane.publish(&core);
             unused
         };
@@ -841,7 +1023,7 @@ impl SetShared {
 
     fn lane_snapshot(&self, index: usize) -> LaneSnapshot {
         let lane = &self.lanes[index];
-        let core = lane.lock_core();
+        let core = lane.lock_core_exact();
         let counters = core.counters();
         let mut rejected = counters.rejected;
         // After the core's lock: every refusal without it that happened before is in the tally.
