@@ -93,6 +93,10 @@ pub(super) struct LaneShared {
     pub(super) metrics: LaneMetrics,
     /// Queued background runs admitted without the lane's lock, and the signals kept for them.
     pub(super) inbox: Padded<SpinLock<Inbox>>,
+    /// How many runs the inbox holds, stored under its lock: a run that gives its slot back
+    /// looks in the inbox only if it holds some (read after `executing` is stored, against an
+    /// admission into it: see `LaneShared::admit_to_inbox`).
+    pub(super) inboxed: AtomicUsize,
     /// The core's `executing`, stored under the lane's lock after every change: an admission
     /// that reads every slot taken goes to the inbox (see `SetShared::admit`).
     pub(super) executing: AtomicUsize,
@@ -237,8 +241,11 @@ impl LaneShared {
     fn take_inbox<'a>(&'a self, core: &mut LaneCore<Held>) -> SpinGuard<'a, Inbox> {
         let mut inbox = spin_lock(&self.inbox);
         self.count_completions(core, inbox.runs.len());
-        for held in inbox.runs.drain(..) {
-            core.enqueue_admitted(held);
+        if !inbox.runs.is_empty() {
+            self.inboxed.store(0, Ordering::SeqCst);
+            for held in inbox.runs.drain(..) {
+                core.enqueue_admitted(held);
+            }
         }
         inbox
     }
@@ -262,12 +269,13 @@ impl LaneShared {
         }
         let signal = inbox.signal();
         inbox.runs.push(Held { handoff: Some(signal.clone()), signal: signal.clone() });
+        self.inboxed.store(inbox.runs.len(), Ordering::SeqCst);
         self.owned.fetch_add(1, Ordering::SeqCst);
         let run_id = RunId::new(next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
         drop(inbox);
-        // A slot given back since the read: the run that gave it stored `executing` before it
-        // took the inbox's lock to look for runs (`SetShared::release_execution`). If that
-        // lock came after this one, it took this run in; if before, this reads its store.
+        // A slot given back since the read: the run that gave it stored `executing`, then read
+        // `inboxed` (`SetShared::release_execution`), all SeqCst. If its read came after the
+        // store above, it takes this run in; if before, this reads its store.
         if self.executing.load(Ordering::SeqCst) < self.limits.concurrent {
             self.grant_inbox();
         }
@@ -364,6 +372,7 @@ impl LaneSet {
                 refused: Tally::default(),
                 owned: AtomicUsize::new(0),
                 inbox: Padded(SpinLock::new(Inbox::default())),
+                inboxed: AtomicUsize::new(0),
                 executing: AtomicUsize::new(0),
             })
             .collect();
@@ -962,11 +971,13 @@ impl SetShared {
             };
             let released = core.release_execution(slot, &mut on_grant);
             if released.is_some() && core.has_free_slot() {
-                // The queue ran dry: the inbox's runs are next. Stored before the inbox's lock
-                // is taken, against an admission into it (see `LaneShared::admit_to_inbox`).
+                // The queue ran dry: the inbox's runs are next. Stored before the inbox is
+                // looked at, against an admission into it (see `LaneShared::admit_to_inbox`).
                 lane.executing.store(core.executing(), Ordering::SeqCst);
-                drop(lane.take_inbox(&mut core.core));
-                core.grant_free(&mut on_grant);
+                if lane.inboxed.load(Ordering::SeqCst) > 0 {
+                    drop(lane.take_inbox(&mut core.core));
+                    core.grant_free(&mut on_grant);
+                }
             }
             let unused = released.map(|Held { signal, handoff }| {
                 core.keep(signal);
