@@ -15,7 +15,9 @@
 //! 4. Grants follow readiness order: only the queue head may be granted, and
 //!    [`LaneCore::grant`] runs after every change that frees a slot. Hence while
 //!    `executing < concurrent` the queue is empty, and a run that becomes ready either starts
-//!    at once (empty queue) or waits behind everyone ready before it. A run is ready at
+//!    at once (empty queue) or waits behind everyone ready before it. (Runs taken in with
+//!    [`LaneCore::enqueue_admitted`] may wait with a slot free until the
+//!    [`LaneCore::grant_free`] that follows.) A run is ready at
 //!    admission, or, if it names a limit, once its permit is granted ([`LaneCore::ready`]): until
 //!    then it waits in `limited`, holding no execution slot (so a slot is only ever held by a
 //!    job that can run).
@@ -212,8 +214,9 @@ impl<W> LaneCore<W> {
 
     /// Takes in a run admitted without the lane's lock (the shell's inbox), whose ownership
     /// the shell counted against the bound already: it is ready, and waits at the queue's tail.
-    /// Only ever called while every slot is taken or someone waits ahead, and on an open lane
-    /// (a shut takes the inbox's runs in first, then detaches them with the queue).
+    /// Only ever called on an open lane (a shut takes the inbox's runs in first, then detaches
+    /// them with the queue). If a slot is free, whoever took the runs in, or the admission
+    /// that put them in the inbox, grants it next ([`grant_free`](Self::grant_free)).
     pub(crate) fn enqueue_admitted(&mut self, payload: W) {
         debug_assert!(self.shut.is_none(), "a shut lane takes in no more runs");
         self.next_seq += 1;
@@ -232,7 +235,8 @@ impl<W> LaneCore<W> {
         self.grant(on_grant);
     }
 
-    /// Whether a slot is free: then nobody waits in the queue (invariant 4).
+    /// Whether a slot is free: then nobody waits in the queue (invariant 4), but runs just
+    /// taken in from the shell's inbox, about to be granted.
     pub(crate) fn has_free_slot(&self) -> bool {
         self.executing < self.limits.concurrent
     }

@@ -25,7 +25,9 @@
 //!    exception is an admission into the inbox, which takes the inbox's lock alone. Every
 //!    admission holds the inbox's lock while it decides against the bound, counts itself in
 //!    `owned` and takes its run id, so admissions into a lane have one order, which is their
-//!    ids' order and their place in the queue. The lane's lock is taken before the inbox's.
+//!    ids' order and their place in the queue (a run that names a limit takes its place when
+//!    its permit comes). The lane's lock is taken before the inbox's; an admission into the
+//!    inbox that finds a slot freed meanwhile takes the lane's lock after, to grant it.
 //! 3. `shut_done` is set only after every lane's core was shut *under its lock*, so an admission
 //!    that won a lane lock before the shut has already counted itself in `owned`: `drained`
 //!    cannot resolve under its feet. A shut takes the inbox's runs in under both locks and
@@ -111,19 +113,19 @@ pub(super) struct Inbox {
     runs: Vec<Held>,
     /// Signals of ended runs, for the runs admitted here: moved over from the core's in
     /// batches (see `SetShared::release_execution`).
-    spare: Vec<Arc<RunSignal>>,
+    spare: VecDeque<Arc<RunSignal>>,
     /// Set by a shut once it took the runs in: no more are admitted here.
     shut: bool,
 }
 
-/// The fewest signals the lane moves to its inbox at once, and the most the inbox holds:
-/// a move costs the inbox's lock and its line, once per this many runs.
+/// The signals the lane moves to its inbox at once, when the inbox holds fewer: a move costs
+/// the inbox's lock and its line, at most once per this many runs that end.
 const INBOX_SPARE: usize = 64;
 
 impl Inbox {
     /// A signal for a run admitted here: as [`LaneState::signal`].
     fn signal(&mut self) -> Arc<RunSignal> {
-        if let Some(mut kept) = self.spare.pop()
+        if let Some(mut kept) = self.spare.pop_front()
             && let Some(signal) = Arc::get_mut(&mut kept)
         {
             signal.reset();
@@ -176,10 +178,13 @@ impl LaneState {
     }
 
     /// Keeps the signal of a run that left its execution slot, for a later run.
-    fn keep(&mut self, signal: Arc<RunSignal>) {
-        if self.spare.len() < SPARE_SIGNALS {
+    /// Returns whether it was kept.
+    fn keep(&mut self, signal: Arc<RunSignal>) -> bool {
+        let kept = self.spare.len() < SPARE_SIGNALS;
+        if kept {
             self.spare.push_back(signal);
         }
+        kept
     }
 }
 
@@ -917,7 +922,7 @@ impl SetShared {
             let mut inbox = lane.take_inbox(&mut core.core);
             // Nothing more is admitted there; its signals go with the core's (below).
             inbox.shut = true;
-            inbox.spare = Vec::new();
+            inbox.spare = VecDeque::new();
             drop(inbox);
             core.shut(
                 why,
@@ -965,7 +970,8 @@ impl SetShared {
             let mut on_grant = |_seq, slot, held: &mut Held| {
                 match held.handoff.take() {
                     Some(signal) if granted.0.is_none() => granted.0 = Some((slot, signal)),
-                    // (One slot was freed, so one run is granted: never reached.)
+                    // A second run, granted when the inbox is taken in: more than one slot was
+                    // free, its releases having looked before the inbox's runs were counted.
                     _ => next.push_granted(&held.signal, slot),
                 }
             };
@@ -979,15 +985,16 @@ impl SetShared {
                     core.grant_free(&mut on_grant);
                 }
             }
+            let mut kept = false;
             let unused = released.map(|Held { signal, handoff }| {
-                core.keep(signal);
+                kept = core.keep(signal);
                 handoff
             });
-            if core.spare.len() >= INBOX_SPARE {
-                // Signals for the inbox's runs, a batch at a time, if it is running short.
+            if kept && core.spare.len().is_multiple_of(INBOX_SPARE) {
+                // Signals for the inbox's runs, the oldest batch, if it is running short.
                 let mut inbox = spin_lock(&lane.inbox);
                 if inbox.spare.len() < INBOX_SPARE && !inbox.shut {
-                    inbox.spare.extend(core.spare.drain(..));
+                    inbox.spare.extend(core.spare.drain(..INBOX_SPARE));
                 }
             }
             lane.publish(&core);
