@@ -375,6 +375,7 @@ fn admissions_from_many_threads_into_busy_lanes_keep_every_invariant() {
     const LANES: [(&str, usize, usize); 2] = [("one", 1, 40), ("few", 3, 120)];
     const SPAWNERS: u64 = 4;
     const PER_SPAWNER: u64 = 1_500;
+    let mut started = 0;
     for round in 0..40u64 {
         let runtime = two_workers();
         let bounded = async move {
@@ -516,25 +517,28 @@ fn admissions_from_many_threads_into_busy_lanes_keep_every_invariant() {
             // One slot: a run starts only once the one before it ended, in the queue's order,
             // which is the order of the ids.
             let starts = starts.lock().unwrap();
-            if round % 2 == 0 {
-                assert!(starts.len() > 100, "round {round}: the lane of one slot ran runs");
-            }
             assert!(starts.windows(2).all(|w| w[0] < w[1]), "round {round}: not FIFO");
+            starts.len()
         };
-        runtime.block_on(async {
+        started += runtime.block_on(async {
             tokio::time::timeout(Duration::from_secs(120), bounded)
                 .await
                 .expect("the workload ends: no run was left owned")
         });
     }
+    // How many runs of the one-slot lane were checked for order, over all rounds: one round
+    // may run few (its spawners meet the lane full), but the test means little if all do.
+    assert!(started > 2_000, "the lane of one slot ran too few runs to check: {started}");
 }
 
 /// The race the inbox's admission must win: an admission reads the lane's one slot taken,
 /// and before it has put its run in the inbox, the running run ends on a worker thread and
 /// finds nothing to grant its slot to. The admission must then see the slot free and grant
-/// it; else its run waits in the inbox for a grant nobody will make. Admitting from a thread
-/// of its own, into a lane of one slot whose runs end at once, meets that window often over
-/// many admissions; the lane must then go idle by itself, with no close to fail what waits.
+/// it; else its run waits in the inbox for a grant nobody will make, and the lane's room runs
+/// out for good. Admitting from a thread of its own, into a lane of one slot whose runs end at
+/// once, puts admissions and releases side by side many times; the lane must keep admitting
+/// and then go idle by itself, with no close to fail what waits. (Without the admission's
+/// re-read of the slot it timed out, in stop 53.)
 #[test]
 fn a_run_admitted_as_the_last_slot_frees_is_not_stranded() {
     const RUNS: u64 = 200_000;
@@ -580,9 +584,9 @@ fn a_run_admitted_as_the_last_slot_frees_is_not_stranded() {
 }
 
 /// The bound holds across admissions that race for a lane's last places, whichever way each
-/// goes in (its lock for the first, which takes the slot; the inbox for the rest). Four
-/// threads admit at once into a lane of three places whose runs hold on until the close:
-/// exactly three are admitted, every time.
+/// goes in (the lane's lock, or the inbox once the slot reads taken). Four threads admit at
+/// once into a lane of three places whose runs hold on until the close: exactly three are
+/// admitted, every time. (Without the inbox's check of the bound it failed, in stop 53.)
 #[test]
 fn racing_admissions_never_exceed_the_bound() {
     const THREADS: usize = 4;
