@@ -114,17 +114,21 @@ pub(super) struct Inbox {
     /// Signals of ended runs, for the runs admitted here: moved over from the core's in
     /// batches (see `SetShared::release_execution`).
     spare: VecDeque<Arc<RunSignal>>,
+    /// Signals handed out here since the lane last moved some over (at most
+    /// `SPARE_SIGNALS`): how many it moves next, if it has them.
+    taken: usize,
     /// Set by a shut once it took the runs in: no more are admitted here.
     shut: bool,
 }
 
-/// The signals the lane moves to its inbox at once, when the inbox holds fewer: a move costs
-/// the inbox's lock and its line, at most once per this many runs that end.
+/// How often the lane offers its inbox signals: a look costs the inbox's lock and its line,
+/// at most once per this many runs that leave their slot.
 const INBOX_SPARE: usize = 64;
 
 impl Inbox {
     /// A signal for a run admitted here: as [`LaneState::signal`].
     fn signal(&mut self) -> Arc<RunSignal> {
+        self.taken = (self.taken + 1).min(SPARE_SIGNALS);
         if let Some(mut kept) = self.spare.pop_front()
             && let Some(signal) = Arc::get_mut(&mut kept)
         {
@@ -147,6 +151,8 @@ const SPARE_SIGNALS: usize = 1024;
 pub(super) struct LaneState {
     core: LaneCore<Held>,
     spare: VecDeque<Arc<RunSignal>>,
+    /// Runs that left their slot since the inbox was last offered signals.
+    unoffered: usize,
 }
 
 /// What a lane's core holds for a run: its signal, and for a run that waits for its slot a
@@ -160,7 +166,7 @@ pub(super) struct Held {
 
 impl LaneState {
     fn new(limits: LaneLimits) -> Self {
-        Self { core: LaneCore::new(limits), spare: VecDeque::new() }
+        Self { core: LaneCore::new(limits), spare: VecDeque::new(), unoffered: 0 }
     }
 
     /// A signal for a new run: a kept one that nobody else holds any more (its run ended, and
@@ -178,13 +184,10 @@ impl LaneState {
     }
 
     /// Keeps the signal of a run that left its execution slot, for a later run.
-    /// Returns whether it was kept.
-    fn keep(&mut self, signal: Arc<RunSignal>) -> bool {
-        let kept = self.spare.len() < SPARE_SIGNALS;
-        if kept {
+    fn keep(&mut self, signal: Arc<RunSignal>) {
+        if self.spare.len() < SPARE_SIGNALS {
             self.spare.push_back(signal);
         }
-        kept
     }
 }
 
@@ -274,13 +277,20 @@ impl LaneShared {
         }
         let signal = inbox.signal();
         inbox.runs.push(Held { handoff: Some(signal.clone()), signal: signal.clone() });
-        self.inboxed.store(inbox.runs.len(), Ordering::SeqCst);
+        if inbox.runs.len() == 1 {
+            // Only the first run of a batch: a release reads the inbox as holding runs or
+            // not, and this stays stored until the release that takes them in clears it.
+            self.inboxed.store(1, Ordering::SeqCst);
+        }
         self.owned.fetch_add(1, Ordering::SeqCst);
         let run_id = RunId::new(next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
         drop(inbox);
         // A slot given back since the read: the run that gave it stored `executing`, then read
         // `inboxed` (`SetShared::release_execution`), all SeqCst. If its read came after the
-        // store above, it takes this run in; if before, this reads its store.
+        // store of `inboxed` for this batch, it takes this run in (or the batch's first
+        // admission did, before this push, and this run went into an empty inbox, storing
+        // `inboxed` anew); if before, the admission that stored it reads the free slot and
+        // takes in every run pushed by then, and this one reads it too if it came after.
         if self.executing.load(Ordering::SeqCst) < self.limits.concurrent {
             self.grant_inbox();
         }
@@ -315,7 +325,14 @@ impl LaneShared {
 
     /// Publishes the lane's gauges (called under the lane lock, after a change).
     pub(super) fn publish(&self, core: &LaneCore<Held>) {
-        self.executing.store(core.executing(), Ordering::SeqCst);
+        // Stored only if changed: a release that grants its slot on leaves it as it was. A
+        // value read stale is safe: too high sends an admission to the inbox, which it reads
+        // again after; too low sends it to the lane's lock. What must not be missed, a slot
+        // left free, is stored SeqCst by the release itself.
+        let executing = core.executing();
+        if self.executing.load(Ordering::Relaxed) != executing {
+            self.executing.store(executing, Ordering::SeqCst);
+        }
         self.metrics.executing.set(core.executing() as f64);
         self.metrics.queued.set(core.queued() as f64);
     }
@@ -808,7 +825,7 @@ impl SetShared {
             return Ok((self.ticket(index, run_id, participation, start, signal, run), prepared));
         }
         let mut state = lane.lock_core();
-        let LaneState { core, spare } = &mut *state;
+        let LaneState { core, spare, .. } = &mut *state;
         // Every admission holds the inbox's lock while it decides (invariant 2); runs admitted
         // into it before this one are ahead of it.
         let inbox = lane.take_inbox(core);
@@ -985,16 +1002,20 @@ impl SetShared {
                     core.grant_free(&mut on_grant);
                 }
             }
-            let mut kept = false;
             let unused = released.map(|Held { signal, handoff }| {
-                kept = core.keep(signal);
+                core.keep(signal);
                 handoff
             });
-            if kept && core.spare.len().is_multiple_of(INBOX_SPARE) {
-                // Signals for the inbox's runs, the oldest batch, if it is running short.
+            core.unoffered += 1;
+            if core.unoffered >= INBOX_SPARE && !core.spare.is_empty() {
+                // Signals for the inbox's runs, as many as it handed out since the last look
+                // (the oldest kept): a look at most once per this many runs.
+                core.unoffered = 0;
                 let mut inbox = spin_lock(&lane.inbox);
-                if inbox.spare.len() < INBOX_SPARE && !inbox.shut {
-                    inbox.spare.extend(core.spare.drain(..INBOX_SPARE));
+                let moved = inbox.taken.min(core.spare.len());
+                if moved > 0 && !inbox.shut {
+                    inbox.taken -= moved;
+                    inbox.spare.extend(core.spare.drain(..moved));
                 }
             }
             lane.publish(&core);
@@ -1157,5 +1178,51 @@ mod tests {
         assert_eq!(third.await.unwrap(), 3);
         set.close();
         assert_eq!(set.shared.lanes[0].lock_core().spare.len(), 0, "a shut lets them go");
+    }
+
+    /// Runs admitted into the inbox get their signals from it, and the lane moves its kept
+    /// signals over as fast as the inbox hands them out: a second burst into a busy lane
+    /// makes (almost) no signals, however large the first.
+    #[tokio::test]
+    async fn a_burst_into_the_inbox_reuses_the_last_bursts_signals() {
+        const BURST: usize = 500;
+        let set = LaneSet::builder()
+            .lane("a", LaneLimits::new(1, BURST))
+            .audit_timeout(Duration::from_secs(1))
+            .finalization_timeout(Duration::from_secs(1))
+            .worker_drain_timeout(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let made = || super::super::signal::MADE.with(std::cell::Cell::get);
+        let burst = || async {
+            let hold = Arc::new(Notify::new());
+            let held = hold.clone();
+            // Takes the slot until told: the burst behind it goes to the inbox.
+            set.spawn(
+                "a",
+                Run::typed(move |_cx| async move {
+                    held.notified().await;
+                    Ok::<(), Infallible>(())
+                }),
+            )
+            .unwrap();
+            tokio::task::yield_now().await;
+            let before = made();
+            for _ in 0..BURST - 1 {
+                set.spawn("a", Run::typed(|_cx| ready(Ok::<(), Infallible>(())))).unwrap();
+            }
+            let made_here = made() - before;
+            let inboxed = set.shared.lanes[0].inbox.lock().runs.len();
+            hold.notify_one();
+            while set.snapshot().owned > 0 {
+                tokio::task::yield_now().await;
+            }
+            (made_here, inboxed)
+        };
+        let (first, inboxed) = burst().await;
+        assert_eq!(inboxed, BURST - 1, "the burst went to the inbox");
+        assert_eq!(first, BURST - 1, "a first burst makes its signals");
+        let (second, _) = burst().await;
+        assert!(second < BURST / 8, "the second burst made {second} signals");
     }
 }
