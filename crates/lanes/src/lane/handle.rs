@@ -95,9 +95,10 @@ pub(super) struct LaneShared {
     pub(super) metrics: LaneMetrics,
     /// Queued background runs admitted without the lane's lock, and the signals kept for them.
     pub(super) inbox: Padded<SpinLock<Inbox>>,
-    /// How many runs the inbox holds, stored under its lock: a run that gives its slot back
-    /// looks in the inbox only if it holds some (read after `executing` is stored, against an
-    /// admission into it: see `LaneShared::admit_to_inbox`).
+    /// 1 while the inbox holds runs, else 0: stored under its lock by the admission that
+    /// makes it non-empty and by whatever takes its runs in. A run that gives its slot back
+    /// looks in the inbox only if this says it holds some (read after `executing` is stored,
+    /// against an admission into it: see `LaneShared::admit_to_inbox`).
     pub(super) inboxed: AtomicUsize,
     /// The core's `executing`, stored under the lane's lock after every change: an admission
     /// that reads every slot taken goes to the inbox (see `SetShared::admit`).
@@ -185,7 +186,8 @@ impl LaneState {
 
     /// Keeps the signal of a run that left its execution slot, for a later run.
     fn keep(&mut self, signal: Arc<RunSignal>) {
-        if self.spare.len() < SPARE_SIGNALS {
+        // A shut lane admits nothing more: it keeps none (its shut let the kept ones go).
+        if self.spare.len() < SPARE_SIGNALS && self.core.shut_state().is_none() {
             self.spare.push_back(signal);
         }
     }
@@ -279,7 +281,10 @@ impl LaneShared {
         inbox.runs.push(Held { handoff: Some(signal.clone()), signal: signal.clone() });
         if inbox.runs.len() == 1 {
             // Only the first run of a batch: a release reads the inbox as holding runs or
-            // not, and this stays stored until the release that takes them in clears it.
+            // not, and this stays stored until whatever takes them in clears it (a release,
+            // `grant_inbox`, an admission under the lane's lock, a snapshot, a limited run
+            // that becomes ready, a shut: all under the lane's lock, and only the first two
+            // grant, which is why this admission reads `executing` after).
             self.inboxed.store(1, Ordering::SeqCst);
         }
         self.owned.fetch_add(1, Ordering::SeqCst);
@@ -1180,6 +1185,29 @@ mod tests {
         assert_eq!(set.shared.lanes[0].lock_core().spare.len(), 0, "a shut lets them go");
     }
 
+    /// A run that leaves its slot after the shut keeps no signal: the shut let the kept ones
+    /// go, and a shut lane admits nothing that could use one.
+    #[tokio::test]
+    async fn a_run_ending_after_the_shut_keeps_no_signal() {
+        let set = LaneSet::builder()
+            .lane("a", LaneLimits::new(1, 1))
+            .audit_timeout(Duration::from_secs(1))
+            .finalization_timeout(Duration::from_secs(1))
+            .worker_drain_timeout(Duration::from_secs(1))
+            .build()
+            .unwrap();
+        let run = Run::typed(|cx: crate::RunContext| async move {
+            cx.cancelled().await;
+            Ok::<(), Infallible>(())
+        });
+        set.spawn("a", run).unwrap();
+        tokio::task::yield_now().await; // the job waits for its cancellation
+        set.close();
+        set.drained().await;
+        let state = set.shared.lanes[0].lock_core();
+        assert_eq!(state.spare.len(), 0, "the run ended after the shut");
+    }
+
     /// Runs admitted into the inbox get their signals from it, and the lane moves its kept
     /// signals over as fast as the inbox hands them out: a second burst into a busy lane
     /// makes (almost) no signals, however large the first.
@@ -1223,6 +1251,8 @@ mod tests {
         assert_eq!(inboxed, BURST - 1, "the burst went to the inbox");
         assert_eq!(first, BURST - 1, "a first burst makes its signals");
         let (second, _) = burst().await;
-        assert!(second < BURST / 8, "the second burst made {second} signals");
+        // Moves come 64 at a time, so under 64 of the first burst's are left out; an inbox
+        // given too few (64 in all, as a review's first fix had it) made 435 here.
+        assert!(second < BURST / 4, "the second burst made {second} signals");
     }
 }
