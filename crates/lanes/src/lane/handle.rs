@@ -1138,18 +1138,23 @@ mod tests {
     use super::*;
     use crate::Run;
 
+    /// A set of one lane, "a", with these limits and timeouts that never fire in a test.
+    fn lane_a(limits: LaneLimits) -> LaneSet {
+        LaneSet::builder()
+            .lane("a", limits)
+            .audit_timeout(Duration::from_secs(1))
+            .finalization_timeout(Duration::from_secs(1))
+            .worker_drain_timeout(Duration::from_secs(1))
+            .build()
+            .unwrap()
+    }
+
     /// The mechanism itself (the integration tests check what a reused signal must not carry):
     /// the signal of a run that ended is kept, holds no waker, and is the one the next
     /// admission gets; a shut lets the kept signals go.
     #[tokio::test]
     async fn an_ended_runs_signal_is_kept_and_given_to_the_next_run() {
-        let set = LaneSet::builder()
-            .lane("a", LaneLimits::new(1, 4))
-            .audit_timeout(Duration::from_secs(1))
-            .finalization_timeout(Duration::from_secs(1))
-            .worker_drain_timeout(Duration::from_secs(1))
-            .build()
-            .unwrap();
+        let set = lane_a(LaneLimits::new(1, 4));
         let job = || {
             Run::typed(|_cx| async {
                 tokio::task::yield_now().await; // pending once: its driver registers a waker
@@ -1189,13 +1194,7 @@ mod tests {
     /// go, and a shut lane admits nothing that could use one.
     #[tokio::test]
     async fn a_run_ending_after_the_shut_keeps_no_signal() {
-        let set = LaneSet::builder()
-            .lane("a", LaneLimits::new(1, 1))
-            .audit_timeout(Duration::from_secs(1))
-            .finalization_timeout(Duration::from_secs(1))
-            .worker_drain_timeout(Duration::from_secs(1))
-            .build()
-            .unwrap();
+        let set = lane_a(LaneLimits::new(1, 1));
         let run = Run::typed(|cx: crate::RunContext| async move {
             cx.cancelled().await;
             Ok::<(), Infallible>(())
@@ -1214,13 +1213,7 @@ mod tests {
     #[tokio::test]
     async fn a_burst_into_the_inbox_reuses_the_last_bursts_signals() {
         const BURST: usize = 500;
-        let set = LaneSet::builder()
-            .lane("a", LaneLimits::new(1, BURST))
-            .audit_timeout(Duration::from_secs(1))
-            .finalization_timeout(Duration::from_secs(1))
-            .worker_drain_timeout(Duration::from_secs(1))
-            .build()
-            .unwrap();
+        let set = lane_a(LaneLimits::new(1, BURST));
         let made = || super::super::signal::MADE.with(std::cell::Cell::get);
         let burst = || async {
             let hold = Arc::new(Notify::new());
