@@ -95,11 +95,11 @@ pub(super) struct LaneShared {
     pub(super) metrics: LaneMetrics,
     /// Queued background runs admitted without the lane's lock, and the signals kept for them.
     pub(super) inbox: Padded<SpinLock<Inbox>>,
-    /// 1 while the inbox holds runs, else 0: stored under its lock by the admission that
-    /// makes it non-empty and by whatever takes its runs in. A run that gives its slot back
+    /// Whether the inbox holds runs: stored under its lock by the admission that makes it
+    /// non-empty and by whatever takes its runs in. A run that gives its slot back
     /// looks in the inbox only if this says it holds some (read after `executing` is stored,
     /// against an admission into it: see `LaneShared::admit_to_inbox`).
-    pub(super) inboxed: AtomicUsize,
+    pub(super) inboxed: AtomicBool,
     /// The core's `executing`, stored under the lane's lock after every change: an admission
     /// that reads every slot taken goes to the inbox (see `SetShared::admit`).
     pub(super) executing: AtomicUsize,
@@ -252,7 +252,7 @@ impl LaneShared {
         let mut inbox = spin_lock(&self.inbox);
         self.count_completions(core, inbox.runs.len());
         if !inbox.runs.is_empty() {
-            self.inboxed.store(0, Ordering::SeqCst);
+            self.inboxed.store(false, Ordering::SeqCst);
             for held in inbox.runs.drain(..) {
                 core.enqueue_admitted(held);
             }
@@ -285,7 +285,7 @@ impl LaneShared {
             // `grant_inbox`, an admission under the lane's lock, a snapshot, a limited run
             // that becomes ready, a shut: all under the lane's lock, and only the first two
             // grant, which is why this admission reads `executing` after).
-            self.inboxed.store(1, Ordering::SeqCst);
+            self.inboxed.store(true, Ordering::SeqCst);
         }
         self.owned.fetch_add(1, Ordering::SeqCst);
         let run_id = RunId::new(next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
@@ -399,7 +399,7 @@ impl LaneSet {
                 refused: Tally::default(),
                 owned: AtomicUsize::new(0),
                 inbox: Padded(SpinLock::new(Inbox::default())),
-                inboxed: AtomicUsize::new(0),
+                inboxed: AtomicBool::new(false),
                 executing: AtomicUsize::new(0),
             })
             .collect();
@@ -1002,7 +1002,7 @@ impl SetShared {
                 // The queue ran dry: the inbox's runs are next. Stored before the inbox is
                 // looked at, against an admission into it (see `LaneShared::admit_to_inbox`).
                 lane.executing.store(core.executing(), Ordering::SeqCst);
-                if lane.inboxed.load(Ordering::SeqCst) > 0 {
+                if lane.inboxed.load(Ordering::SeqCst) {
                     drop(lane.take_inbox(&mut core.core));
                     core.grant_free(&mut on_grant);
                 }
