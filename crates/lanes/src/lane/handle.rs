@@ -127,16 +127,10 @@ pub(super) struct Inbox {
 const INBOX_SPARE: usize = 64;
 
 impl Inbox {
-    /// A signal for a run admitted here: as [`LaneState::signal`].
+    /// A signal for a run admitted here, from the inbox's kept ones ([`LaneState::signal`]).
     fn signal(&mut self) -> Arc<RunSignal> {
         self.taken = (self.taken + 1).min(SPARE_SIGNALS);
-        if let Some(mut kept) = self.spare.pop_front()
-            && let Some(signal) = Arc::get_mut(&mut kept)
-        {
-            signal.reset();
-            return kept;
-        }
-        Arc::new(RunSignal::new())
+        LaneState::signal(&mut self.spare)
     }
 }
 
@@ -172,6 +166,9 @@ impl LaneState {
 
     /// A signal for a new run: a kept one that nobody else holds any more (its run ended, and
     /// `get_mut` sees every access made through the other handles), else a new one.
+    // Inlined: called from the inbox's admission too, where a call costs 15 instructions a run
+    // (cachegrind, `fixed lane 8`: 1,922 against 1,907).
+    #[inline]
     fn signal(spare: &mut VecDeque<Arc<RunSignal>>) -> Arc<RunSignal> {
         if let Some(mut kept) = spare.pop_front()
             && let Some(signal) = Arc::get_mut(&mut kept)
@@ -302,6 +299,22 @@ impl LaneShared {
         Some((run_id, signal))
     }
 
+    /// Moves kept signals over to the inbox, as many as it handed out since the last look (the
+    /// oldest kept), looking at most once per [`INBOX_SPARE`] runs that leave their slot.
+    fn offer_spares(&self, state: &mut LaneState) {
+        state.unoffered += 1;
+        if state.unoffered < INBOX_SPARE || state.spare.is_empty() {
+            return;
+        }
+        state.unoffered = 0;
+        let mut inbox = spin_lock(&self.inbox);
+        let moved = inbox.taken.min(state.spare.len());
+        if moved > 0 && !inbox.shut {
+            inbox.taken -= moved;
+            inbox.spare.extend(state.spare.drain(..moved));
+        }
+    }
+
     /// Takes the inbox's runs in and grants the free slots, for an admission into the inbox
     /// that found a slot free after all. The granted runs are woken or started after the lock.
     fn grant_inbox(&self) {
@@ -309,8 +322,7 @@ impl LaneShared {
         // Declared before the lock's guard: a panic in `publish` still sets their latches.
         let mut granted: Vec<Handoff> = Vec::new();
         {
-            let mut state = self.lock_core();
-            drop(self.take_inbox(&mut state.core));
+            let mut state = self.lock_core_exact();
             state.core.grant_free(|_seq, slot, held| {
                 // A run granted here was queued: it holds a second reference.
                 if let Some(signal) = held.handoff.take() {
@@ -338,7 +350,7 @@ impl LaneShared {
         if self.executing.load(Ordering::Relaxed) != executing {
             self.executing.store(executing, Ordering::SeqCst);
         }
-        self.metrics.executing.set(core.executing() as f64);
+        self.metrics.executing.set(executing as f64);
         self.metrics.queued.set(core.queued() as f64);
     }
 }
@@ -1011,18 +1023,7 @@ impl SetShared {
                 core.keep(signal);
                 handoff
             });
-            core.unoffered += 1;
-            if core.unoffered >= INBOX_SPARE && !core.spare.is_empty() {
-                // Signals for the inbox's runs, as many as it handed out since the last look
-                // (the oldest kept): a look at most once per this many runs.
-                core.unoffered = 0;
-                let mut inbox = spin_lock(&lane.inbox);
-                let moved = inbox.taken.min(core.spare.len());
-                if moved > 0 && !inbox.shut {
-                    inbox.taken -= moved;
-                    inbox.spare.extend(core.spare.drain(..moved));
-                }
-            }
+            lane.offer_spares(&mut core);
             lane.publish(&core);
             unused
         };
