@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lanes::{LaneLimits, LaneSet, Run, RunFailure, RunId};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tokio::time::{Instant, sleep};
 
 /// xorshift64*: deterministic, dependency-free.
@@ -376,6 +377,10 @@ fn admissions_from_many_threads_into_busy_lanes_keep_every_invariant() {
     const SPAWNERS: u64 = 4;
     const PER_SPAWNER: u64 = 1_500;
     let mut started = 0;
+    // The lanes' gauges are checked at quiescence: built under this recorder, their handles
+    // record from any thread.
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = &recorder.snapshotter();
     for round in 0..40u64 {
         let runtime = two_workers();
         let bounded = async move {
@@ -501,6 +506,23 @@ fn admissions_from_many_threads_into_busy_lanes_keep_every_invariant() {
                 "round {round}: the finalized runs are the admitted ones"
             );
             assert!(finalized.values().all(|calls| *calls == 1), "round {round}: once each");
+            // Nothing executes or waits, and the gauges say so: the `queued` one, which
+            // admissions into an inbox move without the lane's lock, is back at zero. (A read
+            // resets the recorder's gauges: each round's read covers that round.)
+            let mut gauges = 0;
+            for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+                let name = key.key().name();
+                if name == "lanes_lane_queued" || name == "lanes_lane_executing" {
+                    let labels: Vec<_> = key.key().labels().map(|l| l.value().to_owned()).collect();
+                    assert_eq!(
+                        value,
+                        DebugValue::Gauge(0.0.into()),
+                        "round {round}: {name} {labels:?}"
+                    );
+                    gauges += 1;
+                }
+            }
+            assert_eq!(gauges, 2 * LANES.len(), "round {round}: every lane's two gauges");
             let (mut counted_in, mut counted_out) = (0, 0);
             for (lane, (name, concurrent, queued)) in snapshot.lanes.iter().zip(LANES) {
                 assert!(lane.max_executing <= concurrent, "round {round}: {name} executing");
@@ -520,10 +542,12 @@ fn admissions_from_many_threads_into_busy_lanes_keep_every_invariant() {
             assert!(starts.windows(2).all(|w| w[0] < w[1]), "round {round}: not FIFO");
             starts.len()
         };
-        started += runtime.block_on(async {
-            tokio::time::timeout(Duration::from_secs(120), bounded)
-                .await
-                .expect("the workload ends: no run was left owned")
+        started += metrics::with_local_recorder(&recorder, || {
+            runtime.block_on(async {
+                tokio::time::timeout(Duration::from_secs(120), bounded)
+                    .await
+                    .expect("the workload ends: no run was left owned")
+            })
         });
     }
     // How many runs of the one-slot lane were checked for order, over all rounds: one round

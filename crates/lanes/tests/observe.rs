@@ -8,6 +8,7 @@ use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
 use lanes::observe::{METRICS, Observe, Registry, Snapshot};
 use lanes::spill::MemStorage;
 use lanes::{LaneLimits, LaneSet, LimitSpec, Limits, Priority, Run, SpillOptions, SpillQueue};
+use metrics::{SharedString, Unit};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
 /// A series: its name, its labels and its value.
@@ -264,6 +265,96 @@ fn a_channel_counts_records_handed_to_its_read() {
     ] {
         assert_eq!(value(&snapshot, name, &handed), &DebugValue::Counter(want), "{name}");
     }
+}
+
+/// A recorder that keeps the lane gauges' values, read without resetting them (a snapshot of
+/// the debugging recorder resets every gauge it reads).
+struct LaneGauges {
+    executing: Arc<metrics::atomics::AtomicU64>,
+    queued: Arc<metrics::atomics::AtomicU64>,
+}
+
+impl LaneGauges {
+    fn read(gauge: &metrics::atomics::AtomicU64) -> f64 {
+        f64::from_bits(gauge.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+impl metrics::Recorder for LaneGauges {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::noop()
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        match key.name() {
+            "lanes_lane_executing" => metrics::Gauge::from_arc(self.executing.clone()),
+            "lanes_lane_queued" => metrics::Gauge::from_arc(self.queued.clone()),
+            _ => metrics::Gauge::noop(),
+        }
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// Background runs admitted while every execution slot is taken wait in the lane's inbox,
+/// outside its lock: the `queued` gauge counts them as they come, not only once something
+/// takes them into the lane's queue, and taking them in does not count them twice.
+#[test]
+fn a_lanes_queued_gauge_counts_runs_admitted_while_every_slot_is_taken() {
+    let recorder = LaneGauges { executing: Arc::default(), queued: Arc::default() };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let (executing, queued) =
+        (|| LaneGauges::read(&recorder.executing), || LaneGauges::read(&recorder.queued));
+    metrics::with_local_recorder(&recorder, || {
+        rt.block_on(async {
+            let lanes = LaneSet::builder()
+                .lane("work", LaneLimits::new(1, 16))
+                .audit_timeout(Duration::from_secs(1))
+                .finalization_timeout(Duration::from_secs(1))
+                .worker_drain_timeout(Duration::from_secs(1))
+                .name("inbox")
+                .build()
+                .unwrap();
+            let sleep = |ms: u64| {
+                Run::typed(move |_cx| async move {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    Ok::<(), std::io::Error>(())
+                })
+            };
+            lanes.spawn("work", sleep(100)).unwrap();
+            assert_eq!((executing(), queued()), (1.0, 0.0));
+            for _ in 0..5 {
+                lanes.spawn("work", sleep(10)).unwrap();
+            }
+            // Nothing has ended: the five wait, and the gauge says so.
+            assert_eq!(queued(), 5.0);
+            // A snapshot takes them into the lane's queue: counted once still.
+            assert_eq!(lanes.snapshot().lanes[0].queued, 5);
+            assert_eq!(queued(), 5.0);
+            for _ in 0..3 {
+                lanes.spawn("work", sleep(10)).unwrap();
+            }
+            assert_eq!(queued(), 8.0);
+            // The first run ends and the next starts; the rest run one at a time after it.
+            tokio::time::sleep(Duration::from_millis(105)).await;
+            assert_eq!((executing(), queued()), (1.0, 7.0));
+            lanes.close();
+            lanes.drained().await;
+            assert_eq!((executing(), queued()), (0.0, 0.0));
+        });
+    });
+    assert_eq!((executing(), queued()), (0.0, 0.0));
 }
 
 #[test]

@@ -103,6 +103,11 @@ pub(super) struct LaneShared {
     /// The core's `executing`, stored under the lane's lock after every change: an admission
     /// that reads every slot taken goes to the inbox (see `SetShared::admit`).
     pub(super) executing: AtomicUsize,
+    /// How many of the core's queued runs the `queued` gauge counts; it counts the inbox's
+    /// too, from their admission, which does not take the lane's lock. So the gauge moves by
+    /// differences: an inbox admission adds one, and a publish adds what the core's queue
+    /// changed by since this count. Read and written under the lane's lock only.
+    pub(super) queued_gauged: AtomicUsize,
 }
 
 /// Runs admitted while every execution slot of the lane was taken, waiting to be taken into
@@ -217,6 +222,18 @@ impl std::ops::DerefMut for LaneState {
     }
 }
 
+impl Drop for LaneShared {
+    /// The `queued` gauge moves by differences: a lane that goes away with runs still queued
+    /// (its runtime dropped them) takes back what it counts, so that a set built again under
+    /// the same names counts its own runs only.
+    fn drop(&mut self) {
+        let left = self.queued_gauged.load(Ordering::Relaxed) + spin_lock(&self.inbox).runs.len();
+        if left > 0 {
+            self.metrics.queued_moved(left, 0);
+        }
+    }
+}
+
 impl LaneShared {
     /// Locks the lane's core, after counting the completions made without its lock.
     pub(super) fn lock_core(&self) -> SpinGuard<'_, LaneState> {
@@ -250,6 +267,9 @@ impl LaneShared {
         self.count_completions(core, inbox.runs.len());
         if !inbox.runs.is_empty() {
             self.inboxed.store(false, Ordering::SeqCst);
+            // The gauge counted them at their admission: now it counts them as the core's.
+            let gauged = self.queued_gauged.load(Ordering::Relaxed);
+            self.queued_gauged.store(gauged + inbox.runs.len(), Ordering::Relaxed);
             for held in inbox.runs.drain(..) {
                 core.enqueue_admitted(held);
             }
@@ -287,6 +307,7 @@ impl LaneShared {
         self.owned.fetch_add(1, Ordering::SeqCst);
         let run_id = RunId::new(next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
         drop(inbox);
+        self.metrics.queued.increment(1.0);
         // A slot given back since the read: the run that gave it stored `executing`, then read
         // `inboxed` (`SetShared::release_execution`), all SeqCst. If its read came after the
         // store of `inboxed` for this batch, it takes this run in (or the batch's first
@@ -351,7 +372,11 @@ impl LaneShared {
             self.executing.store(executing, Ordering::SeqCst);
         }
         self.metrics.executing.set(executing as f64);
-        self.metrics.queued.set(core.queued() as f64);
+        let (queued, gauged) = (core.queued(), self.queued_gauged.load(Ordering::Relaxed));
+        if queued != gauged {
+            self.queued_gauged.store(queued, Ordering::Relaxed);
+            self.metrics.queued_moved(gauged, queued);
+        }
     }
 }
 
@@ -413,6 +438,7 @@ impl LaneSet {
                 inbox: Padded(SpinLock::new(Inbox::default())),
                 inboxed: AtomicBool::new(false),
                 executing: AtomicUsize::new(0),
+                queued_gauged: AtomicUsize::new(0),
             })
             .collect();
         let shared = Arc::new(SetShared {

@@ -51,6 +51,17 @@ impl LaneMetrics {
         }
     }
 
+    /// Moves the `queued` gauge by the difference from `from` runs to `to`: it moves by
+    /// differences, not set, as the inbox's admissions count themselves without the lane's
+    /// lock (see `LaneShared::queued_gauged`).
+    pub(super) fn queued_moved(&self, from: usize, to: usize) {
+        if to > from {
+            self.queued.increment((to - from) as f64);
+        } else {
+            self.queued.decrement((from - to) as f64);
+        }
+    }
+
     /// Counts a finished run: `None` for success, else the reason it failed.
     pub(super) fn finished(&self, failure: Option<Reason>) {
         let index = match failure {
