@@ -112,3 +112,61 @@ fn runs_limits_and_spill_queues_report_to_tracing() {
     assert!(event("admitted").is_some());
     assert!(event("recovered").is_some());
 }
+
+/// Names of spans opened and closed, in order.
+#[derive(Clone, Default)]
+struct Closes(Arc<Mutex<(Vec<String>, Vec<String>)>>);
+
+impl Subscriber for Closes {
+    fn enabled(&self, _: &Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, span: &Attributes<'_>) -> Id {
+        let mut seen = self.0.lock().unwrap();
+        seen.0.push(span.metadata().name().to_owned());
+        Id::from_u64(seen.0.len() as u64)
+    }
+    fn record(&self, _: &Id, _: &Record<'_>) {}
+    fn record_follows_from(&self, _: &Id, _: &Id) {}
+    fn event(&self, _: &Event<'_>) {}
+    fn enter(&self, _: &Id) {}
+    fn exit(&self, _: &Id) {}
+    fn try_close(&self, span: Id) -> bool {
+        let mut seen = self.0.lock().unwrap();
+        let name = seen.0[span.into_u64() as usize - 1].clone();
+        seen.1.push(name);
+        true
+    }
+}
+
+/// A background run's span closes as the run ends, though the lane keeps its signal (and, with
+/// no subscriber wanting the span, the run's spent drive in it) until a later admission.
+#[test]
+fn a_background_runs_span_closes_as_it_ends() {
+    let closes = Closes::default();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    tracing::subscriber::with_default(closes.clone(), || {
+        rt.block_on(async {
+            let lanes = LaneSet::builder()
+                .lane("work", LaneLimits::new(1, 4))
+                .audit_timeout(Duration::from_secs(1))
+                .finalization_timeout(Duration::from_secs(1))
+                .worker_drain_timeout(Duration::from_secs(1))
+                .build()
+                .unwrap();
+            for _ in 0..3 {
+                lanes.spawn("work", Run::typed(|_| async { Ok::<_, std::io::Error>(()) })).unwrap();
+            }
+            while lanes.snapshot().owned > 0 {
+                tokio::task::yield_now().await;
+            }
+            // Nothing admitted since: every run's span is closed all the same.
+            let runs = |names: &[String]| names.iter().filter(|n| *n == "lanes.run").count();
+            let counts = {
+                let seen = closes.0.lock().unwrap();
+                (runs(&seen.0), runs(&seen.1))
+            };
+            assert_eq!(counts, (3, 3), "opened, closed");
+        });
+    });
+}

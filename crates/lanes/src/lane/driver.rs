@@ -97,13 +97,15 @@ pub(super) type Step = Pin<Box<dyn Future<Output = Next> + Send>>;
 /// runs whose jobs never wait still yields to the scheduler when the task's budget is spent.
 pub(super) async fn work(mut step: Step) {
     loop {
-        let mut next = step.await;
-        if next.0.is_none() {
+        let mut next = (&mut step).await;
+        if next.run.is_none() {
+            next.bury(step);
             return;
         }
         // Carried across the yield: if this task is dropped there, `Next`'s drop spawns it.
         tokio::task::coop::consume_budget().await;
-        step = next.0.take().expect("checked before the yield").0;
+        let following = next.run.take().expect("checked before the yield").0;
+        next.bury(std::mem::replace(&mut step, following));
     }
 }
 
@@ -112,13 +114,17 @@ pub(super) async fn work(mut step: Step) {
 /// first (an audit, finalizer or cleanup that does not finish on its first poll), in which
 /// case it is spawned then, so that it never waits for the end of another run.
 #[derive(Default)]
-pub(super) struct Next(Option<Parked>);
+pub(super) struct Next {
+    run: Option<Parked>,
+    /// The ended run's signal, which its task leaves the run's spent drive in (see `bury`).
+    spent: Option<Arc<RunSignal>>,
+}
 
 impl Next {
     /// Carries `run`; a second one (never, when one slot was freed) gets its own task.
     pub(super) fn push(&mut self, run: Parked) {
-        match self.0 {
-            None => self.0 = Some(run),
+        match self.run {
+            None => self.run = Some(run),
             Some(_) => run.start(),
         }
     }
@@ -133,8 +139,17 @@ impl Next {
 
     /// Spawns the carried run, if any: its carrier is about to wait.
     fn spawn(&mut self) {
-        if let Some(run) = self.0.take() {
+        if let Some(run) = self.run.take() {
             run.start();
+        }
+    }
+
+    /// Leaves the ended run's spent drive in its signal, to be freed when the lane reuses the
+    /// signal for a run it admits, on the admitting thread; else drops it here.
+    fn bury(&mut self, step: Step) {
+        match self.spent.take() {
+            Some(signal) => signal.bury(step),
+            None => drop(step),
         }
     }
 }
@@ -295,6 +310,10 @@ where
         run = t.info.run_id.get(),
         participation = ?t.info.participation,
     );
+    // A disabled span (no subscriber wants it) may be dropped late: the spent drive that holds
+    // it is left in the run's signal, to be freed on the admitting thread (`RunSignal::bury`).
+    // An enabled one closes as the run ends, with its drive.
+    let bury = span.is_disabled();
     let run = async move {
         let (job, finalizer, cleanup) = (callbacks.job, callbacks.finalizer, callbacks.cleanup);
         // The run this one gives its execution slot to, if it was parked (see `Next`).
@@ -393,6 +412,9 @@ where
         let failure = result.as_ref().err().map(RunFailure::reason);
         tracing::debug!(outcome = failure.map_or("ok", Reason::as_str), "finalized");
         t.shared.complete(t.info.lane, failure);
+        if bury {
+            next.spent = Some(t.signal);
+        }
         end((result, next))
     };
     tracing::Instrument::instrument(run, span)

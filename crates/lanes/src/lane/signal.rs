@@ -23,7 +23,7 @@ use tokio::sync::Notify;
 use crate::util::{SpinLock, same_waker, spin_lock};
 
 use super::core::Shut;
-use super::driver::Parked;
+use super::driver::{Parked, Step};
 use super::error::Reason;
 
 const WAITING: u8 = 0;
@@ -45,6 +45,8 @@ enum Driver {
     None,
     Task(Waker),
     Parked(Parked),
+    /// The spent drive of the run that ended, freed when the signal is reset for a new run.
+    Spent(Step),
 }
 
 impl std::fmt::Debug for Driver {
@@ -53,6 +55,7 @@ impl std::fmt::Debug for Driver {
             Self::None => "None",
             Self::Task(_) => "Task",
             Self::Parked(_) => "Parked",
+            Self::Spent(_) => "Spent",
         })
     }
 }
@@ -108,19 +111,31 @@ impl RunSignal {
 
     /// Makes a signal of an ended run as good as new, for the next run (see
     /// `handle::LaneState`): it is only reached through `Arc::get_mut`, so nobody else holds it.
-    pub(super) fn reset(&mut self) {
+    /// Answers the ended run's spent drive, if its task left it here ([`bury`](Self::bury)),
+    /// for the caller to free once it holds no lock.
+    #[must_use = "a spent drive is freed by dropping it, after the caller's locks"]
+    pub(super) fn reset(&mut self) -> Option<Step> {
         *self.grant.get_mut() = WAITING;
         *self.slot.get_mut() = 0;
         *self.cancel.get_mut() = 0;
-        *self.driver.get_mut() = Driver::None;
         *self.registered.get_mut() = false;
         self.notify = Notify::new();
+        match std::mem::replace(self.driver.get_mut(), Driver::None) {
+            Driver::Spent(step) => Some(step),
+            _ => None,
+        }
     }
 
     /// Whether a driver (a task's waker or a parked run) waits on the latches.
     #[cfg(test)]
     pub(super) fn has_driver(&self) -> bool {
-        !matches!(*spin_lock(&self.driver), Driver::None)
+        matches!(*spin_lock(&self.driver), Driver::Task(_) | Driver::Parked(_))
+    }
+
+    /// Whether the ended run's spent drive waits here to be freed.
+    #[cfg(test)]
+    pub(super) fn holds_spent(&self) -> bool {
+        matches!(*spin_lock(&self.driver), Driver::Spent(_))
     }
 
     /// The run's driver waits on the latches no more (its job ended): drops the waker it left.
@@ -155,6 +170,7 @@ impl RunSignal {
                 None
             }
             Driver::Parked(run) => Some(run),
+            Driver::Spent(_) => None,
         }
     }
 
@@ -178,6 +194,21 @@ impl RunSignal {
             Driver::None => {}
             Driver::Task(waker) => waker.wake(),
             Driver::Parked(run) => run.start(),
+            Driver::Spent(_) => {}
+        }
+    }
+
+    /// Keeps `step`, the spent drive of the run that ended, until the lane reuses this signal
+    /// for a run it admits, which frees it on the admitting thread ([`reset`](Self::reset)).
+    /// The thread that frees a block is then the one that allocates the next: glibc's malloc
+    /// hands a block freed on another thread back to its arena under the arena's lock, which
+    /// the admitting thread's next allocation takes too, and on two workers that lock was a
+    /// quarter of the run lane's time, in the kernel half of it (BENCHMARKS.md, suite 2). A
+    /// signal that is not kept is dropped with its spent drive, wherever its last holder is.
+    pub(super) fn bury(&self, step: Step) {
+        let mut driver = spin_lock(&self.driver);
+        if matches!(*driver, Driver::None) {
+            *driver = Driver::Spent(step);
         }
     }
 
