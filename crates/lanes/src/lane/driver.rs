@@ -312,7 +312,8 @@ where
     );
     // A disabled span (no subscriber wants it) may be dropped late: the spent drive that holds
     // it is left in the run's signal, to be freed on the admitting thread (`RunSignal::bury`).
-    // An enabled one closes as the run ends, with its drive.
+    // An enabled one closes as the run ends, with its drive: freed later, it would close late,
+    // and run the subscriber's code under the admission's lock.
     let bury = span.is_disabled();
     let run = async move {
         let (job, finalizer, cleanup) = (callbacks.job, callbacks.finalizer, callbacks.cleanup);

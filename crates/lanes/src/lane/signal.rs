@@ -111,18 +111,18 @@ impl RunSignal {
 
     /// Makes a signal of an ended run as good as new, for the next run (see
     /// `handle::LaneState`): it is only reached through `Arc::get_mut`, so nobody else holds it.
-    /// Answers the ended run's spent drive, if its task left it here ([`bury`](Self::bury)),
-    /// for the caller to free once it holds no lock.
-    #[must_use = "a spent drive is freed by dropping it, after the caller's locks"]
-    pub(super) fn reset(&mut self) -> Option<Step> {
+    pub(super) fn reset(&mut self) {
         *self.grant.get_mut() = WAITING;
         *self.slot.get_mut() = 0;
         *self.cancel.get_mut() = 0;
         *self.registered.get_mut() = false;
         self.notify = Notify::new();
-        match std::mem::replace(self.driver.get_mut(), Driver::None) {
-            Driver::Spent(step) => Some(step),
-            _ => None,
+        // The ended run's spent drive, if its task left it here, is freed here, on the admitting
+        // thread, under the admission's lock: it is a completed future whose span is disabled,
+        // so dropping it runs no code but the allocator's free. (Freed after the lock instead,
+        // the plumbing cost a refusal 10 instructions and a third of its speed: `fixed reject`.)
+        if let Driver::Spent(step) = std::mem::replace(self.driver.get_mut(), Driver::None) {
+            drop(step);
         }
     }
 
