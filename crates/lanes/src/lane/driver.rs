@@ -116,7 +116,8 @@ pub(super) async fn work(mut step: Step) {
 #[derive(Default)]
 pub(super) struct Next {
     run: Option<Parked>,
-    /// The ended run's signal, which its task leaves the run's spent drive in (see `bury`).
+    /// The ended run's signal: a background run's task leaves the spent drive in it (see
+    /// `bury`); a blocking run's task drops it, with its drive.
     spent: Option<Arc<RunSignal>>,
 }
 
@@ -145,7 +146,7 @@ impl Next {
     }
 
     /// Leaves the ended run's spent drive in its signal, to be freed when the lane reuses the
-    /// signal for a run it admits, on the admitting thread; else drops it here.
+    /// signal for a run it admits, on the admitting thread ([`RunSignal::bury`]).
     fn bury(&mut self, step: Step) {
         match self.spent.take() {
             Some(signal) => signal.bury(step),
@@ -163,7 +164,7 @@ impl Drop for Next {
     }
 }
 
-/// How a run ended, and the parked run it granted its slot to.
+/// How a run ended, and the parked run it granted its slot to (with the run's signal).
 pub(super) type Ended<T> = (Result<T, RunFailure>, Next);
 
 /// What a run's task does with its end: a background run's result was the finalizer's, and
@@ -310,11 +311,6 @@ where
         run = t.info.run_id.get(),
         participation = ?t.info.participation,
     );
-    // A disabled span (no subscriber wants it) may be dropped late: the spent drive that holds
-    // it is left in the run's signal, to be freed on the admitting thread (`RunSignal::bury`).
-    // An enabled one closes as the run ends, with its drive: freed later, it would close late,
-    // and run the subscriber's code under the admission's lock.
-    let bury = span.is_disabled();
     let run = async move {
         let (job, finalizer, cleanup) = (callbacks.job, callbacks.finalizer, callbacks.cleanup);
         // The run this one gives its execution slot to, if it was parked (see `Next`).
@@ -413,12 +409,51 @@ where
         let failure = result.as_ref().err().map(RunFailure::reason);
         tracing::debug!(outcome = failure.map_or("ok", Reason::as_str), "finalized");
         t.shared.complete(t.info.lane, failure);
-        if bury {
-            next.spent = Some(t.signal);
-        }
+        // For a background run's task to leave the spent drive in (see `work`).
+        next.spent = Some(t.signal);
         end((result, next))
     };
-    tracing::Instrument::instrument(run, span)
+    InSpan { span, inner: Some(run) }
+}
+
+pin_project_lite::pin_project! {
+    /// A run's drive in its span, as `tracing`'s `Instrumented` (entered while polled, and
+    /// while dropped unfinished), except that the span closes as the run ends, not when the
+    /// drive's allocation is freed: a background run's spent drive is freed later, by the
+    /// admission that reuses its signal (`RunSignal::bury`), and then holds nothing to drop.
+    pub(super) struct InSpan<F> {
+        span: tracing::Span,
+        // `None` once the run ended.
+        #[pin]
+        inner: Option<F>,
+    }
+
+    impl<F> PinnedDrop for InSpan<F> {
+        fn drop(this: Pin<&mut Self>) {
+            let mut this = this.project();
+            if this.inner.is_some() {
+                let _entered = this.span.enter();
+                this.inner.set(None);
+            }
+        }
+    }
+}
+
+impl<F: Future> Future for InSpan<F> {
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        let mut this = self.project();
+        let entered = this.span.enter();
+        let inner = this.inner.as_mut().as_pin_mut().expect("a run's drive polled after its end");
+        let poll = inner.poll(cx);
+        if poll.is_ready() {
+            this.inner.set(None);
+            drop(entered);
+            *this.span = tracing::Span::none();
+        }
+        poll
+    }
 }
 
 /// Waits in the queue until granted (answering the execution slot), or fails with the stage and
@@ -462,7 +497,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         let lane = &t.shared.lanes[t.info.lane];
         let mut core = lane.lock_core();
         if core.withdraw(seq) {
-            lane.publish(&core);
+            lane.publish(&mut core);
             return Err((Stage::Queue, reason, cause));
         }
     }
@@ -537,7 +572,7 @@ async fn await_permit(
                 // Behind the runs admitted into the inbox before it became ready.
                 let mut core = lane.lock_core_exact();
                 let ready = core.ready(seq);
-                lane.publish(&core);
+                lane.publish(&mut core);
                 ready
             };
             return match ready {
@@ -567,7 +602,7 @@ async fn await_permit(
     };
     let mut core = lane.lock_core();
     if core.withdraw_limited(seq) {
-        lane.publish(&core);
+        lane.publish(&mut core);
         return Err((Stage::Queue, reason, cause));
     }
     match t.signal.grant_state() {

@@ -103,11 +103,6 @@ pub(super) struct LaneShared {
     /// The core's `executing`, stored under the lane's lock after every change: an admission
     /// that reads every slot taken goes to the inbox (see `SetShared::admit`).
     pub(super) executing: AtomicUsize,
-    /// How many of the core's queued runs the `queued` gauge counts; it counts the inbox's
-    /// too, from their admission, which does not take the lane's lock. So the gauge moves by
-    /// differences: an inbox admission adds one, and a publish adds what the core's queue
-    /// changed by since this count. Read and written under the lane's lock only.
-    pub(super) queued_gauged: AtomicUsize,
 }
 
 /// Runs admitted while every execution slot of the lane was taken, waiting to be taken into
@@ -156,6 +151,11 @@ pub(super) struct LaneState {
     spare: VecDeque<Arc<RunSignal>>,
     /// Runs that left their slot since the inbox was last offered signals.
     unoffered: usize,
+    /// How many of the core's queued runs the `queued` gauge counts. It counts the inbox's
+    /// too, from their admission, which does not take the lane's lock; so the gauge moves by
+    /// differences: an inbox admission adds one, and a publish what the core's queue changed
+    /// by since this count.
+    gauged: usize,
 }
 
 /// What a lane's core holds for a run: its signal, and for a run that waits for its slot a
@@ -169,7 +169,7 @@ pub(super) struct Held {
 
 impl LaneState {
     fn new(limits: LaneLimits) -> Self {
-        Self { core: LaneCore::new(limits), spare: VecDeque::new(), unoffered: 0 }
+        Self { core: LaneCore::new(limits), spare: VecDeque::new(), unoffered: 0, gauged: 0 }
     }
 
     /// A signal for a new run: a kept one that nobody else holds any more (its run ended, and
@@ -227,10 +227,11 @@ impl std::ops::DerefMut for LaneState {
 
 impl Drop for LaneShared {
     /// The `queued` gauge moves by differences: a lane that goes away with runs still queued
-    /// (its runtime dropped them) takes back what it counts, so that a set built again under
-    /// the same names counts its own runs only.
+    /// (its runtime dropped their tasks) takes back what it counts, so that a set built again
+    /// under the same names counts its own runs only. (A run parked in the queue, with no task,
+    /// holds the set: if its runtime goes, the set is never dropped, and its count stays.)
     fn drop(&mut self) {
-        let left = self.queued_gauged.load(Ordering::Relaxed) + spin_lock(&self.inbox).runs.len();
+        let left = spin_lock(&self.core).gauged;
         if left > 0 {
             self.metrics.queued_moved(left, 0);
         }
@@ -265,16 +266,15 @@ impl LaneShared {
     /// Takes the inbox's runs in at the tail of the core's queue, in their admission order
     /// (under the lane's lock), and answers the inbox's lock, still held: while it is, nothing
     /// is admitted, and the core's count of owned runs is exact.
-    fn take_inbox<'a>(&'a self, core: &mut LaneCore<Held>) -> SpinGuard<'a, Inbox> {
+    fn take_inbox<'a>(&'a self, state: &mut LaneState) -> SpinGuard<'a, Inbox> {
         let mut inbox = spin_lock(&self.inbox);
-        self.count_completions(core, inbox.runs.len());
+        self.count_completions(&mut state.core, inbox.runs.len());
         if !inbox.runs.is_empty() {
             self.inboxed.store(false, Ordering::SeqCst);
             // The gauge counted them at their admission: now it counts them as the core's.
-            let gauged = self.queued_gauged.load(Ordering::Relaxed);
-            self.queued_gauged.store(gauged + inbox.runs.len(), Ordering::Relaxed);
+            state.gauged += inbox.runs.len();
             for held in inbox.runs.drain(..) {
-                core.enqueue_admitted(held);
+                state.core.enqueue_admitted(held);
             }
         }
         inbox
@@ -284,7 +284,7 @@ impl LaneShared {
     /// run (a snapshot, a run that becomes ready, whose place is behind them).
     pub(super) fn lock_core_exact(&self) -> SpinGuard<'_, LaneState> {
         let mut state = self.lock_core();
-        drop(self.take_inbox(&mut state.core));
+        drop(self.take_inbox(&mut state));
         state
     }
 
@@ -309,8 +309,9 @@ impl LaneShared {
         }
         self.owned.fetch_add(1, Ordering::SeqCst);
         let run_id = RunId::new(next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
-        drop(inbox);
+        // Counted before the lock: whatever takes the run in after it counts it as the core's.
         self.metrics.queued.increment(1.0);
+        drop(inbox);
         // A slot given back since the read: the run that gave it stored `executing`, then read
         // `inboxed` (`SetShared::release_execution`), all SeqCst. If its read came after the
         // store of `inboxed` for this batch, it takes this run in (or the batch's first
@@ -353,7 +354,7 @@ impl LaneShared {
                     granted.push(Handoff(Some((slot, signal))));
                 }
             });
-            self.publish(&state.core);
+            self.publish(&mut state);
         }
         for mut handoff in granted {
             if let Some((slot, signal)) = handoff.0.take() {
@@ -365,7 +366,8 @@ impl LaneShared {
     }
 
     /// Publishes the lane's gauges (called under the lane lock, after a change).
-    pub(super) fn publish(&self, core: &LaneCore<Held>) {
+    pub(super) fn publish(&self, state: &mut LaneState) {
+        let core = &state.core;
         // Stored only if changed: a release that grants its slot on leaves it as it was. A
         // value read stale is safe: too high sends an admission to the inbox, which it reads
         // again after; too low sends it to the lane's lock. What must not be missed, a slot
@@ -375,10 +377,10 @@ impl LaneShared {
             self.executing.store(executing, Ordering::SeqCst);
         }
         self.metrics.executing.set(executing as f64);
-        let (queued, gauged) = (core.queued(), self.queued_gauged.load(Ordering::Relaxed));
-        if queued != gauged {
-            self.queued_gauged.store(queued, Ordering::Relaxed);
-            self.metrics.queued_moved(gauged, queued);
+        let queued = core.queued();
+        if queued != state.gauged {
+            self.metrics.queued_moved(state.gauged, queued);
+            state.gauged = queued;
         }
     }
 }
@@ -441,7 +443,6 @@ impl LaneSet {
                 inbox: Padded(SpinLock::new(Inbox::default())),
                 inboxed: AtomicBool::new(false),
                 executing: AtomicUsize::new(0),
-                queued_gauged: AtomicUsize::new(0),
             })
             .collect();
         let shared = Arc::new(SetShared {
@@ -871,10 +872,10 @@ impl SetShared {
             return Ok((self.ticket(index, run_id, participation, start, signal, run), prepared));
         }
         let mut state = lane.lock_core();
-        let LaneState { core, spare, .. } = &mut *state;
         // Every admission holds the inbox's lock while it decides (invariant 2); runs admitted
         // into it before this one are ahead of it.
-        let inbox = lane.take_inbox(core);
+        let inbox = lane.take_inbox(&mut state);
+        let LaneState { core, spare, .. } = &mut *state;
         let limited = run.limit.is_some();
         let mut made = None;
         let answer = core.admit(count_full, limited, |_, starts| {
@@ -890,7 +891,7 @@ impl SetShared {
                 lane.owned.fetch_add(1, Ordering::SeqCst);
                 let run_id = RunId::new(self.next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
                 drop(inbox);
-                lane.publish(core);
+                lane.publish(&mut state);
                 drop(state);
                 lane.metrics.admitted.increment(1);
                 tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
@@ -982,10 +983,10 @@ impl SetShared {
         self.state.fetch_max(code, Ordering::AcqRel);
         for lane in self.lanes.iter() {
             let mut core = lane.lock_core();
-            let mut inbox = lane.take_inbox(&mut core.core);
+            let mut inbox = lane.take_inbox(&mut core);
             // Nothing more is admitted there; its signals go with the core's (below).
             inbox.shut = true;
-            inbox.spare = VecDeque::new();
+            let inbox_kept = std::mem::take(&mut inbox.spare);
             drop(inbox);
             core.shut(
                 why,
@@ -994,9 +995,12 @@ impl SetShared {
                     held.signal.cancel(reason);
                 },
             );
-            // A shut lane admits nothing: the signals it kept go.
-            core.spare = VecDeque::new();
-            lane.publish(&core);
+            // A shut lane admits nothing: the signals it kept go, with the spent drives in
+            // them, after the lock.
+            let core_kept = std::mem::take(&mut core.spare);
+            lane.publish(&mut core);
+            drop(core);
+            drop((inbox_kept, core_kept));
         }
         self.shut_done.store(true, Ordering::SeqCst);
         for lane in self.lanes.iter() {
@@ -1044,7 +1048,7 @@ impl SetShared {
                 // looked at, against an admission into it (see `LaneShared::admit_to_inbox`).
                 lane.executing.store(core.executing(), Ordering::SeqCst);
                 if lane.inboxed.load(Ordering::SeqCst) {
-                    drop(lane.take_inbox(&mut core.core));
+                    drop(lane.take_inbox(&mut core));
                     core.grant_free(&mut on_grant);
                 }
             }
@@ -1053,7 +1057,7 @@ impl SetShared {
                 handoff
             });
             lane.offer_spares(&mut core);
-            lane.publish(&core);
+            lane.publish(&mut core);
             unused
         };
         // A run granted its slot at admission never used its second reference.
@@ -1245,6 +1249,25 @@ mod tests {
         let state = set.shared.lanes[0].lock_core();
         assert_eq!(state.spare.len(), 1);
         assert!(!state.spare[0].holds_spent(), "a blocking run's task drops its drive");
+    }
+
+    /// A spent drive larger than a signal keeps is freed by its task: the kept signals keep
+    /// little memory, whatever the size of the jobs' futures.
+    #[tokio::test]
+    async fn a_large_spent_drive_is_freed_at_once() {
+        let set = lane_a(LaneLimits::new(1, 4));
+        let large = Run::typed(|_cx| async {
+            let held = std::hint::black_box([1u8; 4096]);
+            tokio::task::yield_now().await; // held across an await: part of the drive
+            Ok::<u8, Infallible>(held[4095])
+        });
+        set.spawn("a", large).unwrap();
+        while set.snapshot().owned > 0 {
+            tokio::task::yield_now().await;
+        }
+        let state = set.shared.lanes[0].lock_core();
+        assert_eq!(state.spare.len(), 1, "the ended run's signal is kept");
+        assert!(!state.spare[0].holds_spent(), "without its drive");
     }
 
     /// A run that leaves its slot after the shut keeps no signal: the shut let the kept ones

@@ -12,7 +12,8 @@
 //! the run itself, [parked](RunSignal::park), and the first change of either latch spawns its
 //! driver. Anyone else (a job awaiting [`RunContext::cancelled`](super::RunContext::cancelled),
 //! possibly from other tasks) waits on the `Notify`. Both register *before* re-reading the
-//! latches, so a change between the read and the wait cannot be missed.
+//! latches, so a change between the read and the wait cannot be missed. Once a background run
+//! ended, the slot holds its spent drive until the signal is reused ([`RunSignal::bury`]).
 
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
@@ -31,6 +32,11 @@ const GRANTED: u8 = 1;
 const CLOSED: u8 = 2;
 const POISONED: u8 = 3;
 
+/// The largest spent drive a signal keeps ([`RunSignal::bury`]): blocks up to this size are
+/// the ones glibc's per-thread cache holds (1,032 bytes), and a lane's kept signals (2,048 at
+/// most) then keep at most 2 MiB.
+const BURIED_MAX: usize = 1024;
+
 /// What the lane decided for a queued run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Decision {
@@ -40,12 +46,13 @@ pub(crate) enum Decision {
     Shut(Shut),
 }
 
-/// Who waits for the run's latches in its driver's place.
+/// Who waits for the run's latches in its driver's place; once the run ended, what is left of
+/// it.
 enum Driver {
     None,
     Task(Waker),
     Parked(Parked),
-    /// The spent drive of the run that ended, freed when the signal is reset for a new run.
+    /// The spent drive of a background run that ended, freed when the signal is reset.
     Spent(Step),
 }
 
@@ -66,7 +73,8 @@ pub(crate) struct RunSignal {
     /// The execution slot, valid once `grant` is `GRANTED`.
     slot: AtomicUsize,
     cancel: AtomicU8,
-    /// The driver task's waker, or the parked run whose driver is not spawned yet. Held for a
+    /// The driver task's waker, or the parked run whose driver is not spawned yet (or the
+    /// spent drive of the run that ended, see [`bury`](Self::bury)). Held for a
     /// value's swap (or a waker's comparison and clone, or a park's look at the latches); a
     /// queued run takes it to park and the run that grants it a slot to take it out, once each
     /// per run on the lane's hot path. So a `SpinLock`, released with a plain store where std's
@@ -118,9 +126,10 @@ impl RunSignal {
         *self.registered.get_mut() = false;
         self.notify = Notify::new();
         // The ended run's spent drive, if its task left it here, is freed here, on the admitting
-        // thread, under the admission's lock: it is a completed future whose span is disabled,
-        // so dropping it runs no code but the allocator's free. (Freed after the lock instead,
-        // the plumbing cost a refusal 10 instructions and a third of its speed: `fixed reject`.)
+        // thread, under the admission's lock: it holds nothing (its run ended, and its span
+        // closed then, see `driver::InSpan`), so dropping it is the allocator's free. (Freed
+        // after the lock instead, the plumbing cost a refusal 10 instructions and a third of its
+        // speed: `fixed reject`.)
         if let Driver::Spent(step) = std::mem::replace(self.driver.get_mut(), Driver::None) {
             drop(step);
         }
@@ -198,17 +207,25 @@ impl RunSignal {
         }
     }
 
-    /// Keeps `step`, the spent drive of the run that ended, until the lane reuses this signal
-    /// for a run it admits, which frees it on the admitting thread ([`reset`](Self::reset)).
-    /// The thread that frees a block is then the one that allocates the next: glibc's malloc
-    /// hands a block freed on another thread back to its arena under the arena's lock, which
-    /// the admitting thread's next allocation takes too, and on two workers that lock was a
-    /// quarter of the run lane's time, in the kernel half of it (BENCHMARKS.md, suite 2). A
-    /// signal that is not kept is dropped with its spent drive, wherever its last holder is.
+    /// Keeps `step`, the spent drive of the background run that ended, until the lane reuses
+    /// this signal for a run it admits, which frees it ([`reset`](Self::reset)): the thread
+    /// that frees the block is then the one that allocates the next drive. Freed by the worker
+    /// that ran it, glibc's malloc gave the block back to the admitting thread's arena under
+    /// that arena's lock, which the admitting thread's allocations take too: on two workers
+    /// its futex waits and wakes were a quarter of the lane's samples (BENCHMARKS.md, suite 2,
+    /// stop 54). A drive larger than [`BURIED_MAX`] is freed at once, so that the kept signals
+    /// keep little memory; so is one whose signal holds anything else (a queue-failed run's
+    /// waker), and a signal that is not kept is dropped with its spent drive.
     pub(super) fn bury(&self, step: Step) {
+        if size_of_val(&*step) > BURIED_MAX {
+            return;
+        }
         let mut driver = spin_lock(&self.driver);
         if matches!(*driver, Driver::None) {
             *driver = Driver::Spent(step);
+        } else {
+            drop(driver);
+            drop(step);
         }
     }
 
