@@ -139,8 +139,8 @@ impl Subscriber for Closes {
     }
 }
 
-/// A background run's span closes as the run ends, though the lane keeps its signal (and, with
-/// no subscriber wanting the span, the run's spent drive in it) until a later admission.
+/// A background run's span closes as the run ends, though the lane keeps its signal, and the
+/// run's spent drive in it, until a later admission.
 #[test]
 fn a_background_runs_span_closes_as_it_ends() {
     let closes = Closes::default();

@@ -117,7 +117,7 @@ pub(super) async fn work(mut step: Step) {
 pub(super) struct Next {
     run: Option<Parked>,
     /// The ended run's signal: a background run's task leaves the spent drive in it (see
-    /// `bury`); a blocking run's task drops it, with its drive.
+    /// `bury`); a blocking run's drive drops it in its last poll.
     spent: Option<Arc<RunSignal>>,
 }
 

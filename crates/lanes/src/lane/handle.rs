@@ -137,9 +137,10 @@ impl Inbox {
 /// The most signals a lane keeps for reuse: enough for a burst of a thousand admissions to
 /// allocate none, at about 150 bytes each (a kept signal holds no waker: its driver dropped
 /// it when its job ended). A kept signal of a background run also holds that run's spent drive
-/// (its future's allocation, 530 bytes for a small job) until an admission reuses the signal
-/// and frees it ([`RunSignal::bury`]): a lane that goes quiet keeps as many as ended since its
-/// last admissions, at most this many (and as many in its inbox), and a shut lets them go.
+/// (its future's allocation, about 530 bytes for a small job, at most 1 KiB) until an
+/// admission reuses the signal and frees it ([`RunSignal::bury`]): a lane that goes quiet
+/// keeps as many as ended since its last admissions, at most this many (and as many in its
+/// inbox), and a shut lets them go.
 const SPARE_SIGNALS: usize = 1024;
 
 /// What a lane's lock guards: its pure core, and the signals of runs that left their execution
@@ -309,7 +310,7 @@ impl LaneShared {
         }
         self.owned.fetch_add(1, Ordering::SeqCst);
         let run_id = RunId::new(next_run_id.fetch_add(1, Ordering::Relaxed) + 1);
-        // Counted before the lock: whatever takes the run in after it counts it as the core's.
+        // Counted under the lock: whatever takes the run in after it counts it as the core's.
         self.metrics.queued.increment(1.0);
         drop(inbox);
         // A slot given back since the read: the run that gave it stored `executing`, then read

@@ -53,7 +53,7 @@ impl LaneMetrics {
 
     /// Moves the `queued` gauge by the difference from `from` runs to `to`: it moves by
     /// differences, not set, as the inbox's admissions count themselves without the lane's
-    /// lock (see `LaneShared::queued_gauged`).
+    /// lock (see `LaneState::gauged`).
     pub(super) fn queued_moved(&self, from: usize, to: usize) {
         if to > from {
             self.queued.increment((to - from) as f64);

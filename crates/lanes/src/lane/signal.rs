@@ -32,9 +32,9 @@ const GRANTED: u8 = 1;
 const CLOSED: u8 = 2;
 const POISONED: u8 = 3;
 
-/// The largest spent drive a signal keeps ([`RunSignal::bury`]): blocks up to this size are
-/// the ones glibc's per-thread cache holds (1,032 bytes), and a lane's kept signals (2,048 at
-/// most) then keep at most 2 MiB.
+/// The largest spent drive a signal keeps ([`RunSignal::bury`]): glibc's per-thread cache
+/// holds blocks of up to 1,032 bytes, and this stays within it; a lane's kept signals (2,048
+/// at most) then keep at most 2 MiB.
 const BURIED_MAX: usize = 1024;
 
 /// What the lane decided for a queued run.
@@ -73,15 +73,15 @@ pub(crate) struct RunSignal {
     /// The execution slot, valid once `grant` is `GRANTED`.
     slot: AtomicUsize,
     cancel: AtomicU8,
-    /// The driver task's waker, or the parked run whose driver is not spawned yet (or the
-    /// spent drive of the run that ended, see [`bury`](Self::bury)). Held for a
-    /// value's swap (or a waker's comparison and clone, or a park's look at the latches); a
-    /// queued run takes it to park and the run that grants it a slot to take it out, once each
-    /// per run on the lane's hot path. So a `SpinLock`, released with a plain store where std's
-    /// mutex releases with a second locked instruction. Stop 52, AMD host: cachegrind, `fixed
-    /// lane 8 30` minus `10`, 1,970 → 1,915 instructions a run; paired against the hand-rolled
-    /// lane (alternating builds), one thread 1.23–1.25× → 1.30–1.34×, two workers medians
-    /// 1.075× → 1.115× over six processes each.
+    /// The driver task's waker, or the parked run whose driver is not spawned yet, or the
+    /// spent drive of the run that ended ([`bury`](Self::bury)). Held for a value's swap (or a
+    /// waker's comparison and clone, or a park's look at the latches); a queued run takes it to
+    /// park, the run that grants it a slot to take it out, and its task to bury its drive, once
+    /// each per run on the lane's hot path. So a `SpinLock`, released with a plain store where
+    /// std's mutex releases with a second locked instruction. Stop 52, AMD host: cachegrind,
+    /// `fixed lane 8 30` minus `10`, 1,970 → 1,915 instructions a run; paired against the
+    /// hand-rolled lane (alternating builds), one thread 1.23–1.25× → 1.30–1.34×, two workers
+    /// medians 1.075× → 1.115× over six processes each.
     driver: SpinLock<Driver>,
     /// Whether the driver task ever left its waker in `driver`: written and read by the
     /// driver task alone, so that a run that never waited forgets no waker under the lock.
@@ -127,9 +127,10 @@ impl RunSignal {
         self.notify = Notify::new();
         // The ended run's spent drive, if its task left it here, is freed here, on the admitting
         // thread, under the admission's lock: it holds nothing (its run ended, and its span
-        // closed then, see `driver::InSpan`), so dropping it is the allocator's free. (Freed
-        // after the lock instead, the plumbing cost a refusal 10 instructions and a third of its
-        // speed: `fixed reject`.)
+        // closed then, see `driver::InSpan`), so dropping it is the allocator's free, cheap while
+        // glibc's per-thread cache has room for the block (a full cache takes the block's arena
+        // lock here). Freed after the lock instead, the plumbing cost a refusal 10 instructions
+        // and about a fifth of its speed (`fixed reject`).
         if let Driver::Spent(step) = std::mem::replace(self.driver.get_mut(), Driver::None) {
             drop(step);
         }
@@ -212,10 +213,11 @@ impl RunSignal {
     /// that frees the block is then the one that allocates the next drive. Freed by the worker
     /// that ran it, glibc's malloc gave the block back to the admitting thread's arena under
     /// that arena's lock, which the admitting thread's allocations take too: on two workers
-    /// its futex waits and wakes were a quarter of the lane's samples (BENCHMARKS.md, suite 2,
-    /// stop 54). A drive larger than [`BURIED_MAX`] is freed at once, so that the kept signals
-    /// keep little memory; so is one whose signal holds anything else (a queue-failed run's
-    /// waker), and a signal that is not kept is dropped with its spent drive.
+    /// malloc, free and the futex waits and wakes of that lock were a quarter of the lane's
+    /// samples (BENCHMARKS.md, suite 2, stop 54). A drive larger than [`BURIED_MAX`] is freed
+    /// at once, so that the kept signals keep little memory; so is one whose signal holds
+    /// anything else (a queue-failed run's waker), and a signal that is not kept is dropped
+    /// with its spent drive.
     pub(super) fn bury(&self, step: Step) {
         if size_of_val(&*step) > BURIED_MAX {
             return;
