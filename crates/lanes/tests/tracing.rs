@@ -62,6 +62,17 @@ impl Subscriber for Recorder {
     }
 }
 
+/// A set of one lane, "work": one slot, room for four, timeouts that never fire in a test.
+fn work_lane() -> LaneSet {
+    LaneSet::builder()
+        .lane("work", LaneLimits::new(1, 4))
+        .audit_timeout(Duration::from_secs(1))
+        .finalization_timeout(Duration::from_secs(1))
+        .worker_drain_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap()
+}
+
 #[test]
 fn runs_limits_and_spill_queues_report_to_tracing() {
     let recorder = Recorder::default();
@@ -70,13 +81,7 @@ fn runs_limits_and_spill_queues_report_to_tracing() {
     rt.block_on(async {
         let limits = Limits::new();
         limits.define("api", LimitSpec::concurrent(1)).await.unwrap();
-        let lanes = LaneSet::builder()
-            .lane("work", LaneLimits::new(1, 4))
-            .audit_timeout(Duration::from_secs(1))
-            .finalization_timeout(Duration::from_secs(1))
-            .worker_drain_timeout(Duration::from_secs(1))
-            .build()
-            .unwrap();
+        let lanes = work_lane();
         let held = limits.acquire("api", Priority::default()).await.unwrap();
         let run = Run::typed(|_| async { Ok::<_, std::io::Error>(7) }).limit(
             &limits,
@@ -147,13 +152,7 @@ fn a_background_runs_span_closes_as_it_ends() {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     tracing::subscriber::with_default(closes.clone(), || {
         rt.block_on(async {
-            let lanes = LaneSet::builder()
-                .lane("work", LaneLimits::new(1, 4))
-                .audit_timeout(Duration::from_secs(1))
-                .finalization_timeout(Duration::from_secs(1))
-                .worker_drain_timeout(Duration::from_secs(1))
-                .build()
-                .unwrap();
+            let lanes = work_lane();
             for _ in 0..3 {
                 lanes.spawn("work", Run::typed(|_| async { Ok::<_, std::io::Error>(()) })).unwrap();
             }
