@@ -51,17 +51,22 @@ fn in_runtime(f: impl std::future::Future<Output = ()>) -> Vec<Sample> {
     flatten(&snapshotter)
 }
 
+/// A set named `set` of one lane, "work", with timeouts that never fire in a test.
+fn work_lane(set: &str, limits: LaneLimits) -> LaneSet {
+    LaneSet::builder()
+        .lane("work", limits)
+        .audit_timeout(Duration::from_secs(1))
+        .finalization_timeout(Duration::from_secs(1))
+        .worker_drain_timeout(Duration::from_secs(1))
+        .name(set)
+        .build()
+        .unwrap()
+}
+
 #[test]
 fn a_lane_counts_admissions_refusals_outcomes_and_waits() {
     let snapshot = in_runtime(async {
-        let lanes = LaneSet::builder()
-            .lane("work", LaneLimits::new(1, 2))
-            .audit_timeout(Duration::from_secs(1))
-            .finalization_timeout(Duration::from_secs(1))
-            .worker_drain_timeout(Duration::from_secs(1))
-            .name("jobs")
-            .build()
-            .unwrap();
+        let lanes = work_lane("jobs", LaneLimits::new(1, 2));
         let slow = |n: u32| {
             Run::typed(move |_cx| async move {
                 tokio::time::sleep(Duration::from_millis(10)).await;
@@ -318,14 +323,7 @@ fn a_lanes_queued_gauge_counts_runs_admitted_while_every_slot_is_taken() {
         (|| LaneGauges::read(&recorder.executing), || LaneGauges::read(&recorder.queued));
     metrics::with_local_recorder(&recorder, || {
         rt.block_on(async {
-            let lanes = LaneSet::builder()
-                .lane("work", LaneLimits::new(1, 16))
-                .audit_timeout(Duration::from_secs(1))
-                .finalization_timeout(Duration::from_secs(1))
-                .worker_drain_timeout(Duration::from_secs(1))
-                .name("inbox")
-                .build()
-                .unwrap();
+            let lanes = work_lane("inbox", LaneLimits::new(1, 16));
             let sleep = |ms: u64| {
                 Run::typed(move |_cx| async move {
                     tokio::time::sleep(Duration::from_millis(ms)).await;
