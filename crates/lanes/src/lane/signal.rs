@@ -1,9 +1,9 @@
 //! The per-run signal shared by a run's driver, its job context and its lane.
 //!
 //! Two independent one-way latches and one `Notify`:
-//! - the *grant* latch moves once from waiting to granted, closed or poisoned (closed and
-//!   poisoned by the lane under its lock; granted by the run that freed the slot, right after
-//!   it decided the grant under that lock);
+//! - the *grant* latch moves once, under the driver slot's lock, from waiting to granted, closed
+//!   or poisoned (closed and poisoned by the lane under its lock; granted by the run that freed
+//!   the slot, right after it decided the grant under that lock);
 //! - the *cancel* latch moves once from none to a reason (set by the caller's handle, the
 //!   execution timeout, close or poison); the first reason wins.
 //!
@@ -165,22 +165,13 @@ impl RunSignal {
     /// Grants execution slot `slot`: wakes the driver task, or hands a parked run back to the
     /// caller to start.
     pub(super) fn grant(&self, slot: usize) -> Option<Parked> {
-        // Published by the release of the latch below.
-        self.slot.store(slot, Ordering::Relaxed);
-        let set =
-            self.grant.compare_exchange(WAITING, GRANTED, Ordering::AcqRel, Ordering::Acquire);
-        if set.is_err() {
-            return None;
-        }
-        let driver = std::mem::replace(&mut *spin_lock(&self.driver), Driver::None);
-        match driver {
-            Driver::None => None,
+        match self.decide(GRANTED, slot)? {
             Driver::Task(waker) => {
                 waker.wake();
                 None
             }
             Driver::Parked(run) => Some(run),
-            Driver::Spent(_) => None,
+            Driver::None | Driver::Spent(_) => None,
         }
     }
 
@@ -192,10 +183,27 @@ impl RunSignal {
     }
 
     fn set_grant(&self, value: u8) {
-        if self.grant.compare_exchange(WAITING, value, Ordering::AcqRel, Ordering::Acquire).is_ok()
-        {
-            self.wake_driver();
+        match self.decide(value, 0) {
+            Some(Driver::Task(waker)) => waker.wake(),
+            Some(Driver::Parked(run)) => run.start(),
+            Some(Driver::None | Driver::Spent(_)) | None => {}
         }
+    }
+
+    /// Moves the grant latch from waiting to `value` (and stores `slot`, published by the
+    /// latch's release), and takes out whoever waits on it; `None` if the latch had moved.
+    /// Decided under the driver slot's lock, which every move of the latch takes (the slot
+    /// had to be emptied anyway), rather than by a compare-and-swap before it: one locked
+    /// instruction a grant instead of two.
+    fn decide(&self, value: u8, slot: usize) -> Option<Driver> {
+        let mut driver = spin_lock(&self.driver);
+        // Relaxed: the latch only moves under this lock (or in `reset`, through `&mut`).
+        if self.grant.load(Ordering::Relaxed) != WAITING {
+            return None;
+        }
+        self.slot.store(slot, Ordering::Relaxed);
+        self.grant.store(value, Ordering::Release);
+        Some(std::mem::replace(&mut *driver, Driver::None))
     }
 
     fn wake_driver(&self) {
