@@ -120,6 +120,55 @@ async fn grants_execution_in_admission_fifo_order() {
     }
 }
 
+/// Run ids are unique within the set and increase in admission order within each lane, across
+/// both ways in (a background run admitted while every slot is taken, and a blocking one),
+/// across lanes admitting in turn, and past the blocks of ids a lane takes from its set.
+#[tokio::test(start_paused = true)]
+async fn run_ids_are_unique_in_the_set_and_increase_in_admission_order_within_a_lane() {
+    let lanes = set(&[("a", 1, 400), ("b", 1, 400)]);
+    let gate = Gate::new();
+    let started: Arc<Mutex<Vec<(String, lanes::RunId)>>> = Arc::default();
+    let mut admitted: Vec<(String, lanes::RunId)> = Vec::new();
+    let mut handles = Vec::new();
+    for i in 0..600_u32 {
+        let lane = if i % 3 == 0 { "a" } else { "b" };
+        let (gate, started) = (gate.clone(), started.clone());
+        let run = Run::typed(move |cx: RunContext| async move {
+            started.lock().unwrap().push((cx.lane().to_owned(), cx.run_id()));
+            gate.wait().await;
+            Res::Ok(())
+        });
+        let id = if i % 4 == 0 {
+            let handle = lanes.run(lane, run).unwrap();
+            let id = handle.run_id();
+            handles.push(handle);
+            id
+        } else {
+            lanes.spawn(lane, run).unwrap()
+        };
+        admitted.push((lane.to_owned(), id));
+    }
+    let mut ids: Vec<_> = admitted.iter().map(|(_, id)| *id).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), admitted.len(), "every run id is unique within the set");
+    gate.open();
+    for handle in handles {
+        handle.await.unwrap();
+    }
+    lanes.close();
+    lanes.drained().await;
+    let started = started.lock().unwrap().clone();
+    for lane in ["a", "b"] {
+        let of = |list: &[(String, lanes::RunId)]| -> Vec<lanes::RunId> {
+            list.iter().filter(|(l, _)| l == lane).map(|(_, id)| *id).collect()
+        };
+        let (admitted, started) = (of(&admitted), of(&started));
+        assert!(admitted.windows(2).all(|w| w[0] < w[1]), "lane {lane}: ids increase");
+        assert_eq!(started, admitted, "lane {lane}: runs start in admission (id) order");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn execution_slot_is_released_before_the_finalizer_but_ownership_is_not() {
     let lanes = set(&[("work", 1, 1)]);
