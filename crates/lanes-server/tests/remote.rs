@@ -74,6 +74,7 @@ async fn http_clients_serve_a_leased_limit_from_their_own_shares() {
 
     use lanes::limit::share::SharePolicy;
     const CONCURRENT: i64 = 6;
+    const HOLD: Duration = Duration::from_millis(5);
     let ns = format!("remote-leased-{}", std::process::id());
     let url = common::redis_url();
     let serve = Serve::start(&["--redis", &url, "--namespace", &ns]);
@@ -116,7 +117,10 @@ async fn http_clients_serve_a_leased_limit_from_their_own_shares() {
                     peak.fetch_max(now, Ordering::SeqCst);
                     grants.fetch_add(1, Ordering::Relaxed);
                     tokens.lock().unwrap().push(permit.fencing_token());
-                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    // Held 5 ms: long enough that a loaded runner's late wake-ups (a
+                    // task woken a millisecond late, between a release and the next
+                    // acquire) are a small part of each hold, as they were not at 2 ms.
+                    tokio::time::sleep(HOLD).await;
                     holders.fetch_sub(1, Ordering::SeqCst);
                     drop(permit);
                 }
@@ -147,12 +151,14 @@ async fn http_clients_serve_a_leased_limit_from_their_own_shares() {
         utilisation * 100.0
     );
     assert!(peak.load(Ordering::SeqCst) <= CONCURRENT, "held at once: {peak:?}");
-    // Busy, not idling on a share: 93-95% on a quiet host; a clean-clone CI run on this
-    // two-core host read 89.5% once, with the sampling loop and 24 tasks sharing the cores, so
-    // the bar leaves a loaded runner room. A client left without its share would hold the
+    // Busy, not idling on a share. With 2 ms holds a quiet host read 93-95% and clean-clone
+    // CI runs on two-core hosts 89.5% and 79.2%, the loss being wake-ups that came late for a
+    // hold that short; holds are 5 ms since. A client left without its share would hold the
     // limit near 2/3 of capacity.
     assert!(utilisation >= 0.8, "utilisation {:.1}%", utilisation * 100.0);
-    assert!(granted >= 20 * requests.max(1), "{granted} grants for {requests} requests");
+    // Served from the shares, not a request per acquire: about 2,000 grants in the window
+    // against under 100 requests (lease renewals and the two `/metrics` reads).
+    assert!(granted >= 10 * requests.max(1), "{granted} grants for {requests} requests");
     for client in &clients {
         assert!(client.share("pool").is_some(), "every client served the limit leased");
     }
