@@ -909,8 +909,8 @@ impl SetShared {
         match answer {
             Ok(admitted) => {
                 let signal = made.expect("an admitted run's signal was made");
-                // Counted under the lane lock (invariant 3); ids increase in admission order
-                // within the lane.
+                // Counted under the lane lock (invariant 3); the id is taken under the inbox's
+                // lock (invariant 2), so ids increase in admission order within the lane.
                 lane.owned.fetch_add(1, Ordering::SeqCst);
                 let run_id = inbox.run_id(&self.next_run_id);
                 drop(inbox);

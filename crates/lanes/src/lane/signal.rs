@@ -2,8 +2,8 @@
 //!
 //! Two independent one-way latches and one `Notify`:
 //! - the *grant* latch moves once, under the driver slot's lock, from waiting to granted, closed
-//!   or poisoned (closed and poisoned by the lane under its lock; granted by the run that freed
-//!   the slot, right after it decided the grant under that lock);
+//!   or poisoned (closed and poisoned by the lane under the lane's lock; granted by the run
+//!   that freed the slot, right after it decided the grant under the lane's lock);
 //! - the *cancel* latch moves once from none to a reason (set by the caller's handle, the
 //!   execution timeout, close or poison); the first reason wins.
 //!
@@ -75,9 +75,10 @@ pub(crate) struct RunSignal {
     cancel: AtomicU8,
     /// The driver task's waker, or the parked run whose driver is not spawned yet, or the
     /// spent drive of the run that ended ([`bury`](Self::bury)). Held for a value's swap (or a
-    /// waker's comparison and clone, or a park's look at the latches); a queued run takes it to
-    /// park, the run that grants it a slot to take it out, and its task to bury its drive, once
-    /// each per run on the lane's hot path. So a `SpinLock`, released with a plain store where
+    /// waker's comparison and clone, a park's look at the latches, or a move of the grant latch,
+    /// [`decide`](Self::decide)); a queued run takes it to park, the run that grants it a slot
+    /// to take it out, and its task to bury its drive, once each per run on the lane's hot
+    /// path. So a `SpinLock`, released with a plain store where
     /// std's mutex releases with a second locked instruction. Stop 52, AMD host: cachegrind,
     /// `fixed lane 8 30` minus `10`, 1,970 → 1,915 instructions a run; paired against the
     /// hand-rolled lane (alternating builds), one thread 1.23–1.25× → 1.30–1.34×, two workers
@@ -241,8 +242,9 @@ impl RunSignal {
 
     /// Parks a queued run until either latch changes, when `run` is started (its driver
     /// spawned, and it reads the latches on its first poll). Started at once if a latch changed
-    /// already: the latches are set before the slot is read, and read here under its lock, so
-    /// one of the two sides sees the other.
+    /// already: the grant latch moves under the slot's lock, the cancel latch is set before the
+    /// slot is emptied, and both are read here under that lock, so one of the two sides sees
+    /// the other.
     pub(super) fn park(&self, run: Parked) {
         let mut driver = spin_lock(&self.driver);
         let decided =
