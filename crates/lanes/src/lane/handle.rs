@@ -53,7 +53,7 @@ use super::config::{LaneLimits, LaneSetBuilder};
 use super::core::{Admitted, LaneCore, Shut};
 use super::driver::{
     Admission, Callbacks, Next, Parked, Start, Step, Ticket, TicketInfo, background, blocking,
-    drive, work,
+    drive, in_box, work,
 };
 use super::error::{AdmissionError, AdmissionErrorKind, PoisonError, Reason};
 use super::metrics::LaneMetrics;
@@ -808,7 +808,7 @@ where
     let ((ticket, callbacks), runtime) =
         shared.admit(index, participation, run, count_full, current)?;
     let (run_id, signal) = (ticket.info.run_id, ticket.signal.clone());
-    let join = runtime.spawn(Box::pin(drive(ticket, callbacks, blocking)));
+    let join = runtime.spawn(in_box(|| drive(ticket, callbacks, blocking)));
     Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
 }
 
@@ -836,7 +836,7 @@ where
     // and its task is spawned when the lane decides (or it is cancelled), on this runtime.
     let parks = matches!(ticket.start, Start::Queued { deadline: None, .. });
     let signal = parks.then(|| ticket.signal.clone());
-    let step: Step = Box::pin(drive(ticket, callbacks, background));
+    let step: Step = in_box(|| drive(ticket, callbacks, background));
     match signal {
         Some(signal) => {
             // A shut made from outside this runtime spawns the parked runs it fails here.
