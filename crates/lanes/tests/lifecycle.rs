@@ -3,6 +3,8 @@
 //! ends admitted work at once and still records every item, and the snapshot is what the
 //! registry stores.
 
+mod common;
+
 use std::time::Duration;
 
 use lanes::channel::{ChannelSnapshot, ConsumerOptions};
@@ -42,13 +44,7 @@ async fn close_and_drain<P: Lifecycle>(
 }
 
 fn lanes() -> LaneSet {
-    LaneSet::builder()
-        .lane("work", LaneLimits::new(2, 64))
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(1))
-        .build()
-        .unwrap()
+    common::one_lane("work", LaneLimits::new(2, 64)).build().unwrap()
 }
 
 fn slow_run() -> Run<impl lanes::lane::Job<Output = ()>, impl lanes::lane::Finalize<()>> {

@@ -1,6 +1,8 @@
 //! Every primitive reports through `metrics` under `lanes_<primitive>_*`, with exact counts at
 //! quiescence, and the registry's ground floor takes any `Observe` source.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,14 +55,7 @@ fn in_runtime(f: impl std::future::Future<Output = ()>) -> Vec<Sample> {
 
 /// A set named `set` of one lane, "work", with timeouts that never fire in a test.
 fn work_lane(set: &str, limits: LaneLimits) -> LaneSet {
-    LaneSet::builder()
-        .lane("work", limits)
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(1))
-        .name(set)
-        .build()
-        .unwrap()
+    common::one_lane("work", limits).name(set).build().unwrap()
 }
 
 #[test]
@@ -394,13 +389,7 @@ fn a_keyed_limit_counts_over_its_keys() {
 #[test]
 fn every_emitted_name_is_in_the_table() {
     let snapshot = in_runtime(async {
-        let _ = LaneSet::builder()
-            .lane("l", LaneLimits::new(1, 1))
-            .audit_timeout(Duration::from_secs(1))
-            .finalization_timeout(Duration::from_secs(1))
-            .worker_drain_timeout(Duration::from_secs(1))
-            .build()
-            .unwrap();
+        let _ = common::one_lane("l", LaneLimits::new(1, 1)).build().unwrap();
         let limits = Limits::new();
         limits.define("x", LimitSpec::concurrent(1)).await.unwrap();
         drop(limits.acquire("x", Priority::default()).await.unwrap());
@@ -459,11 +448,7 @@ async fn every_builder_registers_and_refuses_a_taken_name() {
         let _ = std::fs::remove_dir_all(&dir);
         dir
     };
-    let lanes = LaneSet::builder()
-        .lane("work", LaneLimits::new(1, 1))
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(1))
+    let lanes = common::one_lane("work", LaneLimits::new(1, 1))
         .registry(&registry, "lanes")
         .build()
         .unwrap();
@@ -499,13 +484,7 @@ async fn every_builder_registers_and_refuses_a_taken_name() {
     assert_eq!(snapshot.spill("spill").unwrap().records, 0);
 
     // Every builder refuses a taken name with the same typed error.
-    let again = LaneSet::builder()
-        .lane("work", LaneLimits::new(1, 1))
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(1))
-        .registry(&registry, "pool")
-        .build();
+    let again = common::one_lane("work", LaneLimits::new(1, 1)).registry(&registry, "pool").build();
     taken(again.expect_err("taken"));
     taken(Limits::builder().registry(&registry, "lanes").build().unwrap_err());
     taken(

@@ -1,6 +1,8 @@
 //! The one permit glue: run lanes, pools and channel consumers take permits through a
 //! `Throttle` whose refusal policy is explicit (fail the work, or retry with a backoff).
 
+mod common;
+
 use std::time::Duration;
 
 use lanes::channel::{Channel, ChannelConfig, ConsumerOptions, PermitPer};
@@ -14,13 +16,7 @@ fn retry() -> OnRefusal {
 }
 
 fn lanes() -> LaneSet {
-    LaneSet::builder()
-        .lane("work", LaneLimits::new(1, 4))
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(1))
-        .build()
-        .unwrap()
+    common::one_lane("work", LaneLimits::new(1, 4)).build().unwrap()
 }
 
 /// A run whose limit does not exist yet: `Fail` fails it at once in the queue stage; `Retry`

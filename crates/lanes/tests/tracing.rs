@@ -2,6 +2,8 @@
 //! and the finalizer as events; a spill queue's recovery is a span; limits and channels say
 //! when they wait, grant and spill. Checked with a subscriber that records what it is given.
 
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -64,13 +66,7 @@ impl Subscriber for Recorder {
 
 /// A set of one lane, "work": one slot, room for four, timeouts that never fire in a test.
 fn work_lane() -> LaneSet {
-    LaneSet::builder()
-        .lane("work", LaneLimits::new(1, 4))
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(1))
-        .build()
-        .unwrap()
+    common::one_lane("work", LaneLimits::new(1, 4)).build().unwrap()
 }
 
 #[test]
