@@ -422,7 +422,7 @@ where
 /// built a run's drive on the stack, allocated, and copied all of it (544 bytes for a small
 /// job) into the allocation, whose writes the next locked instruction then waited for; built
 /// after the allocation by the inlined `drive`, most of it is written in place (cachegrind,
-/// `fixed lane 8 30` minus `10`: 1,922 -> 1,866 instructions a run; BENCHMARKS.md, suite 2,
+/// `fixed lane 8 30` minus `10`: 1,922 -> 1,864 instructions a run; BENCHMARKS.md, suite 2,
 /// stop 55).
 #[inline(always)]
 pub(super) fn in_box<T>(make: impl FnOnce() -> T) -> Pin<Box<T>> {

@@ -56,6 +56,17 @@ enum Driver {
     Spent(Step),
 }
 
+impl Driver {
+    /// Wakes the driver task or starts the parked run, taken out of the slot (after its lock).
+    fn wake(self) {
+        match self {
+            Self::Task(waker) => waker.wake(),
+            Self::Parked(run) => run.start(),
+            Self::None | Self::Spent(_) => {}
+        }
+    }
+}
+
 impl std::fmt::Debug for Driver {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
@@ -184,10 +195,8 @@ impl RunSignal {
     }
 
     fn set_grant(&self, value: u8) {
-        match self.decide(value, 0) {
-            Some(Driver::Task(waker)) => waker.wake(),
-            Some(Driver::Parked(run)) => run.start(),
-            Some(Driver::None | Driver::Spent(_)) | None => {}
+        if let Some(driver) = self.decide(value, 0) {
+            driver.wake();
         }
     }
 
@@ -208,13 +217,7 @@ impl RunSignal {
     }
 
     fn wake_driver(&self) {
-        let driver = std::mem::replace(&mut *spin_lock(&self.driver), Driver::None);
-        match driver {
-            Driver::None => {}
-            Driver::Task(waker) => waker.wake(),
-            Driver::Parked(run) => run.start(),
-            Driver::Spent(_) => {}
-        }
+        std::mem::replace(&mut *spin_lock(&self.driver), Driver::None).wake();
     }
 
     /// Keeps `step`, the spent drive of the background run that ended, until the lane reuses
