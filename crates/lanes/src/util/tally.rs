@@ -1,11 +1,13 @@
 //! A count many threads add to and few read: one cell per thread, so adding is a plain load
 //! and store on a line no other thread writes.
 
+use std::cell::Cell;
+use std::collections::BinaryHeap;
+use std::cmp::Reverse;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use thread_local::ThreadLocal;
-
-use super::Padded;
+use super::{Padded, lock};
 
 /// A count added to from any thread without a locked instruction or a shared cache line, and
 /// read by summing every thread's cell.
@@ -15,39 +17,119 @@ use super::Padded;
 /// the path's cost, and under overload, when many threads add at once, the line moves between
 /// their cores on each add. Here each thread writes only its own cell (padded to its own
 /// lines), so an add is a load and a store. Reads are exact for every add that happened before
-/// the read (each cell has one writer).
+/// the read (each cell has one writer at a time).
 ///
-/// `thread_local::ThreadLocal` keeps the cells: a per-object, per-thread slot that can be
-/// iterated, with its `unsafe` contained there (used by `tracing-subscriber` and `regex`).
-/// A thread's cell lives as long as the tally, and a later thread that takes its id (ids are
-/// reused as threads exit) adds to it. Memory is about half a KiB inline, plus cells for ids up
-/// to the highest one that added, allocated in whole buckets of doubling size (256 bytes a
-/// cell): a handful of KiB for a runtime's worker threads, 64-128 KiB once a thread with an id in
-/// the hundreds has added. Adding from a thread-local's destructor, while the thread's own
-/// thread-locals are torn down, may panic (the crate looks up the thread's id there).
-#[derive(Default)]
+/// A thread's cell is the one at its slot: a number the thread takes the first time it adds
+/// to any tally (the lowest free one) and gives back when it exits, kept in a thread-local
+/// that needs no destructor, so finding the cell is one thread-local load and a bounds check.
+/// A tally has cells for twice the host's parallelism (at least 8, at most 256), 128 bytes
+/// each: a runtime's workers and its blocking threads. A thread whose slot is past them (more
+/// threads hold slots at once) adds to one shared atomic, as does a thread adding while it
+/// exits, once it has given its slot back.
 pub(crate) struct Tally {
-    cells: ThreadLocal<Padded<AtomicU64>>,
+    /// `cells[i]` is written only by the thread that holds slot `i`.
+    cells: Box<[Padded<AtomicU64>]>,
+    /// Adds from threads without a cell.
+    shared: Padded<AtomicU64>,
+}
+
+impl Default for Tally {
+    fn default() -> Self {
+        let parallelism = std::thread::available_parallelism().map_or(1, usize::from);
+        let cells = (2 * parallelism).clamp(8, 256);
+        Self { cells: (0..cells).map(|_| Padded::default()).collect(), shared: Padded::default() }
+    }
 }
 
 impl Tally {
     /// Adds one, from the calling thread's cell.
     #[inline]
     pub(crate) fn add_one(&self) {
-        let cell = self.cells.get_or_default();
-        // Only this thread writes this cell: a load and a store lose nothing.
-        cell.store(cell.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        match self.cells.get(slot()) {
+            Some(cell) => {
+                // Only this thread writes this cell while it holds the slot, and whoever held
+                // the slot before gave it back under `SLOTS`' lock, which this thread took
+                // since: a load and a store lose nothing.
+                cell.store(cell.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+            }
+            None => {
+                self.shared.fetch_add(1, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Every add that happened before this call.
     pub(crate) fn total(&self) -> u64 {
-        self.cells.iter().fold(0u64, |sum, cell| sum.wrapping_add(cell.load(Ordering::Relaxed)))
+        let cells = self.cells.iter().map(|cell| cell.load(Ordering::Relaxed));
+        cells.fold(self.shared.load(Ordering::Relaxed), u64::wrapping_add)
     }
 }
 
 impl std::fmt::Debug for Tally {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_tuple("Tally").field(&self.total()).finish()
+    }
+}
+
+/// A thread's slot before it first adds.
+const UNSET: usize = usize::MAX;
+/// A thread's slot once it gave its slot back (it is exiting): past every tally's cells.
+const GIVEN_BACK: usize = usize::MAX - 1;
+
+/// The slots no live thread holds: the free ones below `next`, and `next`.
+struct Slots {
+    free: BinaryHeap<Reverse<usize>>,
+    next: usize,
+}
+
+static SLOTS: Mutex<Slots> = Mutex::new(Slots { free: BinaryHeap::new(), next: 0 });
+
+thread_local! {
+    /// This thread's slot, [`UNSET`] or [`GIVEN_BACK`]. No destructor: it stays readable while
+    /// the thread's other thread-locals are torn down.
+    static SLOT: Cell<usize> = const { Cell::new(UNSET) };
+    /// Gives the slot back when the thread exits.
+    static HOLDER: Holder = const { Holder };
+}
+
+/// The calling thread's slot, taking one the first time.
+#[inline]
+fn slot() -> usize {
+    match SLOT.with(Cell::get) {
+        UNSET => take_slot(),
+        slot => slot,
+    }
+}
+
+#[cold]
+fn take_slot() -> usize {
+    // Registering the holder's destructor fails once the thread's thread-locals are being
+    // torn down: such a thread adds to the shared atomic.
+    if HOLDER.try_with(|_| ()).is_err() {
+        SLOT.with(|slot| slot.set(GIVEN_BACK));
+        return GIVEN_BACK;
+    }
+    let mut slots = lock(&SLOTS);
+    let taken = match slots.free.pop() {
+        Some(Reverse(slot)) => slot,
+        None => {
+            slots.next += 1;
+            slots.next - 1
+        }
+    };
+    SLOT.with(|slot| slot.set(taken));
+    taken
+}
+
+/// A thread-local whose destructor gives the thread's slot back.
+struct Holder;
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        let slot = SLOT.with(|slot| slot.replace(GIVEN_BACK));
+        if slot != UNSET && slot != GIVEN_BACK {
+            lock(&SLOTS).free.push(Reverse(slot));
+        }
     }
 }
 
@@ -74,5 +156,62 @@ mod tests {
             thread.join().unwrap();
         }
         assert_eq!(tally.total(), 40_001);
+    }
+
+    /// More threads than cells at once, in waves that exit and give their slots back: the
+    /// adds past the cells go to the shared atomic, and a slot's next holder adds to what its
+    /// last holder left. Checks nothing is lost, and that slots are reused, not leaked.
+    #[test]
+    fn threads_past_the_cells_and_threads_that_reuse_slots_lose_nothing() {
+        let tally = std::sync::Arc::new(Tally::default());
+        let threads = tally.cells.len() + 8;
+        for _wave in 0..3 {
+            let barrier = std::sync::Arc::new(std::sync::Barrier::new(threads));
+            let handles: Vec<_> = (0..threads)
+                .map(|_| {
+                    let (tally, barrier) = (tally.clone(), barrier.clone());
+                    std::thread::spawn(move || {
+                        tally.add_one();
+                        // Every thread of the wave holds its slot at once.
+                        barrier.wait();
+                        for _ in 0..999 {
+                            tally.add_one();
+                        }
+                    })
+                })
+                .collect();
+            for handle in handles {
+                handle.join().unwrap();
+            }
+        }
+        assert_eq!(tally.total(), 3 * threads as u64 * 1_000);
+        assert!(tally.shared.load(Ordering::Relaxed) > 0, "some threads had no cell");
+        // Three waves of threads took no more slots than one wave holds at once (plus this
+        // test's own threads and whatever other tests run beside it).
+        assert!(lock(&SLOTS).next < 3 * threads, "slots given back are taken again");
+    }
+
+    /// A thread-local's destructor that adds while the thread exits, before or after the
+    /// thread gave its slot back, is counted.
+    #[test]
+    fn adds_from_a_thread_local_destructor_are_counted() {
+        struct AddsOnDrop(std::sync::Arc<Tally>);
+        impl Drop for AddsOnDrop {
+            fn drop(&mut self) {
+                self.0.add_one();
+            }
+        }
+        thread_local! {
+            static ADDS: Cell<Option<AddsOnDrop>> = const { Cell::new(None) };
+        }
+        let tally = std::sync::Arc::new(Tally::default());
+        let adds = tally.clone();
+        std::thread::spawn(move || {
+            adds.add_one();
+            ADDS.with(|cell| cell.set(Some(AddsOnDrop(adds))));
+        })
+        .join()
+        .unwrap();
+        assert_eq!(tally.total(), 2);
     }
 }
