@@ -2,8 +2,8 @@
 //! and store on a line no other thread writes.
 
 use std::cell::Cell;
-use std::collections::BinaryHeap;
 use std::cmp::Reverse;
+use std::collections::BinaryHeap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
