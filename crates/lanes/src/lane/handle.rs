@@ -690,6 +690,7 @@ impl Lane {
     /// # Panics
     ///
     /// If called outside a tokio runtime.
+    #[inline]
     pub fn run<J, F>(
         &self,
         run: Run<J, F>,
@@ -710,6 +711,7 @@ impl Lane {
     /// # Panics
     ///
     /// If called outside a tokio runtime.
+    #[inline]
     pub fn spawn<J, F>(&self, run: Run<J, F>) -> Result<RunId, AdmissionError<Run<J, F>>>
     where
         J: Job,
@@ -792,6 +794,11 @@ async fn wait_for_room<J, F, R>(
     }
 }
 
+/// Admits a blocking run into lane `index`: a full lane of an open set refuses here, inlined
+/// into the caller ([`SetShared::refuse_full`]); the admission itself is out of line.
+/// `count_full`: whether a full lane counts the refusal (a caller waiting for room counts it
+/// once, when it gives up).
+#[inline]
 fn admit_blocking<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
@@ -802,8 +809,24 @@ where
     J: Job,
     F: Finalize<J::Output>,
 {
+    let run = shared.refuse_full(index, Participation::Blocking, run, count_full)?;
+    place_blocking(shared, index, run, count_full)
+}
+
+/// [`admit_blocking`] past the lock-free refusal.
+#[inline(never)]
+fn place_blocking<J, F>(
+    shared: &Arc<SetShared>,
+    index: usize,
+    run: Run<J, F>,
+    count_full: bool,
+) -> Result<RunHandle<F::Output>, AdmissionError<Run<J, F>>>
+where
+    J: Job,
+    F: Finalize<J::Output>,
+{
     let participation = Participation::Blocking;
-    // As in `admit_background`: outside a runtime, this panics with nothing admitted.
+    // As in `place_background`: outside a runtime, this panics with nothing admitted.
     let current = tokio::runtime::Handle::current;
     let ((ticket, callbacks), runtime) =
         shared.admit(index, participation, run, count_full, current)?;
@@ -812,7 +835,25 @@ where
     Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
 }
 
+/// As [`admit_blocking`], for a background run.
+#[inline]
 fn admit_background<J, F>(
+    shared: &Arc<SetShared>,
+    index: usize,
+    run: Run<J, F>,
+    count_full: bool,
+) -> Result<RunId, AdmissionError<Run<J, F>>>
+where
+    J: Job,
+    F: Finalize<J::Output>,
+{
+    let run = shared.refuse_full(index, Participation::Background, run, count_full)?;
+    place_background(shared, index, run, count_full)
+}
+
+/// [`admit_background`] past the lock-free refusal.
+#[inline(never)]
+fn place_background<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
@@ -853,20 +894,20 @@ impl SetShared {
         self.lanes.iter().position(|lane| &*lane.name == name)
     }
 
-    /// Admits `run` into lane `index`. `prepare` runs once the run is known not to be refused
-    /// as full without the lock, before it is admitted: what it needs (or panics without),
-    /// nothing is admitted without.
-    fn admit<J, F, P>(
-        self: &Arc<Self>,
+    /// Refuses `run` `Full` if lane `index` is full and the set open, without a lock: `owned`
+    /// is exact, so the lane was full when it was read. (SeqCst against `complete`, for callers
+    /// waiting for room.) Every way in starts here, inlined into its caller: under overload
+    /// this is what most admissions do, and a refusal then costs the two loads, the count and
+    /// the run's move into the error (see [`Run`]'s layout).
+    #[inline(always)]
+    fn refuse_full<J, F>(
+        &self,
         index: usize,
         participation: Participation,
         run: Run<J, F>,
         count_full: bool,
-        prepare: impl FnOnce() -> P,
-    ) -> Admitting<J, F, P> {
+    ) -> Result<Run<J, F>, AdmissionError<Run<J, F>>> {
         let lane = &self.lanes[index];
-        // A full lane of an open set refuses without its lock: `owned` is exact, so the lane
-        // was full when it was read. (SeqCst against `complete`, for callers waiting for room.)
         let full = lane.owned.load(Ordering::SeqCst) >= lane.limits.capacity();
         if full && self.state.load(Ordering::Relaxed) == OPEN {
             if count_full {
@@ -876,6 +917,21 @@ impl SetShared {
             let kind = AdmissionErrorKind::Full;
             return Err(AdmissionError::new(kind, lane.label, participation, run));
         }
+        Ok(run)
+    }
+
+    /// Admits `run` into lane `index`, once [`refuse_full`](Self::refuse_full) let it past.
+    /// `prepare` runs before it is admitted: what it needs (or panics without), nothing is
+    /// admitted without.
+    fn admit<J, F, P>(
+        self: &Arc<Self>,
+        index: usize,
+        participation: Participation,
+        run: Run<J, F>,
+        count_full: bool,
+        prepare: impl FnOnce() -> P,
+    ) -> Admitting<J, F, P> {
+        let lane = &self.lanes[index];
         let prepared = prepare();
         // A background run that would wait as data while every slot is taken (it names no
         // limit and has no deadline): into the inbox, without the lane's lock.
