@@ -232,35 +232,44 @@ impl<T> KeyState<T> {
 /// goes idle keeps its entry, up to [`IDLE_KEPT`] idle keys (the least recently idle are
 /// forgotten first): a key that comes back costs one hash lookup and no allocation. So an
 /// item costs one lookup at push, and a key is never cloned into the ready queue.
+#[repr(C)]
 pub(crate) struct PerKey<T, K> {
+    // What every push reads and the workers do not write (the key table changes only when a
+    // key is added or forgotten), first; then, on lines of their own, what a worker's pop and
+    // `done` write.
     index: FastMap<K, u32>,
+    key_of: Box<dyn Fn(&T) -> K + Send + Sync>,
+    slab: Vec<KeyState<T>>,
+    /// Each slab entry's key, `None` while the entry is free (as long as `slab`).
+    keys: Vec<Option<K>>,
     /// The most keys the key table has held since it was last shrunk: its memory follows this,
     /// not `capacity()`, which counts the tombstones of removed keys as used room.
     index_high: usize,
-    /// Idle entries in the order they went idle, as (entry, `idled`); an entry that was used
-    /// again since leaves a stale pair behind, skipped and compacted away.
-    idle: VecDeque<(u32, u64)>,
+    /// How many idle keys are kept ([`IDLE_KEPT`]; fewer in tests).
+    idle_kept: usize,
+    max_queued: usize,
+    max_per_key: usize,
+    max_keys: usize,
+    _line: [Line; 0],
+    /// Entries with queued items and none running, in the order they became ready.
+    ready: VecDeque<u32>,
+    queued: usize,
     /// How many entries are idle (the live pairs of `idle`).
     idle_count: usize,
     /// The next `idled` stamp.
     next_idled: u64,
-    /// How many idle keys are kept ([`IDLE_KEPT`]; fewer in tests).
-    idle_kept: usize,
-    slab: Vec<KeyState<T>>,
-    /// Each slab entry's key, `None` while the entry is free (as long as `slab`).
-    keys: Vec<Option<K>>,
-    /// Free slab entries, reused last-freed first.
-    free: Vec<u32>,
     /// Evictions since the slab's free tail was last cut (see `shrink`).
     evicted: usize,
-    /// Entries with queued items and none running, in the order they became ready.
-    ready: VecDeque<u32>,
-    key_of: Box<dyn Fn(&T) -> K + Send + Sync>,
-    queued: usize,
-    max_queued: usize,
-    max_per_key: usize,
-    max_keys: usize,
+    /// Idle entries in the order they went idle, as (entry, `idled`); an entry that was used
+    /// again since leaves a stale pair behind, skipped and compacted away.
+    idle: VecDeque<(u32, u64)>,
+    /// Free slab entries, reused last-freed first.
+    free: Vec<u32>,
 }
+
+/// Starts a cache line (and its adjacent-line prefetch pair).
+#[repr(align(128))]
+struct Line;
 
 /// Tables up to this many entries are kept when they empty, so steady traffic does not grow
 /// and shrink them over and over; it is the baseline memory returns to.
@@ -293,6 +302,7 @@ impl<T, K: PoolKey> PerKey<T, K> {
             max_queued,
             max_per_key,
             max_keys,
+            _line: [],
         }
     }
 
