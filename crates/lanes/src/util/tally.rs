@@ -4,8 +4,8 @@
 use std::cell::Cell;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use super::{Padded, lock};
 
@@ -35,8 +35,12 @@ pub(crate) struct Tally {
 
 impl Default for Tally {
     fn default() -> Self {
-        let parallelism = std::thread::available_parallelism().map_or(1, usize::from);
-        let cells = (2 * parallelism).clamp(8, 256);
+        // Asked once: on Linux the answer reads the affinity mask and the cgroup's quota.
+        static CELLS: OnceLock<usize> = OnceLock::new();
+        let cells = *CELLS.get_or_init(|| {
+            let parallelism = std::thread::available_parallelism().map_or(1, usize::from);
+            (2 * parallelism).clamp(8, 256)
+        });
         Self { cells: (0..cells).map(|_| Padded::default()).collect(), shared: Padded::default() }
     }
 }
@@ -85,8 +89,11 @@ struct Slots {
 static SLOTS: Mutex<Slots> = Mutex::new(Slots { free: BinaryHeap::new(), next: 0 });
 
 thread_local! {
-    /// This thread's slot, [`UNSET`] or [`GIVEN_BACK`]. No destructor: it stays readable while
-    /// the thread's other thread-locals are torn down.
+    /// This thread's slot, [`UNSET`] or [`GIVEN_BACK`]. No destructor: where thread-locals are
+    /// native (Linux, macOS, Windows) it stays readable while the thread's other thread-locals
+    /// are torn down. Where they are OS keys it may be set up again after the holder gave the
+    /// slot back: that thread then takes another slot, which is never given back (a leaked
+    /// number, never a second writer).
     static SLOT: Cell<usize> = const { Cell::new(UNSET) };
     /// Gives the slot back when the thread exits.
     static HOLDER: Holder = const { Holder };
@@ -103,8 +110,10 @@ fn slot() -> usize {
 
 #[cold]
 fn take_slot() -> usize {
-    // Registering the holder's destructor fails once the thread's thread-locals are being
-    // torn down: such a thread adds to the shared atomic.
+    // A first add from another thread-local's destructor registers the holder here, and the
+    // slot is given back when the holder's destructor runs. A thread whose holder was already
+    // destroyed (possible only where thread-locals are OS keys and `SLOT` was set up again)
+    // adds to the shared atomic.
     if HOLDER.try_with(|_| ()).is_err() {
         SLOT.with(|slot| slot.set(GIVEN_BACK));
         return GIVEN_BACK;
@@ -191,8 +200,8 @@ mod tests {
         assert!(lock(&SLOTS).next < 3 * threads, "slots given back are taken again");
     }
 
-    /// A thread-local's destructor that adds while the thread exits, before or after the
-    /// thread gave its slot back, is counted.
+    /// A thread-local's destructor that adds while the thread exits is counted, whether it runs
+    /// while the thread still holds its slot or after the thread gave it back.
     #[test]
     fn adds_from_a_thread_local_destructor_are_counted() {
         struct AddsOnDrop(std::sync::Arc<Tally>);
@@ -205,6 +214,8 @@ mod tests {
             static ADDS: Cell<Option<AddsOnDrop>> = const { Cell::new(None) };
         }
         let tally = std::sync::Arc::new(Tally::default());
+        // The holder is registered by the first add, before `ADDS`: destructors run last
+        // registered first, so `ADDS` adds while the slot is held.
         let adds = tally.clone();
         std::thread::spawn(move || {
             adds.add_one();
@@ -213,5 +224,22 @@ mod tests {
         .join()
         .unwrap();
         assert_eq!(tally.total(), 2);
+        // `ADDS` first, the holder at the first add: the holder gives the slot back first, and
+        // `ADDS`'s add goes to the shared atomic.
+        let adds = tally.clone();
+        let shared_before = tally.shared.load(Ordering::Relaxed);
+        std::thread::spawn(move || {
+            ADDS.with(|cell| cell.set(Some(AddsOnDrop(adds.clone()))));
+            adds.add_one();
+        })
+        .join()
+        .unwrap();
+        assert_eq!(tally.total(), 4);
+        #[cfg(target_os = "linux")]
+        assert_eq!(
+            tally.shared.load(Ordering::Relaxed),
+            shared_before + 1,
+            "added after the give-back"
+        );
     }
 }
