@@ -234,9 +234,9 @@ impl<T> KeyState<T> {
 /// item costs one lookup at push, and a key is never cloned into the ready queue.
 #[repr(C)]
 pub(crate) struct PerKey<T, K> {
-    // What every push reads and the workers do not write (the key table changes only when a
-    // key is added or forgotten), first; then, on lines of their own, what a worker's pop and
-    // `done` write.
+    // What every push reads and the workers do not write, first (the key table changes only
+    // when a key is added or forgotten, and a worker's `done` forgets keys only once more than
+    // `IDLE_KEPT` are idle); then, on lines of their own, what a worker's pop and `done` write.
     index: FastMap<K, u32>,
     key_of: Box<dyn Fn(&T) -> K + Send + Sync>,
     slab: Vec<KeyState<T>>,
@@ -418,6 +418,7 @@ impl<T, K: PoolKey> PerKey<T, K> {
                 self.keys.pop();
             }
         }
+        debug_assert_eq!(self.keys.len(), self.slab.len());
         let end = self.slab.len() as u32;
         free.retain(|slot| *slot < end);
         self.free = free;
@@ -487,6 +488,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
                     }
                 };
                 new.insert(slot);
+                debug_assert_eq!(self.keys.len(), self.slab.len());
                 self.index_high = self.index_high.max(self.index.len());
                 slot
             }
