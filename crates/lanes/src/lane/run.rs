@@ -167,7 +167,8 @@ type CleanupFn = Box<dyn FnOnce() -> BoxFuture<'static, Result<(), BoxError>> + 
 // halves a move of the run reads it back in. A full lane's refusal moves the run into its
 // error, inlined into the caller that built it; a 16-byte load across two narrower stores
 // cannot take its data from the store buffer and waits for both to reach the cache: 3.8 of
-// the 8.9 ns such a refusal took on an AMD EPYC host (BENCHMARKS.md, suite 2, stop 56).
+// the 8.9 ns such a refusal took on an AMD EPYC host (BENCHMARKS.md, suite 2, stop 56). A run
+// dropped unadmitted drops its fields in this order: its limit before its job and finalizer.
 #[repr(C)]
 pub struct Run<J, F = Passthrough> {
     pub(crate) queue_timeout: Timeout,
