@@ -102,9 +102,12 @@ thread_local! {
 /// The calling thread's slot, taking one the first time.
 #[inline]
 fn slot() -> usize {
-    match SLOT.with(Cell::get) {
-        UNSET => take_slot(),
-        slot => slot,
+    // `try_with`: where thread-locals are OS keys, `SLOT` can be gone while other
+    // thread-locals' destructors run; natively this is one load, with no state to check.
+    match SLOT.try_with(Cell::get) {
+        Ok(UNSET) => take_slot(),
+        Ok(slot) => slot,
+        Err(_) => GIVEN_BACK,
     }
 }
 
@@ -115,7 +118,7 @@ fn take_slot() -> usize {
     // destroyed (possible only where thread-locals are OS keys and `SLOT` was set up again)
     // adds to the shared atomic.
     if HOLDER.try_with(|_| ()).is_err() {
-        SLOT.with(|slot| slot.set(GIVEN_BACK));
+        let _ = SLOT.try_with(|slot| slot.set(GIVEN_BACK));
         return GIVEN_BACK;
     }
     let mut slots = lock(&SLOTS);
@@ -126,7 +129,11 @@ fn take_slot() -> usize {
             slots.next - 1
         }
     };
-    SLOT.with(|slot| slot.set(taken));
+    if SLOT.try_with(|slot| slot.set(taken)).is_err() {
+        // Nowhere to keep it: give it back at once.
+        slots.free.push(Reverse(taken));
+        return GIVEN_BACK;
+    }
     taken
 }
 
@@ -135,7 +142,7 @@ struct Holder;
 
 impl Drop for Holder {
     fn drop(&mut self) {
-        let slot = SLOT.with(|slot| slot.replace(GIVEN_BACK));
+        let slot = SLOT.try_with(|slot| slot.replace(GIVEN_BACK)).unwrap_or(UNSET);
         if slot != UNSET && slot != GIVEN_BACK {
             lock(&SLOTS).free.push(Reverse(slot));
         }
