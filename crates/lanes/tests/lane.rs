@@ -428,6 +428,63 @@ async fn completions_and_failures_from_two_workers_reconcile_with_waiters_for_ro
     assert_eq!(work.rejected.full, 0, "no waiter gave up");
 }
 
+/// Every way in refuses a full lane of an open set `Full` before anything else (the lock-free
+/// check inlined into each caller), hands the run back untouched, says how it was asked, and
+/// counts each refusal once; a wait that gives up counts once too. Once the set is closed, the
+/// same full lane answers `Closed` on every way in, counted as closed, not full.
+#[tokio::test(start_paused = true)]
+async fn every_way_in_refuses_a_full_lane_and_counts_it_once() {
+    let lanes = set(&[("work", 1, 1)]);
+    let lane = lanes.lane("work").expect("configured");
+    let gate = Gate::new();
+    let (log, finals) = (Arc::new(Mutex::new(Vec::new())), Finals::default());
+    let held = lanes.run("work", gated(1, &gate, &log, &finals)).unwrap();
+    let queued = lane.spawn(gated(2, &gate, &log, &finals)).unwrap();
+    settle().await;
+    let refusals = [
+        lanes.run("work", gated(10, &gate, &log, &finals)).map(|_| ()).unwrap_err(),
+        lanes.spawn("work", gated(11, &gate, &log, &finals)).map(|_| ()).unwrap_err(),
+        lane.run(gated(12, &gate, &log, &finals)).map(|_| ()).unwrap_err(),
+        lane.spawn(gated(13, &gate, &log, &finals)).map(|_| ()).unwrap_err(),
+    ];
+    let participations: Vec<_> = refusals.iter().map(|r| (r.kind(), r.participation())).collect();
+    assert_eq!(
+        participations,
+        [
+            (AdmissionErrorKind::Full, Participation::Blocking),
+            (AdmissionErrorKind::Full, Participation::Background),
+            (AdmissionErrorKind::Full, Participation::Blocking),
+            (AdmissionErrorKind::Full, Participation::Background),
+        ]
+    );
+    assert!(refusals.iter().all(|r| r.lane() == "work"));
+    let deadline = Some(tokio::time::Instant::now() + Duration::from_millis(5));
+    let waited = lanes.run_wait("work", gated(14, &gate, &log, &finals), deadline).await;
+    assert_eq!(waited.map(|_| ()).unwrap_err().kind(), AdmissionErrorKind::Full);
+    let deadline = Some(tokio::time::Instant::now() + Duration::from_millis(5));
+    let waited = lanes.spawn_wait("work", gated(15, &gate, &log, &finals), deadline).await;
+    assert_eq!(waited.map(|_| ()).unwrap_err().kind(), AdmissionErrorKind::Full);
+    assert_eq!(lanes.snapshot().lanes[0].rejected.full, 6, "each refusal once, each wait once");
+    // A refused run comes back whole: it is offered again below, to the closed set.
+    let [_, _, _, fourth] = refusals;
+    lanes.close();
+    let closed = [
+        lanes.run("work", gated(20, &gate, &log, &finals)).map(|_| ()).unwrap_err(),
+        lanes.spawn("work", gated(21, &gate, &log, &finals)).map(|_| ()).unwrap_err(),
+        lane.run(gated(22, &gate, &log, &finals)).map(|_| ()).unwrap_err(),
+        lane.spawn(fourth.into_run()).map(|_| ()).unwrap_err(),
+    ];
+    assert!(closed.iter().all(|r| r.is_closed()), "a closed set says closed, full or not");
+    gate.open();
+    let _ = held.await;
+    let _ = queued;
+    lanes.drained().await;
+    let snapshot = lanes.snapshot();
+    assert_eq!((snapshot.lanes[0].rejected.full, snapshot.lanes[0].rejected.closed), (6, 4));
+    assert_eq!(log.lock().unwrap().iter().filter(|tag| **tag >= 10).count(), 0, "none ran");
+    assert_eq!(finals.len(), 2, "only the two admitted runs were finalized");
+}
+
 /// A full lane refuses without its lock and counts the refusal on the refusing thread: the
 /// snapshot must still see every refusal from every thread exactly once, with the ones counted
 /// under the lock (a wait for room that gave up) beside them.
