@@ -40,6 +40,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 /// [`prometheus`]).
 pub fn dashboard(registry: Registry) -> Router {
     let metrics = prometheus();
+    let scraped = registry.clone();
     Router::new()
         .route("/", get(page))
         .route(
@@ -52,6 +53,9 @@ pub fn dashboard(registry: Registry) -> Router {
         .route(
             "/metrics",
             get(move || {
+                // A snapshot first: a busy channel publishes its `emitted` and `processed`
+                // counts in steps, and catches up when a snapshot is taken.
+                drop(scraped.snapshot());
                 let body = metrics.render();
                 async move { ([("content-type", "text/plain; version=0.0.4")], body) }
             }),

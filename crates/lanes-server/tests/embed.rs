@@ -1,6 +1,6 @@
 //! The embeddable dashboard, through the `embedded_dashboard` example's own application: its
 //! snapshot shows the application's lanes and limits, and its page loads in headless Chromium
-//! from the mount point.
+//! from the mount point. Its metrics are exact when scraped.
 
 mod common;
 
@@ -57,4 +57,29 @@ async fn an_application_mounts_its_own_dashboard() {
     assert!(dom.contains("this application's registry"), "{dom}");
     lanes.close();
     lanes.drained().await;
+}
+
+/// A channel publishes its `emitted` count to the metrics in steps while its consumer does not
+/// take; a scrape of the dashboard's `/metrics` catches it up first.
+#[tokio::test]
+async fn a_scrape_shows_every_record_a_channel_was_given() {
+    let registry = lanes::Registry::new();
+    // The router installs the recorder, before the channel registers its counters.
+    let router = lanes_server::embed::dashboard(registry.clone());
+    let channels = lanes::channel::Channels::builder().registry(&registry, "scraped").build();
+    let channels = channels.expect("a registry of channels");
+    let channel = channels.create::<u64>("orders", lanes::channel::ChannelConfig::new(64));
+    let channel = channel.expect("a channel");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    for record in 0..10 {
+        channel.try_emit(record).unwrap();
+    }
+    let body = reqwest::get(format!("{base}/metrics")).await.unwrap().text().await.unwrap();
+    let line = body
+        .lines()
+        .find(|l| l.starts_with("lanes_channel_emitted_total") && l.contains("\"orders\""))
+        .unwrap_or_else(|| panic!("no emitted series for the channel: {body}"));
+    assert!(line.ends_with(" 10"), "{line}");
 }

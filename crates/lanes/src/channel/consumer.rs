@@ -16,7 +16,7 @@ use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
 use super::core::Due;
 use super::error::SettleError;
-use super::handle::{ChannelShared, Entry, State};
+use super::handle::{ChannelShared, Entry, State, Took};
 use super::receipt::{ReceiptState, Settlement};
 use crate::limit::{LimitError, OnRefusal, Permit};
 use crate::spill::DurableQueue;
@@ -248,6 +248,7 @@ impl<T: Send + 'static> Consumer<T> {
     #[inline(always)]
     fn poll_recv(&mut self, cx: &mut Context<'_>, max: usize) -> Poll<Option<()>> {
         if self.backoff.is_none() && self.acquiring.is_none() && self.still_armed(cx) {
+            self.shared.catch_up_reads();
             return Poll::Pending;
         }
         self.poll_take(cx, max, Duration::ZERO, None)
@@ -295,6 +296,8 @@ impl<T: Send + 'static> Consumer<T> {
                     }
                 }
             }
+            // Read all it had: the `processed` metric is given the reads it lags by.
+            self.shared.catch_up_reads();
             // Waiting for the next record with this waker, and none has come: no lock.
             if self.still_armed(cx) && (read || !self.armed_read) {
                 return Poll::Pending;
@@ -357,7 +360,7 @@ impl<T: Send + 'static> Consumer<T> {
                     self.permits.truncate(n);
                 }
             }
-            let n = match out.as_deref_mut() {
+            let took = match out.as_deref_mut() {
                 Some(out) => self.shared.take(&mut st, n, out, &mut self.wakers),
                 None => self.shared.take(&mut st, n, &mut self.local, &mut self.wakers),
             };
@@ -368,7 +371,7 @@ impl<T: Send + 'static> Consumer<T> {
                 arm(&self.shared, &mut self.armed, &mut st, cx.waker(), read);
             }
             drop(st);
-            self.shared.after_take(n, &mut self.wakers);
+            self.shared.after_take(took, &mut self.wakers);
             return Poll::Ready(Some(()));
         }
     }
@@ -456,6 +459,7 @@ impl<T> Unpin for Consumer<T> {}
 
 impl<T> Drop for Consumer<T> {
     fn drop(&mut self) {
+        self.shared.publish_reads();
         let handed = {
             let mut st = spin_lock(&self.shared.state);
             // No record is handed to it from now on: the close that follows drops what comes
@@ -476,7 +480,7 @@ impl<T> Drop for Consumer<T> {
             // As a take would: its budget unit goes back (once the channel is closed, so that
             // no producer of this channel uses it for a record the close would drop), and it
             // counts delivered.
-            self.shared.after_take(1, &mut self.wakers);
+            self.shared.after_take(Took::records(1), &mut self.wakers);
         }
     }
 }

@@ -167,6 +167,13 @@ impl Waiter {
     }
 }
 
+/// How far the `emitted` and `processed` metrics may run behind the channel's own counts:
+/// they are published in steps of up to this many records, and at once whenever the consumer
+/// goes to the channel, is woken, waits or goes away, and whenever a snapshot is taken. A call
+/// into the `metrics` facade per record cost a one-thread channel 15% of its time (suite 3 of
+/// BENCHMARKS.md), whether or not a recorder is installed.
+pub(crate) const METRICS_STEP: u64 = 32;
+
 /// What the channel's lock guards: the pure core and the wakers of the shell.
 pub(crate) struct State<T> {
     pub(crate) core: Core<Entry<T>>,
@@ -174,9 +181,25 @@ pub(crate) struct State<T> {
     recv_waker: Option<Waker>,
     recv_want: usize,
     senders: WaitList,
+    /// Of the core's `emitted`, how many the `emitted` metric has been given.
+    emitted_published: u64,
 }
 
 impl<T> State<T> {
+    /// The emits the `emitted` metric has not been given, marked given: all of them if `now`,
+    /// else only once they make a step ([`METRICS_STEP`]). The caller publishes them once it
+    /// has let the lock go ([`ChannelShared::publish_emitted`]).
+    #[inline]
+    fn unpublished_emits(&mut self, now: bool) -> u64 {
+        let behind = self.core.counters.emitted - self.emitted_published;
+        if now || behind >= METRICS_STEP {
+            self.emitted_published = self.core.counters.emitted;
+            behind
+        } else {
+            0
+        }
+    }
+
     #[inline]
     fn consumer_waker(&mut self) -> Option<Waker> {
         // Whether the consumer waits first: while it works through a burst it does not, and
@@ -230,6 +253,34 @@ impl ChannelMetrics {
             failed: metrics::counter!("lanes_channel_failed_total", &labels),
         }
     }
+
+    /// Out of line: called once per [`METRICS_STEP`] emits on a busy channel.
+    #[inline(never)]
+    fn publish_emitted(&self, n: u64) {
+        self.emitted.increment(n);
+    }
+}
+
+/// What [`ChannelShared::take`] moved: the records taken, and the emits the `emitted` metric
+/// is given after the lock ([`ChannelShared::after_take`]).
+pub(crate) struct Took {
+    pub(crate) records: usize,
+    emitted: u64,
+}
+
+impl Took {
+    /// A take of `records` that has no emits to publish.
+    pub(crate) fn records(records: usize) -> Self {
+        Self { records, emitted: 0 }
+    }
+}
+
+/// The records the consumer's plain reads handed out (only the consumer adds to `count`), and
+/// how many of them the `processed` metric has been given.
+#[derive(Default)]
+struct ReadCount {
+    count: AtomicU64,
+    published: AtomicU64,
 }
 
 /// Why [`ChannelShared::try_queue`] did not queue a record at once (its caller still holds
@@ -263,9 +314,8 @@ pub(crate) struct ChannelShared<T> {
     /// The lock producers and the consumer share, on lines of its own.
     pub(crate) state: Padded<SpinLock<State<T>>>,
     pub(crate) producers: AtomicUsize,
-    /// Records the consumer's plain reads handed out: counted processed without the lock
-    /// (only the consumer writes it).
-    read: Padded<AtomicU64>,
+    /// Records the consumer's plain reads handed out: counted processed without the lock.
+    read: Padded<ReadCount>,
     /// The consumer's waker is registered for the next record and none has come since (nor a
     /// close): the consumer may wait again without taking the lock. Set and cleared under the
     /// lock, read without it; whoever clears it takes the waker and wakes the consumer.
@@ -307,9 +357,10 @@ impl<T> ChannelShared<T> {
                 recv_waker: None,
                 recv_want: 1,
                 senders: WaitList::default(),
+                emitted_published: 0,
             })),
             producers: AtomicUsize::new(0),
-            read: Padded(AtomicU64::new(0)),
+            read: Padded(ReadCount::default()),
             recv_armed: AtomicBool::new(false),
             settled: tokio::sync::Notify::new(),
             drain_waiters: AtomicUsize::new(0),
@@ -429,11 +480,12 @@ impl<T> ChannelShared<T> {
 
     /// What became of a record the overflow rule dropped or sent to the spill queue.
     #[inline(always)]
-    fn overflowed(&self, st: SpinGuard<'_, State<T>>, offer: Offer<Entry<T>>) -> Pushed<T> {
+    fn overflowed(&self, mut st: SpinGuard<'_, State<T>>, offer: Offer<Entry<T>>) -> Pushed<T> {
         match offer {
             Offer::DroppedNewest(entry) => {
+                let emitted = st.unpublished_emits(true);
                 drop(st);
-                self.metrics.emitted.increment(1);
+                self.publish_emitted(emitted);
                 self.metrics.dropped.increment(1);
                 Pushed::DroppedNewest(entry)
             }
@@ -591,11 +643,21 @@ impl<T> ChannelShared<T> {
         if consumer.is_some() {
             self.recv_armed.store(false, Ordering::Release);
         }
+        // A consumer that waited learns of the record now: so does the metric.
+        let emitted = st.unpublished_emits(consumer.is_some());
         drop(st);
         if let Some(consumer) = consumer {
             consumer.wake();
         }
-        self.metrics.emitted.increment(1);
+        self.publish_emitted(emitted);
+    }
+
+    /// Gives the `emitted` metric the emits [`State::unpublished_emits`] returned.
+    #[inline(always)]
+    fn publish_emitted(&self, n: u64) {
+        if n > 0 {
+            self.metrics.publish_emitted(n);
+        }
     }
 
     fn budget(&self) -> &Budget {
@@ -604,8 +666,12 @@ impl<T> ChannelShared<T> {
 
     /// A record answered `Spill` reached the spill queue: count it (never before).
     pub(crate) fn spilled(&self) {
-        spin_lock(&self.state).core.spilled();
-        self.metrics.emitted.increment(1);
+        let emitted = {
+            let mut st = spin_lock(&self.state);
+            st.core.spilled();
+            st.unpublished_emits(true)
+        };
+        self.publish_emitted(emitted);
         self.metrics.spilled.increment(1);
     }
 
@@ -635,12 +701,36 @@ impl<T> ChannelShared<T> {
         self.recv_armed.load(Ordering::Acquire)
     }
 
-    /// Counts `n` records handed out by a plain read as processed.
+    /// Counts `n` records handed out by a plain read as processed (only the consumer calls
+    /// it). The `processed` metric is given them once they make a step ([`METRICS_STEP`]).
     #[inline]
     pub(crate) fn count_read(&self, n: u64) {
-        self.read.store(self.read.load(Ordering::Relaxed) + n, Ordering::Release);
-        self.metrics.processed.increment(n);
+        let read = self.read.count.load(Ordering::Relaxed) + n;
+        self.read.count.store(read, Ordering::Release);
+        if read - self.read.published.load(Ordering::Relaxed) >= METRICS_STEP {
+            self.publish_reads();
+        }
         self.settled_changed();
+    }
+
+    /// Gives the `processed` metric every read it has not been given. Called by the consumer
+    /// and by a snapshot, maybe at once: each read is given once (`fetch_max`).
+    #[inline(never)]
+    pub(crate) fn publish_reads(&self) {
+        let read = self.read.count.load(Ordering::Acquire);
+        let published = self.read.published.fetch_max(read, Ordering::AcqRel);
+        if read > published {
+            self.metrics.processed.increment(read - published);
+        }
+    }
+
+    /// [`publish_reads`](Self::publish_reads) if any read waits for it: the consumer's
+    /// check once it has read what it had, before it goes to the channel or waits.
+    #[inline]
+    pub(crate) fn catch_up_reads(&self) {
+        if self.read.count.load(Ordering::Relaxed) != self.read.published.load(Ordering::Relaxed) {
+            self.publish_reads();
+        }
     }
 
     /// Records may have reached their end: wakes callers of `drained`, if any. A waiter counts
@@ -657,7 +747,8 @@ impl<T> ChannelShared<T> {
     pub(crate) fn is_drained(&self) -> bool {
         let st = spin_lock(&self.state);
         let c = st.core.counters;
-        let settled = c.processed + self.read.load(Ordering::Acquire) + c.failed + c.abandoned;
+        let settled =
+            c.processed + self.read.count.load(Ordering::Acquire) + c.failed + c.abandoned;
         st.core.is_closed() && st.core.len() == 0 && c.delivered == settled
     }
 
@@ -684,7 +775,7 @@ impl<T> ChannelShared<T> {
     }
 
     /// Removes up to `n` records from the front, for the consumer ([`Core::take`]; returns how
-    /// many), and hands the freed slots to the first waiting producers, collecting their
+    /// many, with the emits the metric lags by), and hands the freed slots to the first waiting producers, collecting their
     /// wakers in `wakers` (the consumer's own, reused: no allocation per hand-off).
     pub(crate) fn take(
         &self,
@@ -692,17 +783,18 @@ impl<T> ChannelShared<T> {
         n: usize,
         out: &mut impl Take<Entry<T>>,
         wakers: &mut Vec<Waker>,
-    ) -> usize {
+    ) -> Took {
         let taken = st.core.take(n, out);
         if !st.senders.is_empty() {
             st.hand_off(wakers);
         }
-        taken
+        Took { records: taken, emitted: st.unpublished_emits(true) }
     }
 
     /// After `take`: outside the lock, wakes producers (emptying `wakers`) and returns budget.
     #[inline(always)]
-    pub(crate) fn after_take(&self, n: usize, wakers: &mut Vec<Waker>) {
+    pub(crate) fn after_take(&self, took: Took, wakers: &mut Vec<Waker>) {
+        let Took { records: n, emitted } = took;
         match wakers.len() {
             0 => {}
             // The common hand-off, without a drain's bookkeeping.
@@ -713,6 +805,7 @@ impl<T> ChannelShared<T> {
             budget.release(n);
         }
         self.metrics.delivered.increment(n as u64);
+        self.publish_emitted(emitted);
     }
 
     /// Closes the channel: producers get `Closed`; the consumer drains what is queued (unless
@@ -752,8 +845,19 @@ impl<T> ChannelShared<T> {
         spin_lock(&self.state).core.is_closed()
     }
 
+    /// The channel's counts, exact and reconciled; the `emitted` and `processed` metrics are
+    /// given what they lagged by ([`METRICS_STEP`]).
     pub(crate) fn snapshot(&self) -> ChannelSnapshot {
-        let st = spin_lock(&self.state);
+        self.publish_reads();
+        let mut st = spin_lock(&self.state);
+        let emitted = st.unpublished_emits(true);
+        let snapshot = self.snapshot_locked(&st);
+        drop(st);
+        self.publish_emitted(emitted);
+        snapshot
+    }
+
+    fn snapshot_locked(&self, st: &State<T>) -> ChannelSnapshot {
         let c = st.core.counters;
         let oldest_age = st.core.oldest_enqueued().map_or(Duration::ZERO, |at| at.elapsed());
         ChannelSnapshot {
@@ -768,7 +872,7 @@ impl<T> ChannelShared<T> {
             dropped: c.dropped,
             spilled: c.spilled,
             blocked_waits: c.blocked_waits,
-            processed: c.processed + self.read.load(Ordering::Acquire),
+            processed: c.processed + self.read.count.load(Ordering::Acquire),
             failed: c.failed,
             tagged: c.tagged,
             dead_lettered: c.dead_lettered,

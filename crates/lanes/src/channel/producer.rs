@@ -293,7 +293,9 @@ impl<T> Channel<T> {
         self.shared.close_with(true);
     }
 
-    /// The channel's counters and state now.
+    /// The channel's counters and state now. The `emitted` and `processed` metrics, which a
+    /// busy channel publishes in steps, catch up with these counts
+    /// ([`observe::METRICS`](crate::observe::METRICS)).
     pub fn snapshot(&self) -> ChannelSnapshot {
         self.shared.snapshot()
     }

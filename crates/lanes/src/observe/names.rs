@@ -52,6 +52,14 @@ const CHANNEL: &[&str] = &["channel"];
 const SPILL: &[&str] = &["spill"];
 
 /// Every metric the library emits.
+///
+/// Counts are exact at quiescence. Two counters are published in steps, to keep a call into the
+/// `metrics` facade off every record's path: a channel's `lanes_channel_emitted_total` and
+/// `lanes_channel_processed_total` (for records read one at a time) may run up to 31 records
+/// behind the channel's own counts while its consumer is busy. They catch up whenever the
+/// consumer goes to the channel, is woken, waits or is dropped, and whenever a snapshot of the
+/// channel, or of a registry that holds it, is taken; the embedded dashboard's `/metrics` takes
+/// one before it renders.
 pub const METRICS: &[MetricName] = &[
     metric("lanes_lane_admitted_total", Counter, LANE, "Runs admitted to the lane."),
     metric(
