@@ -1405,22 +1405,22 @@ async fn channels_report_into_the_registry() {
 
 #[tokio::test(start_paused = true)]
 async fn the_snapshot_reports_the_age_of_the_oldest_record() {
-    let channel = Channel::new(ChannelConfig::new(128)).unwrap();
+    let channel = Channel::new(ChannelConfig::new(256)).unwrap();
     let mut consumer = channel.consumer(options(1)).unwrap();
     let mut next = async || consumer.next_batch().await.unwrap()[0];
     assert_eq!(channel.snapshot().oldest_age_ms, 0);
     channel.emit(0).await.unwrap();
     tokio::time::sleep(Duration::from_millis(700)).await;
-    for n in 1..100 {
+    for n in 1..200 {
         channel.emit(n).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(channel.snapshot().oldest_age_ms, 1000);
-    // Ages are sampled every 32 records: the age is that of the nearest sample at or before
+    // Ages are sampled every 128 records: the age is that of the nearest sample at or before
     // the head, never younger than the truth.
     assert_eq!(next().await, 0);
     assert_eq!(channel.snapshot().oldest_age_ms, 1000);
-    for n in 1..32 {
+    for n in 1..128 {
         assert_eq!(next().await, n);
     }
     assert_eq!(channel.snapshot().oldest_age_ms, 300);

@@ -58,9 +58,9 @@ pub struct ChannelSnapshot {
     /// Whether its consumer has been taken.
     pub has_consumer: bool,
     /// How long the oldest queued record has waited, in milliseconds (0 when empty). Enqueue
-    /// times are sampled every 32 records (and whenever a record finds the channel empty), so
+    /// times are sampled every 128 records (and whenever a record finds the channel empty), so
     /// this is the age of the nearest sample at or before the oldest record: never younger than
-    /// the truth, older by at most the time 31 records took to arrive.
+    /// the truth, older by at most the time 127 records took to arrive.
     pub oldest_age_ms: u64,
 }
 
