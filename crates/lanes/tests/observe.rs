@@ -267,6 +267,23 @@ fn a_channel_counts_records_handed_to_its_read() {
     }
 }
 
+/// A channel closed with records nobody took gives its `emitted` metric every emit, stepped
+/// or not, with the close's drops: no snapshot needed.
+#[test]
+fn a_closed_channel_publishes_every_emit() {
+    let snapshot = in_runtime(async {
+        let channel = Channel::named("closed", ChannelConfig::new(64)).unwrap();
+        for n in 0..10u32 {
+            channel.try_emit(n).unwrap();
+        }
+        channel.abort();
+    });
+    let closed = [("channel", "closed")];
+    for (name, want) in [("lanes_channel_emitted_total", 10), ("lanes_channel_dropped_total", 10)] {
+        assert_eq!(value(&snapshot, name, &closed), &DebugValue::Counter(want), "{name}");
+    }
+}
+
 /// The `emitted` and `processed` counters of channel `name` as published so far: a debugging
 /// recorder's snapshot hands out what was added since the last one, kept in `totals`.
 fn channel_totals(snapshotter: &Snapshotter, name: &str, totals: &mut [u64; 2]) -> [u64; 2] {

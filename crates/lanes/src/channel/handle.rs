@@ -775,8 +775,9 @@ impl<T> ChannelShared<T> {
     }
 
     /// Removes up to `n` records from the front, for the consumer ([`Core::take`]; returns how
-    /// many, with the emits the metric lags by), and hands the freed slots to the first waiting producers, collecting their
-    /// wakers in `wakers` (the consumer's own, reused: no allocation per hand-off).
+    /// many, with the emits the metric lags by), and hands the freed slots to the first
+    /// waiting producers, collecting their wakers in `wakers` (the consumer's own, reused: no
+    /// allocation per hand-off).
     pub(crate) fn take(
         &self,
         st: &mut State<T>,
@@ -811,7 +812,7 @@ impl<T> ChannelShared<T> {
     /// Closes the channel: producers get `Closed`; the consumer drains what is queued (unless
     /// the channel discards on close, or `discard` is set because the consumer went away).
     pub(crate) fn close_with(&self, discard: bool) {
-        let (dropped, wakers, consumer, was_closed) = {
+        let (dropped, wakers, consumer, was_closed, emitted) = {
             let mut st = spin_lock(&self.state);
             let was_closed = st.core.is_closed();
             let dropped = st.core.close(discard || self.config.discard_on_close);
@@ -820,8 +821,10 @@ impl<T> ChannelShared<T> {
             st.senders.pop_into(n, &mut wakers);
             let consumer = st.recv_waker.take();
             self.recv_armed.store(false, Ordering::Release);
-            (dropped, wakers, consumer, was_closed)
+            (dropped, wakers, consumer, was_closed, st.unpublished_emits(true))
         };
+        // No emit comes after a close: the metric is given what it lagged by.
+        self.publish_emitted(emitted);
         self.metrics.dropped.increment(dropped.len() as u64);
         if let Some(budget) = &self.budget {
             budget.release(dropped.len());
