@@ -357,7 +357,10 @@ impl<T> ConsumerOptions<T> {
     /// The longest the oldest record of a partial batch waits before the batch is delivered
     /// anyway (default zero: whatever is queued is delivered at once, up to `batch_max`).
     /// To stay within it on tokio's 1 ms timer ticks, a partial batch leaves up to
-    /// `min(1 ms, batch_flush / 10)` early.
+    /// `min(1 ms, batch_flush / 10)` early. The oldest record's enqueue time is sampled (every
+    /// 128th record, and any record that finds the channel empty: see
+    /// [`ChannelSnapshot::oldest_age_ms`](super::ChannelSnapshot::oldest_age_ms)), so a partial
+    /// batch left behind by a full one may leave earlier still, never later.
     pub fn batch_flush(mut self, linger: Duration) -> Self {
         self.batch_flush = linger;
         self

@@ -192,12 +192,12 @@ impl<T: Send + 'static> Consumer<T> {
         n
     }
 
-    /// Hands out a record taken by `recv` (its receipt is `receipt`): the receipt settles,
-    /// then the record counts as processed. Inlined, and given the entry's parts rather than
-    /// the entry: a large record moved whole into a call and out again was copied four times
+    /// Counts a record `recv` hands out (its receipt is `receipt`): the receipt settles, then
+    /// the record counts as processed. Given only the receipt, the entry taken apart where it
+    /// was popped: a large record moved whole into a call and out again was copied four times
     /// on its way out (callgrind, 256-byte records), a small one went through memory.
     #[inline]
-    fn hand_out(&self, receipt: Option<Arc<ReceiptState>>) {
+    fn count_handed(&self, receipt: Option<Arc<ReceiptState>>) {
         match &receipt {
             None => self.shared.count_read(1),
             Some(receipt) => read_with_receipt(&self.shared, receipt),
@@ -243,7 +243,8 @@ impl<T: Send + 'static> Consumer<T> {
     /// [`poll_take`](Self::poll_take) into the read-ahead, for `recv`: a consumer polled again
     /// while it waits for the next record with the same waker, and none has come, is answered
     /// here inline, without the lock or a call (at capacity 1 every other poll is one of those,
-    /// and the call's entry and exit cost more than its test). The batch reads call
+    /// and the call's entry and exit cost more than its test), unless reads wait for the
+    /// `processed` metric. The batch reads call
     /// `poll_take`, which makes the same test inside: for them the test out here cost two
     /// instructions a record and saved none.
     #[inline(always)]
@@ -446,7 +447,7 @@ impl<T: Send + 'static> Future for Recv<'_, T> {
         let Some(Entry { record, receipt }) = consumer.local.pop_front() else {
             return Poll::Ready(None);
         };
-        consumer.hand_out(receipt);
+        consumer.count_handed(receipt);
         Poll::Ready(Some(record))
     }
 }

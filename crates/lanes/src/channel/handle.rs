@@ -168,10 +168,10 @@ impl Waiter {
 }
 
 /// How far the `emitted` and `processed` metrics may run behind the channel's own counts:
-/// they are published in steps of up to this many records, and at once whenever the consumer
-/// goes to the channel, is woken, waits or goes away, and whenever a snapshot is taken. A call
-/// into the `metrics` facade per record cost a one-thread channel 15% of its time (suite 3 of
-/// BENCHMARKS.md), whether or not a recorder is installed.
+/// each is given what it lags by once this many records are unpublished, and the rest at the
+/// points `observe::METRICS` names (a take, a wake, the consumer's wait or drop, a close, a
+/// snapshot, the channel's drop). Two calls into the `metrics` facade per record were 13.7% of
+/// a one-thread channel's samples (BENCHMARKS.md, suite 3, stop 58), recorder or not.
 pub(crate) const METRICS_STEP: u64 = 32;
 
 /// What the channel's lock guards: the pure core and the wakers of the shell.
@@ -633,8 +633,8 @@ impl<T> ChannelShared<T> {
         Ok(())
     }
 
-    /// A record went in: out of the lock, wakes the consumer if it waits for it, and counts
-    /// the record emitted.
+    /// A record went in: out of the lock, wakes the consumer if it waits for it, and gives the
+    /// `emitted` metric what it lags by if that wakes the consumer or makes a step.
     // Not `inline(always)`: forced into the emit future's fast path, it left cachegrind's
     // count the same but took `fixed channel 1024 3000` from 88 to 56 M/s on an AMD host.
     #[inline]
@@ -713,11 +713,16 @@ impl<T> ChannelShared<T> {
         self.settled_changed();
     }
 
-    /// Gives the `processed` metric every read it has not been given. Called by the consumer
-    /// and by a snapshot, maybe at once: each read is given once (`fetch_max`).
+    /// Gives the `processed` metric every read it has not been given.
     #[inline(never)]
     pub(crate) fn publish_reads(&self) {
-        let read = self.read.count.load(Ordering::Acquire);
+        self.publish_reads_up_to(self.read.count.load(Ordering::Acquire));
+    }
+
+    /// Gives the `processed` metric the reads up to the `read`th it has not been given. Called
+    /// by the consumer and by a snapshot, maybe at once: each read is given once
+    /// (`fetch_max`), and a caller with an older count gives nothing.
+    fn publish_reads_up_to(&self, read: u64) {
         let published = self.read.published.fetch_max(read, Ordering::AcqRel);
         if read > published {
             self.metrics.processed.increment(read - published);
@@ -744,12 +749,20 @@ impl<T> ChannelShared<T> {
 
     /// Closed, nothing queued, and every delivered record settled (processed, failed or
     /// abandoned).
+    /// Once drained, the `processed` metric is given the reads it lagged by, so that a caller
+    /// of `drained` finds it exact.
     pub(crate) fn is_drained(&self) -> bool {
         let st = spin_lock(&self.state);
         let c = st.core.counters;
-        let settled =
-            c.processed + self.read.count.load(Ordering::Acquire) + c.failed + c.abandoned;
-        st.core.is_closed() && st.core.len() == 0 && c.delivered == settled
+        let read = self.read.count.load(Ordering::Acquire);
+        let drained = st.core.is_closed()
+            && st.core.len() == 0
+            && c.delivered == c.processed + read + c.failed + c.abandoned;
+        drop(st);
+        if drained {
+            self.publish_reads_up_to(read);
+        }
+        drained
     }
 
     /// A blocked producer went away: it leaves its list, and what it was handed meanwhile (a
@@ -851,16 +864,19 @@ impl<T> ChannelShared<T> {
     /// The channel's counts, exact and reconciled; the `emitted` and `processed` metrics are
     /// given what they lagged by ([`METRICS_STEP`]).
     pub(crate) fn snapshot(&self) -> ChannelSnapshot {
-        self.publish_reads();
         let mut st = spin_lock(&self.state);
         let emitted = st.unpublished_emits(true);
-        let snapshot = self.snapshot_locked(&st);
+        let read = self.read.count.load(Ordering::Acquire);
+        let snapshot = self.snapshot_locked(&st, read);
         drop(st);
+        // The metrics are given exactly what the snapshot counts.
         self.publish_emitted(emitted);
+        self.publish_reads_up_to(read);
         snapshot
     }
 
-    fn snapshot_locked(&self, st: &State<T>) -> ChannelSnapshot {
+    /// The snapshot under the lock `st`, with `read` records handed out by plain reads.
+    fn snapshot_locked(&self, st: &State<T>, read: u64) -> ChannelSnapshot {
         let c = st.core.counters;
         let oldest_age = st.core.oldest_enqueued().map_or(Duration::ZERO, |at| at.elapsed());
         ChannelSnapshot {
@@ -875,7 +891,7 @@ impl<T> ChannelShared<T> {
             dropped: c.dropped,
             spilled: c.spilled,
             blocked_waits: c.blocked_waits,
-            processed: c.processed + self.read.count.load(Ordering::Acquire),
+            processed: c.processed + read,
             failed: c.failed,
             tagged: c.tagged,
             dead_lettered: c.dead_lettered,
@@ -887,5 +903,15 @@ impl<T> ChannelShared<T> {
             has_consumer: st.consumer_taken,
             oldest_age_ms: u64::try_from(oldest_age.as_millis()).unwrap_or(u64::MAX),
         }
+    }
+}
+
+impl<T> Drop for ChannelShared<T> {
+    /// A channel that goes away unclosed (a registry's, whose handles are all gone) gives its
+    /// metrics what they lagged by.
+    fn drop(&mut self) {
+        let emitted = spin_lock(&self.state).unpublished_emits(true);
+        self.publish_emitted(emitted);
+        self.publish_reads();
     }
 }

@@ -53,13 +53,18 @@ const SPILL: &[&str] = &["spill"];
 
 /// Every metric the library emits.
 ///
-/// Counts are exact at quiescence. Two counters are published in steps, to keep a call into the
-/// `metrics` facade off every record's path: a channel's `lanes_channel_emitted_total` and
-/// `lanes_channel_processed_total` (for records read one at a time) may run up to 31 records
-/// behind the channel's own counts while its consumer is busy. They catch up whenever the
-/// consumer goes to the channel, is woken, waits or is dropped, and whenever a snapshot of the
-/// channel, or of a registry that holds it, is taken; the embedded dashboard's `/metrics` takes
-/// one before it renders.
+/// Counts are exact at quiescence, with one exception kept off every record's path: a
+/// channel's `lanes_channel_emitted_total` and `lanes_channel_processed_total` (for records
+/// `recv` and `recv_many` hand out; a batch's records count as it settles) are given what they
+/// lag by once 32 records are unpublished, so they may run up to 31 records behind the
+/// channel's own counts (apart from publications in flight on other threads), never ahead.
+/// `emitted` catches up when the consumer takes records or is woken for one, when the channel
+/// closes or is dropped, and when a snapshot of the channel, or of a registry that holds it, is
+/// taken; `processed` when the consumer goes back to the channel (to take more or to wait), is
+/// dropped, when `drained` finds the channel drained, and at a snapshot. So both are exact once
+/// the consumer has taken and read everything and waits for more, after a close, and after a
+/// snapshot. The embedded dashboard's `/metrics` takes a registry snapshot before it renders;
+/// an application that renders its own exporter can do the same.
 pub const METRICS: &[MetricName] = &[
     metric("lanes_lane_admitted_total", Counter, LANE, "Runs admitted to the lane."),
     metric(
