@@ -40,14 +40,15 @@ fn flatten(snapshotter: &Snapshotter) -> Vec<Sample> {
         .collect()
 }
 
+/// A current-thread runtime with paused time.
+fn paused_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap()
+}
+
 fn in_runtime(f: impl std::future::Future<Output = ()>) -> Vec<Sample> {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .unwrap();
+    let rt = paused_runtime();
     lanes::observe::set_wait_timing(true);
     metrics::with_local_recorder(&recorder, || rt.block_on(f));
     flatten(&snapshotter)
@@ -310,11 +311,7 @@ fn a_channels_metrics_lag_by_less_than_a_step_and_catch_up_at_quiescence() {
     for seed in [1u64, 7, 4242, 0x9e37_79b9] {
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .start_paused(true)
-            .build()
-            .unwrap();
+        let rt = paused_runtime();
         metrics::with_local_recorder(&recorder, || {
             rt.block_on(async {
                 let name = format!("steps-{seed}");
@@ -371,7 +368,7 @@ fn a_channels_metrics_lag_by_less_than_a_step_and_catch_up_at_quiescence() {
 fn a_channels_metrics_catch_up_when_it_drains_loses_its_consumer_or_goes_away() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = paused_runtime();
     metrics::with_local_recorder(&recorder, || {
         rt.block_on(async {
             // Ten records read from one take: the reads after the first come from the
@@ -452,11 +449,7 @@ impl metrics::Recorder for LaneGauges {
 #[test]
 fn a_lanes_queued_gauge_counts_runs_admitted_while_every_slot_is_taken() {
     let recorder = LaneGauges { executing: Arc::default(), queued: Arc::default() };
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .start_paused(true)
-        .build()
-        .unwrap();
+    let rt = paused_runtime();
     let (executing, queued) =
         (|| LaneGauges::read(&recorder.executing), || LaneGauges::read(&recorder.queued));
     metrics::with_local_recorder(&recorder, || {
