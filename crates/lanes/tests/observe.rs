@@ -362,6 +362,70 @@ fn a_channels_metrics_lag_by_less_than_a_step_and_catch_up_at_quiescence() {
     }
 }
 
+/// Real threads: four producers, a consumer reading one record at a time and a thread taking
+/// snapshots all the while (the snapshot and the consumer both publish reads). Nothing is
+/// given to the metrics twice or lost: once the channel has drained, each metric equals the
+/// channel's count.
+#[test]
+fn racing_snapshots_give_no_record_to_a_channels_metrics_twice() {
+    const PRODUCERS: u32 = 4;
+    const EACH: u32 = 20_000;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // The counters are registered with the local recorder where the channel is made; their
+    // handles then count from any thread.
+    let channel = metrics::with_local_recorder(&recorder, || {
+        Channel::named("raced", ChannelConfig::new(64)).unwrap()
+    });
+    let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).build().unwrap();
+    let snapshots = rt.block_on(async {
+        let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watcher = {
+            let (channel, done) = (channel.clone(), done.clone());
+            std::thread::spawn(move || {
+                let mut taken = 0u32;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    let s = channel.snapshot();
+                    assert!(s.processed <= s.emitted, "{s:?}");
+                    taken += 1;
+                }
+                taken
+            })
+        };
+        let producers: Vec<_> = (0..PRODUCERS)
+            .map(|p| {
+                let channel = channel.clone();
+                tokio::spawn(async move {
+                    for n in 0..EACH {
+                        channel.emit(p * EACH + n).await.unwrap();
+                    }
+                })
+            })
+            .collect();
+        let reader = tokio::spawn(async move {
+            let mut read = 0u32;
+            while consumer.recv().await.is_some() {
+                read += 1;
+            }
+            read
+        });
+        for producer in producers {
+            producer.await.unwrap();
+        }
+        channel.close();
+        assert_eq!(reader.await.unwrap(), PRODUCERS * EACH);
+        channel.drained().await;
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        watcher.join().unwrap()
+    });
+    assert!(snapshots > 0, "the snapshots raced the consumer");
+    let total = u64::from(PRODUCERS * EACH);
+    let s = channel.snapshot();
+    assert_eq!((s.emitted, s.processed), (total, total));
+    assert_eq!(channel_totals(&snapshotter, "raced", &mut [0; 2]), [total, total]);
+}
+
 /// The other points where a channel's stepped metrics catch up, each alone: `drained` finding
 /// the channel drained, the consumer going away, and a registry's channel dropped unclosed.
 #[test]
