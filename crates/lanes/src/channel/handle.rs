@@ -749,6 +749,7 @@ impl<T> ChannelShared<T> {
 
     /// Closed, nothing queued, and every delivered record settled (processed, failed or
     /// abandoned).
+    ///
     /// Once drained, the `processed` metric is given the reads it lagged by, so that a caller
     /// of `drained` finds it exact.
     pub(crate) fn is_drained(&self) -> bool {
