@@ -285,6 +285,24 @@ fn a_closed_channel_publishes_every_emit() {
     }
 }
 
+/// A standalone channel named `name` (capacity 64) with `emit` records emitted at once, the
+/// first `read` of them read back in order by its consumer.
+async fn emit_then_read(
+    name: &str,
+    emit: u32,
+    read: u32,
+) -> (Channel<u32>, lanes::channel::Consumer<u32>) {
+    let channel = Channel::named(name, ChannelConfig::new(64)).unwrap();
+    let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+    for n in 0..emit {
+        channel.try_emit(n).unwrap();
+    }
+    for n in 0..read {
+        assert_eq!(consumer.recv().await, Some(n));
+    }
+    (channel, consumer)
+}
+
 /// The `emitted` and `processed` counters of channel `name` as published so far: a debugging
 /// recorder's snapshot hands out what was added since the last one, kept in `totals`.
 fn channel_totals(snapshotter: &Snapshotter, name: &str, totals: &mut [u64; 2]) -> [u64; 2] {
@@ -437,26 +455,12 @@ fn a_channels_metrics_catch_up_when_it_drains_loses_its_consumer_or_goes_away() 
         rt.block_on(async {
             // Ten records read from one take: the reads after the first come from the
             // read-ahead, and only `drained` publishes them.
-            let channel = Channel::named("drains", ChannelConfig::new(64)).unwrap();
-            let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
-            for n in 0..10u32 {
-                channel.try_emit(n).unwrap();
-            }
-            for n in 0..10u32 {
-                assert_eq!(consumer.recv().await, Some(n));
-            }
+            let (channel, _consumer) = emit_then_read("drains", 10, 10).await;
             channel.close();
             channel.drained().await;
             assert_eq!(channel_totals(&snapshotter, "drains", &mut [0; 2]), [10, 10]);
 
-            let channel = Channel::named("loses", ChannelConfig::new(64)).unwrap();
-            let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
-            for n in 0..10u32 {
-                channel.try_emit(n).unwrap();
-            }
-            for n in 0..5u32 {
-                assert_eq!(consumer.recv().await, Some(n));
-            }
+            let (_channel, consumer) = emit_then_read("loses", 10, 5).await;
             drop(consumer);
             assert_eq!(channel_totals(&snapshotter, "loses", &mut [0; 2]), [10, 5]);
 
