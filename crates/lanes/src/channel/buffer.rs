@@ -103,11 +103,15 @@ impl<T> Take<T> for Vec<T> {
 
 /// The consumer's read-ahead: a whole ring or block taken into an empty one is swapped, not
 /// copied; many small records into an empty one move in bulk ([`split_front`]). A swap may
-/// hand the channel a read-ahead's allocation smaller than its ring, which it regrows as
-/// records come (a few reallocations per burst, bounded by the capacity); keeping the
-/// channel's allocation instead (swapping only into a read-ahead at least as large) ran
-/// slower at capacity 1,024, 0.60× kanal against 0.67–0.79× in alternating paired rounds,
-/// although it saved an instruction a record.
+/// hand the channel a read-ahead's allocation smaller than its ring. Keeping the channel's
+/// allocation instead (swapping only into a read-ahead at least as large) ran slower at
+/// capacity 1,024, 0.60× kanal against 0.67–0.79× in alternating paired rounds, although it
+/// saved an instruction a record. So the swap stays, and a ring of small records swapped out
+/// in bulk (a burst's end) gets its room back at once, as one allocation with nothing to copy:
+/// regrown by doubling as the next burst came, it copied about as many records again as the
+/// burst held (`u64` records at capacity 1,024: 156 → 149 instructions a record, half the
+/// `memcpy`; BENCHMARKS.md, suite 3, stop 60). A trickle of a record or a few swaps as before,
+/// so a quiet channel does not keep two rings of its largest size.
 impl<T> Take<T> for VecDeque<T> {
     const ONE_BLOCK: bool = true;
 
@@ -116,7 +120,11 @@ impl<T> Take<T> for VecDeque<T> {
     #[inline(always)]
     fn take_front(&mut self, ring: &mut VecDeque<T>, n: usize) {
         if self.is_empty() && n == ring.len() {
+            let room = ring.capacity();
             std::mem::swap(self, ring);
+            if bulk::<T>(n) && ring.capacity() < room {
+                ring.reserve_exact(room);
+            }
         } else if self.is_empty() && bulk::<T>(n) {
             *self = split_front(ring, n);
         } else {
@@ -365,6 +373,36 @@ mod tests {
         // Sealed blocks of a busy channel have a block's room, and one more.
         fill(&mut buf, 1..70);
         assert!(buf.ring.capacity() >= BLOCK_ROOM);
+    }
+
+    #[test]
+    fn a_ring_swapped_out_in_bulk_keeps_its_room_and_a_trickle_swaps_as_before() {
+        let mut buf: Buffer<u64> = Buffer::new();
+        let mut ahead: VecDeque<u64> = VecDeque::new();
+        (0..1024).for_each(|i| buf.push_back(i));
+        let room = buf.ring.capacity();
+        // Reads of a busy channel: the front in bulk, then the last of it swapped whole.
+        let mut got = Vec::new();
+        while !buf.is_empty() {
+            assert_eq!(buf.take_into(BLOCK, &mut ahead), BLOCK);
+            got.extend(ahead.drain(..));
+        }
+        assert_eq!(got, (0..1024).collect::<Vec<_>>());
+        assert!(buf.ring.capacity() >= room, "{} of {room}", buf.ring.capacity());
+        // The next burst fills it without regrowing it.
+        let ring = buf.ring.as_slices().0.as_ptr();
+        (0..1024).for_each(|i| buf.push_back(i));
+        assert_eq!(buf.ring.as_slices().0.as_ptr(), ring);
+
+        // A trickle: one record at a time swaps the two allocations, neither grown.
+        let mut quiet: Buffer<u64> = Buffer::new();
+        let mut ahead: VecDeque<u64> = VecDeque::new();
+        for i in 0..10 {
+            quiet.push_back(i);
+            assert_eq!(quiet.take_into(BLOCK, &mut ahead), 1);
+            assert_eq!(ahead.pop_front(), Some(i));
+        }
+        assert!(quiet.ring.capacity() < BULK && ahead.capacity() < BULK);
     }
 
     #[test]
