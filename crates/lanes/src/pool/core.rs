@@ -15,8 +15,11 @@
 
 use std::collections::VecDeque;
 
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+
 use super::fnv::{PoolKey, fnv1a64};
-use crate::util::FastMap;
 
 /// Why a scheduler refused an item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,38 +178,43 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for Sharded<T, K> {
     }
 }
 
-/// A key's queue, in its slab entry: what every item's push, pop and `done` touch, on one
-/// cache line for small items (the key itself is in `PerKey::keys`, read only when the entry
-/// is forgotten or moved). A key with a single queued item (the common case) keeps it inline,
-/// so a burst of distinct keys allocates nothing per key beyond the tables; the items behind
-/// it are boxed, a word instead of a `VecDeque`'s four.
+/// A key and its queue, in its slab entry: what every item's push, pop and `done` touch, on one
+/// cache line for small items and keys. A key with a single queued item (the common case) keeps
+/// it inline, so a burst of distinct keys allocates nothing per key beyond the tables; the items
+/// behind it are boxed, a word instead of a `VecDeque`'s four.
 ///
 /// Over 10,000 uniform keys the tables outgrow a core's L2 cache and an item's time goes to
-/// its misses (perf: the key table's bucket, then the entry). With the key and a `VecDeque`
-/// inline the entry was 96 bytes, across two lines for half the keys; at 64 the pool moved
-/// from 0.67-0.74x the hashed pool to 0.77-0.85x on a host whose L3 was busy (BENCHMARKS.md,
-/// suite 8, stop 56).
+/// its misses. With the key and a `VecDeque` inline the entry was 96 bytes, across two lines for
+/// half the keys; at 64 the pool moved from 0.67-0.74x the hashed pool to 0.77-0.85x on a host
+/// whose L3 was busy (BENCHMARKS.md, suite 8, stop 56). The key then lived in a table of its
+/// own, and the key table's buckets (key and entry number, 16 bytes for a `u64` key) took the
+/// first miss of every push (stop 61's perf: 42% of `PerKey::push`'s samples on the bucket's
+/// key compare). The key is here again, where the push reads it anyway, and the key table holds
+/// entry numbers only (4 bytes a bucket).
 #[repr(align(64))]
-struct KeyState<T> {
+struct KeyState<T, K> {
     first: Option<T>,
     #[allow(clippy::box_collection, reason = "a word in the entry, not a VecDeque's four")]
     more: Option<Box<VecDeque<T>>>,
+    key: K,
     /// When it last went idle (its place in `PerKey::idle`).
     idled: u64,
-    /// Items queued: `first`'s and `more`'s (read on every push without going to `more`).
-    len: usize,
+    /// Items queued: `first`'s and `more`'s (read on every push without going to `more`). A
+    /// `u32` keeps the entry of a `u64` key and a two-word item on one line; `PerKey::new`
+    /// caps the per-key bound to fit.
+    len: u32,
     running: bool,
     /// Nothing queued, nothing running: kept for the key's return (see `PerKey::idle`).
     idle: bool,
 }
 
-impl<T> KeyState<T> {
-    fn new() -> Self {
-        Self { first: None, more: None, idled: 0, len: 0, running: false, idle: false }
+impl<T, K> KeyState<T, K> {
+    fn new(key: K) -> Self {
+        Self { first: None, more: None, key, idled: 0, len: 0, running: false, idle: false }
     }
 
     fn len(&self) -> usize {
-        self.len
+        self.len as usize
     }
 
     fn push(&mut self, item: T) {
@@ -227,21 +235,23 @@ impl<T> KeyState<T> {
 
 /// Per-key FIFO queues scheduled onto any worker, one item per key at a time.
 ///
-/// Key states live in a slab; the key table maps a key to its entry, and everything after the
-/// push (the ready queue, a worker's slot, `done`) names the entry, not the key. A key that
-/// goes idle keeps its entry, up to [`IDLE_KEPT`] idle keys (the least recently idle are
-/// forgotten first): a key that comes back costs one hash lookup and no allocation. So an
-/// item costs one lookup at push, and a key is never cloned into the ready queue.
+/// Keys and their queues live in a slab; the key table maps a key's hash to its entry, and
+/// everything after the push (the ready queue, a worker's slot, `done`) names the entry, not
+/// the key. A key that goes idle keeps its entry, up to [`IDLE_KEPT`] idle keys (the least
+/// recently idle are forgotten first): a key that comes back costs one hash lookup and no
+/// allocation. So an item costs one lookup at push, and a key is never cloned into the ready
+/// queue.
 #[repr(C)]
 pub(crate) struct PerKey<T, K> {
     // What every push reads and the workers do not write, first (the key table changes only
     // when a key is added or forgotten, and a worker's `done` forgets keys only once more than
     // `IDLE_KEPT` are idle); then, on lines of their own, what a worker's pop and `done` write.
-    index: FastMap<K, u32>,
+    /// Entry numbers, found by their key's hash and compared by the entry's key.
+    index: HashTable<u32>,
+    hasher: foldhash::fast::RandomState,
     key_of: Box<dyn Fn(&T) -> K + Send + Sync>,
-    slab: Vec<KeyState<T>>,
-    /// Each slab entry's key, `None` while the entry is free (as long as `slab`).
-    keys: Vec<Option<K>>,
+    /// The entries; `None` while free.
+    slab: Vec<Option<KeyState<T, K>>>,
     /// The most keys the key table has held since it was last shrunk: its memory follows this,
     /// not `capacity()`, which counts the tombstones of removed keys as used room.
     index_high: usize,
@@ -286,33 +296,40 @@ impl<T, K: PoolKey> PerKey<T, K> {
         key_of: Box<dyn Fn(&T) -> K + Send + Sync>,
     ) -> Self {
         Self {
-            index: FastMap::default(),
+            index: HashTable::new(),
+            hasher: foldhash::fast::RandomState::default(),
             index_high: 0,
             idle: VecDeque::new(),
             idle_count: 0,
             next_idled: 0,
             idle_kept: IDLE_KEPT,
             slab: Vec::new(),
-            keys: Vec::new(),
             free: Vec::new(),
             evicted: 0,
             ready: VecDeque::new(),
             key_of,
             queued: 0,
             max_queued,
-            max_per_key,
+            // More than 2^32 - 1 items of one key would not fit in memory anyway.
+            max_per_key: max_per_key.min(u32::MAX as usize),
             max_keys,
             _line: [],
         }
     }
 
+    /// The entry `slot`, which is in use (named by the key table, the ready queue or a worker).
+    fn entry(&mut self, slot: u32) -> &mut KeyState<T, K> {
+        self.slab[slot as usize].as_mut().expect("an entry in use")
+    }
+
     /// Entry `slot` has nothing queued and nothing running: it is kept for its key's return,
     /// and the least recently idle entries beyond [`IDLE_KEPT`] are forgotten.
     fn go_idle(&mut self, slot: u32) {
-        let state = &mut self.slab[slot as usize];
+        let stamp = self.next_idled;
+        let state = self.entry(slot);
         state.idle = true;
-        state.idled = self.next_idled;
-        self.idle.push_back((slot, self.next_idled));
+        state.idled = stamp;
+        self.idle.push_back((slot, stamp));
         self.next_idled += 1;
         self.idle_count += 1;
         while self.idle_count > self.idle_kept {
@@ -332,7 +349,8 @@ impl<T, K: PoolKey> PerKey<T, K> {
 
     /// Whether entry `slot` is still the idle entry listed with stamp `idled`.
     fn is_idle(&self, slot: u32, idled: u64) -> bool {
-        self.slab.get(slot as usize).is_some_and(|state| state.idle && state.idled == idled)
+        let state = self.slab.get(slot as usize).and_then(Option::as_ref);
+        state.is_some_and(|state| state.idle && state.idled == idled)
     }
 
     /// Forgets the key of entry `slot`, which has nothing queued and nothing running.
@@ -342,13 +360,15 @@ impl<T, K: PoolKey> PerKey<T, K> {
     }
 
     fn forget(&mut self, slot: u32) {
-        let state = &mut self.slab[slot as usize];
-        if std::mem::take(&mut state.idle) {
+        let state = self.slab[slot as usize].take().expect("a forgotten entry is in use");
+        if state.idle {
             self.idle_count -= 1;
         }
-        state.more = None;
-        let key = self.keys[slot as usize].take().expect("a forgotten entry holds its key");
-        self.index.remove(&key);
+        let hash = self.hasher.hash_one(&state.key);
+        let Ok(listed) = self.index.find_entry(hash, |listed| *listed == slot) else {
+            unreachable!("an entry in use is in the key table");
+        };
+        listed.remove();
         self.free.push(slot);
     }
 
@@ -359,7 +379,8 @@ impl<T, K: PoolKey> PerKey<T, K> {
         // tombstone is counted as taken), so a table of mostly tombstones would never shrink.
         let len = self.index.len();
         if self.index_high > SHRINK_FLOOR && len < self.index_high / 4 {
-            self.index.shrink_to((len * 2).max(SHRINK_FLOOR));
+            let (slab, hasher) = (&self.slab, &self.hasher);
+            self.index.shrink_to((len * 2).max(SHRINK_FLOOR), |slot| hash_of(slab, hasher, *slot));
             self.index_high = len;
         }
         if self.idle.capacity() > SHRINK_FLOOR && self.idle.len() < self.idle.capacity() / 4 {
@@ -369,7 +390,6 @@ impl<T, K: PoolKey> PerKey<T, K> {
         if len == 0 {
             // Nothing tracked: the slab starts over.
             self.slab.clear();
-            self.keys.clear();
             self.free.clear();
             self.idle.clear();
             self.evicted = 0;
@@ -389,6 +409,16 @@ impl<T, K: PoolKey> PerKey<T, K> {
     }
 }
 
+/// The hash of the key of entry `slot`, which is in use (the key table's rehash function).
+fn hash_of<T, K: PoolKey>(
+    slab: &[Option<KeyState<T, K>>],
+    hasher: &foldhash::fast::RandomState,
+    slot: u32,
+) -> u64 {
+    let state = slab[slot as usize].as_ref().expect("the key table names entries in use");
+    hasher.hash_one(&state.key)
+}
+
 impl<T, K: PoolKey> PerKey<T, K> {
     /// Moves the idle entries of the slab's tail into free entries below it and cuts the tail,
     /// down to the last entry in use (queued or running: the ready queue or a worker names it,
@@ -400,37 +430,34 @@ impl<T, K: PoolKey> PerKey<T, K> {
         free.sort_unstable_by(|a, b| b.cmp(a));
         while let Some(last) = self.slab.last() {
             let end = self.slab.len() - 1;
-            if self.keys[end].is_some() {
+            if let Some(last) = last {
                 if !last.idle {
                     break;
                 }
                 let Some(to) = free.pop().filter(|to| (*to as usize) < end) else {
                     break;
                 };
-                let entry = self.slab.pop().expect("the slab has a last entry");
-                let key = self.keys.pop().expect("as long as the slab");
-                let moved = key.as_ref().expect("an idle entry holds its key");
-                *self.index.get_mut(moved).expect("an idle key is tracked") = to;
-                self.slab[to as usize] = entry;
-                self.keys[to as usize] = key;
+                let hash = self.hasher.hash_one(&last.key);
+                let end = end as u32;
+                let listed = self.index.find_mut(hash, |listed| *listed == end);
+                *listed.expect("an idle key is tracked") = to;
+                self.slab.swap_remove(to as usize);
             } else {
                 self.slab.pop();
-                self.keys.pop();
             }
         }
-        debug_assert_eq!(self.keys.len(), self.slab.len());
         let end = self.slab.len() as u32;
         free.retain(|slot| *slot < end);
         self.free = free;
         if self.slab.len() < before {
             let mut idle: Vec<(u64, u32)> = (self.slab.iter().enumerate())
-                .filter(|(_, state)| state.idle)
-                .map(|(slot, state)| (state.idled, slot as u32))
+                .filter_map(|(slot, state)| Some((state.as_ref()?, slot)))
+                .filter(|(state, _)| state.idle)
+                .map(|(state, slot)| (state.idled, slot as u32))
                 .collect();
             idle.sort_unstable();
             self.idle = idle.into_iter().map(|(idled, slot)| (slot, idled)).collect();
             self.slab.shrink_to((self.slab.len() * 2).max(SHRINK_FLOOR));
-            self.keys.shrink_to((self.keys.len() * 2).max(SHRINK_FLOOR));
             self.free.shrink_to((self.free.len() * 2).max(SHRINK_FLOOR));
             self.idle.shrink_to((self.idle.len() * 2).max(SHRINK_FLOOR));
         }
@@ -443,15 +470,18 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
     type Slot = usize;
 
     fn push(&mut self, item: T) -> Result<Wake, (Refused, T)> {
-        use std::collections::hash_map::Entry;
         let key = (self.key_of)(&item);
+        let hash = self.hasher.hash_one(&key);
         // One lookup: every bound is checked before a new key is inserted.
         let full = self.queued >= self.max_queued;
         let tracked = self.index.len() - self.idle_count;
-        let slot = match self.index.entry(key) {
-            Entry::Occupied(known) => {
-                let slot = *known.get();
-                let state = &mut self.slab[slot as usize];
+        let slab = &mut self.slab;
+        let known = self
+            .index
+            .find(hash, |slot| slab[*slot as usize].as_ref().is_some_and(|state| state.key == key));
+        let (slot, state) = match known {
+            Some(&slot) => {
+                let state = slab[slot as usize].as_mut().expect("a listed entry is in use");
                 if state.len() >= self.max_per_key {
                     return Err((Refused::KeyFull, item));
                 }
@@ -465,36 +495,32 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
                     // Back from idle; its pair in `idle` is stale now.
                     self.idle_count -= 1;
                 }
-                slot
+                (slot, state)
             }
-            Entry::Vacant(new) => {
+            None => {
                 if tracked >= self.max_keys {
                     return Err((Refused::TooManyKeys, item));
                 }
                 if full {
                     return Err((Refused::Full, item));
                 }
-                let key = Some(new.key().clone());
                 let slot = match self.free.pop() {
                     Some(slot) => {
-                        self.slab[slot as usize] = KeyState::new();
-                        self.keys[slot as usize] = key;
+                        slab[slot as usize] = Some(KeyState::new(key));
                         slot
                     }
                     None => {
-                        self.slab.push(KeyState::new());
-                        self.keys.push(key);
-                        u32::try_from(self.slab.len() - 1).expect("fewer than 2^32 keys tracked")
+                        slab.push(Some(KeyState::new(key)));
+                        u32::try_from(slab.len() - 1).expect("fewer than 2^32 keys tracked")
                     }
                 };
-                new.insert(slot);
-                debug_assert_eq!(self.keys.len(), self.slab.len());
+                let hasher = &self.hasher;
+                self.index.insert_unique(hash, slot, |slot| hash_of(slab, hasher, *slot));
                 self.index_high = self.index_high.max(self.index.len());
-                slot
+                (slot, slab[slot as usize].as_mut().expect("the entry just made"))
             }
         };
         self.queued += 1;
-        let state = &mut self.slab[slot as usize];
         state.push(item);
         if !state.running && state.len() == 1 {
             self.ready.push_back(slot);
@@ -509,7 +535,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
     #[inline]
     fn pop(&mut self, _worker: usize) -> Option<(usize, T)> {
         let slot = self.ready.pop_front()?;
-        let state = &mut self.slab[slot as usize];
+        let state = self.entry(slot);
         let item = state.pop().expect("a ready key has an item");
         state.running = true;
         self.queued -= 1;
@@ -517,8 +543,9 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
     }
 
     fn done(&mut self, slot: usize) -> Wake {
-        // Only a running entry is done: it holds its key (a running key is never forgotten).
-        let Some(state) = self.slab.get_mut(slot).filter(|s| s.running) else {
+        // Only a running entry is done (a running key is never forgotten).
+        let running = self.slab.get_mut(slot).and_then(Option::as_mut).filter(|s| s.running);
+        let Some(state) = running else {
             return Wake::None;
         };
         state.running = false;
@@ -550,8 +577,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         // An eviction may shrink the slab's free tail: the bound is read every time.
         let mut slot = 0;
         while slot < self.slab.len() {
-            let state = &mut self.slab[slot];
-            if self.keys[slot].is_some() {
+            if let Some(state) = &mut self.slab[slot] {
                 state.len = 0;
                 out.extend(state.first.take());
                 out.extend(state.more.iter_mut().flat_map(|more| more.drain(..)));
@@ -600,12 +626,14 @@ mod tests {
         assert_eq!((s.queued(), s.keys()), (0, 0));
     }
 
-    /// The entry of a key whose items are three words (the bench's: a key, a sequence and
-    /// the queued stamp) is one cache line.
+    /// The entry of a `u64` key whose items are three words (the bench's: a key, a sequence and
+    /// the queued stamp) is one cache line, and a free entry costs no more.
     #[test]
-    fn an_entry_for_a_small_item_is_one_cache_line() {
-        assert_eq!(std::mem::size_of::<KeyState<(u64, u64, u64)>>(), 64);
-        assert_eq!(std::mem::align_of::<KeyState<(u64, u64, u64)>>(), 64);
+    fn an_entry_for_a_small_item_and_key_is_one_cache_line() {
+        type Entry = KeyState<(u64, u64, u64), u64>;
+        assert_eq!(std::mem::size_of::<Entry>(), 64);
+        assert_eq!(std::mem::align_of::<Entry>(), 64);
+        assert_eq!(std::mem::size_of::<Option<Entry>>(), 64);
     }
 
     /// A drain while a key runs empties its queue (items in line and inline alike); items
@@ -667,6 +695,49 @@ mod tests {
         back.sort_unstable();
         assert_eq!(back, (99_900..100_000).collect::<Vec<_>>());
         assert_eq!(s.keys(), 0);
+    }
+
+    /// A key whose hash is the same for every key: the key table finds entries by hash and
+    /// tells them apart by the key in the entry, through forgetting, reuse and compaction.
+    #[test]
+    fn keys_whose_hashes_collide_are_told_apart_by_their_entries() {
+        #[derive(Clone, PartialEq, Eq)]
+        struct Colliding(u32);
+        impl std::hash::Hash for Colliding {
+            fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+                state.write_u8(7);
+            }
+        }
+        impl PoolKey for Colliding {
+            fn key_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+                std::borrow::Cow::Owned(self.0.to_be_bytes().to_vec())
+            }
+        }
+        let mut s: PerKey<(u32, u32), Colliding> =
+            PerKey::new(usize::MAX, 8, usize::MAX, Box::new(|(k, _)| Colliding(*k)));
+        s.idle_kept = 3;
+        let mut next = [0u32; 40];
+        for round in 0..5u32 {
+            // Two items each for a sliding window of keys: older keys are forgotten, the slab's
+            // entries are reused and moved down.
+            let keys = (round * 5)..(round * 5 + 20);
+            for key in keys.clone().chain(keys.clone()) {
+                s.push((key, next[key as usize])).unwrap();
+                next[key as usize] += 1;
+            }
+            assert_eq!((s.queued(), s.keys()), (40, 20));
+            let mut seen = [None::<u32>; 40];
+            while let Some((slot, (key, seq))) = s.pop(0) {
+                assert!(seen[key as usize].is_none_or(|last| seq > last), "key {key} out of order");
+                seen[key as usize] = Some(seq);
+                s.done(slot);
+            }
+            for key in keys {
+                assert_eq!(seen[key as usize], Some(next[key as usize] - 1), "key {key}");
+            }
+            assert_eq!((s.queued(), s.keys()), (0, 0));
+            assert!(s.index.len() <= 3, "{} idle keys kept", s.index.len());
+        }
     }
 
     proptest! {

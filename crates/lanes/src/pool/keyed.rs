@@ -251,7 +251,8 @@ impl<T: Send + 'static, F> KeyedPoolBuilder<T, F> {
         self
     }
 
-    /// Per-key mode: items queued per key (default: `queue_size`). At least 1.
+    /// Per-key mode: items queued per key (default: `queue_size`). At least 1; a bound above
+    /// 2^32 - 1 counts as 2^32 - 1.
     pub fn key_queue_size(mut self, key_queue_size: usize) -> Self {
         self.key_queue_size = Some(key_queue_size);
         self
