@@ -12,9 +12,11 @@
 //!   and nothing running is idle: up to [`IDLE_KEPT`] idle keys are kept for their return (the
 //!   least recently idle are forgotten first), and the tables shrink when they are mostly empty,
 //!   so memory returns to a bounded baseline after a burst of keys.
+//! - [`PerKey`]'s tables: every entry in use (`Some` in the slab) is listed in the key table
+//!   exactly once, under its key's hash; an entry not in use is `None`, listed in `free` and not
+//!   in the key table.
 
 use std::collections::VecDeque;
-
 use std::hash::BuildHasher;
 
 use hashbrown::HashTable;
@@ -183,14 +185,10 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for Sharded<T, K> {
 /// it inline, so a burst of distinct keys allocates nothing per key beyond the tables; the items
 /// behind it are boxed, a word instead of a `VecDeque`'s four.
 ///
-/// Over 10,000 uniform keys the tables outgrow a core's L2 cache and an item's time goes to
-/// its misses. With the key and a `VecDeque` inline the entry was 96 bytes, across two lines for
-/// half the keys; at 64 the pool moved from 0.67-0.74x the hashed pool to 0.77-0.85x on a host
-/// whose L3 was busy (BENCHMARKS.md, suite 8, stop 56). The key then lived in a table of its
-/// own, and the key table's buckets (key and entry number, 16 bytes for a `u64` key) took the
-/// first miss of every push (stop 61's perf: 42% of `PerKey::push`'s samples on the bucket's
-/// key compare). The key is here again, where the push reads it anyway, and the key table holds
-/// entry numbers only (4 bytes a bucket).
+/// Over 10,000 uniform keys the tables outgrow a core's L2 cache and an item's time goes to its
+/// misses (BENCHMARKS.md, suite 8, stops 56 and 61). So the key is compared here, in the line the
+/// push reads anyway, and the key table holds only entry numbers (4 bytes a bucket, where a
+/// `u64` key and its entry number took 16).
 #[repr(align(64))]
 struct KeyState<T, K> {
     first: Option<T>,
@@ -200,8 +198,8 @@ struct KeyState<T, K> {
     /// When it last went idle (its place in `PerKey::idle`).
     idled: u64,
     /// Items queued: `first`'s and `more`'s (read on every push without going to `more`). A
-    /// `u32` keeps the entry of a `u64` key and a two-word item on one line; `PerKey::new`
-    /// caps the per-key bound to fit.
+    /// `u32` keeps the entry of a `u64` key and a three-word queued item (two words of the
+    /// user's and the engine's stamp) on one line; `PerKey::new` caps the per-key bound to fit.
     len: u32,
     running: bool,
     /// Nothing queued, nothing running: kept for the key's return (see `PerKey::idle`).
@@ -310,7 +308,7 @@ impl<T, K: PoolKey> PerKey<T, K> {
             key_of,
             queued: 0,
             max_queued,
-            // More than 2^32 - 1 items of one key would not fit in memory anyway.
+            // A key's count is a `u32`, so that its entry stays on one line (`KeyState::len`).
             max_per_key: max_per_key.min(u32::MAX as usize),
             max_keys,
             _line: [],
@@ -428,19 +426,21 @@ impl<T, K: PoolKey> PerKey<T, K> {
         // Free entries, lowest last: the tail's idle entries move as low as they can.
         let mut free = std::mem::take(&mut self.free);
         free.sort_unstable_by(|a, b| b.cmp(a));
-        while let Some(last) = self.slab.last() {
+        while let Some(tail) = self.slab.last() {
             let end = self.slab.len() - 1;
-            if let Some(last) = last {
-                if !last.idle {
+            if let Some(tail) = tail {
+                if !tail.idle {
                     break;
                 }
                 let Some(to) = free.pop().filter(|to| (*to as usize) < end) else {
                     break;
                 };
-                let hash = self.hasher.hash_one(&last.key);
-                let end = end as u32;
-                let listed = self.index.find_mut(hash, |listed| *listed == end);
+                let hash = self.hasher.hash_one(&tail.key);
+                let end_slot = end as u32;
+                let listed = self.index.find_mut(hash, |listed| *listed == end_slot);
                 *listed.expect("an idle key is tracked") = to;
+                // Entry `to` is free (`None`): the tail's entry takes its place, and the `None`
+                // comes out and is dropped.
                 self.slab.swap_remove(to as usize);
             } else {
                 self.slab.pop();
@@ -476,9 +476,9 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         let full = self.queued >= self.max_queued;
         let tracked = self.index.len() - self.idle_count;
         let slab = &mut self.slab;
-        let known = self
-            .index
-            .find(hash, |slot| slab[*slot as usize].as_ref().is_some_and(|state| state.key == key));
+        let known = self.index.find(hash, |slot| {
+            slab[*slot as usize].as_ref().expect("the key table names entries in use").key == key
+        });
         let (slot, state) = match known {
             Some(&slot) => {
                 let state = slab[slot as usize].as_mut().expect("a listed entry is in use");
@@ -504,6 +504,10 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
                 if full {
                     return Err((Refused::Full, item));
                 }
+                // Room first: a growth runs the keys' `Hash`, and if that panics, no entry has
+                // been filled that the key table does not list.
+                let hasher = &self.hasher;
+                self.index.reserve(1, |slot| hash_of(slab, hasher, *slot));
                 let slot = match self.free.pop() {
                     Some(slot) => {
                         slab[slot as usize] = Some(KeyState::new(key));
@@ -514,7 +518,6 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
                         u32::try_from(slab.len() - 1).expect("fewer than 2^32 keys tracked")
                     }
                 };
-                let hasher = &self.hasher;
                 self.index.insert_unique(hash, slot, |slot| hash_of(slab, hasher, *slot));
                 self.index_high = self.index_high.max(self.index.len());
                 (slot, slab[slot as usize].as_mut().expect("the entry just made"))
@@ -595,6 +598,28 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The tables' invariant (the module's): every entry in use is listed once under its key's
+    /// hash, every free entry is `None` and in `free`, and nothing else is listed.
+    fn check_tables<T, K: PoolKey>(s: &PerKey<T, K>) {
+        let in_use = s.slab.iter().filter(|state| state.is_some()).count();
+        assert_eq!(s.index.len(), in_use, "key table rows against entries in use");
+        for (slot, state) in s.slab.iter().enumerate() {
+            let slot = slot as u32;
+            match state {
+                Some(state) => {
+                    let hash = s.hasher.hash_one(&state.key);
+                    assert!(
+                        s.index.find(hash, |listed| *listed == slot).is_some(),
+                        "{slot} unlisted"
+                    );
+                    assert!(!s.free.contains(&slot), "entry {slot} in use and free");
+                }
+                None => assert!(s.free.contains(&slot), "entry {slot} neither in use nor free"),
+            }
+        }
+        assert!(s.free.iter().all(|slot| (*slot as usize) < s.slab.len()), "free beyond the slab");
+    }
 
     #[test]
     fn per_key_serves_keys_in_turn_and_one_at_a_time() {
@@ -682,11 +707,16 @@ mod tests {
         assert!(s.slab.capacity() <= 4 * SHRINK_FLOOR, "slab: {} of {}", s.slab.capacity(), peak.1);
         assert!(s.free.capacity() <= 2 * SHRINK_FLOOR);
         assert!(s.idle.capacity() <= 2 * SHRINK_FLOOR);
-        // The kept keys were moved down the slab: each still finds its own entry.
+        check_tables(&s);
+        // The kept keys were moved down the slab: each still finds its own entry (a key that
+        // did not would get a new one, and the key table would grow).
+        let kept = s.index.len();
         for k in 99_900..100_000 {
             s.push(k).unwrap();
         }
         assert_eq!(s.keys(), 100);
+        assert_eq!(s.index.len(), kept, "every key came back to its kept entry");
+        check_tables(&s);
         let mut back = Vec::new();
         while let Some((slot, k)) = s.pop(0) {
             s.done(slot);
@@ -737,7 +767,52 @@ mod tests {
             }
             assert_eq!((s.queued(), s.keys()), (0, 0));
             assert!(s.index.len() <= 3, "{} idle keys kept", s.index.len());
+            check_tables(&s);
+            // The kept keys' entries move down the slab (`shrink` waits for a larger slab).
+            s.compact();
+            assert_eq!(s.slab.len(), s.index.len(), "only the kept entries are left");
+            check_tables(&s);
         }
+    }
+
+    /// A key's `Hash` that panics while the key table grows (the pool's lock is held then)
+    /// leaves no entry filled that the table does not list; the next push of that key works.
+    #[test]
+    fn a_hash_that_panics_while_the_table_grows_leaves_the_tables_whole() {
+        thread_local!(static PANICS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+        #[derive(Clone, PartialEq, Eq)]
+        struct Touchy(u32);
+        impl std::hash::Hash for Touchy {
+            fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+                assert!(self.0 != 1 || !PANICS.get(), "key 1 hashed");
+                self.0.hash(state);
+            }
+        }
+        impl PoolKey for Touchy {
+            fn key_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+                std::borrow::Cow::Owned(self.0.to_be_bytes().to_vec())
+            }
+        }
+        let mut s: PerKey<u32, Touchy> =
+            PerKey::new(usize::MAX, 8, usize::MAX, Box::new(|k| Touchy(*k)));
+        s.push(1).unwrap();
+        let mut key = 2;
+        // New keys until one more makes the table grow, which rehashes key 1.
+        while s.index.len() < s.index.capacity() {
+            s.push(key).unwrap();
+            key += 1;
+        }
+        assert!(key > 2, "the table has room for more than one key");
+        let (slab, queued) = (s.slab.len(), s.queued());
+        PANICS.set(true);
+        let pushed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.push(key)));
+        PANICS.set(false);
+        assert!(pushed.is_err(), "the growth rehashed key 1");
+        check_tables(&s);
+        assert_eq!((s.slab.len(), s.queued()), (slab, queued), "nothing was added");
+        s.push(key).unwrap();
+        check_tables(&s);
+        assert_eq!(s.keys(), key as usize);
     }
 
     proptest! {
@@ -778,6 +853,7 @@ mod tests {
                 }
                 prop_assert!(s.queued() <= 20);
                 prop_assert!(s.keys() <= 5);
+                check_tables(&s);
                 prop_assert_eq!(accepted, taken + s.queued() as u32);
             }
         }
