@@ -1,6 +1,8 @@
 //! Randomized stress of the keyed pool: per-key order over a million items and 10k keys with
-//! random durations (0 violations), and a burst of a million distinct keys that leaves nothing
-//! tracked behind; and eight OS threads submitting through the pool's spin lock at once.
+//! random durations (0 violations), the same over more keys than the pool keeps idle (keys
+//! forgotten and tracked again in freed entries), and a burst of a
+//! million distinct keys that leaves nothing tracked behind; and eight OS threads submitting
+//! through the pool's spin lock at once.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -10,11 +12,9 @@ use lanes::pool::{KeyedMode, KeyedPool};
 
 type Res = Result<(), std::io::Error>;
 
-const KEYS: usize = 10_000;
-
-async fn order_holds(mode: KeyedMode, items: u64, producers: u64) {
+async fn order_holds(mode: KeyedMode, keys: usize, items: u64, producers: u64) {
     // `expected[k]` is the sequence number key k must see next.
-    let expected: Arc<Vec<AtomicU64>> = Arc::new((0..KEYS).map(|_| AtomicU64::new(0)).collect());
+    let expected: Arc<Vec<AtomicU64>> = Arc::new((0..keys).map(|_| AtomicU64::new(0)).collect());
     let violations = Arc::new(AtomicUsize::new(0));
     let processed = Arc::new(AtomicU64::new(0));
     let builder = KeyedPool::builder().queue_size(4_096).key_of(|item: &(u32, u64)| item.0);
@@ -58,7 +58,7 @@ async fn order_holds(mode: KeyedMode, items: u64, producers: u64) {
                 // Producer p owns the keys k with k % producers == p, so each key's submit
                 // order is this producer's order.
                 let own: Vec<u32> =
-                    (0..KEYS as u32).filter(|k| u64::from(*k) % producers == p).collect();
+                    (0..keys as u32).filter(|k| u64::from(*k) % producers == p).collect();
                 let mut next = vec![0u64; own.len()];
                 for i in 0..per_producer {
                     let slot = (i as usize * 7919) % own.len();
@@ -82,8 +82,17 @@ async fn order_holds(mode: KeyedMode, items: u64, producers: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_million_items_over_10k_keys_keep_per_key_order() {
-    order_holds(KeyedMode::PerKey, 1_000_000, 4).await;
-    order_holds(KeyedMode::Hashed, 200_000, 4).await;
+    order_holds(KeyedMode::PerKey, 10_000, 1_000_000, 4).await;
+    order_holds(KeyedMode::Hashed, 10_000, 200_000, 4).await;
+}
+
+/// 60,000 keys, each coming back every 60,000 items or so: between two of its items a key goes
+/// idle behind more than the 16,384 idle keys the pool keeps, so it is forgotten and tracked
+/// again in an entry another key freed; a key tracked twice at once could run two items at a
+/// time, out of order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_forgotten_and_tracked_again_keep_per_key_order() {
+    order_holds(KeyedMode::PerKey, 60_000, 600_000, 4).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
