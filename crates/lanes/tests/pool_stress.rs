@@ -12,7 +12,14 @@ use lanes::pool::{KeyedMode, KeyedPool};
 
 type Res = Result<(), std::io::Error>;
 
+/// [`order_checked`] within five minutes: a pool that loses its workers (a panic in its
+/// scheduler, say) leaves its producers waiting for room, and the test fails instead of hanging.
 async fn order_holds(mode: KeyedMode, keys: usize, items: u64, producers: u64) {
+    let checked = order_checked(mode, keys, items, producers);
+    tokio::time::timeout(Duration::from_secs(300), checked).await.expect("the pool drained");
+}
+
+async fn order_checked(mode: KeyedMode, keys: usize, items: u64, producers: u64) {
     // `expected[k]` is the sequence number key k must see next.
     let expected: Arc<Vec<AtomicU64>> = Arc::new((0..keys).map(|_| AtomicU64::new(0)).collect());
     let violations = Arc::new(AtomicUsize::new(0));

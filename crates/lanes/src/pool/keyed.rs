@@ -44,10 +44,11 @@ pub enum KeyedMode {
 /// # Overflow
 ///
 /// `submit` never waits. Per-key mode refuses with [`SubmitError::KeyFull`] when the item's
-/// key has `key_queue_size` items queued (at most 2^32 - 1), [`SubmitError::Full`] when `queue_size` items are
-/// queued in all, and [`SubmitError::TooManyKeys`] when `max_keys` keys are tracked. Hashed mode
-/// refuses with [`SubmitError::KeyFull`] when the item's shard has `queue_size` items queued.
-/// Every refusal hands the item back and moves the `rejected` counter.
+/// key has `key_queue_size` items queued (at most 2^32 - 1), [`SubmitError::Full`] when
+/// `queue_size` items are queued in all, and [`SubmitError::TooManyKeys`] when `max_keys` keys
+/// are tracked. Hashed mode refuses with [`SubmitError::KeyFull`] when the item's shard has
+/// `queue_size` items queued. Every refusal hands the item back and moves the `rejected`
+/// counter.
 ///
 /// # Memory
 ///
