@@ -1497,6 +1497,69 @@ async fn run_wait_and_spawn_wait_wait_for_room_in_order_until_a_deadline() {
     lanes.drained().await;
 }
 
+/// A room that a run's end frees goes to the caller that has waited longest: an admission that
+/// does not wait, arriving between the end and the waiter's turn, is refused `Full` rather than
+/// taking it, and the waiter keeps its place ahead of the callers that began waiting after it.
+#[tokio::test(start_paused = true)]
+async fn a_freed_room_goes_to_the_longest_waiter_not_to_a_caller_that_arrives_first() {
+    let lanes = Arc::new(set(&[("one", 1, 0)]));
+    let (gate, ending) = (Gate::new(), Arc::new(tokio::sync::Notify::new()));
+    {
+        let (gate, ending) = (gate.clone(), ending.clone());
+        lanes
+            .spawn(
+                "one",
+                Run::typed(move |_cx| async move {
+                    gate.wait().await;
+                    // Wakes the barging caller before this run's room is given back.
+                    ending.notify_one();
+                    Res::Ok(())
+                }),
+            )
+            .unwrap();
+    }
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let waiter = |tag: &'static str| {
+        let (lanes, order) = (lanes.clone(), order.clone());
+        let tag = tag.to_owned();
+        tokio::spawn(async move {
+            let job_tag = tag.clone();
+            let handle = lanes
+                .run_wait("one", Run::typed(move |_cx| async move { Res::Ok(job_tag) }), None)
+                .await
+                .expect("admitted once there is room");
+            order.lock().unwrap().push(tag);
+            handle.await.unwrap()
+        })
+    };
+    let a = waiter("a");
+    tokio::task::yield_now().await;
+    let b = waiter("b");
+    tokio::task::yield_now().await;
+    // Runs as soon as the first run's job returns, ahead of the waiter its end wakes.
+    let barging = {
+        let (lanes, order) = (lanes.clone(), order.clone());
+        tokio::spawn(async move {
+            ending.notified().await;
+            let answer = lanes.spawn("one", Run::typed(|_cx| async { Res::Ok(()) }));
+            if answer.is_ok() {
+                order.lock().unwrap().push("barging".to_owned());
+            }
+            answer.map(|_| ()).map_err(|refused| refused.kind())
+        })
+    };
+    tokio::task::yield_now().await;
+    gate.open();
+    assert_eq!(barging.await.unwrap(), Err(AdmissionErrorKind::Full), "the room was a waiter's");
+    assert_eq!(a.await.unwrap(), "a");
+    assert_eq!(b.await.unwrap(), "b");
+    assert_eq!(*order.lock().unwrap(), ["a", "b"]);
+    lanes.close();
+    lanes.drained().await;
+    let lane = &lanes.snapshot().lanes[0];
+    assert_eq!((lane.owned, lane.rejected.full), (0, 1));
+}
+
 /// The fusee rule (issue 14's reproduction): in a lane of one slot, a run waiting on a busy
 /// limit used to hold the slot, so the lane stopped ("executing 1, queued 1, the job not
 /// started"). It now waits holding nothing: a later run without a limit runs at once, the

@@ -178,19 +178,23 @@ impl<W> LaneCore<W> {
     /// Admits a run, or says why not. `make(seq, starts)` builds the run's payload only once
     /// the run is admitted, so a rejection costs no allocation; `starts` says whether the run
     /// takes an execution slot at once. A full lane is counted as a refusal only if
-    /// `count_full` (a caller waiting for room counts once, when it gives up). A `limited` run
-    /// (one that names a limit) is owned but not ready: it waits for its permit in `limited`,
-    /// and [`ready`](Self::ready) moves it on.
+    /// `count_full` (a caller waiting for room counts once, when it gives up). `reserved` rooms
+    /// are promised to others (handed to callers that waited for room) and count as owned. A
+    /// `limited` run (one that names a limit) is owned but not ready: it waits for its permit
+    /// in `limited`, and [`ready`](Self::ready) moves it on.
     pub(crate) fn admit(
         &mut self,
         count_full: bool,
+        reserved: usize,
         limited: bool,
         make: impl FnOnce(u64, bool) -> W,
     ) -> Result<Admitted, AdmissionErrorKind> {
         let rejection = match self.shut {
             Some(Shut::Closed) => Some(AdmissionErrorKind::Closed),
             Some(Shut::Poisoned) => Some(AdmissionErrorKind::Poisoned),
-            None if self.owned >= self.limits.capacity() => Some(AdmissionErrorKind::Full),
+            None if self.owned + reserved >= self.limits.capacity() => {
+                Some(AdmissionErrorKind::Full)
+            }
             None => None,
         };
         if let Some(kind) = rejection {
@@ -422,36 +426,39 @@ mod tests {
     fn grants_in_admission_order() {
         let mut lane = core(1, 2);
         assert_eq!(
-            lane.admit(true, false, |s, _| s).unwrap(),
+            lane.admit(true, 0, false, |s, _| s).unwrap(),
             Admitted::Executing { seq: 1, slot: 0 }
         );
-        assert_eq!(lane.admit(true, false, |s, _| s).unwrap(), Admitted::Queued { seq: 2 });
-        assert_eq!(lane.admit(true, false, |s, _| s).unwrap(), Admitted::Queued { seq: 3 });
-        assert_eq!(lane.admit(true, false, |s, _| s), Err(AdmissionErrorKind::Full));
+        assert_eq!(lane.admit(true, 0, false, |s, _| s).unwrap(), Admitted::Queued { seq: 2 });
+        assert_eq!(lane.admit(true, 0, false, |s, _| s).unwrap(), Admitted::Queued { seq: 3 });
+        assert_eq!(lane.admit(true, 0, false, |s, _| s), Err(AdmissionErrorKind::Full));
         let mut granted = Vec::new();
         assert_eq!(lane.release_execution(0, |s, slot, _| granted.push((s, slot))), Some(1));
         assert_eq!(lane.release_execution(1, |_, _, _| {}), None, "slot 1 was never used");
         assert_eq!(granted, [(2, 0)]);
         // Run 1 still owns its slot while it finalizes: the lane is still full.
-        assert_eq!(lane.admit(true, false, |s, _| s), Err(AdmissionErrorKind::Full));
+        assert_eq!(lane.admit(true, 0, false, |s, _| s), Err(AdmissionErrorKind::Full));
         lane.complete(None);
-        assert_eq!(lane.admit(true, false, |s, _| s).unwrap(), Admitted::Queued { seq: 4 });
+        // The room run 1 gave back, promised to a caller that waited for it: full to others.
+        assert_eq!(lane.admit(true, 1, false, |s, _| s), Err(AdmissionErrorKind::Full));
+        assert_eq!(lane.counters().rejected.full, 3);
+        assert_eq!(lane.admit(true, 0, false, |s, _| s).unwrap(), Admitted::Queued { seq: 4 });
     }
 
     #[test]
     fn withdraw_does_not_grant_and_close_detaches() {
         let mut lane = core(1, 3);
-        lane.admit(true, false, |s, _| s).unwrap();
-        lane.admit(true, false, |s, _| s).unwrap();
-        lane.admit(true, false, |s, _| s).unwrap();
+        lane.admit(true, 0, false, |s, _| s).unwrap();
+        lane.admit(true, 0, false, |s, _| s).unwrap();
+        lane.admit(true, 0, false, |s, _| s).unwrap();
         assert!(lane.withdraw(2));
         assert!(!lane.withdraw(2));
         let (mut detached, mut cancelled) = (Vec::new(), Vec::new());
         lane.shut(Shut::Closed, |w| detached.push(w), |w| cancelled.push(*w));
         assert_eq!((detached, cancelled), (vec![3], vec![1]));
-        assert_eq!(lane.admit(true, false, |s, _| s), Err(AdmissionErrorKind::Closed));
+        assert_eq!(lane.admit(true, 0, false, |s, _| s), Err(AdmissionErrorKind::Closed));
         lane.shut(Shut::Poisoned, |_| {}, |_| {});
-        assert_eq!(lane.admit(true, false, |s, _| s), Err(AdmissionErrorKind::Poisoned));
+        assert_eq!(lane.admit(true, 0, false, |s, _| s), Err(AdmissionErrorKind::Poisoned));
         assert_eq!(lane.counters().rejected.closed, 1);
         assert_eq!(lane.counters().rejected.poisoned, 1);
     }
@@ -516,7 +523,7 @@ mod tests {
                             + model_running.len()
                             + finalizing.len();
                         let mut starts = None;
-                        let answer = lane.admit(true, true, |s, now| {
+                        let answer = lane.admit(true, 0, true, |s, now| {
                             starts = Some(now);
                             s
                         });
@@ -563,7 +570,7 @@ mod tests {
                             + model_running.len()
                             + finalizing.len();
                         let mut starts = None;
-                        let answer = lane.admit(true, false, |s, now| {
+                        let answer = lane.admit(true, 0, false, |s, now| {
                             starts = Some(now);
                             s
                         });

@@ -36,13 +36,21 @@
 //! 4. A run's signal is reused for a later run only once `Arc::get_mut` gives it to the lane
 //!    alone (its run ended and nobody kept its context or handle), and only after `reset`: a
 //!    reused signal is indistinguishable from a new one.
+//! 5. A room a run gives back while callers wait for room goes to the first of them
+//!    (`SetShared::complete`): it stays in `owned` and is counted in `handed`, under the
+//!    waiters' lock. The caller takes it up when it is admitted, under the inbox's lock
+//!    (`handed` down, the core's or the inbox's runs up), or passes it on when it goes away.
+//!    `handed` and `owned` never rise together, and where both fall `handed` falls first, so
+//!    `count_completions`, which reads `owned` before `handed`, never counts a completion that
+//!    was not made.
 
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use tokio::sync::Notify;
@@ -63,7 +71,7 @@ use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use crate::BoxError;
 use crate::config::ConfigError;
 use crate::observe::{Observe, Snapshot};
-use crate::util::{Padded, SpinGuard, SpinLock, Tally, spin_lock};
+use crate::util::{Padded, SpinGuard, SpinLock, Tally, WaitKey, WaitList, lock, spin_lock};
 
 const OPEN: u8 = 0;
 const CLOSED: u8 = 1;
@@ -75,21 +83,28 @@ pub(super) struct LaneShared {
     pub(super) label: &'static str,
     pub(super) limits: LaneLimits,
     pub(super) core: SpinLock<LaneState>,
-    /// Woken (one waiter per run that ends, all on shut) for callers waiting for room.
-    pub(super) room: Notify,
-    /// Callers waiting for room: a run that ends touches `room` only if there are any (the
-    /// common case, nobody waiting, costs one load).
+    /// Callers waiting for room ([`wait_for_room`]), in the order they began waiting. A run
+    /// that ends while any wait hands its room to the first (see `complete`).
+    pub(super) waiters: Mutex<WaitList>,
+    /// The length of `waiters`, stored under its lock: a run that ends locks it only if
+    /// callers wait (the common case, nobody waiting, costs one load).
     pub(super) waiting: AtomicUsize,
+    /// Rooms handed to waiting callers and not yet taken up: counted in `owned`, not in the
+    /// core's count of owned runs, so that an admission that did not wait finds them taken.
+    /// Lowered under the inbox's lock by the admission the room was handed for, or given back
+    /// under the waiters' lock by a caller that went away.
+    pub(super) handed: AtomicUsize,
     /// Admissions refused `Full` without the lane lock, which the core does not count: a
     /// snapshot adds them to the core's. A tally, not an atomic: without a metrics recorder a
     /// refusal does nothing else that costs, and under overload every thread refuses at once.
     pub(super) refused: Tally,
-    /// Runs owned, exactly: taken at admission under the inbox's lock (and the lane's, unless
-    /// the run went into the inbox), given back under the lane's lock by a failed run and
-    /// without it by a completed one. A lane it shows full refuses without taking a lock.
-    /// Under both locks, the core's count of owned runs plus the inbox's runs, less this one,
-    /// is the completions the core has not counted yet; under the lane's alone, that less the
-    /// inbox's runs at most. Whoever takes the lock next counts them first
+    /// Runs owned, exactly, and rooms `handed` to waiting callers: taken at admission under the
+    /// inbox's lock (and the lane's, unless the run went into the inbox), given back under the
+    /// lane's lock by a failed run and without it by a completed one, unless the run's room
+    /// goes to a waiting caller. A lane it shows full refuses without taking a lock. Under
+    /// both locks, the core's count of owned runs plus the inbox's runs and the rooms handed,
+    /// less this one, is the completions the core has not counted yet; under the lane's alone,
+    /// that less the inbox's runs at most. Whoever takes the lock next counts them first
     /// ([`lock_core`](Self::lock_core)), and a completion writes one shared word, not two.
     pub(super) owned: AtomicUsize,
     pub(super) metrics: LaneMetrics,
@@ -177,6 +192,10 @@ pub(super) struct LaneState {
     /// differences: an inbox admission adds one, and a publish what the core's queue changed
     /// by since this count.
     gauged: usize,
+    /// The rooms handed to waiting callers (`LaneShared::handed`) as `take_inbox` last read
+    /// them, with `owned`: an admission that did not wait finds the lane full when the core's
+    /// runs and these fill it, which is `owned` as read then.
+    handed: usize,
 }
 
 /// What a lane's core holds for a run: its signal, and for a run that waits for its slot a
@@ -190,7 +209,13 @@ pub(super) struct Held {
 
 impl LaneState {
     fn new(limits: LaneLimits) -> Self {
-        Self { core: LaneCore::new(limits), spare: VecDeque::new(), unoffered: 0, gauged: 0 }
+        Self {
+            core: LaneCore::new(limits),
+            spare: VecDeque::new(),
+            unoffered: 0,
+            gauged: 0,
+            handed: 0,
+        }
     }
 
     /// A signal for a new run: a kept one that nobody else holds any more (its run ended, and
@@ -274,14 +299,18 @@ impl LaneShared {
     }
 
     /// Counts the completions made without the lane's lock, with `inboxed` runs owned outside
-    /// the core (see `owned`).
-    fn count_completions(&self, core: &mut LaneCore<Held>, inboxed: usize) {
-        // SeqCst, against `complete`: see its comment on callers waiting for room.
+    /// the core (see `owned`); answers the rooms handed that it read.
+    fn count_completions(&self, core: &mut LaneCore<Held>, inboxed: usize) -> usize {
+        // SeqCst, against `complete`: see its comment on callers waiting for room. `owned`
+        // first: a room handed is counted there as long as here (a caller that gives one back
+        // lowers `handed` first), so this counts fewer completions than were made, never more.
         let owned = self.owned.load(Ordering::SeqCst);
-        let completed = (core.owned() + inboxed).saturating_sub(owned);
+        let handed = self.handed.load(Ordering::SeqCst);
+        let completed = (core.owned() + inboxed + handed).saturating_sub(owned);
         if completed > 0 {
             core.complete_many(completed);
         }
+        handed
     }
 
     /// Takes the inbox's runs in at the tail of the core's queue, in their admission order
@@ -289,7 +318,7 @@ impl LaneShared {
     /// is admitted, and the core's count of owned runs is exact.
     fn take_inbox<'a>(&'a self, state: &mut LaneState) -> SpinGuard<'a, Inbox> {
         let mut inbox = spin_lock(&self.inbox);
-        self.count_completions(&mut state.core, inbox.runs.len());
+        state.handed = self.count_completions(&mut state.core, inbox.runs.len());
         if !inbox.runs.is_empty() {
             self.inboxed.store(false, Ordering::SeqCst);
             // The gauge counted them at their admission: now it counts them as the core's.
@@ -311,11 +340,17 @@ impl LaneShared {
 
     /// Admits a queued background run into the inbox, where every slot was read taken: its
     /// run id and signal; or `None`, admitting nothing, if the inbox is shut or the lane full
-    /// (the lane's lock refuses the run then, and counts the refusal).
-    fn admit_to_inbox(&self, next_run_id: &AtomicU64) -> Option<(RunId, Arc<RunSignal>)> {
+    /// (the lane's lock refuses the run then, and counts the refusal). A run `handed` a room
+    /// (counted in `owned` already) takes it up.
+    fn admit_to_inbox(
+        &self,
+        next_run_id: &AtomicU64,
+        handed: bool,
+    ) -> Option<(RunId, Arc<RunSignal>)> {
         let mut inbox = spin_lock(&self.inbox);
-        // Exact: only completions change `owned` without this lock, and they lower it.
-        if inbox.shut || self.owned.load(Ordering::SeqCst) >= self.limits.capacity() {
+        // Exact: without this lock, only completions and rooms given back change `owned`, and
+        // they lower it.
+        if inbox.shut || !handed && self.owned.load(Ordering::SeqCst) >= self.limits.capacity() {
             return None;
         }
         let signal = inbox.signal();
@@ -328,7 +363,11 @@ impl LaneShared {
             // grant, which is why this admission reads `executing` after).
             self.inboxed.store(true, Ordering::SeqCst);
         }
-        self.owned.fetch_add(1, Ordering::SeqCst);
+        match handed {
+            // From `handed` to the inbox's runs, both under this lock.
+            true => self.handed.fetch_sub(1, Ordering::SeqCst),
+            false => self.owned.fetch_add(1, Ordering::SeqCst),
+        };
         let run_id = inbox.run_id(next_run_id);
         // Counted under the lock: whatever takes the run in after it counts it as the core's.
         self.metrics.queued.increment(1.0);
@@ -458,8 +497,9 @@ impl LaneSet {
                 name: name.into(),
                 limits,
                 core: SpinLock::new(LaneState::new(limits)),
-                room: Notify::new(),
+                waiters: Mutex::new(WaitList::default()),
                 waiting: AtomicUsize::new(0),
+                handed: AtomicUsize::new(0),
                 refused: Tally::default(),
                 owned: AtomicUsize::new(0),
                 inbox: Padded(SpinLock::new(Inbox::default())),
@@ -522,7 +562,7 @@ impl LaneSet {
         F: Finalize<J::Output>,
     {
         match self.shared.index_of(lane) {
-            Some(index) => admit_blocking(&self.shared, index, run, true),
+            Some(index) => admit_blocking(&self.shared, index, run, Entry::Direct),
             None => Err(unknown_lane(lane, Participation::Blocking, run)),
         }
     }
@@ -547,19 +587,22 @@ impl LaneSet {
         F: Finalize<J::Output>,
     {
         match self.shared.index_of(lane) {
-            Some(index) => admit_background(&self.shared, index, run, true),
+            Some(index) => admit_background(&self.shared, index, run, Entry::Direct),
             None => Err(unknown_lane(lane, Participation::Background, run)),
         }
     }
 
     /// As [`run`](LaneSet::run), but a full lane is waited on until it has room or `deadline`
     /// passes (`None`: no deadline), like tokio's `Sender::send` where `run` is `try_send`.
-    /// Callers waiting on one lane are admitted in the order they started waiting.
+    /// Callers waiting on one lane are admitted in the order they started waiting: a run that
+    /// ends while callers wait hands its room to the one that has waited longest, and an
+    /// admission that does not wait ([`run`](LaneSet::run), [`spawn`](LaneSet::spawn)) cannot
+    /// take it first.
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future before it resolves drops the run unadmitted; its room goes to the
-    /// next waiter.
+    /// Dropping the future before it resolves drops the run unadmitted; a room it was handed
+    /// goes to the next waiter.
     ///
     /// # Errors
     ///
@@ -699,7 +742,7 @@ impl Lane {
         J: Job,
         F: Finalize<J::Output>,
     {
-        admit_blocking(&self.shared, self.index, run, true)
+        admit_blocking(&self.shared, self.index, run, Entry::Direct)
     }
 
     /// Like [`LaneSet::spawn`], on this lane.
@@ -717,7 +760,7 @@ impl Lane {
         J: Job,
         F: Finalize<J::Output>,
     {
-        admit_background(&self.shared, self.index, run, true)
+        admit_background(&self.shared, self.index, run, Entry::Direct)
     }
 
     /// The lane, as it is now.
@@ -736,25 +779,29 @@ fn unknown_lane<R>(lane: &str, participation: Participation, run: R) -> Admissio
     AdmissionError::new(AdmissionErrorKind::UnknownLane, lane.to_owned(), participation, run)
 }
 
-/// Counts a caller waiting for room until dropped.
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 /// An admission and what its `prepare` step returned, or the refusal.
 type Admitting<J, F, P> = Result<(Admission<J, F>, P), AdmissionError<Run<J, F>>>;
 
 /// One of the admission functions ([`admit_blocking`], [`admit_background`]).
 type AdmitFn<J, F, R> =
-    fn(&Arc<SetShared>, usize, Run<J, F>, bool) -> Result<R, AdmissionError<Run<J, F>>>;
+    fn(&Arc<SetShared>, usize, Run<J, F>, Entry) -> Result<R, AdmissionError<Run<J, F>>>;
+
+/// How a caller comes to an admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Entry {
+    /// Without waiting: a full lane refuses it, counted.
+    Direct,
+    /// Waiting for room: a full lane sends it back to wait, uncounted (a caller that gives
+    /// up is counted once, then).
+    Waiting,
+    /// Into a room a run that ended handed it ([`SetShared::complete`]): admitted unless the
+    /// set shut, which gives the room back.
+    Handed,
+}
 
 /// Admits `run` with `admit` once lane `index` has room, or refuses it `Full` at `deadline`.
-/// The waiter registers for the lane's wake-up before each try, so a run ending between the
-/// try and the wait is not missed; a full lane is counted once, when the wait gives up.
+/// The caller joins the lane's waiters before its first try, so a run ending after the try
+/// hands its room to the first of them; a full lane is counted once, when the wait gives up.
 async fn wait_for_room<J, F, R>(
     shared: &Arc<SetShared>,
     index: usize,
@@ -762,55 +809,138 @@ async fn wait_for_room<J, F, R>(
     deadline: Option<Instant>,
     admit: AdmitFn<J, F, R>,
 ) -> Result<R, AdmissionError<Run<J, F>>> {
-    let lane = &shared.lanes[index];
-    lane.waiting.fetch_add(1, Ordering::SeqCst);
-    // Uncounted however the wait ends (admitted, refused, dropped).
-    let _waiting = Waiting(&lane.waiting);
+    // Leaves the line however the wait ends (admitted, refused, dropped), passing on a room
+    // handed to it meanwhile.
+    let mut place = Place { shared, index, key: None, asked: false, holds: false };
     loop {
-        let room = lane.room.notified();
-        tokio::pin!(room);
-        room.as_mut().enable();
-        let refused = match admit(shared, index, run, false) {
+        std::future::poll_fn(|cx| {
+            place.join(cx.waker());
+            Poll::Ready(())
+        })
+        .await;
+        let refused = match admit(shared, index, run, Entry::Waiting) {
             Err(refused) if refused.kind() == AdmissionErrorKind::Full => refused,
             other => return other,
         };
-        let timed_out = match deadline {
-            None => {
-                room.await;
-                false
-            }
+        let turn = std::future::poll_fn(|cx| place.poll_turn(cx));
+        let turn = match deadline {
+            None => turn.await,
             Some(deadline) => tokio::select! {
-                () = &mut room => false,
-                () = tokio::time::sleep_until(deadline) => true,
+                turn = turn => turn,
+                () = tokio::time::sleep_until(deadline) => {
+                    let lane = &shared.lanes[index];
+                    lane.lock_core().count_rejected(AdmissionErrorKind::Full);
+                    lane.metrics.rejected.increment(1);
+                    lane.metrics.timed_out.increment(1);
+                    return Err(refused);
+                }
             },
         };
-        if timed_out {
-            lane.lock_core().count_rejected(AdmissionErrorKind::Full);
-            lane.metrics.rejected.increment(1);
-            lane.metrics.timed_out.increment(1);
-            return Err(refused);
-        }
         run = refused.into_run();
+        if turn == Turn::Handed {
+            let admitted = admit(shared, index, run, Entry::Handed);
+            // The admission took the room up, or gave it back.
+            place.holds = false;
+            return admitted;
+        }
+    }
+}
+
+/// Wakes the first caller waiting for room in `lane`, leaving it in line: it began waiting as
+/// a room came free, and tries again.
+#[cold]
+fn wake_first(lane: &LaneShared) {
+    let first = lock(&lane.waiters).first().cloned();
+    if let Some(first) = first {
+        first.wake();
+    }
+}
+
+/// What a caller waiting for room is woken for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    /// A run that ended handed it its room.
+    Handed,
+    /// Woken in its place: a room may be free (one freed as it began waiting), or the set shut.
+    Retry,
+}
+
+/// A caller's place among a lane's waiters ([`wait_for_room`]).
+struct Place<'a> {
+    shared: &'a SetShared,
+    index: usize,
+    /// Its key in the lane's `waiters`, from its first try until it leaves or is handed a room.
+    key: Option<WaitKey>,
+    /// Waited since its last try: a poll that finds it still in line tries again.
+    asked: bool,
+    /// Handed a room it has not taken up.
+    holds: bool,
+}
+
+impl Place<'_> {
+    /// Joins the back of the line, unless in it already.
+    fn join(&mut self, waker: &Waker) {
+        if self.key.is_none() {
+            let lane = &self.shared.lanes[self.index];
+            let mut waiters = lock(&lane.waiters);
+            self.key = Some(waiters.push(waker));
+            // SeqCst, before the try reads `owned`: see `SetShared::complete`.
+            lane.waiting.store(waiters.len(), Ordering::SeqCst);
+        }
+    }
+
+    /// Waits in line after a try that found the lane full: ready once handed a room, or when
+    /// woken again in its place.
+    fn poll_turn(&mut self, cx: &Context<'_>) -> Poll<Turn> {
+        let Some(key) = self.key else { return Poll::Ready(Turn::Retry) };
+        let lane = &self.shared.lanes[self.index];
+        if lock(&lane.waiters).refresh(key, cx.waker()) {
+            if std::mem::take(&mut self.asked) {
+                return Poll::Ready(Turn::Retry);
+            }
+            self.asked = true;
+            return Poll::Pending;
+        }
+        // Taken off the line by a run that ended: it holds that run's room.
+        (self.key, self.asked, self.holds) = (None, false, true);
+        Poll::Ready(Turn::Handed)
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            let lane = &self.shared.lanes[self.index];
+            let mut waiters = lock(&lane.waiters);
+            if waiters.remove(key) {
+                lane.waiting.store(waiters.len(), Ordering::SeqCst);
+                return;
+            }
+            drop(waiters);
+            // Handed a room after its last look.
+            self.holds = true;
+        }
+        if self.holds {
+            self.shared.pass_room(self.index);
+        }
     }
 }
 
 /// Admits a blocking run into lane `index`: a full lane of an open set refuses here, inlined
 /// into the caller ([`SetShared::refuse_full`]); the admission itself is out of line.
-/// `count_full`: whether a full lane counts the refusal (a caller waiting for room counts it
-/// once, when it gives up).
 #[inline]
 fn admit_blocking<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
-    count_full: bool,
+    entry: Entry,
 ) -> Result<RunHandle<F::Output>, AdmissionError<Run<J, F>>>
 where
     J: Job,
     F: Finalize<J::Output>,
 {
-    let run = shared.refuse_full(index, Participation::Blocking, run, count_full)?;
-    place_blocking(shared, index, run, count_full)
+    let run = shared.refuse_full(index, Participation::Blocking, run, entry)?;
+    place_blocking(shared, index, run, entry)
 }
 
 /// [`admit_blocking`] past the lock-free refusal.
@@ -819,7 +949,7 @@ fn place_blocking<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
-    count_full: bool,
+    entry: Entry,
 ) -> Result<RunHandle<F::Output>, AdmissionError<Run<J, F>>>
 where
     J: Job,
@@ -828,8 +958,7 @@ where
     let participation = Participation::Blocking;
     // As in `place_background`: outside a runtime, this panics with nothing admitted.
     let current = tokio::runtime::Handle::current;
-    let ((ticket, callbacks), runtime) =
-        shared.admit(index, participation, run, count_full, current)?;
+    let ((ticket, callbacks), runtime) = shared.admit(index, participation, run, entry, current)?;
     let (run_id, signal) = (ticket.info.run_id, ticket.signal.clone());
     let join = runtime.spawn(in_box(|| drive(ticket, callbacks, blocking)));
     Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
@@ -841,14 +970,14 @@ fn admit_background<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
-    count_full: bool,
+    entry: Entry,
 ) -> Result<RunId, AdmissionError<Run<J, F>>>
 where
     J: Job,
     F: Finalize<J::Output>,
 {
-    let run = shared.refuse_full(index, Participation::Background, run, count_full)?;
-    place_background(shared, index, run, count_full)
+    let run = shared.refuse_full(index, Participation::Background, run, entry)?;
+    place_background(shared, index, run, entry)
 }
 
 /// [`admit_background`] past the lock-free refusal.
@@ -857,7 +986,7 @@ fn place_background<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
-    count_full: bool,
+    entry: Entry,
 ) -> Result<RunId, AdmissionError<Run<J, F>>>
 where
     J: Job,
@@ -870,8 +999,7 @@ where
     // for good. (The handle is dropped on this thread: dropped on another, its reference
     // count would bounce between cores, a tenth of a run's cost on two threads.)
     let current = tokio::runtime::Handle::current;
-    let ((ticket, callbacks), runtime) =
-        shared.admit(index, participation, run, count_full, current)?;
+    let ((ticket, callbacks), runtime) = shared.admit(index, participation, run, entry, current)?;
     let run_id = ticket.info.run_id;
     // Nothing to time and nobody to answer: a queued run without a deadline waits as data,
     // and its task is spawned when the lane decides (or it is cancelled), on this runtime.
@@ -895,22 +1023,25 @@ impl SetShared {
     }
 
     /// Refuses `run` `Full` if lane `index` is full and the set open, without a lock: `owned`
-    /// is exact, so the lane was full when it was read. (SeqCst against `complete`, for callers
-    /// waiting for room.) Every way in starts here, inlined into its caller: under overload
-    /// this is what most admissions do, and a refusal then costs the two loads, the count and
-    /// the run's move into the error (see [`Run`]'s layout).
+    /// is exact, so the lane was full when it was read; rooms handed to waiting callers count
+    /// in it, so a caller that did not wait cannot take them. (SeqCst against `complete`, for
+    /// callers waiting for room.) Every way in starts here, inlined into its caller: under
+    /// overload this is what most admissions do, and a refusal then costs the two loads, the
+    /// count and the run's move into the error (see [`Run`]'s layout). A caller handed a room
+    /// has it counted in `owned` already, and is let past.
     #[inline(always)]
     fn refuse_full<J, F>(
         &self,
         index: usize,
         participation: Participation,
         run: Run<J, F>,
-        count_full: bool,
+        entry: Entry,
     ) -> Result<Run<J, F>, AdmissionError<Run<J, F>>> {
         let lane = &self.lanes[index];
-        let full = lane.owned.load(Ordering::SeqCst) >= lane.limits.capacity();
+        let full =
+            entry != Entry::Handed && lane.owned.load(Ordering::SeqCst) >= lane.limits.capacity();
         if full && self.state.load(Ordering::Relaxed) == OPEN {
-            if count_full {
+            if entry == Entry::Direct {
                 lane.refused.add_one();
                 lane.metrics.rejected.increment(1);
             }
@@ -922,24 +1053,26 @@ impl SetShared {
 
     /// Admits `run` into lane `index`, once [`refuse_full`](Self::refuse_full) let it past.
     /// `prepare` runs before it is admitted: what it needs (or panics without), nothing is
-    /// admitted without.
+    /// admitted without. A caller handed a room takes it up here, under the inbox's lock, or
+    /// gives it back if the set shut.
     fn admit<J, F, P>(
         self: &Arc<Self>,
         index: usize,
         participation: Participation,
         run: Run<J, F>,
-        count_full: bool,
+        entry: Entry,
         prepare: impl FnOnce() -> P,
     ) -> Admitting<J, F, P> {
         let lane = &self.lanes[index];
         let prepared = prepare();
+        let (count_full, handed) = (entry == Entry::Direct, entry == Entry::Handed);
         // A background run that would wait as data while every slot is taken (it names no
         // limit and has no deadline): into the inbox, without the lane's lock.
         let inboxed = participation == Participation::Background
             && run.limit.is_none()
             && run.queue_timeout.get().is_none()
             && lane.executing.load(Ordering::SeqCst) >= lane.limits.concurrent;
-        if inboxed && let Some((run_id, signal)) = lane.admit_to_inbox(&self.next_run_id) {
+        if inboxed && let Some((run_id, signal)) = lane.admit_to_inbox(&self.next_run_id, handed) {
             lane.metrics.admitted.increment(1);
             tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
             // Its place in the queue is not known yet, and not needed: the run is never
@@ -953,10 +1086,19 @@ impl SetShared {
         // Every admission holds the inbox's lock while it decides (invariant 2); runs admitted
         // into it before this one are ahead of it.
         let mut inbox = lane.take_inbox(&mut state);
+        // A room handed to this caller moves from `handed` to the core's runs, or goes back
+        // (below). Rooms handed to others are full to it, as `owned` read them.
+        let reserved = match handed {
+            true => {
+                lane.handed.fetch_sub(1, Ordering::SeqCst);
+                0
+            }
+            false => state.handed,
+        };
         let LaneState { core, spare, .. } = &mut *state;
         let limited = run.limit.is_some();
         let mut made = None;
-        let answer = core.admit(count_full, limited, |_, starts| {
+        let answer = core.admit(count_full, reserved, limited, |_, starts| {
             let signal = LaneState::signal(spare);
             let held = Held { handoff: (!starts).then(|| signal.clone()), signal: signal.clone() };
             made = Some(signal);
@@ -966,8 +1108,11 @@ impl SetShared {
             Ok(admitted) => {
                 let signal = made.expect("an admitted run's signal was made");
                 // Counted under the lane lock (invariant 3); the id is taken under the inbox's
-                // lock (invariant 2), so ids increase in admission order within the lane.
-                lane.owned.fetch_add(1, Ordering::SeqCst);
+                // lock (invariant 2), so ids increase in admission order within the lane. A
+                // room handed was counted when it was handed.
+                if !handed {
+                    lane.owned.fetch_add(1, Ordering::SeqCst);
+                }
                 let run_id = inbox.run_id(&self.next_run_id);
                 drop(inbox);
                 lane.publish(&mut state);
@@ -998,6 +1143,10 @@ impl SetShared {
             Err(kind) => {
                 drop(inbox);
                 drop(state);
+                if handed {
+                    // The set shut: the room handed goes back (`handed` was lowered above).
+                    self.gave_back(lane.owned.fetch_sub(1, Ordering::SeqCst));
+                }
                 if count_full && kind == AdmissionErrorKind::Full {
                     lane.metrics.rejected.increment(1);
                 }
@@ -1082,8 +1231,10 @@ impl SetShared {
             drop((inbox_kept, core_kept));
         }
         self.shut_done.store(true, Ordering::SeqCst);
+        // Callers waiting for room try again, and find the set shut.
         for lane in self.lanes.iter() {
-            lane.room.notify_waiters();
+            let waiters = lock(&lane.waiters).wakers();
+            waiters.into_iter().for_each(Waker::wake);
         }
         self.drained.notify_waiters();
     }
@@ -1147,9 +1298,14 @@ impl SetShared {
         next
     }
 
-    /// Gives a run's ownership back (the run is over).
+    /// Gives a run's ownership back (the run is over), or hands its room to the caller that
+    /// has waited longest for one.
     pub(super) fn complete(&self, lane: usize, failure: Option<Reason>) {
         let shared = &self.lanes[lane];
+        // Nobody waiting for room, the common case, costs one load.
+        if shared.waiting.load(Ordering::SeqCst) > 0 && self.hand_room(shared, failure) {
+            return;
+        }
         let owned = match failure {
             // The common case takes no lock: the next locker counts it (see `lock_core`).
             None => shared.owned.fetch_sub(1, Ordering::SeqCst),
@@ -1162,17 +1318,69 @@ impl SetShared {
             }
         };
         shared.metrics.finished(failure);
-        // One run's room: one waiter (a waiter that gave up passes it on). A waiter counts
-        // itself (SeqCst) before its first try, which reads `owned` (SeqCst, written above),
-        // before and under the lock: either the load below sees the waiter, or its try sees
-        // this room.
+        // A caller joins the waiters (SeqCst) before its first try, which reads `owned`
+        // (SeqCst, written above): either the load below sees it, or its try sees this room.
         if shared.waiting.load(Ordering::SeqCst) > 0 {
-            shared.room.notify_one();
+            wake_first(shared);
         }
-        // This lane's last run: the set is drained if the others own none either. Of two lanes'
-        // last runs ending at once, the later decrement (all SeqCst) sees the other's. A
-        // decrement that missed the shut is followed by the shut's own wake-up, after which a
-        // waiter's read sees the decrement (it came before the shut's store in SeqCst order).
+        self.gave_back(owned);
+    }
+
+    /// Takes the first caller waiting for room in `lane` off the line (if the set is open),
+    /// handing it the room of a run that ended with `failure`: the room stays in `owned` and
+    /// is counted in `handed`. `false` if nobody was waiting: nothing was done.
+    #[inline(never)]
+    fn hand_room(&self, lane: &LaneShared, failure: Option<Reason>) -> bool {
+        if self.state.load(Ordering::SeqCst) != OPEN {
+            return false;
+        }
+        // A failure is counted by the core before `handed` rises, both under the lock: the
+        // next locker must not take it for a completion.
+        let mut core = failure.is_some().then(|| lane.lock_core());
+        let mut waiters = lock(&lane.waiters);
+        let first = waiters.pop();
+        lane.waiting.store(waiters.len(), Ordering::SeqCst);
+        let Some(first) = first else { return false };
+        if let Some(core) = &mut core {
+            core.complete(failure);
+        }
+        // Before the caller can see itself off the line (under the waiters' lock).
+        lane.handed.fetch_add(1, Ordering::SeqCst);
+        drop((waiters, core));
+        lane.metrics.finished(failure);
+        first.wake();
+        true
+    }
+
+    /// A caller handed a room in lane `index` went away without taking it up: the room goes
+    /// to the next caller waiting, or back.
+    fn pass_room(&self, index: usize) {
+        let lane = &self.lanes[index];
+        let mut waiters = lock(&lane.waiters);
+        let next = match self.state.load(Ordering::SeqCst) {
+            OPEN => waiters.pop(),
+            _ => None,
+        };
+        lane.waiting.store(waiters.len(), Ordering::SeqCst);
+        if let Some(next) = next {
+            drop(waiters);
+            next.wake();
+            return;
+        }
+        // `handed` first: see `count_completions`. Under the waiters' lock, so that a caller
+        // that joins after sees the room in its try.
+        lane.handed.fetch_sub(1, Ordering::SeqCst);
+        let owned = lane.owned.fetch_sub(1, Ordering::SeqCst);
+        drop(waiters);
+        self.gave_back(owned);
+    }
+
+    /// A lane's `owned` dropped from `owned`: if that was its last run (or room) and the set
+    /// shut, the set is drained if the others own none either. Of two lanes' last runs ending
+    /// at once, the later decrement (all SeqCst) sees the other's. A decrement that missed the
+    /// shut is followed by the shut's own wake-up, after which a waiter's read sees the
+    /// decrement (it came before the shut's store in SeqCst order).
+    fn gave_back(&self, owned: usize) {
         if owned == 1 && self.shut_done.load(Ordering::SeqCst) && self.owned() == 0 {
             self.drained.notify_waiters();
         }
@@ -1205,7 +1413,15 @@ impl SetShared {
     fn snapshot(&self) -> LaneSetSnapshot {
         LaneSetSnapshot {
             state: self.set_state(),
-            owned: self.owned(),
+            // Runs, not the rooms handed to waiting callers that `owned` holds too.
+            owned: self
+                .lanes
+                .iter()
+                .map(|lane| {
+                    let owned = lane.owned.load(Ordering::SeqCst);
+                    owned.saturating_sub(lane.handed.load(Ordering::SeqCst))
+                })
+                .sum(),
             lanes: (0..self.lanes.len()).map(|index| self.lane_snapshot(index)).collect(),
         }
     }

@@ -35,6 +35,12 @@
 //! [`Poisoned`] — that hands the run back, with no id, no finalizer call and no audit event. The
 //! lane's `rejected` counter for that reason moves.
 //!
+//! A caller that would rather wait for room uses [`LaneSet::run_wait`] or
+//! [`LaneSet::spawn_wait`] (like tokio's `Sender::send` where `run` is `try_send`). Waiting
+//! callers get rooms in the order they began waiting: a run that ends while any wait hands its
+//! room to the one that has waited longest, so an admission that does not wait finds the lane
+//! full until every waiter has a room.
+//!
 //! [`Full`]: AdmissionErrorKind::Full
 //! [`Closed`]: AdmissionErrorKind::Closed
 //! [`Poisoned`]: AdmissionErrorKind::Poisoned

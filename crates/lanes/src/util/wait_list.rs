@@ -132,6 +132,14 @@ impl<T> WaitList<T> {
         key
     }
 
+    /// The first waiter's waker, left in place.
+    pub(crate) fn first(&self) -> Option<&Waker> {
+        match self.head {
+            NIL => None,
+            head => self.nodes[head as usize].entry.as_ref().map(|(waker, _)| waker),
+        }
+    }
+
     /// Whether `key` still waits (was neither woken nor removed).
     #[inline]
     pub(crate) fn contains(&self, key: WaitKey) -> bool {
