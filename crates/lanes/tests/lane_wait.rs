@@ -3,7 +3,8 @@
 //! wait never takes a room a waiter is owed, a caller that goes away passes its turn on, and
 //! nothing is owned once every run ended.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -297,21 +298,28 @@ fn xorshift(seed: &mut u64) -> u64 {
     *seed
 }
 
-/// Counts of what the stress's runs did.
+/// What the stress's runs did: which were admitted and started (by id), and counts.
 #[derive(Default)]
 struct Tally {
-    admitted: AtomicUsize,
-    started: AtomicUsize,
+    admitted: Mutex<BTreeSet<u64>>,
+    started: Mutex<BTreeSet<u64>>,
+    started_twice: AtomicUsize,
     finalized: AtomicUsize,
     executing: AtomicUsize,
     max_executing: AtomicUsize,
 }
 
 /// A run that yields a few times while it counts itself executing, and whose finalizer counts.
-fn counted(tally: &Arc<Tally>, yields: u64) -> Run<impl Job<Output = ()>, impl Finalize<()>> {
+fn counted(
+    tally: &Arc<Tally>,
+    id: u64,
+    yields: u64,
+) -> Run<impl Job<Output = ()>, impl Finalize<()>> {
     let (job_tally, final_tally) = (tally.clone(), tally.clone());
     Run::typed(move |_cx| async move {
-        job_tally.started.fetch_add(1, Ordering::SeqCst);
+        if !job_tally.started.lock().unwrap().insert(id) {
+            job_tally.started_twice.fetch_add(1, Ordering::SeqCst);
+        }
         let now = job_tally.executing.fetch_add(1, Ordering::SeqCst) + 1;
         job_tally.max_executing.fetch_max(now, Ordering::SeqCst);
         for _ in 0..yields {
@@ -348,9 +356,10 @@ async fn waiting_and_barging_callers_at_random_leave_nothing_owned() {
             let (lanes, tally) = (lanes.clone(), tally.clone());
             tokio::spawn(async move {
                 let mut seed = 0x9E37_79B9_7F4A_7C15 ^ (client + 1);
-                for _ in 0..ROUNDS {
+                for round in 0..ROUNDS {
                     let roll = xorshift(&mut seed);
-                    let run = counted(&tally, roll % 5);
+                    let id = client << 32 | round;
+                    let run = counted(&tally, id, roll % 5);
                     let admitted = match roll % 4 {
                         0 => lanes.spawn("one", run).is_ok(),
                         1 => match lanes.run_wait("one", run, None).await {
@@ -369,28 +378,35 @@ async fn waiting_and_barging_callers_at_random_leave_nothing_owned() {
                         }
                     };
                     if admitted {
-                        tally.admitted.fetch_add(1, Ordering::SeqCst);
+                        tally.admitted.lock().unwrap().insert(id);
                     }
                 }
             })
         })
         .collect();
-    for client in clients {
-        client.await.unwrap();
-    }
+    // A caller left waiting while the lane has room would never finish: fail, not hang.
+    let all = async {
+        for client in clients {
+            client.await.unwrap();
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), all).await.expect("every caller finished");
     // Quiescence: the runs admitted end, and their finalizers run.
+    let admitted = tally.admitted.lock().unwrap().len();
     let quiet = async {
-        while lanes.snapshot().owned > 0
-            || tally.finalized.load(Ordering::SeqCst) < tally.admitted.load(Ordering::SeqCst)
-        {
+        while lanes.snapshot().owned > 0 || tally.finalized.load(Ordering::SeqCst) < admitted {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     };
     tokio::time::timeout(Duration::from_secs(60), quiet).await.expect("every run ended");
-    let admitted = tally.admitted.load(Ordering::SeqCst);
     assert!(admitted > 0);
-    assert_eq!(tally.started.load(Ordering::SeqCst), admitted, "every admitted run started once");
-    assert_eq!(tally.finalized.load(Ordering::SeqCst), admitted, "and was finalized once");
+    assert_eq!(
+        *tally.started.lock().unwrap(),
+        *tally.admitted.lock().unwrap(),
+        "exactly the admitted runs started"
+    );
+    assert_eq!(tally.started_twice.load(Ordering::SeqCst), 0, "no run started twice");
+    assert_eq!(tally.finalized.load(Ordering::SeqCst), admitted, "each was finalized once");
     assert!(tally.max_executing.load(Ordering::SeqCst) <= concurrent);
     let lane = &lanes.snapshot().lanes[0];
     assert!(lane.max_owned <= concurrent + queued);
@@ -410,5 +426,44 @@ async fn waiting_and_barging_callers_at_random_leave_nothing_owned() {
     hold.add_permits(concurrent + queued);
     lanes.close();
     lanes.drained().await;
+    assert_eq!(lanes.snapshot().owned, 0);
+}
+
+/// A caller handed a room whose future is never polled again does not hold the set's drain:
+/// the room is no run, and the caller gives it back if it ever runs.
+#[tokio::test(start_paused = true)]
+async fn a_room_handed_to_a_caller_that_never_runs_does_not_hold_the_drain() {
+    let lanes = LaneSet::builder()
+        .audit_timeout(Duration::from_secs(1))
+        .finalization_timeout(Duration::from_secs(1))
+        .worker_drain_timeout(Duration::from_secs(2))
+        .lane("one", LaneLimits::new(1, 0))
+        .build()
+        .unwrap();
+    let gate = Arc::new(Semaphore::new(0));
+    let held = gate.clone();
+    lanes
+        .spawn(
+            "one",
+            Run::typed(move |_cx| async move {
+                let _ = held.acquire().await;
+                Res::Ok(())
+            }),
+        )
+        .unwrap();
+    let mut waiting =
+        std::pin::pin!(lanes.spawn_wait("one", Run::typed(|_cx| async { Res::Ok(()) }), None));
+    let waker = std::task::Waker::noop();
+    assert!(waiting.as_mut().poll(&mut std::task::Context::from_waker(waker)).is_pending());
+    // The run ends and hands its room to the caller, which is never polled again.
+    gate.add_permits(1);
+    settle().await;
+    assert_eq!(lanes.snapshot().owned, 0, "a handed room is no run");
+    lanes.close();
+    let drained = tokio::time::timeout(Duration::from_secs(60), lanes.drained()).await;
+    assert!(drained.is_ok(), "the drain waited for a caller that never runs");
+    // If it runs after all, it finds the set closed and gives the room back.
+    let refused = waiting.await.map(|_| ()).unwrap_err();
+    assert_eq!(refused.kind(), AdmissionErrorKind::Closed);
     assert_eq!(lanes.snapshot().owned, 0);
 }

@@ -24,7 +24,8 @@
 //! 2. Admission and the shut take a lane's lock; the driver gives slots back under it. The one
 //!    exception is an admission into the inbox, which takes the inbox's lock alone. Every
 //!    admission holds the inbox's lock while it decides against the bound, counts itself in
-//!    `owned` and takes its run id, so admissions into a lane have one order, which is their
+//!    `owned` (or takes up a room handed to it, counted there already: invariant 5) and takes
+//!    its run id, so admissions into a lane have one order, which is their
 //!    ids' order and their place in the queue (a run that names a limit takes its place when
 //!    its permit comes). The lane's lock is taken before the inbox's; an admission into the
 //!    inbox that finds a slot freed meanwhile takes the lane's lock after, to grant it.
@@ -42,8 +43,11 @@
 //!    (`handed` down, the core's or the inbox's runs up), or passes it on when it goes away.
 //!    `handed` and `owned` never rise together, and where both fall `handed` falls first, so
 //!    `count_completions`, which reads `owned` before `handed`, never counts a completion that
-//!    was not made.
+//!    was not made. A room that comes free while callers wait (they began waiting as it was
+//!    given back) wakes the first in line, which tries for it; whichever way that caller
+//!    leaves the line, the next is woken while a room is free (`LaneShared::first_if_room`).
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
@@ -87,10 +91,12 @@ pub(super) struct LaneShared {
     /// that ends while any wait hands its room to the first (see `complete`).
     pub(super) waiters: Mutex<WaitList>,
     /// The length of `waiters`, stored under its lock: a run that ends locks it only if
-    /// callers wait (the common case, nobody waiting, costs one load).
+    /// callers wait (the common case, nobody waiting, costs two loads, one before the run
+    /// gives its room back and one after).
     pub(super) waiting: AtomicUsize,
-    /// Rooms handed to waiting callers and not yet taken up: counted in `owned`, not in the
-    /// core's count of owned runs, so that an admission that did not wait finds them taken.
+    /// Rooms handed to waiting callers and not yet taken up: counted in `owned`, and not in
+    /// the core's count of owned runs once it has counted the completions that freed them, so
+    /// that an admission that did not wait finds them taken.
     /// Lowered under the inbox's lock by the admission the room was handed for, or given back
     /// under the waiters' lock by a caller that went away.
     pub(super) handed: AtomicUsize,
@@ -285,6 +291,31 @@ impl Drop for LaneShared {
 }
 
 impl LaneShared {
+    /// Runs owned: `owned` without the rooms handed to waiting callers. `owned` read first: a
+    /// room given back lowers `handed` first, so a room is never taken for a run it was not.
+    fn runs_owned(&self) -> usize {
+        let owned = self.owned.load(Ordering::SeqCst);
+        owned.saturating_sub(self.handed.load(Ordering::SeqCst))
+    }
+
+    /// Under the waiters' lock: the first caller in line, if the lane has a free room while
+    /// callers wait. A room comes free so only as callers begin waiting (see
+    /// `SetShared::complete`); the caller woken for it tries for it, and if it leaves the line
+    /// another way (handed a room, gone, admitted) the next is woken in turn.
+    fn first_if_room(&self, waiters: &WaitList) -> Option<Waker> {
+        let room = self.owned.load(Ordering::SeqCst) < self.limits.capacity();
+        waiters.first().filter(|_| room).cloned()
+    }
+
+    /// [`first_if_room`](Self::first_if_room), woken.
+    #[cold]
+    fn wake_first_if_room(&self) {
+        let first = self.first_if_room(&lock(&self.waiters));
+        if let Some(waker) = first {
+            waker.wake();
+        }
+    }
+
     /// Locks the lane's core, after counting the completions made without its lock.
     pub(super) fn lock_core(&self) -> SpinGuard<'_, LaneState> {
         // Admissions and completions on other threads hold it briefly: a `SpinLock`, waited
@@ -345,8 +376,9 @@ impl LaneShared {
     fn admit_to_inbox(
         &self,
         next_run_id: &AtomicU64,
-        handed: bool,
+        holds: Option<&Cell<bool>>,
     ) -> Option<(RunId, Arc<RunSignal>)> {
+        let handed = holds.is_some();
         let mut inbox = spin_lock(&self.inbox);
         // Exact: without this lock, only completions and rooms given back change `owned`, and
         // they lower it.
@@ -363,11 +395,16 @@ impl LaneShared {
             // grant, which is why this admission reads `executing` after).
             self.inboxed.store(true, Ordering::SeqCst);
         }
-        match handed {
+        match holds {
             // From `handed` to the inbox's runs, both under this lock.
-            true => self.handed.fetch_sub(1, Ordering::SeqCst),
-            false => self.owned.fetch_add(1, Ordering::SeqCst),
-        };
+            Some(holds) => {
+                self.handed.fetch_sub(1, Ordering::SeqCst);
+                holds.set(false);
+            }
+            None => {
+                self.owned.fetch_add(1, Ordering::SeqCst);
+            }
+        }
         let run_id = inbox.run_id(next_run_id);
         // Counted under the lock: whatever takes the run in after it counts it as the core's.
         self.metrics.queued.increment(1.0);
@@ -597,7 +634,8 @@ impl LaneSet {
     /// Callers waiting on one lane are admitted in the order they started waiting: a run that
     /// ends while callers wait hands its room to the one that has waited longest, and an
     /// admission that does not wait ([`run`](LaneSet::run), [`spawn`](LaneSet::spawn)) cannot
-    /// take it first.
+    /// take it first. (A room that comes free as the first callers begin waiting goes to
+    /// whichever tries for it first.)
     ///
     /// # Cancel safety
     ///
@@ -784,19 +822,21 @@ type Admitting<J, F, P> = Result<(Admission<J, F>, P), AdmissionError<Run<J, F>>
 
 /// One of the admission functions ([`admit_blocking`], [`admit_background`]).
 type AdmitFn<J, F, R> =
-    fn(&Arc<SetShared>, usize, Run<J, F>, Entry) -> Result<R, AdmissionError<Run<J, F>>>;
+    fn(&Arc<SetShared>, usize, Run<J, F>, Entry<'_>) -> Result<R, AdmissionError<Run<J, F>>>;
 
 /// How a caller comes to an admission.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Entry {
+#[derive(Debug, Clone, Copy)]
+enum Entry<'a> {
     /// Without waiting: a full lane refuses it, counted.
     Direct,
     /// Waiting for room: a full lane sends it back to wait, uncounted (a caller that gives
     /// up is counted once, then).
     Waiting,
     /// Into a room a run that ended handed it ([`SetShared::complete`]): admitted unless the
-    /// set shut, which gives the room back.
-    Handed,
+    /// set shut, which gives the room back. The admission clears the flag (the caller's
+    /// [`Place::holds`]) where it takes the room up, so that a panic after it cannot give the
+    /// room back twice.
+    Handed(&'a Cell<bool>),
 }
 
 /// Admits `run` with `admit` once lane `index` has room, or refuses it `Full` at `deadline`.
@@ -811,7 +851,7 @@ async fn wait_for_room<J, F, R>(
 ) -> Result<R, AdmissionError<Run<J, F>>> {
     // Leaves the line however the wait ends (admitted, refused, dropped), passing on a room
     // handed to it meanwhile.
-    let mut place = Place { shared, index, key: None, asked: false, holds: false };
+    let mut place = Place { shared, index, key: None, asked: false, holds: Cell::new(false) };
     loop {
         std::future::poll_fn(|cx| {
             place.join(cx.waker());
@@ -826,6 +866,8 @@ async fn wait_for_room<J, F, R>(
         let turn = match deadline {
             None => turn.await,
             Some(deadline) => tokio::select! {
+                // A room handed as the deadline passes is taken up, not passed on.
+                biased;
                 turn = turn => turn,
                 () = tokio::time::sleep_until(deadline) => {
                     let lane = &shared.lanes[index];
@@ -838,21 +880,9 @@ async fn wait_for_room<J, F, R>(
         };
         run = refused.into_run();
         if turn == Turn::Handed {
-            let admitted = admit(shared, index, run, Entry::Handed);
-            // The admission took the room up, or gave it back.
-            place.holds = false;
-            return admitted;
+            // Takes the room up, or gives it back: either way `holds` is cleared.
+            return admit(shared, index, run, Entry::Handed(&place.holds));
         }
-    }
-}
-
-/// Wakes the first caller waiting for room in `lane`, leaving it in line: it began waiting as
-/// a room came free, and tries again.
-#[cold]
-fn wake_first(lane: &LaneShared) {
-    let first = lock(&lane.waiters).first().cloned();
-    if let Some(first) = first {
-        first.wake();
     }
 }
 
@@ -873,8 +903,8 @@ struct Place<'a> {
     key: Option<WaitKey>,
     /// Waited since its last try: a poll that finds it still in line tries again.
     asked: bool,
-    /// Handed a room it has not taken up.
-    holds: bool,
+    /// Handed a room it has not taken up (cleared by the admission that takes it up).
+    holds: Cell<bool>,
 }
 
 impl Place<'_> {
@@ -902,7 +932,8 @@ impl Place<'_> {
             return Poll::Pending;
         }
         // Taken off the line by a run that ended: it holds that run's room.
-        (self.key, self.asked, self.holds) = (None, false, true);
+        (self.key, self.asked) = (None, false);
+        self.holds.set(true);
         Poll::Ready(Turn::Handed)
     }
 }
@@ -914,13 +945,20 @@ impl Drop for Place<'_> {
             let mut waiters = lock(&lane.waiters);
             if waiters.remove(key) {
                 lane.waiting.store(waiters.len(), Ordering::SeqCst);
+                // It may have been woken for a free room (or admitted into one): the next
+                // caller in line tries for what is left.
+                let next = lane.first_if_room(&waiters);
+                drop(waiters);
+                if let Some(waker) = next {
+                    waker.wake();
+                }
                 return;
             }
             drop(waiters);
             // Handed a room after its last look.
-            self.holds = true;
+            self.holds.set(true);
         }
-        if self.holds {
+        if self.holds.get() {
             self.shared.pass_room(self.index);
         }
     }
@@ -933,7 +971,7 @@ fn admit_blocking<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
-    entry: Entry,
+    entry: Entry<'_>,
 ) -> Result<RunHandle<F::Output>, AdmissionError<Run<J, F>>>
 where
     J: Job,
@@ -949,7 +987,7 @@ fn place_blocking<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
-    entry: Entry,
+    entry: Entry<'_>,
 ) -> Result<RunHandle<F::Output>, AdmissionError<Run<J, F>>>
 where
     J: Job,
@@ -970,7 +1008,7 @@ fn admit_background<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
-    entry: Entry,
+    entry: Entry<'_>,
 ) -> Result<RunId, AdmissionError<Run<J, F>>>
 where
     J: Job,
@@ -986,7 +1024,7 @@ fn place_background<J, F>(
     shared: &Arc<SetShared>,
     index: usize,
     run: Run<J, F>,
-    entry: Entry,
+    entry: Entry<'_>,
 ) -> Result<RunId, AdmissionError<Run<J, F>>>
 where
     J: Job,
@@ -1023,7 +1061,8 @@ impl SetShared {
     }
 
     /// Refuses `run` `Full` if lane `index` is full and the set open, without a lock: `owned`
-    /// is exact, so the lane was full when it was read; rooms handed to waiting callers count
+    /// counts no room that was free when it was read (a room counts until its decrement gives
+    /// it back), so the lane was full when it was read; rooms handed to waiting callers count
     /// in it, so a caller that did not wait cannot take them. (SeqCst against `complete`, for
     /// callers waiting for room.) Every way in starts here, inlined into its caller: under
     /// overload this is what most admissions do, and a refusal then costs the two loads, the
@@ -1035,13 +1074,13 @@ impl SetShared {
         index: usize,
         participation: Participation,
         run: Run<J, F>,
-        entry: Entry,
+        entry: Entry<'_>,
     ) -> Result<Run<J, F>, AdmissionError<Run<J, F>>> {
         let lane = &self.lanes[index];
-        let full =
-            entry != Entry::Handed && lane.owned.load(Ordering::SeqCst) >= lane.limits.capacity();
+        let full = !matches!(entry, Entry::Handed(_))
+            && lane.owned.load(Ordering::SeqCst) >= lane.limits.capacity();
         if full && self.state.load(Ordering::Relaxed) == OPEN {
-            if entry == Entry::Direct {
+            if matches!(entry, Entry::Direct) {
                 lane.refused.add_one();
                 lane.metrics.rejected.increment(1);
             }
@@ -1060,19 +1099,24 @@ impl SetShared {
         index: usize,
         participation: Participation,
         run: Run<J, F>,
-        entry: Entry,
+        entry: Entry<'_>,
         prepare: impl FnOnce() -> P,
     ) -> Admitting<J, F, P> {
         let lane = &self.lanes[index];
         let prepared = prepare();
-        let (count_full, handed) = (entry == Entry::Direct, entry == Entry::Handed);
+        let count_full = matches!(entry, Entry::Direct);
+        let holds = match entry {
+            Entry::Handed(holds) => Some(holds),
+            _ => None,
+        };
+        let handed = holds.is_some();
         // A background run that would wait as data while every slot is taken (it names no
         // limit and has no deadline): into the inbox, without the lane's lock.
         let inboxed = participation == Participation::Background
             && run.limit.is_none()
             && run.queue_timeout.get().is_none()
             && lane.executing.load(Ordering::SeqCst) >= lane.limits.concurrent;
-        if inboxed && let Some((run_id, signal)) = lane.admit_to_inbox(&self.next_run_id, handed) {
+        if inboxed && let Some((run_id, signal)) = lane.admit_to_inbox(&self.next_run_id, holds) {
             lane.metrics.admitted.increment(1);
             tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
             // Its place in the queue is not known yet, and not needed: the run is never
@@ -1088,12 +1132,13 @@ impl SetShared {
         let mut inbox = lane.take_inbox(&mut state);
         // A room handed to this caller moves from `handed` to the core's runs, or goes back
         // (below). Rooms handed to others are full to it, as `owned` read them.
-        let reserved = match handed {
-            true => {
+        let reserved = match holds {
+            Some(holds) => {
                 lane.handed.fetch_sub(1, Ordering::SeqCst);
+                holds.set(false);
                 0
             }
-            false => state.handed,
+            None => state.handed,
         };
         let LaneState { core, spare, .. } = &mut *state;
         let limited = run.limit.is_some();
@@ -1145,7 +1190,8 @@ impl SetShared {
                 drop(state);
                 if handed {
                     // The set shut: the room handed goes back (`handed` was lowered above).
-                    self.gave_back(lane.owned.fetch_sub(1, Ordering::SeqCst));
+                    lane.owned.fetch_sub(1, Ordering::SeqCst);
+                    self.gave_back();
                 }
                 if count_full && kind == AdmissionErrorKind::Full {
                     lane.metrics.rejected.increment(1);
@@ -1184,7 +1230,7 @@ impl SetShared {
     /// set's own: every admission and completion would write it, on whichever thread it runs,
     /// and two threads that admit and finish runs would pass its line back and forth.
     fn owned(&self) -> usize {
-        self.lanes.iter().map(|lane| lane.owned.load(Ordering::SeqCst)).sum()
+        self.lanes.iter().map(LaneShared::runs_owned).sum()
     }
 
     /// SeqCst, with the lanes' `owned` and `shut_done` written SeqCst: see `complete`.
@@ -1302,11 +1348,11 @@ impl SetShared {
     /// has waited longest for one.
     pub(super) fn complete(&self, lane: usize, failure: Option<Reason>) {
         let shared = &self.lanes[lane];
-        // Nobody waiting for room, the common case, costs one load.
+        // Nobody waiting for room, the common case, costs this load and one below.
         if shared.waiting.load(Ordering::SeqCst) > 0 && self.hand_room(shared, failure) {
             return;
         }
-        let owned = match failure {
+        match failure {
             // The common case takes no lock: the next locker counts it (see `lock_core`).
             None => shared.owned.fetch_sub(1, Ordering::SeqCst),
             // Counted by the core before `owned` drops, both under the lock: the next locker
@@ -1321,9 +1367,9 @@ impl SetShared {
         // A caller joins the waiters (SeqCst) before its first try, which reads `owned`
         // (SeqCst, written above): either the load below sees it, or its try sees this room.
         if shared.waiting.load(Ordering::SeqCst) > 0 {
-            wake_first(shared);
+            shared.wake_first_if_room();
         }
-        self.gave_back(owned);
+        self.gave_back();
     }
 
     /// Takes the first caller waiting for room in `lane` off the line (if the set is open),
@@ -1346,9 +1392,13 @@ impl SetShared {
         }
         // Before the caller can see itself off the line (under the waiters' lock).
         lane.handed.fetch_add(1, Ordering::SeqCst);
+        let next = lane.first_if_room(&waiters);
         drop((waiters, core));
         lane.metrics.finished(failure);
         first.wake();
+        if let Some(waker) = next {
+            waker.wake();
+        }
         true
     }
 
@@ -1363,25 +1413,31 @@ impl SetShared {
         };
         lane.waiting.store(waiters.len(), Ordering::SeqCst);
         if let Some(next) = next {
+            let after = lane.first_if_room(&waiters);
             drop(waiters);
             next.wake();
+            if let Some(waker) = after {
+                waker.wake();
+            }
             return;
         }
         // `handed` first: see `count_completions`. Under the waiters' lock, so that a caller
         // that joins after sees the room in its try.
         lane.handed.fetch_sub(1, Ordering::SeqCst);
-        let owned = lane.owned.fetch_sub(1, Ordering::SeqCst);
+        lane.owned.fetch_sub(1, Ordering::SeqCst);
         drop(waiters);
-        self.gave_back(owned);
+        self.gave_back();
     }
 
-    /// A lane's `owned` dropped from `owned`: if that was its last run (or room) and the set
-    /// shut, the set is drained if the others own none either. Of two lanes' last runs ending
-    /// at once, the later decrement (all SeqCst) sees the other's. A decrement that missed the
-    /// shut is followed by the shut's own wake-up, after which a waiter's read sees the
-    /// decrement (it came before the shut's store in SeqCst order).
-    fn gave_back(&self, owned: usize) {
-        if owned == 1 && self.shut_done.load(Ordering::SeqCst) && self.owned() == 0 {
+    /// A lane's `owned` dropped: if that was its last run and the set shut, the set is
+    /// drained if the others own none either. (A room handed to a waiting caller and
+    /// not taken up is no run: the caller gives it back when it finds the set shut, if it
+    /// runs again at all.) Of two lanes' last runs ending at once, the later decrement (all
+    /// SeqCst) sees the other's. A decrement that missed the shut is followed by the shut's
+    /// own wake-up, after which a waiter's read sees the decrement (it came before the shut's
+    /// store in SeqCst order).
+    fn gave_back(&self) {
+        if self.shut_done.load(Ordering::SeqCst) && self.owned() == 0 {
             self.drained.notify_waiters();
         }
     }
@@ -1413,15 +1469,7 @@ impl SetShared {
     fn snapshot(&self) -> LaneSetSnapshot {
         LaneSetSnapshot {
             state: self.set_state(),
-            // Runs, not the rooms handed to waiting callers that `owned` holds too.
-            owned: self
-                .lanes
-                .iter()
-                .map(|lane| {
-                    let owned = lane.owned.load(Ordering::SeqCst);
-                    owned.saturating_sub(lane.handed.load(Ordering::SeqCst))
-                })
-                .sum(),
+            owned: self.owned(),
             lanes: (0..self.lanes.len()).map(|index| self.lane_snapshot(index)).collect(),
         }
     }
@@ -1622,5 +1670,63 @@ mod tests {
         // Moves come 64 at a time, so under 64 of the first burst's are left out; an inbox
         // given too few (64 in all, as a review's first fix had it) made 435 here.
         assert!(second < BURST / 4, "the second burst made {second} signals");
+    }
+
+    /// Counts its wakes.
+    struct Counted(AtomicUsize);
+
+    impl std::task::Wake for Counted {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// The race in `complete` where callers begin waiting between its look at `waiting` and
+    /// its decrement of `owned`: it frees the room and wakes the first caller in line without
+    /// handing it the room. If that caller then leaves, the next is woken for the free room
+    /// rather than left waiting while the lane has one.
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_woken_for_a_free_room_that_leaves_wakes_the_next() {
+        let set = lane_a(LaneLimits::new(1, 0));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let held = gate.clone();
+        set.spawn(
+            "a",
+            Run::typed(move |_cx| async move {
+                let _ = held.acquire().await;
+                Ok::<(), Infallible>(())
+            }),
+        )
+        .unwrap();
+        let lane = &set.shared.lanes[0];
+        let noop = || Run::typed(|_cx| ready(Ok::<(), Infallible>(())));
+        let (first, second) =
+            (Arc::new(Counted(AtomicUsize::new(0))), Arc::new(Counted(AtomicUsize::new(0))));
+        let mut w1 = Box::pin(set.spawn_wait("a", noop(), None));
+        let mut w2 = Box::pin(set.spawn_wait("a", noop(), None));
+        let (waker1, waker2) = (Waker::from(first.clone()), Waker::from(second.clone()));
+        assert!(w1.as_mut().poll(&mut Context::from_waker(&waker1)).is_pending());
+        assert!(w2.as_mut().poll(&mut Context::from_waker(&waker2)).is_pending());
+        assert_eq!(lane.waiting.load(Ordering::SeqCst), 2);
+        // The run ends while `complete` sees nobody waiting: the line is hidden from it.
+        let line = std::mem::take(&mut *lock(&lane.waiters));
+        lane.waiting.store(0, Ordering::SeqCst);
+        gate.add_permits(1);
+        while set.snapshot().owned > 0 {
+            tokio::task::yield_now().await;
+        }
+        // Then its second look sees the callers, which had joined meanwhile.
+        *lock(&lane.waiters) = line;
+        lane.waiting.store(2, Ordering::SeqCst);
+        lane.wake_first_if_room();
+        assert_eq!(first.0.load(Ordering::SeqCst), 1, "the first in line is woken");
+        assert_eq!(second.0.load(Ordering::SeqCst), 0);
+        // The first goes away without trying: the second is woken, and gets the room.
+        drop(w1);
+        assert_eq!(second.0.load(Ordering::SeqCst), 1, "the next in line is woken");
+        let admitted = w2.as_mut().poll(&mut Context::from_waker(&waker2));
+        assert!(matches!(admitted, Poll::Ready(Ok(_))), "the free room is taken");
+        set.close();
+        set.drained().await;
     }
 }

@@ -39,7 +39,8 @@
 //! [`LaneSet::spawn_wait`] (like tokio's `Sender::send` where `run` is `try_send`). Waiting
 //! callers get rooms in the order they began waiting: a run that ends while any wait hands its
 //! room to the one that has waited longest, so an admission that does not wait finds the lane
-//! full until every waiter has a room.
+//! full until every waiter has a room. (A room that comes free just as the first callers begin
+//! waiting goes to whichever caller tries for it first.)
 //!
 //! [`Full`]: AdmissionErrorKind::Full
 //! [`Closed`]: AdmissionErrorKind::Closed
