@@ -91,8 +91,8 @@ pub(super) struct LaneShared {
     /// that ends while any wait hands its room to the first (see `complete`).
     pub(super) waiters: Mutex<WaitList>,
     /// The length of `waiters`, stored under its lock: a run that ends locks it only if
-    /// callers wait (the common case, nobody waiting, costs two loads, one before the run
-    /// gives its room back and one after).
+    /// callers wait (the common case, nobody waiting, costs two loads of it, one before the
+    /// run gives its room back and one after).
     pub(super) waiting: AtomicUsize,
     /// Rooms handed to waiting callers and not yet taken up: counted in `owned`, and not in
     /// the core's count of owned runs once it has counted the completions that freed them, so
@@ -291,17 +291,21 @@ impl Drop for LaneShared {
 }
 
 impl LaneShared {
-    /// Runs owned: `owned` without the rooms handed to waiting callers. `owned` read first: a
-    /// room given back lowers `handed` first, so a room is never taken for a run it was not.
+    /// Runs owned: `owned` without the rooms handed to waiting callers. `owned` read first, and
+    /// a room given back lowers `handed` first, so this never reads fewer runs than there are
+    /// (a drain is never seen early); a room given back meanwhile may count as a run for a
+    /// moment.
     fn runs_owned(&self) -> usize {
         let owned = self.owned.load(Ordering::SeqCst);
         owned.saturating_sub(self.handed.load(Ordering::SeqCst))
     }
 
     /// Under the waiters' lock: the first caller in line, if the lane has a free room while
-    /// callers wait. A room comes free so only as callers begin waiting (see
+    /// callers wait. An open lane's room comes free so only as callers begin waiting (see
     /// `SetShared::complete`); the caller woken for it tries for it, and if it leaves the line
-    /// another way (handed a room, gone, admitted) the next is woken in turn.
+    /// another way (handed a room, gone, admitted) the next is woken in turn. Until then the
+    /// others wait on it: a caller whose future is kept but never polled again holds up the
+    /// callers behind it for such a room, as it would for a room it was handed.
     fn first_if_room(&self, waiters: &WaitList) -> Option<Waker> {
         let room = self.owned.load(Ordering::SeqCst) < self.limits.capacity();
         waiters.first().filter(|_| room).cloned()
@@ -908,14 +912,20 @@ struct Place<'a> {
 }
 
 impl Place<'_> {
-    /// Joins the back of the line, unless in it already.
+    /// Joins the back of the line, or refreshes its waker there.
     fn join(&mut self, waker: &Waker) {
-        if self.key.is_none() {
-            let lane = &self.shared.lanes[self.index];
-            let mut waiters = lock(&lane.waiters);
-            self.key = Some(waiters.push(waker));
-            // SeqCst, before the try reads `owned`: see `SetShared::complete`.
-            lane.waiting.store(waiters.len(), Ordering::SeqCst);
+        let lane = &self.shared.lanes[self.index];
+        let mut waiters = lock(&lane.waiters);
+        match self.key {
+            // Still in line (woken to try again), or taken off it meanwhile: `poll_turn` says.
+            Some(key) => {
+                waiters.refresh(key, waker);
+            }
+            None => {
+                self.key = Some(waiters.push(waker));
+                // SeqCst, before the try reads `owned`: see `SetShared::complete`.
+                lane.waiting.store(waiters.len(), Ordering::SeqCst);
+            }
         }
     }
 
@@ -1348,7 +1358,8 @@ impl SetShared {
     /// has waited longest for one.
     pub(super) fn complete(&self, lane: usize, failure: Option<Reason>) {
         let shared = &self.lanes[lane];
-        // Nobody waiting for room, the common case, costs this load and one below.
+        // Nobody waiting for room, the common case, costs this load and one below (and the
+        // look at the shut in `gave_back`).
         if shared.waiting.load(Ordering::SeqCst) > 0 && self.hand_room(shared, failure) {
             return;
         }
@@ -1399,6 +1410,9 @@ impl SetShared {
         if let Some(waker) = next {
             waker.wake();
         }
+        // The run is over, though its room is not free: a shut that came after the look at
+        // the set's state above may be waiting for it.
+        self.gave_back();
         true
     }
 
@@ -1728,5 +1742,96 @@ mod tests {
         assert!(matches!(admitted, Poll::Ready(Ok(_))), "the free room is taken");
         set.close();
         set.drained().await;
+    }
+
+    /// As above, but the first caller, woken for the free room, is handed another run's room
+    /// before it tries: the next in line is woken for the free one.
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_woken_for_a_free_room_then_handed_one_wakes_the_next() {
+        let set = lane_a(LaneLimits::new(2, 0));
+        let gates = [(); 2].map(|()| Arc::new(tokio::sync::Semaphore::new(0)));
+        for gate in &gates {
+            let held = gate.clone();
+            set.spawn(
+                "a",
+                Run::typed(move |_cx| async move {
+                    let _ = held.acquire().await;
+                    Ok::<(), Infallible>(())
+                }),
+            )
+            .unwrap();
+        }
+        let lane = &set.shared.lanes[0];
+        let noop = || Run::typed(|_cx| ready(Ok::<(), Infallible>(())));
+        let (first, second) =
+            (Arc::new(Counted(AtomicUsize::new(0))), Arc::new(Counted(AtomicUsize::new(0))));
+        let mut w1 = Box::pin(set.spawn_wait("a", noop(), None));
+        let mut w2 = Box::pin(set.spawn_wait("a", noop(), None));
+        let (waker1, waker2) = (Waker::from(first.clone()), Waker::from(second.clone()));
+        assert!(w1.as_mut().poll(&mut Context::from_waker(&waker1)).is_pending());
+        assert!(w2.as_mut().poll(&mut Context::from_waker(&waker2)).is_pending());
+        // The first run ends unseen by the line, which then wakes its first for the room.
+        let line = std::mem::take(&mut *lock(&lane.waiters));
+        lane.waiting.store(0, Ordering::SeqCst);
+        gates[0].add_permits(1);
+        while set.snapshot().owned > 1 {
+            tokio::task::yield_now().await;
+        }
+        *lock(&lane.waiters) = line;
+        lane.waiting.store(2, Ordering::SeqCst);
+        lane.wake_first_if_room();
+        assert_eq!((first.0.load(Ordering::SeqCst), second.0.load(Ordering::SeqCst)), (1, 0));
+        // The second run ends and hands its room to the first caller, before it tried.
+        gates[1].add_permits(1);
+        while lane.handed.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(second.0.load(Ordering::SeqCst), 1, "the next in line is woken");
+        let admitted = w2.as_mut().poll(&mut Context::from_waker(&waker2));
+        assert!(matches!(admitted, Poll::Ready(Ok(_))), "the free room is taken");
+        let admitted = w1.as_mut().poll(&mut Context::from_waker(&waker1));
+        assert!(matches!(admitted, Poll::Ready(Ok(_))), "the handed room is taken up");
+        set.close();
+        set.drained().await;
+    }
+
+    /// The race in `complete` where the set shuts after `hand_room` looked at its state: the
+    /// run's room goes to a waiting caller that is never polled again, and the drain, which
+    /// counts runs, not rooms, still learns that the last run ended.
+    #[tokio::test(start_paused = true)]
+    async fn a_room_handed_as_the_set_shuts_still_ends_the_drain() {
+        let set = lane_a(LaneLimits::new(1, 0));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let held = gate.clone();
+        set.spawn(
+            "a",
+            Run::typed(move |_cx| async move {
+                let _ = held.acquire().await;
+                Ok::<(), Infallible>(())
+            }),
+        )
+        .unwrap();
+        let noop = Run::typed(|_cx| ready(Ok::<(), Infallible>(())));
+        let mut waiting = Box::pin(set.spawn_wait("a", noop, None));
+        assert!(waiting.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending());
+        set.close();
+        let drained = set.drained();
+        let mut drained = std::pin::pin!(drained);
+        assert!(drained.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending());
+        // `hand_room` read the set open before the shut: recreated by opening it again for the
+        // run's end alone.
+        set.shared.state.store(OPEN, Ordering::SeqCst);
+        gate.add_permits(1);
+        while set.shared.lanes[0].handed.load(Ordering::SeqCst) == 0 {
+            tokio::task::yield_now().await;
+        }
+        set.shared.state.store(CLOSED, Ordering::SeqCst);
+        let ended = tokio::time::timeout(Duration::from_secs(60), drained).await;
+        assert!(ended.is_ok(), "the drain missed the last run's end");
+        // The caller, if it runs after all, gives the room back.
+        assert!(
+            matches!(waiting.await, Err(refused) if refused.kind() == AdmissionErrorKind::Closed)
+        );
+        assert_eq!(set.shared.lanes[0].owned.load(Ordering::SeqCst), 0);
     }
 }
