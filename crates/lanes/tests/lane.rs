@@ -1411,6 +1411,38 @@ async fn a_run_takes_its_limit_before_its_slot_and_returns_it_before_the_finaliz
     assert_eq!(limits.info("db").await.unwrap().unwrap().waiting, 0, "the wait was withdrawn");
 }
 
+/// A caller that waits for room in lane "one" (`run_wait`), records `tag` in `order` once it
+/// got in, and answers its run's value (`tag`).
+fn waiter(
+    lanes: &Arc<LaneSet>,
+    order: &Arc<Mutex<Vec<String>>>,
+    tag: &str,
+) -> tokio::task::JoinHandle<String> {
+    let (lanes, order, tag) = (lanes.clone(), order.clone(), tag.to_owned());
+    tokio::spawn(async move {
+        let job_tag = tag.clone();
+        let handle = lanes
+            .run_wait("one", Run::typed(move |_cx| async move { Res::Ok(job_tag) }), None)
+            .await
+            .expect("admitted once there is room");
+        order.lock().unwrap().push(tag);
+        handle.await.unwrap()
+    })
+}
+
+/// Callers "a" then "b" waiting for room in lane "one" ([`waiter`]), each in line before the
+/// next begins.
+async fn two_waiters(
+    lanes: &Arc<LaneSet>,
+    order: &Arc<Mutex<Vec<String>>>,
+) -> [tokio::task::JoinHandle<String>; 2] {
+    let a = waiter(lanes, order, "a");
+    tokio::task::yield_now().await;
+    let b = waiter(lanes, order, "b");
+    tokio::task::yield_now().await;
+    [a, b]
+}
+
 /// Waiting admission: a full lane is waited on, callers are admitted in the order they began
 /// waiting as runs end, a deadline hands the run back `Full` (counted once, not per retry), and
 /// closing the set ends every wait with `Closed`.
@@ -1432,24 +1464,8 @@ async fn run_wait_and_spawn_wait_wait_for_room_in_order_until_a_deadline() {
     };
     let _ = first;
     // Two waiters, in order; each records when it got in.
-    let order = Arc::new(Mutex::new(Vec::new()));
-    let waiter = |tag: &'static str| {
-        let (lanes, order) = (lanes.clone(), order.clone());
-        let tag = tag.to_owned();
-        tokio::spawn(async move {
-            let job_tag = tag.clone();
-            let handle = lanes
-                .run_wait("one", Run::typed(move |_cx| async move { Res::Ok(job_tag) }), None)
-                .await
-                .expect("admitted once there is room");
-            order.lock().unwrap().push(tag);
-            handle.await.unwrap()
-        })
-    };
-    let a = waiter("a");
-    tokio::task::yield_now().await;
-    let b = waiter("b");
-    tokio::task::yield_now().await;
+    let order = Arc::default();
+    let [a, b] = two_waiters(&lanes, &order).await;
     // A third with a deadline gives up while the lane is still full.
     let late = lanes
         .spawn_wait(
@@ -1518,24 +1534,8 @@ async fn a_freed_room_goes_to_the_longest_waiter_not_to_a_caller_that_arrives_fi
             )
             .unwrap();
     }
-    let order = Arc::new(Mutex::new(Vec::new()));
-    let waiter = |tag: &'static str| {
-        let (lanes, order) = (lanes.clone(), order.clone());
-        let tag = tag.to_owned();
-        tokio::spawn(async move {
-            let job_tag = tag.clone();
-            let handle = lanes
-                .run_wait("one", Run::typed(move |_cx| async move { Res::Ok(job_tag) }), None)
-                .await
-                .expect("admitted once there is room");
-            order.lock().unwrap().push(tag);
-            handle.await.unwrap()
-        })
-    };
-    let a = waiter("a");
-    tokio::task::yield_now().await;
-    let b = waiter("b");
-    tokio::task::yield_now().await;
+    let order = Arc::default();
+    let [a, b] = two_waiters(&lanes, &order).await;
     // Runs as soon as the first run's job returns, ahead of the waiter its end wakes.
     let barging = {
         let (lanes, order) = (lanes.clone(), order.clone());

@@ -124,19 +124,24 @@ impl World {
     }
 }
 
+/// A set of one lane, "one", with these limits and lifecycle bounds that never fire here.
+fn lane_one(concurrent: usize, queued: usize) -> LaneSet {
+    LaneSet::builder()
+        .audit_timeout(Duration::from_secs(5))
+        .finalization_timeout(Duration::from_secs(5))
+        .worker_drain_timeout(Duration::from_secs(5))
+        .lane("one", LaneLimits::new(concurrent, queued))
+        .build()
+        .unwrap()
+}
+
 /// Lets every task that can run, run (time is paused: the sleep ends once all are idle).
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
 }
 
 async fn check(ops: Vec<Op>, concurrent: usize, queued: usize) -> Result<(), TestCaseError> {
-    let lanes = LaneSet::builder()
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(2))
-        .lane("one", LaneLimits::new(concurrent, queued))
-        .build()
-        .unwrap();
+    let lanes = lane_one(concurrent, queued);
     let world = World::default();
     let mut model = Model { concurrent, capacity: concurrent + queued, ..Model::default() };
     let mut waiters: BTreeMap<u32, JoinHandle<()>> = BTreeMap::new();
@@ -343,13 +348,7 @@ async fn waiting_and_barging_callers_at_random_leave_nothing_owned() {
     const CLIENTS: u64 = 8;
     const ROUNDS: u64 = 400;
     let (concurrent, queued) = (2, 1);
-    let lanes = LaneSet::builder()
-        .audit_timeout(Duration::from_secs(5))
-        .finalization_timeout(Duration::from_secs(5))
-        .worker_drain_timeout(Duration::from_secs(5))
-        .lane("one", LaneLimits::new(concurrent, queued))
-        .build()
-        .unwrap();
+    let lanes = lane_one(concurrent, queued);
     let tally = Arc::new(Tally::default());
     let clients: Vec<_> = (0..CLIENTS)
         .map(|client| {
@@ -433,13 +432,7 @@ async fn waiting_and_barging_callers_at_random_leave_nothing_owned() {
 /// the room is no run, and the caller gives it back if it ever runs.
 #[tokio::test(start_paused = true)]
 async fn a_room_handed_to_a_caller_that_never_runs_does_not_hold_the_drain() {
-    let lanes = LaneSet::builder()
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(2))
-        .lane("one", LaneLimits::new(1, 0))
-        .build()
-        .unwrap();
+    let lanes = lane_one(1, 0);
     let gate = Arc::new(Semaphore::new(0));
     let held = gate.clone();
     lanes

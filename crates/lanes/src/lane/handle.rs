@@ -1695,50 +1695,70 @@ mod tests {
         }
     }
 
+    /// `runs` runs admitted into lane "a" of `set`, each held until its gate opens.
+    fn held_runs(set: &LaneSet, runs: usize) -> Vec<Arc<tokio::sync::Semaphore>> {
+        (0..runs)
+            .map(|_| {
+                let gate = Arc::new(tokio::sync::Semaphore::new(0));
+                let held = gate.clone();
+                let run = Run::typed(move |_cx| async move {
+                    let _ = held.acquire().await;
+                    Ok::<(), Infallible>(())
+                });
+                set.spawn("a", run).unwrap();
+                gate
+            })
+            .collect()
+    }
+
+    /// A caller waiting for room in lane "a" (polled once, so in line), and its wakes.
+    fn waiting_caller(
+        set: &LaneSet,
+    ) -> (
+        std::pin::Pin<Box<impl Future<Output = Result<RunId, AdmissionError<impl Sized>>>>>,
+        Arc<Counted>,
+    ) {
+        let run = Run::typed(|_cx| ready(Ok::<(), Infallible>(())));
+        let mut waiting = Box::pin(set.spawn_wait("a", run, None));
+        let woken = Arc::new(Counted(AtomicUsize::new(0)));
+        let waker = Waker::from(woken.clone());
+        assert!(waiting.as_mut().poll(&mut Context::from_waker(&waker)).is_pending());
+        (waiting, woken)
+    }
+
     /// The race in `complete` where callers begin waiting between its look at `waiting` and
-    /// its decrement of `owned`: it frees the room and wakes the first caller in line without
-    /// handing it the room. If that caller then leaves, the next is woken for the free room
-    /// rather than left waiting while the lane has one.
+    /// its decrement of `owned`, recreated: the line is hidden from the run's end (opening
+    /// `gate`), then shown to its second look, which wakes the first in line without handing
+    /// it the room.
+    async fn end_unseen_by_the_line(set: &LaneSet, gate: &tokio::sync::Semaphore) {
+        let lane = &set.shared.lanes[0];
+        let owned = set.snapshot().owned;
+        let line = std::mem::take(&mut *lock(&lane.waiters));
+        let waiting = lane.waiting.swap(0, Ordering::SeqCst);
+        gate.add_permits(1);
+        while set.snapshot().owned == owned {
+            tokio::task::yield_now().await;
+        }
+        *lock(&lane.waiters) = line;
+        lane.waiting.store(waiting, Ordering::SeqCst);
+        lane.wake_first_if_room();
+    }
+
+    /// After [`end_unseen_by_the_line`]: if the first caller, woken for the free room, leaves,
+    /// the next is woken for it rather than left waiting while the lane has one.
     #[tokio::test(start_paused = true)]
     async fn a_caller_woken_for_a_free_room_that_leaves_wakes_the_next() {
         let set = lane_a(LaneLimits::new(1, 0));
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let held = gate.clone();
-        set.spawn(
-            "a",
-            Run::typed(move |_cx| async move {
-                let _ = held.acquire().await;
-                Ok::<(), Infallible>(())
-            }),
-        )
-        .unwrap();
-        let lane = &set.shared.lanes[0];
-        let noop = || Run::typed(|_cx| ready(Ok::<(), Infallible>(())));
-        let (first, second) =
-            (Arc::new(Counted(AtomicUsize::new(0))), Arc::new(Counted(AtomicUsize::new(0))));
-        let mut w1 = Box::pin(set.spawn_wait("a", noop(), None));
-        let mut w2 = Box::pin(set.spawn_wait("a", noop(), None));
-        let (waker1, waker2) = (Waker::from(first.clone()), Waker::from(second.clone()));
-        assert!(w1.as_mut().poll(&mut Context::from_waker(&waker1)).is_pending());
-        assert!(w2.as_mut().poll(&mut Context::from_waker(&waker2)).is_pending());
-        assert_eq!(lane.waiting.load(Ordering::SeqCst), 2);
-        // The run ends while `complete` sees nobody waiting: the line is hidden from it.
-        let line = std::mem::take(&mut *lock(&lane.waiters));
-        lane.waiting.store(0, Ordering::SeqCst);
-        gate.add_permits(1);
-        while set.snapshot().owned > 0 {
-            tokio::task::yield_now().await;
-        }
-        // Then its second look sees the callers, which had joined meanwhile.
-        *lock(&lane.waiters) = line;
-        lane.waiting.store(2, Ordering::SeqCst);
-        lane.wake_first_if_room();
+        let gates = held_runs(&set, 1);
+        let (w1, first) = waiting_caller(&set);
+        let (mut w2, second) = waiting_caller(&set);
+        end_unseen_by_the_line(&set, &gates[0]).await;
         assert_eq!(first.0.load(Ordering::SeqCst), 1, "the first in line is woken");
         assert_eq!(second.0.load(Ordering::SeqCst), 0);
         // The first goes away without trying: the second is woken, and gets the room.
         drop(w1);
         assert_eq!(second.0.load(Ordering::SeqCst), 1, "the next in line is woken");
-        let admitted = w2.as_mut().poll(&mut Context::from_waker(&waker2));
+        let admitted = w2.as_mut().poll(&mut Context::from_waker(Waker::noop()));
         assert!(matches!(admitted, Poll::Ready(Ok(_))), "the free room is taken");
         set.close();
         set.drained().await;
@@ -1749,48 +1769,20 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_caller_woken_for_a_free_room_then_handed_one_wakes_the_next() {
         let set = lane_a(LaneLimits::new(2, 0));
-        let gates = [(); 2].map(|()| Arc::new(tokio::sync::Semaphore::new(0)));
-        for gate in &gates {
-            let held = gate.clone();
-            set.spawn(
-                "a",
-                Run::typed(move |_cx| async move {
-                    let _ = held.acquire().await;
-                    Ok::<(), Infallible>(())
-                }),
-            )
-            .unwrap();
-        }
-        let lane = &set.shared.lanes[0];
-        let noop = || Run::typed(|_cx| ready(Ok::<(), Infallible>(())));
-        let (first, second) =
-            (Arc::new(Counted(AtomicUsize::new(0))), Arc::new(Counted(AtomicUsize::new(0))));
-        let mut w1 = Box::pin(set.spawn_wait("a", noop(), None));
-        let mut w2 = Box::pin(set.spawn_wait("a", noop(), None));
-        let (waker1, waker2) = (Waker::from(first.clone()), Waker::from(second.clone()));
-        assert!(w1.as_mut().poll(&mut Context::from_waker(&waker1)).is_pending());
-        assert!(w2.as_mut().poll(&mut Context::from_waker(&waker2)).is_pending());
-        // The first run ends unseen by the line, which then wakes its first for the room.
-        let line = std::mem::take(&mut *lock(&lane.waiters));
-        lane.waiting.store(0, Ordering::SeqCst);
-        gates[0].add_permits(1);
-        while set.snapshot().owned > 1 {
-            tokio::task::yield_now().await;
-        }
-        *lock(&lane.waiters) = line;
-        lane.waiting.store(2, Ordering::SeqCst);
-        lane.wake_first_if_room();
+        let gates = held_runs(&set, 2);
+        let (mut w1, first) = waiting_caller(&set);
+        let (mut w2, second) = waiting_caller(&set);
+        end_unseen_by_the_line(&set, &gates[0]).await;
         assert_eq!((first.0.load(Ordering::SeqCst), second.0.load(Ordering::SeqCst)), (1, 0));
         // The second run ends and hands its room to the first caller, before it tried.
         gates[1].add_permits(1);
-        while lane.handed.load(Ordering::SeqCst) == 0 {
+        while set.shared.lanes[0].handed.load(Ordering::SeqCst) == 0 {
             tokio::task::yield_now().await;
         }
         assert_eq!(second.0.load(Ordering::SeqCst), 1, "the next in line is woken");
-        let admitted = w2.as_mut().poll(&mut Context::from_waker(&waker2));
-        assert!(matches!(admitted, Poll::Ready(Ok(_))), "the free room is taken");
-        let admitted = w1.as_mut().poll(&mut Context::from_waker(&waker1));
-        assert!(matches!(admitted, Poll::Ready(Ok(_))), "the handed room is taken up");
+        let noop = &mut Context::from_waker(Waker::noop());
+        assert!(matches!(w2.as_mut().poll(noop), Poll::Ready(Ok(_))), "the free room is taken");
+        assert!(matches!(w1.as_mut().poll(noop), Poll::Ready(Ok(_))), "the handed one is taken up");
         set.close();
         set.drained().await;
     }
@@ -1801,19 +1793,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_room_handed_as_the_set_shuts_still_ends_the_drain() {
         let set = lane_a(LaneLimits::new(1, 0));
-        let gate = Arc::new(tokio::sync::Semaphore::new(0));
-        let held = gate.clone();
-        set.spawn(
-            "a",
-            Run::typed(move |_cx| async move {
-                let _ = held.acquire().await;
-                Ok::<(), Infallible>(())
-            }),
-        )
-        .unwrap();
-        let noop = Run::typed(|_cx| ready(Ok::<(), Infallible>(())));
-        let mut waiting = Box::pin(set.spawn_wait("a", noop, None));
-        assert!(waiting.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending());
+        let gate = held_runs(&set, 1).remove(0);
+        let (waiting, _) = waiting_caller(&set);
         set.close();
         let drained = set.drained();
         let mut drained = std::pin::pin!(drained);
