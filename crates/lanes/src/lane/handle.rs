@@ -300,6 +300,14 @@ impl LaneShared {
         owned.saturating_sub(self.handed.load(Ordering::SeqCst))
     }
 
+    /// Takes up a room handed to the caller whose flag `holds` is, under the inbox's lock: it
+    /// leaves `handed` for the run the caller's admission counts (invariant 5), and the flag is
+    /// cleared, so that nothing gives the room back a second time.
+    fn take_up(&self, holds: &Cell<bool>) {
+        self.handed.fetch_sub(1, Ordering::SeqCst);
+        holds.set(false);
+    }
+
     /// Under the waiters' lock: the first caller in line, if the lane has a free room while
     /// callers wait. An open lane's room comes free so only as callers begin waiting (see
     /// `SetShared::complete`); the caller woken for it tries for it, and if it leaves the line
@@ -401,10 +409,7 @@ impl LaneShared {
         }
         match holds {
             // From `handed` to the inbox's runs, both under this lock.
-            Some(holds) => {
-                self.handed.fetch_sub(1, Ordering::SeqCst);
-                holds.set(false);
-            }
+            Some(holds) => self.take_up(holds),
             None => {
                 self.owned.fetch_add(1, Ordering::SeqCst);
             }
@@ -1144,8 +1149,7 @@ impl SetShared {
         // (below). Rooms handed to others are full to it, as `owned` read them.
         let reserved = match holds {
             Some(holds) => {
-                lane.handed.fetch_sub(1, Ordering::SeqCst);
-                holds.set(false);
+                lane.take_up(holds);
                 0
             }
             None => state.handed,
