@@ -9,8 +9,9 @@
 //! - [`PerKey`]: items of one key are taken one at a time, in submit order: a key's next item is
 //!   only offered once its previous item is done. Keys with work wait in one FIFO of ready keys,
 //!   so keys take turns and a slow key holds one worker, never others. A key with nothing queued
-//!   and nothing running is idle: up to [`IDLE_KEPT`] idle keys are kept for their return (the
-//!   least recently idle are forgotten first), and the tables shrink when they are mostly empty,
+//!   and nothing running is idle: up to [`IDLE_KEPT`] idle keys are kept for their return (once
+//!   more are idle, those that went idle longest ago are forgotten, every one of them before
+//!   any key that went idle later), and the tables shrink when they are mostly empty,
 //!   so memory returns to a bounded baseline after a burst of keys.
 //! - [`PerKey`]'s tables: every entry in use (`Some` in the slab) is listed in the key table
 //!   exactly once, under its key's hash; an entry not in use is `None`, listed in `free` and not
@@ -195,14 +196,14 @@ struct KeyState<T, K> {
     #[allow(clippy::box_collection, reason = "a word in the entry, not a VecDeque's four")]
     more: Option<Box<VecDeque<T>>>,
     key: K,
-    /// When it last went idle (its place in `PerKey::idle`).
+    /// When it last went idle: `PerKey::next_idled` then (see `PerKey::forget_idle`).
     idled: u64,
     /// Items queued: `first`'s and `more`'s (read on every push without going to `more`). A
     /// `u32` keeps the entry of a `u64` key and a three-word queued item (two words of the
     /// user's and the engine's stamp) on one line; `PerKey::new` caps the per-key bound to fit.
     len: u32,
     running: bool,
-    /// Nothing queued, nothing running: kept for the key's return (see `PerKey::idle`).
+    /// Nothing queued, nothing running: kept for the key's return (see `PerKey::go_idle`).
     idle: bool,
 }
 
@@ -262,15 +263,12 @@ pub(crate) struct PerKey<T, K> {
     /// Entries with queued items and none running, in the order they became ready.
     ready: VecDeque<u32>,
     queued: usize,
-    /// How many entries are idle (the live pairs of `idle`).
+    /// How many entries are idle.
     idle_count: usize,
-    /// The next `idled` stamp.
+    /// The next `idled` stamp: how many times an entry has gone idle.
     next_idled: u64,
     /// Evictions since the slab's free tail was last cut (see `shrink`).
     evicted: usize,
-    /// Idle entries in the order they went idle, as (entry, `idled`); an entry that was used
-    /// again since leaves a stale pair behind, skipped and compacted away.
-    idle: VecDeque<(u32, u64)>,
     /// Free slab entries, reused last-freed first.
     free: Vec<u32>,
 }
@@ -297,7 +295,6 @@ impl<T, K: PoolKey> PerKey<T, K> {
             index: HashTable::new(),
             hasher: foldhash::fast::RandomState::default(),
             index_high: 0,
-            idle: VecDeque::new(),
             idle_count: 0,
             next_idled: 0,
             idle_kept: IDLE_KEPT,
@@ -321,40 +318,54 @@ impl<T, K: PoolKey> PerKey<T, K> {
     }
 
     /// Entry `slot` has nothing queued and nothing running: it is kept for its key's return,
-    /// and the least recently idle entries beyond [`IDLE_KEPT`] are forgotten.
+    /// stamped with when it went idle. Once more than [`IDLE_KEPT`] entries are idle, those
+    /// that went idle before the last `IDLE_KEPT / 2` idle transitions are forgotten at once
+    /// ([`forget_idle`](Self::forget_idle)).
+    ///
+    /// Nothing lists the idle entries: a list in the order they went idle left a stale pair
+    /// behind each key that came back, and checking those pairs (a read of a random entry
+    /// each, under the pool's lock) cost about an entry read per item over 10,000 uniform
+    /// keys, which halved the pool's throughput there (BENCHMARKS.md, suite 8, stop 63).
     fn go_idle(&mut self, slot: u32) {
         let stamp = self.next_idled;
+        self.next_idled += 1;
         let state = self.entry(slot);
         state.idle = true;
         state.idled = stamp;
-        self.idle.push_back((slot, stamp));
-        self.next_idled += 1;
         self.idle_count += 1;
-        while self.idle_count > self.idle_kept {
-            let (oldest, idled) = self.idle.pop_front().expect("idle entries are listed");
-            if self.is_idle(oldest, idled) {
-                self.evict(oldest);
-            }
-        }
-        // Stale pairs (entries used again or forgotten) are dropped once they outnumber the
-        // live ones.
-        if self.idle.len() > 2 * self.idle_count + 64 {
-            let mut idle = std::mem::take(&mut self.idle);
-            idle.retain(|(slot, idled)| self.is_idle(*slot, *idled));
-            self.idle = idle;
+        if self.idle_count > self.idle_kept {
+            let kept = self.idle_kept.div_ceil(2) as u64;
+            self.forget_idle(self.next_idled.saturating_sub(kept));
+        } else if self.idle_count == self.index.len()
+            && self.slab.len() > 2 * self.idle_count + SHRINK_FLOOR
+        {
+            // The last key with work went idle after a burst of keys: memory goes back now
+            // (`shrink`), not at the next forgetting, which may never come.
+            self.shrink(0);
         }
     }
 
-    /// Whether entry `slot` is still the idle entry listed with stamp `idled`.
-    fn is_idle(&self, slot: u32, idled: u64) -> bool {
-        let state = self.slab.get(slot as usize).and_then(Option::as_ref);
-        state.is_some_and(|state| state.idle && state.idled == idled)
+    /// Forgets every idle entry that went idle before stamp `before`: every key forgotten went
+    /// idle before every key kept. At most `next_idled - before` idle entries are left (one
+    /// per stamp since), so with `before` half [`IDLE_KEPT`] back, one pass over the slab
+    /// forgets at least half of the idle entries: linear in the slab, once per `IDLE_KEPT / 2`
+    /// idle transitions at most.
+    fn forget_idle(&mut self, before: u64) {
+        let mut forgotten = 0;
+        for slot in 0..self.slab.len() {
+            let old = self.slab[slot].as_ref().is_some_and(|s| s.idle && s.idled < before);
+            if old {
+                self.forget(slot as u32);
+                forgotten += 1;
+            }
+        }
+        self.shrink(forgotten);
     }
 
     /// Forgets the key of entry `slot`, which has nothing queued and nothing running.
     fn evict(&mut self, slot: u32) {
         self.forget(slot);
-        self.shrink();
+        self.shrink(1);
     }
 
     fn forget(&mut self, slot: u32) {
@@ -372,7 +383,7 @@ impl<T, K: PoolKey> PerKey<T, K> {
 
     /// Gives memory back once the tables are mostly empty after a burst of keys: the key table
     /// is shrunk, and the slab loses its free tail (all of it once no key is tracked).
-    fn shrink(&mut self) {
+    fn shrink(&mut self, evicted: usize) {
         // Decided on the high-water mark: after many removals `capacity()` reads low (a
         // tombstone is counted as taken), so a table of mostly tombstones would never shrink.
         let len = self.index.len();
@@ -381,15 +392,11 @@ impl<T, K: PoolKey> PerKey<T, K> {
             self.index.shrink_to((len * 2).max(SHRINK_FLOOR), |slot| hash_of(slab, hasher, *slot));
             self.index_high = len;
         }
-        if self.idle.capacity() > SHRINK_FLOOR && self.idle.len() < self.idle.capacity() / 4 {
-            self.idle.shrink_to((self.idle.len() * 2).max(SHRINK_FLOOR));
-        }
-        self.evicted += 1;
+        self.evicted += evicted;
         if len == 0 {
             // Nothing tracked: the slab starts over.
             self.slab.clear();
             self.free.clear();
-            self.idle.clear();
             self.evicted = 0;
         }
         // Compacting is linear in the slab, so it waits for a quarter of the slab's evictions
@@ -420,7 +427,7 @@ fn hash_of<T, K: PoolKey>(
 impl<T, K: PoolKey> PerKey<T, K> {
     /// Moves the idle entries of the slab's tail into free entries below it and cuts the tail,
     /// down to the last entry in use (queued or running: the ready queue or a worker names it,
-    /// so it stays put). The idle list is then rebuilt in the order the entries went idle.
+    /// so it stays put). A moved entry keeps its `idled` stamp.
     fn compact(&mut self) {
         let before = self.slab.len();
         // Free entries, lowest last: the tail's idle entries move as low as they can.
@@ -450,16 +457,8 @@ impl<T, K: PoolKey> PerKey<T, K> {
         free.retain(|slot| *slot < end);
         self.free = free;
         if self.slab.len() < before {
-            let mut idle: Vec<(u64, u32)> = (self.slab.iter().enumerate())
-                .filter_map(|(slot, state)| Some((state.as_ref()?, slot)))
-                .filter(|(state, _)| state.idle)
-                .map(|(state, slot)| (state.idled, slot as u32))
-                .collect();
-            idle.sort_unstable();
-            self.idle = idle.into_iter().map(|(idled, slot)| (slot, idled)).collect();
             self.slab.shrink_to((self.slab.len() * 2).max(SHRINK_FLOOR));
             self.free.shrink_to((self.free.len() * 2).max(SHRINK_FLOOR));
-            self.idle.shrink_to((self.idle.len() * 2).max(SHRINK_FLOOR));
         }
     }
 }
@@ -619,6 +618,52 @@ mod tests {
             }
         }
         assert!(s.free.iter().all(|slot| (*slot as usize) < s.slab.len()), "free beyond the slab");
+        let idle = s.slab.iter().flatten().filter(|state| state.idle).count();
+        assert_eq!(s.idle_count, idle, "idle entries counted");
+        assert!(s.idle_count <= s.idle_kept, "{} idle entries kept", s.idle_count);
+    }
+
+    /// Whether key `key` has an entry (queued, running or idle).
+    fn tracks<T, K: PoolKey>(s: &PerKey<T, K>, key: &K) -> bool {
+        let hash = s.hasher.hash_one(key);
+        let entry = |slot: &u32| s.slab[*slot as usize].as_ref().is_some_and(|e| e.key == *key);
+        s.index.find(hash, entry).is_some()
+    }
+
+    /// Once more keys are idle than are kept, the keys forgotten are those that went idle
+    /// longest ago, every one before any key that went idle later; a key that came back in
+    /// the meantime is not idle and is kept, and goes idle again as the newest.
+    #[test]
+    fn the_keys_idle_longest_are_forgotten_first() {
+        let mut s: PerKey<u8, u8> = PerKey::new(100, 10, 100, Box::new(|k| *k));
+        s.idle_kept = 4;
+        let serve = |s: &mut PerKey<u8, u8>, key: u8| {
+            s.push(key).unwrap();
+            let (slot, item) = s.pop(0).unwrap();
+            assert_eq!(item, key);
+            s.done(slot);
+        };
+        for key in 0..4 {
+            serve(&mut s, key);
+        }
+        assert_eq!(s.idle_count, 4);
+        // Key 0 comes back and stays busy while key 4 goes idle: four idle, none forgotten.
+        s.push(0).unwrap();
+        let (zero, _) = s.pop(0).unwrap();
+        serve(&mut s, 4);
+        assert!((0..5).all(|key| tracks(&s, &key)), "four idle keys are kept");
+        // Key 0 goes idle again, the newest: five idle, so the three idle longest go.
+        s.done(zero);
+        check_tables(&s);
+        for key in 1..4 {
+            assert!(!tracks(&s, &key), "key {key} went idle before those kept");
+        }
+        assert!(tracks(&s, &4) && tracks(&s, &0), "the two newest idle keys are kept");
+        assert_eq!((s.idle_count, s.keys()), (2, 0));
+        // A forgotten key comes back to a new entry.
+        serve(&mut s, 1);
+        assert!(tracks(&s, &1));
+        check_tables(&s);
     }
 
     #[test]
@@ -706,7 +751,6 @@ mod tests {
         assert!(s.index.capacity() <= 4 * SHRINK_FLOOR, "back to the floor");
         assert!(s.slab.capacity() <= 4 * SHRINK_FLOOR, "slab: {} of {}", s.slab.capacity(), peak.1);
         assert!(s.free.capacity() <= 2 * SHRINK_FLOOR);
-        assert!(s.idle.capacity() <= 2 * SHRINK_FLOOR);
         check_tables(&s);
         // The kept keys were moved down the slab: each still finds its own entry (a key that
         // did not would get a new one, and the key table would grow).
