@@ -9,9 +9,8 @@
 //! - [`PerKey`]: items of one key are taken one at a time, in submit order: a key's next item is
 //!   only offered once its previous item is done. Keys with work wait in one FIFO of ready keys,
 //!   so keys take turns and a slow key holds one worker, never others. A key with nothing queued
-//!   and nothing running is idle: up to [`IDLE_KEPT`] idle keys are kept for their return (once
-//!   more are idle, those that went idle longest ago are forgotten, every one of them before
-//!   any key that went idle later), and the tables shrink when they are mostly empty,
+//!   and nothing running is idle: up to [`IDLE_KEPT`] idle keys are kept for their return (the
+//!   least recently idle are forgotten first), and the tables shrink when they are mostly empty,
 //!   so memory returns to a bounded baseline after a burst of keys.
 //! - [`PerKey`]'s tables: every entry in use (`Some` in the slab) is listed in the key table
 //!   exactly once, under its key's hash; an entry not in use is `None`, listed in `free` and not
@@ -196,7 +195,7 @@ struct KeyState<T, K> {
     #[allow(clippy::box_collection, reason = "a word in the entry, not a VecDeque's four")]
     more: Option<Box<VecDeque<T>>>,
     key: K,
-    /// When it last went idle: `PerKey::next_idled` then (see `PerKey::forget_idle`).
+    /// When it last went idle: `PerKey::next_idled` then (see `PerKey::go_idle`).
     idled: u64,
     /// Items queued: `first`'s and `more`'s (read on every push without going to `more`). A
     /// `u32` keeps the entry of a `u64` key and a three-word queued item (two words of the
@@ -271,6 +270,10 @@ pub(crate) struct PerKey<T, K> {
     evicted: usize,
     /// Free slab entries, reused last-freed first.
     free: Vec<u32>,
+    /// The idle entries in the order they went idle, as (entry, `idled`), kept only while idle
+    /// entries are at their bound (see [`go_idle`](Self::go_idle)). An entry used again since
+    /// leaves a stale pair behind, skipped and compacted away.
+    idle: Option<VecDeque<(u32, u64)>>,
 }
 
 /// Starts a cache line (and its adjacent-line prefetch pair).
@@ -295,6 +298,7 @@ impl<T, K: PoolKey> PerKey<T, K> {
             index: HashTable::new(),
             hasher: foldhash::fast::RandomState::default(),
             index_high: 0,
+            idle: None,
             idle_count: 0,
             next_idled: 0,
             idle_kept: IDLE_KEPT,
@@ -318,14 +322,17 @@ impl<T, K: PoolKey> PerKey<T, K> {
     }
 
     /// Entry `slot` has nothing queued and nothing running: it is kept for its key's return,
-    /// stamped with when it went idle. Once more than [`IDLE_KEPT`] entries are idle, those
-    /// that went idle before the last `IDLE_KEPT / 2` idle transitions are forgotten at once
-    /// ([`forget_idle`](Self::forget_idle)).
+    /// stamped with when it went idle, and the least recently idle entries beyond
+    /// [`IDLE_KEPT`] are forgotten.
     ///
-    /// Nothing lists the idle entries: a list in the order they went idle left a stale pair
-    /// behind each key that came back, and checking those pairs (a read of a random entry
-    /// each, under the pool's lock) cost about an entry read per item over 10,000 uniform
-    /// keys, which halved the pool's throughput there (BENCHMARKS.md, suite 8, stop 63).
+    /// Which entries went idle first is kept in a list only while idle entries are at that
+    /// bound: from the first time more than `IDLE_KEPT` are idle, when the list is read off
+    /// the entries' stamps, until fewer than half that many are. Kept all the time, the list
+    /// gained a stale pair for every key that came back, and checking those pairs (a read of
+    /// a random entry each, under the pool's lock) cost about an entry read per item over
+    /// 10,000 uniform keys, which halved the pool's throughput there (BENCHMARKS.md, suite 8,
+    /// stop 63). Reading the order off the stamps instead (one pass over the slab) costs
+    /// little at the bound, and once per `IDLE_KEPT / 2` idle transitions at most.
     fn go_idle(&mut self, slot: u32) {
         let stamp = self.next_idled;
         self.next_idled += 1;
@@ -333,33 +340,58 @@ impl<T, K: PoolKey> PerKey<T, K> {
         state.idle = true;
         state.idled = stamp;
         self.idle_count += 1;
-        if self.idle_count > self.idle_kept {
-            let kept = self.idle_kept.div_ceil(2) as u64;
-            self.forget_idle(self.next_idled.saturating_sub(kept));
-        } else if self.idle_count == self.index.len()
-            && self.slab.len() > 2 * self.idle_count + SHRINK_FLOOR
-        {
-            // The last key with work went idle after a burst of keys: memory goes back now
-            // (`shrink`), not at the next forgetting, which may never come.
-            self.shrink(0);
+        match &mut self.idle {
+            None if self.idle_count <= self.idle_kept => {
+                if self.idle_count == self.index.len()
+                    && self.slab.len() > 2 * self.idle_count + SHRINK_FLOOR
+                {
+                    // The last key with work went idle after a burst of keys: memory goes
+                    // back now (`shrink`), not at the next eviction, which may never come.
+                    self.shrink(0);
+                }
+                return;
+            }
+            // At the bound: the order is read off the stamps, this entry's among them.
+            None => self.idle = Some(self.idle_order()),
+            Some(_) if self.idle_count < self.idle_kept / 2 => {
+                // Well under the bound again.
+                self.idle = None;
+                return;
+            }
+            Some(order) => order.push_back((slot, stamp)),
+        }
+        while self.idle_count > self.idle_kept {
+            let oldest = self.idle.as_mut().and_then(VecDeque::pop_front);
+            let (oldest, idled) = oldest.expect("idle entries at the bound are listed");
+            if self.is_idle(oldest, idled) {
+                self.evict(oldest);
+            }
+        }
+        // Stale pairs (entries used again or forgotten) are dropped once they outnumber the
+        // live ones.
+        if let Some(mut order) = self.idle.take() {
+            if order.len() > 2 * self.idle_count + 64 {
+                order.retain(|(slot, idled)| self.is_idle(*slot, *idled));
+            }
+            self.idle = Some(order);
         }
     }
 
-    /// Forgets every idle entry that went idle before stamp `before`: every key forgotten went
-    /// idle before every key kept. At most `next_idled - before` idle entries are left (one
-    /// per stamp since), so with `before` half [`IDLE_KEPT`] back, one pass over the slab
-    /// forgets at least half of the idle entries: linear in the slab, once per `IDLE_KEPT / 2`
-    /// idle transitions at most.
-    fn forget_idle(&mut self, before: u64) {
-        let mut forgotten = 0;
-        for slot in 0..self.slab.len() {
-            let old = self.slab[slot].as_ref().is_some_and(|s| s.idle && s.idled < before);
-            if old {
-                self.forget(slot as u32);
-                forgotten += 1;
-            }
-        }
-        self.shrink(forgotten);
+    /// The idle entries in the order they went idle, read off their stamps.
+    fn idle_order(&self) -> VecDeque<(u32, u64)> {
+        let mut order: Vec<(u64, u32)> = (self.slab.iter().enumerate())
+            .filter_map(|(slot, state)| Some((state.as_ref()?, slot)))
+            .filter(|(state, _)| state.idle)
+            .map(|(state, slot)| (state.idled, slot as u32))
+            .collect();
+        order.sort_unstable();
+        order.into_iter().map(|(idled, slot)| (slot, idled)).collect()
+    }
+
+    /// Whether entry `slot` is still the idle entry listed with stamp `idled`.
+    fn is_idle(&self, slot: u32, idled: u64) -> bool {
+        let state = self.slab.get(slot as usize).and_then(Option::as_ref);
+        state.is_some_and(|state| state.idle && state.idled == idled)
     }
 
     /// Forgets the key of entry `slot`, which has nothing queued and nothing running.
@@ -392,11 +424,18 @@ impl<T, K: PoolKey> PerKey<T, K> {
             self.index.shrink_to((len * 2).max(SHRINK_FLOOR), |slot| hash_of(slab, hasher, *slot));
             self.index_high = len;
         }
+        if let Some(order) = &mut self.idle
+            && order.capacity() > SHRINK_FLOOR
+            && order.len() < order.capacity() / 4
+        {
+            order.shrink_to((order.len() * 2).max(SHRINK_FLOOR));
+        }
         self.evicted += evicted;
         if len == 0 {
             // Nothing tracked: the slab starts over.
             self.slab.clear();
             self.free.clear();
+            self.idle = None;
             self.evicted = 0;
         }
         // Compacting is linear in the slab, so it waits for a quarter of the slab's evictions
@@ -427,7 +466,8 @@ fn hash_of<T, K: PoolKey>(
 impl<T, K: PoolKey> PerKey<T, K> {
     /// Moves the idle entries of the slab's tail into free entries below it and cuts the tail,
     /// down to the last entry in use (queued or running: the ready queue or a worker names it,
-    /// so it stays put). A moved entry keeps its `idled` stamp.
+    /// so it stays put). A moved entry keeps its `idled` stamp, and the list of idle entries,
+    /// if kept, is read off the stamps again.
     fn compact(&mut self) {
         let before = self.slab.len();
         // Free entries, lowest last: the tail's idle entries move as low as they can.
@@ -457,6 +497,9 @@ impl<T, K: PoolKey> PerKey<T, K> {
         free.retain(|slot| *slot < end);
         self.free = free;
         if self.slab.len() < before {
+            if self.idle.is_some() {
+                self.idle = Some(self.idle_order());
+            }
             self.slab.shrink_to((self.slab.len() * 2).max(SHRINK_FLOOR));
             self.free.shrink_to((self.free.len() * 2).max(SHRINK_FLOOR));
         }
@@ -621,6 +664,11 @@ mod tests {
         let idle = s.slab.iter().flatten().filter(|state| state.idle).count();
         assert_eq!(s.idle_count, idle, "idle entries counted");
         assert!(s.idle_count <= s.idle_kept, "{} idle entries kept", s.idle_count);
+        if let Some(order) = &s.idle {
+            let listed = order.iter().filter(|(slot, idled)| s.is_idle(*slot, *idled)).count();
+            assert_eq!(listed, s.idle_count, "every idle entry listed once");
+            assert!(order.iter().is_sorted_by_key(|(_, idled)| *idled), "listed in order");
+        }
     }
 
     /// Whether key `key` has an entry (queued, running or idle).
@@ -630,11 +678,12 @@ mod tests {
         s.index.find(hash, entry).is_some()
     }
 
-    /// Once more keys are idle than are kept, the keys forgotten are those that went idle
-    /// longest ago, every one before any key that went idle later; a key that came back in
-    /// the meantime is not idle and is kept, and goes idle again as the newest.
+    /// Once more keys are idle than are kept, the key that went idle longest ago is forgotten;
+    /// a key that came back in the meantime is not idle and is kept, and goes idle again as
+    /// the newest. The order is listed only while idle keys are at their bound, and read off
+    /// the entries' stamps each time they reach it.
     #[test]
-    fn the_keys_idle_longest_are_forgotten_first() {
+    fn the_key_idle_longest_is_forgotten_first() {
         let mut s: PerKey<u8, u8> = PerKey::new(100, 10, 100, Box::new(|k| *k));
         s.idle_kept = 4;
         let serve = |s: &mut PerKey<u8, u8>, key: u8| {
@@ -642,28 +691,44 @@ mod tests {
             let (slot, item) = s.pop(0).unwrap();
             assert_eq!(item, key);
             s.done(slot);
+            check_tables(s);
+        };
+        let start = |s: &mut PerKey<u8, u8>, key: u8| {
+            s.push(key).unwrap();
+            s.pop(0).unwrap().0
         };
         for key in 0..4 {
             serve(&mut s, key);
         }
-        assert_eq!(s.idle_count, 4);
-        // Key 0 comes back and stays busy while key 4 goes idle: four idle, none forgotten.
-        s.push(0).unwrap();
-        let (zero, _) = s.pop(0).unwrap();
+        // Key 0 comes back and stays busy while key 4 goes idle: four idle, none forgotten,
+        // and no list kept under the bound.
+        let zero = start(&mut s, 0);
         serve(&mut s, 4);
         assert!((0..5).all(|key| tracks(&s, &key)), "four idle keys are kept");
-        // Key 0 goes idle again, the newest: five idle, so the three idle longest go.
+        assert!(s.idle.is_none(), "no list under the bound");
+        // Key 0 goes idle again, the newest: five idle, so key 1, idle longest, goes.
         s.done(zero);
         check_tables(&s);
-        for key in 1..4 {
-            assert!(!tracks(&s, &key), "key {key} went idle before those kept");
+        assert!(!tracks(&s, &1), "key 1 went idle first");
+        assert!([0, 2, 3, 4].iter().all(|key| tracks(&s, key)));
+        assert!(s.idle.is_some(), "listed at the bound");
+        // Every idle key comes back: well under the bound, the list goes at the next idle key.
+        let busy: Vec<usize> = [2, 3, 4, 0].into_iter().map(|key| start(&mut s, key)).collect();
+        serve(&mut s, 5);
+        assert!(s.idle.is_none(), "no list well under the bound");
+        // They go idle again in a new order (3, 0, 4, 2 after 5): at the bound again, the
+        // order is read off their stamps, and key 5, idle longest, goes.
+        for slot in [busy[1], busy[3], busy[2], busy[0]] {
+            s.done(slot);
+            check_tables(&s);
         }
-        assert!(tracks(&s, &4) && tracks(&s, &0), "the two newest idle keys are kept");
-        assert_eq!((s.idle_count, s.keys()), (2, 0));
-        // A forgotten key comes back to a new entry.
-        serve(&mut s, 1);
-        assert!(tracks(&s, &1));
-        check_tables(&s);
+        assert!(!tracks(&s, &5), "key 5 went idle first");
+        assert!([0, 2, 3, 4].iter().all(|key| tracks(&s, key)));
+        // The next forgotten is key 3, the first of the four to go idle.
+        serve(&mut s, 6);
+        assert!(!tracks(&s, &3), "key 3 went idle next");
+        assert!([0, 2, 4, 6].iter().all(|key| tracks(&s, key)));
+        assert_eq!((s.idle_count, s.keys()), (4, 0));
     }
 
     #[test]
