@@ -327,12 +327,14 @@ impl<T, K: PoolKey> PerKey<T, K> {
     ///
     /// Which entries went idle first is kept in a list only while idle entries are at that
     /// bound: from the first time more than `IDLE_KEPT` are idle, when the list is read off
-    /// the entries' stamps, until fewer than half that many are. Kept all the time, the list
-    /// gained a stale pair for every key that came back, and checking those pairs (a read of
-    /// a random entry each, under the pool's lock) cost about an entry read per item over
-    /// 10,000 uniform keys, which halved the pool's throughput there (BENCHMARKS.md, suite 8,
-    /// stop 63). Reading the order off the stamps instead (one pass over the slab) costs
-    /// little at the bound, and once per `IDLE_KEPT / 2` idle transitions at most.
+    /// the entries' stamps (a pass over the slab and a sort), until fewer than half that many
+    /// are and the slab is small enough to read it off again cheaply. So it is read off at most
+    /// once per `IDLE_KEPT / 2` keys going idle, and over a slab of more than `2 * IDLE_KEPT`
+    /// entries only once per as many keys added since it was dropped. Kept all the time, the
+    /// list gained a stale pair for every key that came back, and checking those pairs (a
+    /// read of a random entry each, under the pool's lock) cost about an entry read per item
+    /// over 10,000 uniform keys, which halved the pool's throughput there (BENCHMARKS.md,
+    /// suite 8, stop 63).
     fn go_idle(&mut self, slot: u32) {
         let stamp = self.next_idled;
         self.next_idled += 1;
@@ -340,6 +342,15 @@ impl<T, K: PoolKey> PerKey<T, K> {
         state.idle = true;
         state.idled = stamp;
         self.idle_count += 1;
+        if self.idle.is_some()
+            && self.idle_count < self.idle_kept / 2
+            && self.slab.len() <= 2 * self.idle_kept
+        {
+            // Well under the bound again, and the list is cheap to read off the stamps if it
+            // is reached again. (Over a large slab it is kept: reading it off again would cost
+            // a pass over the slab per half bound of keys going idle.)
+            self.idle = None;
+        }
         match &mut self.idle {
             None if self.idle_count <= self.idle_kept => {
                 if self.idle_count == self.index.len()
@@ -353,11 +364,6 @@ impl<T, K: PoolKey> PerKey<T, K> {
             }
             // At the bound: the order is read off the stamps, this entry's among them.
             None => self.idle = Some(self.idle_order()),
-            Some(_) if self.idle_count < self.idle_kept / 2 => {
-                // Well under the bound again.
-                self.idle = None;
-                return;
-            }
             Some(order) => order.push_back((slot, stamp)),
         }
         while self.idle_count > self.idle_kept {
@@ -665,8 +671,15 @@ mod tests {
         assert_eq!(s.idle_count, idle, "idle entries counted");
         assert!(s.idle_count <= s.idle_kept, "{} idle entries kept", s.idle_count);
         if let Some(order) = &s.idle {
-            let listed = order.iter().filter(|(slot, idled)| s.is_idle(*slot, *idled)).count();
-            assert_eq!(listed, s.idle_count, "every idle entry listed once");
+            let mut listed: Vec<u32> = (order.iter())
+                .filter(|(slot, idled)| s.is_idle(*slot, *idled))
+                .map(|(slot, _)| *slot)
+                .collect();
+            listed.sort_unstable();
+            let idle = (s.slab.iter().enumerate())
+                .filter(|(_, state)| state.as_ref().is_some_and(|state| state.idle))
+                .map(|(slot, _)| slot as u32);
+            assert!(listed.into_iter().eq(idle), "every idle entry listed once");
             assert!(order.iter().is_sorted_by_key(|(_, idled)| *idled), "listed in order");
         }
     }
@@ -679,24 +692,25 @@ mod tests {
     }
 
     /// Once more keys are idle than are kept, the key that went idle longest ago is forgotten;
-    /// a key that came back in the meantime is not idle and is kept, and goes idle again as
-    /// the newest. The order is listed only while idle keys are at their bound, and read off
-    /// the entries' stamps each time they reach it.
+    /// a key that came back in the meantime is not idle and is kept (its place in the list is
+    /// skipped), and goes idle again as the newest. The order is listed only while idle keys
+    /// are at their bound, and read off the entries' stamps each time they reach it.
     #[test]
     fn the_key_idle_longest_is_forgotten_first() {
         let mut s: PerKey<u8, u8> = PerKey::new(100, 10, 100, Box::new(|k| *k));
         s.idle_kept = 4;
-        let serve = |s: &mut PerKey<u8, u8>, key: u8| {
+        let start = |s: &mut PerKey<u8, u8>, key: u8| {
             s.push(key).unwrap();
             let (slot, item) = s.pop(0).unwrap();
             assert_eq!(item, key);
+            slot
+        };
+        let serve = |s: &mut PerKey<u8, u8>, key: u8| {
+            let slot = start(s, key);
             s.done(slot);
             check_tables(s);
         };
-        let start = |s: &mut PerKey<u8, u8>, key: u8| {
-            s.push(key).unwrap();
-            s.pop(0).unwrap().0
-        };
+        let tracked = |s: &PerKey<u8, u8>| (0..10).filter(|key| tracks(s, key)).collect::<Vec<_>>();
         for key in 0..4 {
             serve(&mut s, key);
         }
@@ -704,30 +718,33 @@ mod tests {
         // and no list kept under the bound.
         let zero = start(&mut s, 0);
         serve(&mut s, 4);
-        assert!((0..5).all(|key| tracks(&s, &key)), "four idle keys are kept");
+        assert_eq!(tracked(&s), [0, 1, 2, 3, 4]);
         assert!(s.idle.is_none(), "no list under the bound");
         // Key 0 goes idle again, the newest: five idle, so key 1, idle longest, goes.
         s.done(zero);
         check_tables(&s);
-        assert!(!tracks(&s, &1), "key 1 went idle first");
-        assert!([0, 2, 3, 4].iter().all(|key| tracks(&s, key)));
+        assert_eq!(tracked(&s), [0, 2, 3, 4], "key 1 went idle first");
         assert!(s.idle.is_some(), "listed at the bound");
+        // Key 2 comes back while listed and goes idle again after key 7: key 3 goes, not 2.
+        let two = start(&mut s, 2);
+        serve(&mut s, 7);
+        s.done(two);
+        check_tables(&s);
+        assert_eq!(tracked(&s), [0, 2, 4, 7], "key 2's first place was skipped");
         // Every idle key comes back: well under the bound, the list goes at the next idle key.
-        let busy: Vec<usize> = [2, 3, 4, 0].into_iter().map(|key| start(&mut s, key)).collect();
+        let busy: Vec<usize> = [4, 0, 7, 2].into_iter().map(|key| start(&mut s, key)).collect();
         serve(&mut s, 5);
         assert!(s.idle.is_none(), "no list well under the bound");
-        // They go idle again in a new order (3, 0, 4, 2 after 5): at the bound again, the
+        // They go idle again in a new order (0, 2, 7, 4 after 5): at the bound again, the
         // order is read off their stamps, and key 5, idle longest, goes.
         for slot in [busy[1], busy[3], busy[2], busy[0]] {
             s.done(slot);
             check_tables(&s);
         }
-        assert!(!tracks(&s, &5), "key 5 went idle first");
-        assert!([0, 2, 3, 4].iter().all(|key| tracks(&s, key)));
-        // The next forgotten is key 3, the first of the four to go idle.
+        assert_eq!(tracked(&s), [0, 2, 4, 7], "key 5 went idle first");
+        // The next forgotten is key 0, the first of the four to go idle.
         serve(&mut s, 6);
-        assert!(!tracks(&s, &3), "key 3 went idle next");
-        assert!([0, 2, 4, 6].iter().all(|key| tracks(&s, key)));
+        assert_eq!(tracked(&s), [2, 4, 6, 7], "key 0 went idle next");
         assert_eq!((s.idle_count, s.keys()), (4, 0));
     }
 
@@ -816,6 +833,7 @@ mod tests {
         assert!(s.index.capacity() <= 4 * SHRINK_FLOOR, "back to the floor");
         assert!(s.slab.capacity() <= 4 * SHRINK_FLOOR, "slab: {} of {}", s.slab.capacity(), peak.1);
         assert!(s.free.capacity() <= 2 * SHRINK_FLOOR);
+        assert!(s.idle.as_ref().map_or(0, VecDeque::capacity) <= 2 * SHRINK_FLOOR);
         check_tables(&s);
         // The kept keys were moved down the slab: each still finds its own entry (a key that
         // did not would get a new one, and the key table would grow).
@@ -928,10 +946,14 @@ mod tests {
         /// Against a model: every item is taken exactly once, per-key order holds, a key never
         /// has two items out at once, and bounds hold.
         #[test]
-        fn per_key_order_and_exclusivity(ops in proptest::collection::vec((0u8..4, 0u8..6, any::<bool>()), 1..300)) {
+        fn per_key_order_and_exclusivity(
+            idle_kept in 1usize..6,
+            ops in proptest::collection::vec((0u8..4, 0u8..6, any::<bool>()), 1..300),
+        ) {
             let mut s: PerKey<(u8, u32), u8> = PerKey::new(20, 4, 5, Box::new(|(k, _)| *k));
-            // Few idle keys kept: keys are forgotten and come back under test.
-            s.idle_kept = 2;
+            // Few idle keys kept: keys are forgotten and come back under test, and the list of
+            // idle keys comes and goes (from 4 kept: under 2 idle).
+            s.idle_kept = idle_kept;
             let mut next_seq = [0u32; 6];
             let mut last_taken: [Option<u32>; 6] = [None; 6];
             let mut out: Vec<(u8, u8, usize)> = Vec::new(); // (worker, key, slot) in flight
