@@ -1128,7 +1128,7 @@ impl SetShared {
         // A background run that would wait as data while every slot is taken (it names no
         // limit and has no deadline): into the inbox, without the lane's lock.
         let inboxed = participation == Participation::Background
-            && run.limit.is_none()
+            && run.limited_by().is_none()
             && run.queue_timeout.get().is_none()
             && lane.executing.load(Ordering::SeqCst) >= lane.limits.concurrent;
         if inboxed && let Some((run_id, signal)) = lane.admit_to_inbox(&self.next_run_id, holds) {
@@ -1155,7 +1155,7 @@ impl SetShared {
             None => state.handed,
         };
         let LaneState { core, spare, .. } = &mut *state;
-        let limited = run.limit.is_some();
+        let limited = run.limited_by().is_some();
         let mut made = None;
         let answer = core.admit(count_full, reserved, limited, |_, starts| {
             let signal = LaneState::signal(spare);
@@ -1227,7 +1227,8 @@ impl SetShared {
         run: Run<J, F>,
     ) -> Admission<J, F> {
         let info = TicketInfo { lane, run_id, participation };
-        let Run { job, finalizer, cleanup, queue_timeout, execution_timeout, limit } = run;
+        let Run { job, finalizer, queue_timeout, execution_timeout, extras } = run;
+        let (cleanup, limit) = Run::<J, F>::take_extras(extras);
         let ticket = Ticket {
             shared: self.clone(),
             info,

@@ -162,9 +162,9 @@ type CleanupFn = Box<dyn FnOnce() -> BoxFuture<'static, Result<(), BoxError>> + 
 /// # drop(run);
 /// ```
 #[must_use = "a run does nothing until it is given to a lane"]
-// Laid out in this order, the two timeouts first and the two optional handles next, so that a
-// run built with the defaults is written as two 16-byte halves (all ones, then zeros): the
-// halves a move of the run reads it back in. A full lane's refusal moves the run into its
+// Laid out in this order, the two timeouts first and the rarely set options next, so that a
+// run built with the defaults is written as a 16-byte half of all ones and a zero word: the
+// pieces a move of the run reads it back in. A full lane's refusal moves the run into its
 // error, inlined into the caller that built it; a 16-byte load across two narrower stores
 // cannot take its data from the store buffer and waits for both to reach the cache: 3.8 of
 // the 8.9 ns such a refusal took on an AMD EPYC host (BENCHMARKS.md, suite 2, stop 56). A run
@@ -173,10 +173,38 @@ type CleanupFn = Box<dyn FnOnce() -> BoxFuture<'static, Result<(), BoxError>> + 
 pub struct Run<J, F = Passthrough> {
     pub(crate) queue_timeout: Timeout,
     pub(crate) execution_timeout: Timeout,
-    pub(crate) cleanup: Option<Cleanup>,
-    pub(crate) limit: Option<Throttle>,
+    pub(crate) extras: Option<Box<Extras>>,
     pub(crate) job: J,
     pub(crate) finalizer: F,
+}
+
+/// A run's cleanup and limit, boxed together: most runs set neither, and a run without them
+/// holds one null word, which its drop tests once. As two words of their own, a refused run's
+/// drop (at the caller, with the error) tested both out of line: 18 of the 77 instructions of
+/// a refusal (BENCHMARKS.md, suite 2, stops 61 and 63). A run that sets either costs one
+/// allocation for both.
+#[derive(Default)]
+pub(crate) struct Extras {
+    pub(crate) cleanup: Option<Cleanup>,
+    pub(crate) limit: Option<Throttle>,
+}
+
+impl<J, F> Run<J, F> {
+    /// The limit the run takes a permit of before its slot, if any.
+    pub(crate) fn limited_by(&self) -> Option<&Throttle> {
+        self.extras.as_ref().and_then(|extras| extras.limit.as_ref())
+    }
+
+    /// The cleanup and the limit, taken apart.
+    pub(crate) fn take_extras(extras: Option<Box<Extras>>) -> (Option<Cleanup>, Option<Throttle>) {
+        match extras {
+            Some(extras) => {
+                let Extras { cleanup, limit } = *extras;
+                (cleanup, limit)
+            }
+            None => (None, None),
+        }
+    }
 }
 
 /// An optional timeout, as one 8-byte word of nanoseconds (`u64::MAX`: none; longer timeouts,
@@ -244,10 +272,9 @@ impl<J> Run<J> {
         Self {
             job,
             finalizer: Passthrough,
-            cleanup: None,
             queue_timeout: Timeout::NONE,
             execution_timeout: Timeout::NONE,
-            limit: None,
+            extras: None,
         }
     }
 }
@@ -270,10 +297,9 @@ impl<J: Job, F> Run<J, F> {
         Run {
             job: self.job,
             finalizer,
-            cleanup: self.cleanup,
             queue_timeout: self.queue_timeout,
             execution_timeout: self.execution_timeout,
-            limit: self.limit,
+            extras: self.extras,
         }
     }
 
@@ -290,7 +316,7 @@ impl<J: Job, F> Run<J, F> {
             let fut = cleanup();
             Box::pin(async move { fut.await.map_err(Into::into) })
         });
-        self.cleanup = Some(Box::new(cleanup));
+        self.extras.get_or_insert_default().cleanup = Some(Box::new(cleanup));
         self
     }
 
@@ -332,7 +358,7 @@ impl<J: Job, F> Run<J, F> {
 
     /// Like [`limit`](Self::limit), with the limit, priority and refusal policy of `throttle`.
     pub fn throttle(mut self, throttle: Throttle) -> Self {
-        self.limit = Some(throttle);
+        self.extras.get_or_insert_default().limit = Some(throttle);
         self
     }
 }
@@ -342,7 +368,8 @@ impl<J, F> fmt::Debug for Run<J, F> {
         f.debug_struct("Run")
             .field("queue_timeout", &self.queue_timeout)
             .field("execution_timeout", &self.execution_timeout)
-            .field("cleanup", &self.cleanup.is_some())
+            .field("cleanup", &self.extras.as_ref().is_some_and(|e| e.cleanup.is_some()))
+            .field("limit", &self.limited_by().map(Throttle::name))
             .finish_non_exhaustive()
     }
 }
