@@ -423,6 +423,56 @@ async fn waiting_producers_get_room_in_arrival_order() {
     stopping.await.unwrap().unwrap();
 }
 
+/// A room freed while producers wait in `submit_wait` is handed to the first of them: a
+/// `submit` that does not wait, arriving before the producer runs, is refused `Full` rather
+/// than taking it, and producers handed rooms one after the other keep their order.
+#[tokio::test(start_paused = true)]
+async fn a_room_handed_to_a_waiting_producer_is_not_taken_by_a_submit() {
+    let gate = Gate::new();
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let pool = Dispatcher::builder()
+        .workers(1)
+        .queue_size(2)
+        .build({
+            let (gate, order) = (gate.clone(), order.clone());
+            move |n: u32| {
+                let (gate, order) = (gate.clone(), order.clone());
+                async move {
+                    gate.wait().await;
+                    order.lock().unwrap().push(n);
+                    Res::Ok(())
+                }
+            }
+        })
+        .unwrap();
+    pool.submit(0).unwrap();
+    settle().await; // the worker holds item 0 at the gate
+    pool.submit(1).unwrap();
+    pool.submit(2).unwrap();
+    // Producers 3 and 4 are futures polled by hand: each waits, and is not polled again until
+    // both have been handed a room.
+    let mut third = Box::pin(pool.submit_wait(3));
+    assert!(timeout(Duration::ZERO, &mut third).await.is_err(), "3 waits");
+    let mut fourth = Box::pin(pool.submit_wait(4));
+    assert!(timeout(Duration::ZERO, &mut fourth).await.is_err(), "4 waits");
+    // Items 0 and 1 finish; the worker takes 1, then 2: a room for 3, then one for 4.
+    gate.0.add_permits(2);
+    settle().await;
+    assert_eq!(*order.lock().unwrap(), [0, 1]);
+    for late in [8, 9] {
+        match pool.submit(late) {
+            Err(SubmitError::Full(back)) => assert_eq!(back, late),
+            other => panic!("a submit took a room handed to a waiting producer: {other:?}"),
+        }
+    }
+    timeout(Duration::ZERO, &mut third).await.expect("3 was handed a room").unwrap();
+    timeout(Duration::ZERO, &mut fourth).await.expect("4 was handed a room").unwrap();
+    assert!(matches!(pool.submit(10), Err(SubmitError::Full(10))), "both rooms used");
+    gate.open();
+    timeout(Duration::from_secs(5), pool.stop(Duration::from_secs(5))).await.unwrap().unwrap();
+    assert_eq!(*order.lock().unwrap(), [0, 1, 2, 3, 4]);
+}
+
 /// A dispatcher whose items each wait for `gate`.
 fn gated_dispatcher(gate: &Gate, workers: usize, queue: usize) -> Dispatcher<u32> {
     let gate = gate.clone();

@@ -196,3 +196,131 @@ async fn more_submitting_threads_than_cores_keep_order_on_the_pool_lock() {
     assert_eq!(stats.completed, total);
     assert_eq!((stats.keys, stats.queued, stats.inflight), (0, 0, 0));
 }
+
+/// Producers that wait for room, give up waiting part way (some after a room was handed to
+/// them and before they used it), and submit without waiting, at
+/// random and at once on two workers, over few keys and a small bound (so producers wait for
+/// the pool, for their key, and for a key to be tracked): every item accepted is processed
+/// once, and at quiescence the pool takes exactly its bound again, so no room handed to a
+/// waiting producer was lost or left counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_giving_up_and_barging_producers_lose_no_room() {
+    let checked = rooms_checked();
+    tokio::time::timeout(Duration::from_secs(120), checked).await.expect("every producer returns");
+}
+
+/// An item of [`rooms_checked`]: its key, its id, and whether it waits on the hold.
+type Held = (u8, u64, bool);
+
+async fn rooms_checked() {
+    const WORKERS: usize = 2;
+    const QUEUE: usize = 4;
+    const CLIENTS: u64 = 8;
+    const OPS: u64 = 400;
+    let runs: Arc<Vec<AtomicUsize>> =
+        Arc::new((0..CLIENTS * OPS).map(|_| AtomicUsize::new(0)).collect());
+    let hold = Arc::new(tokio::sync::Semaphore::new(0));
+    let pool = Arc::new(
+        KeyedPool::builder()
+            .workers(WORKERS)
+            .queue_size(QUEUE)
+            .key_queue_size(2)
+            .max_keys(8)
+            .key_of(|item: &Held| item.0)
+            .build({
+                let (runs, hold) = (runs.clone(), hold.clone());
+                move |_, (_, id, held): Held| {
+                    let (runs, hold) = (runs.clone(), hold.clone());
+                    async move {
+                        if held {
+                            hold.acquire().await.unwrap().forget();
+                        } else {
+                            runs[id as usize].fetch_add(1, Ordering::SeqCst);
+                            for _ in 0..id % 3 {
+                                tokio::task::yield_now().await;
+                            }
+                        }
+                        Res::Ok(())
+                    }
+                }
+            })
+            .unwrap(),
+    );
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|client| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let mut seed = client.wrapping_mul(0x9E37_79B9_7F4A_7C15) + 1;
+                let mut next = move || {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed
+                };
+                let mut accepted = Vec::new();
+                for op in 0..OPS {
+                    let id = client * OPS + op;
+                    let item = ((next() % 10) as u8, id, false);
+                    let admitted = match next() % 4 {
+                        0 => pool.submit(item).is_ok(),
+                        1 => {
+                            pool.submit_wait(item).await.expect("the pool accepts");
+                            true
+                        }
+                        2 => {
+                            let patience = Duration::from_micros(next() % 50);
+                            let waited = tokio::time::timeout(patience, pool.submit_wait(item));
+                            waited.await.is_ok_and(|submitted| submitted.is_ok())
+                        }
+                        _ => {
+                            // Polled once, then left alone a while (it may be handed a room
+                            // meanwhile), then polled once more or dropped.
+                            let mut waiting = Box::pin(pool.submit_wait(item));
+                            let first = tokio::time::timeout(Duration::ZERO, &mut waiting).await;
+                            for _ in 0..next() % 8 {
+                                tokio::task::yield_now().await;
+                            }
+                            match first {
+                                Ok(submitted) => submitted.is_ok(),
+                                Err(_) if next() % 2 == 0 => {
+                                    let again = tokio::time::timeout(Duration::ZERO, waiting);
+                                    again.await.is_ok_and(|submitted| submitted.is_ok())
+                                }
+                                Err(_) => false,
+                            }
+                        }
+                    };
+                    if admitted {
+                        accepted.push(id);
+                    }
+                }
+                accepted
+            })
+        })
+        .collect();
+    let mut accepted = Vec::new();
+    for client in clients {
+        accepted.extend(client.await.unwrap());
+    }
+    // Quiescence: everything accepted has been processed.
+    while pool.stats().queued + pool.stats().inflight > 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for id in 0..CLIENTS * OPS {
+        let expected = usize::from(accepted.contains(&id));
+        assert_eq!(runs[id as usize].load(Ordering::SeqCst), expected, "item {id}");
+    }
+    // The bound: every worker held, then exactly `QUEUE` items queued, then `Full`.
+    for key in 20..20 + WORKERS as u8 {
+        pool.submit((key, 0, true)).unwrap();
+    }
+    while pool.stats().inflight < WORKERS {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for key in 30..30 + QUEUE as u8 {
+        pool.submit((key, 0, false)).expect("a room of the bound was left taken");
+    }
+    assert!(matches!(pool.submit((40, 0, false)), Err(lanes::pool::SubmitError::Full(_))));
+    hold.add_permits(WORKERS);
+    pool.stop(Duration::from_secs(60)).await.unwrap();
+}

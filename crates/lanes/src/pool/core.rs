@@ -49,7 +49,11 @@ pub(crate) trait Scheduler<T>: Send + 'static {
     /// What a worker holds while processing an item, handed back to [`done`](Self::done).
     type Slot: Send;
 
+    /// Queues `item`, or refuses it.
     fn push(&mut self, item: T) -> Result<Wake, (Refused, T)>;
+    /// `reserved` rooms of the total bound are taken besides the queued items (handed to
+    /// waiting producers by the engine): `Full` counts them from now on.
+    fn reserve(&mut self, reserved: usize);
     fn pop(&mut self, worker: usize) -> Option<(Self::Slot, T)>;
     /// The item taken with `slot` is done.
     fn done(&mut self, slot: Self::Slot) -> Wake;
@@ -67,11 +71,13 @@ pub(crate) trait Scheduler<T>: Send + 'static {
 pub(crate) struct Fifo<T> {
     queue: VecDeque<T>,
     capacity: usize,
+    /// Rooms handed to waiting producers ([`Scheduler::reserve`]).
+    reserved: usize,
 }
 
 impl<T> Fifo<T> {
     pub(crate) fn new(capacity: usize) -> Self {
-        Self { queue: VecDeque::new(), capacity }
+        Self { queue: VecDeque::new(), capacity, reserved: 0 }
     }
 }
 
@@ -79,7 +85,7 @@ impl<T: Send + 'static> Scheduler<T> for Fifo<T> {
     type Slot = ();
 
     fn push(&mut self, item: T) -> Result<Wake, (Refused, T)> {
-        if self.queue.len() >= self.capacity {
+        if self.queue.len() + self.reserved >= self.capacity {
             return Err((Refused::Full, item));
         }
         self.queue.push_back(item);
@@ -96,6 +102,10 @@ impl<T: Send + 'static> Scheduler<T> for Fifo<T> {
 
     fn queued(&self) -> usize {
         self.queue.len()
+    }
+
+    fn reserve(&mut self, reserved: usize) {
+        self.reserved = reserved;
     }
 
     fn keys(&self) -> usize {
@@ -165,6 +175,9 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for Sharded<T, K> {
     fn queued(&self) -> usize {
         self.queued
     }
+
+    /// Shards bound only their own queues (`KeyFull`): rooms handed count against nothing.
+    fn reserve(&mut self, _reserved: usize) {}
 
     fn keys(&self) -> usize {
         0
@@ -262,6 +275,9 @@ pub(crate) struct PerKey<T, K> {
     /// Entries with queued items and none running, in the order they became ready.
     ready: VecDeque<u32>,
     queued: usize,
+    /// `max_queued` less the rooms handed to waiting producers ([`Scheduler::reserve`]): the
+    /// bound a push sees (one field to read, as before rooms were handed).
+    open_bound: usize,
     /// How many entries are idle.
     idle_count: usize,
     /// The next `idled` stamp: how many times an entry has gone idle.
@@ -308,6 +324,7 @@ impl<T, K: PoolKey> PerKey<T, K> {
             ready: VecDeque::new(),
             key_of,
             queued: 0,
+            open_bound: max_queued,
             max_queued,
             // A key's count is a `u32`, so that its entry stays on one line (`KeyState::len`).
             max_per_key: max_per_key.min(u32::MAX as usize),
@@ -521,7 +538,7 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         let key = (self.key_of)(&item);
         let hash = self.hasher.hash_one(&key);
         // One lookup: every bound is checked before a new key is inserted.
-        let full = self.queued >= self.max_queued;
+        let full = self.queued >= self.open_bound;
         let tracked = self.index.len() - self.idle_count;
         let slab = &mut self.slab;
         let known = self.index.find(hash, |slot| {
@@ -611,6 +628,10 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
 
     fn queued(&self) -> usize {
         self.queued
+    }
+
+    fn reserve(&mut self, reserved: usize) {
+        self.open_bound = self.max_queued.saturating_sub(reserved);
     }
 
     fn keys(&self) -> usize {
@@ -776,6 +797,18 @@ mod tests {
         assert_eq!(s.push((2, 1)).unwrap_err().0, Refused::Full);
         assert_eq!(s.drain().len(), 3);
         assert_eq!((s.queued(), s.keys()), (0, 0));
+        // Rooms handed to waiting producers count against the total bound.
+        s.push((1, 0)).unwrap();
+        s.reserve(2);
+        assert_eq!(s.push((2, 0)).unwrap_err().0, Refused::Full);
+        s.reserve(1);
+        s.push((2, 0)).unwrap();
+        let mut fifo = Fifo::new(2);
+        fifo.push(0u8).unwrap();
+        fifo.reserve(1);
+        assert_eq!(fifo.push(1).unwrap_err().0, Refused::Full);
+        fifo.reserve(0);
+        fifo.push(1).unwrap();
     }
 
     /// The entry of a `u64` key whose items are three words (the bench's: a key, a sequence and

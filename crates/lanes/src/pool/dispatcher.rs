@@ -102,10 +102,14 @@ impl<T: Send + 'static> Dispatcher<T> {
 
     /// Enqueues `item`, waiting for room.
     ///
+    /// Producers waiting for room are served first come first served: each item a worker
+    /// takes hands its room to the one that has waited longest, and a
+    /// [`submit`](Self::submit) that does not wait cannot take it first.
+    ///
     /// # Cancel safety
     ///
-    /// Dropping the future before it resolves drops the item without enqueuing it; nothing
-    /// else changes.
+    /// Dropping the future before it resolves drops the item without enqueuing it; a room
+    /// handed to it goes to the next waiting producer.
     ///
     /// # Errors
     ///

@@ -167,8 +167,13 @@ struct State<S> {
     live: usize,
     stats: PoolStats,
     /// Producers in `submit_wait` refused because the pool was full, first come first served:
-    /// each item a worker takes wakes the first of them.
+    /// each item a worker takes hands its room to the first of them (`handed`).
     blocked: WaitList,
+    /// Rooms of the total bound handed to producers taken off `blocked` and not yet used: a
+    /// submit that does not wait counts them taken, so it cannot take a room before the
+    /// producer it was handed to. Each is used by that producer's item, passed to the next
+    /// producer in `blocked`, or given back (0 once the pool no longer accepts).
+    handed: usize,
     /// Producers refused because their key's queue was full (or no key could be added): any
     /// item taken may be the room they need, so a take wakes them all.
     key_blocked: WaitList,
@@ -182,7 +187,8 @@ enum Blocked {
 }
 
 /// A producer's place while `submit_wait` waits: once its list woke it (it is no longer there),
-/// it is its turn.
+/// it is its turn; taken off the list of producers refused for a full pool while the pool
+/// accepts, it holds a room handed to it (`State::handed`).
 #[derive(Debug, Default)]
 pub(crate) struct PoolWaiter {
     at: Option<(Blocked, WaitKey)>,
@@ -206,7 +212,7 @@ pub(crate) trait Core<T>: Send + Sync {
     /// Submits, or queues the producer (FIFO) to be woken when room may have appeared or the
     /// pool stopped accepting.
     fn offer_waiting(&self, item: T, waiter: &mut PoolWaiter, waker: &Waker) -> Offered<T>;
-    /// A waiting producer went away: it leaves its list, passing its turn on if it had one.
+    /// A waiting producer went away: it leaves its list, passing a room handed to it on.
     fn cancel_wait(&self, waiter: &mut PoolWaiter);
     fn begin_stop(&self);
     fn abort(&self) -> AbortReport;
@@ -265,6 +271,7 @@ where
                 live: workers,
                 stats: PoolStats { workers, ..PoolStats::default() },
                 blocked: WaitList::default(),
+                handed: 0,
                 key_blocked: WaitList::default(),
             }),
             wake: (0..workers).map(|_| Notify::new()).collect(),
@@ -314,14 +321,34 @@ where
         SubmitError::Stopped(item)
     }
 
-    /// Every waiting producer, out of both lists (the pool stopped accepting).
+    /// Every waiting producer, out of both lists (the pool stopped accepting: rooms handed to
+    /// producers are given back).
     fn all_producers(state: &mut State<S>) -> Vec<Waker> {
+        Self::set_handed(state, 0);
         let mut wakers = Vec::new();
         let n = state.blocked.len();
         state.blocked.pop_into(n, &mut wakers);
         let n = state.key_blocked.len();
         state.key_blocked.pop_into(n, &mut wakers);
         wakers
+    }
+
+    /// Hands a free room to the first producer refused for a full pool, if any: its waker.
+    fn hand_room(state: &mut State<S>) -> Option<Waker> {
+        let first = state.blocked.pop()?;
+        Self::set_handed(state, state.handed + 1);
+        Some(first)
+    }
+
+    /// A room handed to a producer is used by its item, or about to be passed on.
+    fn room_used(state: &mut State<S>) {
+        Self::set_handed(state, state.handed - 1);
+    }
+
+    /// The rooms handed to producers are now `handed`: the scheduler counts them taken.
+    fn set_handed(state: &mut State<S>, handed: usize) {
+        state.handed = handed;
+        state.sched.reserve(handed);
     }
 
     fn wake_for(&self, state: &mut State<S>, wake: Wake) -> Option<usize> {
@@ -374,11 +401,14 @@ where
                 if taken.is_some() && state.sched.has_ready() {
                     next_worker = self.wake_for(&mut state, Wake::Any);
                 }
-                // Room may have appeared: the first producer refused for a full pool gets its
-                // turn for the item taken; those refused for their key all look again (an item
-                // taken or finished may be theirs).
-                if taken.is_some() && !state.blocked.is_empty() {
-                    producers.extend(state.blocked.pop());
+                // Room appeared: the first producer refused for a full pool is handed the room
+                // of the item taken; those refused for their key all look again (an item taken
+                // or finished may be theirs).
+                if taken.is_some()
+                    && !state.blocked.is_empty()
+                    && let Some(first) = Self::hand_room(&mut state)
+                {
+                    producers.push(first);
                 }
                 if !state.key_blocked.is_empty() {
                     let n = state.key_blocked.len();
@@ -565,7 +595,14 @@ where
         if state.phase != Phase::Running {
             return Offered::Done(Err(self.stopped(state, item)));
         }
-        match self.push_locked(&mut state, item) {
+        // Taken off `blocked` while the pool accepts: it holds a room handed to it (a stop
+        // answers the others first, above). Its item uses it, or it goes on.
+        let holds = turn == Some(Blocked::Full);
+        if holds {
+            Self::room_used(&mut state);
+        }
+        let pushed = self.push_locked(&mut state, item);
+        match pushed {
             Ok(worker) => {
                 drop(state);
                 self.pushed(worker);
@@ -574,16 +611,12 @@ where
             Err((refused, item)) => {
                 let mut passed = None;
                 waiter.at = Some(match refused {
-                    // Its turn came and the room was taken (by a non-waiting submit): it keeps
-                    // its place at the front.
-                    Refused::Full if turn == Some(Blocked::Full) => {
-                        (Blocked::Full, state.blocked.push_front(waker, ()))
-                    }
+                    // Not with a room handed to it: the rooms handed are counted taken.
                     Refused::Full => (Blocked::Full, state.blocked.push(waker)),
                     Refused::KeyFull | Refused::TooManyKeys => {
-                        // A turn for room it cannot use goes to the next producer.
-                        if turn == Some(Blocked::Full) {
-                            passed = state.blocked.pop();
+                        // A room it cannot use goes to the next producer.
+                        if holds {
+                            passed = Self::hand_room(&mut state);
                         }
                         (Blocked::Key, state.key_blocked.push(waker))
                     }
@@ -602,8 +635,12 @@ where
         let passed = {
             let mut state = spin_lock(&self.state);
             match list {
-                // Woken already: its turn goes to the next producer.
-                Blocked::Full if !state.blocked.remove(key) => state.blocked.pop(),
+                // Taken off the list while the pool accepts: the room handed to it goes to the
+                // next producer, or back.
+                Blocked::Full if !state.blocked.remove(key) && state.phase == Phase::Running => {
+                    Self::room_used(&mut state);
+                    Self::hand_room(&mut state)
+                }
                 Blocked::Full => None,
                 Blocked::Key => {
                     state.key_blocked.remove(key);
@@ -715,8 +752,8 @@ pub(crate) async fn wait_finished<T>(
 /// Submits, waiting for room in line with the other waiting producers (first come first
 /// served); gives the item back only when the pool stops accepting.
 ///
-/// Cancel safe: dropped while it waits, the item is dropped unqueued and a turn it had been
-/// given goes to the next producer.
+/// Cancel safe: dropped while it waits, the item is dropped unqueued and a room handed to it
+/// goes to the next producer.
 pub(crate) async fn submit_wait<T>(core: &dyn Core<T>, item: T) -> Result<(), SubmitError<T>> {
     struct Guard<'a, T> {
         core: &'a dyn Core<T>,

@@ -133,9 +133,16 @@ impl<T: Send + 'static> KeyedPool<T> {
 
     /// Enqueues `item`, waiting for room.
     ///
+    /// Producers waiting for room in the pool are served first come first served: each item a
+    /// worker takes hands its room to the one that has waited longest, and a
+    /// [`submit`](Self::submit) that does not wait cannot take it first. A producer waiting
+    /// for its key's queue (or for a key to be tracked) looks again whenever an item is taken
+    /// or finished.
+    ///
     /// # Cancel safety
     ///
-    /// Dropping the future before it resolves drops the item without enqueuing it.
+    /// Dropping the future before it resolves drops the item without enqueuing it; a room
+    /// handed to it goes to the next waiting producer.
     ///
     /// # Errors
     ///

@@ -114,24 +114,6 @@ impl<T> WaitList<T> {
         WaitKey { index, stamp }
     }
 
-    /// Adds a waiter at the front: one whose turn came and found it taken keeps its place.
-    pub(crate) fn push_front(&mut self, waker: &Waker, data: T) -> WaitKey {
-        let key = self.push_with(waker, data);
-        if self.head != key.index {
-            // Unlink from the back and relink at the front.
-            let index = key.index;
-            let prev = self.nodes[index as usize].prev;
-            self.nodes[prev as usize].next = NIL;
-            self.tail = prev;
-            let node = &mut self.nodes[index as usize];
-            node.prev = NIL;
-            node.next = self.head;
-            self.nodes[self.head as usize].prev = index;
-            self.head = index;
-        }
-        key
-    }
-
     /// The first waiter's waker, left in place.
     pub(crate) fn first(&self) -> Option<&Waker> {
         match self.head {
@@ -250,7 +232,6 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Op {
         Push,
-        PushFront,
         Pop,
         Remove(usize),
         Refresh(usize),
@@ -264,7 +245,6 @@ mod tests {
         fn matches_a_vecdeque_model(ops in proptest::collection::vec(
             prop_oneof![
                 4 => Just(Op::Push),
-                2 => Just(Op::PushFront),
                 3 => Just(Op::Pop),
                 2 => (0usize..64).prop_map(Op::Remove),
                 1 => (0usize..64).prop_map(Op::Refresh),
@@ -283,11 +263,6 @@ mod tests {
                         let id = keys.len();
                         keys.push(list.push(&waker(id)));
                         model.push_back(id);
-                    }
-                    Op::PushFront => {
-                        let id = keys.len();
-                        keys.push(list.push_front(&waker(id), ()));
-                        model.push_front(id);
                     }
                     Op::Pop => {
                         let popped = list.pop();
