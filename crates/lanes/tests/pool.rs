@@ -423,9 +423,9 @@ async fn waiting_producers_get_room_in_arrival_order() {
     stopping.await.unwrap().unwrap();
 }
 
-/// A room freed while producers wait in `submit_wait` is handed to the first of them: a
-/// `submit` that does not wait, arriving before the producer runs, is refused `Full` rather
-/// than taking it, and producers handed rooms one after the other keep their order.
+/// A room freed while producers wait in `submit_wait` is handed to the first of them: the
+/// producer behind it stays waiting even if it is polled first, and a `submit` that does not
+/// wait, arriving before the first producer runs, is refused `Full` rather than taking it.
 #[tokio::test(start_paused = true)]
 async fn a_room_handed_to_a_waiting_producer_is_not_taken_by_a_submit() {
     let gate = Gate::new();
@@ -449,28 +449,81 @@ async fn a_room_handed_to_a_waiting_producer_is_not_taken_by_a_submit() {
     settle().await; // the worker holds item 0 at the gate
     pool.submit(1).unwrap();
     pool.submit(2).unwrap();
-    // Producers 3 and 4 are futures polled by hand: each waits, and is not polled again until
-    // both have been handed a room.
+    // Producers 3 and 4 are futures polled by hand: each waits, and is polled again only when
+    // this test says.
     let mut third = Box::pin(pool.submit_wait(3));
     assert!(timeout(Duration::ZERO, &mut third).await.is_err(), "3 waits");
     let mut fourth = Box::pin(pool.submit_wait(4));
     assert!(timeout(Duration::ZERO, &mut fourth).await.is_err(), "4 waits");
-    // Items 0 and 1 finish; the worker takes 1, then 2: a room for 3, then one for 4.
-    gate.0.add_permits(2);
+    // Item 0 finishes and the worker takes item 1: one room, handed to 3.
+    gate.0.add_permits(1);
     settle().await;
-    assert_eq!(*order.lock().unwrap(), [0, 1]);
-    for late in [8, 9] {
-        match pool.submit(late) {
-            Err(SubmitError::Full(back)) => assert_eq!(back, late),
-            other => panic!("a submit took a room handed to a waiting producer: {other:?}"),
-        }
+    assert_eq!(*order.lock().unwrap(), [0]);
+    assert!(timeout(Duration::ZERO, &mut fourth).await.is_err(), "4 still waits behind 3");
+    match pool.submit(8) {
+        Err(SubmitError::Full(back)) => assert_eq!(back, 8),
+        other => panic!("a submit took the room handed to a waiting producer: {other:?}"),
     }
-    timeout(Duration::ZERO, &mut third).await.expect("3 was handed a room").unwrap();
+    timeout(Duration::ZERO, &mut third).await.expect("3 was handed the room").unwrap();
+    // Item 1 finishes and the worker takes item 2: a room for 4, not for a submit.
+    gate.0.add_permits(1);
+    settle().await;
+    assert!(matches!(pool.submit(9), Err(SubmitError::Full(9))), "the room is 4's");
     timeout(Duration::ZERO, &mut fourth).await.expect("4 was handed a room").unwrap();
     assert!(matches!(pool.submit(10), Err(SubmitError::Full(10))), "both rooms used");
     gate.open();
     timeout(Duration::from_secs(5), pool.stop(Duration::from_secs(5))).await.unwrap().unwrap();
     assert_eq!(*order.lock().unwrap(), [0, 1, 2, 3, 4]);
+}
+
+/// A producer handed a room whose item's key function panics (the user's code, run under the
+/// pool's lock) passes the room to the producer behind it: that one gets in although no other
+/// item is ever taken.
+#[tokio::test(start_paused = true)]
+async fn a_room_handed_to_a_producer_whose_key_panics_goes_to_the_next() {
+    let gate = Gate::new();
+    let touchy = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let pool = Arc::new({
+        let (gate, touchy) = (gate.clone(), touchy.clone());
+        // Only the pool's bound refuses here (not a key's, nor the keys tracked).
+        KeyedPool::builder()
+            .workers(1)
+            .queue_size(1)
+            .key_queue_size(1)
+            .max_keys(10)
+            .key_of(move |n: &u32| {
+                assert!(*n != 99 || !touchy.load(Ordering::SeqCst), "the key of item 99");
+                *n % 3
+            })
+            .build(move |_, _: u32| {
+                let gate = gate.clone();
+                async move {
+                    gate.wait().await;
+                    Res::Ok(())
+                }
+            })
+            .unwrap()
+    });
+    pool.submit(0).unwrap();
+    settle().await; // the worker holds item 0 at the gate
+    pool.submit(1).unwrap();
+    let waiting = |n: u32| {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.submit_wait(n).await })
+    };
+    let touchy_producer = waiting(99);
+    settle().await;
+    let next = waiting(2);
+    settle().await;
+    // Item 0 finishes and the worker takes item 1: the room goes to 99, whose key panics now.
+    touchy.store(true, Ordering::SeqCst);
+    gate.open();
+    let panicked = timeout(Duration::from_secs(5), touchy_producer).await.unwrap();
+    assert!(panicked.unwrap_err().is_panic(), "99's key function panicked");
+    let submitted = timeout(Duration::from_secs(5), next).await;
+    submitted.expect("the room went on to the next producer").unwrap().unwrap();
+    timeout(Duration::from_secs(5), pool.stop(Duration::from_secs(5))).await.unwrap().unwrap();
+    assert_eq!(pool.stats().completed, 3);
 }
 
 /// A dispatcher whose items each wait for `gate`.
@@ -847,4 +900,45 @@ async fn a_burst_wakes_every_worker_it_has_work_for() {
     assert_eq!((stats.inflight, stats.queued), (3, 2));
     gate.open();
     dispatcher.stop(Duration::from_secs(5)).await.unwrap();
+}
+
+/// A tracked `submit_wait` dropped while it waits for room forgets the key it registered: the
+/// same key can be submitted again, and it does not hold a tracking slot.
+#[tokio::test(start_paused = true)]
+async fn a_tracked_submit_dropped_while_waiting_forgets_its_key() {
+    let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
+    let gate = Gate::new();
+    let dispatcher = {
+        let gate = gate.clone();
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(1)
+            .completion(source, |item: &String| item.clone(), |_: String| async { Res::Ok(()) })
+            .max_tracked(3)
+            .build(move |_: String| {
+                let gate = gate.clone();
+                async move {
+                    gate.wait().await;
+                    Res::Ok(())
+                }
+            })
+            .await
+            .unwrap()
+    };
+    dispatcher.submit("a".to_owned()).unwrap();
+    settle().await; // the worker holds "a" at the gate
+    dispatcher.submit("b".to_owned()).unwrap();
+    let mut waiting = Box::pin(dispatcher.submit_wait("c".to_owned()));
+    assert!(timeout(Duration::ZERO, &mut waiting).await.is_err(), "c waits for room");
+    assert_eq!(dispatcher.tracked(), 3);
+    drop(waiting);
+    assert_eq!(dispatcher.tracked(), 2, "the dropped submit's key is forgotten");
+    gate.open();
+    settle().await;
+    dispatcher.submit("c".to_owned()).expect("c can be submitted again");
+    timeout(Duration::from_secs(5), dispatcher.stop(Duration::from_secs(5)))
+        .await
+        .unwrap()
+        .unwrap();
 }

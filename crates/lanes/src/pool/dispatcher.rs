@@ -109,7 +109,10 @@ impl<T: Send + 'static> Dispatcher<T> {
     /// # Cancel safety
     ///
     /// Dropping the future before it resolves drops the item without enqueuing it; a room
-    /// handed to it goes to the next waiting producer.
+    /// handed to it goes to the next waiting producer. A room handed to a future that is kept
+    /// but not polled (a branch of a `select!` loop busy elsewhere, say) stays taken until it
+    /// is polled or dropped: a `submit` meanwhile may be refused `Full` with fewer than
+    /// `queue_size` items queued.
     ///
     /// # Errors
     ///
@@ -120,12 +123,14 @@ impl<T: Send + 'static> Dispatcher<T> {
             return handle::submit_wait(&*self.core, item).await;
         };
         // Registered before waiting, so a completion written while the producer waits for
-        // room still matches.
+        // room still matches; forgotten if the item is not enqueued, refused or dropped while
+        // it waits (the guard).
         let key = (tracker.key_of)(&item);
         let item = Self::register(tracker, &key, item)?;
+        let mut registered = Registered { tracker, key: Some(key) };
         let submitted = handle::submit_wait(&*self.core, item).await;
-        if submitted.is_err() {
-            tracker.forget(&key);
+        if submitted.is_ok() {
+            registered.key = None;
         }
         submitted
     }
@@ -394,6 +399,21 @@ impl<T> fmt::Debug for DispatcherBuilder<T> {
             .field("workers", &self.workers)
             .field("queue_size", &self.queue_size)
             .finish_non_exhaustive()
+    }
+}
+
+/// A key registered for tracking by a waiting submit: forgotten when dropped while set (the
+/// item was refused, or the submit's future dropped while it waited).
+struct Registered<'a, T: Send + 'static> {
+    tracker: &'a Tracker<T>,
+    key: Option<String>,
+}
+
+impl<T: Send + 'static> Drop for Registered<'_, T> {
+    fn drop(&mut self) {
+        if let Some(key) = self.key.take() {
+            self.tracker.forget(&key);
+        }
     }
 }
 

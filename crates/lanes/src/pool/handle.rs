@@ -601,7 +601,24 @@ where
         if holds {
             Self::room_used(&mut state);
         }
-        let pushed = self.push_locked(&mut state, item);
+        let pushed = if holds {
+            // The push runs the user's key function and `Hash`: if either panics, the room goes
+            // to the next producer (under this lock, before a submit could take it), not back.
+            let pushing = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.push_locked(&mut state, item)
+            }));
+            match pushing {
+                Ok(pushed) => pushed,
+                Err(panic) => {
+                    let next = Self::hand_room(&mut state);
+                    drop(state);
+                    next.into_iter().for_each(Waker::wake);
+                    std::panic::resume_unwind(panic)
+                }
+            }
+        } else {
+            self.push_locked(&mut state, item)
+        };
         match pushed {
             Ok(worker) => {
                 drop(state);

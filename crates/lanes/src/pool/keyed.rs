@@ -142,7 +142,10 @@ impl<T: Send + 'static> KeyedPool<T> {
     /// # Cancel safety
     ///
     /// Dropping the future before it resolves drops the item without enqueuing it; a room
-    /// handed to it goes to the next waiting producer.
+    /// handed to it goes to the next waiting producer. A room handed to a future that is kept
+    /// but not polled (a branch of a `select!` loop busy elsewhere, say) stays taken until it
+    /// is polled or dropped: a `submit` meanwhile may be refused `Full` with fewer than
+    /// `queue_size` items queued.
     ///
     /// # Errors
     ///
