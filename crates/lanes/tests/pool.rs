@@ -334,23 +334,7 @@ async fn same_key_runs_in_submit_order_and_different_keys_in_parallel() {
 async fn waiting_producers_get_room_in_arrival_order() {
     let gate = Gate::new();
     let order = Arc::new(Mutex::new(Vec::new()));
-    let pool = Arc::new(
-        Dispatcher::builder()
-            .workers(1)
-            .queue_size(1)
-            .build({
-                let (gate, order) = (gate.clone(), order.clone());
-                move |n: u32| {
-                    let (gate, order) = (gate.clone(), order.clone());
-                    async move {
-                        gate.wait().await;
-                        order.lock().unwrap().push(n);
-                        Res::Ok(())
-                    }
-                }
-            })
-            .unwrap(),
-    );
+    let pool = Arc::new(ordered_dispatcher(&gate, &order, 1));
     pool.submit(0).unwrap();
     settle().await; // the worker holds item 0 at the gate
     pool.submit(1).unwrap();
@@ -430,21 +414,7 @@ async fn waiting_producers_get_room_in_arrival_order() {
 async fn a_room_handed_to_a_waiting_producer_is_not_taken_by_a_submit() {
     let gate = Gate::new();
     let order = Arc::new(Mutex::new(Vec::new()));
-    let pool = Dispatcher::builder()
-        .workers(1)
-        .queue_size(2)
-        .build({
-            let (gate, order) = (gate.clone(), order.clone());
-            move |n: u32| {
-                let (gate, order) = (gate.clone(), order.clone());
-                async move {
-                    gate.wait().await;
-                    order.lock().unwrap().push(n);
-                    Res::Ok(())
-                }
-            }
-        })
-        .unwrap();
+    let pool = ordered_dispatcher(&gate, &order, 2);
     pool.submit(0).unwrap();
     settle().await; // the worker holds item 0 at the gate
     pool.submit(1).unwrap();
@@ -524,6 +494,24 @@ async fn a_room_handed_to_a_producer_whose_key_panics_goes_to_the_next() {
     submitted.expect("the room went on to the next producer").unwrap().unwrap();
     timeout(Duration::from_secs(5), pool.stop(Duration::from_secs(5))).await.unwrap().unwrap();
     assert_eq!(pool.stats().completed, 3);
+}
+
+/// A dispatcher of one worker and room for `queue` items, whose items each wait for `gate`,
+/// then record themselves in `order`.
+fn ordered_dispatcher(gate: &Gate, order: &Arc<Mutex<Vec<u32>>>, queue: usize) -> Dispatcher<u32> {
+    let (gate, order) = (gate.clone(), order.clone());
+    Dispatcher::builder()
+        .workers(1)
+        .queue_size(queue)
+        .build(move |n: u32| {
+            let (gate, order) = (gate.clone(), order.clone());
+            async move {
+                gate.wait().await;
+                order.lock().unwrap().push(n);
+                Res::Ok(())
+            }
+        })
+        .unwrap()
 }
 
 /// A dispatcher whose items each wait for `gate`.
