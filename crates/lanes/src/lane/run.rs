@@ -125,10 +125,12 @@ impl<T: Send + 'static> Finalize<T> for Passthrough {
     }
 }
 
-/// A run's cleanup, behind a thin pointer: a run without one holds a null word, written whole.
-/// As a (two-word) `Box<dyn FnOnce>`, its `None` wrote only the data pointer, and a move of the
-/// run (into a refusal, say) that read it back as part of a 16-byte load stalled on store
-/// forwarding, as the [`Timeout`]s did. A cleanup costs one more allocation for it.
+/// A run's cleanup, behind a thin pointer: one word in the callbacks an admitted run's drive
+/// moves around, a null word written whole when there is none. As a (two-word)
+/// `Box<dyn FnOnce>`, its `None` wrote only the data pointer, and a move that read it back as
+/// part of a 16-byte load stalled on store forwarding, as the [`Timeout`]s did (when it sat in
+/// [`Run`] itself, a refusal's move of the run did). A cleanup costs one more allocation for
+/// it.
 pub(crate) type Cleanup = Box<CleanupFn>;
 
 /// What [`Cleanup`] points to.
