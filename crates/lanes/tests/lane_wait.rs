@@ -3,6 +3,8 @@
 //! wait never takes a room a waiter is owed, a caller that goes away passes its turn on, and
 //! nothing is owned once every run ended.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -126,13 +128,7 @@ impl World {
 
 /// A set of one lane, "one", with these limits and lifecycle bounds that never fire here.
 fn lane_one(concurrent: usize, queued: usize) -> LaneSet {
-    LaneSet::builder()
-        .audit_timeout(Duration::from_secs(5))
-        .finalization_timeout(Duration::from_secs(5))
-        .worker_drain_timeout(Duration::from_secs(5))
-        .lane("one", LaneLimits::new(concurrent, queued))
-        .build()
-        .unwrap()
+    common::one_lane("one", LaneLimits::new(concurrent, queued)).build().unwrap()
 }
 
 /// Lets every task that can run, run (time is paused: the sleep ends once all are idle).
@@ -295,14 +291,6 @@ proptest! {
     }
 }
 
-/// One step of a xorshift generator: the stress test's cheap, seeded randomness.
-fn xorshift(seed: &mut u64) -> u64 {
-    *seed ^= *seed << 13;
-    *seed ^= *seed >> 7;
-    *seed ^= *seed << 17;
-    *seed
-}
-
 /// What the stress's runs did: which were admitted and started (by id), and counts.
 #[derive(Default)]
 struct Tally {
@@ -356,7 +344,7 @@ async fn waiting_and_barging_callers_at_random_leave_nothing_owned() {
             tokio::spawn(async move {
                 let mut seed = 0x9E37_79B9_7F4A_7C15 ^ (client + 1);
                 for round in 0..ROUNDS {
-                    let roll = xorshift(&mut seed);
+                    let roll = common::xorshift(&mut seed);
                     let id = client << 32 | round;
                     let run = counted(&tally, id, roll % 5);
                     let admitted = match roll % 4 {

@@ -4,6 +4,8 @@
 //! million distinct keys that leaves nothing tracked behind; and eight OS threads submitting
 //! through the pool's spin lock at once.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -251,12 +253,7 @@ async fn rooms_checked() {
             let pool = pool.clone();
             tokio::spawn(async move {
                 let mut seed = client.wrapping_mul(0x9E37_79B9_7F4A_7C15) + 1;
-                let mut next = move || {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    seed
-                };
+                let mut next = move || common::xorshift(&mut seed);
                 let mut accepted = Vec::new();
                 for op in 0..OPS {
                     let id = client * OPS + op;
