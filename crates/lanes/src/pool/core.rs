@@ -15,6 +15,9 @@
 //! - [`PerKey`]'s tables: every entry in use (`Some` in the slab) is listed in the key table
 //!   exactly once, under its key's hash; an entry not in use is `None`, listed in `free` and not
 //!   in the key table.
+//! - [`PerKey`] runs a key's `Hash` once, at its push, before it changes anything; the entry
+//!   keeps the hash, and the tables' upkeep (growth, eviction, compaction, shrinking) reads it
+//!   there. So a `Hash` that panics refuses that push and cannot break the tables.
 
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
@@ -208,8 +211,13 @@ struct KeyState<T, K> {
     #[allow(clippy::box_collection, reason = "a word in the entry, not a VecDeque's four")]
     more: Option<Box<VecDeque<T>>>,
     key: K,
-    /// When it last went idle: `PerKey::next_idled` then (see `PerKey::go_idle`).
-    idled: u64,
+    /// When it last went idle: `PerKey::next_idled` then (see `PerKey::go_idle`). A `u32`
+    /// that wraps: stamps are compared by age ([`PerKey::age`]), and after a wrap only the
+    /// order in which idle keys are forgotten can be off, never their bound.
+    idled: u32,
+    /// The key's hash, as pushed: the tables' upkeep reads it here and never runs the key's
+    /// `Hash` again (see [`table_hash`]).
+    hash: u32,
     /// Items queued: `first`'s and `more`'s (read on every push without going to `more`). A
     /// `u32` keeps the entry of a `u64` key and a three-word queued item (two words of the
     /// user's and the engine's stamp) on one line; `PerKey::new` caps the per-key bound to fit.
@@ -220,8 +228,9 @@ struct KeyState<T, K> {
 }
 
 impl<T, K> KeyState<T, K> {
-    fn new(key: K) -> Self {
-        Self { first: None, more: None, key, idled: 0, len: 0, running: false, idle: false }
+    fn new(key: K, hash: u32) -> Self {
+        let (first, more) = (None, None);
+        Self { first, more, key, idled: 0, hash, len: 0, running: false, idle: false }
     }
 
     fn len(&self) -> usize {
@@ -280,8 +289,8 @@ pub(crate) struct PerKey<T, K> {
     open_bound: usize,
     /// How many entries are idle.
     idle_count: usize,
-    /// The next `idled` stamp: how many times an entry has gone idle.
-    next_idled: u64,
+    /// The next `idled` stamp: how many times an entry has gone idle, wrapping.
+    next_idled: u32,
     /// Evictions since the slab's free tail was last cut (see `shrink`).
     evicted: usize,
     /// Free slab entries, reused last-freed first.
@@ -289,7 +298,7 @@ pub(crate) struct PerKey<T, K> {
     /// The idle entries in the order they went idle, as (entry, `idled`), kept only while idle
     /// entries are at their bound (see [`go_idle`](Self::go_idle)). An entry used again since
     /// leaves a stale pair behind, skipped and compacted away.
-    idle: Option<VecDeque<(u32, u64)>>,
+    idle: Option<VecDeque<(u32, u32)>>,
 }
 
 /// Starts a cache line (and its adjacent-line prefetch pair).
@@ -354,7 +363,7 @@ impl<T, K: PoolKey> PerKey<T, K> {
     /// suite 8, stop 63).
     fn go_idle(&mut self, slot: u32) {
         let stamp = self.next_idled;
-        self.next_idled += 1;
+        self.next_idled = stamp.wrapping_add(1);
         let state = self.entry(slot);
         state.idle = true;
         state.idled = stamp;
@@ -401,18 +410,24 @@ impl<T, K: PoolKey> PerKey<T, K> {
     }
 
     /// The idle entries in the order they went idle, read off their stamps.
-    fn idle_order(&self) -> VecDeque<(u32, u64)> {
-        let mut order: Vec<(u64, u32)> = (self.slab.iter().enumerate())
+    fn idle_order(&self) -> VecDeque<(u32, u32)> {
+        let mut order: Vec<(u32, u32)> = (self.slab.iter().enumerate())
             .filter_map(|(slot, state)| Some((state.as_ref()?, slot)))
             .filter(|(state, _)| state.idle)
-            .map(|(state, slot)| (state.idled, slot as u32))
+            .map(|(state, slot)| (slot as u32, state.idled))
             .collect();
-        order.sort_unstable();
-        order.into_iter().map(|(idled, slot)| (slot, idled)).collect()
+        // Oldest first.
+        order.sort_unstable_by_key(|(_, idled)| std::cmp::Reverse(self.age(*idled)));
+        order.into()
+    }
+
+    /// How many entries went idle after the one stamped `idled`.
+    fn age(&self, idled: u32) -> u32 {
+        self.next_idled.wrapping_sub(idled)
     }
 
     /// Whether entry `slot` is still the idle entry listed with stamp `idled`.
-    fn is_idle(&self, slot: u32, idled: u64) -> bool {
+    fn is_idle(&self, slot: u32, idled: u32) -> bool {
         let state = self.slab.get(slot as usize).and_then(Option::as_ref);
         state.is_some_and(|state| state.idle && state.idled == idled)
     }
@@ -428,8 +443,8 @@ impl<T, K: PoolKey> PerKey<T, K> {
         if state.idle {
             self.idle_count -= 1;
         }
-        let hash = self.hasher.hash_one(&state.key);
-        let Ok(listed) = self.index.find_entry(hash, |listed| *listed == slot) else {
+        let Ok(listed) = self.index.find_entry(table_hash(state.hash), |listed| *listed == slot)
+        else {
             unreachable!("an entry in use is in the key table");
         };
         listed.remove();
@@ -443,8 +458,8 @@ impl<T, K: PoolKey> PerKey<T, K> {
         // tombstone is counted as taken), so a table of mostly tombstones would never shrink.
         let len = self.index.len();
         if self.index_high > SHRINK_FLOOR && len < self.index_high / 4 {
-            let (slab, hasher) = (&self.slab, &self.hasher);
-            self.index.shrink_to((len * 2).max(SHRINK_FLOOR), |slot| hash_of(slab, hasher, *slot));
+            let slab = &self.slab;
+            self.index.shrink_to((len * 2).max(SHRINK_FLOOR), |slot| hash_of(slab, *slot));
             self.index_high = len;
         }
         if let Some(order) = &mut self.idle
@@ -474,16 +489,48 @@ impl<T, K: PoolKey> PerKey<T, K> {
             self.ready.shrink_to((self.ready.len() * 2).max(SHRINK_FLOOR));
         }
     }
+
+    /// Gives `key`, of key-table hash `hash` and not tracked, an entry: its number. Out of the
+    /// push, so that only the key table's hash is live across the push's lookup (with the
+    /// entry's half computed here too, a register spilled in the lookup's loop: 10 instructions
+    /// a push).
+    #[inline(never)]
+    fn add_key(&mut self, key: K, hash: u64) -> u32 {
+        let slab = &mut self.slab;
+        // Room first: should a growth fail, no entry has been filled that the key table does
+        // not list.
+        self.index.reserve(1, |slot| hash_of(slab, *slot));
+        let state = Some(KeyState::new(key, hash as u32));
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                slab[slot as usize] = state;
+                slot
+            }
+            None => {
+                slab.push(state);
+                u32::try_from(slab.len() - 1).expect("fewer than 2^32 keys tracked")
+            }
+        };
+        self.index.insert_unique(hash, slot, |slot| hash_of(slab, *slot));
+        self.index_high = self.index_high.max(self.index.len());
+        slot
+    }
 }
 
-/// The hash of the key of entry `slot`, which is in use (the key table's rehash function).
-fn hash_of<T, K: PoolKey>(
-    slab: &[Option<KeyState<T, K>>],
-    hasher: &foldhash::fast::RandomState,
-    slot: u32,
-) -> u64 {
+/// The key table's hash of entry `slot`, which is in use (its rehash function): the hash kept
+/// in the entry, so a growth or a shrink never runs a key's `Hash`.
+fn hash_of<T, K>(slab: &[Option<KeyState<T, K>>], slot: u32) -> u64 {
     let state = slab[slot as usize].as_ref().expect("the key table names entries in use");
-    hasher.hash_one(&state.key)
+    table_hash(state.hash)
+}
+
+/// A key's hash as the key table takes it, from the 32 bits an entry keeps: the key table
+/// places a row by the low bits and tags it with the top seven, so both halves carry the hash.
+/// (Keeping 32 bits keeps an entry on one cache line; two keys in 2^32 share one and are told
+/// apart by their entries, as keys whose hashes collide always are.)
+#[inline]
+fn table_hash(hash: u32) -> u64 {
+    (u64::from(hash) << 32) | u64::from(hash)
 }
 
 impl<T, K: PoolKey> PerKey<T, K> {
@@ -505,9 +552,9 @@ impl<T, K: PoolKey> PerKey<T, K> {
                 let Some(to) = free.pop().filter(|to| (*to as usize) < end) else {
                     break;
                 };
-                let hash = self.hasher.hash_one(&tail.key);
                 let end_slot = end as u32;
-                let listed = self.index.find_mut(hash, |listed| *listed == end_slot);
+                let listed =
+                    self.index.find_mut(table_hash(tail.hash), |listed| *listed == end_slot);
                 *listed.expect("an idle key is tracked") = to;
                 // Entry `to` is free (`None`): the tail's entry takes its place, and the `None`
                 // comes out and is dropped.
@@ -536,7 +583,8 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
 
     fn push(&mut self, item: T) -> Result<Wake, (Refused, T)> {
         let key = (self.key_of)(&item);
-        let hash = self.hasher.hash_one(&key);
+        // The key's `Hash`, once: kept in its entry (the low half), for the tables' upkeep.
+        let hash = table_hash(self.hasher.hash_one(&key) as u32);
         // One lookup: every bound is checked before a new key is inserted.
         let full = self.queued >= self.open_bound;
         let tracked = self.index.len() - self.idle_count;
@@ -569,23 +617,8 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
                 if full {
                     return Err((Refused::Full, item));
                 }
-                // Room first: a growth runs the keys' `Hash`, and if that panics, no entry has
-                // been filled that the key table does not list.
-                let hasher = &self.hasher;
-                self.index.reserve(1, |slot| hash_of(slab, hasher, *slot));
-                let slot = match self.free.pop() {
-                    Some(slot) => {
-                        slab[slot as usize] = Some(KeyState::new(key));
-                        slot
-                    }
-                    None => {
-                        slab.push(Some(KeyState::new(key)));
-                        u32::try_from(slab.len() - 1).expect("fewer than 2^32 keys tracked")
-                    }
-                };
-                self.index.insert_unique(hash, slot, |slot| hash_of(slab, hasher, *slot));
-                self.index_high = self.index_high.max(self.index.len());
-                (slot, slab[slot as usize].as_mut().expect("the entry just made"))
+                let slot = self.add_key(key, hash);
+                (slot, self.slab[slot as usize].as_mut().expect("the entry just made"))
             }
         };
         self.queued += 1;
@@ -677,9 +710,8 @@ mod tests {
             let slot = slot as u32;
             match state {
                 Some(state) => {
-                    let hash = s.hasher.hash_one(&state.key);
                     assert!(
-                        s.index.find(hash, |listed| *listed == slot).is_some(),
+                        s.index.find(table_hash(state.hash), |listed| *listed == slot).is_some(),
                         "{slot} unlisted"
                     );
                     assert!(!s.free.contains(&slot), "entry {slot} in use and free");
@@ -701,13 +733,14 @@ mod tests {
                 .filter(|(_, state)| state.as_ref().is_some_and(|state| state.idle))
                 .map(|(slot, _)| slot as u32);
             assert!(listed.into_iter().eq(idle), "every idle entry listed once");
-            assert!(order.iter().is_sorted_by_key(|(_, idled)| *idled), "listed in order");
+            let oldest_first = |(_, idled): &(u32, u32)| std::cmp::Reverse(s.age(*idled));
+            assert!(order.iter().is_sorted_by_key(oldest_first), "listed in order");
         }
     }
 
     /// Whether key `key` has an entry (queued, running or idle).
     fn tracks<T, K: PoolKey>(s: &PerKey<T, K>, key: &K) -> bool {
-        let hash = s.hasher.hash_one(key);
+        let hash = table_hash(s.hasher.hash_one(key) as u32);
         let entry = |slot: &u32| s.slab[*slot as usize].as_ref().is_some_and(|e| e.key == *key);
         s.index.find(hash, entry).is_some()
     }
@@ -935,10 +968,12 @@ mod tests {
         }
     }
 
-    /// A key's `Hash` that panics while the key table grows (the pool's lock is held then)
-    /// leaves no entry filled that the table does not list; the next push of that key works.
+    /// A key's `Hash` runs once per push, before the push changes anything: the tables' upkeep
+    /// (a growth, a shrink, an eviction, a compaction, all under the pool's lock) reads the
+    /// hash kept in the entry. So a `Hash` that panics after its key was pushed refuses only
+    /// the pushes of that key, and the tables stay whole.
     #[test]
-    fn a_hash_that_panics_while_the_table_grows_leaves_the_tables_whole() {
+    fn a_key_hash_runs_only_at_its_push() {
         thread_local!(static PANICS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
         #[derive(Clone, PartialEq, Eq)]
         struct Touchy(u32);
@@ -955,24 +990,49 @@ mod tests {
         }
         let mut s: PerKey<u32, Touchy> =
             PerKey::new(usize::MAX, 8, usize::MAX, Box::new(|k| Touchy(*k)));
+        s.idle_kept = 2;
+        // More keys than the tables keep when they empty, so that they shrink and compact
+        // below; key 1 last, so that it is running while the others are forgotten.
+        let keys = (SHRINK_FLOOR + SHRINK_FLOOR / 2) as u32;
+        for key in 2..keys {
+            s.push(key).unwrap();
+        }
         s.push(1).unwrap();
-        let mut key = 2;
-        // New keys until one more makes the table grow, which rehashes key 1.
-        while s.index.len() < s.index.capacity() {
+        PANICS.set(true);
+        // The key table grows (a rehash of every key) with key 1 in it.
+        let (capacity, mut key) = (s.index.capacity(), keys);
+        while s.index.capacity() == capacity {
             s.push(key).unwrap();
             key += 1;
         }
-        assert!(key > 2, "the table has room for more than one key");
-        let (slab, queued) = (s.slab.len(), s.queued());
-        PANICS.set(true);
-        let pushed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.push(key)));
+        // Every key runs and goes idle, key 1 last; all but the last two are forgotten, and the
+        // tables shrink and compact as they empty (key 1's entry, idle at the slab's end once
+        // the entries after it are gone, moves down).
+        let peak = (s.index.capacity(), s.slab.capacity());
+        let mut last = None;
+        while let Some((slot, item)) = s.pop(0) {
+            match item {
+                1 => last = Some(slot),
+                _ => {
+                    s.done(slot);
+                }
+            }
+        }
+        s.done(last.expect("key 1 ran"));
+        assert!(s.index.capacity() < peak.0 && s.slab.capacity() < peak.1, "the tables shrank");
+        check_tables(&s);
+        let (slab, keys_kept) = (s.slab.len(), s.index.len());
+        // A push of key 1 panics in its `Hash` with nothing changed; once it hashes again, it
+        // finds its kept entry.
+        let pushed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.push(1)));
+        assert!(pushed.is_err(), "key 1's push hashed it");
+        check_tables(&s);
+        assert_eq!((s.slab.len(), s.index.len(), s.queued()), (slab, keys_kept, 0));
         PANICS.set(false);
-        assert!(pushed.is_err(), "the growth rehashed key 1");
+        assert!(tracks(&s, &Touchy(1)), "key 1, idle last, is kept");
+        s.push(1).unwrap();
         check_tables(&s);
-        assert_eq!((s.slab.len(), s.queued()), (slab, queued), "nothing was added");
-        s.push(key).unwrap();
-        check_tables(&s);
-        assert_eq!(s.keys(), key as usize);
+        assert_eq!(s.index.len(), keys_kept, "key 1 came back to its entry");
     }
 
     proptest! {
