@@ -9,10 +9,17 @@
 //!    panic-contained and bounded by a timeout, and a job that ignores cancellation is dropped
 //!    (after poisoning the set) rather than awaited forever.
 //! 2. The execution slot is given back before the terminal audit and the finalizer.
+//! 3. A drive dropped before its run ended (its runtime shut down under it, dropping its task
+//!    or the parked run that was to get one) ends the run in its ticket's drop instead:
+//!    it gives back what the run holds in its lane (its place in the queue, or its slot, as
+//!    [`Progress`] says), and its ownership, counted failed with [`Reason::Canceled`]. Its
+//!    finalizer and cleanup do not run: there is no runtime left to run them on.
 
+use std::cell::RefCell;
 use std::future::{Future, poll_fn};
 use std::pin::{Pin, pin};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -41,10 +48,90 @@ pub(super) struct Ticket {
     pub(super) shared: Arc<SetShared>,
     pub(super) info: TicketInfo,
     pub(super) start: Start,
-    pub(super) signal: Arc<RunSignal>,
+    /// The run's signal, taken when the run ends: a ticket dropped with it ends the run
+    /// (invariant 3). (Taken, not flagged: the run's task carries it on, see `Next::spent`.)
+    signal: Option<Arc<RunSignal>>,
     pub(super) queue_timeout: Timeout,
     pub(super) execution_timeout: Timeout,
     pub(super) limit: Option<Throttle>,
+    /// What the run holds in its lane, kept up to date by its drive (invariant 3).
+    pub(super) holds: Progress,
+}
+
+/// What a run holds in its lane: what its end gives back if its drive is dropped before the
+/// run ends (invariant 3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Holds {
+    /// Nothing: not admitted to a slot yet, or out of the queue, or its slot given back.
+    Nothing,
+    /// A place in the queue (or a grant on its way there, or a shut's decision).
+    Queued(u64),
+    /// A place among the runs waiting for their limit's permit.
+    Limited(u64),
+    /// An execution slot.
+    Slot(usize),
+}
+
+/// [`Holds`] in one word (the kind in the top two bits), written only by the drive's polls and
+/// read by its drop, which the task's ownership orders after them: `Relaxed`, a plain store.
+pub(super) struct Progress(AtomicU64);
+
+impl Progress {
+    const KIND: u32 = 62;
+    const VALUE: u64 = (1 << Self::KIND) - 1;
+
+    pub(super) fn new(holds: Holds) -> Self {
+        Self(AtomicU64::new(Self::word(holds)))
+    }
+
+    #[inline(always)]
+    fn word(holds: Holds) -> u64 {
+        let (kind, value) = match holds {
+            Holds::Nothing => (0, 0),
+            Holds::Queued(seq) => (1, seq),
+            Holds::Limited(seq) => (2, seq),
+            Holds::Slot(slot) => (3, slot as u64),
+        };
+        debug_assert!(value <= Self::VALUE, "a queue position or slot fits in 62 bits");
+        kind << Self::KIND | value & Self::VALUE
+    }
+
+    #[inline(always)]
+    pub(super) fn set(&self, holds: Holds) {
+        self.0.store(Self::word(holds), Ordering::Relaxed);
+    }
+
+    fn get(&self) -> Holds {
+        let word = self.0.load(Ordering::Relaxed);
+        let value = word & Self::VALUE;
+        match word >> Self::KIND {
+            0 => Holds::Nothing,
+            1 => Holds::Queued(value),
+            2 => Holds::Limited(value),
+            _ => Holds::Slot(value as usize),
+        }
+    }
+}
+
+impl Start {
+    /// What a run that starts here holds in its lane.
+    pub(super) fn holds(&self) -> Holds {
+        match *self {
+            Start::Executing { slot } => Holds::Slot(slot),
+            Start::Queued { seq, .. } => Holds::Queued(seq),
+            Start::Limited { seq, .. } => Holds::Limited(seq),
+        }
+    }
+}
+
+impl Drop for Ticket {
+    /// A ticket dropped before its run ended (its drive was): the run ends here (invariant 3).
+    #[inline(always)]
+    fn drop(&mut self) {
+        if self.signal.is_some() {
+            self.abandon();
+        }
+    }
 }
 
 /// An admitted run, split into what `drive` borrows and what it consumes.
@@ -79,12 +166,49 @@ pub(super) enum Start {
 /// grant is made in a run's task; a shut enters the set's runtime first).
 pub(super) struct Parked(pub(super) Step);
 
+thread_local! {
+    /// Parked runs this thread is to start, while it starts one ([`Parked::start`]).
+    static STARTING: RefCell<Option<Vec<Parked>>> = const { RefCell::new(None) };
+}
+
 impl Parked {
-    /// Spawns a task for it on the current runtime; with none (only while one shuts down and
-    /// drops its tasks), the run is dropped, as a task of that runtime would have been.
+    /// Spawns a task for it on the current runtime; with none, the run is dropped, as a task
+    /// of that runtime would have been, and ends (invariant 3).
+    ///
+    /// A runtime that shuts down drops a task spawned on it at once: the run ends in its drop,
+    /// and gives its slot to the next parked run, which is started here again. Started one
+    /// after the other from a list, not each inside the last one's drop, a long queue ends
+    /// without growing the stack.
+    // Out of line: the rare path of the grants and ends that carry parked runs.
+    #[inline(never)]
     pub(super) fn start(self) {
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            drop(runtime.spawn(work(self.0)));
+        let first = STARTING.with_borrow_mut(|starting| match starting {
+            Some(later) => {
+                later.push(self);
+                None
+            }
+            None => {
+                *starting = Some(Vec::new());
+                Some(self)
+            }
+        });
+        let Some(mut run) = first else { return };
+        // Clears the list however this ends; the runs still in it are dropped (and end).
+        struct Started;
+        impl Drop for Started {
+            fn drop(&mut self) {
+                drop(STARTING.with_borrow_mut(Option::take));
+            }
+        }
+        let _started = Started;
+        loop {
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                drop(runtime.spawn(work(run.0)));
+            }
+            match STARTING.with_borrow_mut(|starting| starting.as_mut().and_then(Vec::pop)) {
+                Some(later) => run = later,
+                None => return,
+            }
         }
     }
 }
@@ -231,6 +355,79 @@ pub(super) struct TicketInfo {
 type Failed = (Stage, Reason, Option<BoxError>);
 
 impl Ticket {
+    /// Ends a run whose drive was dropped before the run ended (invariant 3): gives back what
+    /// it holds in its lane, and its ownership, counted failed with [`Reason::Canceled`].
+    #[cold]
+    fn abandon(&mut self) {
+        let lane = &self.shared.lanes[self.info.lane];
+        let (seq, limited) = match self.holds.get() {
+            Holds::Nothing => (None, false),
+            Holds::Slot(slot) => {
+                self.release(slot);
+                (None, false)
+            }
+            Holds::Queued(seq) => (Some(seq), false),
+            Holds::Limited(seq) => (Some(seq), true),
+        };
+        if let Some(seq) = seq {
+            let mut core = lane.lock_core();
+            let withdrawn = if limited { core.withdraw_limited(seq) } else { core.withdraw(seq) };
+            if withdrawn {
+                lane.publish(&mut core);
+            } else {
+                drop(core);
+                // Out of the queue: shut (the latch was set under the lock), or granted a
+                // slot, whose latch is set just after its granter's lock: on its way.
+                loop {
+                    match self.signal().grant_state() {
+                        Decision::Granted(slot) => break self.release(slot),
+                        Decision::Shut(_) => break,
+                        Decision::Waiting => std::thread::yield_now(),
+                    }
+                }
+            }
+        }
+        tracing::debug!(
+            lane = %self.lane_name(),
+            run = self.info.run_id.get(),
+            "dropped before it ended (its runtime shut down): canceled, not finalized"
+        );
+        // Dropped by the set's runtime as it shuts down: a shut spawns parked runs elsewhere.
+        if let (Some(set), Ok(current)) =
+            (self.shared.runtime.get(), tokio::runtime::Handle::try_current())
+            && set.id() == current.id()
+        {
+            self.shared.runtime_gone.store(true, Ordering::SeqCst);
+        }
+        self.signal = None;
+        self.shared.complete(self.info.lane, Some(Reason::Canceled));
+    }
+
+    pub(super) fn new(
+        shared: Arc<SetShared>,
+        info: TicketInfo,
+        start: Start,
+        signal: Arc<RunSignal>,
+        (queue_timeout, execution_timeout): (Timeout, Timeout),
+        limit: Option<Throttle>,
+    ) -> Self {
+        let holds = Progress::new(start.holds());
+        let signal = Some(signal);
+        Self { shared, info, start, signal, queue_timeout, execution_timeout, limit, holds }
+    }
+
+    /// The run's signal, until it ends.
+    #[inline(always)]
+    pub(super) fn signal(&self) -> &Arc<RunSignal> {
+        self.signal.as_ref().expect("a run's signal is kept until it ends")
+    }
+
+    /// Gives execution slot `slot` back, as a run does after its job: to the next queued run.
+    fn release(&self, slot: usize) {
+        self.signal().forget_driver();
+        drop(self.shared.release_execution(self.info.lane, slot));
+    }
+
     fn lane_name(&self) -> Arc<str> {
         self.shared.lanes[self.info.lane].name.clone()
     }
@@ -296,7 +493,7 @@ impl Future for Audited<'_> {
 // Always inlined, with `in_box`: see there.
 #[inline(always)]
 pub(super) fn drive<J, F, O>(
-    t: Ticket,
+    mut t: Ticket,
     callbacks: Callbacks<J, F>,
     end: fn(Ended<F::Output>) -> O,
 ) -> impl Future<Output = O> + Send
@@ -320,7 +517,7 @@ where
         // Queue, start audit and execution; the execution slot goes back before anything else.
         let (granted, since) = match t.start {
             Start::Executing { slot } => (Ok((slot, None)), None),
-            Start::Queued { seq, deadline, since } => match t.signal.grant_state() {
+            Start::Queued { seq, deadline, since } => match t.signal().grant_state() {
                 // A parked run starts once granted: no wait to set up.
                 Decision::Granted(slot) => (Ok((slot, None)), since),
                 _ => (await_grant(&t, seq, deadline).await.map(|slot| (slot, None)), since),
@@ -330,6 +527,10 @@ where
                 (Box::pin(await_permit(&t, seq, deadline)).await, since)
             }
         };
+        t.holds.set(match &granted {
+            Ok((slot, _)) => Holds::Slot(*slot),
+            Err(_) => Holds::Nothing,
+        });
         if let (Ok(_), Some(since)) = (&granted, since) {
             let waited = since.elapsed().as_secs_f64();
             t.shared.lanes[t.info.lane].metrics.queue_wait.record(waited);
@@ -344,8 +545,9 @@ where
                 };
                 // The run waits on its signal no more: its task's waker goes now, outside any
                 // lock, rather than with the signal (which the lane may keep for a later run).
-                t.signal.forget_driver();
+                t.signal().forget_driver();
                 next = t.shared.release_execution(t.info.lane, slot);
+                t.holds.set(Holds::Nothing);
                 match &executed {
                     Ok(_) => tracing::debug!("job ended"),
                     Err((stage, reason, _)) => {
@@ -410,9 +612,10 @@ where
         }
         let failure = result.as_ref().err().map(RunFailure::reason);
         tracing::debug!(outcome = failure.map_or("ok", Reason::as_str), "finalized");
+        // Taken first: the run has ended, and if `complete` unwinds, it is not ended again in
+        // the ticket's drop. A background run's task leaves the spent drive in it (see `work`).
+        next.spent = t.signal.take();
         t.shared.complete(t.info.lane, failure);
-        // For a background run's task to leave the spent drive in (see `work`).
-        next.spent = Some(t.signal);
         end((result, next))
     };
     InSpan { span, inner: Some(run) }
@@ -477,7 +680,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         Decided(Decision),
         Cancelled(Reason),
     }
-    let signal = &t.signal;
+    let signal = t.signal();
     let mut deadline = Deadline::new(deadline);
     let woke = poll_fn(|cx| {
         let decided = signal.poll_driver(cx, |s| match s.grant_state() {
@@ -562,7 +765,7 @@ async fn await_permit(
     let woke = {
         // Boxed: most runs name no limit, and their state machine stays small.
         let mut acquire = Box::pin(limit.acquire());
-        let signal = &t.signal;
+        let signal = t.signal();
         let mut timer = Deadline::new(deadline);
         poll_fn(|cx| {
             if let Poll::Ready(acquired) = acquire.as_mut().poll(cx) {
@@ -592,11 +795,12 @@ async fn await_permit(
             return match ready {
                 Some(Admitted::Executing { slot, .. }) => Ok((slot, Some(permit))),
                 Some(Admitted::Queued { seq }) => {
+                    t.holds.set(Holds::Queued(seq));
                     await_grant(t, seq, deadline).await.map(|slot| (slot, Some(permit)))
                 }
                 Some(Admitted::Limited { .. }) => unreachable!("a ready run is not limited"),
                 // Detached by a shut while the permit was being granted.
-                None => match t.signal.grant_state() {
+                None => match t.signal().grant_state() {
                     Decision::Shut(why) => shut_failure(why),
                     _ => unreachable!("only a shut detaches a limited run"),
                 },
@@ -619,7 +823,7 @@ async fn await_permit(
         lane.publish(&mut core);
         return Err((Stage::Queue, reason, cause));
     }
-    match t.signal.grant_state() {
+    match t.signal().grant_state() {
         Decision::Shut(why) => shut_failure(why),
         _ => unreachable!("only a shut detaches a limited run"),
     }
@@ -640,13 +844,13 @@ async fn execute<J: Job>(t: &Ticket, job: J, permit: Option<Permit>) -> Result<J
         run_id: t.info.run_id,
         lane: t.shared.lanes[t.info.lane].label,
         participation: t.info.participation,
-        signal: t.signal.clone(),
+        signal: t.signal().clone(),
     };
     let Ok(fut) = call_contained(|| job.start(cx)) else {
         return panicked();
     };
     let mut fut = pin!(CatchUnwind::new(fut));
-    let signal = &t.signal;
+    let signal = t.signal();
     enum Woke<T> {
         Ended(T),
         Cancelled(Reason),

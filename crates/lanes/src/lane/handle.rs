@@ -278,10 +278,10 @@ impl std::ops::DerefMut for LaneState {
 }
 
 impl Drop for LaneShared {
-    /// The `queued` gauge moves by differences: a lane that goes away with runs still queued
-    /// (its runtime dropped their tasks) takes back what it counts, so that a set built again
-    /// under the same names counts its own runs only. (A run parked in the queue, with no task,
-    /// holds the set: if its runtime goes, the set is never dropped, and its count stays.)
+    /// The `queued` gauge moves by differences: a lane that goes away with runs still counted
+    /// queued takes back what it counts, so that a set built again under the same names counts
+    /// its own runs only. (A run its runtime drops ends in that drop and leaves the queue then;
+    /// a run parked in the queue, with no task, holds the set until it ends.)
     fn drop(&mut self) {
         let left = spin_lock(&self.core).gauged;
         if left > 0 {
@@ -506,8 +506,11 @@ pub(super) struct SetShared {
     pub(super) worker_drain_timeout: Duration,
     pub(super) audit: Option<Arc<dyn Audit>>,
     /// The runtime of the first queued run that waited as data: a shut spawns the parked runs
-    /// it fails there, whatever runtime (if any) the closing thread is in.
+    /// it fails there, whatever runtime (if any) the closing thread is in, unless it is gone.
     pub(super) runtime: OnceLock<tokio::runtime::Handle>,
+    /// `runtime` shut down: a run ended in its drop there ([`Ticket::abandon`]). A shut then
+    /// spawns the parked runs it fails on the closing thread's runtime.
+    pub(super) runtime_gone: AtomicBool,
 }
 
 /// A set of named run lanes with shared lifecycle bounds. Cheap to clone: clones share the lanes.
@@ -566,6 +569,7 @@ impl LaneSet {
             worker_drain_timeout: builder.worker_drain_timeout.unwrap_or_default(),
             audit: builder.audit,
             runtime: OnceLock::new(),
+            runtime_gone: AtomicBool::new(false),
         });
         if let Some(registration) = builder.registry {
             registration.register(&shared)?;
@@ -717,7 +721,8 @@ impl LaneSet {
     }
 
     /// Resolves once the set is closed or poisoned and every owned run has been fully finalized
-    /// (terminal audit, finalizer, cleanup). On an open set it waits for the close.
+    /// (terminal audit, finalizer, cleanup), or has ended with a runtime that shut down under it
+    /// ([module docs](crate::lane#shutdown)). On an open set it waits for the close.
     ///
     /// # Cancel safety
     ///
@@ -1012,7 +1017,7 @@ where
     // As in `place_background`: outside a runtime, this panics with nothing admitted.
     let current = tokio::runtime::Handle::current;
     let ((ticket, callbacks), runtime) = shared.admit(index, participation, run, entry, current)?;
-    let (run_id, signal) = (ticket.info.run_id, ticket.signal.clone());
+    let (run_id, signal) = (ticket.info.run_id, ticket.signal().clone());
     let join = runtime.spawn(in_box(|| drive(ticket, callbacks, blocking)));
     Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
 }
@@ -1057,7 +1062,7 @@ where
     // Nothing to time and nobody to answer: a queued run without a deadline waits as data,
     // and its task is spawned when the lane decides (or it is cancelled), on this runtime.
     let parks = matches!(ticket.start, Start::Queued { deadline: None, .. });
-    let signal = parks.then(|| ticket.signal.clone());
+    let signal = parks.then(|| ticket.signal().clone());
     let step: Step = in_box(|| drive(ticket, callbacks, background));
     match signal {
         Some(signal) => {
@@ -1229,15 +1234,8 @@ impl SetShared {
         let info = TicketInfo { lane, run_id, participation };
         let Run { job, finalizer, queue_timeout, execution_timeout, extras } = run;
         let (cleanup, limit) = Run::<J, F>::take_extras(extras);
-        let ticket = Ticket {
-            shared: self.clone(),
-            info,
-            start,
-            signal,
-            queue_timeout,
-            execution_timeout,
-            limit,
-        };
+        let timeouts = (queue_timeout, execution_timeout);
+        let ticket = Ticket::new(self.clone(), info, start, signal, timeouts, limit);
         (ticket, Callbacks { job, finalizer, cleanup })
     }
 
@@ -1263,8 +1261,10 @@ impl SetShared {
 
     /// Closes or poisons every lane (see invariant 3).
     fn shut(&self, why: Shut) {
-        // Parked runs are spawned by the shut that fails them, on the set's runtime.
-        let _runtime = self.runtime.get().map(tokio::runtime::Handle::enter);
+        // Parked runs are spawned by the shut that fails them, on the set's runtime, or on the
+        // current one once the set's is gone.
+        let runtime = self.runtime.get().filter(|_| !self.runtime_gone.load(Ordering::SeqCst));
+        let _runtime = runtime.map(tokio::runtime::Handle::enter);
         let (code, reason) = match why {
             Shut::Closed => (CLOSED, Reason::Closed),
             Shut::Poisoned => (POISONED, Reason::Poisoned),

@@ -72,8 +72,7 @@
 //! execution slot; such a task yields to the scheduler between runs when its budget is spent. The
 //! queued run therefore starts once those callbacks have returned from their first poll: one that
 //! does long synchronous work before its first `.await` delays it, and callbacks, like jobs, must
-//! not block the thread. If the runtime shuts down before the set is drained, runs still queued are
-//! neither run nor finalized, and their memory is not reclaimed.
+//! not block the thread.
 //!
 //! # Shutdown
 //!
@@ -89,9 +88,14 @@
 //! Jobs must not block the thread: a job that never yields cannot be timed out or cancelled.
 //! Move blocking work to `tokio::task::spawn_blocking`.
 //!
-//! The runtime must outlive the set's runs: close the set and await
-//! [`drained`](LaneSet::drained) before shutting the runtime down, or finalizers of unfinished
-//! runs will not run.
+//! Close the set and await [`drained`](LaneSet::drained) before shutting the runtime down: a
+//! runtime that shuts down drops its tasks, and the runs they drive end there, unfinalized. Such
+//! a run (queued, executing, or in its finalizer) ends in that drop: counted failed with
+//! [`Reason::Canceled`], its finalizer, cleanup and terminal audit not run (nothing is left to
+//! run them on), and its execution slot and room given back, so that a set that outlives the
+//! runtime (shared by several, or kept across a restart) keeps its whole capacity on the next
+//! one and still drains. A blocking caller polling its [`RunHandle`] from another runtime gets
+//! that [`Reason::Canceled`] failure.
 
 mod audit;
 mod config;

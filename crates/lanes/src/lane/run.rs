@@ -441,7 +441,8 @@ impl fmt::Debug for RunContext {
 ///
 /// Dropping the handle before it resolves cancels the run: a queued run fails in the queue with
 /// [`Reason::Canceled`], an executing job is asked to stop. Either way the finalizer still runs
-/// exactly once.
+/// exactly once (unless the runtime shuts down under the run: see the
+/// [module docs](crate::lane#shutdown)).
 #[must_use = "dropping a RunHandle cancels the run"]
 pub struct RunHandle<U> {
     pub(crate) run_id: RunId,

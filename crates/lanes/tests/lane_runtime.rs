@@ -1,0 +1,261 @@
+//! Run lanes that outlive the runtime their runs were admitted on: a runtime that shuts down
+//! drops its tasks, and with them the runs they drove. Each such run ends in that drop, counted
+//! failed `Canceled` without its finalizer (there is no runtime left to run it on), and gives
+//! back its slot and room, so that the set keeps its full capacity on the next runtime.
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use lanes::{
+    BoxError, LaneLimits, LaneSet, LimitSpec, Limits, Outcome, Priority, Reason, Run, RunContext,
+    RunHandle,
+};
+use tokio::runtime::{Builder, Runtime};
+use tokio::sync::Barrier;
+
+fn current_thread() -> Runtime {
+    Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+fn two_workers() -> Runtime {
+    Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// A job that runs until its runtime drops it: it ignores cancellation.
+type Forever = fn(RunContext) -> std::future::Pending<Result<u32, BoxError>>;
+
+fn forever() -> Run<Forever> {
+    Run::new((|_cx| std::future::pending()) as Forever)
+}
+
+/// Every run the set owned has ended, and each was counted once: completed or failed.
+fn assert_quiescent(set: &LaneSet) {
+    let snapshot = set.snapshot();
+    assert_eq!(snapshot.owned, 0, "{snapshot:?}");
+    for lane in &snapshot.lanes {
+        assert_eq!((lane.executing, lane.queued, lane.owned), (0, 0, 0), "{lane:?}");
+        assert_eq!(lane.completed + lane.failed.total(), lane.admitted, "{lane:?}");
+    }
+}
+
+/// Admits `width` blocking runs on `runtime` that can only finish together (each waits for
+/// all of them), so the lane must have `width` free slots; then closes the set, which drains.
+fn runs_at_full_width(runtime: &Runtime, set: &LaneSet, lane: &str, width: usize) {
+    runtime.block_on(async {
+        let barrier = Arc::new(Barrier::new(width));
+        let handles: Vec<RunHandle<u32>> = (0..width)
+            .map(|_| {
+                let barrier = barrier.clone();
+                let run = Run::new(move |_cx| async move {
+                    barrier.wait().await;
+                    Ok(7)
+                });
+                set.run(lane, run).expect("a free slot")
+            })
+            .collect();
+        for handle in handles {
+            let done = tokio::time::timeout(Duration::from_secs(10), handle).await;
+            assert_eq!(done.expect("every slot is free").unwrap(), 7);
+        }
+        set.close();
+        let drained = tokio::time::timeout(Duration::from_secs(10), set.drained()).await;
+        assert!(drained.is_ok(), "the set drains: {:?}", set.snapshot());
+    });
+}
+
+/// A runtime dropped with runs in every stage: executing, in a finalizer, queued as data (ten
+/// thousand of them, ended one after another as each frees its slot to the next), queued with
+/// a task (a deadline, a blocking caller), waiting for a limit's permit, and a caller waiting
+/// for room. Every one ends in the drop, counted canceled; no finalizer starts; the blocking
+/// caller's handle, polled on the next runtime, says canceled; and the next runtime gets the
+/// lane's whole width.
+#[test]
+fn runs_dropped_with_their_runtime_end_and_give_their_rooms_back() {
+    const QUEUED: usize = 10_000;
+    let set = common::one_lane("a", LaneLimits::new(2, QUEUED)).build().unwrap();
+    let limits = Limits::new();
+    let finalized = Arc::new(AtomicUsize::new(0));
+    let first = current_thread();
+    let (blocked, waiting, taken) = first.block_on(async {
+        limits.define("one", LimitSpec::concurrent(1)).await.unwrap();
+        // Held until the runtime is gone: the limited run below waits for it.
+        let taken = limits.acquire("one", Priority::default()).await.unwrap();
+        // Slot 1: a job that never ends, with a caller.
+        let executing = set.run("a", forever()).unwrap();
+        // Slot 2: a job that ends at once, then a finalizer that never does.
+        let counted = finalized.clone();
+        let stuck = Run::new(|_cx| async { Ok(1) }).finalizer(move |_outcome| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<Result<u32, BoxError>>()
+        });
+        set.spawn("a", stuck).unwrap();
+        tokio::task::yield_now().await;
+        // The queue: runs waiting as data, one with a deadline, one with a caller, one for
+        // its permit (held above).
+        let counting = |run: Run<Forever>| {
+            let counted = finalized.clone();
+            run.finalizer(move |_outcome: Outcome<u32>| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { Ok::<_, BoxError>(()) }
+            })
+        };
+        for _ in 0..QUEUED - 3 {
+            set.spawn("a", counting(forever())).unwrap();
+        }
+        set.spawn("a", counting(forever()).queue_timeout(Duration::from_secs(3600))).unwrap();
+        let queued = set.run("a", forever()).unwrap();
+        set.spawn("a", counting(forever().limit(&limits, "one", Priority::default()))).unwrap();
+        // The lane is full: a caller waits for room.
+        let waiting = tokio::spawn(set.run_wait("a", forever(), None));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        let lane = &set.snapshot().lanes[0];
+        assert_eq!((lane.executing, lane.owned), (2, QUEUED + 2), "{lane:?}");
+        assert_eq!(finalized.load(Ordering::SeqCst), 1, "the stuck finalizer started");
+        (vec![executing, queued], waiting, taken)
+    });
+    drop(first);
+    drop(taken);
+    assert_quiescent(&set);
+    let lane = &set.snapshot().lanes[0];
+    assert_eq!(lane.failed.canceled, (QUEUED + 2) as u64, "{lane:?}");
+    assert_eq!(finalized.load(Ordering::SeqCst), 1, "no finalizer started in the drop");
+
+    let next = current_thread();
+    next.block_on(async {
+        for handle in blocked {
+            let failure = handle.await.expect_err("the runtime dropped the run");
+            assert_eq!(failure.reason(), Reason::Canceled);
+        }
+        assert!(waiting.await.is_err(), "the waiting caller's task was dropped unadmitted");
+    });
+    runs_at_full_width(&next, &set, "a", 2);
+    assert_quiescent(&set);
+}
+
+/// Parked runs admitted on a second runtime, after the set's first one (the one a shut enters
+/// to spawn them) shut down, are failed by a close on the second runtime through their
+/// finalizers, not dropped with the first runtime's handle.
+#[test]
+fn a_close_after_the_sets_runtime_is_gone_finalizes_parked_runs() {
+    let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
+    let first = current_thread();
+    first.block_on(async {
+        set.spawn("a", forever()).unwrap();
+        // Waits as data: the set keeps this runtime for a shut.
+        set.spawn("a", forever()).unwrap();
+        tokio::task::yield_now().await;
+    });
+    drop(first);
+    assert_quiescent(&set);
+
+    let closed = Arc::new(AtomicUsize::new(0));
+    let second = current_thread();
+    second.block_on(async {
+        let busy = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
+        set.spawn("a", busy).unwrap();
+        for _ in 0..3 {
+            let closed = closed.clone();
+            let run = forever().finalizer(move |outcome: Outcome<u32>| {
+                if outcome.is_err_and(|failure| failure.reason() == Reason::Closed) {
+                    closed.fetch_add(1, Ordering::SeqCst);
+                }
+                async { Ok::<_, BoxError>(()) }
+            });
+            set.spawn("a", run).unwrap();
+        }
+        tokio::task::yield_now().await;
+        set.close();
+        let drained = tokio::time::timeout(Duration::from_secs(10), set.drained()).await;
+        assert!(drained.is_ok(), "the set drains: {:?}", set.snapshot());
+    });
+    assert_eq!(closed.load(Ordering::SeqCst), 3, "each parked run was finalized as closed");
+    assert_quiescent(&set);
+}
+
+/// Runtimes of two workers, each shut down at a random moment under a random mix of runs
+/// (blocking and background, jobs that end, wait or never end, finalizers that hang, queue
+/// deadlines, dropped handles, callers waiting for room). After each, at quiescence, every run
+/// the set admitted ended exactly once (completed or failed), no finalizer started twice, and
+/// nothing is left owned; after all of them the lane still runs at its full width.
+#[test]
+fn a_set_outliving_runtimes_shut_down_at_random_loses_no_room() {
+    const WIDTH: usize = 3;
+    let set = common::one_lane("a", LaneLimits::new(WIDTH, 64)).build().unwrap();
+    let finalized: Arc<Mutex<HashSet<u64>>> = Arc::default();
+    let twice = Arc::new(AtomicUsize::new(0));
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    for round in 0..40 {
+        let runtime = two_workers();
+        let mut draw = || common::xorshift(&mut seed);
+        let (admissions, pause) = (draw() % 120, draw() % 3);
+        let choices: Vec<u64> = (0..admissions).map(|_| draw()).collect();
+        let kept = runtime.block_on(async {
+            let mut kept = Vec::new();
+            for choice in choices {
+                let job = move |cx: RunContext| async move {
+                    match choice % 4 {
+                        0 => {}
+                        1 => tokio::task::yield_now().await,
+                        2 => drop(cx.cancelled().await),
+                        _ => std::future::pending::<()>().await,
+                    }
+                    Ok::<_, BoxError>(cx.run_id().get())
+                };
+                let hangs = (choice >> 8) % 8 == 0;
+                let (finalized, twice) = (finalized.clone(), twice.clone());
+                let run = Run::new(job).finalizer(move |outcome: Outcome<u64>| {
+                    let id = match &outcome {
+                        Ok(id) => *id,
+                        Err(failure) => failure.run_id().get(),
+                    };
+                    if !finalized.lock().unwrap().insert(id) {
+                        twice.fetch_add(1, Ordering::SeqCst);
+                    }
+                    async move {
+                        if hangs {
+                            std::future::pending::<()>().await;
+                        }
+                        Ok::<_, BoxError>(id)
+                    }
+                });
+                let run = match (choice >> 12) % 4 {
+                    0 => run.queue_timeout(Duration::from_millis((choice >> 16) % 5)),
+                    _ => run,
+                };
+                match (choice >> 20) % 4 {
+                    0 => {
+                        if let Ok(handle) = set.run("a", run) {
+                            kept.push(handle);
+                        }
+                    }
+                    1 => drop(set.run("a", run)),
+                    2 => drop(tokio::spawn(set.run_wait("a", run, None))),
+                    _ => drop(set.spawn("a", run)),
+                }
+                if (choice >> 24) % 8 == 0 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+            kept
+        });
+        // Handles held until the runtime is gone, so that only its drop cancels their runs.
+        drop(runtime);
+        drop(kept);
+        let snapshot = set.snapshot();
+        assert_eq!(snapshot.owned, 0, "round {round}: {snapshot:?}");
+        assert_quiescent(&set);
+    }
+    assert_eq!(twice.load(Ordering::SeqCst), 0, "a finalizer started twice");
+    let lane = &set.snapshot().lanes[0];
+    assert!(lane.failed.canceled > 0, "some runs were dropped with their runtime: {lane:?}");
+    assert!(lane.completed > 0, "some runs ended before: {lane:?}");
+    runs_at_full_width(&two_workers(), &set, "a", WIDTH);
+    assert_quiescent(&set);
+}
