@@ -140,16 +140,23 @@ fn runs_dropped_with_their_runtime_end_and_give_their_rooms_back() {
 
 /// Parked runs admitted on a second runtime, after the set's first one (the one a shut enters
 /// to spawn them) shut down, are failed by a close on the second runtime through their
-/// finalizers, not dropped with the first runtime's handle.
-#[test]
-fn a_close_after_the_sets_runtime_is_gone_finalizes_parked_runs() {
+/// finalizers, not dropped with the first runtime's handle: whether the first one dropped
+/// runs as it shut down (`abandoned`) or had ended them all.
+fn close_after_the_sets_runtime_is_gone(abandoned: bool) {
     let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
     let first = current_thread();
     first.block_on(async {
-        set.spawn("a", forever()).unwrap();
-        // Waits as data: the set keeps this runtime for a shut.
-        set.spawn("a", forever()).unwrap();
-        tokio::task::yield_now().await;
+        for _ in 0..2 {
+            // The second waits as data: the set keeps this runtime for a shut.
+            let admitted = match abandoned {
+                true => set.spawn("a", forever()).is_ok(),
+                false => set.spawn("a", Run::new(|_cx| async { Ok(1) })).is_ok(),
+            };
+            assert!(admitted);
+        }
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
     });
     drop(first);
     assert_quiescent(&set);
@@ -175,6 +182,49 @@ fn a_close_after_the_sets_runtime_is_gone_finalizes_parked_runs() {
         assert!(drained.is_ok(), "the set drains: {:?}", set.snapshot());
     });
     assert_eq!(closed.load(Ordering::SeqCst), 3, "each parked run was finalized as closed");
+    assert_quiescent(&set);
+}
+
+#[test]
+fn a_close_after_the_sets_runtime_dropped_runs_finalizes_parked_runs() {
+    close_after_the_sets_runtime_is_gone(true);
+}
+
+#[test]
+fn a_close_after_the_sets_runtime_ended_finalizes_parked_runs() {
+    close_after_the_sets_runtime_is_gone(false);
+}
+
+/// A close from outside any runtime, once the runtime the set keeps for a shut is gone, has
+/// nowhere to run the parked runs it fails: they end canceled (no hang, nothing left owned).
+#[test]
+fn a_close_from_no_runtime_after_the_sets_runtime_is_gone_ends_parked_runs() {
+    let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
+    let first = current_thread();
+    first.block_on(async {
+        set.spawn("a", Run::new(|_cx| async { Ok(1) })).unwrap();
+        set.spawn("a", Run::new(|_cx| async { Ok(2) })).unwrap();
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    });
+    drop(first);
+    let second = current_thread();
+    second.block_on(async {
+        let busy = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
+        set.spawn("a", busy).unwrap();
+        for _ in 0..3 {
+            set.spawn("a", forever()).unwrap();
+        }
+        tokio::task::yield_now().await;
+    });
+    set.close();
+    let lane = &set.snapshot().lanes[0];
+    assert_eq!((lane.owned, lane.queued, lane.failed.canceled), (1, 0, 3), "{lane:?}");
+    second.block_on(async {
+        let drained = tokio::time::timeout(Duration::from_secs(10), set.drained()).await;
+        assert!(drained.is_ok(), "the set drains: {:?}", set.snapshot());
+    });
     assert_quiescent(&set);
 }
 
@@ -257,5 +307,102 @@ fn a_set_outliving_runtimes_shut_down_at_random_loses_no_room() {
     assert!(lane.failed.canceled > 0, "some runs were dropped with their runtime: {lane:?}");
     assert!(lane.completed > 0, "some runs ended before: {lane:?}");
     runs_at_full_width(&two_workers(), &set, "a", WIDTH);
+    assert_quiescent(&set);
+}
+
+/// A metrics recorder whose `lanes_lane_admitted_total` counter panics while `PANICS` is set.
+struct PanickingAdmissions;
+
+static PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+struct AdmittedCounter;
+
+impl metrics::CounterFn for AdmittedCounter {
+    fn increment(&self, _value: u64) {
+        assert!(!PANICS.load(Ordering::SeqCst), "the recorder panics");
+    }
+    fn absolute(&self, _value: u64) {}
+}
+
+impl metrics::Recorder for PanickingAdmissions {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        match key.name() {
+            "lanes_lane_admitted_total" => metrics::Counter::from_arc(Arc::new(AdmittedCounter)),
+            _ => metrics::Counter::noop(),
+        }
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// A metrics recorder that panics as a run is counted admitted unwinds out of the admission
+/// (the caller sees the panic), and the run it had admitted ends: its slot and room are not
+/// left owned. An admission that starts at once, and one that waits in the queue. (One that
+/// waits as data is counted before its ticket is made: there the recorder's panic leaves the
+/// run owned.)
+#[test]
+fn a_run_admitted_as_the_recorder_panics_is_not_left_owned() {
+    let set = metrics::with_local_recorder(&PanickingAdmissions, || {
+        common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap()
+    });
+    let runtime = current_thread();
+    runtime.block_on(async {
+        PANICS.store(true, Ordering::SeqCst);
+        let admit = |blocking: bool, run: Run<Forever>| {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match blocking {
+                true => drop(set.run("a", run)),
+                false => drop(set.spawn("a", run)),
+            }))
+        };
+        // Into a free slot, then into the queue while one runs, then as data behind it.
+        assert!(admit(true, forever()).is_err(), "the recorder panicked");
+        PANICS.store(false, Ordering::SeqCst);
+        let stops = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
+        let running = set.run("a", stops).unwrap();
+        tokio::task::yield_now().await;
+        PANICS.store(true, Ordering::SeqCst);
+        assert!(admit(true, forever().queue_timeout(Duration::from_secs(60))).is_err());
+        PANICS.store(false, Ordering::SeqCst);
+        let lane = &set.snapshot().lanes[0];
+        assert_eq!((lane.owned, lane.queued, lane.executing), (1, 0, 1), "{lane:?}");
+        assert_eq!(lane.failed.canceled, 2, "{lane:?}");
+        drop(running);
+        let ended = async {
+            while set.snapshot().owned > 0 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), ended).await.expect("the run ends");
+    });
+    runs_at_full_width(&runtime, &set, "a", 1);
     assert_quiescent(&set);
 }

@@ -78,6 +78,12 @@ impl<W> RunQueue<W> {
         None
     }
 
+    /// The first entry whose payload `matches`: its sequence.
+    fn find(&self, matches: impl Fn(&W) -> bool) -> Option<u64> {
+        let found = self.entries.iter().find(|(_, payload)| payload.as_ref().is_some_and(&matches));
+        found.map(|(seq, _)| *seq)
+    }
+
     fn remove(&mut self, seq: u64) -> Option<W> {
         let index = self.entries.binary_search_by_key(&seq, |(s, _)| *s).ok()?;
         let payload = self.entries[index].1.take()?;
@@ -320,6 +326,12 @@ impl<W> LaneCore<W> {
     /// no execution slot, so nothing is granted.
     pub(crate) fn withdraw(&mut self, seq: u64) -> bool {
         self.queue.remove(seq).is_some()
+    }
+
+    /// As [`withdraw`](Self::withdraw), for a queued run known by its payload, not its
+    /// sequence (a scan of the queue: for a run's end outside its drive only).
+    pub(crate) fn withdraw_where(&mut self, matches: impl Fn(&W) -> bool) -> bool {
+        self.queue.find(matches).is_some_and(|seq| self.withdraw(seq))
     }
 
     /// `runs` runs completed (successfully): their ownership is given back.

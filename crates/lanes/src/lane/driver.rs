@@ -177,38 +177,64 @@ impl Parked {
     ///
     /// A runtime that shuts down drops a task spawned on it at once: the run ends in its drop,
     /// and gives its slot to the next parked run, which is started here again. Started one
-    /// after the other from a list, not each inside the last one's drop, a long queue ends
-    /// without growing the stack.
+    /// after the other ([`after`](Self::after)), not each inside the last one's drop, a long
+    /// queue ends without growing the stack.
     // Out of line: the rare path of the grants and ends that carry parked runs.
     #[inline(never)]
     pub(super) fn start(self) {
-        let first = STARTING.with_borrow_mut(|starting| match starting {
-            Some(later) => {
-                later.push(self);
-                None
-            }
-            None => {
-                *starting = Some(Vec::new());
-                Some(self)
+        let mut run = Some(self);
+        let queued = STARTING.try_with(|starting| {
+            if let Some(later) = &mut *starting.borrow_mut() {
+                later.extend(run.take());
             }
         });
-        let Some(mut run) = first else { return };
+        if let Some(run) = run {
+            match queued {
+                Ok(()) => Self::after(|| run.spawn()),
+                // This thread's locals are gone (it is exiting): started here and now.
+                Err(_) => run.spawn(),
+            }
+        }
+    }
+
+    /// Runs `f`, and then starts the parked runs started meanwhile on this thread, one after
+    /// another, the runs those start included; or only runs `f` if this thread is already
+    /// starting runs, which starts them. So a caller that holds a lock while it starts runs
+    /// has them started once it let go ([`SetShared::shut`]): one started on a runtime that
+    /// shuts down ends at once, and takes its lane's lock.
+    pub(super) fn after<R>(f: impl FnOnce() -> R) -> R {
+        let outermost = STARTING
+            .try_with(|starting| {
+                let mut starting = starting.borrow_mut();
+                let idle = starting.is_none();
+                if idle {
+                    *starting = Some(Vec::new());
+                }
+                idle
+            })
+            .unwrap_or(false);
+        if !outermost {
+            return f();
+        }
         // Clears the list however this ends; the runs still in it are dropped (and end).
         struct Started;
         impl Drop for Started {
             fn drop(&mut self) {
-                drop(STARTING.with_borrow_mut(Option::take));
+                drop(STARTING.try_with(|starting| starting.borrow_mut().take()));
             }
         }
         let _started = Started;
-        loop {
-            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                drop(runtime.spawn(work(run.0)));
-            }
-            match STARTING.with_borrow_mut(|starting| starting.as_mut().and_then(Vec::pop)) {
-                Some(later) => run = later,
-                None => return,
-            }
+        let value = f();
+        while let Some(run) = STARTING.with_borrow_mut(|s| s.as_mut().and_then(Vec::pop)) {
+            run.spawn();
+        }
+        value
+    }
+
+    /// Spawns its task on the current runtime, or drops it if there is none.
+    fn spawn(self) {
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            drop(runtime.spawn(work(self.0)));
         }
     }
 }
@@ -360,29 +386,36 @@ impl Ticket {
     #[cold]
     fn abandon(&mut self) {
         let lane = &self.shared.lanes[self.info.lane];
-        let (seq, limited) = match self.holds.get() {
-            Holds::Nothing => (None, false),
+        let waiting = match self.holds.get() {
+            Holds::Nothing => None,
             Holds::Slot(slot) => {
                 self.release(slot);
-                (None, false)
+                None
             }
-            Holds::Queued(seq) => (Some(seq), false),
-            Holds::Limited(seq) => (Some(seq), true),
+            waits => Some(waits),
         };
-        if let Some(seq) = seq {
-            let mut core = lane.lock_core();
-            let withdrawn = if limited { core.withdraw_limited(seq) } else { core.withdraw(seq) };
-            if withdrawn {
-                lane.publish(&mut core);
-            } else {
-                drop(core);
-                // Out of the queue: shut (the latch was set under the lock), or granted a
-                // slot, whose latch is set just after its granter's lock: on its way.
-                loop {
-                    match self.signal().grant_state() {
-                        Decision::Granted(slot) => break self.release(slot),
-                        Decision::Shut(_) => break,
-                        Decision::Waiting => std::thread::yield_now(),
+        // A waiting run: granted its slot or failed by a shut (the latch says), or still in
+        // line, where it is withdrawn from; or taken out of line by a grant whose latch is on
+        // its way (set just after its granter's lock).
+        if let Some(waits) = waiting {
+            let mut withdrawn = false;
+            loop {
+                match self.signal().grant_state() {
+                    Decision::Granted(slot) => break self.release(slot),
+                    Decision::Shut(_) => break,
+                    Decision::Waiting if withdrawn => std::thread::yield_now(),
+                    Decision::Waiting => {
+                        let out = match waits {
+                            Holds::Limited(seq) => lane.withdraw(seq, true),
+                            // Admitted into the inbox: its place is not known (sequence 0).
+                            Holds::Queued(0) => lane.withdraw_run(self.signal()),
+                            Holds::Queued(seq) => lane.withdraw(seq, false),
+                            Holds::Nothing | Holds::Slot(_) => unreachable!("matched above"),
+                        };
+                        if out {
+                            break;
+                        }
+                        withdrawn = true;
                     }
                 }
             }
@@ -392,13 +425,6 @@ impl Ticket {
             run = self.info.run_id.get(),
             "dropped before it ended (its runtime shut down): canceled, not finalized"
         );
-        // Dropped by the set's runtime as it shuts down: a shut spawns parked runs elsewhere.
-        if let (Some(set), Ok(current)) =
-            (self.shared.runtime.get(), tokio::runtime::Handle::try_current())
-            && set.id() == current.id()
-        {
-            self.shared.runtime_gone.store(true, Ordering::SeqCst);
-        }
         self.signal = None;
         self.shared.complete(self.info.lane, Some(Reason::Canceled));
     }
@@ -546,8 +572,10 @@ where
                 // The run waits on its signal no more: its task's waker goes now, outside any
                 // lock, rather than with the signal (which the lane may keep for a later run).
                 t.signal().forget_driver();
-                next = t.shared.release_execution(t.info.lane, slot);
+                // Before the release: should a metrics recorder unwind out of it after the
+                // slot went to the next run, the ticket's drop must not give it back again.
                 t.holds.set(Holds::Nothing);
+                next = t.shared.release_execution(t.info.lane, slot);
                 match &executed {
                     Ok(_) => tracing::debug!("job ended"),
                     Err((stage, reason, _)) => {
@@ -714,6 +742,8 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         let lane = &t.shared.lanes[t.info.lane];
         let mut core = lane.lock_core();
         if core.withdraw(seq) {
+            // Out of line before the gauges (a recorder may unwind): nothing held.
+            t.holds.set(Holds::Nothing);
             lane.publish(&mut core);
             return Err((Stage::Queue, reason, cause));
         }
@@ -735,6 +765,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         Decision::Granted(slot) => {
             // Its waker goes first, as after a job: the lane keeps the signal for a later run.
             signal.forget_driver();
+            t.holds.set(Holds::Nothing);
             drop(t.shared.release_execution(t.info.lane, slot));
             Err((Stage::Queue, reason, cause))
         }
@@ -789,13 +820,18 @@ async fn await_permit(
                 // Behind the runs admitted into the inbox before it became ready.
                 let mut core = lane.lock_core_exact();
                 let ready = core.ready(seq);
+                // Where it waits now, before the gauges (a recorder may unwind).
+                t.holds.set(match ready {
+                    Some(Admitted::Executing { slot, .. }) => Holds::Slot(slot),
+                    Some(Admitted::Queued { seq }) => Holds::Queued(seq),
+                    _ => Holds::Nothing,
+                });
                 lane.publish(&mut core);
                 ready
             };
             return match ready {
                 Some(Admitted::Executing { slot, .. }) => Ok((slot, Some(permit))),
                 Some(Admitted::Queued { seq }) => {
-                    t.holds.set(Holds::Queued(seq));
                     await_grant(t, seq, deadline).await.map(|slot| (slot, Some(permit)))
                 }
                 Some(Admitted::Limited { .. }) => unreachable!("a ready run is not limited"),
@@ -820,6 +856,7 @@ async fn await_permit(
     };
     let mut core = lane.lock_core();
     if core.withdraw_limited(seq) {
+        t.holds.set(Holds::Nothing);
         lane.publish(&mut core);
         return Err((Stage::Queue, reason, cause));
     }

@@ -263,6 +263,70 @@ impl Drop for Handoff {
     }
 }
 
+impl Held {
+    /// Whether this is the run of `signal`.
+    pub(super) fn is_run_of(&self, signal: &Arc<RunSignal>) -> bool {
+        Arc::ptr_eq(&self.signal, signal)
+    }
+}
+
+/// Whether `runtime` has not shut down: one that has drops a task spawned on it at once.
+fn is_running(runtime: &tokio::runtime::Handle) -> bool {
+    let probe = runtime.spawn(std::future::pending::<()>());
+    let running = !probe.is_finished();
+    probe.abort();
+    running
+}
+
+impl LaneShared {
+    /// Shuts this lane ([`SetShared::shut`]): nothing more is admitted, queued runs are
+    /// failed, executing ones cancelled with `reason`.
+    fn shut(&self, why: Shut, reason: Reason) {
+        let mut core = self.lock_core();
+        let mut inbox = self.take_inbox(&mut core);
+        // Nothing more is admitted there; its signals go with the core's (below).
+        inbox.shut = true;
+        let inbox_kept = std::mem::take(&mut inbox.spare);
+        drop(inbox);
+        core.shut(
+            why,
+            |held| held.signal.shut(why),
+            |held| {
+                held.signal.cancel(reason);
+            },
+        );
+        // A shut lane admits nothing: the signals it kept go, with the spent drives in them,
+        // after the lock.
+        let core_kept = std::mem::take(&mut core.spare);
+        self.publish(&mut core);
+        drop(core);
+        drop((inbox_kept, core_kept));
+    }
+
+    /// Takes the run queued as `seq` (or waiting for its permit as `seq`, if `limited`) out of
+    /// the lane: `false` if it no longer waits. For a run's end outside its drive.
+    pub(super) fn withdraw(&self, seq: u64, limited: bool) -> bool {
+        let mut state = self.lock_core();
+        let withdrawn = if limited { state.withdraw_limited(seq) } else { state.withdraw(seq) };
+        if withdrawn {
+            self.publish(&mut state);
+        }
+        withdrawn
+    }
+
+    /// Takes the queued run of `signal` out of the lane, wherever it waits (the inbox
+    /// included): `false` if it no longer waits (granted or detached). For a run's end outside
+    /// its drive, which may not know its place in the queue (a run admitted into the inbox).
+    pub(super) fn withdraw_run(&self, signal: &Arc<RunSignal>) -> bool {
+        let mut state = self.lock_core_exact();
+        let withdrawn = state.core.withdraw_where(|held| held.is_run_of(signal));
+        if withdrawn {
+            self.publish(&mut state);
+        }
+        withdrawn
+    }
+}
+
 impl std::ops::Deref for LaneState {
     type Target = LaneCore<Held>;
 
@@ -506,11 +570,9 @@ pub(super) struct SetShared {
     pub(super) worker_drain_timeout: Duration,
     pub(super) audit: Option<Arc<dyn Audit>>,
     /// The runtime of the first queued run that waited as data: a shut spawns the parked runs
-    /// it fails there, whatever runtime (if any) the closing thread is in, unless it is gone.
+    /// it fails there, whatever runtime (if any) the closing thread is in, unless it has shut
+    /// down (then on the closing thread's).
     pub(super) runtime: OnceLock<tokio::runtime::Handle>,
-    /// `runtime` shut down: a run ended in its drop there ([`Ticket::abandon`]). A shut then
-    /// spawns the parked runs it fails on the closing thread's runtime.
-    pub(super) runtime_gone: AtomicBool,
 }
 
 /// A set of named run lanes with shared lifecycle bounds. Cheap to clone: clones share the lanes.
@@ -569,7 +631,6 @@ impl LaneSet {
             worker_drain_timeout: builder.worker_drain_timeout.unwrap_or_default(),
             audit: builder.audit,
             runtime: OnceLock::new(),
-            runtime_gone: AtomicBool::new(false),
         });
         if let Some(registration) = builder.registry {
             registration.register(&shared)?;
@@ -1137,13 +1198,16 @@ impl SetShared {
             && run.queue_timeout.get().is_none()
             && lane.executing.load(Ordering::SeqCst) >= lane.limits.concurrent;
         if inboxed && let Some((run_id, signal)) = lane.admit_to_inbox(&self.next_run_id, holds) {
-            lane.metrics.admitted.increment(1);
-            tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
             // Its place in the queue is not known yet, and not needed: the run is never
             // withdrawn from it (it has no deadline and no handle, so only a shut, which
-            // decides for it, wakes it before its grant).
+            // decides for it, wakes it before its grant). Sequence 0 is no run's (they start
+            // at 1): a ticket dropped unfinished finds nothing there and reads its latch.
             let start =
                 Start::Queued { seq: 0, deadline: None, since: crate::observe::timing_start() };
+            // Counted before its ticket is made: after, the ticket was made and then moved to
+            // the answer, 23 instructions a run, against a metrics recorder that panics.
+            lane.metrics.admitted.increment(1);
+            tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
             return Ok((self.ticket(index, run_id, participation, start, signal, run), prepared));
         }
         let mut state = lane.lock_core();
@@ -1181,15 +1245,8 @@ impl SetShared {
                 drop(inbox);
                 lane.publish(&mut state);
                 drop(state);
-                lane.metrics.admitted.increment(1);
-                tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
                 let start = match admitted {
-                    Admitted::Executing { slot, .. } => {
-                        if crate::observe::wait_timing() {
-                            lane.metrics.queue_wait.record(0.0);
-                        }
-                        Start::Executing { slot }
-                    }
+                    Admitted::Executing { slot, .. } => Start::Executing { slot },
                     Admitted::Queued { seq } => Start::Queued {
                         seq,
                         // The clock is read only for runs that wait with a timeout.
@@ -1202,7 +1259,17 @@ impl SetShared {
                         since: crate::observe::timing_start(),
                     },
                 };
-                Ok((self.ticket(index, run_id, participation, start, signal, run), prepared))
+                let at_once = matches!(start, Start::Executing { .. });
+                // Counted once the ticket exists: a metrics recorder that panics here leaves no
+                // run owned without one (its drop ends the run).
+                let admitted =
+                    Ok((self.ticket(index, run_id, participation, start, signal, run), prepared));
+                lane.metrics.admitted.increment(1);
+                if at_once && crate::observe::wait_timing() {
+                    lane.metrics.queue_wait.record(0.0);
+                }
+                tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
+                admitted
             }
             Err(kind) => {
                 drop(inbox);
@@ -1262,8 +1329,8 @@ impl SetShared {
     /// Closes or poisons every lane (see invariant 3).
     fn shut(&self, why: Shut) {
         // Parked runs are spawned by the shut that fails them, on the set's runtime, or on the
-        // current one once the set's is gone.
-        let runtime = self.runtime.get().filter(|_| !self.runtime_gone.load(Ordering::SeqCst));
+        // current one if the set's has shut down.
+        let runtime = self.runtime.get().filter(|runtime| is_running(runtime));
         let _runtime = runtime.map(tokio::runtime::Handle::enter);
         let (code, reason) = match why {
             Shut::Closed => (CLOSED, Reason::Closed),
@@ -1271,25 +1338,9 @@ impl SetShared {
         };
         self.state.fetch_max(code, Ordering::AcqRel);
         for lane in self.lanes.iter() {
-            let mut core = lane.lock_core();
-            let mut inbox = lane.take_inbox(&mut core);
-            // Nothing more is admitted there; its signals go with the core's (below).
-            inbox.shut = true;
-            let inbox_kept = std::mem::take(&mut inbox.spare);
-            drop(inbox);
-            core.shut(
-                why,
-                |held| held.signal.shut(why),
-                |held| {
-                    held.signal.cancel(reason);
-                },
-            );
-            // A shut lane admits nothing: the signals it kept go, with the spent drives in
-            // them, after the lock.
-            let core_kept = std::mem::take(&mut core.spare);
-            lane.publish(&mut core);
-            drop(core);
-            drop((inbox_kept, core_kept));
+            // The parked runs it fails are started after the lane's lock: one started on a
+            // runtime that shuts down ends at once, which takes that lock.
+            Parked::after(|| lane.shut(why, reason));
         }
         self.shut_done.store(true, Ordering::SeqCst);
         // Callers waiting for room try again, and find the set shut.
@@ -1323,14 +1374,19 @@ impl SetShared {
         // Declared before the lock's guard, so dropped after it if a metrics recorder panics
         // in `publish`: the latch is set then too, and the granted run does not wait forever.
         let mut granted = Handoff(None);
+        // A second run and more, granted when the inbox is taken in: more than one slot was
+        // free, its releases having looked before the inbox's runs were counted. Told after
+        // the lock, as the first is: a parked run told is started, and one started on a
+        // runtime that shuts down ends at once, which takes this lock (invariant 3 of the
+        // driver).
+        let mut more: Vec<Handoff> = Vec::new();
         let unused = {
             let mut core = lane.lock_core();
             let mut on_grant = |_seq, slot, held: &mut Held| {
-                match held.handoff.take() {
-                    Some(signal) if granted.0.is_none() => granted.0 = Some((slot, signal)),
-                    // A second run, granted when the inbox is taken in: more than one slot was
-                    // free, its releases having looked before the inbox's runs were counted.
-                    _ => next.push_granted(&held.signal, slot),
+                let signal = held.handoff.take().unwrap_or_else(|| held.signal.clone());
+                match granted.0 {
+                    None => granted.0 = Some((slot, signal)),
+                    Some(_) => more.push(Handoff(Some((slot, signal)))),
                 }
             };
             let released = core.release_execution(slot, &mut on_grant);
@@ -1355,6 +1411,13 @@ impl SetShared {
         drop(unused);
         if let Some((slot, signal)) = granted.0.take() {
             next.push_granted(&signal, slot);
+        }
+        if !more.is_empty() {
+            for mut handoff in more {
+                if let Some((slot, signal)) = handoff.0.take() {
+                    next.push_granted(&signal, slot);
+                }
+            }
         }
         next
     }

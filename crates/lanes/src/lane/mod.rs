@@ -96,6 +96,12 @@
 //! runtime (shared by several, or kept across a restart) keeps its whole capacity on the next
 //! one and still drains. A blocking caller polling its [`RunHandle`] from another runtime gets
 //! that [`Reason::Canceled`] failure.
+//!
+//! Two limits of a set used by several runtimes. A queued background run waits as data and is
+//! started on the runtime of the run that hands it its slot: if that runtime is shutting down,
+//! the run ends there, canceled, even if the runtime that admitted it runs on. And a close
+//! starts the queued runs it fails on the runtime of the set's first such run, or, if that one
+//! has shut down, on the closing thread's; from outside any runtime, they end canceled.
 
 mod audit;
 mod config;

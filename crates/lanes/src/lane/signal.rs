@@ -217,7 +217,10 @@ impl RunSignal {
     }
 
     fn wake_driver(&self) {
-        std::mem::replace(&mut *spin_lock(&self.driver), Driver::None).wake();
+        // Taken out under the lock and woken after it: a parked run woken is started, and one
+        // started on a runtime that shuts down ends at once, which reads this signal.
+        let driver = std::mem::replace(&mut *spin_lock(&self.driver), Driver::None);
+        driver.wake();
     }
 
     /// Keeps `step`, the spent drive of the background run that ended, until the lane reuses
