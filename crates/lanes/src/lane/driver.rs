@@ -199,10 +199,8 @@ impl Parked {
 
     /// Runs `f`, and then starts the parked runs started meanwhile on this thread, one after
     /// another, the runs those start included; or only runs `f` if this thread is already
-    /// starting runs, which starts them. So a caller that holds a lock while it starts runs
-    /// has them started once it let go ([`SetShared::shut`]): one started on a runtime that
-    /// shuts down ends at once, and takes its lane's lock.
-    pub(super) fn after<R>(f: impl FnOnce() -> R) -> R {
+    /// starting runs, which starts them.
+    fn after<R>(f: impl FnOnce() -> R) -> R {
         let outermost = STARTING
             .try_with(|starting| {
                 let mut starting = starting.borrow_mut();
@@ -278,6 +276,17 @@ impl Next {
             None => self.run = Some(run),
             Some(_) => run.start(),
         }
+    }
+
+    /// Grants each `(slot, signal)`, as [`push_granted`](Self::push_granted) does, every latch
+    /// first: a parked run started may end at once (on a runtime that has shut down), and its
+    /// end must not find a grant still to be told by this thread.
+    pub(super) fn push_all_granted(
+        &mut self,
+        grants: impl Iterator<Item = (usize, Arc<RunSignal>)>,
+    ) {
+        let parked: Vec<Parked> = grants.filter_map(|(slot, signal)| signal.grant(slot)).collect();
+        parked.into_iter().for_each(|run| self.push(run));
     }
 
     /// Grants `slot` to the run of `signal`: a parked one is carried, one with a task of its

@@ -70,7 +70,7 @@ use super::driver::{
 use super::error::{AdmissionError, AdmissionErrorKind, PoisonError, Reason};
 use super::metrics::LaneMetrics;
 use super::run::{Finalize, Job, Participation, Run, RunHandle, RunId};
-use super::signal::RunSignal;
+use super::signal::{RunSignal, Woken};
 use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use crate::BoxError;
 use crate::config::ConfigError;
@@ -282,6 +282,9 @@ impl LaneShared {
     /// Shuts this lane ([`SetShared::shut`]): nothing more is admitted, queued runs are
     /// failed, executing ones cancelled with `reason`.
     fn shut(&self, why: Shut, reason: Reason) {
+        // The parked runs failed are started after the lock: one started on a runtime that
+        // has shut down ends at once, which takes the lock.
+        let mut woken = Vec::new();
         let mut core = self.lock_core();
         let mut inbox = self.take_inbox(&mut core);
         // Nothing more is admitted there; its signals go with the core's (below).
@@ -290,7 +293,7 @@ impl LaneShared {
         drop(inbox);
         core.shut(
             why,
-            |held| held.signal.shut(why),
+            |held| woken.extend(held.signal.shut_later(why)),
             |held| {
                 held.signal.cancel(reason);
             },
@@ -301,6 +304,7 @@ impl LaneShared {
         self.publish(&mut core);
         drop(core);
         drop((inbox_kept, core_kept));
+        woken.into_iter().for_each(Woken::wake);
     }
 
     /// Takes the run queued as `seq` (or waiting for its permit as `seq`, if `limited`) out of
@@ -526,11 +530,7 @@ impl LaneShared {
             });
             self.publish(&mut state);
         }
-        for mut handoff in granted {
-            if let Some((slot, signal)) = handoff.0.take() {
-                next.push_granted(&signal, slot);
-            }
-        }
+        next.push_all_granted(granted.iter_mut().filter_map(|handoff| handoff.0.take()));
         // Dropped here: a parked run it carries gets a task of its own, on this runtime.
         drop(next);
     }
@@ -1338,9 +1338,7 @@ impl SetShared {
         };
         self.state.fetch_max(code, Ordering::AcqRel);
         for lane in self.lanes.iter() {
-            // The parked runs it fails are started after the lane's lock: one started on a
-            // runtime that shuts down ends at once, which takes that lock.
-            Parked::after(|| lane.shut(why, reason));
+            lane.shut(why, reason);
         }
         self.shut_done.store(true, Ordering::SeqCst);
         // Callers waiting for room try again, and find the set shut.
@@ -1413,11 +1411,7 @@ impl SetShared {
             next.push_granted(&signal, slot);
         }
         if !more.is_empty() {
-            for mut handoff in more {
-                if let Some((slot, signal)) = handoff.0.take() {
-                    next.push_granted(&signal, slot);
-                }
-            }
+            next.push_all_granted(more.iter_mut().filter_map(|handoff| handoff.0.take()));
         }
         next
     }

@@ -56,6 +56,18 @@ enum Driver {
     Spent(Step),
 }
 
+/// A driver a latch's move took out under its taker's lock ([`RunSignal::shut_later`]), to be
+/// woken once the taker released it: a parked run woken is started, and one started on a
+/// runtime that has shut down ends at once, which takes its lane's lock.
+#[must_use = "a driver taken out is woken, or its run never learns of the decision"]
+pub(crate) struct Woken(Driver);
+
+impl Woken {
+    pub(crate) fn wake(self) {
+        self.0.wake();
+    }
+}
+
 impl Driver {
     /// Wakes the driver task or starts the parked run, taken out of the slot (after its lock).
     fn wake(self) {
@@ -187,17 +199,14 @@ impl RunSignal {
         }
     }
 
-    pub(crate) fn shut(&self, why: Shut) {
-        self.set_grant(match why {
+    /// Fails the run for a shut, under its lane's lock: answers what to wake once the caller
+    /// let go of it.
+    pub(crate) fn shut_later(&self, why: Shut) -> Option<Woken> {
+        let value = match why {
             Shut::Closed => CLOSED,
             Shut::Poisoned => POISONED,
-        });
-    }
-
-    fn set_grant(&self, value: u8) {
-        if let Some(driver) = self.decide(value, 0) {
-            driver.wake();
-        }
+        };
+        self.decide(value, 0).map(Woken)
     }
 
     /// Moves the grant latch from waiting to `value` (and stores `slot`, published by the
