@@ -310,9 +310,7 @@ fn a_set_outliving_runtimes_shut_down_at_random_loses_no_room() {
     assert_quiescent(&set);
 }
 
-/// A metrics recorder whose `lanes_lane_admitted_total` counter panics while `PANICS` is set.
-struct PanickingAdmissions;
-
+/// Set while the `lanes_lane_admitted_total` counter of [`panicking_admissions`] panics.
 static PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 struct AdmittedCounter;
@@ -324,44 +322,10 @@ impl metrics::CounterFn for AdmittedCounter {
     fn absolute(&self, _value: u64) {}
 }
 
-impl metrics::Recorder for PanickingAdmissions {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        match key.name() {
-            "lanes_lane_admitted_total" => metrics::Counter::from_arc(Arc::new(AdmittedCounter)),
-            _ => metrics::Counter::noop(),
-        }
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
+/// A metrics recorder whose `lanes_lane_admitted_total` counter panics while `PANICS` is set.
+fn panicking_admissions() -> common::Named {
+    let admitted = metrics::Counter::from_arc(Arc::new(AdmittedCounter));
+    common::Named { counters: vec![("lanes_lane_admitted_total", admitted)], gauges: vec![] }
 }
 
 /// A metrics recorder that panics as a run is counted admitted unwinds out of the admission
@@ -371,7 +335,7 @@ impl metrics::Recorder for PanickingAdmissions {
 /// run owned.)
 #[test]
 fn a_run_admitted_as_the_recorder_panics_is_not_left_owned() {
-    let set = metrics::with_local_recorder(&PanickingAdmissions, || {
+    let set = metrics::with_local_recorder(&panicking_admissions(), || {
         common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap()
     });
     let runtime = current_thread();

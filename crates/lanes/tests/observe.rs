@@ -10,7 +10,6 @@ use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
 use lanes::observe::{METRICS, Observe, Registry, Snapshot};
 use lanes::spill::MemStorage;
 use lanes::{LaneLimits, LaneSet, LimitSpec, Limits, Priority, Run, SpillOptions, SpillQueue};
-use metrics::{SharedString, Unit};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 
 /// A series: its name, its labels and its value.
@@ -488,26 +487,16 @@ impl LaneGauges {
     }
 }
 
-impl metrics::Recorder for LaneGauges {
-    fn describe_counter(&self, _: metrics::KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_gauge(&self, _: metrics::KeyName, _: Option<Unit>, _: SharedString) {}
-    fn describe_histogram(&self, _: metrics::KeyName, _: Option<Unit>, _: SharedString) {}
-    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        metrics::Counter::noop()
-    }
-    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        match key.name() {
-            "lanes_lane_executing" => metrics::Gauge::from_arc(self.executing.clone()),
-            "lanes_lane_queued" => metrics::Gauge::from_arc(self.queued.clone()),
-            _ => metrics::Gauge::noop(),
-        }
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
+impl LaneGauges {
+    /// A recorder that hands out these gauges.
+    fn recorder(&self) -> common::Named {
+        let gauge =
+            |value: &Arc<metrics::atomics::AtomicU64>| metrics::Gauge::from_arc(value.clone());
+        let gauges = vec![
+            ("lanes_lane_executing", gauge(&self.executing)),
+            ("lanes_lane_queued", gauge(&self.queued)),
+        ];
+        common::Named { counters: vec![], gauges }
     }
 }
 
@@ -520,7 +509,7 @@ fn a_lanes_queued_gauge_counts_runs_admitted_while_every_slot_is_taken() {
     let rt = paused_runtime();
     let (executing, queued) =
         (|| LaneGauges::read(&recorder.executing), || LaneGauges::read(&recorder.queued));
-    metrics::with_local_recorder(&recorder, || {
+    metrics::with_local_recorder(&recorder.recorder(), || {
         rt.block_on(async {
             let lanes = work_lane("inbox", LaneLimits::new(1, 16));
             let sleep = |ms: u64| {

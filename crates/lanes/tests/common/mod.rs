@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use lanes::{LaneLimits, LaneSetBuilder};
+use metrics::SharedString;
 
 /// A builder of a set with one lane, `name`, of `limits`, and audit, finalization and drain
 /// timeouts of a second: long enough never to fire in a test, short enough that a hang fails.
@@ -22,4 +23,38 @@ pub(crate) fn xorshift(seed: &mut u64) -> u64 {
     *seed ^= *seed >> 7;
     *seed ^= *seed << 17;
     *seed
+}
+
+/// A metrics recorder that hands out the given handles by metric name, and no-op handles for
+/// every other metric: for a test that watches (or breaks) a few of them.
+#[derive(Default)]
+pub(crate) struct Named {
+    pub(crate) counters: Vec<(&'static str, metrics::Counter)>,
+    pub(crate) gauges: Vec<(&'static str, metrics::Gauge)>,
+}
+
+impl Named {
+    fn find<H: Clone>(handles: &[(&'static str, H)], key: &metrics::Key) -> Option<H> {
+        let found = handles.iter().find(|(name, _)| *name == key.name());
+        found.map(|(_, handle)| handle.clone())
+    }
+}
+
+impl metrics::Recorder for Named {
+    fn describe_counter(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: metrics::KeyName, _: Option<metrics::Unit>, _: SharedString) {}
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        Self::find(&self.counters, key).unwrap_or_else(metrics::Counter::noop)
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        Self::find(&self.gauges, key).unwrap_or_else(metrics::Gauge::noop)
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
 }
