@@ -407,12 +407,13 @@ impl Ticket {
         // line, where it is withdrawn from; or taken out of line by a grant whose latch is on
         // its way (set just after its granter's lock).
         if let Some(waits) = waiting {
-            let mut withdrawn = false;
+            // Looked for in line and not found: the latch is on its way.
+            let mut missed = false;
             loop {
                 match self.signal().grant_state() {
                     Decision::Granted(slot) => break self.release(slot),
                     Decision::Shut(_) => break,
-                    Decision::Waiting if withdrawn => std::thread::yield_now(),
+                    Decision::Waiting if missed => std::thread::yield_now(),
                     Decision::Waiting => {
                         let out = match waits {
                             Holds::Limited(seq) => lane.withdraw(seq, true),
@@ -424,7 +425,7 @@ impl Ticket {
                         if out {
                             break;
                         }
-                        withdrawn = true;
+                        missed = true;
                     }
                 }
             }
