@@ -415,14 +415,7 @@ impl Ticket {
                     Decision::Shut(_) => break,
                     Decision::Waiting if missed => std::thread::yield_now(),
                     Decision::Waiting => {
-                        let out = match waits {
-                            Holds::Limited(seq) => lane.withdraw(seq, true),
-                            // Admitted into the inbox: its place is not known (sequence 0).
-                            Holds::Queued(0) => lane.withdraw_run(self.signal()),
-                            Holds::Queued(seq) => lane.withdraw(seq, false),
-                            Holds::Nothing | Holds::Slot(_) => unreachable!("matched above"),
-                        };
-                        if out {
+                        if lane.withdraw(waits, self.signal()) {
                             break;
                         }
                         missed = true;

@@ -64,8 +64,8 @@ use super::audit::Audit;
 use super::config::{LaneLimits, LaneSetBuilder};
 use super::core::{Admitted, LaneCore, Shut};
 use super::driver::{
-    Admission, Callbacks, Next, Parked, Start, Step, Ticket, TicketInfo, background, blocking,
-    drive, in_box, work,
+    Admission, Callbacks, Holds, Next, Parked, Start, Step, Ticket, TicketInfo, background,
+    blocking, drive, in_box, work,
 };
 use super::error::{AdmissionError, AdmissionErrorKind, PoisonError, Reason};
 use super::metrics::LaneMetrics;
@@ -307,23 +307,21 @@ impl LaneShared {
         woken.into_iter().for_each(Woken::wake);
     }
 
-    /// Takes the run queued as `seq` (or waiting for its permit as `seq`, if `limited`) out of
-    /// the lane: `false` if it no longer waits. For a run's end outside its drive.
-    pub(super) fn withdraw(&self, seq: u64, limited: bool) -> bool {
-        let mut state = self.lock_core();
-        let withdrawn = if limited { state.withdraw_limited(seq) } else { state.withdraw(seq) };
-        if withdrawn {
-            self.publish(&mut state);
-        }
-        withdrawn
-    }
-
-    /// Takes the queued run of `signal` out of the lane, wherever it waits (the inbox
-    /// included): `false` if it no longer waits (granted or detached). For a run's end outside
-    /// its drive, which may not know its place in the queue (a run admitted into the inbox).
-    pub(super) fn withdraw_run(&self, signal: &Arc<RunSignal>) -> bool {
-        let mut state = self.lock_core_exact();
-        let withdrawn = state.core.withdraw_where(|held| held.is_run_of(signal));
+    /// Takes the run of `signal` out of the place `waits` in the lane (a place in the queue, a
+    /// place among the runs waiting for their permit, or sequence 0: admitted into the inbox,
+    /// its place not known, found by its signal): `false` if it no longer waits there. For a
+    /// run's end outside its drive.
+    pub(super) fn withdraw(&self, waits: Holds, signal: &Arc<RunSignal>) -> bool {
+        let mut state = match waits {
+            Holds::Queued(0) => self.lock_core_exact(),
+            _ => self.lock_core(),
+        };
+        let withdrawn = match waits {
+            Holds::Queued(0) => state.withdraw_where(|held| held.is_run_of(signal)),
+            Holds::Queued(seq) => state.withdraw(seq),
+            Holds::Limited(seq) => state.withdraw_limited(seq),
+            Holds::Nothing | Holds::Slot(_) => false,
+        };
         if withdrawn {
             self.publish(&mut state);
         }
