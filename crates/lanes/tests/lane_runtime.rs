@@ -370,3 +370,63 @@ fn a_run_admitted_as_the_recorder_panics_is_not_left_owned() {
     runs_at_full_width(&runtime, &set, "a", 1);
     assert_quiescent(&set);
 }
+
+/// A value whose drop panics: a job's capture written carelessly.
+struct PanicsOnDrop;
+
+impl Drop for PanicsOnDrop {
+    fn drop(&mut self) {
+        panic!("a job's capture panics in its drop");
+    }
+}
+
+/// A close from outside any runtime drops the parked runs it fails in place, as a runtime drops
+/// a task: a job whose drop panics there is caught, as a runtime catches it, and the close goes
+/// on to the runs after it and to the lanes after its own. Before, the panic left the close
+/// from that point: the later lanes were never shut and the set never drained.
+#[test]
+fn a_parked_runs_drop_that_panics_in_a_close_does_not_stop_the_close() {
+    let set = LaneSet::builder()
+        .lane("a", LaneLimits::new(1, 8))
+        .lane("b", LaneLimits::new(1, 8))
+        .audit_timeout(Duration::from_secs(1))
+        .finalization_timeout(Duration::from_secs(1))
+        .worker_drain_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let first = current_thread();
+    first.block_on(async {
+        // The second waits as data: the set keeps this runtime for a shut's parked runs.
+        set.spawn("a", Run::new(|_cx| async { Ok(1) })).unwrap();
+        set.spawn("a", Run::new(|_cx| async { Ok(2) })).unwrap();
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    });
+    drop(first);
+    let second = current_thread();
+    second.block_on(async {
+        for lane in ["a", "b"] {
+            let busy = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
+            set.spawn(lane, busy).unwrap();
+            let careless = PanicsOnDrop;
+            let run = Run::new(move |_cx| async move {
+                drop(careless);
+                Ok(2)
+            });
+            set.spawn(lane, run).unwrap();
+            set.spawn(lane, forever()).unwrap();
+        }
+        tokio::task::yield_now().await;
+    });
+    let closed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| set.close()));
+    assert!(closed.is_ok(), "the close caught the job's panic, as a runtime would have");
+    for lane in &set.snapshot().lanes {
+        assert_eq!((lane.owned, lane.queued, lane.failed.canceled), (1, 0, 2), "{lane:?}");
+    }
+    second.block_on(async {
+        let drained = tokio::time::timeout(Duration::from_secs(10), set.drained()).await;
+        assert!(drained.is_ok(), "the set drains: {:?}", set.snapshot());
+    });
+    assert_quiescent(&set);
+}

@@ -231,8 +231,12 @@ impl Parked {
 
     /// Spawns its task on the current runtime, or drops it if there is none.
     fn spawn(self) {
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            drop(runtime.spawn(work(self.0)));
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(work(self.0))),
+            // As a runtime drops a task: a panic in the drop (a job's capture) is caught there
+            // and goes no further, so a close that fails parked runs goes on to the rest. The
+            // run ends in the drop all the same (its ticket's drop runs as the panic unwinds).
+            Err(_) => drop(call_contained(move || drop(self))),
         }
     }
 }

@@ -101,7 +101,9 @@
 //! started on the runtime of the run that hands it its slot: if that runtime is shutting down,
 //! the run ends there, canceled, even if the runtime that admitted it runs on. And a close
 //! starts the queued runs it fails on the runtime of the set's first such run, or, if that one
-//! has shut down, on the closing thread's; from outside any runtime, they end canceled.
+//! has shut down, on the closing thread's; from outside any runtime, they end canceled, dropped
+//! in place as a runtime drops a task: a panic in that drop (a job's capture) is caught, as a
+//! runtime catches it, and the close goes on.
 
 mod audit;
 mod config;
