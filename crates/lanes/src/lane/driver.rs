@@ -14,13 +14,6 @@
 //!    it gives back what the run holds in its lane (its place in the queue, or its slot, as
 //!    [`Progress`] says), and its ownership, counted failed with [`Reason::Canceled`]. Its
 //!    finalizer and cleanup do not run: there is no runtime left to run them on.
-//! 4. A run is driven on the runtime it was admitted on (its *home*): a blocking or timed run's
-//!    task is spawned there at admission, and a parked run is started there when granted. A
-//!    run that gives its slot back carries the parked run it granted in its own task only if
-//!    both share a home; any other is spawned on its own ([`Next::push`]). So a runtime that
-//!    shuts down ends its own runs (invariant 3) and no other runtime's: a queued run is never
-//!    started on a runtime that is not its own, where it might end with that runtime; a run
-//!    whose runtime has shut down ends when it is started there (invariant 3).
 
 use std::cell::RefCell;
 use std::future::{Future, poll_fn};
@@ -167,36 +160,11 @@ pub(super) enum Start {
 }
 
 /// A queued background run without a deadline, waiting as data in its signal instead of as a
-/// task ([`RunSignal::park`]): its drive, built at admission and not yet polled, and its home
-/// (invariant 4). The lane's decision starts it: a grant made by a run of the same home that
-/// gives its slot back hands it to that run's task ([`Next`]); anything else spawns a task for
-/// it on its home.
-pub(super) struct Parked {
-    pub(super) step: Step,
-    /// Its home's handle if that is not the set's runtime ([`SetRuntime`]). A run of the set's
-    /// runtime, the common case (a set used by one runtime), keeps none: a handle made on the
-    /// admitting thread and dropped on the one that starts the run would bounce its reference
-    /// count between cores (`29fd922`: suite 2 on two threads from 1.1-1.3x to 1.00-1.06x).
-    /// Boxed: it is rare, and the run's signal keeps a parked run where it waits.
-    pub(super) foreign: Option<Box<tokio::runtime::Handle>>,
-}
-
-/// The set's runtime: the home of its first run that waited as data, where a shut starts the
-/// parked runs it fails (`SetShared::shut`), and the home of every parked run that keeps no
-/// handle of its own.
-#[derive(Debug)]
-pub(super) struct SetRuntime {
-    pub(super) handle: tokio::runtime::Handle,
-    pub(super) id: tokio::runtime::Id,
-}
-
-/// Where the parked runs a grant starts go: into the task of the run that gave its slot back,
-/// if they share its home `carrier`; else to their own home, `set` being the set's runtime.
-#[derive(Clone, Copy)]
-pub(super) struct Starts<'a> {
-    pub(super) carrier: Option<tokio::runtime::Id>,
-    pub(super) set: Option<&'a SetRuntime>,
-}
+/// task ([`RunSignal::park`]): its drive, built at admission and not yet polled. The lane's
+/// decision starts it: a grant made by a run that gives its slot back hands it to that run's
+/// task ([`Next`]), anything else spawns a task for it on the deciding thread's runtime (a
+/// grant is made in a run's task; a shut enters the set's runtime first).
+pub(super) struct Parked(pub(super) Step);
 
 thread_local! {
     /// Parked runs this thread is to start, while it starts one ([`Parked::start`]).
@@ -204,11 +172,8 @@ thread_local! {
 }
 
 impl Parked {
-    /// Spawns a task for it on its home: on its own handle, or, for a run of the set's runtime,
-    /// on the current runtime (where what starts it runs: a run of the same home that granted
-    /// it, or a shut, which enters the set's runtime; [`start_home`](Self::start_home) starts
-    /// it from anywhere else). With no runtime, the run is dropped, as a task of that runtime
-    /// would have been, and ends (invariant 3).
+    /// Spawns a task for it on the current runtime; with none, the run is dropped, as a task
+    /// of that runtime would have been, and ends (invariant 3).
     ///
     /// A runtime that shuts down drops a task spawned on it at once: the run ends in its drop,
     /// and gives its slot to the next parked run, which is started here again. Started one
@@ -264,33 +229,14 @@ impl Parked {
         value
     }
 
-    /// Starts it on its home from a thread whose runtime may not be it: a run of the set's
-    /// runtime is spawned on `set_runtime`, the set's handle (`None`: the current runtime).
-    pub(super) fn start_home(mut self, set_runtime: Option<&SetRuntime>) {
-        if self.foreign.is_none() {
-            self.foreign = set_runtime.map(|set| Box::new(set.handle.clone()));
-        }
-        self.start();
-    }
-
-    /// Its home, `set` being the set's runtime.
-    fn home(&self, set: Option<&SetRuntime>) -> Option<tokio::runtime::Id> {
-        match &self.foreign {
-            Some(handle) => Some(handle.id()),
-            None => set.map(|set| set.id),
-        }
-    }
-
-    /// Spawns its task on its home's handle, or the current runtime; drops it if there is none.
+    /// Spawns its task on the current runtime, or drops it if there is none.
     fn spawn(self) {
-        let Self { step, foreign } = self;
-        let runtime = foreign.map_or_else(tokio::runtime::Handle::try_current, |home| Ok(*home));
-        match runtime {
-            Ok(runtime) => drop(runtime.spawn(work(step))),
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(work(self.0))),
             // As a runtime drops a task: a panic in the drop (a job's capture) is caught there
             // and goes no further, so a close that fails parked runs goes on to the rest. The
             // run ends in the drop all the same (its ticket's drop runs as the panic unwinds).
-            Err(_) => drop(call_contained(move || drop(step))),
+            Err(_) => drop(call_contained(move || drop(self))),
         }
     }
 }
@@ -310,7 +256,7 @@ pub(super) async fn work(mut step: Step) {
         }
         // Carried across the yield: if this task is dropped there, `Next`'s drop spawns it.
         tokio::task::coop::consume_budget().await;
-        let following = next.run.take().expect("checked before the yield").step;
+        let following = next.run.take().expect("checked before the yield").0;
         next.bury(std::mem::replace(&mut step, following));
     }
 }
@@ -328,12 +274,8 @@ pub(super) struct Next {
 }
 
 impl Next {
-    /// Carries `run` if it shares the carrier's home; a second one (never, when one slot was
-    /// freed) gets its own task; a run of another home is started there (invariant 4).
-    pub(super) fn push(&mut self, run: Parked, starts: Starts<'_>) {
-        if starts.carrier.is_none() || run.home(starts.set) != starts.carrier {
-            return run.start_home(starts.set);
-        }
+    /// Carries `run`; a second one (never, when one slot was freed) gets its own task.
+    pub(super) fn push(&mut self, run: Parked) {
         match self.run {
             None => self.run = Some(run),
             Some(_) => run.start(),
@@ -346,17 +288,16 @@ impl Next {
     pub(super) fn push_all_granted(
         &mut self,
         grants: impl Iterator<Item = (usize, Arc<RunSignal>)>,
-        starts: Starts<'_>,
     ) {
         let parked: Vec<Parked> = grants.filter_map(|(slot, signal)| signal.grant(slot)).collect();
-        parked.into_iter().for_each(|run| self.push(run, starts));
+        parked.into_iter().for_each(|run| self.push(run));
     }
 
-    /// Grants `slot` to the run of `signal`: a parked one is carried (or started on its home,
-    /// [`push`](Self::push)), one with a task of its own is woken.
-    pub(super) fn push_granted(&mut self, signal: &RunSignal, slot: usize, starts: Starts<'_>) {
+    /// Grants `slot` to the run of `signal`: a parked one is carried, one with a task of its
+    /// own is woken.
+    pub(super) fn push_granted(&mut self, signal: &RunSignal, slot: usize) {
         if let Some(run) = signal.grant(slot) {
-            self.push(run, starts);
+            self.push(run);
         }
     }
 
@@ -447,9 +388,6 @@ pub(super) struct TicketInfo {
     pub(super) lane: usize,
     pub(super) run_id: RunId,
     pub(super) participation: Participation,
-    /// The runtime the run was admitted on (invariant 4), set once it is known, right after
-    /// the admission; a ticket dropped before has none, and carries no run it grants.
-    pub(super) home: Option<tokio::runtime::Id>,
 }
 
 /// Where and why a run failed before its finalizer, and the cause.
@@ -520,7 +458,7 @@ impl Ticket {
     /// Gives execution slot `slot` back, as a run does after its job: to the next queued run.
     fn release(&self, slot: usize) {
         self.signal().forget_driver();
-        drop(self.shared.release_execution(self.info.lane, slot, self.info.home));
+        drop(self.shared.release_execution(self.info.lane, slot));
     }
 
     fn lane_name(&self) -> Arc<str> {
@@ -644,7 +582,7 @@ where
                 // Before the release: should a metrics recorder unwind out of it after the
                 // slot went to the next run, the ticket's drop must not give it back again.
                 t.holds.set(Holds::Nothing);
-                next = t.shared.release_execution(t.info.lane, slot, t.info.home);
+                next = t.shared.release_execution(t.info.lane, slot);
                 match &executed {
                     Ok(_) => tracing::debug!("job ended"),
                     Err((stage, reason, _)) => {
@@ -835,7 +773,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
             // Its waker goes first, as after a job: the lane keeps the signal for a later run.
             signal.forget_driver();
             t.holds.set(Holds::Nothing);
-            drop(t.shared.release_execution(t.info.lane, slot, t.info.home));
+            drop(t.shared.release_execution(t.info.lane, slot));
             Err((Stage::Queue, reason, cause))
         }
         Decision::Waiting => unreachable!("the wait ends on a decision"),

@@ -64,8 +64,8 @@ use super::audit::Audit;
 use super::config::{LaneLimits, LaneSetBuilder};
 use super::core::{Admitted, LaneCore, Shut};
 use super::driver::{
-    Admission, Callbacks, Holds, Next, Parked, SetRuntime, Start, Starts, Step, Ticket, TicketInfo,
-    background, blocking, drive, in_box, work,
+    Admission, Callbacks, Holds, Next, Parked, Start, Step, Ticket, TicketInfo, background,
+    blocking, drive, in_box, work,
 };
 use super::error::{AdmissionError, AdmissionErrorKind, PoisonError, Reason};
 use super::metrics::LaneMetrics;
@@ -258,8 +258,7 @@ struct Handoff(Option<(usize, Arc<RunSignal>)>);
 impl Drop for Handoff {
     fn drop(&mut self) {
         if let Some((slot, signal)) = self.0.take() {
-            let starts = Starts { carrier: None, set: None };
-            Next::default().push_granted(&signal, slot, starts);
+            Next::default().push_granted(&signal, slot);
         }
     }
 }
@@ -269,6 +268,14 @@ impl Held {
     pub(super) fn is_run_of(&self, signal: &Arc<RunSignal>) -> bool {
         Arc::ptr_eq(&self.signal, signal)
     }
+}
+
+/// Whether `runtime` has not shut down: one that has drops a task spawned on it at once.
+fn is_running(runtime: &tokio::runtime::Handle) -> bool {
+    let probe = runtime.spawn(std::future::pending::<()>());
+    let running = !probe.is_finished();
+    probe.abort();
+    running
 }
 
 impl LaneShared {
@@ -448,7 +455,6 @@ impl LaneShared {
         &self,
         next_run_id: &AtomicU64,
         holds: Option<&Cell<bool>>,
-        set_runtime: Option<&SetRuntime>,
     ) -> Option<(RunId, Arc<RunSignal>)> {
         let handed = holds.is_some();
         let mut inbox = spin_lock(&self.inbox);
@@ -485,7 +491,7 @@ impl LaneShared {
         // `inboxed` anew); if before, the admission that stored it reads the free slot and
         // takes in every run pushed by then, and this one reads it too if it came after.
         if self.executing.load(Ordering::SeqCst) < self.limits.concurrent {
-            self.grant_inbox(set_runtime);
+            self.grant_inbox();
         }
         Some((run_id, signal))
     }
@@ -507,9 +513,8 @@ impl LaneShared {
     }
 
     /// Takes the inbox's runs in and grants the free slots, for an admission into the inbox
-    /// that found a slot free after all. The granted runs are woken or started after the lock,
-    /// each on its home (no run's task carries them), the set's runtime being `set_runtime`.
-    fn grant_inbox(&self, set_runtime: Option<&SetRuntime>) {
+    /// that found a slot free after all. The granted runs are woken or started after the lock.
+    fn grant_inbox(&self) {
         let mut next = Next::default();
         // Declared before the lock's guard: a panic in `publish` still sets their latches.
         let mut granted: Vec<Handoff> = Vec::new();
@@ -523,8 +528,9 @@ impl LaneShared {
             });
             self.publish(&mut state);
         }
-        let grants = granted.iter_mut().filter_map(|handoff| handoff.0.take());
-        next.push_all_granted(grants, Starts { carrier: None, set: set_runtime });
+        next.push_all_granted(granted.iter_mut().filter_map(|handoff| handoff.0.take()));
+        // Dropped here: a parked run it carries gets a task of its own, on this runtime.
+        drop(next);
     }
 
     /// Publishes the lane's gauges (called under the lane lock, after a change).
@@ -561,10 +567,10 @@ pub(super) struct SetShared {
     pub(super) finalization_timeout: Duration,
     pub(super) worker_drain_timeout: Duration,
     pub(super) audit: Option<Arc<dyn Audit>>,
-    /// The runtime of the first queued run that waited as data: the home of every parked run
-    /// that keeps no handle of its own (driver invariant 4). A shut enters it to spawn those of
-    /// them it fails, whatever runtime (if any) the closing thread is in.
-    pub(super) runtime: OnceLock<SetRuntime>,
+    /// The runtime of the first queued run that waited as data: a shut spawns the parked runs
+    /// it fails there, whatever runtime (if any) the closing thread is in, unless it has shut
+    /// down (then on the closing thread's).
+    pub(super) runtime: OnceLock<tokio::runtime::Handle>,
 }
 
 /// A set of named run lanes with shared lifecycle bounds. Cheap to clone: clones share the lanes.
@@ -1069,9 +1075,7 @@ where
     let participation = Participation::Blocking;
     // As in `place_background`: outside a runtime, this panics with nothing admitted.
     let current = tokio::runtime::Handle::current;
-    let ((mut ticket, callbacks), runtime) =
-        shared.admit(index, participation, run, entry, current)?;
-    ticket.info.home = Some(runtime.id());
+    let ((ticket, callbacks), runtime) = shared.admit(index, participation, run, entry, current)?;
     let (run_id, signal) = (ticket.info.run_id, ticket.signal().clone());
     let join = runtime.spawn(in_box(|| drive(ticket, callbacks, blocking)));
     Ok(RunHandle { run_id, lane: shared.lanes[index].name.clone(), join, signal, finished: false })
@@ -1112,10 +1116,7 @@ where
     // for good. (The handle is dropped on this thread: dropped on another, its reference
     // count would bounce between cores, a tenth of a run's cost on two threads.)
     let current = tokio::runtime::Handle::current;
-    let ((mut ticket, callbacks), runtime) =
-        shared.admit(index, participation, run, entry, current)?;
-    let home = runtime.id();
-    ticket.info.home = Some(home);
+    let ((ticket, callbacks), runtime) = shared.admit(index, participation, run, entry, current)?;
     let run_id = ticket.info.run_id;
     // Nothing to time and nobody to answer: a queued run without a deadline waits as data,
     // and its task is spawned when the lane decides (or it is cancelled), on this runtime.
@@ -1124,22 +1125,9 @@ where
     let step: Step = in_box(|| drive(ticket, callbacks, background));
     match signal {
         Some(signal) => {
-            // The set's runtime is that of its first such run: a shut made from outside it
-            // spawns the parked runs it fails there. A run of another runtime keeps its own
-            // handle, to be started there (driver invariant 4).
-            let foreign = match shared.runtime.get() {
-                Some(set) if set.id == home => None,
-                Some(_) => Some(Box::new(runtime)),
-                None => {
-                    let set = SetRuntime { handle: runtime, id: home };
-                    let lost = shared.runtime.set(set).err();
-                    // Another admission made its runtime the set's first: this one's, if not
-                    // the same, is kept.
-                    lost.filter(|_| shared.runtime.get().is_some_and(|set| set.id != home))
-                        .map(|lost| Box::new(lost.handle))
-                }
-            };
-            signal.park(Parked { step, foreign });
+            // A shut made from outside this runtime spawns the parked runs it fails here.
+            shared.runtime.get_or_init(|| runtime);
+            signal.park(Parked(step));
         }
         None => drop(runtime.spawn(work(step))),
     }
@@ -1207,10 +1195,7 @@ impl SetShared {
             && run.limited_by().is_none()
             && run.queue_timeout.get().is_none()
             && lane.executing.load(Ordering::SeqCst) >= lane.limits.concurrent;
-        if inboxed
-            && let Some((run_id, signal)) =
-                lane.admit_to_inbox(&self.next_run_id, holds, self.runtime.get())
-        {
+        if inboxed && let Some((run_id, signal)) = lane.admit_to_inbox(&self.next_run_id, holds) {
             // Its place in the queue is not known yet, and not needed: the run is never
             // withdrawn from it (it has no deadline and no handle, so only a shut, which
             // decides for it, wakes it before its grant). Sequence 0 is no run's (they start
@@ -1311,7 +1296,7 @@ impl SetShared {
         signal: Arc<RunSignal>,
         run: Run<J, F>,
     ) -> Admission<J, F> {
-        let info = TicketInfo { lane, run_id, participation, home: None };
+        let info = TicketInfo { lane, run_id, participation };
         let Run { job, finalizer, queue_timeout, execution_timeout, extras } = run;
         let (cleanup, limit) = Run::<J, F>::take_extras(extras);
         let timeouts = (queue_timeout, execution_timeout);
@@ -1341,10 +1326,10 @@ impl SetShared {
 
     /// Closes or poisons every lane (see invariant 3).
     fn shut(&self, why: Shut) {
-        // The parked runs it fails are spawned on their homes (driver invariant 4): those of
-        // the set's runtime there, entered here. One that has shut down drops them as it drops
-        // a task spawned on it, and they end canceled (driver invariant 3).
-        let _runtime = self.runtime.get().map(|set| set.handle.enter());
+        // Parked runs are spawned by the shut that fails them, on the set's runtime, or on the
+        // current one if the set's has shut down.
+        let runtime = self.runtime.get().filter(|runtime| is_running(runtime));
+        let _runtime = runtime.map(tokio::runtime::Handle::enter);
         let (code, reason) = match why {
             Shut::Closed => (CLOSED, Reason::Closed),
             Shut::Poisoned => (POISONED, Reason::Poisoned),
@@ -1379,15 +1364,7 @@ impl SetShared {
     /// fetching it under the lock would hold the lock that much longer. Meanwhile the run is
     /// out of the queue and in its slot (a shut cancels it there), and a queued run that gives
     /// up finds it cannot withdraw and waits for the latch (`driver::await_grant`).
-    ///
-    /// `home` is the releasing run's runtime (driver invariant 4): the parked run granted is
-    /// carried by its task only if it shares that home.
-    pub(super) fn release_execution(
-        &self,
-        lane: usize,
-        slot: usize,
-        home: Option<tokio::runtime::Id>,
-    ) -> Next {
+    pub(super) fn release_execution(&self, lane: usize, slot: usize) -> Next {
         let lane = &self.lanes[lane];
         let mut next = Next::default();
         // Declared before the lock's guard, so dropped after it if a metrics recorder panics
@@ -1428,13 +1405,11 @@ impl SetShared {
         };
         // A run granted its slot at admission never used its second reference.
         drop(unused);
-        let starts = Starts { carrier: home, set: self.runtime.get() };
         if let Some((slot, signal)) = granted.0.take() {
-            next.push_granted(&signal, slot, starts);
+            next.push_granted(&signal, slot);
         }
         if !more.is_empty() {
-            let grants = more.iter_mut().filter_map(|handoff| handoff.0.take());
-            next.push_all_granted(grants, starts);
+            next.push_all_granted(more.iter_mut().filter_map(|handoff| handoff.0.take()));
         }
         next
     }

@@ -97,13 +97,13 @@
 //! one and still drains. A blocking caller polling its [`RunHandle`] from another runtime gets
 //! that [`Reason::Canceled`] failure.
 //!
-//! A set used by several runtimes at once keeps each run on the runtime it was admitted on: a
-//! queued run is started there when its slot comes, whichever runtime's run gave the slot
-//! back, so a runtime that shuts down ends its own runs and no other's. A close starts the
-//! queued runs it fails on their own runtimes too, wherever it is called from; those of a
-//! runtime that has shut down are dropped as it drops a task spawned on it, and end canceled
-//! (a panic in that drop, a job's capture, is caught, as the runtime catches it, and the close
-//! goes on).
+//! Two limits of a set used by several runtimes. A queued background run waits as data and is
+//! started on the runtime of the run that hands it its slot: if that runtime is shutting down,
+//! the run ends there, canceled, even if the runtime that admitted it runs on. And a close
+//! starts the queued runs it fails on the runtime of the set's first such run, or, if that one
+//! has shut down, on the closing thread's; from outside any runtime, they end canceled, dropped
+//! in place as a runtime drops a task: a panic in that drop (a job's capture) is caught, as a
+//! runtime catches it, and the close goes on.
 
 mod audit;
 mod config;
