@@ -195,11 +195,9 @@ fn a_close_after_the_sets_runtime_ended_finalizes_parked_runs() {
     close_after_the_sets_runtime_is_gone(false);
 }
 
-/// A close from outside any runtime, once the runtime the set keeps for a shut is gone, has
-/// nowhere to run the parked runs it fails: they end canceled (no hang, nothing left owned).
-#[test]
-fn a_close_from_no_runtime_after_the_sets_runtime_is_gone_ends_parked_runs() {
-    let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
+/// Makes a runtime the set's (two runs on lane `a`, the second of which waits as data: the set
+/// keeps that runtime for a shut's parked runs), lets both end, and drops the runtime.
+fn the_sets_runtime_came_and_went(set: &LaneSet) {
     let first = current_thread();
     first.block_on(async {
         set.spawn("a", Run::new(|_cx| async { Ok(1) })).unwrap();
@@ -208,7 +206,14 @@ fn a_close_from_no_runtime_after_the_sets_runtime_is_gone_ends_parked_runs() {
             tokio::task::yield_now().await;
         }
     });
-    drop(first);
+}
+
+/// A close from outside any runtime, once the runtime the set keeps for a shut is gone, has
+/// nowhere to run the parked runs it fails: they end canceled (no hang, nothing left owned).
+#[test]
+fn a_close_from_no_runtime_after_the_sets_runtime_is_gone_ends_parked_runs() {
+    let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
+    the_sets_runtime_came_and_went(&set);
     let second = current_thread();
     second.block_on(async {
         let busy = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
@@ -386,24 +391,9 @@ impl Drop for PanicsOnDrop {
 /// from that point: the later lanes were never shut and the set never drained.
 #[test]
 fn a_parked_runs_drop_that_panics_in_a_close_does_not_stop_the_close() {
-    let set = LaneSet::builder()
-        .lane("a", LaneLimits::new(1, 8))
-        .lane("b", LaneLimits::new(1, 8))
-        .audit_timeout(Duration::from_secs(1))
-        .finalization_timeout(Duration::from_secs(1))
-        .worker_drain_timeout(Duration::from_secs(1))
-        .build()
-        .unwrap();
-    let first = current_thread();
-    first.block_on(async {
-        // The second waits as data: the set keeps this runtime for a shut's parked runs.
-        set.spawn("a", Run::new(|_cx| async { Ok(1) })).unwrap();
-        set.spawn("a", Run::new(|_cx| async { Ok(2) })).unwrap();
-        for _ in 0..10 {
-            tokio::task::yield_now().await;
-        }
-    });
-    drop(first);
+    let limits = LaneLimits::new(1, 8);
+    let set = common::one_lane("a", limits).lane("b", limits).build().unwrap();
+    the_sets_runtime_came_and_went(&set);
     let second = current_thread();
     second.block_on(async {
         for lane in ["a", "b"] {
