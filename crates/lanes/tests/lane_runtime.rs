@@ -195,41 +195,46 @@ fn a_close_after_the_sets_runtime_ended_finalizes_parked_runs() {
     close_after_the_sets_runtime_is_gone(false);
 }
 
-/// Makes a runtime the set's (two runs on lane `a`, the second of which waits as data: the set
-/// keeps that runtime for a shut's parked runs), lets both end, and drops the runtime.
-fn the_sets_runtime_came_and_went(set: &LaneSet) {
-    let first = current_thread();
-    first.block_on(async {
-        set.spawn("a", Run::new(|_cx| async { Ok(1) })).unwrap();
-        set.spawn("a", Run::new(|_cx| async { Ok(2) })).unwrap();
-        for _ in 0..10 {
-            tokio::task::yield_now().await;
-        }
-    });
-}
-
-/// A close from outside any runtime, once the runtime the set keeps for a shut is gone, has
-/// nowhere to run the parked runs it fails: they end canceled (no hang, nothing left owned).
+/// A close from outside any runtime, once the runtime the set keeps for a shut is gone: the
+/// parked runs of that runtime have nowhere to run and end canceled (no hang, nothing left
+/// owned), while those of a runtime that lives on are finalized `Closed` there, their home.
 #[test]
 fn a_close_from_no_runtime_after_the_sets_runtime_is_gone_ends_parked_runs() {
     let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
-    the_sets_runtime_came_and_went(&set);
-    let second = current_thread();
+    let (first, second) = (current_thread(), current_thread());
+    let closed = Arc::new(AtomicUsize::new(0));
     second.block_on(async {
         let busy = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
         set.spawn("a", busy).unwrap();
+        tokio::task::yield_now().await;
+    });
+    // Parked on the first runtime, which becomes the set's, and is then dropped.
+    first.block_on(async {
         for _ in 0..3 {
             set.spawn("a", forever()).unwrap();
         }
-        tokio::task::yield_now().await;
+    });
+    drop(first);
+    second.block_on(async {
+        for _ in 0..2 {
+            let closed = closed.clone();
+            let run = forever().finalizer(move |outcome: Outcome<u32>| {
+                if outcome.is_err_and(|failure| failure.reason() == Reason::Closed) {
+                    closed.fetch_add(1, Ordering::SeqCst);
+                }
+                async { Ok::<_, BoxError>(()) }
+            });
+            set.spawn("a", run).unwrap();
+        }
     });
     set.close();
     let lane = &set.snapshot().lanes[0];
-    assert_eq!((lane.owned, lane.queued, lane.failed.canceled), (1, 0, 3), "{lane:?}");
+    assert_eq!((lane.owned, lane.queued, lane.failed.canceled), (3, 0, 3), "{lane:?}");
     second.block_on(async {
         let drained = tokio::time::timeout(Duration::from_secs(10), set.drained()).await;
         assert!(drained.is_ok(), "the set drains: {:?}", set.snapshot());
     });
+    assert_eq!(closed.load(Ordering::SeqCst), 2, "the live runtime's parked runs, finalized");
     assert_quiescent(&set);
 }
 
@@ -385,20 +390,26 @@ impl Drop for PanicsOnDrop {
     }
 }
 
-/// A close from outside any runtime drops the parked runs it fails in place, as a runtime drops
-/// a task: a job whose drop panics there is caught, as a runtime catches it, and the close goes
-/// on to the runs after it and to the lanes after its own. Before, the panic left the close
-/// from that point: the later lanes were never shut and the set never drained.
+/// A close from outside any runtime starts the parked runs it fails on their runtime, and one
+/// that is gone drops them, as it drops a task spawned on it: a job whose drop panics there is
+/// caught, and the close goes on to the runs after it and to the lanes after its own. (Before
+/// stop 65, such runs were dropped in place, the panic left the close from that point, the
+/// later lanes were never shut and the set never drained.)
 #[test]
 fn a_parked_runs_drop_that_panics_in_a_close_does_not_stop_the_close() {
     let limits = LaneLimits::new(1, 8);
     let set = common::one_lane("a", limits).lane("b", limits).build().unwrap();
-    the_sets_runtime_came_and_went(&set);
-    let second = current_thread();
+    let (first, second) = (current_thread(), current_thread());
     second.block_on(async {
         for lane in ["a", "b"] {
             let busy = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
             set.spawn(lane, busy).unwrap();
+        }
+        tokio::task::yield_now().await;
+    });
+    // Parked on the first runtime, which becomes the set's, and is then dropped.
+    first.block_on(async {
+        for lane in ["a", "b"] {
             let careless = PanicsOnDrop;
             let run = Run::new(move |_cx| async move {
                 drop(careless);
@@ -407,8 +418,8 @@ fn a_parked_runs_drop_that_panics_in_a_close_does_not_stop_the_close() {
             set.spawn(lane, run).unwrap();
             set.spawn(lane, forever()).unwrap();
         }
-        tokio::task::yield_now().await;
     });
+    drop(first);
     let closed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| set.close()));
     assert!(closed.is_ok(), "the close caught the job's panic, as a runtime would have");
     for lane in &set.snapshot().lanes {
@@ -418,5 +429,184 @@ fn a_parked_runs_drop_that_panics_in_a_close_does_not_stop_the_close() {
         let drained = tokio::time::timeout(Duration::from_secs(10), set.drained()).await;
         assert!(drained.is_ok(), "the set drains: {:?}", set.snapshot());
     });
+    assert_quiescent(&set);
+}
+
+/// Two runtimes share a set at once, and one of them shuts down while its run holds the lane's
+/// only slot: the queued runs of the other one, which lives on, run there and complete. None is
+/// started on the runtime that is shutting down, where it would end at once, canceled.
+/// `set_runtime_survives` picks which of the two is the set's own (the runtime of its first run
+/// that waited as data): the survivor, or the one that shuts down.
+fn queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(set_runtime_survives: bool) {
+    const QUEUED: usize = 50;
+    let set = common::one_lane("a", LaneLimits::new(1, QUEUED + 2)).build().unwrap();
+    let (survivor, dying) = (current_thread(), current_thread());
+    let completed = Arc::new(AtomicUsize::new(0));
+    let park_on = |runtime: &Runtime| {
+        runtime.block_on(async {
+            for _ in 0..QUEUED {
+                let completed = completed.clone();
+                let run =
+                    Run::new(|_cx| async { Ok(1) }).finalizer(move |outcome: Outcome<u32>| {
+                        if outcome.is_ok() {
+                            completed.fetch_add(1, Ordering::SeqCst);
+                        }
+                        async { Ok::<_, BoxError>(()) }
+                    });
+                set.spawn("a", run).unwrap();
+            }
+        });
+    };
+    // The dying runtime's run takes the slot, so that every run after it waits as data.
+    dying.block_on(async {
+        set.spawn("a", forever()).unwrap();
+        tokio::task::yield_now().await;
+    });
+    if set_runtime_survives {
+        park_on(&survivor);
+    } else {
+        // The dying runtime's parked run makes it the set's runtime; the survivor's come after.
+        dying.block_on(async { set.spawn("a", Run::new(|_cx| async { Ok(1) })).unwrap() });
+        park_on(&survivor);
+    }
+    drop(dying);
+    survivor.block_on(async {
+        let all = async {
+            while completed.load(Ordering::SeqCst) < QUEUED {
+                tokio::task::yield_now().await;
+            }
+        };
+        let done = tokio::time::timeout(Duration::from_secs(10), all).await;
+        assert!(done.is_ok(), "the survivor's runs completed: {:?}", set.snapshot());
+    });
+    let lane = &set.snapshot().lanes[0];
+    let canceled = if set_runtime_survives { 1 } else { 2 };
+    assert_eq!((lane.completed, lane.failed.canceled), (QUEUED as u64, canceled), "{lane:?}");
+    assert_quiescent(&set);
+}
+
+#[test]
+fn queued_runs_of_the_sets_runtime_outlast_another_runtimes_shutdown() {
+    queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(true);
+}
+
+#[test]
+fn queued_runs_of_a_second_runtime_outlast_the_sets_runtimes_shutdown() {
+    queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(false);
+}
+
+/// Two runtimes of one worker each share a set at once, admitting in a random order, and one
+/// is dropped at a random moment while its runs (some of which never end) hold slots and
+/// queue places. Every run of the runtime that lives on completes, whatever runtime freed the
+/// slot it got; only the dropped runtime's runs end canceled; nothing is left owned.
+#[test]
+fn runs_of_a_runtime_that_lives_on_never_end_with_another_runtimes_shutdown() {
+    const WIDTH: usize = 2;
+    let set = common::one_lane("a", LaneLimits::new(WIDTH, 1_000)).build().unwrap();
+    let one_worker = || Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    for round in 0..20 {
+        let (survivor, dying) = (one_worker(), one_worker());
+        let ok = Arc::new(AtomicUsize::new(0));
+        let failed = Arc::new(Mutex::new(Vec::new()));
+        let mut draw = || common::xorshift(&mut seed);
+        let (admissions, drop_at) = (40 + draw() % 80, draw() % 40);
+        let mut survivors = 0;
+        let mut dying = Some(dying);
+        for n in 0..admissions {
+            if n == drop_at {
+                drop(dying.take());
+            }
+            let choice = draw();
+            match &dying {
+                Some(runtime) if choice % 2 == 0 => {
+                    let _entered = runtime.enter();
+                    let admitted = match (choice >> 4) % 3 {
+                        0 => set.spawn("a", forever()).is_ok(),
+                        _ => set.spawn("a", Run::new(|_cx| async { Ok(0) })).is_ok(),
+                    };
+                    assert!(admitted);
+                }
+                _ => {
+                    let _entered = survivor.enter();
+                    let (ok, failed) = (ok.clone(), failed.clone());
+                    let yields = (choice >> 8) % 3;
+                    let run = Run::new(move |_cx| async move {
+                        for _ in 0..yields {
+                            tokio::task::yield_now().await;
+                        }
+                        Ok(1)
+                    })
+                    .finalizer(move |outcome: Outcome<u32>| {
+                        match outcome {
+                            Ok(_) => drop(ok.fetch_add(1, Ordering::SeqCst)),
+                            Err(failure) => failed.lock().unwrap().push(failure.reason()),
+                        }
+                        async { Ok::<_, BoxError>(()) }
+                    });
+                    assert!(set.spawn("a", run).is_ok());
+                    survivors += 1;
+                }
+            }
+        }
+        drop(dying);
+        survivor.block_on(async {
+            let all = async {
+                while ok.load(Ordering::SeqCst) + failed.lock().unwrap().len() < survivors {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            };
+            let done = tokio::time::timeout(Duration::from_secs(10), all).await;
+            assert!(done.is_ok(), "round {round}: the survivor's runs ended: {:?}", set.snapshot());
+        });
+        let failed = failed.lock().unwrap().clone();
+        assert!(failed.is_empty(), "round {round}: survivor's runs failed: {failed:?}");
+        assert_eq!(ok.load(Ordering::SeqCst), survivors, "round {round}");
+        drop(survivor);
+        assert_quiescent(&set);
+    }
+    runs_at_full_width(&current_thread(), &set, "a", WIDTH);
+}
+
+/// Queued runs of a runtime that has shut down, granted their slot later by a run of a runtime
+/// that lives on, end canceled: each is started on its own runtime, which drops it, and the
+/// slot it frees goes on to the next. None runs on the live runtime in its place, not even one
+/// granted by a dead runtime's run that ended inside the live runtime's thread.
+#[test]
+fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes() {
+    let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
+    let (gone, live) = (current_thread(), current_thread());
+    let live_runs = Arc::new(AtomicUsize::new(0));
+    gone.block_on(async {
+        set.spawn("a", forever()).unwrap();
+        tokio::task::yield_now().await;
+        set.spawn("a", forever()).unwrap();
+    });
+    live.block_on(async {
+        let counted = live_runs.clone();
+        let run = Run::new(|_cx| async { Ok(1) }).finalizer(move |outcome: Outcome<u32>| {
+            assert!(outcome.is_ok(), "the live runtime's run completes");
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, BoxError>(()) }
+        });
+        set.spawn("a", run).unwrap();
+    });
+    gone.block_on(async {
+        for _ in 0..2 {
+            set.spawn("a", forever()).unwrap();
+        }
+    });
+    drop(gone);
+    live.block_on(async {
+        let all = async {
+            while live_runs.load(Ordering::SeqCst) < 1 || set.snapshot().owned > 0 {
+                tokio::task::yield_now().await;
+            }
+        };
+        let done = tokio::time::timeout(Duration::from_secs(10), all).await;
+        assert!(done.is_ok(), "every run ended: {:?}", set.snapshot());
+    });
+    let lane = &set.snapshot().lanes[0];
+    assert_eq!((lane.completed, lane.failed.canceled), (1, 4), "{lane:?}");
     assert_quiescent(&set);
 }

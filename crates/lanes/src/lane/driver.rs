@@ -14,6 +14,12 @@
 //!    it gives back what the run holds in its lane (its place in the queue, or its slot, as
 //!    [`Progress`] says), and its ownership, counted failed with [`Reason::Canceled`]. Its
 //!    finalizer and cleanup do not run: there is no runtime left to run them on.
+//! 4. A run is driven on the runtime it was admitted on, its *home* (its signal's
+//!    [`home`](RunSignal::home)): a blocking or timed run's task is spawned there at admission,
+//!    and a parked run is started there when its slot comes. A run that gives its slot back
+//!    carries the parked run it granted in its own task only if both share a home; any other
+//!    is spawned on its home's handle ([`Runtimes`]), and one whose home has shut down ends
+//!    there (invariant 3). So a runtime that shuts down ends its own runs and no other's.
 
 use std::cell::RefCell;
 use std::future::{Future, poll_fn};
@@ -161,14 +167,106 @@ pub(super) enum Start {
 
 /// A queued background run without a deadline, waiting as data in its signal instead of as a
 /// task ([`RunSignal::park`]): its drive, built at admission and not yet polled. The lane's
-/// decision starts it: a grant made by a run that gives its slot back hands it to that run's
-/// task ([`Next`]), anything else spawns a task for it on the deciding thread's runtime (a
-/// grant is made in a run's task; a shut enters the set's runtime first).
+/// decision starts it on its home (invariant 4): a grant made by a run of the same home that
+/// gives its slot back hands it to that run's task ([`Next`]), anything else spawns a task for
+/// it there.
 pub(super) struct Parked(pub(super) Step);
+
+/// Where a parked run is started.
+enum At {
+    /// The current runtime: its home, where what starts it runs.
+    Current,
+    /// Its home's handle, from elsewhere.
+    Home(tokio::runtime::Handle),
+    /// Nowhere: its home is gone. It is dropped, as that runtime would have dropped its task.
+    Gone,
+}
 
 thread_local! {
     /// Parked runs this thread is to start, while it starts one ([`Parked::start`]).
-    static STARTING: RefCell<Option<Vec<Parked>>> = const { RefCell::new(None) };
+    static STARTING: RefCell<Option<Vec<(Parked, At)>>> = const { RefCell::new(None) };
+}
+
+/// Tokio's id of `runtime`, as a number a signal keeps in an atomic: the id's `Hash` writes the
+/// one `u64` it is, and any other shape of it would still give each runtime its own number.
+pub(super) fn runtime_key(runtime: &tokio::runtime::Handle) -> u64 {
+    struct Key(u64);
+    impl std::hash::Hasher for Key {
+        fn write(&mut self, bytes: &[u8]) {
+            for byte in bytes {
+                self.0 = self.0.rotate_left(8) ^ u64::from(*byte);
+            }
+        }
+        fn write_u64(&mut self, n: u64) {
+            self.0 = n;
+        }
+        fn finish(&self) -> u64 {
+            self.0
+        }
+    }
+    let mut key = Key(0);
+    std::hash::Hash::hash(&runtime.id(), &mut key);
+    key.0
+}
+
+/// Whether `runtime` has not shut down: one that has drops a task spawned on it at once.
+fn is_running(runtime: &tokio::runtime::Handle) -> bool {
+    let probe = runtime.spawn(std::future::pending::<()>());
+    let running = !probe.is_finished();
+    probe.abort();
+    running
+}
+
+/// The runtimes a set's runs were admitted on, by [`runtime_key`]: the handles a queued run
+/// is started on when what grants it its slot runs elsewhere (invariant 4).
+#[derive(Debug, Default)]
+pub(super) struct Runtimes {
+    /// The runtime of the last admission that noted one: a set used by one runtime notes it
+    /// once, and every other admission reads this alone.
+    last: AtomicU64,
+    /// Every runtime noted and not found shut down when a new one was noted.
+    known: std::sync::Mutex<Vec<(u64, tokio::runtime::Handle)>>,
+}
+
+impl Runtimes {
+    /// Notes `runtime`, numbered `key`, as one the set's runs are admitted on; before the run
+    /// is published, so that whoever grants it finds the handle.
+    #[inline]
+    pub(super) fn note(&self, key: u64, runtime: &tokio::runtime::Handle) {
+        if self.last.load(Ordering::Relaxed) != key {
+            self.note_new(key, runtime);
+        }
+    }
+
+    #[cold]
+    fn note_new(&self, key: u64, runtime: &tokio::runtime::Handle) {
+        let mut known = crate::util::lock(&self.known);
+        if !known.iter().any(|(noted, _)| *noted == key) {
+            // The handles of runtimes that have shut down go: their runs ended with them.
+            known.retain(|(_, handle)| is_running(handle));
+            known.push((key, runtime.clone()));
+        }
+        // Under the lock: whoever reads it and looks the handle up takes the lock after.
+        self.last.store(key, Ordering::Relaxed);
+    }
+
+    /// Where a run of home `key` is started from a thread whose runtime may not be it.
+    fn at(&self, key: u64) -> At {
+        let known = crate::util::lock(&self.known);
+        match known.iter().find(|(noted, _)| *noted == key) {
+            Some((_, handle)) => At::Home(handle.clone()),
+            None => At::Gone,
+        }
+    }
+}
+
+/// How the parked runs a release grants are started: carried in the releasing run's task if
+/// they share its home `carrier` (`None`: no run's task carries them), else on their own.
+#[derive(Clone, Copy)]
+pub(super) struct Starts<'a> {
+    pub(super) carrier: Option<u64>,
+    /// The set's runtimes (`None`, on a panic's path only: started on the current runtime).
+    pub(super) runtimes: Option<&'a Runtimes>,
 }
 
 impl Parked {
@@ -182,17 +280,27 @@ impl Parked {
     // Out of line: the rare path of the grants and ends that carry parked runs.
     #[inline(never)]
     pub(super) fn start(self) {
-        let mut run = Some(self);
+        self.start_at(At::Current);
+    }
+
+    /// Starts it on its home `home` from a thread whose runtime may not be it (`runtimes`:
+    /// the set's; without them, on the current runtime).
+    pub(super) fn start_home(self, home: u64, runtimes: Option<&Runtimes>) {
+        self.start_at(runtimes.map_or(At::Current, |runtimes| runtimes.at(home)));
+    }
+
+    fn start_at(self, at: At) {
+        let mut run = Some((self, at));
         let queued = STARTING.try_with(|starting| {
             if let Some(later) = &mut *starting.borrow_mut() {
                 later.extend(run.take());
             }
         });
-        if let Some(run) = run {
+        if let Some((run, at)) = run {
             match queued {
-                Ok(()) => Self::after(|| run.spawn()),
+                Ok(()) => Self::after(|| run.spawn(at)),
                 // This thread's locals are gone (it is exiting): started here and now.
-                Err(_) => run.spawn(),
+                Err(_) => run.spawn(at),
             }
         }
     }
@@ -223,20 +331,25 @@ impl Parked {
         }
         let _started = Started;
         let value = f();
-        while let Some(run) = STARTING.with_borrow_mut(|s| s.as_mut().and_then(Vec::pop)) {
-            run.spawn();
+        while let Some((run, at)) = STARTING.with_borrow_mut(|s| s.as_mut().and_then(Vec::pop)) {
+            run.spawn(at);
         }
         value
     }
 
-    /// Spawns its task on the current runtime, or drops it if there is none.
-    fn spawn(self) {
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(work(self.0))),
+    /// Spawns its task `at` its home, or drops it if it has none.
+    fn spawn(self, at: At) {
+        let runtime = match at {
+            At::Current => tokio::runtime::Handle::try_current().ok(),
+            At::Home(runtime) => Some(runtime),
+            At::Gone => None,
+        };
+        match runtime {
+            Some(runtime) => drop(runtime.spawn(work(self.0))),
             // As a runtime drops a task: a panic in the drop (a job's capture) is caught there
             // and goes no further, so a close that fails parked runs goes on to the rest. The
             // run ends in the drop all the same (its ticket's drop runs as the panic unwinds).
-            Err(_) => drop(call_contained(move || drop(self))),
+            None => drop(call_contained(move || drop(self))),
         }
     }
 }
@@ -274,8 +387,12 @@ pub(super) struct Next {
 }
 
 impl Next {
-    /// Carries `run`; a second one (never, when one slot was freed) gets its own task.
-    pub(super) fn push(&mut self, run: Parked) {
+    /// Carries `run`, of home `home`, if it shares the carrier's; a second one (never, when one
+    /// slot was freed) gets its own task; a run of another home is started there.
+    pub(super) fn push(&mut self, run: Parked, home: u64, starts: Starts<'_>) {
+        if starts.carrier != Some(home) {
+            return run.start_home(home, starts.runtimes);
+        }
         match self.run {
             None => self.run = Some(run),
             Some(_) => run.start(),
@@ -288,16 +405,19 @@ impl Next {
     pub(super) fn push_all_granted(
         &mut self,
         grants: impl Iterator<Item = (usize, Arc<RunSignal>)>,
+        starts: Starts<'_>,
     ) {
-        let parked: Vec<Parked> = grants.filter_map(|(slot, signal)| signal.grant(slot)).collect();
-        parked.into_iter().for_each(|run| self.push(run));
+        let parked: Vec<(Parked, u64)> = grants
+            .filter_map(|(slot, signal)| Some((signal.grant(slot)?, signal.home())))
+            .collect();
+        parked.into_iter().for_each(|(run, home)| self.push(run, home, starts));
     }
 
-    /// Grants `slot` to the run of `signal`: a parked one is carried, one with a task of its
-    /// own is woken.
-    pub(super) fn push_granted(&mut self, signal: &RunSignal, slot: usize) {
+    /// Grants `slot` to the run of `signal`: a parked one is carried (or started on its home,
+    /// [`push`](Self::push)), one with a task of its own is woken.
+    pub(super) fn push_granted(&mut self, signal: &RunSignal, slot: usize, starts: Starts<'_>) {
         if let Some(run) = signal.grant(slot) {
-            self.push(run);
+            self.push(run, signal.home(), starts);
         }
     }
 
@@ -458,7 +578,9 @@ impl Ticket {
     /// Gives execution slot `slot` back, as a run does after its job: to the next queued run.
     fn release(&self, slot: usize) {
         self.signal().forget_driver();
-        drop(self.shared.release_execution(self.info.lane, slot));
+        // No task carries what it grants: a ticket dropped unfinished may be dropped on any
+        // runtime's thread (one spawning it on its shut-down home, say).
+        drop(self.shared.release_execution(self.info.lane, slot, None));
     }
 
     fn lane_name(&self) -> Arc<str> {
@@ -582,7 +704,7 @@ where
                 // Before the release: should a metrics recorder unwind out of it after the
                 // slot went to the next run, the ticket's drop must not give it back again.
                 t.holds.set(Holds::Nothing);
-                next = t.shared.release_execution(t.info.lane, slot);
+                next = t.shared.release_execution(t.info.lane, slot, Some(t.signal().home()));
                 match &executed {
                     Ok(_) => tracing::debug!("job ended"),
                     Err((stage, reason, _)) => {
@@ -773,7 +895,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
             // Its waker goes first, as after a job: the lane keeps the signal for a later run.
             signal.forget_driver();
             t.holds.set(Holds::Nothing);
-            drop(t.shared.release_execution(t.info.lane, slot));
+            drop(t.shared.release_execution(t.info.lane, slot, Some(t.signal().home())));
             Err((Stage::Queue, reason, cause))
         }
         Decision::Waiting => unreachable!("the wait ends on a decision"),

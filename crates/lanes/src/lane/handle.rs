@@ -64,13 +64,13 @@ use super::audit::Audit;
 use super::config::{LaneLimits, LaneSetBuilder};
 use super::core::{Admitted, LaneCore, Shut};
 use super::driver::{
-    Admission, Callbacks, Holds, Next, Parked, Start, Step, Ticket, TicketInfo, background,
-    blocking, drive, in_box, work,
+    Admission, Callbacks, Holds, Next, Parked, Runtimes, Start, Starts, Step, Ticket, TicketInfo,
+    background, blocking, drive, in_box, runtime_key, work,
 };
 use super::error::{AdmissionError, AdmissionErrorKind, PoisonError, Reason};
 use super::metrics::LaneMetrics;
 use super::run::{Finalize, Job, Participation, Run, RunHandle, RunId};
-use super::signal::{RunSignal, Woken};
+use super::signal::RunSignal;
 use super::snapshot::{LaneSetSnapshot, LaneSnapshot, SetState};
 use crate::BoxError;
 use crate::config::ConfigError;
@@ -258,7 +258,8 @@ struct Handoff(Option<(usize, Arc<RunSignal>)>);
 impl Drop for Handoff {
     fn drop(&mut self) {
         if let Some((slot, signal)) = self.0.take() {
-            Next::default().push_granted(&signal, slot);
+            let starts = Starts { carrier: None, runtimes: None };
+            Next::default().push_granted(&signal, slot, starts);
         }
     }
 }
@@ -270,18 +271,10 @@ impl Held {
     }
 }
 
-/// Whether `runtime` has not shut down: one that has drops a task spawned on it at once.
-fn is_running(runtime: &tokio::runtime::Handle) -> bool {
-    let probe = runtime.spawn(std::future::pending::<()>());
-    let running = !probe.is_finished();
-    probe.abort();
-    running
-}
-
 impl LaneShared {
     /// Shuts this lane ([`SetShared::shut`]): nothing more is admitted, queued runs are
-    /// failed, executing ones cancelled with `reason`.
-    fn shut(&self, why: Shut, reason: Reason) {
+    /// failed (started on their homes, `runtimes`), executing ones cancelled with `reason`.
+    fn shut(&self, why: Shut, reason: Reason, runtimes: &Runtimes) {
         // The parked runs failed are started after the lock: one started on a runtime that
         // has shut down ends at once, which takes the lock.
         let mut woken = Vec::new();
@@ -304,7 +297,7 @@ impl LaneShared {
         self.publish(&mut core);
         drop(core);
         drop((inbox_kept, core_kept));
-        woken.into_iter().for_each(Woken::wake);
+        woken.into_iter().for_each(|woken| woken.wake(runtimes));
     }
 
     /// Takes the run of `signal` out of the place `waits` in the lane (a place in the queue, a
@@ -455,6 +448,7 @@ impl LaneShared {
         &self,
         next_run_id: &AtomicU64,
         holds: Option<&Cell<bool>>,
+        (home, runtimes): (u64, &Runtimes),
     ) -> Option<(RunId, Arc<RunSignal>)> {
         let handed = holds.is_some();
         let mut inbox = spin_lock(&self.inbox);
@@ -464,6 +458,7 @@ impl LaneShared {
             return None;
         }
         let signal = inbox.signal();
+        signal.set_home(home);
         inbox.runs.push(Held { handoff: Some(signal.clone()), signal: signal.clone() });
         if inbox.runs.len() == 1 {
             // Only the first run of a batch: a release reads the inbox as holding runs or
@@ -491,7 +486,7 @@ impl LaneShared {
         // `inboxed` anew); if before, the admission that stored it reads the free slot and
         // takes in every run pushed by then, and this one reads it too if it came after.
         if self.executing.load(Ordering::SeqCst) < self.limits.concurrent {
-            self.grant_inbox();
+            self.grant_inbox(runtimes);
         }
         Some((run_id, signal))
     }
@@ -514,7 +509,7 @@ impl LaneShared {
 
     /// Takes the inbox's runs in and grants the free slots, for an admission into the inbox
     /// that found a slot free after all. The granted runs are woken or started after the lock.
-    fn grant_inbox(&self) {
+    fn grant_inbox(&self, runtimes: &Runtimes) {
         let mut next = Next::default();
         // Declared before the lock's guard: a panic in `publish` still sets their latches.
         let mut granted: Vec<Handoff> = Vec::new();
@@ -528,9 +523,9 @@ impl LaneShared {
             });
             self.publish(&mut state);
         }
-        next.push_all_granted(granted.iter_mut().filter_map(|handoff| handoff.0.take()));
-        // Dropped here: a parked run it carries gets a task of its own, on this runtime.
-        drop(next);
+        // No run's task carries them: each is started on its home.
+        let starts = Starts { carrier: None, runtimes: Some(runtimes) };
+        next.push_all_granted(granted.iter_mut().filter_map(|handoff| handoff.0.take()), starts);
     }
 
     /// Publishes the lane's gauges (called under the lane lock, after a change).
@@ -567,10 +562,9 @@ pub(super) struct SetShared {
     pub(super) finalization_timeout: Duration,
     pub(super) worker_drain_timeout: Duration,
     pub(super) audit: Option<Arc<dyn Audit>>,
-    /// The runtime of the first queued run that waited as data: a shut spawns the parked runs
-    /// it fails there, whatever runtime (if any) the closing thread is in, unless it has shut
-    /// down (then on the closing thread's).
-    pub(super) runtime: OnceLock<tokio::runtime::Handle>,
+    /// The runtimes its runs were admitted on: a queued run is started on its own (driver
+    /// invariant 4), whatever runtime (if any) grants it its slot or fails it in a shut.
+    pub(super) runtimes: Runtimes,
 }
 
 /// A set of named run lanes with shared lifecycle bounds. Cheap to clone: clones share the lanes.
@@ -628,7 +622,7 @@ impl LaneSet {
             finalization_timeout: builder.finalization_timeout.unwrap_or_default(),
             worker_drain_timeout: builder.worker_drain_timeout.unwrap_or_default(),
             audit: builder.audit,
-            runtime: OnceLock::new(),
+            runtimes: Runtimes::default(),
         });
         if let Some(registration) = builder.registry {
             registration.register(&shared)?;
@@ -1125,8 +1119,7 @@ where
     let step: Step = in_box(|| drive(ticket, callbacks, background));
     match signal {
         Some(signal) => {
-            // A shut made from outside this runtime spawns the parked runs it fails here.
-            shared.runtime.get_or_init(|| runtime);
+            drop(runtime);
             signal.park(Parked(step));
         }
         None => drop(runtime.spawn(work(step))),
@@ -1173,16 +1166,19 @@ impl SetShared {
     /// `prepare` runs before it is admitted: what it needs (or panics without), nothing is
     /// admitted without. A caller handed a room takes it up here, under the inbox's lock, or
     /// gives it back if the set shut.
-    fn admit<J, F, P>(
+    fn admit<J, F>(
         self: &Arc<Self>,
         index: usize,
         participation: Participation,
         run: Run<J, F>,
         entry: Entry<'_>,
-        prepare: impl FnOnce() -> P,
-    ) -> Admitting<J, F, P> {
+        prepare: impl FnOnce() -> tokio::runtime::Handle,
+    ) -> Admitting<J, F, tokio::runtime::Handle> {
         let lane = &self.lanes[index];
         let prepared = prepare();
+        // The run's home (driver invariant 4), noted before the run is published.
+        let home = runtime_key(&prepared);
+        self.runtimes.note(home, &prepared);
         let count_full = matches!(entry, Entry::Direct);
         let holds = match entry {
             Entry::Handed(holds) => Some(holds),
@@ -1195,7 +1191,10 @@ impl SetShared {
             && run.limited_by().is_none()
             && run.queue_timeout.get().is_none()
             && lane.executing.load(Ordering::SeqCst) >= lane.limits.concurrent;
-        if inboxed && let Some((run_id, signal)) = lane.admit_to_inbox(&self.next_run_id, holds) {
+        if inboxed
+            && let Some((run_id, signal)) =
+                lane.admit_to_inbox(&self.next_run_id, holds, (home, &self.runtimes))
+        {
             // Its place in the queue is not known yet, and not needed: the run is never
             // withdrawn from it (it has no deadline and no handle, so only a shut, which
             // decides for it, wakes it before its grant). Sequence 0 is no run's (they start
@@ -1226,6 +1225,7 @@ impl SetShared {
         let mut made = None;
         let answer = core.admit(count_full, reserved, limited, |_, starts| {
             let signal = LaneState::signal(spare);
+            signal.set_home(home);
             let held = Held { handoff: (!starts).then(|| signal.clone()), signal: signal.clone() };
             made = Some(signal);
             held
@@ -1326,17 +1326,13 @@ impl SetShared {
 
     /// Closes or poisons every lane (see invariant 3).
     fn shut(&self, why: Shut) {
-        // Parked runs are spawned by the shut that fails them, on the set's runtime, or on the
-        // current one if the set's has shut down.
-        let runtime = self.runtime.get().filter(|runtime| is_running(runtime));
-        let _runtime = runtime.map(tokio::runtime::Handle::enter);
         let (code, reason) = match why {
             Shut::Closed => (CLOSED, Reason::Closed),
             Shut::Poisoned => (POISONED, Reason::Poisoned),
         };
         self.state.fetch_max(code, Ordering::AcqRel);
         for lane in self.lanes.iter() {
-            lane.shut(why, reason);
+            lane.shut(why, reason, &self.runtimes);
         }
         self.shut_done.store(true, Ordering::SeqCst);
         // Callers waiting for room try again, and find the set shut.
@@ -1364,7 +1360,10 @@ impl SetShared {
     /// fetching it under the lock would hold the lock that much longer. Meanwhile the run is
     /// out of the queue and in its slot (a shut cancels it there), and a queued run that gives
     /// up finds it cannot withdraw and waits for the latch (`driver::await_grant`).
-    pub(super) fn release_execution(&self, lane: usize, slot: usize) -> Next {
+    ///
+    /// `carrier` is the releasing run's home, if its task is to carry the parked run it grants
+    /// (driver invariant 4): one of another home is started on its own.
+    pub(super) fn release_execution(&self, lane: usize, slot: usize, carrier: Option<u64>) -> Next {
         let lane = &self.lanes[lane];
         let mut next = Next::default();
         // Declared before the lock's guard, so dropped after it if a metrics recorder panics
@@ -1405,11 +1404,12 @@ impl SetShared {
         };
         // A run granted its slot at admission never used its second reference.
         drop(unused);
+        let starts = Starts { carrier, runtimes: Some(&self.runtimes) };
         if let Some((slot, signal)) = granted.0.take() {
-            next.push_granted(&signal, slot);
+            next.push_granted(&signal, slot, starts);
         }
         if !more.is_empty() {
-            next.push_all_granted(more.iter_mut().filter_map(|handoff| handoff.0.take()));
+            next.push_all_granted(more.iter_mut().filter_map(|handoff| handoff.0.take()), starts);
         }
         next
     }

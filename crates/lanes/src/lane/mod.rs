@@ -67,8 +67,9 @@
 //!
 //! A run that starts at once, or has a caller waiting, a queue timeout or a limit, is driven by a
 //! task of its own. A queued background run without a queue timeout holds no task while it waits:
-//! the run that gives it its slot drives it next, in the same task (or spawns it the moment its own
-//! terminal audit, finalizer or cleanup has to wait). A busy lane thus runs on about one task per
+//! the run that gives it its slot drives it next, in the same task if both were admitted on the
+//! same runtime (or spawns it the moment its own terminal audit, finalizer or cleanup has to
+//! wait; a run of another runtime is spawned there at once). A busy lane thus runs on about one task per
 //! execution slot; such a task yields to the scheduler between runs when its budget is spent. The
 //! queued run therefore starts once those callbacks have returned from their first poll: one that
 //! does long synchronous work before its first `.await` delays it, and callbacks, like jobs, must
@@ -97,13 +98,12 @@
 //! one and still drains. A blocking caller polling its [`RunHandle`] from another runtime gets
 //! that [`Reason::Canceled`] failure.
 //!
-//! Two limits of a set used by several runtimes. A queued background run waits as data and is
-//! started on the runtime of the run that hands it its slot: if that runtime is shutting down,
-//! the run ends there, canceled, even if the runtime that admitted it runs on. And a close
-//! starts the queued runs it fails on the runtime of the set's first such run, or, if that one
-//! has shut down, on the closing thread's; from outside any runtime, they end canceled, dropped
-//! in place as a runtime drops a task: a panic in that drop (a job's capture) is caught, as a
-//! runtime catches it, and the close goes on.
+//! A set used by several runtimes at once keeps each run on the runtime it was admitted on: a
+//! queued run is started there when its slot comes, whichever runtime's run gave the slot back,
+//! so a runtime that shuts down ends its own runs and no other's. A close starts the queued
+//! runs it fails on their own runtimes too, wherever it is called from; those of a runtime that
+//! has shut down are dropped as it drops a task, and end canceled (a panic in that drop, a
+//! job's capture, is caught, and the close goes on).
 
 mod audit;
 mod config;

@@ -16,7 +16,7 @@
 //! ended, the slot holds its spent drive until the signal is reused ([`RunSignal::bury`]).
 
 use std::pin::pin;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll, Waker};
 
 use tokio::sync::Notify;
@@ -24,7 +24,7 @@ use tokio::sync::Notify;
 use crate::util::{SpinLock, same_waker, spin_lock};
 
 use super::core::Shut;
-use super::driver::{Parked, Step};
+use super::driver::{Parked, Runtimes, Step};
 use super::error::Reason;
 
 const WAITING: u8 = 0;
@@ -60,16 +60,26 @@ enum Driver {
 /// woken once the taker released it: a parked run woken is started, and one started on a
 /// runtime that has shut down ends at once, which takes its lane's lock.
 #[must_use = "a driver taken out is woken, or its run never learns of the decision"]
-pub(crate) struct Woken(Driver);
+pub(crate) struct Woken {
+    driver: Driver,
+    /// The run's home: a parked run is started there (driver invariant 4).
+    home: u64,
+}
 
 impl Woken {
-    pub(crate) fn wake(self) {
-        self.0.wake();
+    pub(super) fn wake(self, runtimes: &Runtimes) {
+        match self.driver {
+            Driver::Parked(run) => run.start_home(self.home, Some(runtimes)),
+            driver => driver.wake(),
+        }
     }
 }
 
 impl Driver {
     /// Wakes the driver task or starts the parked run, taken out of the slot (after its lock).
+    /// A parked run is started on the current runtime here; a grant or a shut starts it on its
+    /// home instead ([`Woken::wake`], `driver::Next::push`), and nothing else reaches a parked
+    /// run (it has no caller and no deadline to cancel it).
     fn wake(self) {
         match self {
             Self::Task(waker) => waker.wake(),
@@ -112,6 +122,11 @@ pub(crate) struct RunSignal {
     registered: AtomicBool,
     /// Other waiters: only ever wait for cancellation.
     notify: Notify,
+    /// The runtime the run was admitted on, its home (driver invariant 4), as
+    /// [`driver::runtime_key`](super::driver::runtime_key) numbers it: written by the admission
+    /// before the signal is published under a lane's or an inbox's lock, read by whoever
+    /// grants the run a slot after taking that lock.
+    home: AtomicU64,
 }
 
 // As std's mutex is, which the driver slot's lock was: a panic under the lock leaves the slot
@@ -138,7 +153,18 @@ impl RunSignal {
             driver: SpinLock::new(Driver::None),
             registered: AtomicBool::new(false),
             notify: Notify::new(),
+            home: AtomicU64::new(0),
         }
+    }
+
+    /// The runtime its run was admitted on ([`home`](Self::home)).
+    pub(super) fn home(&self) -> u64 {
+        self.home.load(Ordering::Relaxed)
+    }
+
+    /// Notes the runtime its run is admitted on, before the signal is published.
+    pub(super) fn set_home(&self, home: u64) {
+        self.home.store(home, Ordering::Relaxed);
     }
 
     /// Makes a signal of an ended run as good as new, for the next run (see
@@ -206,7 +232,8 @@ impl RunSignal {
             Shut::Closed => CLOSED,
             Shut::Poisoned => POISONED,
         };
-        self.decide(value, 0).map(Woken)
+        let home = self.home();
+        self.decide(value, 0).map(|driver| Woken { driver, home })
     }
 
     /// Moves the grant latch from waiting to `value` (and stores `slot`, published by the
