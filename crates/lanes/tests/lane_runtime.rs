@@ -138,16 +138,15 @@ fn runs_dropped_with_their_runtime_end_and_give_their_rooms_back() {
     assert_quiescent(&set);
 }
 
-/// Parked runs admitted on a second runtime, after the set's first one (the one a shut enters
-/// to spawn them) shut down, are failed by a close on the second runtime through their
-/// finalizers, not dropped with the first runtime's handle: whether the first one dropped
-/// runs as it shut down (`abandoned`) or had ended them all.
-fn close_after_the_sets_runtime_is_gone(abandoned: bool) {
+/// Parked runs admitted on a second runtime, after the first one the set was used on shut
+/// down, are failed by a close on the second runtime through their finalizers, there, their
+/// home: whether the first one dropped runs as it shut down (`abandoned`) or had ended them all.
+fn close_after_the_first_runtime_is_gone(abandoned: bool) {
     let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
     let first = current_thread();
     first.block_on(async {
         for _ in 0..2 {
-            // The second waits as data: the set keeps this runtime for a shut.
+            // The second waits as data.
             let admitted = match abandoned {
                 true => set.spawn("a", forever()).is_ok(),
                 false => set.spawn("a", Run::new(|_cx| async { Ok(1) })).is_ok(),
@@ -186,20 +185,20 @@ fn close_after_the_sets_runtime_is_gone(abandoned: bool) {
 }
 
 #[test]
-fn a_close_after_the_sets_runtime_dropped_runs_finalizes_parked_runs() {
-    close_after_the_sets_runtime_is_gone(true);
+fn a_close_after_the_first_runtime_dropped_runs_finalizes_parked_runs() {
+    close_after_the_first_runtime_is_gone(true);
 }
 
 #[test]
-fn a_close_after_the_sets_runtime_ended_finalizes_parked_runs() {
-    close_after_the_sets_runtime_is_gone(false);
+fn a_close_after_the_first_runtime_ended_finalizes_parked_runs() {
+    close_after_the_first_runtime_is_gone(false);
 }
 
-/// A close from outside any runtime, once the runtime the set keeps for a shut is gone: the
-/// parked runs of that runtime have nowhere to run and end canceled (no hang, nothing left
-/// owned), while those of a runtime that lives on are finalized `Closed` there, their home.
+/// A close from outside any runtime, once one of the set's runtimes is gone: the parked runs of
+/// that runtime have nowhere to run and end canceled (no hang, nothing left owned), while those
+/// of a runtime that lives on are finalized `Closed` there, their home.
 #[test]
-fn a_close_from_no_runtime_after_the_sets_runtime_is_gone_ends_parked_runs() {
+fn a_close_from_no_runtime_ends_the_parked_runs_of_a_runtime_that_is_gone() {
     let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
     let (first, second) = (current_thread(), current_thread());
     let closed = Arc::new(AtomicUsize::new(0));
@@ -435,9 +434,8 @@ fn a_parked_runs_drop_that_panics_in_a_close_does_not_stop_the_close() {
 /// Two runtimes share a set at once, and one of them shuts down while its run holds the lane's
 /// only slot: the queued runs of the other one, which lives on, run there and complete. None is
 /// started on the runtime that is shutting down, where it would end at once, canceled.
-/// `set_runtime_survives` picks which of the two is the set's own (the runtime of its first run
-/// that waited as data): the survivor, or the one that shuts down.
-fn queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(set_runtime_survives: bool) {
+/// With `dying_queues_first`, a run of the dying runtime waits as data ahead of the survivor's.
+fn queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(dying_queues_first: bool) {
     const QUEUED: usize = 50;
     let set = common::one_lane("a", LaneLimits::new(1, QUEUED + 2)).build().unwrap();
     let (survivor, dying) = (current_thread(), current_thread());
@@ -462,13 +460,10 @@ fn queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(set_runtime_s
         set.spawn("a", forever()).unwrap();
         tokio::task::yield_now().await;
     });
-    if set_runtime_survives {
-        park_on(&survivor);
-    } else {
-        // The dying runtime's parked run makes it the set's runtime; the survivor's come after.
+    if dying_queues_first {
         dying.block_on(async { set.spawn("a", Run::new(|_cx| async { Ok(1) })).unwrap() });
-        park_on(&survivor);
     }
+    park_on(&survivor);
     drop(dying);
     survivor.block_on(async {
         let all = async {
@@ -480,19 +475,19 @@ fn queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(set_runtime_s
         assert!(done.is_ok(), "the survivor's runs completed: {:?}", set.snapshot());
     });
     let lane = &set.snapshot().lanes[0];
-    let canceled = if set_runtime_survives { 1 } else { 2 };
+    let canceled = if dying_queues_first { 2 } else { 1 };
     assert_eq!((lane.completed, lane.failed.canceled), (QUEUED as u64, canceled), "{lane:?}");
     assert_quiescent(&set);
 }
 
 #[test]
-fn queued_runs_of_the_sets_runtime_outlast_another_runtimes_shutdown() {
-    queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(true);
+fn queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown_alone() {
+    queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(false);
 }
 
 #[test]
-fn queued_runs_of_a_second_runtime_outlast_the_sets_runtimes_shutdown() {
-    queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(false);
+fn queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown_behind_its_queued_run() {
+    queued_runs_of_a_live_runtime_outlast_another_runtimes_shutdown(true);
 }
 
 /// Two runtimes of one worker each share a set at once, admitting in a random order, and one
@@ -505,6 +500,24 @@ fn runs_of_a_runtime_that_lives_on_never_end_with_another_runtimes_shutdown() {
     let set = common::one_lane("a", LaneLimits::new(WIDTH, 1_000)).build().unwrap();
     let one_worker = || Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    // Jobs that ran on a runtime other than the one they were admitted on.
+    let strays = Arc::new(AtomicUsize::new(0));
+    // A job that checks it runs on `home`, then ends or (`forever`) waits until dropped.
+    let homed = |home: tokio::runtime::Id, yields: u64, forever: bool| {
+        let strays = strays.clone();
+        Run::new(move |_cx| async move {
+            if tokio::runtime::Handle::current().id() != home {
+                strays.fetch_add(1, Ordering::SeqCst);
+            }
+            for _ in 0..yields {
+                tokio::task::yield_now().await;
+            }
+            if forever {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, BoxError>(1)
+        })
+    };
     for round in 0..20 {
         let (survivor, dying) = (one_worker(), one_worker());
         let ok = Arc::new(AtomicUsize::new(0));
@@ -521,29 +534,21 @@ fn runs_of_a_runtime_that_lives_on_never_end_with_another_runtimes_shutdown() {
             match &dying {
                 Some(runtime) if choice % 2 == 0 => {
                     let _entered = runtime.enter();
-                    let admitted = match (choice >> 4) % 3 {
-                        0 => set.spawn("a", forever()).is_ok(),
-                        _ => set.spawn("a", Run::new(|_cx| async { Ok(0) })).is_ok(),
-                    };
-                    assert!(admitted);
+                    let run = homed(runtime.handle().id(), 0, (choice >> 4) % 3 == 0);
+                    assert!(set.spawn("a", run).is_ok());
                 }
                 _ => {
                     let _entered = survivor.enter();
                     let (ok, failed) = (ok.clone(), failed.clone());
-                    let yields = (choice >> 8) % 3;
-                    let run = Run::new(move |_cx| async move {
-                        for _ in 0..yields {
-                            tokio::task::yield_now().await;
-                        }
-                        Ok(1)
-                    })
-                    .finalizer(move |outcome: Outcome<u32>| {
-                        match outcome {
-                            Ok(_) => drop(ok.fetch_add(1, Ordering::SeqCst)),
-                            Err(failure) => failed.lock().unwrap().push(failure.reason()),
-                        }
-                        async { Ok::<_, BoxError>(()) }
-                    });
+                    let run = homed(survivor.handle().id(), (choice >> 8) % 3, false).finalizer(
+                        move |outcome: Outcome<u32>| {
+                            match outcome {
+                                Ok(_) => drop(ok.fetch_add(1, Ordering::SeqCst)),
+                                Err(failure) => failed.lock().unwrap().push(failure.reason()),
+                            }
+                            async { Ok::<_, BoxError>(()) }
+                        },
+                    );
                     assert!(set.spawn("a", run).is_ok());
                     survivors += 1;
                 }
@@ -565,15 +570,17 @@ fn runs_of_a_runtime_that_lives_on_never_end_with_another_runtimes_shutdown() {
         drop(survivor);
         assert_quiescent(&set);
     }
+    assert_eq!(strays.load(Ordering::SeqCst), 0, "a job ran off the runtime it was admitted on");
     runs_at_full_width(&current_thread(), &set, "a", WIDTH);
 }
 
 /// Queued runs of a runtime that has shut down, granted their slot later by a run of a runtime
 /// that lives on, end canceled: each is started on its own runtime, which drops it, and the
 /// slot it frees goes on to the next. None runs on the live runtime in its place, not even one
-/// granted by a dead runtime's run that ended inside the live runtime's thread.
-#[test]
-fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes() {
+/// granted by a dead runtime's run that ended inside the live runtime's thread. With `pruned`,
+/// a third runtime (dropped at once) admits a run after the first shut down, which forgets the
+/// first one's handle: its runs are then dropped where they are granted, with the same end.
+fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes(pruned: bool) {
     let set = common::one_lane("a", LaneLimits::new(1, 8)).build().unwrap();
     let (gone, live) = (current_thread(), current_thread());
     let live_runs = Arc::new(AtomicUsize::new(0));
@@ -597,6 +604,11 @@ fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes() {
         }
     });
     drop(gone);
+    if pruned {
+        // Its run waits behind the first runtime's, and is dropped with it before its turn.
+        let third = current_thread();
+        third.block_on(async { set.spawn("a", forever()).unwrap() });
+    }
     live.block_on(async {
         let all = async {
             while live_runs.load(Ordering::SeqCst) < 1 || set.snapshot().owned > 0 {
@@ -607,6 +619,16 @@ fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes() {
         assert!(done.is_ok(), "every run ended: {:?}", set.snapshot());
     });
     let lane = &set.snapshot().lanes[0];
-    assert_eq!((lane.completed, lane.failed.canceled), (1, 4), "{lane:?}");
+    assert_eq!((lane.completed, lane.failed.canceled), (1, 4 + u64::from(pruned)), "{lane:?}");
     assert_quiescent(&set);
+}
+
+#[test]
+fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes_on_its_handle() {
+    queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes(false);
+}
+
+#[test]
+fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes_after_it_is_forgotten() {
+    queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes(true);
 }

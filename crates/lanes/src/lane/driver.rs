@@ -188,7 +188,9 @@ thread_local! {
 }
 
 /// Tokio's id of `runtime`, as a number a signal keeps in an atomic: the id's `Hash` writes the
-/// one `u64` it is, and any other shape of it would still give each runtime its own number.
+/// one non-zero `u64` it is (tokio numbers its runtimes from a process-wide counter, so no two
+/// runtimes of a process share one, though its docs promise that only among running ones), and
+/// that `u64` is the number. Its value is checked against the id's `Display` in a unit test.
 pub(super) fn runtime_key(runtime: &tokio::runtime::Handle) -> u64 {
     struct Key(u64);
     impl std::hash::Hasher for Key {
@@ -198,7 +200,7 @@ pub(super) fn runtime_key(runtime: &tokio::runtime::Handle) -> u64 {
             }
         }
         fn write_u64(&mut self, n: u64) {
-            self.0 = n;
+            self.0 = self.0.rotate_left(29) ^ n;
         }
         fn finish(&self) -> u64 {
             self.0
@@ -241,13 +243,20 @@ impl Runtimes {
     #[cold]
     fn note_new(&self, key: u64, runtime: &tokio::runtime::Handle) {
         let mut known = crate::util::lock(&self.known);
+        let mut gone = Vec::new();
         if !known.iter().any(|(noted, _)| *noted == key) {
-            // The handles of runtimes that have shut down go: their runs ended with them.
-            known.retain(|(_, handle)| is_running(handle));
+            // The handles of runtimes that have shut down go (after the lock): their runs
+            // ended with them, and one granted later is dropped where it is (`At::Gone`).
+            let live;
+            (live, gone) =
+                std::mem::take(&mut *known).into_iter().partition(|(_, handle)| is_running(handle));
+            *known = live;
             known.push((key, runtime.clone()));
         }
         // Under the lock: whoever reads it and looks the handle up takes the lock after.
         self.last.store(key, Ordering::Relaxed);
+        drop(known);
+        drop(gone);
     }
 
     /// Where a run of home `key` is started from a thread whose runtime may not be it.
@@ -260,13 +269,14 @@ impl Runtimes {
     }
 }
 
-/// How the parked runs a release grants are started: carried in the releasing run's task if
-/// they share its home `carrier` (`None`: no run's task carries them), else on their own.
+/// How the parked runs a grant starts are started: each on its home (invariant 4); one of the
+/// runtime this thread runs, `here` if known, here, carried in the releasing run's task if the
+/// grant is a release that can (`carry`); any other on its home's handle, from `runtimes`.
 #[derive(Clone, Copy)]
 pub(super) struct Starts<'a> {
-    pub(super) carrier: Option<u64>,
-    /// The set's runtimes (`None`, on a panic's path only: started on the current runtime).
-    pub(super) runtimes: Option<&'a Runtimes>,
+    pub(super) here: Option<u64>,
+    pub(super) carry: bool,
+    pub(super) runtimes: &'a Runtimes,
 }
 
 impl Parked {
@@ -283,10 +293,10 @@ impl Parked {
         self.start_at(At::Current);
     }
 
-    /// Starts it on its home `home` from a thread whose runtime may not be it (`runtimes`:
-    /// the set's; without them, on the current runtime).
-    pub(super) fn start_home(self, home: u64, runtimes: Option<&Runtimes>) {
-        self.start_at(runtimes.map_or(At::Current, |runtimes| runtimes.at(home)));
+    /// Starts it on its home `home` from a thread whose runtime may not be it, the handle
+    /// found in `runtimes` (the set's).
+    pub(super) fn start_home(self, home: u64, runtimes: &Runtimes) {
+        self.start_at(runtimes.at(home));
     }
 
     fn start_at(self, at: At) {
@@ -390,8 +400,11 @@ impl Next {
     /// Carries `run`, of home `home`, if it shares the carrier's; a second one (never, when one
     /// slot was freed) gets its own task; a run of another home is started there.
     pub(super) fn push(&mut self, run: Parked, home: u64, starts: Starts<'_>) {
-        if starts.carrier != Some(home) {
+        if starts.here != Some(home) {
             return run.start_home(home, starts.runtimes);
+        }
+        if !starts.carry {
+            return run.start();
         }
         match self.run {
             None => self.run = Some(run),
@@ -1090,5 +1103,23 @@ impl Deadline {
             Some(sleep) => sleep.as_mut().poll(cx),
             None => Poll::Pending,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runtime_key;
+
+    /// A runtime's key is the number tokio's id is, never 0, and a runtime made after another
+    /// has gone gets a key of its own.
+    #[test]
+    fn a_runtime_key_is_its_id() {
+        let first = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let key = runtime_key(first.handle());
+        assert_eq!(key, first.handle().id().to_string().parse::<u64>().unwrap());
+        assert_ne!(key, 0);
+        drop(first);
+        let second = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        assert_ne!(runtime_key(second.handle()), key);
     }
 }

@@ -252,13 +252,13 @@ impl LaneState {
 
 /// A grant decided under the lane lock and not yet told to its run (its slot, and the
 /// run's signal). Told when dropped, if [`SetShared::release_execution`] did not get to it:
-/// when a panic unwinds through it.
-struct Handoff(Option<(usize, Arc<RunSignal>)>);
+/// when a panic unwinds through it (a parked run is then started on its home, `runtimes`).
+struct Handoff<'a>(Option<(usize, Arc<RunSignal>)>, &'a Runtimes);
 
-impl Drop for Handoff {
+impl Drop for Handoff<'_> {
     fn drop(&mut self) {
         if let Some((slot, signal)) = self.0.take() {
-            let starts = Starts { carrier: None, runtimes: None };
+            let starts = Starts { here: None, carry: false, runtimes: self.1 };
             Next::default().push_granted(&signal, slot, starts);
         }
     }
@@ -486,7 +486,7 @@ impl LaneShared {
         // `inboxed` anew); if before, the admission that stored it reads the free slot and
         // takes in every run pushed by then, and this one reads it too if it came after.
         if self.executing.load(Ordering::SeqCst) < self.limits.concurrent {
-            self.grant_inbox(runtimes);
+            self.grant_inbox(home, runtimes);
         }
         Some((run_id, signal))
     }
@@ -509,22 +509,23 @@ impl LaneShared {
 
     /// Takes the inbox's runs in and grants the free slots, for an admission into the inbox
     /// that found a slot free after all. The granted runs are woken or started after the lock.
-    fn grant_inbox(&self, runtimes: &Runtimes) {
+    fn grant_inbox(&self, home: u64, runtimes: &Runtimes) {
         let mut next = Next::default();
         // Declared before the lock's guard: a panic in `publish` still sets their latches.
-        let mut granted: Vec<Handoff> = Vec::new();
+        let mut granted: Vec<Handoff<'_>> = Vec::new();
         {
             let mut state = self.lock_core_exact();
             state.core.grant_free(|_seq, slot, held| {
                 // A run granted here was queued: it holds a second reference.
                 if let Some(signal) = held.handoff.take() {
-                    granted.push(Handoff(Some((slot, signal))));
+                    granted.push(Handoff(Some((slot, signal)), runtimes));
                 }
             });
             self.publish(&mut state);
         }
-        // No run's task carries them: each is started on its home.
-        let starts = Starts { carrier: None, runtimes: Some(runtimes) };
+        // No run's task carries them: each is started on its home, this admission's runtime
+        // or another.
+        let starts = Starts { here: Some(home), carry: false, runtimes };
         next.push_all_granted(granted.iter_mut().filter_map(|handoff| handoff.0.take()), starts);
     }
 
@@ -1368,20 +1369,20 @@ impl SetShared {
         let mut next = Next::default();
         // Declared before the lock's guard, so dropped after it if a metrics recorder panics
         // in `publish`: the latch is set then too, and the granted run does not wait forever.
-        let mut granted = Handoff(None);
+        let mut granted = Handoff(None, &self.runtimes);
         // A second run and more, granted when the inbox is taken in: more than one slot was
         // free, its releases having looked before the inbox's runs were counted. Told after
         // the lock, as the first is: a parked run told is started, and one started on a
         // runtime that shuts down ends at once, which takes this lock (invariant 3 of the
         // driver).
-        let mut more: Vec<Handoff> = Vec::new();
+        let mut more: Vec<Handoff<'_>> = Vec::new();
         let unused = {
             let mut core = lane.lock_core();
             let mut on_grant = |_seq, slot, held: &mut Held| {
                 let signal = held.handoff.take().unwrap_or_else(|| held.signal.clone());
                 match granted.0 {
                     None => granted.0 = Some((slot, signal)),
-                    Some(_) => more.push(Handoff(Some((slot, signal)))),
+                    Some(_) => more.push(Handoff(Some((slot, signal)), &self.runtimes)),
                 }
             };
             let released = core.release_execution(slot, &mut on_grant);
@@ -1404,7 +1405,7 @@ impl SetShared {
         };
         // A run granted its slot at admission never used its second reference.
         drop(unused);
-        let starts = Starts { carrier, runtimes: Some(&self.runtimes) };
+        let starts = Starts { here: carrier, carry: true, runtimes: &self.runtimes };
         if let Some((slot, signal)) = granted.0.take() {
             next.push_granted(&signal, slot, starts);
         }

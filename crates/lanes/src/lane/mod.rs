@@ -69,8 +69,9 @@
 //! task of its own. A queued background run without a queue timeout holds no task while it waits:
 //! the run that gives it its slot drives it next, in the same task if both were admitted on the
 //! same runtime (or spawns it the moment its own terminal audit, finalizer or cleanup has to
-//! wait; a run of another runtime is spawned there at once). A busy lane thus runs on about one task per
-//! execution slot; such a task yields to the scheduler between runs when its budget is spent. The
+//! wait; a run of another runtime is spawned there at once). A busy lane used by one runtime
+//! thus runs on about one task per execution slot; such a task yields to the scheduler between
+//! runs when its budget is spent. The
 //! queued run therefore starts once those callbacks have returned from their first poll: one that
 //! does long synchronous work before its first `.await` delays it, and callbacks, like jobs, must
 //! not block the thread.
@@ -100,7 +101,9 @@
 //!
 //! A set used by several runtimes at once keeps each run on the runtime it was admitted on: a
 //! queued run is started there when its slot comes, whichever runtime's run gave the slot back,
-//! so a runtime that shuts down ends its own runs and no other's. A close starts the queued
+//! so a runtime that shuts down ends its own runs and no other's. (So a run granted its slot
+//! holds it until its runtime polls it: a runtime whose thread is blocked delays its own runs
+//! and the slots they hold.) A close starts the queued
 //! runs it fails on their own runtimes too, wherever it is called from; those of a runtime that
 //! has shut down are dropped as it drops a task, and end canceled (a panic in that drop, a
 //! job's capture, is caught, and the close goes on).

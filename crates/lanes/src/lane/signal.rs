@@ -69,17 +69,17 @@ pub(crate) struct Woken {
 impl Woken {
     pub(super) fn wake(self, runtimes: &Runtimes) {
         match self.driver {
-            Driver::Parked(run) => run.start_home(self.home, Some(runtimes)),
+            Driver::Parked(run) => run.start_home(self.home, runtimes),
             driver => driver.wake(),
         }
     }
 }
 
 impl Driver {
-    /// Wakes the driver task or starts the parked run, taken out of the slot (after its lock).
-    /// A parked run is started on the current runtime here; a grant or a shut starts it on its
-    /// home instead ([`Woken::wake`], `driver::Next::push`), and nothing else reaches a parked
-    /// run (it has no caller and no deadline to cancel it).
+    /// Wakes the driver task, taken out of the slot (after its lock). A parked run is started
+    /// by a grant or a shut, on its home ([`Woken::wake`], `driver::Next::push`), not here
+    /// (`wake_driver` leaves it in its slot); were one to come here, it is started on the
+    /// current runtime rather than lost.
     fn wake(self) {
         match self {
             Self::Task(waker) => waker.wake(),
@@ -253,9 +253,19 @@ impl RunSignal {
     }
 
     fn wake_driver(&self) {
-        // Taken out under the lock and woken after it: a parked run woken is started, and one
-        // started on a runtime that shuts down ends at once, which reads this signal.
-        let driver = std::mem::replace(&mut *spin_lock(&self.driver), Driver::None);
+        // Taken out under the lock and woken after it. A parked run is left where it is: one
+        // is cancelled only when a shut finds it granted a slot and not yet told (its granter
+        // is between the lane's lock and the latch), and the granter takes it out and starts
+        // it on its home (driver invariant 4), where it reads the cancellation. Started here,
+        // it would run on the cancelling thread's runtime, or, with none, end at once and take
+        // the lane's lock the shut holds.
+        let driver = {
+            let mut slot = spin_lock(&self.driver);
+            if matches!(*slot, Driver::Parked(_)) {
+                return;
+            }
+            std::mem::replace(&mut *slot, Driver::None)
+        };
         driver.wake();
     }
 
