@@ -138,6 +138,18 @@ fn runs_dropped_with_their_runtime_end_and_give_their_rooms_back() {
     assert_quiescent(&set);
 }
 
+/// Spawns on lane `a` a run that never ends and whose finalizer counts a `Closed` failure.
+fn spawn_counting_closed(set: &LaneSet, closed: &Arc<AtomicUsize>) {
+    let closed = closed.clone();
+    let run = forever().finalizer(move |outcome: Outcome<u32>| {
+        if outcome.is_err_and(|failure| failure.reason() == Reason::Closed) {
+            closed.fetch_add(1, Ordering::SeqCst);
+        }
+        async { Ok::<_, BoxError>(()) }
+    });
+    set.spawn("a", run).unwrap();
+}
+
 /// Parked runs admitted on a second runtime, after the first one the set was used on shut
 /// down, are failed by a close on the second runtime through their finalizers, there, their
 /// home: whether the first one dropped runs as it shut down (`abandoned`) or had ended them all.
@@ -166,14 +178,7 @@ fn close_after_the_first_runtime_is_gone(abandoned: bool) {
         let busy = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
         set.spawn("a", busy).unwrap();
         for _ in 0..3 {
-            let closed = closed.clone();
-            let run = forever().finalizer(move |outcome: Outcome<u32>| {
-                if outcome.is_err_and(|failure| failure.reason() == Reason::Closed) {
-                    closed.fetch_add(1, Ordering::SeqCst);
-                }
-                async { Ok::<_, BoxError>(()) }
-            });
-            set.spawn("a", run).unwrap();
+            spawn_counting_closed(&set, &closed);
         }
         tokio::task::yield_now().await;
         set.close();
@@ -207,7 +212,7 @@ fn a_close_from_no_runtime_ends_the_parked_runs_of_a_runtime_that_is_gone() {
         set.spawn("a", busy).unwrap();
         tokio::task::yield_now().await;
     });
-    // Parked on the first runtime, which becomes the set's, and is then dropped.
+    // Parked on the first runtime, which is then dropped.
     first.block_on(async {
         for _ in 0..3 {
             set.spawn("a", forever()).unwrap();
@@ -216,14 +221,7 @@ fn a_close_from_no_runtime_ends_the_parked_runs_of_a_runtime_that_is_gone() {
     drop(first);
     second.block_on(async {
         for _ in 0..2 {
-            let closed = closed.clone();
-            let run = forever().finalizer(move |outcome: Outcome<u32>| {
-                if outcome.is_err_and(|failure| failure.reason() == Reason::Closed) {
-                    closed.fetch_add(1, Ordering::SeqCst);
-                }
-                async { Ok::<_, BoxError>(()) }
-            });
-            set.spawn("a", run).unwrap();
+            spawn_counting_closed(&set, &closed);
         }
     });
     set.close();
@@ -406,7 +404,7 @@ fn a_parked_runs_drop_that_panics_in_a_close_does_not_stop_the_close() {
         }
         tokio::task::yield_now().await;
     });
-    // Parked on the first runtime, which becomes the set's, and is then dropped.
+    // Parked on the first runtime, which is then dropped.
     first.block_on(async {
         for lane in ["a", "b"] {
             let careless = PanicsOnDrop;
@@ -605,7 +603,8 @@ fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes(pruned: bool)
     });
     drop(gone);
     if pruned {
-        // Its run waits behind the first runtime's, and is dropped with it before its turn.
+        // Its run waits as data behind the first runtime's, and ends when granted, its
+        // runtime being gone by then.
         let third = current_thread();
         third.block_on(async { set.spawn("a", forever()).unwrap() });
     }

@@ -220,7 +220,9 @@ fn is_running(runtime: &tokio::runtime::Handle) -> bool {
 }
 
 /// The runtimes a set's runs were admitted on, by [`runtime_key`]: the handles a queued run
-/// is started on when what grants it its slot runs elsewhere (invariant 4).
+/// is started on when what grants it its slot runs elsewhere (invariant 4). The handle of a
+/// runtime that has shut down is kept until a new runtime is noted (with the runtime's shared
+/// state it holds): a set that outlives its last runtime keeps that one's.
 #[derive(Debug, Default)]
 pub(super) struct Runtimes {
     /// The runtime of the last admission that noted one: a set used by one runtime notes it
@@ -686,7 +688,9 @@ where
         let (granted, since) = match t.start {
             Start::Executing { slot } => (Ok((slot, None)), None),
             Start::Queued { seq, deadline, since } => match t.signal().grant_state() {
-                // A parked run starts once granted: no wait to set up.
+                // A parked run starts once granted: no wait to set up. One a shut cancelled
+                // between its grant and its start (`RunSignal::wake_driver`) starts all the
+                // same, as a run the shut found executing, and reads the cancellation there.
                 Decision::Granted(slot) => (Ok((slot, None)), since),
                 _ => (await_grant(&t, seq, deadline).await.map(|slot| (slot, None)), since),
             },
@@ -1108,18 +1112,40 @@ impl Deadline {
 
 #[cfg(test)]
 mod tests {
-    use super::runtime_key;
+    use super::{At, Runtimes, runtime_key};
+
+    /// Noting a new runtime forgets the ones that have shut down: a run of one of those is
+    /// then dropped where it is granted (`At::Gone`), not spawned on its handle.
+    #[test]
+    fn a_new_runtime_noted_forgets_those_shut_down() {
+        let runtimes = Runtimes::default();
+        let (first, second) = (current_thread(), current_thread());
+        let keys = [runtime_key(first.handle()), runtime_key(second.handle())];
+        runtimes.note(keys[0], first.handle());
+        runtimes.note(keys[1], second.handle());
+        assert!(matches!(runtimes.at(keys[0]), At::Home(_)), "both are known");
+        drop(first);
+        assert!(matches!(runtimes.at(keys[0]), At::Home(_)), "kept until a new one is noted");
+        let third = current_thread();
+        runtimes.note(runtime_key(third.handle()), third.handle());
+        assert!(matches!(runtimes.at(keys[0]), At::Gone), "the shut-down one is forgotten");
+        assert!(matches!(runtimes.at(keys[1]), At::Home(_)), "the live one is kept");
+    }
+
+    fn current_thread() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().build().unwrap()
+    }
 
     /// A runtime's key is the number tokio's id is, never 0, and a runtime made after another
     /// has gone gets a key of its own.
     #[test]
     fn a_runtime_key_is_its_id() {
-        let first = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let first = current_thread();
         let key = runtime_key(first.handle());
         assert_eq!(key, first.handle().id().to_string().parse::<u64>().unwrap());
         assert_ne!(key, 0);
         drop(first);
-        let second = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let second = current_thread();
         assert_ne!(runtime_key(second.handle()), key);
     }
 }
