@@ -103,10 +103,10 @@
 //! queued run is started there when its slot comes, whichever runtime's run gave the slot back,
 //! so a runtime that shuts down ends its own runs and no other's. (So a run granted its slot
 //! holds it until its runtime polls it: a runtime whose thread is blocked delays its own runs
-//! and the slots they hold.) A close starts the queued
-//! runs it fails on their own runtimes too, wherever it is called from; those of a runtime that
-//! has shut down are dropped as it drops a task, and end canceled (a panic in that drop, a
-//! job's capture, is caught, and the close goes on).
+//! and the slots they hold.) A close starts the queued runs it fails on their own runtimes
+//! too, wherever it is called from; those of a runtime that has shut down are dropped as it
+//! drops a task, and end canceled (a panic in that drop, a job's capture, is caught, and the
+//! close goes on).
 
 mod audit;
 mod config;
