@@ -388,3 +388,24 @@ fn decode(code: u8) -> Option<Reason> {
         _ => Some(Reason::Poisoned),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lane::driver::Next;
+
+    /// A parked run that a cancellation reaches (a shut that found it granted its slot and not
+    /// yet told: its granter is between the lane's lock and the latch) is left where it waits,
+    /// for the grant to take out and start on its home. Started by the cancellation instead,
+    /// it ran on the cancelling thread's runtime, or, with none (as here), ended at once, which
+    /// takes the lane's lock the shut holds.
+    #[test]
+    fn a_cancellation_leaves_a_parked_run_to_its_grant() {
+        let signal = RunSignal::new();
+        signal.park(Parked(Box::pin(async { Next::default() })));
+        assert!(signal.cancel(Reason::Closed));
+        assert!(signal.has_driver(), "the parked run waits for its grant");
+        assert!(signal.grant(0).is_some(), "the grant takes the parked run out");
+        assert!(!signal.has_driver());
+    }
+}
