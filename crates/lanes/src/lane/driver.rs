@@ -271,9 +271,10 @@ impl Runtimes {
     }
 }
 
-/// How the parked runs a grant starts are started: each on its home (invariant 4); one of the
-/// runtime this thread runs, `here` if known, here, carried in the releasing run's task if the
-/// grant is a release that can (`carry`); any other on its home's handle, from `runtimes`.
+/// Where the parked runs a grant starts go, each to its home (invariant 4). `here` is the
+/// runtime this thread runs, if known: a run of it is started here, and carried in the
+/// releasing run's task if the grant is a release (`carry`). Any other run is spawned on its
+/// home's handle, found in `runtimes`.
 #[derive(Clone, Copy)]
 pub(super) struct Starts<'a> {
     pub(super) here: Option<u64>,

@@ -1119,10 +1119,7 @@ where
     let signal = parks.then(|| ticket.signal().clone());
     let step: Step = in_box(|| drive(ticket, callbacks, background));
     match signal {
-        Some(signal) => {
-            drop(runtime);
-            signal.park(Parked(step));
-        }
+        Some(signal) => signal.park(Parked(step)),
         None => drop(runtime.spawn(work(step))),
     }
     Ok(run_id)

@@ -10,8 +10,9 @@
 //! The run's driver task waits through a single slot, polled in place (no future to store). A
 //! background run that waits in the queue without a deadline has no task yet: its slot holds
 //! the run itself, [parked](RunSignal::park), and the move of its grant latch starts it, on its
-//! home (a cancellation leaves it there for its granter: see `wake_driver`). Anyone else (a job awaiting [`RunContext::cancelled`](super::RunContext::cancelled),
-//! possibly from other tasks) waits on the `Notify`. Both register *before* re-reading the
+//! home (a cancellation leaves it there for its granter: see `wake_driver`). Anyone else (a
+//! job awaiting [`RunContext::cancelled`](super::RunContext::cancelled), possibly from other
+//! tasks) waits on the `Notify`. Both register *before* re-reading the
 //! latches, so a change between the read and the wait cannot be missed. Once a background run
 //! ended, the slot holds its spent drive until the signal is reused ([`RunSignal::bury`]).
 
