@@ -26,6 +26,12 @@
 //! `LANES_FIXED_FLAVOR=multi_thread_2` runs any cell on two worker threads instead (for wall
 //! time and system calls, not instruction counts: the work then depends on the scheduling).
 //!
+//! `LANES_FIXED_RUNTIMES=n` runs the `lane` and `hand-rolled` cells on n threads at once, each
+//! with a `current_thread` runtime of its own, all sharing one lane (a server with a runtime per
+//! core): each thread runs the rounds, and the rate is every thread's runs over the longest.
+//! `LANES_FIXED_ADMITTERS=n` runs them in n tasks of the one runtime instead (with
+//! `LANES_FIXED_FLAVOR=multi_thread_2`, admissions from both workers at once).
+//!
 //! Arguments: the cell (`channel`, `tokio`, `kanal`, `lane` or `hand-rolled`, suite 2's
 //! two-semaphore lane), the channel's capacity (or the lane's execution slots), and the rounds
 //! (10,000 records or 1,000 runs each). It prints the records or runs per second it measured, as
@@ -135,12 +141,20 @@ fn main() {
         Ok("u64") | Err(_) => false,
         Ok(_) => panic!("LANES_FIXED_RECORD is u64 or 256B"),
     };
+    let runtimes: usize =
+        std::env::var("LANES_FIXED_RUNTIMES").map_or(1, |n| n.parse().expect(usage));
+    let admitters: usize =
+        std::env::var("LANES_FIXED_ADMITTERS").map_or(1, |n| n.parse().expect(usage));
     let rt = flavor.runtime();
     let (items, elapsed) = match cell.as_str() {
         "channel" | "tokio" | "kanal" if big => {
             channel_rounds::<Big>(&rt, &cell, size, producers, rounds)
         }
         "channel" | "tokio" | "kanal" => channel_rounds::<u64>(&rt, &cell, size, producers, rounds),
+        "lane" | "hand-rolled" if runtimes > 1 => shared_rounds(&cell, size, runtimes, rounds),
+        "lane" | "hand-rolled" if admitters > 1 => {
+            admitters_rounds(&rt, &cell, size, admitters, rounds)
+        }
         "hand-rolled" => {
             let lane = HandRolled::new(size, 2_000);
             lane_rounds(&rt, rounds, move || hand_rolled(lane.clone(), RUNS))
@@ -399,6 +413,72 @@ where
         })
         .await
         .expect("bench task")
+    })
+}
+
+/// `rounds` rounds of a lane cell on each of `runtimes` threads, each with a `current_thread`
+/// runtime of its own, all admitting into one lane of `size` slots (`LANES_FIXED_RUNTIMES`):
+/// every thread's runs and the longest thread's time.
+fn shared_rounds(cell: &str, size: usize, runtimes: usize, rounds: u64) -> (u64, Duration) {
+    let queued = 2_000 * runtimes;
+    let (ours, hand) = (lane(size, queued), HandRolled::new(size, queued));
+    let start = Arc::new(std::sync::Barrier::new(runtimes));
+    let threads: Vec<_> = (0..runtimes)
+        .map(|_| {
+            let (ours, hand, start) = (ours.clone(), hand.clone(), start.clone());
+            let ours_cell = cell == "lane";
+            std::thread::spawn(move || {
+                let rt = Flavor::CurrentThread.runtime();
+                start.wait();
+                if ours_cell {
+                    lane_rounds(&rt, rounds, move || lane_runs(ours.clone(), RUNS))
+                } else {
+                    lane_rounds(&rt, rounds, move || hand_rolled(hand.clone(), RUNS))
+                }
+            })
+        })
+        .collect();
+    let times = threads.into_iter().map(|thread| thread.join().expect("bench thread"));
+    let (runs, longest) =
+        times.fold((0, Duration::ZERO), |(runs, longest), (n, took)| (runs + n, longest.max(took)));
+    (runs, longest)
+}
+
+/// `rounds` rounds of a lane cell in each of `admitters` tasks of `rt`, all admitting into one
+/// lane of `size` slots (`LANES_FIXED_ADMITTERS`): every task's runs and the longest task's time.
+fn admitters_rounds(
+    rt: &tokio::runtime::Runtime,
+    cell: &str,
+    size: usize,
+    admitters: usize,
+    rounds: u64,
+) -> (u64, Duration) {
+    let queued = 2_000 * admitters;
+    let (ours, hand) = (lane(size, queued), HandRolled::new(size, queued));
+    let ours_cell = cell == "lane";
+    rt.block_on(async {
+        let tasks: Vec<_> = (0..admitters)
+            .map(|_| {
+                let (ours, hand) = (ours.clone(), hand.clone());
+                tokio::spawn(async move {
+                    let start = Instant::now();
+                    for _ in 0..rounds {
+                        if ours_cell {
+                            lane_runs(ours.clone(), RUNS).await;
+                        } else {
+                            hand_rolled(hand.clone(), RUNS).await;
+                        }
+                    }
+                    (rounds * RUNS, start.elapsed())
+                })
+            })
+            .collect();
+        let mut total = (0, Duration::ZERO);
+        for task in tasks {
+            let (runs, took) = task.await.expect("bench task");
+            total = (total.0 + runs, total.1.max(took));
+        }
+        total
     })
 }
 
