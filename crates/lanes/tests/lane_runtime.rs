@@ -337,9 +337,10 @@ fn panicking_admissions() -> common::Named {
 
 /// A metrics recorder that panics as a run is counted admitted unwinds out of the admission
 /// (the caller sees the panic), and the run it had admitted ends: its slot and room are not
-/// left owned. An admission that starts at once, and one that waits in the queue. (One that
-/// waits as data is counted before its ticket is made: there the recorder's panic leaves the
-/// run owned.)
+/// left owned. An admission that starts at once, and one that waits in the queue. One that
+/// waits as data (into the inbox) is counted before the lane changes, so the panic leaves it
+/// unadmitted: nothing owned, nothing to end. (Before stop 66 it was counted after, and its
+/// room stayed owned for good.)
 #[test]
 fn a_run_admitted_as_the_recorder_panics_is_not_left_owned() {
     let set = metrics::with_local_recorder(&panicking_admissions(), || {
@@ -362,7 +363,72 @@ fn a_run_admitted_as_the_recorder_panics_is_not_left_owned() {
         tokio::task::yield_now().await;
         PANICS.store(true, Ordering::SeqCst);
         assert!(admit(true, forever().queue_timeout(Duration::from_secs(60))).is_err());
+        // A background run with no limit and no deadline, while the slot is taken: the inbox.
+        assert!(admit(false, forever()).is_err(), "the recorder panicked");
         PANICS.store(false, Ordering::SeqCst);
+        let lane = &set.snapshot().lanes[0];
+        assert_eq!((lane.owned, lane.queued, lane.executing), (1, 0, 1), "{lane:?}");
+        assert_eq!(lane.failed.canceled, 2, "{lane:?}");
+        assert_eq!(lane.admitted, 3, "the run into the inbox was not admitted: {lane:?}");
+        drop(running);
+        let ended = async {
+            while set.snapshot().owned > 0 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), ended).await.expect("the run ends");
+    });
+    runs_at_full_width(&runtime, &set, "a", 1);
+    assert_quiescent(&set);
+}
+
+/// Set for the next setting of the `lanes_lane_executing` gauge of [`panicking_gauges`] to
+/// panic (once: the ticket's drop that ends the run sets it again).
+static GAUGE_PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+struct ExecutingGauge;
+
+impl metrics::GaugeFn for ExecutingGauge {
+    fn increment(&self, _value: f64) {}
+    fn decrement(&self, _value: f64) {}
+    fn set(&self, _value: f64) {
+        assert!(!GAUGE_PANICS.swap(false, Ordering::SeqCst), "the gauge panics");
+    }
+}
+
+/// A metrics recorder whose `lanes_lane_executing` gauge panics once `GAUGE_PANICS` is set.
+fn panicking_gauges() -> common::Named {
+    let executing = metrics::Gauge::from_arc(Arc::new(ExecutingGauge));
+    common::Named { counters: vec![], gauges: vec![("lanes_lane_executing", executing)] }
+}
+
+/// A metrics recorder that panics in the lane's gauges, which an admission under the lane's
+/// lock sets once the run is the core's and before its ticket exists: the panic reaches the
+/// caller once the ticket does, and the ticket's drop ends the run. A run into a free slot,
+/// and one into the queue behind a running one. (Before stop 66 both stayed owned for good,
+/// and the first held the lane's only slot.)
+#[test]
+fn a_run_admitted_as_a_gauge_panics_is_not_left_owned() {
+    let set = metrics::with_local_recorder(&panicking_gauges(), || {
+        common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap()
+    });
+    let runtime = current_thread();
+    runtime.block_on(async {
+        let admit = |run: Run<Forever>| {
+            GAUGE_PANICS.store(true, Ordering::SeqCst);
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(set.run("a", run))))
+        };
+        assert!(admit(forever()).is_err(), "the gauge panicked");
+        let ended = async {
+            while set.snapshot().owned > 0 {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), ended).await.expect("the run ends");
+        let stops = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
+        let running = set.run("a", stops).unwrap();
+        tokio::task::yield_now().await;
+        assert!(admit(forever().queue_timeout(Duration::from_secs(60))).is_err());
         let lane = &set.snapshot().lanes[0];
         assert_eq!((lane.owned, lane.queued, lane.executing), (1, 0, 1), "{lane:?}");
         assert_eq!(lane.failed.canceled, 2, "{lane:?}");
