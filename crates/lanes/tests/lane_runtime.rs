@@ -335,55 +335,62 @@ fn panicking_admissions() -> common::Named {
     common::Named { counters: vec![("lanes_lane_admitted_total", admitted)], gauges: vec![] }
 }
 
-/// A metrics recorder that panics as a run is counted admitted unwinds out of the admission
-/// (the caller sees the panic), and the run it had admitted ends: its slot and room are not
-/// left owned. An admission that starts at once, and one that waits in the queue. One that
-/// waits as data (into the inbox) is counted before the lane changes, so the panic leaves it
-/// unadmitted: nothing owned, nothing to end. (Before stop 66 it was counted after, and its
-/// room stayed owned for good.)
+/// Runs admitted into a lane of one slot: one into the free slot, held until `release` gets
+/// a permit; one into the queue behind it (with a deadline: under the lane's lock); one as
+/// data (a background run without limit or deadline: into the inbox), which counts itself in
+/// `ran`. Each admission must succeed; then the first is let go, and every run must complete.
+async fn admit_past_a_panicking_recorder(set: &LaneSet) {
+    let release = Arc::new(tokio::sync::Semaphore::new(0));
+    let ran = Arc::new(AtomicUsize::new(0));
+    let held = release.clone();
+    let holder = set
+        .run("a", Run::new(move |_cx| async move { Ok(held.acquire().await.is_ok() as u32) }))
+        .expect("admitted into the free slot");
+    tokio::task::yield_now().await;
+    let queued = set
+        .run("a", Run::new(|_cx| async { Ok(2) }).queue_timeout(Duration::from_secs(60)))
+        .expect("admitted into the queue");
+    let counted = ran.clone();
+    set.spawn(
+        "a",
+        Run::new(move |_cx| async move { Ok(counted.fetch_add(1, Ordering::SeqCst) as u32) }),
+    )
+    .expect("admitted into the inbox");
+    release.add_permits(1);
+    let ended = async { (holder.await, queued.await) };
+    let (holder, queued) = tokio::time::timeout(Duration::from_secs(10), ended).await.unwrap();
+    assert_eq!((holder.unwrap(), queued.unwrap()), (1, 2));
+    let drained = async {
+        while set.snapshot().owned > 0 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), drained).await.expect("the runs end");
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "the run admitted as data ran");
+    let lane = &set.snapshot().lanes[0];
+    assert_eq!((lane.admitted, lane.completed), (3, 3), "{lane:?}");
+}
+
+/// A metrics recorder that panics never unwinds through a lane (`lane::metrics` contains each
+/// call): with the `admitted` counter panicking on every call, an admission into the free
+/// slot, one into the queue and one into the inbox all succeed, and every run completes.
+/// (Before stop 66 the panic unwound out of the admission: the first two runs ended
+/// canceled, and the third stayed owned for good, holding its room and, once granted, the
+/// lane's only slot.)
 #[test]
-fn a_run_admitted_as_the_recorder_panics_is_not_left_owned() {
+fn a_counter_that_panics_on_admission_loses_no_run() {
     let set = metrics::with_local_recorder(&panicking_admissions(), || {
         common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap()
     });
     let runtime = current_thread();
-    runtime.block_on(async {
-        PANICS.store(true, Ordering::SeqCst);
-        let admit = |blocking: bool, run: Run<Forever>| {
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match blocking {
-                true => drop(set.run("a", run)),
-                false => drop(set.spawn("a", run)),
-            }))
-        };
-        // Into a free slot, then into the queue while one runs, then as data behind it.
-        assert!(admit(true, forever()).is_err(), "the recorder panicked");
-        PANICS.store(false, Ordering::SeqCst);
-        let stops = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
-        let running = set.run("a", stops).unwrap();
-        tokio::task::yield_now().await;
-        PANICS.store(true, Ordering::SeqCst);
-        assert!(admit(true, forever().queue_timeout(Duration::from_secs(60))).is_err());
-        // A background run with no limit and no deadline, while the slot is taken: the inbox.
-        assert!(admit(false, forever()).is_err(), "the recorder panicked");
-        PANICS.store(false, Ordering::SeqCst);
-        let lane = &set.snapshot().lanes[0];
-        assert_eq!((lane.owned, lane.queued, lane.executing), (1, 0, 1), "{lane:?}");
-        assert_eq!(lane.failed.canceled, 2, "{lane:?}");
-        assert_eq!(lane.admitted, 3, "the run into the inbox was not admitted: {lane:?}");
-        drop(running);
-        let ended = async {
-            while set.snapshot().owned > 0 {
-                tokio::task::yield_now().await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), ended).await.expect("the run ends");
-    });
+    PANICS.store(true, Ordering::SeqCst);
+    runtime.block_on(admit_past_a_panicking_recorder(&set));
+    PANICS.store(false, Ordering::SeqCst);
     runs_at_full_width(&runtime, &set, "a", 1);
     assert_quiescent(&set);
 }
 
-/// Set for the next setting of the `lanes_lane_executing` gauge of [`panicking_gauges`] to
-/// panic (once: the ticket's drop that ends the run sets it again).
+/// Set while the `lanes_lane_executing` gauge of [`panicking_gauges`] panics.
 static GAUGE_PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 struct ExecutingGauge;
@@ -392,55 +399,30 @@ impl metrics::GaugeFn for ExecutingGauge {
     fn increment(&self, _value: f64) {}
     fn decrement(&self, _value: f64) {}
     fn set(&self, _value: f64) {
-        assert!(!GAUGE_PANICS.swap(false, Ordering::SeqCst), "the gauge panics");
+        assert!(!GAUGE_PANICS.load(Ordering::SeqCst), "the gauge panics");
     }
 }
 
-/// A metrics recorder whose `lanes_lane_executing` gauge panics once `GAUGE_PANICS` is set.
+/// A metrics recorder whose `lanes_lane_executing` gauge panics while `GAUGE_PANICS` is set.
 fn panicking_gauges() -> common::Named {
     let executing = metrics::Gauge::from_arc(Arc::new(ExecutingGauge));
     common::Named { counters: vec![], gauges: vec![("lanes_lane_executing", executing)] }
 }
 
-/// A metrics recorder that panics in the lane's gauges, which an admission under the lane's
-/// lock sets once the run is the core's and before its ticket exists: the panic reaches the
-/// caller once the ticket does, and the ticket's drop ends the run. A run into a free slot,
-/// and one into the queue behind a running one. (Before stop 66 both stayed owned for good,
-/// and the first held the lane's only slot.)
+/// The same with the `executing` gauge panicking on every call: the lane sets it under its
+/// lock at every admission that takes the lock and every release, the first between the
+/// run's admission and its ticket. (Before stop 66 such a panic left the run admitted into
+/// the free slot owned for good, holding the lane's only slot.)
 #[test]
-fn a_run_admitted_as_a_gauge_panics_is_not_left_owned() {
+fn a_gauge_that_panics_under_the_lanes_lock_loses_no_run() {
     let set = metrics::with_local_recorder(&panicking_gauges(), || {
         common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap()
     });
     let runtime = current_thread();
-    runtime.block_on(async {
-        let admit = |run: Run<Forever>| {
-            GAUGE_PANICS.store(true, Ordering::SeqCst);
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(set.run("a", run))))
-        };
-        assert!(admit(forever()).is_err(), "the gauge panicked");
-        let ended = async {
-            while set.snapshot().owned > 0 {
-                tokio::task::yield_now().await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), ended).await.expect("the run ends");
-        let stops = Run::new(|cx| async move { Ok(cx.cancelled().await as u32) });
-        let running = set.run("a", stops).unwrap();
-        tokio::task::yield_now().await;
-        assert!(admit(forever().queue_timeout(Duration::from_secs(60))).is_err());
-        let lane = &set.snapshot().lanes[0];
-        assert_eq!((lane.owned, lane.queued, lane.executing), (1, 0, 1), "{lane:?}");
-        assert_eq!(lane.failed.canceled, 2, "{lane:?}");
-        drop(running);
-        let ended = async {
-            while set.snapshot().owned > 0 {
-                tokio::task::yield_now().await;
-            }
-        };
-        tokio::time::timeout(Duration::from_secs(10), ended).await.expect("the run ends");
-    });
+    GAUGE_PANICS.store(true, Ordering::SeqCst);
+    runtime.block_on(admit_past_a_panicking_recorder(&set));
     runs_at_full_width(&runtime, &set, "a", 1);
+    GAUGE_PANICS.store(false, Ordering::SeqCst);
     assert_quiescent(&set);
 }
 

@@ -719,8 +719,8 @@ where
                 // The run waits on its signal no more: its task's waker goes now, outside any
                 // lock, rather than with the signal (which the lane may keep for a later run).
                 t.signal().forget_driver();
-                // Before the release: should a metrics recorder unwind out of it after the
-                // slot went to the next run, the ticket's drop must not give it back again.
+                // Before the release: should anything unwind out of it after the slot went to
+                // the next run, the ticket's drop must not give it back again.
                 t.holds.set(Holds::Nothing);
                 next = t.shared.release_execution(t.info.lane, slot, Some(t.signal().home()));
                 match &executed {

@@ -198,6 +198,9 @@ pub(super) struct LaneState {
     /// differences: an inbox admission adds one, and a publish what the core's queue changed
     /// by since this count.
     gauged: usize,
+    /// The core's `executing` as the `executing` gauge was last set to: set only when it moves
+    /// (a release that grants its slot on leaves it as it was).
+    gauged_executing: usize,
     /// The rooms handed to waiting callers (`LaneShared::handed`) as `take_inbox` last read
     /// them, with `owned`: an admission that did not wait finds the lane full when the core's
     /// runs and these fill it, which is `owned` as read then.
@@ -220,6 +223,7 @@ impl LaneState {
             spare: VecDeque::new(),
             unoffered: 0,
             gauged: 0,
+            gauged_executing: 0,
             handed: 0,
         }
     }
@@ -441,17 +445,15 @@ impl LaneShared {
     }
 
     /// Admits a queued background run into the inbox, where every slot was read taken: its
-    /// run id and signal, and whether a slot was found free after all, for the caller to
-    /// [`grant_inbox`](Self::grant_inbox) once the run's ticket exists (a metrics recorder
-    /// that panics in that grant then leaves no run owned without one); or `None`, admitting
-    /// nothing, if the inbox is shut or the lane full (the lane's lock refuses the run then,
-    /// and counts the refusal). A run `handed` a room (counted in `owned` already) takes it up.
+    /// run id and signal; or `None`, admitting nothing, if the inbox is shut or the lane full
+    /// (the lane's lock refuses the run then, and counts the refusal). A run `handed` a room
+    /// (counted in `owned` already) takes it up.
     fn admit_to_inbox(
         &self,
         next_run_id: &AtomicU64,
         holds: Option<&Cell<bool>>,
-        home: u64,
-    ) -> Option<(RunId, Arc<RunSignal>, bool)> {
+        (home, runtimes): (u64, &Runtimes),
+    ) -> Option<(RunId, Arc<RunSignal>)> {
         let handed = holds.is_some();
         let mut inbox = spin_lock(&self.inbox);
         // Exact: without this lock, only completions and rooms given back change `owned`, and
@@ -459,11 +461,6 @@ impl LaneShared {
         if inbox.shut || !handed && self.owned.load(Ordering::SeqCst) >= self.limits.capacity() {
             return None;
         }
-        // Counted before anything changes, under the lock: a metrics recorder that panics
-        // here leaves the lane as it was, and the run unadmitted (dropped as the panic unwinds
-        // out of the admission). Whatever takes the run in after it counts it as the core's.
-        self.metrics.admitted.increment(1);
-        self.metrics.queued.increment(1.0);
         let signal = inbox.signal();
         signal.set_home(home);
         inbox.runs.push(Held { handoff: Some(signal.clone()), signal: signal.clone() });
@@ -483,6 +480,8 @@ impl LaneShared {
             }
         }
         let run_id = inbox.run_id(next_run_id);
+        // Counted under the lock: whatever takes the run in after it counts it as the core's.
+        self.metrics.queued.increment(1.0);
         drop(inbox);
         // A slot given back since the read: the run that gave it stored `executing`, then read
         // `inboxed` (`SetShared::release_execution`), all SeqCst. If its read came after the
@@ -490,8 +489,10 @@ impl LaneShared {
         // admission did, before this push, and this run went into an empty inbox, storing
         // `inboxed` anew); if before, the admission that stored it reads the free slot and
         // takes in every run pushed by then, and this one reads it too if it came after.
-        let free = self.executing.load(Ordering::SeqCst) < self.limits.concurrent;
-        Some((run_id, signal, free))
+        if self.executing.load(Ordering::SeqCst) < self.limits.concurrent {
+            self.grant_inbox(home, runtimes);
+        }
+        Some((run_id, signal))
     }
 
     /// Moves kept signals over to the inbox, as many as it handed out since the last look (the
@@ -543,7 +544,10 @@ impl LaneShared {
         if self.executing.load(Ordering::Relaxed) != executing {
             self.executing.store(executing, Ordering::SeqCst);
         }
-        self.metrics.executing.set(executing as f64);
+        if executing != state.gauged_executing {
+            self.metrics.executing.set(executing as f64);
+            state.gauged_executing = executing;
+        }
         let queued = core.queued();
         if queued != state.gauged {
             self.metrics.queued_moved(state.gauged, queued);
@@ -1193,8 +1197,8 @@ impl SetShared {
             && run.queue_timeout.get().is_none()
             && lane.executing.load(Ordering::SeqCst) >= lane.limits.concurrent;
         if inboxed
-            && let Some((run_id, signal, free)) =
-                lane.admit_to_inbox(&self.next_run_id, holds, home)
+            && let Some((run_id, signal)) =
+                lane.admit_to_inbox(&self.next_run_id, holds, (home, &self.runtimes))
         {
             // Its place in the queue is not known yet, and not needed: the run is never
             // withdrawn from it (it has no deadline and no handle, so only a shut, which
@@ -1202,22 +1206,11 @@ impl SetShared {
             // at 1): a ticket dropped unfinished finds nothing there and reads its latch.
             let start =
                 Start::Queued { seq: 0, deadline: None, since: crate::observe::timing_start() };
-            // Counted admitted in the inbox, before it changed (`admit_to_inbox`). Traced
-            // before its ticket is made: after, the ticket was made and then moved to the answer
-            // (27 instructions a run).
+            // Counted before its ticket is made: after, the ticket was made and then moved to
+            // the answer, 23 instructions a run. (A recorder's panic is contained: `metrics`.)
+            lane.metrics.admitted.increment(1);
             tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
-            if !free {
-                return Ok((
-                    self.ticket(index, run_id, participation, start, signal, run),
-                    prepared,
-                ));
-            }
-            // A slot was found free: granted once the ticket exists, which ends the run if the
-            // grant panics (a metrics recorder's gauges).
-            let admitted =
-                Ok((self.ticket(index, run_id, participation, start, signal, run), prepared));
-            lane.grant_inbox(home, &self.runtimes);
-            return admitted;
+            return Ok((self.ticket(index, run_id, participation, start, signal, run), prepared));
         }
         let mut state = lane.lock_core();
         // Every admission holds the inbox's lock while it decides (invariant 2); runs admitted
@@ -1253,11 +1246,7 @@ impl SetShared {
                 }
                 let run_id = inbox.run_id(&self.next_run_id);
                 drop(inbox);
-                // The run is the core's now, and has no ticket yet to end it: a metrics recorder
-                // that panics in the gauges is held until the ticket exists (below).
-                let published = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    lane.publish(&mut state);
-                }));
+                lane.publish(&mut state);
                 drop(state);
                 let start = match admitted {
                     Admitted::Executing { slot, .. } => Start::Executing { slot },
@@ -1274,15 +1263,10 @@ impl SetShared {
                     },
                 };
                 let at_once = matches!(start, Start::Executing { .. });
-                // Counted once the ticket exists: a metrics recorder that panics here leaves no
-                // run owned without one (its drop ends the run).
+                // Counted once the ticket exists. (A recorder's panic is contained, here and
+                // in `publish` above, under the lock: `metrics`.)
                 let admitted =
                     Ok((self.ticket(index, run_id, participation, start, signal, run), prepared));
-                if let Err(panic) = published {
-                    // The ticket's drop ends the run (canceled) as the panic goes on.
-                    drop(admitted);
-                    std::panic::resume_unwind(panic);
-                }
                 lane.metrics.admitted.increment(1);
                 if at_once && crate::observe::wait_timing() {
                     lane.metrics.queue_wait.record(0.0);
@@ -1387,8 +1371,8 @@ impl SetShared {
     pub(super) fn release_execution(&self, lane: usize, slot: usize, carrier: Option<u64>) -> Next {
         let lane = &self.lanes[lane];
         let mut next = Next::default();
-        // Declared before the lock's guard, so dropped after it if a metrics recorder panics
-        // in `publish`: the latch is set then too, and the granted run does not wait forever.
+        // Declared before the lock's guard, so dropped after it if anything under the lock
+        // panics: the latch is set then too, and the granted run does not wait forever.
         let mut granted = Handoff(None, &self.runtimes);
         // A second run and more, granted when the inbox is taken in: more than one slot was
         // free, its releases having looked before the inbox's runs were counted. Told after

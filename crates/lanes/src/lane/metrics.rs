@@ -1,7 +1,15 @@
 //! A lane's `metrics` handles, resolved once when the set is built (see
 //! [`observe::METRICS`](crate::observe::METRICS) for the names and help text).
+//!
+//! Every call into the recorder is contained ([`Contained`]): a recorder that panics never
+//! unwinds through a lane. Many of these calls are made under the lane's lock, or between a
+//! change to the lane and the ticket that would end the run; unwound from there, a run could
+//! stay owned for good (or, dropped while unwinding, abort the process). The panic is still
+//! reported, by the panic hook, and the metric misses that one update.
 
 use metrics::{Counter, Gauge, Histogram};
+
+use crate::util::call_contained;
 
 use super::error::Reason;
 
@@ -19,15 +27,51 @@ const REASONS: [Reason; 10] = [
     Reason::Limit,
 ];
 
+/// A metrics handle whose calls into the recorder cannot unwind into the caller (see the
+/// module doc). Without a recorder the handle is a no-op, and the containment costs nothing
+/// on the paths measured (cachegrind, `fixed lane 8 30` minus `10`).
+pub(super) struct Contained<H>(H);
+
+impl Contained<Counter> {
+    #[inline]
+    pub(super) fn increment(&self, value: u64) {
+        let _ = call_contained(|| self.0.increment(value));
+    }
+}
+
+impl Contained<Gauge> {
+    #[inline]
+    pub(super) fn set(&self, value: f64) {
+        let _ = call_contained(|| self.0.set(value));
+    }
+
+    #[inline]
+    pub(super) fn increment(&self, value: f64) {
+        let _ = call_contained(|| self.0.increment(value));
+    }
+
+    #[inline]
+    pub(super) fn decrement(&self, value: f64) {
+        let _ = call_contained(|| self.0.decrement(value));
+    }
+}
+
+impl Contained<Histogram> {
+    #[inline]
+    pub(super) fn record(&self, value: f64) {
+        let _ = call_contained(|| self.0.record(value));
+    }
+}
+
 pub(super) struct LaneMetrics {
-    pub(super) admitted: Counter,
-    pub(super) rejected: Counter,
-    pub(super) timed_out: Counter,
+    pub(super) admitted: Contained<Counter>,
+    pub(super) rejected: Contained<Counter>,
+    pub(super) timed_out: Contained<Counter>,
     /// `ok`, then one per entry of [`REASONS`].
-    finished: [Counter; 1 + REASONS.len()],
-    pub(super) executing: Gauge,
-    pub(super) queued: Gauge,
-    pub(super) queue_wait: Histogram,
+    finished: [Contained<Counter>; 1 + REASONS.len()],
+    pub(super) executing: Contained<Gauge>,
+    pub(super) queued: Contained<Gauge>,
+    pub(super) queue_wait: Contained<Histogram>,
 }
 
 impl LaneMetrics {
@@ -35,19 +79,19 @@ impl LaneMetrics {
         let labels = [("lane_set", set.to_owned()), ("lane", lane.to_owned())];
         let finished = |outcome: &'static str| {
             let labels = [labels[0].clone(), labels[1].clone(), ("outcome", outcome.to_owned())];
-            metrics::counter!("lanes_lane_finished_total", &labels)
+            Contained(metrics::counter!("lanes_lane_finished_total", &labels))
         };
         Self {
-            admitted: metrics::counter!("lanes_lane_admitted_total", &labels),
-            rejected: metrics::counter!("lanes_lane_rejected_total", &labels),
-            timed_out: metrics::counter!("lanes_lane_timed_out_total", &labels),
+            admitted: Contained(metrics::counter!("lanes_lane_admitted_total", &labels)),
+            rejected: Contained(metrics::counter!("lanes_lane_rejected_total", &labels)),
+            timed_out: Contained(metrics::counter!("lanes_lane_timed_out_total", &labels)),
             finished: std::array::from_fn(|i| match i {
                 0 => finished("ok"),
                 i => finished(REASONS[i - 1].as_str()),
             }),
-            executing: metrics::gauge!("lanes_lane_executing", &labels),
-            queued: metrics::gauge!("lanes_lane_queued", &labels),
-            queue_wait: metrics::histogram!("lanes_lane_queue_wait_seconds", &labels),
+            executing: Contained(metrics::gauge!("lanes_lane_executing", &labels)),
+            queued: Contained(metrics::gauge!("lanes_lane_queued", &labels)),
+            queue_wait: Contained(metrics::histogram!("lanes_lane_queue_wait_seconds", &labels)),
         }
     }
 
