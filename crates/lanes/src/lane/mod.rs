@@ -55,7 +55,8 @@
 //! participation. Secondary failures (terminal audit, finalizer, cleanup) are attached to the
 //! primary failure and reachable through `source()`; they never replace it. Panics in any
 //! callback are contained and reported as [`PanicError`]; their payloads never appear in a
-//! message.
+//! message. So is a panic in the application's `metrics` recorder, which a lane calls under
+//! its lock: the panic hook reports it, the metric misses that update, and no run is lost.
 //!
 //! # Cancel safety
 //!
