@@ -319,12 +319,17 @@ fn a_set_outliving_runtimes_shut_down_at_random_loses_no_room() {
 
 /// Set while the `lanes_lane_admitted_total` counter of [`panicking_admissions`] panics.
 static PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The panics of [`panicking_admissions`]' counter.
+static PANICKED: AtomicUsize = AtomicUsize::new(0);
 
 struct AdmittedCounter;
 
 impl metrics::CounterFn for AdmittedCounter {
     fn increment(&self, _value: u64) {
-        assert!(!PANICS.load(Ordering::SeqCst), "the recorder panics");
+        if PANICS.load(Ordering::SeqCst) {
+            PANICKED.fetch_add(1, Ordering::SeqCst);
+            panic!("the recorder panics");
+        }
     }
     fn absolute(&self, _value: u64) {}
 }
@@ -336,9 +341,10 @@ fn panicking_admissions() -> common::Named {
 }
 
 /// Runs admitted into a lane of one slot: one into the free slot, held until `release` gets
-/// a permit; one into the queue behind it (with a deadline: under the lane's lock); one as
-/// data (a background run without limit or deadline: into the inbox), which counts itself in
-/// `ran`. Each admission must succeed; then the first is let go, and every run must complete.
+/// a permit; one into the queue behind it (a blocking run: under the lane's lock); one as data
+/// (a background run without limit or deadline, while the slot is taken: into the inbox),
+/// which counts itself in `ran`. Each admission must succeed; then the first is let go, and
+/// every run must complete.
 async fn admit_past_a_panicking_recorder(set: &LaneSet) {
     let release = Arc::new(tokio::sync::Semaphore::new(0));
     let ran = Arc::new(AtomicUsize::new(0));
@@ -386,33 +392,53 @@ fn a_counter_that_panics_on_admission_loses_no_run() {
     PANICS.store(true, Ordering::SeqCst);
     runtime.block_on(admit_past_a_panicking_recorder(&set));
     PANICS.store(false, Ordering::SeqCst);
+    assert_eq!(PANICKED.load(Ordering::SeqCst), 3, "each admission's count panicked");
     runs_at_full_width(&runtime, &set, "a", 1);
     assert_quiescent(&set);
 }
 
-/// Set while the `lanes_lane_executing` gauge of [`panicking_gauges`] panics.
+/// Set while the gauges of [`panicking_gauges`] panic.
 static GAUGE_PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// The panics of [`panicking_gauges`]' gauges.
+static GAUGE_PANICKED: AtomicUsize = AtomicUsize::new(0);
 
-struct ExecutingGauge;
+/// A gauge that panics on every call while `GAUGE_PANICS` is set.
+struct PanickingGauge;
 
-impl metrics::GaugeFn for ExecutingGauge {
-    fn increment(&self, _value: f64) {}
-    fn decrement(&self, _value: f64) {}
-    fn set(&self, _value: f64) {
-        assert!(!GAUGE_PANICS.load(Ordering::SeqCst), "the gauge panics");
+impl PanickingGauge {
+    fn called(&self) {
+        if GAUGE_PANICS.load(Ordering::SeqCst) {
+            GAUGE_PANICKED.fetch_add(1, Ordering::SeqCst);
+            panic!("the gauge panics");
+        }
     }
 }
 
-/// A metrics recorder whose `lanes_lane_executing` gauge panics while `GAUGE_PANICS` is set.
-fn panicking_gauges() -> common::Named {
-    let executing = metrics::Gauge::from_arc(Arc::new(ExecutingGauge));
-    common::Named { counters: vec![], gauges: vec![("lanes_lane_executing", executing)] }
+impl metrics::GaugeFn for PanickingGauge {
+    fn increment(&self, _value: f64) {
+        self.called();
+    }
+    fn decrement(&self, _value: f64) {
+        self.called();
+    }
+    fn set(&self, _value: f64) {
+        self.called();
+    }
 }
 
-/// The same with the `executing` gauge panicking on every call: the lane sets it under its
-/// lock at every admission that takes the lock and every release, the first between the
-/// run's admission and its ticket. (Before stop 66 such a panic left the run admitted into
-/// the free slot owned for good, holding the lane's only slot.)
+/// A metrics recorder whose `lanes_lane_executing` and `lanes_lane_queued` gauges panic while
+/// `GAUGE_PANICS` is set.
+fn panicking_gauges() -> common::Named {
+    let gauge = || metrics::Gauge::from_arc(Arc::new(PanickingGauge));
+    let gauges = vec![("lanes_lane_executing", gauge()), ("lanes_lane_queued", gauge())];
+    common::Named { counters: vec![], gauges }
+}
+
+/// The same with the lane's gauges panicking on every call: the lane sets them under its lock
+/// as its runs move (the first as the run into the free slot is admitted, before its ticket),
+/// and the inbox's admission moves `queued` under the inbox's lock. (Before stop 66 such a
+/// panic left the run admitted into the free slot owned for good, holding the lane's only
+/// slot.) Once the recorder stops panicking, the gauges read the lane again at its next move.
 #[test]
 fn a_gauge_that_panics_under_the_lanes_lock_loses_no_run() {
     let set = metrics::with_local_recorder(&panicking_gauges(), || {
@@ -423,6 +449,8 @@ fn a_gauge_that_panics_under_the_lanes_lock_loses_no_run() {
     runtime.block_on(admit_past_a_panicking_recorder(&set));
     runs_at_full_width(&runtime, &set, "a", 1);
     GAUGE_PANICS.store(false, Ordering::SeqCst);
+    // The admission into the free slot, the moves of `queued` and the slot freed at the end.
+    assert!(GAUGE_PANICKED.load(Ordering::SeqCst) >= 4, "the gauges panicked");
     assert_quiescent(&set);
 }
 

@@ -889,7 +889,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         let lane = &t.shared.lanes[t.info.lane];
         let mut core = lane.lock_core();
         if core.withdraw(seq) {
-            // Out of line before the gauges (a recorder may unwind): nothing held.
+            // Out of line before the gauges (should anything unwind): nothing held.
             t.holds.set(Holds::Nothing);
             lane.publish(&mut core);
             return Err((Stage::Queue, reason, cause));
@@ -967,7 +967,7 @@ async fn await_permit(
                 // Behind the runs admitted into the inbox before it became ready.
                 let mut core = lane.lock_core_exact();
                 let ready = core.ready(seq);
-                // Where it waits now, before the gauges (a recorder may unwind).
+                // Where it waits now, before the gauges (should anything unwind).
                 t.holds.set(match ready {
                     Some(Admitted::Executing { slot, .. }) => Holds::Slot(slot),
                     Some(Admitted::Queued { seq }) => Holds::Queued(seq),

@@ -199,7 +199,7 @@ pub(super) struct LaneState {
     /// by since this count.
     gauged: usize,
     /// The core's `executing` as the `executing` gauge was last set to: set only when it moves
-    /// (a release that grants its slot on leaves it as it was).
+    /// (a release that grants its slot on leaves it as it was), or missed its last setting.
     gauged_executing: usize,
     /// The rooms handed to waiting callers (`LaneShared::handed`) as `take_inbox` last read
     /// them, with `owned`: an admission that did not wait finds the lane full when the core's
@@ -515,7 +515,7 @@ impl LaneShared {
     /// that found a slot free after all. The granted runs are woken or started after the lock.
     fn grant_inbox(&self, home: u64, runtimes: &Runtimes) {
         let mut next = Next::default();
-        // Declared before the lock's guard: a panic in `publish` still sets their latches.
+        // Declared before the lock's guard: a panic under the lock still sets their latches.
         let mut granted: Vec<Handoff<'_>> = Vec::new();
         {
             let mut state = self.lock_core_exact();
@@ -544,13 +544,13 @@ impl LaneShared {
         if self.executing.load(Ordering::Relaxed) != executing {
             self.executing.store(executing, Ordering::SeqCst);
         }
-        if executing != state.gauged_executing {
-            self.metrics.executing.set(executing as f64);
+        // Each gauge is noted as set only if the recorder took it (a panic is contained: see
+        // `metrics`), so that one missed is set again at the next publish.
+        if executing != state.gauged_executing && self.metrics.executing.set(executing as f64) {
             state.gauged_executing = executing;
         }
         let queued = core.queued();
-        if queued != state.gauged {
-            self.metrics.queued_moved(state.gauged, queued);
+        if queued != state.gauged && self.metrics.queued_moved(state.gauged, queued) {
             state.gauged = queued;
         }
     }

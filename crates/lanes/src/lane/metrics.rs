@@ -5,7 +5,12 @@
 //! unwinds through a lane. Many of these calls are made under the lane's lock, or between a
 //! change to the lane and the ticket that would end the run; unwound from there, a run could
 //! stay owned for good (or, dropped while unwinding, abort the process). The panic is still
-//! reported, by the panic hook, and the metric misses that one update.
+//! reported, by the panic hook (under the lane's lock, for the calls made there), and the
+//! metric misses that update: a gauge set under the lock is set again at the next change (see
+//! `LaneShared::publish`); an inbox admission's move of `queued` is not retried.
+//!
+//! Only a lane's own metrics: a run that names a limit ([`Run::limited_by`](crate::Run)) also
+//! reaches the limit's, which are not contained.
 
 use metrics::{Counter, Gauge, Histogram};
 
@@ -28,8 +33,9 @@ const REASONS: [Reason; 10] = [
 ];
 
 /// A metrics handle whose calls into the recorder cannot unwind into the caller (see the
-/// module doc). Without a recorder the handle is a no-op, and the containment costs nothing
-/// on the paths measured (cachegrind, `fixed lane 8 30` minus `10`).
+/// module doc). Without a recorder the handle is a no-op; the containment costs a run about
+/// 7 instructions in all (cachegrind, `fixed lane 8 30` minus `10`: 2,030 -> 2,037), and no
+/// time measured (BENCHMARKS.md, suite 2's stop-66 note).
 pub(super) struct Contained<H>(H);
 
 impl Contained<Counter> {
@@ -40,9 +46,10 @@ impl Contained<Counter> {
 }
 
 impl Contained<Gauge> {
+    /// Sets the gauge; false if the recorder panicked (the gauge missed it).
     #[inline]
-    pub(super) fn set(&self, value: f64) {
-        let _ = call_contained(|| self.0.set(value));
+    pub(super) fn set(&self, value: f64) -> bool {
+        call_contained(|| self.0.set(value)).is_ok()
     }
 
     #[inline]
@@ -50,9 +57,10 @@ impl Contained<Gauge> {
         let _ = call_contained(|| self.0.increment(value));
     }
 
+    /// Moves the gauge by `by` (up if `up`); false if the recorder panicked.
     #[inline]
-    pub(super) fn decrement(&self, value: f64) {
-        let _ = call_contained(|| self.0.decrement(value));
+    fn moved(&self, up: bool, by: f64) -> bool {
+        call_contained(|| if up { self.0.increment(by) } else { self.0.decrement(by) }).is_ok()
     }
 }
 
@@ -97,13 +105,9 @@ impl LaneMetrics {
 
     /// Moves the `queued` gauge by the difference from `from` runs to `to`: it moves by
     /// differences, not set, as the inbox's admissions count themselves without the lane's
-    /// lock (see `LaneState::gauged`).
-    pub(super) fn queued_moved(&self, from: usize, to: usize) {
-        if to > from {
-            self.queued.increment((to - from) as f64);
-        } else {
-            self.queued.decrement((from - to) as f64);
-        }
+    /// lock (see `LaneState::gauged`). False if the recorder panicked (it did not move).
+    pub(super) fn queued_moved(&self, from: usize, to: usize) -> bool {
+        self.queued.moved(to > from, to.abs_diff(from) as f64)
     }
 
     /// Counts a finished run: `None` for success, else the reason it failed.
