@@ -259,10 +259,14 @@ pub fn describe_metrics() {
     }
 }
 
-/// [`describe_metrics`], the first time only (primitives call it when built).
+/// [`describe_metrics`], the first time only (primitives call it when built). A recorder that
+/// panics there is contained: unwound out of `call_once`, the panic would poison it, and every
+/// primitive built after would panic.
 pub(crate) fn describe_once() {
     static DESCRIBED: std::sync::Once = std::sync::Once::new();
-    DESCRIBED.call_once(describe_metrics);
+    DESCRIBED.call_once(|| {
+        let _ = crate::util::call_contained(describe_metrics);
+    });
 }
 
 #[cfg(test)]
