@@ -454,6 +454,45 @@ fn a_gauge_that_panics_under_the_lanes_lock_loses_no_run() {
     assert_quiescent(&set);
 }
 
+/// A tracing subscriber whose events panic (a layer written carelessly); spans do nothing.
+/// (Here, not in `tests/tracing.rs`: a dispatcher set up while that file's tests count spans
+/// can make one of them miss a span, as tracing rebuilds its callsites' interest.)
+struct PanicsOnEvent;
+
+impl tracing::Subscriber for PanicsOnEvent {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {
+        panic!("the subscriber panics");
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// Runs their runtime drops end in that drop (a ticket's `abandon`), counted canceled, and
+/// their event comes after: a subscriber that panics on it leaves no run owned. (Before stop 66
+/// the event came first, and the panic left both runs owned for good.)
+#[test]
+fn a_subscriber_that_panics_as_a_dropped_run_ends_leaves_nothing_owned() {
+    let set = common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap();
+    let runtime = current_thread();
+    runtime.block_on(async {
+        for _ in 0..2 {
+            set.spawn("a", forever()).unwrap();
+        }
+        tokio::task::yield_now().await;
+    });
+    tracing::subscriber::with_default(PanicsOnEvent, || drop(runtime));
+    let lane = &set.snapshot().lanes[0];
+    assert_eq!((lane.owned, lane.failed.canceled), (0, 2), "{lane:?}");
+}
+
 /// A value whose drop panics: a job's capture written carelessly.
 struct PanicsOnDrop;
 

@@ -563,13 +563,14 @@ impl Ticket {
                 }
             }
         }
+        self.signal = None;
+        self.shared.complete(self.info.lane, Some(Reason::Canceled));
+        // After the run is over: a subscriber that panics here leaves nothing owned.
         tracing::debug!(
             lane = %self.lane_name(),
             run = self.info.run_id.get(),
             "dropped before it ended (its runtime shut down): canceled, not finalized"
         );
-        self.signal = None;
-        self.shared.complete(self.info.lane, Some(Reason::Canceled));
     }
 
     pub(super) fn new(
