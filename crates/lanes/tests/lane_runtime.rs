@@ -340,6 +340,13 @@ fn panicking_admissions() -> common::Named {
     common::Named { counters: vec![("lanes_lane_admitted_total", admitted)], gauges: vec![] }
 }
 
+/// A set of one lane, "a", of one slot and room for four, whose metrics go to `recorder`.
+fn one_slot_recording_to(recorder: &common::Named) -> LaneSet {
+    metrics::with_local_recorder(recorder, || {
+        common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap()
+    })
+}
+
 /// Runs admitted into a lane of one slot: one into the free slot, held until `release` gets
 /// a permit; one into the queue behind it (a blocking run: under the lane's lock); one as data
 /// (a background run without limit or deadline, while the slot is taken: into the inbox),
@@ -353,9 +360,7 @@ async fn admit_past_a_panicking_recorder(set: &LaneSet) {
         .run("a", Run::new(move |_cx| async move { Ok(held.acquire().await.is_ok() as u32) }))
         .expect("admitted into the free slot");
     tokio::task::yield_now().await;
-    let queued = set
-        .run("a", Run::new(|_cx| async { Ok(2) }).queue_timeout(Duration::from_secs(60)))
-        .expect("admitted into the queue");
+    let queued = set.run("a", Run::new(|_cx| async { Ok(2) })).expect("admitted into the queue");
     let counted = ran.clone();
     set.spawn(
         "a",
@@ -385,9 +390,7 @@ async fn admit_past_a_panicking_recorder(set: &LaneSet) {
 /// lane's only slot.)
 #[test]
 fn a_counter_that_panics_on_admission_loses_no_run() {
-    let set = metrics::with_local_recorder(&panicking_admissions(), || {
-        common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap()
-    });
+    let set = one_slot_recording_to(&panicking_admissions());
     let runtime = current_thread();
     PANICS.store(true, Ordering::SeqCst);
     runtime.block_on(admit_past_a_panicking_recorder(&set));
@@ -441,9 +444,7 @@ fn panicking_gauges() -> common::Named {
 /// slot.) Once the recorder stops panicking, the gauges read the lane again at its next move.
 #[test]
 fn a_gauge_that_panics_under_the_lanes_lock_loses_no_run() {
-    let set = metrics::with_local_recorder(&panicking_gauges(), || {
-        common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap()
-    });
+    let set = one_slot_recording_to(&panicking_gauges());
     let runtime = current_thread();
     GAUGE_PANICS.store(true, Ordering::SeqCst);
     runtime.block_on(admit_past_a_panicking_recorder(&set));
