@@ -10,7 +10,8 @@
 //! `LaneShared::publish`); an inbox admission's move of `queued` is not retried.
 //!
 //! Only a lane's own metrics: a run that names a limit ([`Run::limited_by`](crate::Run)) also
-//! reaches the limit's, which are not contained.
+//! reaches the limit's, which are not contained but ordered so that a panic there gives back
+//! whatever it interrupted (`limit::metrics`).
 
 use metrics::{Counter, Gauge, Histogram};
 

@@ -305,9 +305,11 @@ impl Limits {
                     }
                 })
                 .await;
-                // A wait that ended undoes nothing; one that timed out leaves (cancel safe).
+                // The permit first (see `waited`); a wait that ended undoes nothing, one that
+                // timed out leaves (cancel safe).
+                let permit = Self::waited(local, slot.clone(), granted, since);
                 drop(wait);
-                Self::waited(local, slot, granted, since)
+                permit
             }
             // Boxed: a remote wait makes round trips, and its future inline would make every
             // in-process acquire future several hundred bytes larger.
@@ -328,12 +330,17 @@ impl Limits {
         tracing::trace!(limit = %slot.name, "waiting for a permit");
         let mut wait = Wait::new(local, &slot, priority);
         let granted = poll_fn(|cx| wait.poll(cx)).await.map_err(AcquireError::Limit);
-        // A wait that ended undoes nothing; one dropped before leaves (cancel safe).
+        // The permit first (see `waited`); a wait that ended undoes nothing, one dropped
+        // before leaves (cancel safe).
+        let permit = Self::waited(local, slot.clone(), granted, since);
         drop(wait);
-        Self::waited(local, slot, granted, since)
+        permit
     }
 
-    /// The permit (or the error) an in-process wait that began at `since` ended with.
+    /// The permit (or the error) an in-process wait that began at `since` ended with: made
+    /// before anything calls a recorder or a subscriber (the wait's drop counts it off the
+    /// `waiters` gauge), so that one that panics unwinds through the permit, which gives it
+    /// back, rather than losing the grant.
     fn waited(
         local: &Arc<LocalLimits>,
         slot: Arc<Slot>,
@@ -342,12 +349,15 @@ impl Limits {
     ) -> Result<Permit, AcquireError> {
         match granted {
             Ok(Granted::Line(fence)) => {
-                tracing::trace!(limit = %slot.name, fencing_token = fence, "granted in line");
-                Ok(Permit::fast_waited(slot, fence, since))
+                let permit = Permit::fast_waited(slot, fence, since);
+                tracing::trace!(limit = %permit.limit(), fencing_token = fence, "granted in line");
+                Ok(permit)
             }
             Ok(Granted::Table(ticket, grant)) => {
-                tracing::trace!(limit = %slot.name, ticket, fencing_token = grant.fencing_token, "granted");
-                Ok(Permit::local(local, slot, ticket, grant, since))
+                let fence = grant.fencing_token;
+                let permit = Permit::local(local, slot, ticket, grant, since);
+                tracing::trace!(limit = %permit.limit(), ticket, fencing_token = fence, "granted");
+                Ok(permit)
             }
             Err(err) => {
                 if matches!(err, AcquireError::Timeout(_)) {
@@ -665,9 +675,15 @@ impl Permit {
     }
 
     /// A fast permit handed over in the limit's line, after waiting since `waited`.
+    ///
+    /// Made before it is counted, as every permit is: a `metrics` recorder that panics there
+    /// unwinds through the permit's drop, which gives it back.
     fn fast_waited(slot: Arc<Slot>, fence: u64, waited: Option<tokio::time::Instant>) -> Self {
-        slot.metrics().granted(waited);
-        Self { kind: Kind::Fast { slot, fence } }
+        let permit = Self { kind: Kind::Fast { slot, fence } };
+        if let Kind::Fast { slot, .. } = &permit.kind {
+            slot.metrics().granted(waited);
+        }
+        permit
     }
 
     /// A permit granted by the in-process table, after waiting since `waited` if it waited.
@@ -678,9 +694,12 @@ impl Permit {
         grant: Grant,
         waited: Option<tokio::time::Instant>,
     ) -> Self {
-        slot.metrics().granted(waited);
         let fence = grant.fencing_token;
-        Self { kind: Kind::Local { local: local.clone(), slot, ticket, fence } }
+        let permit = Self { kind: Kind::Local { local: local.clone(), slot, ticket, fence } };
+        if let Kind::Local { slot, .. } = &permit.kind {
+            slot.metrics().granted(waited);
+        }
+        permit
     }
 
     fn of_ticket(release: Backend, name: Arc<str>, ticket: u64, grant: Grant) -> Self {
@@ -743,15 +762,22 @@ impl Permit {
 }
 
 impl Drop for Permit {
+    /// Gives the permit back, then counts it: a `metrics` recorder that panics unwinds with
+    /// nothing held. While a panic unwinds (one the recorder made as the permit was counted
+    /// granted, say), the recorder is not called: a second panic would abort the process.
     fn drop(&mut self) {
         match &self.kind {
             Kind::Fast { slot, .. } => {
-                slot.metrics().held.decrement(1.0);
                 slot.release_fast();
+                if !std::thread::panicking() {
+                    slot.metrics().held.decrement(1.0);
+                }
             }
             Kind::Local { local, slot, ticket, .. } => {
-                slot.metrics().held.decrement(1.0);
                 local.release_slot(slot, *ticket);
+                if !std::thread::panicking() {
+                    slot.metrics().held.decrement(1.0);
+                }
             }
             Kind::Ticket(permit) => {
                 let TicketPermit { release, name, ticket, .. } = &**permit;
@@ -893,17 +919,16 @@ impl Future for AcquireFuture<'_> {
                 }
                 AcquireState::Local { local, wait, since } => {
                     let Poll::Ready(granted) = wait.poll(cx) else { return Poll::Pending };
-                    let (local, since) = (*local, *since);
-                    // A wait that ended undoes nothing.
-                    this.state = AcquireState::Done;
                     let slot = this.limit.slot.clone().expect("a local wait has the handle's slot");
                     let granted = granted.map_err(AcquireError::Limit);
-                    return Poll::Ready(Limits::waited(local, slot, granted, since).map_err(
-                        |err| match err {
-                            AcquireError::Limit(err) => err,
-                            AcquireError::Timeout(_) => unreachable!("no deadline, no timeout"),
-                        },
-                    ));
+                    // The permit first (see `Limits::waited`); a wait that ended undoes
+                    // nothing.
+                    let answer = Limits::waited(local, slot, granted, *since);
+                    this.state = AcquireState::Done;
+                    return Poll::Ready(answer.map_err(|err| match err {
+                        AcquireError::Limit(err) => err,
+                        AcquireError::Timeout(_) => unreachable!("no deadline, no timeout"),
+                    }));
                 }
                 AcquireState::Other(acquire) => {
                     let done = std::task::ready!(acquire.as_mut().poll(cx));

@@ -664,12 +664,13 @@ impl LocalLimits {
         }
         let expired =
             inner.table.take_expired_and_set_external(&slot.name, slot.cell.fast_in_use());
-        if expired > 0 {
-            slot.metrics().expired.increment(expired);
-        }
         Self::pump(inner, &slot.name, now);
         if let Some(counters) = inner.table.release_if_idle(&slot.name) {
             slot.cell.go_fast(counters);
+        }
+        // Counted once the table is settled: a recorder that panics leaves no waiter out.
+        if expired > 0 {
+            slot.metrics().expired.increment(expired);
         }
     }
 
@@ -1245,29 +1246,37 @@ impl<'a> Wait<'a> {
 }
 
 impl Drop for Wait<'_> {
+    /// Undoes the wait, then counts it off the `waiters` gauge: a `metrics` recorder that
+    /// panics unwinds with the wait out of line, and anything it was granted given back. Not
+    /// counted while a panic unwinds (a second panic would abort the process).
     fn drop(&mut self) {
-        self.slot.metrics().waiters.decrement(1.0);
         match std::mem::replace(&mut self.place, Place::Done) {
             Place::Start(_) | Place::Done => {}
             Place::Line(key) => {
-                if self.slot.leave_line(key) {
-                    return;
-                }
-                // Handed a permit, or taken by the table, meanwhile (both under the line's
-                // lock, which `leave_line` took after them).
-                match self.handoff.moved() {
-                    Some(ticket) => {
-                        self.local.release_slot(self.slot, ticket);
-                    }
-                    None => {
-                        debug_assert!(self.handoff.get().is_some(), "out of line: handed a permit");
-                        self.slot.release_fast();
+                // Out of line before a grant reached it; or else handed a permit, or taken by
+                // the table, meanwhile (both under the line's lock, which `leave_line` took
+                // after them).
+                if !self.slot.leave_line(key) {
+                    match self.handoff.moved() {
+                        Some(ticket) => {
+                            self.local.release_slot(self.slot, ticket);
+                        }
+                        None => {
+                            debug_assert!(
+                                self.handoff.get().is_some(),
+                                "out of line: handed a permit"
+                            );
+                            self.slot.release_fast();
+                        }
                     }
                 }
             }
             Place::Table { ticket, .. } => {
                 self.local.release_slot(self.slot, ticket);
             }
+        }
+        if !std::thread::panicking() {
+            self.slot.metrics().waiters.decrement(1.0);
         }
     }
 }

@@ -1,0 +1,193 @@
+//! A `metrics` recorder that panics never costs a limit its capacity. A limit's calls into the
+//! recorder are not contained (the lane's are: `tests/lane_runtime.rs`), so the panic reaches
+//! the caller; but a permit is made before it is counted granted, given back before it is
+//! counted off `held`, and a wait leaves the limit's line before it is counted off `waiters`.
+//! So whatever the recorder does, every permit goes back and no wait stays in line.
+
+mod common;
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lanes::{Limit, LimitSpec, Limits, Priority};
+use tokio::task::JoinHandle;
+
+/// A counter or gauge that panics on every call while its switch is on.
+#[derive(Clone, Default)]
+struct Breaking {
+    on: Arc<AtomicBool>,
+    panics: Arc<AtomicUsize>,
+}
+
+impl Breaking {
+    fn called(&self) {
+        if self.on.load(Ordering::SeqCst) {
+            self.panics.fetch_add(1, Ordering::SeqCst);
+            panic!("the recorder panics");
+        }
+    }
+
+    fn switch(&self, on: bool) {
+        self.on.store(on, Ordering::SeqCst);
+    }
+
+    fn panics(&self) -> usize {
+        self.panics.load(Ordering::SeqCst)
+    }
+}
+
+impl metrics::CounterFn for Breaking {
+    fn increment(&self, _value: u64) {
+        self.called();
+    }
+    fn absolute(&self, _value: u64) {}
+}
+
+impl metrics::GaugeFn for Breaking {
+    fn increment(&self, _value: f64) {
+        self.called();
+    }
+    fn decrement(&self, _value: f64) {
+        self.called();
+    }
+    fn set(&self, _value: f64) {
+        self.called();
+    }
+}
+
+/// A recorder whose limit counters and gauges of a permit's life all panic while `breaking`
+/// is switched on.
+fn recorder(breaking: &Breaking) -> common::Named {
+    let counter = || metrics::Counter::from_arc(Arc::new(breaking.clone()));
+    let gauge = || metrics::Gauge::from_arc(Arc::new(breaking.clone()));
+    common::Named {
+        counters: vec![("lanes_limit_acquired_total", counter())],
+        gauges: vec![("lanes_limit_held", gauge()), ("lanes_limit_waiters", gauge())],
+    }
+}
+
+/// Runs `test` with a limit `"l"` of one permit whose metrics go to a recorder that panics
+/// while the given switch is on, on a `current_thread` runtime (so that the limit's handles,
+/// resolved at their first use, are resolved with this recorder).
+fn with_breaking_recorder<F: Future<Output = ()>>(test: impl FnOnce(Limits, Breaking) -> F) {
+    let breaking = Breaking::default();
+    let recorder = recorder(&breaking);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let limits = Limits::new();
+            limits.define("l", LimitSpec::concurrent(1)).await.unwrap();
+            // Resolves the handles, with the recorder working.
+            drop(limits.limit("l").acquire().await.unwrap());
+            test(limits, breaking).await;
+        });
+    });
+}
+
+/// `fut`'s output, or a failure if it takes ten seconds: a permit lost makes a wait hang.
+async fn within<T>(fut: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), fut).await.expect("hung: a permit was lost")
+}
+
+/// The limit has its one permit free and nobody in its line: taken and given back.
+async fn assert_whole(limits: &Limits) {
+    let info = limits.info("l").await.unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (0, 0), "{info:?}");
+    let permit = limits.limit("l").try_acquire().await.expect("the permit is free");
+    drop(permit);
+}
+
+/// A task that waits for the limit's permit, by `acquire()` on the handle or by name, once
+/// it is in the limit's line.
+async fn waiter(limits: &Limits, by_name: bool) -> JoinHandle<()> {
+    let waiting = limits.clone();
+    let task = tokio::spawn(async move {
+        let permit = if by_name {
+            waiting.acquire("l", Priority::default()).await
+        } else {
+            waiting.limit("l").acquire().await
+        };
+        drop(permit.unwrap());
+    });
+    within(async {
+        while limits.info("l").await.unwrap().unwrap().waiting == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    task
+}
+
+/// A permit whose grant the recorder fails to count is given back: the caller sees the
+/// panic, and the limit keeps its permit. (Before, the count came before the permit was
+/// made, and the limit's only permit was lost for good.)
+#[test]
+fn a_permit_the_recorder_fails_to_count_is_given_back() {
+    with_breaking_recorder(|limits, breaking| async move {
+        breaking.switch(true);
+        let limit: Limit = limits.limit("l");
+        let taken = tokio::spawn(async move { drop(limit.acquire().await) });
+        assert!(
+            within(taken).await.unwrap_err().is_panic(),
+            "the recorder's panic reaches the caller"
+        );
+        breaking.switch(false);
+        assert!(breaking.panics() >= 1);
+        assert_whole(&limits).await;
+    });
+}
+
+/// A permit dropped while the recorder panics goes back before the panic: `held` is counted
+/// after the release.
+#[test]
+fn a_permit_dropped_as_the_recorder_panics_goes_back() {
+    with_breaking_recorder(|limits, breaking| async move {
+        let permit = limits.limit("l").acquire().await.unwrap();
+        breaking.switch(true);
+        assert!(catch_unwind(AssertUnwindSafe(|| drop(permit))).is_err());
+        breaking.switch(false);
+        assert_whole(&limits).await;
+    });
+}
+
+/// A permit handed to a caller in the limit's line, while every count panics: the release
+/// that hands it over panics after the hand-over, and the waiter, whose grant the recorder
+/// fails to count, gives it back as its panic unwinds. Through the handle's `acquire()` and
+/// by name (two state machines).
+#[test]
+fn a_permit_handed_over_in_line_as_the_recorder_panics_goes_back() {
+    for by_name in [false, true] {
+        with_breaking_recorder(|limits, breaking| async move {
+            let holder = limits.limit("l").acquire().await.unwrap();
+            let waiter = waiter(&limits, by_name).await;
+            breaking.switch(true);
+            assert!(catch_unwind(AssertUnwindSafe(|| drop(holder))).is_err());
+            assert!(within(waiter).await.unwrap_err().is_panic(), "the waiter's count panicked");
+            breaking.switch(false);
+            assert!(breaking.panics() >= 2, "the release's and the grant's counts");
+            assert_whole(&limits).await;
+        });
+    }
+}
+
+/// A wait dropped while the `waiters` gauge panics leaves the line first: the permit given
+/// back later goes to the limit, not to a wait that is gone. (Before, the gauge came first,
+/// and the dropped wait stayed in line and took the permit for good.)
+#[test]
+fn a_wait_dropped_as_the_recorder_panics_leaves_the_line() {
+    for by_name in [false, true] {
+        with_breaking_recorder(|limits, breaking| async move {
+            let holder = limits.limit("l").acquire().await.unwrap();
+            let waiter = waiter(&limits, by_name).await;
+            breaking.switch(true);
+            waiter.abort();
+            assert!(within(waiter).await.is_err(), "the wait was dropped");
+            breaking.switch(false);
+            assert_eq!(breaking.panics(), 1, "its drop's count of `waiters` panicked");
+            drop(holder);
+            assert_whole(&limits).await;
+        });
+    }
+}
