@@ -15,7 +15,7 @@
 
 use metrics::{Counter, Gauge, Histogram};
 
-use crate::util::call_contained;
+use crate::util::{Contained, call_contained};
 
 use super::error::Reason;
 
@@ -33,42 +33,13 @@ const REASONS: [Reason; 10] = [
     Reason::Limit,
 ];
 
-/// A metrics handle whose calls into the recorder cannot unwind into the caller (see the
-/// module doc). Without a recorder the handle is a no-op; the containment costs a run about
-/// 7 instructions in all (cachegrind, `fixed lane 8 30` minus `10`: 2,030 -> 2,037), and no
-/// time measured (BENCHMARKS.md, suite 2's stop-66 note).
-pub(super) struct Contained<H>(H);
-
-impl Contained<Counter> {
-    #[inline]
-    pub(super) fn increment(&self, value: u64) {
-        let _ = call_contained(|| self.0.increment(value));
-    }
-}
-
+// The containment costs a run about 7 instructions in all (cachegrind, `fixed lane 8 30` minus
+// `10`: 2,030 -> 2,037), and no time measured (BENCHMARKS.md, suite 2's stop-66 note).
 impl Contained<Gauge> {
-    /// Sets the gauge; false if the recorder panicked (the gauge missed it).
-    #[inline]
-    pub(super) fn set(&self, value: f64) -> bool {
-        call_contained(|| self.0.set(value)).is_ok()
-    }
-
-    #[inline]
-    pub(super) fn increment(&self, value: f64) {
-        let _ = call_contained(|| self.0.increment(value));
-    }
-
     /// Moves the gauge by `by` (up if `up`); false if the recorder panicked.
     #[inline]
     fn moved(&self, up: bool, by: f64) -> bool {
         call_contained(|| if up { self.0.increment(by) } else { self.0.decrement(by) }).is_ok()
-    }
-}
-
-impl Contained<Histogram> {
-    #[inline]
-    pub(super) fn record(&self, value: f64) {
-        let _ = call_contained(|| self.0.record(value));
     }
 }
 

@@ -19,7 +19,7 @@ use super::core::LimitTable;
 use super::error::{AcquireError, LimitError, TryAcquireError};
 use crate::config::{ConfigError, ConfigRule};
 use crate::observe::{Observe, Registration, Registry, Snapshot};
-use crate::util::{Padded, WaitKey, WaitList, lock};
+use crate::util::{Contained, Padded, WaitKey, WaitList, lock};
 
 /// The fewest keys a shard keeps before it first looks for idle ones.
 const MIN_SWEEP: usize = 64;
@@ -316,26 +316,29 @@ impl<K: Hash + Eq> Shard<K> {
     }
 }
 
-/// The family's `metrics` handles, labelled by its name.
+/// The family's `metrics` handles, labelled by its name. Contained ([`Contained`]): most
+/// calls are made under a shard's lock, or after a permit is taken and before the
+/// [`KeyedPermit`] that gives it back exists, or as a wait leaves the key's line; a recorder's
+/// panic unwound from there would leave the permit held, or the line stalled, for good.
 struct KeyedMetrics {
-    acquired: metrics::Counter,
-    refused: metrics::Counter,
-    timed_out: metrics::Counter,
-    held: metrics::Gauge,
-    waiters: metrics::Gauge,
-    keys: metrics::Gauge,
+    acquired: Contained<metrics::Counter>,
+    refused: Contained<metrics::Counter>,
+    timed_out: Contained<metrics::Counter>,
+    held: Contained<metrics::Gauge>,
+    waiters: Contained<metrics::Gauge>,
+    keys: Contained<metrics::Gauge>,
 }
 
 impl KeyedMetrics {
     fn new(name: &str) -> Self {
         let labels = [("limit", name.to_owned())];
         Self {
-            acquired: metrics::counter!("lanes_limit_keyed_acquired_total", &labels),
-            refused: metrics::counter!("lanes_limit_keyed_refused_total", &labels),
-            timed_out: metrics::counter!("lanes_limit_keyed_timed_out_total", &labels),
-            held: metrics::gauge!("lanes_limit_keyed_held", &labels),
-            waiters: metrics::gauge!("lanes_limit_keyed_waiters", &labels),
-            keys: metrics::gauge!("lanes_limit_keyed_keys", &labels),
+            acquired: Contained(metrics::counter!("lanes_limit_keyed_acquired_total", &labels)),
+            refused: Contained(metrics::counter!("lanes_limit_keyed_refused_total", &labels)),
+            timed_out: Contained(metrics::counter!("lanes_limit_keyed_timed_out_total", &labels)),
+            held: Contained(metrics::gauge!("lanes_limit_keyed_held", &labels)),
+            waiters: Contained(metrics::gauge!("lanes_limit_keyed_waiters", &labels)),
+            keys: Contained(metrics::gauge!("lanes_limit_keyed_keys", &labels)),
         }
     }
 }

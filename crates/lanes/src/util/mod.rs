@@ -84,6 +84,46 @@ pub(crate) fn call_contained<R>(f: impl FnOnce() -> R) -> Result<R, Panicked> {
     })
 }
 
+/// A `metrics` handle whose calls into the recorder cannot unwind into the caller: a
+/// recorder that panics (user code) is contained, its panic reported by the panic hook, and
+/// the metric misses that update. For primitives whose calls sit under a lock or between a
+/// change and what completes it (a run lane, a keyed limit, a pool's workers), where a panic
+/// unwound from the call would leave capacity held or a task dead. Without a recorder the
+/// handle is a no-op; the containment costs about 6 instructions a call.
+pub(crate) struct Contained<H>(pub(crate) H);
+
+impl Contained<metrics::Counter> {
+    #[inline]
+    pub(crate) fn increment(&self, value: u64) {
+        let _ = call_contained(|| self.0.increment(value));
+    }
+}
+
+impl Contained<metrics::Gauge> {
+    /// Sets the gauge; false if the recorder panicked (the gauge missed it).
+    #[inline]
+    pub(crate) fn set(&self, value: f64) -> bool {
+        call_contained(|| self.0.set(value)).is_ok()
+    }
+
+    #[inline]
+    pub(crate) fn increment(&self, value: f64) {
+        let _ = call_contained(|| self.0.increment(value));
+    }
+
+    #[inline]
+    pub(crate) fn decrement(&self, value: f64) {
+        let _ = call_contained(|| self.0.decrement(value));
+    }
+}
+
+impl Contained<metrics::Histogram> {
+    #[inline]
+    pub(crate) fn record(&self, value: f64) {
+        let _ = call_contained(|| self.0.record(value));
+    }
+}
+
 pin_project_lite::pin_project! {
     /// Polls `inner`, turning a panic into [`Panicked`]. After a panic the inner future is never
     /// polled again.
