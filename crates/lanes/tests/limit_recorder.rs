@@ -8,75 +8,27 @@
 
 mod common;
 
+use common::Breaking;
+
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lanes::{KeyedLimit, Limit, LimitSpec, Limits, Priority};
 use tokio::task::JoinHandle;
 
-/// A counter or gauge that panics on every call while its switch is on.
-#[derive(Clone, Default)]
-struct Breaking {
-    on: Arc<AtomicBool>,
-    panics: Arc<AtomicUsize>,
-}
-
-impl Breaking {
-    fn called(&self) {
-        if self.on.load(Ordering::SeqCst) {
-            self.panics.fetch_add(1, Ordering::SeqCst);
-            panic!("the recorder panics");
-        }
-    }
-
-    fn switch(&self, on: bool) {
-        self.on.store(on, Ordering::SeqCst);
-    }
-
-    fn panics(&self) -> usize {
-        self.panics.load(Ordering::SeqCst)
-    }
-}
-
-impl metrics::CounterFn for Breaking {
-    fn increment(&self, _value: u64) {
-        self.called();
-    }
-    fn absolute(&self, _value: u64) {}
-}
-
-impl metrics::GaugeFn for Breaking {
-    fn increment(&self, _value: f64) {
-        self.called();
-    }
-    fn decrement(&self, _value: f64) {
-        self.called();
-    }
-    fn set(&self, _value: f64) {
-        self.called();
-    }
-}
-
 /// A recorder whose limit counters and gauges of a permit's life (a limit's and a keyed
 /// limit's) all panic while `breaking` is switched on.
 fn recorder(breaking: &Breaking) -> common::Named {
-    let counter = || metrics::Counter::from_arc(Arc::new(breaking.clone()));
-    let gauge = || metrics::Gauge::from_arc(Arc::new(breaking.clone()));
-    common::Named {
-        counters: vec![
-            ("lanes_limit_acquired_total", counter()),
-            ("lanes_limit_keyed_acquired_total", counter()),
-        ],
-        gauges: vec![
-            ("lanes_limit_held", gauge()),
-            ("lanes_limit_waiters", gauge()),
-            ("lanes_limit_keyed_held", gauge()),
-            ("lanes_limit_keyed_waiters", gauge()),
-            ("lanes_limit_keyed_keys", gauge()),
-        ],
-    }
+    let counters = ["lanes_limit_acquired_total", "lanes_limit_keyed_acquired_total"];
+    let gauges = [
+        "lanes_limit_held",
+        "lanes_limit_waiters",
+        "lanes_limit_keyed_held",
+        "lanes_limit_keyed_waiters",
+        "lanes_limit_keyed_keys",
+    ];
+    breaking.recorder(&counters, &gauges)
 }
 
 /// Runs `test` with a limit `"l"` of one permit whose metrics go to a recorder that panics

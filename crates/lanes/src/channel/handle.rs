@@ -16,7 +16,9 @@ use super::config::{ChannelConfig, OverflowKind};
 use super::core::{Core, Offer, Room};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
-use crate::util::{Padded, SpinGuard, SpinLock, WaitKey, WaitList, keep_waker, lock, spin_lock};
+use crate::util::{
+    Contained, Padded, SpinGuard, SpinLock, WaitKey, WaitList, keep_waker, lock, spin_lock,
+};
 
 /// A queued record and, if its producer asked for one, its receipt.
 pub(crate) struct Entry<T> {
@@ -229,28 +231,35 @@ impl<T> State<T> {
     }
 }
 
+/// The channel's `metrics` handles, contained ([`Contained`]): some calls are made under the
+/// channel's lock, and others between a change and what completes it (a close's wakes and
+/// settlements, a take's records on their way into a batch, a consumer's drop that closes the
+/// channel), where a recorder's panic unwound would leave producers or the consumer waiting
+/// for good, or records unsettled. Each call counts many records at once (a take's, a batch's,
+/// a step of emits or reads), so the containment's few instructions are spread over them.
 pub(crate) struct ChannelMetrics {
-    emitted: Counter,
-    delivered: Counter,
-    dropped: Counter,
-    spilled: Counter,
-    blocked_waits: Counter,
-    pub(crate) processed: Counter,
-    pub(crate) failed: Counter,
+    emitted: Contained<Counter>,
+    delivered: Contained<Counter>,
+    dropped: Contained<Counter>,
+    spilled: Contained<Counter>,
+    blocked_waits: Contained<Counter>,
+    pub(crate) processed: Contained<Counter>,
+    pub(crate) failed: Contained<Counter>,
 }
 
 impl ChannelMetrics {
     fn new(name: &str) -> Self {
         crate::observe::describe_once();
         let labels = [("channel", name.to_owned())];
+        let counter = |name: &'static str| Contained(metrics::counter!(name, &labels));
         Self {
-            emitted: metrics::counter!("lanes_channel_emitted_total", &labels),
-            delivered: metrics::counter!("lanes_channel_delivered_total", &labels),
-            dropped: metrics::counter!("lanes_channel_dropped_total", &labels),
-            spilled: metrics::counter!("lanes_channel_spilled_total", &labels),
-            blocked_waits: metrics::counter!("lanes_channel_blocked_waits_total", &labels),
-            processed: metrics::counter!("lanes_channel_processed_total", &labels),
-            failed: metrics::counter!("lanes_channel_failed_total", &labels),
+            emitted: counter("lanes_channel_emitted_total"),
+            delivered: counter("lanes_channel_delivered_total"),
+            dropped: counter("lanes_channel_dropped_total"),
+            spilled: counter("lanes_channel_spilled_total"),
+            blocked_waits: counter("lanes_channel_blocked_waits_total"),
+            processed: counter("lanes_channel_processed_total"),
+            failed: counter("lanes_channel_failed_total"),
         }
     }
 

@@ -126,6 +126,12 @@ impl<T> Default for Hooks<T> {
 }
 
 /// The pool's metrics handles, labelled `pool=<name>`, resolved once at build.
+///
+/// Every call is contained ([`call_contained`]), each group of calls in one: a recorder's
+/// panic unwound through a worker's loop would end the worker with an item taken (dropped
+/// unprocessed, or processed and never counted), its key never done, and the pool's stop
+/// waiting for it for good; one unwound through a submit would tell its caller that an item
+/// the pool queued was not.
 struct PoolMetrics {
     submitted: Counter,
     rejected: Counter,
@@ -309,15 +315,18 @@ where
         if let Some(worker) = worker {
             self.wake[worker].notify_one();
         }
-        self.metrics.submitted.increment(1);
-        self.metrics.queued.increment(1.0);
+        // Contained: the item is queued, and its submitter must learn that it was.
+        let _ = call_contained(|| {
+            self.metrics.submitted.increment(1);
+            self.metrics.queued.increment(1.0);
+        });
     }
 
     /// Refuses `item`: the pool no longer accepts (counted rejected).
     fn stopped(&self, mut state: SpinGuard<'_, State<S>>, item: T) -> SubmitError<T> {
         state.stats.rejected += 1;
         drop(state);
-        self.metrics.rejected.increment(1);
+        let _ = call_contained(|| self.metrics.rejected.increment(1));
         SubmitError::Stopped(item)
     }
 
@@ -446,8 +455,10 @@ where
                 continue;
             };
             woken = false;
-            self.metrics.queued.decrement(1.0);
-            self.metrics.inflight.increment(1.0);
+            let _ = call_contained(|| {
+                self.metrics.queued.decrement(1.0);
+                self.metrics.inflight.increment(1.0);
+            });
             let outcome = self.run(worker, queued).await;
             finished = Some((slot, outcome));
         }
@@ -455,21 +466,24 @@ where
 
     fn record(&self, state: &mut State<S>, outcome: Outcome) {
         state.stats.inflight -= 1;
-        self.metrics.inflight.decrement(1.0);
-        match outcome {
+        let counted = match outcome {
             Outcome::Completed => {
                 state.stats.completed += 1;
-                self.metrics.completed.increment(1);
+                &self.metrics.completed
             }
             Outcome::Failed => {
                 state.stats.failed += 1;
-                self.metrics.failed.increment(1);
+                &self.metrics.failed
             }
             Outcome::Panicked => {
                 state.stats.panicked += 1;
-                self.metrics.panicked.increment(1);
+                &self.metrics.panicked
             }
-        }
+        };
+        let _ = call_contained(|| {
+            self.metrics.inflight.decrement(1.0);
+            counted.increment(1);
+        });
     }
 
     /// Processes one item: its limit's permit first, then the process function, panics
@@ -478,7 +492,8 @@ where
         // The clock is read only if wait timing is on (it was a tenth of an item's cost).
         let started = crate::observe::timing_start();
         if let (Some(started), Some(at)) = (started, queued.at.get(self.epoch)) {
-            self.metrics.queue_wait.record(started.saturating_duration_since(at));
+            let waited = started.saturating_duration_since(at);
+            let _ = call_contained(|| self.metrics.queue_wait.record(waited));
         }
         let item = queued.item;
         let _permit = match &self.limit {
@@ -498,7 +513,7 @@ where
             Ok(fut) => CatchPanic::new(fut).await,
         };
         if let Some(started) = started {
-            self.metrics.processing.record(started.elapsed());
+            let _ = call_contained(|| self.metrics.processing.record(started.elapsed()));
         }
         match outcome {
             Ok(Ok(())) => {
@@ -565,7 +580,7 @@ where
                 }
                 drop(state);
                 if count {
-                    self.metrics.rejected.increment(1);
+                    let _ = call_contained(|| self.metrics.rejected.increment(1));
                 }
                 Err(refusal(refused, item))
             }
@@ -712,9 +727,12 @@ where
         for task in lock(&self.tasks).drain(..) {
             task.abort();
         }
-        self.metrics.dropped.increment(report.discarded + report.cancelled);
-        self.metrics.queued.decrement(report.discarded as f64);
-        self.metrics.inflight.decrement(report.cancelled as f64);
+        // Contained: the discarded items, the producers and the stop's waiters come after.
+        let _ = call_contained(|| {
+            self.metrics.dropped.increment(report.discarded + report.cancelled);
+            self.metrics.queued.decrement(report.discarded as f64);
+            self.metrics.inflight.decrement(report.cancelled as f64);
+        });
         drop_contained(discarded);
         for producer in producers {
             producer.wake();

@@ -2,6 +2,8 @@
 
 #![allow(dead_code)] // each test binary uses part of this module
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lanes::{LaneLimits, LaneSetBuilder};
@@ -56,5 +58,61 @@ impl metrics::Recorder for Named {
         _: &metrics::Metadata<'_>,
     ) -> metrics::Histogram {
         metrics::Histogram::noop()
+    }
+}
+
+/// A `metrics` counter or gauge that panics on every call while its switch is on:
+/// a recorder written carelessly.
+#[derive(Clone, Default)]
+pub(crate) struct Breaking {
+    on: Arc<AtomicBool>,
+    panics: Arc<AtomicUsize>,
+}
+
+impl Breaking {
+    fn called(&self) {
+        if self.on.load(Ordering::SeqCst) {
+            self.panics.fetch_add(1, Ordering::SeqCst);
+            panic!("the recorder panics");
+        }
+    }
+
+    pub(crate) fn switch(&self, on: bool) {
+        self.on.store(on, Ordering::SeqCst);
+    }
+
+    pub(crate) fn panics(&self) -> usize {
+        self.panics.load(Ordering::SeqCst)
+    }
+}
+
+impl metrics::CounterFn for Breaking {
+    fn increment(&self, _value: u64) {
+        self.called();
+    }
+    fn absolute(&self, _value: u64) {}
+}
+
+impl metrics::GaugeFn for Breaking {
+    fn increment(&self, _value: f64) {
+        self.called();
+    }
+    fn decrement(&self, _value: f64) {
+        self.called();
+    }
+    fn set(&self, _value: f64) {
+        self.called();
+    }
+}
+
+impl Breaking {
+    /// A recorder whose `counters` and `gauges` (by name) are all this one.
+    pub(crate) fn recorder(&self, counters: &[&'static str], gauges: &[&'static str]) -> Named {
+        let counter = |name| (name, metrics::Counter::from_arc(Arc::new(self.clone())));
+        let gauge = |name| (name, metrics::Gauge::from_arc(Arc::new(self.clone())));
+        Named {
+            counters: counters.iter().copied().map(counter).collect(),
+            gauges: gauges.iter().copied().map(gauge).collect(),
+        }
     }
 }
