@@ -163,7 +163,7 @@ impl SpillReader {
             records += 1;
             bytes += len;
         }
-        {
+        let unacked = {
             let mut shared = lock(&self.inner.shared);
             if to <= shared.committed {
                 return Ok(());
@@ -172,11 +172,16 @@ impl SpillReader {
             shared.records -= records.min(shared.records);
             shared.bytes -= bytes.min(shared.bytes);
             shared.acknowledged += records;
-            self.inner.metrics.unacked_bytes.set(shared.bytes as f64);
-        }
-        self.inner.metrics.acked.increment(records);
+            shared.bytes
+        };
         let (reply, answer) = oneshot::channel();
-        self.inner.mailbox.commit(to, reply).map_err(|_| SpillError::Closed)?;
+        let sent = self.inner.mailbox.commit(to, reply);
+        // Counted once the commit is on its way: a `metrics` recorder that panics here leaves
+        // no commit unsent (a retry would find it done, and its records would come back after
+        // a restart).
+        self.inner.metrics.unacked_bytes.set(unacked as f64);
+        self.inner.metrics.acked.increment(records);
+        sent.map_err(|_| SpillError::Closed)?;
         answer.await.map_err(|_| SpillError::Closed)?
     }
 

@@ -358,8 +358,10 @@ impl Writer {
                 }
             };
             if let Err(err) = done {
-                tracing::error!(segment = self.active, error = %err, "spill write failed; the queue fails every later append");
+                // Failed before the event: a subscriber that panics cannot leave the queue
+                // taking appends.
                 failure = Some(self.fail(&err.to_string()));
+                tracing::error!(segment = self.active, error = %err, "spill write failed; the queue fails every later append");
             }
         }
         taken.buf.clear();
@@ -596,8 +598,8 @@ fn sync_loop(shared: &SyncShared, inner: &std::sync::Weak<Inner>) {
             if failure.is_none()
                 && let Err(err) = file.sync()
             {
-                tracing::error!(error = %err, "spill sync failed; the queue fails every later append");
                 failure = Some(fail(inner, &err.to_string()));
+                tracing::error!(error = %err, "spill sync failed; the queue fails every later append");
             }
             for reply in replies {
                 let _ = reply.send(match &failure {
