@@ -1,7 +1,8 @@
 //! A `metrics` recorder that panics (user code) never unwinds through a channel or a pool:
 //! their calls into it are contained. Unwound, it would leave a channel's producers or its
 //! consumer waiting for good, records unsettled, or a pool's worker gone with an item taken
-//! and the pool's stop waiting for it. (A run lane's and a limit's cases are in
+//! and the pool's stop waiting for it. A spill queue's calls are made once what they count is
+//! done. (A run lane's and a limit's cases are in
 //! `tests/lane_runtime.rs` and `tests/limit_recorder.rs`.)
 
 mod common;
@@ -13,6 +14,7 @@ use std::time::Duration;
 use common::Breaking;
 use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
 use lanes::pool::Dispatcher;
+use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
 use tokio::time::timeout;
 
 const RECORDS: u32 = 200;
@@ -109,4 +111,40 @@ async fn a_pool_loses_nothing_to_a_panicking_recorder() {
     assert_eq!(done.load(Ordering::SeqCst), RECORDS as usize, "every item processed once");
     let stats = dispatcher.stats();
     assert_eq!((stats.submitted, stats.completed, stats.failed), (200, 180, 20), "{stats:?}");
+}
+
+/// A spill reader's commit whose count panics is sent all the same: after a restart, the
+/// committed records do not come back. (Before, the commit was counted after the reader's
+/// state moved past it and before it was sent to the writer: it was never written, a retry
+/// found it done, and the restart redelivered its records.)
+#[test]
+fn a_spill_commit_whose_count_panics_is_kept() {
+    let dir = std::env::temp_dir().join(format!("lanes-recorder-spill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let breaking = Breaking::default();
+    let recorder = breaking.recorder(&["lanes_spill_acked_total"], &["lanes_spill_unacked_bytes"]);
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let options = SpillOptions::default().sync(SyncPolicy::Always);
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let (queue, _) = SpillQueue::open(&dir, options.clone()).await.unwrap();
+            for i in 0..10u8 {
+                queue.append([i]).await.unwrap();
+            }
+            let mut reader = queue.reader().unwrap();
+            let read = reader.next_batch(10).await.unwrap();
+            let to = read[4].position();
+            breaking.switch(true);
+            let commit = tokio::spawn(async move { reader.commit(to).await });
+            assert!(commit.await.unwrap_err().is_panic(), "the count's panic reaches the reader");
+            breaking.switch(false);
+            queue.close().await.unwrap();
+        });
+    });
+    runtime.block_on(async {
+        let (queue, report) = SpillQueue::open(&dir, options).await.unwrap();
+        assert_eq!(report.records, 5, "the first five were committed: {report:?}");
+        queue.close().await.unwrap();
+    });
+    let _ = std::fs::remove_dir_all(&dir);
 }
