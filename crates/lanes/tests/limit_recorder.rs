@@ -62,15 +62,31 @@ async fn assert_whole(limits: &Limits) {
     drop(permit);
 }
 
-/// A task that waits for the limit's permit, by `acquire()` on the handle or by name, once
-/// it is in the limit's line.
-async fn waiter(limits: &Limits, by_name: bool) -> JoinHandle<()> {
+/// How a waiter asks for the permit: three state machines.
+#[derive(Clone, Copy, Debug)]
+enum Way {
+    /// `acquire()` on the handle.
+    Handle,
+    /// `acquire` by name.
+    Name,
+    /// By name with a deadline (one far off).
+    Deadline,
+}
+
+const WAYS: [Way; 3] = [Way::Handle, Way::Name, Way::Deadline];
+
+/// A task that waits for the limit's permit, asking `way`, once it is in the limit's line.
+async fn waiter(limits: &Limits, way: Way) -> JoinHandle<()> {
     let waiting = limits.clone();
     let task = tokio::spawn(async move {
-        let permit = if by_name {
-            waiting.acquire("l", Priority::default()).await
-        } else {
-            waiting.limit("l").acquire().await
+        let permit = match way {
+            Way::Handle => waiting.limit("l").acquire().await.map_err(|e| e.to_string()),
+            Way::Name => waiting.acquire("l", Priority::default()).await.map_err(|e| e.to_string()),
+            Way::Deadline => {
+                let within = Duration::from_secs(60);
+                let acquired = waiting.acquire_timeout("l", Priority::default(), within).await;
+                acquired.map_err(|e| e.to_string())
+            }
         };
         drop(permit.unwrap());
     });
@@ -117,14 +133,13 @@ fn a_permit_dropped_as_the_recorder_panics_goes_back() {
 
 /// A permit handed to a caller in the limit's line, while every count panics: the release
 /// that hands it over panics after the hand-over, and the waiter, whose grant the recorder
-/// fails to count, gives it back as its panic unwinds. Through the handle's `acquire()` and
-/// by name (two state machines).
+/// fails to count, gives it back as its panic unwinds. Each way of waiting (`Way`).
 #[test]
 fn a_permit_handed_over_in_line_as_the_recorder_panics_goes_back() {
-    for by_name in [false, true] {
+    for way in WAYS {
         with_breaking_recorder(|limits, breaking| async move {
             let holder = limits.limit("l").acquire().await.unwrap();
-            let waiter = waiter(&limits, by_name).await;
+            let waiter = waiter(&limits, way).await;
             breaking.switch(true);
             assert!(catch_unwind(AssertUnwindSafe(|| drop(holder))).is_err());
             assert!(within(waiter).await.unwrap_err().is_panic(), "the waiter's count panicked");
@@ -140,10 +155,10 @@ fn a_permit_handed_over_in_line_as_the_recorder_panics_goes_back() {
 /// and the dropped wait stayed in line and took the permit for good.)
 #[test]
 fn a_wait_dropped_as_the_recorder_panics_leaves_the_line() {
-    for by_name in [false, true] {
+    for way in WAYS {
         with_breaking_recorder(|limits, breaking| async move {
             let holder = limits.limit("l").acquire().await.unwrap();
-            let waiter = waiter(&limits, by_name).await;
+            let waiter = waiter(&limits, way).await;
             breaking.switch(true);
             waiter.abort();
             assert!(within(waiter).await.is_err(), "the wait was dropped");
@@ -204,4 +219,36 @@ fn a_keyed_limit_loses_nothing_to_a_panicking_recorder() {
         assert_eq!((info.held, info.waiting), (0, 0), "{info:?}");
         drop(limit.try_acquire("k").expect("the key's permit is free"));
     });
+}
+
+/// A permit held by code that panics (not the recorder) is counted off `held` as the panic
+/// unwinds through its drop: the drop's call is contained then, not skipped, so the gauge
+/// reads the limit right. (Skipped, it read one permit held for good.)
+#[test]
+fn a_permit_dropped_by_a_panic_elsewhere_is_counted_off() {
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let limits = Limits::new();
+            limits.define("l", LimitSpec::concurrent(1)).await.unwrap();
+            let permit = limits.limit("l").acquire().await.unwrap();
+            let panicked = catch_unwind(AssertUnwindSafe(move || {
+                let _held = permit;
+                panic!("the caller's own panic");
+            }));
+            assert!(panicked.is_err());
+            assert_whole(&limits).await;
+        });
+    });
+    let held =
+        snapshotter.snapshot().into_vec().into_iter().find_map(|(key, _, _, value)| {
+            (key.key().name() == "lanes_limit_held").then_some(value)
+        });
+    let held = match held {
+        Some(metrics_util::debugging::DebugValue::Gauge(held)) => held.into_inner(),
+        other => panic!("the held gauge: {other:?}"),
+    };
+    assert_eq!(held, 0.0, "every permit counted off");
 }

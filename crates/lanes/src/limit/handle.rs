@@ -15,6 +15,7 @@ use super::config::LimitSpec;
 use super::core::{Acquire, Grant};
 use super::error::{AcquireError, LimitError, TryAcquireError};
 use super::local::{Granted, LocalLimits, Slot, Wait};
+use super::metrics::count_off;
 use super::priority::Priority;
 use super::snapshot::LimitInfo;
 use crate::config::{ConfigError, ConfigRule};
@@ -763,21 +764,16 @@ impl Permit {
 
 impl Drop for Permit {
     /// Gives the permit back, then counts it: a `metrics` recorder that panics unwinds with
-    /// nothing held. While a panic unwinds (one the recorder made as the permit was counted
-    /// granted, say), the recorder is not called: a second panic would abort the process.
+    /// nothing held (and while a panic unwinds, its call is contained: [`count_off`]).
     fn drop(&mut self) {
         match &self.kind {
             Kind::Fast { slot, .. } => {
                 slot.release_fast();
-                if !std::thread::panicking() {
-                    slot.metrics().held.decrement(1.0);
-                }
+                count_off(&slot.metrics().held);
             }
             Kind::Local { local, slot, ticket, .. } => {
                 local.release_slot(slot, *ticket);
-                if !std::thread::panicking() {
-                    slot.metrics().held.decrement(1.0);
-                }
+                count_off(&slot.metrics().held);
             }
             Kind::Ticket(permit) => {
                 let TicketPermit { release, name, ticket, .. } = &**permit;

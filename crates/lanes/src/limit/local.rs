@@ -43,12 +43,12 @@ use super::cell::{Cell, Miss, Returned, Turn};
 use super::config::LimitSpec;
 use super::core::{Acquire, Grant, LimitTable, Next, Released};
 use super::error::LimitError;
-use super::metrics::LimitMetrics;
+use super::metrics::{LimitMetrics, count_off};
 use super::priority::Priority;
 use super::snapshot::LimitInfo;
 use crate::BoxFuture;
 use crate::util::FastMap;
-use crate::util::{WaitKey, WaitList, lock, same_waker};
+use crate::util::{WaitKey, WaitList, call_contained, lock, same_waker};
 
 #[derive(Debug)]
 struct Inner {
@@ -668,9 +668,10 @@ impl LocalLimits {
         if let Some(counters) = inner.table.release_if_idle(&slot.name) {
             slot.cell.go_fast(counters);
         }
-        // Counted once the table is settled: a recorder that panics leaves no waiter out.
+        // Counted once the table is settled, and contained: a grant made for a caller just
+        // before (`try_now`) is not its permit yet, and this runs in drops too.
         if expired > 0 {
-            slot.metrics().expired.increment(expired);
+            let _ = call_contained(|| slot.metrics().expired.increment(expired));
         }
     }
 
@@ -1247,8 +1248,8 @@ impl<'a> Wait<'a> {
 
 impl Drop for Wait<'_> {
     /// Undoes the wait, then counts it off the `waiters` gauge: a `metrics` recorder that
-    /// panics unwinds with the wait out of line, and anything it was granted given back. Not
-    /// counted while a panic unwinds (a second panic would abort the process).
+    /// panics unwinds with the wait out of line, and anything it was granted given back (and
+    /// while a panic unwinds, its call is contained: [`count_off`]).
     fn drop(&mut self) {
         match std::mem::replace(&mut self.place, Place::Done) {
             Place::Start(_) | Place::Done => {}
@@ -1275,9 +1276,7 @@ impl Drop for Wait<'_> {
                 self.local.release_slot(self.slot, ticket);
             }
         }
-        if !std::thread::panicking() {
-            self.slot.metrics().waiters.decrement(1.0);
-        }
+        count_off(&self.slot.metrics().waiters);
     }
 }
 

@@ -7,10 +7,14 @@
 //! note). The panic reaches the caller instead, with nothing lost: a permit is made before it
 //! is counted granted (a panic then unwinds through its drop, which gives it back), given back
 //! before it is counted off `held`, and a wait leaves the limit's line before it is counted
-//! off `waiters`; while a panic unwinds, a drop calls no recorder (a second panic would abort).
-//! `tests/limit_recorder.rs` holds the cases.
+//! off `waiters`; while a panic unwinds, a drop's call is contained ([`count_off`]: a second
+//! panic escaping a drop would abort). The one call made between a table's grant and its
+//! permit, a count of leases that expired, is contained. `tests/limit_recorder.rs` holds the
+//! cases.
 
 use metrics::{Counter, Gauge, Histogram};
+
+use crate::util::call_contained;
 
 #[derive(Debug)]
 pub(crate) struct LimitMetrics {
@@ -39,11 +43,26 @@ impl LimitMetrics {
 
     /// Counts a grant; `waited` is when its wait began, if it waited and wait timing was on
     /// (an immediate grant records no wait: the fast path reads no clock and no switch).
+    ///
+    /// `held` first: a recorder that panics after it leaves it counted, as the permit's drop
+    /// (which the panic unwinds through) counts it off.
     pub(crate) fn granted(&self, waited: Option<tokio::time::Instant>) {
-        self.acquired.increment(1);
         self.held.increment(1.0);
+        self.acquired.increment(1);
         if let Some(since) = waited {
             self.wait.record(since.elapsed().as_secs_f64());
         }
+    }
+}
+
+/// Counts one off `gauge`, after what it counted was given back (a permit, a wait). While a
+/// panic unwinds (one the recorder made as a permit was counted granted, say, or any other),
+/// the call is contained: a second panic escaping a drop would abort the process.
+#[inline]
+pub(crate) fn count_off(gauge: &Gauge) {
+    if std::thread::panicking() {
+        let _ = call_contained(|| gauge.decrement(1.0));
+    } else {
+        gauge.decrement(1.0);
     }
 }
