@@ -15,6 +15,7 @@ use common::Breaking;
 use lanes::channel::{Channel, ChannelConfig, ConsumerOptions};
 use lanes::pool::Dispatcher;
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
+use lanes::{LimitSpec, Limits, Priority};
 use tokio::time::timeout;
 
 const RECORDS: u32 = 200;
@@ -147,4 +148,40 @@ fn a_spill_commit_whose_count_panics_is_kept() {
         queue.close().await.unwrap();
     });
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A dispatcher whose limit's counts panic (a limit's calls are not contained: the panic
+/// reaches its caller, here the worker) fails each item whose permit's count panicked, gives
+/// the permit back, and keeps its workers. (Before, the panic ended the worker with its item
+/// taken, and the stop waited for it for good.)
+#[tokio::test]
+async fn a_pool_whose_limit_panics_keeps_its_workers() {
+    let breaking = Breaking::default();
+    let recorder = breaking.recorder(&["lanes_limit_acquired_total"], &["lanes_limit_held"]);
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let limits = Limits::new();
+    limits.define("l", LimitSpec::concurrent(1)).await.unwrap();
+    let done = Arc::new(AtomicUsize::new(0));
+    let dispatcher = {
+        let done = done.clone();
+        let builder = Dispatcher::builder().workers(2).queue_size(RECORDS as usize);
+        builder.limit(&limits, "l", Priority::default()).build(move |_: u32| {
+            let done = done.clone();
+            async move {
+                done.fetch_add(1, Ordering::SeqCst);
+                Ok::<(), std::io::Error>(())
+            }
+        })
+    }
+    .expect("a valid dispatcher");
+    breaking.switch(true);
+    for n in 0..RECORDS {
+        dispatcher.submit(n).expect("room for every item");
+    }
+    dispatcher.stop(Duration::from_secs(10)).await.expect("every worker ends");
+    breaking.switch(false);
+    let stats = dispatcher.stats();
+    assert_eq!((stats.completed, stats.failed), (0, 200), "each permit's count panicked");
+    assert_eq!(done.load(Ordering::SeqCst), 0);
+    drop(limits.limit("l").try_acquire().await.expect("the limit's permit is free"));
 }

@@ -496,12 +496,20 @@ where
             let _ = call_contained(|| self.metrics.queue_wait.record(waited));
         }
         let item = queued.item;
-        let _permit = match &self.limit {
+        // The limit's acquire and the permit's drop call its `metrics` recorder, which is
+        // not contained (`limit::metrics`): a panic there would end this worker.
+        let permit = match &self.limit {
             None => None,
-            Some(limit) => match limit.acquire().await {
-                Ok(permit) => Some(permit),
-                Err(err) => {
+            Some(limit) => match CatchPanic::new(limit.acquire()).await {
+                Ok(Ok(permit)) => Some(permit),
+                Ok(Err(err)) => {
                     self.report_error(Box::new(err));
+                    drop_contained(item);
+                    return Outcome::Failed;
+                }
+                Err(payload) => {
+                    drop_contained(payload);
+                    self.report_error("the pool's limit panicked as a permit was acquired".into());
                     drop_contained(item);
                     return Outcome::Failed;
                 }
@@ -512,6 +520,7 @@ where
             Err(_) => Err(Box::new("process panicked before returning a future") as PanicPayload),
             Ok(fut) => CatchPanic::new(fut).await,
         };
+        drop_contained(permit);
         if let Some(started) = started {
             let _ = call_contained(|| self.metrics.processing.record(started.elapsed()));
         }
