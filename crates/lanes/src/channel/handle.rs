@@ -235,8 +235,9 @@ impl<T> State<T> {
 /// channel's lock, and others between a change and what completes it (a close's wakes and
 /// settlements, a take's records on their way into a batch, a consumer's drop that closes the
 /// channel), where a recorder's panic unwound would leave producers or the consumer waiting
-/// for good, or records unsettled. Each call counts many records at once (a take's, a batch's,
-/// a step of emits or reads), so the containment's few instructions are spread over them.
+/// for good, or records unsettled. Most calls count many records at once (a take's, a batch's,
+/// a step of emits or reads), so the containment's few instructions are spread over them; a
+/// blocked wait, a dropped record and a spilled one are counted one by one.
 pub(crate) struct ChannelMetrics {
     emitted: Contained<Counter>,
     delivered: Contained<Counter>,

@@ -13,7 +13,7 @@ use super::format::{Position, segment_name};
 use super::frame::{self, HEADER, Scanned};
 use super::handle::{Inner, SpillRecord};
 use super::storage::Storage;
-use crate::util::lock;
+use crate::util::{call_contained, lock};
 
 /// Reads a [`SpillQueue`](super::SpillQueue) in order and commits what it processed. One per queue
 /// at a time.
@@ -163,7 +163,7 @@ impl SpillReader {
             records += 1;
             bytes += len;
         }
-        let unacked = {
+        {
             let mut shared = lock(&self.inner.shared);
             if to <= shared.committed {
                 return Ok(());
@@ -172,14 +172,14 @@ impl SpillReader {
             shared.records -= records.min(shared.records);
             shared.bytes -= bytes.min(shared.bytes);
             shared.acknowledged += records;
-            shared.bytes
-        };
+            // Set under the lock, so that appends' moves of the gauge come before or after it,
+            // and contained: unwound from here, the commit would never be sent, and a retry
+            // would find it done (its records would come back after a restart).
+            let _ = call_contained(|| self.inner.metrics.unacked_bytes.set(shared.bytes as f64));
+        }
         let (reply, answer) = oneshot::channel();
         let sent = self.inner.mailbox.commit(to, reply);
-        // Counted once the commit is on its way: a `metrics` recorder that panics here leaves
-        // no commit unsent (a retry would find it done, and its records would come back after
-        // a restart).
-        self.inner.metrics.unacked_bytes.set(unacked as f64);
+        // Counted once the commit is on its way.
         self.inner.metrics.acked.increment(records);
         sent.map_err(|_| SpillError::Closed)?;
         answer.await.map_err(|_| SpillError::Closed)?

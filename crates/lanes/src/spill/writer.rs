@@ -29,7 +29,7 @@ use super::format::{Position, SEGMENT_HEADER, STATE, encode_state, segment_name}
 use super::frame;
 use super::handle::{Extent, Inner, create_segment};
 use super::storage::{AppendFile, FileSync, Storage};
-use crate::util::lock;
+use crate::util::{call_contained, lock};
 
 /// A reply to an append, a commit or a close.
 pub(super) type Reply = oneshot::Sender<Result<(), SpillError>>;
@@ -171,9 +171,34 @@ impl Writer {
         loop {
             self.take(&mut taken);
             let last = taken.last;
-            self.handle(&mut taken);
+            if call_contained(|| self.handle(&mut taken)).is_err() {
+                self.panicked(&mut taken);
+            }
             if last {
                 return;
+            }
+        }
+    }
+
+    /// After [`handle`](Self::handle) panicked (a tracing subscriber's panic in the group's
+    /// span or an event, or a bug): the queue fails as after an I/O error, so later appends
+    /// and commits are answered with the failure and no more is written. The group's
+    /// unanswered appends and commits are dropped, which answers their callers `Closed`; a
+    /// close finishes, so that the directory's lock goes and `drained` resolves. Unwound,
+    /// the panic ended this thread with the mailbox open: every later append waited for good.
+    fn panicked(&mut self, taken: &mut Taken) {
+        let cause = self.fail("the spill writer panicked");
+        taken.appends.clear();
+        taken.commits.clear();
+        taken.buf.clear();
+        taken.tick = false;
+        if taken.last {
+            drop(self.lock.take());
+            if let Some(inner) = self.inner.upgrade() {
+                inner.finished.send_replace(true);
+            }
+            if let Some(reply) = taken.close.take() {
+                let _ = reply.send(Err(SpillError::Failed(cause)));
             }
         }
     }
@@ -358,8 +383,7 @@ impl Writer {
                 }
             };
             if let Err(err) = done {
-                // Failed before the event: a subscriber that panics cannot leave the queue
-                // taking appends.
+                // Failed before the event, which a subscriber may panic in (`run` contains it).
                 failure = Some(self.fail(&err.to_string()));
                 tracing::error!(segment = self.active, error = %err, "spill write failed; the queue fails every later append");
             }
@@ -599,7 +623,11 @@ fn sync_loop(shared: &SyncShared, inner: &std::sync::Weak<Inner>) {
                 && let Err(err) = file.sync()
             {
                 failure = Some(fail(inner, &err.to_string()));
-                tracing::error!(error = %err, "spill sync failed; the queue fails every later append");
+                // Contained: unwound, a subscriber's panic would end this thread with the job
+                // taken, and the writer would wait for it for good.
+                let _ = call_contained(|| {
+                    tracing::error!(error = %err, "spill sync failed; the queue fails every later append");
+                });
             }
             for reply in replies {
                 let _ = reply.send(match &failure {

@@ -87,9 +87,10 @@ pub(crate) fn call_contained<R>(f: impl FnOnce() -> R) -> Result<R, Panicked> {
 /// A `metrics` handle whose calls into the recorder cannot unwind into the caller: a
 /// recorder that panics (user code) is contained, its panic reported by the panic hook, and
 /// the metric misses that update. For primitives whose calls sit under a lock or between a
-/// change and what completes it (a run lane, a keyed limit, a pool's workers), where a panic
-/// unwound from the call would leave capacity held or a task dead. Without a recorder the
-/// handle is a no-op; the containment costs about 6 instructions a call.
+/// change and what completes it (a run lane, a keyed limit, a channel), where a panic unwound
+/// from the call would leave capacity held, a waiter stranded or records unsettled. (A pool
+/// contains its calls in groups with [`call_contained`].) Without a recorder the handle is a
+/// no-op; the containment costs about 6 instructions a call.
 pub(crate) struct Contained<H>(pub(crate) H);
 
 impl Contained<metrics::Counter> {
