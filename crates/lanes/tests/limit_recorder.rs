@@ -1,6 +1,7 @@
 //! A `metrics` recorder that panics never costs a limit its capacity. A limit's calls into the
 //! recorder are not contained (the lane's are: `tests/lane_runtime.rs`), so the panic reaches
-//! the caller; but a permit is made before it is counted granted, given back before it is
+//! the caller; but a permit (or a guard for it) exists before it is counted granted, it is
+//! given back before it is
 //! counted off `held`, and a wait leaves the limit's line before it is counted off `waiters`.
 //! So whatever the recorder does, every permit goes back and no wait stays in line. A keyed
 //! limit's calls are contained (most are made under a shard's lock): its callers never see

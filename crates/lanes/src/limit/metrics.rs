@@ -4,8 +4,9 @@
 //!
 //! A recorder that panics is not contained here (a lane's calls are: `lane::metrics`): the
 //! uncontended acquire would pay about 17 instructions for it (BENCHMARKS.md, suite 2's stop-66
-//! note). The panic reaches the caller instead, with nothing lost: a permit is made before it
-//! is counted granted (a panic then unwinds through its drop, which gives it back), given back
+//! note). The panic reaches the caller instead, with nothing lost: a permit is made (or, on the
+//! fast path, a guard that holds its slot) before it is counted granted (a panic then unwinds
+//! through its drop, which gives it back), given back
 //! before it is counted off `held`, and a wait leaves the limit's line before it is counted
 //! off `waiters`; while a panic unwinds, a drop's call is contained ([`count_off`]: a second
 //! panic escaping a drop would abort). The one call made between a table's grant and its
