@@ -253,3 +253,48 @@ fn a_permit_dropped_by_a_panic_elsewhere_is_counted_off() {
     };
     assert_eq!(held, 0.0, "every permit counted off");
 }
+
+/// A gauge that keeps its value: `lanes_limit_held` beside a panicking counter.
+#[derive(Clone, Default)]
+struct Level(Arc<std::sync::Mutex<f64>>);
+
+impl metrics::GaugeFn for Level {
+    fn increment(&self, value: f64) {
+        *self.0.lock().unwrap() += value;
+    }
+    fn decrement(&self, value: f64) {
+        *self.0.lock().unwrap() -= value;
+    }
+    fn set(&self, value: f64) {
+        *self.0.lock().unwrap() = value;
+    }
+}
+
+/// A fast permit counted in `held` and then refused by a panicking `acquired` counter is
+/// counted off again as it is given back: the gauge reads the limit right.
+#[test]
+fn a_fast_permit_given_back_by_a_panic_is_counted_off() {
+    let breaking = Breaking::default();
+    let held = Level::default();
+    let recorder = common::Named {
+        counters: vec![(
+            "lanes_limit_acquired_total",
+            metrics::Counter::from_arc(Arc::new(breaking.clone())),
+        )],
+        gauges: vec![("lanes_limit_held", metrics::Gauge::from_arc(Arc::new(held.clone())))],
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        runtime.block_on(async {
+            let limits = Limits::new();
+            limits.define("l", LimitSpec::concurrent(1)).await.unwrap();
+            breaking.switch(true);
+            let limit = limits.limit("l");
+            let taken = tokio::spawn(async move { drop(limit.acquire().await) });
+            assert!(within(taken).await.unwrap_err().is_panic());
+            breaking.switch(false);
+            assert_whole(&limits).await;
+        });
+    });
+    assert_eq!(*held.0.lock().unwrap(), 0.0, "counted off as it was given back");
+}

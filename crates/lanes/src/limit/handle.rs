@@ -677,15 +677,17 @@ impl Permit {
 
     /// A fast permit handed over in the limit's line, after waiting since `waited`.
     ///
-    /// Made before it is counted, as every permit is: a `metrics` recorder that panics there
-    /// unwinds through the permit's drop, which gives it back.
+    /// Counted with [`Unfast`] standing in for it, which a `metrics` recorder that panics
+    /// unwinds through, giving the permit back. (Made first and counted after, as a table's
+    /// permit is, it went through the stack and back to the caller: two 8-byte stores read by
+    /// 16-byte loads, a store-forwarding stall; the uncontended acquire + release ran at
+    /// 27 M/s against 30, pinned.)
     fn fast_waited(slot: Arc<Slot>, fence: u64, waited: Option<tokio::time::Instant>) -> Self {
-        // Here the permit is made after it is counted, `Unfast` standing in for it meanwhile:
-        // made first, it went through the stack and back to the caller, two 8-byte stores read
-        // by 16-byte loads (a store-forwarding stall: the uncontended acquire + release ran at
-        // 27 M/s against 30 before, pinned).
-        let unfast = Unfast(&slot);
-        slot.metrics().granted(waited);
+        let mut unfast = Unfast { slot: &slot, held: false };
+        let metrics = slot.metrics();
+        metrics.held.increment(1.0);
+        unfast.held = true;
+        metrics.counted(waited);
         std::mem::forget(unfast);
         Self { kind: Kind::Fast { slot, fence } }
     }
@@ -766,18 +768,25 @@ impl Permit {
 }
 
 /// A fast permit taken and not yet made into a [`Permit`]: gives it back if dropped, which only
-/// a panic does (a `metrics` recorder's, as the permit is counted granted).
-struct Unfast<'a>(&'a Slot);
+/// a panic does (a `metrics` recorder's, as the permit is counted granted), and counts it off
+/// `held` if it was counted there.
+struct Unfast<'a> {
+    slot: &'a Slot,
+    held: bool,
+}
 
 impl Drop for Unfast<'_> {
     fn drop(&mut self) {
-        self.0.release_fast();
+        self.slot.release_fast();
+        if self.held {
+            count_off(&self.slot.metrics().held);
+        }
     }
 }
 
 impl Drop for Permit {
     /// Gives the permit back, then counts it: a `metrics` recorder that panics unwinds with
-    /// nothing held (and while a panic unwinds, its call is contained: [`count_off`]).
+    /// nothing held (and while a panic unwinds, its call is contained).
     fn drop(&mut self) {
         match &self.kind {
             Kind::Fast { slot, .. } => {

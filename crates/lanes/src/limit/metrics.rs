@@ -49,6 +49,12 @@ impl LimitMetrics {
     /// (which the panic unwinds through) counts it off.
     pub(crate) fn granted(&self, waited: Option<tokio::time::Instant>) {
         self.held.increment(1.0);
+        self.counted(waited);
+    }
+
+    /// [`granted`](Self::granted) past the `held` gauge.
+    #[inline]
+    pub(crate) fn counted(&self, waited: Option<tokio::time::Instant>) {
         self.acquired.increment(1);
         if let Some(since) = waited {
             self.wait.record(since.elapsed().as_secs_f64());
