@@ -172,9 +172,8 @@ impl SpillReader {
             shared.records -= records.min(shared.records);
             shared.bytes -= bytes.min(shared.bytes);
             shared.acknowledged += records;
-            // Set under the lock, so that appends' moves of the gauge come before or after it,
-            // and contained: unwound from here, the commit would never be sent, and a retry
-            // would find it done (its records would come back after a restart).
+            // Contained: unwound from here, the commit would never be sent, and a retry would
+            // find it done (its records would come back after a restart).
             let _ = call_contained(|| self.inner.metrics.unacked_bytes.set(shared.bytes as f64));
         }
         let (reply, answer) = oneshot::channel();

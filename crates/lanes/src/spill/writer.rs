@@ -29,7 +29,7 @@ use super::format::{Position, SEGMENT_HEADER, STATE, encode_state, segment_name}
 use super::frame;
 use super::handle::{Extent, Inner, create_segment};
 use super::storage::{AppendFile, FileSync, Storage};
-use crate::util::{call_contained, lock};
+use crate::util::{Panicked, call_contained, lock};
 
 /// A reply to an append, a commit or a close.
 pub(super) type Reply = oneshot::Sender<Result<(), SpillError>>;
@@ -171,7 +171,9 @@ impl Writer {
         loop {
             self.take(&mut taken);
             let last = taken.last;
-            if call_contained(|| self.handle(&mut taken)).is_err() {
+            // `handle` contains the group's work inside its span; a panic in the span itself
+            // (a subscriber's, entering or leaving it) is caught here.
+            if call_contained(|| self.handle(&mut taken)).and_then(|handled| handled).is_err() {
                 self.panicked(&mut taken);
             }
             if last {
@@ -182,17 +184,33 @@ impl Writer {
 
     /// After [`handle`](Self::handle) panicked (a tracing subscriber's panic in the group's
     /// span or an event, or a bug): the queue fails as after an I/O error, so later appends
-    /// and commits are answered with the failure and no more is written. The group's
-    /// unanswered appends and commits are dropped, which answers their callers `Closed`; a
-    /// close finishes, so that the directory's lock goes and `drained` resolves. Unwound,
-    /// the panic ended this thread with the mailbox open: every later append waited for good.
+    /// and commits are answered with the failure and no more is written, and so are the
+    /// group's unanswered ones (an append the panic cut off may have been written: `Failed`
+    /// says as much, where a dropped answer would have said `Closed`). A close finishes, as
+    /// one after an I/O error does, so that the directory's lock goes and `drained` resolves.
+    /// Unwound, the panic ended this thread with the mailbox open: every later append waited
+    /// for good.
     fn panicked(&mut self, taken: &mut Taken) {
         let cause = self.fail("the spill writer panicked");
-        taken.appends.clear();
-        taken.commits.clear();
+        let failed = || Err(SpillError::Failed(cause.clone()));
+        for (_, reply) in taken.appends.drain(..) {
+            let _ = reply.send(failed());
+        }
+        for reply in taken.commits.drain(..) {
+            let _ = reply.send(failed());
+        }
         taken.buf.clear();
         taken.tick = false;
         if taken.last {
+            // The close's own steps, best effort: what earlier groups handed the sync thread
+            // is answered, and the file is trimmed, synced and its state persisted.
+            let _ = call_contained(|| {
+                self.settle();
+                if self.file.trim().is_ok() {
+                    self.unsynced = true;
+                }
+                let _ = self.sync().and_then(|()| self.persist());
+            });
             drop(self.lock.take());
             if let Some(inner) = self.inner.upgrade() {
                 inner.finished.send_replace(true);
@@ -285,9 +303,10 @@ impl Writer {
         inbox
     }
 
-    /// Plans the group and performs the plan. After a failure, no more I/O: every append is
-    /// answered with the failure, and commits with the error.
-    fn handle(&mut self, taken: &mut Taken) {
+    /// Handles a group in its span: the work is contained inside it, so that a panic there
+    /// never unwinds through the span's exit (a subscriber that panics again there would
+    /// abort the process). `Err` if it panicked.
+    fn handle(&mut self, taken: &mut Taken) -> Result<(), Panicked> {
         let _span = tracing::trace_span!(
             "lanes.spill.group",
             appends = taken.appends.len(),
@@ -295,6 +314,12 @@ impl Writer {
             commits = taken.commits.len(),
         )
         .entered();
+        call_contained(|| self.handle_group(taken))
+    }
+
+    /// Plans the group and performs the plan. After a failure, no more I/O: every append is
+    /// answered with the failure, and commits with the error.
+    fn handle_group(&mut self, taken: &mut Taken) {
         let group = Group {
             appends: taken.appends.iter().map(|(bytes, _)| *bytes).collect(),
             commit: !taken.commits.is_empty(),
@@ -303,7 +328,7 @@ impl Writer {
         };
         let mut failure: Option<Arc<str>> =
             self.inner.upgrade().and_then(|i| lock(&i.shared).failed.clone());
-        let mut replies = taken.appends.drain(..);
+        let mut replies = Answering { replies: taken.appends.drain(..), inner: self.inner.clone() };
         let mut answered = 0;
         let mut persisted: Result<(), Arc<str>> = Ok(());
         let mut plan = self.planner.plan(&group);
@@ -494,6 +519,33 @@ impl Writer {
     /// Makes the queue refuse appends from now on.
     fn fail(&mut self, cause: &str) -> Arc<str> {
         fail(&self.inner, cause)
+    }
+}
+
+/// The appends of a group on their way to their answers: any left when a panic unwinds
+/// through it are answered with the queue's failure (the panic's, `Writer::panicked`), not
+/// dropped.
+struct Answering<I: Iterator<Item = (usize, Reply)>> {
+    replies: I,
+    inner: std::sync::Weak<Inner>,
+}
+
+impl<I: Iterator<Item = (usize, Reply)>> Iterator for Answering<I> {
+    type Item = (usize, Reply);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        self.replies.next()
+    }
+}
+
+impl<I: Iterator<Item = (usize, Reply)>> Drop for Answering<I> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let cause = fail(&self.inner, "the spill writer panicked");
+            for (_, reply) in self.replies.by_ref() {
+                let _ = reply.send(Err(SpillError::Failed(cause.clone())));
+            }
+        }
     }
 }
 
