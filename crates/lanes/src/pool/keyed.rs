@@ -314,7 +314,9 @@ impl<T: Send + 'static, F> KeyedPoolBuilder<T, F> {
     /// Every item takes a permit of limit `name` before it is processed, in the worker that
     /// took it (a pool's workers are its concurrency, and per-key order needs the item in
     /// hand). A refusal fails the item; [`throttle`](Self::throttle) takes another
-    /// [refusal policy](crate::limit::OnRefusal).
+    /// [refusal policy](crate::limit::OnRefusal). The permit covers the process function: it is
+    /// given back when that ends, before the item's outcome is reported. A panic while the
+    /// permit is acquired (the limit's `metrics` recorder's) fails the item, whatever the policy.
     pub fn limit(self, limits: &Limits, name: impl Into<Arc<str>>, priority: Priority) -> Self {
         self.throttle(Throttle::new(limits, name, priority))
     }
