@@ -17,6 +17,8 @@ use lanes::{
 use tokio::runtime::{Builder, Runtime};
 use tokio::sync::Barrier;
 
+use common::Breaking;
+
 fn current_thread() -> Runtime {
     Builder::new_current_thread().enable_all().build().unwrap()
 }
@@ -317,29 +319,6 @@ fn a_set_outliving_runtimes_shut_down_at_random_loses_no_room() {
     assert_quiescent(&set);
 }
 
-/// Set while the `lanes_lane_admitted_total` counter of [`panicking_admissions`] panics.
-static PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-/// The panics of [`panicking_admissions`]' counter.
-static PANICKED: AtomicUsize = AtomicUsize::new(0);
-
-struct AdmittedCounter;
-
-impl metrics::CounterFn for AdmittedCounter {
-    fn increment(&self, _value: u64) {
-        if PANICS.load(Ordering::SeqCst) {
-            PANICKED.fetch_add(1, Ordering::SeqCst);
-            panic!("the recorder panics");
-        }
-    }
-    fn absolute(&self, _value: u64) {}
-}
-
-/// A metrics recorder whose `lanes_lane_admitted_total` counter panics while `PANICS` is set.
-fn panicking_admissions() -> common::Named {
-    let admitted = metrics::Counter::from_arc(Arc::new(AdmittedCounter));
-    common::Named { counters: vec![("lanes_lane_admitted_total", admitted)], gauges: vec![] }
-}
-
 /// A set of one lane, "a", of one slot and room for four, whose metrics go to `recorder`.
 fn one_slot_recording_to(recorder: &common::Named) -> LaneSet {
     metrics::with_local_recorder(recorder, || {
@@ -390,51 +369,15 @@ async fn admit_past_a_panicking_recorder(set: &LaneSet) {
 /// lane's only slot.)
 #[test]
 fn a_counter_that_panics_on_admission_loses_no_run() {
-    let set = one_slot_recording_to(&panicking_admissions());
+    let breaking = Breaking::default();
+    let set = one_slot_recording_to(&breaking.recorder(&["lanes_lane_admitted_total"], &[]));
     let runtime = current_thread();
-    PANICS.store(true, Ordering::SeqCst);
+    breaking.switch(true);
     runtime.block_on(admit_past_a_panicking_recorder(&set));
-    PANICS.store(false, Ordering::SeqCst);
-    assert_eq!(PANICKED.load(Ordering::SeqCst), 3, "each admission's count panicked");
+    breaking.switch(false);
+    assert_eq!(breaking.panics(), 3, "each admission's count panicked");
     runs_at_full_width(&runtime, &set, "a", 1);
     assert_quiescent(&set);
-}
-
-/// Set while the gauges of [`panicking_gauges`] panic.
-static GAUGE_PANICS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-/// The panics of [`panicking_gauges`]' gauges.
-static GAUGE_PANICKED: AtomicUsize = AtomicUsize::new(0);
-
-/// A gauge that panics on every call while `GAUGE_PANICS` is set.
-struct PanickingGauge;
-
-impl PanickingGauge {
-    fn called(&self) {
-        if GAUGE_PANICS.load(Ordering::SeqCst) {
-            GAUGE_PANICKED.fetch_add(1, Ordering::SeqCst);
-            panic!("the gauge panics");
-        }
-    }
-}
-
-impl metrics::GaugeFn for PanickingGauge {
-    fn increment(&self, _value: f64) {
-        self.called();
-    }
-    fn decrement(&self, _value: f64) {
-        self.called();
-    }
-    fn set(&self, _value: f64) {
-        self.called();
-    }
-}
-
-/// A metrics recorder whose `lanes_lane_executing` and `lanes_lane_queued` gauges panic while
-/// `GAUGE_PANICS` is set.
-fn panicking_gauges() -> common::Named {
-    let gauge = || metrics::Gauge::from_arc(Arc::new(PanickingGauge));
-    let gauges = vec![("lanes_lane_executing", gauge()), ("lanes_lane_queued", gauge())];
-    common::Named { counters: vec![], gauges }
 }
 
 /// The same with the lane's gauges panicking on every call: the lane sets them under its lock
@@ -444,14 +387,16 @@ fn panicking_gauges() -> common::Named {
 /// slot.) Once the recorder stops panicking, the gauges read the lane again at its next move.
 #[test]
 fn a_gauge_that_panics_under_the_lanes_lock_loses_no_run() {
-    let set = one_slot_recording_to(&panicking_gauges());
+    let breaking = Breaking::default();
+    let gauges = ["lanes_lane_executing", "lanes_lane_queued"];
+    let set = one_slot_recording_to(&breaking.recorder(&[], &gauges));
     let runtime = current_thread();
-    GAUGE_PANICS.store(true, Ordering::SeqCst);
+    breaking.switch(true);
     runtime.block_on(admit_past_a_panicking_recorder(&set));
     runs_at_full_width(&runtime, &set, "a", 1);
-    GAUGE_PANICS.store(false, Ordering::SeqCst);
+    breaking.switch(false);
     // The admission into the free slot, the moves of `queued` and the slot freed at the end.
-    assert!(GAUGE_PANICKED.load(Ordering::SeqCst) >= 4, "the gauges panicked");
+    assert!(breaking.panics() >= 4, "the gauges panicked");
     assert_quiescent(&set);
 }
 

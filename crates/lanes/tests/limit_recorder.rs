@@ -9,14 +9,14 @@
 
 mod common;
 
-use common::Breaking;
-
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
 use lanes::{KeyedLimit, Limit, LimitSpec, Limits, Priority};
 use tokio::task::JoinHandle;
+
+use common::Breaking;
 
 /// A recorder whose limit counters and gauges of a permit's life (a limit's and a keyed
 /// limit's) all panic while `breaking` is switched on.
@@ -75,6 +75,12 @@ enum Way {
 }
 
 const WAYS: [Way; 3] = [Way::Handle, Way::Name, Way::Deadline];
+
+/// The limit's permit, held, and a task waiting for it in the line, asking `way`.
+async fn held_and_awaited(limits: &Limits, way: Way) -> (lanes::Permit, JoinHandle<()>) {
+    let holder = limits.limit("l").acquire().await.unwrap();
+    (holder, waiter(limits, way).await)
+}
 
 /// A task that waits for the limit's permit, asking `way`, once it is in the limit's line.
 async fn waiter(limits: &Limits, way: Way) -> JoinHandle<()> {
@@ -139,8 +145,7 @@ fn a_permit_dropped_as_the_recorder_panics_goes_back() {
 fn a_permit_handed_over_in_line_as_the_recorder_panics_goes_back() {
     for way in WAYS {
         with_breaking_recorder(|limits, breaking| async move {
-            let holder = limits.limit("l").acquire().await.unwrap();
-            let waiter = waiter(&limits, way).await;
+            let (holder, waiter) = held_and_awaited(&limits, way).await;
             breaking.switch(true);
             assert!(catch_unwind(AssertUnwindSafe(|| drop(holder))).is_err());
             assert!(within(waiter).await.unwrap_err().is_panic(), "the waiter's count panicked");
@@ -158,8 +163,7 @@ fn a_permit_handed_over_in_line_as_the_recorder_panics_goes_back() {
 fn a_wait_dropped_as_the_recorder_panics_leaves_the_line() {
     for way in WAYS {
         with_breaking_recorder(|limits, breaking| async move {
-            let holder = limits.limit("l").acquire().await.unwrap();
-            let waiter = waiter(&limits, way).await;
+            let (holder, waiter) = held_and_awaited(&limits, way).await;
             breaking.switch(true);
             waiter.abort();
             assert!(within(waiter).await.is_err(), "the wait was dropped");
