@@ -204,20 +204,31 @@ impl Writer {
         if taken.last {
             // The close's own steps, best effort: what earlier groups handed the sync thread
             // is answered, and the file is trimmed, synced and its state persisted.
-            let _ = call_contained(|| {
-                self.settle();
-                if self.file.trim().is_ok() {
-                    self.unsynced = true;
-                }
-                let _ = self.sync().and_then(|()| self.persist());
-            });
-            drop(self.lock.take());
-            if let Some(inner) = self.inner.upgrade() {
-                inner.finished.send_replace(true);
-            }
+            let _ = call_contained(|| self.close_files());
+            self.closed();
             if let Some(reply) = taken.close.take() {
                 let _ = reply.send(Err(SpillError::Failed(cause)));
             }
+        }
+    }
+
+    /// A close's work on the files: what was handed to the sync thread is answered, and the
+    /// active file is trimmed (a closed queue leaves its files exactly as long as their data;
+    /// a failed trim leaves reserved zeros, which recovery reads as unwritten), synced and its
+    /// state persisted. The sync's and the state write's result.
+    fn close_files(&mut self) -> std::io::Result<()> {
+        self.settle();
+        if self.file.trim().is_ok() {
+            self.unsynced = true;
+        }
+        self.sync().and_then(|()| self.persist())
+    }
+
+    /// The close is done: the directory's lock goes and `drained` resolves.
+    fn closed(&mut self) {
+        drop(self.lock.take());
+        if let Some(inner) = self.inner.upgrade() {
+            inner.finished.send_replace(true);
         }
     }
 
@@ -390,17 +401,8 @@ impl Writer {
                     Ok(())
                 }
                 Action::Close => {
-                    self.settle();
-                    // A closed queue leaves its files exactly as long as their data (a failed
-                    // trim leaves reserved zeros, which recovery reads as unwritten).
-                    if self.file.trim().is_ok() {
-                        self.unsynced = true;
-                    }
-                    let result = self.sync().and_then(|()| self.persist());
-                    drop(self.lock.take());
-                    if let Some(inner) = self.inner.upgrade() {
-                        inner.finished.send_replace(true);
-                    }
+                    let result = self.close_files();
+                    self.closed();
                     if let Some(reply) = taken.close.take() {
                         let _ = reply.send(result.map_err(SpillError::Io));
                     }
