@@ -327,7 +327,8 @@ async fn each_policy_loses_only_what_it_documents() {
 #[tokio::test]
 async fn a_failed_write_or_sync_is_sticky_and_loses_nothing_acknowledged() {
     // `Batch` syncs on its own thread behind the writer: a sync failed there is as sticky.
-    let cases = [Fault::FailAppendAfter(7), Fault::FailSync]
+    // A sync that panics (a careless `Storage`) fails the queue the same way.
+    let cases = [Fault::FailAppendAfter(7), Fault::FailSync, Fault::PanicSync]
         .into_iter()
         .flat_map(|fault| [(fault, SyncPolicy::Always), (fault, SyncPolicy::Batch)]);
     for (fault, policy) in cases {

@@ -365,6 +365,9 @@ pub enum Fault {
     FailAppendAfter(usize),
     /// The next sync fails.
     FailSync,
+    /// The next sync panics (a [`Storage`] written carelessly): the queue fails as if the sync
+    /// had failed.
+    PanicSync,
 }
 
 #[derive(Debug, Default)]
@@ -524,12 +527,18 @@ impl FileSync for MemSync {
     }
 }
 
-/// Makes a memory file's data durable, or fails with an armed [`Fault::FailSync`].
+/// Makes a memory file's data durable, or fails with an armed [`Fault::FailSync`] (panics
+/// with an armed [`Fault::PanicSync`]).
 fn mem_sync(state: &Mutex<MemState>, generation: u64, name: &str) -> io::Result<()> {
     let mut state = live(state, generation)?;
     if state.fault == Some(Fault::FailSync) {
         state.fault = None;
         return Err(io::Error::other("injected sync failure"));
+    }
+    if state.fault == Some(Fault::PanicSync) {
+        state.fault = None;
+        drop(state);
+        panic!("injected sync panic");
     }
     let file = state.files.get_mut(name).ok_or_else(|| missing(name))?;
     file.durable = file.data.clone();

@@ -673,8 +673,14 @@ fn sync_loop(shared: &SyncShared, inner: &std::sync::Weak<Inner>) {
         drop(state);
         let start = Instant::now();
         for (file, replies) in jobs.drain(..) {
+            // A sync that panics (a careless `Storage`) is a failed sync: unwound, it would end
+            // this thread with the job taken, and the writer would wait for it for good.
+            let synced = || {
+                call_contained(|| file.sync())
+                    .unwrap_or_else(|_| Err(std::io::Error::other("the storage's sync panicked")))
+            };
             if failure.is_none()
-                && let Err(err) = file.sync()
+                && let Err(err) = synced()
             {
                 failure = Some(fail(inner, &err.to_string()));
                 // Contained: unwound, a subscriber's panic would end this thread with the job
