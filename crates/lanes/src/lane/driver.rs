@@ -682,60 +682,64 @@ where
         run = t.info.run_id.get(),
         participation = ?t.info.participation,
     );
+    // Taken apart here, not in the block: the block keeps its captures for its whole life, and
+    // fields moved out of one there would take room twice.
+    let Callbacks { job, finalizer, cleanup } = callbacks;
     let run = async move {
-        let (job, finalizer, cleanup) = (callbacks.job, callbacks.finalizer, callbacks.cleanup);
         // The run this one gives its execution slot to, if it was parked (see `Next`).
         let mut next = Next::default();
         // Queue, start audit and execution; the execution slot goes back before anything else.
-        let (granted, since) = match t.start {
-            Start::Executing { slot } => (Ok((slot, None)), None),
-            Start::Queued { seq, deadline, since } => match t.signal().grant_state() {
-                // A parked run starts once granted: no wait to set up. One a shut cancelled
-                // between its grant and its start (`RunSignal::wake_driver`) starts all the
-                // same, as a run the shut found executing, and reads the cancellation there.
-                Decision::Granted(slot) => (Ok((slot, None)), since),
-                _ => (await_grant(&t, seq, deadline).await.map(|slot| (slot, None)), since),
-            },
-            // Boxed: most runs name no limit, and their state machine stays small.
-            Start::Limited { seq, deadline, since } => {
-                (Box::pin(await_permit(&t, seq, deadline)).await, since)
-            }
-        };
-        t.holds.set(match &granted {
-            Ok((slot, _)) => Holds::Slot(*slot),
-            Err(_) => Holds::Nothing,
-        });
-        if let (Ok(_), Some(since)) = (&granted, since) {
-            let waited = since.elapsed().as_secs_f64();
-            t.shared.lanes[t.info.lane].metrics.queue_wait.record(waited);
-        }
-        let executed = match granted {
-            Err(failed) => Err(failed),
-            Ok((slot, permit)) => {
-                tracing::debug!(slot, permit = permit.is_some(), "granted");
-                let executed = match t.audit(AuditKind::Started, &mut next).await {
-                    Err(err) => Err((Stage::Start, Reason::Audit, Some(err))),
-                    Ok(()) => execute(&t, job, permit).await,
-                };
-                // The run waits on its signal no more: its task's waker goes now, outside any
-                // lock, rather than with the signal (which the lane may keep for a later run).
-                t.signal().forget_driver();
-                // Before the release: should anything unwind out of it after the slot went to
-                // the next run, the ticket's drop must not give it back again.
-                t.holds.set(Holds::Nothing);
-                next = t.shared.release_execution(t.info.lane, slot, Some(t.signal().home()));
-                match &executed {
-                    Ok(_) => tracing::debug!("job ended"),
-                    Err((stage, reason, _)) => {
-                        tracing::debug!(
-                            stage = stage.as_str(),
-                            reason = reason.as_str(),
-                            "job failed"
-                        );
+        // The grant's answer lives in a block of its own, which ends before the awaits that
+        // follow: a local taken apart keeps its room until its scope ends.
+        let executed = 'executed: {
+            let (slot, permit) = {
+                let (granted, since) = match t.start {
+                    Start::Executing { slot } => (Ok((slot, None)), None),
+                    Start::Queued { seq, deadline, since } => match t.signal().grant_state() {
+                        // A parked run starts once granted: no wait to set up. One a shut
+                        // cancelled between its grant and its start (`RunSignal::wake_driver`)
+                        // starts all the same, as a run the shut found executing, and reads the
+                        // cancellation there.
+                        Decision::Granted(slot) => (Ok((slot, None)), since),
+                        _ => (await_grant(&t, seq, deadline).await.map(|slot| (slot, None)), since),
+                    },
+                    // Boxed: most runs name no limit, and their state machine stays small.
+                    Start::Limited { seq, deadline, since } => {
+                        (Box::pin(await_permit(&t, seq, deadline)).await, since)
                     }
+                };
+                t.holds.set(match &granted {
+                    Ok((slot, _)) => Holds::Slot(*slot),
+                    Err(_) => Holds::Nothing,
+                });
+                if let (Ok(_), Some(since)) = (&granted, since) {
+                    let waited = since.elapsed().as_secs_f64();
+                    t.shared.lanes[t.info.lane].metrics.queue_wait.record(waited);
                 }
-                executed
+                match granted {
+                    Ok(granted) => granted,
+                    Err(failed) => break 'executed Err(failed),
+                }
+            };
+            tracing::debug!(slot, permit = permit.is_some(), "granted");
+            let executed = match t.audit(AuditKind::Started, &mut next).await {
+                Err(err) => Err((Stage::Start, Reason::Audit, Some(err))),
+                Ok(()) => execute(&t, job, permit).await,
+            };
+            // The run waits on its signal no more: its task's waker goes now, outside any
+            // lock, rather than with the signal (which the lane may keep for a later run).
+            t.signal().forget_driver();
+            // Before the release: should anything unwind out of it after the slot went to
+            // the next run, the ticket's drop must not give it back again.
+            t.holds.set(Holds::Nothing);
+            next = t.shared.release_execution(t.info.lane, slot, Some(t.signal().home()));
+            match &executed {
+                Ok(_) => tracing::debug!("job ended"),
+                Err((stage, reason, _)) => {
+                    tracing::debug!(stage = stage.as_str(), reason = reason.as_str(), "job failed");
+                }
             }
+            executed
         };
 
         // Terminal audit, before the finalizer. A run whose start audit failed gets none.
