@@ -933,7 +933,7 @@ async fn await_permit(
     t: &Ticket,
     seq: u64,
     deadline: Option<Instant>,
-) -> Result<(usize, Option<Permit>), Failed> {
+) -> Result<(usize, Option<Box<Permit>>), Failed> {
     enum Woke {
         Permit(Result<Permit, crate::limit::LimitError>),
         Shut(Shut),
@@ -982,8 +982,9 @@ async fn await_permit(
                 ready
             };
             return match ready {
-                Some(Admitted::Executing { slot, .. }) => Ok((slot, Some(permit))),
+                Some(Admitted::Executing { slot, .. }) => Ok((slot, Some(Box::new(permit)))),
                 Some(Admitted::Queued { seq }) => {
+                    let permit = Box::new(permit);
                     await_grant(t, seq, deadline).await.map(|slot| (slot, Some(permit)))
                 }
                 Some(Admitted::Limited { .. }) => unreachable!("a ready run is not limited"),
@@ -1020,7 +1021,14 @@ async fn await_permit(
 
 /// Runs the job until it ends, or until it is cancelled and then ends within the drain timeout.
 /// A job that outlives the drain timeout poisons the set and is dropped.
-async fn execute<J: Job>(t: &Ticket, job: J, permit: Option<Permit>) -> Result<J::Output, Failed> {
+///
+/// The permit is boxed: most runs name no limit, and a permit inline (40 bytes) took its room
+/// twice in every run's drive, in the drive and in this future (BENCHMARKS.md, suite 2).
+async fn execute<J: Job>(
+    t: &Ticket,
+    job: J,
+    permit: Option<Box<Permit>>,
+) -> Result<J::Output, Failed> {
     let panicked = || {
         let cause = Box::new(PanicError::new(Stage::Execution)) as BoxError;
         Err((Stage::Execution, Reason::Panic, Some(cause)))
