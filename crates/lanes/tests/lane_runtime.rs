@@ -692,3 +692,48 @@ fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes_on_its_handle
 fn queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes_after_it_is_forgotten() {
     queued_runs_of_a_runtime_that_is_gone_end_when_their_slot_comes(true);
 }
+
+/// Notes, as it is dropped, how many of lane `a`'s runs had failed canceled.
+struct Probe {
+    set: LaneSet,
+    seen: Arc<Mutex<Option<u64>>>,
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        let canceled = self.set.snapshot().lanes[0].failed.canceled;
+        *self.seen.lock().unwrap() = Some(canceled);
+    }
+}
+
+/// A run dropped with its runtime lets go of its job before it is counted over: whatever the
+/// job holds is gone by the time the run's end can be seen (a drive drops its callbacks before
+/// the ticket that ends the run, driver invariant 3).
+#[test]
+fn a_run_dropped_with_its_runtime_drops_its_job_before_it_ends() {
+    let set = common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap();
+    let second = current_thread();
+    // The slot, held by a run of another runtime, which stays.
+    let holder = {
+        let _entered = second.enter();
+        set.run("a", forever()).unwrap()
+    };
+    let seen = Arc::new(Mutex::new(None));
+    let first = current_thread();
+    first.block_on(async {
+        let probe = Probe { set: set.clone(), seen: seen.clone() };
+        let job = move |_cx: RunContext| {
+            let _probe = &probe;
+            async { Ok::<u32, BoxError>(1) }
+        };
+        // A deadline: it waits for its slot in a task of its own, which the runtime drops.
+        set.spawn("a", Run::new(job).queue_timeout(Duration::from_secs(3600))).unwrap();
+        tokio::task::yield_now().await;
+    });
+    drop(first);
+    assert_eq!(*seen.lock().unwrap(), Some(0), "the job went before its run was counted over");
+    let lane = &set.snapshot().lanes[0];
+    assert_eq!((lane.failed.canceled, lane.owned), (1, 1), "{lane:?}");
+    drop((holder, second));
+    assert_quiescent(&set);
+}

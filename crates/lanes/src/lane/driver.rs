@@ -686,6 +686,9 @@ where
     // fields moved out of one there would take room twice.
     let Callbacks { job, finalizer, cleanup } = callbacks;
     let run = async move {
+        // Mentioned first, so captured first: a drive dropped before its run ends (invariant 3)
+        // drops them before its ticket, whose drop ends the run, as when it took them apart.
+        let _ = (&job, &finalizer, &cleanup);
         // The run this one gives its execution slot to, if it was parked (see `Next`).
         let mut next = Next::default();
         // Queue, start audit and execution; the execution slot goes back before anything else.
