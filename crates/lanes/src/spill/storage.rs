@@ -360,13 +360,14 @@ struct MemFile {
 
 /// A fault to inject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Fault {
     /// The next append fails after writing this many of its bytes.
     FailAppendAfter(usize),
     /// The next sync fails.
     FailSync,
-    /// The next sync panics (a [`Storage`] written carelessly): the queue fails as if the sync
-    /// had failed.
+    /// The next sync panics (a [`Storage`] written carelessly): armed on an open queue, the
+    /// queue fails as if the sync had failed.
     PanicSync,
 }
 
@@ -383,7 +384,8 @@ struct MemState {
 
 /// Files in memory, with crash simulation: every file remembers what a sync made durable, and
 /// [`crash`](MemStorage::crash) keeps only that plus an arbitrary prefix of what came after
-/// (a write cut at any byte). Faults can fail an append part-way or fail a sync.
+/// (a write cut at any byte). Faults can fail an append part-way, fail a sync or make one
+/// panic.
 ///
 /// Directory operations (create, rename, remove) are durable at once, as after a directory
 /// sync, which the queue always does right after them.
