@@ -4,14 +4,17 @@
 //!
 //! A recorder that panics is not contained here (a lane's calls are: `lane::metrics`): the
 //! uncontended acquire would pay about 17 instructions for it (BENCHMARKS.md, suite 2's stop-66
-//! note). The panic reaches the caller instead, with nothing lost: a permit is made (or, on the
-//! fast path, a guard that holds its slot) before it is counted granted (a panic then unwinds
-//! through its drop, which gives it back), given back
-//! before it is counted off `held`, and a wait leaves the limit's line before it is counted
-//! off `waiters`; while a panic unwinds, a drop's call is contained ([`count_off`]: a second
-//! panic escaping a drop would abort). The one call made between a table's grant and its
-//! permit, a count of leases that expired, is contained. `tests/limit_recorder.rs` holds the
-//! cases.
+//! note). The panic reaches the caller instead, with nothing lost:
+//! - a permit is made (on the fast path, a guard holding its slot) before it is counted
+//!   granted, so a panic unwinds through something that gives it back;
+//! - a permit is given back before it is counted off `held`, and a wait leaves the limit's
+//!   line before it is counted off `waiters`;
+//! - while a panic unwinds, a drop's call is contained ([`count_off`]): a second panic escaping
+//!   a drop would abort;
+//! - the one call made between a table's grant and its permit, a count of leases that
+//!   expired, is contained.
+//!
+//! `tests/limit_recorder.rs` holds the cases.
 
 use metrics::{Counter, Gauge, Histogram};
 
