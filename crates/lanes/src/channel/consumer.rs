@@ -16,7 +16,7 @@ use super::codec::{Codec, Envelope};
 use super::config::{ConsumerLimit, ConsumerOptions, FailurePolicy, PermitPer};
 use super::core::Due;
 use super::error::SettleError;
-use super::handle::{ChannelShared, Entry, State, Took};
+use super::handle::{ChannelShared, State, Took};
 use super::receipt::{ReceiptState, Settlement};
 use crate::limit::{LimitError, OnRefusal, Permit};
 use crate::spill::DurableQueue;
@@ -26,6 +26,9 @@ use crate::{BoxError, BoxFuture};
 /// The most records `recv` takes under one lock: a block of large records
 /// ([`BLOCK`](super::buffer::BLOCK)), so that a read of a busy channel takes one whole.
 const PREFETCH: usize = super::buffer::BLOCK;
+
+/// Receipts of records taken together, each with its record's place among them.
+type Placed = Vec<(usize, Arc<ReceiptState>)>;
 
 /// How a consumer's batches are formed and settled; shared with its batches.
 pub(crate) struct Plan<T> {
@@ -96,7 +99,16 @@ pub struct Consumer<T> {
     /// The next pause after a refusal of the limit; `None` until one happens.
     next_backoff: Option<Duration>,
     /// Records `recv` took and has not handed out yet, in order (the first at the front).
-    local: VecDeque<Entry<T>>,
+    local: VecDeque<T>,
+    /// The receipts of records in `local`, in order, each with its record's number: the
+    /// records ever moved into `local` before it (the front record's is `local_end -
+    /// local.len()`). Kept apart, as the channel keeps them ([`core::Entry`]), so that a record
+    /// without one moves and reads as the bare record.
+    ///
+    /// [`core::Entry`]: super::core::Entry
+    local_receipts: VecDeque<(u64, Arc<ReceiptState>)>,
+    /// Records ever moved into `local`.
+    local_end: u64,
     /// The wakers of producers a take handed slots to (kept: no allocation per hand-off).
     wakers: Vec<Waker>,
     /// The waker last registered for the next record (while the channel's `recv_armed`
@@ -119,6 +131,8 @@ impl<T: Send + 'static> Consumer<T> {
             backoff: None,
             next_backoff: None,
             local: VecDeque::new(),
+            local_receipts: VecDeque::new(),
+            local_end: 0,
             wakers: Vec::new(),
             armed: None,
             armed_read: false,
@@ -181,55 +195,79 @@ impl<T: Send + 'static> Consumer<T> {
         let n = limit.min(self.local.len());
         // Handed out together: each receipt settles, then they count processed at once (as a
         // batch's settlement does), so that `drained` never sees them counted and unsettled.
-        buffer.reserve(n);
-        for entry in self.local.drain(..n) {
-            if let Some(receipt) = &entry.receipt {
-                settle_read(&self.shared, receipt);
+        if !self.local_receipts.is_empty() {
+            let end = self.local_end - (self.local.len() - n) as u64;
+            while let Some((_, receipt)) =
+                self.local_receipts.pop_front_if(|(number, _)| *number < end)
+            {
+                settle_read(&self.shared, &receipt);
             }
-            buffer.push(entry.record);
         }
+        buffer.extend(self.local.drain(..n));
         self.shared.count_read(n as u64);
         n
     }
 
-    /// Counts a record `recv` hands out (its receipt is `receipt`): the receipt settles, then
-    /// the record counts as processed. Given only the receipt, the entry taken apart where it
-    /// was popped: a large record moved whole into a call and out again was copied four times
-    /// on its way out (callgrind, 256-byte records), a small one went through memory.
-    #[inline]
-    fn count_handed(&self, receipt: Option<Arc<ReceiptState>>) {
-        match &receipt {
-            None => self.shared.count_read(1),
-            Some(receipt) => read_with_receipt(&self.shared, receipt),
+    /// Counts the record `recv` just took from the front of `local`: its receipt, if it has
+    /// one, settles, then the record counts as processed.
+    #[inline(always)]
+    fn count_handed(&mut self) {
+        if self.local_receipts.is_empty() {
+            self.shared.count_read(1);
+        } else {
+            self.count_handed_with_receipts();
         }
     }
 
-    /// Records `recv` took and did not hand out, in order.
-    fn take_back_local(&mut self) -> Vec<Entry<T>> {
-        Vec::from(std::mem::take(&mut self.local))
+    /// [`count_handed`](Self::count_handed) while some record in `local` has a receipt: out of
+    /// line, off the path of records without one.
+    #[cold]
+    #[inline(never)]
+    fn count_handed_with_receipts(&mut self) {
+        let number = self.local_end - self.local.len() as u64 - 1;
+        match self.local_receipts.pop_front_if(|(at, _)| *at == number) {
+            Some((_, receipt)) => read_with_receipt(&self.shared, &receipt),
+            None => self.shared.count_read(1),
+        }
+    }
+
+    /// Records `recv` took and did not hand out, in order, with their receipts, each at its
+    /// record's place.
+    fn take_back_local(&mut self) -> (Vec<T>, Placed) {
+        let front = self.local_end - self.local.len() as u64;
+        let receipts = self
+            .local_receipts
+            .drain(..)
+            .map(|(number, receipt)| ((number - front) as usize, receipt))
+            .collect();
+        (Vec::from(std::mem::take(&mut self.local)), receipts)
     }
 
     /// Polls for the next batch.
     pub fn poll_next_batch(&mut self, cx: &mut Context<'_>) -> Poll<Option<Batch<T>>> {
         let (max, flush) = (self.plan.batch_max, self.plan.batch_flush);
-        let mut taken = self.take_back_local();
-        if taken.len() > max {
-            let rest = taken.split_off(max);
+        let (mut records, mut placed) = self.take_back_local();
+        if records.len() > max {
+            // The rest goes back, with its receipts, under the numbers it had.
+            let rest = records.split_off(max);
+            let front = self.local_end - rest.len() as u64;
+            let kept = placed.partition_point(|(at, _)| *at < max);
+            self.local_receipts
+                .extend(placed.drain(kept..).map(|(at, r)| (front + (at - max) as u64, r)));
             self.local = VecDeque::from(rest);
         }
-        if taken.is_empty() && ready!(self.poll_take(cx, max, flush, Some(&mut taken))).is_none() {
+        if records.is_empty()
+            && ready!(self.poll_take(cx, max, flush, Some((&mut records, &mut placed)))).is_none()
+        {
             return Poll::Ready(None);
         }
-        let mut records = Vec::with_capacity(taken.len());
         let mut receipts = Vec::new();
-        for (i, entry) in taken.into_iter().enumerate() {
-            if let Some(receipt) = entry.receipt {
-                receipts.resize(i, None);
-                receipts.push(Some(receipt));
+        if !placed.is_empty() {
+            receipts.resize(records.len(), None);
+            for (at, receipt) in placed {
+                receipts[at] = Some(receipt);
             }
-            records.push(entry.record);
         }
-        receipts.resize(if receipts.is_empty() { 0 } else { records.len() }, None);
         Poll::Ready(Some(Batch {
             records,
             receipts,
@@ -270,7 +308,7 @@ impl<T: Send + 'static> Consumer<T> {
         cx: &mut Context<'_>,
         max: usize,
         flush: Duration,
-        mut out: Option<&mut Vec<Entry<T>>>,
+        mut out: Option<(&mut Vec<T>, &mut Placed)>,
     ) -> Poll<Option<()>> {
         // A plain read (into the read-ahead, taking what is there, with no permits to take
         // first) is handed the next record when it waits ([`Core::await_read`]).
@@ -362,9 +400,26 @@ impl<T: Send + 'static> Consumer<T> {
                     self.permits.truncate(n);
                 }
             }
-            let took = match out.as_deref_mut() {
-                Some(out) => self.shared.take(&mut st, n, out, &mut self.wakers),
-                None => self.shared.take(&mut st, n, &mut self.local, &mut self.wakers),
+            let took = match out.as_mut() {
+                Some((out, placed)) => {
+                    let at = out.len();
+                    let mut receipts = |i, receipt| placed.push((at + i, receipt));
+                    self.shared.take(&mut st, n, *out, &mut receipts, &mut self.wakers)
+                }
+                None => {
+                    let (end, local_receipts) = (self.local_end, &mut self.local_receipts);
+                    let mut receipts =
+                        |i, receipt| local_receipts.push_back((end + i as u64, receipt));
+                    let took = self.shared.take(
+                        &mut st,
+                        n,
+                        &mut self.local,
+                        &mut receipts,
+                        &mut self.wakers,
+                    );
+                    self.local_end += took.records as u64;
+                    took
+                }
             };
             if st.core.len() == 0 && !st.core.is_closed() {
                 // Emptied it: wait for the next record now, under this lock, so that the next
@@ -444,10 +499,10 @@ impl<T: Send + 'static> Future for Recv<'_, T> {
             }
             consumer.permits.clear();
         }
-        let Some(Entry { record, receipt }) = consumer.local.pop_front() else {
+        let Some(record) = consumer.local.pop_front() else {
             return Poll::Ready(None);
         };
-        consumer.count_handed(receipt);
+        consumer.count_handed();
         Poll::Ready(Some(record))
     }
 }
@@ -477,9 +532,12 @@ impl<T> Drop for Consumer<T> {
             handed
         };
         let was_handed = handed.is_some();
-        self.local.extend(handed);
-        for entry in self.local.drain(..) {
-            entry.settle(Settlement::Dropped);
+        for (_, receipt) in self.local_receipts.drain(..) {
+            receipt.settle(Settlement::Dropped);
+        }
+        self.local.clear();
+        if let Some(handed) = handed {
+            handed.settle(Settlement::Dropped);
         }
         self.shared.close_with(true);
         if was_handed {

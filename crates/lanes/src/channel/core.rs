@@ -17,6 +17,10 @@
 //! 5. A record handed to the consumer's waiting read ([`Core::await_read`]) never occupies
 //!    the buffer: it is counted emitted and delivered at once, and the next take returns it
 //!    first. The read waits only while nothing is queued, so this keeps the order of 3.
+//! 6. A record's receipt leaves with it, whichever way it leaves (a take, a drop, a
+//!    discarding close, a take of the handed record), and only then. The buffer holds the
+//!    records alone; the receipts of the queued records sit beside it by queue sequence
+//!    (`receipts`), so that a record without one costs the buffer no room (see [`Entry`]).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -56,6 +60,42 @@ pub(crate) struct Counters {
     pub(crate) abandoned: u64,
     pub(crate) late_settlements: u64,
     pub(crate) limit_errors: u64,
+}
+
+/// A record with its receipt, if its producer asked for one (the shell's receipt state; any
+/// `R` in the tests), as the core takes it in and gives it back.
+///
+/// The core keeps the two apart: the buffer holds the records, and the receipts of queued
+/// records wait beside it by queue sequence (the consumer's read-ahead does the same). A
+/// receipt word beside every record doubled a `u64` record's room, in the buffer and in the
+/// read-ahead, for a feature most records do not use: a channel of 1,024 `u64`s now holds
+/// 8 KB of records rather than 16 KB, and a record costs fewer instructions (cachegrind,
+/// `fixed channel 1024`: 149 → 144 a `u64` record; BENCHMARKS.md, suite 3, stop 68).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Entry<T, R> {
+    pub(crate) record: T,
+    pub(crate) receipt: Option<R>,
+}
+
+/// What makes an [`Entry`] where the core queues it: its receipt first, then its record, made
+/// straight into its slot (see [`Core::queue`]). An entry already made is one.
+pub(crate) trait MakeEntry<T, R> {
+    /// The receipt, if any.
+    fn receipt(&mut self) -> Option<R>;
+    /// The record.
+    fn record(self) -> T;
+}
+
+impl<T, R> MakeEntry<T, R> for Entry<T, R> {
+    #[inline(always)]
+    fn receipt(&mut self) -> Option<R> {
+        self.receipt.take()
+    }
+
+    #[inline(always)]
+    fn record(self) -> T {
+        self.record
+    }
 }
 
 /// Whether the registry's shared budget has room for one more record, as the handle found it
@@ -101,10 +141,13 @@ pub(crate) enum Due {
     At(Instant),
 }
 
-/// The buffer, its counters, and the rules.
+/// The buffer, its counters, and the rules, for records `T` with receipts `R`.
 #[derive(Debug)]
-pub(crate) struct Core<T> {
+pub(crate) struct Core<T, R> {
     buf: Buffer<T>,
+    /// The receipts of queued records, `(sequence, receipt)`, in queue order: a record's
+    /// sequence is `head_seq` plus its place in the buffer.
+    receipts: VecDeque<(u64, R)>,
     capacity: usize,
     overflow: OverflowKind,
     /// Records ever removed from the front (taken or dropped as oldest).
@@ -124,14 +167,15 @@ pub(crate) struct Core<T> {
     reader: bool,
     /// A record handed to the waiting read, not taken yet: counted delivered, outside the
     /// buffer and its capacity.
-    handed: Option<T>,
+    handed: Option<Entry<T, R>>,
     pub(crate) counters: Counters,
 }
 
-impl<T> Core<T> {
+impl<T, R> Core<T, R> {
     pub(crate) fn new(capacity: usize, overflow: OverflowKind) -> Self {
         Self {
             buf: Buffer::new(),
+            receipts: VecDeque::new(),
             capacity,
             overflow,
             head_seq: 0,
@@ -168,7 +212,7 @@ impl<T> Core<T> {
 
     /// The record handed to the consumer's read and not taken, if any (a consumer that goes
     /// away counts it abandoned).
-    pub(crate) fn take_handed(&mut self) -> Option<T> {
+    pub(crate) fn take_handed(&mut self) -> Option<Entry<T, R>> {
         self.handed.take()
     }
 
@@ -200,7 +244,7 @@ impl<T> Core<T> {
         self.closed
     }
 
-    /// Offers `record`; `held` says its producer was handed a slot (which this uses up).
+    /// Offers `entry`; `held` says its producer was handed a slot (which this uses up).
     /// `budget` is the shared budget's answer, asked only when the record has room in the
     /// channel (pass [`Room::Free`] otherwise); `now` is read only if the record needs a
     /// timestamp.
@@ -212,24 +256,24 @@ impl<T> Core<T> {
     #[inline(always)]
     pub(crate) fn offer(
         &mut self,
-        record: T,
+        entry: Entry<T, R>,
         budget: Room,
         held: bool,
         now: impl FnOnce() -> Instant,
-    ) -> Offer<T> {
+    ) -> Offer<Entry<T, R>> {
         if held {
             self.unreserve();
         }
         if self.closed {
-            return Offer::Closed(record);
+            return Offer::Closed(entry);
         }
         let channel_full = !self.has_room();
         if !channel_full && budget == Room::Free {
             self.counters.emitted += 1;
-            self.enqueue(|| record, now);
+            self.enqueue(entry, now);
             return Offer::Queued;
         }
-        self.overflow(record, channel_full, now)
+        self.overflow(entry, channel_full, now)
     }
 
     /// The fast path of [`offer`](Self::offer) for a producer holding no handed-off slot when
@@ -237,11 +281,15 @@ impl<T> Core<T> {
     /// back untouched (nothing counted) for `offer` to decide.
     // On every record's path (see `Emit::poll`).
     #[inline(always)]
-    pub(crate) fn try_queue(&mut self, record: T, now: impl FnOnce() -> Instant) -> Result<(), T> {
+    pub(crate) fn try_queue(
+        &mut self,
+        entry: Entry<T, R>,
+        now: impl FnOnce() -> Instant,
+    ) -> Result<(), Entry<T, R>> {
         if !self.can_queue() {
-            return Err(record);
+            return Err(entry);
         }
-        self.queue(|| record, now);
+        self.queue(entry, now);
         Ok(())
     }
 
@@ -253,42 +301,52 @@ impl<T> Core<T> {
     }
 
     /// [`try_queue`](Self::try_queue) once [`can_queue`](Self::can_queue) said yes, of the
-    /// record `record` makes: the caller's record moves straight into the buffer, rather than
+    /// entry `entry` makes: the caller's record moves straight into the buffer, rather than
     /// through a refusal's value.
     #[inline(always)]
-    pub(crate) fn queue(&mut self, record: impl FnOnce() -> T, now: impl FnOnce() -> Instant) {
+    pub(crate) fn queue(&mut self, entry: impl MakeEntry<T, R>, now: impl FnOnce() -> Instant) {
         debug_assert!(self.can_queue());
         self.counters.emitted += 1;
-        self.enqueue(record, now);
+        self.enqueue(entry, now);
     }
 
     /// The overflow rule, for a record that did not fit (the channel or the budget full).
     #[inline(always)]
     fn overflow(
         &mut self,
-        record: T,
+        entry: Entry<T, R>,
         channel_full: bool,
         now: impl FnOnce() -> Instant,
-    ) -> Offer<T> {
+    ) -> Offer<Entry<T, R>> {
         match self.overflow {
-            OverflowKind::Block => Offer::Full { record, budget: !channel_full },
+            OverflowKind::Block => Offer::Full { record: entry, budget: !channel_full },
             OverflowKind::DropNewest => {
                 self.counters.emitted += 1;
                 self.counters.dropped += 1;
-                Offer::DroppedNewest(record)
+                Offer::DroppedNewest(entry)
             }
             OverflowKind::DropOldest => {
                 self.counters.emitted += 1;
                 self.counters.dropped += 1;
                 let Some(oldest) = self.buf.pop_front() else {
                     // Nothing of its own to drop: the budget is full of other channels'.
-                    return Offer::DroppedNewest(record);
+                    return Offer::DroppedNewest(entry);
                 };
+                let receipt = self.receipt_of_head();
                 self.advance(1);
-                self.enqueue(|| record, now);
-                Offer::DroppedOldest(oldest)
+                self.enqueue(entry, now);
+                Offer::DroppedOldest(Entry { record: oldest, receipt })
             }
-            OverflowKind::Spill => Offer::Spill(record),
+            OverflowKind::Spill => Offer::Spill(entry),
+        }
+    }
+
+    /// The receipt of the record at the head (before `advance` moves past it), if it has one.
+    #[inline(always)]
+    fn receipt_of_head(&mut self) -> Option<R> {
+        match self.receipts.front() {
+            Some(&(seq, _)) if seq == self.head_seq => self.receipts.pop_front().map(|(_, r)| r),
+            _ => None,
         }
     }
 
@@ -306,23 +364,56 @@ impl<T> Core<T> {
     /// Removes up to `n` records from the front into `out`, a record handed to the read
     /// first (counted delivered already); returns how many: `n`, or all there are if fewer,
     /// but a read-ahead of large records may take fewer (at most a block:
-    /// [`Buffer::take_into`]). The consumer no longer waits.
-    pub(crate) fn take(&mut self, n: usize, out: &mut impl Take<T>) -> usize {
+    /// [`Buffer::take_into`]). The taken records' receipts go to `receipts`, in order, each
+    /// with its record's place among those taken (`0` for the first). The consumer no longer
+    /// waits.
+    pub(crate) fn take(
+        &mut self,
+        n: usize,
+        out: &mut impl Take<T>,
+        receipts: &mut impl FnMut(usize, R),
+    ) -> usize {
         self.reader = false;
         let handed = if n > 0 { self.handed.take() } else { None };
         let at = out.held();
+        let first = self.head_seq;
         // The queued records first, so that a whole ring or block into an empty read-ahead
         // is still swapped; then the handed record goes in ahead of them (at the front of a
         // read-ahead, where it costs nothing).
         let queued = self.buf.take_into(n - usize::from(handed.is_some()), out);
         self.advance(queued);
         self.counters.delivered += queued as u64;
-        match handed {
-            Some(record) => {
-                out.put_at(at, record);
-                queued + 1
-            }
-            None => queued,
+        let Some(Entry { record, receipt }) = handed else {
+            self.take_receipts(first, queued, 0, receipts);
+            return queued;
+        };
+        out.put_at(at, record);
+        if let Some(receipt) = receipt {
+            receipts(0, receipt);
+        }
+        self.take_receipts(first, queued, 1, receipts);
+        queued + 1
+    }
+
+    /// Gives `receipts` the receipts of the `queued` records from sequence `first` on, each
+    /// with its place among the records taken (`shift` records went before them).
+    #[inline(always)]
+    fn take_receipts(
+        &mut self,
+        first: u64,
+        queued: usize,
+        shift: usize,
+        receipts: &mut impl FnMut(usize, R),
+    ) {
+        if self.receipts.is_empty() {
+            return;
+        }
+        let end = first + queued as u64;
+        while let Some(&(seq, _)) = self.receipts.front()
+            && seq < end
+        {
+            let (seq, receipt) = self.receipts.pop_front().expect("looked at");
+            receipts(shift + (seq - first) as usize, receipt);
         }
     }
 
@@ -346,20 +437,21 @@ impl<T> Core<T> {
         self.handed.is_some()
     }
 
-    /// Closes the channel; with `discard`, drops what is queued (counted) and returns it.
-    /// A record handed to the read stays there: it was delivered.
-    pub(crate) fn close(&mut self, discard: bool) -> Vec<T> {
+    /// Closes the channel; with `discard`, drops what is queued (counted) and returns it,
+    /// with the dropped records' receipts. A record handed to the read stays there: it was
+    /// delivered.
+    pub(crate) fn close(&mut self, discard: bool) -> (Vec<T>, Vec<R>) {
         self.closed = true;
         self.reserved = 0;
         self.reader = false;
         if !discard {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         let n = self.buf.len();
         self.counters.dropped += n as u64;
         let dropped = self.buf.drain_all();
         self.advance(n);
-        dropped
+        (dropped, self.receipts.drain(..).map(|(_, receipt)| receipt).collect())
     }
 
     /// When the oldest queued record was enqueued (at most `STAMP_EVERY` records early).
@@ -399,20 +491,22 @@ impl<T> Core<T> {
         if now >= deadline { Due::Now(self.buf.len().min(max)) } else { Due::At(deadline) }
     }
 
-    /// Queues the record `record` makes, or hands it to the waiting read (counted emitted by
-    /// the caller). Made only where it goes in, after the clock is read: made before, a large
-    /// record was copied through the stack once more (cachegrind, 256-byte records at capacity
-    /// 64: 545 → 513 instructions a record).
+    /// Queues the record `entry` makes (its receipt beside the buffer), or hands the entry to
+    /// the waiting read (counted emitted by the caller). The record is made only where it goes
+    /// in, after the clock is read: made before, a large record was copied through the stack
+    /// once more (cachegrind, 256-byte records at capacity 64: 545 → 513 instructions a
+    /// record), and so was one made with its receipt and taken out of the entry (402 → 464).
     // On every record's path (see `Emit::poll`).
     #[inline(always)]
-    fn enqueue(&mut self, record: impl FnOnce() -> T, now: impl FnOnce() -> Instant) {
+    fn enqueue(&mut self, mut entry: impl MakeEntry<T, R>, now: impl FnOnce() -> Instant) {
         let seq = self.head_seq + self.buf.len() as u64;
+        let receipt = entry.receipt();
         if self.buf.is_empty() {
             // A read waits only while nothing is queued: tested here, off the path of a
             // record that joins others.
             if self.reader {
                 self.reader = false;
-                self.handed = Some(record());
+                self.handed = Some(Entry { record: entry.record(), receipt });
                 self.counters.delivered += 1;
                 return;
             }
@@ -423,7 +517,10 @@ impl<T> Core<T> {
         } else if seq.is_multiple_of(STAMP_EVERY) {
             self.stamps.push_back((seq, now()));
         }
-        self.buf.push_back_with(record);
+        self.buf.push_back_with(|| entry.record());
+        if let Some(receipt) = receipt {
+            self.receipts.push_back((seq, receipt));
+        }
     }
 
     #[inline(always)]
@@ -478,6 +575,32 @@ mod tests {
 
     fn ids<R: Rec>(records: impl IntoIterator<Item = R>) -> Vec<u64> {
         records.into_iter().map(|r| r.id()).collect()
+    }
+
+    /// Whether the model's record `id` is offered with a receipt (its id, in the tests): about
+    /// two records in three, so that runs with and without receipts mix.
+    fn receipted(id: u64) -> bool {
+        id % 3 != 1
+    }
+
+    /// The entry of the model's record `id`.
+    fn entry<R: Rec>(id: u64) -> Entry<R, u64> {
+        Entry { record: R::new(id), receipt: receipted(id).then_some(id) }
+    }
+
+    /// Whether `entry` is the model's record `id` with its own receipt.
+    fn is_entry<R: Rec>(entry: &Entry<R, u64>, id: u64) -> bool {
+        entry.record.id() == id && entry.receipt == receipted(id).then_some(id)
+    }
+
+    /// A record with no receipt, for the tests that do not look at receipts.
+    fn plain<T>(record: T) -> Entry<T, ()> {
+        Entry { record, receipt: None }
+    }
+
+    /// A sink for the receipts of a take, for the tests that offer none.
+    fn no_receipts() -> impl FnMut(usize, ()) {
+        |_, ()| unreachable!("no record has a receipt")
     }
 
     #[derive(Debug, Clone)]
@@ -611,7 +734,7 @@ mod tests {
         {
             let start = Instant::now();
             let mut now = start;
-            let mut core = Core::<R>::new(capacity, overflow);
+            let mut core = Core::<R, u64>::new(capacity, overflow);
             // (id, queue sequence); the stamp log mirrors the core's sampling of enqueue times.
             let mut model: VecDeque<(u64, u64)> = VecDeque::new();
             let (mut seq, mut stamps) = (0u64, Vec::<(u64, Instant)>::new());
@@ -643,7 +766,7 @@ mod tests {
                         next += 1;
                         let budget = if budget_room { Room::Free } else { Room::Full };
                         let asked = if held || core.has_room() { budget } else { Room::Free };
-                        let answer = core.offer(R::new(id), asked, held, || now);
+                        let answer = core.offer(entry(id), asked, held, || now);
                         if held {
                             reserved -= 1;
                         }
@@ -655,7 +778,7 @@ mod tests {
                             );
                         }
                         match answer {
-                            Offer::Closed(r) => prop_assert!(closed && r.id() == id),
+                            Offer::Closed(r) => prop_assert!(closed && is_entry(&r, id)),
                             _ if closed => prop_assert!(false, "offered to a closed channel"),
                             Offer::Queued => {
                                 prop_assert!(!full);
@@ -663,12 +786,14 @@ mod tests {
                             }
                             Offer::Full { record, budget } => {
                                 prop_assert!(
-                                    full && overflow == OverflowKind::Block && record.id() == id
+                                    full && overflow == OverflowKind::Block
+                                        && is_entry(&record, id)
                                 );
                                 prop_assert_eq!(budget, model.len() + reserved < capacity);
                             }
                             Offer::DroppedNewest(r) => {
-                                let r = r.id();
+                                prop_assert!(is_entry(&r, id));
+                                let r = r.record.id();
                                 prop_assert!(full && r == id);
                                 prop_assert!(
                                     overflow == OverflowKind::DropNewest
@@ -678,16 +803,17 @@ mod tests {
                                 dropped.push(r);
                             }
                             Offer::DroppedOldest(r) => {
-                                let r = r.id();
                                 prop_assert!(full && overflow == OverflowKind::DropOldest);
                                 let (oldest, _) = model.pop_front().unwrap();
-                                prop_assert_eq!(r, oldest);
+                                // The oldest leaves with its own receipt.
+                                prop_assert!(is_entry(&r, oldest));
+                                let r = r.record.id();
                                 dropped.push(r);
                                 enqueue(&mut model, &mut seq, &mut stamps, &mut read, id, now);
                             }
                             Offer::Spill(r) => {
                                 prop_assert!(
-                                    full && overflow == OverflowKind::Spill && r.id() == id
+                                    full && overflow == OverflowKind::Spill && is_entry(&r, id)
                                 );
                                 // The spill write may fail: then nothing is counted.
                                 if spill_ok {
@@ -701,11 +827,11 @@ mod tests {
                         for _ in 0..times {
                             let id = next;
                             next += 1;
-                            let answer = core.try_queue(R::new(id), || now).map_err(|r| r.id());
+                            let answer = core.try_queue(entry(id), || now);
                             // Refused exactly when closed or every slot is taken or handed off: a
                             // producer on the fast path never takes a slot handed to another.
                             if closed || model.len() + reserved >= capacity {
-                                prop_assert_eq!(answer, Err(id));
+                                prop_assert!(answer.is_err_and(|e| is_entry(&e, id)));
                             } else {
                                 prop_assert_eq!(answer, Ok(()));
                                 enqueue(&mut model, &mut seq, &mut stamps, &mut read, id, now);
@@ -717,16 +843,26 @@ mod tests {
                         // What a read-ahead's take will find, as the consumer asks before it
                         // takes permits for it.
                         let run = core.read_run(n.min(core.ready()));
+                        let mut receipts = Vec::new();
+                        let mut sink = |at, receipt| receipts.push((at, receipt));
                         let got = if ahead {
                             // One read-ahead kept across takes, as the consumer keeps its own:
                             // the core may inherit its allocation through a swap.
-                            let got = core.take(n, &mut read_ahead);
+                            let got = core.take(n, &mut read_ahead, &mut sink);
                             out.extend(read_ahead.drain(..));
                             got
                         } else {
-                            core.take(n, &mut out)
+                            core.take(n, &mut out, &mut sink)
                         };
                         let out = ids(out);
+                        // Each taken record's receipt, at its place, in order, and no other.
+                        let want_receipts: Vec<(usize, u64)> = out
+                            .iter()
+                            .enumerate()
+                            .filter(|&(_, &id)| receipted(id))
+                            .map(|(at, &id)| (at, id))
+                            .collect();
+                        prop_assert_eq!(receipts, want_receipts);
                         // The record handed to the read comes first.
                         let mut want: Vec<u64> = Vec::new();
                         if n > 0 {
@@ -753,10 +889,14 @@ mod tests {
                         taken.extend(out);
                     }
                     Op::Close { discard } => {
-                        let out = ids(core.close(discard));
+                        let (out, receipts) = core.close(discard);
+                        let out = ids(out);
                         if discard {
                             let want: Vec<u64> = model.drain(..).map(|(id, _)| id).collect();
                             prop_assert_eq!(&out, &want);
+                            let want: Vec<u64> =
+                                want.into_iter().filter(|&id| receipted(id)).collect();
+                            prop_assert_eq!(receipts, want);
                             dropped.extend(out);
                         } else {
                             prop_assert!(out.is_empty());
@@ -798,8 +938,11 @@ mod tests {
                         read.waits = waits && model.is_empty() && read.handed.is_none() && !closed;
                     }
                     Op::TakeHanded => {
-                        let handed = core.take_handed().map(|r| r.id());
-                        prop_assert_eq!(handed, read.handed.take());
+                        let handed = core.take_handed();
+                        let want = read.handed.take();
+                        prop_assert_eq!(handed.as_ref().map(|e| e.record.id()), want);
+                        prop_assert!(handed.as_ref().is_none_or(|e| is_entry(e, e.record.id())));
+                        let handed = handed.map(|e| e.record.id());
                         taken.extend(handed);
                     }
                 }
@@ -815,6 +958,11 @@ mod tests {
                 prop_assert_eq!(core.reader, read.waits);
                 prop_assert_eq!(c.dropped, dropped.len() as u64);
                 prop_assert_eq!(c.spilled, spilled);
+                // The queued records' receipts, and no other, wait beside the buffer.
+                let waiting: Vec<u64> = core.receipts.iter().map(|&(_, id)| id).collect();
+                let want: Vec<u64> =
+                    model.iter().map(|&(id, _)| id).filter(|&id| receipted(id)).collect();
+                prop_assert_eq!(waiting, want);
             }
             // FIFO: taken records come out in the order they were offered.
             prop_assert!(taken.windows(2).all(|w| w[0] < w[1]));
@@ -828,13 +976,13 @@ mod tests {
         let mut core = Core::new(1000, OverflowKind::Block);
         for i in 0..300u64 {
             let at = t0 + Duration::from_millis(i);
-            assert_eq!(core.offer(i, Room::Free, false, || at), Offer::Queued);
+            assert_eq!(core.offer(plain(i), Room::Free, false, || at), Offer::Queued);
         }
         let mut out = Vec::new();
-        core.take(140, &mut out);
+        core.take(140, &mut out, &mut no_receipts());
         // The head is record 140; the stamp at or before it is record 128's.
         assert_eq!(core.oldest_enqueued(), Some(t0 + Duration::from_millis(128)));
-        core.take(160, &mut out);
+        core.take(160, &mut out, &mut no_receipts());
         assert_eq!(core.oldest_enqueued(), None);
     }
 
@@ -843,7 +991,7 @@ mod tests {
         let mut core = Core::new(300, OverflowKind::Block);
         let mut reads = 0;
         for i in 0..256u64 {
-            core.offer(i, Room::Free, false, || {
+            core.offer(plain(i), Room::Free, false, || {
                 reads += 1;
                 Instant::now()
             });
@@ -856,22 +1004,22 @@ mod tests {
         let mut core = Core::new(8, OverflowKind::Block);
         let t0 = Instant::now();
         for i in 0..6 {
-            assert!(core.try_queue(i, || t0).is_ok());
+            assert!(core.try_queue(plain(i), || t0).is_ok());
         }
         let mut ahead = VecDeque::new();
         // Part of the buffer: copied.
-        assert_eq!(core.take(2, &mut ahead), 2);
+        assert_eq!(core.take(2, &mut ahead, &mut no_receipts()), 2);
         // The rest into a non-empty read-ahead: copied after what it holds.
-        assert_eq!(core.take(8, &mut ahead), 4);
+        assert_eq!(core.take(8, &mut ahead, &mut no_receipts()), 4);
         assert_eq!(ahead.drain(..).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
         // All of it into an empty read-ahead: swapped, and the channel goes on after it.
         for i in 6..9 {
-            assert!(core.try_queue(i, || t0).is_ok());
+            assert!(core.try_queue(plain(i), || t0).is_ok());
         }
-        assert_eq!(core.take(64, &mut ahead), 3);
+        assert_eq!(core.take(64, &mut ahead, &mut no_receipts()), 3);
         assert_eq!(core.len(), 0);
-        assert!(core.try_queue(9, || t0).is_ok());
-        assert_eq!(core.take(64, &mut ahead), 1);
+        assert!(core.try_queue(plain(9), || t0).is_ok());
+        assert_eq!(core.take(64, &mut ahead, &mut no_receipts()), 1);
         assert_eq!(ahead.into_iter().collect::<Vec<_>>(), vec![6, 7, 8, 9]);
         assert_eq!(core.counters.delivered, 10);
         assert_eq!(core.oldest_enqueued(), None);
@@ -881,9 +1029,9 @@ mod tests {
         let t0 = Instant::now();
         let mut core = Core::new(64, OverflowKind::Block);
         let mut next = 0u64;
-        let mut fill = |core: &mut Core<u64>, n: usize| {
+        let mut fill = |core: &mut Core<u64, ()>, n: usize| {
             for _ in 0..n {
-                assert!(core.try_queue(next, || t0).is_ok());
+                assert!(core.try_queue(plain(next), || t0).is_ok());
                 next += 1;
             }
         };
@@ -893,15 +1041,15 @@ mod tests {
             let room = 64 - core.len();
             fill(&mut core, room);
             let mut ahead = VecDeque::new();
-            assert_eq!(core.take(BULK + round, &mut ahead), BULK + round);
+            assert_eq!(core.take(BULK + round, &mut ahead, &mut no_receipts()), BULK + round);
             taken.extend(ahead);
             fill(&mut core, 7);
             let mut batch = Vec::new();
-            assert_eq!(core.take(BULK + 3, &mut batch), BULK + 3);
+            assert_eq!(core.take(BULK + 3, &mut batch, &mut no_receipts()), BULK + 3);
             taken.extend(batch);
         }
         let mut rest = Vec::new();
-        core.take(64, &mut rest);
+        core.take(64, &mut rest, &mut no_receipts());
         taken.extend(rest);
         assert_eq!(taken, (0..next).collect::<Vec<_>>());
         assert_eq!(core.counters.delivered, next);

@@ -13,18 +13,16 @@ use tokio::time::Instant;
 use super::buffer::Take;
 use super::channels::ChannelsInner;
 use super::config::{ChannelConfig, OverflowKind};
-use super::core::{Core, Offer, Room};
+use super::core::{Core, MakeEntry, Offer, Room};
 use super::receipt::{ReceiptState, Settlement};
 use super::snapshot::ChannelSnapshot;
 use crate::util::{
     Contained, Padded, SpinGuard, SpinLock, WaitKey, WaitList, keep_waker, lock, spin_lock,
 };
 
-/// A queued record and, if its producer asked for one, its receipt.
-pub(crate) struct Entry<T> {
-    pub(crate) record: T,
-    pub(crate) receipt: Option<Arc<ReceiptState>>,
-}
+/// A record and, if its producer asked for one, its receipt (the core keeps them apart once
+/// the record is queued: [`core::Entry`](super::core::Entry)).
+pub(crate) type Entry<T> = super::core::Entry<T, Arc<ReceiptState>>;
 
 impl<T> Entry<T> {
     pub(crate) fn settle(&self, outcome: Settlement) -> bool {
@@ -178,7 +176,7 @@ pub(crate) const METRICS_STEP: u64 = 32;
 
 /// What the channel's lock guards: the pure core and the wakers of the shell.
 pub(crate) struct State<T> {
-    pub(crate) core: Core<Entry<T>>,
+    pub(crate) core: Core<T, Arc<ReceiptState>>,
     pub(crate) consumer_taken: bool,
     recv_waker: Option<Waker>,
     recv_want: usize,
@@ -630,7 +628,10 @@ impl<T> ChannelShared<T> {
     /// [`block`](Self::block)), and the caller keeps its record.
     // On every record's path (see `Emit::poll`).
     #[inline(always)]
-    pub(crate) fn try_queue(&self, entry: impl FnOnce() -> Entry<T>) -> Result<(), Refused<'_, T>> {
+    pub(crate) fn try_queue(
+        &self,
+        entry: impl MakeEntry<T, Arc<ReceiptState>>,
+    ) -> Result<(), Refused<'_, T>> {
         if self.budget.is_some() {
             return Err(Refused::Unlocked);
         }
@@ -798,18 +799,19 @@ impl<T> ChannelShared<T> {
         }
     }
 
-    /// Removes up to `n` records from the front, for the consumer ([`Core::take`]; returns how
-    /// many, with the emits the metric lags by), and hands the freed slots to the first
-    /// waiting producers, collecting their wakers in `wakers` (the consumer's own, reused: no
-    /// allocation per hand-off).
+    /// Removes up to `n` records from the front, for the consumer ([`Core::take`]: their
+    /// receipts go to `receipts`; returns how many, with the emits the metric lags by), and
+    /// hands the freed slots to the first waiting producers, collecting their wakers in
+    /// `wakers` (the consumer's own, reused: no allocation per hand-off).
     pub(crate) fn take(
         &self,
         st: &mut State<T>,
         n: usize,
-        out: &mut impl Take<Entry<T>>,
+        out: &mut impl Take<T>,
+        receipts: &mut impl FnMut(usize, Arc<ReceiptState>),
         wakers: &mut Vec<Waker>,
     ) -> Took {
-        let taken = st.core.take(n, out);
+        let taken = st.core.take(n, out, receipts);
         if !st.senders.is_empty() {
             st.hand_off(wakers);
         }
@@ -836,7 +838,7 @@ impl<T> ChannelShared<T> {
     /// Closes the channel: producers get `Closed`; the consumer drains what is queued (unless
     /// the channel discards on close, or `discard` is set because the consumer went away).
     pub(crate) fn close_with(&self, discard: bool) {
-        let (dropped, wakers, consumer, was_closed, emitted) = {
+        let ((dropped, receipts), wakers, consumer, was_closed, emitted) = {
             let mut st = spin_lock(&self.state);
             let was_closed = st.core.is_closed();
             let dropped = st.core.close(discard || self.config.discard_on_close);
@@ -854,10 +856,10 @@ impl<T> ChannelShared<T> {
             budget.release(dropped.len());
             budget.wake_everyone();
         }
-        for entry in &dropped {
-            entry.settle(Settlement::Dropped);
+        for receipt in &receipts {
+            receipt.settle(Settlement::Dropped);
         }
-        drop(dropped);
+        drop((dropped, receipts));
         wake_all(wakers);
         if let Some(consumer) = consumer {
             consumer.wake();

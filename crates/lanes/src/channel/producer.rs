@@ -10,6 +10,7 @@ use std::task::{Context, Poll};
 
 use super::config::{ChannelConfig, ConsumerOptions, Emitted, Overflow};
 use super::consumer::Consumer;
+use super::core::MakeEntry;
 use super::error::{ChannelError, EmitError};
 use super::handle::{ChannelShared, Entry, Pushed, Refused, Waiter};
 use super::receipt::{Receipt, ReceiptState, Settlement};
@@ -370,7 +371,7 @@ impl<T: Send + 'static, const RECEIPT: bool> Future for Emit<'_, T, RECEIPT> {
             if !shared.blocks() {
                 shared.push_now_outlined(this.first_entry())
             } else {
-                match shared.try_queue(|| this.first_entry()) {
+                match shared.try_queue(FirstEntry(this)) {
                     Ok(()) => return Poll::Ready(Ok(Emitted::Queued)),
                     Err(Refused::Locked(st)) => {
                         let mut waiter = Waiter::default();
@@ -466,6 +467,24 @@ impl<'a, T: Send + 'static, const RECEIPT: bool> Emit<'a, T, RECEIPT> {
             *self.slow = Slow::Spilling(spill);
         }
         written.map(|written| written.map(|()| Emitted::Spilled))
+    }
+}
+
+/// An emit's entry on its first poll, made where the channel queues it: the record moves from
+/// the future straight into its slot ([`MakeEntry`]).
+struct FirstEntry<'e, 'a, T, const RECEIPT: bool>(&'e mut Emit<'a, T, RECEIPT>);
+
+impl<T: Send + 'static, const RECEIPT: bool> MakeEntry<T, Arc<ReceiptState>>
+    for FirstEntry<'_, '_, T, RECEIPT>
+{
+    #[inline(always)]
+    fn receipt(&mut self) -> Option<Arc<ReceiptState>> {
+        self.0.take_receipt()
+    }
+
+    #[inline(always)]
+    fn record(self) -> T {
+        self.0.record.take().expect("an emit's first poll has its record")
     }
 }
 
