@@ -2057,7 +2057,8 @@ enum ReceiptStep {
     Recv,
     /// One poll of `recv_many` of up to this many.
     RecvMany(usize),
-    /// One poll of `next_batch`; the batch is acked (0), failed (1) or dropped (2).
+    /// One poll of `next_batch`; the batch is acked (0), failed (1), dropped (2), or settled
+    /// record by record, the records of odd ids failed (3).
     Batch(u8),
 }
 
@@ -2067,37 +2068,12 @@ fn receipt_step() -> impl proptest::strategy::Strategy<Value = ReceiptStep> {
         8 => any::<bool>().prop_map(ReceiptStep::Emit),
         4 => Just(ReceiptStep::Recv),
         1 => (1usize..40).prop_map(ReceiptStep::RecvMany),
-        2 => (0u8..3).prop_map(ReceiptStep::Batch),
+        3 => (0u8..4).prop_map(ReceiptStep::Batch),
     ]
 }
 
-/// A record the test knows by its id; `Wide` is large enough that the channel keeps it in
-/// blocks (a different take path from small records').
-trait Numbered: Send + Sync + std::fmt::Debug + 'static {
-    fn numbered(id: u64) -> Self;
-    fn id(&self) -> u64;
-}
-
-impl Numbered for u64 {
-    fn numbered(id: u64) -> Self {
-        id
-    }
-    fn id(&self) -> u64 {
-        *self
-    }
-}
-
-impl Numbered for [u64; 12] {
-    fn numbered(id: u64) -> Self {
-        [id; 12]
-    }
-    fn id(&self) -> u64 {
-        self[0]
-    }
-}
-
 /// Polls `future` once: its output if it is ready (a read that is not waits, registered, and
-/// is dropped: every read is cancel safe).
+/// is dropped; so is an emit that waits for room: every read and emit is cancel safe).
 fn poll_once<F: std::future::Future>(future: F) -> Option<F::Output> {
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     match std::pin::pin!(future).poll(&mut cx) {
@@ -2106,68 +2082,88 @@ fn poll_once<F: std::future::Future>(future: F) -> Option<F::Output> {
     }
 }
 
-/// Runs `steps` through a drop-oldest channel of `capacity` and checks that every receipt
-/// settled as its own record ended, as the consumer saw it: processed if a read handed it out
-/// or its batch was acked, failed if its batch failed, dropped if its batch was dropped or the
-/// consumer never saw it (dropped as the oldest, or abandoned by the consumer's drop at the
-/// end, or by the close). The channel keeps receipts apart from the records, by position, so a
-/// receipt that slipped by one record would settle another record's way.
-fn check_receipts<R: Numbered>(
+/// Runs `steps` through a channel of `capacity` under `DropOldest` or `Block`
+/// and checks that every receipt settled as its own record ended, as the consumer saw it:
+/// processed if a read handed it out or its batch settled it processed, failed if its batch
+/// failed it, dropped if its batch was dropped or the consumer never saw it (dropped as the
+/// oldest, or abandoned or dropped by the consumer's drop at the end). The channel keeps
+/// receipts apart from the records, by position, so a receipt that slipped by one record
+/// would settle another record's way. An emit that finds a `Block` channel full is dropped
+/// (it emitted nothing, and has no receipt).
+fn check_receipts<R: Rec>(
     capacity: usize,
+    drop_oldest: bool,
     batch_max: usize,
     steps: &[ReceiptStep],
     drop_consumer: bool,
 ) {
-    let channel =
-        Channel::<R>::new(ChannelConfig::new(capacity).overflow(Overflow::DropOldest)).unwrap();
+    let overflow = if drop_oldest { Overflow::DropOldest } else { Overflow::Block };
+    let channel = Channel::<R>::new(ChannelConfig::new(capacity).overflow(overflow)).unwrap();
     let options = ConsumerOptions::new().batch_max(batch_max).batch_flush(Duration::ZERO);
     let mut consumer = channel.consumer(options).unwrap();
     let (mut receipts, mut seen) = (Vec::new(), std::collections::HashMap::new());
-    let mut next = 0u64;
+    let mut see = |id: u64, settlement: Settlement| {
+        assert!(seen.insert(id, settlement).is_none(), "record {id} seen twice");
+    };
+    let (mut next, mut emitted) = (0u64, 0u64);
     for step in steps {
         match *step {
             ReceiptStep::Emit(with_receipt) => {
-                let record = R::numbered(next);
-                if with_receipt {
-                    let receipt = poll_once(channel.emit_with_receipt(record)).unwrap().unwrap();
-                    receipts.push((next, receipt));
+                let record = R::of(next);
+                let done = if with_receipt {
+                    poll_once(channel.emit_with_receipt(record)).map(|receipt| {
+                        receipts.push((next, receipt.unwrap()));
+                    })
                 } else {
-                    poll_once(channel.emit(record)).unwrap().unwrap();
-                }
+                    poll_once(channel.emit(record)).map(|emitted| {
+                        emitted.unwrap();
+                    })
+                };
+                emitted += u64::from(done.is_some());
                 next += 1;
             }
             ReceiptStep::Recv => {
                 if let Some(Some(record)) = poll_once(consumer.recv()) {
-                    seen.insert(record.id(), Settlement::Processed);
+                    see(record.id(), Settlement::Processed);
                 }
             }
             ReceiptStep::RecvMany(limit) => {
                 let mut out = Vec::new();
                 if poll_once(consumer.recv_many(&mut out, limit)).is_some() {
                     for record in &out {
-                        seen.insert(record.id(), Settlement::Processed);
+                        see(record.id(), Settlement::Processed);
                     }
                 }
             }
             ReceiptStep::Batch(how) => {
                 let Some(Some(batch)) = poll_once(consumer.next_batch()) else { continue };
-                let ids: Vec<u64> = batch.iter().map(Numbered::id).collect();
-                let settlement = match how {
-                    0 => {
-                        poll_once(batch.ack()).unwrap().unwrap();
-                        Settlement::Processed
-                    }
-                    1 => {
-                        poll_once(batch.fail_all("no")).unwrap().unwrap();
-                        Settlement::Failed
+                let ids: Vec<u64> = batch.iter().map(Rec::id).collect();
+                let settlement = |id: u64| match how {
+                    0 => Settlement::Processed,
+                    1 => Settlement::Failed,
+                    2 => Settlement::Dropped,
+                    _ if id % 2 == 1 => Settlement::Failed,
+                    _ => Settlement::Processed,
+                };
+                let failed = match how {
+                    0 => poll_once(batch.ack()).unwrap().unwrap().failed,
+                    1 => poll_once(batch.fail_all("no")).unwrap().unwrap().failed,
+                    2 => {
+                        drop(batch);
+                        0
                     }
                     _ => {
-                        drop(batch);
-                        Settlement::Dropped
+                        let outcomes: Vec<Result<(), lanes::BoxError>> = ids
+                            .iter()
+                            .map(|&id| if id % 2 == 1 { Err("odd".into()) } else { Ok(()) })
+                            .collect();
+                        poll_once(batch.settle(outcomes)).unwrap().unwrap().failed
                     }
                 };
+                let want = ids.iter().filter(|&&id| settlement(id) == Settlement::Failed).count();
+                assert_eq!(failed, want);
                 for id in ids {
-                    seen.insert(id, settlement);
+                    see(id, settlement(id));
                 }
             }
         }
@@ -2178,38 +2174,38 @@ fn check_receipts<R: Numbered>(
     } else {
         channel.close();
         while let Some(Some(record)) = poll_once(consumer.recv()) {
-            seen.insert(record.id(), Settlement::Processed);
+            see(record.id(), Settlement::Processed);
         }
     }
     for (id, receipt) in &receipts {
         let expected = seen.get(id).copied().unwrap_or(Settlement::Dropped);
         assert_eq!(receipt.settlement(), Some(expected), "record {id}'s receipt");
     }
-    // Every record the consumer saw, it saw once.
-    assert!(seen.len() as u64 <= next);
     let snapshot = channel.snapshot();
-    assert_eq!(snapshot.emitted, next);
+    assert_eq!(snapshot.emitted, emitted);
     assert_eq!(snapshot.emitted, snapshot.delivered + snapshot.dropped + snapshot.depth as u64);
 }
 
 proptest::proptest! {
     /// Records with and without receipts, mixed at random, through every way a consumer
-    /// reads (a read-ahead, a read handed the next record, `recv_many`, batches acked, failed
-    /// and dropped, and a batch's rest put back), every way a record is dropped (as the
-    /// oldest, by the consumer's drop), for small records and large ones: each receipt settles
-    /// as its own record ended.
+    /// reads (a read-ahead, a read handed the next record, `recv_many`, batches acked, failed,
+    /// dropped and settled record by record, and a batch's rest put back), every way a record
+    /// is dropped (as the oldest, by the consumer's drop), with emits that wait for room and
+    /// are dropped, for small records and large ones: each receipt settles as its own record
+    /// ended.
     #[test]
     fn receipts_follow_their_records(
         capacity in proptest::prop_oneof![1usize..4, 60usize..70, 120usize..140],
+        drop_oldest in proptest::prelude::any::<bool>(),
         batch_max in 1usize..80,
         steps in proptest::collection::vec(receipt_step(), 1..400),
         drop_consumer in proptest::prelude::any::<bool>(),
         wide in proptest::prelude::any::<bool>(),
     ) {
         if wide {
-            check_receipts::<[u64; 12]>(capacity, batch_max, &steps, drop_consumer);
+            check_receipts::<Wide>(capacity, drop_oldest, batch_max, &steps, drop_consumer);
         } else {
-            check_receipts::<u64>(capacity, batch_max, &steps, drop_consumer);
+            check_receipts::<u64>(capacity, drop_oldest, batch_max, &steps, drop_consumer);
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Where a channel's queued records sit, and how a take moves them out.
 //!
-//! Small records (with their entry's receipt, at most [`BLOCK_MIN_BYTES`]) sit in one ring. A
+//! Small records (at most [`BLOCK_MIN_BYTES`]) sit in one ring. A
 //! read of a whole ring into an empty read-ahead swaps it; many at once move in bulk.
 //!
 //! Large records sit in blocks of up to [`BLOCK`], the back one taking new records, so that a read
@@ -22,12 +22,13 @@
 
 use std::collections::VecDeque;
 
-/// Records of more than this many bytes (with their entry's receipt) are kept in blocks, and
-/// only records of at most this many move in bulk: a large record's move is a block copy
-/// either way, and the bulk path would copy it twice and ask the allocator for a large block
-/// (with 256-byte records on two threads it read 0.8–0.97× the one-by-one move, in paired
-/// rounds).
-pub(crate) const BLOCK_MIN_BYTES: usize = 64;
+/// Records of more than this many bytes are kept in blocks, and only records of at most this
+/// many move in bulk: a large record's move is a block copy either way, and the bulk path
+/// would copy it twice and ask the allocator for a large block (with 256-byte records on two
+/// threads it read 0.8–0.97× the one-by-one move, in paired rounds). The split was measured
+/// when every record carried its receipt's 8-byte word (64 bytes with it); the receipts now
+/// sit beside the records ([`Entry`](super::core::Entry)), and the split stays where it was.
+pub(crate) const BLOCK_MIN_BYTES: usize = 56;
 
 /// Records per block of large records: the consumer's read-ahead, so that a read of a busy
 /// channel takes a block whole.
@@ -196,8 +197,8 @@ impl<T> Buffer<T> {
     /// Queues the record `record` makes at the back. A large record is made once its slot is
     /// free (`extend` grows the ring first, then writes what the iterator yields in place), so
     /// that it goes from where `record` reads it straight into the slot: `push_back(record())`
-    /// copied it to the stack first, to keep it across the grow's call. A small one (64 bytes or
-    /// less with its receipt) is pushed: the out-of-line `extend` cost a `u64` record 17%.
+    /// copied it to the stack first, to keep it across the grow's call. A small one (at most
+    /// [`BLOCK_MIN_BYTES`]) is pushed: the out-of-line `extend` cost a `u64` record 17%.
     #[inline(always)]
     pub(crate) fn push_back_with(&mut self, record: impl FnOnce() -> T) {
         if blocked::<T>() {
