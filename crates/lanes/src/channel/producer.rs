@@ -418,8 +418,14 @@ impl<'a, T: Send + 'static, const RECEIPT: bool> Emit<'a, T, RECEIPT> {
     /// The record's entry, on the first poll (`record` is still there).
     #[inline(always)]
     fn first_entry(&mut self) -> Entry<T> {
-        let record = self.record.take().expect("an emit's first poll has its record");
+        let record = self.first_record();
         Entry { record, receipt: self.take_receipt() }
+    }
+
+    /// The record, on the first poll.
+    #[inline(always)]
+    fn first_record(&mut self) -> T {
+        self.record.take().expect("an emit's first poll has its record")
     }
 
     /// The receipt of an emit with one (`RECEIPT`), on its first poll.
@@ -484,7 +490,7 @@ impl<T: Send + 'static, const RECEIPT: bool> MakeEntry<T, Arc<ReceiptState>>
 
     #[inline(always)]
     fn record(self) -> T {
-        self.0.record.take().expect("an emit's first poll has its record")
+        self.0.first_record()
     }
 }
 
