@@ -504,7 +504,9 @@ pub(crate) async fn snapshot(State(app): State<Arc<App>>) -> Result<Response, Ap
     security(("bearer" = [])))]
 pub(crate) async fn metrics(State(app): State<Arc<App>>) -> Response {
     use std::fmt::Write;
-    metrics::gauge!("lanes_server_clients").set(app.sessions().clients() as f64);
+    // Read first: the sessions' lock is let go before the recorder (user code) is called.
+    let clients = app.sessions().clients();
+    metrics::gauge!("lanes_server_clients").set(clients as f64);
     let mut body = app.prometheus.render();
     if let Ok(infos) = app.backend.list().await {
         type Field = fn(&lanes::LimitInfo) -> f64;

@@ -385,6 +385,9 @@ impl<T: Send + 'static> Consumer<T> {
             // lock: if a dropped oldest record shortens the front block meanwhile, the surplus
             // is released below, and a rate limit's tokens for it are spent.)
             let mut n = if out.is_none() { st.core.read_run(len) } else { len };
+            // Permits beyond what this take uses, released after the lock: a permit's release
+            // runs its limit's metrics (user code, which may call into this channel).
+            let mut surplus = Vec::new();
             if let Some(limit) = &self.plan.limit {
                 if self.permits.is_empty() {
                     drop(st);
@@ -397,7 +400,9 @@ impl<T: Send + 'static> Consumer<T> {
                 }
                 if limit.per == PermitPer::Record {
                     n = n.min(self.permits.len());
-                    self.permits.truncate(n);
+                    if self.permits.len() > n {
+                        surplus = self.permits.split_off(n);
+                    }
                 }
             }
             let took = match out.as_mut() {
@@ -428,6 +433,7 @@ impl<T: Send + 'static> Consumer<T> {
                 arm(&self.shared, &mut self.armed, &mut st, cx.waker(), read);
             }
             drop(st);
+            drop(surplus);
             self.shared.after_take(took, &mut self.wakers);
             return Poll::Ready(Some(()));
         }

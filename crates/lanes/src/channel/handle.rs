@@ -432,13 +432,18 @@ impl<T> ChannelShared<T> {
         if st.core.is_closed() {
             return Pushed::Closed(entry);
         }
-        if !waiter.counted {
+        let first_wait = !waiter.counted;
+        if first_wait {
             waiter.counted = true;
             st.core.blocked();
-            self.metrics.blocked_waits.increment(1);
         }
         waiter.key = Some(st.senders.push(waker));
         waiter.on = WaitOn::Channel;
+        // The recorder is user code: called out of the lock, it may call into this channel.
+        drop(st);
+        if first_wait {
+            self.metrics.blocked_waits.increment(1);
+        }
         Pushed::Full(entry)
     }
 
@@ -515,9 +520,28 @@ impl<T> ChannelShared<T> {
     /// [`push`](Self::push), under the lock its caller took.
     fn push_locked(
         &self,
+        st: SpinGuard<'_, State<T>>,
+        entry: Entry<T>,
+        wait: Option<(&mut Waiter, &Waker)>,
+    ) -> Pushed<T> {
+        let mut first_wait = false;
+        let pushed = self.push_under(st, entry, wait, &mut first_wait);
+        // Counted out of the lock, which `push_under` gave up: the recorder is user code, and
+        // may call into this channel.
+        if first_wait {
+            self.metrics.blocked_waits.increment(1);
+        }
+        pushed
+    }
+
+    /// [`push_locked`](Self::push_locked)'s rule, under the lock `st` (dropped on return);
+    /// sets `first_wait` if a producer began to wait, for the count its caller makes.
+    fn push_under(
+        &self,
         mut st: SpinGuard<'_, State<T>>,
         mut entry: Entry<T>,
         mut wait: Option<(&mut Waiter, &Waker)>,
+        first_wait: &mut bool,
     ) -> Pushed<T> {
         loop {
             let (mut held_slot, mut held_unit) = (false, false);
@@ -578,7 +602,7 @@ impl<T> ChannelShared<T> {
                     if !waiter.counted {
                         waiter.counted = true;
                         st.core.blocked();
-                        self.metrics.blocked_waits.increment(1);
+                        *first_wait = true;
                     }
                     if !budget_full {
                         // The channel is full: a unit it was handed goes back (to the next

@@ -84,8 +84,12 @@ impl ReceiptState {
             .state
             .compare_exchange(PENDING, outcome.code(), Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
-        if won && let Some(waker) = lock(&self.waker).take() {
-            waker.wake();
+        if won {
+            // Taken in a statement of its own, so that the lock is let go before the wake.
+            let waker = lock(&self.waker).take();
+            if let Some(waker) = waker {
+                waker.wake();
+            }
         }
         won
     }

@@ -718,6 +718,33 @@ enum Waited {
     Late,
 }
 
+/// What making a key did to its shard's keys, counted in the metrics after the shard's lock:
+/// every call into the recorder is made without it, as the recorder is user code, which may
+/// call into this limit.
+#[derive(Default)]
+struct KeysMoved {
+    /// Idle keys the shard forgot first.
+    forgotten: usize,
+    /// The key was kept.
+    made: bool,
+    /// The key was refused (the shard at its cap).
+    refused: bool,
+}
+
+impl KeysMoved {
+    fn count(self, metrics: &KeyedMetrics) {
+        if self.forgotten > 0 {
+            metrics.keys.decrement(self.forgotten as f64);
+        }
+        if self.made {
+            metrics.keys.increment(1.0);
+        }
+        if self.refused {
+            metrics.refused.increment(1);
+        }
+    }
+}
+
 impl<K> Shared<K> {
     fn now(&self) -> u64 {
         u64::try_from(Instant::now().saturating_duration_since(self.origin).as_nanos())
@@ -758,25 +785,34 @@ impl<K: Hash + Eq> Shared<K> {
             debug_assert!(false, "a key with a permit held or a caller in line is kept");
             return;
         };
-        if let Some(at) = leaving {
-            counts.waiting -= 1;
-            self.metrics.waiters.decrement(1.0);
-            if state.more.as_mut().is_some_and(|more| more.line.remove(at)) {
-                state.tidy(&mut counts.stamps);
-                return;
+        let (mut left, mut next, mut freed) = (false, None, false);
+        'release: {
+            if let Some(at) = leaving {
+                counts.waiting -= 1;
+                left = true;
+                if state.more.as_mut().is_some_and(|more| more.line.remove(at)) {
+                    state.tidy(&mut counts.stamps);
+                    break 'release;
+                }
+            }
+            next = state.release();
+            state.tidy(&mut counts.stamps);
+            if next.is_none() {
+                counts.held -= 1;
+                freed = true;
             }
         }
-        let next = state.release();
-        state.tidy(&mut counts.stamps);
-        match next {
-            Some(next) => {
-                drop(guard);
-                next.wake();
-            }
-            None => {
-                counts.held -= 1;
-                self.metrics.held.decrement(1.0);
-            }
+        // The counts after the lock: the recorder is user code, which may call into this
+        // limit (its shard's lock is not reentrant).
+        drop(guard);
+        if left {
+            self.metrics.waiters.decrement(1.0);
+        }
+        if freed {
+            self.metrics.held.decrement(1.0);
+        }
+        if let Some(next) = next {
+            next.wake();
         }
     }
 
@@ -799,21 +835,26 @@ impl<K: Hash + Eq> Shared<K> {
             return Ok(None);
         }
         // Refused without spending: dropping the permit (after the lock) returns it.
-        if deadline.is_some_and(|at| self.at(due) > at) {
+        let answer = if deadline.is_some_and(|at| self.at(due) > at) {
             counts.timed_out += 1;
-            self.metrics.timed_out.increment(1);
-            return Err(Waited::Late);
-        }
-        if state.waiting() >= self.max_waiters {
+            Err(Waited::Late)
+        } else if state.waiting() >= self.max_waiters {
             counts.refused += 1;
-            self.metrics.refused.increment(1);
-            return Err(Waited::Refused(self.too_many()));
+            Err(Waited::Refused(self.too_many()))
+        } else {
+            state.reserve(&rules, now);
+            state.more(counts.stamps).sleeping += 1;
+            counts.waiting += 1;
+            Ok(Some(due))
+        };
+        // Counted after the lock (the recorder is user code).
+        drop(guard);
+        match &answer {
+            Ok(_) => self.metrics.waiters.increment(1.0),
+            Err(Waited::Late) => self.metrics.timed_out.increment(1),
+            Err(Waited::Refused(_)) => self.metrics.refused.increment(1),
         }
-        state.reserve(&rules, now);
-        state.more(counts.stamps).sleeping += 1;
-        counts.waiting += 1;
-        self.metrics.waiters.increment(1.0);
-        Ok(Some(due))
+        answer
     }
 
     /// Runs `f` on `key`'s state under its shard's lock, making the state if the key is new
@@ -837,7 +878,11 @@ impl<K: Hash + Eq> Shared<K> {
             return Ok(f(state, counts));
         }
         let Some(spec_for) = &self.spec_for else {
-            return self.make_key(&mut guard, key, None, now, f);
+            let mut moved = KeysMoved::default();
+            let answer = self.make_key(&mut guard, key, None, now, f, &mut moved);
+            drop(guard);
+            moved.count(&self.metrics);
+            return answer;
         };
         // The user's function runs without the shard's lock: it may be slow, or look at this
         // limit. Someone may make the key meanwhile; then theirs is used.
@@ -857,13 +902,18 @@ impl<K: Hash + Eq> Shared<K> {
         if let Some(state) = keys.get_mut(key) {
             return Ok(f(state, counts));
         }
-        self.make_key(&mut guard, key, Some((owned, own)), now, f)
+        let mut moved = KeysMoved::default();
+        let answer = self.make_key(&mut guard, key, Some((owned, own)), now, f, &mut moved);
+        drop(guard);
+        moved.count(&self.metrics);
+        answer
     }
 
     /// A new key (with its own rules, where `spec_for` gave some): forgets the shard's idle
     /// keys first if it has grown enough since it last looked (or is at its cap: see
     /// [`CAP_SWEEP_GAP`]), refuses the key if the shard is still at its cap, and keeps it
-    /// unless `f` left it idle.
+    /// unless `f` left it idle. What it did to the shard's keys goes in `moved`, for the
+    /// metrics its caller counts after the lock.
     #[inline(never)]
     fn make_key<Q, R>(
         &self,
@@ -872,6 +922,7 @@ impl<K: Hash + Eq> Shared<K> {
         made: Option<(K, Option<Rules>)>,
         now: u64,
         f: impl FnOnce(&mut KeyState, &mut Counts) -> R,
+        moved: &mut KeysMoved,
     ) -> Result<R, LimitError>
     where
         K: Borrow<Q>,
@@ -890,12 +941,11 @@ impl<K: Hash + Eq> Shared<K> {
             shard.cap_countdown -= 1;
         }
         if swept {
-            let forgotten = shard.sweep(now);
-            self.metrics.keys.decrement(forgotten as f64);
+            moved.forgotten = shard.sweep(now);
         }
         if shard.keys.len() >= self.shard_cap {
             shard.counts.refused += 1;
-            self.metrics.refused.increment(1);
+            moved.refused = true;
             return Err(LimitError::TooManyKeys {
                 limit: self.name.to_string(),
                 max: self.max_keys.unwrap_or(usize::MAX),
@@ -911,7 +961,7 @@ impl<K: Hash + Eq> Shared<K> {
         // bucket refills at once) is not worth keeping.
         if !state.idle(now) {
             shard.keys.insert(owned.unwrap_or_else(|| key.to_owned()), state);
-            self.metrics.keys.increment(1.0);
+            moved.made = true;
         }
         Ok(answer)
     }
@@ -1024,6 +1074,7 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
         }
         // Popped by a release: the permit it returned is ours.
         counts.waiting -= 1;
+        drop(guard);
         self.done = true;
         shared.metrics.waiters.decrement(1.0);
         Poll::Ready(Ok(()))
@@ -1041,16 +1092,22 @@ impl<K: Hash + Eq + Clone> InLine<'_, K> {
             }
             if state.waiting() >= shared.max_waiters {
                 counts.refused += 1;
-                shared.metrics.refused.increment(1);
                 return Err(shared.too_many());
             }
             counts.waiting += 1;
             let stamps = counts.stamps;
             Ok(Some(state.more(stamps).line.push(cx.waker())))
         });
-        // A new key refused (the cap, its own spec invalid) is an answer like a full room;
-        // each was counted where it was made.
-        match answer.and_then(|answer| answer) {
+        // A new key refused (the cap, its own spec invalid) is an answer like a full room,
+        // counted where it was made; a full room is counted here, after the lock.
+        let answer = match answer {
+            Ok(Err(full)) => {
+                shared.metrics.refused.increment(1);
+                Err(full)
+            }
+            answer => answer.and_then(|answer| answer),
+        };
+        match answer {
             Ok(None) => {
                 self.done = true;
                 shared.metrics.held.increment(1.0);
@@ -1095,6 +1152,7 @@ impl<K: Hash + Eq> Drop for Asleep<'_, K> {
             state.tidy(&mut counts.stamps);
         }
         counts.waiting -= 1;
+        drop(guard);
         self.shared.metrics.waiters.decrement(1.0);
     }
 }

@@ -546,10 +546,11 @@ impl LocalLimits {
     pub(crate) fn with_slot<T>(&self, name: &str, f: impl FnOnce(&Arc<Slot>) -> T) -> Option<T> {
         let (way, hash) = recent_way(name);
         let mut f = Some(f);
-        // `f` runs inside the borrow, so it must not look a slot up. Nor may anything it
-        // calls: a slot whose `metrics` handles are not resolved yet is not lent (resolving
-        // them runs the `metrics` recorder, which is the user's code). After this thread's
-        // locals are gone (a lookup from another local's destructor), the map answers alone.
+        // `f` runs inside the borrow. What it calls may look a slot up (a check's count runs
+        // the `metrics` recorder, the user's code): a hit shares the borrow, and a miss then
+        // keeps nothing (`slot_missed`). A slot whose `metrics` handles are not resolved yet
+        // is not lent (resolving them runs the recorder too). After this thread's locals are
+        // gone (a lookup from another local's destructor), the map answers alone.
         let hit = RECENT
             .try_with(|recent| {
                 let recent = recent.borrow();
@@ -585,9 +586,12 @@ impl LocalLimits {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .get(name)
             .cloned()?;
-        // The entry it replaces is dropped after the borrow ends.
+        // The entry it replaces is dropped after the borrow ends. A lookup made while this
+        // thread's cache is lent (by a `metrics` recorder, the user's code, that a check called
+        // under the borrow) is not kept.
         let evicted = RECENT.try_with(|recent| {
-            let recent = &mut recent.borrow_mut()[way];
+            let mut recent = recent.try_borrow_mut().ok()?;
+            let recent = &mut recent[way];
             if recent.seen == hash {
                 recent.slot.replace(slot.clone())
             } else {

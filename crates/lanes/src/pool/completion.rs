@@ -188,10 +188,12 @@ impl<T: Send + 'static> Tracker<T> {
     }
 
     fn broken(&self, err: BoxError) {
+        // Written out before the lock: an error's `Display` is user code.
+        let broken = err.to_string();
         {
             let mut status = lock(&self.status);
             status.watch_failures += 1;
-            status.broken = Some(err.to_string());
+            status.broken = Some(broken);
         }
         match &self.on_watch_error {
             Some(report) => {

@@ -385,6 +385,10 @@ where
         let mut woken = false;
         loop {
             let mut next_worker = None;
+            // The outcome recorded under the lock, counted in the metrics after it (the
+            // recorder is user code, which may call into this pool).
+            let mut counted = None;
+            let mut ends = false;
             let taken = {
                 // Submits and the other workers hold the lock for a push or a pop at a time:
                 // a `SpinLock`, waited for awake (stop 48, two workers, `fixed pool 10000`:
@@ -397,6 +401,7 @@ where
                 }
                 if let Some((slot, outcome)) = finished.take() {
                     self.record(&mut state, outcome);
+                    counted = Some(outcome);
                     // The worker takes the next item itself: a key made ready again needs no
                     // extra wake.
                     let _ = state.sched.done(slot);
@@ -434,15 +439,34 @@ where
                         None
                     }
                     None => {
-                        state.live -= 1;
-                        if state.live == 0 {
-                            state.phase = Phase::Stopped;
-                            self.finished.notify_waiters();
-                        }
-                        return;
+                        ends = true;
+                        None
                     }
                 }
             };
+            if let Some(outcome) = counted {
+                self.count(outcome);
+            }
+            if ends {
+                // Out of the pool only once its outcome is counted: the pool is stopped when
+                // the last worker is, so a caller of `stop` finds every outcome counted.
+                let last = {
+                    let mut state = spin_lock(&self.state);
+                    // An abort since counted every worker out (and notifies itself).
+                    if state.phase == Phase::Aborted {
+                        return;
+                    }
+                    state.live -= 1;
+                    if state.live == 0 {
+                        state.phase = Phase::Stopped;
+                    }
+                    state.live == 0
+                };
+                if last {
+                    self.finished.notify_waiters();
+                }
+                return;
+            }
             if let Some(next) = next_worker {
                 self.wake[next].notify_one();
             }
@@ -464,21 +488,22 @@ where
         }
     }
 
+    /// Records a finished item's outcome in the pool's stats (under its lock).
     fn record(&self, state: &mut State<S>, outcome: Outcome) {
         state.stats.inflight -= 1;
+        match outcome {
+            Outcome::Completed => state.stats.completed += 1,
+            Outcome::Failed => state.stats.failed += 1,
+            Outcome::Panicked => state.stats.panicked += 1,
+        }
+    }
+
+    /// Counts a finished item's outcome in the metrics (after the lock).
+    fn count(&self, outcome: Outcome) {
         let counted = match outcome {
-            Outcome::Completed => {
-                state.stats.completed += 1;
-                &self.metrics.completed
-            }
-            Outcome::Failed => {
-                state.stats.failed += 1;
-                &self.metrics.failed
-            }
-            Outcome::Panicked => {
-                state.stats.panicked += 1;
-                &self.metrics.panicked
-            }
+            Outcome::Completed => &self.metrics.completed,
+            Outcome::Failed => &self.metrics.failed,
+            Outcome::Panicked => &self.metrics.panicked,
         };
         let _ = call_contained(|| {
             self.metrics.inflight.decrement(1.0);
@@ -559,6 +584,7 @@ where
     }
 }
 
+#[derive(Clone, Copy)]
 enum Outcome {
     Completed,
     Failed,

@@ -163,7 +163,7 @@ impl SpillReader {
             records += 1;
             bytes += len;
         }
-        {
+        let unacked = {
             let mut shared = lock(&self.inner.shared);
             if to <= shared.committed {
                 return Ok(());
@@ -172,10 +172,12 @@ impl SpillReader {
             shared.records -= records.min(shared.records);
             shared.bytes -= bytes.min(shared.bytes);
             shared.acknowledged += records;
-            // Contained: unwound from here, the commit would never be sent, and a retry would
-            // find it done (its records would come back after a restart).
-            let _ = call_contained(|| self.inner.metrics.unacked_bytes.set(shared.bytes as f64));
-        }
+            shared.bytes
+        };
+        // After the lock (the recorder is user code, which may call into this queue), and
+        // contained: unwound from here, the commit would never be sent, and a retry would find
+        // it done (its records would come back after a restart).
+        let _ = call_contained(|| self.inner.metrics.unacked_bytes.set(unacked as f64));
         let (reply, answer) = oneshot::channel();
         let sent = self.inner.mailbox.commit(to, reply);
         // Counted once the commit is on its way.

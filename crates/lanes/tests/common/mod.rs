@@ -108,11 +108,91 @@ impl metrics::GaugeFn for Breaking {
 impl Breaking {
     /// A recorder whose `counters` and `gauges` (by name) are all this one.
     pub(crate) fn recorder(&self, counters: &[&'static str], gauges: &[&'static str]) -> Named {
-        let counter = |name| (name, metrics::Counter::from_arc(Arc::new(self.clone())));
-        let gauge = |name| (name, metrics::Gauge::from_arc(Arc::new(self.clone())));
+        Named::all(self, counters, gauges)
+    }
+}
+
+impl Named {
+    /// A recorder whose `counters` and `gauges` (by name) are all `handle`.
+    pub(crate) fn all<H>(handle: &H, counters: &[&'static str], gauges: &[&'static str]) -> Self
+    where
+        H: metrics::CounterFn + metrics::GaugeFn + Clone + Send + Sync + 'static,
+    {
+        let counter = |name| (name, metrics::Counter::from_arc(Arc::new(handle.clone())));
+        let gauge = |name| (name, metrics::Gauge::from_arc(Arc::new(handle.clone())));
         Named {
             counters: counters.iter().copied().map(counter).collect(),
             gauges: gauges.iter().copied().map(gauge).collect(),
         }
+    }
+}
+
+/// A `metrics` counter or gauge that runs its hook on every call while its switch is on: a
+/// recorder that calls back into the library (say, to read a snapshot of what it counts).
+#[derive(Clone, Default)]
+pub(crate) struct Hook {
+    hook: Arc<std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>>,
+    on: Arc<AtomicBool>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Hook {
+    /// Sets what every call runs (once: the hook usually needs the primitive made with it).
+    pub(crate) fn set(&self, hook: impl Fn() + Send + Sync + 'static) {
+        assert!(self.hook.set(Box::new(hook)).is_ok(), "the hook is set once");
+    }
+
+    pub(crate) fn switch(&self, on: bool) {
+        self.on.store(on, Ordering::SeqCst);
+    }
+
+    /// How many calls ran the hook.
+    pub(crate) fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    fn called(&self) {
+        if self.on.load(Ordering::SeqCst)
+            && let Some(hook) = self.hook.get()
+        {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            hook();
+        }
+    }
+}
+
+impl metrics::CounterFn for Hook {
+    fn increment(&self, _value: u64) {
+        self.called();
+    }
+    fn absolute(&self, _value: u64) {}
+}
+
+impl metrics::GaugeFn for Hook {
+    fn increment(&self, _value: f64) {
+        self.called();
+    }
+    fn decrement(&self, _value: f64) {
+        self.called();
+    }
+    fn set(&self, _value: f64) {
+        self.called();
+    }
+}
+
+/// Runs `scenario` on a thread of its own and fails if it has not ended within ten seconds: a
+/// scenario that deadlocks (or spins for good on a lock its own thread holds) fails rather
+/// than hangs. (A thread stuck so is left behind.)
+pub(crate) fn ends_in_time(what: &str, scenario: impl FnOnce() + Send + 'static) {
+    use std::sync::mpsc::RecvTimeoutError;
+    let (done, ended) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        scenario();
+        let _ = done.send(());
+    });
+    match ended.recv_timeout(Duration::from_secs(10)) {
+        Ok(()) => {}
+        Err(RecvTimeoutError::Timeout) => panic!("{what}: still running after 10 s (deadlocked)"),
+        Err(RecvTimeoutError::Disconnected) => panic!("{what}: panicked"),
     }
 }

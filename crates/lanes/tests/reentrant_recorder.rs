@@ -1,0 +1,235 @@
+//! A `metrics` recorder is user code, and may call back into the primitive it counts for: to
+//! read a snapshot beside a count, say. Each primitive calls it without holding its own locks,
+//! so such a recorder neither deadlocks (a std mutex), spins for good (the channel's and the
+//! pool's spin locks) nor panics (a borrowed thread-local cache).
+//!
+//! Each scenario runs on a thread of its own ([`ends_in_time`]): before its fix, each of them
+//! hung (or, for the check by name, panicked).
+
+mod common;
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use common::{Hook, Named, ends_in_time};
+use lanes::channel::{Channel, ChannelConfig, Channels, ConsumerOptions};
+use lanes::limit::KeyedLimit;
+use lanes::pool::Dispatcher;
+use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
+use lanes::{LimitSpec, Limits};
+
+/// The answer of a future that is ready at its first poll (a check of a local limit).
+fn at_once<F: std::future::Future>(future: F) -> F::Output {
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match std::pin::pin!(future).poll(&mut cx) {
+        std::task::Poll::Ready(answer) => answer,
+        std::task::Poll::Pending => panic!("a local check answers at once"),
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap()
+}
+
+/// A producer that blocks on a full channel is counted (`blocked_waits`) after the channel's
+/// lock: a recorder that reads the channel's snapshot then finds it free.
+#[test]
+fn a_blocked_producer_is_counted_out_of_the_channels_lock() {
+    ends_in_time("a blocked emit", || {
+        let hook = Hook::default();
+        let recorder = Named::all(&hook, &["lanes_channel_blocked_waits_total"], &[]);
+        let channel = metrics::with_local_recorder(&recorder, || {
+            Channel::new(ChannelConfig::new(1)).expect("a valid channel")
+        });
+        let seen = channel.clone();
+        hook.set(move || drop(seen.snapshot()));
+        hook.switch(true);
+        runtime().block_on(async {
+            let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+            channel.emit(1).await.unwrap();
+            let producer = channel.clone();
+            let blocked = tokio::spawn(async move { producer.emit(2).await });
+            tokio::task::yield_now().await;
+            assert_eq!(consumer.recv().await, Some(1));
+            blocked.await.unwrap().unwrap();
+            assert_eq!(consumer.recv().await, Some(2));
+        });
+        assert_eq!(hook.calls(), 1, "the blocked emit was counted once");
+        assert_eq!(channel.snapshot().blocked_waits, 1);
+    });
+}
+
+/// The same through a shared budget: a producer that waits for one of the registry's units is
+/// counted after the channel's lock.
+#[test]
+fn a_producer_blocked_on_a_shared_budget_is_counted_out_of_the_channels_lock() {
+    ends_in_time("an emit blocked on the budget", || {
+        let hook = Hook::default();
+        let recorder = Named::all(&hook, &["lanes_channel_blocked_waits_total"], &[]);
+        let channels = Channels::with_budget(1).expect("a valid budget");
+        let channel = metrics::with_local_recorder(&recorder, || {
+            channels.create::<u32>("budgeted", ChannelConfig::new(4)).expect("a new channel")
+        });
+        let seen = channel.clone();
+        hook.set(move || drop(seen.snapshot()));
+        hook.switch(true);
+        runtime().block_on(async {
+            let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+            channel.emit(1).await.unwrap();
+            let producer = channel.clone();
+            let blocked = tokio::spawn(async move { producer.emit(2).await });
+            tokio::task::yield_now().await;
+            assert_eq!(channels.budget_used(), Some(1), "the second record waits for a unit");
+            assert_eq!(consumer.recv().await, Some(1));
+            blocked.await.unwrap().unwrap();
+            assert_eq!(consumer.recv().await, Some(2));
+        });
+        assert_eq!(hook.calls(), 1, "the blocked emit was counted once");
+    });
+}
+
+/// A keyed limit counts a new key, a permit, a caller in the key's line, a full line's
+/// refusal, a hand-over and a return after its shard's lock, and so does its rate's wait: a
+/// recorder that reads the limit's `info` (every shard's lock) finds them free.
+#[test]
+fn a_keyed_limit_counts_out_of_its_shards_lock() {
+    ends_in_time("a keyed limit's acquires, line and returns", || {
+        let hook = Hook::default();
+        let recorder = Named::all(
+            &hook,
+            &[
+                "lanes_limit_keyed_acquired_total",
+                "lanes_limit_keyed_refused_total",
+                "lanes_limit_keyed_timed_out_total",
+            ],
+            &["lanes_limit_keyed_held", "lanes_limit_keyed_waiters", "lanes_limit_keyed_keys"],
+        );
+        let (room, rate) = metrics::with_local_recorder(&recorder, || {
+            let room = KeyedLimit::builder("room", LimitSpec::concurrent(1)).max_waiters(1);
+            let rate = KeyedLimit::new("rate", LimitSpec::rate(1.0).burst(1));
+            (room.build().expect("a valid limit"), rate.expect("a valid limit"))
+        });
+        let seen = (room.clone(), rate.clone());
+        hook.set(move || drop((seen.0.info(), seen.1.info())));
+        hook.switch(true);
+        runtime().block_on(async {
+            let first = room.acquire("a").await.expect("a permit at once");
+            let line = room.clone();
+            let second = tokio::spawn(async move { line.acquire("a").await.map(drop) });
+            tokio::task::yield_now().await;
+            assert_eq!(room.info().waiting, 1, "the second caller is in the key's line");
+            let full = room.acquire("a").await;
+            assert!(full.is_err(), "the line holds one caller");
+            drop(first);
+            second.await.unwrap().expect("handed the first permit");
+
+            drop(rate.acquire("a").await.expect("the burst's token"));
+            // The next token is a second away: the caller sleeps for it (paused time).
+            drop(rate.acquire("a").await.expect("the next token"));
+        });
+        let (room, rate) = (room.info(), rate.info());
+        assert_eq!((room.held, room.waiting, rate.held, rate.waiting), (0, 0, 0, 0));
+        assert!(hook.calls() >= 8, "every step was counted: {}", hook.calls());
+    });
+}
+
+/// A pool counts a finished item after its lock: a recorder that reads its stats finds it free.
+#[test]
+fn a_pool_counts_a_finished_item_out_of_its_lock() {
+    ends_in_time("a dispatcher's items", || {
+        let hook = Hook::default();
+        let recorder = Named::all(&hook, &["lanes_pool_completed_total"], &[]);
+        let runtime = runtime();
+        let _in = runtime.enter();
+        let dispatcher = Arc::new(metrics::with_local_recorder(&recorder, || {
+            Dispatcher::builder()
+                .workers(2)
+                .queue_size(16)
+                .build(|_: u32| async { Ok::<_, std::io::Error>(()) })
+                .expect("a valid dispatcher")
+        }));
+        let seen: Weak<Dispatcher<u32>> = Arc::downgrade(&dispatcher);
+        hook.set(move || {
+            if let Some(dispatcher) = seen.upgrade() {
+                let _ = dispatcher.stats();
+            }
+        });
+        hook.switch(true);
+        runtime.block_on(async {
+            for n in 0..10 {
+                dispatcher.submit(n).expect("room for every item");
+            }
+            dispatcher.stop(Duration::from_secs(10)).await.expect("every worker ends");
+        });
+        assert_eq!(hook.calls(), 10, "every item was counted");
+        assert_eq!(dispatcher.stats().completed, 10);
+    });
+}
+
+/// A spill reader's commit sets the unacknowledged bytes after the queue's lock: a recorder
+/// that reads the queue's length finds it free.
+#[test]
+fn a_spill_commit_is_counted_out_of_the_queues_lock() {
+    let dir = std::env::temp_dir().join(format!("lanes-reentrant-spill-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.clone();
+    ends_in_time("a spill reader's commit", move || {
+        let hook = Hook::default();
+        let recorder = Named::all(&hook, &[], &["lanes_spill_unacked_bytes"]);
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let options = SpillOptions::default().sync(SyncPolicy::Always);
+        metrics::with_local_recorder(&recorder, || {
+            runtime.block_on(async {
+                let (queue, _) = SpillQueue::open(&path, options).await.unwrap();
+                let seen = queue.clone();
+                hook.set(move || {
+                    let _ = seen.len();
+                });
+                for i in 0..10u8 {
+                    queue.append([i]).await.unwrap();
+                }
+                let mut reader = queue.reader().unwrap();
+                let read = reader.next_batch(10).await.unwrap();
+                hook.switch(true);
+                reader.commit(read[4].position()).await.expect("committed");
+                hook.switch(false);
+                assert_eq!(queue.len(), 5);
+                queue.close().await.unwrap();
+            });
+        });
+        assert_eq!(hook.calls(), 1, "the commit set the gauge once");
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A check by name whose count (user code) checks another name that this thread has not
+/// looked up lately: the thread's cache of slots is lent to the first check, so the second
+/// answers from the map and keeps nothing. (Before, it took the cache again and panicked.)
+#[test]
+fn a_check_by_name_whose_count_checks_another_name() {
+    ends_in_time("a check by name inside a check's count", || {
+        let hook = Hook::default();
+        let recorder = Named::all(&hook, &["lanes_limit_acquired_total"], &[]);
+        runtime().block_on(async {
+            let limits = Limits::new();
+            limits.define("counted", LimitSpec::rate(1e9)).await.unwrap();
+            limits.define("other", LimitSpec::rate(1e9)).await.unwrap();
+            // The counted limit's handles are resolved with this recorder; the other's, later,
+            // with none (so the hook does not call itself).
+            metrics::with_local_recorder(&recorder, || {
+                for _ in 0..3 {
+                    at_once(limits.check("counted")).expect("a token");
+                }
+            });
+            let other = limits.clone();
+            hook.set(move || {
+                at_once(other.check("other")).expect("a token of the other limit");
+            });
+            hook.switch(true);
+            for _ in 0..3 {
+                at_once(limits.check("counted")).expect("a token");
+            }
+        });
+        assert_eq!(hook.calls(), 3, "each check was counted");
+    });
+}
