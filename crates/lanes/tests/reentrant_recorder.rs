@@ -16,7 +16,7 @@ use lanes::channel::{Channel, ChannelConfig, Channels, ConsumerOptions};
 use lanes::limit::KeyedLimit;
 use lanes::pool::Dispatcher;
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes::{LimitSpec, Limits};
+use lanes::{LaneLimits, LimitSpec, Limits, Run};
 
 /// The answer of a future that is ready at its first poll (a check of a local limit).
 fn at_once<F: std::future::Future>(future: F) -> F::Output {
@@ -85,6 +85,52 @@ fn a_producer_blocked_on_a_shared_budget_is_counted_out_of_the_channels_lock() {
             assert_eq!(consumer.recv().await, Some(2));
         });
         assert_eq!(hook.calls(), 1, "the blocked emit was counted once");
+    });
+}
+
+/// A run lane moves its gauges after its locks, as a run takes the free slot, waits in the
+/// queue, waits in the inbox (admitted while the slot is taken, outside the lane's lock),
+/// leaves the queue at its deadline, and as each run ends: a recorder that reads the set's
+/// snapshot (the lane's lock and the inbox's) finds them free.
+#[test]
+fn a_lane_moves_its_gauges_out_of_its_locks() {
+    ends_in_time("a lane's admissions and releases", || {
+        let hook = Hook::default();
+        let counters = [
+            "lanes_lane_admitted_total",
+            "lanes_lane_rejected_total",
+            "lanes_lane_timed_out_total",
+            "lanes_lane_finished_total",
+        ];
+        let recorder = Named::all(&hook, &counters, &["lanes_lane_executing", "lanes_lane_queued"]);
+        let set = metrics::with_local_recorder(&recorder, || {
+            common::one_lane("a", LaneLimits::new(1, 4)).build().expect("a valid set")
+        });
+        let seen = set.clone();
+        hook.set(move || drop(seen.snapshot()));
+        hook.switch(true);
+        runtime().block_on(async {
+            let release = Arc::new(tokio::sync::Semaphore::new(0));
+            let held = release.clone();
+            let holder = set
+                .run("a", Run::new(move |_cx| async move { Ok(held.acquire().await.is_ok()) }))
+                .expect("admitted into the free slot");
+            tokio::task::yield_now().await;
+            let queued = set.run("a", Run::new(|_cx| async { Ok(true) })).expect("queued");
+            let late = Run::new(|_cx| async { Ok(true) }).queue_timeout(Duration::from_secs(1));
+            let late = set.run("a", late).expect("queued, with a deadline");
+            set.spawn("a", Run::new(|_cx| async { Ok(true) })).expect("admitted into the inbox");
+            assert!(late.await.is_err(), "it left the queue at its deadline");
+            release.add_permits(1);
+            assert!(holder.await.expect("the holder ran"));
+            assert!(queued.await.expect("the queued run ran"));
+            while set.snapshot().owned > 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        });
+        let lane = &set.snapshot().lanes[0];
+        assert_eq!((lane.admitted, lane.completed), (4, 3), "{lane:?}");
+        assert!(hook.calls() >= 10, "every move was made: {}", hook.calls());
     });
 }
 

@@ -899,7 +899,9 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         if core.withdraw(seq) {
             // Out of line before the gauges (should anything unwind): nothing held.
             t.holds.set(Holds::Nothing);
-            lane.publish(&mut core);
+            let moves = lane.publish(&mut core);
+            drop(core);
+            lane.gauge(moves);
             return Err((Stage::Queue, reason, cause));
         }
     }
@@ -971,7 +973,7 @@ async fn await_permit(
     };
     let (reason, cause) = match woke {
         Woke::Permit(Ok(permit)) => {
-            let ready = {
+            let (ready, moves) = {
                 // Behind the runs admitted into the inbox before it became ready.
                 let mut core = lane.lock_core_exact();
                 let ready = core.ready(seq);
@@ -981,9 +983,9 @@ async fn await_permit(
                     Some(Admitted::Queued { seq }) => Holds::Queued(seq),
                     _ => Holds::Nothing,
                 });
-                lane.publish(&mut core);
-                ready
+                (ready, lane.publish(&mut core))
             };
+            lane.gauge(moves);
             return match ready {
                 Some(Admitted::Executing { slot, .. }) => Ok((slot, Some(Box::new(permit)))),
                 Some(Admitted::Queued { seq }) => {
@@ -1013,7 +1015,9 @@ async fn await_permit(
     let mut core = lane.lock_core();
     if core.withdraw_limited(seq) {
         t.holds.set(Holds::Nothing);
-        lane.publish(&mut core);
+        let moves = lane.publish(&mut core);
+        drop(core);
+        lane.gauge(moves);
         return Err((Stage::Queue, reason, cause));
     }
     match t.signal().grant_state() {

@@ -184,6 +184,15 @@ impl Inbox {
 /// inbox), and a shut lets them go.
 const SPARE_SIGNALS: usize = 1024;
 
+/// How far each of a lane's gauges moves after a change under its lock
+/// ([`LaneShared::publish`]); the moves are made after the lock ([`LaneShared::gauge`]).
+#[must_use = "a lane's gauges are moved after its lock"]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GaugeMoves {
+    executing: isize,
+    queued: isize,
+}
+
 /// What a lane's lock guards: its pure core, and the signals of runs that left their execution
 /// slot, kept for reuse (oldest first). A run then costs one allocation, its drive, instead of
 /// two: under a burst, the allocator's per-thread cache runs dry and each allocation takes its
@@ -196,11 +205,11 @@ pub(super) struct LaneState {
     /// How many of the core's queued runs the `queued` gauge counts. It counts the inbox's
     /// too, from their admission, which does not take the lane's lock; so the gauge moves by
     /// differences: an inbox admission adds one, and a publish what the core's queue changed
-    /// by since this count.
-    gauged: usize,
-    /// The core's `executing` as the `executing` gauge was last set to: set only when it moves
-    /// (a release that grants its slot on leaves it as it was), or missed its last setting.
-    gauged_executing: usize,
+    /// by since this count. Signed: a move the recorder missed is taken back from it, and
+    /// the moves are made after the lock, in any order (see [`GaugeMoves`]).
+    gauged: isize,
+    /// How many executing runs the `executing` gauge counts, which moves by differences too.
+    gauged_executing: isize,
     /// The rooms handed to waiting callers (`LaneShared::handed`) as `take_inbox` last read
     /// them, with `owned`: an admission that did not wait finds the lane full when the core's
     /// runs and these fill it, which is `owned` as read then.
@@ -298,8 +307,9 @@ impl LaneShared {
         // A shut lane admits nothing: the signals it kept go, with the spent drives in them,
         // after the lock.
         let core_kept = std::mem::take(&mut core.spare);
-        self.publish(&mut core);
+        let moves = self.publish(&mut core);
         drop(core);
+        self.gauge(moves);
         drop((inbox_kept, core_kept));
         woken.into_iter().for_each(|woken| woken.wake(runtimes));
     }
@@ -320,7 +330,9 @@ impl LaneShared {
             Holds::Nothing | Holds::Slot(_) => false,
         };
         if withdrawn {
-            self.publish(&mut state);
+            let moves = self.publish(&mut state);
+            drop(state);
+            self.gauge(moves);
         }
         withdrawn
     }
@@ -346,9 +358,14 @@ impl Drop for LaneShared {
     /// its own runs only. (A run its runtime drops ends in that drop and leaves the queue then;
     /// a run parked in the queue, with no task, holds the set until it ends.)
     fn drop(&mut self) {
-        let left = spin_lock(&self.core).gauged;
-        if left > 0 {
-            self.metrics.queued_moved(left, 0);
+        let state = spin_lock(&self.core);
+        let (queued, executing) = (state.gauged, state.gauged_executing);
+        drop(state);
+        if queued != 0 {
+            self.metrics.queued.moved_by(-queued);
+        }
+        if executing != 0 {
+            self.metrics.executing.moved_by(-executing);
         }
     }
 }
@@ -428,7 +445,7 @@ impl LaneShared {
         if !inbox.runs.is_empty() {
             self.inboxed.store(false, Ordering::SeqCst);
             // The gauge counted them at their admission: now it counts them as the core's.
-            state.gauged += inbox.runs.len();
+            state.gauged += inbox.runs.len() as isize;
             for held in inbox.runs.drain(..) {
                 state.core.enqueue_admitted(held);
             }
@@ -480,9 +497,11 @@ impl LaneShared {
             }
         }
         let run_id = inbox.run_id(next_run_id);
-        // Counted under the lock: whatever takes the run in after it counts it as the core's.
-        self.metrics.queued.increment(1.0);
         drop(inbox);
+        // Counted after the lock (the recorder is user code, which may call into this lane).
+        // The gauge moves by differences: a take-in that counts the run as the core's before
+        // this count lands leaves the gauge one low for that moment, and exact once it does.
+        self.gauge(GaugeMoves { executing: 0, queued: 1 });
         // A slot given back since the read: the run that gave it stored `executing`, then read
         // `inboxed` (`SetShared::release_execution`), all SeqCst. If its read came after the
         // store of `inboxed` for this batch, it takes this run in (or the batch's first
@@ -517,7 +536,7 @@ impl LaneShared {
         let mut next = Next::default();
         // Declared before the lock's guard: a panic under the lock still sets their latches.
         let mut granted: Vec<Handoff<'_>> = Vec::new();
-        {
+        let moves = {
             let mut state = self.lock_core_exact();
             state.core.grant_free(|_seq, slot, held| {
                 // A run granted here was queued: it holds a second reference.
@@ -525,16 +544,18 @@ impl LaneShared {
                     granted.push(Handoff(Some((slot, signal)), runtimes));
                 }
             });
-            self.publish(&mut state);
-        }
+            self.publish(&mut state)
+        };
+        self.gauge(moves);
         // No run's task carries them: each is started on its home, this admission's runtime
         // or another.
         let starts = Starts { here: Some(home), carry: false, runtimes };
         next.push_all_granted(granted.iter_mut().filter_map(|handoff| handoff.0.take()), starts);
     }
 
-    /// Publishes the lane's gauges (called under the lane lock, after a change).
-    pub(super) fn publish(&self, state: &mut LaneState) {
+    /// What the lane's gauges move by after a change (called under the lane lock): the moves
+    /// are made after the lock, by [`gauge`](Self::gauge).
+    pub(super) fn publish(&self, state: &mut LaneState) -> GaugeMoves {
         let core = &state.core;
         // Stored only if changed: a release that grants its slot on leaves it as it was. A
         // value read stale is safe: too high sends an admission to the inbox, which it reads
@@ -544,14 +565,40 @@ impl LaneShared {
         if self.executing.load(Ordering::Relaxed) != executing {
             self.executing.store(executing, Ordering::SeqCst);
         }
-        // Each gauge is noted as set only if the recorder took it (a panic is contained: see
-        // `metrics`), so that one missed is set again at the next publish.
-        if executing != state.gauged_executing && self.metrics.executing.set(executing as f64) {
-            state.gauged_executing = executing;
+        let (executing, queued) = (executing as isize, core.queued() as isize);
+        let moves = GaugeMoves {
+            executing: executing - state.gauged_executing,
+            queued: queued - state.gauged,
+        };
+        (state.gauged_executing, state.gauged) = (executing, queued);
+        moves
+    }
+
+    /// Moves the lane's gauges as [`publish`](Self::publish) found, after the lane lock: the
+    /// recorder is user code, which may call into this lane. Each gauge moves by differences,
+    /// so moves made out of order add up all the same (a gauge read between may be off for
+    /// that moment). A move the recorder missed (it panicked, contained: see `metrics`) is
+    /// taken back from what the lane counts gauged, so the next publish makes it again.
+    #[inline]
+    pub(super) fn gauge(&self, moves: GaugeMoves) {
+        if moves.executing == 0 && moves.queued == 0 {
+            return;
         }
-        let queued = core.queued();
-        if queued != state.gauged && self.metrics.queued_moved(state.gauged, queued) {
-            state.gauged = queued;
+        let executing = moves.executing == 0 || self.metrics.executing.moved_by(moves.executing);
+        let queued = moves.queued == 0 || self.metrics.queued.moved_by(moves.queued);
+        if !(executing && queued) {
+            self.missed(moves, executing, queued);
+        }
+    }
+
+    #[cold]
+    fn missed(&self, moves: GaugeMoves, executing: bool, queued: bool) {
+        let mut state = spin_lock(&self.core);
+        if !executing {
+            state.gauged_executing -= moves.executing;
+        }
+        if !queued {
+            state.gauged -= moves.queued;
         }
     }
 }
@@ -1246,8 +1293,9 @@ impl SetShared {
                 }
                 let run_id = inbox.run_id(&self.next_run_id);
                 drop(inbox);
-                lane.publish(&mut state);
+                let moves = lane.publish(&mut state);
                 drop(state);
+                lane.gauge(moves);
                 let start = match admitted {
                     Admitted::Executing { slot, .. } => Start::Executing { slot },
                     Admitted::Queued { seq } => Start::Queued {
@@ -1264,7 +1312,7 @@ impl SetShared {
                 };
                 let at_once = matches!(start, Start::Executing { .. });
                 // Counted once the ticket exists. (A recorder's panic is contained, here and
-                // in `publish` above, under the lock: `metrics`.)
+                // in `gauge` above: `metrics`.)
                 let admitted =
                     Ok((self.ticket(index, run_id, participation, start, signal, run), prepared));
                 lane.metrics.admitted.increment(1);
@@ -1380,7 +1428,7 @@ impl SetShared {
         // runtime that shuts down ends at once, which takes this lock (invariant 3 of the
         // driver).
         let mut more: Vec<Handoff<'_>> = Vec::new();
-        let unused = {
+        let (unused, moves) = {
             let mut core = lane.lock_core();
             let mut on_grant = |_seq, slot, held: &mut Held| {
                 let signal = held.handoff.take().unwrap_or_else(|| held.signal.clone());
@@ -1404,9 +1452,9 @@ impl SetShared {
                 handoff
             });
             lane.offer_spares(&mut core);
-            lane.publish(&mut core);
-            unused
+            (unused, lane.publish(&mut core))
         };
+        lane.gauge(moves);
         // A run granted its slot at admission never used its second reference.
         drop(unused);
         let starts = Starts { here: carrier, carry: true, runtimes: &self.runtimes };

@@ -1,13 +1,15 @@
 //! A lane's `metrics` handles, resolved once when the set is built (see
 //! [`observe::METRICS`](crate::observe::METRICS) for the names and help text).
 //!
+//! No call into the recorder is made under the lane's locks: the recorder is user code, which
+//! may call into the lane (a snapshot, say). The gauges move by differences, decided under the
+//! lock and made after it (`LaneShared::publish` and `LaneShared::gauge`).
+//!
 //! Every call into the recorder is contained ([`Contained`]): a recorder that panics never
-//! unwinds through a lane. Many of these calls are made under the lane's lock, or between a
-//! change to the lane and the ticket that would end the run; unwound from there, a run could
-//! stay owned for good (or, dropped while unwinding, abort the process). The panic is still
-//! reported, by the panic hook (under the lane's lock, for the calls made there), and the
-//! metric misses that update: a gauge set under the lock is set again at the next change (see
-//! `LaneShared::publish`); an inbox admission's move of `queued` is not retried.
+//! unwinds through a lane. Many of these calls are made between a change to the lane and the
+//! ticket that would end the run; unwound from there, a run could stay owned for good (or,
+//! dropped while unwinding, abort the process). The panic is still reported, by the panic
+//! hook, and the metric misses that update: a gauge's move is made again at the next change.
 //!
 //! Only a lane's own metrics: a run that names a limit ([`Run::limited_by`](crate::Run)) also
 //! reaches the limit's, which are not contained but ordered so that a panic there gives back
@@ -36,10 +38,12 @@ const REASONS: [Reason; 10] = [
 // The containment costs a run about 7 instructions in all (cachegrind, `fixed lane 8 30` minus
 // `10`: 2,030 -> 2,037), and no time measured (BENCHMARKS.md, suite 2's stop-66 note).
 impl Contained<Gauge> {
-    /// Moves the gauge by `by` (up if `up`); false if the recorder panicked.
+    /// Moves the gauge by `by` (up or down); false if the recorder panicked (it did not move).
     #[inline]
-    fn moved(&self, up: bool, by: f64) -> bool {
-        call_contained(|| if up { self.0.increment(by) } else { self.0.decrement(by) }).is_ok()
+    pub(super) fn moved_by(&self, by: isize) -> bool {
+        let size = by.unsigned_abs() as f64;
+        call_contained(|| if by > 0 { self.0.increment(size) } else { self.0.decrement(size) })
+            .is_ok()
     }
 }
 
@@ -73,13 +77,6 @@ impl LaneMetrics {
             queued: Contained(metrics::gauge!("lanes_lane_queued", &labels)),
             queue_wait: Contained(metrics::histogram!("lanes_lane_queue_wait_seconds", &labels)),
         }
-    }
-
-    /// Moves the `queued` gauge by the difference from `from` runs to `to`: it moves by
-    /// differences, not set, as the inbox's admissions count themselves without the lane's
-    /// lock (see `LaneState::gauged`). False if the recorder panicked (it did not move).
-    pub(super) fn queued_moved(&self, from: usize, to: usize) -> bool {
-        self.queued.moved(to > from, to.abs_diff(from) as f64)
     }
 
     /// Counts a finished run: `None` for success, else the reason it failed.

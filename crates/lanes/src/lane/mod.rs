@@ -55,10 +55,11 @@
 //! participation. Secondary failures (terminal audit, finalizer, cleanup) are attached to the
 //! primary failure and reachable through `source()`; they never replace it. Panics in any
 //! callback are contained and reported as [`PanicError`]; their payloads never appear in a
-//! message. A panic in the application's `metrics` recorder, which a lane calls under its
-//! lock, is contained too and fails no run: the panic hook reports it and the metric misses
-//! that update (a gauge set under the lock is set again at its next change). The metrics of a
-//! limit a run names are the limit's, and are not contained.
+//! message. The application's `metrics` recorder is called after the lane's locks, so it may
+//! call into the set (a snapshot, say). A panic in it is contained too and fails no run: the
+//! panic hook reports it and the metric misses that update (a gauge's move is made again at
+//! its next change). The metrics of a limit a run names are the limit's, and are not
+//! contained.
 //!
 //! # Cancel safety
 //!

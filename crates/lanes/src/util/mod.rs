@@ -101,12 +101,6 @@ impl Contained<metrics::Counter> {
 }
 
 impl Contained<metrics::Gauge> {
-    /// Sets the gauge; false if the recorder panicked (the gauge missed it).
-    #[inline]
-    pub(crate) fn set(&self, value: f64) -> bool {
-        call_contained(|| self.0.set(value)).is_ok()
-    }
-
     #[inline]
     pub(crate) fn increment(&self, value: f64) {
         let _ = call_contained(|| self.0.increment(value));
