@@ -190,6 +190,9 @@ impl Channels {
             )
             .into());
         }
+        // Before the map's lock: a recorder (user code) may create a channel here from its
+        // `describe_*`.
+        crate::observe::describe_once();
         let mut map = lock(&self.inner.map);
         if let Some(slot) = map.get(name) {
             if must_be_new {

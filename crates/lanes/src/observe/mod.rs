@@ -8,13 +8,14 @@
 //!
 //! The `metrics` recorder is the application's code. The primitives count, set and record
 //! after letting go of their own locks, so a recorder may call back into what it counts (read
-//! a snapshot, check a limit, emit into a channel) without a deadlock. What still runs under a
-//! lock is the making of things, not their use: a primitive's handles are resolved
-//! (`register_*`) as it is built (under a [`Channels`](crate::channel::Channels) registry's
-//! lock for a channel it creates; once per limit, on its first use), and the help text is given
-//! (`describe_*`) once per process, so a recorder should not build primitives from those calls.
-//! One count of a limit is made under its table's lock: `lanes_limit_expired_total`, as leases
-//! that ran out are taken back.
+//! a snapshot, check a limit, emit into a channel) without a deadlock, and may build primitives
+//! from the help text it is given (`describe_*`, once per process, under no lock). What still
+//! runs under a lock is the resolving of a primitive's handles (`register_*`): a channel that a
+//! [`Channels`](crate::channel::Channels) registry creates resolves them under the registry's
+//! lock, and a limit once, on its first use, inside a `OnceLock`; so a recorder should not
+//! create a channel in that registry, or use that limit, from `register_*`. One count of a
+//! limit is made under its table's lock: `lanes_limit_expired_total`, as leases that ran out
+//! are taken back.
 
 mod names;
 mod registry;

@@ -259,14 +259,18 @@ pub fn describe_metrics() {
     }
 }
 
-/// [`describe_metrics`], the first time only (primitives call it when built). A recorder that
-/// panics there is contained: unwound out of `call_once`, the panic would poison it, and every
-/// primitive built after would panic.
+/// [`describe_metrics`], the first time only (primitives call it when built). The first caller
+/// marks it done before it calls the recorder, and nobody waits for it: a recorder (user code)
+/// that builds a primitive from its `describe_*` comes back here and returns at once (inside a
+/// `Once` it deadlocked), and a primitive built on another thread meanwhile may register its
+/// handles before the help text reaches the recorder, which exporters take in either order. A
+/// recorder that panics there is contained, so the primitive being built is not.
 pub(crate) fn describe_once() {
-    static DESCRIBED: std::sync::Once = std::sync::Once::new();
-    DESCRIBED.call_once(|| {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static DESCRIBED: AtomicBool = AtomicBool::new(false);
+    if !DESCRIBED.load(Ordering::Relaxed) && !DESCRIBED.swap(true, Ordering::Relaxed) {
         let _ = crate::util::call_contained(describe_metrics);
-    });
+    }
 }
 
 #[cfg(test)]
