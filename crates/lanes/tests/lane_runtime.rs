@@ -380,9 +380,9 @@ fn a_counter_that_panics_on_admission_loses_no_run() {
     assert_quiescent(&set);
 }
 
-/// The same with the lane's gauges panicking on every call: the lane sets them under its lock
-/// as its runs move (the first as the run into the free slot is admitted, before its ticket),
-/// and the inbox's admission moves `queued` under the inbox's lock. (Before stop 66 such a
+/// The same with the lane's gauges panicking on every call: the lane moves them as its runs
+/// move, after its lock (the first as the run into the free slot is admitted, before its
+/// ticket), and the inbox's admission moves `queued` after the inbox's. (Before stop 66 such a
 /// panic left the run admitted into the free slot owned for good, holding the lane's only
 /// slot.) Once the recorder stops panicking, the gauges read the lane again at its next move.
 #[test]

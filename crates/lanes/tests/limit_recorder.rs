@@ -4,8 +4,8 @@
 //! given back before it is
 //! counted off `held`, and a wait leaves the limit's line before it is counted off `waiters`.
 //! So whatever the recorder does, every permit goes back and no wait stays in line. A keyed
-//! limit's calls are contained (most are made under a shard's lock): its callers never see
-//! the panic.
+//! limit's calls are contained (many are made between a permit taken and the handle that
+//! gives it back): its callers never see the panic.
 
 mod common;
 

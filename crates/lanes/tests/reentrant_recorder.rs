@@ -16,7 +16,7 @@ use lanes::channel::{Channel, ChannelConfig, Channels, ConsumerOptions};
 use lanes::limit::KeyedLimit;
 use lanes::pool::Dispatcher;
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes::{LaneLimits, LimitSpec, Limits, Run};
+use lanes::{LaneLimits, LimitSpec, Limits, Priority, Run};
 
 /// The answer of a future that is ready at its first poll (a check of a local limit).
 fn at_once<F: std::future::Future>(future: F) -> F::Output {
@@ -90,8 +90,9 @@ fn a_producer_blocked_on_a_shared_budget_is_counted_out_of_the_channels_lock() {
 
 /// A run lane moves its gauges after its locks, as a run takes the free slot, waits in the
 /// queue, waits in the inbox (admitted while the slot is taken, outside the lane's lock),
-/// leaves the queue at its deadline, and as each run ends: a recorder that reads the set's
-/// snapshot (the lane's lock and the inbox's) finds them free.
+/// leaves the queue at its deadline or when its handle is dropped, waits for a limit's permit
+/// and gets it or is dropped meanwhile, is failed by the lane's close, and as each run ends: a
+/// recorder that reads the set's snapshot (the lane's lock and the inbox's) finds them free.
 #[test]
 fn a_lane_moves_its_gauges_out_of_its_locks() {
     ends_in_time("a lane's admissions and releases", || {
@@ -109,28 +110,56 @@ fn a_lane_moves_its_gauges_out_of_its_locks() {
         let seen = set.clone();
         hook.set(move || drop(seen.snapshot()));
         hook.switch(true);
+        let quick = || Run::new(|_cx| async { Ok(true) });
         runtime().block_on(async {
+            // Held in the slot until `release` gets a permit.
             let release = Arc::new(tokio::sync::Semaphore::new(0));
-            let held = release.clone();
-            let holder = set
-                .run("a", Run::new(move |_cx| async move { Ok(held.acquire().await.is_ok()) }))
-                .expect("admitted into the free slot");
+            let holding = |release: &Arc<tokio::sync::Semaphore>| {
+                let held = release.clone();
+                Run::new(move |_cx| async move { Ok(held.acquire().await.is_ok()) })
+            };
+            let holder = set.run("a", holding(&release)).expect("admitted into the free slot");
             tokio::task::yield_now().await;
-            let queued = set.run("a", Run::new(|_cx| async { Ok(true) })).expect("queued");
-            let late = Run::new(|_cx| async { Ok(true) }).queue_timeout(Duration::from_secs(1));
+            let queued = set.run("a", quick()).expect("queued");
+            let late = quick().queue_timeout(Duration::from_secs(1));
             let late = set.run("a", late).expect("queued, with a deadline");
-            set.spawn("a", Run::new(|_cx| async { Ok(true) })).expect("admitted into the inbox");
+            let dropped = set.run("a", quick()).expect("queued, then dropped");
+            set.spawn("a", quick()).expect("admitted into the inbox");
+            drop(dropped);
             assert!(late.await.is_err(), "it left the queue at its deadline");
             release.add_permits(1);
             assert!(holder.await.expect("the holder ran"));
             assert!(queued.await.expect("the queued run ran"));
+
+            // Runs that wait for a limit's permit first.
+            let limits = Limits::new();
+            limits.define("l", LimitSpec::concurrent(1)).await.unwrap();
+            let permit = limits.acquire("l", Priority::default()).await.unwrap();
+            let limited = quick().limit(&limits, "l", Priority::default());
+            let limited = set.run("a", limited).expect("admitted, waiting for its permit");
+            let gone = quick().limit(&limits, "l", Priority::default());
+            let gone = set.run("a", gone).expect("admitted, waiting for its permit");
+            tokio::task::yield_now().await;
+            drop(gone);
+            drop(permit);
+            assert!(limited.await.expect("the limited run ran"));
+
+            // The close fails the queued run.
+            let holder = set.run("a", holding(&release)).expect("admitted into the free slot");
+            tokio::task::yield_now().await;
+            let shut = set.run("a", quick()).expect("queued");
+            set.close();
+            assert!(shut.await.is_err(), "the close failed it");
+            release.add_permits(1);
+            assert!(holder.await.expect("the holder ran"));
             while set.snapshot().owned > 0 {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         });
         let lane = &set.snapshot().lanes[0];
-        assert_eq!((lane.admitted, lane.completed), (4, 3), "{lane:?}");
-        assert!(hook.calls() >= 10, "every move was made: {}", hook.calls());
+        let failed = (lane.failed.canceled, lane.failed.timeout, lane.failed.closed);
+        assert_eq!((lane.admitted, lane.completed, failed), (9, 5, (2, 1, 1)), "{lane:?}");
+        assert!(hook.calls() >= 20, "every move was made: {}", hook.calls());
     });
 }
 
@@ -209,6 +238,45 @@ fn a_pool_counts_a_finished_item_out_of_its_lock() {
         });
         assert_eq!(hook.calls(), 10, "every item was counted");
         assert_eq!(dispatcher.stats().completed, 10);
+    });
+}
+
+/// The pool's workers count a finished item after the engine's lock, and each counts itself
+/// out of the pool only after: a caller of `stop`, on another thread, finds every outcome
+/// counted when it returns, however slow the recorder.
+#[test]
+fn a_pool_stop_finds_every_outcome_counted() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    ends_in_time("a dispatcher's stop", || {
+        let hook = Hook::default();
+        let recorder = Named::all(&hook, &["lanes_pool_completed_total"], &[]);
+        let landed = Arc::new(AtomicUsize::new(0));
+        let counted = landed.clone();
+        hook.set(move || {
+            std::thread::sleep(Duration::from_millis(2));
+            counted.fetch_add(1, Ordering::SeqCst);
+        });
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let _in = runtime.enter();
+        let dispatcher = metrics::with_local_recorder(&recorder, || {
+            Dispatcher::builder()
+                .workers(4)
+                .queue_size(64)
+                .build(|_: u32| async { Ok::<_, std::io::Error>(()) })
+                .expect("a valid dispatcher")
+        });
+        hook.switch(true);
+        runtime.block_on(async {
+            for n in 0..40 {
+                dispatcher.submit(n).expect("room for every item");
+            }
+            dispatcher.stop(Duration::from_secs(10)).await.expect("every worker ends");
+            assert_eq!(landed.load(Ordering::SeqCst), 40, "every outcome counted by the stop");
+        });
     });
 }
 

@@ -353,9 +353,9 @@ impl std::ops::DerefMut for LaneState {
 }
 
 impl Drop for LaneShared {
-    /// The `queued` gauge moves by differences: a lane that goes away with runs still counted
-    /// queued takes back what it counts, so that a set built again under the same names counts
-    /// its own runs only. (A run its runtime drops ends in that drop and leaves the queue then;
+    /// The gauges move by differences: a lane that goes away with runs still counted queued
+    /// or executing (or with a move the recorder missed) takes back what it counts, so that a
+    /// set built again under the same names counts its own runs only. (A run its runtime drops ends in that drop and leaves the queue then;
     /// a run parked in the queue, with no task, holds the set until it ends.)
     fn drop(&mut self) {
         let state = spin_lock(&self.core);
@@ -546,11 +546,12 @@ impl LaneShared {
             });
             self.publish(&mut state)
         };
-        self.gauge(moves);
         // No run's task carries them: each is started on its home, this admission's runtime
         // or another.
         let starts = Starts { here: Some(home), carry: false, runtimes };
         next.push_all_granted(granted.iter_mut().filter_map(|handoff| handoff.0.take()), starts);
+        // After the grants' latches are set, which their runs may be waiting for.
+        self.gauge(moves);
     }
 
     /// What the lane's gauges move by after a change (called under the lane lock): the moves
@@ -1454,7 +1455,6 @@ impl SetShared {
             lane.offer_spares(&mut core);
             (unused, lane.publish(&mut core))
         };
-        lane.gauge(moves);
         // A run granted its slot at admission never used its second reference.
         drop(unused);
         let starts = Starts { here: carrier, carry: true, runtimes: &self.runtimes };
@@ -1464,6 +1464,8 @@ impl SetShared {
         if !more.is_empty() {
             next.push_all_granted(more.iter_mut().filter_map(|handoff| handoff.0.take()), starts);
         }
+        // After the grants' latches are set, which their runs may be waiting for.
+        lane.gauge(moves);
         next
     }
 

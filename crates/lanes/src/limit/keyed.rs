@@ -316,10 +316,11 @@ impl<K: Hash + Eq> Shard<K> {
     }
 }
 
-/// The family's `metrics` handles, labelled by its name. Contained ([`Contained`]): most
-/// calls are made under a shard's lock, or after a permit is taken and before the
-/// [`KeyedPermit`] that gives it back exists, or as a wait leaves the key's line; a recorder's
-/// panic unwound from there would leave the permit held, or the line stalled, for good.
+/// The family's `metrics` handles, labelled by its name. Called after the shard's lock (the
+/// recorder is user code, which may call into this limit), and contained ([`Contained`]): many
+/// calls are made after a permit is taken and before the [`KeyedPermit`] that gives it back
+/// exists, or as a wait leaves the key's line; a recorder's panic unwound from there would
+/// leave the permit held, or the line stalled, for good.
 struct KeyedMetrics {
     acquired: Contained<metrics::Counter>,
     refused: Contained<metrics::Counter>,
@@ -718,11 +719,11 @@ enum Waited {
     Late,
 }
 
-/// What making a key did to its shard's keys, counted in the metrics after the shard's lock:
-/// every call into the recorder is made without it, as the recorder is user code, which may
-/// call into this limit.
-#[derive(Default)]
-struct KeysMoved {
+/// What making a key did to its shard's keys, counted in the metrics as it drops, after the
+/// shard's lock: every call into the recorder is made without it, as the recorder is user
+/// code, which may call into this limit.
+struct KeysMoved<'a> {
+    metrics: &'a KeyedMetrics,
     /// Idle keys the shard forgot first.
     forgotten: usize,
     /// The key was kept.
@@ -731,16 +732,24 @@ struct KeysMoved {
     refused: bool,
 }
 
-impl KeysMoved {
-    fn count(self, metrics: &KeyedMetrics) {
+impl<'a> KeysMoved<'a> {
+    #[inline]
+    fn new(metrics: &'a KeyedMetrics) -> Self {
+        Self { metrics, forgotten: 0, made: false, refused: false }
+    }
+}
+
+impl Drop for KeysMoved<'_> {
+    #[inline]
+    fn drop(&mut self) {
         if self.forgotten > 0 {
-            metrics.keys.decrement(self.forgotten as f64);
+            self.metrics.keys.decrement(self.forgotten as f64);
         }
         if self.made {
-            metrics.keys.increment(1.0);
+            self.metrics.keys.increment(1.0);
         }
         if self.refused {
-            metrics.refused.increment(1);
+            self.metrics.refused.increment(1);
         }
     }
 }
@@ -872,17 +881,16 @@ impl<K: Hash + Eq> Shared<K> {
         K: Borrow<Q>,
         Q: Hash + Eq + ToOwned<Owned = K> + ?Sized,
     {
+        // Declared before the guards: counted as it drops, after them, on a return or while a
+        // panic (of the key type's `Hash`, `Eq` or `ToOwned`) unwinds.
+        let mut moved = KeysMoved::new(&self.metrics);
         let mut guard = lock(self.shard(hash));
         let Shard { keys, counts, .. } = &mut *guard;
         if let Some(state) = keys.get_mut(key) {
             return Ok(f(state, counts));
         }
         let Some(spec_for) = &self.spec_for else {
-            let mut moved = KeysMoved::default();
-            let answer = self.make_key(&mut guard, key, None, now, f, &mut moved);
-            drop(guard);
-            moved.count(&self.metrics);
-            return answer;
+            return self.make_key(&mut guard, key, None, now, f, &mut moved);
         };
         // The user's function runs without the shard's lock: it may be slow, or look at this
         // limit. Someone may make the key meanwhile; then theirs is used.
@@ -902,11 +910,7 @@ impl<K: Hash + Eq> Shared<K> {
         if let Some(state) = keys.get_mut(key) {
             return Ok(f(state, counts));
         }
-        let mut moved = KeysMoved::default();
-        let answer = self.make_key(&mut guard, key, Some((owned, own)), now, f, &mut moved);
-        drop(guard);
-        moved.count(&self.metrics);
-        answer
+        self.make_key(&mut guard, key, Some((owned, own)), now, f, &mut moved)
     }
 
     /// A new key (with its own rules, where `spec_for` gave some): forgets the shard's idle
@@ -922,7 +926,7 @@ impl<K: Hash + Eq> Shared<K> {
         made: Option<(K, Option<Rules>)>,
         now: u64,
         f: impl FnOnce(&mut KeyState, &mut Counts) -> R,
-        moved: &mut KeysMoved,
+        moved: &mut KeysMoved<'_>,
     ) -> Result<R, LimitError>
     where
         K: Borrow<Q>,

@@ -163,21 +163,23 @@ impl SpillReader {
             records += 1;
             bytes += len;
         }
-        let unacked = {
+        let acked = {
             let mut shared = lock(&self.inner.shared);
             if to <= shared.committed {
                 return Ok(());
             }
             shared.committed = to;
             shared.records -= records.min(shared.records);
-            shared.bytes -= bytes.min(shared.bytes);
+            let acked = bytes.min(shared.bytes);
+            shared.bytes -= acked;
             shared.acknowledged += records;
-            shared.bytes
+            acked
         };
-        // After the lock (the recorder is user code, which may call into this queue), and
-        // contained: unwound from here, the commit would never be sent, and a retry would find
-        // it done (its records would come back after a restart).
-        let _ = call_contained(|| self.inner.metrics.unacked_bytes.set(unacked as f64));
+        // After the lock (the recorder is user code, which may call into this queue), by the
+        // difference (as appends move it after their own lock, the moves add up in any order),
+        // and contained: unwound from here, the commit would never be sent, and a retry would
+        // find it done (its records would come back after a restart).
+        let _ = call_contained(|| self.inner.metrics.unacked_bytes.decrement(acked as f64));
         let (reply, answer) = oneshot::channel();
         let sent = self.inner.mailbox.commit(to, reply);
         // Counted once the commit is on its way.
