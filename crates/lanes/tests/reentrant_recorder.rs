@@ -1,7 +1,8 @@
 //! A `metrics` recorder is user code, and may call back into the primitive it counts for: to
 //! read a snapshot beside a count, say. Each primitive calls it without holding its own locks,
 //! so such a recorder neither deadlocks (a std mutex), spins for good (the channel's and the
-//! pool's spin locks) nor panics (a borrowed thread-local cache).
+//! pool's spin locks) nor panics (a borrowed thread-local cache). A waker is user code too: a
+//! limit's table wakes its waiters after its lock.
 //!
 //! Each scenario runs on a thread of its own ([`ends_in_time`]): before its fix, each of them
 //! hung (or, for the check by name, panicked).
@@ -314,6 +315,41 @@ fn a_spill_commit_is_counted_out_of_the_queues_lock() {
         assert_eq!(hook.calls(), 1, "the commit set the gauge once");
     });
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A waker that reads the limit's info when it is woken (its lock).
+struct Reads(Limits);
+
+impl std::task::Wake for Reads {
+    fn wake(self: Arc<Self>) {
+        let info = at_once(self.0.info("l")).expect("the limit's info");
+        assert!(info.is_some(), "the limit is defined");
+    }
+}
+
+/// A waiter at another priority waits in the limit's table; a returned permit grants it there
+/// and wakes it after the table's lock: a waker (user code) that reads the limit's info finds
+/// the lock free. (Before, the table woke it under its lock, and it deadlocked.)
+#[test]
+fn a_limits_table_wakes_its_waiters_out_of_its_lock() {
+    ends_in_time("a wake from the limit's table", || {
+        runtime().block_on(async {
+            let limits = Limits::new();
+            limits.define("l", LimitSpec::concurrent(1)).await.unwrap();
+            let held = limits.acquire("l", Priority::default()).await.unwrap();
+            let waker = std::task::Waker::from(Arc::new(Reads(limits.clone())));
+            let mut cx = std::task::Context::from_waker(&waker);
+            let mut waiting = std::pin::pin!(limits.acquire("l", Priority::level(1)));
+            assert!(waiting.as_mut().poll(&mut cx).is_pending(), "the one permit is held");
+            drop(held);
+            match waiting.as_mut().poll(&mut cx) {
+                std::task::Poll::Ready(permit) => drop(permit.expect("granted the permit")),
+                std::task::Poll::Pending => panic!("the returned permit went to the waiter"),
+            }
+            let info = limits.info("l").await.unwrap().expect("defined");
+            assert_eq!((info.in_use, info.waiting, info.granted_total), (0, 0, 2), "{info:?}");
+        });
+    });
 }
 
 /// A check by name whose count (user code) checks another name that this thread has not

@@ -60,6 +60,60 @@ struct Inner {
     /// Waiters by ticket (tickets are unique per backend). Only looked up, never iterated, so
     /// the map's order cannot leak into answers.
     wakers: FastMap<u64, Waiter>,
+    /// What the lock's holder does once it lets the lock go ([`InnerGuard`]).
+    later: Later,
+}
+
+/// The wakes and counts a holder of the table's lock makes after it: a waker and the `metrics`
+/// recorder are user code, which may call back into this limit (and take the lock again).
+#[derive(Debug, Default)]
+struct Later {
+    wakers: Vec<Waker>,
+    /// Leases that ran out, by limit (a limit's `expired` counter and how many).
+    expired: Vec<(metrics::Counter, u64)>,
+}
+
+impl Later {
+    fn run(self) {
+        for waker in self.wakers {
+            waker.wake();
+        }
+        // Contained: this runs in drops too, a permit's among them.
+        for (counter, n) in self.expired {
+            let _ = call_contained(|| counter.increment(n));
+        }
+    }
+}
+
+/// The table's lock, held: when it is dropped it lets the lock go first, then wakes the waiters
+/// and makes the counts its holder left in [`Later`] (also while a panic unwinds). Every
+/// wake-up and count of the table is made that way, never under the lock.
+struct InnerGuard<'a>(Option<std::sync::MutexGuard<'a, Inner>>);
+
+fn lock_inner(inner: &Mutex<Inner>) -> InnerGuard<'_> {
+    InnerGuard(Some(lock(inner)))
+}
+
+impl std::ops::Deref for InnerGuard<'_> {
+    type Target = Inner;
+    fn deref(&self) -> &Inner {
+        self.0.as_deref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for InnerGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Inner {
+        self.0.as_deref_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for InnerGuard<'_> {
+    fn drop(&mut self) {
+        let Some(mut guard) = self.0.take() else { return };
+        let later = std::mem::take(&mut guard.later);
+        drop(guard);
+        later.run();
+    }
 }
 
 /// A waiting ticket's waker, and whether a release may grant on its behalf (and with which
@@ -340,7 +394,7 @@ impl Slot {
         let Some(shared) = self.shared.upgrade() else { return };
         let local = LocalLimits { shared };
         let now = local.now_for(self, None);
-        let mut inner = lock(&local.shared.inner);
+        let mut inner = lock_inner(&local.shared.inner);
         if take && !self.cell.is_slow() {
             local.go_slow(&mut inner, self, now);
         }
@@ -497,6 +551,7 @@ impl LocalLimits {
                     table: LimitTable::with_max_waiters(max_waiters),
                     fence_floor: 0,
                     wakers: FastMap::default(),
+                    later: Later::default(),
                 }),
                 slots: RwLock::new(FastMap::default()),
                 origin: Instant::now(),
@@ -647,14 +702,14 @@ impl LocalLimits {
             match inner.table.acquire_leased(&slot.name, ticket, &default, now, None) {
                 Ok(Acquire::Granted(grant)) => {
                     handoff.set(grant);
-                    waker.wake();
+                    inner.later.wakers.push(waker);
                 }
                 Ok(_) => inner.park(ticket, &waker, OnBehalf::Grant(None), Some(&handoff)),
                 // The table's queue was empty and the line no longer than its room: only a
                 // broken invariant lands here. The waiter asks and finds its ticket finished.
                 Err(_) => {
                     debug_assert!(false, "the table refused a caller from the line");
-                    waker.wake();
+                    inner.later.wakers.push(waker);
                 }
             }
         }
@@ -672,10 +727,11 @@ impl LocalLimits {
         if let Some(counters) = inner.table.release_if_idle(&slot.name) {
             slot.cell.go_fast(counters);
         }
-        // Counted once the table is settled, and contained: a grant made for a caller just
-        // before (`try_now`) is not its permit yet, and this runs in drops too.
+        // Counted once the table is settled, after the lock (`Later`), and contained: a grant
+        // made for a caller just before (`try_now`) is not its permit yet, and this runs in
+        // drops too.
         if expired > 0 {
-            let _ = call_contained(|| slot.metrics().expired.increment(expired));
+            inner.later.expired.push((slot.metrics().expired.clone(), expired));
         }
     }
 
@@ -687,7 +743,7 @@ impl LocalLimits {
 
     pub(crate) fn define_now(&self, name: &str, spec: LimitSpec) -> Result<(), LimitError> {
         spec.validate()?;
-        let mut inner = lock(&self.shared.inner);
+        let mut inner = lock_inner(&self.shared.inner);
         match self.slot(name) {
             Some(slot) => {
                 // Set under the line's lock, so that a caller joins the line either before
@@ -732,7 +788,7 @@ impl LocalLimits {
     }
 
     pub(crate) fn remove_now(&self, name: &str) -> Result<(), LimitError> {
-        let mut inner = lock(&self.shared.inner);
+        let mut inner = lock_inner(&self.shared.inner);
         let Some(slot) = self.slot(name) else {
             return Err(LimitError::UnknownLimit(name.to_owned()));
         };
@@ -768,7 +824,7 @@ impl LocalLimits {
         // The clock is read outside the lock: a slightly earlier `now` is only conservative
         // (GCRA takes the later of `tat` and `now`; a lease lapses a moment later).
         let now = self.now_for(slot, lease);
-        let mut inner = lock(&self.shared.inner);
+        let mut inner = lock_inner(&self.shared.inner);
         let answer = self.look(&mut inner, slot, ticket, first, lease, now)?;
         Ok(match answer {
             Acquire::Granted(grant) => {
@@ -848,7 +904,7 @@ impl LocalLimits {
         ticket: u64,
         lease: Option<Duration>,
     ) -> Result<Acquire, LimitError> {
-        let mut inner = lock(&self.shared.inner);
+        let mut inner = lock_inner(&self.shared.inner);
         let now = self.now();
         if slot.is_removed() {
             return Err(LimitError::UnknownLimit(slot.name.to_string()));
@@ -866,10 +922,10 @@ impl LocalLimits {
     /// Returns a permit or withdraws a ticket of `slot`'s limit, then lets the next waiters in.
     pub(crate) fn release_slot(&self, slot: &Slot, ticket: u64) -> Released {
         let now = self.now_for(slot, None);
-        let mut inner = lock(&self.shared.inner);
+        let mut inner = lock_inner(&self.shared.inner);
         // A waiter of this ticket (a long-poll between looks) learns at once that it finished.
         if let Some(waiter) = inner.wakers.remove(&ticket) {
-            waiter.waker.wake();
+            inner.later.wakers.push(waiter.waker);
         }
         match inner.table.release(&slot.name, ticket, now) {
             Ok(released) => {
@@ -907,7 +963,7 @@ impl LocalLimits {
             // wake-up asks itself, with its own lease.
             let Some(waiter) = inner.wakers.remove(&ticket) else { break };
             let OnBehalf::Grant(lease) = waiter.grant else {
-                waiter.waker.wake();
+                inner.later.wakers.push(waiter.waker);
                 break;
             };
             if let Ok(Acquire::Granted(grant)) = inner.table.check(name, ticket, now, lease)
@@ -915,7 +971,7 @@ impl LocalLimits {
             {
                 handoff.set(grant);
             }
-            waiter.waker.wake();
+            inner.later.wakers.push(waiter.waker);
             next = inner.table.next(name, now);
         }
         let head = match next {
@@ -930,12 +986,12 @@ impl LocalLimits {
         if let Some(ticket) = head
             && let Some(waiter) = inner.wakers.remove(&ticket)
         {
-            waiter.waker.wake();
+            inner.later.wakers.push(waiter.waker);
         }
     }
 
     pub(crate) fn info_now(&self, name: &str) -> Option<LimitInfo> {
-        let mut inner = lock(&self.shared.inner);
+        let mut inner = lock_inner(&self.shared.inner);
         let now = self.now();
         self.reclaim_all(&mut inner, now);
         self.info_locked(&mut inner, name)
@@ -963,7 +1019,7 @@ impl LocalLimits {
     }
 
     pub(crate) fn infos(&self) -> Vec<LimitInfo> {
-        let mut inner = lock(&self.shared.inner);
+        let mut inner = lock_inner(&self.shared.inner);
         let now = self.now();
         self.reclaim_all(&mut inner, now);
         let mut names: Vec<Arc<str>> = self
@@ -999,7 +1055,7 @@ impl LocalLimits {
         tickets: &[u64],
         lease: Duration,
     ) -> Result<Vec<u64>, LimitError> {
-        let mut inner = lock(&self.shared.inner);
+        let mut inner = lock_inner(&self.shared.inner);
         let now = self.now();
         let Some(slot) = self.slot(name) else {
             return Err(LimitError::UnknownLimit(name.to_owned()));
@@ -1032,7 +1088,7 @@ impl LocalLimits {
         }
         impl Drop for Unpark<'_> {
             fn drop(&mut self) {
-                lock(&self.local.shared.inner).wakers.remove(&self.ticket);
+                lock_inner(&self.local.shared.inner).wakers.remove(&self.ticket);
             }
         }
         let _unpark = Unpark { local: self, ticket };
@@ -1041,7 +1097,7 @@ impl LocalLimits {
             if sleep.as_mut().poll(cx).is_ready() {
                 return Poll::Ready(());
             }
-            let mut inner = lock(&self.shared.inner);
+            let mut inner = lock_inner(&self.shared.inner);
             let now = self.now();
             self.reclaim_all(&mut inner, now);
             let wake_at = match inner.table.next(name, now) {
@@ -1304,7 +1360,7 @@ impl LocalLimits {
         let Some(slot) = self.slot(name) else {
             return Err(LimitError::UnknownLimit(name.to_owned()));
         };
-        let mut inner = lock(&self.shared.inner);
+        let mut inner = lock_inner(&self.shared.inner);
         let now = self.now();
         let acquire = self.look(&mut inner, &slot, ticket, first, lease, now)?;
         Ok(answer(acquire, now))

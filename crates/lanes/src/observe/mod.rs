@@ -13,9 +13,7 @@
 //! runs under a lock is the resolving of a primitive's handles (`register_*`): a channel that a
 //! [`Channels`](crate::channel::Channels) registry creates resolves them under the registry's
 //! lock, and a limit once, on its first use, inside a `OnceLock`; so a recorder should not
-//! create a channel in that registry, or use that limit, from `register_*`. One count of a
-//! limit is made under its table's lock: `lanes_limit_expired_total`, as leases that ran out
-//! are taken back.
+//! create a channel in that registry, or use that limit, from `register_*`.
 
 mod names;
 mod registry;
