@@ -164,6 +164,48 @@ fn a_lane_moves_its_gauges_out_of_its_locks() {
     });
 }
 
+/// A waker that reads a channel's snapshot (its lock) when it is woken.
+struct Snapshots(Channel<u32>);
+
+impl std::task::Wake for Snapshots {
+    fn wake(self: Arc<Self>) {
+        drop(self.0.snapshot());
+    }
+}
+
+/// A producer that was handed a slot of a full channel but finds the shared budget spent hands
+/// the slot on to the next producer in line and waits for a unit: it wakes that producer after
+/// the channel's lock, so a waker (user code) that reads the channel's snapshot finds it free.
+/// (Before, the wake was made under the lock, and spun there for good.)
+#[test]
+fn a_slot_handed_on_wakes_its_producer_out_of_the_channels_lock() {
+    use std::task::{Context, Waker};
+    ends_in_time("a slot handed on for want of a budget unit", || {
+        runtime().block_on(async {
+            let channels = Channels::with_budget(1).expect("a valid budget");
+            let full = channels.create::<u32>("full", ChannelConfig::new(1)).unwrap();
+            let other = channels.create::<u32>("other", ChannelConfig::new(4)).unwrap();
+            let mut reader = full.consumer(ConsumerOptions::new()).unwrap();
+            full.emit(1).await.unwrap();
+            let plain = &mut Context::from_waker(Waker::noop());
+            let mut first = std::pin::pin!(full.emit(2));
+            assert!(first.as_mut().poll(plain).is_pending(), "the channel is full");
+            let snapshots = Waker::from(Arc::new(Snapshots(full.clone())));
+            let mut second = std::pin::pin!(full.emit(3));
+            let reads = &mut Context::from_waker(&snapshots);
+            assert!(second.as_mut().poll(reads).is_pending(), "behind the first in line");
+            // The read hands its slot to the first producer, and its unit goes back...
+            assert_eq!(reader.recv().await, Some(1));
+            // ... which another channel takes.
+            other.emit(10).await.unwrap();
+            assert!(first.as_mut().poll(plain).is_pending(), "it waits for a unit now");
+            // The second producer has the slot, and no unit either.
+            assert!(second.as_mut().poll(reads).is_pending());
+            assert_eq!(channels.budget_used(), Some(1));
+        });
+    });
+}
+
 /// A keyed limit counts a new key, a permit, a caller in the key's line, a full line's
 /// refusal, a hand-over and a return after its shard's lock, and so does its rate's wait: a
 /// recorder that reads the limit's `info` (every shard's lock) finds them free.

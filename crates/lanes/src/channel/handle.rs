@@ -36,6 +36,15 @@ fn wake_all(wakers: Vec<Waker>) {
     }
 }
 
+/// What a push under the channel's lock leaves for after it ([`ChannelShared::push_locked`]):
+/// the producers it handed a slot or a budget unit to wake, and whether a producer began to
+/// wait (the `blocked_waits` count).
+#[derive(Default)]
+struct PushLater {
+    wakers: Vec<Waker>,
+    first_wait: bool,
+}
+
 /// The in-flight records shared by a registry's dynamic channels. Producers blocked on it wait
 /// in one FIFO list; a unit that comes back while some wait is handed to the first of them.
 pub(crate) struct Budget {
@@ -75,17 +84,21 @@ impl Budget {
 
     /// Gives `n` units back; while producers wait, free units go to the first of them.
     fn release(&self, n: usize) {
+        let mut wakers = Vec::new();
+        self.release_into(n, &mut wakers);
+        wake_all(wakers);
+    }
+
+    /// [`release`](Self::release), leaving the wakes of the producers handed a unit in
+    /// `wakers`, for a caller that holds a channel's lock and wakes them after it.
+    fn release_into(&self, n: usize, wakers: &mut Vec<Waker>) {
         if n == 0 {
             return;
         }
         self.used.fetch_sub(n, Ordering::SeqCst);
         if self.waiting.load(Ordering::SeqCst) > 0 {
-            let mut wakers = Vec::new();
-            {
-                let mut waiters = lock(&self.waiters);
-                self.hand_off(&mut waiters, &mut wakers);
-            }
-            wake_all(wakers);
+            let mut waiters = lock(&self.waiters);
+            self.hand_off(&mut waiters, wakers);
         }
     }
 
@@ -98,20 +111,16 @@ impl Budget {
     }
 
     /// Queues a producer, unless units are free (then the first waiters, this one last, are
-    /// handed one each). Waiters counted before the check, so a release that frees a unit
-    /// after it sees them.
-    fn wait(&self, waker: &Waker) -> BudgetWait {
-        let mut wakers = Vec::new();
-        let answer = {
-            let mut waiters = lock(&self.waiters);
-            let key = waiters.push(waker);
-            self.waiting.store(waiters.len(), Ordering::SeqCst);
-            self.hand_off(&mut waiters, &mut wakers);
-            if waiters.contains(key) { BudgetWait::Waiting(key) } else { BudgetWait::Handed }
-        };
+    /// handed one each, their wakes left in `wakers` for the caller to make after its
+    /// channel's lock). Waiters counted before the check, so a release that frees a unit after
+    /// it sees them.
+    fn wait(&self, waker: &Waker, wakers: &mut Vec<Waker>) -> BudgetWait {
+        let mut waiters = lock(&self.waiters);
+        let key = waiters.push(waker);
+        self.waiting.store(waiters.len(), Ordering::SeqCst);
+        self.hand_off(&mut waiters, wakers);
         // This producer's own waker is among them when it was handed a unit: harmless.
-        wake_all(wakers);
-        answer
+        if waiters.contains(key) { BudgetWait::Waiting(key) } else { BudgetWait::Handed }
     }
 
     /// Whether `key` still waits; refreshes its waker if so.
@@ -524,24 +533,25 @@ impl<T> ChannelShared<T> {
         entry: Entry<T>,
         wait: Option<(&mut Waiter, &Waker)>,
     ) -> Pushed<T> {
-        let mut first_wait = false;
-        let pushed = self.push_under(st, entry, wait, &mut first_wait);
-        // Counted out of the lock, which `push_under` gave up: the recorder is user code, and
-        // may call into this channel.
-        if first_wait {
+        let mut later = PushLater::default();
+        let pushed = self.push_under(st, entry, wait, &mut later);
+        // Out of the lock, which `push_under` gave up: wakers and the recorder are user code,
+        // and may call into this channel.
+        wake_all(later.wakers);
+        if later.first_wait {
             self.metrics.blocked_waits.increment(1);
         }
         pushed
     }
 
     /// [`push_locked`](Self::push_locked)'s rule, under the lock `st` (dropped on return);
-    /// sets `first_wait` if a producer began to wait, for the count its caller makes.
+    /// leaves in `later` what its caller does after the lock.
     fn push_under(
         &self,
         mut st: SpinGuard<'_, State<T>>,
         mut entry: Entry<T>,
         mut wait: Option<(&mut Waiter, &Waker)>,
-        first_wait: &mut bool,
+        later: &mut PushLater,
     ) -> Pushed<T> {
         loop {
             let (mut held_slot, mut held_unit) = (false, false);
@@ -602,13 +612,13 @@ impl<T> ChannelShared<T> {
                     if !waiter.counted {
                         waiter.counted = true;
                         st.core.blocked();
-                        *first_wait = true;
+                        later.first_wait = true;
                     }
                     if !budget_full {
                         // The channel is full: a unit it was handed goes back (to the next
                         // budget waiter), and it queues for a slot.
                         if held_unit {
-                            self.budget().release(1);
+                            self.budget().release_into(1, &mut later.wakers);
                         }
                         waiter.key = Some(st.senders.push(waker));
                         waiter.on = WaitOn::Channel;
@@ -617,11 +627,9 @@ impl<T> ChannelShared<T> {
                     // The budget is full: a slot it was handed goes to the next producer, and
                     // it queues on the budget.
                     if held_slot {
-                        let mut wakers = Vec::new();
-                        st.hand_off(&mut wakers);
-                        wake_all(wakers);
+                        st.hand_off(&mut later.wakers);
                     }
-                    match self.budget().wait(waker) {
+                    match self.budget().wait(waker, &mut later.wakers) {
                         BudgetWait::Waiting(key) => {
                             (waiter.key, waiter.on) = (Some(key), WaitOn::Budget);
                             return Pushed::Full(record);
