@@ -164,12 +164,13 @@ fn a_lane_moves_its_gauges_out_of_its_locks() {
     });
 }
 
-/// A waker that reads a channel's snapshot (its lock) when it is woken.
-struct Snapshots(Channel<u32>);
+/// A waker that reads a channel's snapshot (its lock) when it is woken, and counts its wakes.
+struct Snapshots(Channel<u32>, std::sync::atomic::AtomicUsize);
 
 impl std::task::Wake for Snapshots {
     fn wake(self: Arc<Self>) {
         drop(self.0.snapshot());
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -190,7 +191,8 @@ fn a_slot_handed_on_wakes_its_producer_out_of_the_channels_lock() {
             let plain = &mut Context::from_waker(Waker::noop());
             let mut first = std::pin::pin!(full.emit(2));
             assert!(first.as_mut().poll(plain).is_pending(), "the channel is full");
-            let snapshots = Waker::from(Arc::new(Snapshots(full.clone())));
+            let woken = Arc::new(Snapshots(full.clone(), Default::default()));
+            let snapshots = Waker::from(woken.clone());
             let mut second = std::pin::pin!(full.emit(3));
             let reads = &mut Context::from_waker(&snapshots);
             assert!(second.as_mut().poll(reads).is_pending(), "behind the first in line");
@@ -199,6 +201,8 @@ fn a_slot_handed_on_wakes_its_producer_out_of_the_channels_lock() {
             // ... which another channel takes.
             other.emit(10).await.unwrap();
             assert!(first.as_mut().poll(plain).is_pending(), "it waits for a unit now");
+            let wakes = woken.1.load(std::sync::atomic::Ordering::SeqCst);
+            assert_eq!(wakes, 1, "the slot was handed on to the second producer");
             // The second producer has the slot, and no unit either.
             assert!(second.as_mut().poll(reads).is_pending());
             assert_eq!(channels.budget_used(), Some(1));
@@ -359,13 +363,14 @@ fn a_spill_commit_is_counted_out_of_the_queues_lock() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A waker that reads the limit's info when it is woken (its lock).
-struct Reads(Limits);
+/// A waker that reads the limit's info when it is woken (its lock), and counts its wakes.
+struct Reads(Limits, std::sync::atomic::AtomicUsize);
 
 impl std::task::Wake for Reads {
     fn wake(self: Arc<Self>) {
         let info = at_once(self.0.info("l")).expect("the limit's info");
         assert!(info.is_some(), "the limit is defined");
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -379,11 +384,13 @@ fn a_limits_table_wakes_its_waiters_out_of_its_lock() {
             let limits = Limits::new();
             limits.define("l", LimitSpec::concurrent(1)).await.unwrap();
             let held = limits.acquire("l", Priority::default()).await.unwrap();
-            let waker = std::task::Waker::from(Arc::new(Reads(limits.clone())));
+            let woken = Arc::new(Reads(limits.clone(), Default::default()));
+            let waker = std::task::Waker::from(woken.clone());
             let mut cx = std::task::Context::from_waker(&waker);
             let mut waiting = std::pin::pin!(limits.acquire("l", Priority::level(1)));
             assert!(waiting.as_mut().poll(&mut cx).is_pending(), "the one permit is held");
             drop(held);
+            assert_eq!(woken.1.load(std::sync::atomic::Ordering::SeqCst), 1, "granted and woken");
             match waiting.as_mut().poll(&mut cx) {
                 std::task::Poll::Ready(permit) => drop(permit.expect("granted the permit")),
                 std::task::Poll::Pending => panic!("the returned permit went to the waiter"),

@@ -30,6 +30,7 @@
 use std::collections::hash_map::Entry;
 use std::fmt;
 use std::future::poll_fn;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
@@ -69,18 +70,44 @@ struct Inner {
 #[derive(Debug, Default)]
 struct Later {
     wakers: Vec<Waker>,
-    /// Leases that ran out, by limit (a limit's `expired` counter and how many).
-    expired: Vec<(metrics::Counter, u64)>,
+    /// Leases that ran out, by limit: how many, and the limit's `expired` counter (its name
+    /// where its handles were not resolved yet: resolving them calls the recorder too).
+    expired: Vec<(Expired, u64)>,
+}
+
+/// The `expired` counter of a limit, or its name where its handles were not resolved yet.
+#[derive(Debug)]
+enum Expired {
+    Counter(metrics::Counter),
+    Limit(Arc<str>),
 }
 
 impl Later {
+    /// Wakes every waker and makes every count, each contained: a waker that panics (user
+    /// code) leaves none of the others unwoken, whose grants were already handed to them. The
+    /// first panic is raised again once all are done, unless the thread is unwinding already.
     fn run(self) {
+        let mut panicked = None;
         for waker in self.wakers {
-            waker.wake();
+            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
+                panicked.get_or_insert(payload);
+            }
         }
-        // Contained: this runs in drops too, a permit's among them.
-        for (counter, n) in self.expired {
-            let _ = call_contained(|| counter.increment(n));
+        // Contained (a recorder's panic is reported by the panic hook): this runs in drops
+        // too, a permit's among them.
+        for (expired, n) in self.expired {
+            let _ = call_contained(|| match expired {
+                Expired::Counter(counter) => counter.increment(n),
+                Expired::Limit(name) => {
+                    metrics::counter!("lanes_limit_expired_total", "limit" => name.to_string())
+                        .increment(n);
+                }
+            });
+        }
+        if let Some(payload) = panicked
+            && !std::thread::panicking()
+        {
+            std::panic::resume_unwind(payload);
         }
     }
 }
@@ -731,7 +758,11 @@ impl LocalLimits {
         // made for a caller just before (`try_now`) is not its permit yet, and this runs in
         // drops too.
         if expired > 0 {
-            inner.later.expired.push((slot.metrics().expired.clone(), expired));
+            let counter = match slot.metrics.get() {
+                Some(metrics) => Expired::Counter(metrics.expired.clone()),
+                None => Expired::Limit(slot.name.clone()),
+            };
+            inner.later.expired.push((counter, expired));
         }
     }
 
