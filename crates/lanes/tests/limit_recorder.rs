@@ -281,10 +281,7 @@ fn a_fast_permit_given_back_by_a_panic_is_counted_off() {
     let breaking = Breaking::default();
     let held = Level::default();
     let recorder = common::Named {
-        counters: vec![(
-            "lanes_limit_acquired_total",
-            metrics::Counter::from_arc(Arc::new(breaking.clone())),
-        )],
+        counters: vec![("lanes_limit_acquired_total", breaking.counter())],
         gauges: vec![("lanes_limit_held", metrics::Gauge::from_arc(Arc::new(held.clone())))],
     };
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();

@@ -62,53 +62,35 @@ impl metrics::Recorder for Named {
 }
 
 /// A `metrics` counter or gauge that panics on every call while its switch is on:
-/// a recorder written carelessly.
-#[derive(Clone, Default)]
-pub(crate) struct Breaking {
-    on: Arc<AtomicBool>,
-    panics: Arc<AtomicUsize>,
+/// a recorder written carelessly. (A [`Hook`] whose hook panics.)
+#[derive(Clone)]
+pub(crate) struct Breaking(Hook);
+
+impl Default for Breaking {
+    fn default() -> Self {
+        let hook = Hook::default();
+        hook.set(|| panic!("the recorder panics"));
+        Self(hook)
+    }
 }
 
 impl Breaking {
-    fn called(&self) {
-        if self.on.load(Ordering::SeqCst) {
-            self.panics.fetch_add(1, Ordering::SeqCst);
-            panic!("the recorder panics");
-        }
-    }
-
     pub(crate) fn switch(&self, on: bool) {
-        self.on.store(on, Ordering::SeqCst);
+        self.0.switch(on);
     }
 
     pub(crate) fn panics(&self) -> usize {
-        self.panics.load(Ordering::SeqCst)
+        self.0.calls()
     }
-}
 
-impl metrics::CounterFn for Breaking {
-    fn increment(&self, _value: u64) {
-        self.called();
-    }
-    fn absolute(&self, _value: u64) {}
-}
-
-impl metrics::GaugeFn for Breaking {
-    fn increment(&self, _value: f64) {
-        self.called();
-    }
-    fn decrement(&self, _value: f64) {
-        self.called();
-    }
-    fn set(&self, _value: f64) {
-        self.called();
-    }
-}
-
-impl Breaking {
     /// A recorder whose `counters` and `gauges` (by name) are all this one.
     pub(crate) fn recorder(&self, counters: &[&'static str], gauges: &[&'static str]) -> Named {
-        Named::all(self, counters, gauges)
+        Named::all(&self.0, counters, gauges)
+    }
+
+    /// A counter handle that is this one.
+    pub(crate) fn counter(&self) -> metrics::Counter {
+        metrics::Counter::from_arc(Arc::new(self.0.clone()))
     }
 }
 
