@@ -210,6 +210,47 @@ fn a_slot_handed_on_wakes_its_producer_out_of_the_channels_lock() {
     });
 }
 
+/// A waker that reads a run lane set's snapshot (its locks) when it is woken, and counts its
+/// wakes.
+struct SetSnapshots(lanes::LaneSet, std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for SetSnapshots {
+    fn wake(self: Arc<Self>) {
+        drop(self.0.snapshot());
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A lane's close cancels its executing runs after the lane's lock: a task awaiting a run's
+/// `cancelled()` whose waker (user code) reads the set's snapshot finds the lock free.
+/// (Before, the cancel woke it under the lock, and it spun there for good.)
+#[test]
+fn a_lanes_close_cancels_its_runs_out_of_its_lock() {
+    use std::task::{Context, Poll, Waker};
+    ends_in_time("a run cancelled by the close", || {
+        let set = common::one_lane("a", LaneLimits::new(1, 1)).build().expect("a valid set");
+        runtime().block_on(async {
+            let (context, contexts) = tokio::sync::oneshot::channel();
+            let run = Run::new(move |cx| async move {
+                let _ = context.send(cx.clone());
+                Ok(cx.cancelled().await)
+            });
+            let run = set.run("a", run).expect("admitted into the free slot");
+            let cx = contexts.await.expect("the run started");
+            let woken = Arc::new(SetSnapshots(set.clone(), Default::default()));
+            let waker = Waker::from(woken.clone());
+            let reads = &mut Context::from_waker(&waker);
+            let mut cancelled = std::pin::pin!(cx.cancelled());
+            assert!(cancelled.as_mut().poll(reads).is_pending(), "the run executes");
+            set.close();
+            assert_eq!(woken.1.load(std::sync::atomic::Ordering::SeqCst), 1, "woken by the close");
+            assert!(matches!(cancelled.as_mut().poll(reads), Poll::Ready(_)));
+            let _ = run.await;
+        });
+        assert_eq!(set.snapshot().owned, 0);
+    });
+}
+
 /// A keyed limit counts a new key, a permit, a caller in the key's line, a full line's
 /// refusal, a hand-over and a return after its shard's lock, and so does its rate's wait: a
 /// recorder that reads the limit's `info` (every shard's lock) finds them free.

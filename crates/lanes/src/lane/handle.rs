@@ -297,18 +297,22 @@ impl LaneShared {
         inbox.shut = true;
         let inbox_kept = std::mem::take(&mut inbox.spare);
         drop(inbox);
+        // The executing runs are cancelled after the lock: a cancel wakes whoever awaits the
+        // run's `cancelled()`, a task whose waker is user code.
+        let mut running = Vec::new();
         core.shut(
             why,
             |held| woken.extend(held.signal.shut_later(why)),
-            |held| {
-                held.signal.cancel(reason);
-            },
+            |held| running.push(held.signal.clone()),
         );
         // A shut lane admits nothing: the signals it kept go, with the spent drives in them,
         // after the lock.
         let core_kept = std::mem::take(&mut core.spare);
         let moves = self.publish(&mut core);
         drop(core);
+        for signal in running {
+            signal.cancel(reason);
+        }
         self.gauge(moves);
         drop((inbox_kept, core_kept));
         woken.into_iter().for_each(|woken| woken.wake(runtimes));
