@@ -359,8 +359,9 @@ impl std::ops::DerefMut for LaneState {
 impl Drop for LaneShared {
     /// The gauges move by differences: a lane that goes away with runs still counted queued
     /// or executing (or with a move the recorder missed) takes back what it counts, so that a
-    /// set built again under the same names counts its own runs only. (A run its runtime drops ends in that drop and leaves the queue then;
-    /// a run parked in the queue, with no task, holds the set until it ends.)
+    /// set built again under the same names counts its own runs only. (A run its runtime drops
+    /// ends in that drop and leaves the queue then; a run parked in the queue, with no task,
+    /// holds the set until it ends.)
     fn drop(&mut self) {
         let state = spin_lock(&self.core);
         let (queued, executing) = (state.gauged, state.gauged_executing);
