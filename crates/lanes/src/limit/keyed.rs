@@ -53,6 +53,11 @@ const CAP_SWEEP_GAP: u64 = 100_000_000;
 /// refuses a new key past it with a typed error; and a key can have a spec of its own
 /// ([`spec_for`]: a paying tenant's higher rate).
 ///
+/// The key type's `Hash`, `Eq`, `Clone` (`ToOwned` for a borrowed key) and `Drop` run while
+/// the key's shard is locked, so they should be quick, and must not call back into the same
+/// limit (that call never returns). [`spec_for`] runs without the lock; so does the `metrics`
+/// recorder.
+///
 /// [`max_keys`]: KeyedLimitBuilder::max_keys
 /// [`spec_for`]: KeyedLimitBuilder::spec_for
 ///
