@@ -12,7 +12,7 @@ mod common;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use common::{Hook, Named, ends_in_time};
+use common::{CallsBack, Hook, Named, ends_in_time};
 use lanes::channel::{Channel, ChannelConfig, Channels, ConsumerOptions};
 use lanes::limit::KeyedLimit;
 use lanes::pool::Dispatcher;
@@ -164,16 +164,6 @@ fn a_lane_moves_its_gauges_out_of_its_locks() {
     });
 }
 
-/// A waker that reads a channel's snapshot (its lock) when it is woken, and counts its wakes.
-struct Snapshots(Channel<u32>, std::sync::atomic::AtomicUsize);
-
-impl std::task::Wake for Snapshots {
-    fn wake(self: Arc<Self>) {
-        drop(self.0.snapshot());
-        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
 /// A producer that was handed a slot of a full channel but finds the shared budget spent hands
 /// the slot on to the next producer in line and waits for a unit: it wakes that producer after
 /// the channel's lock, so a waker (user code) that reads the channel's snapshot finds it free.
@@ -191,8 +181,8 @@ fn a_slot_handed_on_wakes_its_producer_out_of_the_channels_lock() {
             let plain = &mut Context::from_waker(Waker::noop());
             let mut first = std::pin::pin!(full.emit(2));
             assert!(first.as_mut().poll(plain).is_pending(), "the channel is full");
-            let woken = Arc::new(Snapshots(full.clone(), Default::default()));
-            let snapshots = Waker::from(woken.clone());
+            let seen = full.clone();
+            let (woken, snapshots) = CallsBack::waker(move || drop(seen.snapshot()));
             let mut second = std::pin::pin!(full.emit(3));
             let reads = &mut Context::from_waker(&snapshots);
             assert!(second.as_mut().poll(reads).is_pending(), "behind the first in line");
@@ -201,8 +191,7 @@ fn a_slot_handed_on_wakes_its_producer_out_of_the_channels_lock() {
             // ... which another channel takes.
             other.emit(10).await.unwrap();
             assert!(first.as_mut().poll(plain).is_pending(), "it waits for a unit now");
-            let wakes = woken.1.load(std::sync::atomic::Ordering::SeqCst);
-            assert_eq!(wakes, 1, "the slot was handed on to the second producer");
+            assert_eq!(woken.wakes(), 1, "the slot was handed on to the second producer");
             // The second producer has the slot, and no unit either.
             assert!(second.as_mut().poll(reads).is_pending());
             assert_eq!(channels.budget_used(), Some(1));
@@ -210,23 +199,12 @@ fn a_slot_handed_on_wakes_its_producer_out_of_the_channels_lock() {
     });
 }
 
-/// A waker that reads a run lane set's snapshot (its locks) when it is woken, and counts its
-/// wakes.
-struct SetSnapshots(lanes::LaneSet, std::sync::atomic::AtomicUsize);
-
-impl std::task::Wake for SetSnapshots {
-    fn wake(self: Arc<Self>) {
-        drop(self.0.snapshot());
-        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
 /// A lane's close cancels its executing runs after the lane's lock: a task awaiting a run's
 /// `cancelled()` whose waker (user code) reads the set's snapshot finds the lock free.
 /// (Before, the cancel woke it under the lock, and it spun there for good.)
 #[test]
 fn a_lanes_close_cancels_its_runs_out_of_its_lock() {
-    use std::task::{Context, Poll, Waker};
+    use std::task::{Context, Poll};
     ends_in_time("a run cancelled by the close", || {
         let set = common::one_lane("a", LaneLimits::new(1, 1)).build().expect("a valid set");
         runtime().block_on(async {
@@ -237,13 +215,13 @@ fn a_lanes_close_cancels_its_runs_out_of_its_lock() {
             });
             let run = set.run("a", run).expect("admitted into the free slot");
             let cx = contexts.await.expect("the run started");
-            let woken = Arc::new(SetSnapshots(set.clone(), Default::default()));
-            let waker = Waker::from(woken.clone());
+            let seen = set.clone();
+            let (woken, waker) = CallsBack::waker(move || drop(seen.snapshot()));
             let reads = &mut Context::from_waker(&waker);
             let mut cancelled = std::pin::pin!(cx.cancelled());
             assert!(cancelled.as_mut().poll(reads).is_pending(), "the run executes");
             set.close();
-            assert_eq!(woken.1.load(std::sync::atomic::Ordering::SeqCst), 1, "woken by the close");
+            assert_eq!(woken.wakes(), 1, "woken by the close");
             assert!(matches!(cancelled.as_mut().poll(reads), Poll::Ready(_)));
             let _ = run.await;
         });
@@ -404,17 +382,6 @@ fn a_spill_commit_is_counted_out_of_the_queues_lock() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A waker that reads the limit's info when it is woken (its lock), and counts its wakes.
-struct Reads(Limits, std::sync::atomic::AtomicUsize);
-
-impl std::task::Wake for Reads {
-    fn wake(self: Arc<Self>) {
-        let info = at_once(self.0.info("l")).expect("the limit's info");
-        assert!(info.is_some(), "the limit is defined");
-        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
 /// A waiter at another priority waits in the limit's table; a returned permit grants it there
 /// and wakes it after the table's lock: a waker (user code) that reads the limit's info finds
 /// the lock free. (Before, the table woke it under its lock, and it deadlocked.)
@@ -425,13 +392,16 @@ fn a_limits_table_wakes_its_waiters_out_of_its_lock() {
             let limits = Limits::new();
             limits.define("l", LimitSpec::concurrent(1)).await.unwrap();
             let held = limits.acquire("l", Priority::default()).await.unwrap();
-            let woken = Arc::new(Reads(limits.clone(), Default::default()));
-            let waker = std::task::Waker::from(woken.clone());
+            let seen = limits.clone();
+            let (woken, waker) = CallsBack::waker(move || {
+                let info = at_once(seen.info("l")).expect("the limit's info");
+                assert!(info.is_some(), "the limit is defined");
+            });
             let mut cx = std::task::Context::from_waker(&waker);
             let mut waiting = std::pin::pin!(limits.acquire("l", Priority::level(1)));
             assert!(waiting.as_mut().poll(&mut cx).is_pending(), "the one permit is held");
             drop(held);
-            assert_eq!(woken.1.load(std::sync::atomic::Ordering::SeqCst), 1, "granted and woken");
+            assert_eq!(woken.wakes(), 1, "granted and woken");
             match waiting.as_mut().poll(&mut cx) {
                 std::task::Poll::Ready(permit) => drop(permit.expect("granted the permit")),
                 std::task::Poll::Pending => panic!("the returned permit went to the waiter"),

@@ -162,6 +162,33 @@ impl metrics::GaugeFn for Hook {
     }
 }
 
+/// A waker that calls back into the library when it is woken (user code: say, to read a
+/// snapshot), and counts its wakes.
+pub(crate) struct CallsBack {
+    call: Box<dyn Fn() + Send + Sync>,
+    wakes: AtomicUsize,
+}
+
+impl CallsBack {
+    /// The waker, and a handle to count its wakes.
+    pub(crate) fn waker(call: impl Fn() + Send + Sync + 'static) -> (Arc<Self>, std::task::Waker) {
+        let woken = Arc::new(Self { call: Box::new(call), wakes: AtomicUsize::new(0) });
+        (woken.clone(), std::task::Waker::from(woken))
+    }
+
+    /// How many times it was woken.
+    pub(crate) fn wakes(&self) -> usize {
+        self.wakes.load(Ordering::SeqCst)
+    }
+}
+
+impl std::task::Wake for CallsBack {
+    fn wake(self: Arc<Self>) {
+        (self.call)();
+        self.wakes.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 /// Runs `scenario` on a thread of its own and fails if it has not ended within ten seconds: a
 /// scenario that deadlocks (or spins for good on a lock its own thread holds) fails rather
 /// than hangs. (A thread stuck so is left behind.)
