@@ -27,7 +27,7 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else { return };
         let (orphans, riding) = {
-            let mut state = lock(&inner.state);
+            let mut state = inner.lock_state();
             let riding: Vec<String> = state
                 .limits
                 .iter()
@@ -38,7 +38,8 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
         };
         let waiting: Vec<String> = if due(touched.elapsed(), period, inner.queue_grace / 4) {
             touched = Instant::now();
-            lock(&inner.state)
+            inner
+                .lock_state()
                 .limits
                 .iter()
                 .filter(|(_, limit)| limit.has_waiters())
@@ -50,7 +51,8 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
         let held: Vec<(String, Vec<u64>)> =
             if auto_renew && due(renewed.elapsed(), period, renew_every) {
                 renewed = Instant::now();
-                lock(&inner.state)
+                inner
+                    .lock_state()
                     .limits
                     .iter()
                     .map(|(name, limit)| (name.clone(), limit.renewed()))
@@ -64,7 +66,7 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
             if let Err(CallError::Outage(_)) =
                 inner.call(&name, "release", &[ticket.to_string()]).await
             {
-                lock(&inner.state).orphans.push((name, ticket));
+                inner.lock_state().orphans.push((name, ticket));
             }
         }));
         let riders = join_all(riding.iter().map(|name| inner.flush_riders(name)));
@@ -95,7 +97,7 @@ pub(crate) async fn watch_leases(inner: Weak<Inner>) {
         let now = Instant::now();
         let mut lapsed = Vec::new();
         let mut next = now + Duration::from_millis(50);
-        for (name, limit) in &mut lock(&strong.state).limits {
+        for (name, limit) in &mut strong.lock_state().limits {
             let (gone, soonest) = limit.lapse(now);
             lapsed.extend(gone.into_iter().map(|ticket| (name.clone(), ticket)));
             next = soonest.map_or(next, |soonest| soonest.min(next));
@@ -147,7 +149,7 @@ impl Inner {
             let refused: BTreeSet<u64> = refused.iter().copied().collect();
             let renewed: Vec<u64> =
                 tickets.into_iter().filter(|ticket| !refused.contains(ticket)).collect();
-            let mut state = lock(&self.state);
+            let mut state = self.lock_state();
             if let Some(limit) = state.limits.get_mut(name) {
                 limit.renewed_until(&renewed, self.lease_end(sent, lease));
             }
@@ -155,7 +157,7 @@ impl Inner {
         if !refused.is_empty() {
             let mut lost = Vec::new();
             {
-                let mut state = lock(&self.state);
+                let mut state = self.lock_state();
                 if let Some(limit) = state.limits.get_mut(name) {
                     lost.extend(refused.iter().copied().filter(|ticket| limit.lose(*ticket)));
                 }

@@ -38,7 +38,7 @@ impl Inner {
         if share.holds(ticket) {
             return Some(share);
         }
-        let exact = lock(&self.state).limits.get(name).is_some_and(|limit| limit.knows(ticket));
+        let exact = self.lock_state().limits.get(name).is_some_and(|limit| limit.knows(ticket));
         (!exact && share.serves(ticket)).then_some(share)
     }
 

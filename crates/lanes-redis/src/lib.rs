@@ -90,6 +90,7 @@ mod leased;
 mod outage;
 mod push;
 mod tickets;
+mod wakes;
 mod wire;
 
 pub use builder::RedisLimitsBuilder;
@@ -99,6 +100,7 @@ use conn::{Conn, Live, Target};
 use lease::{ensure_epoch, maintain, watch_leases};
 use push::subscribe;
 use tickets::{ClientLimit, Delivered, Place, State, WaitPlan};
+use wakes::StateGuard;
 use wire::{
     Arg, Ask, CallError, Library, NO_ARGS, Reply, error_tag, int, parse_grant, parse_held, text,
 };
@@ -234,6 +236,14 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+impl Inner {
+    /// The client's bookkeeping, locked. Waiters it wakes are woken after the lock
+    /// ([`wakes`]): their wakers are the caller's code, which may call back into this client.
+    fn lock_state(&self) -> StateGuard<'_> {
+        StateGuard::lock(&self.state)
+    }
+}
+
 /// The ledger id of a client named `client`: 53 bits of its SHA-1 (Lua's numbers are
 /// doubles). Finding another name with the same id (to refresh as another client's share)
 /// takes about 2^53 hashes: the ids a limit's snapshot shows give nothing away.
@@ -292,11 +302,11 @@ impl Inner {
             hold.as_millis().to_string(),
             // On a cluster, the hold after the limit is found on another node (a failover).
             if self.cluster { self.max_lease.as_millis().to_string() } else { "0".to_owned() },
-            lock(&self.state).modes.get(name).cloned().unwrap_or_default(),
+            self.lock_state().modes.get(name).cloned().unwrap_or_default(),
         ];
         self.call(name, "define", &args).await?;
         self.command::<()>(redis::cmd("SADD").arg(self.registry_key()).arg(name)).await?;
-        lock(&self.state).specs.insert(name.to_owned(), spec);
+        self.lock_state().specs.insert(name.to_owned(), spec);
         Ok(())
     }
 
@@ -444,7 +454,7 @@ impl Inner {
         sent: Instant,
         lease: Duration,
     ) -> Answer {
-        let mut state = lock(&self.state);
+        let mut state = self.lock_state();
         let limit = state.limits.entry(name.to_owned()).or_default();
         // A grant made for another ticket of this client is recorded whatever happened to
         // this one (even if its own grant was pushed meanwhile): nobody else would renew it.
@@ -501,7 +511,7 @@ impl Inner {
             return Ok(leased::answer(&leased, ticket, &ask));
         }
         let (local, mut new) = {
-            let mut state = lock(&self.state);
+            let mut state = self.lock_state();
             let limit = state.limits.entry(name.to_owned()).or_default();
             if let Some(grant) = limit.claim(ticket) {
                 return Ok(Answer::Granted(grant));
@@ -526,7 +536,7 @@ impl Inner {
             };
         }
         if matches!(self.outage, OutagePolicy::LocalShare(_))
-            && !lock(&self.state).specs.contains_key(name)
+            && !self.lock_state().specs.contains_key(name)
         {
             // Learn the spec while Redis answers; an outage now is handled below.
             let _ = self.info(name).await;
@@ -542,7 +552,7 @@ impl Inner {
                 Ok(Reply::Answer(answer, grant, hint)) => {
                     if matches!(ask, Ask::Try) && !matches!(answer, ScriptAnswer::Granted) {
                         // A try leaves nothing behind, here either.
-                        lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
+                        self.lock_state().limits.entry(name.to_owned()).or_default().forget(ticket);
                         return Ok(match answer {
                             ScriptAnswer::RetryAfter(after) => Answer::RetryAfter(after),
                             _ => Answer::Queued,
@@ -550,7 +560,7 @@ impl Inner {
                     }
                     if matches!(ask, Ask::Try) && lease.is_some() {
                         // Granted to a try with its own lease: its holder renews it.
-                        lock(&self.state).limits.entry(name.to_owned()).or_default().hold(
+                        self.lock_state().limits.entry(name.to_owned()).or_default().hold(
                             ticket,
                             true,
                             self.lease_end(sent, lease_or_own),
@@ -560,7 +570,7 @@ impl Inner {
                     return Ok(self.apply(name, ticket, answer, sent, lease_or_own));
                 }
                 Ok(Reply::TooManyWaiters) => {
-                    lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
+                    self.lock_state().limits.entry(name.to_owned()).or_default().forget(ticket);
                     return Err(LimitError::TooManyWaiters {
                         limit: name.to_owned(),
                         max: self.max_waiters,
@@ -568,7 +578,7 @@ impl Inner {
                 }
                 Ok(Reply::Finished) => {
                     let priority = {
-                        let mut state = lock(&self.state);
+                        let mut state = self.lock_state();
                         let limit = state.limits.entry(name.to_owned()).or_default();
                         let waiting = limit.is_waiting(ticket);
                         let priority = limit.priority(ticket);
@@ -589,7 +599,7 @@ impl Inner {
                     let _ = self.detect_loss().await;
                     match priority {
                         Some(priority) if attempt < 2 => {
-                            lock(&self.state)
+                            self.lock_state()
                                 .limits
                                 .entry(name.to_owned())
                                 .or_default()
@@ -597,7 +607,7 @@ impl Inner {
                             ask = Ask::First(priority);
                         }
                         _ => {
-                            lock(&self.state)
+                            self.lock_state()
                                 .limits
                                 .entry(name.to_owned())
                                 .or_default()
@@ -608,15 +618,15 @@ impl Inner {
                 }
                 Ok(Reply::Leased(policy)) => {
                     // Defined leased (by another client): served from this client's share.
-                    lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
+                    self.lock_state().limits.entry(name.to_owned()).or_default().forget(ticket);
                     let leased = self.serve_leased(name, policy);
                     leased.store_answered();
                     return Ok(leased::answer(&leased, ticket, &ask));
                 }
                 Ok(Reply::Unknown) => {
-                    let known = lock(&self.state).specs.contains_key(name);
+                    let known = self.lock_state().specs.contains_key(name);
                     if !known || attempt == 2 {
-                        lock(&self.state).limits.entry(name.to_owned()).or_default().forget(ticket);
+                        self.lock_state().limits.entry(name.to_owned()).or_default().forget(ticket);
                         return Err(LimitError::UnknownLimit(name.to_owned()));
                     }
                     match self.detect_loss().await {
@@ -627,7 +637,7 @@ impl Inner {
                             // defined it itself (then define it again, as before). On a
                             // cluster it may instead have been lost in a failover (created
                             // just before, never replicated): then its grants wait a lease.
-                            let spec = lock(&self.state).specs.get(name).copied();
+                            let spec = self.lock_state().specs.get(name).copied();
                             if let Some(spec) = spec {
                                 self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
                                 let hold =
@@ -655,7 +665,7 @@ impl Inner {
         }
         self.lost.forget(name, ticket);
         let place = {
-            let mut state = lock(&self.state);
+            let mut state = self.lock_state();
             state.limits.entry(name.to_owned()).or_default().release(ticket)
         };
         match place {
@@ -668,7 +678,7 @@ impl Inner {
                     _ => Released::Unknown,
                 }),
                 Err(CallError::Outage(_)) => {
-                    lock(&self.state).orphans.push((name.to_owned(), ticket));
+                    self.lock_state().orphans.push((name.to_owned(), ticket));
                     Ok(Released::Unknown)
                 }
                 Err(CallError::Other(err)) => Err(err),
@@ -685,7 +695,7 @@ impl Inner {
     fn ride(&self, name: &str, ticket: u64) -> bool {
         let Some(me) = self.me.get().and_then(Weak::upgrade) else { return false };
         let first = {
-            let mut state = lock(&self.state);
+            let mut state = self.lock_state();
             match state.limits.get_mut(name).and_then(|limit| limit.ride(ticket)) {
                 Some(first) => first,
                 None => return false,
@@ -704,7 +714,7 @@ impl Inner {
             return leased.wait(ticket, at_most).await;
         }
         let plan =
-            lock(&self.state).limits.entry(name.to_owned()).or_default().plan_wait(ticket, at_most);
+            self.lock_state().limits.entry(name.to_owned()).or_default().plan_wait(ticket, at_most);
         match plan {
             WaitPlan::Ready => {}
             WaitPlan::Local => self.local.wait(name, ticket, at_most).await,
@@ -731,7 +741,7 @@ impl Inner {
             per_second: if rate.is_empty() { None } else { Some(rate.parse().map_err(|_| bad())?) },
             burst: u32::try_from(field(2)?).map_err(|_| bad())?,
         };
-        lock(&self.state).specs.insert(name.to_owned(), spec);
+        self.lock_state().specs.insert(name.to_owned(), spec);
         let info = LimitInfo::new(
             name,
             spec,
@@ -921,7 +931,7 @@ impl RedisLimits {
             SharePolicy::MaxMinFair => "leased:maxmin",
             SharePolicy::Proportional => "leased:proportional",
         };
-        lock(&self.inner.state).modes.insert(name.to_owned(), mode.to_owned());
+        self.inner.lock_state().modes.insert(name.to_owned(), mode.to_owned());
         self.inner.define(name, spec).await?;
         self.inner.serve_leased(name, policy);
         Ok(())
@@ -995,7 +1005,7 @@ impl LimitBackend for RedisLimits {
                 .inner
                 .command::<()>(redis::cmd("SREM").arg(self.inner.registry_key()).arg(name))
                 .await;
-            let mut state = lock(&self.inner.state);
+            let mut state = self.inner.lock_state();
             state.specs.remove(name);
             state.limits.remove(name);
             Ok(())

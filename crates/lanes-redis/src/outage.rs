@@ -70,13 +70,13 @@ impl Inner {
             *epoch = Some(fresh);
         }
         let specs: Vec<(String, LimitSpec)> =
-            lock(&self.state).specs.iter().map(|(n, s)| (n.clone(), *s)).collect();
+            self.lock_state().specs.iter().map(|(n, s)| (n.clone(), *s)).collect();
         for (name, spec) in specs {
             self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
             self.define_held(&name, spec, self.max_lease).await?;
         }
         let held: Vec<(String, u64)> = {
-            let mut state = lock(&self.state);
+            let mut state = self.lock_state();
             let mut held = Vec::new();
             for (name, limit) in &mut state.limits {
                 held.extend(limit.lose_all().into_iter().map(|ticket| (name.clone(), ticket)));
@@ -108,7 +108,7 @@ impl Inner {
         };
         // The ticket may be queued on the server: withdraw it once Redis is back.
         let queued_remotely = {
-            let mut state = lock(&self.state);
+            let mut state = self.lock_state();
             state.limits.entry(name.to_owned()).or_default().is_waiting(ticket)
         };
         match self.outage {
@@ -117,7 +117,7 @@ impl Inner {
             }
             OutagePolicy::FailOpen => {
                 self.stats.open_grants.fetch_add(1, Ordering::Relaxed);
-                let mut state = lock(&self.state);
+                let mut state = self.lock_state();
                 if queued_remotely {
                     state.orphans.push((name.to_owned(), ticket));
                 }
@@ -126,7 +126,7 @@ impl Inner {
                 Ok(Answer::Granted(Grant { fencing_token: 0, expires_at: None }))
             }
             OutagePolicy::LocalShare(share) => {
-                let Some(spec) = lock(&self.state).specs.get(name).copied() else {
+                let Some(spec) = self.lock_state().specs.get(name).copied() else {
                     return Err(LimitError::backend(format!(
                         "redis unreachable ({message}) and the spec of {name:?} is unknown to this client"
                     )));
@@ -136,7 +136,7 @@ impl Inner {
                 }
                 self.stats.local_acquires.fetch_add(1, Ordering::Relaxed);
                 {
-                    let mut state = lock(&self.state);
+                    let mut state = self.lock_state();
                     if queued_remotely {
                         state.orphans.push((name.to_owned(), ticket));
                     }

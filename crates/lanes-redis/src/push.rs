@@ -36,7 +36,7 @@ pub(crate) async fn subscribe(
             let _ = done.send(());
         }
         if let Some(strong) = inner.upgrade() {
-            for limit in lock(&strong.state).limits.values() {
+            for limit in strong.lock_state().limits.values() {
                 limit.wake_first();
             }
         }
@@ -52,7 +52,7 @@ pub(crate) async fn subscribe(
                     if let Err(CallError::Outage(_)) =
                         strong.call(&name, "release", &[ticket.to_string()]).await
                     {
-                        lock(&strong.state).orphans.push((name, ticket));
+                        strong.lock_state().orphans.push((name, ticket));
                     }
                 });
             }
@@ -75,7 +75,7 @@ impl Inner {
     /// wake-up for the client's first waiter of a limit.
     /// Returns a permit to hand back if its waiter is gone.
     pub(crate) fn pushed(&self, prefix: &str, payload: &str) -> Option<(String, u64)> {
-        let mut state = lock(&self.state);
+        let mut state = self.lock_state();
         match parse_push(payload) {
             Some((ticket, grant, qualified)) => {
                 let name = qualified.strip_prefix(prefix)?;

@@ -153,18 +153,18 @@ impl ClientLimit {
         }
     }
 
-    /// Wakes the client's asker on this limit.
+    /// Wakes the client's asker on this limit (once the state's lock is let go: [`wakes`]).
     pub(crate) fn wake_first(&self) {
         if let Some(notify) = self.queue.first().and_then(|t| self.notify_of(*t)) {
-            notify.notify_one();
+            wakes::defer(Arc::clone(notify));
         }
     }
 
-    /// Wakes every waiting ticket (after Redis lost its state).
+    /// Wakes every waiting ticket (after Redis lost its state), once the lock is let go.
     pub(crate) fn wake_all(&self) {
         for ticket in &self.queue {
             if let Some(notify) = self.notify_of(*ticket) {
-                notify.notify_one();
+                wakes::defer(Arc::clone(notify));
             }
         }
     }
@@ -321,7 +321,7 @@ impl ClientLimit {
             Some(Ticket::Waiting { notify, external, .. }) => {
                 let (notify, external) = (Arc::clone(notify), *external);
                 self.set(ticket, Ticket::Granted { grant, external, until });
-                notify.notify_one();
+                wakes::defer(notify);
                 Delivered::Woken
             }
             Some(Ticket::Open | Ticket::Local) | None => Delivered::Gone,
@@ -460,6 +460,12 @@ mod tests {
         Grant { fencing_token: fence, expires_at: None }
     }
 
+    /// Runs `f` as under the state's lock: the wakes it defers are made when it returns.
+    fn then_woken<R>(f: impl FnOnce() -> R) -> R {
+        let _wakes = wakes::Wakes::begin();
+        f()
+    }
+
     fn asked(tickets: &[u64]) -> ClientLimit {
         let mut limit = ClientLimit::default();
         for &t in tickets {
@@ -507,7 +513,7 @@ mod tests {
         let WaitPlan::Remote(notify, _) = limit.plan_wait(2, Duration::from_secs(5)) else {
             panic!("a waiting ticket waits remotely");
         };
-        assert_eq!(limit.deliver(2, grant(9), far()), Delivered::Woken);
+        assert_eq!(then_woken(|| limit.deliver(2, grant(9), far())), Delivered::Woken);
         // The permit was stored: its waiter's next `notified()` completes at once.
         let woken = notify.notified();
         futures_util::pin_mut!(woken);
@@ -537,12 +543,12 @@ mod tests {
         let mut limit = asked(&[5, 3, 9]);
         let first = limit.notify_of(3).cloned().unwrap();
         let second = limit.notify_of(5).cloned().unwrap();
-        limit.wake_first();
+        then_woken(|| limit.wake_first());
         let pending = first.notified();
         futures_util::pin_mut!(pending);
         assert!(pending.as_mut().enable(), "the lowest ticket is the asker");
         // When the asker stops waiting, the next one is woken to ask.
-        limit.forget(3);
+        then_woken(|| limit.forget(3));
         let pending = second.notified();
         futures_util::pin_mut!(pending);
         assert!(pending.as_mut().enable());
@@ -556,7 +562,7 @@ mod tests {
     fn an_asker_granted_to_its_own_ask_hands_the_role_on() {
         let mut limit = asked(&[1, 2]);
         let next = limit.notify_of(2).cloned().unwrap();
-        limit.hold(1, false, far());
+        then_woken(|| limit.hold(1, false, far()));
         let pending = next.notified();
         futures_util::pin_mut!(pending);
         assert!(pending.as_mut().enable(), "the next waiter asks now");

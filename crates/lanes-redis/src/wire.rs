@@ -198,7 +198,7 @@ impl Inner {
     }
 
     fn take_riders(&self, name: &str) -> (Vec<u64>, bool) {
-        lock(&self.state).limits.get_mut(name).map(ClientLimit::take_riders).unwrap_or_default()
+        self.lock_state().limits.get_mut(name).map(ClientLimit::take_riders).unwrap_or_default()
     }
 
     async fn call_riding<A: ToRedisArgs + Sync>(
@@ -302,7 +302,7 @@ struct Riding<'a> {
 impl Drop for Riding<'_> {
     fn drop(&mut self) {
         if !self.tickets.is_empty() {
-            let mut state = lock(&self.inner.state);
+            let mut state = self.inner.lock_state();
             state
                 .orphans
                 .extend(self.tickets.drain(..).map(|ticket| (self.name.to_owned(), ticket)));

@@ -338,3 +338,19 @@ impl Drop for DedicatedCluster {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Runs `scenario` on a thread of its own and fails if it has not ended within 10 s: a
+/// deadlock fails the test instead of hanging the run.
+pub fn ends_in_time(what: &str, scenario: impl FnOnce() + Send + 'static) {
+    use std::sync::mpsc::RecvTimeoutError;
+    let (done, ended) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        scenario();
+        let _ = done.send(());
+    });
+    match ended.recv_timeout(Duration::from_secs(10)) {
+        Ok(()) => {}
+        Err(RecvTimeoutError::Timeout) => panic!("{what}: still running after 10 s (deadlocked)"),
+        Err(RecvTimeoutError::Disconnected) => panic!("{what}: panicked"),
+    }
+}
