@@ -139,7 +139,7 @@ impl RedisLimitsBuilder {
             queue_grace: self.queue_grace,
             epoch: Mutex::new(None),
             lost: LostLeases::default(),
-            state: Mutex::new(State::default()),
+            state: StateLock::default(),
             local: Arc::new(LocalLimits::with_max_waiters(self.max_waiters)),
             stats: Stats::default(),
             tasks: Mutex::new(Vec::new()),

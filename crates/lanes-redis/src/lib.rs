@@ -99,8 +99,8 @@ pub use outage::OutagePolicy;
 use conn::{Conn, Live, Target};
 use lease::{ensure_epoch, maintain, watch_leases};
 use push::subscribe;
-use tickets::{ClientLimit, Delivered, Place, State, WaitPlan};
-use wakes::StateGuard;
+use tickets::{ClientLimit, Delivered, Place, WaitPlan};
+use wakes::{StateGuard, StateLock};
 use wire::{
     Arg, Ask, CallError, Library, NO_ARGS, Reply, error_tag, int, parse_grant, parse_held, text,
 };
@@ -207,7 +207,7 @@ struct Inner {
     epoch: Mutex<Option<String>>,
     /// Permits known lost (lease refused, or Redis lost its state), until released.
     lost: LostLeases,
-    state: Mutex<State>,
+    state: StateLock,
     local: Arc<LocalLimits>,
     stats: Stats,
     tasks: Mutex<Vec<JoinHandle<()>>>,
@@ -240,7 +240,7 @@ impl Inner {
     /// The client's bookkeeping, locked. Waiters it wakes are woken after the lock
     /// ([`wakes`]): their wakers are the caller's code, which may call back into this client.
     fn lock_state(&self) -> StateGuard<'_> {
-        StateGuard::lock(&self.state)
+        self.state.lock()
     }
 }
 

@@ -460,12 +460,6 @@ mod tests {
         Grant { fencing_token: fence, expires_at: None }
     }
 
-    /// Runs `f` as under the state's lock: the wakes it defers are made when it returns.
-    fn then_woken<R>(f: impl FnOnce() -> R) -> R {
-        let _wakes = wakes::Wakes::begin();
-        f()
-    }
-
     fn asked(tickets: &[u64]) -> ClientLimit {
         let mut limit = ClientLimit::default();
         for &t in tickets {
@@ -513,7 +507,7 @@ mod tests {
         let WaitPlan::Remote(notify, _) = limit.plan_wait(2, Duration::from_secs(5)) else {
             panic!("a waiting ticket waits remotely");
         };
-        assert_eq!(then_woken(|| limit.deliver(2, grant(9), far())), Delivered::Woken);
+        assert_eq!(limit.deliver(2, grant(9), far()), Delivered::Woken);
         // The permit was stored: its waiter's next `notified()` completes at once.
         let woken = notify.notified();
         futures_util::pin_mut!(woken);
@@ -526,6 +520,25 @@ mod tests {
         assert_eq!(limit.claim(2), None, "claimed once");
         assert!(limit.holds(2));
         assert!(limit.is_waiting(1));
+    }
+
+    fn woken(notify: &Notify) -> bool {
+        let pending = notify.notified();
+        futures_util::pin_mut!(pending);
+        pending.as_mut().enable()
+    }
+
+    #[test]
+    fn waiters_are_woken_only_once_the_state_is_let_go() {
+        let mut limit = asked(&[1, 2, 3]);
+        let [first, second, third] = [1, 2, 3].map(|t| limit.notify_of(t).cloned().unwrap());
+        let wakes = wakes::Wakes::begin();
+        // The asker's grant wakes it, and hands the asker's role to the next waiter.
+        assert_eq!(limit.deliver(1, grant(3), far()), Delivered::Woken);
+        limit.wake_all();
+        assert!(!woken(&first) && !woken(&second) && !woken(&third), "none under the lock");
+        drop(wakes);
+        assert!(woken(&first) && woken(&second) && woken(&third));
     }
 
     #[test]
@@ -543,12 +556,12 @@ mod tests {
         let mut limit = asked(&[5, 3, 9]);
         let first = limit.notify_of(3).cloned().unwrap();
         let second = limit.notify_of(5).cloned().unwrap();
-        then_woken(|| limit.wake_first());
+        limit.wake_first();
         let pending = first.notified();
         futures_util::pin_mut!(pending);
         assert!(pending.as_mut().enable(), "the lowest ticket is the asker");
         // When the asker stops waiting, the next one is woken to ask.
-        then_woken(|| limit.forget(3));
+        limit.forget(3);
         let pending = second.notified();
         futures_util::pin_mut!(pending);
         assert!(pending.as_mut().enable());
@@ -562,7 +575,7 @@ mod tests {
     fn an_asker_granted_to_its_own_ask_hands_the_role_on() {
         let mut limit = asked(&[1, 2]);
         let next = limit.notify_of(2).cloned().unwrap();
-        then_woken(|| limit.hold(1, false, far()));
+        limit.hold(1, false, far());
         let pending = next.notified();
         futures_util::pin_mut!(pending);
         assert!(pending.as_mut().enable(), "the next waiter asks now");

@@ -2,7 +2,8 @@
 //! whom to wake under its state's lock; a wake made there ran the waker under the lock, and a
 //! waker that takes it again (here: a release of a permit it does not hold, which goes to the
 //! client's bookkeeping) deadlocked the client for good. Each scenario runs on the shared
-//! Redis, on a thread of its own with a deadline (`common::ends_in_time`).
+//! Redis, on a thread of its own with a deadline (`common::ends_in_time`); each hung until its
+//! deadline before the wakes moved after the lock.
 
 mod common;
 
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use lanes::{LimitBackend, LimitSpec, Limits, Priority};
 use lanes_redis::RedisLimits;
-use tokio::time::sleep;
+use tokio::time::{Instant, sleep};
 
 /// A waker that calls into `client` before it wakes the task (`next`).
 struct CallsBack {
@@ -54,9 +55,10 @@ fn calling_back<F: Future>(
     })
 }
 
-/// Until `limits` counts `n` waiting on `name`.
+/// Until `limits` counts `n` waiting on `name` (at most 10 s).
 async fn until_waiting(limits: &Limits, name: &str, n: usize) {
-    for _ in 0..500 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
         if limits.info(name).await.unwrap().is_some_and(|info| info.waiting == n) {
             return;
         }
@@ -97,13 +99,13 @@ fn waiters_whose_wakers_call_back_are_granted_in_turn() {
                 })
                 .collect();
             until_waiting(&holder, "db", 3).await;
-            let before = calls.load(Ordering::SeqCst);
             drop(held);
             for task in tasks {
                 task.await.unwrap();
             }
             assert_eq!(granted.load(Ordering::SeqCst), 3);
-            assert!(calls.load(Ordering::SeqCst) > before, "the waiters' wakers were called");
+            assert!(client.stats().notifications > 0, "the grants came through the pushes");
+            assert!(calls.load(Ordering::SeqCst) > 0, "the waiters' wakers were called");
         });
     });
 }
@@ -116,7 +118,7 @@ fn waiters_whose_wakers_call_back_are_woken_when_redis_loses_its_state() {
         runtime().block_on(async {
             let ns = common::unique_ns("reentrant-lost");
             let _cleanup = common::Cleanup::on(common::Target::Single, &ns);
-            let lease = Duration::from_millis(300);
+            let lease = Duration::from_secs(1);
             let client = common::builder(&ns).lease(lease).max_lease(lease).build().await.unwrap();
             let limits = Limits::with_backend(client.clone());
             limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
@@ -139,7 +141,8 @@ fn waiters_whose_wakers_call_back_are_woken_when_redis_loses_its_state() {
                 answer.unwrap();
             }
             drop(held);
-            assert!(calls.load(Ordering::SeqCst) > 0);
+            assert!(client.stats().redefinitions > 0, "the client found the state lost");
+            assert!(calls.load(Ordering::SeqCst) > 0, "the waiters' wakers were called");
         });
     });
 }

@@ -339,7 +339,7 @@ impl Drop for DedicatedCluster {
     }
 }
 
-/// Runs `scenario` on a thread of its own and fails if it has not ended within 10 s: a
+/// Runs `scenario` on a thread of its own and fails if it has not ended within 30 s: a
 /// deadlock fails the test instead of hanging the run.
 pub fn ends_in_time(what: &str, scenario: impl FnOnce() + Send + 'static) {
     use std::sync::mpsc::RecvTimeoutError;
@@ -348,9 +348,9 @@ pub fn ends_in_time(what: &str, scenario: impl FnOnce() + Send + 'static) {
         scenario();
         let _ = done.send(());
     });
-    match ended.recv_timeout(Duration::from_secs(10)) {
+    match ended.recv_timeout(Duration::from_secs(30)) {
         Ok(()) => {}
-        Err(RecvTimeoutError::Timeout) => panic!("{what}: still running after 10 s (deadlocked)"),
+        Err(RecvTimeoutError::Timeout) => panic!("{what}: still running after 30 s (deadlocked)"),
         Err(RecvTimeoutError::Disconnected) => panic!("{what}: panicked"),
     }
 }
