@@ -1311,6 +1311,49 @@ async fn concurrent_get_or_create_yields_one_channel() {
     assert_eq!(channels.get::<u64>("shared").unwrap().len(), 8);
 }
 
+/// Threads that ask for one new name at the same moment: a channel is built before the
+/// registry's lock, so several may be built, and exactly one is named. Every `get_or_create`
+/// answers that one, and exactly one `create` succeeds; the others' budget goes nowhere.
+#[test]
+fn racing_threads_get_one_channel_per_name() {
+    const THREADS: usize = 4;
+    let channels = Channels::with_budget(1_000).unwrap();
+    for round in 0..200 {
+        let name = format!("race-{round}");
+        let start = Arc::new(std::sync::Barrier::new(THREADS));
+        let threads: Vec<_> = (0..THREADS)
+            .map(|n| {
+                let (channels, name, start) = (channels.clone(), name.clone(), Arc::clone(&start));
+                std::thread::spawn(move || {
+                    start.wait();
+                    if n % 2 == 0 {
+                        let channel =
+                            channels.get_or_create::<u64>(&name, ChannelConfig::new(64)).unwrap();
+                        channel.try_emit(n as u64).unwrap();
+                        Ok(())
+                    } else {
+                        channels.create::<u64>(&name, ChannelConfig::new(64)).map(|channel| {
+                            channel.try_emit(n as u64).unwrap();
+                        })
+                    }
+                })
+            })
+            .collect();
+        let answers: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        let creates_ok = answers.iter().skip(1).step_by(2).filter(|a| a.is_ok()).count();
+        let refused = answers.iter().filter(|a| matches!(a, Err(ChannelError::Duplicate(_))));
+        assert!(creates_ok <= 1, "round {round}: {answers:?}");
+        assert_eq!(creates_ok + refused.count(), THREADS / 2, "round {round}: {answers:?}");
+        let emitted = THREADS / 2 + creates_ok;
+        assert_eq!(channels.get::<u64>(&name).unwrap().len(), emitted, "round {round}");
+    }
+    assert_eq!(channels.names().len(), 200);
+    assert_eq!(
+        channels.budget_used(),
+        Some(channels.snapshot().channels.iter().map(|c| c.depth).sum())
+    );
+}
+
 #[tokio::test]
 async fn closing_an_owner_cascades() {
     let channels = Channels::new();

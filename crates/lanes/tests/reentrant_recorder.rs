@@ -1,8 +1,9 @@
 //! A `metrics` recorder is user code, and may call back into the primitive it counts for: to
 //! read a snapshot beside a count, say. Each primitive calls it without holding its own locks,
 //! so such a recorder neither deadlocks (a std mutex), spins for good (the channel's and the
-//! pool's spin locks) nor panics (a borrowed thread-local cache). A waker is user code too: a
-//! limit's table wakes its waiters after its lock.
+//! pool's spin locks) nor panics (a borrowed thread-local cache). A `Channels` registry builds
+//! a new channel, registering its handles with the recorder, before it takes its map's lock. A
+//! waker is user code too: a limit's table wakes its waiters after its lock.
 //!
 //! Each scenario runs on a thread of its own ([`ends_in_time`]): before its fix, each of them
 //! hung (or, for the check by name, panicked).
@@ -25,6 +26,50 @@ fn at_once<F: std::future::Future>(future: F) -> F::Output {
     match std::pin::pin!(future).poll(&mut cx) {
         std::task::Poll::Ready(answer) => answer,
         std::task::Poll::Pending => panic!("a local check answers at once"),
+    }
+}
+
+/// A recorder that runs its hook whenever a primitive resolves (registers) a handle, and hands
+/// out handles that do nothing.
+struct OnRegister(Hook);
+
+impl metrics::Recorder for OnRegister {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        self.0.fire();
+        metrics::Counter::noop()
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        self.0.fire();
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        self.0.fire();
+        metrics::Histogram::noop()
     }
 }
 
@@ -441,5 +486,29 @@ fn a_check_by_name_whose_count_checks_another_name() {
             }
         });
         assert_eq!(hook.calls(), 3, "each check was counted");
+    });
+}
+
+/// A registry builds a new channel, whose metrics are resolved then, out of its map's lock: a
+/// recorder that lists the registry's channels as a handle is registered finds it free.
+#[test]
+fn a_registry_resolves_a_new_channels_metrics_out_of_its_lock() {
+    ends_in_time("a channel's metrics resolved by its registry", || {
+        let hook = Hook::default();
+        let registry = Channels::new();
+        let listed = Arc::new(std::sync::Mutex::new(Vec::new()));
+        {
+            let (registry, listed) = (registry.clone(), Arc::clone(&listed));
+            hook.set(move || listed.lock().unwrap().push(registry.names().len()));
+        }
+        hook.switch(true);
+        let recorder = OnRegister(hook.clone());
+        let channel = metrics::with_local_recorder(&recorder, || {
+            registry.get_or_create::<u32>("events", ChannelConfig::new(4)).unwrap()
+        });
+        assert!(hook.calls() > 0, "the channel's handles were registered");
+        assert!(listed.lock().unwrap().iter().all(|&n| n == 0), "listed before it was named");
+        assert!(channel.try_emit(1).is_ok());
+        assert_eq!(registry.names(), ["events"]);
     });
 }

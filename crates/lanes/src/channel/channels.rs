@@ -193,17 +193,13 @@ impl Channels {
         // Before the map's lock: a recorder (user code) may create a channel here from its
         // `describe_*`.
         crate::observe::describe_once();
-        let mut map = lock(&self.inner.map);
-        if let Some(slot) = map.get(name) {
-            if must_be_new {
-                return Err(ChannelError::Duplicate(name.to_owned()));
-            }
-            let shared = downcast::<T>(name, slot)?;
-            if let Some(field) = shared.config.difference(&config) {
-                return Err(ChannelError::ConfigMismatch { name: name.to_owned(), field });
-            }
-            return Ok(Channel::from_shared(shared));
+        if let Some(slot) = lock(&self.inner.map).get(name) {
+            return Self::existing(name, slot, &config, must_be_new);
         }
+        // Built before the map's lock too: registering its metrics calls the recorder, which
+        // may call back into this registry. A channel built here that loses the name to
+        // another caller meanwhile is dropped unused, after the lock (its drop publishes its
+        // metrics, and it was never in the map).
         let budget = if dynamic { self.inner.budget.clone() } else { None };
         let name: Arc<str> = Arc::from(name);
         let shared = Arc::new(ChannelShared::new(
@@ -213,7 +209,30 @@ impl Channels {
             budget,
             Arc::downgrade(&self.inner),
         ));
+        let mut map = lock(&self.inner.map);
+        if let Some(slot) = map.get(&name) {
+            let existing = Self::existing(&name, slot, &shared.config, must_be_new);
+            drop(map);
+            return existing;
+        }
         map.insert(name, Slot { any: shared.clone(), channel: shared.clone() });
+        Ok(Channel::from_shared(shared))
+    }
+
+    /// The channel already named `name`, if it is of `config` and a new one was not required.
+    fn existing<T: Send + 'static>(
+        name: &str,
+        slot: &Slot,
+        config: &ChannelConfig<T>,
+        must_be_new: bool,
+    ) -> Result<Channel<T>, ChannelError> {
+        if must_be_new {
+            return Err(ChannelError::Duplicate(name.to_owned()));
+        }
+        let shared = downcast::<T>(name, slot)?;
+        if let Some(field) = shared.config.difference(config) {
+            return Err(ChannelError::ConfigMismatch { name: name.to_owned(), field });
+        }
         Ok(Channel::from_shared(shared))
     }
 

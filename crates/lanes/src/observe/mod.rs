@@ -9,11 +9,11 @@
 //! The `metrics` recorder is the application's code. The primitives count, set and record
 //! after letting go of their own locks, so a recorder may call back into what it counts (read
 //! a snapshot, check a limit, emit into a channel) without a deadlock, and may build primitives
-//! from the help text it is given (`describe_*`, once per process, under no lock). What still
-//! runs under a lock is the resolving of a primitive's handles (`register_*`): a channel that a
-//! [`Channels`](crate::channel::Channels) registry creates resolves them under the registry's
-//! lock, and a limit once, on its first use, inside a `OnceLock`; so a recorder should not
-//! create a channel in that registry, or use that limit, from `register_*`.
+//! from the help text it is given (`describe_*`, once per process, under no lock). A
+//! [`Channels`](crate::channel::Channels) registry builds a new channel, which resolves its
+//! handles (`register_*`), before it takes its map's lock. What still runs under a lock is a
+//! limit's resolving of its handles, once, on its first use, inside a `OnceLock`: a recorder
+//! should not use that limit from `register_*`.
 
 mod names;
 mod registry;

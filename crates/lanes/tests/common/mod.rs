@@ -128,6 +128,11 @@ impl Hook {
         self.on.store(on, Ordering::SeqCst);
     }
 
+    /// Runs the hook as a call of a handle would (while the switch is on).
+    pub(crate) fn fire(&self) {
+        self.called();
+    }
+
     /// How many calls ran the hook.
     pub(crate) fn calls(&self) -> usize {
         self.calls.load(Ordering::SeqCst)
