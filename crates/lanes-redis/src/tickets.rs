@@ -450,6 +450,7 @@ impl ClientLimit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wakes::woken;
 
     /// A lease end far away.
     fn far() -> Instant {
@@ -509,9 +510,7 @@ mod tests {
         };
         assert_eq!(limit.deliver(2, grant(9), far()), Delivered::Woken);
         // The permit was stored: its waiter's next `notified()` completes at once.
-        let woken = notify.notified();
-        futures_util::pin_mut!(woken);
-        assert!(woken.as_mut().enable());
+        assert!(woken(&notify));
         assert!(matches!(limit.plan_wait(2, Duration::from_secs(5)), WaitPlan::Ready));
         assert!(limit.holds(2) && !limit.is_waiting(2));
         assert_eq!(limit.renewed(), vec![2], "a granted ticket is renewed before it is claimed");
@@ -520,12 +519,6 @@ mod tests {
         assert_eq!(limit.claim(2), None, "claimed once");
         assert!(limit.holds(2));
         assert!(limit.is_waiting(1));
-    }
-
-    fn woken(notify: &Notify) -> bool {
-        let pending = notify.notified();
-        futures_util::pin_mut!(pending);
-        pending.as_mut().enable()
     }
 
     #[test]
@@ -557,14 +550,10 @@ mod tests {
         let first = limit.notify_of(3).cloned().unwrap();
         let second = limit.notify_of(5).cloned().unwrap();
         limit.wake_first();
-        let pending = first.notified();
-        futures_util::pin_mut!(pending);
-        assert!(pending.as_mut().enable(), "the lowest ticket is the asker");
+        assert!(woken(&first), "the lowest ticket is the asker");
         // When the asker stops waiting, the next one is woken to ask.
         limit.forget(3);
-        let pending = second.notified();
-        futures_util::pin_mut!(pending);
-        assert!(pending.as_mut().enable());
+        assert!(woken(&second));
         assert!(limit.has_waiters());
         limit.forget(5);
         limit.forget(9);
@@ -576,9 +565,7 @@ mod tests {
         let mut limit = asked(&[1, 2]);
         let next = limit.notify_of(2).cloned().unwrap();
         limit.hold(1, false, far());
-        let pending = next.notified();
-        futures_util::pin_mut!(pending);
-        assert!(pending.as_mut().enable(), "the next waiter asks now");
+        assert!(woken(&next), "the next waiter asks now");
     }
 
     #[test]

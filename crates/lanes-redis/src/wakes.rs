@@ -127,17 +127,19 @@ impl std::ops::DerefMut for StateGuard<'_> {
     }
 }
 
+/// Whether `notify` was woken: its next `notified()` completes at once (which takes the wake).
+#[cfg(test)]
+pub(crate) fn woken(notify: &Notify) -> bool {
+    let pending = notify.notified();
+    futures_util::pin_mut!(pending);
+    pending.as_mut().enable()
+}
+
 #[cfg(test)]
 mod tests {
     use std::future::Future;
 
     use super::*;
-
-    fn woken(notify: &Notify) -> bool {
-        let pending = notify.notified();
-        futures_util::pin_mut!(pending);
-        pending.as_mut().enable()
-    }
 
     #[test]
     fn a_deferred_wake_is_made_when_its_scope_ends_not_before() {
