@@ -512,3 +512,103 @@ fn a_registry_resolves_a_new_channels_metrics_out_of_its_lock() {
         assert_eq!(registry.names(), ["events"]);
     });
 }
+
+/// A recorder that runs one action, once, at the next handle registered: a channel named in
+/// the registry while the registry builds a channel of the same name.
+struct ActsOnRegister(std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+impl ActsOnRegister {
+    fn new(act: impl FnOnce() + Send + 'static) -> Self {
+        Self(std::sync::Mutex::new(Some(Box::new(act))))
+    }
+}
+
+impl metrics::Recorder for ActsOnRegister {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        let act = self.0.lock().unwrap().take();
+        if let Some(act) = act {
+            act();
+        }
+        metrics::Counter::noop()
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// The name is taken while the registry builds a channel for it (here by the recorder, as a
+/// racing caller would): the registry answers as if the name had been there first. `create`
+/// is refused, `get_or_create` answers the channel that took the name, and a different
+/// capacity or record type is an error.
+#[test]
+fn a_name_taken_while_its_channel_is_built_answers_the_channel_that_took_it() {
+    use lanes::channel::ChannelError;
+    ends_in_time("a name taken while its channel is built", || {
+        let registry = Channels::new();
+        let under = |act: Box<dyn FnOnce(&Channels) + Send>| {
+            let registry = registry.clone();
+            ActsOnRegister::new(move || act(&registry))
+        };
+        let taking = |name: &'static str, capacity: usize| -> Box<dyn FnOnce(&Channels) + Send> {
+            Box::new(move |registry: &Channels| {
+                registry.create::<u32>(name, ChannelConfig::new(capacity)).unwrap();
+            })
+        };
+
+        let refused = metrics::with_local_recorder(&under(taking("a", 4)), || {
+            registry.create::<u32>("a", ChannelConfig::new(4))
+        });
+        assert!(matches!(refused, Err(ChannelError::Duplicate(_))), "{refused:?}");
+
+        let found = metrics::with_local_recorder(&under(taking("b", 4)), || {
+            registry.get_or_create::<u32>("b", ChannelConfig::new(4))
+        });
+        found.unwrap().try_emit(7).unwrap();
+        assert_eq!(registry.get::<u32>("b").unwrap().len(), 1, "one channel named b");
+
+        let mismatch = metrics::with_local_recorder(&under(taking("c", 8)), || {
+            registry.get_or_create::<u32>("c", ChannelConfig::new(4))
+        });
+        assert!(
+            matches!(mismatch, Err(ChannelError::ConfigMismatch { field: "capacity", .. })),
+            "{mismatch:?}"
+        );
+
+        let other_type: Box<dyn FnOnce(&Channels) + Send> = Box::new(|registry: &Channels| {
+            registry.create::<u64>("d", ChannelConfig::new(4)).unwrap();
+        });
+        let mistyped = metrics::with_local_recorder(&under(other_type), || {
+            registry.get_or_create::<u32>("d", ChannelConfig::new(4))
+        });
+        assert!(matches!(mistyped, Err(ChannelError::TypeMismatch(_))), "{mistyped:?}");
+        assert_eq!(registry.names(), ["a", "b", "c", "d"]);
+    });
+}

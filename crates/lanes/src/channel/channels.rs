@@ -198,8 +198,8 @@ impl Channels {
         }
         // Built before the map's lock too: registering its metrics calls the recorder, which
         // may call back into this registry. A channel built here that loses the name to
-        // another caller meanwhile is dropped unused, after the lock (its drop publishes its
-        // metrics, and it was never in the map).
+        // another caller meanwhile (the recorder among them) is dropped unused, after the
+        // lock: it was never in the map, holds no budget, and its drop calls no recorder.
         let budget = if dynamic { self.inner.budget.clone() } else { None };
         let name: Arc<str> = Arc::from(name);
         let shared = Arc::new(ChannelShared::new(

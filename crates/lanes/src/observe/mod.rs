@@ -11,9 +11,11 @@
 //! a snapshot, check a limit, emit into a channel) without a deadlock, and may build primitives
 //! from the help text it is given (`describe_*`, once per process, under no lock). A
 //! [`Channels`](crate::channel::Channels) registry builds a new channel, which resolves its
-//! handles (`register_*`), before it takes its map's lock. What still runs under a lock is a
-//! limit's resolving of its handles, once, on its first use, inside a `OnceLock`: a recorder
-//! should not use that limit from `register_*`.
+//! handles (`register_*`), before it takes its map's lock; if another caller (the recorder
+//! among them) names that channel meanwhile, the one built is dropped and its handles were
+//! registered for nothing. What still runs under a lock is a limit's resolving of its
+//! handles, once, on its first use, inside a `OnceLock`: a recorder should not use that limit
+//! from `register_*`.
 
 mod names;
 mod registry;
