@@ -29,9 +29,26 @@ fn at_once<F: std::future::Future>(future: F) -> F::Output {
     }
 }
 
-/// A recorder that runs its hook whenever a primitive resolves (registers) a handle, and hands
-/// out handles that do nothing.
-struct OnRegister(Hook);
+/// A recorder that runs its action whenever a primitive resolves (registers) a handle, and
+/// hands out handles that do nothing.
+struct OnRegister(Box<dyn Fn() + Send + Sync>);
+
+impl OnRegister {
+    fn new(act: impl Fn() + Send + Sync + 'static) -> Self {
+        Self(Box::new(act))
+    }
+
+    /// Runs `act` at the next handle registered, once.
+    fn once(act: impl FnOnce() + Send + 'static) -> Self {
+        let act = std::sync::Mutex::new(Some(act));
+        Self::new(move || {
+            let act = act.lock().unwrap().take();
+            if let Some(act) = act {
+                act();
+            }
+        })
+    }
+}
 
 impl metrics::Recorder for OnRegister {
     fn describe_counter(
@@ -56,11 +73,11 @@ impl metrics::Recorder for OnRegister {
     ) {
     }
     fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        self.0.fire();
+        (self.0)();
         metrics::Counter::noop()
     }
     fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        self.0.fire();
+        (self.0)();
         metrics::Gauge::noop()
     }
     fn register_histogram(
@@ -68,7 +85,7 @@ impl metrics::Recorder for OnRegister {
         _: &metrics::Key,
         _: &metrics::Metadata<'_>,
     ) -> metrics::Histogram {
-        self.0.fire();
+        (self.0)();
         metrics::Histogram::noop()
     }
 }
@@ -502,7 +519,10 @@ fn a_registry_resolves_a_new_channels_metrics_out_of_its_lock() {
             hook.set(move || listed.lock().unwrap().push(registry.names().len()));
         }
         hook.switch(true);
-        let recorder = OnRegister(hook.clone());
+        let recorder = {
+            let hook = hook.clone();
+            OnRegister::new(move || hook.fire())
+        };
         let channel = metrics::with_local_recorder(&recorder, || {
             registry.get_or_create::<u32>("events", ChannelConfig::new(4)).unwrap()
         });
@@ -511,57 +531,6 @@ fn a_registry_resolves_a_new_channels_metrics_out_of_its_lock() {
         assert!(channel.try_emit(1).is_ok());
         assert_eq!(registry.names(), ["events"]);
     });
-}
-
-/// A recorder that runs one action, once, at the next handle registered: a channel named in
-/// the registry while the registry builds a channel of the same name.
-struct ActsOnRegister(std::sync::Mutex<Option<Box<dyn FnOnce() + Send>>>);
-
-impl ActsOnRegister {
-    fn new(act: impl FnOnce() + Send + 'static) -> Self {
-        Self(std::sync::Mutex::new(Some(Box::new(act))))
-    }
-}
-
-impl metrics::Recorder for ActsOnRegister {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
-        let act = self.0.lock().unwrap().take();
-        if let Some(act) = act {
-            act();
-        }
-        metrics::Counter::noop()
-    }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
 }
 
 /// The name is taken while the registry builds a channel for it (here by the recorder, as a
@@ -575,7 +544,7 @@ fn a_name_taken_while_its_channel_is_built_answers_the_channel_that_took_it() {
         let registry = Channels::new();
         let under = |act: Box<dyn FnOnce(&Channels) + Send>| {
             let registry = registry.clone();
-            ActsOnRegister::new(move || act(&registry))
+            OnRegister::once(move || act(&registry))
         };
         let taking = |name: &'static str, capacity: usize| -> Box<dyn FnOnce(&Channels) + Send> {
             Box::new(move |registry: &Channels| {
