@@ -342,6 +342,34 @@ async fn a_full_shard_looks_for_idle_keys_again_after_a_quiet_spell() {
     }
 }
 
+/// The same for a limit whose keys have no rate (it reads no clock for their answers): the
+/// quiet spell is still timed, and keys whose permits came back make room after it.
+#[tokio::test(start_paused = true)]
+async fn a_full_shard_of_a_limit_without_a_rate_looks_again_after_a_quiet_spell() {
+    let limit: KeyedLimit =
+        KeyedLimit::builder("quiet", LimitSpec::concurrent(1)).max_keys(800).build().unwrap();
+    // A flood of held permits: every shard full, and many new keys refused after it.
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for i in 0..3_000 {
+        match limit.try_acquire(&format!("flood-{i}")) {
+            Ok(permit) => held.push(permit),
+            Err(_) => refused += 1,
+        }
+    }
+    assert!(refused >= 2_000, "{refused} refused");
+    // The permits come back and the keys go idle; after the quiet spell the next new keys
+    // get in at once, whatever each shard's count of refusals before its next look.
+    drop(held);
+    tokio::time::advance(Duration::from_millis(1_000)).await;
+    for i in 0..40 {
+        assert!(
+            limit.try_acquire(&format!("after-{i}")).is_ok(),
+            "key {i} refused after the quiet spell"
+        );
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_cap_smaller_than_the_shards_is_still_a_cap() {
     for max in [1, 3, 5] {

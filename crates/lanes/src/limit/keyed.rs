@@ -766,15 +766,21 @@ impl Drop for KeysMoved<'_> {
 }
 
 impl<K> Shared<K> {
-    /// The time, in nanoseconds since `origin`; 0 for a limit whose keys have no rate. A key
-    /// without a rate neither spends tokens nor waits for one, and its theoretical arrival
-    /// time stays 0, so it is idle (or not) at any time: the clock's read, about a third of a
-    /// check of a concurrency per tenant, is skipped.
+    /// The time the keys' arithmetic uses, in nanoseconds since `origin`; 0 for a limit whose
+    /// keys have no rate. A key without a rate neither spends tokens nor waits for one, and
+    /// its theoretical arrival time stays 0, so it is idle (or not) at any time: the clock's
+    /// read, more than half of a check of a concurrency per tenant, is skipped. (A full
+    /// shard's quiet spell is timed on the [`clock`](Self::clock) all the same.)
     #[inline]
     fn now(&self) -> u64 {
         if !self.timed {
             return 0;
         }
+        self.clock()
+    }
+
+    /// The clock, in nanoseconds since `origin`.
+    fn clock(&self) -> u64 {
         u64::try_from(Instant::now().saturating_duration_since(self.origin).as_nanos())
             .unwrap_or(u64::MAX)
     }
@@ -955,11 +961,13 @@ impl<K: Hash + Eq> Shared<K> {
         let mut swept = len >= shard.sweep_at;
         if len >= self.shard_cap {
             // At the cap: look again after a quarter of the cap in new keys met here, or
-            // after a quiet spell, whichever comes first.
-            if shard.cap_countdown == 0 || now >= shard.cap_swept_at.saturating_add(CAP_SWEEP_GAP) {
+            // after a quiet spell, whichever comes first. The spell is timed on the clock
+            // even where the keys' time is 0 (no rate: `now`).
+            let at = if self.timed { now } else { self.clock() };
+            if shard.cap_countdown == 0 || at >= shard.cap_swept_at.saturating_add(CAP_SWEEP_GAP) {
                 swept = true;
                 shard.cap_countdown = (self.shard_cap / 4).max(1);
-                shard.cap_swept_at = now;
+                shard.cap_swept_at = at;
             }
             shard.cap_countdown -= 1;
         }
