@@ -116,8 +116,8 @@ struct Shared<K> {
     /// tests moves it).
     origin: Instant,
     /// Whether any key can have a rate (the limit's spec has one, or `spec_for` may give a key
-    /// one). Without, no answer depends on the time, and the clock is not read (see
-    /// [`now`](Self::now)).
+    /// one). Without, no key's answer depends on the time, and the clock is read only to time
+    /// a full shard's quiet spell (see [`now`](Self::now)).
     timed: bool,
     /// Picks a key's shard; the shards' maps hash with seeds of their own, so that the keys
     /// of one shard do not share their low bits in its map.
@@ -1236,8 +1236,8 @@ mod tests {
         assert_eq!(std::mem::size_of::<KeyState>(), 24);
     }
 
-    /// Only a limit whose keys can have a rate reads the clock: one without (a concurrency per
-    /// tenant) reads none on any path, and answers at time 0.
+    /// Only a limit whose keys can have a rate reads the clock for their answers: one without
+    /// (a concurrency per tenant) answers at time 0, however much time passes.
     #[tokio::test(start_paused = true)]
     async fn only_a_limit_whose_keys_can_have_a_rate_reads_the_clock() {
         let timed = |limit: &KeyedLimit| limit.shared.timed;
