@@ -42,6 +42,11 @@
 //! while holding it, through a `Limit` handle or a `tokio::sync::Semaphore` (a round is every
 //! task's 64 acquires); `permits-named` is the same cell through `Limits::acquire(name)`.
 //!
+//! `keyed`, `keyed-rate` and `governor-keyed` are suite 6's keyed check over as many keys as the
+//! second argument says (the bench's stride through them): a `KeyedLimit` without a rate (a
+//! concurrency per key, which reads no clock), one with suite 6's rate, and governor's keyed
+//! limiter. A round is 10,000 checks.
+//!
 //! `rate`, `check` and `governor` are suite 6's direct rate check (a `Limit` handle's `try_acquire`
 //! and its permit dropped, its `check`, `Limits::check(name)`, and governor's `check`);
 //! `uncontended`, `named` and `tokio-uncontended` are suite 1's uncontended acquire + release
@@ -87,7 +92,7 @@ use std::sync::Arc;
 use governor::{Quota, RateLimiter};
 use lanes::channel::{BinaryCodec, Channel, ChannelConfig, ConsumerOptions, Overflow};
 use lanes::spill::{SpillOptions, SpillQueue, SyncPolicy};
-use lanes::{LimitSpec, Limits, Priority, WaitQueue};
+use lanes::{KeyedLimit, LimitSpec, Limits, Priority, WaitQueue};
 use lanes_benches::scenarios::{
     Big, FairQueueCell, HandRolled, PER_TASK, POOL_ITEMS, Permits, RECORDS, Record, channel_block,
     contended, full_hand_rolled, full_lane, hand_rolled, kanal_block, keyed_pool, lane, lane_runs,
@@ -126,7 +131,7 @@ fn channel_rounds<R: Record>(
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: fixed (channel|tokio|kanal|lane|pool|pool-hashed|permits|semaphore|rate|check|check-named|governor|uncontended|named|tokio-uncontended|reject|reject-hand-rolled|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-fifo|wait-queue-cancel|limit-cancel|semaphore-cancel) CAPACITY ROUNDS";
+    let usage = "usage: fixed (channel|tokio|kanal|lane|pool|pool-hashed|permits|semaphore|rate|check|check-named|governor|keyed|keyed-rate|governor-keyed|uncontended|named|tokio-uncontended|reject|reject-hand-rolled|drop-oldest|spill|next-batch|recv-many|wait-queue|wait-queue-fifo|wait-queue-cancel|limit-cancel|semaphore-cancel) CAPACITY ROUNDS";
     let cell = args.first().expect(usage).clone();
     let size: usize = args.get(1).and_then(|a| a.parse().ok()).expect(usage);
     let rounds: u64 = args.get(2).and_then(|a| a.parse().ok()).expect(usage);
@@ -278,6 +283,37 @@ fn main() {
                 black_box(limiter.check()).expect("limit");
             }
             (checks, start.elapsed())
+        }
+        "keyed" | "keyed-rate" | "governor-keyed" => {
+            let names: Vec<String> = (0..size).map(|i| format!("key-{i}")).collect();
+            let checks = rounds * CHECKS;
+            let mut at = 0;
+            let mut next = || {
+                at = (at + 7919) % size;
+                &names[at]
+            };
+            if cell == "governor-keyed" {
+                let quota = Quota::per_second(NonZeroU32::new(1_000_000_000).expect("non-zero"));
+                let limiter = RateLimiter::keyed(quota);
+                names.iter().for_each(|name| drop(limiter.check_key(name)));
+                let start = Instant::now();
+                for _ in 0..checks {
+                    black_box(limiter.check_key(next())).expect("limit");
+                }
+                (checks, start.elapsed())
+            } else {
+                let spec = match cell.as_str() {
+                    "keyed" => LimitSpec::concurrent(u32::MAX),
+                    _ => LimitSpec::rate(1.0).burst(u32::MAX),
+                };
+                let limit: KeyedLimit = KeyedLimit::new("keyed", spec).expect("spec");
+                names.iter().for_each(|name| limit.check(name.as_str()).expect("check"));
+                let start = Instant::now();
+                for _ in 0..checks {
+                    black_box(limit.check(next().as_str())).expect("limit");
+                }
+                (checks, start.elapsed())
+            }
         }
         "drop-oldest" | "spill" | "next-batch" | "recv-many" => rt.block_on(async {
             let start = Instant::now();
