@@ -1,7 +1,8 @@
 //! Randomized damage to a real spill queue directory: byte flips, truncations inside a frame,
 //! deletions of a segment, and state files rewritten to nonsense. Invariants: `check` and
 //! `open` never panic and always end, reading never loops, every record whose bytes were not
-//! touched is delivered, and `check` reports a non-clean queue whenever a record was lost.
+//! touched is delivered, records appended after the damage are delivered after them, and
+//! `check` reports a non-clean queue whenever a record was lost.
 //!
 //! Out of reach of the format, and so not generated: cutting the last (unsealed) segment
 //! exactly at a frame boundary (nothing on disk says how long it was).
@@ -218,6 +219,12 @@ async fn delivered(dir: &Path) -> BTreeSet<usize> {
             .await
             .expect("open ends")
             .expect("open never refuses a damaged directory");
+    // Appends after the damage go on and are read after what recovery kept.
+    let fresh: Vec<String> = (0..3).map(|i| format!("fresh {i}")).collect();
+    for record in &fresh {
+        queue.append(record.clone()).await.unwrap();
+    }
+    let mut read_fresh = Vec::new();
     let mut reader = queue.reader().unwrap();
     let mut out = BTreeSet::new();
     let mut reads = 0;
@@ -234,10 +241,14 @@ async fn delivered(dir: &Path) -> BTreeSet<usize> {
         for record in batch {
             let text = String::from_utf8(record.into_data()).unwrap();
             if let Some(n) = text.strip_prefix("record ").and_then(|n| n.parse().ok()) {
+                assert!(read_fresh.is_empty(), "record {n} read after a later append");
                 out.insert(n);
+            } else {
+                read_fresh.push(text);
             }
         }
     }
+    assert_eq!(read_fresh, fresh, "appends after the damage");
     drop(reader);
     queue.close().await.unwrap();
     out
@@ -444,5 +455,78 @@ mod spill_report {
         let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(report.committed.unwrap().offset, 16);
         assert!(!report.state_invalid, "STATE (1:16) is valid, yet: {report:?}");
+    }
+}
+
+/// Review finding (stop 72): with the committed segment gone (deleted, or cut below its header
+/// and so dropped as bad) and nothing after it, a reopened queue made that segment anew and
+/// kept the committed position, which then pointed past the new segment's first records:
+/// appends made after the damage were never read, or read from inside a frame as corrupt.
+mod spill_committed_segment_gone {
+    use lanes::spill::{self, SpillOptions, SpillQueue, SyncPolicy};
+
+    async fn read_all(queue: &SpillQueue) -> Vec<String> {
+        let mut reader = queue.reader().unwrap();
+        let mut out = Vec::new();
+        loop {
+            let batch = reader.try_next_batch(100).await.unwrap();
+            if batch.is_empty() {
+                break;
+            }
+            out.extend(batch.into_iter().map(|r| String::from_utf8(r.into_data()).unwrap()));
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn appends_after_the_damage_are_delivered() {
+        for (case, cut) in [("deleted", None), ("cut below its header", Some(8))] {
+            let dir = std::env::temp_dir().join(format!(
+                "lanes-spill-gone-{}-{}",
+                std::process::id(),
+                cut.unwrap_or(0)
+            ));
+            let _ = std::fs::remove_dir_all(&dir);
+            let opts = SpillOptions::default().sync(SyncPolicy::Always).max_record(64);
+            let (queue, _) = SpillQueue::open(&dir, opts.clone()).await.unwrap();
+            for i in 0..3 {
+                queue.append(format!("record {i:04}")).await.unwrap();
+            }
+            let mut reader = queue.reader().unwrap();
+            let first = reader.try_next_batch(1).await.unwrap();
+            reader.commit(first[0].position()).await.unwrap();
+            drop(reader);
+            queue.close().await.unwrap();
+            let seg = std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .find(|p| p.extension().is_some_and(|e| e == "seg"))
+                .unwrap();
+            match cut {
+                None => std::fs::remove_file(&seg).unwrap(),
+                Some(len) => {
+                    std::fs::File::options().write(true).open(&seg).unwrap().set_len(len).unwrap()
+                }
+            }
+            let report = spill::check(&dir, 64).unwrap();
+            assert!(!report.is_clean(), "{case}: two records lost, check said clean");
+
+            let (queue, report) = SpillQueue::open(&dir, opts.clone()).await.unwrap();
+            assert!(!report.is_clean(), "{case}: {report:?}");
+            let fresh: Vec<String> = (0..6).map(|i| format!("fresh {i}")).collect();
+            for record in &fresh {
+                queue.append(record.clone()).await.unwrap();
+            }
+            assert_eq!(read_all(&queue).await, fresh, "{case}: appends after the damage");
+            queue.close().await.unwrap();
+
+            // The repaired directory checks clean and still holds them, unacknowledged.
+            let report = spill::check(&dir, 64).unwrap();
+            assert!(report.is_clean(), "{case}: {report:?}");
+            let (queue, _) = SpillQueue::open(&dir, opts).await.unwrap();
+            assert_eq!(read_all(&queue).await, fresh, "{case}: after another open");
+            queue.close().await.unwrap();
+            let _ = std::fs::remove_dir_all(&dir);
+        }
     }
 }

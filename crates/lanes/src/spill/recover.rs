@@ -364,14 +364,31 @@ pub(crate) fn recover(
     if segments.first().is_some_and(|s| s.id > committed.segment) {
         committed = Position::start_of(segments[0].id);
     }
+    // Nothing kept at or after the committed segment (it was deleted, or dropped as bad, with
+    // every later one): appends go on in a segment after every id the queue has used, and the
+    // committed position moves to its start. Kept as it was, the position pointed into a
+    // segment made anew, past its first new records, which were then never read.
+    if segments.is_empty() && stored.is_some() {
+        let used = recorded_last.unwrap_or(0).max(last_id.unwrap_or(0));
+        let id = committed.segment.max(used.saturating_add(1));
+        let id = if Position::start_of(id) != committed && id == committed.segment {
+            id.saturating_add(1)
+        } else {
+            id
+        };
+        committed = Position::start_of(id);
+    }
     if let Some(segment) = segments.iter().find(|s| s.id == committed.segment)
         && committed.offset > segment.valid_end
     {
         committed.offset = segment.valid_end;
     }
     // A repair leaves a state that checks clean: the position recovery settled on.
+    // Its last id is the highest segment created: one the position moved to above them all is
+    // made by the open, which records it then (a check after a repair finds nothing missing).
     if repair && stored.is_some_and(|stored| stored != committed) {
-        let last = recorded_last.unwrap_or(0).max(last_id.unwrap_or(committed.segment));
+        let made = last_id.unwrap_or(committed.segment.saturating_sub(1));
+        let last = recorded_last.unwrap_or(0).max(made);
         storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
     }
     report.segments = segments.len();
