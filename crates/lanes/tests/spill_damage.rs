@@ -530,3 +530,44 @@ mod spill_committed_segment_gone {
         }
     }
 }
+
+/// Review finding (stop 72): bytes after the seal of the last segment (left after the segment
+/// after it was lost) were cut with the seal, so that segment, no longer the last once the open
+/// made the next, read as a segment that lost its end, on every check after.
+mod spill_tail_after_a_seal {
+    use lanes::spill::{self, SpillOptions, SpillQueue, SyncPolicy};
+    use std::io::Write;
+
+    #[tokio::test]
+    async fn a_repair_of_a_tail_after_a_seal_keeps_the_seal() {
+        let dir = std::env::temp_dir().join(format!("lanes-spill-seal-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let opts = SpillOptions::default().sync(SyncPolicy::Never).max_record(64).segment_size(256);
+        let (queue, _) = SpillQueue::open(&dir, opts.clone()).await.unwrap();
+        for i in 0..12 {
+            queue.append(format!("record {i:04}")).await.unwrap();
+        }
+        queue.close().await.unwrap();
+        let mut segments: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+            .collect();
+        segments.sort();
+        assert_eq!(segments.len(), 2, "the records fill one segment and start a second");
+        // The second segment is lost; bytes that are no frame follow the first one's seal.
+        std::fs::remove_file(&segments[1]).unwrap();
+        std::fs::File::options()
+            .append(true)
+            .open(&segments[0])
+            .unwrap()
+            .write_all(b"not a frame")
+            .unwrap();
+        let (queue, report) = SpillQueue::open(&dir, opts).await.unwrap();
+        assert_eq!(report.torn_tails, 1, "{report:?}");
+        queue.close().await.unwrap();
+        let report = spill::check(&dir, 64).unwrap();
+        assert!(report.is_clean(), "the repaired directory: {report:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -284,7 +284,8 @@ pub(crate) fn recover(
             report.torn_tails += 1;
             report.torn_bytes += tail;
             if repair {
-                storage.truncate(&name, valid_end)?;
+                // Up to the seal's end, if there is one: the seal stays.
+                storage.truncate(&name, base + layout.valid_end)?;
             }
         } else if unwritten > 0 && repair {
             // Up to the seal's end, if there is one: the seal stays.
