@@ -11,7 +11,8 @@ use lanes::spill::{self, CheckReport, SpillError};
 pub(crate) enum SpillCommand {
     /// Report segments, records, bytes, the committed position and any corruption, without
     /// changing anything (unless --repair). Exits 0 when clean, 3 when something is corrupt
-    /// (and not repaired), 1 on errors.
+    /// or lost and not repaired (with --repair: when the repaired directory still does not
+    /// check clean, as when segments are missing), 1 on errors.
     Check {
         /// The queue's directory.
         dir: PathBuf,
@@ -39,7 +40,28 @@ pub(crate) fn run(command: SpillCommand) -> ExitCode {
             } else {
                 print!("{}", describe(&dir, &report, repair));
             }
-            if report.is_clean() || repair { ExitCode::SUCCESS } else { ExitCode::from(3) }
+            if !repair {
+                return if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::from(3) };
+            }
+            // What a repair cannot undo (a lost segment, a segment that lost its end, an
+            // entry that is no file) is still there: said, and exit 3.
+            match spill::check(&dir, max_record) {
+                Ok(after) if after.is_clean() => ExitCode::SUCCESS,
+                Ok(after) => {
+                    if json {
+                        eprintln!(
+                            "lanes spill check: the repaired directory still does not check clean"
+                        );
+                    } else {
+                        print!("after the repair, still:\n{}", describe(&dir, &after, false));
+                    }
+                    ExitCode::from(3)
+                }
+                Err(err) => {
+                    eprintln!("lanes spill check: {}", explain(&err));
+                    ExitCode::FAILURE
+                }
+            }
         }
         Err(err) => {
             eprintln!("lanes spill check: {}", explain(&err));

@@ -77,3 +77,34 @@ async fn check_reports_repairs_and_explains() {
     let _ = std::fs::remove_dir_all(&dir);
     let _ = std::fs::remove_dir_all(&foreign);
 }
+
+/// Review finding (stop 72): `--repair` exited 0 whatever it could not undo. A lost segment
+/// stays lost: the repair says so and exits 3.
+#[tokio::test]
+async fn a_repair_that_cannot_undo_a_loss_exits_3() {
+    let dir = temp("lost");
+    let options = SpillOptions::default().sync(SyncPolicy::Always).max_record(64).segment_size(256);
+    let (queue, _) = SpillQueue::open(&dir, options).await.unwrap();
+    for i in 0..30 {
+        queue.append(format!("record {i:04}")).await.unwrap();
+    }
+    queue.close().await.unwrap();
+    let mut segments: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+        .collect();
+    segments.sort();
+    assert!(segments.len() >= 3, "{segments:?}");
+    std::fs::remove_file(&segments[1]).unwrap();
+    let path = dir.to_str().unwrap();
+    for args in [&["spill", "check", path][..], &["spill", "check", path, "--repair"]] {
+        let out = lanes(args);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(3), "{args:?}: {stdout}");
+        assert!(stdout.contains("missing segments    1"), "{args:?}: {stdout}");
+    }
+    let out = lanes(&["spill", "check", path, "--repair", "--json"]);
+    assert_eq!(out.status.code(), Some(3));
+    let _ = std::fs::remove_dir_all(&dir);
+}
