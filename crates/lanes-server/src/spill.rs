@@ -101,7 +101,9 @@ fn describe(dir: &std::path::Path, report: &CheckReport, repaired: bool) -> Stri
     let lines = [
         (
             report.state_reset,
-            format!("  state file          unreadable: every record is delivered again ({verb})\n"),
+            format!(
+                "  state file          missing or unreadable: every record is delivered again ({verb})\n"
+            ),
         ),
         (
             report.corrupt_regions > 0,

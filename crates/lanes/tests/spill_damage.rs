@@ -571,3 +571,40 @@ mod spill_tail_after_a_seal {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// Review finding (stop 72): a deleted state file read as a new queue, so `check` said clean
+/// while acknowledged records were to be delivered again (and a lost last segment went unseen,
+/// the state file being where its id is recorded).
+mod spill_state_deleted {
+    use lanes::spill::{self, SpillOptions, SpillQueue, SyncPolicy};
+
+    #[tokio::test]
+    async fn a_deleted_state_file_is_reported() {
+        let dir = std::env::temp_dir().join(format!("lanes-spill-nostate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let opts = SpillOptions::default().sync(SyncPolicy::Always).max_record(64);
+        let (queue, _) = SpillQueue::open(&dir, opts.clone()).await.unwrap();
+        for i in 0..4 {
+            queue.append(format!("record {i:04}")).await.unwrap();
+        }
+        let mut reader = queue.reader().unwrap();
+        let first = reader.try_next_batch(2).await.unwrap();
+        reader.commit(first[1].position()).await.unwrap();
+        drop(reader);
+        queue.close().await.unwrap();
+        std::fs::remove_file(dir.join("STATE")).unwrap();
+        let report = spill::check(&dir, 64).unwrap();
+        assert!(report.state_reset && !report.is_clean(), "{report:?}");
+        // Recovery delivers everything again (nothing is known acknowledged), and writes a
+        // state file: the directory then checks clean.
+        let (queue, report) = SpillQueue::open(&dir, opts).await.unwrap();
+        assert!(report.state_reset, "{report:?}");
+        let mut reader = queue.reader().unwrap();
+        assert_eq!(reader.try_next_batch(10).await.unwrap().len(), 4);
+        drop(reader);
+        queue.close().await.unwrap();
+        let report = spill::check(&dir, 64).unwrap();
+        assert!(report.is_clean(), "{report:?}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -156,7 +156,8 @@ pub(crate) fn recover(
             storage.remove(name)?;
         }
     }
-    let state = if names.iter().any(|n| n == STATE) {
+    let has_state = names.iter().any(|n| n == STATE);
+    let state = if has_state {
         let state = decode_state(&storage.read_all(STATE)?);
         report.state_reset = state.is_none();
         state
@@ -222,6 +223,9 @@ pub(crate) fn recover(
     let last_id = ids.last().copied();
 
     let mut segments = Vec::new();
+    // A version 2 queue writes its state file when it opens, before any append: records with
+    // no state file beside them lost it (and with it what was acknowledged, and the last id).
+    let mut records_without_state = false;
     for id in ids {
         let name = segment_name(id);
         if id < committed.segment {
@@ -237,6 +241,9 @@ pub(crate) fn recover(
         // whatever `max_record` the caller gives, so a repair never drops one written under a
         // larger setting.
         let layout: Layout = frame::scan(body, u32::MAX);
+        records_without_state |= !has_state
+            && !layout.frames.is_empty()
+            && segment_version(&bytes, id) == Some(super::format::FORMAT_VERSION);
         if !segment_header_ok(&bytes, id) {
             // Frames check themselves: a damaged header loses the header, not the records.
             if layout.frames.is_empty() {
@@ -392,6 +399,7 @@ pub(crate) fn recover(
         let last = recorded_last.unwrap_or(0).max(made);
         storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
     }
+    report.state_reset |= records_without_state;
     report.segments = segments.len();
     report.committed = Some(committed);
     Ok(Recovered { segments, committed, report })
