@@ -95,11 +95,24 @@ async fn round_trip_order_commit_and_redelivery() {
     queue.close().await.unwrap();
 }
 
+/// Under every policy, while the queue runs: under `Never` (and `Interval` between its
+/// ticks) commits were written only at close, so a long-running queue kept every segment it
+/// ever filled (review finding, stop 72).
 #[tokio::test]
 async fn acknowledged_segments_are_deleted() {
+    for policy in [
+        SyncPolicy::Always,
+        SyncPolicy::Batch,
+        SyncPolicy::Interval(Duration::from_secs(3600)),
+        SyncPolicy::Never,
+    ] {
+        acknowledged_segments_are_deleted_under(policy).await;
+    }
+}
+
+async fn acknowledged_segments_are_deleted_under(policy: SyncPolicy) {
     let dir = TempDir::new("segments");
-    let options =
-        SpillOptions::default().sync(SyncPolicy::Batch).segment_size(4096).max_record(1024);
+    let options = SpillOptions::default().sync(policy).segment_size(4096).max_record(1024);
     let (queue, _) = SpillQueue::open(&dir.0, options).await.unwrap();
     for i in 0..400 {
         queue.append(record(i)).await.unwrap();
@@ -114,7 +127,12 @@ async fn acknowledged_segments_are_deleted() {
     }
     assert_eq!(queue.len(), 0);
     assert_eq!(queue.bytes(), 0);
-    assert_eq!(dir.segments().len(), 1, "only the active segment remains: {:?}", dir.segments());
+    assert_eq!(
+        dir.segments().len(),
+        1,
+        "{policy:?}: only the active segment remains: {:?}",
+        dir.segments()
+    );
     let snapshot = queue.snapshot();
     assert_eq!((snapshot.appended, snapshot.acknowledged, snapshot.segments), (400, 400, 1));
     queue.close().await.unwrap();

@@ -19,8 +19,10 @@ use crate::observe::{Registration, Registry};
 /// | `Never` | write | nothing acknowledged | whatever the OS had not flushed |
 ///
 /// Commits follow the same policy: under `Always` and `Batch` a commit returns once the state
-/// file is durable; under `Interval(d)` it is written every `d`, under `Never` at close. A
-/// commit lost in a crash means its records are delivered again (at least once).
+/// file is durable; under `Interval(d)` it is written every `d`, under `Never` at close, and
+/// under both whenever a commit moves into a later segment, so that the segments the reader
+/// finished are deleted while the queue runs. A commit lost in a crash means its records are
+/// delivered again (at least once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SyncPolicy {

@@ -41,6 +41,9 @@ pub(super) struct Group {
     pub(super) appends: Vec<usize>,
     /// Whether a commit is waiting.
     pub(super) commit: bool,
+    /// Whether the position the reader asked for is in a later segment than the state file
+    /// records: persisting it frees the segments before it.
+    pub(super) frees: bool,
     /// Whether the `Interval` is due (a sync and a persist).
     pub(super) tick: bool,
     /// Whether the queue is closing (or every handle is gone).
@@ -85,8 +88,9 @@ impl Planner {
     ///   which the next group does not wait for;
     /// - `Interval` and `Never`: appends are answered once written;
     /// - a rotation syncs the sealed segment, so the appends written before it are answered;
-    /// - commits are persisted (under `Always` and `Batch`; otherwise by the tick or the close)
-    ///   and answered after the appends, then the tick, the close last.
+    /// - commits are persisted (under `Always` and `Batch`; otherwise when they free a segment,
+    ///   so that acknowledged segments are deleted while the queue runs, and by the tick or the
+    ///   close) and answered after the appends, then the tick, the close last.
     pub(super) fn plan(&mut self, group: &Group) -> Vec<Action> {
         let durable = matches!(self.sync, SyncPolicy::Always | SyncPolicy::Batch);
         let mut actions = Vec::new();
@@ -118,7 +122,7 @@ impl Planner {
             }
         }
         if group.commit {
-            if durable {
+            if durable || group.frees {
                 actions.push(Action::Persist);
             }
             actions.push(Action::AnswerCommits);
@@ -220,7 +224,7 @@ mod tests {
     #[test]
     fn commits_tick_and_close_come_after_the_appends() {
         let mut planner = Planner::new(SyncPolicy::Batch, 1 << 20, H);
-        let all = Group { appends: vec![8], commit: true, tick: true, close: true };
+        let all = Group { appends: vec![8], commit: true, frees: false, tick: true, close: true };
         assert_eq!(
             planner.plan(&all),
             vec![Write(0..8), SyncThenAnswer(1), Persist, AnswerCommits, Close]
@@ -231,6 +235,10 @@ mod tests {
         let mut never = Planner::new(SyncPolicy::Never, 1 << 20, H);
         let commit = Group { commit: true, ..Group::default() };
         assert_eq!(never.plan(&commit), vec![AnswerCommits]);
+        // A commit that frees a segment is persisted (the segments before it deleted) under
+        // every policy: acknowledged segments do not pile up until the close.
+        let frees = Group { commit: true, frees: true, ..Group::default() };
+        assert_eq!(never.plan(&frees), vec![Persist, AnswerCommits]);
     }
 
     #[test]

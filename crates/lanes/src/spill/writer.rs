@@ -334,6 +334,7 @@ impl Writer {
         let group = Group {
             appends: taken.appends.iter().map(|(bytes, _)| *bytes).collect(),
             commit: !taken.commits.is_empty(),
+            frees: self.wanted.segment > self.persisted.segment,
             tick: taken.tick,
             close: taken.last,
         };
