@@ -517,6 +517,66 @@ async fn granted_waiter_keeps_its_lease(args: &[&str]) {
 embedded!(a_waiter_granted_on_a_release_keeps_its_lease, granted_waiter_keeps_its_lease);
 on_redis!(a_waiter_granted_on_a_release_keeps_its_lease_redis, granted_waiter_keeps_its_lease);
 
+// ---- 8. Asks racing a ticket's first ask ---------------------------------------------------
+
+/// Review finding (stop 72): the server's record of a ticket was keyed by its number alone and
+/// made before the backend knew the ticket. A second ask of the same new ticket, or a renewal,
+/// racing the first ask could find the ticket "finished" and drop the record; the first ask
+/// then queued the backend ticket with no record naming it, which nobody could release, and
+/// which stopped the limit's line for good once it reached the head. Here two identical first
+/// asks and a renewal race, round after round; the ticket is released after each. At the end
+/// nothing waits, and the next caller is granted as soon as the holder releases.
+async fn racing_first_asks(args: &[&str]) {
+    let serve = Serve::start(args);
+    let c = http();
+    assert_eq!(put(&c, &serve, "/v1/limits/race", json!({"concurrent": 1})).await.status, 200);
+    let held = post(
+        &c,
+        &serve,
+        "/v1/limits/race/acquire",
+        json!({"client": "holder", "ticket": 1, "lease_ms": 60000}),
+    )
+    .await;
+    assert_eq!(held.status, 200, "{held:?}");
+    let ask = |ticket: u64| {
+        let (c, url) = (c.clone(), serve.url("/v1/limits/race/acquire"));
+        async move {
+            call(&c, reqwest::Method::POST, url, Some(json!({"client": "m", "ticket": ticket})))
+                .await
+        }
+    };
+    let renew = || {
+        let (c, url) = (c.clone(), serve.url("/v1/clients/m/renew"));
+        async move { call(&c, reqwest::Method::POST, url, Some(json!({}))).await }
+    };
+    for ticket in 100..300 {
+        let (a, b, r) = tokio::join!(ask(ticket), ask(ticket), renew());
+        for reply in [&a, &b] {
+            assert!(matches!(reply.status, 202 | 410), "ticket {ticket}: {reply:?}");
+        }
+        assert!(matches!(r.status, 200 | 404), "renew: {r:?}");
+        let released =
+            post(&c, &serve, "/v1/limits/race/release", json!({"client": "m", "ticket": ticket}))
+                .await;
+        assert_eq!(released.status, 200, "{released:?}");
+    }
+    settles_to(&c, &serve, "race", (1, 0), Duration::from_secs(5)).await;
+    let released =
+        post(&c, &serve, "/v1/limits/race/release", json!({"client": "holder", "ticket": 1})).await;
+    assert_eq!(released.body["released"], true, "{released:?}");
+    let next = post(
+        &c,
+        &serve,
+        "/v1/limits/race/acquire",
+        json!({"client": "next", "ticket": 1, "wait_ms": 5000}),
+    )
+    .await;
+    assert_eq!(next.status, 200, "the line moves on: {next:?}");
+}
+
+embedded!(asks_racing_a_first_ask_leave_no_ticket_behind, racing_first_asks);
+on_redis!(asks_racing_a_first_ask_leave_no_ticket_behind_redis, racing_first_asks);
+
 // ---- SIGTERM withdraws queued tickets ------------------------------------------------------
 
 /// A server stopped with SIGTERM withdraws the tickets queued through it, so no dead client is

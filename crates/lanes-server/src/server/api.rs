@@ -19,7 +19,7 @@ use super::App;
 use super::auth::Principal;
 use super::error::{ApiError, JsonBody};
 use super::openapi::{Health, Ready, ServerInfo, SnapshotAnswer};
-use super::sessions::Refused;
+use super::sessions::{Begun, Refused};
 
 /// The shortest lease.
 const MIN_LEASE: Duration = Duration::from_millis(100);
@@ -158,12 +158,12 @@ struct InFlight {
     app: Arc<App>,
     client: String,
     limit: String,
-    ticket: u64,
+    begun: Begun,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.app.sessions().end(&self.client, &self.limit, self.ticket, Instant::now());
+        self.app.sessions().end(&self.client, &self.limit, self.begun, Instant::now());
     }
 }
 
@@ -244,7 +244,22 @@ pub(crate) async fn acquire(
     };
     let ticket = begun.ticket;
     let _in_flight =
-        InFlight { app: app.clone(), client: body.client.clone(), limit: name.clone(), ticket };
+        InFlight { app: app.clone(), client: body.client.clone(), limit: name.clone(), begun };
+    if begun.first_ask_elsewhere {
+        // Another request is making this ticket's first ask: the backend may not know the
+        // ticket yet, so it is asked nothing (its answer "finished" would be wrong), and the
+        // ticket stays as that ask leaves it (invariant 4 of `sessions`).
+        let retry_after = app.options.reask.min(wait.max(Duration::from_millis(100)));
+        return Ok(if queue {
+            app.event("queued");
+            let body = wire::NotYet::new(ticket, Reason::Queued, millis(retry_after));
+            not_yet(StatusCode::ACCEPTED, body, retry_after)
+        } else {
+            app.event("refused");
+            let body = wire::TryRefused::new(Reason::Busy, millis(retry_after));
+            not_yet(StatusCode::TOO_MANY_REQUESTS, body, retry_after)
+        });
+    }
     let outcome = if !queue && begun.fresh {
         // A try: granted now, or the ticket is forgotten at once.
         app.backend.try_acquire(&name, begun.backend, Some(lease)).await
@@ -269,27 +284,42 @@ pub(crate) async fn acquire(
             }
         }
     };
+    // The first ask is back. If the ticket was released meanwhile (or withdrawn by a stopping
+    // server) before the backend knew it, what the ask left there goes back now.
+    if begun.fresh && !app.sessions().first_asked(&name, begun) {
+        if outcome.is_ok() {
+            let _ = app.backend.release(&name, begun.backend).await;
+        }
+        return Err(ApiError::finished(&name, ticket));
+    }
+    // Only this backend ticket's record changes: another under the same number (released and
+    // asked for again meanwhile) is not this request's to forget or mark.
+    let only = Some(begun.backend);
     let answer = match outcome {
         Ok(answer) => answer,
         Err(err) => {
             if begun.fresh {
-                let _ = app.sessions().forget(&body.client, &name, ticket);
+                let _ = app.sessions().forget(&body.client, &name, ticket, only);
             }
             return Err(ApiError::limit(&name, &err));
         }
     };
     match answer {
         Answer::Granted(grant) => {
-            app.sessions().granted(&name, ticket);
+            if !app.sessions().granted(&name, ticket, begun.backend) {
+                // Released meanwhile: nobody would return this permit.
+                let _ = app.backend.release(&name, begun.backend).await;
+                return Err(ApiError::finished(&name, ticket));
+            }
             app.event("granted");
             Ok(Json(wire::Granted::new(ticket, grant.fencing_token, millis(lease))).into_response())
         }
         Answer::Finished => {
-            let _ = app.sessions().forget(&body.client, &name, ticket);
+            let _ = app.sessions().forget(&body.client, &name, ticket, only);
             Err(ApiError::finished(&name, ticket))
         }
         Answer::Queued | Answer::RetryAfter(_) if !queue => {
-            let _ = app.sessions().forget(&body.client, &name, ticket);
+            let _ = app.sessions().forget(&body.client, &name, ticket, only);
             if !begun.fresh {
                 // A try naming a ticket that was queued before: the try leaves nothing.
                 app.backend
@@ -400,7 +430,7 @@ pub(crate) async fn release(
     principal.act_as(&body.client)?;
     let known = app
         .sessions()
-        .forget(&body.client, &name, body.ticket)
+        .forget(&body.client, &name, body.ticket, None)
         .map_err(|refused| refusal(&name, refused))?;
     let released = match known {
         Some(backend_ticket) => {
@@ -459,7 +489,7 @@ pub(crate) async fn renew(
         };
         for (ticket, backend) in tickets {
             if gone.contains(&backend) {
-                let _ = app.sessions().forget(&client, &limit, ticket);
+                let _ = app.sessions().forget(&client, &limit, ticket, Some(backend));
                 app.event("lease_lost");
                 lost.push(wire::LostTicket { limit: limit.clone(), ticket });
             } else {

@@ -663,10 +663,12 @@ async fn sweep(app: std::sync::Weak<App>) {
         }
         probed = now;
         for lapsed in probe {
-            if let Ok(lanes::Answer::Finished) =
+            // A deleted limit's permits are finished too (renew answers them lost alike).
+            if let Ok(lanes::Answer::Finished) | Err(lanes::LimitError::UnknownLimit(_)) =
                 app.backend.check(&lapsed.limit, lapsed.backend, None).await
             {
-                let _ = app.sessions().forget(&lapsed.client, &lapsed.limit, lapsed.ticket);
+                let only = Some(lapsed.backend);
+                let _ = app.sessions().forget(&lapsed.client, &lapsed.limit, lapsed.ticket, only);
                 app.event("lease_expired");
             }
         }

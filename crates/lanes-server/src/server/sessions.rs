@@ -13,6 +13,14 @@
 //!    flight, no ask) is withdrawn — whatever else its client does, so a client that keeps
 //!    renewing cannot hold a free limit with a ticket it abandoned. Permits stay until their
 //!    leases end in the backend.
+//! 4. A record names one backend ticket, and only what is done to that one changes it: a
+//!    request that acted on another backend ticket under the same number (an old long-poll,
+//!    after a release and a new ask) neither removes the record nor marks it. While the
+//!    request that created a ticket makes its first ask, the backend may not know the ticket
+//!    yet: nobody else asks the backend about it (an answer "finished" would be wrong), and the
+//!    creator, once its ask is back, gives the backend ticket back itself if the record went
+//!    meanwhile. So no backend ticket is ever left with no record (a queued one nobody owns
+//!    would stop its limit's line for good).
 //!
 //! Pure: time is an argument, no I/O.
 
@@ -34,6 +42,8 @@ struct Owned {
     asked: Instant,
     /// Requests asking about it now (long-polls in flight).
     polling: usize,
+    /// The request that created it is making its first ask (invariant 4).
+    first_ask: bool,
 }
 
 #[derive(Debug)]
@@ -53,6 +63,9 @@ pub(crate) struct Begun {
     pub(crate) backend: u64,
     /// Created by this request (its first ask), rather than asked about again.
     pub(crate) fresh: bool,
+    /// Another request is making the ticket's first ask: this one asks the backend nothing
+    /// (invariant 4).
+    pub(crate) first_ask_elsewhere: bool,
 }
 
 /// Why a request may not act on a ticket.
@@ -121,8 +134,9 @@ impl Sessions {
             let owned = self.tickets.get_mut(&(limit.to_owned(), number)).expect("found above");
             owned.asked = now;
             owned.polling += 1;
+            let first_ask_elsewhere = owned.first_ask;
             self.touch(client, now).in_flight += 1;
-            return Ok(Begun { ticket: number, backend, fresh: false });
+            return Ok(Begun { ticket: number, backend, fresh: false, first_ask_elsewhere });
         }
         if !self.clients.contains_key(client) && self.clients.len() >= self.max_clients {
             return Err(Refused::TooManyClients(self.max_clients));
@@ -139,12 +153,13 @@ impl Sessions {
             granted: false,
             asked: now,
             polling: 1,
+            first_ask: true,
         };
         self.tickets.insert((limit.to_owned(), number), owned);
         let session = self.touch(client, now);
         session.in_flight += 1;
         session.tickets.insert((limit.to_owned(), number));
-        Ok(Begun { ticket: number, backend, fresh: true })
+        Ok(Begun { ticket: number, backend, fresh: true, first_ask_elsewhere: false })
     }
 
     fn touch(&mut self, client: &str, now: Instant) -> &mut Client {
@@ -168,13 +183,18 @@ impl Sessions {
         }
     }
 
-    /// Marks a request of `client` about ticket `ticket` of `limit` finished.
-    pub(crate) fn end(&mut self, client: &str, limit: &str, ticket: u64, now: Instant) {
-        if let Some(owned) = self.tickets.get_mut(&(limit.to_owned(), ticket))
+    /// Marks a request of `client` about `begun` of `limit` finished (its first ask ended too,
+    /// if it made it).
+    pub(crate) fn end(&mut self, client: &str, limit: &str, begun: Begun, now: Instant) {
+        if let Some(owned) = self.tickets.get_mut(&(limit.to_owned(), begun.ticket))
             && owned.client == client
+            && owned.backend == begun.backend
         {
             owned.polling = owned.polling.saturating_sub(1);
             owned.asked = now;
+            if begun.fresh {
+                owned.first_ask = false;
+            }
         }
         if let Some(session) = self.clients.get_mut(client) {
             session.in_flight = session.in_flight.saturating_sub(1);
@@ -189,15 +209,34 @@ impl Sessions {
         }
     }
 
-    /// Records that a ticket holds a permit.
-    pub(crate) fn granted(&mut self, limit: &str, ticket: u64) {
-        if let Some(owned) = self.tickets.get_mut(&(limit.to_owned(), ticket)) {
-            owned.granted = true;
+    /// The first ask of `begun` (made by the request that created it) is back: whether its
+    /// record is still there. If it is not (released, or withdrawn by a stopping server,
+    /// meanwhile), the caller gives the backend ticket back (invariant 4).
+    pub(crate) fn first_asked(&mut self, limit: &str, begun: Begun) -> bool {
+        match self.tickets.get_mut(&(limit.to_owned(), begun.ticket)) {
+            Some(owned) if owned.backend == begun.backend => {
+                owned.first_ask = false;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Records that backend ticket `backend`, ticket `ticket` of `limit`, holds a permit:
+    /// whether its record is still there (if not, the caller gives the permit back).
+    pub(crate) fn granted(&mut self, limit: &str, ticket: u64, backend: u64) -> bool {
+        match self.tickets.get_mut(&(limit.to_owned(), ticket)) {
+            Some(owned) if owned.backend == backend => {
+                owned.granted = true;
+                true
+            }
+            _ => false,
         }
     }
 
     /// Forgets a ticket of `client` (released, withdrawn or finished); its backend ticket if it
-    /// existed.
+    /// existed. With `only` given, only if its record names that backend ticket (invariant 4:
+    /// what a request found finished is that backend ticket, not a newer one under its number).
     ///
     /// # Errors
     ///
@@ -207,11 +246,15 @@ impl Sessions {
         client: &str,
         limit: &str,
         ticket: u64,
+        only: Option<u64>,
     ) -> Result<Option<u64>, Refused> {
         let key = (limit.to_owned(), ticket);
         match self.tickets.get(&key) {
             None => return Ok(None),
             Some(owned) if owned.client != client => return Err(Refused::NotYours(ticket)),
+            Some(owned) if only.is_some_and(|backend| backend != owned.backend) => {
+                return Ok(None);
+            }
             Some(_) => {}
         }
         let owned = self.tickets.remove(&key).expect("present");
@@ -222,8 +265,9 @@ impl Sessions {
         Ok(Some(owned.backend))
     }
 
-    /// Every ticket `client` owns, as `(limit, ticket, backend ticket, lease)`, in limit order;
-    /// `None` for a client without a session. Marks the client seen.
+    /// Every ticket `client` owns, as `(limit, ticket, backend ticket, lease)`, in limit order,
+    /// but those whose first ask is still being made (the backend may not know them yet:
+    /// invariant 4); `None` for a client without a session. Marks the client seen.
     pub(crate) fn tickets_of(
         &mut self,
         client: &str,
@@ -235,7 +279,7 @@ impl Sessions {
         Some(
             keys.into_iter()
                 .filter_map(|key| {
-                    let owned = self.tickets.get(&key)?;
+                    let owned = self.tickets.get(&key).filter(|owned| !owned.first_ask)?;
                     Some((key.0, key.1, owned.backend, owned.lease))
                 })
                 .collect(),
@@ -401,13 +445,13 @@ mod tests {
             sessions.begin("mallory", "db", Some(1), LEASE, now, &mut alloc),
             Err(Refused::NotYours(1))
         );
-        assert_eq!(sessions.forget("mallory", "db", 1), Err(Refused::NotYours(1)));
+        assert_eq!(sessions.forget("mallory", "db", 1, None), Err(Refused::NotYours(1)));
         let again = sessions.begin("alice", "db", Some(1), LEASE, now, &mut alloc).unwrap();
         assert_eq!((again.backend, again.fresh), (a.backend, false));
         // Another limit's ticket 1 is another ticket.
         assert!(sessions.begin("mallory", "other", Some(1), LEASE, now, &mut alloc).is_ok());
-        assert_eq!(sessions.forget("alice", "db", 1), Ok(Some(a.backend)));
-        assert_eq!(sessions.forget("alice", "db", 1), Ok(None));
+        assert_eq!(sessions.forget("alice", "db", 1, None), Ok(Some(a.backend)));
+        assert_eq!(sessions.forget("alice", "db", 1, None), Ok(None));
     }
 
     #[test]
@@ -417,7 +461,7 @@ mod tests {
         let mut alloc = counter();
         let drawn = sessions.begin("x", "db", None, LEASE, now, &mut alloc).unwrap();
         assert!(drawn.ticket < 1 << 53);
-        sessions.forget("x", "db", drawn.ticket).unwrap();
+        sessions.forget("x", "db", drawn.ticket, None).unwrap();
         let explicit = sessions.begin("x", "db", Some(drawn.ticket + 2), LEASE, now, &mut alloc);
         let explicit = explicit.unwrap();
         for _ in 0..1000 {
@@ -434,19 +478,61 @@ mod tests {
         let start = Instant::now();
         let mut alloc = counter();
         let held = sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc).unwrap();
-        sessions.granted("db", 1);
-        sessions.end("a", "db", 1, start);
+        assert!(sessions.granted("db", 1, held.backend));
+        sessions.end("a", "db", held, start);
         let queued = sessions.begin("a", "db", Some(2), LEASE, start, &mut alloc).unwrap();
         // A long-poll in flight keeps the ticket.
         assert_eq!(sessions.sweep(start + GRACE * 3, GRACE), (vec![], vec![]));
-        sessions.end("a", "db", 2, start + GRACE * 3);
+        sessions.end("a", "db", queued, start + GRACE * 3);
         let (withdraw, probe) = sessions.sweep(start + GRACE * 3 + GRACE / 2, GRACE);
         assert!(withdraw.is_empty() && probe.is_empty());
         let (withdraw, probe) = sessions.sweep(start + GRACE * 4, GRACE);
         assert_eq!(withdraw.iter().map(|l| l.backend).collect::<Vec<_>>(), [queued.backend]);
         assert_eq!(probe.iter().map(|l| l.backend).collect::<Vec<_>>(), [held.backend]);
         assert_eq!(sessions.clients(), 1, "the permit keeps the session");
-        sessions.forget("a", "db", 1).unwrap();
+        sessions.forget("a", "db", 1, None).unwrap();
         assert_eq!(sessions.clients(), 0);
+    }
+
+    /// Review finding (stop 72): records were keyed by number alone, so a request that had
+    /// asked about one backend ticket could remove or mark the record of another under the
+    /// same number, and a second ask racing the first could find the ticket "finished" before
+    /// the backend knew it; either left a backend ticket that no record names (invariant 4).
+    #[test]
+    fn a_record_changes_only_for_its_own_backend_ticket() {
+        let mut sessions = Sessions::new(usize::MAX);
+        let start = Instant::now();
+        let mut alloc = counter();
+        let first = sessions.begin("a", "db", Some(7), LEASE, start, &mut alloc).unwrap();
+        assert!(first.fresh && !first.first_ask_elsewhere);
+        // A second ask while the first is being made asks the backend nothing, and a renewal
+        // leaves the ticket out.
+        let second = sessions.begin("a", "db", Some(7), LEASE, start, &mut alloc).unwrap();
+        assert!(!second.fresh && second.first_ask_elsewhere);
+        assert_eq!(sessions.tickets_of("a", start), Some(vec![]));
+        sessions.end("a", "db", second, start);
+        assert!(sessions.first_asked("db", first));
+        sessions.end("a", "db", first, start);
+        let third = sessions.begin("a", "db", Some(7), LEASE, start, &mut alloc).unwrap();
+        assert!(!third.fresh && !third.first_ask_elsewhere);
+        assert_eq!(
+            sessions.tickets_of("a", start),
+            Some(vec![("db".to_owned(), 7, first.backend, LEASE)])
+        );
+        // Released, and asked for again under the same number: a new backend ticket.
+        assert_eq!(sessions.forget("a", "db", 7, None), Ok(Some(first.backend)));
+        let renewed = sessions.begin("a", "db", Some(7), LEASE, start, &mut alloc).unwrap();
+        assert!(renewed.fresh && renewed.backend != first.backend);
+        // What the old request saw of the old backend ticket changes nothing of the new one.
+        sessions.end("a", "db", third, start);
+        assert!(!sessions.granted("db", 7, first.backend));
+        assert_eq!(sessions.forget("a", "db", 7, Some(first.backend)), Ok(None));
+        assert!(!sessions.first_asked("db", first));
+        // The new ticket's own request is still in flight: its ticket is not withdrawn.
+        let (withdraw, _) = sessions.sweep(start + GRACE * 2, GRACE);
+        assert!(withdraw.is_empty(), "{withdraw:?}");
+        assert!(sessions.first_asked("db", renewed));
+        assert!(sessions.granted("db", 7, renewed.backend));
+        assert_eq!(sessions.forget("a", "db", 7, Some(renewed.backend)), Ok(Some(renewed.backend)));
     }
 }
