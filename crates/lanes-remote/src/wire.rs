@@ -450,7 +450,8 @@ pub struct AcquireRequest {
     /// The ticket's priority (used by its first ask only; `None`: the default).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,
-    /// The permit's lease (`None`: the server's default).
+    /// The permit's lease (`None`: the server's default; set by the ticket's first ask, as
+    /// its priority: later asks of the ticket are granted and renewed with that lease).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
     /// How long to long-poll (`None`: answer at once; capped by the server).

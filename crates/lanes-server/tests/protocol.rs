@@ -577,6 +577,46 @@ async fn racing_first_asks(args: &[&str]) {
 embedded!(asks_racing_a_first_ask_leave_no_ticket_behind, racing_first_asks);
 on_redis!(asks_racing_a_first_ask_leave_no_ticket_behind_redis, racing_first_asks);
 
+// ---- 9. A ticket's lease ------------------------------------------------------------------
+
+/// Review finding (stop 72): a later ask of a ticket was granted (embedded) and answered with
+/// its own `lease_ms`, or the default when it gave none, while renewals used the first ask's:
+/// a client told 10 s renewed as if it had 10 s and lost a 1 s permit between renewals. The
+/// ticket keeps its first ask's lease: granted with it, answered with it, lapsing with it.
+async fn a_ticket_keeps_its_lease(args: &[&str]) {
+    let serve = Serve::start(args);
+    let c = http();
+    assert_eq!(put(&c, &serve, "/v1/limits/kept", json!({"concurrent": 1})).await.status, 200);
+    let held =
+        post(&c, &serve, "/v1/limits/kept/acquire", json!({"client": "h", "ticket": 1})).await;
+    assert_eq!(held.status, 200, "{held:?}");
+    let first = post(
+        &c,
+        &serve,
+        "/v1/limits/kept/acquire",
+        json!({"client": "c", "ticket": 5, "lease_ms": 1000}),
+    )
+    .await;
+    assert_eq!(first.status, 202, "{first:?}");
+    let released =
+        post(&c, &serve, "/v1/limits/kept/release", json!({"client": "h", "ticket": 1})).await;
+    assert_eq!(released.body["released"], true, "{released:?}");
+    let again = post(
+        &c,
+        &serve,
+        "/v1/limits/kept/acquire",
+        json!({"client": "c", "ticket": 5, "lease_ms": 30000, "wait_ms": 3000}),
+    )
+    .await;
+    assert_eq!(again.status, 200, "{again:?}");
+    assert_eq!(again.body["lease_expires_in_ms"], 1000, "the first ask's lease: {again:?}");
+    // Not renewed: the permit lapses with that lease.
+    settles_idle(&c, &serve, "kept", Duration::from_secs(4)).await;
+}
+
+embedded!(a_ticket_keeps_its_first_asks_lease, a_ticket_keeps_its_lease);
+on_redis!(a_ticket_keeps_its_first_asks_lease_redis, a_ticket_keeps_its_lease);
+
 // ---- SIGTERM withdraws queued tickets ------------------------------------------------------
 
 /// A server stopped with SIGTERM withdraws the tickets queued through it, so no dead client is

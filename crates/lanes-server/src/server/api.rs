@@ -242,7 +242,8 @@ pub(crate) async fn acquire(
             .begin(&body.client, &name, body.ticket, lease, now, || backend.ticket())
             .map_err(|refused| refusal(&name, refused))?
     };
-    let ticket = begun.ticket;
+    // A ticket keeps its first ask's lease (what it is granted, renewed and said to have).
+    let (ticket, lease) = (begun.ticket, begun.lease);
     let _in_flight =
         InFlight { app: app.clone(), client: body.client.clone(), limit: name.clone(), begun };
     if begun.first_ask_elsewhere {

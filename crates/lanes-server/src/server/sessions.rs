@@ -66,6 +66,9 @@ pub(crate) struct Begun {
     /// Another request is making the ticket's first ask: this one asks the backend nothing
     /// (invariant 4).
     pub(crate) first_ask_elsewhere: bool,
+    /// The ticket's lease, as its first ask set it: every grant and renewal of the ticket
+    /// uses it, so the lease a client is told is the one its permit has.
+    pub(crate) lease: Duration,
 }
 
 /// Why a request may not act on a ticket.
@@ -130,13 +133,13 @@ impl Sessions {
             if owned.client != client {
                 return Err(Refused::NotYours(number));
             }
-            let backend = owned.backend;
+            let (backend, lease) = (owned.backend, owned.lease);
             let owned = self.tickets.get_mut(&(limit.to_owned(), number)).expect("found above");
             owned.asked = now;
             owned.polling += 1;
             let first_ask_elsewhere = owned.first_ask;
             self.touch(client, now).in_flight += 1;
-            return Ok(Begun { ticket: number, backend, fresh: false, first_ask_elsewhere });
+            return Ok(Begun { ticket: number, backend, fresh: false, first_ask_elsewhere, lease });
         }
         if !self.clients.contains_key(client) && self.clients.len() >= self.max_clients {
             return Err(Refused::TooManyClients(self.max_clients));
@@ -159,7 +162,7 @@ impl Sessions {
         let session = self.touch(client, now);
         session.in_flight += 1;
         session.tickets.insert((limit.to_owned(), number));
-        Ok(Begun { ticket: number, backend, fresh: true, first_ask_elsewhere: false })
+        Ok(Begun { ticket: number, backend, fresh: true, first_ask_elsewhere: false, lease })
     }
 
     fn touch(&mut self, client: &str, now: Instant) -> &mut Client {
@@ -507,8 +510,9 @@ mod tests {
         assert!(first.fresh && !first.first_ask_elsewhere);
         // A second ask while the first is being made asks the backend nothing, and a renewal
         // leaves the ticket out.
-        let second = sessions.begin("a", "db", Some(7), LEASE, start, &mut alloc).unwrap();
+        let second = sessions.begin("a", "db", Some(7), LEASE * 2, start, &mut alloc).unwrap();
         assert!(!second.fresh && second.first_ask_elsewhere);
+        assert_eq!(second.lease, LEASE, "the first ask's lease");
         assert_eq!(sessions.tickets_of("a", start), Some(vec![]));
         sessions.end("a", "db", second, start);
         assert!(sessions.first_asked("db", first));
