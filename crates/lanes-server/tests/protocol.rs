@@ -617,6 +617,48 @@ async fn a_ticket_keeps_its_lease(args: &[&str]) {
 embedded!(a_ticket_keeps_its_first_asks_lease, a_ticket_keeps_its_lease);
 on_redis!(a_ticket_keeps_its_first_asks_lease_redis, a_ticket_keeps_its_lease);
 
+// ---- 10. Lapsed permits of a busy client -----------------------------------------------------
+
+/// Review finding (stop 72): the server asked the backend about permits only of clients gone
+/// silent, so a client that kept sending requests and let its leases lapse (never releasing)
+/// left a record per permit for good. Twenty permits lapse while their client stays busy; their
+/// records go.
+async fn lapsed_permits_of_a_busy_client(args: &[&str]) {
+    let serve = Serve::start(args);
+    let c = http();
+    assert_eq!(put(&c, &serve, "/v1/limits/lapse", json!({"concurrent": 100})).await.status, 200);
+    for _ in 0..20 {
+        let reply =
+            post(&c, &serve, "/v1/limits/lapse/acquire", json!({"client": "w", "lease_ms": 100}))
+                .await;
+        assert_eq!(reply.status, 200, "{reply:?}");
+    }
+    let tickets_of_w = || async {
+        let snapshot = get(&c, &serve, "/v1/snapshot").await;
+        let list = snapshot.body["server"]["client_list"].as_array().cloned().unwrap_or_default();
+        list.iter().find(|e| e["client"] == "w").map_or(0, |e| e["tickets"].as_u64().unwrap())
+    };
+    assert_eq!(tickets_of_w().await, 20);
+    let deadline = Instant::now() + Duration::from_secs(6);
+    loop {
+        // Busy: a try and its release, every 100 ms.
+        let busy = json!({"client": "w", "ticket": 999_999, "queue": false});
+        let tried = post(&c, &serve, "/v1/limits/lapse/acquire", busy).await;
+        assert_eq!(tried.status, 200, "{tried:?}");
+        let release = json!({"client": "w", "ticket": 999_999});
+        post(&c, &serve, "/v1/limits/lapse/release", release).await;
+        let left = tickets_of_w().await;
+        if left == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "records of lapsed permits left: {left}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+embedded!(lapsed_permits_of_a_busy_client_are_forgotten, lapsed_permits_of_a_busy_client);
+on_redis!(lapsed_permits_of_a_busy_client_are_forgotten_redis, lapsed_permits_of_a_busy_client);
+
 // ---- SIGTERM withdraws queued tickets ------------------------------------------------------
 
 /// A server stopped with SIGTERM withdraws the tickets queued through it, so no dead client is

@@ -307,7 +307,7 @@ pub(crate) async fn acquire(
     };
     match answer {
         Answer::Granted(grant) => {
-            if !app.sessions().granted(&name, ticket, begun.backend) {
+            if !app.sessions().granted(&name, ticket, begun.backend, Instant::now()) {
                 // Released meanwhile: nobody would return this permit.
                 let _ = app.backend.release(&name, begun.backend).await;
                 return Err(ApiError::finished(&name, ticket));

@@ -645,7 +645,8 @@ async fn read_body(options: &ServeOptions, request: Request) -> Result<Request, 
 }
 
 /// Withdraws the queued tickets of clients gone silent past the queue grace, and forgets the
-/// permits of silent clients whose leases ended in the backend.
+/// permits whose leases ended in the backend (asked about once past the lease the server last
+/// granted or renewed them with, or once their client went silent).
 async fn sweep(app: std::sync::Weak<App>) {
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let mut probed = Instant::now();

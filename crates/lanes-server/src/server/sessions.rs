@@ -12,7 +12,9 @@
 //! 3. A queued ticket that nobody asked about for the queue grace (no long-poll on it in
 //!    flight, no ask) is withdrawn — whatever else its client does, so a client that keeps
 //!    renewing cannot hold a free limit with a ticket it abandoned. Permits stay until their
-//!    leases end in the backend.
+//!    leases end in the backend; the backend is asked about a permit once the lease it was
+//!    last granted or renewed with has run out (whatever its client does, so the records of
+//!    lapsed permits never pile up), and about every permit of a client gone silent.
 //! 4. A record names one backend ticket, and only what is done to that one changes it: a
 //!    request that acted on another backend ticket under the same number (an old long-poll,
 //!    after a release and a new ask) neither removes the record nor marks it. While the
@@ -38,6 +40,9 @@ struct Owned {
     backend: u64,
     lease: Duration,
     granted: bool,
+    /// When its lease ends, as the server last granted or renewed it (the backend's, counted
+    /// from its own grant, ends no later).
+    lease_ends: Instant,
     /// When a request last asked about it.
     asked: Instant,
     /// Requests asking about it now (long-polls in flight).
@@ -154,6 +159,7 @@ impl Sessions {
             backend,
             lease,
             granted: false,
+            lease_ends: now + lease,
             asked: now,
             polling: 1,
             first_ask: true,
@@ -225,12 +231,14 @@ impl Sessions {
         }
     }
 
-    /// Records that backend ticket `backend`, ticket `ticket` of `limit`, holds a permit:
-    /// whether its record is still there (if not, the caller gives the permit back).
-    pub(crate) fn granted(&mut self, limit: &str, ticket: u64, backend: u64) -> bool {
+    /// Records that backend ticket `backend`, ticket `ticket` of `limit`, holds a permit
+    /// (granted, or its lease restarted, at `now`): whether its record is still there (if not,
+    /// the caller gives the permit back).
+    pub(crate) fn granted(&mut self, limit: &str, ticket: u64, backend: u64, now: Instant) -> bool {
         match self.tickets.get_mut(&(limit.to_owned(), ticket)) {
             Some(owned) if owned.backend == backend => {
                 owned.granted = true;
+                owned.lease_ends = now + owned.lease;
                 true
             }
             _ => false,
@@ -270,7 +278,8 @@ impl Sessions {
 
     /// Every ticket `client` owns, as `(limit, ticket, backend ticket, lease)`, in limit order,
     /// but those whose first ask is still being made (the backend may not know them yet:
-    /// invariant 4); `None` for a client without a session. Marks the client seen.
+    /// invariant 4); `None` for a client without a session. Marks the client seen, and their
+    /// leases renewed at `now` (what renewal finds lost is forgotten).
     pub(crate) fn tickets_of(
         &mut self,
         client: &str,
@@ -282,7 +291,8 @@ impl Sessions {
         Some(
             keys.into_iter()
                 .filter_map(|key| {
-                    let owned = self.tickets.get(&key).filter(|owned| !owned.first_ask)?;
+                    let owned = self.tickets.get_mut(&key).filter(|owned| !owned.first_ask)?;
+                    owned.lease_ends = now + owned.lease;
                     Some((key.0, key.1, owned.backend, owned.lease))
                 })
                 .collect(),
@@ -290,8 +300,9 @@ impl Sessions {
     }
 
     /// Takes out the queued tickets nobody asked about for `grace` (invariant 3), to withdraw;
-    /// and lists the permits of clients silent for `grace` with nothing in flight, to ask the
-    /// backend whether their leases have ended.
+    /// and lists the permits past the lease they were last granted or renewed with, and those
+    /// of clients silent for `grace` with nothing in flight, to ask the backend whether their
+    /// leases have ended.
     pub(crate) fn sweep(&mut self, now: Instant, grace: Duration) -> (Vec<Lapsed>, Vec<Lapsed>) {
         let mut withdraw = Vec::new();
         let abandoned: Vec<(String, u64)> = self
@@ -314,21 +325,19 @@ impl Sessions {
             });
         }
         let mut probe = Vec::new();
-        for (client, session) in &self.clients {
-            if session.in_flight > 0 || session.last_seen + grace > now {
-                continue;
-            }
-            for key in &session.tickets {
-                if let Some(owned) = self.tickets.get(key)
-                    && owned.granted
-                {
-                    probe.push(Lapsed {
-                        client: client.clone(),
-                        limit: key.0.clone(),
-                        ticket: key.1,
-                        backend: owned.backend,
-                    });
-                }
+        for (key, owned) in &self.tickets {
+            let silent = || {
+                self.clients
+                    .get(&owned.client)
+                    .is_some_and(|s| s.in_flight == 0 && s.last_seen + grace <= now)
+            };
+            if owned.granted && (owned.lease_ends <= now || silent()) {
+                probe.push(Lapsed {
+                    client: owned.client.clone(),
+                    limit: key.0.clone(),
+                    ticket: key.1,
+                    backend: owned.backend,
+                });
             }
         }
         withdraw.sort_by(|a, b| (&a.limit, a.ticket).cmp(&(&b.limit, b.ticket)));
@@ -481,7 +490,7 @@ mod tests {
         let start = Instant::now();
         let mut alloc = counter();
         let held = sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc).unwrap();
-        assert!(sessions.granted("db", 1, held.backend));
+        assert!(sessions.granted("db", 1, held.backend, start));
         sessions.end("a", "db", held, start);
         let queued = sessions.begin("a", "db", Some(2), LEASE, start, &mut alloc).unwrap();
         // A long-poll in flight keeps the ticket.
@@ -495,6 +504,32 @@ mod tests {
         assert_eq!(sessions.clients(), 1, "the permit keeps the session");
         sessions.forget("a", "db", 1, None).unwrap();
         assert_eq!(sessions.clients(), 0);
+    }
+
+    /// Review finding (stop 72): only a silent client's permits were asked about, so a client
+    /// that kept sending requests and let its leases lapse piled up records for good.
+    #[test]
+    fn a_permit_past_its_lease_is_asked_about_whatever_its_client_does() {
+        let mut sessions = Sessions::new(usize::MAX);
+        let start = Instant::now();
+        let mut alloc = counter();
+        let held = sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc).unwrap();
+        assert!(sessions.granted("db", 1, held.backend, start));
+        sessions.end("a", "db", held, start);
+        // The client keeps a request in flight: never silent.
+        let busy = sessions.begin("a", "other", Some(2), LEASE, start, &mut alloc).unwrap();
+        let probed = |sessions: &mut Sessions, at| {
+            sessions.sweep(at, GRACE).1.iter().map(|l| l.backend).collect::<Vec<_>>()
+        };
+        assert_eq!(probed(&mut sessions, start + LEASE / 2), Vec::<u64>::new());
+        assert_eq!(probed(&mut sessions, start + LEASE), [held.backend]);
+        // A renewal moves the lease on; a grant again (a re-ask restarts it) too.
+        sessions.tickets_of("a", start + LEASE);
+        assert_eq!(probed(&mut sessions, start + LEASE * 3 / 2), Vec::<u64>::new());
+        assert!(sessions.granted("db", 1, held.backend, start + LEASE * 3 / 2));
+        assert_eq!(probed(&mut sessions, start + LEASE * 2), Vec::<u64>::new());
+        assert_eq!(probed(&mut sessions, start + LEASE * 5 / 2), [held.backend]);
+        sessions.end("a", "other", busy, start);
     }
 
     /// Review finding (stop 72): records were keyed by number alone, so a request that had
@@ -529,14 +564,14 @@ mod tests {
         assert!(renewed.fresh && renewed.backend != first.backend);
         // What the old request saw of the old backend ticket changes nothing of the new one.
         sessions.end("a", "db", third, start);
-        assert!(!sessions.granted("db", 7, first.backend));
+        assert!(!sessions.granted("db", 7, first.backend, start));
         assert_eq!(sessions.forget("a", "db", 7, Some(first.backend)), Ok(None));
         assert!(!sessions.first_asked("db", first));
         // The new ticket's own request is still in flight: its ticket is not withdrawn.
         let (withdraw, _) = sessions.sweep(start + GRACE * 2, GRACE);
         assert!(withdraw.is_empty(), "{withdraw:?}");
         assert!(sessions.first_asked("db", renewed));
-        assert!(sessions.granted("db", 7, renewed.backend));
+        assert!(sessions.granted("db", 7, renewed.backend, start));
         assert_eq!(sessions.forget("a", "db", 7, Some(renewed.backend)), Ok(Some(renewed.backend)));
     }
 }
