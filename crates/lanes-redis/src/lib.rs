@@ -59,7 +59,10 @@
 //! the holder's fencing token is stale, which is what fencing is for. Both are counted in
 //! [`RedisStats::lost_leases`], once per permit. Releases that could not reach Redis are
 //! retried in the background. A limit a restarted Redis no longer knows is defined again from
-//! the spec this client gave it. Tickets that fell back to the local share stay local until
+//! the spec this client gave it, holding its grants for the longest lease; one a restarted
+//! Redis still knows (from a snapshot or an append-only file, which may lag) holds them the
+//! same way from the first call after the restart, and its fencing tokens go on past the
+//! clock. Tickets that fell back to the local share stay local until
 //! released; new acquires go to Redis again as soon as it answers.
 //!
 //! # Example
@@ -303,6 +306,8 @@ impl Inner {
             // On a cluster, the hold after the limit is found on another node (a failover).
             if self.cluster { self.max_lease.as_millis().to_string() } else { "0".to_owned() },
             self.lock_state().modes.get(name).cloned().unwrap_or_default(),
+            // The hold after the server restarted (it may have lost the last writes).
+            self.max_lease.as_millis().to_string(),
         ];
         self.call(name, "define", &args).await?;
         self.command::<()>(redis::cmd("SADD").arg(self.registry_key()).arg(name)).await?;

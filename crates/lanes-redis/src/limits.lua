@@ -11,7 +11,8 @@
 -- KEYS[1] is the limit's base key, "{namespace:limit}"; every key of the limit is derived from
 -- it and shares its hash tag, so the whole limit lives in one Redis Cluster slot.
 --   B:m       hash: concurrent, interval (us, 0 = no rate), rate, burst, tat, fence (the last
---             token; grants so far = fence - fbase), maxuse, seq, hold, movehold, node
+--             token; grants so far = fence - fbase), maxuse, seq, hold, movehold, node, run (the
+--             `run_id` of the server that last wrote it), runhold (the longest lease, ms)
 --   B:h       hash: held ticket -> "fence:expires"
 --   B:e       zset: held ticket by lease expiry
 --   B:lv      zset: priority levels with waiters
@@ -94,7 +95,7 @@ end
 local meta
 local function load_meta()
   local v = redis.call('HMGET', M, 'concurrent', 'interval', 'burst', 'tat', 'maxuse', 'hold',
-    'movehold', 'node', 'mode')
+    'movehold', 'node', 'mode', 'run', 'runhold')
   if not v[1] then return false end
   meta = {
     concurrent = number(v[1]),
@@ -106,8 +107,41 @@ local function load_meta()
     movehold = setting(v[7], 0),
     node = v[8],
     mode = v[9],
+    run = v[10],
+    runhold = setting(v[11], 0),
   }
   return true
+end
+
+-- The `run_id` of this server, new at every start of its process: read once per load of the
+-- library (a `FUNCTION LOAD REPLACE` reads it again, and finds the same).
+local boot
+local function run_id()
+  if not boot then
+    boot = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
+  end
+  return boot
+end
+
+-- The limit was last written by another run of this server: it restarted, and may have come
+-- back from a snapshot or an append-only file that lags (the namespace's epoch kept, the last
+-- grants lost). As after a move to another node: no grant before every lease that may have
+-- been lost has ended (the longest lease, runhold ms), and tokens go on past the clock. A
+-- restart that lost everything has no limit left to find here: the clients that held permits
+-- see the epoch gone and define their limits again with the same hold.
+local function watch_run(now)
+  local me = run_id()
+  if meta.run == me then return end
+  if meta.run and meta.runhold > 0 then
+    local hold = now + meta.runhold * 1000
+    if hold > meta.hold then meta.hold = hold end
+    local fence = num(M, 'fence')
+    local jump = math.max(now - fence, 0) + 1000000
+    redis.call('HSET', M, 'hold', int(meta.hold), 'fence', int(fence + jump),
+      'fbase', int(num(M, 'fbase') + jump))
+  end
+  redis.call('HSET', M, 'run', me)
+  meta.run = me
 end
 
 -- On a Redis Cluster (movehold > 0): the limit is served by another node than the one that
@@ -544,10 +578,12 @@ end
 -- its queue logic cost about a third more Redis time.
 local function quick_acquire(nobody_waits)
   if not nobody_waits and redis.call('HLEN', I) ~= 0 then return nil end
-  local v = redis.call('HMGET', M, 'concurrent', 'interval', 'hold', 'movehold', 'mode', 'maxuse')
+  local v = redis.call('HMGET', M, 'concurrent', 'interval', 'hold', 'movehold', 'mode', 'maxuse',
+    'run')
   -- Settings compared as the strings they are where that is enough: a number parsed inside
-  -- Redis costs about as much as one of the commands here.
-  if not v[1] or v[5] or (v[2] and v[2] ~= '0') or (v[4] and v[4] ~= '0') then
+  -- Redis costs about as much as one of the commands here. A limit last written by another
+  -- run of the server takes the full path (`watch_run`).
+  if not v[1] or v[5] or (v[2] and v[2] ~= '0') or (v[4] and v[4] ~= '0') or v[7] ~= run_id() then
     return nil
   end
   local used = redis.call('HLEN', H)
@@ -634,12 +670,23 @@ local function call(keys, args)
     redis.call('HSET', M, 'concurrent', ARGV[6], 'interval', ARGV[7], 'burst', ARGV[8], 'rate', ARGV[9])
     if fresh then
       redis.call('HSET', M, 'tat', 0, 'fence', int(now), 'fbase', int(now), 'maxuse', 0, 'seq', 0,
-      'hold', 0)
+      'hold', 0, 'run', run_id())
     end
+    -- ARGV[13]: the client's longest lease (ms), the hold after a restart of the server
+    -- (`watch_run`); the longest any client gave.
+    local runhold = tonumber(ARGV[13] or '0')
+    if runhold > num(M, 'runhold') then redis.call('HSET', M, 'runhold', runhold) end
     local hold_ms = tonumber(ARGV[10] or '0')
     if hold_ms > 0 then
       local hold = now + hold_ms * 1000
       if hold > num(M, 'hold') then redis.call('HSET', M, 'hold', int(hold)) end
+      if not fresh then
+        -- A limit that outlived the loss (a restart from a snapshot that lags, say) may have
+        -- handed out tokens it no longer counts: they go on past the clock, as after a move.
+        local fence = num(M, 'fence')
+        local jump = math.max(now - fence, 0) + 1000000
+        redis.call('HSET', M, 'fence', int(fence + jump), 'fbase', int(num(M, 'fbase') + jump))
+      end
     end
     local movehold = tonumber(ARGV[11] or '0')
     if movehold > 0 then redis.call('HSET', M, 'movehold', movehold) end
@@ -652,6 +699,7 @@ local function call(keys, args)
     end
     load_meta()
     watch_node(now)
+    watch_run(now)
     expire(now)
     kick(now)
     return 'ok'
@@ -666,6 +714,7 @@ local function call(keys, args)
   end
   now = now_us()
   watch_node(now)
+  watch_run(now)
   local reclaimed = expire(now)
   if op == 'release' then
     -- ARGV: ticket, then riders

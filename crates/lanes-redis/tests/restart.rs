@@ -61,6 +61,48 @@ async fn an_empty_restart_never_hands_one_permit_to_two_holders() {
     timeout(Duration::from_secs(1), pa.lost()).await.expect("lost() resolves");
 }
 
+/// Review finding (stop 72): a restart that keeps the namespace's epoch but loses the last
+/// writes (here a snapshot taken before A's grant, loaded on the restart) was not seen as a
+/// loss: C was granted at once, with A's fencing token, while A still believed it held the
+/// permit. A limit now records the `run_id` of the server that last wrote it; the first call
+/// after a restart finds another, and holds grants for the longest lease (A's renewal is
+/// refused meanwhile), and tokens go on past the clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_from_a_snapshot_that_lags_holds_grants_and_tokens_grow() {
+    let mut redis = DedicatedRedis::start_with_snapshots();
+    let (a, c) = (client(&redis).await, client(&redis).await);
+    let (la, lc) = (Limits::with_backend(a), Limits::with_backend(c));
+    la.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    redis.save(); // the limit, free
+    let pa = la.acquire("db", Priority::default()).await.unwrap();
+    redis.stop();
+    redis.restart();
+    let back = Instant::now();
+    // C asks at once: the first call on the limit after the restart sees it.
+    let granted = timeout(Duration::from_secs(10), async {
+        loop {
+            match lc.acquire("db", Priority::default()).await {
+                Ok(permit) => return permit,
+                Err(err) => {
+                    assert!(err.is_backend(), "{err}");
+                    sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    })
+    .await
+    .expect("grants resume");
+    let at = back.elapsed();
+    assert!(pa.lease_lost(), "A knows before C is granted");
+    assert!(at >= LEASE - Duration::from_millis(100), "the hold kept grants back: {at:?}");
+    assert!(
+        granted.fencing_token() > pa.fencing_token(),
+        "{} after {}",
+        granted.fencing_token(),
+        pa.fencing_token()
+    );
+}
+
 /// Reproduction 7 on Redis: tokens keep growing across a removal and across an empty restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_tokens_grow_across_remove_and_an_empty_restart() {

@@ -126,14 +126,36 @@ impl Drop for Cleanup {
 pub struct DedicatedRedis {
     pub port: u16,
     child: Option<Child>,
+    /// Where it keeps its snapshot ([`save`](Self::save)), loaded again on a restart.
+    dir: Option<std::path::PathBuf>,
 }
 
 impl DedicatedRedis {
     pub fn start() -> Self {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut redis = Self { port, child: None };
+        let mut redis = Self { port, child: None, dir: None };
         redis.restart();
         redis
+    }
+
+    /// A server that loads, on every restart, the snapshot last taken by [`save`](Self::save)
+    /// (it takes none by itself).
+    pub fn start_with_snapshots() -> Self {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let dir =
+            std::env::temp_dir().join(format!("lanes-redis-rdb-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut redis = Self { port, child: None, dir: Some(dir) };
+        redis.restart();
+        redis
+    }
+
+    /// Takes a snapshot now (`SAVE`).
+    pub fn save(&self) {
+        let client = redis::Client::open(self.url()).unwrap();
+        let mut conn = client.get_connection().unwrap();
+        let _: String = redis::cmd("SAVE").query(&mut conn).unwrap();
     }
 
     pub fn url(&self) -> String {
@@ -142,9 +164,14 @@ impl DedicatedRedis {
 
     /// Starts the server (again) on the same port and waits until it answers.
     pub fn restart(&mut self) {
-        let child = Command::new("redis-server")
+        let mut command = Command::new("redis-server");
+        command
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "no", "--protected-mode", "no"])
+            .args(["--appendonly", "no", "--protected-mode", "no"]);
+        if let Some(dir) = &self.dir {
+            command.arg("--dir").arg(dir).args(["--dbfilename", "dump.rdb"]);
+        }
+        let child = command
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -175,6 +202,9 @@ impl DedicatedRedis {
 impl Drop for DedicatedRedis {
     fn drop(&mut self) {
         self.stop();
+        if let Some(dir) = &self.dir {
+            let _ = std::fs::remove_dir_all(dir);
+        }
     }
 }
 
