@@ -680,13 +680,6 @@ local function call(keys, args)
     if hold_ms > 0 then
       local hold = now + hold_ms * 1000
       if hold > num(M, 'hold') then redis.call('HSET', M, 'hold', int(hold)) end
-      if not fresh then
-        -- A limit that outlived the loss (a restart from a snapshot that lags, say) may have
-        -- handed out tokens it no longer counts: they go on past the clock, as after a move.
-        local fence = num(M, 'fence')
-        local jump = math.max(now - fence, 0) + 1000000
-        redis.call('HSET', M, 'fence', int(fence + jump), 'fbase', int(num(M, 'fbase') + jump))
-      end
     end
     local movehold = tonumber(ARGV[11] or '0')
     if movehold > 0 then redis.call('HSET', M, 'movehold', movehold) end
