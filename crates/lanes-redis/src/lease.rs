@@ -126,7 +126,10 @@ pub(crate) async fn ensure_epoch(conn: &mut Live, key: &str) -> Result<String, R
 }
 
 impl Inner {
-    /// Renews every held permit of `name`; returns the tickets whose lease had ended.
+    /// Renews every held permit of `name`; returns the tickets whose lease had ended, and
+    /// those this client believes hold a permit that wait in Redis (a failover or a restart
+    /// lost their grant: Redis counts them in no one's use). Tickets that wait, and that this
+    /// client knows to be waiting, are not refused.
     pub(crate) async fn renew_all(
         &self,
         name: &str,
@@ -143,7 +146,19 @@ impl Inner {
             let Value::Array(items) = value else {
                 return Err(CallError::Other(LimitError::backend("redis: odd renewal")));
             };
-            items.iter().filter_map(|v| text(v)?.parse().ok()).collect()
+            let items: Vec<String> = items.iter().filter_map(text).collect();
+            let state = self.lock_state();
+            let limit = state.limits.get(name);
+            items
+                .iter()
+                .filter_map(|item| match item.strip_prefix('w') {
+                    Some(waiting) => {
+                        let ticket: u64 = waiting.parse().ok()?;
+                        limit.is_some_and(|limit| limit.holds(ticket)).then_some(ticket)
+                    }
+                    None => item.parse().ok(),
+                })
+                .collect()
         };
         {
             let refused: BTreeSet<u64> = refused.iter().copied().collect();

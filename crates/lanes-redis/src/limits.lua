@@ -798,7 +798,9 @@ local function call(keys, args)
 
   if op == 'renew' then
     -- ARGV: tickets...: extends the leases still held; answers the tickets that neither hold
-    -- nor wait (their lease ended, or they were lost).
+    -- nor wait (their lease ended, or they were lost), and, marked "w", those that wait (the
+    -- client knows which of them it believes hold a permit: after a failover or a restart
+    -- that lost their grant, they do not).
     if reclaimed > 0 then kick(now) end
     local refused = {}
     local expires = dec(now + lease_us)
@@ -811,6 +813,8 @@ local function call(keys, args)
         redis.call('ZADD', E, expires, ticket)
       elseif redis.call('HEXISTS', I, ticket) == 0 then
         table.insert(refused, ticket)
+      else
+        table.insert(refused, 'w' .. ticket)
       end
     end
     return refused

@@ -103,6 +103,52 @@ async fn a_restart_from_a_snapshot_that_lags_holds_grants_and_tokens_grow() {
     );
 }
 
+/// Review finding (stop 72): a renewal answered a ticket that waits in Redis as renewed. After
+/// a restart (or a failover) that lost its grant, the ticket waits there again: its holder went
+/// on believing it held the permit, which Redis counted in no one's use, and a waiter served
+/// before the ticket was granted while it still worked. A ticket its client believes held and
+/// that waits in Redis is now reported lost at its next renewal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_whose_ticket_waits_again_after_a_restart_is_lost() {
+    let mut redis = DedicatedRedis::start_with_snapshots();
+    let (a, b, d) = (client(&redis).await, client(&redis).await, client(&redis).await);
+    let (la, lb, ld) = (Limits::with_backend(a), Limits::with_backend(b), Limits::with_backend(d));
+    la.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let pb = lb.acquire("db", Priority::default()).await.unwrap();
+    let waiting = tokio::spawn({
+        let la = la.clone();
+        async move { la.acquire("db", Priority::default()).await }
+    });
+    timeout(Duration::from_secs(5), async {
+        while la.info("db").await.unwrap().is_none_or(|info| info.waiting == 0) {
+            sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("A's ticket waits");
+    redis.save(); // B holds, A's ticket waits
+    drop(pb);
+    let pa = timeout(Duration::from_secs(5), waiting).await.unwrap().unwrap().unwrap();
+    redis.stop();
+    redis.restart();
+    // D asks at a higher level: served before A's ticket, which waits in Redis again.
+    let pd = timeout(Duration::from_secs(10), async {
+        loop {
+            match ld.acquire("db", Priority::level(5)).await {
+                Ok(permit) => return permit,
+                Err(err) => {
+                    assert!(err.is_backend(), "{err}");
+                    sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    })
+    .await
+    .expect("grants resume");
+    assert!(pa.lease_lost(), "A knows its permit is lost before D is granted");
+    assert!(pd.fencing_token() > pa.fencing_token());
+}
+
 /// Reproduction 7 on Redis: tokens keep growing across a removal and across an empty restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fencing_tokens_grow_across_remove_and_an_empty_restart() {
