@@ -438,6 +438,12 @@ local function answer_for(ticket, used)
   local _, at = rate_check(now)
   if at then
     if head == ticket then return { hex(2 + math.ceil((at - now) / 1000)) } end
+    -- Another ticket of this client is served next: queued, with the time its token comes as
+    -- the hint of when to look again. The client asks for one of its waiters only (this one),
+    -- which answers for the head; the lease hint alone left both asleep up to a second.
+    if head and client_of(head) == client_of(ticket) then
+      return { QUEUED, math.ceil((at - now) / 1000) }
+    end
     return { QUEUED, expiry_hint(now) }
   end
   if head == ticket then

@@ -105,7 +105,9 @@ pub(crate) struct ClientLimit {
     tickets: HashMap<u64, Ticket>,
     /// The `Waiting` tickets in ticket order: the first is the client's asker.
     queue: BTreeSet<u64>,
-    /// When the earliest lease of the limit can lapse (server's answer, in local time).
+    /// When the queue can next move for this client (server's answer, in local time): the
+    /// earliest lease of the limit can lapse, or the token comes that another of the client's
+    /// tickets, served next, waits for.
     next_expiry: Option<Instant>,
     /// Releases not sent yet (permits and waiting tickets dropped): each rides ahead of this
     /// client's next call on the limit, or goes in a call of its own if none comes first.
@@ -252,7 +254,7 @@ impl ClientLimit {
         }
     }
 
-    /// The server's hint of when the earliest lease of the limit can lapse.
+    /// The server's hint of when the queue can next move for this client (`next_expiry`).
     pub(crate) fn expires_in(&mut self, hint: Option<Duration>) {
         self.next_expiry = hint.map(|after| Instant::now() + after);
     }

@@ -306,6 +306,37 @@ async fn the_rate_follows_the_redis_clock(t: Target) {
     );
 }
 
+/// Review finding (stop 72): a client re-asks only for its first waiting ticket; when another
+/// of its tickets was served next (a higher level) and the rate held it back, that ask was told
+/// "queued", not when to come back, and slept up to a second: a limit of 20 a second granted
+/// about one a second to that client. Ten waiters, nine of them at a higher level than the
+/// first, are granted at the rate.
+async fn a_clients_waiters_are_granted_at_the_rate_whichever_is_served_next(t: Target) {
+    let ns = common::unique_ns("rateorder");
+    let _cleanup = common::Cleanup::on(t, &ns);
+    let limits = Limits::with_backend(common::client_on(t, &ns).await);
+    limits.define("api", LimitSpec::concurrent(100).per_second(20.0).burst(1)).await.unwrap();
+    drop(limits.acquire("api", Priority::default()).await.unwrap()); // the one token spent
+    let start = Instant::now();
+    let mut waiters = Vec::new();
+    for i in 0..10 {
+        let limits = limits.clone();
+        let priority = if i == 0 { Priority::default() } else { Priority::level(1) };
+        waiters.push(tokio::spawn(async move {
+            drop(limits.acquire("api", priority).await.unwrap());
+        }));
+        if i == 0 {
+            sleep(Duration::from_millis(20)).await; // the first asks first
+        }
+    }
+    for waiter in waiters {
+        timeout(Duration::from_secs(3), waiter)
+            .await
+            .unwrap_or_else(|_| panic!("granted at the rate: {:?} and counting", start.elapsed()))
+            .unwrap();
+    }
+}
+
 async fn a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most(t: Target) {
     let ns = common::unique_ns("deadwaiter");
     let _cleanup = common::Cleanup::on(t, &ns);
@@ -427,6 +458,7 @@ on_both!(
     a_vanished_holder_is_reclaimed_within_its_lease,
     a_client_with_many_waiters_asks_for_one_of_them,
     the_rate_follows_the_redis_clock,
+    a_clients_waiters_are_granted_at_the_rate_whichever_is_served_next,
     a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most,
     many_tasks_on_several_clients_never_hold_more_than_concurrent,
 );
