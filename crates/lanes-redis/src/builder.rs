@@ -106,6 +106,24 @@ impl RedisLimitsBuilder {
             .collect::<Result<Vec<_>, _>>()
             .map_err(backend)?;
         let ns = &self.namespace;
+        // Client ids come from a counter in Redis. One that is missing (a new namespace, or a
+        // Redis that lost it) starts at a random place: clients still running from before a
+        // loss keep their ids, and counting again from 1 handed those same ids (and tickets,
+        // and pushed grants) to the clients that came after.
+        let seed = {
+            use std::hash::BuildHasher;
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos());
+            std::collections::hash_map::RandomState::new().hash_one(nanos) % (1 << CLIENT_BITS)
+        };
+        let _: Option<String> = redis::cmd("SET")
+            .arg(format!("lanes:{{{ns}}}:clients"))
+            .arg(seed)
+            .arg("NX")
+            .query_async(&mut conn.live())
+            .await
+            .map_err(backend)?;
         let id: u64 = redis::cmd("INCR")
             .arg(format!("lanes:{{{ns}}}:clients"))
             .query_async(&mut conn.live())
