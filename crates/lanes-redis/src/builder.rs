@@ -195,7 +195,7 @@ impl RedisLimitsBuilder {
                     .set_connection_timeout(Some(self.op_timeout))
                     .set_number_of_retries(2)
                     .set_max_delay(Duration::from_millis(500));
-                Ok(Conn::Single(ConnectionManager::new_with_config(client, config).await?))
+                Conn::single(client, config, self.op_timeout * 4).await
             }
             Target::Cluster(nodes) => {
                 if nodes.is_empty() {

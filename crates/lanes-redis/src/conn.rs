@@ -1,11 +1,12 @@
-//! Where the limits live: one Redis, or a Redis Cluster. Both are one multiplexed connection
-//! that reconnects by itself; the cluster one routes each call to the primary of its key's slot
-//! and follows the cluster through failovers.
+//! Where the limits live: one Redis, or a Redis Cluster. Both are one multiplexed connection,
+//! replaced when calls stop being answered; the cluster one routes each call to the primary of
+//! its key's slot and follows the cluster through failovers.
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager};
+use futures_util::future::BoxFuture;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
@@ -38,78 +39,115 @@ impl Target {
 /// The connection of a client: cloned per call ([`Conn::live`]).
 #[derive(Clone)]
 pub(crate) enum Conn {
-    Single(ConnectionManager),
-    Cluster(Arc<Cluster>),
+    Single(Arc<Replaceable<ConnectionManager>>),
+    Cluster(Arc<Replaceable<ClusterConnection>>),
 }
 
-/// A cluster connection that is replaced when it stops answering.
+/// Makes a fresh connection.
+type Dial<C> = Box<dyn Fn() -> BoxFuture<'static, RedisResult<C>> + Send + Sync>;
+
+/// A connection that is replaced when it stops answering.
 ///
-/// redis-rs' cluster connection can stay stuck after a primary dies: every call, to any slot,
-/// times out long after the replica took over (redis-rs/redis-rs#1005, #1528). So a call that
-/// fails for lack of Redis asks for a fresh connection (at most one at a time, and not more
-/// often than every `RECONNECT_EVERY`); calls use the newest one.
-pub(crate) struct Cluster {
-    client: ClusterClient,
-    conn: Mutex<ClusterConnection>,
+/// Neither of redis-rs' connections gets out of every such state by itself. The cluster one
+/// can stay stuck after a primary dies: every call, to any slot, times out long after the
+/// replica took over (redis-rs/redis-rs#1005, #1528). The single one reconnects only on the
+/// errors it counts as fatal: not on calls that go unanswered (a half-open connection: a host
+/// that died, a partition, a dropped NAT entry, until the kernel gives up after about 15
+/// minutes), nor on `READONLY` (a failover behind one address that left it on the demoted
+/// primary); and each call here is bounded from outside, so it may not even see its own
+/// timeout. So a call that fails for lack of Redis asks for a fresh connection (at most one
+/// at a time, and not more often than every `RECONNECT_EVERY`); calls use the newest one.
+pub(crate) struct Replaceable<C> {
+    conn: Mutex<C>,
+    dial: Dial<C>,
+    /// Bounds each attempt to connect.
     timeout: Duration,
     /// Whether a reconnection is under way, and when the last one started.
     reconnecting: Mutex<(bool, Option<Instant>)>,
 }
 
-/// The least time between two reconnections of a cluster connection.
+/// The least time between two reconnections.
 const RECONNECT_EVERY: Duration = Duration::from_millis(250);
 
-impl Conn {
-    /// Connects to `nodes`' cluster. `timeout` bounds each attempt to connect.
-    pub(crate) async fn cluster(client: ClusterClient, timeout: Duration) -> RedisResult<Self> {
-        let conn = client.get_async_connection().await?;
-        Ok(Conn::Cluster(Arc::new(Cluster {
-            client,
+impl<C: Clone + Send + 'static> Replaceable<C> {
+    fn new(conn: C, dial: Dial<C>, timeout: Duration) -> Arc<Self> {
+        Arc::new(Self {
             conn: Mutex::new(conn),
+            dial,
             timeout,
             reconnecting: Mutex::new((false, None)),
-        })))
+        })
     }
 
-    /// The connection to make a call on.
-    pub(crate) fn live(&self) -> Live {
-        match self {
-            Conn::Single(conn) => Live::Single(conn.clone()),
-            Conn::Cluster(cluster) => Live::Cluster(lock(&cluster.conn).clone()),
-        }
-    }
-
-    /// A call failed for lack of Redis: a cluster connection is replaced in the background.
-    /// (A single connection reconnects by itself.)
-    pub(crate) fn failed(&self) {
-        let Conn::Cluster(cluster) = self else { return };
+    /// A call failed for lack of Redis: the connection is replaced in the background.
+    fn failed(self: &Arc<Self>) {
         {
-            let mut reconnecting = lock(&cluster.reconnecting);
+            let mut reconnecting = lock(&self.reconnecting);
             let recent = reconnecting.1.is_some_and(|at| at.elapsed() < RECONNECT_EVERY);
             if reconnecting.0 || recent {
                 return;
             }
             *reconnecting = (true, Some(Instant::now()));
         }
-        let cluster = cluster.clone();
+        let this = self.clone();
         tokio::spawn(async move {
             // Cleared however the task ends (a runtime that shuts down drops it mid-way).
-            let _done = Reconnected(&cluster);
-            let fresh =
-                tokio::time::timeout(cluster.timeout, cluster.client.get_async_connection());
-            if let Ok(Ok(conn)) = fresh.await {
-                *lock(&cluster.conn) = conn;
+            let _done = Reconnected(&this.reconnecting);
+            if let Ok(Ok(conn)) = tokio::time::timeout(this.timeout, (this.dial)()).await {
+                *lock(&this.conn) = conn;
             }
         });
     }
 }
 
-/// Marks a cluster's reconnection over when dropped.
-struct Reconnected<'a>(&'a Cluster);
+impl Conn {
+    /// Connects to one Redis through `client`.
+    pub(crate) async fn single(
+        client: redis::Client,
+        config: ConnectionManagerConfig,
+        timeout: Duration,
+    ) -> RedisResult<Self> {
+        let conn = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
+        let dial: Dial<ConnectionManager> = Box::new(move || {
+            let (client, config) = (client.clone(), config.clone());
+            Box::pin(async move { ConnectionManager::new_with_config(client, config).await })
+        });
+        Ok(Conn::Single(Replaceable::new(conn, dial, timeout)))
+    }
+
+    /// Connects to `nodes`' cluster. `timeout` bounds each attempt to connect.
+    pub(crate) async fn cluster(client: ClusterClient, timeout: Duration) -> RedisResult<Self> {
+        let conn = client.get_async_connection().await?;
+        let dial: Dial<ClusterConnection> = Box::new(move || {
+            let client = client.clone();
+            Box::pin(async move { client.get_async_connection().await })
+        });
+        Ok(Conn::Cluster(Replaceable::new(conn, dial, timeout)))
+    }
+
+    /// The connection to make a call on.
+    pub(crate) fn live(&self) -> Live {
+        match self {
+            Conn::Single(single) => Live::Single(lock(&single.conn).clone()),
+            Conn::Cluster(cluster) => Live::Cluster(lock(&cluster.conn).clone()),
+        }
+    }
+
+    /// A call failed for lack of Redis: the connection is replaced in the background.
+    pub(crate) fn failed(&self) {
+        match self {
+            Conn::Single(single) => single.failed(),
+            Conn::Cluster(cluster) => cluster.failed(),
+        }
+    }
+}
+
+/// Marks a reconnection over when dropped.
+struct Reconnected<'a>(&'a Mutex<(bool, Option<Instant>)>);
 
 impl Drop for Reconnected<'_> {
     fn drop(&mut self) {
-        lock(&self.0.reconnecting).0 = false;
+        lock(self.0).0 = false;
     }
 }
 

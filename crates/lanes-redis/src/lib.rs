@@ -129,7 +129,7 @@ use lanes::limit::{
     Released, ShareInfo,
 };
 use lanes::{Answer, BoxFuture, Priority};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 use redis::{RedisError, Value};
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;

@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use common::DedicatedRedis;
@@ -227,4 +229,92 @@ async fn a_leased_limit_keeps_its_share_until_the_lease_ends_then_follows_the_ou
         assert!(back.fencing_token() >= 1, "{policy:?}: a real permit again");
         assert!(backend.share("db").is_some_and(|(share, _)| share >= 1), "from a share");
     }
+}
+
+/// A TCP relay to a Redis that can go silent on the connections it carries (a half-open
+/// connection: the peer's host died, or a partition or a NAT dropped it, and nothing says so),
+/// while new connections go through.
+struct Relay {
+    port: u16,
+    /// Connections opened before this count are silent.
+    silent_below: Arc<AtomicU64>,
+    opened: Arc<AtomicU64>,
+}
+
+impl Relay {
+    async fn to(target: String) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (silent_below, opened) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (silent, count) = (silent_below.clone(), opened.clone());
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let me = count.fetch_add(1, Ordering::SeqCst);
+                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else { continue };
+                let (in_read, in_write) = inbound.into_split();
+                let (out_read, out_write) = outbound.into_split();
+                tokio::spawn(relay(in_read, out_write, me, silent.clone()));
+                tokio::spawn(relay(out_read, in_write, me, silent.clone()));
+            }
+        });
+        Self { port, silent_below, opened }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Every connection open now goes silent.
+    fn silence(&self) {
+        self.silent_below.store(self.opened.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+/// Copies `from` to `to` until either closes; once connection `me` is silent, swallows what
+/// comes and closes nothing.
+async fn relay(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    me: u64,
+    silent: Arc<AtomicU64>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 << 10];
+    while let Ok(n) = from.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        if me < silent.load(Ordering::SeqCst) {
+            continue;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+}
+
+/// Review finding (stop 72): a connection to one Redis that stopped answering without closing
+/// (half-open) was never replaced: redis-rs reconnects only on errors it counts as fatal, and
+/// an unanswered call is not one, so every call timed out until the kernel gave up on the
+/// connection, about 15 minutes on Linux. A call that fails for lack of Redis now has the
+/// connection replaced, as a cluster's is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_goes_silent_is_replaced() {
+    let redis = DedicatedRedis::start();
+    let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
+    let backend = RedisLimits::builder(relay.url())
+        .namespace("silent")
+        .op_timeout(Duration::from_millis(200))
+        .lease(Duration::from_secs(2))
+        .build()
+        .await
+        .expect("redis answers through the relay");
+    let limits = Limits::with_backend(backend);
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    drop(limits.acquire("db", Priority::default()).await.unwrap());
+    relay.silence();
+    let started = Instant::now();
+    let permit = acquire_when_back(&limits, "db").await;
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    drop(permit);
 }
