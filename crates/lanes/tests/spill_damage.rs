@@ -391,6 +391,45 @@ mod spill_crash {
         out
     }
 
+    /// The committed position the state file in `dir` records.
+    fn state_committed(dir: &std::path::Path) -> lanes::spill::Position {
+        let bytes = std::fs::read(dir.join("STATE")).unwrap();
+        let at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().unwrap());
+        lanes::spill::Position { segment: at(8), offset: at(16) }
+    }
+
+    /// Review findings (stop 72): a commit whose state write failed, asked again, answered `Ok`
+    /// without writing anything (the queue had counted it before the write), so its records
+    /// came back after a restart although the commit said done; and a commit past what the
+    /// reader had read was taken, acknowledging records nobody read.
+    #[tokio::test]
+    async fn a_commit_asked_again_after_a_failed_state_write_is_written() {
+        let dir = std::env::temp_dir().join(format!("review-spill-retry-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let fail = Arc::new(AtomicBool::new(false));
+        let storage = FailState { inner: FsStorage::new(&dir), fail: fail.clone() };
+        let (queue, _) = SpillQueue::open_with(storage, opts()).await.unwrap();
+        for i in 0..4 {
+            queue.append(format!("record {i:04}")).await.unwrap();
+        }
+        let mut reader = queue.reader().unwrap();
+        let batch = reader.try_next_batch(2).await.unwrap();
+        let to = batch[1].position();
+        // Past what was read: refused, nothing acknowledged.
+        let beyond = lanes::spill::Position { segment: to.segment, offset: to.offset + 1_000 };
+        let refused = reader.commit(beyond).await.unwrap_err();
+        assert!(matches!(refused, lanes::spill::SpillError::NotRead { .. }), "{refused}");
+        assert_eq!(queue.len(), 4);
+        fail.store(true, Ordering::SeqCst);
+        assert!(reader.commit(to).await.is_err(), "the state write failed");
+        fail.store(false, Ordering::SeqCst);
+        reader.commit(to).await.unwrap();
+        assert_eq!(state_committed(&dir), to, "the commit asked again is written");
+        drop(reader);
+        queue.close().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[tokio::test]
     async fn a_kill_between_compaction_and_the_state_write_loses_nothing() {
         let dir = std::env::temp_dir().join(format!("review-spill-{}", std::process::id()));

@@ -49,6 +49,14 @@ pub enum SpillError {
         /// Where.
         position: super::Position,
     },
+    /// A commit past what the reader has read (a position of another queue, say): it would
+    /// acknowledge records nobody read.
+    NotRead {
+        /// The position asked for.
+        position: super::Position,
+        /// Where the reader's next read starts: commits go up to here.
+        read_to: super::Position,
+    },
     /// A queue kept by a remote store (a [`DurableQueue`](super::DurableQueue) such as a
     /// JetStream stream) could not take the records: unreachable, refused (its limits), or no
     /// acknowledgement in time. They may or may not have been stored.
@@ -86,6 +94,9 @@ impl fmt::Display for SpillError {
             Self::Closed => f.write_str("spill queue is closed"),
             Self::InvalidOptions(err) => err.fmt(f),
             Self::Corrupt { position } => write!(f, "spill record at {position} is corrupt"),
+            Self::NotRead { position, read_to } => {
+                write!(f, "commit at {position} is past what the reader has read (up to {read_to})")
+            }
             Self::Remote(message) => write!(f, "durable queue: {message}"),
         }
     }

@@ -150,10 +150,16 @@ impl SpillReader {
     ///
     /// Dropping the future may still persist the commit.
     ///
+    /// Committing a position again (after an error, say) persists it if it was not.
+    ///
     /// # Errors
     ///
-    /// An I/O error persisting the state file, or [`SpillError::Closed`].
+    /// An I/O error persisting the state file, [`SpillError::NotRead`] for a position past
+    /// what this reader has read, or [`SpillError::Closed`].
     pub async fn commit(&mut self, to: Position) -> Result<(), SpillError> {
+        if to > self.cursor {
+            return Err(SpillError::NotRead { position: to, read_to: self.cursor });
+        }
         let (mut records, mut bytes) = (0u64, 0u64);
         while let Some((end, len)) = self.unacked.front().copied() {
             if end > to {
@@ -166,14 +172,20 @@ impl SpillReader {
         let acked = {
             let mut shared = lock(&self.inner.shared);
             if to <= shared.committed {
-                return Ok(());
+                None
+            } else {
+                shared.committed = to;
+                shared.records -= records.min(shared.records);
+                let acked = bytes.min(shared.bytes);
+                shared.bytes -= acked;
+                shared.acknowledged += records;
+                Some(acked)
             }
-            shared.committed = to;
-            shared.records -= records.min(shared.records);
-            let acked = bytes.min(shared.bytes);
-            shared.bytes -= acked;
-            shared.acknowledged += records;
-            acked
+        };
+        let Some(acked) = acked else {
+            // Counted already; sent again all the same: the writer persists it unless it did
+            // (the state write of the first commit may have failed).
+            return self.send_commit(to).await;
         };
         // After the lock (the recorder is user code, which may call into this queue), by the
         // difference (as appends move it after their own lock, the moves add up in any order),
@@ -185,6 +197,13 @@ impl SpillReader {
         // Counted once the commit is on its way.
         self.inner.metrics.acked.increment(records);
         sent.map_err(|_| SpillError::Closed)?;
+        answer.await.map_err(|_| SpillError::Closed)?
+    }
+
+    /// Sends a commit the queue counted already to the writer, and waits for its answer.
+    async fn send_commit(&self, to: Position) -> Result<(), SpillError> {
+        let (reply, answer) = oneshot::channel();
+        self.inner.mailbox.commit(to, reply).map_err(|_| SpillError::Closed)?;
         answer.await.map_err(|_| SpillError::Closed)?
     }
 
