@@ -173,6 +173,21 @@ async fn bounds_and_options_are_typed() {
     }
 }
 
+/// A queue opened where no directory is yet makes each missing one (and syncs each into its
+/// parent, which this test cannot see: it sees them made and the queue work).
+#[tokio::test]
+async fn an_open_makes_the_missing_directories() {
+    let dir = TempDir::new("nested");
+    let nested = dir.0.join("a").join("b");
+    let (queue, report) = SpillQueue::open(&nested, SpillOptions::default()).await.unwrap();
+    assert!(report.is_clean(), "{report:?}");
+    queue.append(b"one".to_vec()).await.unwrap();
+    queue.close().await.unwrap();
+    let (queue, report) = SpillQueue::open(&nested, SpillOptions::default()).await.unwrap();
+    assert_eq!(report.records, 1, "{report:?}");
+    queue.close().await.unwrap();
+}
+
 #[tokio::test]
 async fn one_owner_at_a_time() {
     let dir = TempDir::new("lock");

@@ -224,7 +224,28 @@ impl Storage for FsStorage {
     }
 
     fn create_dir(&self) -> io::Result<()> {
-        std::fs::create_dir_all(&self.dir)
+        if self.dir.is_dir() {
+            return Ok(());
+        }
+        // Each directory made is synced into its parent, from the top down: on a file system
+        // that does not order metadata, a power loss right after the first open could drop
+        // the new directory, and with it appends acknowledged as synced.
+        let mut missing = Vec::new();
+        let mut at = self.dir.as_path();
+        while !at.is_dir() {
+            missing.push(at.to_path_buf());
+            match at.parent() {
+                Some(parent) if !parent.as_os_str().is_empty() => at = parent,
+                _ => break,
+            }
+        }
+        std::fs::create_dir_all(&self.dir)?;
+        for made in missing.iter().rev() {
+            if let Some(parent) = made.parent().filter(|p| !p.as_os_str().is_empty()) {
+                File::open(parent)?.sync_all()?;
+            }
+        }
+        Ok(())
     }
 
     fn lock(&self) -> io::Result<Box<dyn fmt::Debug + Send + Sync>> {
