@@ -386,8 +386,14 @@ impl Writer {
                     Ok(())
                 }
                 Action::Persist => {
-                    // A failed state write fails the commits, not the appends.
+                    // A failed state write fails the commits, not the appends; one that no
+                    // commit waits for (an `Interval` tick's) is said here, or nobody would.
                     persisted = self.persist().map_err(|e| Arc::from(e.to_string()));
+                    if let Err(err) = &persisted
+                        && taken.commits.is_empty()
+                    {
+                        tracing::warn!(segment = self.active, error = %err, "spill state write failed; acknowledged segments stay until a later one succeeds");
+                    }
                     Ok(())
                 }
                 Action::AnswerCommits => {
