@@ -659,6 +659,31 @@ async fn lapsed_permits_of_a_busy_client(args: &[&str]) {
 embedded!(lapsed_permits_of_a_busy_client_are_forgotten, lapsed_permits_of_a_busy_client);
 on_redis!(lapsed_permits_of_a_busy_client_are_forgotten_redis, lapsed_permits_of_a_busy_client);
 
+// ---- 11. Unknown limits ----------------------------------------------------------------------
+
+/// Review finding (stop 72): a release on a limit that does not exist answered 200
+/// `{"released": false}`, and a share refresh on the embedded backend 200 `{"mode": "exact"}`,
+/// where the OpenAPI document (and every other route of a limit) says 404.
+async fn unknown_limits_are_404(args: &[&str]) {
+    let serve = Serve::start(args);
+    let c = http();
+    let released =
+        post(&c, &serve, "/v1/limits/nowhere/release", json!({"client": "x", "ticket": 1})).await;
+    assert_eq!(released.status, 404, "{released:?}");
+    let share =
+        post(&c, &serve, "/v1/limits/nowhere/share", json!({"client": "x", "seq": 1, "held": 0}))
+            .await;
+    assert_eq!(share.status, 404, "{share:?}");
+    // A limit that exists answers as before.
+    assert_eq!(put(&c, &serve, "/v1/limits/here", json!({"concurrent": 1})).await.status, 200);
+    let released =
+        post(&c, &serve, "/v1/limits/here/release", json!({"client": "x", "ticket": 1})).await;
+    assert_eq!((released.status, &released.body["released"]), (200, &json!(false)), "{released:?}");
+}
+
+embedded!(unknown_limits_answer_404, unknown_limits_are_404);
+on_redis!(unknown_limits_answer_404_redis, unknown_limits_are_404);
+
 // ---- SIGTERM withdraws queued tickets ------------------------------------------------------
 
 /// A server stopped with SIGTERM withdraws the tickets queued through it, so no dead client is

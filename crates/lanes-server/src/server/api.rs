@@ -380,6 +380,12 @@ pub(crate) async fn share(
     if body.last_token >= 1 << 53 {
         return Err(ApiError::field("last_token", "a fencing token is below 2^53"));
     }
+    // A limit that does not exist says so (404), on every backend (the embedded one answers
+    // any name "exact", having no leased limits).
+    let info = app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
+    if info.is_none() {
+        return Err(ApiError::limit(&name, &lanes::LimitError::UnknownLimit(name.clone())));
+    }
     let request = body.to_request();
     let client = format!("http:{}:{}", body.client, body.instance);
     let reply = app
@@ -443,7 +449,15 @@ pub(crate) async fn release(
             app.event("released");
             released != Released::Unknown
         }
-        None => false,
+        None => {
+            // Nothing of the client's there: a limit that does not exist says so (404), as the
+            // other routes of a limit do.
+            let info = app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
+            if info.is_none() {
+                return Err(ApiError::limit(&name, &lanes::LimitError::UnknownLimit(name.clone())));
+            }
+            false
+        }
     };
     Ok(Json(wire::ReleaseAnswer { released }).into_response())
 }
