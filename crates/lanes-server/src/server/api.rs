@@ -8,8 +8,8 @@ use axum::extract::{Extension, Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use lanes::channel::Emitted;
-use lanes::limit::Released;
 use lanes::limit::share::SharePolicy;
+use lanes::limit::{Released, ShareReply};
 use lanes::{Answer, Priority};
 use lanes_remote::wire::{self, MAX_CLIENT, MAX_NAME, Reason};
 use serde::Serialize;
@@ -380,12 +380,6 @@ pub(crate) async fn share(
     if body.last_token >= 1 << 53 {
         return Err(ApiError::field("last_token", "a fencing token is below 2^53"));
     }
-    // A limit that does not exist says so (404), on every backend (the embedded one answers
-    // any name "exact", having no leased limits).
-    let info = app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
-    if info.is_none() {
-        return Err(ApiError::limit(&name, &lanes::LimitError::UnknownLimit(name.clone())));
-    }
     let request = body.to_request();
     let client = format!("http:{}:{}", body.client, body.instance);
     let reply = app
@@ -393,6 +387,14 @@ pub(crate) async fn share(
         .refresh_share(&name, &client, request, lease)
         .await
         .map_err(|e| ApiError::limit(&name, &e))?;
+    // "Not leased" of a limit that does not exist is a 404, on every backend (the embedded one
+    // answers any name so, having no leased limits); a leased one's refreshes pay no more.
+    if matches!(reply, ShareReply::Exact) {
+        let info = app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
+        if info.is_none() {
+            return Err(ApiError::limit(&name, &lanes::LimitError::UnknownLimit(name.clone())));
+        }
+    }
     Ok(Json(wire::ShareAnswer::from_reply(&reply)).into_response())
 }
 
