@@ -3,9 +3,13 @@
 // The crate root's private types and imports: this module is one of its impl blocks.
 use super::*;
 
+/// How often the subscriber's connection is pinged, and how long it has to answer.
+const KEEPALIVE: Duration = Duration::from_secs(1);
+
 /// Listens on the client's channel; wakes the first waiter of each limit it names. Reconnects
-/// after a failure (to the next of `clients`, which are the nodes of a cluster or the one
-/// Redis) and then wakes every first waiter (notifications may have been missed).
+/// after a failure, or a ping unanswered for [`KEEPALIVE`] (to the next of `clients`, which
+/// are the nodes of a cluster or the one Redis), and then wakes every first waiter
+/// (notifications may have been missed).
 pub(crate) async fn subscribe(
     clients: Vec<redis::Client>,
     inner: Weak<Inner>,
@@ -23,7 +27,7 @@ pub(crate) async fn subscribe(
             pubsub.subscribe(&channel).await?;
             Ok::<_, RedisError>(pubsub)
         };
-        let mut pubsub = match tokio::time::timeout(Duration::from_secs(2), pubsub).await {
+        let pubsub = match tokio::time::timeout(Duration::from_secs(2), pubsub).await {
             Ok(Ok(pubsub)) => pubsub,
             _ => {
                 tokio::time::sleep(backoff / clients.len() as u32).await;
@@ -40,8 +44,23 @@ pub(crate) async fn subscribe(
                 limit.wake_first();
             }
         }
-        let mut messages = pubsub.on_message();
-        while let Some(message) = messages.next().await {
+        // A connection that goes silent without closing (half-open) would lose every push
+        // until the kernel gave up on it: a ping that goes unanswered starts over.
+        let (mut sink, mut messages) = pubsub.split();
+        let mut keepalive = tokio::time::interval(KEEPALIVE);
+        keepalive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        keepalive.tick().await;
+        loop {
+            let message = tokio::select! {
+                message = messages.next() => message,
+                _ = keepalive.tick() => {
+                    match tokio::time::timeout(KEEPALIVE, sink.ping::<redis::Value>()).await {
+                        Ok(Ok(_)) => continue,
+                        _ => break,
+                    }
+                }
+            };
+            let Some(message) = message else { break };
             let Some(strong) = inner.upgrade() else { return };
             let Ok(payload) = message.get_payload::<String>() else { continue };
             strong.stats.notifications.fetch_add(1, Ordering::Relaxed);

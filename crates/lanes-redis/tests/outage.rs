@@ -239,6 +239,8 @@ struct Relay {
     /// Connections opened before this count are silent.
     silent_below: Arc<AtomicU64>,
     opened: Arc<AtomicU64>,
+    /// `SUBSCRIBE`s carried to Redis and answered (a subscriber connected).
+    subscribes: Arc<AtomicU64>,
 }
 
 impl Relay {
@@ -246,18 +248,19 @@ impl Relay {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let (silent_below, opened) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-        let (silent, count) = (silent_below.clone(), opened.clone());
+        let subscribes = Arc::new(AtomicU64::new(0));
+        let (silent, count, subs) = (silent_below.clone(), opened.clone(), subscribes.clone());
         tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
                 let me = count.fetch_add(1, Ordering::SeqCst);
                 let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else { continue };
                 let (in_read, in_write) = inbound.into_split();
                 let (out_read, out_write) = outbound.into_split();
-                tokio::spawn(relay(in_read, out_write, me, silent.clone()));
-                tokio::spawn(relay(out_read, in_write, me, silent.clone()));
+                tokio::spawn(relay(in_read, out_write, me, silent.clone(), Some(subs.clone())));
+                tokio::spawn(relay(out_read, in_write, me, silent.clone(), None));
             }
         });
-        Self { port, silent_below, opened }
+        Self { port, silent_below, opened, subscribes }
     }
 
     fn url(&self) -> String {
@@ -271,12 +274,13 @@ impl Relay {
 }
 
 /// Copies `from` to `to` until either closes; once connection `me` is silent, swallows what
-/// comes and closes nothing.
+/// comes and closes nothing. Counts the `SUBSCRIBE`s it carries in `subscribes`, if given.
 async fn relay(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     me: u64,
     silent: Arc<AtomicU64>,
+    subscribes: Option<Arc<AtomicU64>>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buf = vec![0u8; 16 << 10];
@@ -289,6 +293,11 @@ async fn relay(
         }
         if to.write_all(&buf[..n]).await.is_err() {
             break;
+        }
+        if let Some(subscribes) = &subscribes
+            && buf[..n].windows(9).any(|w| w.eq_ignore_ascii_case(b"SUBSCRIBE"))
+        {
+            subscribes.fetch_add(1, Ordering::SeqCst);
         }
     }
 }
@@ -317,4 +326,31 @@ async fn a_connection_that_goes_silent_is_replaced() {
     let permit = acquire_when_back(&limits, "db").await;
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     drop(permit);
+}
+
+/// Review finding (stop 72): the subscriber's connection (grants pushed to this client's
+/// waiters) was never checked: one that went silent without closing lost every push until the
+/// kernel gave up on it, and the waiters found their grants only when they asked again (up to
+/// 10 s, and then at the back of the line). It is now pinged every second, and connected again
+/// when a ping goes unanswered: the relay sees it subscribe again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_that_goes_silent_connects_again() {
+    let redis = DedicatedRedis::start();
+    let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
+    let backend = RedisLimits::builder(relay.url())
+        .namespace("silent-sub")
+        .op_timeout(Duration::from_millis(200))
+        .lease(Duration::from_secs(60))
+        .build()
+        .await
+        .expect("redis answers through the relay");
+    let before = relay.subscribes.load(Ordering::SeqCst);
+    assert!(before >= 1, "the client subscribed through the relay");
+    relay.silence();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while relay.subscribes.load(Ordering::SeqCst) == before {
+        assert!(Instant::now() < deadline, "the subscriber never connected again");
+        sleep(Duration::from_millis(50)).await;
+    }
+    drop(backend);
 }
