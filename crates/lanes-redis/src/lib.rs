@@ -639,15 +639,16 @@ impl Inner {
                         Ok(true) => {}
                         Ok(false) => {
                             // Removed by another client: this one forgets it too, unless it
-                            // defined it itself (then define it again, as before). On a
-                            // cluster it may instead have been lost in a failover (created
-                            // just before, never replicated): then its grants wait a lease.
+                            // defined it itself (then define it again, as before). It may
+                            // instead have been lost with the last writes (created just before
+                            // a failover, or a restart from a snapshot that lags: the epoch
+                            // kept), with grants whose holders still work: its grants wait a
+                            // lease. (A removal needs no holders: there, only a delay.)
                             let spec = self.lock_state().specs.get(name).copied();
                             if let Some(spec) = spec {
                                 self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
-                                let hold =
-                                    if self.cluster { self.max_lease } else { Duration::ZERO };
-                                if let Err(err) = self.define_held(name, spec, hold).await {
+                                if let Err(err) = self.define_held(name, spec, self.max_lease).await
+                                {
                                     return self.outage_for(name, ticket, ask, lease, err).await;
                                 }
                             }

@@ -114,26 +114,41 @@ local function load_meta()
 end
 
 -- The `run_id` of this server, new at every start of its process: read once per load of the
--- library (a `FUNCTION LOAD REPLACE` reads it again, and finds the same).
+-- library (a `FUNCTION LOAD REPLACE` reads it again, and finds the same). '' where `INFO` is
+-- not allowed (an ACL without @dangerous): then restarts that keep the data go unseen here.
 local boot
 local function run_id()
   if not boot then
-    boot = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
+    local info = redis.pcall('INFO', 'server')
+    boot = type(info) == 'string' and string.match(info, 'run_id:(%w+)') or ''
   end
   return boot
+end
+
+-- Since when this server may have served the limit: its start (from its uptime, rounded
+-- down to the second, so no later than the start); now if it was promoted from a replica (it
+-- began serving at the promotion, which nothing dates) or `INFO` cannot be read.
+local function serving_since(now)
+  local server, repl = redis.pcall('INFO', 'server'), redis.pcall('INFO', 'replication')
+  if type(server) ~= 'string' or type(repl) ~= 'string' then return now end
+  if string.match(repl, 'second_repl_offset:(%-?%d+)') ~= '-1' then return now end
+  local uptime = tonumber(string.match(server, 'uptime_in_seconds:(%d+)') or '')
+  if not uptime then return now end
+  return now - uptime * 1000000
 end
 
 -- The limit was last written by another run of this server: it restarted, and may have come
 -- back from a snapshot or an append-only file that lags (the namespace's epoch kept, the last
 -- grants lost). As after a move to another node: no grant before every lease that may have
--- been lost has ended (the longest lease, runhold ms), and tokens go on past the clock. A
--- restart that lost everything has no limit left to find here: the clients that held permits
--- see the epoch gone and define their limits again with the same hold.
+-- been lost has ended (the longest lease, runhold ms, from when this server began serving:
+-- a lost grant was made before), and tokens go on past the clock. A restart that lost
+-- everything has no limit left to find here: the clients that held permits see the epoch
+-- gone and define their limits again with the same hold.
 local function watch_run(now)
   local me = run_id()
-  if meta.run == me then return end
-  if meta.run and meta.runhold > 0 then
-    local hold = now + meta.runhold * 1000
+  if me == '' or meta.run == me then return end
+  if meta.run and meta.run ~= '' and meta.runhold > 0 then
+    local hold = serving_since(now) + meta.runhold * 1000
     if hold > meta.hold then meta.hold = hold end
     local fence = num(M, 'fence')
     local jump = math.max(now - fence, 0) + 1000000
@@ -589,7 +604,9 @@ local function quick_acquire(nobody_waits)
   -- Settings compared as the strings they are where that is enough: a number parsed inside
   -- Redis costs about as much as one of the commands here. A limit last written by another
   -- run of the server takes the full path (`watch_run`).
-  if not v[1] or v[5] or (v[2] and v[2] ~= '0') or (v[4] and v[4] ~= '0') or v[7] ~= run_id() then
+  local me = run_id()
+  if not v[1] or v[5] or (v[2] and v[2] ~= '0') or (v[4] and v[4] ~= '0')
+    or (me ~= '' and v[7] ~= me) then
     return nil
   end
   local used = redis.call('HLEN', H)

@@ -354,3 +354,32 @@ async fn a_subscriber_that_goes_silent_connects_again() {
     }
     drop(backend);
 }
+
+/// Review finding (stop 72, second look): the library read `INFO` on every call once it
+/// watched for restarts, and `INFO` is in the @dangerous ACL category, which hardened
+/// deployments deny: every call failed. Without it, restarts that keep the data go unseen by
+/// the library, and everything else works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_dangerous_commands_is_served() {
+    let redis = DedicatedRedis::start();
+    let admin = redis::Client::open(redis.url()).unwrap();
+    let mut conn = admin.get_connection().unwrap();
+    let _: String = redis::cmd("ACL")
+        .arg(&["SETUSER", "limited", "on", ">secret", "~*", "&*", "+@all", "-@dangerous"][..])
+        .query(&mut conn)
+        .unwrap();
+    let url = format!("redis://limited:secret@127.0.0.1:{}", redis.port);
+    let backend = RedisLimits::builder(url)
+        .namespace("acl")
+        .op_timeout(Duration::from_millis(500))
+        .build()
+        .await
+        .expect("a user without @dangerous builds a client");
+    let limits = Limits::with_backend(backend);
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = limits.acquire("db", Priority::default()).await.unwrap();
+    assert!(limits.try_acquire("db", Priority::default()).await.is_err(), "the limit holds");
+    drop(held);
+    sleep(Duration::from_millis(100)).await;
+    drop(limits.acquire("db", Priority::default()).await.unwrap());
+}

@@ -103,6 +103,73 @@ async fn a_restart_from_a_snapshot_that_lags_holds_grants_and_tokens_grow() {
     );
 }
 
+/// Review finding (stop 72, second look): the hold after a restart that kept a limit ran from
+/// the limit's first call after the restart: a limit left alone for a while after the restart
+/// still stalled a whole longest lease when next used, though no lost lease could be live any
+/// more. It runs from the server's start now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hold_after_a_restart_runs_from_the_restart() {
+    let mut redis = DedicatedRedis::start_with_snapshots();
+    let quiet = RedisLimits::builder(redis.url())
+        .namespace("restart")
+        .op_timeout(Duration::from_millis(200))
+        .lease(LEASE)
+        .auto_renew(false)
+        .build()
+        .await
+        .unwrap();
+    let (la, lc) = (Limits::with_backend(quiet), Limits::with_backend(client(&redis).await));
+    la.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    redis.save();
+    let held = la.acquire("db", Priority::default()).await.unwrap();
+    redis.stop();
+    redis.restart();
+    // Nothing calls on the limit for longer than the longest lease (and the second by which
+    // the server's uptime, whole seconds, may date its start late).
+    sleep(LEASE + Duration::from_millis(1_300)).await;
+    let asked = Instant::now();
+    let granted = timeout(Duration::from_secs(5), lc.acquire("db", Priority::default()))
+        .await
+        .expect("granted")
+        .unwrap();
+    let took = asked.elapsed();
+    assert!(took < Duration::from_millis(400), "no second hold: {took:?}");
+    assert!(granted.fencing_token() > held.fencing_token());
+}
+
+/// Review finding (stop 72, second look): a limit created after the snapshot is gone after
+/// the restart while the epoch is not. The client that defined it defined it again at once
+/// with no hold (on one Redis), and was granted while its own holder still worked. It now
+/// holds the grants of a limit it defines again for the longest lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_created_after_the_snapshot_is_defined_again_with_a_hold() {
+    let mut redis = DedicatedRedis::start_with_snapshots();
+    let limits = Limits::with_backend(client(&redis).await);
+    redis.save(); // the namespace, and no limit yet
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let first = limits.acquire("db", Priority::default()).await.unwrap();
+    redis.stop();
+    redis.restart();
+    let back = Instant::now();
+    let second = timeout(Duration::from_secs(10), async {
+        loop {
+            match limits.acquire("db", Priority::default()).await {
+                Ok(permit) => return permit,
+                Err(err) => {
+                    assert!(err.is_backend(), "{err}");
+                    sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    })
+    .await
+    .expect("grants resume");
+    let at = back.elapsed();
+    assert!(first.lease_lost(), "the first holder knows before the second is granted");
+    assert!(at >= LEASE - Duration::from_millis(100), "the hold kept grants back: {at:?}");
+    assert!(second.fencing_token() > first.fencing_token());
+}
+
 /// Review finding (stop 72): a renewal answered a ticket that waits in Redis as renewed. After
 /// a restart (or a failover) that lost its grant, the ticket waits there again: its holder went
 /// on believing it held the permit, which Redis counted in no one's use, and a waiter served
