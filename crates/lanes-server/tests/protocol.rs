@@ -577,6 +577,49 @@ async fn racing_first_asks(args: &[&str]) {
 embedded!(asks_racing_a_first_ask_leave_no_ticket_behind, racing_first_asks);
 on_redis!(asks_racing_a_first_ask_leave_no_ticket_behind_redis, racing_first_asks);
 
+/// Review finding (stop 72, second look): a first ask whose ticket was released while the ask
+/// was on its way to the backend, and whose client then went away before the ask was back,
+/// left the backend ticket queued with no record. Long-polls that their clients drop within
+/// milliseconds race releases, round after round; nothing is left waiting.
+async fn dropped_first_asks(args: &[&str]) {
+    let serve = Serve::start(args);
+    let c = http();
+    assert_eq!(put(&c, &serve, "/v1/limits/drop", json!({"concurrent": 1})).await.status, 200);
+    let held =
+        post(&c, &serve, "/v1/limits/drop/acquire", json!({"client": "holder", "ticket": 1})).await;
+    assert_eq!(held.status, 200, "{held:?}");
+    for ticket in 100..400u64 {
+        let ask = {
+            let (c, url) = (c.clone(), serve.url("/v1/limits/drop/acquire"));
+            let body = json!({"client": "m", "ticket": ticket, "wait_ms": 5000});
+            let gone_after = Duration::from_millis(1 + ticket % 5);
+            async move { c.post(url).json(&body).timeout(gone_after).send().await.ok() }
+        };
+        let release = {
+            let (c, url) = (c.clone(), serve.url("/v1/limits/drop/release"));
+            let body = json!({"client": "m", "ticket": ticket});
+            async move { c.post(url).json(&body).send().await.ok() }
+        };
+        tokio::join!(ask, release);
+    }
+    // Tickets whose long-poll went away and that no release found are withdrawn after the
+    // queue grace; none is left for good.
+    settles_to(&c, &serve, "drop", (1, 0), Duration::from_secs(15)).await;
+    let released =
+        post(&c, &serve, "/v1/limits/drop/release", json!({"client": "holder", "ticket": 1})).await;
+    assert_eq!(released.body["released"], true, "{released:?}");
+    let next = post(
+        &c,
+        &serve,
+        "/v1/limits/drop/acquire",
+        json!({"client": "next", "ticket": 1, "wait_ms": 5000}),
+    )
+    .await;
+    assert_eq!(next.status, 200, "the line moves on: {next:?}");
+}
+
+embedded!(dropped_first_asks_leave_no_ticket_behind, dropped_first_asks, "--queue-grace-ms", "500");
+
 // ---- 9. A ticket's lease ------------------------------------------------------------------
 
 /// Review finding (stop 72): a later ask of a ticket was granted (embedded) and answered with

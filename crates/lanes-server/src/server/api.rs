@@ -159,11 +159,25 @@ struct InFlight {
     client: String,
     limit: String,
     begun: Begun,
+    /// The request saw its first ask back (`Sessions::first_asked`), or made none.
+    asked: bool,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        // A request that made a ticket and went away before its first ask was back (its
+        // client disconnected): if the ticket was released meanwhile, the backend ticket the
+        // ask may have queued has no record, and goes back here (invariant 4 of `sessions`).
+        let gone = self.begun.fresh
+            && !self.asked
+            && !self.app.sessions().first_asked(&self.limit, self.begun);
         self.app.sessions().end(&self.client, &self.limit, self.begun, Instant::now());
+        if gone && let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let (app, limit, backend) = (self.app.clone(), self.limit.clone(), self.begun.backend);
+            runtime.spawn(async move {
+                let _ = app.backend.release(&limit, backend).await;
+            });
+        }
     }
 }
 
@@ -244,8 +258,13 @@ pub(crate) async fn acquire(
     };
     // A ticket keeps its first ask's lease (what it is granted, renewed and said to have).
     let (ticket, lease) = (begun.ticket, begun.lease);
-    let _in_flight =
-        InFlight { app: app.clone(), client: body.client.clone(), limit: name.clone(), begun };
+    let mut in_flight = InFlight {
+        app: app.clone(),
+        client: body.client.clone(),
+        limit: name.clone(),
+        begun,
+        asked: !begun.fresh,
+    };
     if begun.first_ask_elsewhere {
         // Another request is making this ticket's first ask: the backend may not know the
         // ticket yet, so it is asked nothing (its answer "finished" would be wrong), and the
@@ -287,6 +306,7 @@ pub(crate) async fn acquire(
     };
     // The first ask is back. If the ticket was released meanwhile (or withdrawn by a stopping
     // server) before the backend knew it, what the ask left there goes back now.
+    in_flight.asked = true;
     if begun.fresh && !app.sessions().first_asked(&name, begun) {
         if outcome.is_ok() {
             let _ = app.backend.release(&name, begun.backend).await;
