@@ -44,9 +44,19 @@ pub(crate) fn run(command: SpillCommand) -> ExitCode {
                 return if report.is_clean() { ExitCode::SUCCESS } else { ExitCode::from(3) };
             }
             // What a repair cannot undo (a lost segment, a segment that lost its end, an
-            // entry that is no file) is still there: said, and exit 3.
+            // entry that is no file) is said, and exits 3: as the repair found it, and as the
+            // directory still shows it after the repair.
+            let lost = report.missing_segments > 0
+                || report.truncated_inside > 0
+                || !report.not_files.is_empty();
             match spill::check(&dir, max_record) {
-                Ok(after) if after.is_clean() => ExitCode::SUCCESS,
+                Ok(after) if after.is_clean() && !lost => ExitCode::SUCCESS,
+                Ok(after) if after.is_clean() => {
+                    if !json {
+                        println!("records were lost (above): the repair cannot bring them back");
+                    }
+                    ExitCode::from(3)
+                }
                 Ok(after) => {
                     if json {
                         eprintln!(

@@ -108,3 +108,40 @@ async fn a_repair_that_cannot_undo_a_loss_exits_3() {
     assert_eq!(out.status.code(), Some(3));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Review finding (stop 72, second look): `--repair` read its exit from the check after the
+/// repair alone. With the committed segment and every later one lost, the repair moves the
+/// queue on and the check after it is clean: exit 0 for lost records. And with the state file
+/// deleted, the repair never wrote one: exit 3 for a queue that only delivers again.
+#[tokio::test]
+async fn a_repair_exits_on_what_it_found() {
+    let dir = temp("tail-lost");
+    queue_with(&dir, 5).await;
+    let path = dir.to_str().unwrap();
+    for segment in std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+    {
+        std::fs::remove_file(segment).unwrap();
+    }
+    let out = lanes(&["spill", "check", path, "--repair"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{stdout}");
+    assert!(stdout.contains("missing segments"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let dir = temp("state-lost");
+    queue_with(&dir, 5).await;
+    let path = dir.to_str().unwrap();
+    std::fs::remove_file(dir.join("STATE")).unwrap();
+    let out = lanes(&["spill", "check", path]);
+    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stdout));
+    let out = lanes(&["spill", "check", path, "--repair"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    let out = lanes(&["spill", "check", path]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("records             5"), "delivered again, not lost: {stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -391,10 +391,11 @@ pub(crate) fn recover(
     {
         committed.offset = segment.valid_end;
     }
-    // A repair leaves a state that checks clean: the position recovery settled on.
+    // A repair leaves a state that checks clean: the position recovery settled on (a state
+    // file missing or unreadable is written anew).
     // Its last id is the highest segment created: one the position moved to above them all is
     // made by the open, which records it then (a check after a repair finds nothing missing).
-    if repair && stored.is_some_and(|stored| stored != committed) {
+    if repair && stored != Some(committed) {
         let made = last_id.unwrap_or(committed.segment.saturating_sub(1));
         let last = recorded_last.unwrap_or(0).max(made);
         storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
