@@ -137,6 +137,13 @@ impl Inner {
         lease: Duration,
     ) -> Result<Vec<u64>, CallError> {
         let args: Vec<String> = tickets.iter().map(u64::to_string).collect();
+        // Which of them this client believes hold a permit as it asks: one granted while the
+        // answer travels (its long-poll's answer, a push) may well wait in Redis as it answers.
+        let held_before: BTreeSet<u64> = {
+            let state = self.lock_state();
+            let limit = state.limits.get(name);
+            tickets.iter().copied().filter(|t| limit.is_some_and(|l| l.holds(*t))).collect()
+        };
         let sent = Instant::now();
         let value = self.call_leased(name, "renew", lease, &args).await?;
         let refused: Vec<u64> = if error_tag(&value).as_deref() == Some("unknown") {
@@ -154,7 +161,9 @@ impl Inner {
                 .filter_map(|item| match item.strip_prefix('w') {
                     Some(waiting) => {
                         let ticket: u64 = waiting.parse().ok()?;
-                        limit.is_some_and(|limit| limit.holds(ticket)).then_some(ticket)
+                        let held = held_before.contains(&ticket)
+                            && limit.is_some_and(|limit| limit.holds(ticket));
+                        held.then_some(ticket)
                     }
                     None => item.parse().ok(),
                 })
