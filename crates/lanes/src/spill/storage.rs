@@ -241,9 +241,12 @@ impl Storage for FsStorage {
         }
         std::fs::create_dir_all(&self.dir)?;
         for made in missing.iter().rev() {
-            if let Some(parent) = made.parent().filter(|p| !p.as_os_str().is_empty()) {
-                File::open(parent)?.sync_all()?;
-            }
+            // A relative path's top directory lives in the working directory ("" as a parent).
+            let parent = match made.parent() {
+                Some(parent) if !parent.as_os_str().is_empty() => parent,
+                _ => std::path::Path::new("."),
+            };
+            File::open(parent)?.sync_all()?;
         }
         Ok(())
     }
