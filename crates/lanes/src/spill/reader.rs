@@ -184,8 +184,12 @@ impl SpillReader {
         };
         let Some(acked) = acked else {
             // Counted already; sent again all the same: the writer persists it unless it did
-            // (the state write of the first commit may have failed).
-            return self.send_commit(to).await;
+            // (the state write of the first commit may have failed). A closed queue persisted
+            // it as it closed.
+            return match self.send_commit(to).await {
+                Err(SpillError::Closed) => Ok(()),
+                done => done,
+            };
         };
         // After the lock (the recorder is user code, which may call into this queue), by the
         // difference (as appends move it after their own lock, the moves add up in any order),
