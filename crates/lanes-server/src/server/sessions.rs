@@ -40,8 +40,9 @@ struct Owned {
     backend: u64,
     lease: Duration,
     granted: bool,
-    /// When its lease ends, as the server last granted or renewed it (the backend's, counted
-    /// from its own grant, ends no later).
+    /// When its lease ends, as the server last granted or renewed it: an estimate, to know
+    /// when to ask the backend (whose lease, counted from its own grant, usually ends a little
+    /// earlier; a renewal that failed is counted all the same, which only delays the ask).
     lease_ends: Instant,
     /// When a request last asked about it.
     asked: Instant,
