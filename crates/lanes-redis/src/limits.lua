@@ -113,6 +113,18 @@ local function load_meta()
   return true
 end
 
+-- The limit may have lost its last writes (a failover, a restart from data that lags): no
+-- grant before `hold` (us), and tokens go on past the clock, and past the counter by a
+-- margin (the new server's clock may be behind the old one's, and the grants lost with it
+-- are far fewer than a million).
+local function lost_writes(now, hold)
+  if hold > meta.hold then meta.hold = hold end
+  local fence = num(M, 'fence')
+  local jump = math.max(now - fence, 0) + 1000000
+  redis.call('HSET', M, 'hold', int(meta.hold), 'fence', int(fence + jump),
+    'fbase', int(num(M, 'fbase') + jump))
+end
+
 -- The `run_id` of this server, new at every start of its process: read once per load of the
 -- library (a `FUNCTION LOAD REPLACE` reads it again, and finds the same). '' where `INFO` is
 -- not allowed (an ACL without @dangerous): then restarts that keep the data go unseen here.
@@ -148,12 +160,7 @@ local function watch_run(now)
   local me = run_id()
   if me == '' or meta.run == me then return end
   if meta.run and meta.run ~= '' and meta.runhold > 0 then
-    local hold = serving_since(now) + meta.runhold * 1000
-    if hold > meta.hold then meta.hold = hold end
-    local fence = num(M, 'fence')
-    local jump = math.max(now - fence, 0) + 1000000
-    redis.call('HSET', M, 'hold', int(meta.hold), 'fence', int(fence + jump),
-      'fbase', int(num(M, 'fbase') + jump))
+    lost_writes(now, serving_since(now) + meta.runhold * 1000)
   end
   redis.call('HSET', M, 'run', me)
   meta.run = me
@@ -168,16 +175,7 @@ local function watch_node(now)
   if meta.movehold <= 0 then return end
   local me = redis.call('CLUSTER', 'MYID')
   if me == meta.node then return end
-  if meta.node then
-    local hold = now + meta.movehold * 1000
-    if hold > meta.hold then meta.hold = hold end
-    -- Past the clock, and past the copied counter by a margin: the new primary's clock may be
-    -- behind the old one's, and the grants lost with it are far fewer than a million.
-    local fence = num(M, 'fence')
-    local jump = math.max(now - fence, 0) + 1000000
-    redis.call('HSET', M, 'hold', int(meta.hold), 'fence', int(fence + jump),
-      'fbase', int(num(M, 'fbase') + jump))
-  end
+  if meta.node then lost_writes(now, now + meta.movehold * 1000) end
   redis.call('HSET', M, 'node', me)
   meta.node = me
 end

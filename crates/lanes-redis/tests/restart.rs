@@ -25,6 +25,25 @@ async fn client(redis: &DedicatedRedis) -> RedisLimits {
         .expect("the dedicated redis-server answers")
 }
 
+/// A permit of "db" at `priority`, asked again until granted (within 10 s): while Redis
+/// is away or comes back, an ask may fail for want of Redis (or of the limit, before a client
+/// that knows it defines it again).
+async fn granted_when_back(limits: &Limits, priority: Priority) -> lanes::Permit {
+    timeout(Duration::from_secs(10), async {
+        loop {
+            match limits.acquire("db", priority.clone()).await {
+                Ok(permit) => return permit,
+                Err(err) => {
+                    assert!(err.is_backend() || err.is_unknown_limit(), "{err}");
+                    sleep(Duration::from_millis(20)).await;
+                }
+            }
+        }
+    })
+    .await
+    .expect("grants resume")
+}
+
 /// Reproduction 3: A and B hold both permits; Redis restarts empty. Before, C was granted at
 /// once with A's fencing token while A still renewed. Now A and B learn their permits are lost
 /// before anyone else is granted, grants wait for the hold (the longest lease), and tokens keep
@@ -40,19 +59,7 @@ async fn an_empty_restart_never_hands_one_permit_to_two_holders() {
     redis.stop();
     redis.restart();
     let back = Instant::now();
-    let granted = timeout(Duration::from_secs(10), async {
-        loop {
-            match lc.acquire("db", Priority::default()).await {
-                Ok(permit) => return permit,
-                Err(err) => {
-                    assert!(err.is_backend() || err.is_unknown_limit(), "{err}");
-                    sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
-    })
-    .await
-    .expect("grants resume");
+    let granted = granted_when_back(&lc, Priority::default()).await;
     let at = back.elapsed();
     assert!(pa.lease_lost() && pb.lease_lost(), "both old holders know before C is granted");
     assert!(at >= LEASE - Duration::from_millis(100), "the hold kept grants back: {at:?}");
@@ -79,19 +86,7 @@ async fn a_restart_from_a_snapshot_that_lags_holds_grants_and_tokens_grow() {
     redis.restart();
     let back = Instant::now();
     // C asks at once: the first call on the limit after the restart sees it.
-    let granted = timeout(Duration::from_secs(10), async {
-        loop {
-            match lc.acquire("db", Priority::default()).await {
-                Ok(permit) => return permit,
-                Err(err) => {
-                    assert!(err.is_backend(), "{err}");
-                    sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
-    })
-    .await
-    .expect("grants resume");
+    let granted = granted_when_back(&lc, Priority::default()).await;
     let at = back.elapsed();
     assert!(pa.lease_lost(), "A knows before C is granted");
     assert!(at >= LEASE - Duration::from_millis(100), "the hold kept grants back: {at:?}");
@@ -151,19 +146,7 @@ async fn a_limit_created_after_the_snapshot_is_defined_again_with_a_hold() {
     redis.stop();
     redis.restart();
     let back = Instant::now();
-    let second = timeout(Duration::from_secs(10), async {
-        loop {
-            match limits.acquire("db", Priority::default()).await {
-                Ok(permit) => return permit,
-                Err(err) => {
-                    assert!(err.is_backend(), "{err}");
-                    sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
-    })
-    .await
-    .expect("grants resume");
+    let second = granted_when_back(&limits, Priority::default()).await;
     let at = back.elapsed();
     assert!(first.lease_lost(), "the first holder knows before the second is granted");
     assert!(at >= LEASE - Duration::from_millis(100), "the hold kept grants back: {at:?}");
@@ -199,19 +182,7 @@ async fn a_permit_whose_ticket_waits_again_after_a_restart_is_lost() {
     redis.stop();
     redis.restart();
     // D asks at a higher level: served before A's ticket, which waits in Redis again.
-    let pd = timeout(Duration::from_secs(10), async {
-        loop {
-            match ld.acquire("db", Priority::level(5)).await {
-                Ok(permit) => return permit,
-                Err(err) => {
-                    assert!(err.is_backend(), "{err}");
-                    sleep(Duration::from_millis(20)).await;
-                }
-            }
-        }
-    })
-    .await
-    .expect("grants resume");
+    let pd = granted_when_back(&ld, Priority::level(5)).await;
     assert!(pa.lease_lost(), "A knows its permit is lost before D is granted");
     assert!(pd.fencing_token() > pa.fencing_token());
 }

@@ -536,11 +536,7 @@ mod spill_committed_segment_gone {
             reader.commit(first[0].position()).await.unwrap();
             drop(reader);
             queue.close().await.unwrap();
-            let seg = std::fs::read_dir(&dir)
-                .unwrap()
-                .map(|e| e.unwrap().path())
-                .find(|p| p.extension().is_some_and(|e| e == "seg"))
-                .unwrap();
+            let seg = super::segments(&dir).remove(0);
             match cut {
                 None => std::fs::remove_file(&seg).unwrap(),
                 Some(len) => {
@@ -587,12 +583,7 @@ mod spill_tail_after_a_seal {
             queue.append(format!("record {i:04}")).await.unwrap();
         }
         queue.close().await.unwrap();
-        let mut segments: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "seg"))
-            .collect();
-        segments.sort();
+        let segments = super::segments(&dir);
         assert_eq!(segments.len(), 2, "the records fill one segment and start a second");
         // The second segment is lost; bytes that are no frame follow the first one's seal.
         std::fs::remove_file(&segments[1]).unwrap();
