@@ -33,6 +33,11 @@ impl Inner {
         lease: Option<Duration>,
         err: CallError,
     ) -> Result<Answer, LimitError> {
+        // A try whose call went unanswered may have been applied, and granted: its ticket is
+        // released once Redis answers again, or the permit would sit there for a lease.
+        if matches!(ask, Ask::Try) && matches!(err, CallError::Outage(_)) {
+            self.lock_state().orphans.push((name.to_owned(), ticket));
+        }
         let priority = match ask {
             Ask::First(priority) => priority,
             _ => Priority::default(),

@@ -241,6 +241,9 @@ struct Relay {
     opened: Arc<AtomicU64>,
     /// `SUBSCRIBE`s carried to Redis and answered (a subscriber connected).
     subscribes: Arc<AtomicU64>,
+    /// Silent connections still carry what the client sends (Redis applies it; its answer
+    /// is lost).
+    deaf: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Relay {
@@ -249,18 +252,26 @@ impl Relay {
         let port = listener.local_addr().unwrap().port();
         let (silent_below, opened) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let subscribes = Arc::new(AtomicU64::new(0));
+        let deaf = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (silent, count, subs) = (silent_below.clone(), opened.clone(), subscribes.clone());
+        let only_answers = deaf.clone();
         tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
                 let me = count.fetch_add(1, Ordering::SeqCst);
                 let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else { continue };
                 let (in_read, in_write) = inbound.into_split();
                 let (out_read, out_write) = outbound.into_split();
-                tokio::spawn(relay(in_read, out_write, me, silent.clone(), Some(subs.clone())));
+                // Towards Redis, a silent connection goes on if only the answers are lost.
+                let towards = if only_answers.load(Ordering::SeqCst) {
+                    Arc::new(AtomicU64::new(0))
+                } else {
+                    silent.clone()
+                };
+                tokio::spawn(relay(in_read, out_write, me, towards, Some(subs.clone())));
                 tokio::spawn(relay(out_read, in_write, me, silent.clone(), None));
             }
         });
-        Self { port, silent_below, opened, subscribes }
+        Self { port, silent_below, opened, subscribes, deaf }
     }
 
     fn url(&self) -> String {
@@ -382,4 +393,37 @@ async fn a_user_without_dangerous_commands_is_served() {
     drop(held);
     sleep(Duration::from_millis(100)).await;
     drop(limits.acquire("db", Priority::default()).await.unwrap());
+}
+
+/// Review finding (stop 72, second look): a try whose call went unanswered but was applied in
+/// Redis (granted) was never released there: nobody knew of it, and its permit sat for a whole
+/// lease. Its ticket is now released once Redis answers again. Here Redis gets the try and its
+/// answer is lost; the limit is free again well within the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_whose_answer_was_lost_is_released() {
+    let redis = DedicatedRedis::start();
+    let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
+    relay.deaf.store(true, Ordering::SeqCst);
+    let backend = RedisLimits::builder(relay.url())
+        .namespace("lost-try")
+        .op_timeout(Duration::from_millis(200))
+        .lease(Duration::from_secs(30))
+        .build()
+        .await
+        .expect("redis answers through the relay");
+    let limits = Limits::with_backend(backend);
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    relay.silence();
+    assert!(limits.try_acquire("db", Priority::default()).await.is_err(), "no answer");
+    // Redis granted it: once answers come again, it is released, long before its lease.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Ok(Some(info)) = limits.info("db").await
+            && info.in_use == 0
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the lost try's permit still held");
+        sleep(Duration::from_millis(50)).await;
+    }
 }
