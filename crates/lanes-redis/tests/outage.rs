@@ -278,6 +278,17 @@ impl Relay {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// A client through the relay, in namespace `ns`, with calls bounded by 200 ms.
+    async fn client(&self, ns: &str, lease: Duration) -> RedisLimits {
+        RedisLimits::builder(self.url())
+            .namespace(ns)
+            .op_timeout(Duration::from_millis(200))
+            .lease(lease)
+            .build()
+            .await
+            .expect("redis answers through the relay")
+    }
+
     /// Every connection open now goes silent.
     fn silence(&self) {
         self.silent_below.store(self.opened.load(Ordering::SeqCst), Ordering::SeqCst);
@@ -322,13 +333,7 @@ async fn relay(
 async fn a_connection_that_goes_silent_is_replaced() {
     let redis = DedicatedRedis::start();
     let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
-    let backend = RedisLimits::builder(relay.url())
-        .namespace("silent")
-        .op_timeout(Duration::from_millis(200))
-        .lease(Duration::from_secs(2))
-        .build()
-        .await
-        .expect("redis answers through the relay");
+    let backend = relay.client("silent", Duration::from_secs(2)).await;
     let limits = Limits::with_backend(backend);
     limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
     drop(limits.acquire("db", Priority::default()).await.unwrap());
@@ -348,13 +353,7 @@ async fn a_connection_that_goes_silent_is_replaced() {
 async fn a_subscriber_that_goes_silent_connects_again() {
     let redis = DedicatedRedis::start();
     let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
-    let backend = RedisLimits::builder(relay.url())
-        .namespace("silent-sub")
-        .op_timeout(Duration::from_millis(200))
-        .lease(Duration::from_secs(60))
-        .build()
-        .await
-        .expect("redis answers through the relay");
+    let backend = relay.client("silent-sub", Duration::from_secs(60)).await;
     let before = relay.subscribes.load(Ordering::SeqCst);
     assert!(before >= 1, "the client subscribed through the relay");
     relay.silence();
@@ -404,13 +403,7 @@ async fn a_try_whose_answer_was_lost_is_released() {
     let redis = DedicatedRedis::start();
     let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
     relay.deaf.store(true, Ordering::SeqCst);
-    let backend = RedisLimits::builder(relay.url())
-        .namespace("lost-try")
-        .op_timeout(Duration::from_millis(200))
-        .lease(Duration::from_secs(30))
-        .build()
-        .await
-        .expect("redis answers through the relay");
+    let backend = relay.client("lost-try", Duration::from_secs(30)).await;
     let limits = Limits::with_backend(backend);
     limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
     relay.silence();

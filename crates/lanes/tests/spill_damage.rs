@@ -33,6 +33,20 @@ fn fresh_dir() -> PathBuf {
     dir
 }
 
+/// Every record a new reader finds, as text, in order.
+async fn read_all(queue: &SpillQueue) -> Vec<String> {
+    let mut reader = queue.reader().unwrap();
+    let mut out = Vec::new();
+    loop {
+        let batch = reader.try_next_batch(100).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        out.extend(batch.into_iter().map(|r| String::from_utf8(r.into_data()).unwrap()));
+    }
+    out
+}
+
 fn segments(dir: &Path) -> Vec<PathBuf> {
     let mut out: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
@@ -312,6 +326,7 @@ async fn a_record_larger_than_the_reopened_max_record_is_still_read() {
 /// Review finding: an open that compacted a segment and was killed before the state file was
 /// written skipped records never acknowledged. The state is now written first.
 mod spill_crash {
+    use super::read_all;
     use lanes::spill::{AppendFile, FsStorage, SpillOptions, SpillQueue, Storage, SyncPolicy};
     use std::io;
     use std::sync::Arc;
@@ -378,19 +393,6 @@ mod spill_crash {
         SpillOptions::default().sync(SyncPolicy::Always).max_record(64)
     }
 
-    async fn read_all(queue: &SpillQueue) -> Vec<String> {
-        let mut reader = queue.reader().unwrap();
-        let mut out = Vec::new();
-        loop {
-            let batch = reader.try_next_batch(100).await.unwrap();
-            if batch.is_empty() {
-                break;
-            }
-            out.extend(batch.into_iter().map(|r| String::from_utf8(r.into_data()).unwrap()));
-        }
-        out
-    }
-
     /// The committed position the state file in `dir` records.
     fn state_committed(dir: &std::path::Path) -> lanes::spill::Position {
         let bytes = std::fs::read(dir.join("STATE")).unwrap();
@@ -404,8 +406,7 @@ mod spill_crash {
     /// reader had read was taken, acknowledging records nobody read.
     #[tokio::test]
     async fn a_commit_asked_again_after_a_failed_state_write_is_written() {
-        let dir = std::env::temp_dir().join(format!("review-spill-retry-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = super::fresh_dir();
         let fail = Arc::new(AtomicBool::new(false));
         let storage = FailState { inner: FsStorage::new(&dir), fail: fail.clone() };
         let (queue, _) = SpillQueue::open_with(storage, opts()).await.unwrap();
@@ -502,30 +503,13 @@ mod spill_report {
 /// kept the committed position, which then pointed past the new segment's first records:
 /// appends made after the damage were never read, or read from inside a frame as corrupt.
 mod spill_committed_segment_gone {
+    use super::read_all;
     use lanes::spill::{self, SpillOptions, SpillQueue, SyncPolicy};
-
-    async fn read_all(queue: &SpillQueue) -> Vec<String> {
-        let mut reader = queue.reader().unwrap();
-        let mut out = Vec::new();
-        loop {
-            let batch = reader.try_next_batch(100).await.unwrap();
-            if batch.is_empty() {
-                break;
-            }
-            out.extend(batch.into_iter().map(|r| String::from_utf8(r.into_data()).unwrap()));
-        }
-        out
-    }
 
     #[tokio::test]
     async fn appends_after_the_damage_are_delivered() {
         for (case, cut) in [("deleted", None), ("cut below its header", Some(8))] {
-            let dir = std::env::temp_dir().join(format!(
-                "lanes-spill-gone-{}-{}",
-                std::process::id(),
-                cut.unwrap_or(0)
-            ));
-            let _ = std::fs::remove_dir_all(&dir);
+            let dir = super::fresh_dir();
             let opts = SpillOptions::default().sync(SyncPolicy::Always).max_record(64);
             let (queue, _) = SpillQueue::open(&dir, opts.clone()).await.unwrap();
             for i in 0..3 {
@@ -575,8 +559,7 @@ mod spill_tail_after_a_seal {
 
     #[tokio::test]
     async fn a_repair_of_a_tail_after_a_seal_keeps_the_seal() {
-        let dir = std::env::temp_dir().join(format!("lanes-spill-seal-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = super::fresh_dir();
         let opts = SpillOptions::default().sync(SyncPolicy::Never).max_record(64).segment_size(256);
         let (queue, _) = SpillQueue::open(&dir, opts.clone()).await.unwrap();
         for i in 0..12 {
@@ -610,8 +593,7 @@ mod spill_state_deleted {
 
     #[tokio::test]
     async fn a_deleted_state_file_is_reported() {
-        let dir = std::env::temp_dir().join(format!("lanes-spill-nostate-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let dir = super::fresh_dir();
         let opts = SpillOptions::default().sync(SyncPolicy::Always).max_record(64);
         let (queue, _) = SpillQueue::open(&dir, opts.clone()).await.unwrap();
         for i in 0..4 {
