@@ -129,7 +129,7 @@ pub(crate) async fn get(
     check_name(&name)?;
     match app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))? {
         Some(info) => Ok(Json(wire::Limit::from(info)).into_response()),
-        None => Err(ApiError::limit(&name, &lanes::LimitError::UnknownLimit(name.clone()))),
+        None => Err(unknown(&name)),
     }
 }
 
@@ -150,6 +150,11 @@ pub(crate) async fn remove(
     check_name(&name)?;
     app.backend.remove(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
     Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// The answer for limit `name`, which does not exist (404).
+fn unknown(name: &str) -> ApiError {
+    ApiError::limit(name, &lanes::LimitError::UnknownLimit(name.to_owned()))
 }
 
 /// Ends a request of a client in its session, however the handler ends (a dropped long-poll
@@ -412,7 +417,7 @@ pub(crate) async fn share(
     if matches!(reply, ShareReply::Exact) {
         let info = app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
         if info.is_none() {
-            return Err(ApiError::limit(&name, &lanes::LimitError::UnknownLimit(name.clone())));
+            return Err(unknown(&name));
         }
     }
     Ok(Json(wire::ShareAnswer::from_reply(&reply)).into_response())
@@ -476,7 +481,7 @@ pub(crate) async fn release(
             // other routes of a limit do.
             let info = app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?;
             if info.is_none() {
-                return Err(ApiError::limit(&name, &lanes::LimitError::UnknownLimit(name.clone())));
+                return Err(unknown(&name));
             }
             false
         }
