@@ -619,4 +619,49 @@ mod spill_state_deleted {
         assert!(report.is_clean(), "{report:?}");
         let _ = std::fs::remove_dir_all(&dir);
     }
+
+    /// Review finding: under `Never`, `Interval` or `Batch` a reader may read and acknowledge
+    /// records the disk has not kept yet. A power loss then leaves a state file pointing past
+    /// the last segment's data: every record there was acknowledged, so recovery resumes where
+    /// the data ends. It took the state for an invalid one and delivered the last kept record
+    /// again.
+    #[tokio::test]
+    async fn a_commit_past_data_lost_with_unsynced_writes_is_where_the_data_ends() {
+        let dir = super::fresh_dir();
+        let opts = SpillOptions::default().sync(SyncPolicy::Never).max_record(64);
+        let (queue, _) = SpillQueue::open(&dir, opts.clone()).await.unwrap();
+        for i in 0..4 {
+            queue.append(format!("record {i:04}")).await.unwrap();
+        }
+        let mut reader = queue.reader().unwrap();
+        let batch = reader.try_next_batch(4).await.unwrap();
+        reader.commit(batch[3].position()).await.unwrap();
+        drop(reader);
+        queue.close().await.unwrap();
+        // The power loss: the last two frames never reached the disk; the state file did.
+        let segment = super::segments(&dir).pop().unwrap();
+        let len = std::fs::metadata(&segment).unwrap().len();
+        let file = std::fs::OpenOptions::new().write(true).open(&segment).unwrap();
+        file.set_len(len - 2 * super::FRAME as u64).unwrap();
+        drop(file);
+        let report = spill::check(&dir, 64).unwrap();
+        assert!(!report.state_invalid, "{report:?}");
+        let stale = std::fs::read(dir.join("STATE")).unwrap();
+        let (queue, report) = SpillQueue::open(&dir, opts.clone()).await.unwrap();
+        assert!(!report.state_invalid, "{report:?}");
+        // The open persists where it resumes: a crash before any commit must not find the old
+        // position, past the appends that follow (one could land on a frame boundary there
+        // and skip them unread).
+        assert_ne!(std::fs::read(dir.join("STATE")).unwrap(), stale, "the open kept the old state");
+        queue.append("after").await.unwrap();
+        let got = super::read_all(&queue).await;
+        assert_eq!(got, ["after"], "acknowledged records delivered again; {report:?}");
+        queue.close().await.unwrap();
+        // The append went where the old position points past: it is still delivered.
+        let (queue, report) = SpillQueue::open(&dir, opts).await.unwrap();
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(super::read_all(&queue).await, ["after"], "an unread record skipped");
+        queue.close().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

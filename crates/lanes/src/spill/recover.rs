@@ -299,7 +299,18 @@ pub(crate) fn recover(
             storage.truncate(&name, base + layout.valid_end)?;
         }
         // Invariant 3: the committed position is a frame boundary of its segment.
-        if id == committed.segment && !report.state_invalid {
+        if id == committed.segment
+            && !report.state_invalid
+            && Some(id) == last_id
+            && !sealed
+            && committed.offset > valid_end
+        {
+            // Past the data of the segment being written: records a reader read and
+            // acknowledged before the disk kept them (a policy other than `Always`, then a
+            // power loss), or a tail cut after they were acknowledged. Every record up to the
+            // position was acknowledged, so the queue resumes where the data ends.
+            committed.offset = valid_end;
+        } else if id == committed.segment && !report.state_invalid {
             // A frame start, the valid end, or where a corrupt region starts (the frame there
             // was damaged after the position was committed).
             let boundary = committed.offset == valid_end
