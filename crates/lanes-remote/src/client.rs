@@ -19,12 +19,16 @@
 //! 2. What a long-poll learns (a grant, or that the ticket is finished) is kept for the
 //!    [`check`](LimitBackend::check) that follows it.
 //! 3. Permits of `lease: None` asks hold the client's lease and live under the client id,
-//!    renewed in the background (one request for all of them). A ticket asked with an explicit
+//!    renewed in the background (one request for all of them, naming them: a ticket this
+//!    client no longer tracks, such as one whose release failed, is left to lapse on the
+//!    server, not kept alive with the others). A ticket asked with an explicit
 //!    lease lives under a client id of its own (`{client}~{ticket}`), so it is renewed only by
 //!    [`renew`](LimitBackend::renew) and lapses otherwise, as the trait says.
 //! 4. A held permit reported lost by a renewal (named in `lost`, or every permit of a client
-//!    the server no longer knows) is recorded: [`lease_lost`](LimitBackend::lease_lost) says so
-//!    and [`lost`](LimitBackend::lost) resolves, until the ticket is released.
+//!    the server no longer knows), or whose lease ran out with no renewal answered (counted
+//!    from when the grant's answer came back, or the last renewal that renewed it was sent),
+//!    is recorded: [`lease_lost`](LimitBackend::lease_lost) says so and
+//!    [`lost`](LimitBackend::lost) resolves, until the ticket is released.
 //!
 //! # Leased limits
 //!
@@ -46,6 +50,7 @@ use lanes::limit::{Grant, LimitBackend, LimitError, LimitInfo, LimitSpec, LostLe
 use lanes::{Answer, BoxFuture, Priority};
 use reqwest::{StatusCode, Url};
 use serde::de::DeserializeOwned;
+use tokio::time::Instant;
 
 use crate::ConfigError;
 use crate::wire::{self, Reason};
@@ -60,7 +65,8 @@ const TICKET_START_MASK: u64 = (1 << 52) - 1;
 /// Every permit the [`Limits`](lanes::Limits) facade takes is a lease of `lease` (default
 /// 10 s) on the server, renewed in the background (one request for all of the client's
 /// permits, every third of a lease) while this client lives; a permit the server reports lost
-/// (its lease ended before a renewal reached the server, or the server forgot the client) is
+/// (its lease ended before a renewal reached the server, or the server forgot it), or whose
+/// lease ran out here with no renewal answered (the server out of reach), is
 /// [`lease_lost`](lanes::Permit::lease_lost). Waiting is a long-poll: the server answers as
 /// soon as the ticket is granted.
 ///
@@ -141,6 +147,10 @@ struct Live {
     priority: Priority,
     /// Its permit, once granted.
     granted: Option<Grant>,
+    /// When its lease last began, as this client can tell: the answer that granted it came
+    /// back, or a renewal that renewed it was sent. Past that and the lease, the server may
+    /// have given the permit to another (invariant 4).
+    lease_from: Option<Instant>,
     /// The first ask was answered: the server knew the ticket then.
     known: bool,
     /// What a long-poll learned, for the next look (invariant 2).
@@ -487,7 +497,10 @@ impl RemoteLimits {
                     if !forgotten {
                         entry.known = true;
                         match answer {
-                            Answer::Granted(grant) => entry.granted = Some(grant),
+                            Answer::Granted(grant) => {
+                                entry.granted = Some(grant);
+                                entry.lease_from.get_or_insert_with(Instant::now);
+                            }
                             Answer::Finished => {
                                 live.remove(key);
                             }
@@ -544,10 +557,27 @@ impl Inner {
         }
     }
 
-    /// `POST /v1/clients/{client}/renew`.
-    async fn renew_client(&self, client: &str) -> Result<Renewal, LimitError> {
+    /// `POST /v1/clients/{client}/renew`, naming the tickets to renew: a ticket this client
+    /// lost track of (a release that failed) is left to lapse on the server, and one the
+    /// server no longer holds is answered lost.
+    async fn renew_client(
+        &self,
+        client: &str,
+        tickets: &[(String, u64)],
+    ) -> Result<Renewal, LimitError> {
         let url = format!("{}/v1/clients/{}/renew", self.base, encode(client));
-        let request = self.request(reqwest::Method::POST, url).json(&serde_json::json!({}));
+        let body = wire::RenewRequest {
+            tickets: Some(
+                tickets
+                    .iter()
+                    .map(|(limit, ticket)| wire::TicketRef {
+                        limit: limit.clone(),
+                        ticket: *ticket,
+                    })
+                    .collect(),
+            ),
+        };
+        let request = self.request(reqwest::Method::POST, url).json(&body);
         let response = request.send().await.map_err(transport)?;
         match response.status() {
             StatusCode::OK => {
@@ -556,6 +586,18 @@ impl Inner {
             }
             StatusCode::NOT_FOUND => Ok(Renewal::UnknownClient),
             _ => Err(failure("*", response, false).await),
+        }
+    }
+
+    /// Records the held permits among `keys` renewed by a renewal sent at `sent`.
+    fn renewed<'k>(&self, keys: impl IntoIterator<Item = &'k (String, u64)>, sent: Instant) {
+        let mut live = lock(&self.live);
+        for key in keys {
+            if let Some(entry) = live.get_mut(key)
+                && let Some(from) = &mut entry.lease_from
+            {
+                *from = (*from).max(sent);
+            }
         }
     }
 
@@ -583,7 +625,8 @@ impl Inner {
 }
 
 /// Renews every permit asked without a lease, every third of the client's lease, and records
-/// the ones the server lost.
+/// the ones the server lost, and those whose lease ran out unrenewed (the server unreachable,
+/// or its answers lost, for a whole lease: it may have given them to others).
 async fn renew_in_background(inner: Weak<Inner>) {
     let period = match inner.upgrade() {
         Some(inner) => (inner.lease / 3).max(Duration::from_millis(10)),
@@ -594,22 +637,33 @@ async fn renew_in_background(inner: Weak<Inner>) {
     loop {
         tick.tick().await;
         let Some(inner) = inner.upgrade() else { return };
+        let sent = Instant::now();
         // The tickets the server knew before this renewal: a ticket whose first ask is still
-        // travelling may be unknown to it without being lost.
-        let known: Vec<(String, u64)> = lock(&inner.live)
+        // travelling may be unknown to it without being lost. A held one whose lease ran out
+        // unrenewed is lost here, whatever the server says later.
+        let (known, lapsed): (Vec<_>, Vec<_>) = lock(&inner.live)
             .iter()
             .filter(|(_, live)| live.lease.is_none() && live.known)
-            .map(|(key, _)| key.clone())
-            .collect();
+            .map(|(key, live)| (key.clone(), live.lease_from))
+            .partition(|(_, from)| from.is_none_or(|from| sent < from + inner.lease));
+        inner.mark_lost(lapsed.into_iter().map(|(key, _)| key));
+        let known: Vec<(String, u64)> = known.into_iter().map(|(key, _)| key).collect();
         if known.is_empty() {
             continue;
         }
-        match inner.renew_client(&inner.client).await {
-            Ok(Renewal::Lost(lost)) => inner.mark_lost(lost),
-            Ok(Renewal::UnknownClient) => inner.mark_lost(known),
+        // At most a period: a renewal that hangs (a half-open connection) must not hold back
+        // the next one, nor the lapse above.
+        let renewal = tokio::time::timeout(period, inner.renew_client(&inner.client, &known));
+        match renewal.await {
+            Ok(Ok(Renewal::Lost(lost))) => {
+                let lost: HashSet<(String, u64)> = lost.into_iter().collect();
+                inner.renewed(known.iter().filter(|key| !lost.contains(*key)), sent);
+                inner.mark_lost(lost);
+            }
+            Ok(Ok(Renewal::UnknownClient)) => inner.mark_lost(known),
             // Unreachable for now: the next renewal tries again, and the server keeps the
-            // permits until their leases end.
-            Err(_) => {}
+            // permits until their leases end (then they are lost here too, above).
+            Ok(Err(_)) | Err(_) => {}
         }
     }
 }
@@ -674,6 +728,7 @@ impl LimitBackend for RemoteLimits {
                 lease,
                 priority: priority.clone(),
                 granted: None,
+                lease_from: None,
                 known: false,
                 learned: None,
             };
@@ -717,6 +772,7 @@ impl LimitBackend for RemoteLimits {
                 lease,
                 priority: Priority::default(),
                 granted: None,
+                lease_from: None,
                 known: false,
                 learned: None,
             };
@@ -726,6 +782,7 @@ impl LimitBackend for RemoteLimits {
                 Answer::Granted(grant) => {
                     let entry = live.entry(key).or_insert(asked);
                     entry.granted = Some(grant);
+                    entry.lease_from.get_or_insert_with(Instant::now);
                     entry.known = true;
                 }
                 // A try leaves no ticket behind, not even one queued before.
@@ -835,24 +892,24 @@ impl LimitBackend for RemoteLimits {
                     }
                 }
             }
-            // Every ticket a renewal names lost, of any limit: the client id's renewal renews
-            // (and reports on) all of its tickets.
-            let mut lost_anywhere: Vec<(String, u64)> = Vec::new();
             for (client, mine) in owners {
-                match self.inner.renew_client(&client).await? {
+                let sent = Instant::now();
+                let keys: Vec<(String, u64)> =
+                    mine.iter().map(|&ticket| (name.to_owned(), ticket)).collect();
+                match self.inner.renew_client(&client, &keys).await? {
                     Renewal::Lost(lost) => {
-                        gone.extend(
-                            lost.iter()
-                                .filter(|(limit, ticket)| limit == name && mine.contains(ticket))
-                                .map(|(_, ticket)| *ticket),
-                        );
-                        lost_anywhere.extend(lost);
+                        let lost: HashSet<u64> = lost
+                            .into_iter()
+                            .filter(|(limit, _)| limit == name)
+                            .map(|(_, ticket)| ticket)
+                            .collect();
+                        self.inner.renewed(keys.iter().filter(|key| !lost.contains(&key.1)), sent);
+                        gone.extend(lost);
                     }
                     Renewal::UnknownClient => gone.extend(mine),
                 }
             }
-            lost_anywhere.extend(gone.iter().map(|&ticket| (name.to_owned(), ticket)));
-            self.inner.mark_lost(lost_anywhere);
+            self.inner.mark_lost(gone.iter().map(|&ticket| (name.to_owned(), ticket)));
             Ok(tickets.iter().copied().filter(|t| gone.contains(t)).collect())
         })
     }

@@ -15,7 +15,7 @@
 //! | `DELETE /v1/limits/{name}` | | 204 |
 //! | `POST /v1/limits/{name}/acquire` | [`AcquireRequest`] | 200 [`Granted`], 202 [`NotYet`], 429 [`TryRefused`] (a try) |
 //! | `POST /v1/limits/{name}/release` | [`ReleaseRequest`] | 200 [`ReleaseAnswer`] |
-//! | `POST /v1/clients/{client}/renew` | | 200 [`RenewAnswer`] |
+//! | `POST /v1/clients/{client}/renew` | [`RenewRequest`] | 200 [`RenewAnswer`] |
 //! | `POST /v1/limits/{name}/share` | [`ShareRefresh`] | 200 [`ShareAnswer`] |
 //!
 //! Every error (4xx, 5xx) answers an [`ErrorBody`].
@@ -558,8 +558,34 @@ pub struct ReleaseAnswer {
     pub released: bool,
 }
 
-/// 200 to `POST /v1/clients/{client}/renew`: every lease of the client was renewed, except
-/// the lost ones.
+/// `POST /v1/clients/{client}/renew`: renew the leases the client holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    /// The tickets to renew (at most [`MAX_RENEW`]). The client's other tickets are not
+    /// renewed: their leases run out. A named ticket the server does not hold for the client
+    /// is answered lost. Absent (`{}`): every ticket of the client.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tickets: Option<Vec<TicketRef>>,
+}
+
+/// The most tickets one [`RenewRequest`] may name.
+pub const MAX_RENEW: usize = 100_000;
+
+/// A ticket of a limit, in a [`RenewRequest`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct TicketRef {
+    /// Its limit.
+    pub limit: String,
+    /// Its ticket.
+    pub ticket: u64,
+}
+
+/// 200 to `POST /v1/clients/{client}/renew`: the leases asked for were renewed, except the
+/// lost ones.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RenewAnswer {
@@ -673,6 +699,11 @@ mod tests {
             r#"{"lost":[{"limit":"db","ticket":3}],"renewed":2}"#,
         );
         round_trip(&RenewAnswer { lost: vec![], renewed: 0 }, r#"{"lost":[],"renewed":0}"#);
+        round_trip(&RenewRequest::default(), "{}");
+        round_trip(
+            &RenewRequest { tickets: Some(vec![TicketRef { limit: "db".into(), ticket: 3 }]) },
+            r#"{"tickets":[{"limit":"db","ticket":3}]}"#,
+        );
         let limit = Limit {
             name: "db".into(),
             concurrent: 10,

@@ -54,6 +54,98 @@ async fn a_permit_the_server_forgot_is_lease_lost() {
     assert!(permit.lease_lost());
 }
 
+/// Review finding (stop 73): a renewal renewed every ticket of its client id, so a ticket the
+/// client no longer tracked (a release that failed, or a crashed process under the same id)
+/// was kept alive, and its limit held, for as long as the client held anything else. Now a
+/// renewal names its tickets, and the others lapse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_the_client_no_longer_tracks_is_not_renewed() {
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    let http = common::http();
+    for limit in ["db", "other"] {
+        let (status, _) = common::request(
+            &http,
+            reqwest::Method::PUT,
+            serve.url(&format!("/v1/limits/{limit}")),
+            None,
+            Some(serde_json::json!({"concurrent": 1})),
+        )
+        .await;
+        assert_eq!(status, 200);
+    }
+    // An earlier process under the client id took "db" and died without releasing it.
+    let (status, body) = common::request(
+        &http,
+        reqwest::Method::POST,
+        serve.url("/v1/limits/db/acquire"),
+        None,
+        Some(serde_json::json!({"client": "shared", "ticket": 5, "lease_ms": 600})),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    // The live process under the same id holds "other", renewed every 200 ms.
+    let remote =
+        RemoteLimits::with_client(serve.base.clone(), "shared", Duration::from_millis(600))
+            .unwrap();
+    let limits = lanes::Limits::with_backend(remote);
+    let held = limits.acquire("other", lanes::Priority::default()).await.unwrap();
+    // Well past the dead process's lease: "db" is free again.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let (status, body) = common::request(
+        &http,
+        reqwest::Method::POST,
+        serve.url("/v1/limits/db/acquire"),
+        None,
+        Some(serde_json::json!({"client": "newcomer", "queue": false})),
+    )
+    .await;
+    assert_eq!(status, 200, "the abandoned permit was renewed with the live one's: {body}");
+    assert!(!held.lease_lost(), "the live permit is renewed");
+}
+
+/// Review finding (stop 73): a renewal answered only for the tickets the server still had, so
+/// a permit it forgot (a restart) while the client was busy elsewhere was never reported lost:
+/// the client believed it held a permit the server could give to another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_the_server_forgot_is_lease_lost_while_its_client_is_busy() {
+    use std::time::Duration;
+    let first = Serve::start(&[]);
+    let addr = first.base.trim_start_matches("http://").to_owned();
+    let remote =
+        RemoteLimits::with_client(first.base.clone(), "busy", Duration::from_secs(3)).unwrap();
+    let limits = lanes::Limits::with_backend(remote);
+    limits.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
+    let permit = limits.acquire("db", lanes::Priority::default()).await.unwrap();
+    drop(first);
+    let _second = Serve::start_at(&addr, &[]);
+    // The client is back before its next renewal (every second), with a session again.
+    limits.define("other", lanes::LimitSpec::concurrent(1)).await.unwrap();
+    let _other = limits.acquire("other", lanes::Priority::default()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), permit.lost())
+        .await
+        .expect("the renewal names the permit, and the server says it does not hold it");
+}
+
+/// Review finding (stop 73): a renewal that failed was ignored, so with the server out of
+/// reach the client believed its permit held long after the server's lease had ended (and the
+/// server could give it to another). Now a permit whose lease ran out unrenewed is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_renewals_cannot_reach_is_lost_when_its_lease_ends() {
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    let remote =
+        RemoteLimits::with_client(serve.base.clone(), "unreachable", Duration::from_millis(600))
+            .unwrap();
+    let limits = lanes::Limits::with_backend(remote);
+    limits.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
+    let permit = limits.acquire("db", lanes::Priority::default()).await.unwrap();
+    drop(serve);
+    tokio::time::timeout(Duration::from_secs(5), permit.lost())
+        .await
+        .expect("the lease ran out with no renewal getting through");
+}
+
 /// Sums `lanes_http_requests_total` over every route and status in `serve`'s `/metrics`.
 async fn requests_served(serve: &Serve) -> u64 {
     let text =

@@ -489,13 +489,13 @@ pub(crate) async fn release(
     Ok(Json(wire::ReleaseAnswer { released }).into_response())
 }
 
-/// Renew every lease the client holds.
+/// Renew the leases the client holds: the tickets it names, or (naming none) every one.
 #[utoipa::path(post, path = "/v1/clients/{client}/renew", tag = "permits",
     params(("client" = String, Path, description = "The client id (1 to 200 bytes).")),
-    request_body(content = Object, description = "An empty JSON object, `{}`."),
+    request_body = wire::RenewRequest,
     responses(
         (status = 200, description = "How many leases were renewed, and the lost ones.", body = wire::RenewAnswer),
-        (status = 400, description = "A bad client id.", body = wire::ErrorBody),
+        (status = 400, description = "A bad client id, or too many tickets named.", body = wire::ErrorBody),
         (status = 404, description = "The client has nothing held or waiting.", body = wire::ErrorBody),
         (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
     ),
@@ -504,10 +504,22 @@ pub(crate) async fn renew(
     State(app): State<Arc<App>>,
     Path(client): Path<String>,
     Extension(principal): Extension<Principal>,
+    JsonBody(body): JsonBody<wire::RenewRequest>,
 ) -> Result<Response, ApiError> {
     check_client(&client)?;
     principal.act_as(&client)?;
-    let Some(tickets) = app.sessions().tickets_of(&client, Instant::now()) else {
+    let named: Option<Vec<(String, u64)>> = match body.tickets {
+        Some(tickets) if tickets.len() > wire::MAX_RENEW => {
+            return Err(ApiError::field(
+                "tickets",
+                format!("a renewal names at most {} tickets", wire::MAX_RENEW),
+            ));
+        }
+        Some(tickets) => Some(tickets.into_iter().map(|t| (t.limit, t.ticket)).collect()),
+        None => None,
+    };
+    let renewing = app.sessions().tickets_of(&client, named.as_deref(), Instant::now());
+    let Some(renewing) = renewing else {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             format!("unknown client {client:?} (never seen, or nothing held or waiting)"),
@@ -516,11 +528,20 @@ pub(crate) async fn renew(
     // One backend call per (limit, lease): the backend keeps the leases.
     let mut groups: std::collections::BTreeMap<(String, Duration), Vec<(u64, u64)>> =
         std::collections::BTreeMap::new();
-    for (limit, ticket, backend, lease) in tickets {
+    for (limit, ticket, backend, lease) in renewing.renew {
         groups.entry((limit, lease)).or_default().push((ticket, backend));
     }
     let mut renewed = 0;
-    let mut lost = Vec::new();
+    // Named, and not the client's here: lost (its lease ended and the sweep forgot it, or the
+    // server restarted).
+    let mut lost: Vec<wire::LostTicket> = renewing
+        .unknown
+        .into_iter()
+        .map(|(limit, ticket)| {
+            app.event("lease_lost");
+            wire::LostTicket { limit, ticket }
+        })
+        .collect();
     for ((limit, lease), tickets) in groups {
         let backends: Vec<u64> = tickets.iter().map(|(_, b)| *b).collect();
         let gone = app.backend.renew(&limit, &backends, lease).await;

@@ -86,6 +86,15 @@ pub(crate) enum Refused {
     TooManyClients(usize),
 }
 
+/// What a renewal of one client covers ([`Sessions::tickets_of`]).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Renewing {
+    /// `(limit, ticket, backend ticket, lease)` of each ticket to renew, in limit order.
+    pub(crate) renew: Vec<(String, u64, u64, Duration)>,
+    /// Tickets the client named that it does not own: their permits are lost.
+    pub(crate) unknown: Vec<(String, u64)>,
+}
+
 /// A ticket the sweeper hands back to the backend, or asks the backend about.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Lapsed {
@@ -277,27 +286,46 @@ impl Sessions {
         Ok(Some(owned.backend))
     }
 
-    /// Every ticket `client` owns, as `(limit, ticket, backend ticket, lease)`, in limit order,
-    /// but those whose first ask is still being made (the backend may not know them yet:
-    /// invariant 4); `None` for a client without a session. Marks the client seen, and their
-    /// leases renewed at `now` (what renewal finds lost is forgotten).
+    /// The tickets of `client` to renew, as `(limit, ticket, backend ticket, lease)`, in limit
+    /// order: every one it owns, or with `named`, those of the named ones it owns; but those
+    /// whose first ask is still being made (the backend may not know them yet: invariant 4).
+    /// And the named tickets it does not own (forgotten here: their permits are lost). `None`
+    /// for a client without a session. Marks the client seen, and the renewed leases renewed at
+    /// `now` (what renewal finds lost is forgotten); the owned tickets it does not name are
+    /// left to lapse.
     pub(crate) fn tickets_of(
         &mut self,
         client: &str,
+        named: Option<&[(String, u64)]>,
         now: Instant,
-    ) -> Option<Vec<(String, u64, u64, Duration)>> {
+    ) -> Option<Renewing> {
         let session = self.clients.get_mut(client)?;
         session.last_seen = now;
-        let keys: Vec<(String, u64)> = session.tickets.iter().cloned().collect();
-        Some(
-            keys.into_iter()
-                .filter_map(|key| {
-                    let owned = self.tickets.get_mut(&key).filter(|owned| !owned.first_ask)?;
-                    owned.lease_ends = now + owned.lease;
-                    Some((key.0, key.1, owned.backend, owned.lease))
-                })
-                .collect(),
-        )
+        let mut unknown = Vec::new();
+        let keys: Vec<(String, u64)> = match named {
+            None => session.tickets.iter().cloned().collect(),
+            Some(named) => {
+                let mut keys = Vec::with_capacity(named.len());
+                for key in named {
+                    match session.tickets.contains(key) {
+                        true => keys.push(key.clone()),
+                        false => unknown.push(key.clone()),
+                    }
+                }
+                keys.sort_unstable();
+                keys.dedup();
+                keys
+            }
+        };
+        let renew = keys
+            .into_iter()
+            .filter_map(|key| {
+                let owned = self.tickets.get_mut(&key).filter(|owned| !owned.first_ask)?;
+                owned.lease_ends = now + owned.lease;
+                Some((key.0, key.1, owned.backend, owned.lease))
+            })
+            .collect();
+        Some(Renewing { renew, unknown })
     }
 
     /// Takes out the queued tickets nobody asked about for `grace` (invariant 3), to withdraw;
@@ -525,12 +553,40 @@ mod tests {
         assert_eq!(probed(&mut sessions, start + LEASE / 2), Vec::<u64>::new());
         assert_eq!(probed(&mut sessions, start + LEASE), [held.backend]);
         // A renewal moves the lease on; a grant again (a re-ask restarts it) too.
-        sessions.tickets_of("a", start + LEASE);
+        sessions.tickets_of("a", None, start + LEASE);
         assert_eq!(probed(&mut sessions, start + LEASE * 3 / 2), Vec::<u64>::new());
         assert!(sessions.granted("db", 1, held.backend, start + LEASE * 3 / 2));
         assert_eq!(probed(&mut sessions, start + LEASE * 2), Vec::<u64>::new());
         assert_eq!(probed(&mut sessions, start + LEASE * 5 / 2), [held.backend]);
         sessions.end("a", "other", busy, start);
+    }
+
+    /// Review finding (stop 73): a renewal renewed every ticket of its client, so a ticket the
+    /// client had lost track of (a failed release) was kept alive for as long as the client
+    /// held anything else; and a named ticket the server no longer had was not reported lost.
+    #[test]
+    fn a_renewal_naming_its_tickets_renews_only_those_and_reports_the_unknown() {
+        let mut sessions = Sessions::new(usize::MAX);
+        let start = Instant::now();
+        let mut alloc = counter();
+        let mut held = Vec::new();
+        for ticket in [1, 2] {
+            let begun = sessions.begin("a", "db", Some(ticket), LEASE, start, &mut alloc).unwrap();
+            assert!(sessions.first_asked("db", begun));
+            assert!(sessions.granted("db", ticket, begun.backend, start));
+            sessions.end("a", "db", begun, start);
+            held.push(begun.backend);
+        }
+        // The client keeps a request in flight: never silent.
+        let busy = sessions.begin("a", "busy", Some(3), LEASE, start, &mut alloc).unwrap();
+        let named = [("db".to_owned(), 2), ("db".to_owned(), 9), ("other".to_owned(), 1)];
+        let renewing = sessions.tickets_of("a", Some(&named), start + LEASE / 2).unwrap();
+        assert_eq!(renewing.renew, [("db".to_owned(), 2, held[1], LEASE)]);
+        assert_eq!(renewing.unknown, [("db".to_owned(), 9), ("other".to_owned(), 1)]);
+        // Ticket 1 was not named: it lapses at its old lease's end and is asked about then.
+        let probed = sessions.sweep(start + LEASE, GRACE).1;
+        assert_eq!(probed.iter().map(|l| l.backend).collect::<Vec<_>>(), [held[0]]);
+        sessions.end("a", "busy", busy, start);
     }
 
     /// Review finding (stop 72): records were keyed by number alone, so a request that had
@@ -549,14 +605,14 @@ mod tests {
         let second = sessions.begin("a", "db", Some(7), LEASE * 2, start, &mut alloc).unwrap();
         assert!(!second.fresh && second.first_ask_elsewhere);
         assert_eq!(second.lease, LEASE, "the first ask's lease");
-        assert_eq!(sessions.tickets_of("a", start), Some(vec![]));
+        assert_eq!(sessions.tickets_of("a", None, start), Some(Renewing::default()));
         sessions.end("a", "db", second, start);
         assert!(sessions.first_asked("db", first));
         sessions.end("a", "db", first, start);
         let third = sessions.begin("a", "db", Some(7), LEASE, start, &mut alloc).unwrap();
         assert!(!third.fresh && !third.first_ask_elsewhere);
         assert_eq!(
-            sessions.tickets_of("a", start),
+            sessions.tickets_of("a", None, start).map(|r| r.renew),
             Some(vec![("db".to_owned(), 7, first.backend, LEASE)])
         );
         // Released, and asked for again under the same number: a new backend ticket.
