@@ -143,6 +143,76 @@ async fn errors_and_panics_are_counted_and_reported() {
     assert_eq!(*panics.lock().unwrap(), [(2, "kaboom".to_owned())], "later items still ran");
 }
 
+/// An item whose `Clone` panics for 1 (a bug in user code).
+#[derive(Debug, PartialEq)]
+struct Touchy(u32);
+
+impl Clone for Touchy {
+    fn clone(&self) -> Self {
+        assert!(self.0 != 1, "clone of 1");
+        Self(self.0)
+    }
+}
+
+/// Review finding (stop 73): the copy kept for `on_panic` was made outside the worker's panic
+/// containment, so an item whose `Clone` panicked killed its worker: the item never ended,
+/// `stop` timed out, and the key (or shard) never ran again.
+#[tokio::test(start_paused = true)]
+async fn an_item_whose_clone_panics_ends_as_panicked_and_its_key_goes_on() {
+    let on_panic = |panics: &Arc<Mutex<Vec<(u32, String)>>>| {
+        let panics = panics.clone();
+        move |item: Touchy, payload: Box<dyn std::any::Any + Send>| {
+            let text = payload.downcast_ref::<&str>().copied().unwrap_or("?").to_owned();
+            panics.lock().unwrap().push((item.0, text));
+        }
+    };
+    for mode in [Some(KeyedMode::PerKey), Some(KeyedMode::Hashed), None] {
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let panics = Arc::new(Mutex::new(Vec::new()));
+        let process = {
+            let ran = ran.clone();
+            move |item: Touchy| {
+                ran.lock().unwrap().push(item.0);
+                async { Res::Ok(()) }
+            }
+        };
+        let stats = match mode {
+            Some(mode) => {
+                let builder = KeyedPool::builder().queue_size(8).key_of(|_: &Touchy| 0u64);
+                let builder = match mode {
+                    KeyedMode::PerKey => builder.workers(2),
+                    KeyedMode::Hashed => builder.hashed_shards(2),
+                };
+                let pool = builder
+                    .on_panic(on_panic(&panics))
+                    .build(move |_, item| process(item))
+                    .unwrap();
+                for n in 0..4 {
+                    pool.submit(Touchy(n)).unwrap();
+                }
+                pool.stop(Duration::from_secs(5)).await.expect("every item ends");
+                pool.stats()
+            }
+            None => {
+                let pool = Dispatcher::builder()
+                    .workers(1)
+                    .queue_size(8)
+                    .on_panic(on_panic(&panics))
+                    .build(process)
+                    .unwrap();
+                for n in 0..4 {
+                    pool.submit(Touchy(n)).unwrap();
+                }
+                pool.stop(Duration::from_secs(5)).await.expect("every item ends");
+                pool.stats()
+            }
+        };
+        assert_eq!((stats.completed, stats.panicked), (3, 1), "{mode:?}");
+        assert_eq!(*ran.lock().unwrap(), [0, 2, 3], "{mode:?}: the item is not processed");
+        assert_eq!(*panics.lock().unwrap(), [(1, "clone of 1".to_owned())], "{mode:?}");
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_timed_out_stop_keeps_draining_and_a_later_stop_sees_it_finish() {
     let gate = Gate::new();

@@ -540,7 +540,21 @@ where
                 }
             },
         };
-        let kept = self.hooks.on_panic.as_ref().map(|(clone, _)| clone(&item));
+        // The copy `on_panic` gets is made by the item's `Clone`, user code: a panic there is
+        // the item's panic (`on_panic` gets the item itself), and the item is not processed.
+        let kept = match &self.hooks.on_panic {
+            None => None,
+            Some((clone, on_panic)) => {
+                match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| clone(&item))) {
+                    Ok(kept) => Some(kept),
+                    Err(payload) => {
+                        drop_contained(permit);
+                        let _ = call_contained(|| on_panic(item, payload));
+                        return Outcome::Panicked;
+                    }
+                }
+            }
+        };
         let outcome = match call_contained(|| self.process.call(worker, item)) {
             Err(_) => Err(Box::new("process panicked before returning a future") as PanicPayload),
             Ok(fut) => CatchPanic::new(fut).await,

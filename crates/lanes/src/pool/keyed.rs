@@ -334,7 +334,8 @@ impl<T: Send + 'static, F> KeyedPoolBuilder<T, F> {
     }
 
     /// Called with the item and the panic payload of every item whose processing panicked; the
-    /// key's next items still run. Keeps a clone of each item while it is processed.
+    /// key's next items still run. Keeps a clone of each item while it is processed; an item
+    /// whose `Clone` panics is not processed, and this is called with it and that panic.
     pub fn on_panic(mut self, on_panic: impl Fn(T, PanicPayload) + Send + Sync + 'static) -> Self
     where
         T: Clone,
