@@ -80,7 +80,7 @@
 
 mod queue;
 
-pub use queue::{Delivery, JetStreamOptions, JetStreamQueue, JetStreamReader};
+pub use queue::{Delivery, HEADER_ROOM, JetStreamOptions, JetStreamQueue, JetStreamReader};
 
 use std::fmt;
 use std::pin::Pin;

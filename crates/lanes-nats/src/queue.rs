@@ -31,11 +31,15 @@ pub struct JetStreamOptions {
     duplicate_window: Duration,
 }
 
+/// Bytes a record's message takes beyond the record (its `Nats-Msg-Id` header, with room to
+/// spare): a record of `max_record` bytes must fit the server's `max_payload` with them.
+pub const HEADER_ROOM: usize = 256;
+
 impl Default for JetStreamOptions {
     fn default() -> Self {
         Self {
             max_bytes: 1 << 30,
-            max_record: 1 << 20,
+            max_record: (1 << 20) - HEADER_ROOM,
             max_in_flight: 8 << 20,
             publish_timeout: Duration::from_secs(30),
             replicas: 1,
@@ -46,13 +50,17 @@ impl Default for JetStreamOptions {
 
 impl JetStreamOptions {
     /// The most bytes the stream keeps (default 1 GiB); beyond it an append is refused
-    /// ([`SpillError::Remote`]) until the reader acknowledges records. At least 1 KiB.
+    /// ([`SpillError::Full`] with this bound, once the stream answers) until the reader
+    /// acknowledges records. At least 1 KiB.
     pub fn max_bytes(mut self, max_bytes: u64) -> Self {
         self.max_bytes = i64::try_from(max_bytes).unwrap_or(i64::MAX);
         self
     }
 
-    /// The largest record (default 1 MiB; at most the NATS server's `max_payload`).
+    /// The largest record (default 1 MiB less [`HEADER_ROOM`], so that a record and its
+    /// header fit a NATS server's default `max_payload` of 1 MiB). With its header it must fit
+    /// the server's `max_payload`: [`JetStreamQueue::open`] refuses a larger one (a message
+    /// over it would make the server drop the connection).
     pub fn max_record(mut self, max_record: usize) -> Self {
         self.max_record = max_record;
         self
@@ -118,7 +126,10 @@ impl JetStreamOptions {
 ///   may be stored after records appended later: the stream keeps append order except for
 ///   records whose first publish was lost.
 /// - **Bounded**: at most `max_in_flight` bytes await acknowledgement ([`SpillError::Full`]
-///   beyond), and the stream keeps at most `max_bytes` (an append beyond is refused).
+///   beyond, at once), and the stream keeps at most `max_bytes` (an append beyond resolves
+///   [`SpillError::Full`] with `max_bytes`: the stream refuses it when it arrives, so an append
+///   handed over without waiting, as a channel's `try_emit` spills, is refused unseen by its
+///   producer; the writer logs it).
 /// - **Reading** ([`reader`](Self::reader)): a durable pull consumer with explicit acks. A
 ///   record is removed once acknowledged; one not acknowledged within `ack_wait` (its reader
 ///   died, or is slow) is delivered again — at least once, never lost.
@@ -157,14 +168,23 @@ impl JetStreamQueue {
     ///
     /// # Errors
     ///
-    /// [`SpillError::Remote`] for invalid options, or if JetStream cannot be reached or refuses
-    /// the stream (for instance one of that name with other settings).
+    /// [`SpillError::Remote`] for invalid options (a `max_record` that with [`HEADER_ROOM`]
+    /// exceeds the server's `max_payload` among them), or if JetStream cannot be reached or
+    /// refuses the stream (for instance one of that name with other settings).
     pub async fn open(
         client: async_nats::Client,
         stream: &str,
         options: JetStreamOptions,
     ) -> Result<Self, SpillError> {
         options.validate()?;
+        let max_payload = client.server_info().max_payload;
+        if options.max_record.saturating_add(HEADER_ROOM) > max_payload {
+            return Err(SpillError::Remote(format!(
+                "invalid options: max_record ({}) and its header ({HEADER_ROOM} bytes) exceed the \
+                 NATS server's max_payload ({max_payload})",
+                options.max_record
+            )));
+        }
         if stream.is_empty() || stream.contains(['.', ' ', '*', '>', '\t']) {
             return Err(SpillError::Remote(format!(
                 "a stream name must be non-empty, without '.', spaces, '*' or '>': {stream:?}"
@@ -176,7 +196,7 @@ impl JetStreamQueue {
             name: stream.to_owned(),
             subjects: vec![subject.clone()],
             max_bytes: options.max_bytes,
-            max_message_size: i32::try_from(options.max_record + 256).unwrap_or(i32::MAX),
+            max_message_size: i32::try_from(options.max_record + HEADER_ROOM).unwrap_or(i32::MAX),
             storage: StorageType::File,
             retention: RetentionPolicy::WorkQueue,
             discard: DiscardPolicy::New,
@@ -203,6 +223,7 @@ impl JetStreamQueue {
             inner.context.clone(),
             inner.subject.clone(),
             inner.options.publish_timeout,
+            u64::try_from(inner.options.max_bytes).unwrap_or(0),
             receiver,
         ));
         Ok(Self { inner })
@@ -330,6 +351,7 @@ async fn write(
     context: Context,
     subject: String,
     publish_timeout: Duration,
+    max_bytes: u64,
     mut batches: mpsc::UnboundedReceiver<Batch>,
 ) {
     while let Some(batch) = batches.recv().await {
@@ -346,11 +368,12 @@ async fn write(
             let (context, subject, records) = (context.clone(), subject.clone(), records.clone());
             chunks.push(tokio::spawn(async move {
                 for ((id, payload), ack) in records[start..end].iter().zip(acks) {
-                    confirm(&context, &subject, id, payload, ack, deadline).await?;
+                    confirm(&context, &subject, id, payload, ack, deadline, max_bytes).await?;
                 }
                 Ok::<(), SpillError>(())
             }));
         }
+        let subject = subject.clone();
         tokio::spawn(async move {
             let mut result = Ok(());
             for chunk in chunks {
@@ -360,6 +383,11 @@ async fn write(
                 }
             }
             drop(room);
+            if let Err(err) = &result {
+                // Said here too: an append handed over without waiting (a channel's `try_emit`
+                // spilling) has nobody awaiting its answer.
+                tracing::warn!(subject, records = records.len(), error = %err, "append failed");
+            }
             let _ = done.send(result);
         });
     }
@@ -387,8 +415,21 @@ fn transient(err: &PublishError) -> bool {
     )
 }
 
+/// Whether the stream refused a record for want of room: its `max_bytes` (JetStream answers
+/// "maximum bytes exceeded" as a store failure), or the server's storage.
+fn stream_full(err: &PublishError) -> bool {
+    use async_nats::jetstream::ErrorCode;
+    std::error::Error::source(err)
+        .and_then(|source| source.downcast_ref::<async_nats::jetstream::Error>())
+        .is_some_and(|err| {
+            let code = err.error_code();
+            code == ErrorCode::STREAM_STORE_FAILED || code == ErrorCode::STORAGE_RESOURCES_EXCEEDED
+        })
+}
+
 /// Waits for one record's acknowledgement; publishes it again (same id: the stream drops a
-/// copy it already has) after a transient failure, with back-off, until `deadline`.
+/// copy it already has) after a transient failure, with back-off, until `deadline`. A stream
+/// without room refuses it with [`SpillError::Full`] (`max_bytes`, the stream's bound).
 async fn confirm(
     context: &Context,
     subject: &str,
@@ -396,6 +437,7 @@ async fn confirm(
     payload: &Bytes,
     first: Result<PublishAckFuture, PublishError>,
     deadline: Instant,
+    max_bytes: u64,
 ) -> Result<(), SpillError> {
     let mut attempt = first;
     let mut backoff = Duration::from_millis(50);
@@ -408,6 +450,9 @@ async fn confirm(
             Ok(()) => return Ok(()),
             Err(err) => err,
         };
+        if stream_full(&err) {
+            return Err(SpillError::Full { max_bytes });
+        }
         if !transient(&err) {
             return Err(SpillError::Remote(format!("the stream refused a record: {err}")));
         }

@@ -13,7 +13,7 @@ use lanes::channel::{
     FailurePolicy, JsonCodec, Overflow, Settlement,
 };
 use lanes::spill::{DurableQueue, SpillError};
-use lanes_nats::{JetStreamOptions, JetStreamQueue, JetStreamReader};
+use lanes_nats::{HEADER_ROOM, JetStreamOptions, JetStreamQueue, JetStreamReader};
 use tokio::time::timeout;
 
 /// A stream of its own, deleted when dropped.
@@ -271,7 +271,7 @@ async fn appends_are_bounded_and_options_checked() {
         }
     }
     let err = refused_by_stream.expect("the stream's bound refuses an append");
-    assert!(matches!(err, SpillError::Remote(_)), "{err}");
+    assert!(matches!(err, SpillError::Full { max_bytes: 8192 }), "the stream's bound: {err}");
     let client = client().await;
     for (options, rule) in [
         (JetStreamOptions::default().max_bytes(10), "max_bytes"),
@@ -285,6 +285,25 @@ async fn appends_are_bounded_and_options_checked() {
     }
     let err = JetStreamQueue::open(client, "bad.name", JetStreamOptions::default()).await;
     assert!(err.unwrap_err().to_string().contains("stream name"));
+}
+
+/// Review finding (stop 73): the default `max_record` was the server's default `max_payload`,
+/// and the record's id header comes on top: a record of the largest size made the server drop
+/// the connection, again on every publish until the timeout. Now the default fits, and a
+/// `max_record` that cannot is refused at open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_of_the_largest_size_fits_the_servers_max_payload() {
+    let client = client().await;
+    let max_payload = client.server_info().max_payload;
+    let too_large = JetStreamOptions::default().max_record(max_payload - HEADER_ROOM + 1);
+    let err = JetStreamQueue::open(client, "LANES_Q_NEVER", too_large).await.unwrap_err();
+    assert!(err.to_string().contains("max_payload"), "{err}");
+    let s = stream("largest", JetStreamOptions::default().publish_timeout(Duration::from_secs(5)))
+        .await;
+    let largest = vec![9u8; max_payload - HEADER_ROOM];
+    s.queue.enqueue(&[&largest]).unwrap().await.expect("the largest record is stored");
+    let mut reader = reader(&s).await;
+    assert_eq!(read(&mut reader, 1, <[u8]>::len).await, [largest.len()]);
 }
 
 /// Two channel configs are the same only with the very same queue; a queue knows itself.
