@@ -214,11 +214,12 @@ fn not_granted(reason: Reason, retry_after_ms: u64) -> Answer {
 }
 
 /// Turns an error response into the `LimitError` it stands for. A 429 is a full waiting room
-/// only for a request that queues (`queueing`).
+/// only for a request that queues (`queueing`), and not when the server has too many clients.
 pub(crate) async fn failure(name: &str, response: reqwest::Response, queueing: bool) -> LimitError {
     let status = response.status();
     let body: Option<wire::ErrorBody> = response.json().await.ok();
-    let (message, ticket) = body.map_or((String::new(), None), |body| (body.error, body.ticket));
+    let (message, ticket, code) =
+        body.map_or((String::new(), None, None), |body| (body.error, body.ticket, body.code));
     match status.as_u16() {
         404 => LimitError::UnknownLimit(name.to_owned()),
         409 => match ticket {
@@ -228,6 +229,10 @@ pub(crate) async fn failure(name: &str, response: reqwest::Response, queueing: b
             )),
             None => LimitError::InUse(name.to_owned()),
         },
+        // A server at its most clients: not this limit's waiting room.
+        429 if code.as_deref() == Some("too_many_clients") => {
+            LimitError::backend(format!("lanes serve: 429 {message}"))
+        }
         429 if queueing => {
             // "limit \"x\" already has N waiters"
             let max = message

@@ -146,6 +146,20 @@ async fn a_permit_renewals_cannot_reach_is_lost_when_its_lease_ends() {
         .expect("the lease ran out with no renewal getting through");
 }
 
+/// Review finding (stop 73): every 429 to a queueing acquire read as the limit's full waiting
+/// room, including a server at its most clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_with_too_many_clients_is_not_a_full_waiting_room() {
+    let serve = Serve::start(&["--max-clients", "1"]);
+    let first = lanes::Limits::with_backend(RemoteLimits::new(serve.base.clone()).unwrap());
+    first.define("db", lanes::LimitSpec::concurrent(5)).await.unwrap();
+    let _held = first.acquire("db", lanes::Priority::default()).await.unwrap();
+    let second = lanes::Limits::with_backend(RemoteLimits::new(serve.base.clone()).unwrap());
+    let err = second.acquire("db", lanes::Priority::default()).await.unwrap_err();
+    assert!(!matches!(err, lanes::LimitError::TooManyWaiters { .. }), "{err:?}");
+    assert!(err.to_string().contains("clients"), "{err}");
+}
+
 /// Sums `lanes_http_requests_total` over every route and status in `serve`'s `/metrics`.
 async fn requests_served(serve: &Serve) -> u64 {
     let text =
