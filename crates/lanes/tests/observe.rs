@@ -95,6 +95,13 @@ fn a_lane_counts_admissions_refusals_outcomes_and_waits() {
     assert_eq!(waits.len(), 3);
     assert_eq!(waits[0], 0.0);
     assert!((waits[1] - 0.010).abs() < 0.002 && (waits[2] - 0.020).abs() < 0.002, "{waits:?}");
+    // Each job ran 10 ms (review finding, stop 73: the table listed this histogram, and
+    // nothing recorded it).
+    let DebugValue::Histogram(runs) = value(&snapshot, "lanes_lane_run_seconds", &lane) else {
+        panic!("a histogram")
+    };
+    assert_eq!(runs.len(), 3);
+    assert!(runs.iter().all(|r| (r.into_inner() - 0.010).abs() < 0.002), "{runs:?}");
 }
 
 async fn futures_join<T, E>(

@@ -727,7 +727,15 @@ where
             tracing::debug!(slot, permit = permit.is_some(), "granted");
             let executed = match t.audit(AuditKind::Started, &mut next).await {
                 Err(err) => Err((Stage::Start, Reason::Audit, Some(err))),
-                Ok(()) => execute(&t, job, permit).await,
+                Ok(()) => {
+                    let started = crate::observe::timing_start();
+                    let executed = execute(&t, job, permit).await;
+                    if let Some(started) = started {
+                        let ran = started.elapsed().as_secs_f64();
+                        t.shared.lanes[t.info.lane].metrics.run.record(ran);
+                    }
+                    executed
+                }
             };
             // The run waits on its signal no more: its task's waker goes now, outside any
             // lock, rather than with the signal (which the lane may keep for a later run).

@@ -56,6 +56,8 @@ pub(super) struct LaneMetrics {
     pub(super) executing: Contained<Gauge>,
     pub(super) queued: Contained<Gauge>,
     pub(super) queue_wait: Contained<Histogram>,
+    /// How long a run's job executed (wait timing on).
+    pub(super) run: Contained<Histogram>,
 }
 
 impl LaneMetrics {
@@ -76,6 +78,7 @@ impl LaneMetrics {
             executing: Contained(metrics::gauge!("lanes_lane_executing", &labels)),
             queued: Contained(metrics::gauge!("lanes_lane_queued", &labels)),
             queue_wait: Contained(metrics::histogram!("lanes_lane_queue_wait_seconds", &labels)),
+            run: Contained(metrics::histogram!("lanes_lane_run_seconds", &labels)),
         }
     }
 

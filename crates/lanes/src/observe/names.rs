@@ -83,7 +83,8 @@ pub const METRICS: &[MetricName] = &[
         "lanes_lane_finished_total",
         Counter,
         LANE_OUTCOME,
-        "Runs finished, by outcome (ok, failed, panicked, timed_out, cancelled).",
+        "Runs finished, by outcome: ok, or why the run failed (canceled, timeout, closed, \
+         poisoned, job, panic, audit, finalizer, cleanup, limit).",
     ),
     metric("lanes_lane_executing", Gauge, LANE, "Runs executing now."),
     metric("lanes_lane_queued", Gauge, LANE, "Runs admitted and waiting for an execution slot."),
@@ -93,7 +94,12 @@ pub const METRICS: &[MetricName] = &[
         LANE,
         "Time from admission to the start of execution.",
     ),
-    metric("lanes_lane_run_seconds", Histogram, LANE, "Time a run's job executed."),
+    metric(
+        "lanes_lane_run_seconds",
+        Histogram,
+        LANE,
+        "Time a run's job executed (with wait timing on).",
+    ),
     metric(
         "lanes_limit_acquired_total",
         Counter,

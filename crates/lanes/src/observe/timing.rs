@@ -4,8 +4,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 static WAIT_TIMING: AtomicBool = AtomicBool::new(false);
 
-/// Turns the wait-time histograms (`lanes_lane_queue_wait_seconds`, `lanes_limit_wait_seconds`,
-/// `lanes_spill_append_seconds`, `lanes_pool_queue_wait_seconds`,
+/// Turns the wait-time histograms (`lanes_lane_queue_wait_seconds`, `lanes_lane_run_seconds`,
+/// `lanes_limit_wait_seconds`, `lanes_spill_append_seconds`, `lanes_pool_queue_wait_seconds`,
 /// `lanes_pool_processing_seconds`) on or off, process-wide. Off by default: timing a wait reads
 /// the clock twice (about 70 ns on the benchmark host), which is a tenth of a queued run's whole
 /// cost; counters and gauges are always on. `lanes serve` turns it on.
