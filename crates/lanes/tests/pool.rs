@@ -883,6 +883,75 @@ async fn a_broken_watch_is_reported_and_re_established() {
     dispatcher.stop(Duration::from_secs(1)).await.unwrap();
 }
 
+/// Review finding (stop 73): a pool dropped without `stop` kept its workers parked for the
+/// life of the runtime, with everything its process function held, and a tracked
+/// dispatcher's completion watch ran forever. Dropping now closes: accepted items are still
+/// processed (and completed), then the workers and the watch end.
+#[tokio::test(start_paused = true)]
+async fn a_pool_dropped_unstopped_processes_its_items_then_ends() {
+    let probe = Arc::new(());
+    let processed = Arc::new(AtomicUsize::new(0));
+    let process = || {
+        let (probe, processed) = (probe.clone(), processed.clone());
+        move |_: u32| {
+            let _held = &probe;
+            processed.fetch_add(1, Ordering::SeqCst);
+            async {
+                sleep(Duration::from_millis(5)).await;
+                Res::Ok(())
+            }
+        }
+    };
+    let dispatcher = Dispatcher::builder().workers(2).queue_size(8).build(process()).unwrap();
+    let keyed = {
+        let process = process();
+        KeyedPool::builder()
+            .workers(2)
+            .queue_size(8)
+            .key_of(|n: &u32| *n % 3)
+            .build(move |_, n| process(n))
+            .unwrap()
+    };
+    for n in 0..4 {
+        dispatcher.submit(n).unwrap();
+        keyed.submit(n).unwrap();
+    }
+    drop((dispatcher, keyed));
+    sleep(Duration::from_millis(50)).await;
+    settle().await;
+    assert_eq!(processed.load(Ordering::SeqCst), 8, "accepted items are processed");
+    assert_eq!(Arc::strong_count(&probe), 1, "the workers ended, and what they held went");
+
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
+    let completed = Arc::new(Mutex::new(Vec::new()));
+    let tracked = {
+        let completed = completed.clone();
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(8)
+            .completion(
+                source,
+                |item: &String| item.clone(),
+                move |item: String| {
+                    completed.lock().unwrap().push(item);
+                    async { Res::Ok(()) }
+                },
+            )
+            .build(|_: String| async { Res::Ok(()) })
+            .await
+            .unwrap()
+    };
+    tracked.submit("a".to_owned()).unwrap();
+    drop(tracked);
+    settle().await;
+    assert!(!tx.is_closed(), "the watch waits for the tracked item");
+    tx.send(Ok("a".to_owned())).unwrap();
+    settle().await;
+    assert_eq!(*completed.lock().unwrap(), ["a"]);
+    assert!(tx.is_closed(), "the watch ended with the last tracked item");
+}
+
 /// `blocking_submit` is the synchronous form (tokio's `blocking_send` shape): a plain thread
 /// fills a dispatcher of one slot, blocking for room, and every item is processed once; inside
 /// the runtime it refuses to block.

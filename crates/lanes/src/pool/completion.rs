@@ -57,6 +57,8 @@ pub(crate) struct Tracker<T> {
     on_error: Option<Arc<dyn Fn(BoxError) + Send + Sync>>,
     status: Mutex<CompletionSnapshot>,
     watcher: Mutex<Option<AbortHandle>>,
+    /// Its dispatcher was dropped: the watch ends once no item is tracked.
+    orphaned: std::sync::atomic::AtomicBool,
 }
 
 impl<T> fmt::Debug for Tracker<T> {
@@ -69,6 +71,23 @@ impl<T> fmt::Debug for Tracker<T> {
 pub(crate) enum Untracked {
     Duplicate,
     Full,
+}
+
+impl<T> Tracker<T> {
+    /// Its dispatcher was dropped: nothing more is tracked, so the watch ends once the items
+    /// tracked now have completed (at once if none is).
+    pub(crate) fn orphan(&self) {
+        self.orphaned.store(true, std::sync::atomic::Ordering::Release);
+        if lock(&self.items).is_empty() {
+            self.stop_watching();
+        }
+    }
+
+    pub(crate) fn stop_watching(&self) {
+        if let Some(watcher) = lock(&self.watcher).take() {
+            watcher.abort();
+        }
+    }
 }
 
 impl<T: Send + 'static> Tracker<T> {
@@ -98,6 +117,7 @@ impl<T: Send + 'static> Tracker<T> {
             on_watch_error,
             on_error,
             status: Mutex::new(CompletionSnapshot { max_tracked: max, ..Default::default() }),
+            orphaned: std::sync::atomic::AtomicBool::new(false),
             watcher: Mutex::new(None),
         }
     }
@@ -170,7 +190,15 @@ impl<T: Send + 'static> Tracker<T> {
     }
 
     async fn complete(&self, key: &str) {
-        let Some(item) = lock(&self.items).remove(key) else {
+        let (item, last) = {
+            let mut items = lock(&self.items);
+            (items.remove(key), items.is_empty())
+        };
+        if last && self.orphaned.load(std::sync::atomic::Ordering::Acquire) {
+            // Ends at the watch's next await, after this item's `on_complete`.
+            self.stop_watching();
+        }
+        let Some(item) = item else {
             lock(&self.status).untracked += 1;
             return;
         };
@@ -200,12 +228,6 @@ impl<T: Send + 'static> Tracker<T> {
                 let _ = call_contained(|| report(err));
             }
             None => drop_contained(err),
-        }
-    }
-
-    pub(crate) fn stop_watching(&self) {
-        if let Some(watcher) = lock(&self.watcher).take() {
-            watcher.abort();
         }
     }
 

@@ -35,6 +35,8 @@ use crate::util::PanicPayload;
 /// every accepted item to be processed. A stop that times out keeps draining; a later stop can
 /// observe the end. Every `submit` that returned `Ok` is processed before `stop` returns `Ok`.
 /// [`abort`](Dispatcher::abort) discards queued items and cancels in-flight ones, counting both.
+/// Dropping the dispatcher closes it: accepted items are still processed, then its workers end
+/// (and completion tracking ends once no tracked item is left).
 ///
 /// # Examples
 ///
@@ -484,6 +486,17 @@ impl<T> fmt::Debug for TrackedDispatcherBuilder<T> {
             .field("inner", &self.inner)
             .field("max_tracked", &self.max_tracked)
             .finish_non_exhaustive()
+    }
+}
+
+/// Closes: the accepted items are processed, then the workers end. Without it, a dispatcher
+/// dropped unstopped kept its workers (and what they hold) parked for the life of the runtime.
+impl<T> Drop for Dispatcher<T> {
+    fn drop(&mut self) {
+        self.core.begin_stop();
+        if let Some(tracker) = &self.tracker {
+            tracker.orphan();
+        }
     }
 }
 

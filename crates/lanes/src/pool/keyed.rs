@@ -61,7 +61,8 @@ pub enum KeyedMode {
 /// # Shutdown
 ///
 /// As for [`Dispatcher`](super::Dispatcher): `stop` drains every accepted item, `abort`
-/// discards and cancels.
+/// discards and cancels, and dropping the pool closes it (accepted items are still processed,
+/// then its workers end).
 ///
 /// # Examples
 ///
@@ -89,6 +90,14 @@ pub struct KeyedPool<T> {
     core: Arc<dyn Core<T>>,
     mode: KeyedMode,
     reporter: Arc<Reporter<T>>,
+}
+
+/// Closes: the accepted items are processed, then the workers end. Without it, a pool dropped
+/// unstopped kept its workers (and what they hold) parked for the life of the runtime.
+impl<T> Drop for KeyedPool<T> {
+    fn drop(&mut self) {
+        self.core.begin_stop();
+    }
 }
 
 impl<T: Send + 'static> KeyedPool<T> {
