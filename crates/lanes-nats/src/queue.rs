@@ -73,8 +73,11 @@ impl JetStreamOptions {
         self
     }
 
-    /// How long an append may take to be acknowledged, publishing again (deduplicated by the
-    /// record's id) while NATS is away (default 30 s, at most the duplicate window).
+    /// How long an append may take to be acknowledged, counted from the append, publishing
+    /// again (deduplicated by the record's id) while NATS is away (default 30 s, at most the
+    /// duplicate window). An append still unacknowledged then resolves
+    /// [`SpillError::Remote`], whether it waited behind others, for the client's buffer, or
+    /// for the stream's answer.
     pub fn publish_timeout(mut self, timeout: Duration) -> Self {
         self.publish_timeout = timeout;
         self
@@ -157,6 +160,8 @@ struct Inner {
 /// One append, on its way to the writer.
 struct Batch {
     records: Vec<(String, Bytes)>,
+    /// When the append fails unacknowledged: the publish timeout after `enqueue`.
+    deadline: Instant,
     done: oneshot::Sender<Result<(), SpillError>>,
     _room: OwnedSemaphorePermit,
 }
@@ -222,7 +227,6 @@ impl JetStreamQueue {
         tokio::spawn(write(
             inner.context.clone(),
             inner.subject.clone(),
-            inner.options.publish_timeout,
             u64::try_from(inner.options.max_bytes).unwrap_or(0),
             receiver,
         ));
@@ -318,7 +322,9 @@ impl DurableQueue for JetStreamQueue {
             .map(|(record, n)| (format!("{}-{n}", inner.instance), Bytes::copy_from_slice(record)))
             .collect();
         let (done, answer) = oneshot::channel();
-        inner.batches.send(Batch { records, done, _room: room }).map_err(|_| SpillError::Closed)?;
+        let deadline = Instant::now() + inner.options.publish_timeout;
+        let batch = Batch { records, deadline, done, _room: room };
+        inner.batches.send(batch).map_err(|_| SpillError::Closed)?;
         Ok(Box::pin(async move { answer.await.unwrap_or(Err(SpillError::Closed)) }))
     }
 
@@ -350,20 +356,20 @@ const CHUNK: usize = 1_000;
 async fn write(
     context: Context,
     subject: String,
-    publish_timeout: Duration,
     max_bytes: u64,
     mut batches: mpsc::UnboundedReceiver<Batch>,
 ) {
     while let Some(batch) = batches.recv().await {
-        let deadline = Instant::now() + publish_timeout;
-        let Batch { records, done, _room: room } = batch;
+        // The deadline runs from the append, not from here: a batch that waited behind others
+        // while NATS was away fails when its time is up, not a publish timeout later.
+        let Batch { records, deadline, done, _room: room } = batch;
         let records = Arc::new(records);
         let mut chunks = Vec::new();
         for start in (0..records.len()).step_by(CHUNK) {
             let end = (start + CHUNK).min(records.len());
             let mut acks = Vec::with_capacity(end - start);
             for (id, payload) in &records[start..end] {
-                acks.push(publish(&context, &subject, id, payload).await);
+                acks.push(publish(&context, &subject, id, payload, deadline).await);
             }
             let (context, subject, records) = (context.clone(), subject.clone(), records.clone());
             chunks.push(tokio::spawn(async move {
@@ -393,14 +399,22 @@ async fn write(
     }
 }
 
+/// Publishes one record, giving up at `deadline`: while NATS is away the client's buffer
+/// fills, and a publish then waits for room (seconds each, for every record after).
 async fn publish(
     context: &Context,
     subject: &str,
     id: &str,
     payload: &Bytes,
+    deadline: Instant,
 ) -> Result<PublishAckFuture, PublishError> {
+    if Instant::now() >= deadline {
+        return Err(PublishError::new(PublishErrorKind::TimedOut));
+    }
     let message = PublishMessage::build().payload(payload.clone()).message_id(id);
-    context.send_publish(subject.to_owned(), message).await
+    tokio::time::timeout_at(deadline, context.send_publish(subject.to_owned(), message))
+        .await
+        .unwrap_or_else(|_elapsed| Err(PublishError::new(PublishErrorKind::TimedOut)))
 }
 
 /// Whether a failed publish may succeed if made again: NATS or JetStream away (a timeout, a
@@ -443,7 +457,10 @@ async fn confirm(
     let mut backoff = Duration::from_millis(50);
     loop {
         let outcome = match attempt {
-            Ok(ack) => ack.await.map(drop),
+            Ok(ack) => tokio::time::timeout_at(deadline, ack)
+                .await
+                .unwrap_or_else(|_elapsed| Err(PublishError::new(PublishErrorKind::TimedOut)))
+                .map(drop),
             Err(err) => Err(err),
         };
         let err = match outcome {
@@ -462,7 +479,7 @@ async fn confirm(
         tracing::debug!(subject, id, error = %err, "publishing again");
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(1));
-        attempt = publish(context, subject, id, payload).await;
+        attempt = publish(context, subject, id, payload, deadline).await;
     }
 }
 

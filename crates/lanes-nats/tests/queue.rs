@@ -4,6 +4,7 @@
 //! the reader's acknowledgements, redelivery and bounds. Each test uses a stream of its own and
 //! deletes it.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -304,6 +305,81 @@ async fn a_record_of_the_largest_size_fits_the_servers_max_payload() {
     s.queue.enqueue(&[&largest]).unwrap().await.expect("the largest record is stored");
     let mut reader = reader(&s).await;
     assert_eq!(read(&mut reader, 1, <[u8]>::len).await, [largest.len()]);
+}
+
+/// A NATS server that goes away: a relay in front of the real one that, once cut, closes every
+/// connection it carries and every one it is offered.
+struct Relay {
+    url: String,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Relay {
+    async fn start() -> Self {
+        use tokio::io::AsyncWriteExt;
+        let target = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+        let target = target.trim_start_matches("nats://").to_owned();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("nats://{}", listener.local_addr().unwrap());
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let gone = cut.clone();
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if gone.load(Ordering::SeqCst) {
+                    let _ = inbound.shutdown().await;
+                    continue;
+                }
+                let Ok(mut outbound) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let gone = gone.clone();
+                tokio::spawn(async move {
+                    let copy = tokio::io::copy_bidirectional(&mut inbound, &mut outbound);
+                    let cut = async {
+                        while !gone.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    };
+                    tokio::select! {
+                        _ = copy => {}
+                        () = cut => {}
+                    }
+                });
+            }
+        });
+        Self { url, cut }
+    }
+}
+
+/// Review finding (stop 73): the publish timeout ran from when the writer took a batch, and a
+/// publish waited for room in the client's buffer (seconds each) while NATS was away, so an
+/// append of thousands of records hung for hours, holding its room. Now an append ends at
+/// its timeout, counted from the append.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_ends_at_its_publish_timeout_while_nats_is_away() {
+    let relay = Relay::start().await;
+    let client = timeout(Duration::from_secs(5), async_nats::connect(&relay.url))
+        .await
+        .expect("NATS answers through the relay")
+        .unwrap();
+    let s = stream("away", JetStreamOptions::default()).await;
+    // The same stream, through the relay.
+    let options =
+        JetStreamOptions::default().publish_timeout(Duration::from_secs(2)).max_in_flight(64 << 20);
+    let queue = JetStreamQueue::open(client, &s.name, options).await.unwrap();
+    queue.enqueue(&[b"before"]).unwrap().await.expect("stored while NATS is there");
+    relay.cut.store(true, Ordering::SeqCst);
+    let records: Vec<Vec<u8>> = (0..6_000u32).map(|n| n.to_le_bytes().to_vec()).collect();
+    let records: Vec<&[u8]> = records.iter().map(Vec::as_slice).collect();
+    let started = std::time::Instant::now();
+    let big = queue.enqueue(&records).unwrap();
+    let small = queue.enqueue(&[b"after"]).unwrap();
+    let (big, small) = timeout(Duration::from_secs(20), async { (big.await, small.await) })
+        .await
+        .expect("both appends end at their publish timeout");
+    assert!(matches!(big, Err(SpillError::Remote(_))), "{big:?}");
+    assert!(matches!(small, Err(SpillError::Remote(_))), "{small:?}");
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
 }
 
 /// Two channel configs are the same only with the very same queue; a queue knows itself.
