@@ -254,9 +254,10 @@ impl JetStreamQueue {
         self.inner.closed.store(true, Ordering::Release);
     }
 
-    /// The queue's reader: the durable consumer `consumer` (created if missing). A record it
-    /// delivers is delivered again after `ack_wait` unless acknowledged; at most
-    /// `max_ack_pending` records are delivered and not yet acknowledged at once.
+    /// The queue's reader: the durable consumer `consumer` (created if missing, and set to
+    /// these settings if it exists). A record it delivers is delivered again after `ack_wait`
+    /// unless acknowledged; at most `max_ack_pending` records are delivered and not yet
+    /// acknowledged at once.
     ///
     /// # Errors
     ///
@@ -278,10 +279,10 @@ impl JetStreamQueue {
             filter_subject: self.inner.subject.clone(),
             ..Default::default()
         };
-        let consumer: PullConsumer = stream
-            .get_or_create_consumer(consumer, config)
-            .await
-            .map_err(remote("create the consumer"))?;
+        // Created, or updated to these settings if it exists (kept as it was, a reader asking
+        // for a shorter `ack_wait` got the old one, silently).
+        let consumer: PullConsumer =
+            stream.create_consumer(config).await.map_err(remote("create the consumer"))?;
         Ok(JetStreamReader { consumer, messages: None })
     }
 }

@@ -244,6 +244,22 @@ async fn unacknowledged_records_are_delivered_again_and_acknowledged_ones_never(
     assert_eq!(s.queue.stored().await.unwrap(), 0);
 }
 
+/// Review finding (stop 73): a reader opened again with other settings got the consumer as it
+/// was on the server: a shorter `ack_wait` was silently ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_opened_again_takes_its_new_settings() {
+    let s = stream("resettle", JetStreamOptions::default()).await;
+    s.queue.enqueue(&[b"job"]).unwrap().await.unwrap();
+    drop(s.queue.reader("r", Duration::from_secs(120), 10).await.unwrap());
+    let mut reader = s.queue.reader("r", Duration::from_secs(1), 10).await.unwrap();
+    let first = reader.next(Duration::from_secs(5)).await.unwrap().expect("delivered");
+    drop(first); // not acknowledged
+    let again = reader.next(Duration::from_secs(5)).await.unwrap();
+    let again = again.expect("delivered again after the new ack_wait, not the old one");
+    assert_eq!((again.payload(), again.delivered()), (&b"job"[..], 2));
+    again.ack().await.unwrap();
+}
+
 /// Bytes awaiting acknowledgement are bounded (`Full`), so is the stream (`Remote`), and the
 /// options are checked.
 ///
