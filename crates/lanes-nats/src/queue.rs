@@ -249,9 +249,20 @@ impl JetStreamQueue {
         Ok(stream.info().await.map_err(remote("stream info"))?.state.messages)
     }
 
-    /// Refuses further appends; appends already handed over still complete.
+    /// Refuses further appends; appends already handed over still complete (see
+    /// [`drained`](Self::drained) to wait for them).
     pub fn close(&self) {
         self.inner.closed.store(true, Ordering::Release);
+    }
+
+    /// Waits until every append handed over so far has been answered (stored, or failed):
+    /// for a process about to exit, after [`close`](Self::close), so that records handed over
+    /// without waiting (a channel's `try_emit` spilling, an emit cancelled after the hand-over)
+    /// are not dropped with the process. Appends made meanwhile are waited for too.
+    pub async fn drained(&self) {
+        let all = u32::try_from(self.inner.options.max_in_flight).unwrap_or(u32::MAX);
+        // Every append holds its bytes of room until it is answered.
+        drop(self.inner.room.acquire_many(all).await);
     }
 
     /// The queue's reader: the durable consumer `consumer` (created if missing, and set to

@@ -244,6 +244,20 @@ async fn unacknowledged_records_are_delivered_again_and_acknowledged_ones_never(
     assert_eq!(s.queue.stored().await.unwrap(), 0);
 }
 
+/// Review finding (stop 73): nothing waited for appends handed over without waiting (a
+/// `try_emit` spilling): a process that closed the queue and exited dropped them. `drained`
+/// waits until each is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drained_waits_for_every_append_handed_over() {
+    let s = stream("drained", JetStreamOptions::default()).await;
+    for n in 0..2_000u32 {
+        drop(s.queue.enqueue(&[&n.to_le_bytes()]).unwrap());
+    }
+    s.queue.close();
+    timeout(Duration::from_secs(20), s.queue.drained()).await.expect("every append answered");
+    assert_eq!(s.queue.stored().await.unwrap(), 2_000);
+}
+
 /// Review finding (stop 73): a reader opened again with other settings got the consumer as it
 /// was on the server: a shorter `ack_wait` was silently ignored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
