@@ -47,7 +47,8 @@
 //!   not replayed, and deletes and purges are ignored. Writes for keys nobody tracks are
 //!   ignored (and counted in the dispatcher's snapshot).
 //! - A broken watch is reported to `on_watch_error` and in the snapshot, and re-established
-//!   with back-off.
+//!   with back-off, from the last revision it saw: a `put` made while it was down still
+//!   completes its item, and none completes one twice.
 //!
 //! # Examples
 //!
@@ -84,6 +85,7 @@ pub use queue::{Delivery, HEADER_ROOM, JetStreamOptions, JetStreamQueue, JetStre
 
 use std::fmt;
 use std::pin::Pin;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use async_nats::jetstream;
@@ -96,9 +98,21 @@ pub use async_nats;
 
 /// Completion signals from a NATS JetStream KV bucket: every `put` of a key after the watch
 /// started completes the tracked item with that key.
-#[derive(Clone)]
+///
+/// The first watch starts after the bucket's last revision then; a watch made again (after one
+/// broke) resumes after the last revision seen, so a `put` made while the watch was down is
+/// still delivered, and one delivered before is not again. A clone starts afresh.
 pub struct KvCompletions {
     store: Store,
+    /// The last revision (stream sequence) seen, or that the first watch started after;
+    /// `None` before the first watch.
+    seen: Arc<Mutex<Option<u64>>>,
+}
+
+impl Clone for KvCompletions {
+    fn clone(&self) -> Self {
+        Self::new(self.store.clone())
+    }
 }
 
 impl fmt::Debug for KvCompletions {
@@ -110,7 +124,7 @@ impl fmt::Debug for KvCompletions {
 impl KvCompletions {
     /// Watches an existing bucket.
     pub fn new(store: Store) -> Self {
-        Self { store }
+        Self { store, seen: Arc::new(Mutex::new(None)) }
     }
 
     /// Opens the existing bucket `bucket` through `client`'s JetStream.
@@ -132,16 +146,32 @@ impl KvCompletions {
 impl CompletionSource for KvCompletions {
     fn watch(&self) -> BoxFuture<'_, Result<CompletionStream, BoxError>> {
         Box::pin(async move {
-            // `watch_all` delivers only what is written after the consumer exists: no replay.
-            let watch = self.store.watch_all().await?;
-            Ok(Box::pin(Puts { watch }) as CompletionStream)
+            let seen = *lock(&self.seen);
+            let after = match seen {
+                Some(seen) => seen,
+                None => {
+                    // What the bucket holds now is not replayed.
+                    let mut stream = self.store.stream.clone();
+                    let last = stream.info().await?.state.last_sequence;
+                    *lock(&self.seen).get_or_insert(last)
+                }
+            };
+            let watch = self.store.watch_all_from_revision(after + 1).await?;
+            Ok(Box::pin(Puts { watch, seen: self.seen.clone() }) as CompletionStream)
         })
     }
 }
 
-/// The keys of new `put`s in a KV watch; deletes and purges are skipped.
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The keys of new `put`s in a KV watch; deletes and purges are skipped, and so is any entry
+/// at or before the last revision seen (a watch the client rebuilt may deliver from the
+/// start).
 struct Puts {
     watch: Watch,
+    seen: Arc<Mutex<Option<u64>>>,
 }
 
 impl Stream for Puts {
@@ -151,7 +181,15 @@ impl Stream for Puts {
         loop {
             match Pin::new(&mut self.watch).poll_next(cx) {
                 Poll::Ready(Some(Ok(entry))) => {
-                    if entry.operation == Operation::Put {
+                    let new = {
+                        let mut seen = lock(&self.seen);
+                        let new = seen.is_none_or(|seen| entry.revision > seen);
+                        if new {
+                            *seen = Some(entry.revision);
+                        }
+                        new
+                    };
+                    if new && entry.operation == Operation::Put {
                         return Poll::Ready(Some(Ok(entry.key)));
                     }
                 }

@@ -259,3 +259,31 @@ async fn a_missing_bucket_is_a_clear_error() {
     let err = KvCompletions::open(client, "lanes-no-such-bucket").await.unwrap_err();
     assert!(!err.to_string().is_empty());
 }
+
+/// Review finding (stop 73): a watch made again after one broke (`watch_all`) delivered only
+/// what was written after it existed, so a completion written while the watch was down was
+/// never delivered and its item stayed tracked for good. Now a watch made again resumes after
+/// the last revision seen; the first still replays nothing.
+#[tokio::test]
+async fn a_watch_made_again_resumes_where_the_last_one_stopped() {
+    use futures_util::StreamExt;
+    use lanes::pool::CompletionSource;
+    let bucket = Bucket::new("resume").await;
+    bucket.put("old").await;
+    let source = bucket.completions();
+    let mut first = source.watch().await.unwrap();
+    bucket.put("a").await;
+    let got = timeout(Duration::from_secs(10), first.next()).await.expect("a put arrives");
+    assert_eq!(got.unwrap().unwrap(), "a", "what the bucket held before is not replayed");
+    drop(first); // the watch broke
+    bucket.put("b").await; // while it was down
+    let mut second = source.watch().await.unwrap();
+    bucket.put("c").await;
+    let mut keys = Vec::new();
+    for _ in 0..2 {
+        let got = timeout(Duration::from_secs(10), second.next()).await.expect("puts arrive");
+        keys.push(got.unwrap().unwrap());
+    }
+    assert_eq!(keys, ["b", "c"], "the put made while the watch was down, and no earlier one");
+    bucket.delete().await;
+}
