@@ -10,6 +10,13 @@
 //! backlog) reads it. An append is acknowledged only once the stream stored it; a reader's
 //! records are delivered at least once, each until acknowledged.
 //!
+//! "Stored" is JetStream's word: a server acknowledges a record once it is written to its
+//! files, and syncs them to disk on its own schedule (`sync_interval`, two minutes by default).
+//! With one replica, an operating-system crash or a power loss of that server can lose
+//! acknowledged records; with three replicas a record is acknowledged once a majority stored
+//! it. Run replicas (`JetStreamOptions::replicas`), or the server with `sync_interval: always`,
+//! where that matters.
+//!
 //! ```no_run
 //! use std::time::Duration;
 //! use lanes::channel::{BinaryCodec, Channel, ChannelConfig, Overflow};

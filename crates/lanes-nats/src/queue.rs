@@ -135,7 +135,8 @@ impl JetStreamOptions {
 ///   producer; the writer logs it).
 /// - **Reading** ([`reader`](Self::reader)): a durable pull consumer with explicit acks. A
 ///   record is removed once acknowledged; one not acknowledged within `ack_wait` (its reader
-///   died, or is slow) is delivered again — at least once, never lost.
+///   died, or is slow) is delivered again — at least once, never lost while the stream keeps it
+///   (see the [crate docs](crate) for what JetStream keeps through a crash).
 ///
 /// The stream has work-queue retention: one reader (consumer) per queue.
 #[derive(Clone)]
