@@ -261,6 +261,28 @@ async fn abort_discards_and_cancels_counting_both() {
     dispatcher.stop(Duration::from_secs(1)).await.unwrap();
 }
 
+/// Review finding (stop 73): `abort` counted in-flight items dropped and woke `drained` at
+/// once, while their tasks were only marked for cancellation: right after `drained`, an
+/// aborted item could still hold its limit's permit. Now `drained` waits until they are gone.
+#[tokio::test(start_paused = true)]
+async fn after_an_abort_drained_waits_until_cancelled_items_are_gone() {
+    let limits = Limits::new();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let dispatcher = Dispatcher::builder()
+        .workers(1)
+        .queue_size(4)
+        .limit(&limits, "db", Priority::default())
+        .build(|_: u32| std::future::pending::<Res>())
+        .unwrap();
+    dispatcher.submit(1).unwrap();
+    settle().await;
+    assert!(limits.try_acquire("db", Priority::default()).await.is_err(), "the item holds it");
+    assert_eq!(dispatcher.abort().cancelled, 1);
+    timeout(Duration::from_secs(1), dispatcher.drained()).await.expect("drained");
+    let permit = limits.try_acquire("db", Priority::default()).await;
+    assert!(permit.is_ok(), "the aborted item's permit is back once drained");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_and_submit_race_loses_nothing() {
     for round in 0..20 {

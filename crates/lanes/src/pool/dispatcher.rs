@@ -203,7 +203,8 @@ impl<T: Send + 'static> Dispatcher<T> {
     }
 
     /// Resolves once it is closed and every accepted item reached its end (processed, failed,
-    /// panicked or dropped), then stops completion tracking, as [`stop`](Self::stop) does.
+    /// panicked or dropped; after an abort, once the cancelled items are gone, with the permits
+    /// they held), then stops completion tracking, as [`stop`](Self::stop) does.
     /// Waits forever on a pool nobody closes.
     pub async fn drained(&self) {
         handle::wait_drained(&*self.core).await;

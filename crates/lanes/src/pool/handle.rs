@@ -18,6 +18,8 @@
 
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
 use std::time::Duration;
@@ -233,6 +235,9 @@ pub(crate) struct Engine<T, S, P> {
     wake: Box<[Notify]>,
     finished: Notify,
     tasks: Mutex<Vec<AbortHandle>>,
+    /// Worker tasks not yet gone (an aborted one goes when tokio drops it, which may be after
+    /// `abort` returned: an item it was processing holds its permit until then).
+    tasks_alive: AtomicUsize,
     process: P,
     hooks: Hooks<T>,
     limit: Option<Throttle>,
@@ -283,6 +288,7 @@ where
             wake: (0..workers).map(|_| Notify::new()).collect(),
             finished: Notify::new(),
             tasks: Mutex::new(Vec::with_capacity(workers)),
+            tasks_alive: AtomicUsize::new(workers),
             process,
             hooks,
             limit,
@@ -290,7 +296,10 @@ where
             epoch: Instant::now(),
         });
         let handles: Vec<AbortHandle> = (0..workers)
-            .map(|worker| tokio::spawn(engine.clone().work(worker)).abort_handle())
+            .map(|worker| {
+                let work = Box::pin(engine.clone().work(worker));
+                tokio::spawn(Worker { work: Some(work), engine: engine.clone() }).abort_handle()
+            })
             .collect();
         *lock(&engine.tasks) = handles;
         engine
@@ -795,7 +804,12 @@ where
     }
 
     fn is_finished(&self) -> bool {
-        matches!(spin_lock(&self.state).phase, Phase::Stopped | Phase::Aborted)
+        match spin_lock(&self.state).phase {
+            Phase::Stopped => true,
+            // Once every cancelled item is gone, with what it held.
+            Phase::Aborted => self.tasks_alive.load(Ordering::Acquire) == 0,
+            _ => false,
+        }
     }
 
     fn stats(&self) -> PoolStats {
@@ -804,6 +818,37 @@ where
 
     fn phase(&self) -> Phase {
         spin_lock(&self.state).phase
+    }
+}
+
+/// A worker task: its work, and the count of live tasks, which it leaves once the work is gone
+/// (run to its end, or dropped by an abort, with the item it was processing and its permit).
+struct Worker<W, T, S, P> {
+    work: Option<Pin<Box<W>>>,
+    engine: Arc<Engine<T, S, P>>,
+}
+
+impl<W: Future<Output = ()>, T, S, P> Future for Worker<W, T, S, P> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        let Some(work) = this.work.as_mut() else { return Poll::Ready(()) };
+        let done = work.as_mut().poll(cx);
+        if done.is_ready() {
+            this.work = None;
+        }
+        done
+    }
+}
+
+impl<W, T, S, P> Drop for Worker<W, T, S, P> {
+    fn drop(&mut self) {
+        // The work first: what it holds goes before the pool may be found drained.
+        drop_contained(self.work.take());
+        if self.engine.tasks_alive.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.engine.finished.notify_waiters();
+        }
     }
 }
 

@@ -197,7 +197,8 @@ impl<T: Send + 'static> KeyedPool<T> {
     }
 
     /// Resolves once it is closed and every accepted item reached its end (processed, failed,
-    /// panicked or dropped). Waits forever on a pool nobody closes.
+    /// panicked or dropped; after an abort, once the cancelled items are gone, with the permits
+    /// they held). Waits forever on a pool nobody closes.
     pub async fn drained(&self) {
         handle::wait_drained(&*self.core).await;
     }
