@@ -37,7 +37,7 @@ pub(crate) struct Shares {
     instance: u64,
     leased: RwLock<HashMap<String, Arc<LocalShare>>>,
     /// Limits found exact, and when.
-    exact: std::sync::Mutex<HashMap<String, Instant>>,
+    exact: std::sync::Mutex<ExactNames>,
     keepers: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
@@ -46,9 +46,45 @@ impl Shares {
         Self {
             instance,
             leased: RwLock::default(),
-            exact: std::sync::Mutex::default(),
+            exact: std::sync::Mutex::new(ExactNames::default()),
             keepers: std::sync::Mutex::default(),
         }
+    }
+}
+
+/// The limits found exact, and when: each is asked again after [`EXACT_FOR`]. Bounded: the
+/// names found longer ago than that are dropped whenever the map has doubled since the last
+/// sweep, so limits probed once (per-tenant names, say) do not pile up.
+#[derive(Debug)]
+struct ExactNames {
+    found: HashMap<String, Instant>,
+    /// The size at which the next sweep happens.
+    sweep_at: usize,
+}
+
+impl Default for ExactNames {
+    fn default() -> Self {
+        Self { found: HashMap::new(), sweep_at: 1_024 }
+    }
+}
+
+impl ExactNames {
+    /// Whether `name` was found exact less than [`EXACT_FOR`] ago.
+    fn fresh(&self, name: &str) -> bool {
+        self.found.get(name).is_some_and(|at| at.elapsed() < EXACT_FOR)
+    }
+
+    /// Records `name` as found exact `at`.
+    fn found(&mut self, name: &str, at: Instant) {
+        if self.found.len() >= self.sweep_at {
+            self.found.retain(|_, at| at.elapsed() < EXACT_FOR);
+            self.sweep_at = (self.found.len() * 2).max(1_024);
+        }
+        self.found.insert(name.to_owned(), at);
+    }
+
+    fn forget(&mut self, name: &str) {
+        self.found.remove(name);
     }
 }
 
@@ -106,13 +142,13 @@ impl Inner {
         if let Some(share) = self.share_of(name) {
             return Some(share);
         }
-        if lock(&self.shares.exact).get(name).is_some_and(|at| at.elapsed() < EXACT_FOR) {
+        if lock(&self.shares.exact).fresh(name) {
             return None;
         }
         let probe = ShareRequest::new(Demand::none(), 0, SharePolicy::default(), 0);
         match self.refresh_once(name, &probe).await {
             Ok(ShareReply::Exact) => {
-                lock(&self.shares.exact).insert(name.to_owned(), Instant::now());
+                lock(&self.shares.exact).found(name, Instant::now());
                 None
             }
             Ok(ShareReply::Leased(_) | ShareReply::Stale) => Some(self.serve_leased(name)),
@@ -120,8 +156,7 @@ impl Inner {
                 // An unknown limit, a server without the endpoint, or no server: asked again
                 // after a tenth of `EXACT_FOR`, not before every acquire.
                 let retry = Instant::now().checked_sub(EXACT_FOR - EXACT_FOR / 10);
-                lock(&self.shares.exact)
-                    .insert(name.to_owned(), retry.unwrap_or_else(Instant::now));
+                lock(&self.shares.exact).found(name, retry.unwrap_or_else(Instant::now));
                 None
             }
         }
@@ -185,7 +220,7 @@ impl RemoteLimits {
         body.policy = Some(policy.name().to_owned());
         let request = self.inner.request(reqwest::Method::PUT, self.limit_url(name, ""));
         self.send(name, request.json(&body)).await?;
-        lock(&self.inner.shares.exact).remove(name);
+        lock(&self.inner.shares.exact).forget(name);
         Ok(())
     }
 
@@ -199,5 +234,30 @@ impl RemoteLimits {
     /// a limit it does not serve leased, or one without a rate.
     pub fn rate_share(&self, name: &str) -> Option<f64> {
         self.inner.share_of(name).and_then(|share| share.rate_share())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Review finding (stop 73): every limit name probed was kept for good.
+    #[tokio::test(start_paused = true)]
+    async fn names_found_exact_long_ago_do_not_pile_up() {
+        let mut exact = ExactNames::default();
+        for n in 0..1_000 {
+            exact.found(&format!("tenant-{n}"), Instant::now());
+        }
+        assert!(exact.fresh("tenant-7"));
+        tokio::time::advance(EXACT_FOR).await;
+        assert!(!exact.fresh("tenant-7"), "asked again after EXACT_FOR");
+        for n in 0..100_000 {
+            exact.found(&format!("later-{n}"), Instant::now());
+            if n % 1_000 == 0 {
+                tokio::time::advance(EXACT_FOR).await;
+            }
+        }
+        assert!(exact.found.len() <= 2_048, "{} names kept", exact.found.len());
+        assert!(exact.fresh("later-99999"));
     }
 }
