@@ -185,6 +185,12 @@ pub(crate) fn transport(err: reqwest::Error) -> LimitError {
     LimitError::Backend(lanes::limit::BackendError::with_source(message, err))
 }
 
+/// Whether `err` is a request that got no answer (it may have reached the server).
+fn unanswered(err: &LimitError) -> bool {
+    matches!(err, LimitError::Backend(backend)
+        if std::error::Error::source(backend).is_some_and(|source| source.is::<reqwest::Error>()))
+}
+
 /// Percent-encodes one path segment.
 pub(crate) fn encode(segment: &str) -> String {
     let mut encoded = String::with_capacity(segment.len());
@@ -752,8 +758,14 @@ impl LimitBackend for RemoteLimits {
             match self.ask(name, ticket, &fresh, Ask::Queue(Duration::ZERO)).await {
                 Ok(answer) => Ok(self.settle(&key, &fresh, answer).await),
                 Err(err) => {
-                    // A refused first ask leaves no ticket on the server.
+                    // A refused first ask leaves no ticket on the server. One whose answer
+                    // never came (the connection broke, the caller's own client timed out) may
+                    // have left one, held or queued: it is given back as the client id it lives
+                    // under (invariant 3). If that fails too, it lapses: renewals do not name it.
                     lock(&self.inner.live).remove(&key);
+                    if unanswered(&err) {
+                        let _ = self.release_as(name, ticket, lease).await;
+                    }
                     Err(err)
                 }
             }

@@ -160,6 +160,71 @@ async fn a_server_with_too_many_clients_is_not_a_full_waiting_room() {
     assert!(err.to_string().contains("clients"), "{err}");
 }
 
+/// Review finding (stop 73): a first ask whose answer never came was taken for a refused one,
+/// so a ticket it left on the server (asked with its own lease, under its own client id) was
+/// never given back, and a later release went out as the wrong client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_ask_whose_answer_was_lost_is_given_back() {
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    let http = common::http();
+    let (status, _) = common::request(
+        &http,
+        reqwest::Method::PUT,
+        serve.url("/v1/limits/db"),
+        None,
+        Some(serde_json::json!({"concurrent": 1})),
+    )
+    .await;
+    assert_eq!(status, 200);
+    // Requests reach the server; its answers are lost.
+    let relay = DeafRelay::to(serve.base.trim_start_matches("http://")).await;
+    let impatient = reqwest::Client::builder().timeout(Duration::from_millis(300)).build().unwrap();
+    let remote = RemoteLimits::with_http_client(
+        relay.base.clone(),
+        "lossy",
+        Duration::from_secs(10),
+        impatient,
+    )
+    .unwrap();
+    let lease = Some(Duration::from_secs(30));
+    let err = remote.acquire("db", 5, &lanes::Priority::default(), lease).await.unwrap_err();
+    assert!(err.to_string().contains("lanes serve"), "{err}");
+    let (_, limit) =
+        common::request(&http, reqwest::Method::GET, serve.url("/v1/limits/db"), None, None).await;
+    assert_eq!(limit["in_use"], 0, "the permit the lost answer granted is given back: {limit}");
+}
+
+/// A relay to an HTTP server that carries requests and drops every answer.
+struct DeafRelay {
+    base: String,
+}
+
+impl DeafRelay {
+    async fn to(target: &str) -> Self {
+        use tokio::io::AsyncReadExt;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let target = target.to_owned();
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else { continue };
+                let (mut in_read, _in_write) = inbound.into_split();
+                let (mut out_read, mut out_write) = outbound.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut in_read, &mut out_write).await;
+                });
+                tokio::spawn(async move {
+                    let mut sink = vec![0u8; 4096];
+                    while matches!(out_read.read(&mut sink).await, Ok(n) if n > 0) {}
+                    drop(_in_write);
+                });
+            }
+        });
+        Self { base }
+    }
+}
+
 /// Sums `lanes_http_requests_total` over every route and status in `serve`'s `/metrics`.
 async fn requests_served(serve: &Serve) -> u64 {
     let text =
