@@ -182,7 +182,7 @@ impl RedisLimitsBuilder {
 
     /// The addresses, for messages.
     fn where_(&self) -> String {
-        self.target.urls().join(", ")
+        self.target.urls().iter().map(|url| crate::redacted(url)).collect::<Vec<_>>().join(", ")
     }
 
     /// The connection: to one Redis, or to the cluster its nodes belong to.

@@ -97,6 +97,27 @@ mod wakes;
 mod wire;
 
 pub use builder::RedisLimitsBuilder;
+
+/// `url` to show (in logs, errors, a banner): a password in it is replaced by `***`.
+///
+/// ```
+/// assert_eq!(
+///     lanes_redis::redacted("redis://default:s3cret@10.0.0.5:6379/0"),
+///     "redis://default:***@10.0.0.5:6379/0"
+/// );
+/// assert_eq!(lanes_redis::redacted("redis://10.0.0.5"), "redis://10.0.0.5");
+/// ```
+pub fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(authority_end);
+    let Some((userinfo, host)) = authority.rsplit_once('@') else { return url.to_owned() };
+    let user = match userinfo.split_once(':') {
+        Some((user, _password)) => format!("{user}:***"),
+        None => "***".to_owned(),
+    };
+    format!("{scheme}://{user}@{host}{path}")
+}
 pub use outage::OutagePolicy;
 
 use conn::{Conn, Live, Target};

@@ -309,6 +309,23 @@ async fn settings_come_from_lanes_toml_then_the_environment_then_flags() {
         .expect("run lanes");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("max_limitz"));
+    // Review finding (stop 73): a syntax error quoted its line, secret and all; so did a
+    // Redis URL's password in the error of a Redis that did not answer.
+    std::fs::write(&config, "[[tokens]]\nrole = \"admin\"\ntoken = \"Sup3rSecretAdminToken999\n")
+        .unwrap();
+    let redis = "redis://default:RedisPassw0rd@127.0.0.1:1";
+    for args in [&["serve", "--config", path][..], &["serve", "--redis", redis]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_lanes")).args(args).output().expect("run lanes");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        for secret in ["Sup3rSecret", "RedisPassw0rd"] {
+            assert!(!stderr.contains(secret) && !stdout.contains(secret), "{args:?}: {stderr}");
+        }
+        if args[1] == "--config" {
+            assert!(stderr.contains("line 3"), "the error says where: {stderr}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -94,7 +94,10 @@ impl Token {
             .map(|(i, entry)| {
                 let mut parts = entry.splitn(3, ':');
                 let role = parts.next().unwrap_or_default();
-                let role: Role = role.parse().map_err(|e| format!("token {}: {e}", i + 1))?;
+                // Not echoed: an entry without its role starts with its secret.
+                let role: Role = role.parse().map_err(|_| {
+                    format!("token {}: unknown role (admin, client or read, as role:secret)", i + 1)
+                })?;
                 let token = parts
                     .next()
                     .filter(|t| !t.is_empty())
@@ -364,6 +367,9 @@ mod tests {
         assert_eq!(tokens[1].clients, ["w1", "w2"]);
         assert!(tokens.iter().enumerate().all(|(i, t)| t.validate(i + 1).is_ok()));
         assert!(Token::parse_list("root:x").unwrap_err().contains("unknown role"));
+        // Review finding (stop 73): an entry without its role had its secret echoed.
+        let err = Token::parse_list("S3cretTokenValue12345").unwrap_err();
+        assert!(err.contains("unknown role") && !err.contains("S3cret"), "{err}");
         assert!(Token::parse_list("admin:").is_err());
         let short = &Token::parse_list("read:short").unwrap()[0];
         assert!(short.validate(1).unwrap_err().contains("at least 16"));

@@ -235,7 +235,7 @@ impl ServeOptions {
         }
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read tokens file {}: {e}", path.display()))?;
-        let file: File = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        let file: File = toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))?;
         Ok(file.tokens)
     }
 
@@ -256,7 +256,8 @@ impl ServeOptions {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let in_file = |e: &dyn std::fmt::Display| format!("{}: {e}", path.display());
-        let mut table: toml::Table = toml::from_str(&text).map_err(|e| in_file(&e))?;
+        let mut table: toml::Table =
+            toml::from_str(&text).map_err(|e| toml_error(path, &text, &e))?;
         let limits: BTreeMap<String, LimitFile> = match table.remove("limits") {
             Some(limits) => limits.try_into().map_err(|e| in_file(&format!("limits: {e}")))?,
             None => BTreeMap::new(),
@@ -715,10 +716,23 @@ pub async fn run(options: ServeOptions) -> Result<(), BoxError> {
     }
     println!("  dashboard   {scheme}://{}/", server.addr);
     println!("  API         {scheme}://{}/openapi.json", server.addr);
-    println!("  limits in   {}", options.redis.as_deref().unwrap_or("this process (embedded)"));
+    let store = options.redis.as_deref().map(lanes_redis::redacted);
+    println!("  limits in   {}", store.as_deref().unwrap_or("this process (embedded)"));
     shutdown_signal().await;
     println!("lanes serve: shutting down");
     server.shutdown().await
+}
+
+/// A TOML file's error, by line and column, without the source line the parser quotes (it
+/// may hold a token's secret).
+pub(crate) fn toml_error(path: &std::path::Path, text: &str, err: &toml::de::Error) -> String {
+    let place = err.span().map(|span| {
+        let before = &text[..span.start.min(text.len())];
+        let line = before.matches('\n').count() + 1;
+        let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+        format!(", line {line}, column {column}")
+    });
+    format!("{}{}: {}", path.display(), place.unwrap_or_default(), err.message())
 }
 
 async fn shutdown_signal() {
