@@ -190,6 +190,65 @@ async fn the_limit_and_client_caps_answer_their_typed_errors() {
     let body = json!({"client": "z", "wait_ms": 0});
     let (status, answer) = send(&serve, "POST", "/v1/limits/a/acquire", None, Some(body)).await;
     assert_eq!((status, answer["code"].as_str()), (429, Some("too_many_clients")), "{answer}");
+    // A full waiting room has its code too (review finding, stop 73: it had none).
+    let waiters = Serve::start(&["--max-waiters", "1"]);
+    let (status, _) =
+        send(&waiters, "PUT", "/v1/limits/a", None, Some(json!({"concurrent": 1}))).await;
+    assert_eq!(status, 200);
+    let mut codes = Vec::new();
+    for client in ["x", "y", "z"] {
+        let body = json!({"client": client, "wait_ms": 0});
+        let (status, answer) =
+            send(&waiters, "POST", "/v1/limits/a/acquire", None, Some(body)).await;
+        codes.push((status, answer["code"].as_str().map(str::to_owned)));
+    }
+    assert_eq!(codes[2], (429, Some("too_many_waiters".to_owned())), "{codes:?}");
+}
+
+/// Review finding (stop 73): settings the server cannot work with were accepted: a huge
+/// `--max-connections` left a server that said it listened and refused every connection, a
+/// default lease under the minimum made every acquire without `lease_ms` a 400, a body limit
+/// of 0 made every POST a 413, and `lanes.toml` limits were neither counted against
+/// `max_limits` nor checked as names.
+#[test]
+fn settings_the_server_cannot_work_with_are_refused_at_start() {
+    let dir = std::env::temp_dir().join(format!("lanes-bad-settings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let unnamed = dir.join("unnamed.toml");
+    std::fs::write(&unnamed, "[limits.\"\"]\nconcurrent = 1\n").unwrap();
+    let many = dir.join("many.toml");
+    std::fs::write(
+        &many,
+        "max_limits = 1\n[limits.a]\nconcurrent = 1\n[limits.b]\nconcurrent = 1\n",
+    )
+    .unwrap();
+    let (unnamed, many) = (unnamed.to_str().unwrap(), many.to_str().unwrap());
+    for (args, says) in [
+        (&["--max-connections", "18446744073709551615"][..], "max connections"),
+        (&["--default-lease-ms", "50"], "default lease"),
+        (&["--max-body", "0"], "max body"),
+        (&["--config", unnamed], "limit name"),
+        (&["--config", many], "max limits"),
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_lanes"))
+            .arg("serve")
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("run lanes");
+        // A server that started anyway is stopped, and fails the test, rather than hanging it.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while child.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && stderr.contains(says), "{args:?}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test]

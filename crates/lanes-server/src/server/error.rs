@@ -61,7 +61,11 @@ impl ApiError {
             // The backend (Redis) could not answer: the service is unavailable, not broken.
             _ => StatusCode::SERVICE_UNAVAILABLE,
         };
-        Self::new(status, err.to_string()).with_limit(name)
+        let answer = Self::new(status, err.to_string()).with_limit(name);
+        match err {
+            LimitError::TooManyWaiters { .. } => answer.code("too_many_waiters"),
+            _ => answer,
+        }
     }
 }
 

@@ -34,6 +34,7 @@ use axum::routing::{get, post};
 use lanes::channel::{Channel, ChannelConfig, Channels, ConsumerOptions, Overflow};
 use lanes::limit::{LimitBackend, LocalLimits};
 use lanes::{BoxError, Registry};
+use lanes_remote::wire::MAX_NAME;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use tokio::sync::watch;
@@ -104,6 +105,9 @@ pub struct ServeOptions {
     pub shutdown_timeout: Duration,
 }
 
+/// The most connections `--max-connections` may allow.
+const MAX_CONNECTIONS: usize = 1 << 24;
+
 /// The PEM files of `lanes serve --tls-cert --tls-key`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TlsFiles {
@@ -157,6 +161,35 @@ impl ServeOptions {
         }
         if Duration::from_millis(self.default_lease_ms) > self.max_lease {
             return Err("the default lease is longer than the max lease".into());
+        }
+        // Every acquire that names no lease would be refused (400, for a field it never sent).
+        if self.default_lease_ms < 100 {
+            return Err("default lease: at least 100 ms".into());
+        }
+        if self.max_body < 1024 {
+            return Err("max body: at least 1024 bytes".into());
+        }
+        // Past tokio's semaphore (the connection count), the listener could not start.
+        if self.max_connections > MAX_CONNECTIONS {
+            return Err(format!("max connections: at most {MAX_CONNECTIONS}").into());
+        }
+        for name in self.limits.keys() {
+            // As a PUT checks it: a name the API cannot address could never be used.
+            if name.is_empty() || name.len() > MAX_NAME || name.chars().any(char::is_control) {
+                return Err(format!(
+                    "limit {name:?}: a limit name is 1 to {MAX_NAME} bytes without control \
+                     characters"
+                )
+                .into());
+            }
+        }
+        if self.limits.len() > self.max_limits {
+            return Err(format!(
+                "{} limits defined, more than max limits ({})",
+                self.limits.len(),
+                self.max_limits
+            )
+            .into());
         }
         for (i, token) in self.tokens.iter().enumerate() {
             token.validate(i + 1)?;
@@ -319,7 +352,7 @@ pub struct Settings {
     /// The most clients with a session [default: 100000].
     #[arg(long, env = "LANES_MAX_CLIENTS")]
     pub max_clients: Option<usize>,
-    /// The most tickets waiting per limit (more are refused with 429) [default: 10000].
+    /// The most tickets waiting per limit (more are refused with 429) [default: 100000].
     #[arg(long, env = "LANES_MAX_WAITERS")]
     pub max_waiters: Option<usize>,
     /// The longest an acquire long-polls [default: 30000].
