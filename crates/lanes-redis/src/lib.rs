@@ -330,7 +330,12 @@ impl Inner {
             // The hold after the server restarted (it may have lost the last writes).
             self.max_lease.as_millis().to_string(),
         ];
-        self.call(name, "define", &args).await?;
+        let answer = self.call(name, "define", &args).await?;
+        if matches!(&answer, redis::Value::BulkString(bytes) if bytes == b"in_use")
+            || matches!(&answer, redis::Value::SimpleString(text) if text == "in_use")
+        {
+            return Err(CallError::Other(LimitError::InUse(name.to_owned())));
+        }
         self.command::<()>(redis::cmd("SADD").arg(self.registry_key()).arg(name)).await?;
         self.lock_state().specs.insert(name.to_owned(), spec);
         Ok(())
@@ -944,9 +949,13 @@ impl RedisLimits {
     /// within each client's line, not across clients, whose shares follow their demand by
     /// level).
     ///
+    /// An exact limit becomes leased only while nobody holds or waits for it: its holders and
+    /// waiters would come on top of the shares.
+    ///
     /// # Errors
     ///
-    /// As for [`LimitBackend::define`].
+    /// As for [`LimitBackend::define`]; [`LimitError::InUse`] for an exact limit that is held
+    /// or waited for.
     pub async fn define_leased(
         &self,
         name: &str,
@@ -958,8 +967,18 @@ impl RedisLimits {
             SharePolicy::MaxMinFair => "leased:maxmin",
             SharePolicy::Proportional => "leased:proportional",
         };
-        self.inner.lock_state().modes.insert(name.to_owned(), mode.to_owned());
-        self.inner.define(name, spec).await?;
+        let before = self.inner.lock_state().modes.insert(name.to_owned(), mode.to_owned());
+        if let Err(err) = self.inner.define(name, spec).await {
+            // Refused (an exact limit still held or waited for): it stays as it was here too.
+            if matches!(err, CallError::Other(LimitError::InUse(_))) {
+                let mut state = self.inner.lock_state();
+                match before {
+                    Some(before) => state.modes.insert(name.to_owned(), before),
+                    None => state.modes.remove(name),
+                };
+            }
+            return Err(err.into());
+        }
         self.inner.serve_leased(name, policy);
         Ok(())
     }

@@ -687,6 +687,14 @@ local function call(keys, args)
     -- hold_ms (0: none), movehold_ms (on a cluster: the hold after the limit changed nodes; 0
     -- elsewhere)
     local fresh = redis.call('EXISTS', M) == 0
+    -- An exact limit becomes leased only while nobody holds or waits: shares are apportioned
+    -- from the whole capacity, and exact holders (renewing) and waiters (granted by `kick`)
+    -- would come on top of them.
+    if not fresh and ARGV[12] and string.sub(ARGV[12], 1, 7) == 'leased:'
+        and not redis.call('HGET', M, 'mode')
+        and (in_use() > 0 or redis.call('HLEN', I) > 0) then
+      return 'in_use'
+    end
     local now = now_us()
     redis.call('HSET', M, 'concurrent', ARGV[6], 'interval', ARGV[7], 'burst', ARGV[8], 'rate', ARGV[9])
     if fresh then

@@ -129,6 +129,40 @@ async fn clients_hammering_a_leased_limit_share_it_exactly_and_keep_it_busy() {
     }
 }
 
+/// Review finding (stop 73): an exact limit switched to leased while held kept its holders
+/// (renewing) and its waiters (granted as permits came back), and the shares were apportioned
+/// from the whole capacity on top of them: up to twice `concurrent` out. The switch is refused
+/// while anyone holds or waits, and made once nobody does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exact_limit_held_is_not_switched_to_leased() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = format!("leased-switch-{}", std::process::id());
+    let redis = client(&ns).await;
+    let other = client(&ns).await;
+    let limits = Limits::with_backend(redis.clone());
+    limits.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    let held = limits.acquire("db", Priority::default()).await.unwrap();
+    let err = other.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()).await;
+    assert!(matches!(err, Err(lanes::LimitError::InUse(_))), "{err:?}");
+    // Still exact: the other client's acquires go through Redis, and one permit is left.
+    let others = Limits::with_backend(other.clone());
+    let second = others.acquire("db", Priority::default()).await.unwrap();
+    assert!(others.try_acquire("db", Priority::default()).await.is_err(), "two at most");
+    drop((held, second));
+    // Once nobody holds it, the switch is made.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match other.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()).await {
+            Ok(()) => break,
+            Err(lanes::LimitError::InUse(_)) if Instant::now() < deadline => {
+                sleep(Duration::from_millis(20)).await;
+            }
+            Err(err) => panic!("{err}"),
+        }
+    }
+    assert!(other.share("db").is_some(), "served leased now");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_share_that_lapses_reports_its_permits_lost() {
     let _alone = ONE_AT_A_TIME.lock().await;
