@@ -942,7 +942,10 @@ impl RedisLimits {
     /// counted in thousandths of a grant per second: up to about 4.29 million grants a second
     /// per level of demand. A permit handed out from a share is reported
     /// lost if the share lapses unrefreshed. Fencing tokens come from blocks reserved in
-    /// Redis: unique across the fleet, increasing within each client. A client states its
+    /// Redis: unique across the fleet, increasing within each client, but not across clients
+    /// (a client granting from an older block hands out lower tokens than another did before,
+    /// as when a dead client's capacity moves to it): a downstream cannot refuse older holders
+    /// by the highest token seen, as it can for an exact limit. A client states its
     /// demand by priority level (a share goes first to clients with high-level waiters) and
     /// serves its own waiters highest level first, fairness keys taking turns within a level
     /// in proportion to their weights, first come first served within a key (keys take turns

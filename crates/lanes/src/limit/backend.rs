@@ -64,7 +64,9 @@ impl ShareReply {
 /// ([`acquire`](Self::acquire)) at the priority of that ask, asked about afterwards with
 /// [`check`](Self::check) (which never queues it again), and finished by
 /// [`release`](Self::release) — returned if held, withdrawn if waiting. No barging; a bounded
-/// waiting room; fencing tokens strictly increasing per limit name.
+/// waiting room; fencing tokens strictly increasing per limit name (a backend that serves a
+/// limit from per-client shares, as `lanes-redis` does for leased limits, documents what it
+/// keeps of this instead).
 ///
 /// Leases live here too: a grant made with `lease: Some(d)` lasts `d` unless
 /// [`renew`](Self::renew)ed, and a lapsed permit is reclaimed by the backend itself. With
