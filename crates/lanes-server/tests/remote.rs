@@ -195,6 +195,64 @@ async fn a_first_ask_whose_answer_was_lost_is_given_back() {
     assert_eq!(limit["in_use"], 0, "the permit the lost answer granted is given back: {limit}");
 }
 
+/// Review finding (stop 73): a permit granted from the server's share of a leased limit (on
+/// Redis) had no lease the server enforced: a client that died kept it for good, and one whose
+/// renewal reported it lost (Redis does not know share tickets) left it held in the share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_limits_permit_is_given_back_when_its_client_goes() {
+    use std::time::Duration;
+    let ns = format!("remote-leased-gone-{}", std::process::id());
+    let serve = Serve::start(&[
+        "--redis",
+        &common::redis_url(),
+        "--namespace",
+        &ns,
+        "--queue-grace-ms",
+        "200",
+    ]);
+    let http = common::http();
+    let call = |method: reqwest::Method, path: &str, body: Option<serde_json::Value>| {
+        common::request(&http, method, serve.url(path), None, body)
+    };
+    let spec = serde_json::json!({"concurrent": 1, "mode": "leased"});
+    let (status, body) = call(reqwest::Method::PUT, "/v1/limits/db", Some(spec)).await;
+    assert_eq!(status, 200, "{body}");
+    let take =
+        |client: &str| serde_json::json!({"client": client, "wait_ms": 3000, "lease_ms": 500});
+    // Asked (a long-poll, so that the server's share sees the demand) until granted.
+    let again = |client: &'static str| {
+        let body = take(client);
+        let call = &call;
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+            loop {
+                let (status, answer) =
+                    call(reqwest::Method::POST, "/v1/limits/db/acquire", Some(body.clone())).await;
+                if status == 200 || tokio::time::Instant::now() > deadline {
+                    return (status, answer);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    // Held, then renewed: the renewal finds it lost (Redis does not know a share's tickets),
+    // and it is given back; or it is renewed, and released as usual.
+    let (status, held) = again("a").await;
+    assert_eq!(status, 200, "{held}");
+    let (status, renewed) =
+        call(reqwest::Method::POST, "/v1/clients/a/renew", Some(serde_json::json!({}))).await;
+    assert_eq!(status, 200, "{renewed}");
+    if renewed["lost"].as_array().is_none_or(|lost| lost.is_empty()) {
+        let release = serde_json::json!({"client": "a", "ticket": held["ticket"]});
+        call(reqwest::Method::POST, "/v1/limits/db/release", Some(release)).await;
+    }
+    let (status, answer) = again("b").await;
+    assert_eq!(status, 200, "a permit reported lost is given back: {answer}");
+    // "b" holds it and goes silent: past its lease and the grace, it is given back.
+    let (status, answer) = again("c").await;
+    assert_eq!(status, 200, "a dead client's permit is given back: {answer}");
+}
+
 /// A relay to an HTTP server that carries requests and drops every answer.
 struct DeafRelay {
     base: String,

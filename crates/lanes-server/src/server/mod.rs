@@ -698,14 +698,20 @@ async fn sweep(app: std::sync::Weak<App>) {
         }
         probed = now;
         for lapsed in probe {
-            // A deleted limit's permits are finished too (renew answers them lost alike).
-            if let Ok(lanes::Answer::Finished) | Err(lanes::LimitError::UnknownLimit(_)) =
-                app.backend.check(&lapsed.limit, lapsed.backend, None).await
-            {
-                let only = Some(lapsed.backend);
-                let _ = app.sessions().forget(&lapsed.client, &lapsed.limit, lapsed.ticket, only);
-                app.event("lease_expired");
+            let only = Some(lapsed.backend);
+            match app.backend.check(&lapsed.limit, lapsed.backend, None).await {
+                // A deleted limit's permits are finished too (renew answers them lost alike).
+                Ok(lanes::Answer::Finished) | Err(lanes::LimitError::UnknownLimit(_)) => {}
+                // Held past its lease (and the grace) unrenewed: a permit the backend does not
+                // end by itself, one granted from this server's share of a leased limit. Its
+                // client is gone or stopped renewing: it is given back, or it is held for good.
+                Ok(lanes::Answer::Granted(_)) if lapsed.overdue => {
+                    let _ = app.backend.release(&lapsed.limit, lapsed.backend).await;
+                }
+                _ => continue,
             }
+            let _ = app.sessions().forget(&lapsed.client, &lapsed.limit, lapsed.ticket, only);
+            app.event("lease_expired");
         }
     }
 }
