@@ -18,7 +18,9 @@ impl Inner {
         map.insert(name.to_owned(), leased.clone());
         drop(map);
         let me = self.me.get().cloned().unwrap_or_default();
-        let task = tokio::spawn(keep_share(me, name.to_owned(), leased.clone()));
+        // On the client's runtime, as its other tasks: the first use may run on a runtime
+        // that ends sooner, and the share would lapse unreported with it.
+        let task = self.runtime.spawn(keep_share(me, name.to_owned(), leased.clone()));
         lock(&self.tasks).push(task);
         leased
     }

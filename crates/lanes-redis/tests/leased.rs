@@ -163,6 +163,28 @@ async fn an_exact_limit_held_is_not_switched_to_leased() {
     assert!(other.share("db").is_some(), "served leased now");
 }
 
+/// Review finding (stop 73): a leased limit's keeper ran on whichever runtime first touched
+/// the limit; one that ended took the keeper with it, and the share was never refreshed (nor
+/// its lapse reported) again. It runs on the client's runtime, as its other tasks do.
+#[test]
+fn a_leased_limit_first_touched_on_a_short_runtime_keeps_being_refreshed() {
+    let main =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let _one = main.block_on(ONE_AT_A_TIME.lock());
+    let ns = format!("leased-runtime-{}", std::process::id());
+    let redis = main.block_on(client(&ns));
+    {
+        let short = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        short
+            .block_on(redis.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()))
+            .unwrap();
+    }
+    let before = redis.stats().calls;
+    main.block_on(async { sleep(LEASE * 2).await });
+    let refreshes = redis.stats().calls - before;
+    assert!(refreshes >= 3, "{refreshes} calls in two leases: the share is not refreshed");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_share_that_lapses_reports_its_permits_lost() {
     let _alone = ONE_AT_A_TIME.lock().await;
