@@ -65,6 +65,17 @@ fn unknown_arguments_are_refused_with_usage() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("invalid value 'lots'"), "{stderr}");
+    // Review finding (stop 73): a NaN made the limits scenario panic (exit 101), and values
+    // out of range were clamped silently.
+    for seconds in ["nan", "inf", "0.1", "600"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_lanes"))
+            .args(["demo", "limits", "--seconds", seconds])
+            .output()
+            .expect("run the lanes binary");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{seconds}: {stderr}");
+        assert!(stderr.contains("--seconds"), "{seconds}: {stderr}");
+    }
 }
 
 #[test]

@@ -25,6 +25,15 @@ pub(crate) enum Scenario {
     Channel,
 }
 
+/// `--seconds`: a number from 0.5 to 60 (a NaN or an infinity made the demo panic).
+fn demo_seconds(text: &str) -> Result<f64, String> {
+    let seconds: f64 = text.parse().map_err(|e| format!("{e}"))?;
+    if !(0.5..=60.0).contains(&seconds) {
+        return Err(format!("{text}: from 0.5 to 60 seconds"));
+    }
+    Ok(seconds)
+}
+
 /// Options of `lanes demo`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct DemoArgs {
@@ -37,8 +46,8 @@ pub(crate) struct DemoArgs {
     /// Jobs submitted at once in the run-lane scenario's overload burst.
     #[arg(long, default_value_t = 3_000)]
     burst: usize,
-    /// How long tenants send requests in the limits scenario, in seconds.
-    #[arg(long, default_value_t = 4.0)]
+    /// How long tenants send requests in the limits scenario, in seconds (0.5 to 60).
+    #[arg(long, default_value_t = 4.0, value_parser = demo_seconds)]
     seconds: f64,
     /// Orders emitted in the channel scenario (the crash comes halfway).
     #[arg(long, default_value_t = 20_000)]
