@@ -51,13 +51,22 @@ impl Inner {
     }
 }
 
-/// A leased limit's answer to an ask.
-pub(crate) fn answer(leased: &LocalShare, ticket: u64, ask: &Ask) -> Answer {
-    match ask {
-        Ask::First(priority) => leased.answer(ticket, Some(priority), false),
+/// A leased limit's answer to an ask; a first ask finds the line bounded by `max_waiters`, as
+/// on the exact path.
+pub(crate) fn answer(
+    leased: &LocalShare,
+    name: &str,
+    ticket: u64,
+    ask: &Ask,
+    max_waiters: usize,
+) -> Result<Answer, LimitError> {
+    Ok(match ask {
+        Ask::First(priority) => leased
+            .answer_within(ticket, Some(priority), false, max_waiters)
+            .map_err(|max| LimitError::TooManyWaiters { limit: name.to_owned(), max })?,
         Ask::Check => leased.answer(ticket, None, true),
         Ask::Try => leased.answer(ticket, None, false),
-    }
+    })
 }
 
 impl ShareSource for Inner {

@@ -539,7 +539,7 @@ impl Inner {
         lease: Option<Duration>,
     ) -> Result<Answer, LimitError> {
         if let Some(leased) = self.serving(name, ticket) {
-            return Ok(leased::answer(&leased, ticket, &ask));
+            return leased::answer(&leased, name, ticket, &ask, self.max_waiters);
         }
         let (local, mut new) = {
             let mut state = self.lock_state();
@@ -652,7 +652,7 @@ impl Inner {
                     self.lock_state().limits.entry(name.to_owned()).or_default().forget(ticket);
                     let leased = self.serve_leased(name, policy);
                     leased.store_answered();
-                    return Ok(leased::answer(&leased, ticket, &ask));
+                    return leased::answer(&leased, name, ticket, &ask, self.max_waiters);
                 }
                 Ok(Reply::Unknown) => {
                     let known = self.lock_state().specs.contains_key(name);
@@ -1070,7 +1070,10 @@ impl LimitBackend for RedisLimits {
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         // A leased limit answers from its share at once: no future of the remote path.
         if let Some(leased) = self.inner.serving_first(name, ticket) {
-            return Box::pin(std::future::ready(Ok(leased.answer(ticket, Some(priority), false))));
+            let answer = leased
+                .answer_within(ticket, Some(priority), false, self.inner.max_waiters)
+                .map_err(|max| LimitError::TooManyWaiters { limit: name.to_owned(), max });
+            return Box::pin(std::future::ready(answer));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::First(priority.clone()), lease))
     }
@@ -1082,7 +1085,13 @@ impl LimitBackend for RedisLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         if let Some(leased) = self.inner.serving_first(name, ticket) {
-            return Box::pin(std::future::ready(Ok(leased::answer(&leased, ticket, &Ask::Try))));
+            return Box::pin(std::future::ready(leased::answer(
+                &leased,
+                name,
+                ticket,
+                &Ask::Try,
+                self.inner.max_waiters,
+            )));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Try, lease))
     }
@@ -1094,7 +1103,13 @@ impl LimitBackend for RedisLimits {
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         if let Some(leased) = self.inner.serving(name, ticket) {
-            return Box::pin(std::future::ready(Ok(leased::answer(&leased, ticket, &Ask::Check))));
+            return Box::pin(std::future::ready(leased::answer(
+                &leased,
+                name,
+                ticket,
+                &Ask::Check,
+                self.inner.max_waiters,
+            )));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Check, lease))
     }

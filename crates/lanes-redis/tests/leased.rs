@@ -163,6 +163,39 @@ async fn an_exact_limit_held_is_not_switched_to_leased() {
     assert!(other.share("db").is_some(), "served leased now");
 }
 
+/// Review finding (stop 73): a leased limit's local line took every waiter, past the client's
+/// `max_waiters` (the exact path refuses with `TooManyWaiters`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_limits_line_is_bounded_by_max_waiters() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = format!("leased-line-{}", std::process::id());
+    let redis = common::builder(&ns).lease(LEASE).max_waiters(2).build().await.unwrap();
+    redis.define_leased("db", LimitSpec::concurrent(1), SharePolicy::default()).await.unwrap();
+    let limits = Limits::with_backend(redis.clone());
+    let held = timeout(Duration::from_secs(5), limits.acquire("db", Priority::default()))
+        .await
+        .expect("granted once the share has the permit")
+        .unwrap();
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let limits = limits.clone();
+            tokio::spawn(async move { limits.acquire("db", Priority::default()).await })
+        })
+        .collect();
+    sleep(Duration::from_millis(100)).await;
+    let refused = timeout(Duration::from_secs(1), limits.acquire("db", Priority::default())).await;
+    let refused = refused.expect("refused at once, not queued");
+    assert!(
+        matches!(refused, Err(lanes::LimitError::TooManyWaiters { max: 2, .. })),
+        "{refused:?}"
+    );
+    drop(held);
+    for waiter in waiters {
+        let permit = timeout(Duration::from_secs(5), waiter).await.expect("served").unwrap();
+        drop(permit.unwrap());
+    }
+}
+
 /// Review finding (stop 73): a leased limit's keeper ran on whichever runtime first touched
 /// the limit; one that ended took the keeper with it, and the share was never refreshed (nor
 /// its lapse reported) again. It runs on the client's runtime, as its other tasks do.

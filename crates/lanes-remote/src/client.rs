@@ -732,7 +732,11 @@ impl LimitBackend for RemoteLimits {
             if self.inner.leased(name).await.is_some()
                 && let Some(share) = self.inner.share_for(name, ticket)
             {
-                return Ok(share.answer(ticket, Some(priority), false));
+                // Its line is bounded as a server's is by default.
+                let max = lanes::LimitTable::DEFAULT_MAX_WAITERS;
+                return share
+                    .answer_within(ticket, Some(priority), false, max)
+                    .map_err(|max| LimitError::TooManyWaiters { limit: name.to_owned(), max });
             }
             let key = (name.to_owned(), ticket);
             let fresh = Live {

@@ -410,14 +410,23 @@ impl LocalShare {
     /// A grant for `ticket` if its turn has come and the share has room; else, with a `level`
     /// (its first ask), it waits in line at that level (with no fairness key).
     pub fn ask(&self, ticket: u64, level: Option<u8>) -> Answer {
-        self.enter(ticket, level.map(|level| First { level, key: None, weight: 1 }))
+        let first = level.map(|level| First { level, key: None, weight: 1 });
+        self.enter(ticket, first, usize::MAX).unwrap_or(Answer::Queued)
     }
 
-    fn enter(&self, ticket: u64, first: Option<First>) -> Answer {
+    /// As [`ask`](Self::ask); `Err(max)` for a first ask that finds `max` tickets waiting
+    /// already (it does not wait).
+    fn enter(&self, ticket: u64, first: Option<First>, max: usize) -> Result<Answer, usize> {
         let level = first.as_ref().map(|first| first.level);
         let mut state = lock(&self.state);
         if let Some((token, _)) = state.holders.get(&ticket) {
-            return Answer::Granted(Grant { fencing_token: *token, expires_at: None });
+            return Ok(Answer::Granted(Grant { fencing_token: *token, expires_at: None }));
+        }
+        if first.is_some()
+            && !state.waiting_at.contains_key(&ticket)
+            && state.waiting_at.len() >= max
+        {
+            return Err(max);
         }
         let now = Instant::now();
         if let Some(level) = level
@@ -457,7 +466,7 @@ impl LocalShare {
                 // The next in line may fit too.
                 self.room.notify_waiters();
             }
-            return Answer::Granted(Grant { fencing_token: token, expires_at: None });
+            return Ok(Answer::Granted(Grant { fencing_token: token, expires_at: None }));
         }
         if let Some(first) = first
             && !state.waiting_at.contains_key(&ticket)
@@ -466,7 +475,7 @@ impl LocalShare {
             state.waiting_since.get_or_insert(now);
             state.note_peak();
         }
-        Answer::Queued
+        Ok(Answer::Queued)
     }
 
     #[cfg(test)]
@@ -752,17 +761,33 @@ impl LocalShare {
     /// granted), a check (never starts a ticket: one that neither holds nor waits is finished),
     /// or a try (granted only at once).
     pub fn answer(&self, ticket: u64, first: Option<&Priority>, check: bool) -> Answer {
+        self.answer_within(ticket, first, check, usize::MAX).unwrap_or(Answer::Queued)
+    }
+
+    /// As [`answer`](Self::answer), with a bounded line: `Err(max_waiters)` for a first ask
+    /// that finds `max_waiters` tickets waiting here already (it does not wait).
+    ///
+    /// # Errors
+    ///
+    /// The line is full: `max_waiters`.
+    pub fn answer_within(
+        &self,
+        ticket: u64,
+        first: Option<&Priority>,
+        check: bool,
+        max_waiters: usize,
+    ) -> Result<Answer, usize> {
         match first {
-            Some(priority) => self.enter(
-                ticket,
-                Some(First {
+            Some(priority) => {
+                let first = First {
                     level: level_of(priority),
                     key: priority.fairness_key.clone(),
                     weight: priority.fairness_weight,
-                }),
-            ),
-            None if check && !self.knows(ticket) => Answer::Finished,
-            None => self.ask(ticket, None),
+                };
+                self.enter(ticket, Some(first), max_waiters)
+            }
+            None if check && !self.knows(ticket) => Ok(Answer::Finished),
+            None => Ok(self.ask(ticket, None)),
         }
     }
 
@@ -783,7 +808,8 @@ impl LocalShare {
         let per_second = used as f64 / since.as_secs_f64().max(1e-3);
         let need =
             ((per_second * every.as_secs_f64() * 2.0) as u64).max(u64::from(wanted.max(16)) * 16);
-        if state.tokens.end - state.tokens.start >= need { 0 } else { need * 2 }
+        // At most what a store gives in one block (2^24; more and every refresh fails).
+        if state.tokens.end - state.tokens.start >= need { 0 } else { (need * 2).min(1 << 24) }
     }
 }
 
