@@ -834,8 +834,10 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
         // cut in force, frees the rest for others, so it comes soon.
         let mut cut = false;
         // A store that hangs must not keep the share past its end unreported: a refresh gets
-        // a third of a lease.
-        let refreshed = tokio::time::timeout(lease / 3, strong.refresh(&name, request)).await;
+        // a third of a lease, and no time past the share's end (its permits are lost then,
+        // below, not a refresh later).
+        let give_up = share.until().map_or(sent + lease / 3, |until| until.min(sent + lease / 3));
+        let refreshed = tokio::time::timeout_at(give_up, strong.refresh(&name, request)).await;
         share.note_answered(matches!(refreshed, Ok(Ok(_))));
         if let Ok(Ok(Some(answer))) = refreshed {
             cut = answer.share < held || answer.rate.is_some_and(|rate| rate.share < rate_held);
@@ -864,6 +866,46 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A store whose refreshes never answer.
+    #[derive(Default)]
+    struct Hanging {
+        lost: Mutex<Vec<u64>>,
+    }
+
+    impl ShareSource for Hanging {
+        fn lease(&self) -> Duration {
+            Duration::from_secs(3)
+        }
+
+        fn refresh<'a>(
+            &'a self,
+            _name: &'a str,
+            _request: ShareRequest,
+        ) -> BoxFuture<'a, Result<Option<ShareLease>, LimitError>> {
+            Box::pin(std::future::pending())
+        }
+
+        fn lost(&self, _name: &str, ticket: u64) {
+            lock(&self.lost).push(ticket);
+        }
+    }
+
+    /// Review finding (stop 73): a refresh that hung was given a third of a lease even when the
+    /// share ended sooner, so its holders were told of the loss that much after the store had
+    /// let the share go (and could give its permits to others).
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_refresh_does_not_delay_the_loss_past_the_shares_end() {
+        let share = Arc::new(LocalShare::new(SharePolicy::default()));
+        let ends = Instant::now() + Duration::from_millis(100);
+        share.renewed(ShareLease::new(1, Duration::ZERO, 1..1_000), ends);
+        assert!(matches!(share.answer(7, Some(&Priority::default()), false), Answer::Granted(_)));
+        let source = Arc::new(Hanging::default());
+        let keeper = tokio::spawn(keep_share(Arc::downgrade(&source), "db".into(), share.clone()));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert_eq!(*lock(&source.lost), [7], "lost at the share's end, not a refresh later");
+        keeper.abort();
+    }
 
     /// A share of one permit that lasts: grants go one at a time.
     fn one_permit() -> LocalShare {
