@@ -87,4 +87,11 @@ impl ShareSource for Inner {
     fn lost(&self, name: &str, ticket: u64) {
         self.mark_lost(name, ticket);
     }
+
+    fn retired(&self, name: &str, share: &Arc<LocalShare>) {
+        let mut leased = self.leased.write().unwrap_or_else(PoisonError::into_inner);
+        if leased.get(name).is_some_and(|served| Arc::ptr_eq(served, share)) {
+            leased.remove(name);
+        }
+    }
 }

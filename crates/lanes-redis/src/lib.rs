@@ -953,7 +953,9 @@ impl RedisLimits {
     /// level).
     ///
     /// An exact limit becomes leased only while nobody holds or waits for it: its holders and
-    /// waiters would come on top of the shares.
+    /// waiters would come on top of the shares. A leased limit is removed once no client's
+    /// share held a permit at its last refresh (a permit granted since is reported lost when
+    /// its share ends); each client's keeper of it then retires.
     ///
     /// # Errors
     ///
@@ -1057,6 +1059,11 @@ impl LimitBackend for RedisLimits {
             let mut state = self.inner.lock_state();
             state.specs.remove(name);
             state.limits.remove(name);
+            // Not leased any more: a later define makes an exact limit (its keeper retires
+            // once it finds the limit gone).
+            state.modes.remove(name);
+            drop(state);
+            self.inner.leased.write().unwrap_or_else(PoisonError::into_inner).remove(name);
             Ok(())
         })
     }

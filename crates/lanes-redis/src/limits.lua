@@ -975,12 +975,15 @@ local function call(keys, args)
 
   if op == 'remove' then
     if in_use() > 0 or waiting() > 0 then return { 'in_use' } end
-    -- A leased limit with live shares is in use too.
-    for _, LS in ipairs({ B .. ':ls', B .. ':rs' }) do
+    -- A leased limit whose live shares hold permits is in use too. A share holding none
+    -- (its client keeps it refreshed, whatever its demand) does not keep the limit.
+    for _, LS in ipairs({ B .. ':ls' }) do
       local shares = redis.call('HGETALL', LS)
       for k = 2, #shares, 2 do
-        local expires = string.match(shares[k], '^%d+|%d+|%d+|(%d+)|')
-        if expires and tonumber(expires) > now then return { 'in_use' } end
+        local held, expires = string.match(shares[k], '^%d+|%d+|(%d+)|(%d+)|')
+        if expires and tonumber(expires) > now and tonumber(held) > 0 then
+          return { 'in_use' }
+        end
       end
     end
     redis.call('DEL', M, H, E, LV, I, C, L, B .. ':ls', B .. ':lt', B .. ':rs', B .. ':rt')

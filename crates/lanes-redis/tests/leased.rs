@@ -163,6 +163,47 @@ async fn an_exact_limit_held_is_not_switched_to_leased() {
     assert!(other.share("db").is_some(), "served leased now");
 }
 
+/// Review finding (stop 73): a leased limit could not be removed (every live share, its
+/// client's own among them, kept it "in use" for good), its keeper refreshed forever, and a
+/// later plain define made it leased again. Now a limit whose shares hold nothing is removed,
+/// its keepers retire, and a define afterwards makes an exact limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_limit_holding_nothing_is_removed_and_its_keeper_retires() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = format!("leased-remove-{}", std::process::id());
+    let redis = client(&ns).await;
+    redis.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()).await.unwrap();
+    let limits = Limits::with_backend(redis.clone());
+    let held = timeout(Duration::from_secs(5), limits.acquire("db", Priority::default()))
+        .await
+        .expect("granted from the share")
+        .unwrap();
+    // Once a refresh has told Redis of the permit, the limit is in use.
+    sleep(LEASE / 2).await;
+    let err = limits.remove("db").await;
+    assert!(matches!(err, Err(lanes::LimitError::InUse(_))), "held: {err:?}");
+    drop(held);
+    // The release reaches the ledger at the next refresh.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match limits.remove("db").await {
+            Ok(()) => break,
+            Err(lanes::LimitError::InUse(_)) if Instant::now() < deadline => {
+                sleep(Duration::from_millis(50)).await;
+            }
+            Err(err) => panic!("{err}"),
+        }
+    }
+    assert!(redis.share("db").is_none(), "not served leased any more");
+    sleep(LEASE).await;
+    let before = redis.stats().calls;
+    sleep(LEASE * 2).await;
+    assert_eq!(redis.stats().calls, before, "the keeper retired");
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let _permit = limits.acquire("db", Priority::default()).await.unwrap();
+    assert!(redis.share("db").is_none(), "defined again exact");
+}
+
 /// Review finding (stop 73): a leased limit's local line took every waiter, past the client's
 /// `max_waiters` (the exact path refuses with `TooManyWaiters`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -194,6 +194,16 @@ impl ShareSource for Inner {
     fn lost(&self, name: &str, ticket: u64) {
         self.lost.mark(name, ticket);
     }
+
+    fn retired(&self, name: &str, share: &Arc<LocalShare>) {
+        let mut leased = self.shares.leased.write().unwrap_or_else(PoisonError::into_inner);
+        if leased.get(name).is_some_and(|served| Arc::ptr_eq(served, share)) {
+            leased.remove(name);
+        }
+        drop(leased);
+        // Its keeper ends: the handles of ended keepers go too.
+        lock(&self.shares.keepers).retain(|keeper| !keeper.is_finished());
+    }
 }
 
 impl RemoteLimits {

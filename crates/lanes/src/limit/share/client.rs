@@ -177,6 +177,13 @@ pub trait ShareSource: Send + Sync + 'static {
 
     /// The permit of `ticket` on `name`, handed out from the share, is lost (the share lapsed).
     fn lost(&self, name: &str, ticket: u64);
+
+    /// [`keep_share`] stopped keeping `share` of `name`: the limit is gone from the store, and
+    /// the share held and awaited nothing. A source drops it from what it serves (if it is
+    /// still the one it serves `name` from). By default, nothing.
+    fn retired(&self, name: &str, share: &Arc<LocalShare>) {
+        let _ = (name, share);
+    }
 }
 
 /// When a lease asked for at `sent` may end at the store, in local time: at the end of `lease`
@@ -481,6 +488,12 @@ impl LocalShare {
     #[cfg(test)]
     fn keys_are_empty(&self) -> bool {
         lock(&self.state).keys.is_empty()
+    }
+
+    /// Whether nothing holds a permit from this share or waits for one.
+    pub fn is_idle(&self) -> bool {
+        let state = lock(&self.state);
+        state.holders.is_empty() && state.waiting_at.is_empty()
     }
 
     /// Whether `ticket` holds a permit from this share.
@@ -813,7 +826,9 @@ impl LocalShare {
     }
 }
 
-/// Keeps `name`'s share from `source` for as long as the source lives: refreshes it every third
+/// Keeps `name`'s share from `source` for as long as the source lives (or until the limit is
+/// gone from the store while the share holds and awaits nothing: then
+/// [`ShareSource::retired`]): refreshes it every third
 /// of a lease (every tenth while it has waiters it cannot serve or after its share was cut, and
 /// at once when its block of tokens is spent), and reports its permits lost the moment the
 /// share lapses: at its end without a refresh, or when a refresh finds that it had lapsed.
@@ -838,6 +853,14 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
         // below, not a refresh later).
         let give_up = share.until().map_or(sent + lease / 3, |until| until.min(sent + lease / 3));
         let refreshed = tokio::time::timeout_at(give_up, strong.refresh(&name, request)).await;
+        if let Ok(Err(LimitError::UnknownLimit(_))) = &refreshed
+            && share.is_idle()
+        {
+            // Removed from the store, and nothing here holds or waits: kept no more (a keeper
+            // of every name ever leased would refresh forever).
+            strong.retired(&name, &share);
+            return;
+        }
         share.note_answered(matches!(refreshed, Ok(Ok(_))));
         if let Ok(Ok(Some(answer))) = refreshed {
             cut = answer.share < held || answer.rate.is_some_and(|rate| rate.share < rate_held);
