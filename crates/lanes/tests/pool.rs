@@ -956,8 +956,13 @@ async fn a_pool_dropped_unstopped_processes_its_items_then_ends() {
                 source,
                 |item: &String| item.clone(),
                 move |item: String| {
-                    completed.lock().unwrap().push(item);
-                    async { Res::Ok(()) }
+                    let completed = completed.clone();
+                    // It awaits before it records: the watch's end must not cut it short.
+                    async move {
+                        sleep(Duration::from_millis(5)).await;
+                        completed.lock().unwrap().push(item);
+                        Res::Ok(())
+                    }
                 },
             )
             .build(|_: String| async { Res::Ok(()) })
@@ -969,8 +974,9 @@ async fn a_pool_dropped_unstopped_processes_its_items_then_ends() {
     settle().await;
     assert!(!tx.is_closed(), "the watch waits for the tracked item");
     tx.send(Ok("a".to_owned())).unwrap();
+    sleep(Duration::from_millis(10)).await;
     settle().await;
-    assert_eq!(*completed.lock().unwrap(), ["a"]);
+    assert_eq!(*completed.lock().unwrap(), ["a"], "on_complete ran to its end");
     assert!(tx.is_closed(), "the watch ended with the last tracked item");
 }
 

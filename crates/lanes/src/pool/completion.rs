@@ -190,15 +190,7 @@ impl<T: Send + 'static> Tracker<T> {
     }
 
     async fn complete(&self, key: &str) {
-        let (item, last) = {
-            let mut items = lock(&self.items);
-            (items.remove(key), items.is_empty())
-        };
-        if last && self.orphaned.load(std::sync::atomic::Ordering::Acquire) {
-            // Ends at the watch's next await, after this item's `on_complete`.
-            self.stop_watching();
-        }
-        let Some(item) = item else {
+        let Some(item) = lock(&self.items).remove(key) else {
             lock(&self.status).untracked += 1;
             return;
         };
@@ -212,6 +204,12 @@ impl<T: Send + 'static> Tracker<T> {
         };
         if let (Err(err), Some(on_error)) = (result, &self.on_error) {
             let _ = call_contained(|| on_error(err));
+        }
+        if self.orphaned.load(std::sync::atomic::Ordering::Acquire) && lock(&self.items).is_empty()
+        {
+            // Its dispatcher was dropped and this was the last item: the watch ends (at its
+            // next await; this item's `on_complete` has run to its end).
+            self.stop_watching();
         }
     }
 
