@@ -421,19 +421,13 @@ impl LocalShare {
         self.enter(ticket, first, usize::MAX).unwrap_or(Answer::Queued)
     }
 
-    /// As [`ask`](Self::ask); `Err(max)` for a first ask that finds `max` tickets waiting
-    /// already (it does not wait).
+    /// As [`ask`](Self::ask); `Err(max)` for a first ask that is not granted at once and
+    /// finds `max` tickets waiting already (it does not wait).
     fn enter(&self, ticket: u64, first: Option<First>, max: usize) -> Result<Answer, usize> {
         let level = first.as_ref().map(|first| first.level);
         let mut state = lock(&self.state);
         if let Some((token, _)) = state.holders.get(&ticket) {
             return Ok(Answer::Granted(Grant { fencing_token: *token, expires_at: None }));
-        }
-        if first.is_some()
-            && !state.waiting_at.contains_key(&ticket)
-            && state.waiting_at.len() >= max
-        {
-            return Err(max);
         }
         let now = Instant::now();
         if let Some(level) = level
@@ -478,6 +472,10 @@ impl LocalShare {
         if let Some(first) = first
             && !state.waiting_at.contains_key(&ticket)
         {
+            // Not granted: it would wait, in a line that may be full.
+            if state.waiting_at.len() >= max {
+                return Err(max);
+            }
             state.enqueue(ticket, first);
             state.waiting_since.get_or_insert(now);
             state.note_peak();
@@ -778,7 +776,8 @@ impl LocalShare {
     }
 
     /// As [`answer`](Self::answer), with a bounded line: `Err(max_waiters)` for a first ask
-    /// that finds `max_waiters` tickets waiting here already (it does not wait).
+    /// that is not granted at once and finds `max_waiters` tickets waiting here already (it
+    /// does not wait).
     ///
     /// # Errors
     ///
@@ -912,6 +911,18 @@ mod tests {
         fn lost(&self, _name: &str, ticket: u64) {
             lock(&self.lost).push(ticket);
         }
+    }
+
+    /// Review finding (stop 73, on the line's bound): a first ask is refused only when it
+    /// would wait in a full line; one the share grants at once is granted, whatever the bound.
+    #[tokio::test(start_paused = true)]
+    async fn a_bounded_line_refuses_only_an_ask_that_would_wait() {
+        let share = one_permit();
+        let first = Priority::default();
+        assert!(matches!(share.answer_within(1, Some(&first), false, 0), Ok(Answer::Granted(_))));
+        assert_eq!(share.answer_within(2, Some(&first), false, 1), Ok(Answer::Queued));
+        assert_eq!(share.answer_within(3, Some(&first), false, 1), Err(1), "the line is full");
+        assert_eq!(share.answer_within(2, Some(&first), false, 1), Ok(Answer::Queued), "waits on");
     }
 
     /// Review finding (stop 73): a refresh that hung was given a third of a lease even when the
