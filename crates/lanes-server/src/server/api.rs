@@ -552,11 +552,13 @@ pub(crate) async fn renew(
         };
         for (ticket, backend) in tickets {
             if gone.contains(&backend) {
-                let _ = app.sessions().forget(&client, &limit, ticket, Some(backend));
                 // Given back as well: what the backend may still keep of it (a ticket waiting
                 // again after Redis lost its grant, a permit from this server's share of a
-                // leased limit, which Redis does not renew) would be held for good.
+                // leased limit, which Redis does not renew) would be held for good. Before the
+                // record goes: a handler dropped in between leaves the record, which the sweep
+                // finds, rather than a backend ticket nobody knows.
                 let _ = app.backend.release(&limit, backend).await;
+                let _ = app.sessions().forget(&client, &limit, ticket, Some(backend));
                 app.event("lease_lost");
                 lost.push(wire::LostTicket { limit: limit.clone(), ticket });
             } else {
