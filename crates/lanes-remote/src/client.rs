@@ -635,6 +635,9 @@ impl Inner {
     }
 }
 
+/// The most tickets one renewal request names (about 60 bytes each in JSON).
+const RENEW_CHUNK: usize = 500;
+
 /// Renews every permit asked without a lease, every third of the client's lease, and records
 /// the ones the server lost, and those whose lease ran out unrenewed (the server unreachable,
 /// or its answers lost, for a whole lease: it may have given them to others).
@@ -662,19 +665,25 @@ async fn renew_in_background(inner: Weak<Inner>) {
         if known.is_empty() {
             continue;
         }
-        // At most a period: a renewal that hangs (a half-open connection) must not hold back
-        // the next one, nor the lapse above.
-        let renewal = tokio::time::timeout(period, inner.renew_client(&inner.client, &known));
-        match renewal.await {
-            Ok(Ok(Renewal::Lost(lost))) => {
-                let lost: HashSet<(String, u64)> = lost.into_iter().collect();
-                inner.renewed(known.iter().filter(|key| !lost.contains(*key)), sent);
-                inner.mark_lost(lost);
+        // In requests of at most RENEW_CHUNK tickets, well inside the server's default body
+        // limit (64 KiB); each bounded to the period: a renewal that hangs (a half-open
+        // connection) must not hold back the next one, nor the lapse above.
+        for chunk in known.chunks(RENEW_CHUNK) {
+            let renewal = tokio::time::timeout(period, inner.renew_client(&inner.client, chunk));
+            match renewal.await {
+                Ok(Ok(Renewal::Lost(lost))) => {
+                    let lost: HashSet<(String, u64)> = lost.into_iter().collect();
+                    inner.renewed(chunk.iter().filter(|key| !lost.contains(*key)), sent);
+                    inner.mark_lost(lost);
+                }
+                Ok(Ok(Renewal::UnknownClient)) => {
+                    inner.mark_lost(known.iter().cloned());
+                    break;
+                }
+                // Unreachable for now: the next renewal tries again, and the server keeps the
+                // permits until their leases end (then they are lost here too, above).
+                Ok(Err(_)) | Err(_) => {}
             }
-            Ok(Ok(Renewal::UnknownClient)) => inner.mark_lost(known),
-            // Unreachable for now: the next renewal tries again, and the server keeps the
-            // permits until their leases end (then they are lost here too, above).
-            Ok(Err(_)) | Err(_) => {}
         }
     }
 }
