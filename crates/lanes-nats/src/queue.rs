@@ -259,7 +259,9 @@ impl JetStreamQueue {
     /// Waits until every append handed over so far has been answered (stored, or failed):
     /// for a process about to exit, after [`close`](Self::close), so that records handed over
     /// without waiting (a channel's `try_emit` spilling, an emit cancelled after the hand-over)
-    /// are not dropped with the process. Appends made meanwhile are waited for too.
+    /// are not dropped with the process. Call it after `close`: while it waits, room an
+    /// answered append frees goes to it, so appends made meanwhile are refused
+    /// ([`SpillError::Full`]).
     pub async fn drained(&self) {
         let all = u32::try_from(self.inner.options.max_in_flight).unwrap_or(u32::MAX);
         // Every append holds its bytes of room until it is answered.

@@ -106,17 +106,17 @@ pub use builder::RedisLimitsBuilder;
 ///     "redis://default:***@10.0.0.5:6379/0"
 /// );
 /// assert_eq!(lanes_redis::redacted("redis://10.0.0.5"), "redis://10.0.0.5");
+/// assert_eq!(lanes_redis::redacted("redis://u:p/a#ss@h:6379"), "redis://u:***@h:6379");
 /// ```
 pub fn redacted(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else { return url.to_owned() };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, path) = rest.split_at(authority_end);
-    let Some((userinfo, host)) = authority.rsplit_once('@') else { return url.to_owned() };
+    // The last '@' before the host: a password may hold '/', '?' or '#' unencoded.
+    let Some((userinfo, host_and_path)) = rest.rsplit_once('@') else { return url.to_owned() };
     let user = match userinfo.split_once(':') {
         Some((user, _password)) => format!("{user}:***"),
         None => "***".to_owned(),
     };
-    format!("{scheme}://{user}@{host}{path}")
+    format!("{scheme}://{user}@{host_and_path}")
 }
 pub use outage::OutagePolicy;
 
