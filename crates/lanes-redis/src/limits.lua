@@ -691,9 +691,10 @@ local function call(keys, args)
     -- from the whole capacity, and exact holders (renewing) and waiters (granted by `kick`)
     -- would come on top of them.
     if not fresh and ARGV[12] and string.sub(ARGV[12], 1, 7) == 'leased:'
-        and not redis.call('HGET', M, 'mode')
-        and (in_use() > 0 or redis.call('HLEN', I) > 0) then
-      return 'in_use'
+        and not redis.call('HGET', M, 'mode') then
+      -- Permits whose leases ended do not count (nor keep the switch refused for good).
+      expire(now_us())
+      if in_use() > 0 or redis.call('HLEN', I) > 0 then return 'in_use' end
     end
     local now = now_us()
     redis.call('HSET', M, 'concurrent', ARGV[6], 'interval', ARGV[7], 'burst', ARGV[8], 'rate', ARGV[9])

@@ -163,6 +163,26 @@ async fn an_exact_limit_held_is_not_switched_to_leased() {
     assert!(other.share("db").is_some(), "served leased now");
 }
 
+/// Second look (stop 73): the switch counted permits whose leases had ended (nobody had
+/// expired them yet), so it could stay refused for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_whose_lease_ended_does_not_keep_a_limit_exact() {
+    use lanes::limit::LimitBackend;
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = format!("leased-switch-expired-{}", std::process::id());
+    let redis = client(&ns).await;
+    redis.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let ticket = redis.ticket();
+    let lease = Some(Duration::from_millis(200));
+    let answer = redis.acquire("db", ticket, &Priority::default(), lease).await.unwrap();
+    assert!(matches!(answer, lanes::Answer::Granted(_)), "{answer:?}");
+    sleep(Duration::from_millis(400)).await;
+    redis
+        .define_leased("db", LimitSpec::concurrent(1), SharePolicy::default())
+        .await
+        .expect("the only holder's lease has ended");
+}
+
 /// Review finding (stop 73): a leased limit could not be removed (every live share, its
 /// client's own among them, kept it "in use" for good), its keeper refreshed forever, and a
 /// later plain define made it leased again. Now a limit whose shares hold nothing is removed,
