@@ -270,6 +270,10 @@ async fn the_header_limit_is_a_setting() {
     assert_eq!(response.status(), 431);
     let body: Value = response.json().await.unwrap();
     assert!(body["error"].is_string(), "{body}");
+    // Review finding (stop 73): the request line was not counted: a 6 KB target was served.
+    let long_target = format!("/healthz?{}", "q".repeat(6_000));
+    let response = c.get(small.url(&long_target)).send().await.unwrap();
+    assert_eq!(response.status(), 431);
 }
 
 /// The dedicated `redis-server` of the lanes-redis outage tests.

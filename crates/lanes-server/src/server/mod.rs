@@ -600,8 +600,11 @@ async fn guard(
     request: Request,
     next: Next,
 ) -> Response {
+    // The whole head: the request line (method, target, version) and the header fields.
+    let target = request.uri().path_and_query().map_or(0, |target| target.as_str().len());
+    let line = request.method().as_str().len() + target + " HTTP/1.1\r\n".len() + 1;
     let header_bytes: usize =
-        request.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+        line + request.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum::<usize>();
     if header_bytes > app.options.max_header_bytes {
         return ApiError::new(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too large")
             .into_response();
