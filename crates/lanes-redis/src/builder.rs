@@ -15,6 +15,7 @@ pub struct RedisLimitsBuilder {
     pub(crate) auto_renew: bool,
     pub(crate) max_lease: Option<Duration>,
     pub(crate) queue_grace: Duration,
+    pub(crate) max_limits: usize,
 }
 
 impl RedisLimitsBuilder {
@@ -49,6 +50,17 @@ impl RedisLimitsBuilder {
     /// The most tickets waiting per limit (default 100,000).
     pub fn max_waiters(mut self, max_waiters: usize) -> Self {
         self.max_waiters = max_waiters;
+        self
+    }
+
+    /// The most limits the namespace may hold when this client defines a new one (default: no
+    /// cap). Past it, [`LimitBackend::define`](lanes::LimitBackend::define) of a new name fails
+    /// with [`LimitError::TooManyLimits`]; redefining a limit never does. The count and the new
+    /// name are checked and registered in one Redis call, so defines at once from any number of
+    /// clients cannot pass it together. (A define that fails after that call, such as on a
+    /// timeout, may leave its name counted until it is defined again or removed.)
+    pub fn max_limits(mut self, max_limits: usize) -> Self {
+        self.max_limits = max_limits;
         self
     }
 
@@ -155,6 +167,7 @@ impl RedisLimitsBuilder {
             op_timeout: self.op_timeout,
             max_lease,
             queue_grace: self.queue_grace,
+            max_limits: self.max_limits,
             epoch: Mutex::new(None),
             lost: LostLeases::default(),
             state: StateLock::default(),

@@ -160,6 +160,14 @@ use answer::ScriptAnswer;
 
 const SCRIPT: &str = include_str!("limits.lua");
 
+/// Registers limit name `ARGV[1]` in the set `KEYS[1]` unless the set already holds
+/// `ARGV[2]` names: 1 registered now, 0 registered before, -1 refused (the set is full).
+const REGISTER_WITHIN: &str = "\
+    if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end \
+    if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return -1 end \
+    redis.call('SADD', KEYS[1], ARGV[1]) \
+    return 1";
+
 /// Tickets carry their client in the bits above this shift (and stay below 2^53, Lua's exact
 /// integers).
 const CLIENT_SHIFT: u32 = 32;
@@ -226,6 +234,8 @@ struct Inner {
     op_timeout: Duration,
     max_lease: Duration,
     queue_grace: Duration,
+    /// The most limits this client lets the namespace hold when it defines a new one.
+    max_limits: usize,
     /// The namespace's epoch as this client last saw it: a different or missing one means
     /// Redis lost its state.
     epoch: Mutex<Option<String>>,
@@ -300,16 +310,34 @@ impl Inner {
         base
     }
 
+    /// The key of the set of the namespace's limit names, which `list` reads and
+    /// `max_limits` counts.
     fn registry_key(&self) -> String {
         format!("lanes:{{{}}}:limits", self.namespace)
     }
 
     async fn define(&self, name: &str, spec: LimitSpec) -> Result<(), CallError> {
+        // The namespace's count of limits is checked and the name registered in one step, so
+        // that defines at once (from any number of clients) cannot pass `max_limits` together.
+        let named: i64 = self
+            .command(
+                redis::cmd("EVAL")
+                    .arg(REGISTER_WITHIN)
+                    .arg(1)
+                    .arg(self.registry_key())
+                    .arg(name)
+                    .arg(self.max_limits),
+            )
+            .await?;
+        if named < 0 {
+            return Err(CallError::Other(LimitError::TooManyLimits { max: self.max_limits }));
+        }
         self.define_held(name, spec, Duration::ZERO).await
     }
 
     /// Defines `name`; with a `hold`, no grant happens before `hold` from now (after Redis lost
-    /// its state).
+    /// its state). Not held to `max_limits`: [`define`](Self::define) checks it, and a limit
+    /// this client defined before a loss is defined again whatever the count.
     async fn define_held(
         &self,
         name: &str,
@@ -863,6 +891,7 @@ impl RedisLimits {
             auto_renew: true,
             max_lease: None,
             queue_grace: Duration::from_secs(2),
+            max_limits: usize::MAX,
         }
     }
 
@@ -1048,7 +1077,15 @@ impl LimitBackend for RedisLimits {
         Box::pin(async move {
             let value = self.inner.call(name, "remove", NO_ARGS).await?;
             match error_tag(&value).as_deref() {
-                Some("unknown") => return Err(LimitError::UnknownLimit(name.to_owned())),
+                Some("unknown") => {
+                    // A name registered by a define that then failed counts towards
+                    // `max_limits` until it is defined or removed.
+                    let _ = self
+                        .inner
+                        .command::<()>(redis::cmd("SREM").arg(self.inner.registry_key()).arg(name))
+                        .await;
+                    return Err(LimitError::UnknownLimit(name.to_owned()));
+                }
                 Some("in_use") => return Err(LimitError::InUse(name.to_owned())),
                 _ => {}
             }

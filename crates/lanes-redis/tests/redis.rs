@@ -425,6 +425,41 @@ async fn asking_again_for_a_held_permit_starts_its_lease_again(t: Target) {
     assert!(other.try_acquire("job", Priority::default()).await.unwrap_err().is_busy());
 }
 
+/// `max_limits` holds across clients defining at once: the count and the new name are
+/// registered in one call. Redefining is never refused, and a removal makes room (also for a
+/// name registered by a define that failed, which a removal of the unknown name clears).
+async fn new_limits_at_once_stay_within_max_limits(t: Target) {
+    let ns = common::unique_ns("cap");
+    let _cleanup = common::Cleanup::on(t, &ns);
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        clients.push(Arc::new(common::builder_on(t, &ns).max_limits(3).build().await.unwrap()));
+    }
+    let mut defines = tokio::task::JoinSet::new();
+    for i in 0..20 {
+        let client = clients[i % 2].clone();
+        defines.spawn(async move {
+            match client.define(&format!("n{i}"), LimitSpec::concurrent(1)).await {
+                Ok(()) => true,
+                Err(err) => {
+                    assert_eq!(err, lanes::LimitError::TooManyLimits { max: 3 });
+                    false
+                }
+            }
+        });
+    }
+    let defined = defines.join_all().await.into_iter().filter(|ok| *ok).count();
+    let listed = clients[0].list().await.unwrap();
+    assert_eq!((defined, listed.len()), (3, 3), "{listed:?}");
+    let first = listed[0].name.clone();
+    clients[1].define(&first, LimitSpec::concurrent(2)).await.expect("a redefinition");
+    assert!(
+        clients[1].define("late", LimitSpec::concurrent(1)).await.unwrap_err().is_too_many_limits()
+    );
+    clients[0].remove(&first).await.unwrap();
+    clients[1].define("late", LimitSpec::concurrent(1)).await.expect("room after a removal");
+}
+
 /// Each test, once on the one Redis and once on the cluster.
 macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
@@ -461,6 +496,7 @@ on_both!(
     a_clients_waiters_are_granted_at_the_rate_whichever_is_served_next,
     a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most,
     many_tasks_on_several_clients_never_hold_more_than_concurrent,
+    new_limits_at_once_stay_within_max_limits,
 );
 
 /// The script itself, called as a client calls it (`FCALL`): a ticket's first call may say it

@@ -239,6 +239,15 @@ pub(crate) async fn failure(name: &str, response: reqwest::Response, queueing: b
         429 if code.as_deref() == Some("too_many_clients") => {
             LimitError::backend(format!("lanes serve: 429 {message}"))
         }
+        // "this server holds at most N limits (--max-limits)"
+        429 if code.as_deref() == Some("too_many_limits") => {
+            let max = message
+                .split_once(" at most ")
+                .and_then(|(_, tail)| tail.split(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            LimitError::TooManyLimits { max }
+        }
         429 if queueing => {
             // "limit \"x\" already has N waiters"
             let max = message

@@ -160,6 +160,20 @@ async fn a_server_with_too_many_clients_is_not_a_full_waiting_room() {
     assert!(err.to_string().contains("clients"), "{err}");
 }
 
+/// A server at its most limits answers a new one with the typed error, its cap in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_at_its_most_limits_refuses_a_new_one_typed() {
+    let serve = Serve::start(&["--max-limits", "2"]);
+    let limits = lanes::Limits::with_backend(RemoteLimits::new(serve.base.clone()).unwrap());
+    for name in ["a", "b", "a"] {
+        limits.define(name, lanes::LimitSpec::concurrent(1)).await.unwrap();
+    }
+    let err = limits.define("c", lanes::LimitSpec::concurrent(1)).await.unwrap_err();
+    assert_eq!(err, lanes::LimitError::TooManyLimits { max: 2 });
+    limits.remove("a").await.unwrap();
+    limits.define("c", lanes::LimitSpec::concurrent(1)).await.unwrap();
+}
+
 /// Review finding (stop 73): a first ask whose answer never came was taken for a refused one,
 /// so a ticket it left on the server (asked with its own lease, under its own client id) was
 /// never given back, and a later release went out as the wrong client.

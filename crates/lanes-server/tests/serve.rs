@@ -454,6 +454,49 @@ async fn two_servers_share_a_limit_through_redis() {
     clean_namespace(&url, &ns).await;
 }
 
+/// Defines new limits on `servers` from many requests at once: the names each server took.
+async fn race_new_limits(servers: &[&Serve], names: usize) -> Vec<String> {
+    let c = http();
+    let mut puts = tokio::task::JoinSet::new();
+    for i in 0..names {
+        let name = format!("race-{i}");
+        let url = servers[i % servers.len()].url(&format!("/v1/limits/{name}"));
+        let c = c.clone();
+        puts.spawn(async move {
+            let (status, reply) =
+                call(&c, reqwest::Method::PUT, url, Some(json!({"concurrent": 1}))).await;
+            match status {
+                200 => Some(name),
+                429 => {
+                    assert_eq!(reply["code"], "too_many_limits", "{reply}");
+                    None
+                }
+                _ => panic!("{status} {reply}"),
+            }
+        });
+    }
+    puts.join_all().await.into_iter().flatten().collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_limits_defined_at_once_stay_within_max_limits() {
+    // Review finding (stop 73): the cap was a count, then a define, so requests at once all
+    // passed the count. On Redis each step is a round trip, and two servers share the count.
+    let ns = format!("serve-cap-{}", std::process::id());
+    let url = common::redis_url();
+    let a = Serve::start(&["--redis", &url, "--namespace", &ns, "--max-limits", "3"]);
+    let b = Serve::start(&["--redis", &url, "--namespace", &ns, "--max-limits", "3"]);
+    let local = Serve::start(&["--max-limits", "3"]);
+    for servers in [&[&a, &b][..], &[&local][..]] {
+        let taken = race_new_limits(servers, 40).await;
+        let (status, list) = get(&http(), servers[0], "/v1/limits").await;
+        assert_eq!(status, 200, "{list}");
+        let listed = list["limits"].as_array().unwrap().len();
+        assert_eq!((taken.len(), listed), (3, 3), "defined: {taken:?}, listed: {list}");
+    }
+    clean_namespace(&url, &ns).await;
+}
+
 #[test]
 fn fuzzed_requests_never_get_a_server_error() {
     let serve = Serve::start(&["--max-waiters", "5"]);

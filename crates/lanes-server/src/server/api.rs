@@ -62,17 +62,6 @@ pub(crate) async fn define(
     check_name(&name)?;
     let spec = body.to_spec();
     spec.validate().map_err(|e| ApiError::field(e.field(), e.to_string()))?;
-    let max = app.options.max_limits;
-    if app.backend.info(&name).await.map_err(|e| ApiError::limit(&name, &e))?.is_none() {
-        let count = app.backend.list().await.map_err(|e| ApiError::limit(&name, &e))?.len();
-        if count >= max {
-            return Err(ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!("this server holds at most {max} limits (--max-limits)"),
-            )
-            .code("too_many_limits"));
-        }
-    }
     let policy = match body.policy.as_deref() {
         None => SharePolicy::default(),
         Some(name) => SharePolicy::from_name(name)

@@ -56,6 +56,15 @@ impl ApiError {
             LimitError::TooManyWaiters { .. } | LimitError::TooManyKeys { .. } => {
                 StatusCode::TOO_MANY_REQUESTS
             }
+            // A new limit past `--max-limits` (the backend counts, for every server of a
+            // namespace on Redis).
+            LimitError::TooManyLimits { max } => {
+                return Self::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("this server holds at most {max} limits (--max-limits)"),
+                )
+                .code("too_many_limits");
+            }
             LimitError::InUse(_) => StatusCode::CONFLICT,
             LimitError::LeaseExpired { .. } => StatusCode::GONE,
             // The backend (Redis) could not answer: the service is unavailable, not broken.

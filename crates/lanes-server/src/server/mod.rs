@@ -87,7 +87,8 @@ pub struct ServeOptions {
     /// The `Host` names accepted (DNS-rebinding guard; `*` accepts any). Empty: on a loopback
     /// address, `localhost` and the loopback addresses; elsewhere, any.
     pub allowed_hosts: Vec<String>,
-    /// The most limits (429 `too_many_limits` beyond).
+    /// The most limits (429 `too_many_limits` beyond). On Redis, the namespace's: every server
+    /// sharing it counts the limits all of them defined.
     pub max_limits: usize,
     /// The most clients with a session (429 `too_many_clients` beyond).
     pub max_clients: usize,
@@ -346,7 +347,7 @@ pub struct Settings {
     /// localhost and the loopback addresses; elsewhere, any].
     #[arg(long, env = "LANES_ALLOWED_HOSTS", value_delimiter = ',')]
     pub allowed_hosts: Option<Vec<String>>,
-    /// The most limits [default: 10000].
+    /// The most limits [default: 10000] (on Redis, in the whole namespace).
     #[arg(long, env = "LANES_MAX_LIMITS")]
     pub max_limits: Option<usize>,
     /// The most clients with a session [default: 100000].
@@ -502,12 +503,16 @@ impl Server {
                 lanes_redis::RedisLimits::builder(url.clone())
                     .namespace(options.namespace.clone())
                     .max_waiters(options.max_waiters)
+                    .max_limits(options.max_limits)
                     .max_lease(options.max_lease)
                     .auto_renew(false)
                     .build()
                     .await?,
             ),
-            None => Arc::new(LocalLimits::with_max_waiters(options.max_waiters)),
+            None => Arc::new(
+                LocalLimits::with_max_waiters(options.max_waiters)
+                    .with_max_limits(options.max_limits),
+            ),
         };
         for (name, spec) in &options.limits {
             backend.define(name, *spec).await?;

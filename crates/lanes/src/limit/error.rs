@@ -31,6 +31,13 @@ pub enum LimitError {
         /// The configured maximum.
         max: usize,
     },
+    /// The backend already keeps its maximum of limits (a cap set on the backend, such as
+    /// [`LocalLimits::with_max_limits`](super::LocalLimits::with_max_limits)): a new name is
+    /// refused until one is removed. Redefining a limit that exists is never refused.
+    TooManyLimits {
+        /// The configured maximum.
+        max: usize,
+    },
     /// The backend could not answer (I/O, timeout, outage, an odd reply): what it said, and the
     /// underlying error through `source()`.
     Backend(BackendError),
@@ -60,6 +67,11 @@ impl LimitError {
         matches!(self, Self::TooManyKeys { .. })
     }
 
+    /// The backend keeps its maximum of limits.
+    pub fn is_too_many_limits(&self) -> bool {
+        matches!(self, Self::TooManyLimits { .. })
+    }
+
     /// A renewal came after the lease ended.
     pub fn is_lease_expired(&self) -> bool {
         matches!(self, Self::LeaseExpired { .. })
@@ -82,6 +94,9 @@ impl fmt::Display for LimitError {
             Self::InUse(name) => write!(f, "limit {name:?} has permits held or tickets waiting"),
             Self::TooManyKeys { limit, max } => {
                 write!(f, "keyed limit {limit:?} already keeps {max} keys in use")
+            }
+            Self::TooManyLimits { max } => {
+                write!(f, "the backend already keeps its maximum of {max} limits")
             }
             Self::Backend(err) => write!(f, "limit backend failed: {err}"),
             Self::LeaseExpired { limit, ticket } => {

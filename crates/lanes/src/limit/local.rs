@@ -307,6 +307,8 @@ struct LocalState {
     tickets: AtomicU64,
     /// The table's waiting room, which each limit's line keeps too.
     max_waiters: usize,
+    /// The most limits defined at once (`usize::MAX`: no cap).
+    max_limits: std::sync::atomic::AtomicUsize,
 }
 
 /// Entries in a thread's cache of recently looked-up slots.
@@ -584,8 +586,30 @@ impl LocalLimits {
                 origin: Instant::now(),
                 tickets: AtomicU64::new(1),
                 max_waiters,
+                max_limits: std::sync::atomic::AtomicUsize::new(usize::MAX),
             }),
         }
+    }
+
+    /// This backend with at most `max_limits` limits defined at once: defining a new name past
+    /// it fails with [`LimitError::TooManyLimits`] (redefining one that exists never does), so
+    /// that callers who name limits (a server's clients) cannot grow it without bound.
+    ///
+    /// ```
+    /// use lanes::limit::{LimitBackend, LimitSpec, LocalLimits};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let backend = LocalLimits::new().with_max_limits(1);
+    /// backend.define("db", LimitSpec::concurrent(4)).await.unwrap();
+    /// backend.define("db", LimitSpec::concurrent(8)).await.unwrap();
+    /// let refused = backend.define("api", LimitSpec::concurrent(4)).await.unwrap_err();
+    /// assert!(refused.is_too_many_limits());
+    /// # }
+    /// ```
+    pub fn with_max_limits(self, max_limits: usize) -> Self {
+        self.shared.max_limits.store(max_limits, Ordering::Relaxed);
+        self
     }
 
     fn now(&self) -> Duration {
@@ -798,6 +822,13 @@ impl LocalLimits {
                 }
             }
             None => {
+                let max = self.shared.max_limits.load(Ordering::Relaxed);
+                // Under `inner`, which every define and removal takes: the count cannot move.
+                if self.shared.slots.read().unwrap_or_else(std::sync::PoisonError::into_inner).len()
+                    >= max
+                {
+                    return Err(LimitError::TooManyLimits { max });
+                }
                 let name: Arc<str> = Arc::from(name);
                 let slot = Arc::new(Slot {
                     name: name.clone(),
