@@ -88,6 +88,10 @@ impl ShareSource for Inner {
         self.mark_lost(name, ticket);
     }
 
+    fn serves(&self, name: &str, share: &Arc<LocalShare>) -> bool {
+        self.leased(name).is_some_and(|served| Arc::ptr_eq(&served, share))
+    }
+
     fn retired(&self, name: &str, share: &Arc<LocalShare>) {
         let mut leased = self.leased.write().unwrap_or_else(PoisonError::into_inner);
         if leased.get(name).is_some_and(|served| Arc::ptr_eq(served, share)) {

@@ -1075,6 +1075,11 @@ impl LimitBackend for RedisLimits {
 
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>> {
         Box::pin(async move {
+            // This client's own share knows its holders and waiters now; Redis learns of them
+            // at the next refresh.
+            if self.inner.leased(name).is_some_and(|share| !share.is_idle()) {
+                return Err(LimitError::InUse(name.to_owned()));
+            }
             let value = self.inner.call(name, "remove", NO_ARGS).await?;
             match error_tag(&value).as_deref() {
                 Some("unknown") => {

@@ -224,6 +224,58 @@ async fn a_leased_limit_holding_nothing_is_removed_and_its_keeper_retires() {
     assert!(redis.share("db").is_none(), "defined again exact");
 }
 
+/// Review finding (stop 73, left then): a leased limit removed here and defined leased again
+/// before its keeper's next refresh had two keepers refreshing one entry of the ledger, for
+/// good. The old share's refreshes, numbered past the new one's, made Redis take the new
+/// share's for stale and keep the old one's report of nothing held: the new share lapsed with
+/// its permits, and Redis could give them to another client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_limit_defined_again_is_kept_by_one_keeper() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = format!("leased-again-{}", std::process::id());
+    let (a, b) = (client(&ns).await, client(&ns).await);
+    a.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()).await.unwrap();
+    let on_a = Limits::with_backend(a.clone());
+    let grant = || timeout(Duration::from_secs(5), on_a.acquire("db", Priority::default()));
+    drop(grant().await.expect("granted from the share").unwrap());
+    // The old share's refreshes are numbered past the new one's first ones: Redis took the
+    // new share's for stale, and its permits were lost at its end.
+    sleep(LEASE * 3).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while let Err(err) = on_a.remove("db").await {
+        assert!(matches!(err, lanes::LimitError::InUse(_)) && Instant::now() < deadline, "{err}");
+        sleep(Duration::from_millis(20)).await;
+    }
+    // At once: the old keeper's next refresh finds the limit again.
+    a.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()).await.unwrap();
+    let _held =
+        [grant().await.expect("granted").unwrap(), grant().await.expect("granted").unwrap()];
+    // What Redis holds for this client: the new keeper's report (2 held) and never the old
+    // one's (none held), which let the capacity go to others.
+    let held_here = || async {
+        let info = lanes::LimitBackend::info(&a, "db").await.unwrap().unwrap();
+        info.shares.iter().find(|share| share.client == a.ledger_id()).map(|share| share.held)
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while held_here().await != Some(2) {
+        assert!(Instant::now() < deadline, "the new share's holders never reached Redis");
+        sleep(Duration::from_millis(10)).await;
+    }
+    let on_b = Limits::with_backend(b.clone());
+    let third = tokio::spawn(async move {
+        timeout(LEASE * 4, on_b.acquire("db", Priority::default())).await.is_ok()
+    });
+    let watched = Instant::now() + LEASE * 3;
+    while Instant::now() < watched {
+        assert_eq!(held_here().await, Some(2), "the ledger entry of the client holding two");
+        sleep(Duration::from_millis(5)).await;
+    }
+    assert!(!third.await.unwrap(), "a third permit of two");
+    // Removal is refused while this client's own share holds, before Redis hears of it.
+    let refused = on_a.remove("db").await;
+    assert!(matches!(refused, Err(lanes::LimitError::InUse(_))), "{refused:?}");
+}
+
 /// Review finding (stop 73): a leased limit's local line took every waiter, past the client's
 /// `max_waiters` (the exact path refuses with `TooManyWaiters`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

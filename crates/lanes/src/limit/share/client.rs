@@ -184,6 +184,15 @@ pub trait ShareSource: Send + Sync + 'static {
     fn retired(&self, name: &str, share: &Arc<LocalShare>) {
         let _ = (name, share);
     }
+
+    /// Whether `share` is still the one the source serves `name` from. One that is not (the
+    /// limit was removed here, and maybe defined leased again with a share of its own) is
+    /// refreshed no more: its keeper's refreshes would report its holdings for the same name
+    /// over the new share's. By default, always.
+    fn serves(&self, name: &str, share: &Arc<LocalShare>) -> bool {
+        let _ = (name, share);
+        true
+    }
 }
 
 /// When a lease asked for at `sent` may end at the store, in local time: at the end of `lease`
@@ -831,11 +840,22 @@ impl LocalShare {
 /// of a lease (every tenth while it has waiters it cannot serve or after its share was cut, and
 /// at once when its block of tokens is spent), and reports its permits lost the moment the
 /// share lapses: at its end without a refresh, or when a refresh finds that it had lapsed.
+/// A share its source no longer serves ([`ShareSource::serves`]) is refreshed no more: its
+/// keeper ends once it holds nothing, its permits still out lost at its end.
 pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Arc<LocalShare>) {
     loop {
         let Some(strong) = source.upgrade() else { return };
         for ticket in share.lapse(Instant::now()) {
             strong.lost(&name, ticket);
+        }
+        if !strong.serves(&name, &share) {
+            // Not served any more: refreshed no more. Waiters ask again (where the name is
+            // served now); permits still out are lost when the share ends.
+            share.room.notify_waiters();
+            let Some(until) = share.until().filter(|_| !share.is_idle()) else { return };
+            drop(strong);
+            tokio::time::sleep_until(until).await;
+            continue;
         }
         let (held, demand) = share.demand(true);
         let wanted = demand.total();
