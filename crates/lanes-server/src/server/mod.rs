@@ -591,14 +591,15 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/v1/limits/{name}/share", post(api::share))
         .route("/v1/clients/{client}/renew", post(api::renew))
         .fallback(api::not_found)
+        // Innermost: a body is read only for a request its token allows.
+        .layer(middleware::from_fn_with_state(app.clone(), body_within_timeout))
         .layer(middleware::from_fn_with_state(app.clone(), auth::guard))
         .layer(middleware::from_fn_with_state(app.clone(), guard))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(app)
 }
 
-/// Refuses oversized headers, reads the body within the body timeout, counts requests by
-/// route and status, logs them, and turns any error response without a JSON body (a method
+/// Refuses oversized headers, counts requests by route and status, logs them, and turns any error response without a JSON body (a method
 /// not allowed, say) into one.
 async fn guard(
     axum::extract::State(app): axum::extract::State<Arc<App>>,
@@ -614,10 +615,6 @@ async fn guard(
         return ApiError::new(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too large")
             .into_response();
     }
-    let request = match read_body(&app.options, request).await {
-        Ok(request) => request,
-        Err(refused) => return refused.into_response(),
-    };
     let route = request
         .extensions()
         .get::<axum::extract::MatchedPath>()
@@ -650,6 +647,19 @@ async fn guard(
         return ApiError::new(status, status.canonical_reason().unwrap_or("error")).into_response();
     }
     response
+}
+
+/// Reads the body within the body timeout and `--max-body`, after the request's token was
+/// checked: a request nobody may make holds no buffer and no wait for its body.
+async fn body_within_timeout(
+    axum::extract::State(app): axum::extract::State<Arc<App>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    match read_body(&app.options, request).await {
+        Ok(request) => next.run(request).await,
+        Err(refused) => refused.into_response(),
+    }
 }
 
 /// Reads a request's body whole within the body timeout (a client trickling its body cannot
