@@ -614,8 +614,9 @@ pub struct ErrorBody {
     /// What was wrong.
     pub error: String,
     /// A stable name for the kind of error, for programs: `unauthorized`, `forbidden`,
-    /// `too_many_limits`, `too_many_clients`, `too_many_waiters`, `too_many_connections`, ... (absent on older
-    /// errors that the status already names).
+    /// `too_many_limits`, `too_many_clients`, `too_many_waiters`, `too_many_connections`,
+    /// `body_too_large`, `body_timeout`, `headers_too_large`, ... (absent on older errors that
+    /// the status already names).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<String>,
     /// The offending field of the request (400).

@@ -310,6 +310,10 @@ async fn bad_input_gets_the_documented_errors() {
         .await
         .unwrap();
     assert_eq!(response.status(), 431);
+    // Review finding (stop 73): hyper's buffer was the bound itself, so a head over it was
+    // refused by hyper, without a body.
+    let body: Value = response.json().await.expect("a JSON body");
+    assert_eq!(body["code"], "headers_too_large", "{body}");
     // Too many waiters (the server allows 1 per limit here).
     assert_eq!(post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "a"})).await.0, 200);
     assert_eq!(post(&c, &serve, "/v1/limits/db/acquire", json!({"client": "b"})).await.0, 202);

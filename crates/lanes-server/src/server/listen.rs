@@ -29,7 +29,7 @@ pub(crate) struct Transport {
     pub(crate) max_connections: usize,
     pub(crate) header_timeout: Duration,
     pub(crate) shutdown_timeout: Duration,
-    /// The most bytes hyper buffers while reading a request head (431 beyond).
+    /// The most bytes of a request head the guard allows (431 beyond; hyper buffers twice this).
     pub(crate) max_header_bytes: usize,
 }
 
@@ -72,7 +72,9 @@ pub(crate) async fn serve(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(transport.header_timeout)
-        .max_buf_size(transport.max_header_bytes.max(8192));
+        // Room past the bound, so that a head over it reaches the guard, which answers the
+        // 431 with a JSON body (one past twice the bound is refused by hyper, without one).
+        .max_buf_size(transport.max_header_bytes.saturating_mul(2).max(8192));
     let stopped = async move {
         let _ = stop.wait_for(|stopping| *stopping).await;
     };

@@ -68,7 +68,8 @@ pub struct ServeOptions {
     pub default_lease_ms: u64,
     /// The most bytes of a request body (413 beyond).
     pub max_body: usize,
-    /// The most bytes of a request's head (431 beyond; hyper's buffer is at least 8 KiB).
+    /// The most bytes of a request's head (431 `headers_too_large` beyond; a head past twice
+    /// this, or past 8 KiB if that is more, is refused by the HTTP layer with an empty 431).
     pub max_header_bytes: usize,
     /// How long a long-poll sleeps before asking the backend again when nothing wakes it.
     pub reask: Duration,
@@ -612,8 +613,15 @@ async fn guard(
     let header_bytes: usize =
         line + request.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum::<usize>();
     if header_bytes > app.options.max_header_bytes {
-        return ApiError::new(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, "headers too large")
-            .into_response();
+        return ApiError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            format!(
+                "the request head is larger than {} bytes (--max-header-bytes)",
+                app.options.max_header_bytes
+            ),
+        )
+        .code("headers_too_large")
+        .into_response();
     }
     let route = request
         .extensions()

@@ -123,7 +123,10 @@ impl Modify for Common {
             ("408", "The body did not arrive within the body timeout (`body_timeout`)."),
             ("413", "The body is larger than the body limit (`body_too_large`)."),
             ("415", "A POST or PUT that is not `application/json`."),
-            ("431", "A request head larger than `--max-header-bytes` (16 KiB by default)."),
+            (
+                "431",
+                "A request head larger than `--max-header-bytes` (16 KiB by default): `headers_too_large` (past twice the bound, an empty 431 from the HTTP layer).",
+            ),
         ];
         for item in openapi.paths.paths.values_mut() {
             let operations = [&mut item.get, &mut item.put, &mut item.post, &mut item.delete];
