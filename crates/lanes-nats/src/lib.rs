@@ -108,12 +108,23 @@ pub use async_nats;
 ///
 /// The first watch starts after the bucket's last revision then; a watch made again (after one
 /// broke) resumes after the last revision seen, so a `put` made while the watch was down is
-/// still delivered, and one delivered before is not again. A clone starts afresh.
+/// still delivered, and one delivered before is not again. A bucket deleted and made again in
+/// between (its revisions start again from 1) is watched from its start. A clone starts
+/// afresh.
 pub struct KvCompletions {
     store: Store,
-    /// The last revision (stream sequence) seen, or that the first watch started after;
-    /// `None` before the first watch.
-    seen: Arc<Mutex<Option<u64>>>,
+    /// Where the watches are; `None` before the first watch.
+    seen: Arc<Mutex<Option<Seen>>>,
+}
+
+/// How far the watches of one bucket have read.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    /// The last revision (stream sequence) seen, or that the first watch started after.
+    revision: u64,
+    /// When the bucket's stream was made (Unix nanoseconds): another time is another bucket
+    /// under the same name, whose revisions started again.
+    created: i128,
 }
 
 impl Clone for KvCompletions {
@@ -153,15 +164,20 @@ impl KvCompletions {
 impl CompletionSource for KvCompletions {
     fn watch(&self) -> BoxFuture<'_, Result<CompletionStream, BoxError>> {
         Box::pin(async move {
-            let seen = *lock(&self.seen);
-            let after = match seen {
-                Some(seen) => seen,
-                None => {
+            let mut stream = self.store.stream.clone();
+            let info = stream.info().await?;
+            let created = info.created.unix_timestamp_nanos();
+            let after = {
+                let mut seen = lock(&self.seen);
+                let after = match *seen {
+                    Some(seen) if seen.created == created => seen.revision,
+                    // The bucket was made again while no watch ran: all of it is new.
+                    Some(_) => 0,
                     // What the bucket holds now is not replayed.
-                    let mut stream = self.store.stream.clone();
-                    let last = stream.info().await?.state.last_sequence;
-                    *lock(&self.seen).get_or_insert(last)
-                }
+                    None => info.state.last_sequence,
+                };
+                *seen = Some(Seen { revision: after, created });
+                after
             };
             let watch = self.store.watch_all_from_revision(after + 1).await?;
             Ok(Box::pin(Puts { watch, seen: self.seen.clone() }) as CompletionStream)
@@ -178,7 +194,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// start).
 struct Puts {
     watch: Watch,
-    seen: Arc<Mutex<Option<u64>>>,
+    seen: Arc<Mutex<Option<Seen>>>,
 }
 
 impl Stream for Puts {
@@ -190,11 +206,14 @@ impl Stream for Puts {
                 Poll::Ready(Some(Ok(entry))) => {
                     let new = {
                         let mut seen = lock(&self.seen);
-                        let new = seen.is_none_or(|seen| entry.revision > seen);
-                        if new {
-                            *seen = Some(entry.revision);
+                        match seen.as_mut() {
+                            Some(seen) if entry.revision <= seen.revision => false,
+                            Some(seen) => {
+                                seen.revision = entry.revision;
+                                true
+                            }
+                            None => true,
                         }
-                        new
                     };
                     if new && entry.operation == Operation::Put {
                         return Poll::Ready(Some(Ok(entry.key)));

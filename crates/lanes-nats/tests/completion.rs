@@ -48,8 +48,14 @@ impl Bucket {
         let nanos =
             std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos();
         let name = format!("lanes-{test}-{}-{nanos}", SEQ.fetch_add(1, Ordering::SeqCst));
-        // The bucket's stream, as `nats kv add` makes it. (The client's own bucket creation
-        // asks for account information in a shape older servers do not send.)
+        Self::create(&js, &name).await;
+        let store = js.get_key_value(&name).await.unwrap();
+        Self { js, store, name }
+    }
+
+    /// Makes the bucket's stream, as `nats kv add` makes it. (The client's own bucket creation
+    /// asks for account information in a shape older servers do not send.)
+    async fn create(js: &jetstream::Context, name: &str) {
         let stream = jetstream::stream::Config {
             name: format!("KV_{name}"),
             subjects: vec![format!("$KV.{name}.>")],
@@ -63,8 +69,6 @@ impl Bucket {
         js.create_stream(stream).await.unwrap_or_else(|e| {
             panic!("cannot create KV bucket {name} (is JetStream enabled?): {e}")
         });
-        let store = js.get_key_value(&name).await.unwrap();
-        Self { js, store, name }
     }
 
     fn completions(&self) -> KvCompletions {
@@ -285,5 +289,36 @@ async fn a_watch_made_again_resumes_where_the_last_one_stopped() {
         keys.push(got.unwrap().unwrap());
     }
     assert_eq!(keys, ["b", "c"], "the put made while the watch was down, and no earlier one");
+    bucket.delete().await;
+}
+
+/// Review finding (stop 73, left then): a bucket deleted and made again starts its revisions
+/// from 1, and a watch made again after that resumed past the old bucket's last revision,
+/// skipping the new bucket's puts up to there.
+#[tokio::test]
+async fn a_watch_made_again_on_a_bucket_made_again_delivers_its_puts() {
+    use futures_util::StreamExt;
+    use lanes::pool::CompletionSource;
+    let bucket = Bucket::new("remade").await;
+    for key in ["old-1", "old-2", "old-3", "old-4"] {
+        bucket.put(key).await;
+    }
+    let source = bucket.completions();
+    let mut first = source.watch().await.unwrap();
+    bucket.put("a").await;
+    let got = timeout(Duration::from_secs(10), first.next()).await.expect("a put arrives");
+    assert_eq!(got.unwrap().unwrap(), "a");
+    drop(first); // the watch broke
+    bucket.js.delete_stream(format!("KV_{}", bucket.name)).await.unwrap();
+    Bucket::create(&bucket.js, &bucket.name).await;
+    bucket.put("b").await; // revision 1 of the new bucket, while no watch ran
+    let mut second = source.watch().await.unwrap();
+    bucket.put("c").await;
+    let mut keys = Vec::new();
+    for _ in 0..2 {
+        let got = timeout(Duration::from_secs(10), second.next()).await.expect("puts arrive");
+        keys.push(got.unwrap().unwrap());
+    }
+    assert_eq!(keys, ["b", "c"], "the new bucket's puts");
     bucket.delete().await;
 }
