@@ -168,6 +168,7 @@ impl RedisLimitsBuilder {
             max_lease,
             queue_grace: self.queue_grace,
             max_limits: self.max_limits,
+            auto_renew: self.auto_renew,
             epoch: Mutex::new(None),
             lost: LostLeases::default(),
             state: StateLock::default(),

@@ -136,6 +136,24 @@ impl Inner {
         tickets: Vec<u64>,
         lease: Duration,
     ) -> Result<Vec<u64>, CallError> {
+        // The permits of this client's share of a leased limit are renewed here: Redis does
+        // not know them.
+        let tickets: Vec<u64> = match self.leased(name) {
+            Some(share) => tickets
+                .into_iter()
+                .filter(|&ticket| {
+                    if let Some(lease) = self.share_lease(Some(lease)) {
+                        share.lease(ticket, lease);
+                    }
+                    // Held (renewed), or waiting in the share's line: not refused.
+                    !share.knows(ticket)
+                })
+                .collect(),
+            None => tickets,
+        };
+        if tickets.is_empty() {
+            return Ok(Vec::new());
+        }
         let args: Vec<String> = tickets.iter().map(u64::to_string).collect();
         // Which of them this client believes hold a permit as it asks: one granted while the
         // answer travels (its long-poll's answer, a push) may well wait in Redis as it answers.

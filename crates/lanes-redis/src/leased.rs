@@ -52,21 +52,39 @@ impl Inner {
 }
 
 /// A leased limit's answer to an ask; a first ask finds the line bounded by `max_waiters`, as
-/// on the exact path.
+/// on the exact path. A grant asked with a `lease` is held for that long unrenewed (see
+/// [`Inner::share_lease`]).
 pub(crate) fn answer(
+    inner: &Inner,
     leased: &LocalShare,
     name: &str,
     ticket: u64,
     ask: &Ask,
-    max_waiters: usize,
+    lease: Option<Duration>,
 ) -> Result<Answer, LimitError> {
-    Ok(match ask {
+    let answer = match ask {
         Ask::First(priority) => leased
-            .answer_within(ticket, Some(priority), false, max_waiters)
+            .answer_within(ticket, Some(priority), false, inner.max_waiters)
             .map_err(|max| LimitError::TooManyWaiters { limit: name.to_owned(), max })?,
         Ask::Check => leased.answer(ticket, None, true),
         Ask::Try => leased.answer(ticket, None, false),
-    })
+    };
+    if let (Answer::Granted(_), Some(lease)) = (&answer, inner.share_lease(lease)) {
+        // Asking again for a held permit starts its lease again, as on the exact path.
+        leased.lease(ticket, lease);
+    }
+    Ok(answer)
+}
+
+impl Inner {
+    /// The lease a share enforces on a permit asked with `lease`: none when this client renews
+    /// its permits itself ([`auto_renew`](crate::RedisLimitsBuilder::auto_renew)), which it
+    /// does for a share's by refreshing the share (the share ends with the process); else the
+    /// one asked for, renewed by [`RedisLimits::renew`] or ended unrenewed, as on the exact
+    /// path.
+    pub(crate) fn share_lease(&self, lease: Option<Duration>) -> Option<Duration> {
+        lease.filter(|_| !self.auto_renew)
+    }
 }
 
 impl ShareSource for Inner {

@@ -236,6 +236,8 @@ struct Inner {
     queue_grace: Duration,
     /// The most limits this client lets the namespace hold when it defines a new one.
     max_limits: usize,
+    /// Whether this client renews its permits itself (the builder's `auto_renew`).
+    auto_renew: bool,
     /// The namespace's epoch as this client last saw it: a different or missing one means
     /// Redis lost its state.
     epoch: Mutex<Option<String>>,
@@ -567,7 +569,7 @@ impl Inner {
         lease: Option<Duration>,
     ) -> Result<Answer, LimitError> {
         if let Some(leased) = self.serving(name, ticket) {
-            return leased::answer(&leased, name, ticket, &ask, self.max_waiters);
+            return leased::answer(self, &leased, name, ticket, &ask, lease);
         }
         let (local, mut new) = {
             let mut state = self.lock_state();
@@ -680,7 +682,7 @@ impl Inner {
                     self.lock_state().limits.entry(name.to_owned()).or_default().forget(ticket);
                     let leased = self.serve_leased(name, policy);
                     leased.store_answered();
-                    return leased::answer(&leased, name, ticket, &ask, self.max_waiters);
+                    return leased::answer(self, &leased, name, ticket, &ask, lease);
                 }
                 Ok(Reply::Unknown) => {
                     let known = self.lock_state().specs.contains_key(name);
@@ -1122,6 +1124,10 @@ impl LimitBackend for RedisLimits {
             let answer = leased
                 .answer_within(ticket, Some(priority), false, self.inner.max_waiters)
                 .map_err(|max| LimitError::TooManyWaiters { limit: name.to_owned(), max });
+            if let (Ok(Answer::Granted(_)), Some(lease)) = (&answer, self.inner.share_lease(lease))
+            {
+                leased.lease(ticket, lease);
+            }
             return Box::pin(std::future::ready(answer));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::First(priority.clone()), lease))
@@ -1135,11 +1141,12 @@ impl LimitBackend for RedisLimits {
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         if let Some(leased) = self.inner.serving_first(name, ticket) {
             return Box::pin(std::future::ready(leased::answer(
+                &self.inner,
                 &leased,
                 name,
                 ticket,
                 &Ask::Try,
-                self.inner.max_waiters,
+                lease,
             )));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Try, lease))
@@ -1153,11 +1160,12 @@ impl LimitBackend for RedisLimits {
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
         if let Some(leased) = self.inner.serving(name, ticket) {
             return Box::pin(std::future::ready(leased::answer(
+                &self.inner,
                 &leased,
                 name,
                 ticket,
                 &Ask::Check,
-                self.inner.max_waiters,
+                lease,
             )));
         }
         Box::pin(self.inner.acquire(name, ticket, Ask::Check, lease))

@@ -250,6 +250,10 @@ async fn a_leased_limit_defined_again_is_kept_by_one_keeper() {
     a.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()).await.unwrap();
     let _held =
         [grant().await.expect("granted").unwrap(), grant().await.expect("granted").unwrap()];
+    // Removal is refused while this client's own share holds, before Redis hears of it (its
+    // refreshes have said nothing is held so far).
+    let refused = on_a.remove("db").await;
+    assert!(matches!(refused, Err(lanes::LimitError::InUse(_))), "{refused:?}");
     // What Redis holds for this client: the new keeper's report (2 held) and never the old
     // one's (none held), which let the capacity go to others.
     let held_here = || async {
@@ -271,9 +275,51 @@ async fn a_leased_limit_defined_again_is_kept_by_one_keeper() {
         sleep(Duration::from_millis(5)).await;
     }
     assert!(!third.await.unwrap(), "a third permit of two");
-    // Removal is refused while this client's own share holds, before Redis hears of it.
-    let refused = on_a.remove("db").await;
-    assert!(matches!(refused, Err(lanes::LimitError::InUse(_))), "{refused:?}");
+}
+
+/// Review finding (stop 73, left then): a permit of a leased limit's share asked with a lease,
+/// by a client that renews its permits itself (`auto_renew(false)`, as `lanes serve` is), had
+/// none. A renewal (Redis does not know a share's tickets) answered it lost while it stayed
+/// held, and unrenewed it was held for good. Now the share keeps its lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shares_permit_keeps_the_lease_it_was_asked_with() {
+    use lanes::{Answer, LimitBackend};
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ns = format!("leased-lease-{}", std::process::id());
+    let redis = common::builder(&ns).lease(LEASE).auto_renew(false).build().await.unwrap();
+    redis.define_leased("db", LimitSpec::concurrent(1), SharePolicy::default()).await.unwrap();
+    let (lease, first) = (Duration::from_millis(300), Priority::default());
+    let granted = |ticket: u64| {
+        let (redis, first) = (&redis, &first);
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let mut answer = redis.acquire("db", ticket, first, Some(lease)).await.unwrap();
+            while !matches!(answer, Answer::Granted(_)) {
+                assert!(Instant::now() < deadline, "{ticket} never granted: {answer:?}");
+                redis.wait("db", ticket, Duration::from_millis(50)).await;
+                answer = redis.check("db", ticket, Some(lease)).await.unwrap();
+            }
+        }
+    };
+    let held = redis.ticket();
+    granted(held).await;
+    for _ in 0..4 {
+        sleep(lease * 2 / 3).await;
+        assert_eq!(
+            LimitBackend::renew(&redis, "db", &[held], lease).await.unwrap(),
+            [0; 0],
+            "renewed"
+        );
+    }
+    let next = redis.ticket();
+    let answer = redis.acquire("db", next, &first, Some(lease)).await.unwrap();
+    assert_eq!(answer, Answer::Queued, "held: the next waits");
+    // Unrenewed, its lease runs out: taken back, and the next is granted.
+    let stopped = Instant::now();
+    granted(next).await;
+    assert!(stopped.elapsed() >= lease / 2, "granted before the lease ran out");
+    assert_eq!(redis.check("db", held, None).await.unwrap(), Answer::Finished);
+    assert_eq!(LimitBackend::renew(&redis, "db", &[held], lease).await.unwrap(), [held], "lost");
 }
 
 /// Review finding (stop 73): a leased limit's local line took every waiter, past the client's

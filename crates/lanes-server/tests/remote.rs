@@ -212,6 +212,8 @@ async fn a_first_ask_whose_answer_was_lost_is_given_back() {
 /// Review finding (stop 73): a permit granted from the server's share of a leased limit (on
 /// Redis) had no lease the server enforced: a client that died kept it for good, and one whose
 /// renewal reported it lost (Redis does not know share tickets) left it held in the share.
+/// Since stop 74 the share keeps each permit's lease: renewed, it is kept; run out, it is
+/// taken back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leased_limits_permit_is_given_back_when_its_client_goes() {
     use std::time::Duration;
@@ -249,22 +251,31 @@ async fn a_leased_limits_permit_is_given_back_when_its_client_goes() {
             }
         }
     };
-    // Held, then renewed: the renewal finds it lost (Redis does not know a share's tickets),
-    // and it is given back; or it is renewed, and released as usual.
+    // Held, then renewed (stop 74: the share keeps the permit's lease; the renewal had found
+    // it lost, since Redis does not know a share's tickets), then released.
     let (status, held) = again("a").await;
     assert_eq!(status, 200, "{held}");
-    let (status, renewed) =
-        call(reqwest::Method::POST, "/v1/clients/a/renew", Some(serde_json::json!({}))).await;
-    assert_eq!(status, 200, "{renewed}");
-    if renewed["lost"].as_array().is_none_or(|lost| lost.is_empty()) {
-        let release = serde_json::json!({"client": "a", "ticket": held["ticket"]});
-        call(reqwest::Method::POST, "/v1/limits/db/release", Some(release)).await;
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (status, renewed) =
+            call(reqwest::Method::POST, "/v1/clients/a/renew", Some(serde_json::json!({}))).await;
+        assert_eq!(status, 200, "{renewed}");
+        assert_eq!(renewed["renewed"], 1, "renewed past its first lease: {renewed}");
+        assert_eq!(renewed["lost"].as_array().map(Vec::len), Some(0), "{renewed}");
     }
+    let release = serde_json::json!({"client": "a", "ticket": held["ticket"]});
+    let (status, released) =
+        call(reqwest::Method::POST, "/v1/limits/db/release", Some(release)).await;
+    assert_eq!(status, 200, "{released}");
     let (status, answer) = again("b").await;
-    assert_eq!(status, 200, "a permit reported lost is given back: {answer}");
-    // "b" holds it and goes silent: past its lease and the grace, it is given back.
+    assert_eq!(status, 200, "a permit given back is granted again: {answer}");
+    // "b" holds it and goes silent: past its lease, the share takes it back.
     let (status, answer) = again("c").await;
     assert_eq!(status, 200, "a dead client's permit is given back: {answer}");
+    let (status, renewed) =
+        call(reqwest::Method::POST, "/v1/clients/b/renew", Some(serde_json::json!({}))).await;
+    assert_eq!(status, 200, "{renewed}");
+    assert_eq!(renewed["renewed"], 0, "b's lease ran out: {renewed}");
 }
 
 /// A relay to an HTTP server that carries requests and drops every answer.

@@ -727,13 +727,8 @@ async fn sweep(app: std::sync::Weak<App>) {
             let only = Some(lapsed.backend);
             match app.backend.check(&lapsed.limit, lapsed.backend, None).await {
                 // A deleted limit's permits are finished too (renew answers them lost alike).
+                // (The backend ends a lease run out, a permit of a leased limit's share too.)
                 Ok(lanes::Answer::Finished) | Err(lanes::LimitError::UnknownLimit(_)) => {}
-                // Held past its lease (and the grace) unrenewed: a permit the backend does not
-                // end by itself, one granted from this server's share of a leased limit. Its
-                // client is gone or stopped renewing: it is given back, or it is held for good.
-                Ok(lanes::Answer::Granted(_)) if lapsed.overdue => {
-                    let _ = app.backend.release(&lapsed.limit, lapsed.backend).await;
-                }
                 _ => continue,
             }
             let _ = app.sessions().forget(&lapsed.client, &lapsed.limit, lapsed.ticket, only);

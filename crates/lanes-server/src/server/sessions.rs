@@ -102,8 +102,6 @@ pub(crate) struct Lapsed {
     pub(crate) limit: String,
     pub(crate) ticket: u64,
     pub(crate) backend: u64,
-    /// A permit past its lease by more than the queue grace (for a probe).
-    pub(crate) overdue: bool,
 }
 
 #[derive(Debug)]
@@ -353,7 +351,6 @@ impl Sessions {
                 limit: key.0,
                 ticket: key.1,
                 backend: owned.backend,
-                overdue: false,
             });
         }
         let mut probe = Vec::new();
@@ -369,7 +366,6 @@ impl Sessions {
                     limit: key.0.clone(),
                     ticket: key.1,
                     backend: owned.backend,
-                    overdue: owned.lease_ends + grace <= now,
                 });
             }
         }
@@ -393,7 +389,6 @@ impl Sessions {
                 limit: key.0,
                 ticket: key.1,
                 backend: owned.backend,
-                overdue: false,
             });
         }
         out.sort_by(|a, b| (&a.limit, a.ticket).cmp(&(&b.limit, b.ticket)));

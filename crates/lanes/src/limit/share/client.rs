@@ -15,7 +15,7 @@
 //! store gives the capacity to others from then on.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
@@ -210,6 +210,8 @@ pub struct LocalShare {
     room: Notify,
     /// Wakes the refresher early: the block of tokens ran out.
     hurry: Notify,
+    /// Wakes the keeper to look at the leases again: one ends sooner than it knew.
+    expiry: Notify,
     /// The last refresh failed (the store did not answer in time). Outside the lock: the
     /// common case, a store that answers, costs every ask one load.
     failed: std::sync::atomic::AtomicBool,
@@ -223,6 +225,8 @@ struct LeasedState {
     tokens: Range<u64>,
     /// Permits out: ticket -> its fencing token and its level.
     holders: BTreeMap<u64, (u64, u8)>,
+    /// The leases of the permits out that have one (see [`LocalShare::lease`]).
+    leases: Leases,
     /// Tickets waiting: the highest level first; within a level by fair-queuing tag (the
     /// fairness keys take turns, in proportion to their weights), then in arrival order.
     waiting: BTreeMap<Place, u64>,
@@ -267,6 +271,54 @@ struct LeasedState {
 
 /// How late a grant may come after its turn without losing that time to the rate.
 const LATE: Duration = Duration::from_millis(2);
+
+/// The leases of permits out: when each ends, found by ticket and in order of their ends.
+#[derive(Default)]
+struct Leases {
+    by_ticket: HashMap<u64, Instant>,
+    by_end: BTreeSet<(Instant, u64)>,
+}
+
+impl Leases {
+    /// Sets `ticket`'s lease to end at `ends`; whether it now ends first of all.
+    fn set(&mut self, ticket: u64, ends: Instant) -> bool {
+        if let Some(before) = self.by_ticket.insert(ticket, ends) {
+            self.by_end.remove(&(before, ticket));
+        }
+        self.by_end.insert((ends, ticket));
+        self.by_end.first() == Some(&(ends, ticket))
+    }
+
+    fn remove(&mut self, ticket: u64) {
+        if let Some(ends) = self.by_ticket.remove(&ticket) {
+            self.by_end.remove(&(ends, ticket));
+        }
+    }
+
+    fn clear(&mut self) {
+        self.by_ticket.clear();
+        self.by_end.clear();
+    }
+
+    /// The first lease to end.
+    fn first_end(&self) -> Option<Instant> {
+        self.by_end.first().map(|(ends, _)| *ends)
+    }
+
+    /// Takes out the leases ended by `now`: their tickets.
+    fn take_ended(&mut self, now: Instant) -> Vec<u64> {
+        let mut ended = Vec::new();
+        while let Some(&(ends, ticket)) = self.by_end.first() {
+            if ends > now {
+                break;
+            }
+            self.by_end.pop_first();
+            self.by_ticket.remove(&ticket);
+            ended.push(ticket);
+        }
+        ended
+    }
+}
 
 /// A waiting ticket's place in line: its level (highest first), its fair-queuing tag, its
 /// arrival.
@@ -419,6 +471,7 @@ impl LocalShare {
             state: Mutex::new(LeasedState::default()),
             room: Notify::new(),
             hurry: Notify::new(),
+            expiry: Notify::new(),
             failed: std::sync::atomic::AtomicBool::new(false),
         }
     }
@@ -532,6 +585,7 @@ impl LocalShare {
     pub fn release(&self, ticket: u64) -> Released {
         let mut state = lock(&self.state);
         let released = if state.holders.remove(&ticket).is_some() {
+            state.leases.remove(ticket);
             Released::Permit
         } else if state.unqueue(ticket) {
             Released::Withdrawn
@@ -544,6 +598,43 @@ impl LocalShare {
             self.room.notify_waiters();
         }
         released
+    }
+
+    /// Leases the permit `ticket` holds for `lease` from now, its first lease or a renewal:
+    /// past its end unrenewed, the permit is taken back and reported lost by the share's
+    /// keeper ([`keep_share`], [`ShareSource::lost`]), as a store ends an exact permit's lease.
+    /// `false` if `ticket` holds no permit here. A permit never leased is held until it is
+    /// released or the share lapses.
+    pub fn lease(&self, ticket: u64, lease: Duration) -> bool {
+        let mut state = lock(&self.state);
+        if !state.holders.contains_key(&ticket) {
+            return false;
+        }
+        let first = state.leases.set(ticket, Instant::now() + lease);
+        drop(state);
+        if first {
+            // It ends before any the keeper waits for.
+            self.expiry.notify_one();
+        }
+        true
+    }
+
+    /// Takes back the permits whose leases ended unrenewed by `now`; returns them (lost).
+    pub fn overdue(&self, now: Instant) -> Vec<u64> {
+        let mut state = lock(&self.state);
+        let mut lost = state.leases.take_ended(now);
+        lost.retain(|ticket| state.holders.remove(ticket).is_some());
+        let others_wait = !state.waiting.is_empty();
+        drop(state);
+        if !lost.is_empty() && others_wait {
+            self.room.notify_waiters();
+        }
+        lost
+    }
+
+    /// When the first lease of a permit out ends, if any has one.
+    pub fn next_lease_end(&self) -> Option<Instant> {
+        lock(&self.state).leases.first_end()
     }
 
     /// Waits until `ticket` may be granted, for at most `at_most`. Registered for the wake-up
@@ -669,6 +760,7 @@ impl LocalShare {
         let mut state = lock(&self.state);
         let ended = state.until.is_none_or(|old| old <= Instant::now());
         let lost = if answer.lapsed || (ended && !state.holders.is_empty()) {
+            state.leases.clear();
             std::mem::take(&mut state.holders).into_keys().collect()
         } else {
             Vec::new()
@@ -697,6 +789,7 @@ impl LocalShare {
         }
         state.share = 0;
         state.until = None;
+        state.leases.clear();
         let lost = std::mem::take(&mut state.holders).into_keys().collect();
         drop(state);
         // Waiters ask again: a share out of touch sends them to the outage policy.
@@ -848,6 +941,9 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
         for ticket in share.lapse(Instant::now()) {
             strong.lost(&name, ticket);
         }
+        for ticket in share.overdue(Instant::now()) {
+            strong.lost(&name, ticket);
+        }
         if !strong.serves(&name, &share) {
             // Not served any more: refreshed no more. Waiters ask again (where the name is
             // served now); permits still out are lost when the share ends.
@@ -896,11 +992,23 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
         drop(strong);
         let pause = if starved || cut { lease / 10 } else { lease / 3 };
         // Awake at the share's end too: its permits are reported lost then, not a pause later.
-        let wake =
+        let refresh_at =
             until.map_or(Instant::now() + pause, |until| (Instant::now() + pause).min(until));
-        tokio::select! {
-            () = tokio::time::sleep_until(wake) => {}
-            () = share.hurry.notified() => {}
+        // And at each permit's lease end, to take it back (no refresh for that).
+        loop {
+            let wake = share.next_lease_end().map_or(refresh_at, |end| end.min(refresh_at));
+            tokio::select! {
+                () = tokio::time::sleep_until(wake) => {}
+                () = share.hurry.notified() => break,
+                () = share.expiry.notified() => continue,
+            }
+            if Instant::now() >= refresh_at {
+                break;
+            }
+            let Some(strong) = source.upgrade() else { return };
+            for ticket in share.overdue(Instant::now()) {
+                strong.lost(&name, ticket);
+            }
         }
     }
 }
@@ -962,6 +1070,63 @@ mod tests {
     }
 
     /// A share of one permit that lasts: grants go one at a time.
+    /// A store that grants a share of two on every refresh, for a lease of 3 s.
+    #[derive(Default)]
+    struct Granting {
+        lost: Mutex<Vec<u64>>,
+    }
+
+    impl ShareSource for Granting {
+        fn lease(&self) -> Duration {
+            Duration::from_secs(3)
+        }
+
+        fn refresh<'a>(
+            &'a self,
+            _name: &'a str,
+            _request: ShareRequest,
+        ) -> BoxFuture<'a, Result<Option<ShareLease>, LimitError>> {
+            Box::pin(std::future::ready(Ok(Some(ShareLease::new(2, Duration::ZERO, 1..1_000)))))
+        }
+
+        fn lost(&self, _name: &str, ticket: u64) {
+            lock(&self.lost).push(ticket);
+        }
+    }
+
+    /// A permit leased from a share is taken back when its lease runs out unrenewed, reported
+    /// lost, and its place goes to the next in line; a renewal keeps it, a release ends its
+    /// lease; a permit without a lease is held until released.
+    #[tokio::test(start_paused = true)]
+    async fn a_leased_permit_runs_out_unrenewed_and_its_place_goes_on() {
+        let share = Arc::new(LocalShare::new(SharePolicy::default()));
+        let source = Arc::new(Granting::default());
+        let keeper = tokio::spawn(keep_share(Arc::downgrade(&source), "db".into(), share.clone()));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let first = Priority::default();
+        for ticket in [1, 2] {
+            assert!(matches!(share.answer(ticket, Some(&first), false), Answer::Granted(_)));
+        }
+        assert!(!share.lease(9, Duration::from_millis(100)), "no permit, no lease");
+        assert!(share.lease(1, Duration::from_millis(500)));
+        assert_eq!(share.answer(3, Some(&first), false), Answer::Queued);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(share.lease(1, Duration::from_millis(500)), "renewed before its end");
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(share.holds(1), "the renewal moved its end");
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(!share.holds(1), "taken back at its end");
+        assert_eq!(*lock(&source.lost), [1]);
+        assert!(matches!(share.answer(3, None, false), Answer::Granted(_)), "its place went on");
+        assert!(share.holds(2), "a permit without a lease stays");
+        assert!(share.lease(3, Duration::from_millis(100)));
+        assert_eq!(share.release(3), Released::Permit);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(*lock(&source.lost), [1], "a released permit's lease ends with it");
+        assert_eq!(share.next_lease_end(), None);
+        keeper.abort();
+    }
+
     fn one_permit() -> LocalShare {
         let share = LocalShare::new(SharePolicy::default());
         let lease = ShareLease::new(1, Duration::ZERO, 1..1_000);
