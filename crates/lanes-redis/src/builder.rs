@@ -57,8 +57,9 @@ impl RedisLimitsBuilder {
     /// cap). Past it, [`LimitBackend::define`](lanes::LimitBackend::define) of a new name fails
     /// with [`LimitError::TooManyLimits`]; redefining a limit never does. The count and the new
     /// name are checked and registered in one Redis call, so defines at once from any number of
-    /// clients cannot pass it together. (A define that fails after that call, such as on a
-    /// timeout, may leave its name counted until it is defined again or removed.)
+    /// clients cannot pass it together. (A define that fails after that call, on a timeout or
+    /// dropped, may leave its name counted until the next [`list`](lanes::LimitBackend::list),
+    /// which clears names without a limit, or a removal of that name.)
     pub fn max_limits(mut self, max_limits: usize) -> Self {
         self.max_limits = max_limits;
         self

@@ -160,14 +160,6 @@ use answer::ScriptAnswer;
 
 const SCRIPT: &str = include_str!("limits.lua");
 
-/// Registers limit name `ARGV[1]` in the set `KEYS[1]` unless the set already holds
-/// `ARGV[2]` names: 1 registered now, 0 registered before, -1 refused (the set is full).
-const REGISTER_WITHIN: &str = "\
-    if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 0 end \
-    if redis.call('SCARD', KEYS[1]) >= tonumber(ARGV[2]) then return -1 end \
-    redis.call('SADD', KEYS[1], ARGV[1]) \
-    return 1";
-
 /// Tickets carry their client in the bits above this shift (and stay below 2^53, Lua's exact
 /// integers).
 const CLIENT_SHIFT: u32 = 32;
@@ -319,28 +311,59 @@ impl Inner {
     }
 
     async fn define(&self, name: &str, spec: LimitSpec) -> Result<(), CallError> {
-        // The namespace's count of limits is checked and the name registered in one step, so
-        // that defines at once (from any number of clients) cannot pass `max_limits` together.
-        let named: i64 = self
-            .command(
-                redis::cmd("EVAL")
-                    .arg(REGISTER_WITHIN)
-                    .arg(1)
-                    .arg(self.registry_key())
-                    .arg(name)
-                    .arg(self.max_limits),
-            )
-            .await?;
-        if named < 0 {
+        // Registered within `max_limits` first, so that no limit is made past it.
+        if self.register(name).await? < 0 {
             return Err(CallError::Other(LimitError::TooManyLimits { max: self.max_limits }));
         }
-        self.define_held(name, spec, Duration::ZERO).await
+        self.define_script(name, spec, Duration::ZERO).await?;
+        // And again: a removal of the name between the two calls (the limit redefined here
+        // made again after it) took it out of the names, and others may have taken its place.
+        if self.register(name).await? < 0 {
+            let _ = self.call(name, "remove", NO_ARGS).await;
+            return Err(CallError::Other(LimitError::TooManyLimits { max: self.max_limits }));
+        }
+        self.lock_state().specs.insert(name.to_owned(), spec);
+        Ok(())
     }
 
-    /// Defines `name`; with a `hold`, no grant happens before `hold` from now (after Redis lost
-    /// its state). Not held to `max_limits`: [`define`](Self::define) checks it, and a limit
-    /// this client defined before a loss is defined again whatever the count.
+    /// Registers `name` among the namespace's limits unless they are `max_limits` already:
+    /// 1 registered now, 0 registered before, -1 refused (one call to the library's register
+    /// function, loaded again if Redis lost it).
+    async fn register(&self, name: &str) -> Result<i64, CallError> {
+        let mut fcall = redis::cmd("FCALL");
+        fcall
+            .arg(format!("{}_register", self.library.name))
+            .arg(1)
+            .arg(self.registry_key())
+            .arg(name)
+            .arg(self.max_limits);
+        let mut result = self.command(&fcall).await;
+        if let Err(CallError::Other(err)) = &result
+            && err.to_string().contains("Function not found")
+        {
+            self.command::<String>(&self.library.load()).await?;
+            result = self.command(&fcall).await;
+        }
+        result
+    }
+
+    /// Defines `name` again after Redis lost it, whatever the count of limits: no grant
+    /// happens before `hold` from now.
     async fn define_held(
+        &self,
+        name: &str,
+        spec: LimitSpec,
+        hold: Duration,
+    ) -> Result<(), CallError> {
+        self.define_script(name, spec, hold).await?;
+        self.command::<()>(redis::cmd("SADD").arg(self.registry_key()).arg(name)).await?;
+        self.lock_state().specs.insert(name.to_owned(), spec);
+        Ok(())
+    }
+
+    /// The library's `define` of `name`; with a `hold`, no grant happens before `hold` from
+    /// now.
+    async fn define_script(
         &self,
         name: &str,
         spec: LimitSpec,
@@ -366,8 +389,6 @@ impl Inner {
         {
             return Err(CallError::Other(LimitError::InUse(name.to_owned())));
         }
-        self.command::<()>(redis::cmd("SADD").arg(self.registry_key()).arg(name)).await?;
-        self.lock_state().specs.insert(name.to_owned(), spec);
         Ok(())
     }
 
@@ -1005,8 +1026,12 @@ impl RedisLimits {
         };
         let before = self.inner.lock_state().modes.insert(name.to_owned(), mode.to_owned());
         if let Err(err) = self.inner.define(name, spec).await {
-            // Refused (an exact limit still held or waited for): it stays as it was here too.
-            if matches!(err, CallError::Other(LimitError::InUse(_))) {
+            // Refused (an exact limit still held or waited for, or a new one past
+            // `max_limits`): it stays as it was here too.
+            if matches!(
+                err,
+                CallError::Other(LimitError::InUse(_) | LimitError::TooManyLimits { .. })
+            ) {
                 let mut state = self.inner.lock_state();
                 match before {
                     Some(before) => state.modes.insert(name.to_owned(), before),
@@ -1243,8 +1268,16 @@ impl LimitBackend for RedisLimits {
             names.sort();
             let mut infos = Vec::with_capacity(names.len());
             for name in names {
-                if let Some(info) = self.inner.info(&name).await? {
-                    infos.push(info);
+                match self.inner.info(&name).await? {
+                    Some(info) => infos.push(info),
+                    // Registered by a define that did not finish (it failed, or its caller
+                    // went): it would count towards `max_limits` unseen. A define still under
+                    // way registers its name again once the limit exists.
+                    None => {
+                        let mut srem = redis::cmd("SREM");
+                        srem.arg(self.inner.registry_key()).arg(&name);
+                        let _ = self.inner.command::<()>(&srem).await;
+                    }
                 }
             }
             Ok(infos)

@@ -1,6 +1,7 @@
 #!lua name=__LANES_LIBRARY__
 -- lanes-redis: one limit's state machine, run atomically by Redis: a Redis Functions library
--- (Redis 7+) with one function, loaded once per server. Its helpers are defined once, when the
+-- (Redis 7+) with one function per limit (and one for the namespace's names), loaded once per
+-- server. Its helpers are defined once, when the
 -- library loads; each call sets the call's keys and arguments and runs one operation.
 --
 -- The same semantics as lanes' in-process LimitTable (crates/lanes/src/limit/table.rs) and
@@ -995,3 +996,15 @@ local function call(keys, args)
 end
 
 redis.register_function('__LANES_LIBRARY__', call)
+
+-- Registers limit name ARGV[1] in the namespace's set of names (KEYS[1]) unless the set holds
+-- ARGV[2] names already: 1 registered now, 0 registered before, -1 refused. The count and the
+-- name in one step: defines at once, from any number of clients, cannot pass the cap together.
+local function register_within(keys, args)
+  if redis.call('SISMEMBER', keys[1], args[1]) == 1 then return 0 end
+  if redis.call('SCARD', keys[1]) >= tonumber(args[2]) then return -1 end
+  redis.call('SADD', keys[1], args[1])
+  return 1
+end
+
+redis.register_function('__LANES_LIBRARY___register', register_within)

@@ -458,6 +458,37 @@ async fn new_limits_at_once_stay_within_max_limits(t: Target) {
     );
     clients[0].remove(&first).await.unwrap();
     clients[1].define("late", LimitSpec::concurrent(1)).await.expect("room after a removal");
+    // A name registered by a define that did not finish (its caller went between the calls)
+    // counts; a removal of it, or a listing, clears it.
+    let registry = format!("lanes:{{{ns}}}:limits");
+    let phantom = || async {
+        let client = redis::Client::open(common::redis_url()).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let _: () =
+            redis::cmd("SADD").arg(&registry).arg("ghost").query_async(&mut conn).await.unwrap();
+    };
+    clients[0].remove(&listed[1].name).await.unwrap();
+    if t == Target::Single {
+        phantom().await;
+        let refused = clients[0].define("new", LimitSpec::concurrent(1)).await.unwrap_err();
+        assert!(refused.is_too_many_limits(), "the unfinished name counts");
+        assert!(clients[0].remove("ghost").await.unwrap_err().is_unknown_limit());
+        clients[0].define("new", LimitSpec::concurrent(1)).await.expect("the name was cleared");
+        clients[0].remove("new").await.unwrap();
+        phantom().await;
+        assert_eq!(clients[0].list().await.unwrap().len(), 2, "listed: the limits alone");
+        clients[0].define("new", LimitSpec::concurrent(1)).await.expect("cleared by the listing");
+        clients[0].remove("new").await.unwrap();
+    }
+    // A leased define refused by the cap leaves no mode behind: the name defined later,
+    // plain, is exact.
+    clients[0].define("fills", LimitSpec::concurrent(1)).await.unwrap();
+    let refused = clients[0].define_leased("odd", LimitSpec::concurrent(1), Default::default());
+    assert!(refused.await.unwrap_err().is_too_many_limits());
+    clients[0].remove("fills").await.unwrap();
+    clients[0].define("odd", LimitSpec::concurrent(1)).await.unwrap();
+    let odd = clients[0].info("odd").await.unwrap().unwrap();
+    assert_eq!(odd.mode, None, "{odd:?}");
 }
 
 /// Each test, once on the one Redis and once on the cluster.

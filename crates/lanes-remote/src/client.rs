@@ -239,10 +239,10 @@ pub(crate) async fn failure(name: &str, response: reqwest::Response, queueing: b
         429 if code.as_deref() == Some("too_many_clients") => {
             LimitError::backend(format!("lanes serve: 429 {message}"))
         }
-        // "this server holds at most N limits (--max-limits)"
+        // "at most N limits may be defined (--max-limits; ...)"
         429 if code.as_deref() == Some("too_many_limits") => {
             let max = message
-                .split_once(" at most ")
+                .split_once("at most ")
                 .and_then(|(_, tail)| tail.split(' ').next())
                 .and_then(|n| n.parse().ok())
                 .unwrap_or(0);

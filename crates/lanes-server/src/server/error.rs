@@ -61,7 +61,10 @@ impl ApiError {
             LimitError::TooManyLimits { max } => {
                 return Self::new(
                     StatusCode::TOO_MANY_REQUESTS,
-                    format!("this server holds at most {max} limits (--max-limits)"),
+                    format!(
+                        "at most {max} limits may be defined (--max-limits; on Redis, in the \
+                         whole namespace)"
+                    ),
                 )
                 .code("too_many_limits");
             }
