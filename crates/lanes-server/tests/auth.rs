@@ -55,6 +55,15 @@ fn a_request_without_a_token_is_refused_before_its_body_is_read() {
     let read = stream.read(&mut answer).expect("an answer before the body timeout");
     let answer = String::from_utf8_lossy(&answer[..read]);
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    // Nor on a public path, which takes no body (review finding, stop 74).
+    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+    let head = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 60000\r\n\r\n{{");
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut answer = [0; 4096];
+    let read = stream.read(&mut answer).expect("an answer before the body timeout");
+    let answer = String::from_utf8_lossy(&answer[..read]);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 
 #[tokio::test]

@@ -658,12 +658,31 @@ async fn guard(
 }
 
 /// Reads the body within the body timeout and `--max-body`, after the request's token was
-/// checked: a request nobody may make holds no buffer and no wait for its body.
+/// checked, and only for the requests that take one (each needs a role): a request nobody may
+/// make, or one to a public path, holds no buffer and no wait for its body.
 async fn body_within_timeout(
     axum::extract::State(app): axum::extract::State<Arc<App>>,
     request: Request,
     next: Next,
 ) -> Response {
+    let route = request.extensions().get::<axum::extract::MatchedPath>().map(|p| p.as_str());
+    let takes_body = matches!(
+        (request.method().as_str(), route),
+        ("PUT", Some("/v1/limits/{name}"))
+            | (
+                "POST",
+                Some(
+                    "/v1/limits/{name}/acquire"
+                        | "/v1/limits/{name}/release"
+                        | "/v1/limits/{name}/share"
+                        | "/v1/clients/{client}/renew"
+                )
+            )
+    );
+    if !takes_body {
+        let (parts, _unread) = request.into_parts();
+        return next.run(Request::from_parts(parts, axum::body::Body::empty())).await;
+    }
     match read_body(&app.options, request).await {
         Ok(request) => next.run(request).await,
         Err(refused) => refused.into_response(),
