@@ -170,7 +170,12 @@ impl CompletionSource for KvCompletions {
             let after = {
                 let mut seen = lock(&self.seen);
                 let after = match *seen {
-                    Some(seen) if seen.created == created => seen.revision,
+                    // Revisions never go back in one bucket.
+                    Some(seen)
+                        if seen.created == created && info.state.last_sequence >= seen.revision =>
+                    {
+                        seen.revision
+                    }
                     // The bucket was made again while no watch ran: all of it is new.
                     Some(_) => 0,
                     // What the bucket holds now is not replayed.
