@@ -69,7 +69,8 @@ pub struct ServeOptions {
     /// The most bytes of a request body (413 beyond).
     pub max_body: usize,
     /// The most bytes of a request's head (431 `headers_too_large` beyond; a head past twice
-    /// this, or past 8 KiB if that is more, is refused by the HTTP layer with an empty 431).
+    /// this, or past 8 KiB if that is more, or of more than 100 fields, is refused by the HTTP
+    /// layer with an empty 431).
     pub max_header_bytes: usize,
     /// How long a long-poll sleeps before asking the backend again when nothing wakes it.
     pub reask: Duration,

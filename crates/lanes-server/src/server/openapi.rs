@@ -125,7 +125,7 @@ impl Modify for Common {
             ("415", "A POST or PUT that is not `application/json`."),
             (
                 "431",
-                "A request head larger than `--max-header-bytes` (16 KiB by default): `headers_too_large` (past twice the bound, an empty 431 from the HTTP layer).",
+                "A request head larger than `--max-header-bytes` (16 KiB by default): `headers_too_large` (past twice the bound, at least 8 KiB, or past 100 header fields, an empty 431 from the HTTP layer).",
             ),
         ];
         for item in openapi.paths.paths.values_mut() {
