@@ -58,8 +58,9 @@ impl RedisLimitsBuilder {
     /// with [`LimitError::TooManyLimits`]; redefining a limit never does. The count and the new
     /// name are checked and registered in one Redis call, so defines at once from any number of
     /// clients cannot pass it together. (A define that fails after that call, on a timeout or
-    /// dropped, may leave its name counted until the next [`list`](lanes::LimitBackend::list),
-    /// which clears names without a limit, or a removal of that name.)
+    /// dropped, may leave its name counted, though [`list`](lanes::LimitBackend::list) does
+    /// not show it, until it is defined or removed: a removal of a name without a limit
+    /// answers [`LimitError::UnknownLimit`] and uncounts it.)
     pub fn max_limits(mut self, max_limits: usize) -> Self {
         self.max_limits = max_limits;
         self

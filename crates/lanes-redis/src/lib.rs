@@ -1268,16 +1268,8 @@ impl LimitBackend for RedisLimits {
             names.sort();
             let mut infos = Vec::with_capacity(names.len());
             for name in names {
-                match self.inner.info(&name).await? {
-                    Some(info) => infos.push(info),
-                    // Registered by a define that did not finish (it failed, or its caller
-                    // went): it would count towards `max_limits` unseen. A define still under
-                    // way registers its name again once the limit exists.
-                    None => {
-                        let mut srem = redis::cmd("SREM");
-                        srem.arg(self.inner.registry_key()).arg(&name);
-                        let _ = self.inner.command::<()>(&srem).await;
-                    }
+                if let Some(info) = self.inner.info(&name).await? {
+                    infos.push(info);
                 }
             }
             Ok(infos)
