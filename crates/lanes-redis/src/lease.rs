@@ -142,11 +142,14 @@ impl Inner {
             Some(share) => tickets
                 .into_iter()
                 .filter(|&ticket| {
-                    if let Some(lease) = self.share_lease(Some(lease)) {
-                        share.lease(ticket, lease);
-                    }
-                    // Held (renewed), or waiting in the share's line: not refused.
-                    !share.knows(ticket)
+                    let waiting = !share.holds(ticket) && share.knows(ticket);
+                    // Held and renewed (a lease that ended is not), or waiting in the share's
+                    // line: kept. The rest go to Redis, which refuses what it does not hold.
+                    let kept = match self.share_lease(Some(lease)) {
+                        Some(lease) => waiting || share.lease(ticket, lease),
+                        None => share.knows(ticket),
+                    };
+                    !kept
                 })
                 .collect(),
             None => tickets,

@@ -290,6 +290,10 @@ impl Leases {
     }
 
     fn remove(&mut self, ticket: u64) {
+        // Most shares lease nothing (a client that renews its own): no hashing on a release.
+        if self.by_ticket.is_empty() {
+            return;
+        }
         if let Some(ends) = self.by_ticket.remove(&ticket) {
             self.by_end.remove(&(ends, ticket));
         }
@@ -298,6 +302,11 @@ impl Leases {
     fn clear(&mut self) {
         self.by_ticket.clear();
         self.by_end.clear();
+    }
+
+    /// Whether `ticket` has a lease that ended by `now`.
+    fn ended(&self, ticket: u64, now: Instant) -> bool {
+        self.by_ticket.get(&ticket).is_some_and(|ends| *ends <= now)
     }
 
     /// The first lease to end.
@@ -603,14 +612,16 @@ impl LocalShare {
     /// Leases the permit `ticket` holds for `lease` from now, its first lease or a renewal:
     /// past its end unrenewed, the permit is taken back and reported lost by the share's
     /// keeper ([`keep_share`], [`ShareSource::lost`]), as a store ends an exact permit's lease.
-    /// `false` if `ticket` holds no permit here. A permit never leased is held until it is
-    /// released or the share lapses.
+    /// `false` if `ticket` holds no permit here, or its lease ended. A permit never leased is
+    /// held until it is released or the share lapses.
     pub fn lease(&self, ticket: u64, lease: Duration) -> bool {
         let mut state = lock(&self.state);
-        if !state.holders.contains_key(&ticket) {
+        let now = Instant::now();
+        // A lease that ended is not renewed, though its keeper has not taken it back yet.
+        if !state.holders.contains_key(&ticket) || state.leases.ended(ticket, now) {
             return false;
         }
-        let first = state.leases.set(ticket, Instant::now() + lease);
+        let first = state.leases.set(ticket, now + lease);
         drop(state);
         if first {
             // It ends before any the keeper waits for.
@@ -950,7 +961,8 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
             share.room.notify_waiters();
             let Some(until) = share.until().filter(|_| !share.is_idle()) else { return };
             drop(strong);
-            tokio::time::sleep_until(until).await;
+            let wake = share.next_lease_end().map_or(until, |end| end.min(until));
+            tokio::time::sleep_until(wake).await;
             continue;
         }
         let (held, demand) = share.demand(true);
@@ -1069,7 +1081,6 @@ mod tests {
         keeper.abort();
     }
 
-    /// A share of one permit that lasts: grants go one at a time.
     /// A store that grants a share of two on every refresh, for a lease of 3 s.
     #[derive(Default)]
     struct Granting {
@@ -1116,6 +1127,7 @@ mod tests {
         assert!(share.holds(1), "the renewal moved its end");
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert!(!share.holds(1), "taken back at its end");
+        assert!(!share.lease(1, Duration::from_millis(500)), "not renewed after its end");
         assert_eq!(*lock(&source.lost), [1]);
         assert!(matches!(share.answer(3, None, false), Answer::Granted(_)), "its place went on");
         assert!(share.holds(2), "a permit without a lease stays");
@@ -1127,6 +1139,21 @@ mod tests {
         keeper.abort();
     }
 
+    /// Review finding (stop 74): a renewal that came after a lease's end, before the keeper
+    /// took the permit back (late, or waiting on a refresh), renewed it.
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_that_ended_is_not_renewed_before_it_is_taken_back() {
+        let share = one_permit();
+        assert!(matches!(share.answer(1, Some(&Priority::default()), false), Answer::Granted(_)));
+        assert!(share.lease(1, Duration::from_millis(100)));
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        assert!(share.holds(1), "no keeper has taken it back");
+        assert!(!share.lease(1, Duration::from_millis(100)), "its lease ended");
+        assert_eq!(share.overdue(Instant::now()), [1]);
+        assert_eq!(share.next_lease_end(), None);
+    }
+
+    /// A share of one permit that lasts: grants go one at a time.
     fn one_permit() -> LocalShare {
         let share = LocalShare::new(SharePolicy::default());
         let lease = ShareLease::new(1, Duration::ZERO, 1..1_000);
