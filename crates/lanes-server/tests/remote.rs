@@ -234,7 +234,7 @@ async fn a_leased_limits_permit_is_given_back_when_its_client_goes() {
     let (status, body) = call(reqwest::Method::PUT, "/v1/limits/db", Some(spec)).await;
     assert_eq!(status, 200, "{body}");
     let take =
-        |client: &str| serde_json::json!({"client": client, "wait_ms": 3000, "lease_ms": 500});
+        |client: &str| serde_json::json!({"client": client, "wait_ms": 3000, "lease_ms": 1500});
     // Asked (a long-poll, so that the server's share sees the demand) until granted.
     let again = |client: &'static str| {
         let body = take(client);
@@ -256,7 +256,7 @@ async fn a_leased_limits_permit_is_given_back_when_its_client_goes() {
     let (status, held) = again("a").await;
     assert_eq!(status, 200, "{held}");
     for _ in 0..3 {
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(1000)).await;
         let (status, renewed) =
             call(reqwest::Method::POST, "/v1/clients/a/renew", Some(serde_json::json!({}))).await;
         assert_eq!(status, 200, "{renewed}");
@@ -272,10 +272,10 @@ async fn a_leased_limits_permit_is_given_back_when_its_client_goes() {
     // "b" holds it and goes silent: past its lease, the share takes it back.
     let (status, answer) = again("c").await;
     assert_eq!(status, 200, "a dead client's permit is given back: {answer}");
+    // Its renewal finds nothing to renew (or no session left: the sweep forgot the permit).
     let (status, renewed) =
         call(reqwest::Method::POST, "/v1/clients/b/renew", Some(serde_json::json!({}))).await;
-    assert_eq!(status, 200, "{renewed}");
-    assert_eq!(renewed["renewed"], 0, "b's lease ran out: {renewed}");
+    assert!(status == 404 || (status, renewed["renewed"].as_u64()) == (200, Some(0)), "{renewed}");
 }
 
 /// A relay to an HTTP server that carries requests and drops every answer.
