@@ -264,6 +264,17 @@ async fn a_missing_bucket_is_a_clear_error() {
     assert!(!err.to_string().is_empty());
 }
 
+/// The keys of the next `n` completions of `stream`, each within 10 s.
+async fn next_keys(stream: &mut lanes::pool::CompletionStream, n: usize) -> Vec<String> {
+    use futures_util::StreamExt;
+    let mut keys = Vec::new();
+    for _ in 0..n {
+        let got = timeout(Duration::from_secs(10), stream.next()).await.expect("puts arrive");
+        keys.push(got.unwrap().unwrap());
+    }
+    keys
+}
+
 /// Review finding (stop 73): a watch made again after one broke (`watch_all`) delivered only
 /// what was written after it existed, so a completion written while the watch was down was
 /// never delivered and its item stayed tracked for good. Now a watch made again resumes after
@@ -283,11 +294,7 @@ async fn a_watch_made_again_resumes_where_the_last_one_stopped() {
     bucket.put("b").await; // while it was down
     let mut second = source.watch().await.unwrap();
     bucket.put("c").await;
-    let mut keys = Vec::new();
-    for _ in 0..2 {
-        let got = timeout(Duration::from_secs(10), second.next()).await.expect("puts arrive");
-        keys.push(got.unwrap().unwrap());
-    }
+    let keys = next_keys(&mut second, 2).await;
     assert_eq!(keys, ["b", "c"], "the put made while the watch was down, and no earlier one");
     bucket.delete().await;
 }
@@ -314,11 +321,7 @@ async fn a_watch_made_again_on_a_bucket_made_again_delivers_its_puts() {
     bucket.put("b").await; // revision 1 of the new bucket, while no watch ran
     let mut second = source.watch().await.unwrap();
     bucket.put("c").await;
-    let mut keys = Vec::new();
-    for _ in 0..2 {
-        let got = timeout(Duration::from_secs(10), second.next()).await.expect("puts arrive");
-        keys.push(got.unwrap().unwrap());
-    }
+    let keys = next_keys(&mut second, 2).await;
     assert_eq!(keys, ["b", "c"], "the new bucket's puts");
     bucket.delete().await;
 }

@@ -37,6 +37,17 @@ async fn send(
     common::request(&c, method.parse().unwrap(), serve.url(path), token, body).await
 }
 
+/// Sends `head` (and no more) to `addr`; the first bytes of the answer, which must come within
+/// 3 s.
+fn first_answer(addr: &str, head: &str) -> String {
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.write_all(head.as_bytes()).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    let mut answer = [0; 4096];
+    let read = stream.read(&mut answer).expect("an answer before the body timeout");
+    String::from_utf8_lossy(&answer[..read]).into_owned()
+}
+
 /// Review finding (stop 73): a request's body was read before its token was checked, so
 /// anyone who reached the port could have the server wait out the body timeout and buffer up
 /// to `--max-body` on every connection. A request without a token is refused on its head.
@@ -44,25 +55,15 @@ async fn send(
 fn a_request_without_a_token_is_refused_before_its_body_is_read() {
     let serve = serve(&["--body-timeout-ms", "5000"]);
     let addr = serve.base.trim_start_matches("http://").to_owned();
-    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
     let head = format!(
         "PUT /v1/limits/db HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
          Content-Length: 60000\r\n\r\n{{"
     );
-    stream.write_all(head.as_bytes()).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    let mut answer = [0; 4096];
-    let read = stream.read(&mut answer).expect("an answer before the body timeout");
-    let answer = String::from_utf8_lossy(&answer[..read]);
+    let answer = first_answer(&addr, &head);
     assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
     // Nor on a public path, which takes no body (review finding, stop 74).
-    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
     let head = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 60000\r\n\r\n{{");
-    stream.write_all(head.as_bytes()).unwrap();
-    stream.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-    let mut answer = [0; 4096];
-    let read = stream.read(&mut answer).expect("an answer before the body timeout");
-    let answer = String::from_utf8_lossy(&answer[..read]);
+    let answer = first_answer(&addr, &head);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
 }
 

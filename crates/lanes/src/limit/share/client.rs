@@ -1029,13 +1029,15 @@ pub async fn keep_share<S: ShareSource>(source: Weak<S>, name: String, share: Ar
 mod tests {
     use super::*;
 
-    /// A store whose refreshes never answer.
+    /// A store for a lease of 3 s whose refreshes never answer (`hangs`), or grant a share of
+    /// two at once.
     #[derive(Default)]
-    struct Hanging {
+    struct Store {
+        hangs: bool,
         lost: Mutex<Vec<u64>>,
     }
 
-    impl ShareSource for Hanging {
+    impl ShareSource for Store {
         fn lease(&self) -> Duration {
             Duration::from_secs(3)
         }
@@ -1045,7 +1047,14 @@ mod tests {
             _name: &'a str,
             _request: ShareRequest,
         ) -> BoxFuture<'a, Result<Option<ShareLease>, LimitError>> {
-            Box::pin(std::future::pending())
+            match self.hangs {
+                true => Box::pin(std::future::pending()),
+                false => Box::pin(std::future::ready(Ok(Some(ShareLease::new(
+                    2,
+                    Duration::ZERO,
+                    1..1_000,
+                ))))),
+            }
         }
 
         fn lost(&self, _name: &str, ticket: u64) {
@@ -1074,35 +1083,11 @@ mod tests {
         let ends = Instant::now() + Duration::from_millis(100);
         share.renewed(ShareLease::new(1, Duration::ZERO, 1..1_000), ends);
         assert!(matches!(share.answer(7, Some(&Priority::default()), false), Answer::Granted(_)));
-        let source = Arc::new(Hanging::default());
+        let source = Arc::new(Store { hangs: true, ..Store::default() });
         let keeper = tokio::spawn(keep_share(Arc::downgrade(&source), "db".into(), share.clone()));
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert_eq!(*lock(&source.lost), [7], "lost at the share's end, not a refresh later");
         keeper.abort();
-    }
-
-    /// A store that grants a share of two on every refresh, for a lease of 3 s.
-    #[derive(Default)]
-    struct Granting {
-        lost: Mutex<Vec<u64>>,
-    }
-
-    impl ShareSource for Granting {
-        fn lease(&self) -> Duration {
-            Duration::from_secs(3)
-        }
-
-        fn refresh<'a>(
-            &'a self,
-            _name: &'a str,
-            _request: ShareRequest,
-        ) -> BoxFuture<'a, Result<Option<ShareLease>, LimitError>> {
-            Box::pin(std::future::ready(Ok(Some(ShareLease::new(2, Duration::ZERO, 1..1_000)))))
-        }
-
-        fn lost(&self, _name: &str, ticket: u64) {
-            lock(&self.lost).push(ticket);
-        }
     }
 
     /// A permit leased from a share is taken back when its lease runs out unrenewed, reported
@@ -1111,7 +1096,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_leased_permit_runs_out_unrenewed_and_its_place_goes_on() {
         let share = Arc::new(LocalShare::new(SharePolicy::default()));
-        let source = Arc::new(Granting::default());
+        let source = Arc::new(Store::default());
         let keeper = tokio::spawn(keep_share(Arc::downgrade(&source), "db".into(), share.clone()));
         tokio::time::sleep(Duration::from_millis(10)).await;
         let first = Priority::default();
