@@ -2252,3 +2252,15 @@ proptest::proptest! {
         }
     }
 }
+
+/// Review finding (stop 74): an ack timeout past the clock's range panicked on every emit with
+/// a receipt (`Instant + Duration` overflowed); it is as good as never.
+#[tokio::test(start_paused = true)]
+async fn an_ack_timeout_past_the_clocks_range_never_times_out() {
+    let config = ChannelConfig::new(4).ack_timeout(Duration::MAX);
+    let channel = Channel::new(config).unwrap();
+    let receipt = channel.emit_with_receipt(1u32).await.expect("emitted");
+    assert!(
+        receipt.deadline() > tokio::time::Instant::now() + Duration::from_secs(10 * 365 * 86_400)
+    );
+}

@@ -64,7 +64,10 @@ impl ReceiptState {
     pub(crate) fn new(timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
             state: AtomicU8::new(PENDING),
-            deadline: Instant::now() + timeout,
+            // A timeout past the clock's range: as good as never (a century).
+            deadline: Instant::now()
+                .checked_add(timeout)
+                .unwrap_or_else(|| Instant::now() + Duration::from_secs(100 * 365 * 86_400)),
             waker: Mutex::new(None),
         })
     }
