@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lanes::{LimitError, LimitSpec, Limits, Priority, Registry};
+use lanes::{Answer, BoxFuture, LimitBackend, LimitError, LimitSpec, Limits, Priority, Registry};
 use tokio::sync::Mutex;
 use tokio::time::{Instant, sleep};
 
@@ -1002,4 +1002,115 @@ mod line {
         let permit = limits.try_acquire("db", Priority::default()).await.unwrap();
         assert_eq!(permit.ticket(), 0);
     }
+}
+
+/// Review finding (stop 74): a timeout past the clock's range panicked (`Instant + Duration`
+/// overflowed) before the limit was even asked. It waits as long as it takes, as the keyed
+/// limit's does.
+#[tokio::test(start_paused = true)]
+async fn a_timeout_past_the_clocks_range_waits_as_long_as_it_takes() {
+    let limits = Limits::new();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = limits.acquire_timeout("db", Priority::default(), Duration::MAX).await.unwrap();
+    let waiting = {
+        let limits = limits.clone();
+        tokio::spawn(async move {
+            limits.acquire_timeout("db", Priority::default(), Duration::MAX).await.map(drop)
+        })
+    };
+    sleep(Duration::from_secs(24 * 3600)).await;
+    assert!(!waiting.is_finished(), "still waiting a day later");
+    drop(held);
+    waiting.await.unwrap().expect("granted once the permit came back");
+}
+
+/// A backend whose answers to a try are lost after it granted (a connection reset, say).
+#[derive(Debug)]
+struct LosesTryAnswers(Arc<lanes::limit::LocalLimits>);
+
+impl LimitBackend for LosesTryAnswers {
+    fn ticket(&self) -> u64 {
+        self.0.ticket()
+    }
+    fn define<'a>(
+        &'a self,
+        name: &'a str,
+        spec: LimitSpec,
+    ) -> BoxFuture<'a, Result<(), LimitError>> {
+        self.0.define(name, spec)
+    }
+    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>> {
+        self.0.remove(name)
+    }
+    fn acquire<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        priority: &'a Priority,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        self.0.acquire(name, ticket, priority, lease)
+    }
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        Box::pin(async move {
+            self.0.try_acquire(name, ticket, lease).await?;
+            Err(LimitError::backend("the answer was lost"))
+        })
+    }
+    fn check<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        self.0.check(name, ticket, lease)
+    }
+    fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
+        self.0.wait(name, ticket, at_most)
+    }
+    fn release<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+    ) -> BoxFuture<'a, Result<lanes::limit::Released, LimitError>> {
+        self.0.release(name, ticket)
+    }
+    fn renew<'a>(
+        &'a self,
+        name: &'a str,
+        tickets: &'a [u64],
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Vec<u64>, LimitError>> {
+        self.0.renew(name, tickets, lease)
+    }
+    fn info<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<lanes::LimitInfo>, LimitError>> {
+        self.0.info(name)
+    }
+    fn list(&self) -> BoxFuture<'_, Result<Vec<lanes::LimitInfo>, LimitError>> {
+        self.0.list()
+    }
+}
+
+/// Review finding (stop 74): a try on a backend other than the in-process one took a ticket
+/// with nothing to give it back: a grant whose answer was lost held its permit, released by
+/// nobody, until its lease ended (for good without one).
+#[tokio::test]
+async fn a_try_whose_answer_was_lost_gives_its_ticket_back() {
+    let local = Arc::new(lanes::limit::LocalLimits::new());
+    let limits = Limits::with_backend(LosesTryAnswers(local.clone()));
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let err = limits.try_acquire("db", Priority::default()).await.unwrap_err();
+    assert!(err.to_string().contains("lost"), "{err}");
+    settle().await;
+    let info = limits.info("db").await.unwrap().unwrap();
+    assert_eq!(info.in_use, 0, "the lost grant was given back: {info:?}");
+    let _permit = limits.acquire("db", Priority::default()).await.expect("the permit is free");
 }

@@ -236,7 +236,8 @@ impl Limits {
         priority: Priority,
         timeout: Duration,
     ) -> Result<Permit, AcquireError> {
-        self.acquire_inner(name, &priority, Some(Instant::now() + timeout), None).await
+        // A timeout past the clock's range waits as long as it takes.
+        self.acquire_inner(name, &priority, Instant::now().checked_add(timeout), None).await
     }
 
     /// Like [`acquire`](Self::acquire), giving up at `deadline` (tokio's clock).
@@ -547,10 +548,20 @@ impl Limits {
         name: &str,
     ) -> Result<Permit, TryAcquireError> {
         let ticket = backend.ticket();
-        match backend.try_acquire(name, ticket, None).await? {
-            Answer::Granted(grant) => {
-                Ok(Permit::of_ticket(Backend::Dyn(backend.clone()), Arc::from(name), ticket, grant))
-            }
+        // Given back unless the answer says what became of the ticket: a grant whose answer
+        // was lost (an error), or a try dropped while it asked, would hold a permit nobody
+        // releases until its lease ends. (Releasing a ticket that holds nothing does nothing.)
+        let mut withdraw =
+            Withdraw { backend: backend.clone(), name: Arc::from(name), ticket, armed: true };
+        let answer = backend.try_acquire(name, ticket, None).await?;
+        withdraw.armed = false;
+        match answer {
+            Answer::Granted(grant) => Ok(Permit::of_ticket(
+                Backend::Dyn(backend.clone()),
+                withdraw.name.clone(),
+                ticket,
+                grant,
+            )),
             Answer::RetryAfter(after) => Err(TryAcquireError::RateLimited(after)),
             Answer::Queued | Answer::Finished => Err(TryAcquireError::Busy),
         }
