@@ -140,6 +140,51 @@ async fn a_deleted_last_segment_is_reported_as_lost_data() {
     assert_eq!(delivered(&dir).await, all_but(&lost));
 }
 
+/// Review finding (stop 74): a segment of the queue emptied or overwritten with garbage (no
+/// header, no valid frame) was counted a foreign file, and `--repair` dropped it and exited 0
+/// over its lost records. The state names it (its header was synced before), so it is lost
+/// data: the check and the repair exit 3, and the repair drops only it.
+#[tokio::test]
+async fn a_segment_emptied_or_garbled_is_reported_as_lost_data() {
+    for (how, first) in [("emptied", true), ("garbled", false)] {
+        let dir = temp(&format!("blank-{how}"));
+        build(&dir).await;
+        let all = segments(&dir);
+        let victim = if first { all[0].clone() } else { all[all.len() / 2].clone() };
+        let lost = numbers_in(&std::fs::read(&victim).unwrap());
+        assert!(!lost.is_empty());
+        let blank: Vec<u8> = if first { Vec::new() } else { vec![0xA5; 300] };
+        std::fs::write(&victim, blank).unwrap();
+        let (code, out, json) = check(&dir, &[]);
+        assert_eq!(code, Some(3), "{how}: {out}");
+        assert_eq!(
+            (json["missing_segments"].as_u64(), json["bad_segments"].as_u64()),
+            (Some(1), Some(0)),
+            "{how}: {json}"
+        );
+        let (code, out, _) = check(&dir, &["--repair"]);
+        assert_eq!(code, Some(3), "{how}: the repair cannot bring them back: {out}");
+        assert_eq!(segments(&dir).len(), all.len() - 1, "{how}: only the blank segment dropped");
+        assert_eq!(delivered(&dir).await, all_but(&lost), "{how}");
+    }
+}
+
+/// Review finding (stop 74): a repair (and every open) removed any file ending in `.tmp`, the
+/// operator's too; only the queue's own temporary files go.
+#[tokio::test]
+async fn a_repair_removes_only_the_queues_own_temporary_files() {
+    let dir = temp("tmp-files");
+    build(&dir).await;
+    let segment = segments(&dir)[0].file_name().unwrap().to_str().unwrap().to_owned();
+    for name in ["notes.tmp", "STATE.tmp", &format!("{segment}.tmp")] {
+        std::fs::write(dir.join(name), b"x").unwrap();
+    }
+    let (code, out, _) = check(&dir, &["--repair"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(dir.join("notes.tmp").exists(), "not the queue's");
+    assert!(!dir.join("STATE.tmp").exists() && !dir.join(format!("{segment}.tmp")).exists());
+}
+
 #[tokio::test]
 async fn a_segment_replaced_by_a_symlink_is_reported_and_never_followed() {
     let dir = temp("symlink");

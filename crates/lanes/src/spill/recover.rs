@@ -69,8 +69,9 @@ pub struct CheckReport {
     pub bad_segment_bytes: u64,
     /// Fully acknowledged segments still on disk, deleted (or to delete).
     pub acknowledged_segments: u64,
-    /// Segment ids missing inside the queue (from the committed segment to the last): their
-    /// records are lost.
+    /// Segment ids missing inside the queue (from the committed segment to the last), or
+    /// present with neither header nor record though the state names them: their records are
+    /// lost.
     pub missing_segments: u64,
     /// The missing ids as inclusive ranges (the first 16).
     pub missing_ranges: Vec<(u64, u64)>,
@@ -152,7 +153,13 @@ pub(crate) fn recover(
         }
     }
     if repair {
-        for name in names.iter().filter(|n| n.ends_with(".tmp")) {
+        // The queue's own temporary files only (a state or a segment written whole); any
+        // other file is not the queue's to remove.
+        let temporary = |name: &str| {
+            name.strip_suffix(".tmp")
+                .is_some_and(|base| base == STATE || segment_id(base).is_some())
+        };
+        for name in names.iter().filter(|n| temporary(n)) {
             storage.remove(name)?;
         }
     }
@@ -247,8 +254,26 @@ pub(crate) fn recover(
         if !segment_header_ok(&bytes, id) {
             // Frames check themselves: a damaged header loses the header, not the records.
             if layout.frames.is_empty() {
-                report.bad_segments += 1;
-                report.bad_segment_bytes += bytes.len() as u64;
+                // The writer names a segment in the state only once its header is synced: one
+                // the state names that has neither header nor record was damaged, and what it
+                // held (if anything) is lost. One past it is a crash's half-made file, or not
+                // the queue's: foreign.
+                let named = !report.state_invalid && recorded_last.is_some_and(|last| id <= last);
+                if named {
+                    report.missing_segments += 1;
+                    let ranges = &mut report.missing_ranges;
+                    match ranges.last_mut() {
+                        Some((_, to)) if *to + 1 == id => *to = id,
+                        _ => {
+                            if ranges.len() < 16 {
+                                ranges.push((id, id));
+                            }
+                        }
+                    }
+                } else {
+                    report.bad_segments += 1;
+                    report.bad_segment_bytes += bytes.len() as u64;
+                }
                 if repair {
                     storage.remove(&name)?;
                 }
