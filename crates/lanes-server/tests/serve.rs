@@ -501,6 +501,57 @@ async fn new_limits_defined_at_once_stay_within_max_limits() {
     clean_namespace(&url, &ns).await;
 }
 
+/// Review finding (stop 74): asking again for a held ticket answered a whole new lease, while
+/// the backend kept the old one's end: past it, another client was granted the permit its
+/// holder was told it held.
+#[tokio::test]
+async fn asking_again_for_a_held_ticket_starts_its_lease_again() {
+    let serve = Serve::start(&[]);
+    let c = http();
+    put(&c, &serve, "/v1/limits/db", json!({"concurrent": 1})).await;
+    let ask = json!({"client": "a", "ticket": 1, "lease_ms": 1000});
+    let (status, first) = post(&c, &serve, "/v1/limits/db/acquire", ask.clone()).await;
+    assert_eq!(status, 200, "{first}");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let (status, again) = post(&c, &serve, "/v1/limits/db/acquire", ask).await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["fencing_token"], first["fencing_token"], "the same permit");
+    assert_eq!(again["lease_expires_in_ms"], 1000);
+    // Past the first lease's end, within the second's.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let other = json!({"client": "b", "ticket": 2, "wait_ms": 0});
+    let (status, reply) = post(&c, &serve, "/v1/limits/db/acquire", other).await;
+    assert_eq!(status, 202, "a's permit is still held: {reply}");
+}
+
+/// Review finding (stop 74): a 202 told its client to come back after the rate's whole wait
+/// (or the re-ask interval), though the sweep withdraws a queued ticket nobody asks about for
+/// the queue grace: a client that did as told had lost its place.
+#[tokio::test]
+async fn a_queued_ticket_is_told_to_come_back_within_the_queue_grace() {
+    let serve = Serve::start(&["--queue-grace-ms", "400"]);
+    let c = http();
+    let spec = json!({"concurrent": 10, "per_second": 0.2, "burst": 1});
+    put(&c, &serve, "/v1/limits/r", spec).await;
+    let (status, _) = post(&c, &serve, "/v1/limits/r/acquire", json!({"client": "a"})).await;
+    assert_eq!(status, 200);
+    let ask = json!({"client": "b", "ticket": 2, "wait_ms": 0});
+    let (status, reply) = post(&c, &serve, "/v1/limits/r/acquire", ask.clone()).await;
+    assert_eq!((status, reply["reason"].as_str()), (202, Some("rate")), "{reply}");
+    let after = reply["retry_after_ms"].as_u64().unwrap();
+    assert!(after <= 200, "told to come back after {after} ms, past half the grace");
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(after)).await;
+        let (status, reply) = post(&c, &serve, "/v1/limits/r/acquire", ask.clone()).await;
+        assert_eq!(status, 202, "{reply}");
+    }
+    // Kept all along: never withdrawn by the sweep (its events are counted every 100 ms).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let metrics = c.get(serve.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kind=\"queued\""), "{metrics}");
+    assert!(!metrics.contains("kind=\"waiter_withdrawn\""), "{metrics}");
+}
+
 #[test]
 fn fuzzed_requests_never_get_a_server_error() {
     let serve = Serve::start(&["--max-waiters", "5"]);

@@ -263,7 +263,8 @@ pub(crate) async fn acquire(
         // Another request is making this ticket's first ask: the backend may not know the
         // ticket yet, so it is asked nothing (its answer "finished" would be wrong), and the
         // ticket stays as that ask leaves it (invariant 4 of `sessions`).
-        let retry_after = app.options.reask.min(wait.max(Duration::from_millis(100)));
+        let retry_after =
+            come_back(&app, app.options.reask.min(wait.max(Duration::from_millis(100))));
         return Ok(if queue {
             app.event("queued");
             let body = wire::NotYet::new(ticket, Reason::Queued, millis(retry_after));
@@ -302,9 +303,9 @@ pub(crate) async fn acquire(
     // server) before the backend knew it, what the ask left there goes back now.
     in_flight.asked = true;
     if begun.fresh && !app.sessions().first_asked(&name, begun) {
-        if outcome.is_ok() {
-            let _ = app.backend.release(&name, begun.backend).await;
-        }
+        // Whatever the outcome: an ask that failed after it queued (a check in its wait that
+        // found the backend out of reach) left the ticket there too.
+        let _ = app.backend.release(&name, begun.backend).await;
         return Err(ApiError::finished(&name, ticket));
     }
     // Only this backend ticket's record changes: another under the same number (released and
@@ -314,13 +315,32 @@ pub(crate) async fn acquire(
         Ok(answer) => answer,
         Err(err) => {
             if begun.fresh {
+                // Forgotten here, so given back there: the ask may have queued the ticket
+                // before it failed (a check in its wait that found the backend out of reach),
+                // and a retry of the same ticket starts afresh. (A ticket the backend does not
+                // know is released as a no-op.)
                 let _ = app.sessions().forget(&body.client, &name, ticket, only);
+                let _ = app.backend.release(&name, begun.backend).await;
             }
             return Err(ApiError::limit(&name, &err));
         }
     };
     match answer {
         Answer::Granted(grant) => {
+            // Asked again for a permit it may hold already: the backend answers the grant it
+            // has, whose lease it does not start again, and the answer says a whole lease.
+            if !begun.fresh {
+                match app.backend.renew(&name, &[begun.backend], lease).await {
+                    Ok(gone) if gone.is_empty() => {}
+                    Ok(_) => {
+                        let _ = app.sessions().forget(&body.client, &name, ticket, only);
+                        let _ = app.backend.release(&name, begun.backend).await;
+                        return Err(ApiError::finished(&name, ticket));
+                    }
+                    // The ticket stays as it was: its client asks again.
+                    Err(err) => return Err(ApiError::limit(&name, &err)),
+                }
+            }
             if !app.sessions().granted(&name, ticket, begun.backend, Instant::now()) {
                 // Released meanwhile: nobody would return this permit.
                 let _ = app.backend.release(&name, begun.backend).await;
@@ -356,10 +376,18 @@ pub(crate) async fn acquire(
                 Answer::RetryAfter(after) => (Reason::Rate, after),
                 _ => (Reason::Queued, app.options.reask.min(wait.max(Duration::from_millis(100)))),
             };
+            let retry_after = come_back(&app, retry_after);
             let body = wire::NotYet::new(ticket, reason, millis(retry_after));
             Ok(not_yet(StatusCode::ACCEPTED, body, retry_after))
         }
     }
+}
+
+/// When a client whose ticket stays queued is told to ask again: `after`, but within half the
+/// queue grace, past which the sweep withdraws a ticket nobody asks about (a rate's wait may be
+/// longer: the client then asks again and is told again).
+fn come_back(app: &App, after: Duration) -> Duration {
+    after.min(app.options.queue_grace / 2)
 }
 
 /// Refresh a client's share of a leased limit (leased capacity): the client serves acquires
