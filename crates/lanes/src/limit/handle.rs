@@ -553,8 +553,10 @@ impl Limits {
         // releases until its lease ends. (Releasing a ticket that holds nothing does nothing.)
         let mut withdraw =
             Withdraw { backend: backend.clone(), name: Arc::from(name), ticket, armed: true };
-        let answer = backend.try_acquire(name, ticket, None).await?;
-        withdraw.armed = false;
+        let answer = backend.try_acquire(name, ticket, None).await;
+        // A refusal the backend decided (no such limit, a full line) left nothing.
+        withdraw.armed = matches!(answer, Err(LimitError::Backend(_)));
+        let answer = answer?;
         match answer {
             Answer::Granted(grant) => Ok(Permit::of_ticket(
                 Backend::Dyn(backend.clone()),
