@@ -493,12 +493,15 @@ pub enum Reason {
     Queued,
     /// A try found every permit held, or others waiting (429).
     Busy,
-    /// The ticket is served next, but the token bucket refills only after `retry_after_ms`.
+    /// The ticket is served next, but the token bucket has no token yet (a 202's
+    /// `retry_after_ms` is when to ask again, at most half the queue grace; a 429's is when
+    /// the bucket refills).
     Rate,
 }
 
-/// 202 to an acquire: not granted within `wait_ms`; the ticket stays queued. Sent with a
-/// `Retry-After` header (whole seconds, at least 1).
+/// 202 to an acquire: not granted within `wait_ms`; the ticket stays queued if its client asks
+/// again within the queue grace. `retry_after_ms` is at most half the grace; the `Retry-After`
+/// header is it in whole seconds, rounded down.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct NotYet {

@@ -187,10 +187,16 @@ fn refusal(limit: &str, refused: Refused) -> ApiError {
     }
 }
 
-/// A not-granted answer with its `Retry-After` header (whole seconds, at least 1) beside the
-/// JSON `retry_after_ms`.
+/// A not-granted answer with its `Retry-After` header (whole seconds) beside the JSON
+/// `retry_after_ms`. A 429's rounds up (at least 1: nothing is waiting for the client); a
+/// 202's rounds down, so that a client that comes back when told is back within the queue
+/// grace (`come_back`), which a whole second may pass.
 fn not_yet(status: StatusCode, body: impl Serialize, retry_after: Duration) -> Response {
-    let seconds = retry_after.as_millis().div_ceil(1000).max(1);
+    let millis = retry_after.as_millis();
+    let seconds = match status {
+        StatusCode::ACCEPTED => millis / 1000,
+        _ => millis.div_ceil(1000).max(1),
+    };
     (status, [("retry-after", seconds.to_string())], Json(body)).into_response()
 }
 
@@ -303,9 +309,13 @@ pub(crate) async fn acquire(
     // server) before the backend knew it, what the ask left there goes back now.
     in_flight.asked = true;
     if begun.fresh && !app.sessions().first_asked(&name, begun) {
-        // Whatever the outcome: an ask that failed after it queued (a check in its wait that
-        // found the backend out of reach) left the ticket there too.
-        let _ = app.backend.release(&name, begun.backend).await;
+        if outcome.is_ok() {
+            let _ = app.backend.release(&name, begun.backend).await;
+        } else {
+            // An ask that failed after it queued (a check in its wait that found the backend
+            // out of reach) left the ticket there too.
+            give_back_later(&app, &name, begun.backend);
+        }
         return Err(ApiError::finished(&name, ticket));
     }
     // Only this backend ticket's record changes: another under the same number (released and
@@ -320,7 +330,7 @@ pub(crate) async fn acquire(
                 // and a retry of the same ticket starts afresh. (A ticket the backend does not
                 // know is released as a no-op.)
                 let _ = app.sessions().forget(&body.client, &name, ticket, only);
-                let _ = app.backend.release(&name, begun.backend).await;
+                give_back_later(&app, &name, begun.backend);
             }
             return Err(ApiError::limit(&name, &err));
         }
@@ -381,6 +391,15 @@ pub(crate) async fn acquire(
             Ok(not_yet(StatusCode::ACCEPTED, body, retry_after))
         }
     }
+}
+
+/// Releases backend ticket `backend` of `name` in the background: after a failed ask, whose
+/// backend may be out of reach (its answer is not held up for another timeout).
+fn give_back_later(app: &Arc<App>, name: &str, backend: u64) {
+    let (app, name) = (app.clone(), name.to_owned());
+    tokio::spawn(async move {
+        let _ = app.backend.release(&name, backend).await;
+    });
 }
 
 /// When a client whose ticket stays queued is told to ask again: `after`, but within half the
