@@ -2264,3 +2264,24 @@ async fn an_ack_timeout_past_the_clocks_range_never_times_out() {
         receipt.deadline() > tokio::time::Instant::now() + Duration::from_secs(10 * 365 * 86_400)
     );
 }
+
+/// Review finding (stop 74): a channel closed (or never read) before a consumer was taken,
+/// whose handles then all went, took its queued records with it unrecorded: not counted
+/// dropped, their receipts timing out rather than settling dropped, and their part of the
+/// shared budget never given back (every later channel then short of it for good).
+#[tokio::test(start_paused = true)]
+async fn a_channel_gone_with_queued_records_drops_them_and_gives_its_budget_back() {
+    let channels = Channels::with_budget(4).unwrap();
+    let owned = channels.create::<u32>("a", ChannelConfig::new(4).owner("s")).unwrap();
+    let receipt = owned.emit_with_receipt(0).await.unwrap();
+    for n in 1..4 {
+        owned.try_emit(n).unwrap();
+    }
+    assert_eq!(channels.budget_used(), Some(4));
+    assert_eq!(channels.close_owner("s"), 1);
+    drop(owned);
+    assert_eq!(channels.budget_used(), Some(0), "the budget is given back");
+    assert_eq!(receipt.await, Settlement::Dropped);
+    let next = channels.create::<u32>("b", ChannelConfig::new(4)).unwrap();
+    assert!(next.try_emit(1).is_ok(), "a later channel has the budget");
+}

@@ -953,10 +953,27 @@ impl<T> ChannelShared<T> {
 
 impl<T> Drop for ChannelShared<T> {
     /// A channel that goes away unclosed (a registry's, whose handles are all gone) gives its
-    /// metrics what they lagged by.
+    /// metrics what they lagged by. Records still queued, with no consumer left to read them
+    /// (a channel closed, or never read, before a consumer was taken), are dropped as a
+    /// discarding close drops them: counted, their receipts settled, their part of a shared
+    /// budget given back.
     fn drop(&mut self) {
-        let emitted = spin_lock(&self.state).unpublished_emits(true);
+        let ((dropped, receipts), emitted) = {
+            let mut st = spin_lock(&self.state);
+            (st.core.close(true), st.unpublished_emits(true))
+        };
         self.publish_emitted(emitted);
+        if !dropped.is_empty() {
+            self.metrics.dropped.increment(dropped.len() as u64);
+            if let Some(budget) = &self.budget {
+                budget.release(dropped.len());
+                budget.wake_everyone();
+            }
+        }
+        for receipt in &receipts {
+            receipt.settle(Settlement::Dropped);
+        }
+        drop((dropped, receipts));
         self.publish_reads();
     }
 }
