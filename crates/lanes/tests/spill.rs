@@ -619,3 +619,37 @@ fn batch_acknowledges_only_what_its_sync_thread_made_durable() {
         rt.block_on(queue.close()).unwrap();
     }
 }
+
+/// Review finding (stop 74): a batch that spanned reads (here, two segments) and failed in a
+/// later read lost the records of the earlier ones: the reader's cursor had moved past them,
+/// and a commit of what it had read acknowledged records nobody was given.
+#[tokio::test]
+async fn a_batch_that_fails_partway_returns_what_it_read_and_skips_nothing() {
+    let storage = MemStorage::new();
+    let options = SpillOptions::default().max_record(1024).segment_size(4096);
+    let (queue, _) = SpillQueue::open_with(storage.clone(), options).await.unwrap();
+    let big = |i: u64| {
+        let mut data = record(i);
+        data.resize(1000, b'.');
+        data
+    };
+    for i in 0..10 {
+        queue.append(big(i)).await.unwrap();
+    }
+    let mut names: Vec<String> = spill::Storage::list(&storage)
+        .unwrap()
+        .into_iter()
+        .filter(|n| n.ends_with(".seg"))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 3, "{names:?}");
+    // The second segment's first record, damaged on disk after it was written.
+    storage.corrupt(&names[1], 16 + 12, b"damage");
+    let mut reader = queue.reader().unwrap();
+    let first = reader.try_next_batch(100).await.expect("the first segment's records");
+    assert!(!first.is_empty());
+    let got: Vec<Vec<u8>> = first.iter().map(|r| r.data().to_vec()).collect();
+    assert_eq!(got, (0..got.len() as u64).map(big).collect::<Vec<_>>());
+    let err = reader.try_next_batch(100).await.unwrap_err();
+    assert!(matches!(err, SpillError::Corrupt { .. }), "{err:?}");
+}

@@ -83,10 +83,18 @@ impl SpillReader {
     ///
     /// As for [`next_batch`](Self::next_batch), except that an empty queue is `Ok(vec![])`.
     pub async fn try_next_batch(&mut self, max: usize) -> Result<Vec<SpillRecord>, SpillError> {
-        let mut out = Vec::new();
-        while out.len() < max.max(1) {
-            let Some(plan) = self.plan() else {
-                break;
+        // Read ahead of the reader's own cursor, which moves (with the records to acknowledge)
+        // only when the records are returned: a batch that spans reads (a segment's end, a
+        // skipped region, the read size) and is cancelled, or fails, in a later read leaves
+        // its earlier records to the next call, not skipped.
+        let mut cursor = self.cursor;
+        let (mut out, mut taken) = (Vec::new(), Vec::new());
+        let failed = loop {
+            if out.len() >= max.max(1) {
+                break None;
+            }
+            let Some(plan) = self.plan(&mut cursor) else {
+                break None;
             };
             let storage = self.inner.storage.clone();
             let max_record = self.inner.options.max_record;
@@ -95,50 +103,65 @@ impl SpillReader {
                 read_frames(&*storage, &plan, want, max_record)
             })
             .await
-            .map_err(|_| SpillError::Closed)??;
-            if read.records.is_empty() && read.next == self.cursor {
-                break;
+            .map_err(|_| SpillError::Closed)
+            .and_then(|read| read);
+            let read = match read {
+                Ok(read) => read,
+                Err(err) => break Some(err),
+            };
+            if read.records.is_empty() && read.next == cursor {
+                break None;
             }
             for (data, end, len) in read.records {
-                self.unacked.push_back((end, len));
+                taken.push((end, len));
                 out.push(SpillRecord { data, end });
             }
-            self.cursor = read.next;
+            cursor = read.next;
+        };
+        match failed {
+            // Nothing read: the error is this call's. (Records read before it are returned,
+            // and the next call meets it again.)
+            Some(err) if out.is_empty() => Err(err),
+            _ => {
+                self.cursor = cursor;
+                self.unacked.extend(taken);
+                Ok(out)
+            }
         }
-        Ok(out)
     }
 
-    /// Where the next read goes, if there is anything to read.
-    fn plan(&mut self) -> Option<Plan> {
+    /// Where the next read from `cursor` goes, if there is anything to read (`cursor` moves
+    /// past acknowledged segments and skipped regions, which hold no record to read).
+    fn plan(&self, cursor: &mut Position) -> Option<Plan> {
         let shared = lock(&self.inner.shared);
         loop {
-            let extent = shared.extents.get(&self.cursor.segment);
+            let extent = shared.extents.get(&cursor.segment);
             let Some(extent) = extent else {
                 // The cursor's segment is gone (acknowledged) or not created yet.
-                let next = shared.extents.range(self.cursor.segment..).next()?;
-                self.cursor = Position::start_of(*next.0);
+                let next = shared.extents.range(cursor.segment..).next()?;
+                *cursor = Position::start_of(*next.0);
                 continue;
             };
             if let Some((_, end)) =
-                extent.skipped.iter().find(|(s, e)| (*s..*e).contains(&self.cursor.offset))
+                extent.skipped.iter().find(|(s, e)| (*s..*e).contains(&cursor.offset))
             {
-                self.cursor.offset = *end;
+                cursor.offset = *end;
                 continue;
             }
-            if self.cursor.offset < extent.valid_end {
+            if cursor.offset < extent.valid_end {
                 let to = extent
                     .skipped
                     .iter()
                     .map(|(s, _)| *s)
-                    .filter(|s| *s > self.cursor.offset)
+                    .filter(|s| *s > cursor.offset)
                     .min()
                     .unwrap_or(extent.valid_end)
                     .min(extent.valid_end);
-                return Some(Plan { segment: self.cursor.segment, from: self.cursor.offset, to });
+                return Some(Plan { segment: cursor.segment, from: cursor.offset, to });
             }
             // The end of this segment: move on if a later one exists.
-            let next = shared.extents.range(self.cursor.segment + 1..).next()?;
-            self.cursor = Position::start_of(*next.0);
+            let next = shared.extents.range(cursor.segment + 1..).next()?;
+            *cursor = Position::start_of(*next.0);
         }
     }
 
