@@ -883,6 +883,20 @@ impl<T> ChannelShared<T> {
         };
         // No emit comes after a close: the metric is given what it lagged by.
         self.publish_emitted(emitted);
+        self.drop_closed(dropped, receipts);
+        wake_all(wakers);
+        if let Some(consumer) = consumer {
+            consumer.wake();
+        }
+        self.settled_changed();
+        if !was_closed && let Some(home) = self.home.upgrade() {
+            home.forget(&self.name, (self as *const Self).cast());
+        }
+    }
+
+    /// Records a close took out of the queue: counted dropped, their receipts settled, their
+    /// part of a shared budget given back (its waiters woken).
+    fn drop_closed(&self, dropped: Vec<T>, receipts: Vec<Arc<ReceiptState>>) {
         self.metrics.dropped.increment(dropped.len() as u64);
         if let Some(budget) = &self.budget {
             budget.release(dropped.len());
@@ -892,14 +906,6 @@ impl<T> ChannelShared<T> {
             receipt.settle(Settlement::Dropped);
         }
         drop((dropped, receipts));
-        wake_all(wakers);
-        if let Some(consumer) = consumer {
-            consumer.wake();
-        }
-        self.settled_changed();
-        if !was_closed && let Some(home) = self.home.upgrade() {
-            home.forget(&self.name, (self as *const Self).cast());
-        }
     }
 
     pub(crate) fn is_closed(&self) -> bool {
@@ -964,16 +970,8 @@ impl<T> Drop for ChannelShared<T> {
         };
         self.publish_emitted(emitted);
         if !dropped.is_empty() {
-            self.metrics.dropped.increment(dropped.len() as u64);
-            if let Some(budget) = &self.budget {
-                budget.release(dropped.len());
-                budget.wake_everyone();
-            }
+            self.drop_closed(dropped, receipts);
         }
-        for receipt in &receipts {
-            receipt.settle(Settlement::Dropped);
-        }
-        drop((dropped, receipts));
         self.publish_reads();
     }
 }
