@@ -2285,3 +2285,25 @@ async fn a_channel_gone_with_queued_records_drops_them_and_gives_its_budget_back
     let next = channels.create::<u32>("b", ChannelConfig::new(4)).unwrap();
     assert!(next.try_emit(1).is_ok(), "a later channel has the budget");
 }
+
+/// Review finding (stop 74): a record refused because the spill queue was at its `max_bytes`
+/// said it was not full (`is_full` knew only the buffer's refusal).
+#[tokio::test]
+async fn a_full_spill_queue_is_a_full_channel() {
+    let options = SpillOptions::default().max_record(64).max_bytes(256).segment_size(4096);
+    let queue = SpillQueue::open_with(MemStorage::new(), options).await.unwrap().0;
+    let channel = Channel::new(
+        ChannelConfig::new(1).overflow(Overflow::spill(queue.clone(), BinaryCodec::new())),
+    )
+    .unwrap();
+    let mut refused = None;
+    for n in 0..100u64 {
+        if let Err(err) = channel.emit(n).await {
+            refused = Some(err);
+            break;
+        }
+    }
+    let err = refused.expect("the spill queue fills");
+    assert!(matches!(err, EmitError::Spill(_, SpillError::Full { .. })), "{err:?}");
+    assert!(err.is_full(), "{err:?}");
+}

@@ -39,9 +39,11 @@ impl<T> EmitError<T> {
         }
     }
 
-    /// Whether the channel was full.
+    /// Whether the channel was full: its buffer under [`Overflow::Block`](super::Overflow::Block),
+    /// or its spill queue at its `max_bytes` ([`SpillError::Full`]) under
+    /// [`Overflow::spill`](super::Overflow::spill).
     pub fn is_full(&self) -> bool {
-        matches!(self, Self::Full(_))
+        matches!(self, Self::Full(_) | Self::Spill(_, SpillError::Full { .. }))
     }
 
     /// Whether the channel was closed.
