@@ -34,6 +34,14 @@ async fn client(ns: &str) -> RedisLimits {
     })
 }
 
+/// A permit of `db`, granted from the share within 5 s (once a refresh has brought it one).
+async fn granted(limits: &Limits) -> lanes::Permit {
+    timeout(Duration::from_secs(5), limits.acquire("db", Priority::default()))
+        .await
+        .expect("granted from the share")
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_hammering_a_leased_limit_share_it_exactly_and_keep_it_busy() {
     let _alone = ONE_AT_A_TIME.lock().await;
@@ -194,10 +202,7 @@ async fn a_leased_limit_holding_nothing_is_removed_and_its_keeper_retires() {
     let redis = client(&ns).await;
     redis.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()).await.unwrap();
     let limits = Limits::with_backend(redis.clone());
-    let held = timeout(Duration::from_secs(5), limits.acquire("db", Priority::default()))
-        .await
-        .expect("granted from the share")
-        .unwrap();
+    let held = granted(&limits).await;
     // Once a refresh has told Redis of the permit, the limit is in use.
     sleep(LEASE / 2).await;
     let err = limits.remove("db").await;
@@ -236,8 +241,7 @@ async fn a_leased_limit_defined_again_is_kept_by_one_keeper() {
     let (a, b) = (client(&ns).await, client(&ns).await);
     a.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()).await.unwrap();
     let on_a = Limits::with_backend(a.clone());
-    let grant = || timeout(Duration::from_secs(5), on_a.acquire("db", Priority::default()));
-    drop(grant().await.expect("granted from the share").unwrap());
+    drop(granted(&on_a).await);
     // The old share's refreshes are numbered past the new one's first ones: Redis took the
     // new share's for stale, and its permits were lost at its end.
     sleep(LEASE * 3).await;
@@ -248,8 +252,7 @@ async fn a_leased_limit_defined_again_is_kept_by_one_keeper() {
     }
     // At once: the old keeper's next refresh finds the limit again.
     a.define_leased("db", LimitSpec::concurrent(2), SharePolicy::default()).await.unwrap();
-    let _held =
-        [grant().await.expect("granted").unwrap(), grant().await.expect("granted").unwrap()];
+    let _held = [granted(&on_a).await, granted(&on_a).await];
     // Removal is refused while this client's own share holds, before Redis hears of it (its
     // refreshes have said nothing is held so far).
     let refused = on_a.remove("db").await;
@@ -331,10 +334,7 @@ async fn a_leased_limits_line_is_bounded_by_max_waiters() {
     let redis = common::builder(&ns).lease(LEASE).max_waiters(2).build().await.unwrap();
     redis.define_leased("db", LimitSpec::concurrent(1), SharePolicy::default()).await.unwrap();
     let limits = Limits::with_backend(redis.clone());
-    let held = timeout(Duration::from_secs(5), limits.acquire("db", Priority::default()))
-        .await
-        .expect("granted once the share has the permit")
-        .unwrap();
+    let held = granted(&limits).await;
     let waiters: Vec<_> = (0..2)
         .map(|_| {
             let limits = limits.clone();
