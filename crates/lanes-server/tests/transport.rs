@@ -303,3 +303,37 @@ async fn readiness_follows_the_backend() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A release forgets the ticket, then gives the permit back to the backend (stop 74's note
+/// left this order as a risk). A client that gives up on the answer while Redis is frozen must
+/// not leave the permit held to its lease's end: the release still reaches Redis.
+#[tokio::test]
+async fn a_release_whose_client_gave_up_still_gives_the_permit_back() {
+    let redis = redis_common::DedicatedRedis::start();
+    let serve = Serve::start(&["--redis", &redis.url()]);
+    let c = reqwest::Client::new();
+    let call = |path: &str, body: Value| {
+        let request = c.post(serve.url(path)).json(&body).timeout(Duration::from_millis(300));
+        async move {
+            let response = request.send().await?;
+            let status = response.status().as_u16();
+            Ok::<_, reqwest::Error>((status, response.json::<Value>().await?))
+        }
+    };
+    let define = c.put(serve.url("/v1/limits/db")).json(&serde_json::json!({"concurrent": 1}));
+    assert_eq!(define.send().await.unwrap().status(), 200);
+    let ask = serde_json::json!({"client": "a", "ticket": 1, "lease_ms": 60_000});
+    let (status, granted) = call("/v1/limits/db/acquire", ask).await.unwrap();
+    assert_eq!(status, 200, "{granted}");
+    // Redis stops answering while the release is under way; the client gives up on it.
+    redis.pause();
+    let release = serde_json::json!({"client": "a", "ticket": 1});
+    let gave_up = call("/v1/limits/db/release", release.clone()).await;
+    assert!(gave_up.is_err(), "answered while Redis was frozen: {gave_up:?}");
+    redis.resume();
+    // The permit goes back: to b, waiting for it well within a's 60 s lease.
+    let other = serde_json::json!({"client": "b", "ticket": 2, "wait_ms": 5_000});
+    let waited = c.post(serve.url("/v1/limits/db/acquire")).json(&other).send().await.unwrap();
+    let status = waited.status().as_u16();
+    assert_eq!(status, 200, "a's permit is still held: {}", waited.text().await.unwrap());
+}

@@ -190,6 +190,22 @@ impl DedicatedRedis {
         }
     }
 
+    /// Freezes the server (SIGSTOP): connections stay open, nothing is answered.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Thaws a [`pause`](Self::pause)d server (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().expect("the server runs").id().to_string();
+        let status = Command::new("kill").args([signal, &pid]).status().expect("kill runs");
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+
     /// Kills the server (SIGKILL: nothing is saved).
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
