@@ -169,6 +169,23 @@ async fn a_segment_emptied_or_garbled_is_reported_as_lost_data() {
     }
 }
 
+/// Stop 74's note: a blank segment was added to `missing_ranges` after the gaps found before
+/// it, so the list was out of id order.
+#[tokio::test]
+async fn missing_ranges_are_listed_in_id_order() {
+    let dir = temp("ranges-order");
+    build(&dir).await;
+    let all = segments(&dir);
+    let id =
+        |path: &PathBuf| -> u64 { path.file_stem().unwrap().to_str().unwrap().parse().unwrap() };
+    std::fs::write(&all[1], vec![0xA5; 300]).unwrap();
+    std::fs::remove_file(&all[3]).unwrap();
+    let (code, out, json) = check(&dir, &[]);
+    assert_eq!(code, Some(3), "{out}");
+    let expected = serde_json::json!([[id(&all[1]), id(&all[1])], [id(&all[3]), id(&all[3])]]);
+    assert_eq!(json["missing_ranges"], expected, "{json}");
+}
+
 /// Review finding (stop 74): a repair (and every open) removed any file ending in `.tmp`, the
 /// operator's too; only the queue's own temporary files go.
 #[tokio::test]

@@ -191,9 +191,7 @@ pub(crate) fn recover(
         for &id in ids.iter().filter(|id| **id >= committed.segment) {
             if id > expected {
                 report.missing_segments += id - expected;
-                if report.missing_ranges.len() < 16 {
-                    report.missing_ranges.push((expected, id - 1));
-                }
+                report.missing_ranges.push((expected, id - 1));
             }
             expected = id.saturating_add(1);
         }
@@ -205,9 +203,7 @@ pub(crate) fn recover(
             for &id in &ids {
                 if id > expected {
                     report.missing_segments += id - expected;
-                    if report.missing_ranges.len() < 16 {
-                        report.missing_ranges.push((expected, id - 1));
-                    }
+                    report.missing_ranges.push((expected, id - 1));
                 }
                 expected = id + 1;
             }
@@ -221,9 +217,7 @@ pub(crate) fn recover(
             let from = present.saturating_add(1).max(committed.segment);
             if recorded >= from {
                 report.missing_segments += recorded - from + 1;
-                if report.missing_ranges.len() < 16 {
-                    report.missing_ranges.push((from, recorded));
-                }
+                report.missing_ranges.push((from, recorded));
             }
         }
     }
@@ -261,15 +255,7 @@ pub(crate) fn recover(
                 let named = !report.state_invalid && recorded_last.is_some_and(|last| id <= last);
                 if named {
                     report.missing_segments += 1;
-                    let ranges = &mut report.missing_ranges;
-                    match ranges.last_mut() {
-                        Some((_, to)) if *to + 1 == id => *to = id,
-                        _ => {
-                            if ranges.len() < 16 {
-                                ranges.push((id, id));
-                            }
-                        }
-                    }
+                    report.missing_ranges.push((id, id));
                 } else {
                     report.bad_segments += 1;
                     report.bad_segment_bytes += bytes.len() as u64;
@@ -436,8 +422,41 @@ pub(crate) fn recover(
         let last = recorded_last.unwrap_or(0).max(made);
         storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
     }
+    report.missing_ranges = first_ranges(std::mem::take(&mut report.missing_ranges));
     report.state_reset |= records_without_state;
     report.segments = segments.len();
     report.committed = Some(committed);
     Ok(Recovered { segments, committed, report })
+}
+
+/// The first 16 of `ranges` in id order, those that touch merged: gaps between the ids found
+/// and blank segments are found in two passes. (At most one range per segment file or gap, so
+/// the list before the cut is bounded by the directory.)
+fn first_ranges(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len().min(16));
+    for (from, to) in ranges {
+        let full = merged.len() == 16;
+        match merged.last_mut() {
+            Some((_, end)) if from <= end.saturating_add(1) => *end = (*end).max(to),
+            _ if full => break,
+            _ => merged.push((from, to)),
+        }
+    }
+    merged
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_ranges;
+
+    #[test]
+    fn missing_ranges_are_in_id_order_merged_and_cut_at_16() {
+        // A blank segment (3) is found after the gaps (5..=6, 8..=9); 4 touches both sides.
+        assert_eq!(first_ranges(vec![(5, 6), (8, 9), (3, 3), (4, 4)]), [(3, 6), (8, 9)]);
+        let many: Vec<(u64, u64)> = (0..40).rev().map(|i| (i * 10, i * 10 + 1)).collect();
+        let first = first_ranges(many);
+        assert_eq!((first.len(), first[0], first[15]), (16, (0, 1), (150, 151)));
+        assert_eq!(first_ranges(vec![(7, u64::MAX), (u64::MAX, u64::MAX)]), [(7, u64::MAX)]);
+    }
 }
