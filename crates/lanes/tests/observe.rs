@@ -285,10 +285,38 @@ fn a_closed_channel_publishes_every_emit() {
         }
         channel.abort();
     });
-    let closed = [("channel", "closed")];
-    for (name, want) in [("lanes_channel_emitted_total", 10), ("lanes_channel_dropped_total", 10)] {
-        assert_eq!(value(&snapshot, name, &closed), &DebugValue::Counter(want), "{name}");
-    }
+    let emitted = value(&snapshot, "lanes_channel_emitted_total", &[("channel", "closed")]);
+    assert_eq!(emitted, &DebugValue::Counter(10));
+    let labels = [("channel", "closed"), ("reason", "closed")];
+    let dropped = value(&snapshot, "lanes_channel_dropped_total", &labels);
+    assert_eq!(dropped, &DebugValue::Counter(10));
+}
+
+/// Stop 74's note: drop-newest, drop-oldest and a discarding close were counted in one series,
+/// so a dashboard could not tell records the overflow rule shed from records a close threw away.
+#[test]
+fn dropped_records_are_counted_by_reason() {
+    let snapshot = in_runtime(async {
+        for (name, overflow) in
+            [("newest", lanes::Overflow::DropNewest), ("oldest", lanes::Overflow::DropOldest)]
+        {
+            let channel = Channel::named(name, ChannelConfig::new(2).overflow(overflow)).unwrap();
+            for n in 0..5u32 {
+                let _ = channel.try_emit(n);
+            }
+            channel.abort();
+        }
+    });
+    let dropped = |channel: &str, reason: &str| {
+        let labels = [("channel", channel), ("reason", reason)];
+        value(&snapshot, "lanes_channel_dropped_total", &labels)
+    };
+    // Three shed by the rule, the two still queued thrown away by the abort.
+    assert_eq!(dropped("newest", "drop_newest"), &DebugValue::Counter(3));
+    assert_eq!(dropped("newest", "closed"), &DebugValue::Counter(2));
+    assert_eq!(dropped("oldest", "drop_oldest"), &DebugValue::Counter(3));
+    assert_eq!(dropped("oldest", "closed"), &DebugValue::Counter(2));
+    assert_eq!(dropped("newest", "drop_oldest"), &DebugValue::Counter(0));
 }
 
 /// A standalone channel named `name` (capacity 64) with `emit` records emitted at once, the

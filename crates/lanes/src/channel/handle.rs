@@ -248,7 +248,10 @@ impl<T> State<T> {
 pub(crate) struct ChannelMetrics {
     emitted: Contained<Counter>,
     delivered: Contained<Counter>,
-    dropped: Contained<Counter>,
+    /// `lanes_channel_dropped_total` by reason.
+    dropped_newest: Contained<Counter>,
+    dropped_oldest: Contained<Counter>,
+    dropped_closed: Contained<Counter>,
     spilled: Contained<Counter>,
     blocked_waits: Contained<Counter>,
     pub(crate) processed: Contained<Counter>,
@@ -260,10 +263,16 @@ impl ChannelMetrics {
         crate::observe::describe_once();
         let labels = [("channel", name.to_owned())];
         let counter = |name: &'static str| Contained(metrics::counter!(name, &labels));
+        let dropped = |reason: &'static str| {
+            let labels = [("channel", name.to_owned()), ("reason", reason.to_owned())];
+            Contained(metrics::counter!("lanes_channel_dropped_total", &labels))
+        };
         Self {
             emitted: counter("lanes_channel_emitted_total"),
             delivered: counter("lanes_channel_delivered_total"),
-            dropped: counter("lanes_channel_dropped_total"),
+            dropped_newest: dropped("drop_newest"),
+            dropped_oldest: dropped("drop_oldest"),
+            dropped_closed: dropped("closed"),
             spilled: counter("lanes_channel_spilled_total"),
             blocked_waits: counter("lanes_channel_blocked_waits_total"),
             processed: counter("lanes_channel_processed_total"),
@@ -508,12 +517,12 @@ impl<T> ChannelShared<T> {
                 let emitted = st.unpublished_emits(true);
                 drop(st);
                 self.publish_emitted(emitted);
-                self.metrics.dropped.increment(1);
+                self.metrics.dropped_newest.increment(1);
                 Pushed::DroppedNewest(entry)
             }
             Offer::DroppedOldest(oldest) => {
                 self.queued(st);
-                self.metrics.dropped.increment(1);
+                self.metrics.dropped_oldest.increment(1);
                 Pushed::DroppedOldest(oldest)
             }
             Offer::Spill(entry) => {
@@ -897,7 +906,7 @@ impl<T> ChannelShared<T> {
     /// Records a close took out of the queue: counted dropped, their receipts settled, their
     /// part of a shared budget given back (its waiters woken).
     fn drop_closed(&self, dropped: Vec<T>, receipts: Vec<Arc<ReceiptState>>) {
-        self.metrics.dropped.increment(dropped.len() as u64);
+        self.metrics.dropped_closed.increment(dropped.len() as u64);
         if let Some(budget) = &self.budget {
             budget.release(dropped.len());
             budget.wake_everyone();

@@ -49,6 +49,7 @@ const LANE_OUTCOME: &[&str] = &["lane_set", "lane", "outcome"];
 const LIMIT: &[&str] = &["limit"];
 const POOL: &[&str] = &["pool"];
 const CHANNEL: &[&str] = &["channel"];
+const CHANNEL_REASON: &[&str] = &["channel", "reason"];
 const SPILL: &[&str] = &["spill"];
 
 /// Every metric the library emits.
@@ -213,8 +214,9 @@ pub const METRICS: &[MetricName] = &[
     metric(
         "lanes_channel_dropped_total",
         Counter,
-        CHANNEL,
-        "Records dropped by the overflow rule.",
+        CHANNEL_REASON,
+        "Records dropped unread: reason drop_newest or drop_oldest (the overflow rule), or \
+         closed (still queued when the channel closed without draining, or went away).",
     ),
     metric("lanes_channel_spilled_total", Counter, CHANNEL, "Records written to the spill queue."),
     metric(
