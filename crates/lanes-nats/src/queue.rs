@@ -119,6 +119,56 @@ impl JetStreamOptions {
     }
 }
 
+/// Refuses a stream that could lose or duplicate records this queue acknowledged: see
+/// [`JetStreamQueue::open`].
+fn keeps_records(
+    config: &jetstream::stream::Config,
+    subject: &str,
+    options: &JetStreamOptions,
+) -> Result<(), SpillError> {
+    let refuse = |why: String| {
+        Err(SpillError::Remote(format!(
+            "stream {:?} cannot keep a queue's records: {why}",
+            config.name
+        )))
+    };
+    if config.retention != RetentionPolicy::WorkQueue {
+        return refuse(format!(
+            "its retention is {:?}, not WorkQueue (acknowledged records would stay, or go unread)",
+            config.retention
+        ));
+    }
+    if config.discard != DiscardPolicy::New {
+        return refuse("a full stream discards old records (discard policy Old)".to_owned());
+    }
+    if !config.max_age.is_zero() {
+        return refuse(format!("records expire after {:?} (max_age)", config.max_age));
+    }
+    if config.max_messages_per_subject > 0 {
+        return refuse(format!(
+            "at most {} records per subject, older ones discarded (max_messages_per_subject)",
+            config.max_messages_per_subject
+        ));
+    }
+    if config.storage != StorageType::File {
+        return refuse("records are kept in memory, lost when NATS restarts".to_owned());
+    }
+    if config.no_ack {
+        return refuse("publishes are not acknowledged (no_ack)".to_owned());
+    }
+    if !config.subjects.iter().any(|s| s == subject) {
+        return refuse(format!("its subjects {:?} do not include {subject:?}", config.subjects));
+    }
+    if config.duplicate_window < options.publish_timeout {
+        return refuse(format!(
+            "its duplicate window ({:?}) is shorter than the publish timeout ({:?}): a record \
+             published again would be stored twice",
+            config.duplicate_window, options.publish_timeout
+        ));
+    }
+    Ok(())
+}
+
 /// A durable queue of records in a NATS JetStream stream (see the [crate docs](crate)).
 ///
 /// - **Appends** ([`DurableQueue::enqueue`]) are published in order by one writer task, each
@@ -170,13 +220,20 @@ struct Batch {
 impl JetStreamQueue {
     /// Opens the queue kept in stream `stream`, creating it if missing (subject
     /// `lanes.queue.<stream>`, file storage, work-queue retention and these options' bounds).
-    /// An existing stream is used as it is: its settings are not compared with `options`.
+    ///
+    /// An existing stream (made by an operator, say) is used with its own bounds (`max_bytes`,
+    /// message counts, replicas), but only if it keeps what this queue promises: records stored
+    /// on file, kept until read and acknowledged (work-queue retention, no `max_age`, a full
+    /// stream refusing new records rather than discarding old ones, no per-subject limit, which
+    /// always discards), acknowledged publishes, the queue's subject, and a duplicate window at
+    /// least the publish timeout (a publish made again is dropped, not stored twice).
     ///
     /// # Errors
     ///
     /// [`SpillError::Remote`] for invalid options (a `max_record` that with [`HEADER_ROOM`]
-    /// exceeds the server's `max_payload` among them), or if JetStream cannot be reached or
-    /// refuses the stream (for instance one of that name with other settings).
+    /// exceeds the server's `max_payload` among them), for an existing stream that does not
+    /// keep records as above (the message names the setting), or if JetStream cannot be reached
+    /// or refuses the stream.
     pub async fn open(
         client: async_nats::Client,
         stream: &str,
@@ -210,7 +267,12 @@ impl JetStreamQueue {
             duplicate_window: options.duplicate_window,
             ..Default::default()
         };
-        context.get_or_create_stream(config).await.map_err(remote("open the stream"))?;
+        let opened =
+            context.get_or_create_stream(config).await.map_err(remote("open the stream"))?;
+        let config = &opened.cached_info().config;
+        keeps_records(config, &subject, &options)?;
+        // The bound a full stream reports: its own (an existing stream keeps its bounds).
+        let max_bytes = u64::try_from(config.max_bytes).unwrap_or(0);
         let room = Arc::new(Semaphore::new(options.max_in_flight));
         let (batches, receiver) = mpsc::unbounded_channel();
         let instance = instance_id();
@@ -228,7 +290,7 @@ impl JetStreamQueue {
         tokio::spawn(write(
             inner.context.clone(),
             inner.subject.clone(),
-            u64::try_from(inner.options.max_bytes).unwrap_or(0),
+            max_bytes,
             receiver,
         ));
         Ok(Self { inner })

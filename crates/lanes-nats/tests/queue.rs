@@ -435,3 +435,53 @@ async fn an_append_of_many_records_completes() {
     timeout(Duration::from_secs(30), appending).await.expect("the append completes").unwrap();
     assert_eq!(s.queue.stored().await.unwrap(), 6_000);
 }
+
+/// Review finding (stop 75): an existing stream was used as it was, so one made by an operator
+/// with settings that discard records lost appends the queue had acknowledged (a stream of at
+/// most 2 records, discarding old ones: the third append resolved `Ok`, and the first record
+/// was gone). Such a stream is now refused at open, naming the setting; one that keeps records
+/// opens with its own bounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_stream_that_would_lose_records_is_refused() {
+    use jetstream::stream::{Config, DiscardPolicy, RetentionPolicy, StorageType};
+    let js = jetstream::new(client().await);
+    let name = format!("LANES_Q_premade_{}", std::process::id());
+    let subject = format!("lanes.queue.{name}");
+    let keeps = Config {
+        name: name.clone(),
+        subjects: vec![subject.clone()],
+        retention: RetentionPolicy::WorkQueue,
+        discard: DiscardPolicy::New,
+        storage: StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        max_bytes: 64 * 1024,
+        ..Default::default()
+    };
+    let cases = [
+        (
+            Config { retention: RetentionPolicy::Limits, max_messages: 2, ..keeps.clone() },
+            "retention",
+        ),
+        (Config { discard: DiscardPolicy::Old, max_messages: 2, ..keeps.clone() }, "discard"),
+        (Config { max_age: Duration::from_secs(600), ..keeps.clone() }, "max_age"),
+        (Config { max_messages_per_subject: 2, ..keeps.clone() }, "max_messages_per_subject"),
+        (Config { storage: StorageType::Memory, ..keeps.clone() }, "memory"),
+        (Config { duplicate_window: Duration::from_secs(5), ..keeps.clone() }, "duplicate window"),
+        (Config { subjects: vec![format!("{subject}.other")], ..keeps.clone() }, "subjects"),
+    ];
+    for (config, setting) in cases {
+        let _ = js.delete_stream(&name).await;
+        js.create_stream(config).await.unwrap_or_else(|e| panic!("{setting}: {e}"));
+        let options = JetStreamOptions::default().publish_timeout(Duration::from_secs(30));
+        let opened = JetStreamQueue::open(client().await, &name, options).await;
+        let err = opened.map(drop).expect_err(setting);
+        assert!(matches!(err, SpillError::Remote(_)), "{setting}: {err}");
+        assert!(err.to_string().contains(setting), "{setting}: {err}");
+    }
+    let _ = js.delete_stream(&name).await;
+    js.create_stream(keeps).await.unwrap();
+    let queue = JetStreamQueue::open(client().await, &name, JetStreamOptions::default()).await;
+    let queue = queue.expect("a stream that keeps records opens");
+    queue.enqueue(&[b"kept"]).unwrap().await.unwrap();
+    js.delete_stream(&name).await.unwrap();
+}
