@@ -287,12 +287,7 @@ impl JetStreamQueue {
             batches,
             closed: AtomicBool::new(false),
         });
-        tokio::spawn(write(
-            inner.context.clone(),
-            inner.subject.clone(),
-            max_bytes,
-            receiver,
-        ));
+        tokio::spawn(write(inner.context.clone(), inner.subject.clone(), max_bytes, receiver));
         Ok(Self { inner })
     }
 
@@ -359,7 +354,7 @@ impl JetStreamQueue {
         // for a shorter `ack_wait` got the old one, silently).
         let consumer: PullConsumer =
             stream.create_consumer(config).await.map_err(remote("create the consumer"))?;
-        Ok(JetStreamReader { consumer, messages: None })
+        Ok(JetStreamReader { consumer })
     }
 }
 
@@ -561,36 +556,74 @@ async fn confirm(
 }
 
 /// A reader of a [`JetStreamQueue`]: a durable pull consumer with explicit acks.
+///
+/// Each [`next`](Self::next) asks the stream for one record: nothing is fetched ahead, so a
+/// record's `ack_wait` starts when it is handed out (a record fetched ahead would wait in the
+/// client's buffer with its clock running, and a slow reader would be given it again), and a
+/// reader buffers no records.
 pub struct JetStreamReader {
     consumer: PullConsumer,
-    messages: Option<pull::Stream>,
 }
 
+/// Below this, a call's wait asks the stream for a record only if it has one now: the server
+/// expires a pull request no sooner than about a millisecond.
+const SHORTEST_PULL: Duration = Duration::from_millis(10);
+
+/// How long past its wait a call still waits for the server's answer (a record, or the end of
+/// the request) before it gives up on it.
+const PULL_SLACK: Duration = Duration::from_secs(1);
+
 impl JetStreamReader {
-    /// The next record, waiting for one; `None` if none came within `wait`. A broken
-    /// subscription (NATS restarted) is opened again on the next call.
+    /// The next record, waiting for one; `None` if none came within `wait`.
+    ///
+    /// A call dropped while it waits (a timeout around it, say) may leave its request with the
+    /// server: a record the server sends it then is delivered again after `ack_wait`, with
+    /// [`Delivery::delivered`] counting the lost delivery.
     ///
     /// # Errors
     ///
     /// [`SpillError::Remote`] if JetStream cannot be reached.
     pub async fn next(&mut self, wait: Duration) -> Result<Option<Delivery>, SpillError> {
-        if self.messages.is_none() {
-            self.messages = Some(self.consumer.messages().await.map_err(remote("subscribe"))?);
-        }
-        let messages = self.messages.as_mut().expect("opened above");
-        match tokio::time::timeout(wait, messages.next()).await {
-            Err(_elapsed) => Ok(None),
-            Ok(Some(Ok(message))) => Ok(Some(Delivery { message })),
-            Ok(Some(Err(err))) => {
-                self.messages = None;
-                Err(SpillError::Remote(format!("read: {err}")))
-            }
-            Ok(None) => {
-                self.messages = None;
-                Ok(None)
+        let deadline = Instant::now() + wait.min(Duration::from_secs(86_400));
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let request = async {
+                if left < SHORTEST_PULL {
+                    self.consumer.fetch().max_messages(1).messages().await
+                } else {
+                    self.consumer.batch().max_messages(1).expires(left).messages().await
+                }
+            };
+            let bound = left + PULL_SLACK;
+            let mut batch = match tokio::time::timeout(bound, request).await {
+                Ok(batch) => batch.map_err(remote("ask for a record"))?,
+                Err(_elapsed) => {
+                    return Err(SpillError::Remote("ask for a record: no answer".to_owned()));
+                }
+            };
+            match tokio::time::timeout(bound, batch.next()).await {
+                Err(_) | Ok(None) => return Ok(None),
+                Ok(Some(Ok(message))) => return Ok(Some(Delivery { message })),
+                Ok(Some(Err(err))) if waiting_for_acks(&*err) => {
+                    // At `max_ack_pending`: nothing is handed out until a record is settled.
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                    tokio::time::sleep(left.min(ACKS_POLL)).await;
+                }
+                Ok(Some(Err(err))) => return Err(SpillError::Remote(format!("read: {err}"))),
             }
         }
     }
+}
+
+/// How often a reader at `max_ack_pending` asks again.
+const ACKS_POLL: Duration = Duration::from_millis(50);
+
+/// The server's answer to a request while the consumer has `max_ack_pending` records out.
+fn waiting_for_acks(err: &(dyn std::error::Error + Send + Sync)) -> bool {
+    let text = err.to_string();
+    text.contains("409") && text.contains("Ack")
 }
 
 impl fmt::Debug for JetStreamReader {

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use lanes::channel::{
@@ -484,4 +484,50 @@ async fn an_existing_stream_that_would_lose_records_is_refused() {
     let queue = queue.expect("a stream that keeps records opens");
     queue.enqueue(&[b"kept"]).unwrap().await.unwrap();
     js.delete_stream(&name).await.unwrap();
+}
+
+/// Review finding (stop 75): the reader pulled records 200 at a time, so `ack_wait` ran for
+/// records sitting in the client's buffer: a reader that took longer than `ack_wait` over one
+/// record was given the next ones again, though it acknowledged each as soon as it had it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_records_ack_wait_starts_when_it_is_handed_out() {
+    let s = stream("ackwait", JetStreamOptions::default()).await;
+    for n in 0..5u8 {
+        s.queue.enqueue(&[&[n]]).unwrap().await.unwrap();
+    }
+    let mut reader = s.queue.reader("r", Duration::from_secs(1), 100).await.unwrap();
+    let wait = Duration::from_secs(5);
+    let first = reader.next(wait).await.unwrap().unwrap();
+    // Slow over the first record: longer than `ack_wait` (it may be delivered again itself).
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let _ = first.ack().await;
+    let mut seen = Vec::new();
+    while let Some(delivery) = reader.next(Duration::from_millis(1_500)).await.unwrap() {
+        seen.push((delivery.payload()[0], delivery.delivered()));
+        delivery.ack().await.unwrap();
+        assert!(seen.len() <= 10, "{seen:?}");
+    }
+    let rest: Vec<(u8, i64)> = seen.into_iter().filter(|(n, _)| *n != 0).collect();
+    assert_eq!(rest, [(1, 1), (2, 1), (3, 1), (4, 1)], "each handed out once");
+    assert_eq!(s.queue.stored().await.unwrap(), 0);
+}
+
+/// A reader at `max_ack_pending` is handed nothing, without an error, until a record is
+/// settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_at_max_ack_pending_waits_for_a_settled_record() {
+    let s = stream("ackpending", JetStreamOptions::default()).await;
+    for n in 0..2u8 {
+        s.queue.enqueue(&[&[n]]).unwrap().await.unwrap();
+    }
+    let mut reader = s.queue.reader("r", Duration::from_secs(30), 1).await.unwrap();
+    let first = reader.next(Duration::from_secs(5)).await.unwrap().unwrap();
+    let started = Instant::now();
+    let none = reader.next(Duration::from_millis(400)).await.unwrap();
+    assert!(none.is_none(), "a second record past max_ack_pending");
+    assert!(started.elapsed() >= Duration::from_millis(350), "{:?}", started.elapsed());
+    first.ack().await.unwrap();
+    let second = reader.next(Duration::from_secs(5)).await.unwrap().expect("the next record");
+    assert_eq!(second.payload(), [1]);
+    second.ack().await.unwrap();
 }
