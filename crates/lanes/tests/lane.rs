@@ -1929,3 +1929,64 @@ async fn a_run_signal_a_job_kept_is_never_reused() {
     let kept = kept.lock().unwrap().take().expect("the first job kept its context");
     assert_eq!(kept.cancel_reason(), None, "the kept context belongs to an ended run only");
 }
+
+/// Review finding (stop 75): a finalizer that wrapped the failure in an error of its own (`?`
+/// into an app error holding the `RunFailure`) had its error attached to the very failure it
+/// held: the failure contained itself. Its `source()` chain never ended, `{:?}` overflowed the
+/// stack, and the failure and its causes leaked (an `Arc` cycle).
+#[tokio::test(start_paused = true)]
+async fn a_finalizer_that_wraps_the_failure_does_not_make_it_contain_itself() {
+    #[derive(Debug)]
+    struct App(RunFailure);
+    impl std::fmt::Display for App {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("the app's run failed")
+        }
+    }
+    impl std::error::Error for App {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+    /// The job's error, counting its drops: a failure that leaks never drops it.
+    #[derive(Debug)]
+    struct Counted(Arc<AtomicUsize>);
+    impl std::fmt::Display for Counted {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("job failed")
+        }
+    }
+    impl std::error::Error for Counted {}
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let lanes = set(&[("work", 1, 1)]);
+    let counted = Counted(dropped.clone());
+    let err = lanes
+        .run(
+            "work",
+            Run::typed(move |_| async move { Err::<u32, _>(counted) })
+                .finalizer(|outcome: Result<u32, RunFailure>| async move { outcome.map_err(App) }),
+        )
+        .unwrap()
+        .await
+        .unwrap_err();
+    assert_eq!(err.reason(), Reason::Job);
+    let mut depth = 0;
+    let mut at: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+    while let Some(e) = at.filter(|_| depth < 100) {
+        depth += 1;
+        at = e.source();
+    }
+    assert!(depth < 100, "the source chain cycles");
+    assert!(format!("{err:?}").len() < 100_000);
+    // The finalizer's error is still there for the caller to read.
+    let wrapped = err.attached_at(Stage::Finalization).expect("the finalizer's error");
+    assert_eq!(wrapped.cause().to_string(), "the app's run failed");
+    drop(err);
+    drop(lanes);
+    assert_eq!(dropped.load(Ordering::SeqCst), 1, "the failure and its cause are freed");
+}

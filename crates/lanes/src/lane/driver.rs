@@ -760,7 +760,7 @@ where
                 Err(err) => Err(t.failure(Stage::Terminal, Reason::Audit, Some(err))),
             },
             Err((stage, reason, cause)) => {
-                let fail = t.failure(stage, reason, cause);
+                let mut fail = t.failure(stage, reason, cause);
                 if stage != Stage::Start
                     && let Err(err) = t.audit(AuditKind::Failed { stage, reason }, &mut next).await
                 {
@@ -779,7 +779,7 @@ where
             (None, Ok(value)) => Ok(value),
             (None, Err(err)) => Err(t.failure(Stage::Finalization, Reason::Finalizer, Some(err))),
             (Some(fail), Ok(_)) => Err(fail),
-            (Some(fail), Err(err)) => {
+            (Some(mut fail), Err(err)) => {
                 // A finalizer that passes the failure on has not failed itself.
                 let same =
                     err.downcast_ref::<RunFailure>().is_some_and(|e| RunFailure::ptr_eq(e, &fail));
@@ -795,7 +795,7 @@ where
             let limit = t.shared.audit_timeout;
             let cleaned = bounded(Stage::Cleanup, limit, call_contained(*cleanup), &mut next).await;
             if let Err(err) = cleaned {
-                match &result {
+                match &mut result {
                     Err(fail) => fail.attach(Stage::Cleanup, err),
                     Ok(_) => result = Err(t.failure(Stage::Cleanup, Reason::Cleanup, Some(err))),
                 }

@@ -3,7 +3,7 @@
 use std::borrow::Cow;
 use std::error::Error;
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -296,10 +296,11 @@ impl Error for PoisonError {}
 ///
 /// Its [`source`](Error::source) is the next attached failure if there is one, else its own
 /// cause; [`cause`](AttachedError::cause) always gives its own cause.
+#[derive(Clone)]
 pub struct AttachedError {
     stage: Stage,
-    cause: BoxError,
-    next: OnceLock<Box<AttachedError>>,
+    cause: Arc<dyn Error + Send + Sync>,
+    next: Option<Box<AttachedError>>,
 }
 
 impl AttachedError {
@@ -319,7 +320,7 @@ impl fmt::Debug for AttachedError {
         f.debug_struct("AttachedError")
             .field("stage", &self.stage)
             .field("cause", &self.cause)
-            .field("next", &self.next.get())
+            .field("next", &self.next)
             .finish()
     }
 }
@@ -332,7 +333,7 @@ impl fmt::Display for AttachedError {
 
 impl Error for AttachedError {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
-        match self.next.get() {
+        match &self.next {
             Some(next) => Some(&**next),
             None => Some(&*self.cause),
         }
@@ -346,14 +347,15 @@ struct FailureInner {
     stage: Stage,
     reason: Reason,
     cause: Option<BoxError>,
-    attached: OnceLock<Box<AttachedError>>,
 }
 
 /// Why an owned run did not succeed.
 ///
 /// Cheap to clone: the finalizer and the caller hold the *same* failure
 /// ([`RunFailure::ptr_eq`]). Secondary failures that happen after the finalizer saw it (the
-/// finalizer's own error, a cleanup error) are attached to it, never replacing it.
+/// finalizer's own error, a cleanup error) are attached to the caller's, never replacing it;
+/// the finalizer's copy keeps the attachments it was given (so a finalizer's error that holds
+/// that copy, as `?` into an error of its own does, never makes the failure contain itself).
 ///
 /// Messages are constant and content-free: no job output, no panic payload, no cause text.
 /// Read the cause with [`cause`](RunFailure::cause) or through [`source`](Error::source).
@@ -366,6 +368,8 @@ struct FailureInner {
 #[derive(Clone)]
 pub struct RunFailure {
     inner: Arc<FailureInner>,
+    /// This copy's secondary failures, oldest first: a copy's own, not shared through `inner`.
+    attached: Option<Box<AttachedError>>,
 }
 
 impl RunFailure {
@@ -378,27 +382,18 @@ impl RunFailure {
         cause: Option<BoxError>,
     ) -> Self {
         Self {
-            inner: Arc::new(FailureInner {
-                run_id,
-                lane,
-                participation,
-                stage,
-                reason,
-                cause,
-                attached: OnceLock::new(),
-            }),
+            inner: Arc::new(FailureInner { run_id, lane, participation, stage, reason, cause }),
+            attached: None,
         }
     }
 
-    /// Attaches a secondary failure at the end of the chain.
-    pub(crate) fn attach(&self, stage: Stage, cause: BoxError) {
-        let attached = Box::new(AttachedError { stage, cause, next: OnceLock::new() });
-        let mut slot = &self.inner.attached;
-        while let Some(existing) = slot.get() {
-            slot = &existing.next;
+    /// Attaches a secondary failure at the end of this copy's chain.
+    pub(crate) fn attach(&mut self, stage: Stage, cause: BoxError) {
+        let mut slot = &mut self.attached;
+        while let Some(existing) = slot {
+            slot = &mut existing.next;
         }
-        // The driver is the only writer and attaches sequentially, so the tail is free.
-        let _ = slot.set(attached);
+        *slot = Some(Box::new(AttachedError { stage, cause: Arc::from(cause), next: None }));
     }
 
     /// The failed run.
@@ -444,9 +439,7 @@ impl RunFailure {
 
     /// The secondary failures attached so far, in the order they happened.
     pub fn attached(&self) -> impl Iterator<Item = &AttachedError> {
-        std::iter::successors(self.inner.attached.get().map(|b| &**b), |a| {
-            a.next.get().map(|b| &**b)
-        })
+        std::iter::successors(self.attached.as_deref(), |a| a.next.as_deref())
     }
 
     /// The attached failure of `stage`, if any.
@@ -469,7 +462,7 @@ impl fmt::Debug for RunFailure {
             .field("stage", &self.inner.stage)
             .field("reason", &self.inner.reason)
             .field("cause", &self.inner.cause)
-            .field("attached", &self.inner.attached.get())
+            .field("attached", &self.attached)
             .finish()
     }
 }
@@ -489,7 +482,7 @@ impl fmt::Display for RunFailure {
 
 impl Error for RunFailure {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
-        match self.inner.attached.get() {
+        match &self.attached {
             Some(attached) => Some(&**attached),
             None => self.inner.cause.as_deref().map(|c| c as &(dyn Error + 'static)),
         }
