@@ -1990,3 +1990,39 @@ async fn a_finalizer_that_wraps_the_failure_does_not_make_it_contain_itself() {
     drop(lanes);
     assert_eq!(dropped.load(Ordering::SeqCst), 1, "the failure and its cause are freed");
 }
+
+/// Review finding (stop 75): a run cancelled while queued (its handle dropped) was granted the
+/// slot that freed right after, and started its job all the same, failing at execution. Here
+/// both happen in one poll of the run before it: its job drops the queued run's handle, and
+/// its end frees the slot.
+#[tokio::test(start_paused = true)]
+async fn a_run_cancelled_while_queued_never_starts_though_a_slot_frees_at_once() {
+    let lanes = set(&[("work", 1, 1)]);
+    let gate = Gate::new();
+    let (log, finals) = (Arc::new(Mutex::new(Vec::new())), Finals::default());
+    let queued: Arc<Mutex<Option<RunHandle<u32>>>> = Arc::default();
+    let first = {
+        let (gate, queued) = (gate.clone(), queued.clone());
+        Run::typed(move |_cx| async move {
+            gate.wait().await;
+            drop(queued.lock().unwrap().take());
+            Res::Ok(1)
+        })
+    };
+    let first = lanes.run("work", first).unwrap();
+    let second = lanes.run("work", gated(2, &gate, &log, &finals)).unwrap();
+    *queued.lock().unwrap() = Some(second);
+    settle().await;
+    gate.open();
+    assert_eq!(first.await.unwrap(), 1);
+    settle().await;
+    assert!(log.lock().unwrap().is_empty(), "the cancelled run's job started");
+    let failures = finals.failures();
+    assert_eq!(failures.len(), 1);
+    assert_eq!((failures[0].stage(), failures[0].reason()), (Stage::Queue, Reason::Canceled));
+    // The slot went on: the lane is free.
+    assert_eq!(lanes.run("work", gated(3, &gate, &log, &finals)).unwrap().await.unwrap(), 3);
+    let work = &lanes.snapshot().lanes[0];
+    assert_eq!((work.admitted, work.completed, work.failed.canceled), (3, 2, 1));
+    assert_eq!((work.executing, work.queued, work.owned), (0, 0, 0));
+}

@@ -703,7 +703,9 @@ where
                         // cancelled between its grant and its start (`RunSignal::wake_driver`)
                         // starts all the same, as a run the shut found executing, and reads the
                         // cancellation there.
-                        Decision::Granted(slot) => (Ok((slot, None)), since),
+                        Decision::Granted(slot) => {
+                            (granted(&t, slot).map(|slot| (slot, None)), since)
+                        }
                         _ => (await_grant(&t, seq, deadline).await.map(|slot| (slot, None)), since),
                     },
                     // Boxed: most runs name no limit, and their state machine stays small.
@@ -889,7 +891,7 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
         Shut::Poisoned => Err((Stage::Queue, Reason::Poisoned, t.shared.poison_error())),
     };
     let reason = match woke {
-        Woke::Decided(Decision::Granted(slot)) => return Ok(slot),
+        Woke::Decided(Decision::Granted(slot)) => return granted(t, slot),
         Woke::Decided(Decision::Shut(why)) => return shut_failure(why),
         Woke::Decided(Decision::Waiting) => unreachable!("only decisions wake the queue wait"),
         Woke::Cancelled(reason) => reason,
@@ -925,17 +927,35 @@ async fn await_grant(t: &Ticket, seq: u64, deadline: Option<Instant>) -> Result<
     .await;
     match decided {
         Decision::Shut(why) => shut_failure(why),
-        // Granted at the same time: give the slot back (to the next queued run, which starts
-        // when `Next` is dropped here), the job never started.
+        // Granted at the same time: give the slot back, the job never started.
         Decision::Granted(slot) => {
-            // Its waker goes first, as after a job: the lane keeps the signal for a later run.
-            signal.forget_driver();
-            t.holds.set(Holds::Nothing);
-            drop(t.shared.release_execution(t.info.lane, slot, Some(t.signal().home())));
+            give_back(t, slot);
             Err((Stage::Queue, reason, cause))
         }
         Decision::Waiting => unreachable!("the wait ends on a decision"),
     }
+}
+
+/// A queued run's grant of `slot`, read: the slot, unless the run's handle was dropped before
+/// the grant was read (a grant does not look at cancellation: the run that frees a slot may
+/// have dropped this run's handle in the same poll). Then the slot goes back and the run fails
+/// in the queue, as the handle's docs say: its job never starts. (A shut's cancellation is read
+/// once executing, as for a run the shut found executing.)
+fn granted(t: &Ticket, slot: usize) -> Result<usize, Failed> {
+    if t.signal().cancel_reason() == Some(Reason::Canceled) {
+        give_back(t, slot);
+        return Err((Stage::Queue, Reason::Canceled, None));
+    }
+    Ok(slot)
+}
+
+/// Gives back the slot a queued run was granted but will not use (to the next queued run,
+/// which starts when `Next` is dropped here).
+fn give_back(t: &Ticket, slot: usize) {
+    // Its waker goes first, as after a job: the lane keeps the signal for a later run.
+    t.signal().forget_driver();
+    t.holds.set(Holds::Nothing);
+    drop(t.shared.release_execution(t.info.lane, slot, Some(t.signal().home())));
 }
 
 /// Waits for the run's permit holding no execution slot (the fusee rule: a run that waits on a
