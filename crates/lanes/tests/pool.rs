@@ -1097,3 +1097,112 @@ async fn a_tracked_submit_dropped_while_waiting_forgets_its_key() {
         .unwrap()
         .unwrap();
 }
+
+/// A tracked dispatcher whose `on_complete` records `"done:<item>"` after awaiting 5 ms.
+async fn slow_completing(
+    rx: tokio::sync::mpsc::UnboundedReceiver<Result<String, lanes::BoxError>>,
+    completed: &Arc<Mutex<Vec<String>>>,
+) -> Dispatcher<String> {
+    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
+    let completed = completed.clone();
+    Dispatcher::builder()
+        .workers(1)
+        .queue_size(8)
+        .completion(
+            source,
+            |item: &String| item.clone(),
+            move |item: String| {
+                let completed = completed.clone();
+                async move {
+                    sleep(Duration::from_millis(5)).await;
+                    completed.lock().unwrap().push(item);
+                    Res::Ok(())
+                }
+            },
+        )
+        .build(|_: String| async { Res::Ok(()) })
+        .await
+        .unwrap()
+}
+
+/// Review finding (stop 75): a tracked dispatcher dropped (or stopped, or drained) while the
+/// last item's `on_complete` ran aborted the watch in the middle of it: the item had left the
+/// tracked set, so the watch looked idle. The callback now runs to its end first.
+#[tokio::test(start_paused = true)]
+async fn the_watch_ends_after_a_running_on_complete_not_in_it() {
+    for how in ["drop", "stop", "drained"] {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let completed = Arc::new(Mutex::new(Vec::new()));
+        let tracked = slow_completing(rx, &completed).await;
+        tracked.submit("a".to_owned()).unwrap();
+        settle().await;
+        tx.send(Ok("a".to_owned())).unwrap();
+        settle().await; // `on_complete("a")` is under way, at its sleep
+        match how {
+            "drop" => drop(tracked),
+            "stop" => tracked.stop(Duration::from_secs(1)).await.unwrap(),
+            _ => {
+                tracked.close();
+                tracked.drained().await;
+            }
+        }
+        sleep(Duration::from_millis(10)).await;
+        settle().await;
+        assert_eq!(*completed.lock().unwrap(), ["a"], "{how}: on_complete ran to its end");
+        assert!(tx.is_closed(), "{how}: the watch ended after it");
+    }
+}
+
+/// Review finding (stop 75): a waiting tracked submit dropped after a signal had taken its
+/// key, and another submit had registered the key again, forgot the other's registration: its
+/// signal then counted as untracked, and its `on_complete` never ran.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_submit_forgets_only_its_own_registration() {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
+    let (gate, completed) = (Gate::new(), Arc::new(Mutex::new(Vec::new())));
+    let dispatcher = {
+        let (gate, completed) = (gate.clone(), completed.clone());
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(1)
+            .completion(
+                source,
+                |item: &String| item.clone(),
+                move |item: String| {
+                    completed.lock().unwrap().push(item);
+                    async { Res::Ok(()) }
+                },
+            )
+            .max_tracked(4)
+            .build(move |_: String| {
+                let gate = gate.clone();
+                async move {
+                    gate.wait().await;
+                    Res::Ok(())
+                }
+            })
+            .await
+            .unwrap()
+    };
+    dispatcher.submit("a".to_owned()).unwrap();
+    settle().await; // the worker holds "a" at the gate
+    dispatcher.submit("b".to_owned()).unwrap();
+    let mut first = Box::pin(dispatcher.submit_wait("c".to_owned()));
+    assert!(timeout(Duration::ZERO, &mut first).await.is_err(), "c waits for room");
+    // A signal for "c" takes the first registration; a second submit registers "c" again.
+    tx.send(Ok("c".to_owned())).unwrap();
+    settle().await;
+    let mut second = Box::pin(dispatcher.submit_wait("c".to_owned()));
+    assert!(timeout(Duration::ZERO, &mut second).await.is_err(), "the second c waits too");
+    drop(first);
+    assert_eq!(dispatcher.tracked(), 3, "the second c's registration stays");
+    gate.open();
+    timeout(Duration::from_secs(1), second).await.unwrap().unwrap();
+    settle().await;
+    tx.send(Ok("c".to_owned())).unwrap();
+    settle().await;
+    assert_eq!(*completed.lock().unwrap(), ["c", "c"], "the second c completed too");
+    assert_eq!(dispatcher.snapshot().completion.unwrap().untracked, 0);
+    dispatcher.stop(Duration::from_secs(5)).await.unwrap();
+}

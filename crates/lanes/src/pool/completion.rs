@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use futures_core::Stream;
 use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
 use crate::util::{CatchPanic, FastMap, call_contained, drop_contained, lock};
@@ -46,8 +47,19 @@ pub struct CompletionSnapshot {
 
 type OnComplete<T> = Box<dyn Fn(T) -> BoxFuture<'static, Result<(), BoxError>> + Send + Sync>;
 
+/// The tracked items, and the completions under way.
+struct Items<T> {
+    /// Each item with the number of its registration ([`Tracker::track`]).
+    map: FastMap<String, (u64, T)>,
+    /// The next registration's number.
+    next: u64,
+    /// Signals whose item left `map` and whose `on_complete` is still running: the watch of an
+    /// orphaned tracker ends only once none is (it would cut the callback short).
+    running: usize,
+}
+
 pub(crate) struct Tracker<T> {
-    items: Mutex<FastMap<String, T>>,
+    items: Mutex<Items<T>>,
     pub(crate) max: usize,
     pub(crate) key_of: Box<dyn Fn(&T) -> String + Send + Sync>,
     /// Tracked items are clones: the original goes to the process function.
@@ -57,6 +69,9 @@ pub(crate) struct Tracker<T> {
     on_error: Option<Arc<dyn Fn(BoxError) + Send + Sync>>,
     status: Mutex<CompletionSnapshot>,
     watcher: Mutex<Option<AbortHandle>>,
+    /// Asks the watcher to end between signals ([`stop_watching`](Self::stop_watching)): a
+    /// stored permit, so one asked while an `on_complete` runs is read after it.
+    stop: Notify,
     /// Its dispatcher was dropped: the watch ends once no item is tracked.
     orphaned: std::sync::atomic::AtomicBool,
 }
@@ -78,15 +93,29 @@ impl<T> Tracker<T> {
     /// tracked now have completed (at once if none is).
     pub(crate) fn orphan(&self) {
         self.orphaned.store(true, std::sync::atomic::Ordering::Release);
-        if lock(&self.items).is_empty() {
+        if lock(&self.items).is_idle() {
             self.stop_watching();
         }
     }
 
+    /// Ends the watch between signals: an `on_complete` under way runs to its end first.
     pub(crate) fn stop_watching(&self) {
+        self.stop.notify_one();
+    }
+
+    /// Ends the watch at once (an abort, or a dispatcher that failed to build): an
+    /// `on_complete` under way is cut at its next await.
+    pub(crate) fn abort_watching(&self) {
         if let Some(watcher) = lock(&self.watcher).take() {
             watcher.abort();
         }
+    }
+}
+
+impl<T> Items<T> {
+    /// Nothing tracked, no `on_complete` running.
+    fn is_idle(&self) -> bool {
+        self.map.is_empty() && self.running == 0
     }
 }
 
@@ -109,7 +138,7 @@ impl<T: Send + 'static> Tracker<T> {
             Box::pin(async move { fut.await.map_err(Into::into) })
         });
         Self {
-            items: Mutex::new(FastMap::default()),
+            items: Mutex::new(Items { map: FastMap::default(), next: 0, running: 0 }),
             max,
             key_of,
             clone_item,
@@ -119,31 +148,43 @@ impl<T: Send + 'static> Tracker<T> {
             status: Mutex::new(CompletionSnapshot { max_tracked: max, ..Default::default() }),
             orphaned: std::sync::atomic::AtomicBool::new(false),
             watcher: Mutex::new(None),
+            stop: Notify::new(),
         }
     }
 
-    /// Registers `item` under `key` before it is enqueued.
-    pub(crate) fn track(&self, key: String, item: T) -> Result<(), Untracked> {
+    /// Registers `item` under `key` before it is enqueued: the registration's number, for
+    /// [`forget`](Self::forget).
+    pub(crate) fn track(&self, key: String, item: T) -> Result<u64, Untracked> {
         let mut items = lock(&self.items);
-        if items.contains_key(&key) {
+        if items.map.contains_key(&key) {
             return Err(Untracked::Duplicate);
         }
-        if items.len() >= self.max {
+        if items.map.len() >= self.max {
             return Err(Untracked::Full);
         }
-        items.insert(key, item);
-        Ok(())
+        let number = items.next;
+        items.next += 1;
+        items.map.insert(key, (number, item));
+        Ok(number)
     }
 
-    /// Rolls a registration back (the submit was refused).
-    pub(crate) fn forget(&self, key: &str) {
-        let removed = lock(&self.items).remove(key);
+    /// Rolls registration `number` of `key` back (the submit was refused), if it is still
+    /// there: a signal may have taken it meanwhile, and another submit registered the key
+    /// again, whose registration is not this one's to forget.
+    pub(crate) fn forget(&self, key: &str, number: u64) {
+        let removed = {
+            let mut items = lock(&self.items);
+            match items.map.get(key) {
+                Some((registered, _)) if *registered == number => items.map.remove(key),
+                _ => None,
+            }
+        };
         drop_contained(removed);
     }
 
     pub(crate) fn snapshot(&self) -> CompletionSnapshot {
         let mut status = lock(&self.status).clone();
-        status.tracked = lock(&self.items).len();
+        status.tracked = lock(&self.items).map.len();
         status
     }
 
@@ -160,13 +201,20 @@ impl<T: Send + 'static> Tracker<T> {
             let mut backoff = Duration::from_millis(50);
             loop {
                 if let Some(watch) = stream.take() {
-                    let broke = tracker.consume(watch).await;
+                    let Some(broke) = tracker.consume(watch).await else { return };
                     tracker.broken(broke);
                     backoff = Duration::from_millis(50);
                 }
-                tokio::time::sleep(backoff).await;
+                let watched = async {
+                    tokio::time::sleep(backoff).await;
+                    source.watch().await
+                };
+                let watched = tokio::select! {
+                    () = tracker.stop.notified() => return,
+                    watched = watched => watched,
+                };
                 backoff = (backoff * 2).min(Duration::from_secs(5));
-                match source.watch().await {
+                match watched {
                     Ok(watch) => {
                         lock(&tracker.status).broken = None;
                         stream = Some(watch);
@@ -178,19 +226,29 @@ impl<T: Send + 'static> Tracker<T> {
         *lock(&self.watcher) = Some(handle.abort_handle());
     }
 
-    /// Consumes signals until the watch breaks; returns why.
-    async fn consume(&self, mut watch: CompletionStream) -> BoxError {
+    /// Consumes signals until the watch breaks (why), or it is asked to stop (`None`).
+    async fn consume(&self, mut watch: CompletionStream) -> Option<BoxError> {
         loop {
-            match poll_fn(|cx| watch.as_mut().poll_next(cx)).await {
+            let next = tokio::select! {
+                () = self.stop.notified() => return None,
+                next = poll_fn(|cx| watch.as_mut().poll_next(cx)) => next,
+            };
+            match next {
                 Some(Ok(key)) => self.complete(&key).await,
-                Some(Err(err)) => return err,
-                None => return "the completion watch ended".into(),
+                Some(Err(err)) => return Some(err),
+                None => return Some("the completion watch ended".into()),
             }
         }
     }
 
     async fn complete(&self, key: &str) {
-        let Some(item) = lock(&self.items).remove(key) else {
+        let removed = {
+            let mut items = lock(&self.items);
+            let removed = items.map.remove(key);
+            items.running += usize::from(removed.is_some());
+            removed
+        };
+        let Some((_, item)) = removed else {
             lock(&self.status).untracked += 1;
             return;
         };
@@ -205,10 +263,14 @@ impl<T: Send + 'static> Tracker<T> {
         if let (Err(err), Some(on_error)) = (result, &self.on_error) {
             let _ = call_contained(|| on_error(err));
         }
-        if self.orphaned.load(std::sync::atomic::Ordering::Acquire) && lock(&self.items).is_empty()
-        {
-            // Its dispatcher was dropped and this was the last item: the watch ends (at its
-            // next await; this item's `on_complete` has run to its end).
+        let idle = {
+            let mut items = lock(&self.items);
+            items.running -= 1;
+            items.is_idle()
+        };
+        if idle && self.orphaned.load(std::sync::atomic::Ordering::Acquire) {
+            // Its dispatcher was dropped and this was the last item: the watch ends (this
+            // item's `on_complete` has run to its end).
             self.stop_watching();
         }
     }
@@ -231,6 +293,6 @@ impl<T: Send + 'static> Tracker<T> {
 
     /// How many items wait for their signal (for tests and the snapshot).
     pub(crate) fn tracked(&self) -> usize {
-        lock(&self.items).len()
+        lock(&self.items).map.len()
     }
 }

@@ -128,8 +128,8 @@ impl<T: Send + 'static> Dispatcher<T> {
         // room still matches; forgotten if the item is not enqueued, refused or dropped while
         // it waits (the guard).
         let key = (tracker.key_of)(&item);
-        let item = Self::register(tracker, &key, item)?;
-        let mut registered = Registered { tracker, key: Some(key) };
+        let (item, number) = Self::register(tracker, &key, item)?;
+        let mut registered = Registered { tracker, key: Some((key, number)) };
         let submitted = handle::submit_wait(&*self.core, item).await;
         if submitted.is_ok() {
             registered.key = None;
@@ -144,25 +144,28 @@ impl<T: Send + 'static> Dispatcher<T> {
         submit: impl FnOnce(&dyn Core<T>, T) -> Result<(), SubmitError<T>>,
     ) -> Result<(), SubmitError<T>> {
         let key = (tracker.key_of)(&item);
-        let item = Self::register(tracker, &key, item)?;
+        let (item, number) = Self::register(tracker, &key, item)?;
         let submitted = submit(&*self.core, item);
         if submitted.is_err() {
-            tracker.forget(&key);
+            tracker.forget(&key, number);
         }
         submitted
     }
 
-    /// Registers a clone of `item` under `key` (before it is enqueued), handing the item back.
-    fn register(tracker: &Tracker<T>, key: &str, item: T) -> Result<T, SubmitError<T>> {
+    /// Registers a clone of `item` under `key` (before it is enqueued), handing the item back
+    /// with the registration's number.
+    fn register(tracker: &Tracker<T>, key: &str, item: T) -> Result<(T, u64), SubmitError<T>> {
         match tracker.track(key.to_owned(), (tracker.clone_item)(&item)) {
-            Ok(()) => Ok(item),
+            Ok(number) => Ok((item, number)),
             Err(Untracked::Duplicate) => Err(SubmitError::DuplicateKey(item)),
             Err(Untracked::Full) => Err(SubmitError::TrackingFull(item)),
         }
     }
 
     /// Stops accepting and waits up to `timeout` for every accepted item to be processed, then
-    /// stops completion tracking. Idempotent; safe to call again after a timeout.
+    /// stops completion tracking (an `on_complete` under way runs to its end; items still
+    /// waiting for their signal are no longer tracked). Idempotent; safe to call again after a
+    /// timeout.
     ///
     /// # Cancel safety
     ///
@@ -186,7 +189,7 @@ impl<T: Send + 'static> Dispatcher<T> {
     pub fn abort(&self) -> AbortReport {
         let report = self.core.abort();
         if let Some(tracker) = &self.tracker {
-            tracker.stop_watching();
+            tracker.abort_watching();
         }
         report
     }
@@ -412,13 +415,14 @@ impl<T> fmt::Debug for DispatcherBuilder<T> {
 /// item was refused, or the submit's future dropped while it waited).
 struct Registered<'a, T: Send + 'static> {
     tracker: &'a Tracker<T>,
-    key: Option<String>,
+    /// The key and the registration's number.
+    key: Option<(String, u64)>,
 }
 
 impl<T: Send + 'static> Drop for Registered<'_, T> {
     fn drop(&mut self) {
-        if let Some(key) = self.key.take() {
-            self.tracker.forget(&key);
+        if let Some((key, number)) = self.key.take() {
+            self.tracker.forget(&key, number);
         }
     }
 }
@@ -475,7 +479,7 @@ impl<T: Send + 'static> TrackedDispatcherBuilder<T> {
         tracker.spawn_watcher(self.source, first);
         let built = self.inner.finish(process, Some(tracker.clone()));
         if built.is_err() {
-            tracker.stop_watching();
+            tracker.abort_watching();
         }
         Ok(built?)
     }
