@@ -1206,3 +1206,34 @@ async fn a_dropped_submit_forgets_only_its_own_registration() {
     assert_eq!(dispatcher.snapshot().completion.unwrap().untracked, 0);
     dispatcher.stop(Duration::from_secs(5)).await.unwrap();
 }
+
+/// Review finding (stop 75): a tracking refusal (`DuplicateKey`, `TrackingFull`) left the
+/// `rejected` counter still, though `PoolStats` counts it, and a stopped tracked dispatcher
+/// answered a tracking error instead of `Stopped`: a producer retrying "full" spun for good.
+#[tokio::test(start_paused = true)]
+async fn tracking_refusals_are_counted_and_a_stopped_dispatcher_says_stopped() {
+    let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
+    let dispatcher = Dispatcher::builder()
+        .workers(1)
+        .queue_size(4)
+        .completion(source, |item: &String| item.clone(), |_: String| async { Res::Ok(()) })
+        .max_tracked(1)
+        .build(|_: String| async { Res::Ok(()) })
+        .await
+        .unwrap();
+    dispatcher.submit("a".to_owned()).unwrap();
+    let full = dispatcher.submit("b".to_owned()).unwrap_err();
+    assert!(matches!(full, SubmitError::TrackingFull(_)), "{full:?}");
+    let twice = dispatcher.submit_wait("a".to_owned()).await.unwrap_err();
+    assert!(matches!(twice, SubmitError::DuplicateKey(_)), "{twice:?}");
+    assert_eq!(dispatcher.stats().rejected, 2, "each tracking refusal counted");
+    dispatcher.stop(Duration::from_secs(1)).await.unwrap();
+    for item in ["a", "b"] {
+        let refused = dispatcher.submit(item.to_owned()).unwrap_err();
+        assert!(matches!(refused, SubmitError::Stopped(_)), "{item}: {refused:?}");
+    }
+    let refused = dispatcher.submit_wait("a".to_owned()).await.unwrap_err();
+    assert!(matches!(refused, SubmitError::Stopped(_)), "{refused:?}");
+    assert_eq!(dispatcher.stats().rejected, 5);
+}

@@ -127,8 +127,12 @@ impl<T: Send + 'static> Dispatcher<T> {
         // Registered before waiting, so a completion written while the producer waits for
         // room still matches; forgotten if the item is not enqueued, refused or dropped while
         // it waits (the guard).
+        if self.is_closed() {
+            // Refused as stopped (and counted) before tracking is asked.
+            return self.core.submit(item);
+        }
         let key = (tracker.key_of)(&item);
-        let (item, number) = Self::register(tracker, &key, item)?;
+        let (item, number) = self.register(tracker, &key, item)?;
         let mut registered = Registered { tracker, key: Some((key, number)) };
         let submitted = handle::submit_wait(&*self.core, item).await;
         if submitted.is_ok() {
@@ -143,8 +147,12 @@ impl<T: Send + 'static> Dispatcher<T> {
         item: T,
         submit: impl FnOnce(&dyn Core<T>, T) -> Result<(), SubmitError<T>>,
     ) -> Result<(), SubmitError<T>> {
+        if self.is_closed() {
+            // Refused as stopped (and counted) before tracking is asked.
+            return self.core.submit(item);
+        }
         let key = (tracker.key_of)(&item);
-        let (item, number) = Self::register(tracker, &key, item)?;
+        let (item, number) = self.register(tracker, &key, item)?;
         let submitted = submit(&*self.core, item);
         if submitted.is_err() {
             tracker.forget(&key, number);
@@ -153,13 +161,20 @@ impl<T: Send + 'static> Dispatcher<T> {
     }
 
     /// Registers a clone of `item` under `key` (before it is enqueued), handing the item back
-    /// with the registration's number.
-    fn register(tracker: &Tracker<T>, key: &str, item: T) -> Result<(T, u64), SubmitError<T>> {
-        match tracker.track(key.to_owned(), (tracker.clone_item)(&item)) {
-            Ok(number) => Ok((item, number)),
-            Err(Untracked::Duplicate) => Err(SubmitError::DuplicateKey(item)),
-            Err(Untracked::Full) => Err(SubmitError::TrackingFull(item)),
-        }
+    /// with the registration's number. A refusal is counted rejected.
+    fn register(
+        &self,
+        tracker: &Tracker<T>,
+        key: &str,
+        item: T,
+    ) -> Result<(T, u64), SubmitError<T>> {
+        let refused = match tracker.track(key.to_owned(), (tracker.clone_item)(&item)) {
+            Ok(number) => return Ok((item, number)),
+            Err(Untracked::Duplicate) => SubmitError::DuplicateKey(item),
+            Err(Untracked::Full) => SubmitError::TrackingFull(item),
+        };
+        self.core.reject();
+        Err(refused)
     }
 
     /// Stops accepting and waits up to `timeout` for every accepted item to be processed, then

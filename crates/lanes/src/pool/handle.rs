@@ -217,6 +217,8 @@ pub(crate) trait Core<T>: Send + Sync {
     /// Submits; a refusal moves the `rejected` counter only if `count` (a blocking submit's
     /// retries are not refusals).
     fn offer(&self, item: T, count: bool) -> Result<(), SubmitError<T>>;
+    /// Counts a refusal decided before the engine saw the item (completion tracking's).
+    fn reject(&self);
     /// Submits, or queues the producer (FIFO) to be woken when room may have appeared or the
     /// pool stopped accepting.
     fn offer_waiting(&self, item: T, waiter: &mut PoolWaiter, waker: &Waker) -> Offered<T>;
@@ -643,6 +645,11 @@ where
                 Err(refusal(refused, item))
             }
         }
+    }
+
+    fn reject(&self) {
+        spin_lock(&self.state).stats.rejected += 1;
+        let _ = call_contained(|| self.metrics.rejected.increment(1));
     }
 
     fn offer_waiting(&self, item: T, waiter: &mut PoolWaiter, waker: &Waker) -> Offered<T> {
