@@ -1237,3 +1237,21 @@ async fn tracking_refusals_are_counted_and_a_stopped_dispatcher_says_stopped() {
     assert!(matches!(refused, SubmitError::Stopped(_)), "{refused:?}");
     assert_eq!(dispatcher.stats().rejected, 5);
 }
+
+/// Review finding (stop 75): keys that were running when a per-key pool was aborted stayed in
+/// `PoolStats::keys` for good ("keys with work", though nothing runs or waits).
+#[tokio::test(start_paused = true)]
+async fn an_aborted_pool_has_no_keys_with_work() {
+    let gate = Gate::new();
+    let pool = gated_pool(&gate, 2, 4, 2, 10);
+    pool.submit((1, 0)).unwrap();
+    pool.submit((2, 0)).unwrap();
+    pool.submit((2, 1)).unwrap();
+    settle().await;
+    assert_eq!(pool.stats().keys, 2);
+    let report = pool.abort();
+    assert_eq!((report.cancelled, report.discarded), (2, 1));
+    settle().await;
+    let stats = pool.stats();
+    assert_eq!((stats.keys, stats.inflight, stats.queued, stats.dropped), (0, 0, 0, 3));
+}

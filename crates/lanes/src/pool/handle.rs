@@ -783,7 +783,9 @@ where
             state.stats.dropped += report.discarded + report.cancelled;
             state.stats.inflight = 0;
             state.stats.queued = 0;
-            state.stats.keys = state.sched.keys();
+            // Nothing queued, nothing runs on: the keys still marked running in the scheduler
+            // are of items the abort counted dropped, whose workers never report their end.
+            state.stats.keys = 0;
             state.live = 0;
             state.idle.clear();
             (discarded, report, Self::all_producers(&mut state))
