@@ -67,7 +67,8 @@ impl JetStreamOptions {
     }
 
     /// The most bytes appended but not yet acknowledged by the stream (default 8 MiB); an
-    /// append beyond it is refused with [`SpillError::Full`]. At least `max_record`.
+    /// append beyond it is refused with [`SpillError::Full`] (one larger than all of it goes
+    /// alone, when nothing else awaits acknowledgement). At least `max_record`.
     pub fn max_in_flight(mut self, max_in_flight: usize) -> Self {
         self.max_in_flight = max_in_flight;
         self
@@ -179,7 +180,7 @@ fn keeps_records(
 ///   may be stored after records appended later: the stream keeps append order except for
 ///   records whose first publish was lost.
 /// - **Bounded**: at most `max_in_flight` bytes await acknowledgement ([`SpillError::Full`]
-///   beyond, at once), and the stream keeps at most `max_bytes` (an append beyond resolves
+///   beyond, at once; an append larger than that goes alone, when nothing else awaits), and the stream keeps at most `max_bytes` (an append beyond resolves
 ///   [`SpillError::Full`] with `max_bytes`: the stream refuses it when it arrives, so an append
 ///   handed over without waiting, as a channel's `try_emit` spills, is refused unseen by its
 ///   producer; the writer logs it).
@@ -385,7 +386,10 @@ impl DurableQueue for JetStreamQueue {
             return Ok(Box::pin(async { Ok(()) }));
         }
         let full = || SpillError::Full { max_bytes: inner.options.max_in_flight as u64 };
-        let permits = u32::try_from(bytes).map_err(|_| full())?;
+        // An append larger than the whole bound (a consumer's output or dead-letter batch of
+        // many records) takes all of it: it goes alone, once nothing else awaits its
+        // acknowledgement, rather than being refused `Full` for good.
+        let permits = u32::try_from(bytes.min(inner.options.max_in_flight)).map_err(|_| full())?;
         let room = inner.room.clone().try_acquire_many_owned(permits).map_err(|_| full())?;
         let first = inner.next.fetch_add(records.len() as u64, Ordering::Relaxed);
         let records = records

@@ -531,3 +531,20 @@ async fn a_reader_at_max_ack_pending_waits_for_a_settled_record() {
     assert_eq!(second.payload(), [1]);
     second.ack().await.unwrap();
 }
+
+/// Review finding (stop 75): an append of more bytes than `max_in_flight` (a consumer's output
+/// or dead-letter batch of many records) was refused `Full` every time, even on an idle queue,
+/// though `Full` tells the caller to try again later. It now goes alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_append_larger_than_max_in_flight_goes_alone() {
+    let s =
+        stream("oversized", JetStreamOptions::default().max_record(1024).max_in_flight(2048)).await;
+    let record = [9u8; 1024];
+    s.queue.enqueue(&[&record, &record, &record]).unwrap().await.expect("an idle queue takes it");
+    let first = s.queue.enqueue(&[&record]).unwrap();
+    let refused = s.queue.enqueue(&[&record, &record, &record]).map(drop).unwrap_err();
+    assert!(matches!(refused, SpillError::Full { .. }), "not alone: {refused}");
+    first.await.unwrap();
+    s.queue.enqueue(&[&record, &record, &record]).unwrap().await.unwrap();
+    assert_eq!(s.queue.stored().await.unwrap(), 7);
+}
