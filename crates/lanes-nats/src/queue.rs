@@ -180,10 +180,11 @@ fn keeps_records(
 ///   may be stored after records appended later: the stream keeps append order except for
 ///   records whose first publish was lost.
 /// - **Bounded**: at most `max_in_flight` bytes await acknowledgement ([`SpillError::Full`]
-///   beyond, at once; an append larger than that goes alone, when nothing else awaits), and the stream keeps at most `max_bytes` (an append beyond resolves
-///   [`SpillError::Full`] with `max_bytes`: the stream refuses it when it arrives, so an append
-///   handed over without waiting, as a channel's `try_emit` spills, is refused unseen by its
-///   producer; the writer logs it).
+///   beyond, at once; an append larger than that goes alone, when nothing else awaits), and
+///   the stream keeps at most `max_bytes` (an append beyond resolves [`SpillError::Full`] with
+///   `max_bytes`: the stream refuses it when it arrives, so an append handed over without
+///   waiting, as a channel's `try_emit` spills, is refused unseen by its producer; the writer
+///   logs it and counts it in [`unseen_failures`](Self::unseen_failures)).
 /// - **Reading** ([`reader`](Self::reader)): a durable pull consumer with explicit acks. A
 ///   record is removed once acknowledged; one not acknowledged within `ack_wait` (its reader
 ///   died, or is slow) is delivered again — at least once, never lost while the stream keeps it
@@ -207,6 +208,8 @@ struct Inner {
     next: AtomicU64,
     batches: mpsc::UnboundedSender<Batch>,
     closed: AtomicBool,
+    /// Records of failed appends nobody awaited ([`JetStreamQueue::unseen_failures`]).
+    unseen_failures: Arc<AtomicU64>,
 }
 
 /// One append, on its way to the writer.
@@ -287,8 +290,15 @@ impl JetStreamQueue {
             next: AtomicU64::new(0),
             batches,
             closed: AtomicBool::new(false),
+            unseen_failures: Arc::new(AtomicU64::new(0)),
         });
-        tokio::spawn(write(inner.context.clone(), inner.subject.clone(), max_bytes, receiver));
+        let writer = Writer {
+            context: inner.context.clone(),
+            subject: inner.subject.clone(),
+            max_bytes,
+            unseen_failures: inner.unseen_failures.clone(),
+        };
+        tokio::spawn(writer.write(receiver));
         Ok(Self { inner })
     }
 
@@ -306,6 +316,15 @@ impl JetStreamQueue {
         let mut stream =
             self.inner.context.get_stream(&self.inner.stream).await.map_err(remote("get"))?;
         Ok(stream.info().await.map_err(remote("stream info"))?.state.messages)
+    }
+
+    /// Records whose append failed after its caller stopped waiting for the answer, or never
+    /// waited: a channel's `try_emit` that spilled here, an emit cancelled after the hand-over.
+    /// The channel counted them spilled when the queue took them; this is the only count of
+    /// their loss (each is also logged). An append that is awaited reports its failure to its
+    /// caller instead, and is not counted here.
+    pub fn unseen_failures(&self) -> u64 {
+        self.inner.unseen_failures.load(Ordering::Relaxed)
     }
 
     /// Refuses further appends; appends already handed over still complete (see
@@ -429,49 +448,58 @@ const CHUNK: usize = 1_000;
 /// of its own, so publishing never waits for the stream. It owns what it needs: batches
 /// already handed over are published even after every handle is dropped (the channel drains
 /// before it closes).
-async fn write(
+struct Writer {
     context: Context,
     subject: String,
+    /// The stream's bound, which a refusal for lack of room reports.
     max_bytes: u64,
-    mut batches: mpsc::UnboundedReceiver<Batch>,
-) {
-    while let Some(batch) = batches.recv().await {
-        // The deadline runs from the append, not from here: a batch that waited behind others
-        // while NATS was away fails when its time is up, not a publish timeout later.
-        let Batch { records, deadline, done, _room: room } = batch;
-        let records = Arc::new(records);
-        let mut chunks = Vec::new();
-        for start in (0..records.len()).step_by(CHUNK) {
-            let end = (start + CHUNK).min(records.len());
-            let mut acks = Vec::with_capacity(end - start);
-            for (id, payload) in &records[start..end] {
-                acks.push(publish(&context, &subject, id, payload, deadline).await);
-            }
-            let (context, subject, records) = (context.clone(), subject.clone(), records.clone());
-            chunks.push(tokio::spawn(async move {
-                for ((id, payload), ack) in records[start..end].iter().zip(acks) {
-                    confirm(&context, &subject, id, payload, ack, deadline, max_bytes).await?;
+    unseen_failures: Arc<AtomicU64>,
+}
+
+impl Writer {
+    async fn write(self, mut batches: mpsc::UnboundedReceiver<Batch>) {
+        let Self { context, subject, max_bytes, unseen_failures } = self;
+        while let Some(batch) = batches.recv().await {
+            // The deadline runs from the append, not from here: a batch that waited behind others
+            // while NATS was away fails when its time is up, not a publish timeout later.
+            let Batch { records, deadline, done, _room: room } = batch;
+            let records = Arc::new(records);
+            let mut chunks = Vec::new();
+            for start in (0..records.len()).step_by(CHUNK) {
+                let end = (start + CHUNK).min(records.len());
+                let mut acks = Vec::with_capacity(end - start);
+                for (id, payload) in &records[start..end] {
+                    acks.push(publish(&context, &subject, id, payload, deadline).await);
                 }
-                Ok::<(), SpillError>(())
-            }));
+                let (context, subject, records) =
+                    (context.clone(), subject.clone(), records.clone());
+                chunks.push(tokio::spawn(async move {
+                    for ((id, payload), ack) in records[start..end].iter().zip(acks) {
+                        confirm(&context, &subject, id, payload, ack, deadline, max_bytes).await?;
+                    }
+                    Ok::<(), SpillError>(())
+                }));
+            }
+            let (subject, unseen_failures) = (subject.clone(), unseen_failures.clone());
+            tokio::spawn(async move {
+                let mut result = Ok(());
+                for chunk in chunks {
+                    let outcome = chunk.await.unwrap_or(Err(SpillError::Closed));
+                    if result.is_ok() {
+                        result = outcome;
+                    }
+                }
+                drop(room);
+                if let Err(err) = &result {
+                    // Said here too: an append handed over without waiting (a channel's `try_emit`
+                    // spilling) has nobody awaiting its answer.
+                    tracing::warn!(subject, records = records.len(), error = %err, "append failed");
+                }
+                if let Err(Err(_)) = done.send(result) {
+                    unseen_failures.fetch_add(records.len() as u64, Ordering::Relaxed);
+                }
+            });
         }
-        let subject = subject.clone();
-        tokio::spawn(async move {
-            let mut result = Ok(());
-            for chunk in chunks {
-                let outcome = chunk.await.unwrap_or(Err(SpillError::Closed));
-                if result.is_ok() {
-                    result = outcome;
-                }
-            }
-            drop(room);
-            if let Err(err) = &result {
-                // Said here too: an append handed over without waiting (a channel's `try_emit`
-                // spilling) has nobody awaiting its answer.
-                tracing::warn!(subject, records = records.len(), error = %err, "append failed");
-            }
-            let _ = done.send(result);
-        });
     }
 }
 

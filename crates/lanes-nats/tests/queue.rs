@@ -548,3 +548,24 @@ async fn an_append_larger_than_max_in_flight_goes_alone() {
     s.queue.enqueue(&[&record, &record, &record]).unwrap().await.unwrap();
     assert_eq!(s.queue.stored().await.unwrap(), 7);
 }
+
+/// Review finding (stop 75): an append nobody awaited (a channel's `try_emit` spilling) that
+/// the stream refused later was only logged: the channel had counted the record spilled, and
+/// nothing counted its loss. `unseen_failures` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_append_nobody_awaited_is_counted() {
+    let s = stream("unseen", JetStreamOptions::default().max_record(1024).max_bytes(8 * 1024))
+        .await;
+    let record = [3u8; 1024];
+    for _ in 0..12 {
+        drop(s.queue.enqueue(&[&record]).unwrap());
+    }
+    // An awaited failure is its caller's to count, not this one's.
+    let awaited = s.queue.enqueue(&[&record]).unwrap().await.unwrap_err();
+    assert!(matches!(awaited, SpillError::Full { .. }), "{awaited}");
+    s.queue.close();
+    timeout(Duration::from_secs(20), s.queue.drained()).await.unwrap();
+    let stored = s.queue.stored().await.unwrap();
+    assert!(stored < 12, "the stream's bound refused some: {stored}");
+    assert_eq!(s.queue.unseen_failures(), 12 - stored, "each unseen loss counted once");
+}
