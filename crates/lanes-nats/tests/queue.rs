@@ -554,8 +554,8 @@ async fn an_append_larger_than_max_in_flight_goes_alone() {
 /// nothing counted its loss. `unseen_failures` does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_append_nobody_awaited_is_counted() {
-    let s = stream("unseen", JetStreamOptions::default().max_record(1024).max_bytes(8 * 1024))
-        .await;
+    let s =
+        stream("unseen", JetStreamOptions::default().max_record(1024).max_bytes(8 * 1024)).await;
     let record = [3u8; 1024];
     for _ in 0..12 {
         drop(s.queue.enqueue(&[&record]).unwrap());
