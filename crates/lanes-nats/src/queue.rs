@@ -474,10 +474,14 @@ impl Writer {
                 let (context, subject, records) =
                     (context.clone(), subject.clone(), records.clone());
                 chunks.push(tokio::spawn(async move {
-                    for ((id, payload), ack) in records[start..end].iter().zip(acks) {
-                        confirm(&context, &subject, id, payload, ack, deadline, max_bytes).await?;
-                    }
-                    Ok::<(), SpillError>(())
+                    // Together, not one after another: an acknowledgement a dropped connection
+                    // lost is waited for the client's whole reply timeout before the record is
+                    // published again, and each of a chunk's lost ones would add its own.
+                    let confirms =
+                        records[start..end].iter().zip(acks).map(|((id, payload), ack)| {
+                            confirm(&context, &subject, id, payload, ack, deadline, max_bytes)
+                        });
+                    futures_util::future::join_all(confirms).await.into_iter().collect()
                 }));
             }
             let (subject, unseen_failures) = (subject.clone(), unseen_failures.clone());
