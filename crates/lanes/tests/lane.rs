@@ -2026,3 +2026,40 @@ async fn a_run_cancelled_while_queued_never_starts_though_a_slot_frees_at_once()
     assert_eq!((work.admitted, work.completed, work.failed.canceled), (3, 2, 1));
     assert_eq!((work.executing, work.queued, work.owned), (0, 0, 0));
 }
+
+/// Review finding (stop 75, second look): the same as a run that waits for its permit. Its
+/// wait polled the permit before the cancellation, so a permit freed in the poll that dropped
+/// its handle won, and the job started.
+#[tokio::test(start_paused = true)]
+async fn a_limited_run_cancelled_while_waiting_for_its_permit_never_starts() {
+    let lanes = set(&[("work", 2, 2)]);
+    let limits = lanes::Limits::new();
+    limits.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
+    let gate = Gate::new();
+    let (log, finals) = (Arc::new(Mutex::new(Vec::new())), Finals::default());
+    let queued: Arc<Mutex<Option<RunHandle<u32>>>> = Arc::default();
+    let first = {
+        let (gate, queued) = (gate.clone(), queued.clone());
+        Run::typed(move |_cx| async move {
+            gate.wait().await;
+            drop(queued.lock().unwrap().take());
+            Res::Ok(1)
+        })
+        .limit(&limits, "db", Default::default())
+    };
+    let first = lanes.run("work", first).unwrap();
+    settle().await; // the first run holds the permit
+    let second = gated(2, &gate, &log, &finals).limit(&limits, "db", Default::default());
+    *queued.lock().unwrap() = Some(lanes.run("work", second).unwrap());
+    settle().await;
+    gate.open();
+    assert_eq!(first.await.unwrap(), 1);
+    settle().await;
+    assert!(log.lock().unwrap().is_empty(), "the cancelled run's job started");
+    let failures = finals.failures();
+    assert_eq!(failures.len(), 1);
+    assert_eq!((failures[0].stage(), failures[0].reason()), (Stage::Queue, Reason::Canceled));
+    assert_eq!(limits.info("db").await.unwrap().unwrap().in_use, 0, "the permit went back");
+    let work = &lanes.snapshot().lanes[0];
+    assert_eq!((work.executing, work.queued, work.owned), (0, 0, 0));
+}

@@ -984,15 +984,17 @@ async fn await_permit(
         let signal = t.signal();
         let mut timer = Deadline::new(deadline);
         poll_fn(|cx| {
-            if let Poll::Ready(acquired) = acquire.as_mut().poll(cx) {
-                return Poll::Ready(Woke::Permit(acquired));
-            }
+            // A shut or a cancellation first: a permit freed by the very poll that dropped
+            // this run's handle must not start its job (the acquire, dropped, gives it back).
             let stopped = signal.poll_driver(cx, |s| match s.grant_state() {
                 Decision::Shut(why) => Some(Woke::Shut(why)),
                 _ => s.cancel_reason().map(Woke::Cancelled),
             });
             if stopped.is_ready() {
                 return stopped;
+            }
+            if let Poll::Ready(acquired) = acquire.as_mut().poll(cx) {
+                return Poll::Ready(Woke::Permit(acquired));
             }
             timer.poll_elapsed(cx).map(|()| Woke::Cancelled(Reason::Timeout))
         })
@@ -1015,7 +1017,11 @@ async fn await_permit(
             };
             lane.gauge(moves);
             return match ready {
-                Some(Admitted::Executing { slot, .. }) => Ok((slot, Some(Box::new(permit)))),
+                // Its handle dropped meanwhile (another thread): the slot goes back, and the
+                // permit with this function's end.
+                Some(Admitted::Executing { slot, .. }) => {
+                    granted(t, slot).map(|slot| (slot, Some(Box::new(permit))))
+                }
                 Some(Admitted::Queued { seq }) => {
                     let permit = Box::new(permit);
                     await_grant(t, seq, deadline).await.map(|slot| (slot, Some(permit)))
