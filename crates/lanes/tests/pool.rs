@@ -1138,13 +1138,20 @@ async fn the_watch_ends_after_a_running_on_complete_not_in_it() {
         settle().await;
         tx.send(Ok("a".to_owned())).unwrap();
         settle().await; // `on_complete("a")` is under way, at its sleep
-        match how {
-            "drop" => drop(tracked),
-            "stop" => tracked.stop(Duration::from_secs(1)).await.unwrap(),
-            _ => {
+        if how == "drop" {
+            drop(tracked);
+        } else {
+            tracked.submit("b".to_owned()).unwrap(); // never signalled
+            settle().await;
+            if how == "stop" {
+                tracked.stop(Duration::from_secs(1)).await.unwrap();
+            } else {
                 tracked.close();
                 tracked.drained().await;
             }
+            // The stop waited for the callback, and tracks nothing after.
+            assert_eq!(*completed.lock().unwrap(), ["a"], "{how}: returned before on_complete");
+            assert_eq!(tracked.tracked(), 0, "{how}: b is no longer tracked");
         }
         sleep(Duration::from_millis(10)).await;
         settle().await;
@@ -1254,4 +1261,32 @@ async fn an_aborted_pool_has_no_keys_with_work() {
     settle().await;
     let stats = pool.stats();
     assert_eq!((stats.keys, stats.inflight, stats.queued, stats.dropped), (0, 0, 0, 3));
+}
+
+/// A stop waits for an `on_complete` under way only within what is left of its timeout: one
+/// that never ends is cut short then, and the watch ends.
+#[tokio::test(start_paused = true)]
+async fn a_stop_cuts_an_on_complete_that_outlives_its_timeout() {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
+    let tracked = Dispatcher::builder()
+        .workers(1)
+        .queue_size(4)
+        .completion(
+            source,
+            |item: &String| item.clone(),
+            |_: String| std::future::pending::<Res>(),
+        )
+        .build(|_: String| async { Res::Ok(()) })
+        .await
+        .unwrap();
+    tracked.submit("a".to_owned()).unwrap();
+    settle().await;
+    tx.send(Ok("a".to_owned())).unwrap();
+    settle().await;
+    let started = tokio::time::Instant::now();
+    tracked.stop(Duration::from_millis(100)).await.unwrap();
+    assert!(started.elapsed() <= Duration::from_millis(100), "{:?}", started.elapsed());
+    settle().await;
+    assert!(tx.is_closed(), "the watch was aborted");
 }

@@ -72,6 +72,9 @@ pub(crate) struct Tracker<T> {
     /// Asks the watcher to end between signals ([`stop_watching`](Self::stop_watching)): a
     /// stored permit, so one asked while an `on_complete` runs is read after it.
     stop: Notify,
+    /// The watcher task ended (or was aborted): set, then `ended` notified, as it goes.
+    watch_over: std::sync::atomic::AtomicBool,
+    ended: Notify,
     /// Its dispatcher was dropped: the watch ends once no item is tracked.
     orphaned: std::sync::atomic::AtomicBool,
 }
@@ -103,12 +106,43 @@ impl<T> Tracker<T> {
         self.stop.notify_one();
     }
 
-    /// Ends the watch at once (an abort, or a dispatcher that failed to build): an
-    /// `on_complete` under way is cut at its next await.
+    /// Ends the watch at once (an abort, a dispatcher that failed to build, a stop out of
+    /// time): an `on_complete` under way is cut at its next await.
     pub(crate) fn abort_watching(&self) {
         if let Some(watcher) = lock(&self.watcher).take() {
             watcher.abort();
         }
+    }
+
+    /// Resolves once the watcher task has ended (asked to stop, aborted, or never started).
+    pub(crate) async fn watch_ended(&self) {
+        use std::sync::atomic::Ordering;
+        loop {
+            let ended = self.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if self.watch_over.load(Ordering::Acquire) || lock(&self.watcher).is_none() {
+                return;
+            }
+            ended.await;
+        }
+    }
+
+    /// Forgets every item still waiting for its signal: the watch has ended, and none will
+    /// come (`tracked` says 0 from then on).
+    pub(crate) fn untrack_all(&self) {
+        let items = std::mem::take(&mut lock(&self.items).map);
+        drop_contained(items);
+    }
+}
+
+/// Marks the watcher ended when its task ends, however it ends (its future dropped on abort).
+struct WatchOver<T>(Arc<Tracker<T>>);
+
+impl<T> Drop for WatchOver<T> {
+    fn drop(&mut self) {
+        self.0.watch_over.store(true, std::sync::atomic::Ordering::Release);
+        self.0.ended.notify_waiters();
     }
 }
 
@@ -149,6 +183,8 @@ impl<T: Send + 'static> Tracker<T> {
             orphaned: std::sync::atomic::AtomicBool::new(false),
             watcher: Mutex::new(None),
             stop: Notify::new(),
+            watch_over: std::sync::atomic::AtomicBool::new(false),
+            ended: Notify::new(),
         }
     }
 
@@ -196,7 +232,9 @@ impl<T: Send + 'static> Tracker<T> {
         first: CompletionStream,
     ) {
         let tracker = self.clone();
+        let over = WatchOver(self.clone());
         let handle = tokio::spawn(async move {
+            let _over = over;
             let mut stream = Some(first);
             let mut backoff = Duration::from_millis(50);
             loop {

@@ -178,9 +178,10 @@ impl<T: Send + 'static> Dispatcher<T> {
     }
 
     /// Stops accepting and waits up to `timeout` for every accepted item to be processed, then
-    /// stops completion tracking (an `on_complete` under way runs to its end; items still
-    /// waiting for their signal are no longer tracked). Idempotent; safe to call again after a
-    /// timeout.
+    /// stops completion tracking: an `on_complete` under way runs to its end, within what is
+    /// left of `timeout` (then it is cut short), and items still waiting for their signal are
+    /// no longer tracked ([`tracked`](Self::tracked) says 0). Idempotent; safe to call again
+    /// after a timeout.
     ///
     /// # Cancel safety
     ///
@@ -191,10 +192,16 @@ impl<T: Send + 'static> Dispatcher<T> {
     /// [`StopTimeout`] if items are still queued or in flight after `timeout`; draining goes
     /// on.
     pub async fn stop(&self, timeout: Duration) -> Result<(), StopTimeout> {
+        let started = tokio::time::Instant::now();
         self.core.begin_stop();
         handle::wait_finished(&*self.core, timeout).await?;
         if let Some(tracker) = &self.tracker {
             tracker.stop_watching();
+            let left = timeout.saturating_sub(started.elapsed());
+            if tokio::time::timeout(left, tracker.watch_ended()).await.is_err() {
+                tracker.abort_watching();
+            }
+            tracker.untrack_all();
         }
         Ok(())
     }
@@ -229,6 +236,8 @@ impl<T: Send + 'static> Dispatcher<T> {
         // The second half of `stop`, once drained.
         if let Some(tracker) = &self.tracker {
             tracker.stop_watching();
+            tracker.watch_ended().await;
+            tracker.untrack_all();
         }
     }
 
