@@ -160,6 +160,14 @@ fn keeps_records(
     if !config.subjects.iter().any(|s| s == subject) {
         return refuse(format!("its subjects {:?} do not include {subject:?}", config.subjects));
     }
+    let largest = options.max_record.saturating_add(HEADER_ROOM);
+    if config.max_message_size > 0 && (config.max_message_size as usize) < largest {
+        return refuse(format!(
+            "its max_message_size ({}) is below max_record ({}) and its header ({HEADER_ROOM} \
+             bytes): a record the queue takes would be refused unseen",
+            config.max_message_size, options.max_record
+        ));
+    }
     if config.duplicate_window < options.publish_timeout {
         return refuse(format!(
             "its duplicate window ({:?}) is shorter than the publish timeout ({:?}): a record \
@@ -229,8 +237,9 @@ impl JetStreamQueue {
     /// message counts, replicas), but only if it keeps what this queue promises: records stored
     /// on file, kept until read and acknowledged (work-queue retention, no `max_age`, a full
     /// stream refusing new records rather than discarding old ones, no per-subject limit, which
-    /// always discards), acknowledged publishes, the queue's subject, and a duplicate window at
-    /// least the publish timeout (a publish made again is dropped, not stored twice).
+    /// always discards), acknowledged publishes, the queue's subject, a message size that fits
+    /// `max_record`, and a duplicate window at least the publish timeout (a publish made again
+    /// is dropped, not stored twice).
     ///
     /// # Errors
     ///
@@ -275,8 +284,9 @@ impl JetStreamQueue {
             context.get_or_create_stream(config).await.map_err(remote("open the stream"))?;
         let config = &opened.cached_info().config;
         keeps_records(config, &subject, &options)?;
-        // The bound a full stream reports: its own (an existing stream keeps its bounds).
-        let max_bytes = u64::try_from(config.max_bytes).unwrap_or(0);
+        // The bound a full stream reports: its own (an existing stream keeps its bounds); one
+        // without a bound is refused only by the server's storage, said as no bound at all.
+        let max_bytes = u64::try_from(config.max_bytes).ok().filter(|b| *b > 0).unwrap_or(u64::MAX);
         let room = Arc::new(Semaphore::new(options.max_in_flight));
         let (batches, receiver) = mpsc::unbounded_channel();
         let instance = instance_id();

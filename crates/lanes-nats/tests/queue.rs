@@ -488,6 +488,7 @@ async fn an_existing_stream_that_would_lose_records_is_refused() {
         (Config { storage: StorageType::Memory, ..keeps.clone() }, "memory"),
         (Config { duplicate_window: Duration::from_secs(5), ..keeps.clone() }, "duplicate window"),
         (Config { subjects: vec![format!("{subject}.other")], ..keeps.clone() }, "subjects"),
+        (Config { max_message_size: 64 * 1024, ..keeps.clone() }, "max_message_size"),
     ];
     for (config, setting) in cases {
         let _ = js.delete_stream(&name).await;
