@@ -611,8 +611,8 @@ pub struct JetStreamReader {
     consumer: PullConsumer,
 }
 
-/// Below this, a call's wait asks the stream for a record only if it has one now: the server
-/// expires a pull request no sooner than about a millisecond.
+/// Below this, a call's wait asks the stream for a record only if it has one now (a no-wait
+/// request, which the server answers at once when it has none to give).
 const SHORTEST_PULL: Duration = Duration::from_millis(10);
 
 /// How long past its wait a call still waits for the server's answer (a record, or the end of
@@ -635,7 +635,10 @@ impl JetStreamReader {
             let left = deadline.saturating_duration_since(Instant::now());
             let request = async {
                 if left < SHORTEST_PULL {
-                    self.consumer.fetch().max_messages(1).messages().await
+                    // With an expiry all the same: a server at `max_ack_pending` keeps a
+                    // no-wait request that has none until a record is free for it.
+                    let expires = left.max(Duration::from_millis(1));
+                    self.consumer.fetch().max_messages(1).expires(expires).messages().await
                 } else {
                     self.consumer.batch().max_messages(1).expires(left).messages().await
                 }
@@ -651,7 +654,9 @@ impl JetStreamReader {
                 Err(_) | Ok(None) => return Ok(None),
                 Ok(Some(Ok(message))) => return Ok(Some(Delivery { message })),
                 Ok(Some(Err(err))) if waiting_for_acks(&*err) => {
-                    // At `max_ack_pending`: nothing is handed out until a record is settled.
+                    // At `max_ack_pending`, as a server that answers such a request at once
+                    // (409) says: nothing is handed out until a record is settled. (Others
+                    // keep the request until it expires: `None` above.)
                     if Instant::now() >= deadline {
                         return Ok(None);
                     }

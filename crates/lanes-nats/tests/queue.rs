@@ -547,6 +547,11 @@ async fn a_reader_at_max_ack_pending_waits_for_a_settled_record() {
     let none = reader.next(Duration::from_millis(400)).await.unwrap();
     assert!(none.is_none(), "a second record past max_ack_pending");
     assert!(started.elapsed() >= Duration::from_millis(350), "{:?}", started.elapsed());
+    // A wait of nothing at all ends at once all the same (review finding, stop 75: a no-wait
+    // request without an expiry was kept by the server, and the call waited a second).
+    let started = Instant::now();
+    assert!(reader.next(Duration::ZERO).await.unwrap().is_none());
+    assert!(started.elapsed() < Duration::from_millis(500), "{:?}", started.elapsed());
     first.ack().await.unwrap();
     let second = reader.next(Duration::from_secs(5)).await.unwrap().expect("the next record");
     assert_eq!(second.payload(), [1]);
