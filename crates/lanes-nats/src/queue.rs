@@ -328,11 +328,13 @@ impl JetStreamQueue {
         Ok(stream.info().await.map_err(remote("stream info"))?.state.messages)
     }
 
-    /// Records whose append failed after its caller stopped waiting for the answer, or never
-    /// waited: a channel's `try_emit` that spilled here, an emit cancelled after the hand-over.
-    /// The channel counted them spilled when the queue took them; this is the only count of
-    /// their loss (each is also logged). An append that is awaited reports its failure to its
-    /// caller instead, and is not counted here.
+    /// Records of appends that failed after their caller stopped waiting for the answer, or
+    /// never waited: a channel's `try_emit` that spilled here, an emit cancelled after the
+    /// hand-over. The channel counted them spilled when the queue took them; this counts their
+    /// loss (each failure is also logged). An append's failure does not say which of its
+    /// records were stored, so all of a failed append's records are counted (some may be in
+    /// the stream). An append that is awaited reports its failure to its caller instead, and
+    /// is not counted here.
     pub fn unseen_failures(&self) -> u64 {
         self.inner.unseen_failures.load(Ordering::Relaxed)
     }

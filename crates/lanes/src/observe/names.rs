@@ -215,8 +215,10 @@ pub const METRICS: &[MetricName] = &[
         "lanes_channel_dropped_total",
         Counter,
         CHANNEL_REASON,
-        "Records dropped unread: reason drop_newest or drop_oldest (the overflow rule), or \
-         closed (still queued when the channel closed without draining, or went away).",
+        "Records dropped unread, by reason: drop_newest (the new record, under DropNewest, or \
+         under DropOldest when a full shared budget left the channel nothing of its own to \
+         drop), drop_oldest (the oldest queued record, under DropOldest), or closed (still \
+         queued when the channel closed without draining, or went away).",
     ),
     metric("lanes_channel_spilled_total", Counter, CHANNEL, "Records written to the spill queue."),
     metric(
