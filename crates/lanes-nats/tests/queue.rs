@@ -563,15 +563,24 @@ async fn a_reader_at_max_ack_pending_waits_for_a_settled_record() {
 /// though `Full` tells the caller to try again later. It now goes alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_append_larger_than_max_in_flight_goes_alone() {
-    let s =
-        stream("oversized", JetStreamOptions::default().max_record(1024).max_in_flight(2048)).await;
+    let relay = Relay::start().await;
+    let client = timeout(Duration::from_secs(5), async_nats::connect(&relay.url))
+        .await
+        .expect("NATS answers through the relay")
+        .unwrap();
+    let s = stream("oversized", JetStreamOptions::default()).await;
+    // The same stream, through the relay, which holds acknowledgements while told to.
+    let options = JetStreamOptions::default().max_record(1024).max_in_flight(2048);
+    let queue = JetStreamQueue::open(client, &s.name, options).await.unwrap();
     let record = [9u8; 1024];
-    s.queue.enqueue(&[&record, &record, &record]).unwrap().await.expect("an idle queue takes it");
-    let first = s.queue.enqueue(&[&record]).unwrap();
-    let refused = s.queue.enqueue(&[&record, &record, &record]).map(drop).unwrap_err();
+    queue.enqueue(&[&record, &record, &record]).unwrap().await.expect("an idle queue takes it");
+    relay.hold.store(true, Ordering::SeqCst);
+    let first = queue.enqueue(&[&record]).unwrap();
+    let refused = queue.enqueue(&[&record, &record, &record]).map(drop).unwrap_err();
     assert!(matches!(refused, SpillError::Full { .. }), "not alone: {refused}");
+    relay.hold.store(false, Ordering::SeqCst);
     first.await.unwrap();
-    s.queue.enqueue(&[&record, &record, &record]).unwrap().await.unwrap();
+    queue.enqueue(&[&record, &record, &record]).unwrap().await.unwrap();
     assert_eq!(s.queue.stored().await.unwrap(), 7);
 }
 

@@ -312,8 +312,8 @@ async fn a_release_whose_client_gave_up_still_gives_the_permit_back() {
     let redis = redis_common::DedicatedRedis::start();
     let serve = Serve::start(&["--redis", &redis.url()]);
     let c = reqwest::Client::new();
-    let call = |path: &str, body: Value| {
-        let request = c.post(serve.url(path)).json(&body).timeout(Duration::from_millis(300));
+    let call = |path: &str, body: Value, within: Duration| {
+        let request = c.post(serve.url(path)).json(&body).timeout(within);
         async move {
             let response = request.send().await?;
             let status = response.status().as_u16();
@@ -323,12 +323,13 @@ async fn a_release_whose_client_gave_up_still_gives_the_permit_back() {
     let define = c.put(serve.url("/v1/limits/db")).json(&serde_json::json!({"concurrent": 1}));
     assert_eq!(define.send().await.unwrap().status(), 200);
     let ask = serde_json::json!({"client": "a", "ticket": 1, "lease_ms": 60_000});
-    let (status, granted) = call("/v1/limits/db/acquire", ask).await.unwrap();
+    let (status, granted) =
+        call("/v1/limits/db/acquire", ask, Duration::from_secs(30)).await.unwrap();
     assert_eq!(status, 200, "{granted}");
     // Redis stops answering while the release is under way; the client gives up on it.
     redis.pause();
     let release = serde_json::json!({"client": "a", "ticket": 1});
-    let gave_up = call("/v1/limits/db/release", release.clone()).await;
+    let gave_up = call("/v1/limits/db/release", release, Duration::from_millis(300)).await;
     assert!(gave_up.is_err(), "answered while Redis was frozen: {gave_up:?}");
     redis.resume();
     // The permit goes back: to b, waiting for it well within a's 60 s lease.
