@@ -1272,11 +1272,7 @@ async fn a_stop_cuts_an_on_complete_that_outlives_its_timeout() {
     let tracked = Dispatcher::builder()
         .workers(1)
         .queue_size(4)
-        .completion(
-            source,
-            |item: &String| item.clone(),
-            |_: String| std::future::pending::<Res>(),
-        )
+        .completion(source, |item: &String| item.clone(), |_: String| std::future::pending::<Res>())
         .build(|_: String| async { Res::Ok(()) })
         .await
         .unwrap();
