@@ -453,3 +453,41 @@ async fn a_lock_held_for_a_moment_by_another_process_is_waited_out() {
     assert!(holder.wait().unwrap().success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Stop 74's note: recovery read each segment file whole, so a huge file named like a segment
+/// (a bad restore, a stray copy) was read into memory by `lanes spill check` and by every open.
+/// It is now scanned a window at a time: a 512 MiB file (sparse) is checked, and dropped by
+/// `--repair`, by a process allowed 256 MiB of address space.
+#[tokio::test]
+async fn a_huge_file_named_like_a_segment_is_checked_in_bounded_memory() {
+    let dir = temp("huge");
+    build(&dir).await;
+    let last = segments(&dir).last().unwrap().clone();
+    let id: u64 = last.file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    let huge = dir.join(format!("{:020}.seg", id + 5));
+    let size: u64 = 512 << 20;
+    std::fs::File::create(&huge).unwrap().set_len(size).unwrap();
+    let bounded = |extra: &str| {
+        let script = format!(
+            "ulimit -v {}; exec \"$0\" spill check \"$1\" --max-record 64 --json {extra}",
+            256 << 10
+        );
+        Command::new("sh")
+            .args(["-c", &script, env!("CARGO_BIN_EXE_lanes"), dir.to_str().unwrap()])
+            .output()
+            .expect("run the lanes binary")
+    };
+    let out = bounded("");
+    let json: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        (json["bad_segments"].as_u64(), json["bad_segment_bytes"].as_u64()),
+        (Some(1), Some(size)),
+        "{json}"
+    );
+    let out = bounded("--repair");
+    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(!huge.exists(), "the repair dropped it");
+    assert_eq!(check(&dir, &[]).0, Some(0), "clean after the repair");
+    assert_eq!(delivered(&dir).await, (0..RECORDS).collect());
+}

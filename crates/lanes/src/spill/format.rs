@@ -102,6 +102,15 @@ pub(crate) struct State {
     pub(crate) last: Option<u64>,
 }
 
+/// The state file's state, read without trusting its size: a file longer than any state is
+/// not one (`None`, as unreadable), and is not read.
+pub(crate) fn read_state(storage: &dyn super::storage::Storage) -> std::io::Result<Option<State>> {
+    if storage.len(STATE)? > STATE_LEN as u64 {
+        return Ok(None);
+    }
+    Ok(decode_state(&storage.read_all(STATE)?))
+}
+
 /// The committed position (and, from version 2, the last segment id) in a state file.
 pub(crate) fn decode_state(bytes: &[u8]) -> Option<State> {
     let u64_at = |i: usize| u64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));

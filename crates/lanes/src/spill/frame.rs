@@ -11,6 +11,8 @@
 //! The header CRC lets a scan reject a false frame start after reading 12 bytes, so skipping a
 //! corrupt region costs one pass over it, not one payload-sized check per byte.
 
+use std::io;
+
 /// Bytes before the payload.
 pub(crate) const HEADER: usize = 12;
 
@@ -110,7 +112,9 @@ pub(crate) fn scan_at(bytes: &[u8], max_len: u32) -> Scanned {
     }
 }
 
-/// The result of scanning a segment's bytes after its header.
+/// The result of scanning a segment's bytes after its header, in memory: the model a streamed
+/// scan ([`scan_stream`]) is tested against.
+#[cfg(test)]
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct Layout {
     /// Start offsets (relative to the scanned bytes) and lengths of the valid frames.
@@ -124,6 +128,7 @@ pub(crate) struct Layout {
     pub(crate) seal: Option<(u64, u64)>,
 }
 
+#[cfg(test)]
 impl Layout {
     /// Bytes of the torn or corrupt tail, given the scanned bytes: everything after the valid
     /// data but the zeros that end it (space reserved and never written, see
@@ -137,6 +142,7 @@ impl Layout {
 
 /// Scans `bytes`: every valid frame in order, skipping corrupt regions up to the next valid
 /// frame. Each step advances by at least one byte, so a scan always ends.
+#[cfg(test)]
 pub(crate) fn scan(bytes: &[u8], max_len: u32) -> Layout {
     let mut layout = Layout::default();
     let mut at = 0usize;
@@ -171,6 +177,214 @@ pub(crate) fn scan(bytes: &[u8], max_len: u32) -> Layout {
         }
     }
     layout
+}
+
+/// Reads bytes of one file at an offset: fills the buffer, short only at the file's end.
+pub(crate) type ReadAt<'a> = dyn FnMut(u64, &mut [u8]) -> io::Result<usize> + 'a;
+
+/// What a streamed scan found. Its frames went to the scan's visitor one by one (a file of
+/// many frames costs no memory per frame); offsets are relative to the scanned bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct Streamed {
+    /// Valid frames found.
+    pub(crate) frames: u64,
+    /// Corrupt regions skipped in the middle: (start, end).
+    pub(crate) skipped: Vec<(u64, u64)>,
+    /// Where the valid data ends: everything after is a torn or corrupt tail.
+    pub(crate) valid_end: u64,
+    /// The seal, if the segment has one: (its start; the data end it records, a file offset).
+    /// Nothing valid follows a seal.
+    pub(crate) seal: Option<(u64, u64)>,
+    /// Bytes of the torn or corrupt tail: everything after the valid data but the zeros that
+    /// end it (space reserved and never written, see `AppendFile::reserve`).
+    pub(crate) tail: u64,
+    /// The bytes scanned (the file's length, or less if it shrank under the scan).
+    pub(crate) len: u64,
+}
+
+/// A window of at most `cap` bytes over a file read in pieces.
+struct Window<'r, 'a> {
+    read: &'r mut ReadAt<'a>,
+    /// Where the file ends (moved in if a read comes back short: it shrank).
+    len: u64,
+    buf: Vec<u8>,
+    /// The file offset of `buf[0]`.
+    start: u64,
+    cap: usize,
+}
+
+impl<'r, 'a> Window<'r, 'a> {
+    /// The bytes from `at` on: at least `n` of them (`n <= cap`), or all up to the end.
+    fn at(&mut self, at: u64, n: usize) -> io::Result<&[u8]> {
+        let want = (n as u64).min(self.len.saturating_sub(at));
+        let end = self.start + self.buf.len() as u64;
+        if at < self.start || at + want > end {
+            let fill = (self.cap as u64).min(self.len.saturating_sub(at)) as usize;
+            self.buf.resize(fill, 0);
+            let mut got = 0;
+            while got < fill {
+                match (self.read)(at + got as u64, &mut self.buf[got..]) {
+                    Ok(0) => break,
+                    Ok(read) => got += read,
+                    Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
+                    Err(err) => return Err(err),
+                }
+            }
+            self.buf.truncate(got);
+            self.start = at;
+            if got < fill {
+                self.len = at + got as u64;
+            }
+        }
+        Ok(&self.buf[(at - self.start) as usize..])
+    }
+
+    /// How many zero bytes start at `at`.
+    fn zeros_from(&mut self, mut at: u64) -> io::Result<u64> {
+        let from = at;
+        while at < self.len {
+            let cap = self.cap;
+            let bytes = self.at(at, cap)?;
+            if bytes.is_empty() {
+                break;
+            }
+            let zeros = leading_zeros(bytes);
+            at += zeros as u64;
+            if zeros < bytes.len() {
+                break;
+            }
+        }
+        Ok(at - from)
+    }
+
+    /// Looks at `at` as the start of a frame, as [`scan_at`] does, reading what it needs: a
+    /// payload longer than the window goes through the checksum piece by piece.
+    fn scan_at(&mut self, at: u64, max_len: u32) -> io::Result<Scanned> {
+        let head = self.at(at, HEADER)?;
+        if head.len() < HEADER {
+            return Ok(Scanned::Short);
+        }
+        let Some(header) = header(head, max_len) else {
+            return Ok(Scanned::Invalid);
+        };
+        let total = HEADER as u64 + u64::from(header.len);
+        if at + total > self.len {
+            return Ok(Scanned::Short);
+        }
+        let (mut crc, mut off, end) = (0u32, at + HEADER as u64, at + total);
+        let mut seal_payload = [0u8; 8];
+        while off < end {
+            let n = ((end - off) as usize).min(self.cap);
+            let bytes = self.at(off, n)?;
+            if bytes.len() < n {
+                return Ok(Scanned::Short); // shrank under the scan
+            }
+            crc = crc32c::crc32c_append(crc, &bytes[..n]);
+            if header.seal && off == at + HEADER as u64 && n == 8 {
+                seal_payload.copy_from_slice(&bytes[..8]);
+            }
+            off += n as u64;
+        }
+        Ok(match (crc == header.payload_crc, header.seal) {
+            (false, _) => Scanned::Invalid,
+            (true, true) => Scanned::Seal { data_end: u64::from_le_bytes(seal_payload) },
+            (true, false) => Scanned::Frame { len: total },
+        })
+    }
+
+    /// Bytes in `[from, len)` but the zeros that end them.
+    fn tail_after(&mut self, from: u64) -> io::Result<u64> {
+        let mut end = self.len;
+        while end > from {
+            let start = end.saturating_sub(self.cap as u64).max(from);
+            let bytes = self.at(start, (end - start) as usize)?;
+            let piece = &bytes[..((end - start) as usize).min(bytes.len())];
+            let zeros = trailing_zeros(piece);
+            if zeros < piece.len() {
+                return Ok(end - zeros as u64 - from);
+            }
+            end = start;
+        }
+        Ok(0)
+    }
+}
+
+/// A block of zeros to compare with: a reserved tail or a sparse file is zeros for gigabytes,
+/// and a comparison of slices (a `memcmp`) counts them far faster than byte by byte.
+static ZEROS: [u8; 4096] = [0; 4096];
+
+/// How many zero bytes start `bytes`.
+fn leading_zeros(bytes: &[u8]) -> usize {
+    let mut zeros = 0;
+    for block in bytes.chunks(ZEROS.len()) {
+        if block != &ZEROS[..block.len()] {
+            return zeros + block.iter().take_while(|b| **b == 0).count();
+        }
+        zeros += block.len();
+    }
+    zeros
+}
+
+/// How many zero bytes end `bytes`.
+fn trailing_zeros(bytes: &[u8]) -> usize {
+    let mut zeros = 0;
+    for block in bytes.rchunks(ZEROS.len()) {
+        if block != &ZEROS[..block.len()] {
+            return zeros + block.iter().rev().take_while(|b| **b == 0).count();
+        }
+        zeros += block.len();
+    }
+    zeros
+}
+
+/// The bytes a streamed scan reads at a time (and the most it holds).
+pub(crate) const SCAN_WINDOW: usize = 256 << 10;
+
+/// Scans `len` bytes read through `read` a window of `window` bytes at a time: every valid
+/// frame in order, to `on_frame(start, len)`, skipping corrupt regions up to the next valid
+/// frame. Each step advances by at least one byte, so a scan always ends; memory stays within
+/// the window whatever the file holds. (Tested against an in-memory scan of the same bytes.)
+pub(crate) fn scan_stream(
+    read: &mut ReadAt<'_>,
+    len: u64,
+    max_len: u32,
+    window: usize,
+    mut on_frame: impl FnMut(u64, u64),
+) -> io::Result<Streamed> {
+    let cap = window.max(HEADER + 8);
+    let mut w = Window { read, len, buf: Vec::new(), start: 0, cap };
+    let mut out = Streamed::default();
+    let mut at = 0u64;
+    let mut corrupt_from: Option<u64> = None;
+    while at < w.len {
+        match w.scan_at(at, max_len)? {
+            Scanned::Frame { len } => {
+                if let Some(start) = corrupt_from.take() {
+                    out.skipped.push((start, at));
+                }
+                on_frame(at, len);
+                out.frames += 1;
+                at += len;
+                out.valid_end = at;
+            }
+            Scanned::Seal { data_end } => {
+                if let Some(start) = corrupt_from.take() {
+                    out.skipped.push((start, at));
+                }
+                out.seal = Some((at, data_end));
+                out.valid_end = at + SEAL_LEN;
+                break;
+            }
+            Scanned::Invalid | Scanned::Short => {
+                corrupt_from.get_or_insert(at);
+                let zeros = w.zeros_from(at)?;
+                at += zeros.saturating_sub(HEADER as u64 - 1).max(1);
+            }
+        }
+    }
+    out.tail = w.tail_after(out.valid_end.min(w.len))?;
+    out.len = w.len;
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -240,6 +454,48 @@ mod tests {
                 last_end = end as u64;
             }
             prop_assert!(layout.valid_end <= bytes.len() as u64);
+        }
+
+        /// A streamed scan, whatever its window, finds what [`scan`] finds in the same bytes.
+        #[test]
+        fn a_streamed_scan_finds_what_a_scan_finds(
+            payloads in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..80), 0..6),
+            garbage in proptest::collection::vec((0usize..400, proptest::collection::vec(any::<u8>(), 1..24)), 0..4),
+            zeros in 0usize..200,
+            sealed in any::<bool>(),
+            window in 20usize..120,
+            max in prop_oneof![Just(u32::MAX), 0u32..100],
+        ) {
+            let mut bytes = Vec::new();
+            for p in &payloads {
+                encode(p, &mut bytes);
+            }
+            if sealed {
+                encode_seal(bytes.len() as u64 + 16, &mut bytes);
+            }
+            bytes.resize(bytes.len() + zeros, 0);
+            for (at, junk) in &garbage {
+                let at = (*at).min(bytes.len());
+                bytes.splice(at..at, junk.iter().copied());
+            }
+            let model = scan(&bytes, max);
+            let mut frames = Vec::new();
+            let mut read = |offset: u64, buf: &mut [u8]| {
+                let start = (offset as usize).min(bytes.len());
+                let n = buf.len().min(bytes.len() - start);
+                buf[..n].copy_from_slice(&bytes[start..start + n]);
+                Ok(n)
+            };
+            let streamed = scan_stream(&mut read, bytes.len() as u64, max, window, |start, len| {
+                frames.push((start, len));
+            })
+            .unwrap();
+            prop_assert_eq!(&frames, &model.frames);
+            prop_assert_eq!(&streamed.skipped, &model.skipped);
+            prop_assert_eq!(streamed.valid_end, model.valid_end);
+            prop_assert_eq!(streamed.seal, model.seal);
+            prop_assert_eq!(streamed.tail, model.tail(&bytes));
+            prop_assert_eq!(streamed.frames, model.frames.len() as u64);
         }
 
         /// Valid frames with garbage around them are all found again.

@@ -264,13 +264,10 @@ impl SpillQueue {
         };
         // The state file records the last segment id from the start (a version 1 file is
         // rewritten as version 2 here).
-        let current = storage
-            .list()?
-            .iter()
-            .any(|n| n == STATE)
-            .then(|| storage.read_all(STATE))
-            .transpose()?
-            .and_then(|bytes| format::decode_state(&bytes));
+        let current = match storage.list()?.iter().any(|n| n == STATE) {
+            true => format::read_state(&*storage)?,
+            false => None,
+        };
         if current.is_none_or(|state| state.last.is_none_or(|last| last < active)) {
             storage.write_atomic(STATE, &encode_state(committed, active))?;
         }

@@ -21,11 +21,11 @@ use std::io;
 use serde::{Deserialize, Serialize};
 
 use super::format::{
-    Position, SEGMENT_HEADER, STATE, decode_state, segment_header_ok, segment_id, segment_name,
+    Position, SEGMENT_HEADER, STATE, read_state, segment_header_ok, segment_id, segment_name,
     segment_version,
 };
-use super::frame::{self, Layout};
-use super::storage::Storage;
+use super::frame;
+use super::storage::{AppendFile, Storage};
 
 /// One segment, as recovery found it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,14 +141,10 @@ pub(crate) fn recover(
     if ids.last() == Some(&u64::MAX) {
         ids.pop();
         let name = segment_name(u64::MAX);
-        let bytes = storage.read_all(&name)?;
+        let len = storage.len(&name)?;
         report.bad_segments += 1;
-        report.bad_segment_bytes += bytes.len() as u64;
-        if repair
-            && frame::scan(bytes.get(SEGMENT_HEADER as usize..).unwrap_or(&[]), u32::MAX)
-                .frames
-                .is_empty()
-        {
+        report.bad_segment_bytes += len;
+        if repair && scan_segment(storage, &name, len, |_, _| {})?.frames == 0 {
             storage.remove(&name)?;
         }
     }
@@ -165,7 +161,7 @@ pub(crate) fn recover(
     }
     let has_state = names.iter().any(|n| n == STATE);
     let state = if has_state {
-        let state = decode_state(&storage.read_all(STATE)?);
+        let state = read_state(storage)?;
         report.state_reset = state.is_none();
         state
     } else {
@@ -236,18 +232,26 @@ pub(crate) fn recover(
             }
             continue;
         }
-        let bytes = storage.read_all(&name)?;
-        let body = bytes.get(SEGMENT_HEADER as usize..).unwrap_or(&[]);
+        // Read a window at a time, never whole: a segment file can be as large as the disk.
+        let file_len = storage.len(&name)?;
+        let head = read_head(storage, &name)?;
+        // What the committed position needs to know of this segment's frames, gathered by the
+        // scan (it keeps no list of them).
+        let mut tally = Tally::new(
+            (id == committed.segment && !report.state_invalid)
+                .then(|| committed.offset.checked_sub(SEGMENT_HEADER))
+                .flatten(),
+        );
         // Frames check themselves (header and payload CRCs): every valid frame is a record,
         // whatever `max_record` the caller gives, so a repair never drops one written under a
         // larger setting.
-        let layout: Layout = frame::scan(body, u32::MAX);
+        let layout = scan_segment(storage, &name, file_len, |start, len| tally.see(start, len))?;
         records_without_state |= !has_state
-            && !layout.frames.is_empty()
-            && segment_version(&bytes, id) == Some(super::format::FORMAT_VERSION);
-        if !segment_header_ok(&bytes, id) {
+            && layout.frames > 0
+            && segment_version(&head, id) == Some(super::format::FORMAT_VERSION);
+        if !segment_header_ok(&head, id) {
             // Frames check themselves: a damaged header loses the header, not the records.
-            if layout.frames.is_empty() {
+            if layout.frames == 0 {
                 // The writer names a segment in the state only once its header is synced: one
                 // the state names that has neither header nor record was damaged, and what it
                 // held (if anything) is lost. One past it is a crash's half-made file, or not
@@ -258,7 +262,7 @@ pub(crate) fn recover(
                     report.missing_ranges.push((id, id));
                 } else {
                     report.bad_segments += 1;
-                    report.bad_segment_bytes += bytes.len() as u64;
+                    report.bad_segment_bytes += file_len;
                 }
                 if repair {
                     storage.remove(&name)?;
@@ -267,25 +271,25 @@ pub(crate) fn recover(
             }
             report.damaged_headers += 1;
             if repair {
-                let mut fixed = bytes.clone();
-                fixed[..SEGMENT_HEADER as usize]
-                    .copy_from_slice(&super::format::segment_header(id));
-                storage.write_atomic(&name, &fixed)?;
+                rewrite(storage, &name, id, |out, piece| {
+                    copy_range(storage, &name, SEGMENT_HEADER, file_len, out, piece)
+                })?
+                .put()?;
             }
         }
         let base = SEGMENT_HEADER;
         let valid_end = base + layout.valid_end;
-        let tail = layout.tail(body);
+        let tail = layout.tail;
         // Zeros after the data: space the writer reserved and never wrote. Not a loss; the
         // open cuts them so appends go on where the data ends.
-        let unwritten = body.len() as u64 - layout.valid_end - tail;
+        let unwritten = layout.len - layout.valid_end - tail;
         // Where the data ends: before the seal, if the writer sealed the segment. A version 2
         // segment before the last must be sealed, with the data length it records: otherwise
         // it lost its end (even a cut exactly at a frame boundary shows).
         let sealed = layout.seal.is_some();
         let data_end = layout.seal.map_or(valid_end, |(start, _)| base + start);
         let seal_lies = layout.seal.is_some_and(|(start, recorded)| recorded != base + start);
-        let unsealed_v2 = segment_version(&bytes, id) == Some(super::format::FORMAT_VERSION)
+        let unsealed_v2 = segment_version(&head, id) == Some(super::format::FORMAT_VERSION)
             && !sealed
             && Some(id) != last_id;
         if (seal_lies || unsealed_v2) && tail == 0 {
@@ -325,17 +329,11 @@ pub(crate) fn recover(
             // A frame start, the valid end, or where a corrupt region starts (the frame there
             // was damaged after the position was committed).
             let boundary = committed.offset == valid_end
-                || layout.frames.iter().any(|(start, _)| base + start == committed.offset)
+                || tally.at_start
                 || layout.skipped.iter().any(|(start, _)| base + start == committed.offset);
             if !boundary {
                 report.state_invalid = true;
-                let before = layout
-                    .frames
-                    .iter()
-                    .map(|(start, _)| base + start)
-                    .filter(|start| *start <= committed.offset)
-                    .max()
-                    .unwrap_or(base);
+                let before = tally.before.map_or(base, |start| base + start);
                 committed.offset = before.min(valid_end);
             }
         }
@@ -348,32 +346,51 @@ pub(crate) fn recover(
                 report.corrupt_bytes += end - start.max(&from);
             }
         }
-        for (start, len) in &layout.frames {
-            if base + start >= from {
-                report.records += 1;
-                report.bytes += len;
+        let (records, bytes) = match tally.from(from.saturating_sub(base), layout.valid_end) {
+            Some(counted) => counted,
+            // A position recovery moved to where the scan did not count from: count again.
+            None => {
+                let mut counted = (0, 0);
+                scan_segment(storage, &name, file_len, |start, len| {
+                    if base + start >= from {
+                        counted = (counted.0 + 1, counted.1 + len);
+                    }
+                })?;
+                counted
             }
-        }
+        };
+        report.records += records;
+        report.bytes += bytes;
         // A torn segment before the last is left as found (its loss stays visible).
         let torn_inside = tail > 0 && Some(id) != last_id;
         if repair && !skipped.is_empty() && !torn_inside {
             // Rewrite the segment with its valid frames only, so a repaired queue checks clean;
             // a committed position in it moves with the frames: to the first frame at or after
             // it, or the new end.
-            let mut out = super::format::segment_header(id).to_vec();
-            let mut moved = None;
-            for (start, len) in &layout.frames {
-                let old = base + start;
-                if moved.is_none() && old >= committed.offset {
-                    moved = Some(out.len() as u64);
+            // Written first to a file of its own, then put in its place: the old file stays
+            // whole until the new one is.
+            let (mut moved, mut data_end) = (None, SEGMENT_HEADER);
+            let rewritten = rewrite(storage, &name, id, |out, piece| {
+                let mut copied = Ok(());
+                scan_segment(storage, &name, file_len, |start, len| {
+                    let old = base + start;
+                    if moved.is_none() && old >= committed.offset {
+                        moved = Some(data_end);
+                    }
+                    if copied.is_ok() {
+                        copied = copy_range(storage, &name, old, old + len, out, piece);
+                    }
+                    data_end += len;
+                })?;
+                copied?;
+                if sealed {
+                    let mut seal = Vec::new();
+                    frame::encode_seal(data_end, &mut seal);
+                    out.append(&seal)?;
                 }
-                out.extend_from_slice(&bytes[old as usize..(old + len) as usize]);
-            }
-            let moved = moved.unwrap_or(out.len() as u64);
-            let data_end = out.len() as u64;
-            if sealed {
-                frame::encode_seal(data_end, &mut out);
-            }
+                Ok(())
+            })?;
+            let moved = moved.unwrap_or(data_end);
             if id == committed.segment && moved != committed.offset {
                 // The state first: killed between the two writes, an offset too early in the
                 // old file is found and delivered again; one too late in the new file would
@@ -382,7 +399,7 @@ pub(crate) fn recover(
                 let last = recorded_last.unwrap_or(0).max(last_id.unwrap_or(id));
                 storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
             }
-            storage.write_atomic(&name, &out)?;
+            rewritten.put()?;
             segments.push(Segment { id, valid_end: data_end, skipped: Vec::new(), sealed });
             continue;
         }
@@ -427,6 +444,144 @@ pub(crate) fn recover(
     report.segments = segments.len();
     report.committed = Some(committed);
     Ok(Recovered { segments, committed, report })
+}
+
+/// Scans segment file `name` (`file_len` bytes) after its header, a window at a time.
+fn scan_segment(
+    storage: &dyn Storage,
+    name: &str,
+    file_len: u64,
+    on_frame: impl FnMut(u64, u64),
+) -> io::Result<frame::Streamed> {
+    let mut read = |offset: u64, buf: &mut [u8]| {
+        storage.read_at(name, SEGMENT_HEADER.saturating_add(offset), buf)
+    };
+    let body = file_len.saturating_sub(SEGMENT_HEADER);
+    frame::scan_stream(&mut read, body, u32::MAX, frame::SCAN_WINDOW, on_frame)
+}
+
+/// The first bytes of `name`: its segment header, or what there is of it.
+fn read_head(storage: &dyn Storage, name: &str) -> io::Result<Vec<u8>> {
+    let mut head = vec![0u8; SEGMENT_HEADER as usize];
+    let mut got = 0;
+    while got < head.len() {
+        match storage.read_at(name, got as u64, &mut head[got..])? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    head.truncate(got);
+    Ok(head)
+}
+
+/// Appends bytes `from..to` of `name` to `out`, a window at a time through `piece`.
+fn copy_range(
+    storage: &dyn Storage,
+    name: &str,
+    from: u64,
+    to: u64,
+    out: &mut dyn AppendFile,
+    piece: &mut Vec<u8>,
+) -> io::Result<()> {
+    piece.resize(frame::SCAN_WINDOW, 0);
+    let mut at = from;
+    while at < to {
+        let n = usize::try_from(to - at).unwrap_or(usize::MAX).min(piece.len());
+        match storage.read_at(name, at, &mut piece[..n])? {
+            0 => {
+                let message = format!("{name} shrank while recovery copied it");
+                return Err(io::Error::new(io::ErrorKind::UnexpectedEof, message));
+            }
+            got => {
+                out.append(&piece[..got])?;
+                at += got as u64;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Segment `id` written anew in a file of its own (its header, then what `fill` appends),
+/// synced: [`put`](Rewritten::put) puts it in the segment's place. Memory stays within a
+/// window, however large the segment.
+fn rewrite<'a>(
+    storage: &'a dyn Storage,
+    name: &str,
+    id: u64,
+    fill: impl FnOnce(&mut dyn AppendFile, &mut Vec<u8>) -> io::Result<()>,
+) -> io::Result<Rewritten<'a>> {
+    let tmp = format!("{name}.tmp");
+    match storage.remove(&tmp) {
+        Err(err) if err.kind() != io::ErrorKind::NotFound => return Err(err),
+        _ => {}
+    }
+    let mut out = storage.create(&tmp)?;
+    out.append(&super::format::segment_header(id))?;
+    fill(&mut *out, &mut Vec::new())?;
+    out.sync()?;
+    drop(out);
+    Ok(Rewritten { storage, tmp, name: name.to_owned() })
+}
+
+/// A segment written anew, waiting to be put in place of the old one.
+struct Rewritten<'a> {
+    storage: &'a dyn Storage,
+    tmp: String,
+    name: String,
+}
+
+impl Rewritten<'_> {
+    /// Renames it over the old segment (atomically, the directory synced).
+    fn put(self) -> io::Result<()> {
+        self.storage.replace(&self.tmp, &self.name)
+    }
+}
+
+/// What recovery needs to know of a segment's frames about the committed position in it
+/// (`probe`, relative to the body), gathered as its scan goes: it keeps no list of them.
+struct Tally {
+    probe: Option<u64>,
+    /// Every frame, and their bytes.
+    all: (u64, u64),
+    /// A frame starts at the probe.
+    at_start: bool,
+    /// The last frame start at or before the probe.
+    before: Option<u64>,
+    /// Frames that start at or after the probe, and their bytes.
+    after: (u64, u64),
+}
+
+impl Tally {
+    fn new(probe: Option<u64>) -> Self {
+        Self { probe, all: (0, 0), at_start: false, before: None, after: (0, 0) }
+    }
+
+    fn see(&mut self, start: u64, len: u64) {
+        self.all = (self.all.0 + 1, self.all.1 + len);
+        if let Some(probe) = self.probe {
+            self.at_start |= start == probe;
+            if start <= probe {
+                self.before = Some(start);
+            }
+            if start >= probe {
+                self.after = (self.after.0 + 1, self.after.1 + len);
+            }
+        }
+    }
+
+    /// The frames that start at or after `from` (relative), and their bytes, if the scan
+    /// counted them (`valid_end`: where the scan found the valid data end).
+    fn from(&self, from: u64, valid_end: u64) -> Option<(u64, u64)> {
+        if from == 0 {
+            Some(self.all)
+        } else if Some(from) == self.probe {
+            Some(self.after)
+        } else if from >= valid_end {
+            Some((0, 0))
+        } else {
+            None
+        }
+    }
 }
 
 /// The first 16 of `ranges` in id order, those that touch merged: gaps between the ids found

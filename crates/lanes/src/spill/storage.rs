@@ -89,6 +89,15 @@ pub trait Storage: Send + Sync + fmt::Debug + 'static {
     fn write_atomic(&self, name: &str, data: &[u8]) -> io::Result<()>;
     /// Makes the directory's entries (created, renamed, removed files) durable.
     fn sync_dir(&self) -> io::Result<()>;
+    /// Replaces `name` atomically with `from`, a file written and synced already: renames it
+    /// over `name`, syncs the directory. (Recovery rewrites a damaged segment this way, a
+    /// piece at a time, rather than whole in memory.) The default reads `from` whole and
+    /// writes it with [`write_atomic`](Self::write_atomic).
+    fn replace(&self, from: &str, name: &str) -> io::Result<()> {
+        let data = self.read_all(from)?;
+        self.write_atomic(name, &data)?;
+        self.remove(from)
+    }
 }
 
 /// Files on the local filesystem.
@@ -371,6 +380,11 @@ impl Storage for FsStorage {
 
     fn sync_dir(&self) -> io::Result<()> {
         File::open(&self.dir)?.sync_all()
+    }
+
+    fn replace(&self, from: &str, name: &str) -> io::Result<()> {
+        std::fs::rename(self.path(from), self.path(name))?;
+        self.sync_dir()
     }
 }
 
@@ -655,6 +669,15 @@ impl Storage for MemStorage {
     }
 
     fn sync_dir(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn replace(&self, from: &str, name: &str) -> io::Result<()> {
+        let mut state = live(&self.state, self.generation)?;
+        let file = state.files.remove(from).ok_or_else(|| missing(from))?;
+        // Renamed and the directory synced: the name holds what `from` held durably.
+        let file = MemFile { data: file.data, durable: file.durable };
+        state.files.insert(name.to_owned(), file);
         Ok(())
     }
 }
