@@ -466,6 +466,40 @@ mod spill_crash {
         let want: Vec<String> = (5..10).map(|i| format!("record {i:04}")).collect();
         assert_eq!(got, want, "unacknowledged records lost; report {report:?}");
     }
+
+    /// Review finding (stop 75): a storage without its own `Storage::replace` (this one
+    /// delegates to a directory, as a wrapper does) had a repair's rewrite fail after it had
+    /// taken place: the default wrote through `write_atomic`, whose temporary file was the
+    /// rewrite's own, then could not remove it. Each open failed, one segment further on.
+    #[tokio::test]
+    async fn a_storage_without_its_own_replace_repairs_in_one_open() {
+        let dir = std::env::temp_dir().join(format!("review-replace-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (queue, _) = SpillQueue::open(&dir, opts()).await.unwrap();
+        for i in 0..10 {
+            queue.append(format!("record {i:04}")).await.unwrap();
+        }
+        queue.close().await.unwrap();
+        let seg = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|e| e == "seg"))
+            .unwrap();
+        let mut bytes = std::fs::read(&seg).unwrap();
+        let at = bytes.windows(11).position(|w| w == b"record 0006").unwrap();
+        bytes[at + 3] ^= 0x5A;
+        std::fs::write(&seg, &bytes).unwrap();
+        let storage =
+            FailState { inner: FsStorage::new(&dir), fail: Arc::new(AtomicBool::new(false)) };
+        let (queue, report) = SpillQueue::open_with(storage, opts()).await.expect("one open");
+        assert_eq!(report.corrupt_regions, 1, "{report:?}");
+        let got = read_all(&queue).await;
+        queue.close().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        let want: Vec<String> =
+            (0..10).filter(|i| *i != 6).map(|i| format!("record {i:04}")).collect();
+        assert_eq!(got, want);
+    }
 }
 
 /// Review finding: a committed position at the start of a damaged frame was taken for an

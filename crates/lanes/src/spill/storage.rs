@@ -91,12 +91,13 @@ pub trait Storage: Send + Sync + fmt::Debug + 'static {
     fn sync_dir(&self) -> io::Result<()>;
     /// Replaces `name` atomically with `from`, a file written and synced already: renames it
     /// over `name`, syncs the directory. (Recovery rewrites a damaged segment this way, a
-    /// piece at a time, rather than whole in memory.) The default reads `from` whole and
-    /// writes it with [`write_atomic`](Self::write_atomic).
+    /// piece at a time, rather than whole in memory.) The default reads `from` whole, removes
+    /// it, and writes its bytes with [`write_atomic`](Self::write_atomic) (which may use
+    /// `from`'s name for its own temporary file); a storage that can rename should.
     fn replace(&self, from: &str, name: &str) -> io::Result<()> {
         let data = self.read_all(from)?;
-        self.write_atomic(name, &data)?;
-        self.remove(from)
+        self.remove(from)?;
+        self.write_atomic(name, &data)
     }
 }
 
