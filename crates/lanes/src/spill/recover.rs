@@ -371,17 +371,28 @@ pub(crate) fn recover(
             // whole until the new one is.
             let (mut moved, mut data_end) = (None, SEGMENT_HEADER);
             let rewritten = rewrite(storage, &name, id, |out, piece| {
-                let mut copied = Ok(());
+                // Frames back to back are copied as one range (a file of tiny records would
+                // otherwise cost a read and a write each).
+                let (mut copied, mut range) = (Ok(()), None::<(u64, u64)>);
                 scan_segment(storage, &name, file_len, |start, len| {
                     let old = base + start;
                     if moved.is_none() && old >= committed.offset {
                         moved = Some(data_end);
                     }
-                    if copied.is_ok() {
-                        copied = copy_range(storage, &name, old, old + len, out, piece);
-                    }
                     data_end += len;
+                    match &mut range {
+                        Some((_, end)) if *end == old => *end = old + len,
+                        _ => {
+                            if let (Some((from, to)), Ok(())) = (range, &copied) {
+                                copied = copy_range(storage, &name, from, to, out, piece);
+                            }
+                            range = Some((old, old + len));
+                        }
+                    }
                 })?;
+                if let (Some((from, to)), Ok(())) = (range, &copied) {
+                    copied = copy_range(storage, &name, from, to, out, piece);
+                }
                 copied?;
                 if sealed {
                     let mut seal = Vec::new();
