@@ -55,7 +55,10 @@
 //!   ignored (and counted in the dispatcher's snapshot).
 //! - A broken watch is reported to `on_watch_error` and in the snapshot, and re-established
 //!   with back-off, from the last revision it saw: a `put` made while it was down still
-//!   completes its item, and none completes one twice.
+//!   completes its item, and none completes one twice — as long as the bucket still holds
+//!   it. A bucket keeps a key's latest revisions only (its history): a `put` followed, while
+//!   the watch was down, by a delete, a purge, an expiry or more puts past the history is
+//!   gone, and its item stays tracked (until a later `put` of its key, or a stop).
 //!
 //! # Examples
 //!
@@ -108,7 +111,8 @@ pub use async_nats;
 ///
 /// The first watch starts after the bucket's last revision then; a watch made again (after one
 /// broke) resumes after the last revision seen, so a `put` made while the watch was down is
-/// still delivered, and one delivered before is not again. A bucket deleted and made again in
+/// still delivered if the bucket still holds it (see the [crate docs](crate)), and one
+/// delivered before is not again. A bucket deleted and made again in
 /// between (its revisions start again from 1) is watched from its start. A clone starts
 /// afresh.
 pub struct KvCompletions {
