@@ -331,6 +331,7 @@ impl RunSignal {
         first
     }
 
+    #[inline]
     pub(crate) fn cancel_reason(&self) -> Option<Reason> {
         decode(self.cancel.load(Ordering::Acquire))
     }
