@@ -80,6 +80,11 @@
 //! does long synchronous work before its first `.await` delays it, and callbacks, like jobs, must
 //! not block the thread.
 //!
+//! The runtime needs its time driver (`Builder::enable_time`, or `enable_all`, as
+//! `#[tokio::main]` and `#[tokio::test]` give): the queue, execution, audit, finalization and
+//! drain timeouts are tokio timers. On a runtime without one, tokio panics where a run first
+//! needs a timer, and that run ends unfinalized, as in a runtime's shutdown (below).
+//!
 //! # Shutdown
 //!
 //! [`LaneSet::close`] refuses new admission at once, fails every queued run with
