@@ -1286,3 +1286,36 @@ async fn a_stop_cuts_an_on_complete_that_outlives_its_timeout() {
     settle().await;
     assert!(tx.is_closed(), "the watch was aborted");
 }
+
+/// Review finding (stop 75): a failed item's `on_error` was called before its outcome was
+/// recorded, so an abort in between (from `on_error` itself here) counted the item dropped
+/// and cancelled: one item, two terminal states. The hook now runs once the outcome is
+/// recorded; an abort that comes first counts the item dropped and calls no hook.
+#[tokio::test(start_paused = true)]
+async fn an_abort_from_on_error_leaves_one_terminal_state() {
+    let pool: Arc<std::sync::OnceLock<Dispatcher<u32>>> = Arc::default();
+    let (errors, reports) = (Arc::new(AtomicUsize::new(0)), Arc::new(Mutex::new(Vec::new())));
+    let dispatcher = {
+        let (pool, errors, reports) = (pool.clone(), errors.clone(), reports.clone());
+        Dispatcher::builder()
+            .workers(1)
+            .queue_size(4)
+            .on_error(move |_| {
+                errors.fetch_add(1, Ordering::SeqCst);
+                if let Some(pool) = pool.get() {
+                    reports.lock().unwrap().push(pool.abort());
+                }
+            })
+            .build(|_: u32| async { Err::<(), _>(std::io::Error::other("failed")) })
+            .unwrap()
+    };
+    assert!(pool.set(dispatcher).is_ok());
+    let dispatcher = pool.get().unwrap();
+    dispatcher.submit(1).unwrap();
+    settle().await;
+    assert_eq!(errors.load(Ordering::SeqCst), 1);
+    let stats = dispatcher.stats();
+    assert_eq!((stats.failed, stats.dropped), (1, 0), "{stats:?}");
+    let reports = reports.lock().unwrap();
+    assert_eq!((reports[0].cancelled, reports[0].discarded), (0, 0));
+}

@@ -391,6 +391,10 @@ where
     /// Reporting an item and taking the next share one critical section.
     async fn work(self: Arc<Self>, worker: usize) {
         let mut finished: Option<(S::Slot, Outcome)> = None;
+        // The finished item's `on_error` or `on_panic`, called once its outcome is recorded: an
+        // abort that came first counted the item dropped, and then it is not called (one
+        // terminal state an item).
+        let mut report: Option<Report<T>> = None;
         let mut producers = Vec::new();
         // Woken from idle (possibly as the searcher, invariant 5).
         let mut woken = false;
@@ -408,6 +412,8 @@ where
                 let mut state = spin_lock(&self.state);
                 if state.phase == Phase::Aborted {
                     // The abort counted an item in flight as dropped.
+                    drop(state);
+                    drop_contained(report);
                     return;
                 }
                 if let Some((slot, outcome)) = finished.take() {
@@ -457,6 +463,9 @@ where
             };
             if let Some(outcome) = counted {
                 self.count(outcome);
+                if let Some(report) = report.take() {
+                    self.report(report);
+                }
             }
             if ends {
                 // Out of the pool only once its outcome is counted: the pool is stopped when
@@ -494,8 +503,9 @@ where
                 self.metrics.queued.decrement(1.0);
                 self.metrics.inflight.increment(1.0);
             });
-            let outcome = self.run(worker, queued).await;
+            let (outcome, reported) = self.run(worker, queued).await;
             finished = Some((slot, outcome));
+            report = reported;
         }
     }
 
@@ -524,7 +534,7 @@ where
 
     /// Processes one item: its limit's permit first, then the process function, panics
     /// contained.
-    async fn run(&self, worker: usize, queued: Queued<T>) -> Outcome {
+    async fn run(&self, worker: usize, queued: Queued<T>) -> (Outcome, Option<Report<T>>) {
         // The clock is read only if wait timing is on (it was a tenth of an item's cost).
         let started = crate::observe::timing_start();
         if let (Some(started), Some(at)) = (started, queued.at.get(self.epoch)) {
@@ -539,15 +549,14 @@ where
             Some(limit) => match CatchPanic::new(limit.acquire()).await {
                 Ok(Ok(permit)) => Some(permit),
                 Ok(Err(err)) => {
-                    self.report_error(Box::new(err));
                     drop_contained(item);
-                    return Outcome::Failed;
+                    return (Outcome::Failed, Some(Report::Error(Box::new(err))));
                 }
                 Err(payload) => {
                     drop_contained(payload);
-                    self.report_error("the pool's limit panicked as a permit was acquired".into());
                     drop_contained(item);
-                    return Outcome::Failed;
+                    let err = "the pool's limit panicked as a permit was acquired".into();
+                    return (Outcome::Failed, Some(Report::Error(err)));
                 }
             },
         };
@@ -560,8 +569,7 @@ where
                     Ok(kept) => Some(kept),
                     Err(payload) => {
                         drop_contained(permit);
-                        let _ = call_contained(|| on_panic(item, payload));
-                        return Outcome::Panicked;
+                        return (Outcome::Panicked, Some(Report::Panic(item, payload)));
                     }
                 }
             }
@@ -577,36 +585,42 @@ where
         match outcome {
             Ok(Ok(())) => {
                 drop_contained(kept);
-                Outcome::Completed
+                (Outcome::Completed, None)
             }
             Ok(Err(err)) => {
                 drop_contained(kept);
-                self.report_error(err);
-                Outcome::Failed
+                (Outcome::Failed, Some(Report::Error(err)))
             }
-            Err(payload) => {
-                match (&self.hooks.on_panic, kept) {
-                    (Some((_, on_panic)), Some(item)) => {
-                        let _ = call_contained(|| on_panic(item, payload));
-                    }
-                    (_, kept) => {
-                        drop_contained(kept);
-                        drop_contained(payload);
-                    }
+            Err(payload) => match kept {
+                Some(item) => (Outcome::Panicked, Some(Report::Panic(item, payload))),
+                None => {
+                    drop_contained(payload);
+                    (Outcome::Panicked, None)
                 }
-                Outcome::Panicked
-            }
+            },
         }
     }
 
-    fn report_error(&self, err: BoxError) {
-        match &self.hooks.on_error {
-            Some(on_error) => {
+    /// Calls the hook of a finished item's failure (recorded already), or drops what it holds.
+    fn report(&self, report: Report<T>) {
+        match (report, &self.hooks.on_error, &self.hooks.on_panic) {
+            (Report::Error(err), Some(on_error), _) => {
                 let _ = call_contained(|| on_error(err));
             }
-            None => drop_contained(err),
+            (Report::Panic(item, payload), _, Some((_, on_panic))) => {
+                let _ = call_contained(|| on_panic(item, payload));
+            }
+            (report, ..) => drop_contained(report),
         }
     }
+}
+
+/// What a finished item's hook is to be told.
+enum Report<T> {
+    /// Its processing (or its limit) failed: for `on_error`.
+    Error(BoxError),
+    /// Its processing panicked: the item's copy and the payload, for `on_panic`.
+    Panic(T, PanicPayload),
 }
 
 #[derive(Clone, Copy)]
