@@ -110,13 +110,30 @@ pub(crate) struct Inner {
     pub(crate) lost: LostLeases,
     /// Limits served from this client's shares (leased capacity).
     pub(crate) shares: crate::leased::Shares,
-    /// Notified (to every waiter) whenever `lost` grows.
+    /// The renewal task (started again on the runtime of a call that finds it ended: the
+    /// runtime it ran on shut down).
     renewer: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The runtime of the last call that needed one (the client was made on one): a permit
+    /// dropped on a thread without a runtime has its release sent there.
+    runtime: Mutex<tokio::runtime::Handle>,
     /// The API token sent with every request, if the server wants one.
     token: std::sync::OnceLock<String>,
 }
 
 impl Inner {
+    /// Starts the renewal task on this call's runtime if it is not running: the runtime it
+    /// ran on shut down, and the permits asked since would neither be renewed nor found lost.
+    /// Each ticket's first ask calls this (an atomic load when the task runs).
+    fn keep_renewing(self: &Arc<Self>) {
+        let mut renewer = lock(&self.renewer);
+        if renewer.as_ref().is_some_and(|task| !task.is_finished()) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        *renewer = Some(runtime.spawn(renew_in_background(Arc::downgrade(self))));
+        *lock(&self.runtime) = runtime;
+    }
+
     /// Whether `ticket` of `name` was asked through the server and is not finished.
     pub(crate) fn asked_through_server(&self, name: &str, ticket: u64) -> bool {
         lock(&self.live).contains_key(&(name.to_owned(), ticket))
@@ -385,10 +402,10 @@ impl RemoteLimits {
             lost: LostLeases::default(),
             shares: crate::leased::Shares::new(start),
             renewer: Mutex::new(None),
+            runtime: Mutex::new(tokio::runtime::Handle::current()),
             token: std::sync::OnceLock::new(),
         });
-        let task = tokio::spawn(renew_in_background(Arc::downgrade(&inner)));
-        *lock(&inner.renewer) = Some(task);
+        inner.keep_renewing();
         Ok(Self { inner })
     }
 
@@ -471,8 +488,20 @@ impl RemoteLimits {
                 Ok(not_granted(not_yet.reason, not_yet.retry_after_ms))
             }
             StatusCode::TOO_MANY_REQUESTS if ask == Ask::Try => {
-                let refused: wire::TryRefused = answer(response).await?;
-                Ok(not_granted(refused.reason, refused.retry_after_ms))
+                // A refusal of the try, or of the client itself (a server at its most clients
+                // answers a JSON error instead): the latter is an error, as for any other ask.
+                let body = response.bytes().await.map_err(transport)?;
+                match serde_json::from_slice::<wire::TryRefused>(&body) {
+                    Ok(refused) => Ok(not_granted(refused.reason, refused.retry_after_ms)),
+                    Err(_) => {
+                        let error: Option<wire::ErrorBody> = serde_json::from_slice(&body).ok();
+                        let message = error.map_or_else(
+                            || String::from_utf8_lossy(&body).into_owned(),
+                            |error| error.error,
+                        );
+                        Err(LimitError::backend(format!("lanes serve: 429 {message}")))
+                    }
+                }
             }
             StatusCode::GONE => Ok(Answer::Finished),
             _ => Err(failure(name, response, ask != Ask::Try).await),
@@ -647,6 +676,29 @@ impl Inner {
 /// The most tickets one renewal request names (about 60 bytes each in JSON).
 const RENEW_CHUNK: usize = 500;
 
+/// The most bytes of tickets one renewal request carries: well inside any body limit a server
+/// would be given (64 KiB by default), whatever the limits' names (up to 200 bytes each).
+const RENEW_BYTES: usize = 8 << 10;
+
+/// `keys` in runs of at most [`RENEW_CHUNK`] tickets and about [`RENEW_BYTES`] of JSON.
+fn renewal_batches(keys: &[(String, u64)]) -> Vec<&[(String, u64)]> {
+    let mut batches = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, (name, _)) in keys.iter().enumerate() {
+        // `{"limit":"…","ticket":…},`: a name escaped at worst doubles.
+        let size = 2 * name.len() + 40;
+        if i > start && (i - start == RENEW_CHUNK || bytes + size > RENEW_BYTES) {
+            batches.push(&keys[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+    }
+    if start < keys.len() {
+        batches.push(&keys[start..]);
+    }
+    batches
+}
+
 /// Renews every permit asked without a lease, every third of the client's lease, and records
 /// the ones the server lost, and those whose lease ran out unrenewed (the server unreachable,
 /// or its answers lost, for a whole lease: it may have given them to others).
@@ -674,10 +726,10 @@ async fn renew_in_background(inner: Weak<Inner>) {
         if known.is_empty() {
             continue;
         }
-        // In requests of at most RENEW_CHUNK tickets, well inside the server's default body
-        // limit (64 KiB); each bounded to the period: a renewal that hangs (a half-open
+        // In requests well inside a server's body limit (a batch over it was refused 413, and
+        // its permits lapsed); each bounded to the period: a renewal that hangs (a half-open
         // connection) must not hold back the next one, nor the lapse above.
-        for chunk in known.chunks(RENEW_CHUNK) {
+        for chunk in renewal_batches(&known) {
             let renewal = tokio::time::timeout(period, inner.renew_client(&inner.client, chunk));
             match renewal.await {
                 Ok(Ok(Renewal::Lost(lost))) => {
@@ -773,6 +825,9 @@ impl LimitBackend for RemoteLimits {
                 }
                 asked_before
             };
+            if !asked_before {
+                self.inner.keep_renewing();
+            }
             if asked_before {
                 // A re-ask, which keeps the first ask's priority and lease.
                 return self.look(name, ticket, Duration::ZERO).await;
@@ -815,6 +870,7 @@ impl LimitBackend for RemoteLimits {
                 known: false,
                 learned: None,
             };
+            self.inner.keep_renewing();
             let answer = self.ask(name, ticket, &asked, Ask::Try).await?;
             let mut live = lock(&self.inner.live);
             match answer {
@@ -983,8 +1039,23 @@ impl LimitBackend for RemoteLimits {
             .is_some_and(|share| share.knows(ticket) && share.release(ticket) != Released::Unknown);
         if released {
             self.inner.lost.forget(name, ticket);
+            return true;
         }
-        released
+        // A ticket asked through the server: sent from here, on this call's runtime or else
+        // the client's, so that a permit dropped on a thread without a runtime (or on one
+        // that ends before a task it spawned runs) is not held on the server for good. Out
+        // of the live tickets first: the renewer stops naming it, so at worst it lapses.
+        let Some(live) = lock(&self.inner.live).remove(&(name.to_owned(), ticket)) else {
+            return false;
+        };
+        self.inner.lost.forget(name, ticket);
+        let runtime = tokio::runtime::Handle::try_current()
+            .unwrap_or_else(|_| lock(&self.inner.runtime).clone());
+        let (this, name) = (self.clone(), name.to_owned());
+        runtime.spawn(async move {
+            let _ = this.release_as(&name, ticket, live.lease).await;
+        });
+        true
     }
 
     fn define_leased<'a>(

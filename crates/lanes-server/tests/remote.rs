@@ -158,6 +158,9 @@ async fn a_server_with_too_many_clients_is_not_a_full_waiting_room() {
     let err = second.acquire("db", lanes::Priority::default()).await.unwrap_err();
     assert!(!matches!(err, lanes::LimitError::TooManyWaiters { .. }), "{err:?}");
     assert!(err.to_string().contains("clients"), "{err}");
+    // A try says so too (review finding, stop 75: it came back as a decoding error).
+    let err = second.try_acquire("db", lanes::Priority::default()).await.unwrap_err();
+    assert!(err.to_string().contains("clients"), "{err}");
 }
 
 /// A server at its most limits answers a new one with the typed error, its cap in it.
@@ -465,4 +468,81 @@ async fn an_http_client_that_loses_its_server_reports_its_share_lost_at_the_leas
     assert!(after <= lease + Duration::from_millis(300), "lost after {after:?}");
     // (A quarter: the last refresh, due every third of a lease, may have run late.)
     assert!(after >= lease / 4, "kept until its lease ran out, not dropped at once: {after:?}");
+}
+
+/// Whether a client other than the holder is granted "db" at once, asked over plain HTTP.
+async fn db_is_free(serve: &Serve) -> bool {
+    let (status, _) = common::request(
+        &common::http(),
+        reqwest::Method::POST,
+        serve.url("/v1/limits/db/acquire"),
+        None,
+        Some(serde_json::json!({"client": "other", "queue": false, "lease_ms": 600})),
+    )
+    .await;
+    status == 200
+}
+
+/// Review finding (stop 75): a permit dropped on a thread without a tokio runtime (a rayon
+/// pool, a plain thread) sent no release, and its ticket stayed among the client's live ones:
+/// the renewer kept it alive, and the server held the permit for as long as the client lived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_dropped_without_a_runtime_is_given_back() {
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    let remote =
+        RemoteLimits::with_client(serve.base.clone(), "no-runtime", Duration::from_millis(600))
+            .unwrap();
+    let limits = lanes::Limits::with_backend(remote);
+    limits.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
+    let permit = limits.acquire("db", lanes::Priority::default()).await.unwrap();
+    std::thread::spawn(move || drop(permit)).join().unwrap();
+    // Past two leases: renewed for good before the fix.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    while !db_is_free(&serve).await {
+        assert!(tokio::time::Instant::now() < deadline, "the dropped permit is still held");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Review finding (stop 75): the renewal task ran on the runtime the client was made on; once
+/// that runtime ended, permits taken on another were neither renewed nor found lost: the
+/// server gave them to another client while their holder was told nothing.
+#[test]
+fn a_client_outliving_its_first_runtime_keeps_renewing() {
+    use std::time::Duration;
+    let runtime = || tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let serve = Serve::start(&[]);
+    let remote = runtime().block_on(async {
+        RemoteLimits::with_client(serve.base.clone(), "two-runtimes", Duration::from_millis(600))
+            .unwrap()
+    });
+    runtime().block_on(async {
+        let limits = lanes::Limits::with_backend(remote);
+        limits.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
+        let permit = limits.acquire("db", lanes::Priority::default()).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
+        assert!(!db_is_free(&serve).await, "the held permit lapsed unrenewed");
+        assert!(!permit.lease_lost());
+    });
+}
+
+/// Review finding (stop 75): renewals named up to 500 tickets a request whatever their size; a
+/// server with a smaller body limit (or long limit names) refused them 413, the client took
+/// that for "unreachable for now", and every permit of the batch lapsed after one lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewals_fit_the_servers_body_limit() {
+    use std::time::Duration;
+    let serve = Serve::start(&["--max-body", "16384"]);
+    let remote =
+        RemoteLimits::with_client(serve.base.clone(), "many", Duration::from_millis(600)).unwrap();
+    let limits = lanes::Limits::with_backend(remote);
+    limits.define("db", lanes::LimitSpec::concurrent(400)).await.unwrap();
+    let mut permits = Vec::new();
+    for _ in 0..400 {
+        permits.push(limits.try_acquire("db", lanes::Priority::default()).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let lost = permits.iter().filter(|p| p.lease_lost()).count();
+    assert_eq!(lost, 0, "renewed permits lapsed");
 }
