@@ -564,7 +564,7 @@ where
         // the item's panic (`on_panic` gets the item itself), and the item is not processed.
         let kept = match &self.hooks.on_panic {
             None => None,
-            Some((clone, on_panic)) => {
+            Some((clone, _)) => {
                 match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| clone(&item))) {
                     Ok(kept) => Some(kept),
                     Err(payload) => {
