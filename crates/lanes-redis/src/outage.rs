@@ -38,11 +38,12 @@ impl Inner {
         if matches!(ask, Ask::Try) && matches!(err, CallError::Outage(_)) {
             self.lock_state().orphans.push((name.to_owned(), ticket));
         }
-        let priority = match ask {
-            Ask::First(priority) => priority,
-            _ => Priority::default(),
+        let (priority, never_queue) = match ask {
+            Ask::First(priority) => (priority, false),
+            Ask::Try => (Priority::default(), true),
+            Ask::Check => (Priority::default(), false),
         };
-        self.on_outage(name, ticket, &priority, lease, err).await
+        self.on_outage(name, ticket, &priority, never_queue, lease, err).await
     }
 
     /// Records a permit as lost and wakes whoever awaits it.
@@ -104,6 +105,7 @@ impl Inner {
         name: &str,
         ticket: u64,
         priority: &Priority,
+        never_queue: bool,
         lease: Option<Duration>,
         err: CallError,
     ) -> Result<Answer, LimitError> {
@@ -148,7 +150,16 @@ impl Inner {
                     let limit = state.limits.entry(name.to_owned()).or_default();
                     limit.local(ticket);
                 }
-                self.local.acquire(name, ticket, priority, lease).await
+                if !never_queue {
+                    return self.local.acquire(name, ticket, priority, lease).await;
+                }
+                // A try: granted at once or nothing, here too. Queued in the local share, its
+                // ticket would stay there for good (nobody withdraws a try that was answered).
+                let answer = self.local.try_acquire(name, ticket, lease).await;
+                if !matches!(answer, Ok(Answer::Granted(_))) {
+                    self.lock_state().limits.entry(name.to_owned()).or_default().release(ticket);
+                }
+                answer
             }
         }
     }

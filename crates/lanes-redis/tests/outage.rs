@@ -420,3 +420,22 @@ async fn a_try_whose_answer_was_lost_is_released() {
         sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Review finding (stop 75): under `LocalShare`, a try during an outage was asked of the local
+/// share as an acquire, which queued it when the share was busy; an answered try is never
+/// withdrawn, so its ticket stayed in the local line for good, and the next permit freed went
+/// to nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_during_an_outage_leaves_nothing_in_the_local_share() {
+    let mut redis = DedicatedRedis::start();
+    let backend = client(&redis, OutagePolicy::LocalShare(0.5)).await;
+    let limits = Limits::with_backend(backend.clone());
+    limits.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    redis.stop();
+    let held = limits.acquire("db", Priority::default()).await.unwrap();
+    let refused = limits.try_acquire("db", Priority::default()).await;
+    assert!(refused.is_err(), "half of 2 is held: {refused:?}");
+    drop(held);
+    let next = limits.acquire_timeout("db", Priority::default(), Duration::from_secs(1)).await;
+    assert!(next.is_ok(), "the freed local permit went to a try nobody waits on: {next:?}");
+}
