@@ -62,7 +62,10 @@
 //! the spec this client gave it, holding its grants for the longest lease; one a restarted
 //! Redis still knows (from a snapshot or an append-only file, which may lag) holds them the
 //! same way from the first call after the restart, and its fencing tokens go on past the
-//! clock. Tickets that fell back to the local share stay local until
+//! clock. A limit made new on a Redis that began serving less than the longest lease ago is
+//! held until then too (a client that never knew the old epoch defines it anew, and nothing
+//! tells a new Redis from an emptied one): a fresh Redis grants nothing on a new limit in its
+//! first lease. Tickets that fell back to the local share stay local until
 //! released; new acquires go to Redis again as soon as it answers.
 //!
 //! # Example

@@ -699,13 +699,23 @@ local function call(keys, args)
     end
     local now = now_us()
     redis.call('HSET', M, 'concurrent', ARGV[6], 'interval', ARGV[7], 'burst', ARGV[8], 'rate', ARGV[9])
-    if fresh then
-      redis.call('HSET', M, 'tat', 0, 'fence', int(now), 'fbase', int(now), 'maxuse', 0, 'seq', 0,
-      'hold', 0, 'run', run_id())
-    end
     -- ARGV[13]: the client's longest lease (ms), the hold after a restart of the server
     -- (`watch_run`); the longest any client gave.
     local runhold = tonumber(ARGV[13] or '0')
+    if fresh then
+      -- A limit made new on a server that began serving less than a lease ago may be one an
+      -- empty restart forgot, with permits still believed held: no grant before every lease
+      -- that may have been lost has ended, as for a limit a restart kept (`watch_run`).
+      -- (Nothing tells a new server from an emptied one: a limit defined in its first lease
+      -- waits the rest of it.)
+      local hold = 0
+      if runhold > 0 then
+        hold = serving_since(now) + runhold * 1000
+        if hold <= now then hold = 0 end
+      end
+      redis.call('HSET', M, 'tat', 0, 'fence', int(now), 'fbase', int(now), 'maxuse', 0, 'seq', 0,
+      'hold', int(hold), 'run', run_id())
+    end
     if runhold > num(M, 'runhold') then redis.call('HSET', M, 'runhold', runhold) end
     local hold_ms = tonumber(ARGV[10] or '0')
     if hold_ms > 0 then

@@ -68,6 +68,36 @@ async fn an_empty_restart_never_hands_one_permit_to_two_holders() {
     timeout(Duration::from_secs(1), pa.lost()).await.expect("lost() resolves");
 }
 
+/// Review finding (stop 75): the same, but the client that comes after the restart defines the
+/// limit first (as an application does at start): the define made it anew, free to grant at
+/// once, while A and B, cut off, still believed they held both permits. A limit made new on a
+/// server that began serving less than the longest lease ago is held as after a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_define_after_an_empty_restart_holds_grants_too() {
+    let mut redis = DedicatedRedis::start();
+    let (a, b) = (client(&redis).await, client(&redis).await);
+    let (la, lb) = (Limits::with_backend(a), Limits::with_backend(b));
+    la.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    // Past the first lease of the server's life (its uptime counts whole seconds): a limit
+    // defined now is not held.
+    sleep(LEASE + Duration::from_millis(1_100)).await;
+    la.define("other", LimitSpec::concurrent(1)).await.unwrap();
+    let quick = Instant::now();
+    drop(la.acquire("other", Priority::default()).await.unwrap());
+    assert!(quick.elapsed() < LEASE / 2, "a server up for a lease holds nothing new");
+    let _pa = la.acquire("db", Priority::default()).await.unwrap();
+    let _pb = lb.acquire("db", Priority::default()).await.unwrap();
+    redis.stop();
+    redis.restart();
+    let back = Instant::now();
+    let lc = Limits::with_backend(client(&redis).await);
+    lc.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    let _granted = granted_when_back(&lc, Priority::default()).await;
+    let at = back.elapsed();
+    assert!(at >= LEASE - Duration::from_millis(100), "the hold kept grants back: {at:?}");
+    assert!(at <= LEASE + Duration::from_secs(1), "grants resume within the lease + 1 s: {at:?}");
+}
+
 /// Review finding (stop 72): a restart that keeps the namespace's epoch but loses the last
 /// writes (here a snapshot taken before A's grant, loaded on the restart) was not seen as a
 /// loss: C was granted at once, with A's fencing token, while A still believed it held the

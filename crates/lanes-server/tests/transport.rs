@@ -310,7 +310,10 @@ async fn readiness_follows_the_backend() {
 #[tokio::test]
 async fn a_release_whose_client_gave_up_still_gives_the_permit_back() {
     let redis = redis_common::DedicatedRedis::start();
-    let serve = Serve::start(&["--redis", &redis.url()]);
+    // A Redis that began serving less than the longest lease ago holds grants of a limit made
+    // new until then (it may have been emptied by a restart): a short longest lease.
+    let lease = ["--max-lease-ms", "5000", "--default-lease-ms", "5000"];
+    let serve = Serve::start(&[&["--redis", &redis.url()][..], &lease].concat());
     let c = reqwest::Client::new();
     let call = |path: &str, body: Value, within: Duration| {
         let request = c.post(serve.url(path)).json(&body).timeout(within);
@@ -322,7 +325,7 @@ async fn a_release_whose_client_gave_up_still_gives_the_permit_back() {
     };
     let define = c.put(serve.url("/v1/limits/db")).json(&serde_json::json!({"concurrent": 1}));
     assert_eq!(define.send().await.unwrap().status(), 200);
-    let ask = serde_json::json!({"client": "a", "ticket": 1, "lease_ms": 60_000});
+    let ask = serde_json::json!({"client": "a", "ticket": 1, "lease_ms": 5_000, "wait_ms": 10_000});
     let (status, granted) =
         call("/v1/limits/db/acquire", ask, Duration::from_secs(30)).await.unwrap();
     assert_eq!(status, 200, "{granted}");
@@ -333,7 +336,7 @@ async fn a_release_whose_client_gave_up_still_gives_the_permit_back() {
     assert!(gave_up.is_err(), "answered while Redis was frozen: {gave_up:?}");
     redis.resume();
     // The permit goes back: to b, waiting for it well within a's 60 s lease.
-    let other = serde_json::json!({"client": "b", "ticket": 2, "wait_ms": 5_000});
+    let other = serde_json::json!({"client": "b", "ticket": 2, "wait_ms": 2_000});
     let waited = c.post(serve.url("/v1/limits/db/acquire")).json(&other).send().await.unwrap();
     let status = waited.status().as_u16();
     assert_eq!(status, 200, "a's permit is still held: {}", waited.text().await.unwrap());

@@ -365,7 +365,8 @@ pub struct Settings {
     #[arg(long, env = "LANES_DEFAULT_LEASE_MS")]
     pub default_lease_ms: Option<u64>,
     /// The longest lease a client may ask for; after Redis loses its state, grants wait this
-    /// long [default: 60000].
+    /// long, and a limit made new on a Redis up less than this waits the rest of it
+    /// [default: 60000].
     #[arg(long, env = "LANES_MAX_LEASE_MS")]
     pub max_lease_ms: Option<u64>,
     /// How long a client with no request in flight keeps its queued tickets [default: 2000].
