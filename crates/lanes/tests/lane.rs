@@ -1991,6 +1991,29 @@ async fn a_finalizer_that_wraps_the_failure_does_not_make_it_contain_itself() {
     assert_eq!(dropped.load(Ordering::SeqCst), 1, "the failure and its cause are freed");
 }
 
+/// The run cancelled in the queue never started its job, and failed there, once.
+fn never_started(log: &Mutex<Vec<u32>>, finals: &Finals) {
+    assert!(log.lock().unwrap().is_empty(), "the cancelled run's job started");
+    let failures = finals.failures();
+    assert_eq!(failures.len(), 1);
+    assert_eq!((failures[0].stage(), failures[0].reason()), (Stage::Queue, Reason::Canceled));
+}
+
+/// A run that waits for `gate`, then drops the handle in `queued` and returns 1: its end (in
+/// the same poll) frees its slot and its permit.
+fn drops_at_its_end(
+    gate: &Gate,
+    queued: &Arc<Mutex<Option<RunHandle<u32>>>>,
+) -> Run<impl lanes::lane::Job<Output = u32>, impl lanes::lane::Finalize<u32, Output = u32>> {
+    let (gate, queued) = (gate.clone(), queued.clone());
+    Run::typed(move |_cx| async move {
+        gate.wait().await;
+        drop(queued.lock().unwrap().take());
+        Res::Ok(1)
+    })
+    .finalizer(|outcome: Result<u32, RunFailure>| async move { outcome })
+}
+
 /// Review finding (stop 75): a run cancelled while queued (its handle dropped) was granted the
 /// slot that freed right after, and started its job all the same, failing at execution. Here
 /// both happen in one poll of the run before it: its job drops the queued run's handle, and
@@ -2001,14 +2024,7 @@ async fn a_run_cancelled_while_queued_never_starts_though_a_slot_frees_at_once()
     let gate = Gate::new();
     let (log, finals) = (Arc::new(Mutex::new(Vec::new())), Finals::default());
     let queued: Arc<Mutex<Option<RunHandle<u32>>>> = Arc::default();
-    let first = {
-        let (gate, queued) = (gate.clone(), queued.clone());
-        Run::typed(move |_cx| async move {
-            gate.wait().await;
-            drop(queued.lock().unwrap().take());
-            Res::Ok(1)
-        })
-    };
+    let first = drops_at_its_end(&gate, &queued);
     let first = lanes.run("work", first).unwrap();
     let second = lanes.run("work", gated(2, &gate, &log, &finals)).unwrap();
     *queued.lock().unwrap() = Some(second);
@@ -2016,10 +2032,7 @@ async fn a_run_cancelled_while_queued_never_starts_though_a_slot_frees_at_once()
     gate.open();
     assert_eq!(first.await.unwrap(), 1);
     settle().await;
-    assert!(log.lock().unwrap().is_empty(), "the cancelled run's job started");
-    let failures = finals.failures();
-    assert_eq!(failures.len(), 1);
-    assert_eq!((failures[0].stage(), failures[0].reason()), (Stage::Queue, Reason::Canceled));
+    never_started(&log, &finals);
     // The slot went on: the lane is free.
     assert_eq!(lanes.run("work", gated(3, &gate, &log, &finals)).unwrap().await.unwrap(), 3);
     let work = &lanes.snapshot().lanes[0];
@@ -2038,15 +2051,7 @@ async fn a_limited_run_cancelled_while_waiting_for_its_permit_never_starts() {
     let gate = Gate::new();
     let (log, finals) = (Arc::new(Mutex::new(Vec::new())), Finals::default());
     let queued: Arc<Mutex<Option<RunHandle<u32>>>> = Arc::default();
-    let first = {
-        let (gate, queued) = (gate.clone(), queued.clone());
-        Run::typed(move |_cx| async move {
-            gate.wait().await;
-            drop(queued.lock().unwrap().take());
-            Res::Ok(1)
-        })
-        .limit(&limits, "db", Default::default())
-    };
+    let first = drops_at_its_end(&gate, &queued).limit(&limits, "db", Default::default());
     let first = lanes.run("work", first).unwrap();
     settle().await; // the first run holds the permit
     let second = gated(2, &gate, &log, &finals).limit(&limits, "db", Default::default());
@@ -2055,10 +2060,7 @@ async fn a_limited_run_cancelled_while_waiting_for_its_permit_never_starts() {
     gate.open();
     assert_eq!(first.await.unwrap(), 1);
     settle().await;
-    assert!(log.lock().unwrap().is_empty(), "the cancelled run's job started");
-    let failures = finals.failures();
-    assert_eq!(failures.len(), 1);
-    assert_eq!((failures[0].stage(), failures[0].reason()), (Stage::Queue, Reason::Canceled));
+    never_started(&log, &finals);
     assert_eq!(limits.info("db").await.unwrap().unwrap().in_use, 0, "the permit went back");
     let work = &lanes.snapshot().lanes[0];
     assert_eq!((work.executing, work.queued, work.owned), (0, 0, 0));

@@ -945,30 +945,9 @@ async fn a_pool_dropped_unstopped_processes_its_items_then_ends() {
     assert_eq!(Arc::strong_count(&probe), 1, "the workers ended, and what they held went");
 
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
     let completed = Arc::new(Mutex::new(Vec::new()));
-    let tracked = {
-        let completed = completed.clone();
-        Dispatcher::builder()
-            .workers(1)
-            .queue_size(8)
-            .completion(
-                source,
-                |item: &String| item.clone(),
-                move |item: String| {
-                    let completed = completed.clone();
-                    // It awaits before it records: the watch's end must not cut it short.
-                    async move {
-                        sleep(Duration::from_millis(5)).await;
-                        completed.lock().unwrap().push(item);
-                        Res::Ok(())
-                    }
-                },
-            )
-            .build(|_: String| async { Res::Ok(()) })
-            .await
-            .unwrap()
-    };
+    // Its `on_complete` awaits before it records: the watch's end must not cut it short.
+    let tracked = slow_completing(rx, &completed).await;
     tracked.submit("a".to_owned()).unwrap();
     drop(tracked);
     settle().await;
@@ -1057,30 +1036,46 @@ async fn a_burst_wakes_every_worker_it_has_work_for() {
     dispatcher.stop(Duration::from_secs(5)).await.unwrap();
 }
 
+/// A tracked dispatcher of one worker and a queue of one, whose items wait for `gate`, and
+/// whose `on_complete` records each completed item in `completed`.
+async fn gated_tracked(
+    rx: tokio::sync::mpsc::UnboundedReceiver<Result<String, lanes::BoxError>>,
+    gate: &Gate,
+    completed: &Arc<Mutex<Vec<String>>>,
+    max_tracked: usize,
+) -> Dispatcher<String> {
+    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
+    let (gate, completed) = (gate.clone(), completed.clone());
+    Dispatcher::builder()
+        .workers(1)
+        .queue_size(1)
+        .completion(
+            source,
+            |item: &String| item.clone(),
+            move |item: String| {
+                completed.lock().unwrap().push(item);
+                async { Res::Ok(()) }
+            },
+        )
+        .max_tracked(max_tracked)
+        .build(move |_: String| {
+            let gate = gate.clone();
+            async move {
+                gate.wait().await;
+                Res::Ok(())
+            }
+        })
+        .await
+        .unwrap()
+}
+
 /// A tracked `submit_wait` dropped while it waits for room forgets the key it registered: the
 /// same key can be submitted again, and it does not hold a tracking slot.
 #[tokio::test(start_paused = true)]
 async fn a_tracked_submit_dropped_while_waiting_forgets_its_key() {
     let (_tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
     let gate = Gate::new();
-    let dispatcher = {
-        let gate = gate.clone();
-        Dispatcher::builder()
-            .workers(1)
-            .queue_size(1)
-            .completion(source, |item: &String| item.clone(), |_: String| async { Res::Ok(()) })
-            .max_tracked(3)
-            .build(move |_: String| {
-                let gate = gate.clone();
-                async move {
-                    gate.wait().await;
-                    Res::Ok(())
-                }
-            })
-            .await
-            .unwrap()
-    };
+    let dispatcher = gated_tracked(rx, &gate, &Arc::default(), 3).await;
     dispatcher.submit("a".to_owned()).unwrap();
     settle().await; // the worker holds "a" at the gate
     dispatcher.submit("b".to_owned()).unwrap();
@@ -1166,32 +1161,8 @@ async fn the_watch_ends_after_a_running_on_complete_not_in_it() {
 #[tokio::test(start_paused = true)]
 async fn a_dropped_submit_forgets_only_its_own_registration() {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
     let (gate, completed) = (Gate::new(), Arc::new(Mutex::new(Vec::new())));
-    let dispatcher = {
-        let (gate, completed) = (gate.clone(), completed.clone());
-        Dispatcher::builder()
-            .workers(1)
-            .queue_size(1)
-            .completion(
-                source,
-                |item: &String| item.clone(),
-                move |item: String| {
-                    completed.lock().unwrap().push(item);
-                    async { Res::Ok(()) }
-                },
-            )
-            .max_tracked(4)
-            .build(move |_: String| {
-                let gate = gate.clone();
-                async move {
-                    gate.wait().await;
-                    Res::Ok(())
-                }
-            })
-            .await
-            .unwrap()
-    };
+    let dispatcher = gated_tracked(rx, &gate, &completed, 4).await;
     dispatcher.submit("a".to_owned()).unwrap();
     settle().await; // the worker holds "a" at the gate
     dispatcher.submit("b".to_owned()).unwrap();

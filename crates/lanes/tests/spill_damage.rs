@@ -393,6 +393,19 @@ mod spill_crash {
         SpillOptions::default().sync(SyncPolicy::Always).max_record(64)
     }
 
+    /// Bit rot in the payload of `record` (its text) in the first segment of `dir`.
+    fn rot(dir: &std::path::Path, record: &str) {
+        let seg = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|e| e == "seg"))
+            .unwrap();
+        let mut bytes = std::fs::read(&seg).unwrap();
+        let at = bytes.windows(record.len()).position(|w| w == record.as_bytes()).unwrap();
+        bytes[at + 3] ^= 0x5A;
+        std::fs::write(&seg, &bytes).unwrap();
+    }
+
     /// The committed position the state file in `dir` records.
     fn state_committed(dir: &std::path::Path) -> lanes::spill::Position {
         let bytes = std::fs::read(dir.join("STATE")).unwrap();
@@ -445,15 +458,7 @@ mod spill_crash {
         drop(reader);
         queue.close().await.unwrap();
         // Bit rot in an *acknowledged* record (record 1's payload).
-        let seg = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .find(|p| p.extension().is_some_and(|e| e == "seg"))
-            .unwrap();
-        let mut bytes = std::fs::read(&seg).unwrap();
-        let at = bytes.windows(11).position(|w| w == b"record 0001").unwrap();
-        bytes[at + 3] ^= 0x5A;
-        std::fs::write(&seg, &bytes).unwrap();
+        rot(&dir, "record 0001");
         // Open (always repairs): the segment is compacted, then the process dies before STATE.
         let failing =
             FailState { inner: FsStorage::new(&dir), fail: Arc::new(AtomicBool::new(true)) };
@@ -480,15 +485,7 @@ mod spill_crash {
             queue.append(format!("record {i:04}")).await.unwrap();
         }
         queue.close().await.unwrap();
-        let seg = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .find(|p| p.extension().is_some_and(|e| e == "seg"))
-            .unwrap();
-        let mut bytes = std::fs::read(&seg).unwrap();
-        let at = bytes.windows(11).position(|w| w == b"record 0006").unwrap();
-        bytes[at + 3] ^= 0x5A;
-        std::fs::write(&seg, &bytes).unwrap();
+        rot(&dir, "record 0006");
         let storage =
             FailState { inner: FsStorage::new(&dir), fail: Arc::new(AtomicBool::new(false)) };
         let (queue, report) = SpillQueue::open_with(storage, opts()).await.expect("one open");
