@@ -716,13 +716,18 @@ async fn renew_in_background(inner: Weak<Inner>) {
         // The tickets the server knew before this renewal: a ticket whose first ask is still
         // travelling may be unknown to it without being lost. A held one whose lease ran out
         // unrenewed is lost here, whatever the server says later.
+        // A permit asked with a lease of its own is renewed by its holder (`renew`), not here,
+        // but it lapses here all the same when its lease runs out unrenewed.
         let (known, lapsed): (Vec<_>, Vec<_>) = lock(&inner.live)
             .iter()
-            .filter(|(_, live)| live.lease.is_none() && live.known)
-            .map(|(key, live)| (key.clone(), live.lease_from))
-            .partition(|(_, from)| from.is_none_or(|from| sent < from + inner.lease));
-        inner.mark_lost(lapsed.into_iter().map(|(key, _)| key));
-        let known: Vec<(String, u64)> = known.into_iter().map(|(key, _)| key).collect();
+            .filter(|(_, live)| live.known)
+            .map(|(key, live)| (key.clone(), live.lease_from, live.lease))
+            .partition(|(_, from, lease)| {
+                from.is_none_or(|from| sent < from + lease.unwrap_or(inner.lease))
+            });
+        inner.mark_lost(lapsed.into_iter().map(|(key, ..)| key));
+        let known: Vec<(String, u64)> =
+            known.into_iter().filter(|(.., lease)| lease.is_none()).map(|(key, ..)| key).collect();
         if known.is_empty() {
             continue;
         }

@@ -546,3 +546,23 @@ async fn renewals_fit_the_servers_body_limit() {
     let lost = permits.iter().filter(|p| p.lease_lost()).count();
     assert_eq!(lost, 0, "renewed permits lapsed");
 }
+
+/// Review finding (stop 75): a permit asked with a lease of its own (the trait's `acquire`
+/// with `Some(lease)`) and not renewed was never found lost: the server freed it at its lease's
+/// end while its holder was told nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_with_its_own_lease_lapses_unrenewed() {
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    let remote =
+        RemoteLimits::with_client(serve.base.clone(), "own-lease", Duration::from_millis(600))
+            .unwrap();
+    remote.define("db", lanes::LimitSpec::concurrent(1)).await.unwrap();
+    let ticket = remote.ticket();
+    let priority = lanes::Priority::default();
+    let answer =
+        remote.acquire("db", ticket, &priority, Some(Duration::from_millis(500))).await.unwrap();
+    assert!(matches!(answer, lanes::limit::Answer::Granted(_)), "{answer:?}");
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    assert!(remote.lease_lost("db", ticket), "the unrenewed lease ended");
+}
