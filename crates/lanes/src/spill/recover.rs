@@ -364,11 +364,10 @@ pub(crate) fn recover(
         // A torn segment before the last is left as found (its loss stays visible).
         let torn_inside = tail > 0 && Some(id) != last_id;
         if repair && !skipped.is_empty() && !torn_inside {
-            // Rewrite the segment with its valid frames only, so a repaired queue checks clean;
-            // a committed position in it moves with the frames: to the first frame at or after
-            // it, or the new end.
-            // Written first to a file of its own, then put in its place: the old file stays
-            // whole until the new one is.
+            // Rewrite the segment with its valid frames only, so a repaired queue checks clean:
+            // into a file of its own, then put in its place (the old file stays whole until the
+            // new one is). A committed position in it moves with the frames: to the first frame
+            // at or after it, or the new end.
             let (mut moved, mut data_end) = (None, SEGMENT_HEADER);
             let rewritten = rewrite(storage, &name, id, |out, piece| {
                 // Frames back to back are copied as one range (a file of tiny records would
