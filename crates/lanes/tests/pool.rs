@@ -1157,7 +1157,10 @@ async fn the_watch_ends_after_a_running_on_complete_not_in_it() {
 
 /// Review finding (stop 75): a waiting tracked submit dropped after a signal had taken its
 /// key, and another submit had registered the key again, forgot the other's registration: its
-/// signal then counted as untracked, and its `on_complete` never ran.
+/// signal then counted as untracked, and its `on_complete` never ran. Since stop 76 a key stays
+/// taken until its item leaves the dispatcher (`a_key_signalled_while_processed_is_taken_until_
+/// the_item_leaves`): the second submit is refused while the first waits, and once the first
+/// is dropped, the key is free and a new registration completes.
 #[tokio::test(start_paused = true)]
 async fn a_dropped_submit_forgets_only_its_own_registration() {
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -1168,19 +1171,23 @@ async fn a_dropped_submit_forgets_only_its_own_registration() {
     dispatcher.submit("b".to_owned()).unwrap();
     let mut first = Box::pin(dispatcher.submit_wait("c".to_owned()));
     assert!(timeout(Duration::ZERO, &mut first).await.is_err(), "c waits for room");
-    // A signal for "c" takes the first registration; a second submit registers "c" again.
+    // A signal for "c" takes the first registration; the key is still the first's.
     tx.send(Ok("c".to_owned())).unwrap();
     settle().await;
-    let mut second = Box::pin(dispatcher.submit_wait("c".to_owned()));
-    assert!(timeout(Duration::ZERO, &mut second).await.is_err(), "the second c waits too");
+    let second = timeout(Duration::from_secs(1), dispatcher.submit_wait("c".to_owned()))
+        .await
+        .expect("refused at once")
+        .unwrap_err();
+    assert!(matches!(second, SubmitError::DuplicateKey(_)), "{second:?}");
     drop(first);
-    assert_eq!(dispatcher.tracked(), 3, "the second c's registration stays");
+    assert_eq!(dispatcher.tracked(), 2, "a and b wait for their signals");
     gate.open();
-    timeout(Duration::from_secs(1), second).await.unwrap().unwrap();
+    let third = Box::pin(dispatcher.submit_wait("c".to_owned()));
+    timeout(Duration::from_secs(1), third).await.unwrap().unwrap();
     settle().await;
     tx.send(Ok("c".to_owned())).unwrap();
     settle().await;
-    assert_eq!(*completed.lock().unwrap(), ["c", "c"], "the second c completed too");
+    assert_eq!(*completed.lock().unwrap(), ["c", "c"], "the new c completed too");
     assert_eq!(dispatcher.snapshot().completion.unwrap().untracked, 0);
     dispatcher.stop(Duration::from_secs(5)).await.unwrap();
 }
@@ -1289,4 +1296,113 @@ async fn an_abort_from_on_error_leaves_one_terminal_state() {
     assert_eq!((stats.failed, stats.dropped), (1, 0), "{stats:?}");
     let reports = reports.lock().unwrap();
     assert_eq!((reports[0].cancelled, reports[0].discarded), (0, 0));
+}
+
+/// A tracked dispatcher over `rx` of one worker, at most two tracked items and the limit
+/// `limit` of `limits`, whose process function fails items named `err*`, panics on `panic*`
+/// and processes the rest; `on_complete` records each completed item in `completed`, and
+/// `on_error` counts in `errors`.
+async fn failing_tracked(
+    rx: tokio::sync::mpsc::UnboundedReceiver<Result<String, lanes::BoxError>>,
+    limits: &Limits,
+    limit: &str,
+    completed: &Arc<Mutex<Vec<String>>>,
+    errors: &Arc<AtomicUsize>,
+) -> Dispatcher<String> {
+    let source = ChannelSource { watches: Mutex::new(vec![rx]) };
+    let (completed, errors) = (completed.clone(), errors.clone());
+    Dispatcher::builder()
+        .workers(1)
+        .queue_size(4)
+        .limit(limits, limit.to_owned(), Priority::default())
+        .on_error(move |_| {
+            errors.fetch_add(1, Ordering::SeqCst);
+        })
+        .on_panic(|_, _| {})
+        .completion(
+            source,
+            |item: &String| item.clone(),
+            move |item: String| {
+                completed.lock().unwrap().push(item);
+                async { Res::Ok(()) }
+            },
+        )
+        .max_tracked(2)
+        .build(|item: String| async move {
+            assert!(!item.starts_with("panic"), "told to panic");
+            if item.starts_with("err") {
+                return Err(std::io::Error::other("failed"));
+            }
+            Ok(())
+        })
+        .await
+        .unwrap()
+}
+
+/// Review finding (stop 75): an item whose processing failed stayed tracked for good, though
+/// it was never handed on and no signal was to come: after `max_tracked` failures a tracked
+/// dispatcher refused every item `TrackingFull`, and a dropped one's watch never ended. An
+/// item that fails, panics or is refused its limit's permit now leaves the tracker.
+#[tokio::test(start_paused = true)]
+async fn failed_items_leave_the_tracker() {
+    let limits = Limits::new();
+    limits.define("open", LimitSpec::concurrent(4)).await.unwrap();
+    for (limit, items) in [("open", ["err-a", "panic-b", "err-c"]), ("undefined", ["x", "y", "z"])]
+    {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let (completed, errors) = (Arc::default(), Arc::default());
+        let dispatcher = failing_tracked(rx, &limits, limit, &completed, &errors).await;
+        for item in items {
+            dispatcher.submit(item.to_owned()).unwrap_or_else(|e| panic!("{limit}: {e:?}"));
+            settle().await;
+            assert_eq!(dispatcher.tracked(), 0, "{limit}: {item} left the tracker");
+        }
+        let stats = dispatcher.stats();
+        assert_eq!(stats.failed + stats.panicked, 3, "{limit}: {stats:?}");
+        // A late signal for a failed item fires nothing.
+        tx.send(Ok(items[0].to_owned())).unwrap();
+        settle().await;
+        assert!(completed.lock().unwrap().is_empty(), "{limit}");
+        assert_eq!(dispatcher.snapshot().completion.unwrap().untracked, 1, "{limit}");
+        if limit == "open" {
+            // A processed item still waits for its signal.
+            dispatcher.submit("ok".to_owned()).unwrap();
+            settle().await;
+            assert_eq!(dispatcher.tracked(), 1);
+            tx.send(Ok("ok".to_owned())).unwrap();
+            settle().await;
+            assert_eq!(*completed.lock().unwrap(), ["ok"]);
+        }
+        // Dropped, the dispatcher's watch ends: nothing is left to wait for.
+        drop(dispatcher);
+        settle().await;
+        assert!(tx.is_closed(), "{limit}: the watch ended");
+    }
+}
+
+/// A signal that comes while its item is still being processed runs `on_complete`, and the
+/// key stays taken until the item leaves the dispatcher (it is in flight): the end of its
+/// processing then finds its own registration, whichever way it ends.
+#[tokio::test(start_paused = true)]
+async fn a_key_signalled_while_processed_is_taken_until_the_item_leaves() {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (gate, completed) = (Gate::new(), Arc::new(Mutex::new(Vec::new())));
+    let dispatcher = gated_tracked(rx, &gate, &completed, 4).await;
+    dispatcher.submit("a".to_owned()).unwrap();
+    settle().await; // the worker holds "a" at the gate
+    tx.send(Ok("a".to_owned())).unwrap();
+    settle().await;
+    assert_eq!(*completed.lock().unwrap(), ["a"]);
+    assert_eq!(dispatcher.tracked(), 0, "a waits for no signal");
+    let again = dispatcher.submit("a".to_owned()).unwrap_err();
+    assert!(matches!(again, SubmitError::DuplicateKey(_)), "a is in flight: {again:?}");
+    gate.open();
+    settle().await;
+    dispatcher.submit("a".to_owned()).expect("a left the dispatcher");
+    settle().await;
+    assert_eq!(dispatcher.tracked(), 1, "the second a waits for its signal");
+    tx.send(Ok("a".to_owned())).unwrap();
+    settle().await;
+    assert_eq!(*completed.lock().unwrap(), ["a", "a"]);
+    dispatcher.stop(Duration::from_secs(5)).await.unwrap();
 }

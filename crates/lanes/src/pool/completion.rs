@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
+use super::handle::Process;
 use crate::util::{CatchPanic, FastMap, call_contained, drop_contained, lock};
 use crate::{BoxError, BoxFuture};
 
@@ -47,10 +48,23 @@ pub struct CompletionSnapshot {
 
 type OnComplete<T> = Box<dyn Fn(T) -> BoxFuture<'static, Result<(), BoxError>> + Send + Sync>;
 
-/// The tracked items, and the completions under way.
+/// A registered key.
+struct Entry<T> {
+    /// The number of its registration ([`Tracker::track`]).
+    number: u64,
+    /// The tracked copy of the item, until its signal takes it for `on_complete`.
+    waiting: Option<T>,
+    /// The item is still with the dispatcher: being submitted, queued or processed. Its key
+    /// stays registered until then, signal or not (another item of the key is refused
+    /// `DuplicateKey`), so the end of its processing finds its own registration.
+    held: bool,
+}
+
+/// The registered keys, and the completions under way.
 struct Items<T> {
-    /// Each item with the number of its registration ([`Tracker::track`]).
-    map: FastMap<String, (u64, T)>,
+    map: FastMap<String, Entry<T>>,
+    /// Entries whose item waits for its signal (the snapshot's `tracked`).
+    waiting: usize,
     /// The next registration's number.
     next: u64,
     /// Signals whose item left `map` and whose `on_complete` is still running: the watch of an
@@ -92,6 +106,51 @@ pub(crate) enum Untracked {
 }
 
 impl<T> Tracker<T> {
+    /// Rolls registration `number` of `key` back (the submit was refused, or dropped while it
+    /// waited), if it is still there.
+    pub(crate) fn forget(&self, key: &str, number: u64) {
+        let (removed, idle) = {
+            let mut items = lock(&self.items);
+            let removed = match items.map.get(key) {
+                Some(entry) if entry.number == number => items.remove(key),
+                _ => None,
+            };
+            (removed, items.is_idle())
+        };
+        drop_contained(removed);
+        self.stop_if_orphaned(idle);
+    }
+
+    /// The item registered under `key` left the dispatcher: processed (`ok`), or failed,
+    /// panicked, refused its limit's permit or cancelled. A processed item waits on for its
+    /// signal; any other is forgotten (it was not handed on, so no signal is to come, and it
+    /// must not hold a tracking place for good). Either way, a signal that came meanwhile
+    /// leaves the key free.
+    pub(crate) fn left(&self, key: &str, ok: bool) {
+        let (removed, idle) = {
+            let mut items = lock(&self.items);
+            let removed = match items.map.get_mut(key) {
+                Some(entry) if ok && entry.waiting.is_some() => {
+                    entry.held = false;
+                    None
+                }
+                Some(_) => items.remove(key),
+                // Untracked meanwhile: a stop or an abort.
+                None => None,
+            };
+            (removed, items.is_idle())
+        };
+        drop_contained(removed);
+        self.stop_if_orphaned(idle);
+    }
+
+    /// Ends the watch of an orphaned tracker that went idle.
+    fn stop_if_orphaned(&self, idle: bool) {
+        if idle && self.orphaned.load(std::sync::atomic::Ordering::Acquire) {
+            self.stop_watching();
+        }
+    }
+
     /// Its dispatcher was dropped: nothing more is tracked, so the watch ends once the items
     /// tracked now have completed (at once if none is).
     pub(crate) fn orphan(&self) {
@@ -131,8 +190,85 @@ impl<T> Tracker<T> {
     /// Forgets every item still waiting for its signal: the watch has ended, and none will
     /// come (`tracked` says 0 from then on).
     pub(crate) fn untrack_all(&self) {
-        let items = std::mem::take(&mut lock(&self.items).map);
-        drop_contained(items);
+        let entries = {
+            let mut items = lock(&self.items);
+            items.waiting = 0;
+            std::mem::take(&mut items.map)
+        };
+        drop_contained(entries);
+    }
+}
+
+/// A tracked dispatcher's process function: tells the tracker when each item leaves the
+/// dispatcher, and how ([`Tracker::left`]).
+pub(crate) struct TrackedProcess<P, T> {
+    process: P,
+    tracker: Arc<Tracker<T>>,
+}
+
+impl<P, T> TrackedProcess<P, T> {
+    pub(crate) fn new(process: P, tracker: Arc<Tracker<T>>) -> Self {
+        Self { process, tracker }
+    }
+}
+
+impl<T: Send + 'static, P: Process<T>> Process<T> for TrackedProcess<P, T> {
+    type Future = Leaving<P::Future, T>;
+
+    fn call(&self, worker: usize, item: T) -> Self::Future {
+        // Made first: a process function that panics before it returns a future drops it,
+        // which tells the tracker the item failed.
+        let leaves =
+            Leaves { key: Some((self.tracker.key_of)(&item)), tracker: self.tracker.clone() };
+        Leaving { inner: self.process.call(worker, item), leaves }
+    }
+
+    fn skipped(&self, item: &T) {
+        self.tracker.left(&(self.tracker.key_of)(item), false);
+    }
+}
+
+/// Tells the tracker that an item left: at the end of its processing, or, dropped before
+/// (a panic, an abort), that it failed.
+pub(crate) struct Leaves<T> {
+    key: Option<String>,
+    tracker: Arc<Tracker<T>>,
+}
+
+impl<T> Leaves<T> {
+    fn left(&mut self, ok: bool) {
+        if let Some(key) = self.key.take() {
+            self.tracker.left(&key, ok);
+        }
+    }
+}
+
+impl<T> Drop for Leaves<T> {
+    fn drop(&mut self) {
+        self.left(false);
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A tracked item's processing, which tells the tracker how it ended.
+    pub(crate) struct Leaving<F, T> {
+        #[pin]
+        inner: F,
+        leaves: Leaves<T>,
+    }
+}
+
+impl<F: Future<Output = Result<(), BoxError>>, T> Future for Leaving<F, T> {
+    type Output = Result<(), BoxError>;
+
+    fn poll(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let this = self.project();
+        let done = std::task::ready!(this.inner.poll(cx));
+        this.leaves.left(done.is_ok());
+        std::task::Poll::Ready(done)
     }
 }
 
@@ -147,9 +283,16 @@ impl<T> Drop for WatchOver<T> {
 }
 
 impl<T> Items<T> {
-    /// Nothing tracked, no `on_complete` running.
+    /// No item waits for its signal, no `on_complete` runs.
     fn is_idle(&self) -> bool {
-        self.map.is_empty() && self.running == 0
+        self.waiting == 0 && self.running == 0
+    }
+
+    /// Removes `key`'s entry, answering its item if that still waited for its signal.
+    fn remove(&mut self, key: &str) -> Option<T> {
+        let waiting = self.map.remove(key)?.waiting;
+        self.waiting -= usize::from(waiting.is_some());
+        waiting
     }
 }
 
@@ -172,7 +315,7 @@ impl<T: Send + 'static> Tracker<T> {
             Box::pin(async move { fut.await.map_err(Into::into) })
         });
         Self {
-            items: Mutex::new(Items { map: FastMap::default(), next: 0, running: 0 }),
+            items: Mutex::new(Items { map: FastMap::default(), waiting: 0, next: 0, running: 0 }),
             max,
             key_of,
             clone_item,
@@ -200,27 +343,14 @@ impl<T: Send + 'static> Tracker<T> {
         }
         let number = items.next;
         items.next += 1;
-        items.map.insert(key, (number, item));
+        items.waiting += 1;
+        items.map.insert(key, Entry { number, waiting: Some(item), held: true });
         Ok(number)
-    }
-
-    /// Rolls registration `number` of `key` back (the submit was refused), if it is still
-    /// there: a signal may have taken it meanwhile, and another submit registered the key
-    /// again, whose registration is not this one's to forget.
-    pub(crate) fn forget(&self, key: &str, number: u64) {
-        let removed = {
-            let mut items = lock(&self.items);
-            match items.map.get(key) {
-                Some((registered, _)) if *registered == number => items.map.remove(key),
-                _ => None,
-            }
-        };
-        drop_contained(removed);
     }
 
     pub(crate) fn snapshot(&self) -> CompletionSnapshot {
         let mut status = lock(&self.status).clone();
-        status.tracked = lock(&self.items).map.len();
+        status.tracked = lock(&self.items).waiting;
         status
     }
 
@@ -280,13 +410,24 @@ impl<T: Send + 'static> Tracker<T> {
     }
 
     async fn complete(&self, key: &str) {
-        let removed = {
-            let mut items = lock(&self.items);
-            let removed = items.map.remove(key);
-            items.running += usize::from(removed.is_some());
-            removed
+        let taken = {
+            let mut guard = lock(&self.items);
+            let items = &mut *guard;
+            let taken = match items.map.get_mut(key) {
+                // Its item is still with the dispatcher: the key stays registered until it
+                // leaves.
+                Some(entry) if entry.held => {
+                    let taken = entry.waiting.take();
+                    items.waiting -= usize::from(taken.is_some());
+                    taken
+                }
+                Some(_) => items.remove(key),
+                None => None,
+            };
+            items.running += usize::from(taken.is_some());
+            taken
         };
-        let Some((_, item)) = removed else {
+        let Some(item) = taken else {
             lock(&self.status).untracked += 1;
             return;
         };
@@ -306,11 +447,9 @@ impl<T: Send + 'static> Tracker<T> {
             items.running -= 1;
             items.is_idle()
         };
-        if idle && self.orphaned.load(std::sync::atomic::Ordering::Acquire) {
-            // Its dispatcher was dropped and this was the last item: the watch ends (this
-            // item's `on_complete` has run to its end).
-            self.stop_watching();
-        }
+        // Its dispatcher was dropped and this was the last item: the watch ends (this item's
+        // `on_complete` has run to its end).
+        self.stop_if_orphaned(idle);
     }
 
     fn broken(&self, err: BoxError) {
@@ -331,6 +470,6 @@ impl<T: Send + 'static> Tracker<T> {
 
     /// How many items wait for their signal (for tests and the snapshot).
     pub(crate) fn tracked(&self) -> usize {
-        lock(&self.items).map.len()
+        lock(&self.items).waiting
     }
 }

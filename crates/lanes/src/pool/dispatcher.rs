@@ -7,11 +7,11 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::completion::{CompletionSource, Tracker, Untracked};
+use super::completion::{CompletionSource, TrackedProcess, Tracker, Untracked};
 use super::config::Common;
 use super::core::Fifo;
 use super::error::{AbortReport, StopTimeout, SubmitError};
-use super::handle::{self, Core, Engine, Phase, PoolStats, Queued, Unkeyed};
+use super::handle::{self, Core, Engine, Phase, PoolStats, Process, Queued, Unkeyed};
 use super::snapshot::{PoolKind, PoolSnapshot, Reporter};
 use crate::BoxError;
 use crate::config::{ConfigError, require, runtime};
@@ -207,11 +207,13 @@ impl<T: Send + 'static> Dispatcher<T> {
     }
 
     /// Stops at once without draining: queued items are discarded, in-flight ones cancelled;
-    /// both are counted as `dropped`.
+    /// both are counted as `dropped`. Completion tracking ends at once too (an `on_complete`
+    /// under way is cut short), and no item is tracked after.
     pub fn abort(&self) -> AbortReport {
         let report = self.core.abort();
         if let Some(tracker) = &self.tracker {
             tracker.abort_watching();
+            tracker.untrack_all();
         }
         report
     }
@@ -345,6 +347,14 @@ impl<T: Send + 'static> DispatcherBuilder<T> {
 
     /// Tracks completion signals from `source`: every item is registered under `key_of(&item)`
     /// before it is enqueued, and `on_complete` runs once when a signal for its key arrives.
+    ///
+    /// A key is taken from its registration until its signal has come *and* its item has left
+    /// the dispatcher; another item of the key is refused [`SubmitError::DuplicateKey`]
+    /// meanwhile. An item that is processed waits for its signal; one that fails, panics, is
+    /// refused its limit's permit or is aborted is forgotten at once (it was not handed on, so
+    /// no signal is to come; a late one counts as `untracked` and fires nothing), and its
+    /// failure goes to `on_error` or `on_panic` as usual. `key_of` must be pure: it is called
+    /// again when the item leaves.
     pub fn completion<K, C, Fut, E>(
         self,
         source: impl CompletionSource,
@@ -392,25 +402,19 @@ impl<T: Send + 'static> DispatcherBuilder<T> {
         Fut: Future<Output = Result<(), E>> + Send + 'static,
         E: Into<BoxError> + 'static,
     {
-        self.finish(process, None)
+        self.finish(Unkeyed(process), None)
     }
 
-    fn finish<P, Fut, E>(
+    fn finish(
         self,
-        process: P,
+        process: impl Process<T>,
         tracker: Option<Arc<Tracker<T>>>,
-    ) -> Result<Dispatcher<T>, ConfigError>
-    where
-        P: Fn(T) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<(), E>> + Send + 'static,
-        E: Into<BoxError> + 'static,
-    {
+    ) -> Result<Dispatcher<T>, ConfigError> {
         let (workers, queue_size) = self.validate()?;
         let label = self.common.label();
         let Common { registry, limit, hooks, .. } = self.common;
         let sched: Fifo<Queued<T>> = Fifo::new(queue_size);
-        let core: Arc<dyn Core<T>> =
-            Engine::start(sched, workers, Unkeyed(process), hooks, limit, &label);
+        let core: Arc<dyn Core<T>> = Engine::start(sched, workers, process, hooks, limit, &label);
         let reporter = Arc::new(Reporter {
             kind: PoolKind::Dispatcher,
             core: core.clone(),
@@ -466,8 +470,9 @@ pub struct TrackedDispatcherBuilder<T> {
 }
 
 impl<T: Send + 'static> TrackedDispatcherBuilder<T> {
-    /// Items that may wait for their completion signal at once (default 10,000); one more is
-    /// refused with [`SubmitError::TrackingFull`]. At least 1.
+    /// Keys that may be registered at once (default 10,000): items waiting for their
+    /// completion signal, and items signalled but still in the dispatcher. One more is refused
+    /// with [`SubmitError::TrackingFull`]. At least 1.
     pub fn max_tracked(mut self, max_tracked: usize) -> Self {
         self.max_tracked = max_tracked;
         self
@@ -501,6 +506,7 @@ impl<T: Send + 'static> TrackedDispatcherBuilder<T> {
         let first = self.source.watch().await?;
         let tracker = Arc::new((self.make)(max, self.on_watch_error));
         tracker.spawn_watcher(self.source, first);
+        let process = TrackedProcess::new(Unkeyed(process), tracker.clone());
         let built = self.inner.finish(process, Some(tracker.clone()));
         if built.is_err() {
             tracker.abort_watching();

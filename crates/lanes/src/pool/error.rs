@@ -15,7 +15,8 @@ pub enum SubmitError<T> {
     TooManyKeys(T),
     /// The pool was stopped or aborted.
     Stopped(T),
-    /// Another item with the same completion key is still in flight.
+    /// Another item with the same completion key is still in flight: waiting for its
+    /// completion signal, or still in the dispatcher.
     DuplicateKey(T),
     /// The completion tracker holds its maximum of items.
     TrackingFull(T),

@@ -258,6 +258,9 @@ impl<T, S, P> fmt::Debug for Engine<T, S, P> {
 pub(crate) trait Process<T>: Send + Sync + 'static {
     type Future: Future<Output = Result<(), BoxError>> + Send + 'static;
     fn call(&self, worker: usize, item: T) -> Self::Future;
+    /// The engine drops `item` without calling [`call`](Self::call): its limit refused it a
+    /// permit, or its copy for `on_panic` panicked.
+    fn skipped(&self, _item: &T) {}
 }
 
 impl<T, S, P> Engine<T, S, P>
@@ -549,11 +552,13 @@ where
             Some(limit) => match CatchPanic::new(limit.acquire()).await {
                 Ok(Ok(permit)) => Some(permit),
                 Ok(Err(err)) => {
+                    self.skip(&item);
                     drop_contained(item);
                     return (Outcome::Failed, Some(Report::Error(Box::new(err))));
                 }
                 Err(payload) => {
                     drop_contained(payload);
+                    self.skip(&item);
                     drop_contained(item);
                     let err = "the pool's limit panicked as a permit was acquired".into();
                     return (Outcome::Failed, Some(Report::Error(err)));
@@ -569,6 +574,7 @@ where
                     Ok(kept) => Some(kept),
                     Err(payload) => {
                         drop_contained(permit);
+                        self.skip(&item);
                         return (Outcome::Panicked, Some(Report::Panic(item, payload)));
                     }
                 }
@@ -599,6 +605,11 @@ where
                 }
             },
         }
+    }
+
+    /// Tells the process function that `item` is dropped unprocessed (user code, contained).
+    fn skip(&self, item: &T) {
+        let _ = call_contained(|| self.process.skipped(item));
     }
 
     /// Calls the hook of a finished item's failure (recorded already), or drops what it holds.
