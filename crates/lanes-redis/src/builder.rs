@@ -16,6 +16,7 @@ pub struct RedisLimitsBuilder {
     pub(crate) max_lease: Option<Duration>,
     pub(crate) queue_grace: Duration,
     pub(crate) max_limits: usize,
+    pub(crate) max_pending_releases: usize,
 }
 
 impl RedisLimitsBuilder {
@@ -63,6 +64,18 @@ impl RedisLimitsBuilder {
     /// answers [`LimitError::UnknownLimit`] and uncounts it.)
     pub fn max_limits(mut self, max_limits: usize) -> Self {
         self.max_limits = max_limits;
+        self
+    }
+
+    /// The most releases kept to retry while Redis cannot answer them (default 65,536): the
+    /// releases of permits dropped during an outage, and of tries whose answer was lost (under
+    /// [`OutagePolicy::FailOpen`] or [`OutagePolicy::LocalShare`], every try during an outage
+    /// adds one). Past it the oldest of the limit is abandoned, counted in
+    /// [`RedisStats::abandoned_releases`]: Redis frees its permit when the lease ends instead.
+    /// Once Redis answers, they are sent in batches (up to 4,096 tickets every quarter of a
+    /// second).
+    pub fn max_pending_releases(mut self, max: usize) -> Self {
+        self.max_pending_releases = max;
         self
     }
 
@@ -173,7 +186,7 @@ impl RedisLimitsBuilder {
             auto_renew: self.auto_renew,
             epoch: Mutex::new(None),
             lost: LostLeases::default(),
-            state: StateLock::default(),
+            state: StateLock::new(tickets::Orphans::new(self.max_pending_releases)),
             local: Arc::new(LocalLimits::with_max_waiters(self.max_waiters)),
             stats: Stats::default(),
             tasks: Mutex::new(Vec::new()),

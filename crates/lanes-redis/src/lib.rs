@@ -201,6 +201,11 @@ pub struct RedisStats {
     pub redefinitions: u64,
     /// Script calls made (acquires, releases, renewals, infos, definitions).
     pub calls: u64,
+    /// Releases waiting for Redis to answer them (now): see
+    /// [`RedisLimitsBuilder::max_pending_releases`].
+    pub pending_releases: u64,
+    /// Releases given up over that bound, since the client was built.
+    pub abandoned_releases: u64,
 }
 
 #[derive(Default)]
@@ -578,7 +583,7 @@ impl Inner {
             }
         };
         if let Some(other) = gone {
-            state.orphans.push((name.to_owned(), other));
+            state.orphans.push(name, other);
         }
         answer
     }
@@ -764,7 +769,7 @@ impl Inner {
                     _ => Released::Unknown,
                 }),
                 Err(CallError::Outage(_)) => {
-                    self.lock_state().orphans.push((name.to_owned(), ticket));
+                    self.lock_state().orphans.push(name, ticket);
                     Ok(Released::Unknown)
                 }
                 Err(CallError::Other(err)) => Err(err),
@@ -918,6 +923,7 @@ impl RedisLimits {
             max_lease: None,
             queue_grace: Duration::from_secs(2),
             max_limits: usize::MAX,
+            max_pending_releases: tickets::DEFAULT_MAX_PENDING_RELEASES,
         }
     }
 
@@ -1063,7 +1069,13 @@ impl RedisLimits {
     /// This client's counters.
     pub fn stats(&self) -> RedisStats {
         let s = &self.inner.stats;
+        let (pending_releases, abandoned_releases) = {
+            let state = self.inner.lock_state();
+            (state.orphans.len() as u64, state.orphans.abandoned())
+        };
         RedisStats {
+            pending_releases,
+            abandoned_releases,
             outages: s.outages.load(Ordering::Relaxed),
             open_grants: s.open_grants.load(Ordering::Relaxed),
             local_acquires: s.local_acquires.load(Ordering::Relaxed),

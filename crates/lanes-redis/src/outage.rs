@@ -36,7 +36,7 @@ impl Inner {
         // A try whose call went unanswered may have been applied, and granted: its ticket is
         // released once Redis answers again, or the permit would sit there for a lease.
         if matches!(ask, Ask::Try) && matches!(err, CallError::Outage(_)) {
-            self.lock_state().orphans.push((name.to_owned(), ticket));
+            self.lock_state().orphans.push(name, ticket);
         }
         let (priority, never_queue) = match ask {
             Ask::First(priority) => (priority, false),
@@ -126,7 +126,7 @@ impl Inner {
                 self.stats.open_grants.fetch_add(1, Ordering::Relaxed);
                 let mut state = self.lock_state();
                 if queued_remotely {
-                    state.orphans.push((name.to_owned(), ticket));
+                    state.orphans.push(name, ticket);
                 }
                 let limit = state.limits.entry(name.to_owned()).or_default();
                 limit.open(ticket);
@@ -145,7 +145,7 @@ impl Inner {
                 {
                     let mut state = self.lock_state();
                     if queued_remotely {
-                        state.orphans.push((name.to_owned(), ticket));
+                        state.orphans.push(name, ticket);
                     }
                     let limit = state.limits.entry(name.to_owned()).or_default();
                     limit.local(ticket);

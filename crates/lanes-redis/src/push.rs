@@ -71,7 +71,7 @@ pub(crate) async fn subscribe(
                     if let Err(CallError::Outage(_)) =
                         strong.call(&name, "release", &[ticket.to_string()]).await
                     {
-                        strong.lock_state().orphans.push((name, ticket));
+                        strong.lock_state().orphans.push(&name, ticket);
                     }
                 });
             }

@@ -17,6 +17,8 @@
 // The crate root's private types and imports: this module is one of its impl blocks.
 use super::*;
 
+use std::collections::VecDeque;
+
 #[derive(Default)]
 pub(crate) struct State {
     pub(crate) limits: HashMap<String, ClientLimit>,
@@ -26,7 +28,78 @@ pub(crate) struct State {
     /// given again whenever it defines the limit again; none for exact limits.
     pub(crate) modes: HashMap<String, String>,
     /// Releases that could not reach Redis, retried in the background.
-    pub(crate) orphans: Vec<(String, u64)>,
+    pub(crate) orphans: Orphans,
+}
+
+/// Releases that could not reach Redis (or whose answer was lost), retried in the background
+/// in batches: by limit, oldest first, at most `max` tickets in all.
+///
+/// Past the bound the oldest ticket of the limit is abandoned, and counted: an outage must not
+/// grow it without end (every try answered by no one adds one). Abandoning one is safe, it only
+/// frees capacity later: Redis ends a permit's lease without its renewal, and a queued ticket
+/// granted later to nobody is handed back when its grant's push arrives.
+pub(crate) struct Orphans {
+    by_limit: HashMap<String, VecDeque<u64>>,
+    len: usize,
+    max: usize,
+    abandoned: u64,
+}
+
+impl Default for Orphans {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_PENDING_RELEASES)
+    }
+}
+
+/// The default bound on releases waiting for Redis.
+pub(crate) const DEFAULT_MAX_PENDING_RELEASES: usize = 65_536;
+
+impl Orphans {
+    pub(crate) fn new(max: usize) -> Self {
+        Self { by_limit: HashMap::new(), len: 0, max, abandoned: 0 }
+    }
+
+    /// Keeps `ticket` of limit `name` to be released once Redis answers.
+    pub(crate) fn push(&mut self, name: &str, ticket: u64) {
+        let queue = match self.by_limit.get_mut(name) {
+            Some(queue) => queue,
+            None => self.by_limit.entry(name.to_owned()).or_default(),
+        };
+        queue.push_back(ticket);
+        if self.len < self.max {
+            self.len += 1;
+        } else {
+            queue.pop_front();
+            self.abandoned += 1;
+        }
+    }
+
+    /// Up to `calls` batches of up to `per_call` tickets each, every batch of one limit, taken
+    /// out to be released now (a batch that fails comes back through [`push`](Self::push)).
+    pub(crate) fn take(&mut self, calls: usize, per_call: usize) -> Vec<(String, Vec<u64>)> {
+        let mut batches: Vec<(String, Vec<u64>)> = Vec::new();
+        let mut taken = 0;
+        self.by_limit.retain(|name, queue| {
+            while batches.len() < calls && !queue.is_empty() {
+                let batch: Vec<u64> = queue.drain(..queue.len().min(per_call)).collect();
+                taken += batch.len();
+                batches.push((name.clone(), batch));
+            }
+            !queue.is_empty()
+        });
+        self.len -= taken;
+        batches
+    }
+
+    /// Tickets waiting to be released.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Tickets abandoned over the bound, since the client was built.
+    pub(crate) fn abandoned(&self) -> u64 {
+        self.abandoned
+    }
 }
 
 /// Where one ticket of this client stands.
@@ -642,5 +715,36 @@ mod tests {
         assert!(matches!(limit.plan_wait(8, Duration::from_secs(1)), WaitPlan::Remote(..)));
         assert!(limit.is_waiting(8));
         assert_eq!(limit.priority(8), None);
+    }
+
+    /// Past its bound the list abandons the oldest ticket of the limit pushed to, and counts
+    /// it; `take` hands out batches of one limit each, oldest first, within its caps.
+    #[test]
+    fn orphans_are_bounded_and_taken_in_batches() {
+        let mut orphans = Orphans::new(4);
+        for ticket in 1..=3 {
+            orphans.push("a", ticket);
+        }
+        orphans.push("b", 10);
+        orphans.push("a", 4); // over the bound: 1, the oldest of "a", goes
+        orphans.push("b", 11); // 10 goes
+        assert_eq!((orphans.len(), orphans.abandoned()), (4, 2));
+        let mut batches = orphans.take(8, 2);
+        batches.sort();
+        let expected = [("a", vec![2, 3]), ("a", vec![4]), ("b", vec![11])];
+        assert_eq!(batches, expected.map(|(name, batch)| (name.to_owned(), batch)));
+        assert_eq!(orphans.len(), 0);
+        // Within its caps: at most `calls` batches of `per_call` tickets.
+        let mut orphans = Orphans::new(100);
+        for ticket in 0..10 {
+            orphans.push("c", ticket);
+        }
+        assert_eq!(
+            orphans.take(2, 3),
+            [("c".to_owned(), vec![0, 1, 2]), ("c".to_owned(), vec![3, 4, 5])]
+        );
+        assert_eq!(orphans.len(), 4);
+        assert_eq!(orphans.take(8, 8), [("c".to_owned(), vec![6, 7, 8, 9])]);
+        assert!(orphans.take(8, 8).is_empty());
     }
 }

@@ -98,6 +98,11 @@ impl Drop for Wakes {
 pub(crate) struct StateLock(Mutex<State>);
 
 impl StateLock {
+    /// An empty state, whose releases waiting for Redis are `orphans`.
+    pub(crate) fn new(orphans: super::tickets::Orphans) -> Self {
+        Self(Mutex::new(State { orphans, ..State::default() }))
+    }
+
     /// The state, locked; the wakes deferred meanwhile are made when the guard drops.
     pub(crate) fn lock(&self) -> StateGuard<'_> {
         let wakes = Wakes::begin();

@@ -197,6 +197,12 @@ impl Inner {
         }
     }
 
+    /// Releases `tickets` of `name` in one call; if it fails, they go back to the orphans.
+    pub(crate) async fn release_orphans(&self, name: &str, tickets: Vec<u64>) {
+        // A release whose ticket is its first rider (the script reads them alike).
+        let _ = self.call_riding(name, "release", self.lease, NO_ARGS, tickets).await;
+    }
+
     fn take_riders(&self, name: &str) -> (Vec<u64>, bool) {
         self.lock_state().limits.get_mut(name).map(ClientLimit::take_riders).unwrap_or_default()
     }
@@ -303,9 +309,9 @@ impl Drop for Riding<'_> {
     fn drop(&mut self) {
         if !self.tickets.is_empty() {
             let mut state = self.inner.lock_state();
-            state
-                .orphans
-                .extend(self.tickets.drain(..).map(|ticket| (self.name.to_owned(), ticket)));
+            for ticket in self.tickets.drain(..) {
+                state.orphans.push(self.name, ticket);
+            }
         }
     }
 }

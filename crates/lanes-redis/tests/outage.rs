@@ -439,3 +439,44 @@ async fn a_try_during_an_outage_leaves_nothing_in_the_local_share() {
     let next = limits.acquire_timeout("db", Priority::default(), Duration::from_secs(1)).await;
     assert!(next.is_ok(), "the freed local permit went to a try nobody waits on: {next:?}");
 }
+
+/// Review finding (stop 75): every try during an outage under `FailOpen` (or `LocalShare`)
+/// left a release to retry, in a list without bound, and once Redis answered again the
+/// client sent them all at once, one call each: an outage of a busy service grew the client's
+/// memory with every try, then flooded the Redis just back. The releases now wait within a
+/// bound (the oldest abandoned, counted), and go back in batches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_kept_through_an_outage_are_bounded_and_sent_in_batches() {
+    let mut redis = DedicatedRedis::start();
+    let backend = RedisLimits::builder(redis.url())
+        .namespace("orphans")
+        .op_timeout(Duration::from_millis(50))
+        .lease(Duration::from_millis(300))
+        .outage(OutagePolicy::FailOpen)
+        .max_pending_releases(50)
+        .build()
+        .await
+        .expect("the dedicated redis-server answers");
+    let limits = Limits::with_backend(backend.clone());
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    redis.stop();
+    // Each try waits out the op timeout while the client dials again.
+    for _ in 0..150 {
+        let permit = limits.try_acquire("db", Priority::default()).await.expect("fail open");
+        assert_eq!(permit.fencing_token(), 0);
+    }
+    // 150 tries, 150 releases: at most 50 kept, at most 50 more in a retry under way.
+    let kept = backend.stats();
+    assert!(kept.pending_releases <= 50, "{kept:?}");
+    assert!((50..=150).contains(&kept.abandoned_releases), "{kept:?}");
+    redis.restart();
+    let calls = backend.stats().calls;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while backend.stats().pending_releases > 0 {
+        assert!(Instant::now() < deadline, "the releases never went: {:?}", backend.stats());
+        sleep(Duration::from_millis(20)).await;
+    }
+    // One batch, not one call a release (a few ticks' other calls aside).
+    let sent = backend.stats().calls - calls;
+    assert!(sent <= 20, "{sent} calls for up to 100 releases");
+}
