@@ -2,6 +2,7 @@
 //! replaced when calls stop being answered; the cluster one routes each call to the primary of
 //! its key's slot and follows the cluster through failovers.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -57,6 +58,10 @@ type Dial<C> = Box<dyn Fn() -> BoxFuture<'static, RedisResult<C>> + Send + Sync>
 /// primary); and each call here is bounded from outside, so it may not even see its own
 /// timeout. So a call that fails for lack of Redis asks for a fresh connection (at most one
 /// at a time, and not more often than every `RECONNECT_EVERY`); calls use the newest one.
+///
+/// While the last attempt to connect failed, Redis is known to be away: calls fail at once
+/// ([`Conn::unreachable`]) instead of each waiting out its timeout on a connection that
+/// cannot answer, and each asks for another attempt, so the first that succeeds ends it.
 pub(crate) struct Replaceable<C> {
     conn: Mutex<C>,
     dial: Dial<C>,
@@ -64,6 +69,8 @@ pub(crate) struct Replaceable<C> {
     timeout: Duration,
     /// Whether a reconnection is under way, and when the last one started.
     reconnecting: Mutex<(bool, Option<Instant>)>,
+    /// The last attempt to connect failed (and none succeeded since).
+    unreachable: AtomicBool,
 }
 
 /// The least time between two reconnections.
@@ -76,6 +83,7 @@ impl<C: Clone + Send + 'static> Replaceable<C> {
             dial,
             timeout,
             reconnecting: Mutex::new((false, None)),
+            unreachable: AtomicBool::new(false),
         })
     }
 
@@ -93,8 +101,12 @@ impl<C: Clone + Send + 'static> Replaceable<C> {
         tokio::spawn(async move {
             // Cleared however the task ends (a runtime that shuts down drops it mid-way).
             let _done = Reconnected(&this.reconnecting);
-            if let Ok(Ok(conn)) = tokio::time::timeout(this.timeout, (this.dial)()).await {
-                *lock(&this.conn) = conn;
+            match tokio::time::timeout(this.timeout, (this.dial)()).await {
+                Ok(Ok(conn)) => {
+                    *lock(&this.conn) = conn;
+                    this.unreachable.store(false, Ordering::Release);
+                }
+                _ => this.unreachable.store(true, Ordering::Release),
             }
         });
     }
@@ -130,6 +142,17 @@ impl Conn {
         match self {
             Conn::Single(single) => Live::Single(lock(&single.conn).clone()),
             Conn::Cluster(cluster) => Live::Cluster(lock(&cluster.conn).clone()),
+        }
+    }
+
+    /// Whether the last attempt to connect to one Redis failed: it is away, and a call would
+    /// only wait out its timeout. Never for a cluster: one attempt to reach a cluster says
+    /// nothing of the primary of a given limit, and calls to the healthy ones (renewals above
+    /// all) must go on while another is away.
+    pub(crate) fn unreachable(&self) -> bool {
+        match self {
+            Conn::Single(single) => single.unreachable.load(Ordering::Acquire),
+            Conn::Cluster(_) => false,
         }
     }
 

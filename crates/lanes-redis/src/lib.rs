@@ -37,8 +37,12 @@
 //!
 //! # Outages
 //!
-//! Every Redis call is bounded by `op_timeout` (default 500 ms). When a call fails for lack of
-//! Redis:
+//! Every Redis call is bounded by `op_timeout` (default 500 ms). A call that fails for lack of
+//! Redis has the client connect anew in the background. On one Redis (not a cluster), while
+//! that attempt fails, calls fail at once instead of waiting out their timeout (and ask for
+//! another attempt, at most every 250 ms): an outage costs an acquire the wait only until the
+//! client knows Redis is away, and for a moment after it is back, until the client has
+//! connected again, acquires still follow the policy. When a call fails for lack of Redis:
 //!
 //! - [`OutagePolicy::FailClosed`] (the default): the acquire fails with
 //!   [`LimitError::Backend`]; nobody runs without a permit.

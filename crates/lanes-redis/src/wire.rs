@@ -262,6 +262,7 @@ impl Inner {
 
     /// One command, bounded by `op_timeout`, its failure sorted into outage or not.
     async fn query(&self, cmd: &redis::Cmd) -> Result<Value, CallError> {
+        self.reachable()?;
         let mut conn = self.conn.live();
         match tokio::time::timeout(self.op_timeout, cmd.query_async(&mut conn)).await {
             Ok(Ok(value)) => Ok(value),
@@ -277,6 +278,17 @@ impl Inner {
         }
     }
 
+    /// Fails at once while the last attempt to connect failed (asking for another): a call
+    /// would wait out `op_timeout` on a connection that cannot answer, and under
+    /// `FailOpen` or `LocalShare` every acquire would pay it.
+    fn reachable(&self) -> Result<(), CallError> {
+        if !self.conn.unreachable() {
+            return Ok(());
+        }
+        self.stats.outages.fetch_add(1, Ordering::Relaxed);
+        Err(self.outage("the last attempt to connect failed".into()))
+    }
+
     /// A call failed for lack of Redis: the connection is told (a cluster's is replaced).
     pub(crate) fn outage(&self, message: String) -> CallError {
         self.conn.failed();
@@ -287,6 +299,7 @@ impl Inner {
         &self,
         cmd: &redis::Cmd,
     ) -> Result<T, CallError> {
+        self.reachable()?;
         let mut conn = self.conn.live();
         match tokio::time::timeout(self.op_timeout, cmd.query_async(&mut conn)).await {
             Ok(Ok(value)) => Ok(value),

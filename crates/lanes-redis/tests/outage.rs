@@ -23,16 +23,23 @@ async fn client(redis: &DedicatedRedis, policy: OutagePolicy) -> RedisLimits {
         .expect("the dedicated redis-server answers")
 }
 
-/// Retries `acquire` until Redis answers again (the connection manager reconnects).
+/// Retries `acquire` until Redis answers again (the client connects anew): until then an
+/// acquire fails, or under `FailOpen` is granted without a permit (fencing token 0), which
+/// the client may still do for a moment after Redis is back, until it has connected.
 async fn acquire_when_back(limits: &Limits, name: &str) -> lanes::Permit {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         match limits.acquire(name, Priority::default()).await {
-            Ok(permit) => return permit,
+            Ok(permit) if permit.fencing_token() >= 1 => return permit,
+            Ok(open) if Instant::now() < deadline => {
+                drop(open);
+                sleep(Duration::from_millis(50)).await;
+            }
             Err(err) if Instant::now() < deadline => {
                 assert!(err.is_backend(), "{err}");
                 sleep(Duration::from_millis(50)).await;
             }
+            Ok(_) => panic!("redis did not come back: only open grants"),
             Err(err) => panic!("redis did not come back: {err}"),
         }
     }
@@ -479,4 +486,43 @@ async fn releases_kept_through_an_outage_are_bounded_and_sent_in_batches() {
     // One batch, not one call a release (a few ticks' other calls aside).
     let sent = backend.stats().calls - calls;
     assert!(sent <= 20, "{sent} calls for up to 100 releases");
+}
+
+/// Every call during an outage waited out `op_timeout` (500 ms by default), the connection
+/// being dialled again all along: under `FailOpen` each acquire paid it before it was granted.
+/// Once an attempt to connect has failed, calls now fail at once, until one succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_redis_is_known_away_calls_fail_at_once() {
+    let mut redis = DedicatedRedis::start();
+    let backend = RedisLimits::builder(redis.url())
+        .namespace("away")
+        .op_timeout(Duration::from_millis(500))
+        .outage(OutagePolicy::FailOpen)
+        .build()
+        .await
+        .expect("the dedicated redis-server answers");
+    let limits = Limits::with_backend(backend.clone());
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    redis.stop();
+    // The first calls find out: those on the dropped connection fail at once, the next ones
+    // wait out the timeout while the client dials, until an attempt to connect has failed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut fast = 0;
+    while fast < 5 {
+        let asked = Instant::now();
+        let permit = limits.try_acquire("db", Priority::default()).await.expect("fail open");
+        assert_eq!(permit.fencing_token(), 0);
+        fast = if asked.elapsed() < Duration::from_millis(50) { fast + 1 } else { 0 };
+        assert!(Instant::now() < deadline, "the tries kept waiting: {:?}", backend.stats());
+    }
+    // From then on, twenty acquires take less than one timeout in all.
+    let asked = Instant::now();
+    for _ in 0..20 {
+        let permit = limits.acquire("db", Priority::default()).await.expect("fail open");
+        assert_eq!(permit.fencing_token(), 0);
+    }
+    assert!(asked.elapsed() < Duration::from_millis(500), "{:?}", asked.elapsed());
+    redis.restart();
+    let permit = acquire_when_back(&limits, "db").await;
+    assert!(permit.fencing_token() >= 1, "real permits again");
 }
