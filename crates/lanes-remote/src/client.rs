@@ -591,8 +591,9 @@ fn millis(duration: Duration) -> u64 {
 
 /// What a renewal of one client id answered.
 enum Renewal {
-    /// The tickets it named lost, as `(limit, ticket)`.
-    Lost(Vec<(String, u64)>),
+    /// The tickets it named lost, and those left unrenewed (their limit's backend failed), as
+    /// `(limit, ticket)`; the others were renewed.
+    Answered { lost: HashSet<(String, u64)>, unrenewed: HashSet<(String, u64)> },
     /// The server knows no such client: every ticket it had is gone.
     UnknownClient,
 }
@@ -631,7 +632,10 @@ impl Inner {
         match response.status() {
             StatusCode::OK => {
                 let reply: wire::RenewAnswer = answer(response).await?;
-                Ok(Renewal::Lost(reply.lost.into_iter().map(|l| (l.limit, l.ticket)).collect()))
+                Ok(Renewal::Answered {
+                    lost: reply.lost.into_iter().map(|l| (l.limit, l.ticket)).collect(),
+                    unrenewed: reply.unrenewed.into_iter().map(|t| (t.limit, t.ticket)).collect(),
+                })
             }
             StatusCode::NOT_FOUND => Ok(Renewal::UnknownClient),
             _ => Err(failure("*", response, false).await),
@@ -737,9 +741,9 @@ async fn renew_in_background(inner: Weak<Inner>) {
         for chunk in renewal_batches(&known) {
             let renewal = tokio::time::timeout(period, inner.renew_client(&inner.client, chunk));
             match renewal.await {
-                Ok(Ok(Renewal::Lost(lost))) => {
-                    let lost: HashSet<(String, u64)> = lost.into_iter().collect();
-                    inner.renewed(chunk.iter().filter(|key| !lost.contains(*key)), sent);
+                Ok(Ok(Renewal::Answered { lost, unrenewed })) => {
+                    let renewed = chunk.iter().filter(|key| !lost.contains(*key));
+                    inner.renewed(renewed.filter(|key| !unrenewed.contains(*key)), sent);
                     inner.mark_lost(lost);
                 }
                 Ok(Ok(Renewal::UnknownClient)) => {
@@ -997,14 +1001,22 @@ impl LimitBackend for RemoteLimits {
                 let keys: Vec<(String, u64)> =
                     mine.iter().map(|&ticket| (name.to_owned(), ticket)).collect();
                 match self.inner.renew_client(&client, &keys).await? {
-                    Renewal::Lost(lost) => {
+                    Renewal::Answered { lost, unrenewed } => {
                         let lost: HashSet<u64> = lost
                             .into_iter()
                             .filter(|(limit, _)| limit == name)
                             .map(|(_, ticket)| ticket)
                             .collect();
-                        self.inner.renewed(keys.iter().filter(|key| !lost.contains(&key.1)), sent);
+                        let renewed = keys.iter().filter(|key| !lost.contains(&key.1));
+                        self.inner.renewed(renewed.filter(|key| !unrenewed.contains(*key)), sent);
                         gone.extend(lost);
+                        if keys.iter().any(|key| unrenewed.contains(key)) {
+                            // Its lost ones are finished all the same.
+                            self.inner.mark_lost(gone.iter().map(|&t| (name.to_owned(), t)));
+                            return Err(LimitError::backend(format!(
+                                "the server could not renew permits of {name:?}: its backend failed"
+                            )));
+                        }
                     }
                     Renewal::UnknownClient => gone.extend(mine),
                 }

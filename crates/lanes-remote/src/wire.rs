@@ -588,7 +588,7 @@ pub struct TicketRef {
 }
 
 /// 200 to `POST /v1/clients/{client}/renew`: the leases asked for were renewed, except the
-/// lost ones.
+/// lost ones and the unrenewed ones.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RenewAnswer {
@@ -598,6 +598,11 @@ pub struct RenewAnswer {
     pub lost: Vec<LostTicket>,
     /// How many tickets were renewed.
     pub renewed: u64,
+    /// Tickets left unrenewed because the backend failed on their limit (a Redis Cluster
+    /// primary away, say), while it renewed the others: their leases run on from their last
+    /// renewal. When it fails on every limit, the answer is 503 instead.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unrenewed: Vec<TicketRef>,
 }
 
 /// A lost permit, in a [`RenewAnswer`].
@@ -698,11 +703,23 @@ mod tests {
             r#"{"granted":false,"reason":"busy","retry_after_ms":1000}"#,
         );
         round_trip(&ReleaseAnswer { released: true }, r#"{"released":true}"#);
+        let lost = vec![LostTicket { limit: "db".into(), ticket: 3 }];
         round_trip(
-            &RenewAnswer { lost: vec![LostTicket { limit: "db".into(), ticket: 3 }], renewed: 2 },
+            &RenewAnswer { lost, renewed: 2, unrenewed: vec![] },
             r#"{"lost":[{"limit":"db","ticket":3}],"renewed":2}"#,
         );
-        round_trip(&RenewAnswer { lost: vec![], renewed: 0 }, r#"{"lost":[],"renewed":0}"#);
+        round_trip(
+            &RenewAnswer { lost: vec![], renewed: 0, unrenewed: vec![] },
+            r#"{"lost":[],"renewed":0}"#,
+        );
+        round_trip(
+            &RenewAnswer {
+                lost: vec![],
+                renewed: 1,
+                unrenewed: vec![TicketRef { limit: "jobs".into(), ticket: 4 }],
+            },
+            r#"{"lost":[],"renewed":1,"unrenewed":[{"limit":"jobs","ticket":4}]}"#,
+        );
         round_trip(&RenewRequest::default(), "{}");
         round_trip(
             &RenewRequest { tickets: Some(vec![TicketRef { limit: "db".into(), ticket: 3 }]) },

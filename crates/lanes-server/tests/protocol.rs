@@ -1339,3 +1339,37 @@ async fn randomized(args: &[&str]) {
 
 embedded!(randomized_clients_keep_the_invariants, randomized);
 on_redis!(randomized_clients_keep_the_invariants_redis, randomized);
+
+// ---- Renewals when the backend fails on one limit -------------------------------------------
+
+/// Review finding (stop 75): a renewal renewed its limits one after another and gave up at
+/// the first whose backend failed (a Redis Cluster primary away, here a damaged key): 503, the
+/// limits after it left unrenewed (their leases ran out), and the lost permits found before it
+/// never told. Now every limit is renewed on its own: the answer names the unrenewed tickets,
+/// and is 503 only when the backend failed on every limit.
+async fn partial_renewal(args: &[&str]) {
+    let ns = args[args.iter().position(|a| *a == "--namespace").unwrap() + 1].to_owned();
+    let serve = Serve::start(args);
+    let c = http();
+    for (limit, ticket) in [("a", 1), ("b", 2)] {
+        put(&c, &serve, &format!("/v1/limits/{limit}"), json!({"concurrent": 1})).await;
+        let body = json!({"client": "w", "ticket": ticket, "lease_ms": 10_000});
+        let held = post(&c, &serve, &format!("/v1/limits/{limit}/acquire"), body).await;
+        assert_eq!(held.status, 200, "{limit}: {held:?}");
+    }
+    let client = redis::Client::open(common::redis_url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let damage = |limit: &str| format!("{{{ns}:{limit}}}:h");
+    let _: () =
+        redis::cmd("SET").arg(damage("a")).arg("damaged").query_async(&mut conn).await.unwrap();
+    let renewed = post(&c, &serve, "/v1/clients/w/renew", json!({})).await;
+    assert_eq!(renewed.status, 200, "{renewed:?}");
+    assert_eq!(renewed.body["renewed"], 1, "{renewed:?}");
+    assert_eq!(renewed.body["unrenewed"], json!([{"limit": "a", "ticket": 1}]), "{renewed:?}");
+    let _: () =
+        redis::cmd("SET").arg(damage("b")).arg("damaged").query_async(&mut conn).await.unwrap();
+    let refused = post(&c, &serve, "/v1/clients/w/renew", json!({})).await;
+    assert_eq!(refused.status, 503, "the backend failed on every limit: {refused:?}");
+}
+
+on_redis!(a_renewal_renews_the_limits_whose_backend_answers_redis, partial_renewal);

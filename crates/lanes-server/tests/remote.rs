@@ -566,3 +566,39 @@ async fn a_permit_with_its_own_lease_lapses_unrenewed() {
     tokio::time::sleep(Duration::from_millis(1_200)).await;
     assert!(remote.lease_lost("db", ticket), "the unrenewed lease ended");
 }
+
+/// Review finding (stop 75): a renewal gave up at the first limit whose backend failed (503),
+/// so the client's other permits went unrenewed and lapsed with it; and a renewal that renewed
+/// some limits but not others could not say so. Now the server renews each limit on its own
+/// and names the tickets it could not renew: the permit of the failing limit (a damaged key
+/// here) lapses at its lease's end, and the other is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_permit_whose_limit_fails_to_renew_lapses() {
+    use std::time::Duration;
+    let ns = format!("remote-partial-{}", std::process::id());
+    let url = common::redis_url();
+    let serve = Serve::start(&["--redis", &url, "--namespace", &ns]);
+    let remote =
+        RemoteLimits::with_client(serve.base.clone(), "partial", Duration::from_millis(600))
+            .unwrap();
+    let limits = lanes::Limits::with_backend(remote);
+    let mut permits = Vec::new();
+    for limit in ["a", "b"] {
+        limits.define(limit, lanes::LimitSpec::concurrent(1)).await.unwrap();
+        permits.push(limits.acquire(limit, lanes::Priority::default()).await.unwrap());
+    }
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let damaged = format!("{{{ns}:a}}:h");
+    let _: () =
+        redis::cmd("SET").arg(&damaged).arg("damaged").query_async(&mut conn).await.unwrap();
+    let lapsed = tokio::time::timeout(Duration::from_secs(5), permits[0].lost()).await;
+    // Past another lease, the permit of the limit that answers is still held.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let kept = !permits[1].lease_lost();
+    let keys: Vec<String> =
+        redis::cmd("KEYS").arg(format!("*{ns}*")).query_async(&mut conn).await.unwrap();
+    let _: () = redis::cmd("DEL").arg(keys).query_async(&mut conn).await.unwrap();
+    lapsed.expect("a's permit lapsed: its renewals failed");
+    assert!(kept, "b's permit was renewed all along");
+}

@@ -530,10 +530,10 @@ pub(crate) async fn release(
     params(("client" = String, Path, description = "The client id (1 to 200 bytes).")),
     request_body = wire::RenewRequest,
     responses(
-        (status = 200, description = "How many leases were renewed, and the lost ones.", body = wire::RenewAnswer),
+        (status = 200, description = "How many leases were renewed, the lost ones, and those left unrenewed because the backend failed on their limit.", body = wire::RenewAnswer),
         (status = 400, description = "A bad client id, or too many tickets named.", body = wire::ErrorBody),
         (status = 404, description = "The client has nothing held or waiting.", body = wire::ErrorBody),
-        (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
+        (status = 503, description = "The backend (Redis) failed on every limit named.", body = wire::ErrorBody),
     ),
     security(("bearer" = [])))]
 pub(crate) async fn renew(
@@ -578,31 +578,74 @@ pub(crate) async fn renew(
             wire::LostTicket { limit, ticket }
         })
         .collect();
+    // The limits at once, each on its own: on a Redis Cluster with a primary away, its limits'
+    // calls wait out the timeout and fail, and the others' renewals must neither queue behind
+    // them nor be given up with them (their leases would run out), nor the lost ones found
+    // before the failure go untold.
+    let mut renewals = tokio::task::JoinSet::new();
     for ((limit, lease), tickets) in groups {
-        let backends: Vec<u64> = tickets.iter().map(|(_, b)| *b).collect();
-        let gone = app.backend.renew(&limit, &backends, lease).await;
-        let gone = match gone {
-            Ok(gone) => gone,
-            Err(lanes::LimitError::UnknownLimit(_)) => backends.clone(),
-            Err(err) => return Err(ApiError::limit(&limit, &err)),
-        };
-        for (ticket, backend) in tickets {
-            if gone.contains(&backend) {
-                // Given back as well: what the backend may still keep of it (a ticket waiting
-                // again after Redis lost its grant, a permit from this server's share of a
-                // leased limit, which Redis does not renew) would be held for good. Before the
-                // record goes: a handler dropped in between leaves the record, which the sweep
-                // finds, rather than a backend ticket nobody knows.
-                let _ = app.backend.release(&limit, backend).await;
-                let _ = app.sessions().forget(&client, &limit, ticket, Some(backend));
-                app.event("lease_lost");
-                lost.push(wire::LostTicket { limit: limit.clone(), ticket });
-            } else {
-                renewed += 1;
+        let (app, client) = (app.clone(), client.clone());
+        renewals.spawn(async move { renew_limit(&app, &client, limit, lease, tickets).await });
+    }
+    let (mut unrenewed, mut failure) = (Vec::new(), None);
+    let mut answered = false;
+    while let Some(done) = renewals.join_next().await {
+        let done = done.unwrap_or_else(|err| std::panic::resume_unwind(err.into_panic()));
+        match done {
+            Ok((n, gone)) => {
+                answered = true;
+                renewed += n;
+                lost.extend(gone);
+            }
+            Err((limit, tickets, err)) => {
+                unrenewed.extend(
+                    tickets
+                        .into_iter()
+                        .map(|ticket| wire::TicketRef { limit: limit.clone(), ticket }),
+                );
+                failure.get_or_insert_with(|| ApiError::limit(&limit, &err));
             }
         }
     }
-    Ok(Json(wire::RenewAnswer { lost, renewed }).into_response())
+    match failure {
+        // The backend failed on every limit: unavailable, as one failed call says.
+        Some(failure) if !answered => Err(failure),
+        _ => Ok(Json(wire::RenewAnswer { lost, renewed, unrenewed }).into_response()),
+    }
+}
+
+/// Renews `client`'s `tickets` (its tickets and their backend tickets) of `limit`: how many
+/// were renewed and the lost ones, or the limit's tickets and the backend's error.
+async fn renew_limit(
+    app: &App,
+    client: &str,
+    limit: String,
+    lease: Duration,
+    tickets: Vec<(u64, u64)>,
+) -> Result<(u64, Vec<wire::LostTicket>), (String, Vec<u64>, lanes::LimitError)> {
+    let backends: Vec<u64> = tickets.iter().map(|(_, b)| *b).collect();
+    let gone = match app.backend.renew(&limit, &backends, lease).await {
+        Ok(gone) => gone,
+        Err(lanes::LimitError::UnknownLimit(_)) => backends,
+        Err(err) => return Err((limit, tickets.into_iter().map(|(t, _)| t).collect(), err)),
+    };
+    let (mut renewed, mut lost) = (0, Vec::new());
+    for (ticket, backend) in tickets {
+        if gone.contains(&backend) {
+            // Given back as well: what the backend may still keep of it (a ticket waiting
+            // again after Redis lost its grant, a permit from this server's share of a
+            // leased limit, which Redis does not renew) would be held for good. Before the
+            // record goes: a handler dropped in between leaves the record, which the sweep
+            // finds, rather than a backend ticket nobody knows.
+            let _ = app.backend.release(&limit, backend).await;
+            let _ = app.sessions().forget(client, &limit, ticket, Some(backend));
+            app.event("lease_lost");
+            lost.push(wire::LostTicket { limit: limit.clone(), ticket });
+        } else {
+            renewed += 1;
+        }
+    }
+    Ok((renewed, lost))
 }
 
 /// Whole milliseconds, saturating.
