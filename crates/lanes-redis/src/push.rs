@@ -8,8 +8,9 @@ const KEEPALIVE: Duration = Duration::from_secs(1);
 
 /// Listens on the client's channel; wakes the first waiter of each limit it names. Reconnects
 /// after a failure, or a ping unanswered for [`KEEPALIVE`] (to the next of `clients`, which
-/// are the nodes of a cluster or the one Redis), and then wakes every first waiter
-/// (notifications may have been missed).
+/// are the nodes of a cluster or the one Redis), and then wakes every waiter: pushes may have
+/// been missed, and a grant pushed to a waiter other than the first (served first for its
+/// priority) is found only by that waiter's own ask.
 pub(crate) async fn subscribe(
     clients: Vec<redis::Client>,
     inner: Weak<Inner>,
@@ -41,7 +42,7 @@ pub(crate) async fn subscribe(
         }
         if let Some(strong) = inner.upgrade() {
             for limit in strong.lock_state().limits.values() {
-                limit.wake_first();
+                limit.wake_all();
             }
         }
         // A connection that goes silent without closing (half-open) would lose every push

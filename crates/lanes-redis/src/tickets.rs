@@ -235,7 +235,8 @@ impl ClientLimit {
         }
     }
 
-    /// Wakes every waiting ticket (after Redis lost its state), once the lock is let go.
+    /// Wakes every waiting ticket (after Redis lost its state, or pushes may have been lost),
+    /// once the lock is let go.
     pub(crate) fn wake_all(&self) {
         for ticket in &self.queue {
             if let Some(notify) = self.notify_of(*ticket) {

@@ -245,6 +245,8 @@ struct Relay {
     port: u16,
     /// Connections opened before this count are silent.
     silent_below: Arc<AtomicU64>,
+    /// Subscribers' connections opened before this count are silent.
+    subscribers_silent_below: Arc<AtomicU64>,
     opened: Arc<AtomicU64>,
     /// `SUBSCRIBE`s carried to Redis and answered (a subscriber connected).
     subscribes: Arc<AtomicU64>,
@@ -260,7 +262,9 @@ impl Relay {
         let (silent_below, opened) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
         let subscribes = Arc::new(AtomicU64::new(0));
         let deaf = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let subscribers_silent_below = Arc::new(AtomicU64::new(0));
         let (silent, count, subs) = (silent_below.clone(), opened.clone(), subscribes.clone());
+        let subs_silent = subscribers_silent_below.clone();
         let only_answers = deaf.clone();
         tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
@@ -274,11 +278,16 @@ impl Relay {
                 } else {
                     silent.clone()
                 };
-                tokio::spawn(relay(in_read, out_write, me, towards, Some(subs.clone())));
-                tokio::spawn(relay(out_read, in_write, me, silent.clone(), None));
+                let subscriber = Subscriber {
+                    is: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+                    silent_below: subs_silent.clone(),
+                    subscribes: subs.clone(),
+                };
+                tokio::spawn(relay(in_read, out_write, me, towards, subscriber.clone(), true));
+                tokio::spawn(relay(out_read, in_write, me, silent.clone(), subscriber, false));
             }
         });
-        Self { port, silent_below, opened, subscribes, deaf }
+        Self { port, silent_below, subscribers_silent_below, opened, subscribes, deaf }
     }
 
     fn url(&self) -> String {
@@ -300,16 +309,33 @@ impl Relay {
     fn silence(&self) {
         self.silent_below.store(self.opened.load(Ordering::SeqCst), Ordering::SeqCst);
     }
+
+    /// Every subscriber's connection open now goes silent (calls go on).
+    fn silence_subscribers(&self) {
+        self.subscribers_silent_below.store(self.opened.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}
+
+/// What a relayed connection knows of being a subscriber's.
+#[derive(Clone)]
+struct Subscriber {
+    /// It carried a `SUBSCRIBE`.
+    is: Arc<std::sync::atomic::AtomicBool>,
+    /// Subscribers' connections opened before this count are silent.
+    silent_below: Arc<AtomicU64>,
+    /// `SUBSCRIBE`s carried to Redis, by every connection.
+    subscribes: Arc<AtomicU64>,
 }
 
 /// Copies `from` to `to` until either closes; once connection `me` is silent, swallows what
-/// comes and closes nothing. Counts the `SUBSCRIBE`s it carries in `subscribes`, if given.
+/// comes and closes nothing. Towards Redis (`towards`), counts the `SUBSCRIBE`s it carries.
 async fn relay(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     me: u64,
     silent: Arc<AtomicU64>,
-    subscribes: Option<Arc<AtomicU64>>,
+    subscriber: Subscriber,
+    towards: bool,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut buf = vec![0u8; 16 << 10];
@@ -317,16 +343,17 @@ async fn relay(
         if n == 0 {
             break;
         }
-        if me < silent.load(Ordering::SeqCst) {
+        let silenced = subscriber.is.load(Ordering::SeqCst)
+            && me < subscriber.silent_below.load(Ordering::SeqCst);
+        if me < silent.load(Ordering::SeqCst) || silenced {
             continue;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             break;
         }
-        if let Some(subscribes) = &subscribes
-            && buf[..n].windows(9).any(|w| w.eq_ignore_ascii_case(b"SUBSCRIBE"))
-        {
-            subscribes.fetch_add(1, Ordering::SeqCst);
+        if towards && buf[..n].windows(9).any(|w| w.eq_ignore_ascii_case(b"SUBSCRIBE")) {
+            subscriber.is.store(true, Ordering::SeqCst);
+            subscriber.subscribes.fetch_add(1, Ordering::SeqCst);
         }
     }
 }
@@ -525,4 +552,46 @@ async fn once_redis_is_known_away_calls_fail_at_once() {
     redis.restart();
     let permit = acquire_when_back(&limits, "db").await;
     assert!(permit.fencing_token() >= 1, "real permits again");
+}
+
+/// Review finding (stop 75): after its subscriber connected again (pushes may have been lost
+/// meanwhile), a client woke only its first waiter on each limit, which asks for its own
+/// ticket. A grant pushed to another of its waiters in that time (one of a higher priority,
+/// served first) was found only when that waiter asked on its own, after the 10 s safety
+/// re-ask. Every waiter now asks again after a reconnection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_pushed_while_the_subscriber_was_away_is_found_after_it_reconnects() {
+    let redis = DedicatedRedis::start();
+    let holder = client(&redis, OutagePolicy::FailClosed).await;
+    let holder = Limits::with_backend(holder);
+    holder.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let held = holder.acquire("db", Priority::default()).await.unwrap();
+    let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
+    let waiters = Limits::with_backend(relay.client("outage", Duration::from_secs(60)).await);
+    // Its first ticket waits at a low priority; its second, served first, at a high one.
+    let low = tokio::spawn({
+        let waiters = waiters.clone();
+        async move { waiters.acquire("db", Priority::level(-1)).await }
+    });
+    sleep(Duration::from_millis(100)).await;
+    let high = tokio::spawn({
+        let waiters = waiters.clone();
+        async move { waiters.acquire("db", Priority::level(1)).await.map(|_| Instant::now()) }
+    });
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while holder.info("db").await.unwrap().map(|info| info.waiting) != Some(2) {
+        assert!(Instant::now() < deadline, "both tickets queue");
+        sleep(Duration::from_millis(20)).await;
+    }
+    // The waiting client's subscriber goes silent: the grant pushed on this release is lost.
+    relay.silence_subscribers();
+    let released = Instant::now();
+    drop(held);
+    let granted = timeout(Duration::from_secs(8), high)
+        .await
+        .expect("the high ticket found its grant")
+        .unwrap()
+        .expect("granted");
+    assert!(granted - released < Duration::from_secs(5), "{:?}", granted - released);
+    low.abort();
 }
