@@ -15,7 +15,9 @@
 //!    about again: the server cannot tell a re-ask of a ticket it forgot from a first ask, so a
 //!    look at a finished ticket answers [`Answer::Finished`] here, without a request, and is
 //!    never queued again. A look that raced a release (the server answered a ticket this client
-//!    finished meanwhile) is released again.
+//!    finished meanwhile) is released again; so is a ticket released while an ask of it that
+//!    was dropped (its acquire given up) still travelled, once that ask has been answered: the
+//!    first release may have reached the server before the ask.
 //! 2. What a long-poll learns (a grant, or that the ticket is finished) is kept for the
 //!    [`check`](LimitBackend::check) that follows it.
 //! 3. Permits of `lease: None` asks hold the client's lease and live under the client id,
@@ -106,6 +108,8 @@ pub(crate) struct Inner {
     pub(crate) lease: Duration,
     /// Every ticket asked for and not finished (invariant 1), by `(limit, ticket)`.
     live: Mutex<HashMap<(String, u64), Live>>,
+    /// Asks on their way to the server, by `(limit, ticket)` ([`Sending`]).
+    travelling: Mutex<HashMap<(String, u64), Travelling>>,
     /// Held permits reported lost (invariant 4), until released.
     pub(crate) lost: LostLeases,
     /// Limits served from this client's shares (leased capacity).
@@ -120,7 +124,91 @@ pub(crate) struct Inner {
     token: std::sync::OnceLock<String>,
 }
 
+/// The asks of one ticket on their way to the server.
+#[derive(Debug, Default)]
+struct Travelling {
+    asks: usize,
+    /// The ticket was released meanwhile.
+    released: bool,
+}
+
+/// One ask on its way: the request goes on in a task of its own, so that an ask dropped before
+/// its answer (its acquire given up) still lands before anything else is done about it. A
+/// release sent on that drop can overtake it: it releases nothing, and the late ask then takes
+/// a permit or a place for nobody. So a ticket released while a dropped ask of it travels is
+/// released again once the server has answered that ask. (A ticket nobody releases is left as
+/// it is: dropping an ask leaves the ticket queued, `lanes::limit::drive`'s contract.)
+struct Sending<'a> {
+    client: &'a RemoteLimits,
+    key: (String, u64),
+    /// The lease the ticket was asked with (the client id it lives under).
+    lease: Option<Duration>,
+    task: Option<tokio::task::JoinHandle<reqwest::Result<reqwest::Response>>>,
+}
+
+impl<'a> Sending<'a> {
+    fn start(
+        client: &'a RemoteLimits,
+        name: &str,
+        ticket: u64,
+        lease: Option<Duration>,
+        request: reqwest::RequestBuilder,
+    ) -> Self {
+        let key = (name.to_owned(), ticket);
+        lock(&client.inner.travelling).entry(key.clone()).or_default().asks += 1;
+        let task = Some(tokio::spawn(request.send()));
+        Self { client, key, lease, task }
+    }
+
+    /// The server's answer.
+    async fn answer(mut self) -> Result<reqwest::Response, LimitError> {
+        let task = self.task.as_mut().expect("answered once");
+        let sent = task.await;
+        self.task = None;
+        self.client.inner.landed(&self.key);
+        match sent {
+            Ok(sent) => sent.map_err(transport),
+            Err(_) => Err(LimitError::backend("lanes serve: the request's task was cancelled")),
+        }
+    }
+}
+
+impl Drop for Sending<'_> {
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else { return };
+        let (this, key, lease) = (self.client.clone(), self.key.clone(), self.lease);
+        let runtime = tokio::runtime::Handle::try_current()
+            .unwrap_or_else(|_| lock(&this.inner.runtime).clone());
+        runtime.spawn(async move {
+            let _ = task.await;
+            if this.inner.landed(&key) {
+                let _ = this.release_as(&key.0, key.1, lease).await;
+            }
+        });
+    }
+}
+
 impl Inner {
+    /// An ask of `key` was answered (or given up): whether the ticket was released while it
+    /// travelled.
+    fn landed(&self, key: &(String, u64)) -> bool {
+        let mut travelling = lock(&self.travelling);
+        let Some(entry) = travelling.get_mut(key) else { return false };
+        entry.asks -= 1;
+        let released = entry.released;
+        if entry.asks == 0 {
+            travelling.remove(key);
+        }
+        released
+    }
+
+    /// `key` is being released: an ask of it still travelling is followed by another release.
+    fn released_while_travelling(&self, key: &(String, u64)) {
+        if let Some(entry) = lock(&self.travelling).get_mut(key) {
+            entry.released = true;
+        }
+    }
+
     /// Starts the renewal task on this call's runtime if it is not running: the runtime it
     /// ran on shut down, and the permits asked since would neither be renewed nor found lost.
     /// Each ticket's first ask calls this (an atomic load when the task runs).
@@ -399,6 +487,7 @@ impl RemoteLimits {
             tickets: AtomicU64::new(start.max(1)),
             lease,
             live: Mutex::new(HashMap::new()),
+            travelling: Mutex::new(HashMap::new()),
             lost: LostLeases::default(),
             shares: crate::leased::Shares::new(start),
             renewer: Mutex::new(None),
@@ -473,7 +562,7 @@ impl RemoteLimits {
         };
         let request =
             self.inner.request(reqwest::Method::POST, self.limit_url(name, "/acquire")).json(&body);
-        let response = request.send().await.map_err(transport)?;
+        let response = Sending::start(self, name, ticket, live.lease, request).answer().await?;
         match response.status() {
             StatusCode::OK => {
                 let granted: wire::Granted = answer(response).await?;
@@ -959,6 +1048,7 @@ impl LimitBackend for RemoteLimits {
             }
             let key = (name.to_owned(), ticket);
             let live = lock(&self.inner.live).remove(&key);
+            self.inner.released_while_travelling(&key);
             self.inner.lost.forget(&key.0, key.1);
             self.release_as(name, ticket, live.and_then(|l| l.lease)).await
         })
@@ -1062,9 +1152,11 @@ impl LimitBackend for RemoteLimits {
         // the client's, so that a permit dropped on a thread without a runtime (or on one
         // that ends before a task it spawned runs) is not held on the server for good. Out
         // of the live tickets first: the renewer stops naming it, so at worst it lapses.
-        let Some(live) = lock(&self.inner.live).remove(&(name.to_owned(), ticket)) else {
+        let key = (name.to_owned(), ticket);
+        let Some(live) = lock(&self.inner.live).remove(&key) else {
             return false;
         };
+        self.inner.released_while_travelling(&key);
         self.inner.lost.forget(name, ticket);
         let runtime = tokio::runtime::Handle::try_current()
             .unwrap_or_else(|_| lock(&self.inner.runtime).clone());

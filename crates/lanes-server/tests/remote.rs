@@ -602,3 +602,87 @@ async fn only_the_permit_whose_limit_fails_to_renew_lapses() {
     lapsed.expect("a's permit lapsed: its renewals failed");
     assert!(kept, "b's permit was renewed all along");
 }
+
+/// A relay to an HTTP server that holds every chunk naming `/acquire` for `delay` before it
+/// carries it on, and a client's close for longer (the other requests and every answer pass
+/// at once).
+struct SlowAsks {
+    base: String,
+}
+
+impl SlowAsks {
+    async fn to(target: &str, delay: std::time::Duration) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let target = target.to_owned();
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else { continue };
+                let (mut in_read, mut in_write) = inbound.into_split();
+                let (mut out_read, mut out_write) = outbound.into_split();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 << 10];
+                    while let Ok(n) = in_read.read(&mut buf).await {
+                        if n == 0 {
+                            break;
+                        }
+                        if buf[..n].windows(8).any(|w| w == b"/acquire") {
+                            tokio::time::sleep(delay).await;
+                        }
+                        if out_write.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    // The client's close travels as slowly (the server must not take it for
+                    // the client giving up before the ask arrived).
+                    tokio::time::sleep(delay * 4).await;
+                    drop(out_write);
+                });
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut out_read, &mut in_write).await;
+                });
+            }
+        });
+        Self { base }
+    }
+}
+
+/// Review finding (stop 75): an acquire given up while its first ask travelled sent its
+/// release at once, which could reach the server first: it released nothing, and the late ask
+/// then took the permit for nobody, until its lease ran out. The release now goes again once
+/// the ask has been answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_given_up_before_its_ask_arrived_leaves_nothing_held() {
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    let http = common::http();
+    let call = |method: reqwest::Method, path: &str, body: Option<serde_json::Value>| {
+        common::request(&http, method, serve.url(path), None, body)
+    };
+    let (status, _) =
+        call(reqwest::Method::PUT, "/v1/limits/db", Some(serde_json::json!({"concurrent": 1})))
+            .await;
+    assert_eq!(status, 200);
+    let relay =
+        SlowAsks::to(serve.base.trim_start_matches("http://"), Duration::from_millis(500)).await;
+    let remote =
+        RemoteLimits::with_client(relay.base.clone(), "impatient", Duration::from_secs(30))
+            .unwrap();
+    let limits = lanes::Limits::with_backend(remote);
+    let asking = limits.acquire("db", lanes::Priority::default());
+    let gave_up = tokio::time::timeout(Duration::from_millis(100), asking).await;
+    assert!(gave_up.is_err(), "the ask is still travelling: {gave_up:?}");
+    // The ask arrives 400 ms after its release; well before its 30 s lease the limit is free.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (_, limit) = call(reqwest::Method::GET, "/v1/limits/db", None).await;
+        if limit["in_use"] == 0 && limit["waiting"] == 0 && tokio::time::Instant::now() > deadline {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            panic!("the late ask's permit is held for nobody: {limit}");
+        }
+    }
+}
