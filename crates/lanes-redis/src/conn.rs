@@ -76,7 +76,7 @@ pub(crate) struct Replaceable<C> {
 /// The least time between two reconnections.
 const RECONNECT_EVERY: Duration = Duration::from_millis(250);
 
-impl<C: Clone + Send + 'static> Replaceable<C> {
+impl<C: ConnectionLike + Clone + Send + 'static> Replaceable<C> {
     fn new(conn: C, dial: Dial<C>, timeout: Duration) -> Arc<Self> {
         Arc::new(Self {
             conn: Mutex::new(conn),
@@ -106,7 +106,18 @@ impl<C: Clone + Send + 'static> Replaceable<C> {
                     *lock(&this.conn) = conn;
                     this.unreachable.store(false, Ordering::Release);
                 }
-                _ => this.unreachable.store(true, Ordering::Release),
+                _ => {
+                    // Away only if the connection in use does not answer either: a new one
+                    // may be refused for reasons the open one does not share (Redis at its
+                    // most clients, a password rotated), and the failed call may only have
+                    // been slow.
+                    let mut current = lock(&this.conn).clone();
+                    let ping = redis::cmd("PING");
+                    let ping = ping.query_async::<Value>(&mut current);
+                    let answers =
+                        matches!(tokio::time::timeout(this.timeout / 4, ping).await, Ok(Ok(_)));
+                    this.unreachable.store(!answers, Ordering::Release);
+                }
             }
         });
     }

@@ -595,3 +595,45 @@ async fn a_grant_pushed_while_the_subscriber_was_away_is_found_after_it_reconnec
     assert!(granted - released < Duration::from_secs(5), "{:?}", granted - released);
     low.abort();
 }
+
+/// Review finding (stop 76): a failed attempt to connect marked Redis away even when the
+/// connection in use still answered, and calls then failed at once for as long as new
+/// connections were refused. Here the client's password is rotated (its open connection stays
+/// logged in, new ones are refused) and Redis is busy for a moment (a call times out, and the
+/// client tries to connect anew): the client goes on with its connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_new_connection_does_not_stop_a_working_one() {
+    let redis = DedicatedRedis::start();
+    let admin = redis::Client::open(redis.url()).unwrap();
+    let mut conn = admin.get_connection().unwrap();
+    let user = ["SETUSER", "rotated", "on", ">first", "~*", "&*", "+@all"];
+    let _: String = redis::cmd("ACL").arg(&user[..]).query(&mut conn).unwrap();
+    let backend = RedisLimits::builder(format!("redis://rotated:first@127.0.0.1:{}", redis.port))
+        .namespace("rotated")
+        .op_timeout(Duration::from_millis(100))
+        .build()
+        .await
+        .expect("the dedicated redis-server answers");
+    let limits = Limits::with_backend(backend.clone());
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    drop(limits.acquire("db", Priority::default()).await.unwrap());
+    let rotate = ["SETUSER", "rotated", "resetpass", ">second"];
+    let _: String = redis::cmd("ACL").arg(&rotate[..]).query(&mut conn).unwrap();
+    // Redis busy for 400 ms: the client's call times out, and it tries to connect anew.
+    let busy = std::thread::spawn(move || {
+        let script = "local t = redis.call('TIME'); local stop = t[1] * 1e6 + t[2] + 400000; \
+                      repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] >= stop";
+        let _: redis::RedisResult<()> = redis::cmd("EVAL").arg(script).arg(0).query(&mut conn);
+    });
+    sleep(Duration::from_millis(50)).await;
+    let refused = limits.acquire("db", Priority::default()).await;
+    assert!(refused.is_err(), "Redis is busy");
+    busy.join().unwrap();
+    // Its attempt to connect anew is refused: for two seconds, every acquire still goes
+    // through its connection.
+    for _ in 0..20 {
+        sleep(Duration::from_millis(100)).await;
+        let permit = limits.acquire("db", Priority::default()).await;
+        assert!(permit.is_ok(), "refused: {permit:?} {:?}", backend.stats());
+    }
+}
