@@ -63,7 +63,9 @@
 //! the holder's fencing token is stale, which is what fencing is for. Both are counted in
 //! [`RedisStats::lost_leases`], once per permit. Releases that could not reach Redis are
 //! retried in the background. A limit a restarted Redis no longer knows is defined again from
-//! the spec this client gave it, holding its grants for the longest lease; one a restarted
+//! the spec this client gave it or read, holding its grants for the longest lease (a limit
+//! gone while Redis kept its state, removed by another client, is defined again only by a
+//! client that defined it itself; to one that only read it, it is unknown); one a restarted
 //! Redis still knows (from a snapshot or an append-only file, which may lag) holds them the
 //! same way from the first call after the restart, and its fencing tokens go on past the
 //! clock. A limit made new on a Redis that began serving less than the longest lease ago is
@@ -334,7 +336,9 @@ impl Inner {
             let _ = self.call(name, "remove", NO_ARGS).await;
             return Err(CallError::Other(LimitError::TooManyLimits { max: self.max_limits }));
         }
-        self.lock_state().specs.insert(name.to_owned(), spec);
+        let mut state = self.lock_state();
+        state.specs.insert(name.to_owned(), spec);
+        state.defined.insert(name.to_owned());
         Ok(())
     }
 
@@ -733,13 +737,28 @@ impl Inner {
                             // a failover, or a restart from a snapshot that lags: the epoch
                             // kept), with grants whose holders still work: its grants wait a
                             // lease. (A removal needs no holders: there, only a delay.)
-                            let spec = self.lock_state().specs.get(name).copied();
-                            if let Some(spec) = spec {
-                                self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
-                                if let Err(err) = self.define_held(name, spec, self.max_lease).await
-                                {
-                                    return self.outage_for(name, ticket, ask, lease, err).await;
+                            let spec = {
+                                let mut state = self.lock_state();
+                                match state.defined.contains(name) {
+                                    true => state.specs.get(name).copied(),
+                                    false => {
+                                        // Read only: gone for this client too.
+                                        state.specs.remove(name);
+                                        state
+                                            .limits
+                                            .entry(name.to_owned())
+                                            .or_default()
+                                            .forget(ticket);
+                                        None
+                                    }
                                 }
+                            };
+                            let Some(spec) = spec else {
+                                return Err(LimitError::UnknownLimit(name.to_owned()));
+                            };
+                            self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
+                            if let Err(err) = self.define_held(name, spec, self.max_lease).await {
+                                return self.outage_for(name, ticket, ask, lease, err).await;
                             }
                         }
                         Err(err) => return self.outage_for(name, ticket, ask, lease, err).await,
@@ -1146,6 +1165,7 @@ impl LimitBackend for RedisLimits {
                 .await;
             let mut state = self.inner.lock_state();
             state.specs.remove(name);
+            state.defined.remove(name);
             state.limits.remove(name);
             // Not leased any more: a later define makes an exact limit (its keeper retires
             // once it finds the limit gone).

@@ -17,13 +17,18 @@
 // The crate root's private types and imports: this module is one of its impl blocks.
 use super::*;
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 
 #[derive(Default)]
 pub(crate) struct State {
     pub(crate) limits: HashMap<String, ClientLimit>,
-    /// Specs this client defined or read, for the local share and for redefinition.
+    /// Specs this client defined or read, for the local share and for redefinition after
+    /// Redis lost its state.
     pub(crate) specs: HashMap<String, LimitSpec>,
+    /// The limits this client defined itself: the only ones it defines again when one is gone
+    /// while Redis kept its state (another client removed it, or it was lost with the last
+    /// writes); a limit it only read is then unknown to it too.
+    pub(crate) defined: HashSet<String>,
     /// The mode this client defined a limit with ("leased:maxmin", "leased:proportional"),
     /// given again whenever it defines the limit again; none for exact limits.
     pub(crate) modes: HashMap<String, String>,

@@ -490,6 +490,30 @@ async fn new_limits_at_once_stay_within_max_limits(t: Target) {
     assert_eq!(odd.mode, None, "{odd:?}");
 }
 
+/// Review finding (stop 75): a client that had only read a limit (its spec learnt from `info`)
+/// and found it gone defined it again from that spec: a limit another client removed came
+/// back. Only a client that defined the limit itself defines it again; one that read it
+/// answers that it is unknown.
+async fn a_limit_removed_elsewhere_stays_removed(t: Target) {
+    let ns = common::unique_ns("removed");
+    let _cleanup = common::Cleanup::on(t, &ns);
+    let (owner, reader) = (common::client_on(t, &ns).await, common::client_on(t, &ns).await);
+    owner.define("db", LimitSpec::concurrent(2)).await.unwrap();
+    assert!(reader.info("db").await.unwrap().is_some(), "the reader learns its spec");
+    let reader = Limits::with_backend(reader);
+    drop(reader.acquire("db", Priority::default()).await.unwrap());
+    // Removed once the reader's permit is back (its release goes in the background).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while let Err(err) = owner.remove("db").await {
+        assert!(matches!(err, lanes::LimitError::InUse(_)) && Instant::now() < deadline, "{err}");
+        sleep(Duration::from_millis(20)).await;
+    }
+    let gone = reader.acquire("db", Priority::default()).await.map(|_| ());
+    assert!(matches!(&gone, Err(err) if err.is_unknown_limit()), "{gone:?}");
+    assert!(owner.info("db").await.unwrap().is_none(), "removed, and not made again");
+    assert!(owner.list().await.unwrap().is_empty());
+}
+
 /// Each test, once on the one Redis and once on the cluster.
 macro_rules! on_both {
     ($($name:ident),* $(,)?) => {
@@ -527,6 +551,7 @@ on_both!(
     a_dead_clients_waiting_ticket_blocks_the_queue_for_one_lease_at_most,
     many_tasks_on_several_clients_never_hold_more_than_concurrent,
     new_limits_at_once_stay_within_max_limits,
+    a_limit_removed_elsewhere_stays_removed,
 );
 
 /// The script itself, called as a client calls it (`FCALL`): a ticket's first call may say it
