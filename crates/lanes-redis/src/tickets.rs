@@ -46,6 +46,8 @@ pub(crate) struct State {
 pub(crate) struct Orphans {
     by_limit: HashMap<String, VecDeque<u64>>,
     len: usize,
+    /// Taken for a call under way ([`settled`](Self::settled) when it ends).
+    in_flight: usize,
     max: usize,
     abandoned: u64,
 }
@@ -61,7 +63,7 @@ pub(crate) const DEFAULT_MAX_PENDING_RELEASES: usize = 65_536;
 
 impl Orphans {
     pub(crate) fn new(max: usize) -> Self {
-        Self { by_limit: HashMap::new(), len: 0, max, abandoned: 0 }
+        Self { by_limit: HashMap::new(), len: 0, in_flight: 0, max, abandoned: 0 }
     }
 
     /// Keeps `ticket` of limit `name` to be released once Redis answers.
@@ -80,25 +82,43 @@ impl Orphans {
     }
 
     /// Up to `calls` batches of up to `per_call` tickets each, every batch of one limit, taken
-    /// out to be released now (a batch that fails comes back through [`push`](Self::push)).
+    /// out to be released now, a batch of each limit in turn (one limit's backlog does not
+    /// hold back the others'). Each batch is [`settled`](Self::settled) when its call ends.
     pub(crate) fn take(&mut self, calls: usize, per_call: usize) -> Vec<(String, Vec<u64>)> {
         let mut batches: Vec<(String, Vec<u64>)> = Vec::new();
         let mut taken = 0;
-        self.by_limit.retain(|name, queue| {
-            while batches.len() < calls && !queue.is_empty() {
-                let batch: Vec<u64> = queue.drain(..queue.len().min(per_call)).collect();
-                taken += batch.len();
-                batches.push((name.clone(), batch));
+        while batches.len() < calls && taken < self.len {
+            for (name, queue) in &mut self.by_limit {
+                if batches.len() == calls {
+                    break;
+                }
+                if !queue.is_empty() {
+                    let batch: Vec<u64> = queue.drain(..queue.len().min(per_call)).collect();
+                    taken += batch.len();
+                    batches.push((name.clone(), batch));
+                }
             }
-            !queue.is_empty()
-        });
+        }
+        self.by_limit.retain(|_, queue| !queue.is_empty());
         self.len -= taken;
+        self.in_flight += taken;
         batches
     }
 
-    /// Tickets waiting to be released.
+    /// A call for `n` tickets [taken](Self::take) ended (those that must be tried again are
+    /// pushed back).
+    pub(crate) fn settled(&mut self, n: usize) {
+        self.in_flight -= n;
+    }
+
+    /// Gives up `n` tickets taken for a call that failed for good.
+    pub(crate) fn abandon(&mut self, n: usize) {
+        self.abandoned += n as u64;
+    }
+
+    /// Tickets waiting to be released, or in a call under way.
     pub(crate) fn len(&self) -> usize {
-        self.len
+        self.len + self.in_flight
     }
 
     /// Tickets abandoned over the bound, since the client was built.
@@ -739,6 +759,8 @@ mod tests {
         batches.sort();
         let expected = [("a", vec![2, 3]), ("a", vec![4]), ("b", vec![11])];
         assert_eq!(batches, expected.map(|(name, batch)| (name.to_owned(), batch)));
+        assert_eq!(orphans.len(), 4, "taken, under way: still pending");
+        orphans.settled(4);
         assert_eq!(orphans.len(), 0);
         // Within its caps: at most `calls` batches of `per_call` tickets.
         let mut orphans = Orphans::new(100);
@@ -749,8 +771,22 @@ mod tests {
             orphans.take(2, 3),
             [("c".to_owned(), vec![0, 1, 2]), ("c".to_owned(), vec![3, 4, 5])]
         );
+        orphans.settled(6);
         assert_eq!(orphans.len(), 4);
         assert_eq!(orphans.take(8, 8), [("c".to_owned(), vec![6, 7, 8, 9])]);
+        orphans.settled(4);
         assert!(orphans.take(8, 8).is_empty());
+        // A batch of each limit in turn: one limit's backlog does not hold back another's.
+        let mut orphans = Orphans::new(1_000);
+        for ticket in 0..100 {
+            orphans.push("big", ticket);
+        }
+        orphans.push("small", 7);
+        let batches = orphans.take(2, 10);
+        assert!(batches.iter().any(|(name, _)| name == "small"), "{batches:?}");
+        orphans.settled(11);
+        // Failed for good: abandoned, counted.
+        orphans.abandon(5);
+        assert_eq!(orphans.abandoned(), 5);
     }
 }

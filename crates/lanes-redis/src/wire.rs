@@ -197,10 +197,25 @@ impl Inner {
         }
     }
 
-    /// Releases `tickets` of `name` in one call; if it fails, they go back to the orphans.
+    /// Releases `tickets` of `name` (taken from the orphans) in one call. If Redis cannot be
+    /// reached they go back to the orphans; an error of another kind (a damaged key) would
+    /// come back every time, and they are abandoned, as past the bound.
     pub(crate) async fn release_orphans(&self, name: &str, tickets: Vec<u64>) {
-        // A release whose ticket is its first rider (the script reads them alike).
-        let _ = self.call_riding(name, "release", self.lease, NO_ARGS, tickets).await;
+        // The tickets as the release's own arguments (the script reads them as riders), not
+        // as riders: those go back to the orphans whatever the error.
+        let args: Vec<Arg<'_>> = tickets.iter().map(|&ticket| Arg::Int(ticket)).collect();
+        let result = self.call_riding(name, "release", self.lease, &args, Vec::new()).await;
+        let mut state = self.lock_state();
+        state.orphans.settled(tickets.len());
+        match result {
+            Ok(_) => {}
+            Err(CallError::Outage(_)) => {
+                for ticket in tickets {
+                    state.orphans.push(name, ticket);
+                }
+            }
+            Err(CallError::Other(_)) => state.orphans.abandon(tickets.len()),
+        }
     }
 
     fn take_riders(&self, name: &str) -> (Vec<u64>, bool) {
