@@ -41,6 +41,13 @@ pub(crate) async fn subscribe(
             let _ = done.send(());
         }
         if let Some(strong) = inner.upgrade() {
+            // Once the connection for calls answers (it may still be marked away, and the
+            // waiters' asks would then all meet the outage policy at once), within a bound.
+            let ready = Instant::now() + strong.op_timeout * 4;
+            while strong.conn.unreachable() && Instant::now() < ready {
+                strong.conn.failed();
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
             for limit in strong.lock_state().limits.values() {
                 limit.wake_all();
             }
