@@ -716,7 +716,10 @@ impl Inner {
                     .collect(),
             ),
         };
-        let request = self.request(reqwest::Method::POST, url).json(&body);
+        let request = self
+            .request(reqwest::Method::POST, url)
+            .header("prefer", wire::PREFER_UNRENEWED)
+            .json(&body);
         let response = request.send().await.map_err(transport)?;
         match response.status() {
             StatusCode::OK => {

@@ -587,6 +587,10 @@ pub struct TicketRef {
     pub ticket: u64,
 }
 
+/// The preference (`Prefer: lanes-unrenewed`) of a renewal that can be told which tickets were
+/// left unrenewed ([`RenewAnswer::unrenewed`]) rather than refused as a whole.
+pub const PREFER_UNRENEWED: &str = "lanes-unrenewed";
+
 /// 200 to `POST /v1/clients/{client}/renew`: the leases asked for were renewed, except the
 /// lost ones and the unrenewed ones.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -600,7 +604,8 @@ pub struct RenewAnswer {
     pub renewed: u64,
     /// Tickets left unrenewed because the backend failed on their limit (a Redis Cluster
     /// primary away, say), while it renewed the others: their leases run on from their last
-    /// renewal. When it fails on every limit, the answer is 503 instead.
+    /// renewal. Only for a request that says `Prefer: lanes-unrenewed` ([`PREFER_UNRENEWED`]);
+    /// any other is answered 503, as is every request when the backend fails on every limit.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub unrenewed: Vec<TicketRef>,
 }

@@ -1345,8 +1345,9 @@ on_redis!(randomized_clients_keep_the_invariants_redis, randomized);
 /// Review finding (stop 75): a renewal renewed its limits one after another and gave up at
 /// the first whose backend failed (a Redis Cluster primary away, here a damaged key): 503, the
 /// limits after it left unrenewed (their leases ran out), and the lost permits found before it
-/// never told. Now every limit is renewed on its own: the answer names the unrenewed tickets,
-/// and is 503 only when the backend failed on every limit.
+/// never told. Now every limit is renewed on its own: the answer names the unrenewed tickets to
+/// a client that prefers it (`Prefer: lanes-unrenewed`), and is 503 when the backend failed on
+/// every limit, or to a client that would not know the field.
 async fn partial_renewal(args: &[&str]) {
     let ns = args[args.iter().position(|a| *a == "--namespace").unwrap() + 1].to_owned();
     let serve = Serve::start(args);
@@ -1362,14 +1363,22 @@ async fn partial_renewal(args: &[&str]) {
     let damage = |limit: &str| format!("{{{ns}:{limit}}}:h");
     let _: () =
         redis::cmd("SET").arg(damage("a")).arg("damaged").query_async(&mut conn).await.unwrap();
-    let renewed = post(&c, &serve, "/v1/clients/w/renew", json!({})).await;
-    assert_eq!(renewed.status, 200, "{renewed:?}");
-    assert_eq!(renewed.body["renewed"], 1, "{renewed:?}");
-    assert_eq!(renewed.body["unrenewed"], json!([{"limit": "a", "ticket": 1}]), "{renewed:?}");
+    let renew = || async {
+        let request = c.post(serve.url("/v1/clients/w/renew")).header("prefer", "lanes-unrenewed");
+        let response = request.json(&json!({})).send().await.unwrap();
+        let applied = response.headers().get("preference-applied").cloned();
+        (response.status().as_u16(), applied, response.json::<Value>().await.unwrap())
+    };
+    let (status, applied, body) = renew().await;
+    assert_eq!((status, body["renewed"].as_u64()), (200, Some(1)), "{body}");
+    assert_eq!(body["unrenewed"], json!([{"limit": "a", "ticket": 1}]), "{body}");
+    assert_eq!(applied.as_ref().and_then(|v| v.to_str().ok()), Some("lanes-unrenewed"));
+    let unaware = post(&c, &serve, "/v1/clients/w/renew", json!({})).await;
+    assert_eq!(unaware.status, 503, "a client that does not know the field: {unaware:?}");
     let _: () =
         redis::cmd("SET").arg(damage("b")).arg("damaged").query_async(&mut conn).await.unwrap();
-    let refused = post(&c, &serve, "/v1/clients/w/renew", json!({})).await;
-    assert_eq!(refused.status, 503, "the backend failed on every limit: {refused:?}");
+    let (status, _, body) = renew().await;
+    assert_eq!(status, 503, "the backend failed on every limit: {body}");
 }
 
 on_redis!(a_renewal_renews_the_limits_whose_backend_answers_redis, partial_renewal);

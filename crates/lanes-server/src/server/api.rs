@@ -526,8 +526,16 @@ pub(crate) async fn release(
 }
 
 /// Renew the leases the client holds: the tickets it names, or (naming none) every one.
+///
+/// When the backend fails on some limits but not all, a client that sends `Prefer:
+/// lanes-unrenewed` is answered 200 with the others renewed and those tickets named in
+/// `unrenewed` (and `Preference-Applied: lanes-unrenewed`); any other client is answered 503,
+/// as a client that does not know the field would take them for renewed.
 #[utoipa::path(post, path = "/v1/clients/{client}/renew", tag = "permits",
-    params(("client" = String, Path, description = "The client id (1 to 200 bytes).")),
+    params(
+        ("client" = String, Path, description = "The client id (1 to 200 bytes)."),
+        ("Prefer" = Option<String>, Header, description = "`lanes-unrenewed`: answer 200 when some limits could not be renewed, naming their tickets in `unrenewed`."),
+    ),
     request_body = wire::RenewRequest,
     responses(
         (status = 200, description = "How many leases were renewed, the lost ones, and those left unrenewed because the backend failed on their limit.", body = wire::RenewAnswer),
@@ -540,8 +548,17 @@ pub(crate) async fn renew(
     State(app): State<Arc<App>>,
     Path(client): Path<String>,
     Extension(principal): Extension<Principal>,
+    headers: axum::http::HeaderMap,
     JsonBody(body): JsonBody<wire::RenewRequest>,
 ) -> Result<Response, ApiError> {
+    let partial = headers
+        .get_all(axum::http::header::HeaderName::from_static("prefer"))
+        .iter()
+        .any(|value| {
+            value.to_str().is_ok_and(|value| {
+                value.split(',').any(|p| p.trim().eq_ignore_ascii_case(wire::PREFER_UNRENEWED))
+            })
+        });
     check_client(&client)?;
     principal.act_as(&client)?;
     let named: Option<Vec<(String, u64)>> = match body.tickets {
@@ -608,9 +625,19 @@ pub(crate) async fn renew(
         }
     }
     match failure {
-        // The backend failed on every limit: unavailable, as one failed call says.
-        Some(failure) if !answered => Err(failure),
-        _ => Ok(Json(wire::RenewAnswer { lost, renewed, unrenewed }).into_response()),
+        // The backend failed on every limit (unavailable, as one failed call says), or on
+        // some, for a client that cannot be told which.
+        Some(failure) if !answered || !partial => Err(failure),
+        _ => {
+            let mut response = Json(wire::RenewAnswer { lost, renewed, unrenewed }).into_response();
+            if partial {
+                response.headers_mut().insert(
+                    axum::http::header::HeaderName::from_static("preference-applied"),
+                    axum::http::HeaderValue::from_static(wire::PREFER_UNRENEWED),
+                );
+            }
+            Ok(response)
+        }
     }
 }
 
