@@ -155,19 +155,19 @@ impl<'a> Sending<'a> {
         request: reqwest::RequestBuilder,
     ) -> Self {
         let key = (name.to_owned(), ticket);
-        lock(&client.inner.travelling).entry(key.clone()).or_default().asks += 1;
         let task = Some(tokio::spawn(request.send()));
+        lock(&client.inner.travelling).entry(key.clone()).or_default().asks += 1;
         Self { client, key, lease, task }
     }
 
-    /// The server's answer.
-    async fn answer(mut self) -> Result<reqwest::Response, LimitError> {
+    /// The server's answer, and whether the ticket was released while the ask travelled.
+    async fn answer(mut self) -> Result<(reqwest::Response, bool), LimitError> {
         let task = self.task.as_mut().expect("answered once");
         let sent = task.await;
         self.task = None;
-        self.client.inner.landed(&self.key);
+        let released = self.client.inner.landed(&self.key);
         match sent {
-            Ok(sent) => sent.map_err(transport),
+            Ok(sent) => Ok((sent.map_err(transport)?, released)),
             Err(_) => Err(LimitError::backend("lanes serve: the request's task was cancelled")),
         }
     }
@@ -176,15 +176,42 @@ impl<'a> Sending<'a> {
 impl Drop for Sending<'_> {
     fn drop(&mut self) {
         let Some(task) = self.task.take() else { return };
-        let (this, key, lease) = (self.client.clone(), self.key.clone(), self.lease);
+        let landing = Landing { client: self.client.clone(), key: self.key.clone(), done: false };
+        let lease = self.lease;
         let runtime = tokio::runtime::Handle::try_current()
-            .unwrap_or_else(|_| lock(&this.inner.runtime).clone());
+            .unwrap_or_else(|_| lock(&landing.client.inner.runtime).clone());
         runtime.spawn(async move {
+            let mut landing = landing;
             let _ = task.await;
-            if this.inner.landed(&key) {
-                let _ = this.release_as(&key.0, key.1, lease).await;
+            if landing.land() {
+                let (name, ticket) = &landing.key;
+                let _ = landing.client.release_as(name, *ticket, lease).await;
             }
         });
+    }
+}
+
+/// A dropped ask's landing, counted once however its follow-up task ends (a runtime that
+/// shuts down drops it unrun): the ticket's entry among the travelling ones never stays.
+struct Landing {
+    client: RemoteLimits,
+    key: (String, u64),
+    done: bool,
+}
+
+impl Landing {
+    /// Counts the ask landed: whether its ticket was released while it travelled.
+    fn land(&mut self) -> bool {
+        self.done = true;
+        self.client.inner.landed(&self.key)
+    }
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        if !self.done {
+            self.client.inner.landed(&self.key);
+        }
     }
 }
 
@@ -562,8 +589,15 @@ impl RemoteLimits {
         };
         let request =
             self.inner.request(reqwest::Method::POST, self.limit_url(name, "/acquire")).json(&body);
-        let response = Sending::start(self, name, ticket, live.lease, request).answer().await?;
+        let (response, released) =
+            Sending::start(self, name, ticket, live.lease, request).answer().await?;
         match response.status() {
+            StatusCode::OK if released && ask == Ask::Try => {
+                // Released by its owner while the try travelled (a try's ticket is not live
+                // here before its answer, so nothing else would see it): given back.
+                let _ = self.release_as(name, ticket, live.lease).await;
+                Ok(Answer::Finished)
+            }
             StatusCode::OK => {
                 let granted: wire::Granted = answer(response).await?;
                 // The lease is the server's, renewed over HTTP: no expiry on a shared clock.

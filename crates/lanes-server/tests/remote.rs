@@ -686,3 +686,43 @@ async fn an_acquire_given_up_before_its_ask_arrived_leaves_nothing_held() {
         }
     }
 }
+
+/// Review finding (stop 76): a try released by its owner while it travelled (a direct
+/// `LimitBackend` user) was answered granted and kept as a live permit, renewed for good,
+/// though its owner had released it. It is now given back, and answered finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_try_released_while_it_travels_is_given_back() {
+    use lanes::LimitBackend;
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    let http = common::http();
+    let call = |method: reqwest::Method, path: &str, body: Option<serde_json::Value>| {
+        common::request(&http, method, serve.url(path), None, body)
+    };
+    let (status, _) =
+        call(reqwest::Method::PUT, "/v1/limits/db", Some(serde_json::json!({"concurrent": 1})))
+            .await;
+    assert_eq!(status, 200);
+    let relay =
+        SlowAsks::to(serve.base.trim_start_matches("http://"), Duration::from_millis(500)).await;
+    let remote =
+        RemoteLimits::with_client(relay.base.clone(), "releasing", Duration::from_secs(30))
+            .unwrap();
+    let trying = tokio::spawn({
+        let remote = remote.clone();
+        async move { remote.try_acquire("db", 7, None).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    remote.release("db", 7).await.expect("the release goes first");
+    let answer = trying.await.unwrap().expect("the try is answered");
+    assert_eq!(answer, lanes::Answer::Finished, "released meanwhile");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        let (_, limit) = call(reqwest::Method::GET, "/v1/limits/db", None).await;
+        if limit["in_use"] == 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "held for nobody: {limit}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
