@@ -648,6 +648,48 @@ impl SlowAsks {
     }
 }
 
+/// A server whose limit "db" has one permit, a relay to it that holds asks for 500 ms
+/// ([`SlowAsks`]), and client `client` of the server through the relay, with a 30 s lease.
+async fn db_behind_slow_asks(client: &str) -> (Serve, SlowAsks, RemoteLimits) {
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    let (status, _) = common::request(
+        &common::http(),
+        reqwest::Method::PUT,
+        serve.url("/v1/limits/db"),
+        None,
+        Some(serde_json::json!({"concurrent": 1})),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let relay =
+        SlowAsks::to(serve.base.trim_start_matches("http://"), Duration::from_millis(500)).await;
+    let remote =
+        RemoteLimits::with_client(relay.base.clone(), client, Duration::from_secs(30)).unwrap();
+    (serve, relay, remote)
+}
+
+/// Waits up to 3 s for "db" to hold and queue nothing, asked over plain HTTP.
+async fn db_empties(serve: &Serve, why: &str) {
+    use std::time::Duration;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+    loop {
+        let (_, limit) = common::request(
+            &common::http(),
+            reqwest::Method::GET,
+            serve.url("/v1/limits/db"),
+            None,
+            None,
+        )
+        .await;
+        if limit["in_use"] == 0 && limit["waiting"] == 0 {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{why}: {limit}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Review finding (stop 75): an acquire given up while its first ask travelled sent its
 /// release at once, which could reach the server first: it released nothing, and the late ask
 /// then took the permit for nobody, until its lease ran out. The release now goes again once
@@ -655,36 +697,14 @@ impl SlowAsks {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_given_up_before_its_ask_arrived_leaves_nothing_held() {
     use std::time::Duration;
-    let serve = Serve::start(&[]);
-    let http = common::http();
-    let call = |method: reqwest::Method, path: &str, body: Option<serde_json::Value>| {
-        common::request(&http, method, serve.url(path), None, body)
-    };
-    let (status, _) =
-        call(reqwest::Method::PUT, "/v1/limits/db", Some(serde_json::json!({"concurrent": 1})))
-            .await;
-    assert_eq!(status, 200);
-    let relay =
-        SlowAsks::to(serve.base.trim_start_matches("http://"), Duration::from_millis(500)).await;
-    let remote =
-        RemoteLimits::with_client(relay.base.clone(), "impatient", Duration::from_secs(30))
-            .unwrap();
+    let (serve, _relay, remote) = db_behind_slow_asks("impatient").await;
     let limits = lanes::Limits::with_backend(remote);
     let asking = limits.acquire("db", lanes::Priority::default());
     let gave_up = tokio::time::timeout(Duration::from_millis(100), asking).await;
     assert!(gave_up.is_err(), "the ask is still travelling: {gave_up:?}");
     // The ask arrives 400 ms after its release; well before its 30 s lease the limit is free.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    loop {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let (_, limit) = call(reqwest::Method::GET, "/v1/limits/db", None).await;
-        if limit["in_use"] == 0 && limit["waiting"] == 0 && tokio::time::Instant::now() > deadline {
-            break;
-        }
-        if tokio::time::Instant::now() > deadline {
-            panic!("the late ask's permit is held for nobody: {limit}");
-        }
-    }
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    db_empties(&serve, "the late ask's permit is held for nobody").await;
 }
 
 /// Review finding (stop 76): a try released by its owner while it travelled (a direct
@@ -694,20 +714,7 @@ async fn an_acquire_given_up_before_its_ask_arrived_leaves_nothing_held() {
 async fn a_try_released_while_it_travels_is_given_back() {
     use lanes::LimitBackend;
     use std::time::Duration;
-    let serve = Serve::start(&[]);
-    let http = common::http();
-    let call = |method: reqwest::Method, path: &str, body: Option<serde_json::Value>| {
-        common::request(&http, method, serve.url(path), None, body)
-    };
-    let (status, _) =
-        call(reqwest::Method::PUT, "/v1/limits/db", Some(serde_json::json!({"concurrent": 1})))
-            .await;
-    assert_eq!(status, 200);
-    let relay =
-        SlowAsks::to(serve.base.trim_start_matches("http://"), Duration::from_millis(500)).await;
-    let remote =
-        RemoteLimits::with_client(relay.base.clone(), "releasing", Duration::from_secs(30))
-            .unwrap();
+    let (serve, _relay, remote) = db_behind_slow_asks("releasing").await;
     let trying = tokio::spawn({
         let remote = remote.clone();
         async move { remote.try_acquire("db", 7, None).await }
@@ -716,13 +723,5 @@ async fn a_try_released_while_it_travels_is_given_back() {
     remote.release("db", 7).await.expect("the release goes first");
     let answer = trying.await.unwrap().expect("the try is answered");
     assert_eq!(answer, lanes::Answer::Finished, "released meanwhile");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
-    loop {
-        let (_, limit) = call(reqwest::Method::GET, "/v1/limits/db", None).await;
-        if limit["in_use"] == 0 {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "held for nobody: {limit}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    db_empties(&serve, "held for nobody").await;
 }
