@@ -832,11 +832,51 @@ fn renewal_batches(keys: &[(String, u64)]) -> Vec<&[(String, u64)]> {
 /// Renews every permit asked without a lease, every third of the client's lease, and records
 /// the ones the server lost, and those whose lease ran out unrenewed (the server unreachable,
 /// or its answers lost, for a whole lease: it may have given them to others).
+/// Reports each held permit lost the moment its lease may have ended unrenewed (counted as the
+/// renewal loop counts it): at the earliest lease end, and at least every 50 ms (a permit
+/// granted since ends later than that).
+async fn watch_lapses(inner: Weak<Inner>) {
+    loop {
+        let Some(strong) = inner.upgrade() else { return };
+        let now = Instant::now();
+        let mut next = now + Duration::from_millis(50);
+        let lapsed: Vec<(String, u64)> = lock(&strong.live)
+            .iter()
+            .filter(|(_, live)| live.known)
+            .filter_map(|(key, live)| {
+                let end = live.lease_from? + live.lease.unwrap_or(strong.lease);
+                if now < end {
+                    next = next.min(end);
+                    return None;
+                }
+                Some(key.clone())
+            })
+            .collect();
+        strong.mark_lost(lapsed);
+        drop(strong);
+        tokio::time::sleep_until(next).await;
+    }
+}
+
+/// Aborts a task when dropped (the lapse watcher, with the renewal loop that started it).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 async fn renew_in_background(inner: Weak<Inner>) {
     let period = match inner.upgrade() {
         Some(inner) => (inner.lease / 3).max(Duration::from_millis(10)),
         None => return,
     };
+    // Lapses are watched on their own: this loop finds one only at its next tick, up to a
+    // third of a lease after the server may have given the permit to another, and not at all
+    // while a renewal hangs.
+    let watcher = tokio::spawn(watch_lapses(inner.clone()));
+    let _watcher = AbortOnDrop(watcher);
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
