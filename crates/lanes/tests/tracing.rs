@@ -165,3 +165,37 @@ fn a_background_runs_span_closes_as_it_ends() {
         });
     });
 }
+
+/// Review finding (stop 75): a background run's failures that came after its finalizer saw
+/// the outcome (the finalizer's own error, a cleanup's), or that failed a run that had
+/// succeeded, reached nobody: nothing awaits a background run, and its result was dropped.
+/// They are now a `warn` event, with the failure; a failure the finalizer saw is not.
+#[test]
+fn a_background_runs_failures_its_finalizer_never_saw_are_logged() {
+    let recorder = Recorder::default();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    tracing::subscriber::with_default(recorder.clone(), || {
+        rt.block_on(async {
+            let lanes = work_lane();
+            let failing_finalizer = Run::typed(|_| async { Ok::<_, std::io::Error>(()) })
+                .finalizer(|_| async { Err::<(), _>(std::io::Error::other("finalizer broke")) });
+            lanes.spawn("work", failing_finalizer).unwrap();
+            let failing_cleanup =
+                Run::typed(|_| async { Err::<(), _>(std::io::Error::other("job")) })
+                    .cleanup(|| async { Err::<(), _>(std::io::Error::other("cleanup broke")) });
+            lanes.spawn("work", failing_cleanup).unwrap();
+            // Seen by its finalizer (the default passes it on): not logged.
+            let seen = Run::typed(|_| async { Err::<(), _>(std::io::Error::other("job only")) });
+            lanes.spawn("work", seen).unwrap();
+            while lanes.snapshot().owned > 0 {
+                tokio::task::yield_now().await;
+            }
+        });
+    });
+    let seen = recorder.0.lock().unwrap();
+    let warned: Vec<&String> =
+        seen.events.iter().map(|(f, _)| f).filter(|f| f.contains("nobody saw")).collect();
+    assert_eq!(warned.len(), 2, "{warned:#?}");
+    assert!(warned.iter().any(|f| f.contains("finalizer broke")), "{warned:#?}");
+    assert!(warned.iter().any(|f| f.contains("cleanup broke")), "{warned:#?}");
+}

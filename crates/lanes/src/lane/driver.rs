@@ -472,11 +472,35 @@ pub(super) type Ended<T> = (Result<T, RunFailure>, Next);
 /// What a run's task does with its end: a background run's result was the finalizer's, and
 /// its task goes on with the run it granted its slot to.
 pub(super) fn background<T>((result, next): Ended<T>) -> Next {
+    if let Err(failure) = &result {
+        unseen(failure);
+    }
     // Dropped first, while `next` is a local: a result that panics on drop unwinds through
     // here, and a local is dropped on the way (so it starts its run), while a value already
     // moved out to be returned would be leaked (rust-lang/rust#47949).
     drop(result);
     next
+}
+
+/// Logs (`warn`) a background run's failure that its finalizer never saw: one that failed a
+/// run that had succeeded (its finalizer or cleanup), or one attached after the finalizer ran
+/// (its own error, a cleanup's). Nothing awaits a background run, so it would reach nobody.
+/// A failure the finalizer saw is the finalizer's to report.
+#[cold]
+fn unseen(failure: &RunFailure) {
+    let late = |stage: Stage| matches!(stage, Stage::Finalization | Stage::Cleanup);
+    if !late(failure.stage()) && !failure.attached().any(|a| late(a.stage())) {
+        return;
+    }
+    // Formatted in the event: its causes' `Display` and `Debug` are user code.
+    let _ = call_contained(|| {
+        tracing::warn!(
+            run = %failure.run_id(),
+            lane = failure.lane(),
+            failure = ?failure,
+            "a background run failed where nobody saw it"
+        );
+    });
 }
 
 /// What a run's task does with its end: a blocking run's task answers its handle, so the run
