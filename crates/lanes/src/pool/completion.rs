@@ -50,13 +50,12 @@ type OnComplete<T> = Box<dyn Fn(T) -> BoxFuture<'static, Result<(), BoxError>> +
 
 /// A registered key.
 struct Entry<T> {
-    /// The number of its registration ([`Tracker::track`]).
-    number: u64,
     /// The tracked copy of the item, until its signal takes it for `on_complete`.
     waiting: Option<T>,
     /// The item is still with the dispatcher: being submitted, queued or processed. Its key
     /// stays registered until then, signal or not (another item of the key is refused
-    /// `DuplicateKey`), so the end of its processing finds its own registration.
+    /// `DuplicateKey`), so whatever ends its stay (its processing, or a refused or dropped
+    /// submit) finds its own registration by key.
     held: bool,
 }
 
@@ -65,8 +64,6 @@ struct Items<T> {
     map: FastMap<String, Entry<T>>,
     /// Entries whose item waits for its signal (the snapshot's `tracked`).
     waiting: usize,
-    /// The next registration's number.
-    next: u64,
     /// Signals whose item left `map` and whose `on_complete` is still running: the watch of an
     /// orphaned tracker ends only once none is (it would cut the callback short).
     running: usize,
@@ -106,23 +103,9 @@ pub(crate) enum Untracked {
 }
 
 impl<T> Tracker<T> {
-    /// Rolls registration `number` of `key` back (the submit was refused, or dropped while it
-    /// waited), if it is still there.
-    pub(crate) fn forget(&self, key: &str, number: u64) {
-        let (removed, idle) = {
-            let mut items = lock(&self.items);
-            let removed = match items.map.get(key) {
-                Some(entry) if entry.number == number => items.remove(key),
-                _ => None,
-            };
-            (removed, items.is_idle())
-        };
-        drop_contained(removed);
-        self.stop_if_orphaned(idle);
-    }
-
     /// The item registered under `key` left the dispatcher: processed (`ok`), or failed,
-    /// panicked, refused its limit's permit or cancelled. A processed item waits on for its
+    /// panicked, refused its limit's permit or cancelled, or its submit was refused or dropped
+    /// while it waited. A processed item waits on for its
     /// signal; any other is forgotten (it was not handed on, so no signal is to come, and it
     /// must not hold a tracking place for good). Either way, a signal that came meanwhile
     /// leaves the key free.
@@ -315,7 +298,7 @@ impl<T: Send + 'static> Tracker<T> {
             Box::pin(async move { fut.await.map_err(Into::into) })
         });
         Self {
-            items: Mutex::new(Items { map: FastMap::default(), waiting: 0, next: 0, running: 0 }),
+            items: Mutex::new(Items { map: FastMap::default(), waiting: 0, running: 0 }),
             max,
             key_of,
             clone_item,
@@ -331,9 +314,8 @@ impl<T: Send + 'static> Tracker<T> {
         }
     }
 
-    /// Registers `item` under `key` before it is enqueued: the registration's number, for
-    /// [`forget`](Self::forget).
-    pub(crate) fn track(&self, key: String, item: T) -> Result<u64, Untracked> {
+    /// Registers `item` under `key` before it is enqueued; [`left`](Self::left) ends it.
+    pub(crate) fn track(&self, key: String, item: T) -> Result<(), Untracked> {
         let mut items = lock(&self.items);
         if items.map.contains_key(&key) {
             return Err(Untracked::Duplicate);
@@ -341,11 +323,9 @@ impl<T: Send + 'static> Tracker<T> {
         if items.map.len() >= self.max {
             return Err(Untracked::Full);
         }
-        let number = items.next;
-        items.next += 1;
         items.waiting += 1;
-        items.map.insert(key, Entry { number, waiting: Some(item), held: true });
-        Ok(number)
+        items.map.insert(key, Entry { waiting: Some(item), held: true });
+        Ok(())
     }
 
     pub(crate) fn snapshot(&self) -> CompletionSnapshot {

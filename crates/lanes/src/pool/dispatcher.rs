@@ -132,8 +132,8 @@ impl<T: Send + 'static> Dispatcher<T> {
             return self.core.submit(item);
         }
         let key = (tracker.key_of)(&item);
-        let (item, number) = self.register(tracker, &key, item)?;
-        let mut registered = Registered { tracker, key: Some((key, number)) };
+        let item = self.register(tracker, &key, item)?;
+        let mut registered = Registered { tracker, key: Some(key) };
         let submitted = handle::submit_wait(&*self.core, item).await;
         if submitted.is_ok() {
             registered.key = None;
@@ -152,24 +152,19 @@ impl<T: Send + 'static> Dispatcher<T> {
             return self.core.submit(item);
         }
         let key = (tracker.key_of)(&item);
-        let (item, number) = self.register(tracker, &key, item)?;
+        let item = self.register(tracker, &key, item)?;
         let submitted = submit(&*self.core, item);
         if submitted.is_err() {
-            tracker.forget(&key, number);
+            tracker.left(&key, false);
         }
         submitted
     }
 
-    /// Registers a clone of `item` under `key` (before it is enqueued), handing the item back
-    /// with the registration's number. A refusal is counted rejected.
-    fn register(
-        &self,
-        tracker: &Tracker<T>,
-        key: &str,
-        item: T,
-    ) -> Result<(T, u64), SubmitError<T>> {
+    /// Registers a clone of `item` under `key` (before it is enqueued), handing the item back.
+    /// A refusal is counted rejected.
+    fn register(&self, tracker: &Tracker<T>, key: &str, item: T) -> Result<T, SubmitError<T>> {
         let refused = match tracker.track(key.to_owned(), (tracker.clone_item)(&item)) {
-            Ok(number) => return Ok((item, number)),
+            Ok(()) => return Ok(item),
             Err(Untracked::Duplicate) => SubmitError::DuplicateKey(item),
             Err(Untracked::Full) => SubmitError::TrackingFull(item),
         };
@@ -443,14 +438,13 @@ impl<T> fmt::Debug for DispatcherBuilder<T> {
 /// item was refused, or the submit's future dropped while it waited).
 struct Registered<'a, T: Send + 'static> {
     tracker: &'a Tracker<T>,
-    /// The key and the registration's number.
-    key: Option<(String, u64)>,
+    key: Option<String>,
 }
 
 impl<T: Send + 'static> Drop for Registered<'_, T> {
     fn drop(&mut self) {
-        if let Some((key, number)) = self.key.take() {
-            self.tracker.forget(&key, number);
+        if let Some(key) = self.key.take() {
+            self.tracker.left(&key, false);
         }
     }
 }
