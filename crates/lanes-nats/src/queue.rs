@@ -17,6 +17,7 @@ use async_nats::jetstream::{self, AckKind, Context};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use lanes::spill::{Appending, DurableQueue, SpillError};
+use lanes::{ConfigError, ConfigRule};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
@@ -98,23 +99,34 @@ impl JetStreamOptions {
     }
 
     fn validate(&self) -> Result<(), SpillError> {
-        let bad = |rule: &str| Err(SpillError::Remote(format!("invalid options: {rule}")));
+        let bad =
+            |field: &str, rule| Err(SpillError::InvalidOptions(ConfigError::new(field, rule)));
         if self.max_bytes < 1024 {
-            return bad("max_bytes must be at least 1024");
+            return bad("max_bytes", ConfigRule::AtLeast { min: 1024 });
         }
-        if self.max_record == 0 || self.max_record > i32::MAX as usize {
-            return bad("max_record must be between 1 and 2^31 - 1");
+        if self.max_record == 0 {
+            return bad("max_record", ConfigRule::Zero);
         }
-        if self.max_in_flight < self.max_record || self.max_in_flight > u32::MAX as usize {
-            return bad("max_in_flight must be at least max_record (and below 4 GiB)");
+        if self.max_record > i32::MAX as usize {
+            return bad("max_record", ConfigRule::OverMax { max: i32::MAX as usize });
         }
-        if self.publish_timeout.is_zero() || self.publish_timeout > self.duplicate_window {
+        if self.max_in_flight < self.max_record {
+            return bad("max_in_flight", ConfigRule::AtLeastSetting { setting: "max_record" });
+        }
+        if self.max_in_flight > u32::MAX as usize {
+            return bad("max_in_flight", ConfigRule::OverMax { max: u32::MAX as usize });
+        }
+        if self.publish_timeout.is_zero() {
+            return bad("publish_timeout", ConfigRule::ZeroTimeout);
+        }
+        if self.duplicate_window < self.publish_timeout {
             return bad(
-                "publish_timeout must be longer than zero and at most the duplicate window",
+                "duplicate_window",
+                ConfigRule::AtLeastSetting { setting: "publish_timeout" },
             );
         }
         if self.replicas == 0 {
-            return bad("replicas must be at least 1");
+            return bad("replicas", ConfigRule::Zero);
         }
         Ok(())
     }
@@ -243,10 +255,11 @@ impl JetStreamQueue {
     ///
     /// # Errors
     ///
-    /// [`SpillError::Remote`] for invalid options (a `max_record` that with [`HEADER_ROOM`]
-    /// exceeds the server's `max_payload` among them), for an existing stream that does not
-    /// keep records as above (the message names the setting), or if JetStream cannot be reached
-    /// or refuses the stream.
+    /// [`SpillError::InvalidOptions`] for options that break a rule (the error names the
+    /// setting): a `max_record` that with [`HEADER_ROOM`] exceeds the server's `max_payload`
+    /// among them, or a stream name NATS would refuse. [`SpillError::Remote`] for an existing
+    /// stream that does not keep records as above (the message names the setting), or if
+    /// JetStream cannot be reached or refuses the stream.
     pub async fn open(
         client: async_nats::Client,
         stream: &str,
@@ -255,16 +268,17 @@ impl JetStreamQueue {
         options.validate()?;
         let max_payload = client.server_info().max_payload;
         if options.max_record.saturating_add(HEADER_ROOM) > max_payload {
-            return Err(SpillError::Remote(format!(
-                "invalid options: max_record ({}) and its header ({HEADER_ROOM} bytes) exceed the \
-                 NATS server's max_payload ({max_payload})",
-                options.max_record
-            )));
+            // The server's bound: a record and its header must fit one message.
+            let max = max_payload.saturating_sub(HEADER_ROOM);
+            let rule = ConfigRule::OverMax { max };
+            return Err(SpillError::InvalidOptions(ConfigError::new("max_record", rule)));
         }
-        if stream.is_empty() || stream.contains(['.', ' ', '*', '>', '\t']) {
-            return Err(SpillError::Remote(format!(
-                "a stream name must be non-empty, without '.', spaces, '*' or '>': {stream:?}"
-            )));
+        let reserved = |c: char| matches!(c, '.' | '*' | '>' | '/' | '\\') || c.is_whitespace();
+        if stream.is_empty() || stream.chars().any(|c| reserved(c) || c.is_control()) {
+            let must_be =
+                "non-empty, without '.', '*', '>', slashes, whitespace or control characters";
+            let rule = ConfigRule::Name { must_be };
+            return Err(SpillError::InvalidOptions(ConfigError::new("stream", rule)));
         }
         let context = jetstream::new(client);
         let subject = format!("lanes.queue.{stream}");

@@ -35,6 +35,16 @@ pub enum ConfigRule {
     },
     /// The value must be a finite number above zero.
     Positive,
+    /// The value must be at least another setting's (named here).
+    AtLeastSetting {
+        /// The setting it must not be below.
+        setting: &'static str,
+    },
+    /// The name breaks the rule given here.
+    Name {
+        /// What a name must be.
+        must_be: &'static str,
+    },
 }
 
 /// An invalid configuration: names the field and the rule it broke.
@@ -63,7 +73,18 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    pub(crate) fn new(field: impl Into<String>, rule: ConfigRule) -> Self {
+    /// An error for `field` (a dotted path) breaking `rule`: for crates that build on `lanes`
+    /// (a backend's options, say), so that their settings fail the way ours do.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use lanes::{ConfigError, ConfigRule};
+    ///
+    /// let err = ConfigError::new("replicas", ConfigRule::Zero);
+    /// assert_eq!(err.to_string(), "invalid configuration: replicas must be at least 1");
+    /// ```
+    pub fn new(field: impl Into<String>, rule: ConfigRule) -> Self {
         Self { field: field.into(), rule }
     }
 
@@ -92,6 +113,8 @@ impl fmt::Display for ConfigError {
             ConfigRule::Unsupported => f.write_str("is not supported here"),
             ConfigRule::NoRuntime => f.write_str("needs a tokio runtime (build inside one)"),
             ConfigRule::Positive => f.write_str("must be finite and above zero"),
+            ConfigRule::AtLeastSetting { setting } => write!(f, "must be at least {setting}"),
+            ConfigRule::Name { must_be } => write!(f, "must be {must_be}"),
         }
     }
 }
