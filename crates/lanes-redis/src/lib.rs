@@ -101,6 +101,8 @@ mod lease;
 mod leased;
 mod outage;
 mod push;
+#[cfg(test)]
+mod tests;
 mod tickets;
 mod wakes;
 mod wire;
@@ -1123,8 +1125,18 @@ impl fmt::Debug for RedisLimits {
 
 impl LimitBackend for RedisLimits {
     fn ticket(&self) -> u64 {
-        let n = self.inner.next_ticket.fetch_add(1, Ordering::Relaxed) % (1 << CLIENT_SHIFT);
-        (self.inner.client << CLIENT_SHIFT) | n
+        loop {
+            let drawn = self.inner.next_ticket.fetch_add(1, Ordering::Relaxed);
+            let n = drawn % (1 << CLIENT_SHIFT);
+            let ticket = (self.inner.client << CLIENT_SHIFT) | n;
+            // Once the numbers come round (after 2^32 asks), one may still be in use: a permit
+            // held all along, a waiter. Redis would answer an ask with it as the same ask and
+            // grant its holder's permit to a second holder. Such a number is skipped, as is 0
+            // (never drawn the first time round).
+            if drawn < 1 << CLIENT_SHIFT || (n != 0 && !self.inner.lock_state().in_use(ticket)) {
+                return ticket;
+            }
+        }
     }
 
     fn define<'a>(

@@ -36,6 +36,19 @@ pub(crate) struct State {
     pub(crate) orphans: Orphans,
 }
 
+impl State {
+    /// Whether `ticket` is still in use on some limit: known to this client (waiting, held,
+    /// local or granted open), or its release not sent yet (a rider, or one kept through an
+    /// outage). Redis would take an ask with such a ticket for the same ask again: asked only
+    /// once ticket numbers have come round (after 2^32 asks), where a linear search is fine.
+    pub(crate) fn in_use(&self, ticket: u64) -> bool {
+        self.orphans.holds(ticket)
+            || self.limits.values().any(|limit| {
+                limit.knows(ticket) || limit.riders.iter().any(|&(rider, _)| rider == ticket)
+            })
+    }
+}
+
 /// Releases that could not reach Redis (or whose answer was lost), retried in the background
 /// in batches: by limit, oldest first, at most `max` tickets in all.
 ///
@@ -64,6 +77,11 @@ pub(crate) const DEFAULT_MAX_PENDING_RELEASES: usize = 65_536;
 impl Orphans {
     pub(crate) fn new(max: usize) -> Self {
         Self { by_limit: HashMap::new(), len: 0, in_flight: 0, max, abandoned: 0 }
+    }
+
+    /// Whether `ticket` waits here for its release (a linear search: see [`State::in_use`]).
+    fn holds(&self, ticket: u64) -> bool {
+        self.by_limit.values().any(|queue| queue.contains(&ticket))
     }
 
     /// Keeps `ticket` of limit `name` to be released once Redis answers.
@@ -588,6 +606,28 @@ mod tests {
         limit.renewed_until(&[2], now + ms(500));
         assert_eq!(limit.lapse(now + ms(200)), (Vec::new(), Some(now + ms(500))));
         assert_eq!(limit.lapse(now + ms(500)).0, [2]);
+    }
+
+    /// A number drawn again once ticket numbers come round must not be one still in use: see
+    /// `RedisLimits`'s `ticket`.
+    #[test]
+    fn a_ticket_is_in_use_while_it_waits_holds_or_awaits_its_release() {
+        let mut state = State::default();
+        let limit = state.limits.entry("a".to_owned()).or_default();
+        limit.ask(1, Priority::default(), false);
+        limit.hold(2, false, far());
+        limit.hold(3, false, far());
+        assert_eq!(limit.ride(3), Some(true), "3's release rides the next call");
+        state.limits.entry("b".to_owned()).or_default().hold(4, false, far());
+        state.orphans.push("b", 5);
+        for ticket in 1..=5 {
+            assert!(state.in_use(ticket), "{ticket}");
+        }
+        assert!(!state.in_use(6));
+        let limit = state.limits.get_mut("a").unwrap();
+        assert_eq!(limit.take_riders(), (vec![3], false));
+        assert_eq!(limit.release(2), Place::Remote);
+        assert!(!state.in_use(2) && !state.in_use(3), "released");
     }
 
     #[test]
