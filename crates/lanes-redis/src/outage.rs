@@ -113,23 +113,23 @@ impl Inner {
             CallError::Other(err) => return Err(err),
             CallError::Outage(message) => message,
         };
-        // The ticket may be queued on the server: withdraw it once Redis is back.
-        let queued_remotely = {
-            let mut state = self.lock_state();
-            state.limits.entry(name.to_owned()).or_default().is_waiting(ticket)
-        };
         match self.outage {
             OutagePolicy::FailClosed => {
                 Err(LimitError::backend(format!("redis unreachable: {message}")))
             }
             OutagePolicy::FailOpen => {
-                self.stats.open_grants.fetch_add(1, Ordering::Relaxed);
                 let mut state = self.lock_state();
+                let limit = state.limits.entry(name.to_owned()).or_default();
+                if let Some(pushed) = limit.claim(ticket) {
+                    return Ok(Answer::Granted(pushed));
+                }
+                // The ticket may be queued on the server: withdraw it once Redis is back.
+                let queued_remotely = limit.is_waiting(ticket);
+                limit.open(ticket);
                 if queued_remotely {
                     state.orphans.push(name, ticket);
                 }
-                let limit = state.limits.entry(name.to_owned()).or_default();
-                limit.open(ticket);
+                self.stats.open_grants.fetch_add(1, Ordering::Relaxed);
                 Ok(Answer::Granted(Grant { fencing_token: 0, expires_at: None }))
             }
             OutagePolicy::LocalShare(share) => {
@@ -141,15 +141,20 @@ impl Inner {
                 if self.local.info(name).await?.is_none() {
                     self.local.define(name, scaled(spec, share)).await?;
                 }
-                self.stats.local_acquires.fetch_add(1, Ordering::Relaxed);
                 {
                     let mut state = self.lock_state();
+                    let limit = state.limits.entry(name.to_owned()).or_default();
+                    if let Some(pushed) = limit.claim(ticket) {
+                        return Ok(Answer::Granted(pushed));
+                    }
+                    // The ticket may be queued on the server: withdraw it once Redis is back.
+                    let queued_remotely = limit.is_waiting(ticket);
+                    limit.local(ticket);
                     if queued_remotely {
                         state.orphans.push(name, ticket);
                     }
-                    let limit = state.limits.entry(name.to_owned()).or_default();
-                    limit.local(ticket);
                 }
+                self.stats.local_acquires.fetch_add(1, Ordering::Relaxed);
                 if !never_queue {
                     return self.local.acquire(name, ticket, priority, lease).await;
                 }

@@ -247,6 +247,8 @@ struct Relay {
     silent_below: Arc<AtomicU64>,
     /// Subscribers' connections opened before this count are silent.
     subscribers_silent_below: Arc<AtomicU64>,
+    /// Other connections (calls') opened before this count are silent.
+    calls_silent_below: Arc<AtomicU64>,
     opened: Arc<AtomicU64>,
     /// `SUBSCRIBE`s carried to Redis and answered (a subscriber connected).
     subscribes: Arc<AtomicU64>,
@@ -263,8 +265,10 @@ impl Relay {
         let subscribes = Arc::new(AtomicU64::new(0));
         let deaf = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let subscribers_silent_below = Arc::new(AtomicU64::new(0));
+        let calls_silent_below = Arc::new(AtomicU64::new(0));
         let (silent, count, subs) = (silent_below.clone(), opened.clone(), subscribes.clone());
-        let subs_silent = subscribers_silent_below.clone();
+        let (subs_silent, calls_silent) =
+            (subscribers_silent_below.clone(), calls_silent_below.clone());
         let only_answers = deaf.clone();
         tokio::spawn(async move {
             while let Ok((inbound, _)) = listener.accept().await {
@@ -273,21 +277,32 @@ impl Relay {
                 let (in_read, in_write) = inbound.into_split();
                 let (out_read, out_write) = outbound.into_split();
                 // Towards Redis, a silent connection goes on if only the answers are lost.
-                let towards = if only_answers.load(Ordering::SeqCst) {
-                    Arc::new(AtomicU64::new(0))
-                } else {
-                    silent.clone()
+                let deaf = only_answers.load(Ordering::SeqCst);
+                let (towards, calls_towards) = match deaf {
+                    true => (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0))),
+                    false => (silent.clone(), calls_silent.clone()),
                 };
                 let subscriber = Subscriber {
                     is: Arc::new(std::sync::atomic::AtomicBool::new(false)),
                     silent_below: subs_silent.clone(),
+                    calls_silent_below: calls_towards,
                     subscribes: subs.clone(),
                 };
-                tokio::spawn(relay(in_read, out_write, me, towards, subscriber.clone(), true));
-                tokio::spawn(relay(out_read, in_write, me, silent.clone(), subscriber, false));
+                let back =
+                    Subscriber { calls_silent_below: calls_silent.clone(), ..subscriber.clone() };
+                tokio::spawn(relay(in_read, out_write, me, towards, subscriber, true));
+                tokio::spawn(relay(out_read, in_write, me, silent.clone(), back, false));
             }
         });
-        Self { port, silent_below, subscribers_silent_below, opened, subscribes, deaf }
+        Self {
+            port,
+            silent_below,
+            subscribers_silent_below,
+            calls_silent_below,
+            opened,
+            subscribes,
+            deaf,
+        }
     }
 
     fn url(&self) -> String {
@@ -314,6 +329,11 @@ impl Relay {
     fn silence_subscribers(&self) {
         self.subscribers_silent_below.store(self.opened.load(Ordering::SeqCst), Ordering::SeqCst);
     }
+
+    /// Every connection open now that is not a subscriber's goes silent (pushes go on).
+    fn silence_calls(&self) {
+        self.calls_silent_below.store(self.opened.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
 }
 
 /// What a relayed connection knows of being a subscriber's.
@@ -323,6 +343,8 @@ struct Subscriber {
     is: Arc<std::sync::atomic::AtomicBool>,
     /// Subscribers' connections opened before this count are silent.
     silent_below: Arc<AtomicU64>,
+    /// Other connections opened before this count are silent.
+    calls_silent_below: Arc<AtomicU64>,
     /// `SUBSCRIBE`s carried to Redis, by every connection.
     subscribes: Arc<AtomicU64>,
 }
@@ -343,8 +365,10 @@ async fn relay(
         if n == 0 {
             break;
         }
-        let silenced = subscriber.is.load(Ordering::SeqCst)
-            && me < subscriber.silent_below.load(Ordering::SeqCst);
+        let silenced = match subscriber.is.load(Ordering::SeqCst) {
+            true => me < subscriber.silent_below.load(Ordering::SeqCst),
+            false => me < subscriber.calls_silent_below.load(Ordering::SeqCst),
+        };
         if me < silent.load(Ordering::SeqCst) || silenced {
             continue;
         }
@@ -552,6 +576,59 @@ async fn once_redis_is_known_away_calls_fail_at_once() {
     redis.restart();
     let permit = acquire_when_back(&limits, "db").await;
     assert!(permit.fencing_token() >= 1, "real permits again");
+}
+
+/// Found in review (stop 77): under `FailOpen` or `LocalShare`, an ask whose call went
+/// unanswered was served by the policy even when Redis had meanwhile granted the ticket and
+/// pushed the grant. The policy's grant replaced the pushed one: the caller got a permit with
+/// no fencing token behind it, while Redis held the real one for nobody until its lease ended.
+/// The pushed grant is now taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_pushed_while_an_ask_goes_unanswered_is_not_replaced_by_the_policy() {
+    for policy in [OutagePolicy::FailOpen, OutagePolicy::LocalShare(0.5)] {
+        let redis = DedicatedRedis::start();
+        let holder = Limits::with_backend(client(&redis, OutagePolicy::FailClosed).await);
+        holder.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        let held = holder.acquire("db", Priority::default()).await.unwrap();
+        let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
+        // The waiting client's asks reach Redis; their answers can be lost.
+        relay.deaf.store(true, Ordering::SeqCst);
+        let backend = RedisLimits::builder(relay.url())
+            .namespace("outage")
+            .op_timeout(Duration::from_secs(1))
+            .lease(Duration::from_secs(30))
+            .outage(policy)
+            .build()
+            .await
+            .expect("redis answers through the relay");
+        let waiter = Limits::with_backend(backend.clone());
+        assert!(waiter.info("db").await.unwrap().is_some(), "the spec is known to the client");
+        relay.silence_calls();
+        let asked = tokio::spawn({
+            let waiter = waiter.clone();
+            async move { waiter.acquire("db", Priority::default()).await }
+        });
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while holder.info("db").await.unwrap().map(|info| info.waiting) != Some(1) {
+            assert!(Instant::now() < deadline, "{policy:?}: the ask queues in Redis");
+            sleep(Duration::from_millis(5)).await;
+        }
+        // Redis grants the waiting ticket and pushes the grant, while its ask goes unanswered.
+        drop(held);
+        let permit = timeout(Duration::from_secs(5), asked)
+            .await
+            .expect("the ask ends at its timeout")
+            .unwrap()
+            .expect("granted");
+        let stats = backend.stats();
+        assert!(permit.fencing_token() >= 1, "{policy:?}: a real permit");
+        let by_policy = (stats.open_grants, stats.local_acquires);
+        assert_eq!(by_policy, (0, 0), "{policy:?}: the pushed grant, not the policy's");
+        // Given back, it is free in Redis again, long before the 30 s lease.
+        drop(permit);
+        let again = holder.acquire_timeout("db", Priority::default(), Duration::from_secs(5)).await;
+        assert!(again.is_ok(), "{policy:?}: the permit came back: {again:?}");
+    }
 }
 
 /// Review finding (stop 75): after its subscriber connected again (pushes may have been lost
