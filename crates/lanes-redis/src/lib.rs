@@ -249,6 +249,8 @@ struct Inner {
     /// The namespace's epoch as this client last saw it: a different or missing one means
     /// Redis lost its state.
     epoch: Mutex<Option<String>>,
+    /// Held by the recovery from a lost state (`detect_loss`): one at a time.
+    recovering: tokio::sync::Mutex<outage::Recovery>,
     /// Permits known lost (lease refused, or Redis lost its state), until released.
     lost: LostLeases,
     state: StateLock,

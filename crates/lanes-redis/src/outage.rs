@@ -4,6 +4,8 @@
 // The crate root's private types and imports: this module is one of its impl blocks.
 use super::*;
 
+use std::collections::HashSet;
+
 /// What a client does when Redis cannot answer.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum OutagePolicy {
@@ -22,6 +24,14 @@ pub(crate) fn scaled(spec: LimitSpec, share: f64) -> LimitSpec {
         per_second: spec.per_second.map(|rate| rate * share),
         burst: scale(spec.burst),
     }
+}
+
+/// How far the recovery from a lost state got: the limits defined again for `epoch`, the
+/// new epoch, which is taken as known only when every limit is.
+#[derive(Default)]
+pub(crate) struct Recovery {
+    epoch: Option<String>,
+    defined: HashSet<String>,
 }
 
 impl Inner {
@@ -55,31 +65,66 @@ impl Inner {
     /// Compares the namespace's epoch with the one this client knows. On a difference (or a
     /// missing epoch) Redis lost its state: every limit this client knows is defined again with
     /// a hold of `max_lease`, every permit it held is reported lost, and its waiters ask again
-    /// (their tickets are queued anew). Answers whether a loss was found.
+    /// (their tickets are queued anew). Answers whether a loss was found (by this call, or by
+    /// another while this one waited for it).
+    ///
+    /// The recovery runs to its end in a task of its own, and the new epoch is taken as known
+    /// only once it is complete: a caller that gives up on the way (an acquire's timeout), or a
+    /// call that fails (Redis away again), leaves it for the next look, never half done (the
+    /// limits after the one it stopped at would never be defined again).
     pub(crate) async fn detect_loss(&self) -> Result<bool, CallError> {
         let key = self.epoch_key();
-        let seen: Option<String> = self.command(redis::cmd("GET").arg(&key)).await?;
         let known = lock(&self.epoch).clone();
+        let seen: Option<String> = self.command(redis::cmd("GET").arg(&key)).await?;
         if seen.is_some() && seen == known {
             return Ok(false);
         }
+        let Some(me) = self.me.get().and_then(Weak::upgrade) else {
+            return Err(CallError::Other(LimitError::backend("redis: the client is gone")));
+        };
+        match self.runtime.spawn(async move { me.recover(known).await }).await {
+            Ok(found) => found,
+            Err(err) => Err(CallError::Other(LimitError::backend(format!(
+                "redis: the recovery from a lost state failed: {err}"
+            )))),
+        }
+    }
+
+    /// The recovery of [`detect_loss`](Self::detect_loss), one at a time; `known` is the epoch
+    /// the caller knew.
+    async fn recover(&self, known: Option<String>) -> Result<bool, CallError> {
+        let mut recovery = self.recovering.lock().await;
+        if *lock(&self.epoch) != known {
+            return Ok(true); // another task of this client recovered meanwhile
+        }
         let mut conn = self.conn.live();
-        let fresh = tokio::time::timeout(self.op_timeout, ensure_epoch(&mut conn, &key))
-            .await
-            .map_err(|_| self.outage("no answer".into()))?
-            .map_err(|e| self.outage(e.to_string()))?;
-        {
-            let mut epoch = lock(&self.epoch);
-            if epoch.as_ref() == Some(&fresh) {
-                return Ok(false); // another task of this client handled it
-            }
-            *epoch = Some(fresh);
+        let fresh =
+            tokio::time::timeout(self.op_timeout, ensure_epoch(&mut conn, &self.epoch_key()))
+                .await
+                .map_err(|_| self.outage("no answer".into()))?
+                .map_err(|e| self.outage(e.to_string()))?;
+        if known.as_ref() == Some(&fresh) {
+            return Ok(false);
+        }
+        if recovery.epoch.as_ref() != Some(&fresh) {
+            *recovery = Recovery { epoch: Some(fresh.clone()), defined: HashSet::new() };
         }
         let specs: Vec<(String, LimitSpec)> =
             self.lock_state().specs.iter().map(|(n, s)| (n.clone(), *s)).collect();
         for (name, spec) in specs {
+            // Defined again by an attempt that stopped later: its hold is not to start over.
+            if recovery.defined.contains(&name) {
+                continue;
+            }
             self.stats.redefinitions.fetch_add(1, Ordering::Relaxed);
-            self.define_held(&name, spec, self.max_lease).await?;
+            match self.define_held(&name, spec, self.max_lease).await {
+                // Redis away again: the next look goes on from here.
+                Err(err @ CallError::Outage(_)) => return Err(err),
+                // Refused (defined otherwise by another client meanwhile, say): that limit is
+                // as Redis has it now.
+                Ok(()) | Err(CallError::Other(_)) => {}
+            }
+            recovery.defined.insert(name);
         }
         let held: Vec<(String, u64)> = {
             let mut state = self.lock_state();
@@ -93,6 +138,7 @@ impl Inner {
         for (name, ticket) in held {
             self.mark_lost(&name, ticket);
         }
+        *lock(&self.epoch) = Some(fresh);
         Ok(true)
     }
 

@@ -578,6 +578,50 @@ async fn once_redis_is_known_away_calls_fail_at_once() {
     assert!(permit.fencing_token() >= 1, "real permits again");
 }
 
+/// Found in review (stop 77): the recovery from a Redis that lost its state took the new epoch
+/// as known before it had defined the limits again. A recovery cut short (a call that failed
+/// on the way, or a caller that gave up) left the limits after that point undefined for good:
+/// the next look found the epoch known and did nothing. The epoch is now known only once every
+/// limit is defined again, and the next look goes on from where the last one stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_cut_short_by_an_outage_is_finished_later() {
+    const LIMITS: usize = 1_000;
+    let mut redis = DedicatedRedis::start();
+    let definer = Limits::with_backend(client(&redis, OutagePolicy::FailClosed).await);
+    for n in 0..LIMITS {
+        definer.define(&format!("l{n}"), LimitSpec::concurrent(1)).await.unwrap();
+    }
+    drop(definer);
+    let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
+    let reader = relay.client("outage", Duration::from_secs(3)).await;
+    let limits = Limits::with_backend(reader.clone());
+    for n in 0..LIMITS {
+        assert!(limits.info(&format!("l{n}")).await.unwrap().is_some(), "l{n} is read");
+    }
+    redis.stop();
+    redis.restart();
+    // The reader finds the loss and defines every limit it knows again: cut that short.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while reader.stats().redefinitions == 0 {
+        assert!(Instant::now() < deadline, "the loss is found");
+        sleep(Duration::from_millis(1)).await;
+    }
+    relay.silence();
+    let cut = reader.stats().redefinitions;
+    assert!(cut < LIMITS as u64, "cut short after {cut} limits");
+    // New connections go through: the recovery is finished.
+    let watcher = Limits::with_backend(client(&redis, OutagePolicy::FailClosed).await);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let defined = watcher.list().await.unwrap().len();
+        if defined == LIMITS {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{defined} of {LIMITS} limits defined again");
+        sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Found in review (stop 77): under `FailOpen` or `LocalShare`, an ask whose call went
 /// unanswered was served by the policy even when Redis had meanwhile granted the ticket and
 /// pushed the grant. The policy's grant replaced the pushed one: the caller got a permit with
