@@ -33,7 +33,8 @@ pub struct JetStreamOptions {
 }
 
 /// Bytes a record's message takes beyond the record (its `Nats-Msg-Id` header, with room to
-/// spare): a record of `max_record` bytes must fit the server's `max_payload` with them.
+/// spare): a record of `max_record` bytes must fit the server's `max_payload` with them. A
+/// record counts them too against [`JetStreamOptions::max_in_flight`].
 pub const HEADER_ROOM: usize = 256;
 
 impl Default for JetStreamOptions {
@@ -70,6 +71,11 @@ impl JetStreamOptions {
     /// The most bytes appended but not yet acknowledged by the stream (default 8 MiB); an
     /// append beyond it is refused with [`SpillError::Full`] (one larger than all of it goes
     /// alone, when nothing else awaits acknowledgement). At least `max_record`.
+    ///
+    /// A record counts its length and [`HEADER_ROOM`] more: its id, kept until the record is
+    /// acknowledged and sent as its header, and the writer's bookkeeping of it. The bound is
+    /// then one on memory, whatever the records' size (counting their bytes alone, a bound of
+    /// 8 MiB let a million empty records await acknowledgement).
     pub fn max_in_flight(mut self, max_in_flight: usize) -> Self {
         self.max_in_flight = max_in_flight;
         self
@@ -199,7 +205,8 @@ fn keeps_records(
 ///   ([`SpillError::Remote`]) — its records may or may not be stored. A record published again
 ///   may be stored after records appended later: the stream keeps append order except for
 ///   records whose first publish was lost.
-/// - **Bounded**: at most `max_in_flight` bytes await acknowledgement ([`SpillError::Full`]
+/// - **Bounded**: at most `max_in_flight` bytes (a record counting its length and
+///   [`HEADER_ROOM`]) await acknowledgement ([`SpillError::Full`]
 ///   beyond, at once; an append larger than that goes alone, when nothing else awaits), and
 ///   the stream keeps at most `max_bytes` (an append beyond resolves [`SpillError::Full`] with
 ///   `max_bytes`: the stream refuses it when it arrives, so an append handed over without
@@ -425,7 +432,7 @@ impl DurableQueue for JetStreamQueue {
             if record.len() > max {
                 return Err(SpillError::TooLarge { len: record.len(), max: max as u32 });
             }
-            bytes += record.len().max(1);
+            bytes = bytes.saturating_add(record.len() + HEADER_ROOM);
         }
         if records.is_empty() {
             return Ok(Box::pin(async { Ok(()) }));

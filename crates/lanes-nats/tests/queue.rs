@@ -437,6 +437,27 @@ async fn a_queue_is_the_same_only_as_itself() {
     assert!(matches!(a.queue.enqueue(&[b"x"]).map(drop), Err(SpillError::Closed)));
 }
 
+/// Review finding (stop 77): the bound on appends awaiting acknowledgement counted the records'
+/// bytes alone, so small records passed it by far: 8 MiB let a million empty records, with
+/// their ids and the writer's bookkeeping, await acknowledgement. A record now counts its
+/// length and `HEADER_ROOM`: a thousand one-byte records fill a bound of 64 KiB.
+///
+/// One thread, as `appends_are_bounded`: the writer cannot acknowledge the first append
+/// between the two calls.
+#[tokio::test(flavor = "current_thread")]
+async fn small_records_count_their_overhead_against_the_bound() {
+    let options = JetStreamOptions::default().max_record(1024).max_in_flight(64 * 1024);
+    let s = stream("small", options).await;
+    let records = vec![[1u8]; 1_000];
+    let records: Vec<&[u8]> = records.iter().map(|r| r.as_slice()).collect();
+    let first = s.queue.enqueue(&records).unwrap();
+    let refused = s.queue.enqueue(&[b"x"]).map(drop).unwrap_err();
+    assert!(matches!(refused, SpillError::Full { max_bytes: 65_536 }), "{refused}");
+    first.await.unwrap();
+    s.queue.enqueue(&[b"x"]).unwrap().await.expect("room again once acknowledged");
+    assert_eq!(s.queue.stored().await.unwrap(), 1_001);
+}
+
 /// Options that break a rule are refused at open with the typed error every other `lanes`
 /// option gives, naming the setting (they came back as `SpillError::Remote`, the error of a
 /// store that could not take records, so a caller could not tell its own mistake from an
