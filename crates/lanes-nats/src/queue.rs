@@ -138,6 +138,17 @@ impl JetStreamOptions {
     }
 }
 
+/// Refuses a name NATS would refuse for a stream or a consumer: `field` is the setting.
+fn check_name(field: &str, name: &str) -> Result<(), SpillError> {
+    let reserved = |c: char| matches!(c, '.' | '*' | '>' | '/' | '\\') || c.is_whitespace();
+    if name.is_empty() || name.chars().any(|c| reserved(c) || c.is_control()) {
+        let must_be = "non-empty, without '.', '*', '>', slashes, whitespace or control characters";
+        let rule = ConfigRule::Name { must_be };
+        return Err(SpillError::InvalidOptions(ConfigError::new(field, rule)));
+    }
+    Ok(())
+}
+
 /// Refuses a stream that could lose or duplicate records this queue acknowledged: see
 /// [`JetStreamQueue::open`].
 fn keeps_records(
@@ -280,13 +291,7 @@ impl JetStreamQueue {
             let rule = ConfigRule::OverMax { max };
             return Err(SpillError::InvalidOptions(ConfigError::new("max_record", rule)));
         }
-        let reserved = |c: char| matches!(c, '.' | '*' | '>' | '/' | '\\') || c.is_whitespace();
-        if stream.is_empty() || stream.chars().any(|c| reserved(c) || c.is_control()) {
-            let must_be =
-                "non-empty, without '.', '*', '>', slashes, whitespace or control characters";
-            let rule = ConfigRule::Name { must_be };
-            return Err(SpillError::InvalidOptions(ConfigError::new("stream", rule)));
-        }
+        check_name("stream", stream)?;
         let context = jetstream::new(client);
         let subject = format!("lanes.queue.{stream}");
         let config = jetstream::stream::Config {
@@ -385,13 +390,20 @@ impl JetStreamQueue {
     ///
     /// # Errors
     ///
-    /// [`SpillError::Remote`] if JetStream cannot be reached or refuses the consumer.
+    /// [`SpillError::InvalidOptions`] for a consumer name NATS would refuse, or a zero
+    /// `ack_wait`; [`SpillError::Remote`] if JetStream cannot be reached or refuses the
+    /// consumer.
     pub async fn reader(
         &self,
         consumer: &str,
         ack_wait: Duration,
         max_ack_pending: usize,
     ) -> Result<JetStreamReader, SpillError> {
+        check_name("consumer", consumer)?;
+        if ack_wait.is_zero() {
+            let rule = ConfigRule::ZeroTimeout;
+            return Err(SpillError::InvalidOptions(ConfigError::new("ack_wait", rule)));
+        }
         let stream =
             self.inner.context.get_stream(&self.inner.stream).await.map_err(remote("get"))?;
         let config = pull::Config {

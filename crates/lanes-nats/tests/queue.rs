@@ -512,6 +512,17 @@ async fn invalid_options_are_refused_naming_the_setting() {
     }
     let js = jetstream::new(client().await);
     assert!(js.get_stream(&name).await.is_err(), "no stream was made for invalid options");
+    // A reader's too: a consumer name NATS refuses, a zero `ack_wait`.
+    let s = stream("reader_options", base()).await;
+    let second = Duration::from_secs(1);
+    for (consumer, ack_wait, field) in
+        [("a.b", second, "consumer"), ("", second, "consumer"), ("ok", Duration::ZERO, "ack_wait")]
+    {
+        match s.queue.reader(consumer, ack_wait, 10).await.map(drop) {
+            Err(SpillError::InvalidOptions(err)) => assert_eq!(err.field(), field, "{err}"),
+            other => panic!("{consumer:?}: {other:?}"),
+        }
+    }
 }
 
 /// One append of more records than async-nats lets await acknowledgement at once (5,000):
