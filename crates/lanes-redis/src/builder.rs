@@ -3,6 +3,8 @@
 // The crate root's private types and imports: this module is one of its impl blocks.
 use super::*;
 
+use lanes::{ConfigError, ConfigRule};
+
 /// Builds a [`RedisLimits`].
 #[derive(Debug, Clone)]
 pub struct RedisLimitsBuilder {
@@ -98,27 +100,38 @@ impl RedisLimitsBuilder {
         self
     }
 
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |field: &str, rule| Err(ConfigError::new(field, rule));
+        if self.lease < Duration::from_millis(100) {
+            return bad("lease", ConfigRule::AtLeastTime { min: Duration::from_millis(100) });
+        }
+        if let OutagePolicy::LocalShare(share) = self.outage {
+            if share.is_nan() || share <= 0.0 {
+                return bad("outage.local_share", ConfigRule::Positive);
+            }
+            if share > 1.0 {
+                return bad("outage.local_share", ConfigRule::OverMax { max: 1 });
+            }
+        }
+        if self.op_timeout.is_zero() {
+            return bad("op_timeout", ConfigRule::ZeroTimeout);
+        }
+        if self.queue_grace < Duration::from_millis(500) {
+            return bad("queue_grace", ConfigRule::AtLeastTime { min: Duration::from_millis(500) });
+        }
+        Ok(())
+    }
+
     /// Connects, takes a client id, subscribes to the client's channel and starts the renewal
     /// task. Call inside a tokio runtime.
     ///
     /// # Errors
     ///
-    /// [`LimitError::Backend`] if Redis cannot be reached or the options are invalid.
+    /// [`LimitError::InvalidOptions`] if an option breaks a rule (a lease under 100 ms, a
+    /// local share outside `(0, 1]`, a zero op timeout, a queue grace under 500 ms): the
+    /// error names the setting. [`LimitError::Backend`] if Redis cannot be reached.
     pub async fn build(self) -> Result<RedisLimits, LimitError> {
-        if self.lease < Duration::from_millis(100) {
-            return Err(LimitError::backend("the lease must be at least 100 ms"));
-        }
-        if let OutagePolicy::LocalShare(share) = self.outage
-            && !(share > 0.0 && share <= 1.0)
-        {
-            return Err(LimitError::backend("a local share must be in (0, 1]"));
-        }
-        if self.op_timeout.is_zero() {
-            return Err(LimitError::backend("the op timeout must be longer than zero"));
-        }
-        if self.queue_grace < Duration::from_millis(500) {
-            return Err(LimitError::backend("the queue grace must be at least 500 ms"));
-        }
+        self.validate().map_err(LimitError::InvalidOptions)?;
         let max_lease = self.max_lease.unwrap_or(self.lease).max(self.lease);
         let conn = tokio::time::timeout(self.op_timeout * 4, self.connect())
             .await

@@ -609,3 +609,46 @@ async fn a_tickets_first_call_may_skip_the_held_lookup_and_a_repeat_gets_its_gra
     let count: u64 = holders(&base).query_async(&mut conn).await.unwrap();
     assert_eq!(count, 1, "a ticket holds one place, however it is asked");
 }
+
+/// Review finding (stop 77): options that break a rule came back as `LimitError::Backend`,
+/// the error of a Redis that cannot answer, so a service that retries its build while Redis
+/// starts retried a bad option for good. They are `InvalidOptions` now, naming the setting,
+/// and no connection is tried for them.
+#[tokio::test]
+async fn invalid_options_are_refused_naming_the_setting() {
+    use lanes::{ConfigRule, LimitError};
+    use lanes_redis::{OutagePolicy, RedisLimits};
+    // Nothing listens there: a build that tried to connect would fail as Backend.
+    let nowhere = || RedisLimits::builder("redis://127.0.0.1:1");
+    let ms = Duration::from_millis;
+    let cases = [
+        (nowhere().lease(ms(99)), "lease", ConfigRule::AtLeastTime { min: ms(100) }),
+        (
+            nowhere().outage(OutagePolicy::LocalShare(0.0)),
+            "outage.local_share",
+            ConfigRule::Positive,
+        ),
+        (
+            nowhere().outage(OutagePolicy::LocalShare(f64::NAN)),
+            "outage.local_share",
+            ConfigRule::Positive,
+        ),
+        (
+            nowhere().outage(OutagePolicy::LocalShare(1.5)),
+            "outage.local_share",
+            ConfigRule::OverMax { max: 1 },
+        ),
+        (nowhere().op_timeout(Duration::ZERO), "op_timeout", ConfigRule::ZeroTimeout),
+        (nowhere().queue_grace(ms(499)), "queue_grace", ConfigRule::AtLeastTime { min: ms(500) }),
+    ];
+    for (builder, field, rule) in cases {
+        match builder.build().await.map(drop) {
+            Err(LimitError::InvalidOptions(err)) => {
+                assert_eq!((err.field(), err.rule()), (field, rule), "{err}");
+            }
+            other => panic!("{field}: {other:?}"),
+        }
+    }
+    let unreachable = nowhere().op_timeout(ms(200)).build().await.map(drop);
+    assert!(matches!(unreachable, Err(LimitError::Backend(_))), "{unreachable:?}");
+}

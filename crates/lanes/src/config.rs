@@ -40,6 +40,11 @@ pub enum ConfigRule {
         /// The setting it must not be below.
         setting: &'static str,
     },
+    /// The duration must be at least `min`.
+    AtLeastTime {
+        /// The shortest accepted duration.
+        min: std::time::Duration,
+    },
     /// The name breaks the rule given here.
     Name {
         /// What a name must be.
@@ -114,6 +119,7 @@ impl fmt::Display for ConfigError {
             ConfigRule::NoRuntime => f.write_str("needs a tokio runtime (build inside one)"),
             ConfigRule::Positive => f.write_str("must be finite and above zero"),
             ConfigRule::AtLeastSetting { setting } => write!(f, "must be at least {setting}"),
+            ConfigRule::AtLeastTime { min } => write!(f, "must be at least {min:?}"),
             ConfigRule::Name { must_be } => write!(f, "must be {must_be}"),
         }
     }

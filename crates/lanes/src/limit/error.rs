@@ -41,6 +41,8 @@ pub enum LimitError {
     /// The backend could not answer (I/O, timeout, outage, an odd reply): what it said, and the
     /// underlying error through `source()`.
     Backend(BackendError),
+    /// A backend's options broke a rule (when it was built): the error names the setting.
+    InvalidOptions(crate::ConfigError),
     /// A leased permit could not be renewed: its lease had ended and the permit was reclaimed
     /// (another holder may have it now; the fencing token of this one is stale).
     LeaseExpired {
@@ -99,6 +101,7 @@ impl fmt::Display for LimitError {
                 write!(f, "the backend already keeps its maximum of {max} limits")
             }
             Self::Backend(err) => write!(f, "limit backend failed: {err}"),
+            Self::InvalidOptions(err) => err.fmt(f),
             Self::LeaseExpired { limit, ticket } => {
                 write!(f, "the lease of ticket {ticket} on limit {limit:?} expired")
             }
@@ -111,6 +114,7 @@ impl std::error::Error for LimitError {
         match self {
             Self::InvalidSpec(err) => Some(err),
             Self::Backend(err) => Some(err),
+            Self::InvalidOptions(err) => Some(err),
             _ => None,
         }
     }
