@@ -249,6 +249,8 @@ struct Inner {
     /// The namespace's epoch as this client last saw it: a different or missing one means
     /// Redis lost its state.
     epoch: Mutex<Option<String>>,
+    /// The tickets in use when the numbers last came round (see `may_reuse`).
+    reuse: Mutex<Reuse>,
     /// Held by the recovery from a lost state (`detect_loss`): one at a time.
     recovering: tokio::sync::Mutex<outage::Recovery>,
     /// Permits known lost (lease refused, or Redis lost its state), until released.
@@ -278,11 +280,44 @@ impl Drop for Inner {
     }
 }
 
+/// The tickets in use when round `round` of the ticket numbers began, not yet drawn again.
+#[derive(Default)]
+struct Reuse {
+    round: u64,
+    live: std::collections::HashSet<u64>,
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Inner {
+    /// Whether `ticket`, drawn in round `round` of the ticket numbers (after 2^32 asks they
+    /// come round again), may be used. One still in use may not: Redis would answer an ask
+    /// with it as the same ask, and grant its holder's permit to a second holder. Nor may 0
+    /// (never drawn the first time round). The first draw of a round takes the tickets in use
+    /// then (every later draw of the round is newer than they are); each draw of the round
+    /// after the first is one lookup.
+    fn may_reuse(&self, round: u64, ticket: u64) -> bool {
+        let mut reuse = lock(&self.reuse);
+        if reuse.round != round {
+            let mut live = self.lock_state().tickets_in_use();
+            live.extend(self.lost.tickets());
+            let shares: Vec<_> = self
+                .leased
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .values()
+                .cloned()
+                .collect();
+            for share in shares {
+                live.extend(share.tickets());
+            }
+            *reuse = Reuse { round, live };
+        }
+        ticket % (1 << CLIENT_SHIFT) != 0 && !reuse.live.remove(&ticket)
+    }
+
     /// The client's bookkeeping, locked. Waiters it wakes are woken after the lock
     /// ([`wakes`]): their wakers are the caller's code, which may call back into this client.
     fn lock_state(&self) -> StateGuard<'_> {
@@ -1129,13 +1164,8 @@ impl LimitBackend for RedisLimits {
     fn ticket(&self) -> u64 {
         loop {
             let drawn = self.inner.next_ticket.fetch_add(1, Ordering::Relaxed);
-            let n = drawn % (1 << CLIENT_SHIFT);
-            let ticket = (self.inner.client << CLIENT_SHIFT) | n;
-            // Once the numbers come round (after 2^32 asks), one may still be in use: a permit
-            // held all along, a waiter. Redis would answer an ask with it as the same ask and
-            // grant its holder's permit to a second holder. Such a number is skipped, as is 0
-            // (never drawn the first time round).
-            if drawn < 1 << CLIENT_SHIFT || (n != 0 && !self.inner.lock_state().in_use(ticket)) {
+            let ticket = (self.inner.client << CLIENT_SHIFT) | (drawn % (1 << CLIENT_SHIFT));
+            if drawn < 1 << CLIENT_SHIFT || self.inner.may_reuse(drawn >> CLIENT_SHIFT, ticket) {
                 return ticket;
             }
         }

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::Ordering;
 
-use lanes::{LimitSpec, Limits, Priority, TryAcquireError};
+use lanes::{LimitBackend, LimitSpec, Limits, Priority, TryAcquireError};
 
 use super::{CLIENT_SHIFT, RedisLimits};
 
@@ -29,6 +29,13 @@ async fn a_ticket_still_held_is_not_drawn_again_when_the_numbers_come_round() {
     let second = limits.try_acquire("one", Priority::default()).await;
     assert!(matches!(second, Err(TryAcquireError::Busy)), "two holders of one permit: {second:?}");
     drop(second);
+    // A ticket whose permit is known lost, and not yet released, is in use too: its holder may
+    // still release it (review finding, stop 77).
+    let lost = (backend.inner.client << CLIENT_SHIFT) | 5;
+    backend.inner.lost.mark("one", lost);
+    counter.store((2 << CLIENT_SHIFT) + 5, Ordering::Relaxed);
+    assert_ne!(backend.ticket(), lost, "a lost permit's ticket is not drawn again");
+    backend.inner.lost.forget("one", lost);
     drop(held);
     // The permit is free again, for a ticket drawn after the skipped one.
     let again = limits.acquire("one", Priority::default()).await.unwrap();
@@ -41,12 +48,11 @@ async fn a_ticket_still_held_is_not_drawn_again_when_the_numbers_come_round() {
 async fn cleanup(url: &str, ns: &str) {
     let client = redis::Client::open(url).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("lanes:{{{ns}}}:*"))
-        .query_async(&mut conn)
-        .await
-        .unwrap_or_default();
-    for key in keys {
-        let _: Result<(), _> = redis::cmd("DEL").arg(key).query_async(&mut conn).await;
+    for pattern in [format!("{{{ns}:*"), format!("lanes:{{{ns}}}:*")] {
+        let keys: Vec<String> =
+            redis::cmd("KEYS").arg(&pattern).query_async(&mut conn).await.unwrap_or_default();
+        for key in keys {
+            let _: Result<(), _> = redis::cmd("DEL").arg(key).query_async(&mut conn).await;
+        }
     }
 }

@@ -37,15 +37,16 @@ pub(crate) struct State {
 }
 
 impl State {
-    /// Whether `ticket` is still in use on some limit: known to this client (waiting, held,
-    /// local or granted open), or its release not sent yet (a rider, or one kept through an
-    /// outage). Redis would take an ask with such a ticket for the same ask again: asked only
-    /// once ticket numbers have come round (after 2^32 asks), where a linear search is fine.
-    pub(crate) fn in_use(&self, ticket: u64) -> bool {
-        self.orphans.holds(ticket)
-            || self.limits.values().any(|limit| {
-                limit.knows(ticket) || limit.riders.iter().any(|&(rider, _)| rider == ticket)
-            })
+    /// Every ticket still in use on some limit: known to this client (waiting, held, local or
+    /// granted open), or its release not sent yet (a rider, or one kept through an outage).
+    /// Redis would take an ask with such a ticket for the same ask again.
+    pub(crate) fn tickets_in_use(&self) -> HashSet<u64> {
+        let mut live: HashSet<u64> = self.orphans.tickets().collect();
+        for limit in self.limits.values() {
+            live.extend(limit.tickets.keys());
+            live.extend(limit.riders.iter().map(|&(ticket, _)| ticket));
+        }
+        live
     }
 }
 
@@ -79,9 +80,9 @@ impl Orphans {
         Self { by_limit: HashMap::new(), len: 0, in_flight: 0, max, abandoned: 0 }
     }
 
-    /// Whether `ticket` waits here for its release (a linear search: see [`State::in_use`]).
-    fn holds(&self, ticket: u64) -> bool {
-        self.by_limit.values().any(|queue| queue.contains(&ticket))
+    /// Every ticket waiting here for its release.
+    fn tickets(&self) -> impl Iterator<Item = u64> + '_ {
+        self.by_limit.values().flatten().copied()
     }
 
     /// Keeps `ticket` of limit `name` to be released once Redis answers.
@@ -620,14 +621,11 @@ mod tests {
         assert_eq!(limit.ride(3), Some(true), "3's release rides the next call");
         state.limits.entry("b".to_owned()).or_default().hold(4, false, far());
         state.orphans.push("b", 5);
-        for ticket in 1..=5 {
-            assert!(state.in_use(ticket), "{ticket}");
-        }
-        assert!(!state.in_use(6));
+        assert_eq!(state.tickets_in_use(), HashSet::from([1, 2, 3, 4, 5]));
         let limit = state.limits.get_mut("a").unwrap();
         assert_eq!(limit.take_riders(), (vec![3], false));
         assert_eq!(limit.release(2), Place::Remote);
-        assert!(!state.in_use(2) && !state.in_use(3), "released");
+        assert_eq!(state.tickets_in_use(), HashSet::from([1, 4, 5]), "2 and 3 released");
     }
 
     #[test]

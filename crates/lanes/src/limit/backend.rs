@@ -80,7 +80,9 @@ impl ShareReply {
 /// The methods return boxed futures so the trait is object safe; the in-process backend is also
 /// reachable without boxing through [`Limits::new`](super::Limits::new).
 pub trait LimitBackend: Send + Sync + fmt::Debug + 'static {
-    /// A ticket never handed out before by this backend (in this process).
+    /// A ticket this backend (in this process) is not using: never handed out before, or,
+    /// once a backend's numbers come round, none still in use (held, waiting, or known lost
+    /// and not yet released).
     fn ticket(&self) -> u64;
 
     /// Defines or redefines a limit.

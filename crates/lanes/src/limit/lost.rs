@@ -38,6 +38,12 @@ impl LostLeases {
         lock(&self.lost).remove(&(limit.to_owned(), ticket));
     }
 
+    /// Every ticket whose permit is known lost and not yet released, on any limit (its holder
+    /// may still use the ticket's number).
+    pub fn tickets(&self) -> Vec<u64> {
+        lock(&self.lost).iter().map(|(_, ticket)| *ticket).collect()
+    }
+
     /// Whether the permit of `ticket` is known lost.
     pub fn is_lost(&self, limit: &str, ticket: u64) -> bool {
         lock(&self.lost).contains(&(limit.to_owned(), ticket))

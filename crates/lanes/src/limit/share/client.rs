@@ -570,6 +570,12 @@ impl LocalShare {
         lock(&self.state).holders.contains_key(&ticket)
     }
 
+    /// Every ticket that holds a permit here or waits for one.
+    pub fn tickets(&self) -> Vec<u64> {
+        let state = lock(&self.state);
+        state.holders.keys().chain(state.waiting_at.keys()).copied().collect()
+    }
+
     /// Whether `ticket` holds a permit here or waits for one.
     pub fn knows(&self, ticket: u64) -> bool {
         let state = lock(&self.state);
