@@ -159,6 +159,12 @@ impl Inner {
             CallError::Other(err) => return Err(err),
             CallError::Outage(message) => message,
         };
+        // Granted and pushed while the call went unanswered: that is the answer, whatever the
+        // policy. (Under `LocalShare` a push may still come while the share is set up: it is
+        // looked for again where the ticket moves to the share.)
+        if let Some(pushed) = self.lock_state().limits.get_mut(name).and_then(|l| l.claim(ticket)) {
+            return Ok(Answer::Granted(pushed));
+        }
         match self.outage {
             OutagePolicy::FailClosed => {
                 Err(LimitError::backend(format!("redis unreachable: {message}")))

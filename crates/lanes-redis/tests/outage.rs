@@ -626,10 +626,12 @@ async fn a_recovery_cut_short_by_an_outage_is_finished_later() {
 /// unanswered was served by the policy even when Redis had meanwhile granted the ticket and
 /// pushed the grant. The policy's grant replaced the pushed one: the caller got a permit with
 /// no fencing token behind it, while Redis held the real one for nobody until its lease ended.
-/// The pushed grant is now taken.
+/// The pushed grant is now taken, under `FailClosed` too (which refused the ask).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grant_pushed_while_an_ask_goes_unanswered_is_not_replaced_by_the_policy() {
-    for policy in [OutagePolicy::FailOpen, OutagePolicy::LocalShare(0.5)] {
+    let policies =
+        [OutagePolicy::FailOpen, OutagePolicy::LocalShare(0.5), OutagePolicy::FailClosed];
+    for policy in policies {
         let redis = DedicatedRedis::start();
         let holder = Limits::with_backend(client(&redis, OutagePolicy::FailClosed).await);
         holder.define("db", LimitSpec::concurrent(1)).await.unwrap();
