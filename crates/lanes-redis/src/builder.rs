@@ -198,6 +198,7 @@ impl RedisLimitsBuilder {
             max_limits: self.max_limits,
             auto_renew: self.auto_renew,
             epoch: Mutex::new(None),
+            looking: std::sync::atomic::AtomicBool::new(false),
             reuse: Mutex::default(),
             recovering: tokio::sync::Mutex::default(),
             lost: LostLeases::default(),

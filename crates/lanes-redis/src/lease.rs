@@ -6,7 +6,7 @@ use super::*;
 use futures_util::future::join_all;
 
 /// Every quarter of a second (or third of a lease, if shorter): checks the namespace's epoch
-/// (so a Redis that lost its state is seen within one tick), retries releases that could not
+/// (so a Redis that lost its state is seen within one tick; in a task of its own), retries releases that could not
 /// reach Redis, sends releases still waiting to ride (whose own task did not run), tells the
 /// limits where this client waits that it is alive, and — every third of a lease — renews the
 /// permits it holds for itself.
@@ -61,6 +61,14 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
             } else {
                 Vec::new()
             };
+        // The epoch is looked at in a task of its own, one at a time: a recovery (seconds, for
+        // thousands of limits) must not hold up the renewals of permits granted meanwhile.
+        if !inner.looking.swap(true, Ordering::AcqRel) {
+            let looker = Looking(Arc::clone(&inner));
+            tokio::spawn(async move {
+                let _ = looker.0.detect_loss().await;
+            });
+        }
         let inner = &*inner;
         let releases = join_all(orphans.into_iter().map(|(name, tickets)| async move {
             inner.release_orphans(&name, tickets).await;
@@ -70,7 +78,16 @@ pub(crate) async fn maintain(inner: Weak<Inner>, auto_renew: bool) {
         let renewals = join_all(held.into_iter().map(|(name, tickets)| async move {
             inner.renew_all(&name, tickets, inner.lease).await
         }));
-        let _ = tokio::join!(inner.detect_loss(), releases, riders, touches, renewals);
+        let _ = tokio::join!(releases, riders, touches, renewals);
+    }
+}
+
+/// The maintenance loop's look at the epoch, under way until dropped (also when it panics).
+struct Looking(Arc<Inner>);
+
+impl Drop for Looking {
+    fn drop(&mut self) {
+        self.0.looking.store(false, Ordering::Release);
     }
 }
 

@@ -249,6 +249,8 @@ struct Inner {
     /// The namespace's epoch as this client last saw it: a different or missing one means
     /// Redis lost its state.
     epoch: Mutex<Option<String>>,
+    /// Whether the maintenance loop's look at the epoch is under way.
+    looking: std::sync::atomic::AtomicBool,
     /// The tickets in use when the numbers last came round (see `may_reuse`).
     reuse: Mutex<Reuse>,
     /// Held by the recovery from a lost state (`detect_loss`): one at a time.

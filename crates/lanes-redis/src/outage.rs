@@ -68,10 +68,12 @@ impl Inner {
     /// (their tickets are queued anew). Answers whether a loss was found (by this call, or by
     /// another while this one waited for it).
     ///
-    /// The recovery runs to its end in a task of its own, and the new epoch is taken as known
-    /// only once it is complete: a caller that gives up on the way (an acquire's timeout), or a
-    /// call that fails (Redis away again), leaves it for the next look, never half done (the
-    /// limits after the one it stopped at would never be defined again).
+    /// The recovery runs to its end in a task of its own (on the caller's runtime, which is
+    /// being driven), and the new epoch is taken as known only once it is complete: a caller
+    /// that gives up on the way (an acquire's timeout), or a call that fails (Redis away
+    /// again), leaves it for the next look, never half done (the limits after the one it
+    /// stopped at would never be defined again). The permits held before the loss are
+    /// reported lost when it is first found; those granted while a recovery goes on are not.
     pub(crate) async fn detect_loss(&self) -> Result<bool, CallError> {
         let key = self.epoch_key();
         let known = lock(&self.epoch).clone();
@@ -82,8 +84,13 @@ impl Inner {
         let Some(me) = self.me.get().and_then(Weak::upgrade) else {
             return Err(CallError::Other(LimitError::backend("redis: the client is gone")));
         };
-        match self.runtime.spawn(async move { me.recover(known).await }).await {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return me.recover(known).await; // not on tokio: inline
+        };
+        match runtime.spawn(async move { me.recover(known).await }).await {
             Ok(found) => found,
+            // The runtime shuts down: as if Redis had not answered.
+            Err(err) if err.is_cancelled() => Err(CallError::Outage("shutting down".into())),
             Err(err) => Err(CallError::Other(LimitError::backend(format!(
                 "redis: the recovery from a lost state failed: {err}"
             )))),
@@ -108,6 +115,20 @@ impl Inner {
         }
         if recovery.epoch.as_ref() != Some(&fresh) {
             *recovery = Recovery { epoch: Some(fresh.clone()), defined: HashSet::new() };
+            // Found now: every permit held before it is lost. (Not when a recovery cut short
+            // goes on: permits granted since, once their limit was back, are good.)
+            let held: Vec<(String, u64)> = {
+                let mut state = self.lock_state();
+                let mut held = Vec::new();
+                for (name, limit) in &mut state.limits {
+                    let lost = limit.lose_all();
+                    held.extend(lost.into_iter().map(|ticket| (name.clone(), ticket)));
+                }
+                held
+            };
+            for (name, ticket) in held {
+                self.mark_lost(&name, ticket);
+            }
         }
         let specs: Vec<(String, LimitSpec)> =
             self.lock_state().specs.iter().map(|(n, s)| (n.clone(), *s)).collect();
@@ -126,17 +147,9 @@ impl Inner {
             }
             recovery.defined.insert(name);
         }
-        let held: Vec<(String, u64)> = {
-            let mut state = self.lock_state();
-            let mut held = Vec::new();
-            for (name, limit) in &mut state.limits {
-                held.extend(limit.lose_all().into_iter().map(|ticket| (name.clone(), ticket)));
-                limit.wake_all();
-            }
-            held
-        };
-        for (name, ticket) in held {
-            self.mark_lost(&name, ticket);
+        // Every limit is back: the waiters ask again (their tickets are queued anew).
+        for limit in self.lock_state().limits.values() {
+            limit.wake_all();
         }
         *lock(&self.epoch) = Some(fresh);
         Ok(true)

@@ -583,9 +583,13 @@ async fn once_redis_is_known_away_calls_fail_at_once() {
 /// on the way, or a caller that gave up) left the limits after that point undefined for good:
 /// the next look found the epoch known and did nothing. The epoch is now known only once every
 /// limit is defined again, and the next look goes on from where the last one stopped.
+///
+/// And a permit granted meanwhile, on a limit already back, is good: only those held before
+/// the loss are reported lost (the first version of the fix reported it lost when the
+/// recovery ended).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovery_cut_short_by_an_outage_is_finished_later() {
-    const LIMITS: usize = 1_000;
+    const LIMITS: usize = 3_000;
     let mut redis = DedicatedRedis::start();
     let definer = Limits::with_backend(client(&redis, OutagePolicy::FailClosed).await);
     for n in 0..LIMITS {
@@ -593,7 +597,8 @@ async fn a_recovery_cut_short_by_an_outage_is_finished_later() {
     }
     drop(definer);
     let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
-    let reader = relay.client("outage", Duration::from_secs(3)).await;
+    // A limit defined again holds its grants for a lease (300 ms) after.
+    let reader = relay.client("outage", Duration::from_millis(300)).await;
     let limits = Limits::with_backend(reader.clone());
     for n in 0..LIMITS {
         assert!(limits.info(&format!("l{n}")).await.unwrap().is_some(), "l{n} is read");
@@ -609,9 +614,18 @@ async fn a_recovery_cut_short_by_an_outage_is_finished_later() {
     relay.silence();
     let cut = reader.stats().redefinitions;
     assert!(cut < LIMITS as u64, "cut short after {cut} limits");
-    // New connections go through: the recovery is finished.
+    // New connections go through: the recovery goes on. A limit it brought back grants.
     let watcher = Limits::with_backend(client(&redis, OutagePolicy::FailClosed).await);
-    let deadline = Instant::now() + Duration::from_secs(15);
+    let back = loop {
+        if let Some(limit) = watcher.list().await.unwrap().first() {
+            break limit.name.clone();
+        }
+        sleep(Duration::from_millis(5)).await;
+    };
+    let permit = acquire_when_back(&limits, &back).await;
+    let defined = watcher.list().await.unwrap().len();
+    assert!(defined < LIMITS, "granted while the recovery goes on ({defined} limits back)");
+    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let defined = watcher.list().await.unwrap().len();
         if defined == LIMITS {
@@ -620,6 +634,11 @@ async fn a_recovery_cut_short_by_an_outage_is_finished_later() {
         assert!(Instant::now() < deadline, "{defined} of {LIMITS} limits defined again");
         sleep(Duration::from_millis(100)).await;
     }
+    // Renewed, not reported lost.
+    sleep(Duration::from_millis(600)).await;
+    assert_eq!(reader.stats().lost_leases, 0, "{:?}", reader.stats());
+    assert!(limits.try_acquire(&back, Priority::default()).await.is_err(), "still held");
+    drop(permit);
 }
 
 /// Found in review (stop 77): under `FailOpen` or `LocalShare`, an ask whose call went
