@@ -317,7 +317,7 @@ impl Inner {
             }
             *reuse = Reuse { round, live };
         }
-        ticket % (1 << CLIENT_SHIFT) != 0 && !reuse.live.remove(&ticket)
+        ticket & ((1 << CLIENT_SHIFT) - 1) != 0 && !reuse.live.remove(&ticket)
     }
 
     /// The client's bookkeeping, locked. Waiters it wakes are woken after the lock
