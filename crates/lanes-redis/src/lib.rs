@@ -282,42 +282,61 @@ impl Drop for Inner {
     }
 }
 
-/// The tickets in use when round `round` of the ticket numbers began, not yet drawn again.
+/// The tickets in use at the start of stretch `stretch` of draws (2^20 draws each; see
+/// `Inner::may_reuse`), not yet drawn again.
 #[derive(Default)]
 struct Reuse {
-    round: u64,
+    stretch: u64,
     live: std::collections::HashSet<u64>,
 }
+
+/// Draws in one stretch, as a shift: the tickets in use are taken again at each stretch's
+/// start, once the numbers have come round.
+const REUSE_STRETCH: u32 = 20;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Inner {
-    /// Whether `ticket`, drawn in round `round` of the ticket numbers (after 2^32 asks they
-    /// come round again), may be used. One still in use may not: Redis would answer an ask
-    /// with it as the same ask, and grant its holder's permit to a second holder. Nor may 0
-    /// (never drawn the first time round). The first draw of a round takes the tickets in use
-    /// then (every later draw of the round is newer than they are); each draw of the round
-    /// after the first is one lookup.
-    fn may_reuse(&self, round: u64, ticket: u64) -> bool {
-        let mut reuse = lock(&self.reuse);
-        if reuse.round != round {
-            let mut live = self.lock_state().tickets_in_use();
-            live.extend(self.lost.tickets());
-            let shares: Vec<_> = self
-                .leased
-                .read()
-                .unwrap_or_else(PoisonError::into_inner)
-                .values()
-                .cloned()
-                .collect();
-            for share in shares {
-                live.extend(share.tickets());
-            }
-            *reuse = Reuse { round, live };
+    /// Whether `ticket`, the `drawn`th (past the first 2^32: the numbers came round), may be
+    /// used. One still in use may not: Redis would answer an ask with it as the same ask, and
+    /// grant its holder's permit to a second holder. Nor may 0 (never drawn the first time
+    /// round).
+    ///
+    /// The tickets in use are taken at a round's first draw and again every 2^20 draws, and
+    /// each draw between is one lookup: every later draw of the round is newer than they are.
+    /// Taking them again settles a ticket that was between two places at the last look (a
+    /// try whose answer travels, a permit on its way to being reported lost): only one whose
+    /// number comes within the next 2^20 draws could be missed, and only at that instant.
+    fn may_reuse(&self, drawn: u64, ticket: u64) -> bool {
+        if ticket & ((1 << CLIENT_SHIFT) - 1) == 0 {
+            return false;
         }
-        ticket & ((1 << CLIENT_SHIFT) - 1) != 0 && !reuse.live.remove(&ticket)
+        let stretch = drawn >> REUSE_STRETCH;
+        let mut reuse = lock(&self.reuse);
+        if stretch < reuse.stretch {
+            // Drawn before the last look, and late: against the tickets in use now.
+            return !self.tickets_in_use().contains(&ticket);
+        }
+        if stretch > reuse.stretch {
+            *reuse = Reuse { stretch, live: self.tickets_in_use() };
+        }
+        !reuse.live.remove(&ticket)
+    }
+
+    /// Every ticket this client may still use, or Redis may still hold for it: its
+    /// bookkeeping's (with releases not yet sent), its permits known lost and not yet released,
+    /// and its shares' (leased limits).
+    fn tickets_in_use(&self) -> std::collections::HashSet<u64> {
+        let mut live = self.lock_state().tickets_in_use();
+        live.extend(self.lost.tickets());
+        let shares: Vec<_> =
+            self.leased.read().unwrap_or_else(PoisonError::into_inner).values().cloned().collect();
+        for share in shares {
+            live.extend(share.tickets());
+        }
+        live
     }
 
     /// The client's bookkeeping, locked. Waiters it wakes are woken after the lock
@@ -1167,7 +1186,7 @@ impl LimitBackend for RedisLimits {
         loop {
             let drawn = self.inner.next_ticket.fetch_add(1, Ordering::Relaxed);
             let ticket = (self.inner.client << CLIENT_SHIFT) | (drawn % (1 << CLIENT_SHIFT));
-            if drawn < 1 << CLIENT_SHIFT || self.inner.may_reuse(drawn >> CLIENT_SHIFT, ticket) {
+            if drawn < 1 << CLIENT_SHIFT || self.inner.may_reuse(drawn, ticket) {
                 return ticket;
             }
         }

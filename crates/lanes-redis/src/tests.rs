@@ -36,6 +36,13 @@ async fn a_ticket_still_held_is_not_drawn_again_when_the_numbers_come_round() {
     counter.store((2 << CLIENT_SHIFT) + 5, Ordering::Relaxed);
     assert_ne!(backend.ticket(), lost, "a lost permit's ticket is not drawn again");
     backend.inner.lost.forget("one", lost);
+    // One that comes into use after a round's first look (a permit reported lost just then,
+    // a try whose answer travelled) is found at the next look, 2^20 draws on.
+    let later = (backend.inner.client << CLIENT_SHIFT) | ((1 << 20) + 7);
+    backend.inner.lost.mark("one", later);
+    counter.store((2 << CLIENT_SHIFT) + (1 << 20) + 7, Ordering::Relaxed);
+    assert_ne!(backend.ticket(), later, "found by the stretch's look");
+    backend.inner.lost.forget("one", later);
     drop(held);
     // The permit is free again, for a ticket drawn after the skipped one.
     let again = limits.acquire("one", Priority::default()).await.unwrap();
