@@ -68,8 +68,9 @@ impl Inner {
     /// (their tickets are queued anew). Answers whether a loss was found (by this call, or by
     /// another while this one waited for it).
     ///
-    /// The recovery runs to its end in a task of its own (on the caller's runtime, which is
-    /// being driven), and the new epoch is taken as known only once it is complete: a caller
+    /// The recovery runs to its end in a task of its own (on the client's runtime, which its
+    /// maintenance loop keeps driven: a caller's runtime may stop being driven when the caller
+    /// gives up, with the recovery parked, holding it), and the new epoch is taken as known only once it is complete: a caller
     /// that gives up on the way (an acquire's timeout), or a call that fails (Redis away
     /// again), leaves it for the next look, never half done (the limits after the one it
     /// stopped at would never be defined again). The permits held before the loss are
@@ -84,13 +85,14 @@ impl Inner {
         let Some(me) = self.me.get().and_then(Weak::upgrade) else {
             return Err(CallError::Other(LimitError::backend("redis: the client is gone")));
         };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return me.recover(known).await; // not on tokio: inline
+        let recovery = {
+            let (me, known) = (Arc::clone(&me), known.clone());
+            self.runtime.spawn(async move { me.recover(known).await })
         };
-        match runtime.spawn(async move { me.recover(known).await }).await {
+        match recovery.await {
             Ok(found) => found,
-            // The runtime shuts down: as if Redis had not answered.
-            Err(err) if err.is_cancelled() => Err(CallError::Outage("shutting down".into())),
+            // The client's runtime is gone (its tasks with it): here, then.
+            Err(err) if err.is_cancelled() => me.recover(known).await,
             Err(err) => Err(CallError::Other(LimitError::backend(format!(
                 "redis: the recovery from a lost state failed: {err}"
             )))),

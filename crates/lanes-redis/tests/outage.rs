@@ -249,6 +249,8 @@ struct Relay {
     subscribers_silent_below: Arc<AtomicU64>,
     /// Other connections (calls') opened before this count are silent.
     calls_silent_below: Arc<AtomicU64>,
+    /// How long each chunk towards Redis waits before it goes on (µs): a slow link.
+    delay_us: Arc<AtomicU64>,
     opened: Arc<AtomicU64>,
     /// `SUBSCRIBE`s carried to Redis and answered (a subscriber connected).
     subscribes: Arc<AtomicU64>,
@@ -266,6 +268,8 @@ impl Relay {
         let deaf = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let subscribers_silent_below = Arc::new(AtomicU64::new(0));
         let calls_silent_below = Arc::new(AtomicU64::new(0));
+        let delay_us = Arc::new(AtomicU64::new(0));
+        let delay = delay_us.clone();
         let (silent, count, subs) = (silent_below.clone(), opened.clone(), subscribes.clone());
         let (subs_silent, calls_silent) =
             (subscribers_silent_below.clone(), calls_silent_below.clone());
@@ -287,6 +291,7 @@ impl Relay {
                     silent_below: subs_silent.clone(),
                     calls_silent_below: calls_towards,
                     subscribes: subs.clone(),
+                    delay_us: delay.clone(),
                 };
                 let back =
                     Subscriber { calls_silent_below: calls_silent.clone(), ..subscriber.clone() };
@@ -299,6 +304,7 @@ impl Relay {
             silent_below,
             subscribers_silent_below,
             calls_silent_below,
+            delay_us,
             opened,
             subscribes,
             deaf,
@@ -345,6 +351,8 @@ struct Subscriber {
     silent_below: Arc<AtomicU64>,
     /// Other connections opened before this count are silent.
     calls_silent_below: Arc<AtomicU64>,
+    /// How long each chunk towards Redis waits before it goes on (µs).
+    delay_us: Arc<AtomicU64>,
     /// `SUBSCRIBE`s carried to Redis, by every connection.
     subscribes: Arc<AtomicU64>,
 }
@@ -371,6 +379,10 @@ async fn relay(
         };
         if me < silent.load(Ordering::SeqCst) || silenced {
             continue;
+        }
+        let delay = subscriber.delay_us.load(Ordering::SeqCst);
+        if towards && delay > 0 {
+            sleep(Duration::from_micros(delay)).await;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             break;
@@ -597,12 +609,15 @@ async fn a_recovery_cut_short_by_an_outage_is_finished_later() {
     }
     drop(definer);
     let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
-    // A limit defined again holds its grants for a lease (300 ms) after.
-    let reader = relay.client("outage", Duration::from_millis(300)).await;
+    // A limit defined again holds its grants for a lease (1 s) after.
+    let reader = relay.client("outage", Duration::from_secs(1)).await;
     let limits = Limits::with_backend(reader.clone());
     for n in 0..LIMITS {
         assert!(limits.info(&format!("l{n}")).await.unwrap().is_some(), "l{n} is read");
     }
+    // Each call of the reader's takes at least 2 ms from now: its recovery (two calls a limit)
+    // takes 12 s or more, far longer than a limit's hold.
+    relay.delay_us.store(2_000, Ordering::SeqCst);
     redis.stop();
     redis.restart();
     // The reader finds the loss and defines every limit it knows again: cut that short.
@@ -615,27 +630,34 @@ async fn a_recovery_cut_short_by_an_outage_is_finished_later() {
     let cut = reader.stats().redefinitions;
     assert!(cut < LIMITS as u64, "cut short after {cut} limits");
     // New connections go through: the recovery goes on. A limit it brought back grants.
-    let watcher = Limits::with_backend(client(&redis, OutagePolicy::FailClosed).await);
-    let back = loop {
-        if let Some(limit) = watcher.list().await.unwrap().first() {
-            break limit.name.clone();
+    let mut watcher =
+        redis::Client::open(redis.url()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let registry = "lanes:{outage}:limits";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let back: String = loop {
+        let any: Option<String> =
+            redis::cmd("SRANDMEMBER").arg(registry).query_async(&mut watcher).await.unwrap();
+        if let Some(name) = any {
+            break name;
         }
+        assert!(Instant::now() < deadline, "the recovery goes on");
         sleep(Duration::from_millis(5)).await;
     };
     let permit = acquire_when_back(&limits, &back).await;
-    let defined = watcher.list().await.unwrap().len();
+    let defined: usize = redis::cmd("SCARD").arg(registry).query_async(&mut watcher).await.unwrap();
     assert!(defined < LIMITS, "granted while the recovery goes on ({defined} limits back)");
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + Duration::from_secs(40);
     loop {
-        let defined = watcher.list().await.unwrap().len();
+        let defined: usize =
+            redis::cmd("SCARD").arg(registry).query_async(&mut watcher).await.unwrap();
         if defined == LIMITS {
             break;
         }
         assert!(Instant::now() < deadline, "{defined} of {LIMITS} limits defined again");
-        sleep(Duration::from_millis(100)).await;
+        sleep(Duration::from_millis(250)).await;
     }
     // Renewed, not reported lost.
-    sleep(Duration::from_millis(600)).await;
+    sleep(Duration::from_secs(1)).await;
     assert_eq!(reader.stats().lost_leases, 0, "{:?}", reader.stats());
     assert!(limits.try_acquire(&back, Priority::default()).await.is_err(), "still held");
     drop(permit);
@@ -658,9 +680,10 @@ async fn a_grant_pushed_while_an_ask_goes_unanswered_is_not_replaced_by_the_poli
         let relay = Relay::to(format!("127.0.0.1:{}", redis.port)).await;
         // The waiting client's asks reach Redis; their answers can be lost.
         relay.deaf.store(true, Ordering::SeqCst);
+        // The push has three seconds to come, while the ask goes unanswered.
         let backend = RedisLimits::builder(relay.url())
             .namespace("outage")
-            .op_timeout(Duration::from_secs(1))
+            .op_timeout(Duration::from_secs(3))
             .lease(Duration::from_secs(30))
             .outage(policy)
             .build()
@@ -680,7 +703,7 @@ async fn a_grant_pushed_while_an_ask_goes_unanswered_is_not_replaced_by_the_poli
         }
         // Redis grants the waiting ticket and pushes the grant, while its ask goes unanswered.
         drop(held);
-        let permit = timeout(Duration::from_secs(5), asked)
+        let permit = timeout(Duration::from_secs(10), asked)
             .await
             .expect("the ask ends at its timeout")
             .unwrap()
