@@ -143,7 +143,7 @@ fn check_name(field: &str, name: &str) -> Result<(), SpillError> {
     let reserved = |c: char| matches!(c, '.' | '*' | '>' | '/' | '\\') || c.is_whitespace();
     if name.is_empty() || name.chars().any(|c| reserved(c) || c.is_control()) {
         let must_be = "non-empty, without '.', '*', '>', slashes, whitespace or control characters";
-        let rule = ConfigRule::Name { must_be };
+        let rule = ConfigRule::Form { must_be };
         return Err(SpillError::InvalidOptions(ConfigError::new(field, rule)));
     }
     Ok(())

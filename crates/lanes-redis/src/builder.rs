@@ -119,6 +119,13 @@ impl RedisLimitsBuilder {
         if self.queue_grace < Duration::from_millis(500) {
             return bad("queue_grace", ConfigRule::AtLeastTime { min: Duration::from_millis(500) });
         }
+        if self.target.urls().is_empty() {
+            return bad("nodes", ConfigRule::Missing);
+        }
+        if self.target.urls().iter().any(|url| redis::Client::open(url.as_str()).is_err()) {
+            let must_be = "a redis://, rediss:// or unix:// address";
+            return bad("url", ConfigRule::Form { must_be });
+        }
         Ok(())
     }
 
@@ -128,8 +135,9 @@ impl RedisLimitsBuilder {
     /// # Errors
     ///
     /// [`LimitError::InvalidOptions`] if an option breaks a rule (a lease under 100 ms, a
-    /// local share outside `(0, 1]`, a zero op timeout, a queue grace under 500 ms): the
-    /// error names the setting. [`LimitError::Backend`] if Redis cannot be reached.
+    /// local share outside `(0, 1]`, a zero op timeout, a queue grace under 500 ms, no node
+    /// address, an address that is not Redis's): the error names the setting.
+    /// [`LimitError::Backend`] if Redis cannot be reached.
     pub async fn build(self) -> Result<RedisLimits, LimitError> {
         self.validate().map_err(LimitError::InvalidOptions)?;
         let max_lease = self.max_lease.unwrap_or(self.lease).max(self.lease);

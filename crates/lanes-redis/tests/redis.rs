@@ -640,6 +640,12 @@ async fn invalid_options_are_refused_naming_the_setting() {
         ),
         (nowhere().op_timeout(Duration::ZERO), "op_timeout", ConfigRule::ZeroTimeout),
         (nowhere().queue_grace(ms(499)), "queue_grace", ConfigRule::AtLeastTime { min: ms(500) }),
+        (RedisLimits::cluster_builder(Vec::<String>::new()), "nodes", ConfigRule::Missing),
+        (
+            RedisLimits::builder("http://127.0.0.1:1"),
+            "url",
+            ConfigRule::Form { must_be: "a redis://, rediss:// or unix:// address" },
+        ),
     ];
     for (builder, field, rule) in cases {
         match builder.build().await.map(drop) {

@@ -45,9 +45,9 @@ pub enum ConfigRule {
         /// The shortest accepted duration.
         min: std::time::Duration,
     },
-    /// The name breaks the rule given here.
-    Name {
-        /// What a name must be.
+    /// The value does not have the form given here (a name, an address).
+    Form {
+        /// What the value must be.
         must_be: &'static str,
     },
 }
@@ -120,7 +120,7 @@ impl fmt::Display for ConfigError {
             ConfigRule::Positive => f.write_str("must be finite and above zero"),
             ConfigRule::AtLeastSetting { setting } => write!(f, "must be at least {setting}"),
             ConfigRule::AtLeastTime { min } => write!(f, "must be at least {min:?}"),
-            ConfigRule::Name { must_be } => write!(f, "must be {must_be}"),
+            ConfigRule::Form { must_be } => write!(f, "must be {must_be}"),
         }
     }
 }
