@@ -119,14 +119,23 @@ impl RedisLimitsBuilder {
         if self.queue_grace < Duration::from_millis(500) {
             return bad("queue_grace", ConfigRule::AtLeastTime { min: Duration::from_millis(500) });
         }
-        if self.target.urls().is_empty() {
-            return bad("nodes", ConfigRule::Missing);
+        // Parsed as `connect` will, without a connection.
+        match &self.target {
+            Target::Single(url) if redis::Client::open(url.as_str()).is_err() => {
+                let must_be = "a redis:// or unix:// address (this build has no TLS)";
+                bad("url", ConfigRule::Form { must_be })
+            }
+            Target::Cluster(nodes) if nodes.is_empty() => bad("nodes", ConfigRule::Missing),
+            Target::Cluster(nodes)
+                if redis::cluster::ClusterClientBuilder::new(nodes.iter().map(String::as_str))
+                    .build()
+                    .is_err() =>
+            {
+                let must_be = "redis:// addresses with the same credentials (no TLS, no sockets)";
+                bad("nodes", ConfigRule::Form { must_be })
+            }
+            _ => Ok(()),
         }
-        if self.target.urls().iter().any(|url| redis::Client::open(url.as_str()).is_err()) {
-            let must_be = "a redis://, rediss:// or unix:// address";
-            return bad("url", ConfigRule::Form { must_be });
-        }
-        Ok(())
     }
 
     /// Connects, takes a client id, subscribes to the client's channel and starts the renewal

@@ -644,7 +644,14 @@ async fn invalid_options_are_refused_naming_the_setting() {
         (
             RedisLimits::builder("http://127.0.0.1:1"),
             "url",
-            ConfigRule::Form { must_be: "a redis://, rediss:// or unix:// address" },
+            ConfigRule::Form { must_be: "a redis:// or unix:// address (this build has no TLS)" },
+        ),
+        (
+            RedisLimits::cluster_builder(["redis://127.0.0.1:1", "unix:///tmp/none.sock"]),
+            "nodes",
+            ConfigRule::Form {
+                must_be: "redis:// addresses with the same credentials (no TLS, no sockets)",
+            },
         ),
     ];
     for (builder, field, rule) in cases {
