@@ -251,7 +251,8 @@ struct Inner {
     epoch: Mutex<Option<String>>,
     /// Whether the maintenance loop's look at the epoch is under way.
     looking: std::sync::atomic::AtomicBool,
-    /// The tickets in use when the numbers last came round (see `may_reuse`).
+    /// The tickets in use at the last look, once the numbers have come round (see
+    /// `may_reuse`).
     reuse: Mutex<Reuse>,
     /// Held by the recovery from a lost state (`detect_loss`): one at a time.
     recovering: tokio::sync::Mutex<outage::Recovery>,

@@ -68,11 +68,12 @@ impl Inner {
     /// (their tickets are queued anew). Answers whether a loss was found (by this call, or by
     /// another while this one waited for it).
     ///
-    /// The recovery runs to its end in a task of its own (on the client's runtime, which its
-    /// maintenance loop keeps driven: a caller's runtime may stop being driven when the caller
-    /// gives up, with the recovery parked, holding it), and the new epoch is taken as known only once it is complete: a caller
-    /// that gives up on the way (an acquire's timeout), or a call that fails (Redis away
-    /// again), leaves it for the next look, never half done (the limits after the one it
+    /// The recovery runs to its end in a task of its own, on the client's runtime, where all its
+    /// background tasks run (a caller's runtime may stop being driven when the caller gives
+    /// up, and the recovery would be parked there, holding its lock). The new epoch is taken as
+    /// known only once it is complete: a caller that gives up on the way (an acquire's
+    /// timeout), or a call that fails (Redis away again), leaves it for the next look, never
+    /// half done (the limits after the one it
     /// stopped at would never be defined again). The permits held before the loss are
     /// reported lost when it is first found; those granted while a recovery goes on are not.
     pub(crate) async fn detect_loss(&self) -> Result<bool, CallError> {
