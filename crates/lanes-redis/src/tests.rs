@@ -43,6 +43,13 @@ async fn a_ticket_still_held_is_not_drawn_again_when_the_numbers_come_round() {
     counter.store((2 << CLIENT_SHIFT) + (1 << 20) + 7, Ordering::Relaxed);
     assert_ne!(backend.ticket(), later, "found by the stretch's look");
     backend.inner.lost.forget("one", later);
+    // A draw late from a stretch before the last look is checked against the tickets in use
+    // now (that look did not see this one).
+    let late = (backend.inner.client << CLIENT_SHIFT) | 9;
+    backend.inner.lost.mark("one", late);
+    counter.store((2 << CLIENT_SHIFT) + 9, Ordering::Relaxed);
+    assert_ne!(backend.ticket(), late, "a late draw is checked too");
+    backend.inner.lost.forget("one", late);
     drop(held);
     // The permit is free again, for a ticket drawn after the skipped one.
     let again = limits.acquire("one", Priority::default()).await.unwrap();
