@@ -323,6 +323,32 @@ async fn a_record_larger_than_the_reopened_max_record_is_still_read() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Found by the property test above in CI (stop 77; its seed is in the regressions file): a
+/// segment torn while a later one existed is kept as found, its loss visible. When that later
+/// segment was dropped too (its header damaged, no record left), the torn one became the last,
+/// and the open appended to it after the torn bytes: the reader met them as a corrupt record
+/// and stopped, and every append after the damage was undeliverable. Appends now go to a new
+/// segment.
+#[tokio::test]
+async fn a_torn_segment_left_last_by_a_dropped_one_is_not_appended_to() {
+    let dir = fresh_dir();
+    let places = build(&dir).await;
+    let last = segments(&dir).len() - 1;
+    let damages = [
+        // The last segment cut inside its first frame, then its header damaged: dropped.
+        Damage::CutInsideFrame { segment: last, frame: 0, into: 1 },
+        // The one before it torn inside its first frame: kept as found.
+        Damage::CutInsideFrame { segment: last - 1, frame: 0, into: 1 },
+        Damage::Flip { segment: last, offset: 0 },
+    ];
+    let touched = apply(&dir, &places, &damages);
+    assert!(!spill::check(&dir, 64).unwrap().is_clean());
+    let got = delivered(&dir).await;
+    let untouched: BTreeSet<usize> = (1..RECORDS).filter(|n| !touched.contains(n)).collect();
+    assert_eq!(got, untouched);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Review finding: an open that compacted a segment and was killed before the state file was
 /// written skipped records never acknowledged. The state is now written first.
 mod spill_crash {

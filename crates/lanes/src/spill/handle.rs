@@ -251,7 +251,7 @@ impl SpillQueue {
         let committed = recovered.committed;
         // Appends continue in the last segment, or a fresh one that sorts after everything.
         let (active, active_len, file) = match recovered.segments.last() {
-            Some(last) if last.id >= committed.segment && !last.sealed => {
+            Some(last) if last.id >= committed.segment && !last.closed => {
                 let mut file = storage.open_append(&segment_name(last.id))?;
                 file.reserve(options.segment_size)?;
                 (last.id, last.valid_end, file)

@@ -35,8 +35,11 @@ pub(crate) struct Segment {
     pub(crate) valid_end: u64,
     /// Corrupt regions skipped in the middle (file offsets).
     pub(crate) skipped: Vec<(u64, u64)>,
-    /// The writer moved on from it (it ends with a seal): appends never continue here.
-    pub(crate) sealed: bool,
+    /// Appends never continue here: the writer moved on from it (it ends with a seal), or it
+    /// was torn while a later segment existed, and is kept as found (its loss stays visible;
+    /// the bytes after its valid end are not the queue's to write over) even once that later
+    /// segment is dropped.
+    pub(crate) closed: bool,
 }
 
 /// What a check or an open found (and, for an open, repaired).
@@ -410,10 +413,10 @@ pub(crate) fn recover(
                 storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
             }
             rewritten.put()?;
-            segments.push(Segment { id, valid_end: data_end, skipped: Vec::new(), sealed });
+            segments.push(Segment { id, valid_end: data_end, skipped: Vec::new(), closed: sealed });
             continue;
         }
-        segments.push(Segment { id, valid_end, skipped, sealed });
+        segments.push(Segment { id, valid_end, skipped, closed: sealed || torn_inside });
     }
     // The committed position must point at data recovery kept: into the first kept segment if
     // its own was dropped, and no further than its segment's valid end (appends continue there,
