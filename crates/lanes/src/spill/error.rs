@@ -122,3 +122,15 @@ impl From<io::Error> for SpillError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A channel's `EmitError` carries it: the answer of every `emit`, written and copied on the
+    /// producer's path (suite 3's stop-52 note). No larger than its largest part, five words.
+    #[test]
+    fn a_spill_error_stays_five_words() {
+        assert!(std::mem::size_of::<SpillError>() <= 40, "{}", std::mem::size_of::<SpillError>());
+    }
+}
