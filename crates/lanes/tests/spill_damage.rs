@@ -346,6 +346,10 @@ async fn a_torn_segment_left_last_by_a_dropped_one_is_not_appended_to() {
     let got = delivered(&dir).await;
     let untouched: BTreeSet<usize> = (1..RECORDS).filter(|n| !touched.contains(n)).collect();
     assert_eq!(got, untouched);
+    // Afterwards the torn segment's loss is still told, and nothing else.
+    let report = spill::check(&dir, 64).unwrap();
+    assert_eq!(report.truncated_inside, 1, "{report:?}");
+    assert_eq!((report.missing_segments, report.corrupt_regions, report.torn_tails), (0, 0, 0));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

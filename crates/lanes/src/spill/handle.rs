@@ -249,9 +249,15 @@ impl SpillQueue {
             );
         }
         let committed = recovered.committed;
-        // Appends continue in the last segment, or a fresh one that sorts after everything.
+        // Appends continue in the last segment kept, or a fresh one after it. Only where the
+        // file ends at its valid data: an append lands at the file's end, and its position is
+        // counted from the valid end (bytes between would be read as a corrupt record).
         let (active, active_len, file) = match recovered.segments.last() {
-            Some(last) if last.id >= committed.segment && !last.closed => {
+            Some(last)
+                if last.id >= committed.segment
+                    && !last.closed
+                    && storage.len(&segment_name(last.id))? == last.valid_end =>
+            {
                 let mut file = storage.open_append(&segment_name(last.id))?;
                 file.reserve(options.segment_size)?;
                 (last.id, last.valid_end, file)
