@@ -191,15 +191,7 @@ async fn a_first_ask_whose_answer_was_lost_is_given_back() {
     use std::time::Duration;
     let serve = Serve::start(&[]);
     let http = common::http();
-    let (status, _) = common::request(
-        &http,
-        reqwest::Method::PUT,
-        serve.url("/v1/limits/db"),
-        None,
-        Some(serde_json::json!({"concurrent": 1})),
-    )
-    .await;
-    assert_eq!(status, 200);
+    define_db(&serve).await;
     // Requests reach the server; its answers are lost.
     let relay = DeafRelay::to(serve.base.trim_start_matches("http://")).await;
     let impatient = reqwest::Client::builder().timeout(Duration::from_millis(300)).build().unwrap();
@@ -654,12 +646,9 @@ impl SlowAsks {
     }
 }
 
-/// A server whose limit "db" has one permit, a relay to it that holds asks for 500 ms
-/// ([`SlowAsks`]), and client `client` of the server through the relay, with a 30 s lease.
-async fn db_behind_slow_asks(client: &str) -> (Serve, SlowAsks, RemoteLimits) {
-    use std::time::Duration;
-    let serve = Serve::start(&[]);
-    let (status, _) = common::request(
+/// Defines limit "db", of one permit, on `serve`.
+async fn define_db(serve: &Serve) {
+    let (status, body) = common::request(
         &common::http(),
         reqwest::Method::PUT,
         serve.url("/v1/limits/db"),
@@ -667,7 +656,15 @@ async fn db_behind_slow_asks(client: &str) -> (Serve, SlowAsks, RemoteLimits) {
         Some(serde_json::json!({"concurrent": 1})),
     )
     .await;
-    assert_eq!(status, 200);
+    assert_eq!(status, 200, "{body}");
+}
+
+/// A server whose limit "db" has one permit, a relay to it that holds asks for 500 ms
+/// ([`SlowAsks`]), and client `client` of the server through the relay, with a 30 s lease.
+async fn db_behind_slow_asks(client: &str) -> (Serve, SlowAsks, RemoteLimits) {
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    define_db(&serve).await;
     let relay =
         SlowAsks::to(serve.base.trim_start_matches("http://"), Duration::from_millis(500)).await;
     let remote =
