@@ -73,9 +73,9 @@ impl Inner {
     /// up, and the recovery would be parked there, holding its lock). The new epoch is taken as
     /// known only once it is complete: a caller that gives up on the way (an acquire's
     /// timeout), or a call that fails (Redis away again), leaves it for the next look, never
-    /// half done (the limits after the one it
-    /// stopped at would never be defined again). The permits held before the loss are
-    /// reported lost when it is first found; those granted while a recovery goes on are not.
+    /// half done (the limits after the one it stopped at would never be defined again). The
+    /// permits held before the loss are reported lost when it is first found; those granted
+    /// while a recovery goes on are not.
     pub(crate) async fn detect_loss(&self) -> Result<bool, CallError> {
         let key = self.epoch_key();
         let known = lock(&self.epoch).clone();
