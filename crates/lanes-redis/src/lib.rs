@@ -71,7 +71,8 @@
 //! clock. A limit made new on a Redis that began serving less than the longest lease ago is
 //! held until then too (a client that never knew the old epoch defines it anew, and nothing
 //! tells a new Redis from an emptied one): a fresh Redis grants nothing on a new limit in its
-//! first lease. Tickets that fell back to the local share stay local until
+//! first lease, and up to a second more (its uptime counts whole seconds, and may read a
+//! second more than the time it has served). Tickets that fell back to the local share stay local until
 //! released; new acquires go to Redis again as soon as it answers.
 //!
 //! # Example

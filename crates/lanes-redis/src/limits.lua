@@ -138,16 +138,18 @@ local function run_id()
   return boot
 end
 
--- Since when this server may have served the limit: its start (from its uptime, rounded
--- down to the second, so no later than the start); now if it was promoted from a replica (it
--- began serving at the promotion, which nothing dates) or `INFO` cannot be read.
+-- Since when this server may have served the limit: no earlier than its start, or now if it
+-- was promoted from a replica (it began serving at the promotion, which nothing dates) or
+-- `INFO` cannot be read. Its uptime is the difference of two whole-second clocks, the start's
+-- and now's, so it reads up to a second more than the time served: a start at 12.99 s read at
+-- 13.01 s is 1. The start is taken a second after what the uptime says (never after now).
 local function serving_since(now)
   local server, repl = redis.pcall('INFO', 'server'), redis.pcall('INFO', 'replication')
   if type(server) ~= 'string' or type(repl) ~= 'string' then return now end
   if string.match(repl, 'second_repl_offset:(%-?%d+)') ~= '-1' then return now end
   local uptime = tonumber(string.match(server, 'uptime_in_seconds:(%d+)') or '')
   if not uptime then return now end
-  return now - uptime * 1000000
+  return now - math.max(uptime - 1, 0) * 1000000
 end
 
 -- The limit was last written by another run of this server: it restarted, and may have come

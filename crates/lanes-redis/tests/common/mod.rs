@@ -190,6 +190,31 @@ impl DedicatedRedis {
         }
     }
 
+    /// Kills the server and starts it again late in a second of the wall clock, then waits
+    /// until that second has passed: the server's `uptime_in_seconds`, the difference of two
+    /// whole-second clocks, then reads 1 though it has run for a few milliseconds.
+    pub fn restart_late_in_a_second(&mut self) {
+        let second = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+        for _ in 0..20 {
+            while !(900..920).contains(&second().subsec_millis()) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let started_in = second().as_secs();
+            self.stop();
+            self.restart();
+            let now = second();
+            if now.as_secs() == started_in {
+                // Into the next second, and past it by a little.
+                std::thread::sleep(Duration::from_nanos(u64::from(
+                    1_000_000_000 - now.subsec_nanos(),
+                )));
+                std::thread::sleep(Duration::from_millis(20));
+                return;
+            }
+        }
+        panic!("the dedicated redis-server took most of a second to start, twenty times");
+    }
+
     /// Freezes the server (SIGSTOP): connections stay open, nothing is answered.
     pub fn pause(&self) {
         self.signal("-STOP");
