@@ -485,8 +485,13 @@ async fn a_huge_file_named_like_a_segment_is_checked_in_bounded_memory() {
         (Some(1), Some(size)),
         "{json}"
     );
+    // A blank file past every segment, that the state does not name, is no segment the queue
+    // made: no gap before it, nor loss in the segment before it, is told (before stop 78 both
+    // were, and the repair exited 3 for a loss it had made up).
+    let told = (json["missing_segments"].as_u64(), json["truncated_inside"].as_u64());
+    assert_eq!(told, (Some(0), Some(0)), "{json}");
     let out = bounded("--repair");
-    assert_eq!(out.status.code(), Some(3), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!huge.exists(), "the repair dropped it");
     assert_eq!(check(&dir, &[]).0, Some(0), "clean after the repair");
     assert_eq!(delivered(&dir).await, (0..RECORDS).collect());

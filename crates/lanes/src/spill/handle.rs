@@ -263,7 +263,7 @@ impl SpillQueue {
                 (last.id, last.valid_end, file)
             }
             _ => {
-                let id = committed.segment.max(recovered.segments.last().map_or(1, |s| s.id + 1));
+                let id = recovered.next_id;
                 let file = create_segment(&*storage, id, options.segment_size)?;
                 (id, SEGMENT_HEADER, file)
             }

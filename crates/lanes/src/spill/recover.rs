@@ -13,8 +13,9 @@
 //!    past the valid data) is reported and replaced by a safe position at or before it, so
 //!    records are delivered again rather than dropped.
 //! 4. Loss is reported, never silent: a segment id missing inside the queue, a segment that is
-//!    not a regular file (never followed), and a torn segment other than the last (no crash
-//!    tears those) each have their own count.
+//!    not a regular file (never followed), and a segment that lost its end after a later one
+//!    was made (no crash tears those) each have their own count, at every check until the
+//!    queue moves past them.
 
 use std::io;
 
@@ -84,8 +85,9 @@ pub struct CheckReport {
     /// The state file was readable but pointed where no acknowledged position can be; recovery
     /// started from a safe position at or before it instead (records are delivered again).
     pub state_invalid: bool,
-    /// Segments other than the last with a torn tail: records lost inside the queue (kept as
-    /// found, so the loss stays visible).
+    /// Segments that lost their end after a later one was made (torn, or cut short of their
+    /// seal): records lost inside the queue (kept as found, so the loss stays visible, and
+    /// never appended to).
     pub truncated_inside: u64,
     /// Bytes of those tails.
     pub truncated_inside_bytes: u64,
@@ -119,6 +121,9 @@ impl CheckReport {
 pub(crate) struct Recovered {
     pub(crate) segments: Vec<Segment>,
     pub(crate) committed: Position,
+    /// The id a new segment takes if appends cannot go on in the last one kept: after every id
+    /// the queue has used (a dropped segment's id is not made anew).
+    pub(crate) next_id: u64,
     pub(crate) report: CheckReport,
 }
 
@@ -173,6 +178,28 @@ pub(crate) fn recover(
     };
     let stored = state.map(|state| state.committed);
     let recorded_last = state.and_then(|state| state.last);
+    // The writer names a segment in the state only once its header is synced: a file past
+    // every other with neither a header of its own nor a record, that the state neither names
+    // nor points into, is a crash's half-made segment, or not the queue's. Foreign: dropped,
+    // and told as if it were not there (a gap or a torn segment before it is told as such).
+    while let Some(&id) = ids.last() {
+        let named = recorded_last.is_some_and(|last| id <= last)
+            || stored.is_some_and(|position| position.segment >= id);
+        let name = segment_name(id);
+        if named || segment_header_ok(&read_head(storage, &name)?, id) {
+            break;
+        }
+        let len = storage.len(&name)?;
+        if scan_segment(storage, &name, len, |_, _| {})?.frames > 0 {
+            break;
+        }
+        ids.pop();
+        report.bad_segments += 1;
+        report.bad_segment_bytes += len;
+        if repair {
+            storage.remove(&name)?;
+        }
+    }
     let first = ids.first().copied().unwrap_or(1);
     let mut committed = stored.unwrap_or_else(|| Position::start_of(first));
     // Invariant 3: a state past the last segment (other than the start of the next one, where
@@ -221,8 +248,16 @@ pub(crate) fn recover(
         }
     }
     let last_id = ids.last().copied();
+    // Whether a segment after `id` was made once: the state records the highest id created, and
+    // the writer seals a segment before it makes the next. Such a segment is complete when
+    // sealed; torn, or unsealed, it lost its end inside the queue, whatever became of the later
+    // ones since (dropped, deleted): told the same way at every check, and never appended to.
+    let recorded = recorded_last.filter(|_| !report.state_invalid);
+    let later_made = |id: u64| Some(id) != last_id || recorded.is_some_and(|last| last > id);
 
     let mut segments = Vec::new();
+    // The highest id of a segment with neither header nor record that was the queue's.
+    let mut lost_blank: Option<u64> = None;
     // A version 2 queue writes its state file when it opens, before any append: records with
     // no state file beside them lost it (and with it what was acknowledged, and the last id).
     let mut records_without_state = false;
@@ -255,18 +290,12 @@ pub(crate) fn recover(
         if !segment_header_ok(&head, id) {
             // Frames check themselves: a damaged header loses the header, not the records.
             if layout.frames == 0 {
-                // The writer names a segment in the state only once its header is synced: one
-                // the state names that has neither header nor record was damaged, and what it
-                // held (if anything) is lost. One past it is a crash's half-made file, or not
-                // the queue's: foreign.
-                let named = !report.state_invalid && recorded_last.is_some_and(|last| id <= last);
-                if named {
-                    report.missing_segments += 1;
-                    report.missing_ranges.push((id, id));
-                } else {
-                    report.bad_segments += 1;
-                    report.bad_segment_bytes += file_len;
-                }
+                // Not a half-made file (those were set apart above): the state names it, or a
+                // segment of the queue follows it. It was damaged, and what it held (if
+                // anything) is lost.
+                report.missing_segments += 1;
+                report.missing_ranges.push((id, id));
+                lost_blank = Some(id);
                 if repair {
                     storage.remove(&name)?;
                 }
@@ -292,17 +321,24 @@ pub(crate) fn recover(
         let sealed = layout.seal.is_some();
         let data_end = layout.seal.map_or(valid_end, |(start, _)| base + start);
         let seal_lies = layout.seal.is_some_and(|(start, recorded)| recorded != base + start);
-        let unsealed_v2 = segment_version(&head, id) == Some(super::format::FORMAT_VERSION)
-            && !sealed
-            && Some(id) != last_id;
-        if (seal_lies || unsealed_v2) && tail == 0 {
+        // A damaged header is told as the version a repair writes in its place, so that a check
+        // after the repair tells the segment as this one does.
+        let version_2 = !segment_header_ok(&head, id)
+            || segment_version(&head, id) == Some(super::format::FORMAT_VERSION);
+        let unsealed_v2 = version_2 && !sealed && later_made(id);
+        let lost_end = (seal_lies || unsealed_v2) && tail == 0;
+        if lost_end {
             report.truncated_inside += 1;
         }
         let valid_end = data_end;
-        if tail > 0 && Some(id) != last_id {
-            // Only the last segment is written to, so only it can be torn by a crash: a torn
-            // segment before it lost records inside the queue. Kept as found (appends never go
-            // there), so the loss stays visible.
+        // Only the segment being written can be torn by a crash: one torn after a later one
+        // was made lost records inside the queue. But bytes after a seal that records the
+        // data's length are no record's (nothing follows a seal): a torn tail, cut on repair
+        // (the seal stays).
+        let whole = sealed && !seal_lies;
+        let torn_inside = tail > 0 && later_made(id) && !whole;
+        if torn_inside {
+            // Kept as found (appends never go there), so the loss stays visible.
             report.truncated_inside += 1;
             report.truncated_inside_bytes += tail;
         } else if tail > 0 {
@@ -364,9 +400,9 @@ pub(crate) fn recover(
         };
         report.records += records;
         report.bytes += bytes;
-        // A torn segment before the last is left as found (its loss stays visible).
-        let torn_inside = tail > 0 && Some(id) != last_id;
-        if repair && !skipped.is_empty() && !torn_inside {
+        // A segment that lost its end inside the queue is left as found (its loss stays
+        // visible: a seal written anew would hide it).
+        if repair && !skipped.is_empty() && !torn_inside && !lost_end {
             // Rewrite the segment with its valid frames only, so a repaired queue checks clean:
             // into a file of its own, then put in its place (the old file stays whole until the
             // new one is). A committed position in it moves with the frames: to the first frame
@@ -409,15 +445,25 @@ pub(crate) fn recover(
                 // old file is found and delivered again; one too late in the new file would
                 // skip records never acknowledged.
                 committed.offset = moved;
-                let last = recorded_last.unwrap_or(0).max(last_id.unwrap_or(id));
+                // No later id yet: one of them may be dropped below (a later write, at the
+                // end, names the last kept).
+                let last = recorded.unwrap_or(0).max(id);
                 storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
             }
             rewritten.put()?;
             segments.push(Segment { id, valid_end: data_end, skipped: Vec::new(), closed: sealed });
             continue;
         }
-        segments.push(Segment { id, valid_end, skipped, closed: sealed || torn_inside });
+        segments.push(Segment {
+            id,
+            valid_end,
+            skipped,
+            closed: sealed || torn_inside || lost_end,
+        });
     }
+    // The highest id the queue made, as far as this directory shows: a check after a repair
+    // finds a segment lost here as a gap, or past the state's last, which names it.
+    let last_made = recorded.max(segments.last().map(|s: &Segment| s.id)).max(lost_blank);
     // The committed position must point at data recovery kept: into the first kept segment if
     // its own was dropped, and no further than its segment's valid end (appends continue there,
     // and must not land before it).
@@ -428,8 +474,8 @@ pub(crate) fn recover(
     // every later one): appends go on in a segment after every id the queue has used, and the
     // committed position moves to its start. Kept as it was, the position pointed into a
     // segment made anew, past its first new records, which were then never read.
+    let used = recorded_last.unwrap_or(0).max(last_id.unwrap_or(0));
     if segments.is_empty() && stored.is_some() {
-        let used = recorded_last.unwrap_or(0).max(last_id.unwrap_or(0));
         let id = committed.segment.max(used.saturating_add(1));
         let id = if Position::start_of(id) != committed && id == committed.segment {
             id.saturating_add(1)
@@ -438,25 +484,29 @@ pub(crate) fn recover(
         };
         committed = Position::start_of(id);
     }
+    // Past the ids the state names and those kept. A foreign file dropped past them (a crash's
+    // half-made segment) leaves its id free: taking the next one would leave a gap that later
+    // checks report as lost.
+    let named = last_made.unwrap_or(0);
+    let next_id = committed.segment.max(named.saturating_add(1));
     if let Some(segment) = segments.iter().find(|s| s.id == committed.segment)
         && committed.offset > segment.valid_end
     {
         committed.offset = segment.valid_end;
     }
-    // A repair leaves a state that checks clean: the position recovery settled on (a state
-    // file missing or unreadable is written anew).
-    // Its last id is the highest segment created: one the position moved to above them all is
-    // made by the open, which records it then (a check after a repair finds nothing missing).
-    if repair && stored != Some(committed) {
-        let made = last_id.unwrap_or(committed.segment.saturating_sub(1));
-        let last = recorded_last.unwrap_or(0).max(made);
+    // A repair leaves a state that later checks tell as this one did: the position recovery
+    // settled on (a state file missing or unreadable is written anew), and as its last id the
+    // highest segment the queue made (a foreign file dropped past it was never the queue's; one
+    // the position moved to above them all is made by the open, which records it then).
+    if repair && (stored != Some(committed) || last_made > recorded_last) {
+        let last = last_made.unwrap_or(committed.segment.saturating_sub(1));
         storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
     }
     report.missing_ranges = first_ranges(std::mem::take(&mut report.missing_ranges));
     report.state_reset |= records_without_state;
     report.segments = segments.len();
     report.committed = Some(committed);
-    Ok(Recovered { segments, committed, report })
+    Ok(Recovered { segments, committed, next_id, report })
 }
 
 /// Scans segment file `name` (`file_len` bytes) after its header, a window at a time.
