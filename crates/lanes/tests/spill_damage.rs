@@ -441,6 +441,39 @@ async fn a_segment_cut_at_a_frame_boundary_stays_told_after_an_open() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Review finding (stop 77): a directory (or a symlink) named like the segment an open had to
+/// make made every open fail (the segment is created only if nothing has its name). It is
+/// reported, and the new segment takes the next free id.
+#[tokio::test]
+async fn a_directory_named_like_the_next_segment_does_not_stop_an_open() {
+    let dir = fresh_dir();
+    let places = build(&dir).await;
+    let files = segments(&dir);
+    let last = files.len() - 1;
+    // The last segment dropped and the one before it torn: the open must make a new segment.
+    apply(
+        &dir,
+        &places,
+        &[
+            Damage::CutInsideFrame { segment: last, frame: 0, into: 1 },
+            Damage::CutInsideFrame { segment: last - 1, frame: 0, into: 1 },
+            Damage::Flip { segment: last, offset: 0 },
+        ],
+    );
+    let name = |id: u64| format!("{id:020}.seg");
+    let last_id: u64 =
+        files[last].file_stem().unwrap().to_str().unwrap().parse().expect("a segment id");
+    std::fs::create_dir(dir.join(name(last_id + 1))).unwrap();
+    let (queue, report) = SpillQueue::open(&dir, options()).await.expect("the open goes on");
+    assert_eq!(report.not_files, vec![name(last_id + 1)], "{report:?}");
+    queue.append("fresh").await.unwrap();
+    let read = read_all(&queue).await;
+    assert_eq!(read.last().map(String::as_str), Some("fresh"), "{read:?}");
+    queue.close().await.unwrap();
+    assert!(dir.join(name(last_id + 2)).is_file(), "the new segment took the next free id");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Review finding: an open that compacted a segment and was killed before the state file was
 /// written skipped records never acknowledged. The state is now written first.
 mod spill_crash {

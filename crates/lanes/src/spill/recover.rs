@@ -17,6 +17,7 @@
 //!    was made (no crash tears those) each have their own count, at every check until the
 //!    queue moves past them.
 
+use std::collections::BTreeSet;
 use std::io;
 
 use serde::{Deserialize, Serialize};
@@ -122,7 +123,8 @@ pub(crate) struct Recovered {
     pub(crate) segments: Vec<Segment>,
     pub(crate) committed: Position,
     /// The id a new segment takes if appends cannot go on in the last one kept: after every id
-    /// the queue has used (a dropped segment's id is not made anew).
+    /// the queue has used (a dropped segment's id is not made anew), and not one a non-file
+    /// entry holds.
     pub(crate) next_id: u64,
     pub(crate) report: CheckReport,
 }
@@ -139,10 +141,11 @@ pub(crate) fn recover(
     repair: bool,
 ) -> io::Result<Recovered> {
     let names = storage.list()?;
-    let mut report = CheckReport {
-        not_files: storage.list_other()?.into_iter().take(16).collect(),
-        ..CheckReport::default()
-    };
+    let others = storage.list_other()?;
+    // Ids a new segment cannot take: entries named like segments that are not files.
+    let blocked: BTreeSet<u64> = others.iter().filter_map(|n| segment_id(n)).collect();
+    let mut report =
+        CheckReport { not_files: others.into_iter().take(16).collect(), ..CheckReport::default() };
     let mut ids: Vec<u64> = names.iter().filter_map(|n| segment_id(n)).collect();
     ids.sort_unstable();
     // No segment can follow u64::MAX: such a file is not one the writer made.
@@ -475,6 +478,12 @@ pub(crate) fn recover(
     // committed position moves to its start. Kept as it was, the position pointed into a
     // segment made anew, past its first new records, which were then never read.
     let used = recorded_last.unwrap_or(0).max(last_id.unwrap_or(0));
+    let free = |mut id: u64| {
+        while blocked.contains(&id) && id < u64::MAX {
+            id += 1;
+        }
+        id
+    };
     if segments.is_empty() && stored.is_some() {
         let id = committed.segment.max(used.saturating_add(1));
         let id = if Position::start_of(id) != committed && id == committed.segment {
@@ -482,13 +491,13 @@ pub(crate) fn recover(
         } else {
             id
         };
-        committed = Position::start_of(id);
+        committed = Position::start_of(free(id));
     }
     // Past the ids the state names and those kept. A foreign file dropped past them (a crash's
     // half-made segment) leaves its id free: taking the next one would leave a gap that later
     // checks report as lost.
     let named = last_made.unwrap_or(0);
-    let next_id = committed.segment.max(named.saturating_add(1));
+    let next_id = free(committed.segment.max(named.saturating_add(1)));
     if let Some(segment) = segments.iter().find(|s| s.id == committed.segment)
         && committed.offset > segment.valid_end
     {
