@@ -471,6 +471,37 @@ async fn a_directory_named_like_the_next_segment_does_not_stop_an_open() {
     assert_eq!(read.last().map(String::as_str), Some("fresh"), "{read:?}");
     queue.close().await.unwrap();
     assert!(dir.join(name(last_id + 2)).is_file(), "the new segment took the next free id");
+    // Later checks tell the directory, and its id as missing with the dropped one's: nothing
+    // tells a directory put there from one that replaced a segment.
+    let report = spill::check(&dir, 64).unwrap();
+    assert_eq!(report.not_files, vec![name(last_id + 1)], "{report:?}");
+    assert_eq!(report.missing_ranges, vec![(last_id, last_id + 1)], "{report:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Review finding (stop 78): the writer moved on to the next id whatever held it, so a
+/// directory named like the segment after the active one failed the first rotation, and with
+/// it every append until the queue was opened again.
+#[tokio::test]
+async fn the_writer_moves_past_a_directory_named_like_its_next_segment() {
+    let dir = fresh_dir();
+    build(&dir).await;
+    let files = segments(&dir);
+    let active: u64 = files.last().unwrap().file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    let held = format!("{:020}.seg", active + 1);
+    std::fs::create_dir(dir.join(&held)).unwrap();
+    let (queue, _) = SpillQueue::open(&dir, options()).await.unwrap();
+    // Enough to fill the active segment and two more.
+    let fresh: Vec<String> = (0..30).map(|i| format!("fresh {i:04}")).collect();
+    for record in &fresh {
+        queue.append(record.clone()).await.expect("the rotation goes past the directory");
+    }
+    let read = read_all(&queue).await;
+    assert_eq!(read[read.len() - fresh.len()..], fresh[..]);
+    queue.close().await.unwrap();
+    let report = spill::check(&dir, 64).unwrap();
+    assert_eq!(report.not_files, vec![held], "{report:?}");
+    assert_eq!(report.missing_ranges, vec![(active + 1, active + 1)], "{report:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

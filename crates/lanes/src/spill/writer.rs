@@ -465,8 +465,20 @@ impl Writer {
         self.file.trim()?;
         self.unsynced = true;
         self.sync()?;
-        let id = self.active + 1;
-        self.file = create_segment(&*self.storage, id, self.options.segment_size)?;
+        // The next id, past any a non-file entry holds (a directory or symlink named like a
+        // segment: never a segment, and recovery tells it so, not as a lost one).
+        let mut id = self.active + 1;
+        self.file = loop {
+            match create_segment(&*self.storage, id, self.options.segment_size) {
+                Err(err)
+                    if err.kind() == std::io::ErrorKind::AlreadyExists
+                        && self.storage.list_other()?.contains(&segment_name(id)) =>
+                {
+                    id = id.checked_add(1).ok_or(err)?;
+                }
+                made => break made?,
+            }
+        };
         self.active = id;
         self.active_len = SEGMENT_HEADER;
         if let Some((_, file)) = &mut self.syncer {
