@@ -505,6 +505,105 @@ async fn the_writer_moves_past_a_directory_named_like_its_next_segment() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A version 2 state file (36 bytes) at `segment:offset`, naming `last` the highest segment.
+fn state_v2(segment: u64, offset: u64, last: u64) -> Vec<u8> {
+    let mut state = vec![0u8; 36];
+    state[0..4].copy_from_slice(b"LSPQ");
+    state[4..6].copy_from_slice(&2u16.to_le_bytes());
+    state[8..16].copy_from_slice(&segment.to_le_bytes());
+    state[16..24].copy_from_slice(&offset.to_le_bytes());
+    state[24..32].copy_from_slice(&last.to_le_bytes());
+    let crc = crc32c::crc32c(&state[0..32]);
+    state[32..36].copy_from_slice(&crc.to_le_bytes());
+    state
+}
+
+/// Review finding (stop 78): a state file naming a last segment no queue reaches sent the
+/// open's new segment to id u64::MAX, which no segment can follow: the reader wrapped round at
+/// its end (or panicked), and the next open, finding that id foreign, failed for good.
+#[tokio::test]
+async fn a_state_naming_an_impossible_last_segment_is_not_believed() {
+    let dir = fresh_dir();
+    build(&dir).await;
+    // Record 0 was acknowledged: the position is after it, in the first segment.
+    let first = segments(&dir)[0].file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    std::fs::write(dir.join("STATE"), state_v2(first, 16 + FRAME as u64, u64::MAX)).unwrap();
+    for round in 0..2 {
+        let (queue, _) = SpillQueue::open(&dir, options()).await.expect("the open goes on");
+        queue.append(format!("fresh {round}")).await.unwrap();
+        queue.close().await.unwrap();
+    }
+    assert!(!dir.join(format!("{}.seg", u64::MAX)).exists(), "no segment u64::MAX");
+    let (queue, _) = SpillQueue::open(&dir, options()).await.unwrap();
+    let read = read_all(&queue).await;
+    let old: Vec<String> = (1..RECORDS).map(|n| format!("record {n:04}")).collect();
+    assert_eq!(read[..old.len()], old[..]);
+    assert_eq!(read[old.len()..], ["fresh 0".to_owned(), "fresh 1".to_owned()]);
+    queue.close().await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Review finding (stop 78): an open that has to make a new segment writes the state first,
+/// pointing at the new segment's start. Killed before the segment's header was synced, it
+/// left that file blank, which the next recovery took for a lost segment (the position
+/// "pointed into" it), though the state's `last` shows it was never made.
+#[tokio::test]
+async fn a_blank_segment_an_open_was_making_is_not_told_as_lost() {
+    let dir = fresh_dir();
+    build(&dir).await;
+    let files = segments(&dir);
+    let last: u64 = files.last().unwrap().file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    for file in &files {
+        std::fs::remove_file(file).unwrap();
+    }
+    // Everything was acknowledged and deleted; the open moved the position to a new segment.
+    std::fs::write(dir.join("STATE"), state_v2(last + 1, 16, last)).unwrap();
+    std::fs::write(dir.join(format!("{:020}.seg", last + 1)), [0u8; 7]).unwrap();
+    let report = spill::check(&dir, 64).unwrap();
+    assert_eq!((report.bad_segments, report.missing_segments), (1, 0), "{report:?}");
+    let (queue, _) = SpillQueue::open(&dir, options()).await.unwrap();
+    queue.append("fresh").await.unwrap();
+    assert_eq!(read_all(&queue).await, vec!["fresh".to_owned()]);
+    queue.close().await.unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Review finding (stop 78): a segment whose header is damaged was taken for version 2, so a
+/// version 1 segment (written before seals existed) was told as one that lost its seal: a loss
+/// that did not happen, and, once the repair wrote a version 2 header, told by every check.
+/// It is taken for its neighbours' version, and its header is written again in it.
+#[tokio::test]
+async fn a_version_1_segment_with_a_damaged_header_is_not_told_as_a_loss() {
+    let dir = fresh_dir();
+    build(&dir).await;
+    let files = segments(&dir);
+    // Back to version 1: headers say 1, seals go, and the state file is version 1.
+    for file in &files {
+        let mut bytes = std::fs::read(file).unwrap();
+        bytes[4..6].copy_from_slice(&1u16.to_le_bytes());
+        let seal = bytes.len() - 20;
+        if bytes.len() >= 36 && bytes[seal..seal + 4] == 0x8000_0008u32.to_le_bytes() {
+            bytes.truncate(seal);
+        }
+        std::fs::write(file, bytes).unwrap();
+    }
+    let first: u64 = files[0].file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    std::fs::write(dir.join("STATE"), state_bytes(first, 16 + FRAME as u64)).unwrap();
+    assert!(spill::check(&dir, 64).unwrap().is_clean(), "a clean version 1 queue");
+    let mut bytes = std::fs::read(&files[1]).unwrap();
+    bytes[1] ^= 0x40; // inside the magic
+    std::fs::write(&files[1], bytes).unwrap();
+    let report = spill::check(&dir, 64).unwrap();
+    assert_eq!((report.damaged_headers, report.truncated_inside), (1, 0), "{report:?}");
+    let repaired = spill::repair(&dir, 64).unwrap();
+    assert_eq!(repaired.truncated_inside, 0, "{repaired:?}");
+    assert!(spill::check(&dir, 64).unwrap().is_clean(), "repaired");
+    assert_eq!(std::fs::read(&files[1]).unwrap()[4..6], 1u16.to_le_bytes(), "version 1 again");
+    let got = delivered(&dir).await;
+    assert_eq!(got, (1..RECORDS).collect::<BTreeSet<_>>());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Review finding: an open that compacted a segment and was killed before the state file was
 /// written skipped records never acknowledged. The state is now written first.
 mod spill_crash {

@@ -59,9 +59,15 @@ pub(crate) fn segment_id(name: &str) -> Option<u64> {
 
 /// The header of segment `id`.
 pub(crate) fn segment_header(id: u64) -> [u8; SEGMENT_HEADER as usize] {
+    segment_header_of(id, FORMAT_VERSION)
+}
+
+/// The header of segment `id` in format `version` (a repair writes a damaged one again in the
+/// version its segment was written in).
+pub(crate) fn segment_header_of(id: u64, version: u16) -> [u8; SEGMENT_HEADER as usize] {
     let mut header = [0u8; SEGMENT_HEADER as usize];
     header[0..4].copy_from_slice(&SEGMENT_MAGIC);
-    header[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    header[4..6].copy_from_slice(&version.to_le_bytes());
     header[8..16].copy_from_slice(&id.to_le_bytes());
     header
 }

@@ -160,7 +160,7 @@ impl SpillReader {
                 return Some(Plan { segment: cursor.segment, from: cursor.offset, to });
             }
             // The end of this segment: move on if a later one exists.
-            let next = shared.extents.range(cursor.segment + 1..).next()?;
+            let next = shared.extents.range(cursor.segment.checked_add(1)?..).next()?;
             *cursor = Position::start_of(*next.0);
         }
     }

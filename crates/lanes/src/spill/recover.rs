@@ -38,9 +38,10 @@ pub(crate) struct Segment {
     /// Corrupt regions skipped in the middle (file offsets).
     pub(crate) skipped: Vec<(u64, u64)>,
     /// Appends never continue here: the writer moved on from it (it ends with a seal), or it
-    /// was torn while a later segment existed, and is kept as found (its loss stays visible;
-    /// the bytes after its valid end are not the queue's to write over) even once that later
-    /// segment is dropped.
+    /// lost its end after a later segment was made (torn, cut short of its seal, or sealed
+    /// with another length), and is kept as found (its loss stays visible; the bytes after
+    /// its valid end are not the queue's to write over) even once that later segment is
+    /// dropped.
     pub(crate) closed: bool,
 }
 
@@ -74,9 +75,9 @@ pub struct CheckReport {
     pub bad_segment_bytes: u64,
     /// Fully acknowledged segments still on disk, deleted (or to delete).
     pub acknowledged_segments: u64,
-    /// Segment ids missing inside the queue (from the committed segment to the last), or
-    /// present with neither header nor record though the state names them: their records are
-    /// lost.
+    /// Segment ids missing inside the queue (from the committed segment to the last), or present with neither header nor record though the
+    /// state names them, the position points into them, or a segment follows them: their
+    /// records are lost.
     pub missing_segments: u64,
     /// The missing ids as inclusive ranges (the first 16).
     pub missing_ranges: Vec<(u64, u64)>,
@@ -180,14 +181,18 @@ pub(crate) fn recover(
         None
     };
     let stored = state.map(|state| state.committed);
-    let recorded_last = state.and_then(|state| state.last);
+    // A `last` no queue reaches (2^64 - 2 segments) is not believed: a new segment after it
+    // would be u64::MAX, which no segment can follow.
+    let recorded_last = state.and_then(|state| state.last).filter(|last| *last < u64::MAX - 1);
     // The writer names a segment in the state only once its header is synced: a file past
     // every other with neither a header of its own nor a record, that the state neither names
     // nor points into, is a crash's half-made segment, or not the queue's. Foreign: dropped,
     // and told as if it were not there (a gap or a torn segment before it is told as such).
     while let Some(&id) = ids.last() {
+        // (A position at the very start of `id` is where an open that had to make segment
+        // `id` stood: killed before its header was synced, it left it blank.)
         let named = recorded_last.is_some_and(|last| id <= last)
-            || stored.is_some_and(|position| position.segment >= id);
+            || stored.is_some_and(|position| position > Position::start_of(id));
         let name = segment_name(id);
         if named || segment_header_ok(&read_head(storage, &name)?, id) {
             break;
@@ -214,7 +219,9 @@ pub(crate) fn recover(
             committed = Position::start_of(first);
         }
     }
-    // Invariant 4: every id from the committed segment to the last must be there.
+    // Invariant 4: every id from the committed segment to the last must be there. An id a
+    // non-file entry holds is missing too: it may have replaced a segment (nothing tells one
+    // put there from one the writer went past; either way, it is also told as not a file).
     if stored.is_some() && !report.state_invalid {
         let mut expected = committed.segment;
         for &id in ids.iter().filter(|id| **id >= committed.segment) {
@@ -251,6 +258,21 @@ pub(crate) fn recover(
         }
     }
     let last_id = ids.last().copied();
+    // The versions of the segments whose header is intact. One whose header is damaged was
+    // written in the version of its neighbours (the one before it, else the one after it; a
+    // seal is version 2's alone), and a repair writes its header again in that version: so
+    // a version 1 segment is not told as one that lost its seal, before the repair or after.
+    let mut intact = Vec::new();
+    for &id in &ids {
+        if let Some(version) = segment_version(&read_head(storage, &segment_name(id))?, id) {
+            intact.push((id, version));
+        }
+    }
+    let version_near = |id: u64| {
+        let before = intact.iter().rev().find(|(other, _)| *other < id);
+        let after = intact.iter().find(|(other, _)| *other > id);
+        before.or(after).map_or(super::format::FORMAT_VERSION, |(_, version)| *version)
+    };
     // Whether a segment after `id` was made once: the state records the highest id created, and
     // the writer seals a segment before it makes the next. Such a segment is complete when
     // sealed; torn, or unsealed, it lost its end inside the queue, whatever became of the later
@@ -290,6 +312,10 @@ pub(crate) fn recover(
         records_without_state |= !has_state
             && layout.frames > 0
             && segment_version(&head, id) == Some(super::format::FORMAT_VERSION);
+        let version = segment_version(&head, id).unwrap_or_else(|| match layout.seal {
+            Some(_) => super::format::FORMAT_VERSION,
+            None => version_near(id),
+        });
         if !segment_header_ok(&head, id) {
             // Frames check themselves: a damaged header loses the header, not the records.
             if layout.frames == 0 {
@@ -306,7 +332,7 @@ pub(crate) fn recover(
             }
             report.damaged_headers += 1;
             if repair {
-                rewrite(storage, &name, id, |out, piece| {
+                rewrite(storage, &name, id, version, |out, piece| {
                     copy_range(storage, &name, SEGMENT_HEADER, file_len, out, piece)
                 })?
                 .put()?;
@@ -319,16 +345,12 @@ pub(crate) fn recover(
         // open cuts them so appends go on where the data ends.
         let unwritten = layout.len - layout.valid_end - tail;
         // Where the data ends: before the seal, if the writer sealed the segment. A version 2
-        // segment before the last must be sealed, with the data length it records: otherwise
-        // it lost its end (even a cut exactly at a frame boundary shows).
+        // segment after which another was made must be sealed, with the data length it
+        // records: otherwise it lost its end (even a cut exactly at a frame boundary shows).
         let sealed = layout.seal.is_some();
         let data_end = layout.seal.map_or(valid_end, |(start, _)| base + start);
         let seal_lies = layout.seal.is_some_and(|(start, recorded)| recorded != base + start);
-        // A damaged header is told as the version a repair writes in its place, so that a check
-        // after the repair tells the segment as this one does.
-        let version_2 = !segment_header_ok(&head, id)
-            || segment_version(&head, id) == Some(super::format::FORMAT_VERSION);
-        let unsealed_v2 = version_2 && !sealed && later_made(id);
+        let unsealed_v2 = version == super::format::FORMAT_VERSION && !sealed && later_made(id);
         let lost_end = (seal_lies || unsealed_v2) && tail == 0;
         if lost_end {
             report.truncated_inside += 1;
@@ -411,7 +433,7 @@ pub(crate) fn recover(
             // new one is). A committed position in it moves with the frames: to the first frame
             // at or after it, or the new end.
             let (mut moved, mut data_end) = (None, SEGMENT_HEADER);
-            let rewritten = rewrite(storage, &name, id, |out, piece| {
+            let rewritten = rewrite(storage, &name, id, version, |out, piece| {
                 // Frames back to back are copied as one range (a file of tiny records would
                 // otherwise cost a read and a write each).
                 let (mut copied, mut range) = (Ok(()), None::<(u64, u64)>);
@@ -449,7 +471,7 @@ pub(crate) fn recover(
                 // skip records never acknowledged.
                 committed.offset = moved;
                 // No later id yet: one of them may be dropped below (a later write, at the
-                // end, names the last kept).
+                // end, names the highest the queue made).
                 let last = recorded.unwrap_or(0).max(id);
                 storage.write_atomic(STATE, &super::format::encode_state(committed, last))?;
             }
@@ -573,13 +595,14 @@ fn copy_range(
     Ok(())
 }
 
-/// Segment `id` written anew in a file of its own (its header, then what `fill` appends),
+/// Segment `id` written anew in a file of its own (its header in `version`, then what `fill` appends),
 /// synced: [`put`](Rewritten::put) puts it in the segment's place. Memory stays within a
 /// window, however large the segment.
 fn rewrite<'a>(
     storage: &'a dyn Storage,
     name: &str,
     id: u64,
+    version: u16,
     fill: impl FnOnce(&mut dyn AppendFile, &mut Vec<u8>) -> io::Result<()>,
 ) -> io::Result<Rewritten<'a>> {
     let tmp = format!("{name}.tmp");
@@ -588,7 +611,7 @@ fn rewrite<'a>(
         _ => {}
     }
     let mut out = storage.create(&tmp)?;
-    out.append(&super::format::segment_header(id))?;
+    out.append(&super::format::segment_header_of(id, version))?;
     fill(&mut *out, &mut Vec::new())?;
     out.sync()?;
     drop(out);
