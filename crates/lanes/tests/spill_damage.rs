@@ -518,27 +518,59 @@ fn state_v2(segment: u64, offset: u64, last: u64) -> Vec<u8> {
     state
 }
 
-/// Review finding (stop 78): a state file naming a last segment no queue reaches sent the
-/// open's new segment to id u64::MAX, which no segment can follow: the reader wrapped round at
-/// its end (or panicked), and the next open, finding that id foreign, failed for good.
+/// Review findings (stop 78, two looks): a state file naming a last segment no queue reaches
+/// (u64::MAX, then u64::MAX - 2 once that was refused) sent the open's new segment, or the
+/// writer's next, to id u64::MAX, which no segment can follow: the reader wrapped round at its
+/// end (or panicked), and the next open, finding that id foreign, failed for good. Ids from
+/// 2^63 on are no queue's: such a `last` is not believed.
 #[tokio::test]
 async fn a_state_naming_an_impossible_last_segment_is_not_believed() {
-    let dir = fresh_dir();
-    build(&dir).await;
-    // Record 0 was acknowledged: the position is after it, in the first segment.
-    let first = segments(&dir)[0].file_stem().unwrap().to_str().unwrap().parse().unwrap();
-    std::fs::write(dir.join("STATE"), state_v2(first, 16 + FRAME as u64, u64::MAX)).unwrap();
-    for round in 0..2 {
-        let (queue, _) = SpillQueue::open(&dir, options()).await.expect("the open goes on");
-        queue.append(format!("fresh {round}")).await.unwrap();
+    for impossible in [u64::MAX, u64::MAX - 2, 1 << 63] {
+        let dir = fresh_dir();
+        build(&dir).await;
+        // Record 0 was acknowledged: the position is after it, in the first segment.
+        let first = segments(&dir)[0].file_stem().unwrap().to_str().unwrap().parse().unwrap();
+        let state = state_v2(first, 16 + FRAME as u64, impossible);
+        std::fs::write(dir.join("STATE"), state).unwrap();
+        let mut fresh = Vec::new();
+        for round in 0..2 {
+            let (queue, _) = SpillQueue::open(&dir, options()).await.expect("the open goes on");
+            // Enough to move on to a next segment.
+            for i in 0..12 {
+                fresh.push(format!("fresh {round}.{i:02}"));
+                queue.append(fresh.last().unwrap().clone()).await.unwrap();
+            }
+            queue.close().await.unwrap();
+        }
+        let files = segments(&dir);
+        let high = files.iter().filter_map(|p| p.file_stem()?.to_str()?.parse().ok());
+        assert!(high.max().is_some_and(|id: u64| id < 1 << 63), "{impossible}");
+        let (queue, _) = SpillQueue::open(&dir, options()).await.unwrap();
+        let read = read_all(&queue).await;
+        let old: Vec<String> = (1..RECORDS).map(|n| format!("record {n:04}")).collect();
+        assert_eq!(read[..old.len()], old[..], "{impossible}");
+        assert_eq!(read[old.len()..], fresh[..], "{impossible}");
         queue.close().await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
-    assert!(!dir.join(format!("{}.seg", u64::MAX)).exists(), "no segment u64::MAX");
-    let (queue, _) = SpillQueue::open(&dir, options()).await.unwrap();
-    let read = read_all(&queue).await;
-    let old: Vec<String> = (1..RECORDS).map(|n| format!("record {n:04}")).collect();
-    assert_eq!(read[..old.len()], old[..]);
-    assert_eq!(read[old.len()..], ["fresh 0".to_owned(), "fresh 1".to_owned()]);
+}
+
+/// Review finding (stop 78, second look): a state in an empty directory whose position was in
+/// segment u64::MAX had the open make that segment, and the first rotation overflowed. Such a
+/// position shows nothing acknowledged.
+#[tokio::test]
+async fn a_state_pointing_at_an_impossible_segment_is_not_believed() {
+    let dir = fresh_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("STATE"), state_v2(u64::MAX, 16, 0)).unwrap();
+    let report = spill::check(&dir, 64).unwrap();
+    assert!(report.state_invalid, "{report:?}");
+    let (queue, _) = SpillQueue::open(&dir, options()).await.expect("the open goes on");
+    let fresh: Vec<String> = (0..24).map(|i| format!("fresh {i:04}")).collect();
+    for record in &fresh {
+        queue.append(record.clone()).await.unwrap();
+    }
+    assert_eq!(read_all(&queue).await, fresh);
     queue.close().await.unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -601,6 +633,34 @@ async fn a_version_1_segment_with_a_damaged_header_is_not_told_as_a_loss() {
     assert_eq!(std::fs::read(&files[1]).unwrap()[4..6], 1u16.to_le_bytes(), "version 1 again");
     let got = delivered(&dir).await;
     assert_eq!(got, (1..RECORDS).collect::<BTreeSet<_>>());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Review finding (stop 78, second look): a queue upgraded from version 1 keeps appending to
+/// its last version 1 segment and seals it when it moves on, then writes version 2 segments.
+/// The segment after that seal, its header damaged, was taken for version 1 like the one
+/// before it, so its lost seal (its end cut off) went untold. Only a version 2 writer seals:
+/// the segment after a seal is version 2.
+#[tokio::test]
+async fn a_damaged_header_after_an_upgraded_segment_is_version_2() {
+    let dir = fresh_dir();
+    let places = build(&dir).await;
+    let files = segments(&dir);
+    // The first segment: a version 1 header, sealed by the upgraded writer.
+    let mut bytes = std::fs::read(&files[0]).unwrap();
+    bytes[4..6].copy_from_slice(&1u16.to_le_bytes());
+    std::fs::write(&files[0], bytes).unwrap();
+    // The second: its end cut at a frame boundary (its seal gone), its header damaged.
+    apply(
+        &dir,
+        &places,
+        &[Damage::CutAtBoundary { segment: 1, frame: 2 }, Damage::Flip { segment: 1, offset: 1 }],
+    );
+    let report = spill::check(&dir, 64).unwrap();
+    assert_eq!((report.damaged_headers, report.truncated_inside), (1, 1), "{report:?}");
+    spill::repair(&dir, 64).unwrap();
+    assert_eq!(std::fs::read(&files[1]).unwrap()[4..6], 2u16.to_le_bytes(), "version 2");
+    assert_eq!(spill::check(&dir, 64).unwrap().truncated_inside, 1, "still told");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -29,6 +29,10 @@ use super::format::{
 use super::frame;
 use super::storage::{AppendFile, Storage};
 
+/// The first segment id no queue reaches: files with ids from here on are foreign, and a state
+/// pointing there is not believed. Far below `u64::MAX`, so every id a queue uses has a next.
+const ID_LIMIT: u64 = 1 << 63;
+
 /// One segment, as recovery found it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Segment {
@@ -75,9 +79,9 @@ pub struct CheckReport {
     pub bad_segment_bytes: u64,
     /// Fully acknowledged segments still on disk, deleted (or to delete).
     pub acknowledged_segments: u64,
-    /// Segment ids missing inside the queue (from the committed segment to the last), or present with neither header nor record though the
-    /// state names them, the position points into them, or a segment follows them: their
-    /// records are lost.
+    /// Segment ids missing inside the queue (from the committed segment to the last), or
+    /// present with neither header nor record though the state names them, the position
+    /// points into them, or a segment follows them: their records are lost.
     pub missing_segments: u64,
     /// The missing ids as inclusive ranges (the first 16).
     pub missing_ranges: Vec<(u64, u64)>,
@@ -149,10 +153,11 @@ pub(crate) fn recover(
         CheckReport { not_files: others.into_iter().take(16).collect(), ..CheckReport::default() };
     let mut ids: Vec<u64> = names.iter().filter_map(|n| segment_id(n)).collect();
     ids.sort_unstable();
-    // No segment can follow u64::MAX: such a file is not one the writer made.
-    if ids.last() == Some(&u64::MAX) {
+    // No queue makes 2^63 segments: a file with an id that high is not one the writer made
+    // (and every id a queue uses has a successor to move to).
+    while let Some(&id) = ids.last().filter(|id| **id >= ID_LIMIT) {
         ids.pop();
-        let name = segment_name(u64::MAX);
+        let name = segment_name(id);
         let len = storage.len(&name)?;
         report.bad_segments += 1;
         report.bad_segment_bytes += len;
@@ -181,9 +186,8 @@ pub(crate) fn recover(
         None
     };
     let stored = state.map(|state| state.committed);
-    // A `last` no queue reaches (2^64 - 2 segments) is not believed: a new segment after it
-    // would be u64::MAX, which no segment can follow.
-    let recorded_last = state.and_then(|state| state.last).filter(|last| *last < u64::MAX - 1);
+    // A `last` no queue reaches is not believed.
+    let recorded_last = state.and_then(|state| state.last).filter(|last| *last < ID_LIMIT);
     // The writer names a segment in the state only once its header is synced: a file past
     // every other with neither a header of its own nor a record, that the state neither names
     // nor points into, is a crash's half-made segment, or not the queue's. Foreign: dropped,
@@ -210,6 +214,11 @@ pub(crate) fn recover(
     }
     let first = ids.first().copied().unwrap_or(1);
     let mut committed = stored.unwrap_or_else(|| Position::start_of(first));
+    // Nor a position in a segment no queue reaches (it shows nothing acknowledged).
+    if committed.segment >= ID_LIMIT {
+        report.state_invalid = true;
+        committed = Position::start_of(first);
+    }
     // Invariant 3: a state past the last segment (other than the start of the next one, where
     // a reader that finished the last segment stands) shows nothing acknowledged.
     if let (Some(_), Some(&last)) = (stored, ids.last()) {
@@ -259,9 +268,10 @@ pub(crate) fn recover(
     }
     let last_id = ids.last().copied();
     // The versions of the segments whose header is intact. One whose header is damaged was
-    // written in the version of its neighbours (the one before it, else the one after it; a
-    // seal is version 2's alone), and a repair writes its header again in that version: so
-    // a version 1 segment is not told as one that lost its seal, before the repair or after.
+    // written in version 2 if it is sealed or follows a sealed one (only a version 2 writer
+    // seals), else in the version of the nearest intact one before it (else after it; else
+    // 2), and a repair writes its header again in that version: so a version 1 segment is not
+    // told as one that lost its seal, before the repair or after.
     let mut intact = Vec::new();
     for &id in &ids {
         if let Some(version) = segment_version(&read_head(storage, &segment_name(id))?, id) {
@@ -283,6 +293,8 @@ pub(crate) fn recover(
     let mut segments = Vec::new();
     // The highest id of a segment with neither header nor record that was the queue's.
     let mut lost_blank: Option<u64> = None;
+    // The last segment read that ends with a seal.
+    let mut prev_sealed: Option<u64> = None;
     // A version 2 queue writes its state file when it opens, before any append: records with
     // no state file beside them lost it (and with it what was acknowledged, and the last id).
     let mut records_without_state = false;
@@ -312,9 +324,14 @@ pub(crate) fn recover(
         records_without_state |= !has_state
             && layout.frames > 0
             && segment_version(&head, id) == Some(super::format::FORMAT_VERSION);
-        let version = segment_version(&head, id).unwrap_or_else(|| match layout.seal {
-            Some(_) => super::format::FORMAT_VERSION,
-            None => version_near(id),
+        // Only a version 2 writer seals, and it makes the next segment in version 2.
+        let after_a_seal = prev_sealed.is_some_and(|prev| prev.checked_add(1) == Some(id));
+        let version = segment_version(&head, id).unwrap_or_else(|| {
+            if layout.seal.is_some() || after_a_seal {
+                super::format::FORMAT_VERSION
+            } else {
+                version_near(id)
+            }
         });
         if !segment_header_ok(&head, id) {
             // Frames check themselves: a damaged header loses the header, not the records.
@@ -348,6 +365,9 @@ pub(crate) fn recover(
         // segment after which another was made must be sealed, with the data length it
         // records: otherwise it lost its end (even a cut exactly at a frame boundary shows).
         let sealed = layout.seal.is_some();
+        if sealed {
+            prev_sealed = Some(id);
+        }
         let data_end = layout.seal.map_or(valid_end, |(start, _)| base + start);
         let seal_lies = layout.seal.is_some_and(|(start, recorded)| recorded != base + start);
         let unsealed_v2 = version == super::format::FORMAT_VERSION && !sealed && later_made(id);
@@ -595,7 +615,8 @@ fn copy_range(
     Ok(())
 }
 
-/// Segment `id` written anew in a file of its own (its header in `version`, then what `fill` appends),
+/// Segment `id` written anew in a file of its own (its header in `version`, then what `fill`
+/// appends),
 /// synced: [`put`](Rewritten::put) puts it in the segment's place. Memory stays within a
 /// window, however large the segment.
 fn rewrite<'a>(
