@@ -67,8 +67,8 @@
 //! gone while Redis kept its state, removed by another client, is defined again only by a
 //! client that defined it itself; to one that only read it, it is unknown); one a restarted
 //! Redis still knows (from a snapshot or an append-only file, which may lag) holds them the
-//! same way from the first call after the restart, and its fencing tokens go on past the
-//! clock. A limit made new on a Redis that began serving less than the longest lease ago is
+//! same way, from the server's start (the first call after the restart finds it), and its
+//! fencing tokens go on past the clock. A limit made new on a Redis that began serving less than the longest lease ago is
 //! held until then too (a client that never knew the old epoch defines it anew, and nothing
 //! tells a new Redis from an emptied one): a fresh Redis grants nothing on a new limit in its
 //! first lease, and up to a second more (its uptime counts whole seconds, and may read a

@@ -138,18 +138,20 @@ local function run_id()
   return boot
 end
 
--- Since when this server may have served the limit: no earlier than its start, or now if it
--- was promoted from a replica (it began serving at the promotion, which nothing dates) or
--- `INFO` cannot be read. Its uptime is the difference of two whole-second clocks, the start's
--- and now's, so it reads up to a second more than the time served: a start at 12.99 s read at
--- 13.01 s is 1. The start is taken a second after what the uptime says (never after now).
+-- Since when this server may have served the limit: no earlier than its start, or now if
+-- `second_repl_offset` is set (it was promoted from a replica, and began serving at the
+-- promotion, which nothing dates; or it loaded replication data with its snapshot) or `INFO`
+-- cannot be read. Its uptime is the difference of two whole-second clocks, its start's
+-- (`stat_starttime`) and the last command's, never later than now's second: so the start's
+-- second is at most now's minus the uptime, and the start is before the second after that (a
+-- start at 12.99 s read at 13.01 s says 1: the start is before 13 s). Never after now.
 local function serving_since(now)
   local server, repl = redis.pcall('INFO', 'server'), redis.pcall('INFO', 'replication')
   if type(server) ~= 'string' or type(repl) ~= 'string' then return now end
   if string.match(repl, 'second_repl_offset:(%-?%d+)') ~= '-1' then return now end
   local uptime = tonumber(string.match(server, 'uptime_in_seconds:(%d+)') or '')
   if not uptime then return now end
-  return now - math.max(uptime - 1, 0) * 1000000
+  return math.min(now, (math.floor(now / 1000000) - uptime + 1) * 1000000)
 end
 
 -- The limit was last written by another run of this server: it restarted, and may have come

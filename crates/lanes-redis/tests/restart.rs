@@ -133,8 +133,9 @@ async fn a_restart_from_a_snapshot_that_lags_holds_grants_and_tokens_grow() {
 /// server's uptime is the difference of two whole-second clocks. A server started at 12.99 s
 /// and asked at 13.01 s reports 1 s, and the hold after the restart, taken from the start it
 /// gave, ended 400 ms before it began: C was granted at once, while A, which had not yet heard,
-/// still believed it held the one permit. The start is now taken a second after the uptime
-/// says.
+/// still believed it held the one permit. The start is now taken as the second after the one
+/// the uptime gives. (Here A's lease may have ended before the restart, the helper waiting
+/// for its moment: the test holds the hold's length, from the server's start.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_late_in_a_second_holds_grants_for_the_whole_lease() {
     let mut redis = DedicatedRedis::start_with_snapshots();
@@ -152,10 +153,11 @@ async fn a_restart_late_in_a_second_holds_grants_for_the_whole_lease() {
     redis.save(); // the limit, free
     let held = la.acquire("db", Priority::default()).await.unwrap();
     redis.restart_late_in_a_second();
+    // The server started at most 120 ms before this: no grant before its start + LEASE.
     let asked = Instant::now();
     let granted = granted_when_back(&lc, Priority::default()).await;
     let took = asked.elapsed();
-    assert!(took >= LEASE - Duration::from_millis(100), "the hold kept grants back: {took:?}");
+    assert!(took >= LEASE - Duration::from_millis(150), "the hold kept grants back: {took:?}");
     assert!(granted.fencing_token() > held.fencing_token());
 }
 
@@ -166,12 +168,15 @@ async fn a_restart_late_in_a_second_holds_grants_for_the_whole_lease() {
 async fn a_limit_defined_just_after_a_start_late_in_a_second_is_held() {
     let mut redis = DedicatedRedis::start();
     redis.restart_late_in_a_second();
+    // The server started at most 120 ms before this (and 20 ms after the second's end): no
+    // grant before its start + LEASE. (A define that lands two seconds after the start, on a
+    // slow machine, is rightly not held, and is granted past that all the same.)
+    let started = Instant::now();
     let limits = Limits::with_backend(client(&redis).await);
-    let asked = Instant::now();
     limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
     let _granted = granted_when_back(&limits, Priority::default()).await;
-    let took = asked.elapsed();
-    assert!(took >= LEASE - Duration::from_millis(100), "the hold kept grants back: {took:?}");
+    let took = started.elapsed();
+    assert!(took >= LEASE - Duration::from_millis(150), "the hold kept grants back: {took:?}");
 }
 
 /// Review finding (stop 72, second look): the hold after a restart that kept a limit ran from
