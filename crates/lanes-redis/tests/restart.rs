@@ -25,6 +25,18 @@ async fn client(redis: &DedicatedRedis) -> RedisLimits {
         .expect("the dedicated redis-server answers")
 }
 
+/// A client like [`client`]'s that renews nothing (its permits lapse after `LEASE`).
+async fn quiet(redis: &DedicatedRedis) -> RedisLimits {
+    RedisLimits::builder(redis.url())
+        .namespace("restart")
+        .op_timeout(Duration::from_millis(200))
+        .lease(LEASE)
+        .auto_renew(false)
+        .build()
+        .await
+        .unwrap()
+}
+
 /// A permit of "db" at `priority`, asked again until granted (within 10 s): while Redis
 /// is away or comes back, an ask may fail for want of Redis (or of the limit, before a client
 /// that knows it defines it again).
@@ -140,15 +152,8 @@ async fn a_restart_from_a_snapshot_that_lags_holds_grants_and_tokens_grow() {
 async fn a_restart_late_in_a_second_holds_grants_for_the_whole_lease() {
     let mut redis = DedicatedRedis::start_with_snapshots();
     // A renews nothing: C's ask is the first call on the limit after the restart.
-    let quiet = RedisLimits::builder(redis.url())
-        .namespace("restart")
-        .op_timeout(Duration::from_millis(200))
-        .lease(LEASE)
-        .auto_renew(false)
-        .build()
-        .await
-        .unwrap();
-    let (la, lc) = (Limits::with_backend(quiet), Limits::with_backend(client(&redis).await));
+    let (la, lc) =
+        (Limits::with_backend(quiet(&redis).await), Limits::with_backend(client(&redis).await));
     la.define("db", LimitSpec::concurrent(1)).await.unwrap();
     redis.save(); // the limit, free
     let held = la.acquire("db", Priority::default()).await.unwrap();
@@ -186,15 +191,8 @@ async fn a_limit_defined_just_after_a_start_late_in_a_second_is_held() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hold_after_a_restart_runs_from_the_restart() {
     let mut redis = DedicatedRedis::start_with_snapshots();
-    let quiet = RedisLimits::builder(redis.url())
-        .namespace("restart")
-        .op_timeout(Duration::from_millis(200))
-        .lease(LEASE)
-        .auto_renew(false)
-        .build()
-        .await
-        .unwrap();
-    let (la, lc) = (Limits::with_backend(quiet), Limits::with_backend(client(&redis).await));
+    let (la, lc) =
+        (Limits::with_backend(quiet(&redis).await), Limits::with_backend(client(&redis).await));
     la.define("db", LimitSpec::concurrent(1)).await.unwrap();
     redis.save();
     let held = la.acquire("db", Priority::default()).await.unwrap();

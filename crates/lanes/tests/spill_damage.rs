@@ -57,6 +57,11 @@ fn segments(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
+/// The id of segment file `path`.
+fn id_of(path: &Path) -> u64 {
+    path.file_stem().unwrap().to_str().unwrap().parse().expect("a segment id")
+}
+
 /// Where record `n` lives: (segment index, frame start, frame end).
 type Places = Vec<(usize, usize, usize)>;
 
@@ -355,6 +360,20 @@ async fn a_record_larger_than_the_reopened_max_record_is_still_read() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Builds the queue, then drops its last segment (cut inside its first frame, then its header
+/// damaged) and tears the one before it inside its first frame (kept as found). Answers the
+/// records touched.
+async fn tear_before_a_dropped_last(dir: &Path) -> BTreeSet<usize> {
+    let places = build(dir).await;
+    let last = segments(dir).len() - 1;
+    let damages = [
+        Damage::CutInsideFrame { segment: last, frame: 0, into: 1 },
+        Damage::CutInsideFrame { segment: last - 1, frame: 0, into: 1 },
+        Damage::Flip { segment: last, offset: 0 },
+    ];
+    apply(dir, &places, &damages)
+}
+
 /// Found by the property test above in CI (stop 77; its seed is in the regressions file): a
 /// segment torn while a later one existed is kept as found, its loss visible. When that later
 /// segment was dropped too (its header damaged, no record left), the torn one became the last,
@@ -364,16 +383,7 @@ async fn a_record_larger_than_the_reopened_max_record_is_still_read() {
 #[tokio::test]
 async fn a_torn_segment_left_last_by_a_dropped_one_is_not_appended_to() {
     let dir = fresh_dir();
-    let places = build(&dir).await;
-    let last = segments(&dir).len() - 1;
-    let damages = [
-        // The last segment cut inside its first frame, then its header damaged: dropped.
-        Damage::CutInsideFrame { segment: last, frame: 0, into: 1 },
-        // The one before it torn inside its first frame: kept as found.
-        Damage::CutInsideFrame { segment: last - 1, frame: 0, into: 1 },
-        Damage::Flip { segment: last, offset: 0 },
-    ];
-    let touched = apply(&dir, &places, &damages);
+    let touched = tear_before_a_dropped_last(&dir).await;
     assert!(!spill::check(&dir, 64).unwrap().is_clean());
     let got = delivered(&dir).await;
     let untouched: BTreeSet<usize> = (1..RECORDS).filter(|n| !touched.contains(n)).collect();
@@ -394,17 +404,7 @@ async fn a_torn_segment_left_last_by_a_dropped_one_is_not_appended_to() {
 #[tokio::test]
 async fn a_repair_tells_a_segment_torn_inside_the_queue_the_same_way_every_time() {
     let dir = fresh_dir();
-    let places = build(&dir).await;
-    let last = segments(&dir).len() - 1;
-    apply(
-        &dir,
-        &places,
-        &[
-            Damage::CutInsideFrame { segment: last, frame: 0, into: 1 },
-            Damage::CutInsideFrame { segment: last - 1, frame: 0, into: 1 },
-            Damage::Flip { segment: last, offset: 0 },
-        ],
-    );
+    tear_before_a_dropped_last(&dir).await;
     let repaired = spill::repair(&dir, 64).unwrap();
     assert_eq!((repaired.truncated_inside, repaired.missing_segments), (1, 1), "{repaired:?}");
     let after = spill::check(&dir, 64).unwrap();
@@ -447,22 +447,10 @@ async fn a_segment_cut_at_a_frame_boundary_stays_told_after_an_open() {
 #[tokio::test]
 async fn a_directory_named_like_the_next_segment_does_not_stop_an_open() {
     let dir = fresh_dir();
-    let places = build(&dir).await;
-    let files = segments(&dir);
-    let last = files.len() - 1;
     // The last segment dropped and the one before it torn: the open must make a new segment.
-    apply(
-        &dir,
-        &places,
-        &[
-            Damage::CutInsideFrame { segment: last, frame: 0, into: 1 },
-            Damage::CutInsideFrame { segment: last - 1, frame: 0, into: 1 },
-            Damage::Flip { segment: last, offset: 0 },
-        ],
-    );
+    tear_before_a_dropped_last(&dir).await;
     let name = |id: u64| format!("{id:020}.seg");
-    let last_id: u64 =
-        files[last].file_stem().unwrap().to_str().unwrap().parse().expect("a segment id");
+    let last_id = id_of(segments(&dir).last().unwrap());
     std::fs::create_dir(dir.join(name(last_id + 1))).unwrap();
     let (queue, report) = SpillQueue::open(&dir, options()).await.expect("the open goes on");
     assert_eq!(report.not_files, vec![name(last_id + 1)], "{report:?}");
@@ -487,7 +475,7 @@ async fn the_writer_moves_past_a_directory_named_like_its_next_segment() {
     let dir = fresh_dir();
     build(&dir).await;
     let files = segments(&dir);
-    let active: u64 = files.last().unwrap().file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    let active = id_of(files.last().unwrap());
     let held = format!("{:020}.seg", active + 1);
     std::fs::create_dir(dir.join(&held)).unwrap();
     let (queue, _) = SpillQueue::open(&dir, options()).await.unwrap();
@@ -529,7 +517,7 @@ async fn a_state_naming_an_impossible_last_segment_is_not_believed() {
         let dir = fresh_dir();
         build(&dir).await;
         // Record 0 was acknowledged: the position is after it, in the first segment.
-        let first = segments(&dir)[0].file_stem().unwrap().to_str().unwrap().parse().unwrap();
+        let first = id_of(&segments(&dir)[0]);
         let state = state_v2(first, 16 + FRAME as u64, impossible);
         std::fs::write(dir.join("STATE"), state).unwrap();
         let mut fresh = Vec::new();
@@ -542,9 +530,8 @@ async fn a_state_naming_an_impossible_last_segment_is_not_believed() {
             }
             queue.close().await.unwrap();
         }
-        let files = segments(&dir);
-        let high = files.iter().filter_map(|p| p.file_stem()?.to_str()?.parse().ok());
-        assert!(high.max().is_some_and(|id: u64| id < 1 << 63), "{impossible}");
+        let high = segments(&dir).iter().map(|path| id_of(path)).max();
+        assert!(high.is_some_and(|id| id < 1 << 63), "{impossible}");
         let (queue, _) = SpillQueue::open(&dir, options()).await.unwrap();
         let read = read_all(&queue).await;
         let old: Vec<String> = (1..RECORDS).map(|n| format!("record {n:04}")).collect();
@@ -584,7 +571,7 @@ async fn a_blank_segment_an_open_was_making_is_not_told_as_lost() {
     let dir = fresh_dir();
     build(&dir).await;
     let files = segments(&dir);
-    let last: u64 = files.last().unwrap().file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    let last = id_of(files.last().unwrap());
     for file in &files {
         std::fs::remove_file(file).unwrap();
     }
@@ -619,7 +606,7 @@ async fn a_version_1_segment_with_a_damaged_header_is_not_told_as_a_loss() {
         }
         std::fs::write(file, bytes).unwrap();
     }
-    let first: u64 = files[0].file_stem().unwrap().to_str().unwrap().parse().unwrap();
+    let first = id_of(&files[0]);
     std::fs::write(dir.join("STATE"), state_bytes(first, 16 + FRAME as u64)).unwrap();
     assert!(spill::check(&dir, 64).unwrap().is_clean(), "a clean version 1 queue");
     let mut bytes = std::fs::read(&files[1]).unwrap();
