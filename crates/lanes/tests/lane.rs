@@ -2065,3 +2065,59 @@ async fn a_limited_run_cancelled_while_waiting_for_its_permit_never_starts() {
     let work = &lanes.snapshot().lanes[0];
     assert_eq!((work.executing, work.queued, work.owned), (0, 0, 0));
 }
+
+/// Stop 77's note left this open: a job's future is pinned in its run's frame, so a job that
+/// ignores its cancellation and is abandoned at the drain timeout is dropped there, and a
+/// `Drop` that panics then unwound through the run. The run still ends poisoned, exactly once,
+/// and the set drains.
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_job_whose_drop_panics_still_ends_poisoned() {
+    struct PanicsOnDrop;
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            if !std::thread::panicking() {
+                panic!("the job's future panics as it is dropped");
+            }
+        }
+    }
+    let lanes = set(&[("blocking", 1, 2)]);
+    let stuck = Run::typed(move |_cx| async move {
+        let _guard = PanicsOnDrop;
+        // Ignores cancellation entirely.
+        sleep(Duration::from_secs(3600)).await;
+        Res::Ok(1)
+    })
+    .execution_timeout(Duration::from_secs(1));
+    let stuck = lanes.run("blocking", stuck).unwrap();
+    let err = stuck.await.unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Execution, Reason::Poisoned));
+    tokio::time::timeout(Duration::from_secs(60), lanes.drained()).await.expect("drains");
+}
+
+/// The same for a finalizer abandoned at the finalization timeout: its future, pinned in the
+/// run's frame, panicked as it was dropped, through the run. The run ends with the
+/// finalizer's timeout as its cause, and later runs go on.
+#[tokio::test(start_paused = true)]
+async fn an_abandoned_finalizer_whose_drop_panics_still_ends_the_run() {
+    struct PanicsOnDrop;
+    impl Drop for PanicsOnDrop {
+        fn drop(&mut self) {
+            if !std::thread::panicking() {
+                panic!("the finalizer's future panics as it is dropped");
+            }
+        }
+    }
+    // The set's finalization timeout is 1 s.
+    let lanes = set(&[("blocking", 1, 2)]);
+    let run = Run::typed(|_cx| async { Res::Ok(1) }).finalizer(|outcome| async move {
+        let _guard = PanicsOnDrop;
+        sleep(Duration::from_secs(3600)).await;
+        outcome.map(|_| ())
+    });
+    let err = lanes.run("blocking", run).unwrap().await.unwrap_err();
+    assert_eq!((err.stage(), err.reason()), (Stage::Finalization, Reason::Finalizer));
+    let timeout = err.cause().unwrap().downcast_ref::<TimeoutError>().expect("a timeout");
+    assert_eq!(timeout.after(), Duration::from_secs(1));
+    let next = lanes.run("blocking", Run::typed(|_cx| async { Res::Ok(2) })).unwrap();
+    assert_eq!(next.await.unwrap(), 2);
+}

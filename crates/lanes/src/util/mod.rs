@@ -121,18 +121,29 @@ impl Contained<metrics::Histogram> {
 
 pin_project_lite::pin_project! {
     /// Polls `inner`, turning a panic into [`Panicked`]. After a panic the inner future is never
-    /// polled again.
+    /// polled again. Dropped, it drops `inner` in place with a panicking `Drop` contained: a
+    /// future abandoned before its end (a run's job at the drain timeout, a callback past its
+    /// limit) is pinned in its caller's frame, and its panic would unwind through the caller.
     #[derive(Debug)]
     pub(crate) struct CatchUnwind<F> {
         #[pin]
-        inner: F,
+        inner: Option<F>,
         panicked: bool,
+    }
+
+    impl<F> PinnedDrop for CatchUnwind<F> {
+        fn drop(this: Pin<&mut Self>) {
+            let mut inner = this.project().inner;
+            if inner.is_some() {
+                let _ = call_contained(move || inner.set(None));
+            }
+        }
     }
 }
 
 impl<F> CatchUnwind<F> {
     pub(crate) fn new(inner: F) -> Self {
-        Self { inner, panicked: false }
+        Self { inner: Some(inner), panicked: false }
     }
 }
 
@@ -141,10 +152,9 @@ impl<F: Future> Future for CatchUnwind<F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        if *this.panicked {
+        let Some(inner) = this.inner.as_pin_mut().filter(|_| !*this.panicked) else {
             return Poll::Ready(Err(Panicked));
-        }
-        let inner = this.inner;
+        };
         match call_contained(move || inner.poll(cx)) {
             Ok(Poll::Ready(value)) => Poll::Ready(Ok(value)),
             Ok(Poll::Pending) => Poll::Pending,
