@@ -267,11 +267,11 @@ pub(crate) fn recover(
         }
     }
     let last_id = ids.last().copied();
-    // The versions of the segments whose header is intact. One whose header is damaged was
-    // written in version 2 if it is sealed or follows a sealed one (only a version 2 writer
-    // seals), else in the version of the nearest intact one before it (else after it; else
-    // 2), and a repair writes its header again in that version: so a version 1 segment is not
-    // told as one that lost its seal, before the repair or after.
+    // The versions of the segments whose header is intact (each header is read once, here).
+    // One whose header is damaged was written in version 2 if it is sealed or follows a sealed
+    // one (only a version 2 writer seals), else in the version of the nearest intact one
+    // before it (else after it; else 2), and a repair writes its header again in that version:
+    // so a version 1 segment is not told as one that lost its seal, before the repair or after.
     let mut intact = Vec::new();
     for &id in &ids {
         if let Some(version) = segment_version(&read_head(storage, &segment_name(id))?, id) {
@@ -309,7 +309,8 @@ pub(crate) fn recover(
         }
         // Read a window at a time, never whole: a segment file can be as large as the disk.
         let file_len = storage.len(&name)?;
-        let head = read_head(storage, &name)?;
+        // Its header's version, if the header is its own (read above).
+        let own = intact.binary_search_by_key(&id, |(other, _)| *other).ok().map(|at| intact[at].1);
         // What the committed position needs to know of this segment's frames, gathered by the
         // scan (it keeps no list of them).
         let mut tally = Tally::new(
@@ -321,19 +322,18 @@ pub(crate) fn recover(
         // whatever `max_record` the caller gives, so a repair never drops one written under a
         // larger setting.
         let layout = scan_segment(storage, &name, file_len, |start, len| tally.see(start, len))?;
-        records_without_state |= !has_state
-            && layout.frames > 0
-            && segment_version(&head, id) == Some(super::format::FORMAT_VERSION);
+        records_without_state |=
+            !has_state && layout.frames > 0 && own == Some(super::format::FORMAT_VERSION);
         // Only a version 2 writer seals, and it makes the next segment in version 2.
         let after_a_seal = prev_sealed.is_some_and(|prev| prev.checked_add(1) == Some(id));
-        let version = segment_version(&head, id).unwrap_or_else(|| {
+        let version = own.unwrap_or_else(|| {
             if layout.seal.is_some() || after_a_seal {
                 super::format::FORMAT_VERSION
             } else {
                 version_near(id)
             }
         });
-        if !segment_header_ok(&head, id) {
+        if own.is_none() {
             // Frames check themselves: a damaged header loses the header, not the records.
             if layout.frames == 0 {
                 // Not a half-made file (those were set apart above): the state names it, or a
@@ -538,8 +538,7 @@ pub(crate) fn recover(
     // Past the ids the state names and those kept. A foreign file dropped past them (a crash's
     // half-made segment) leaves its id free: taking the next one would leave a gap that later
     // checks report as lost.
-    let named = last_made.unwrap_or(0);
-    let next_id = free(committed.segment.max(named.saturating_add(1)));
+    let next_id = free(committed.segment.max(last_made.unwrap_or(0).saturating_add(1)));
     if let Some(segment) = segments.iter().find(|s| s.id == committed.segment)
         && committed.offset > segment.valid_end
     {
@@ -616,9 +615,8 @@ fn copy_range(
 }
 
 /// Segment `id` written anew in a file of its own (its header in `version`, then what `fill`
-/// appends),
-/// synced: [`put`](Rewritten::put) puts it in the segment's place. Memory stays within a
-/// window, however large the segment.
+/// appends), synced: [`put`](Rewritten::put) puts it in the segment's place. Memory stays
+/// within a window, however large the segment.
 fn rewrite<'a>(
     storage: &'a dyn Storage,
     name: &str,
