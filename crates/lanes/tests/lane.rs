@@ -2066,20 +2066,23 @@ async fn a_limited_run_cancelled_while_waiting_for_its_permit_never_starts() {
     assert_eq!((work.executing, work.queued, work.owned), (0, 0, 0));
 }
 
+/// Held by a future that panics when it is dropped before its end.
+struct PanicsOnDrop;
+
+impl Drop for PanicsOnDrop {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            panic!("a future panics as it is dropped");
+        }
+    }
+}
+
 /// Stop 77's note left this open: a job's future is pinned in its run's frame, so a job that
 /// ignores its cancellation and is abandoned at the drain timeout is dropped there, and a
 /// `Drop` that panics then unwound through the run. The run still ends poisoned, exactly once,
 /// and the set drains.
 #[tokio::test(start_paused = true)]
 async fn an_abandoned_job_whose_drop_panics_still_ends_poisoned() {
-    struct PanicsOnDrop;
-    impl Drop for PanicsOnDrop {
-        fn drop(&mut self) {
-            if !std::thread::panicking() {
-                panic!("the job's future panics as it is dropped");
-            }
-        }
-    }
     let lanes = set(&[("blocking", 1, 2)]);
     let stuck = Run::typed(move |_cx| async move {
         let _guard = PanicsOnDrop;
@@ -2099,14 +2102,6 @@ async fn an_abandoned_job_whose_drop_panics_still_ends_poisoned() {
 /// finalizer's timeout as its cause, and later runs go on.
 #[tokio::test(start_paused = true)]
 async fn an_abandoned_finalizer_whose_drop_panics_still_ends_the_run() {
-    struct PanicsOnDrop;
-    impl Drop for PanicsOnDrop {
-        fn drop(&mut self) {
-            if !std::thread::panicking() {
-                panic!("the finalizer's future panics as it is dropped");
-            }
-        }
-    }
     // The set's finalization timeout is 1 s.
     let lanes = set(&[("blocking", 1, 2)]);
     let run = Run::typed(|_cx| async { Res::Ok(1) }).finalizer(|outcome| async move {
