@@ -562,6 +562,42 @@ async fn a_state_pointing_at_an_impossible_segment_is_not_believed() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Left in stop 78's note: a state whose position is in a segment that was deleted, with every
+/// one after it, was not believed (`state_invalid`), though its `last` shows the queue made
+/// them: recovery started at the first segment, delivering again records the state showed
+/// acknowledged, and told no loss. The deleted segments are lost data, the ones before the
+/// position acknowledged.
+#[tokio::test]
+async fn a_state_pointing_into_deleted_segments_tells_them_missing() {
+    // (offset into the first deleted segment, how many were deleted)
+    for (offset, deleted) in [(16, 2), (16 + FRAME as u64, 2), (16, 1)] {
+        let dir = fresh_dir();
+        build(&dir).await;
+        let files = segments(&dir);
+        assert!(files.len() >= 3, "{files:?}");
+        let last = id_of(files.last().unwrap());
+        let position_in = id_of(&files[files.len() - deleted]);
+        for file in &files[files.len() - deleted..] {
+            std::fs::remove_file(file).unwrap();
+        }
+        std::fs::write(dir.join("STATE"), state_v2(position_in, offset, last)).unwrap();
+        let report = spill::check(&dir, 64).unwrap();
+        let case = format!("{deleted} deleted, position {position_in}:{offset}: {report:?}");
+        assert!(!report.state_invalid, "{case}");
+        assert_eq!(report.missing_ranges, [(position_in, last)], "{case}");
+        assert_eq!(report.missing_segments, deleted as u64, "{case}");
+        assert_eq!(report.acknowledged_segments, (files.len() - deleted) as u64, "{case}");
+        assert_eq!(report.records, 0, "{case}");
+        // The open delivers nothing acknowledged, and goes on after every id the queue made.
+        let (queue, _) = SpillQueue::open(&dir, options()).await.unwrap();
+        queue.append("fresh").await.unwrap();
+        assert_eq!(read_all(&queue).await, ["fresh".to_owned()], "{case}");
+        queue.close().await.unwrap();
+        assert!(segments(&dir).iter().all(|path| id_of(path) > last), "{case}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
 /// Review finding (stop 78): an open that has to make a new segment writes the state first,
 /// pointing at the new segment's start. Killed before the segment's header was synced, it
 /// left that file blank, which the next recovery took for a lost segment (the position

@@ -89,7 +89,9 @@ pub struct CheckReport {
     /// followed, never read (the first 16 names).
     pub not_files: Vec<String>,
     /// The state file was readable but pointed where no acknowledged position can be; recovery
-    /// started from a safe position at or before it instead (records are delivered again).
+    /// started from a safe position at or before it instead (records are delivered again). A
+    /// position in a segment deleted since, which the state's `last` shows the queue made, is
+    /// not invalid: that segment and those after it are told in `missing_segments`.
     pub state_invalid: bool,
     /// Segments that lost their end after a later one was made (torn, or cut short of their
     /// seal): records lost inside the queue (kept as found, so the loss stays visible, and
@@ -220,10 +222,15 @@ pub(crate) fn recover(
         committed = Position::start_of(first);
     }
     // Invariant 3: a state past the last segment (other than the start of the next one, where
-    // a reader that finished the last segment stands) shows nothing acknowledged.
+    // a reader that finished the last segment stands) shows nothing acknowledged. Unless the
+    // state's `last` shows the queue made segments up to the position's: those were deleted
+    // since, and are told as missing below (the ones before the position were acknowledged).
+    let made_up_to = |last: u64| {
+        committed.segment <= last || committed == Position::start_of(last.saturating_add(1))
+    };
     if let (Some(_), Some(&last)) = (stored, ids.last()) {
         let next = Position::start_of(last.saturating_add(1));
-        if committed.segment > last && committed != next {
+        if committed.segment > last && committed != next && !recorded_last.is_some_and(made_up_to) {
             report.state_invalid = true;
             committed = Position::start_of(first);
         }
