@@ -626,37 +626,48 @@ async fn a_blank_segment_an_open_was_making_is_not_told_as_lost() {
 /// Review finding (stop 78): a segment whose header is damaged was taken for version 2, so a
 /// version 1 segment (written before seals existed) was told as one that lost its seal: a loss
 /// that did not happen, and, once the repair wrote a version 2 header, told by every check.
-/// It is taken for its neighbours' version, and its header is written again in it.
+/// It is taken for its neighbours' version, and its header is written again in it. With no
+/// intact neighbour (left in stop 78's note), a version 1 state file tells the version: only a
+/// version 1 writer leaves one (a version 2 writer rewrites it when it opens).
 #[tokio::test]
 async fn a_version_1_segment_with_a_damaged_header_is_not_told_as_a_loss() {
-    let dir = fresh_dir();
-    build(&dir).await;
-    let files = segments(&dir);
-    // Back to version 1: headers say 1, seals go, and the state file is version 1.
-    for file in &files {
-        let mut bytes = std::fs::read(file).unwrap();
-        bytes[4..6].copy_from_slice(&1u16.to_le_bytes());
-        let seal = bytes.len() - 20;
-        if bytes.len() >= 36 && bytes[seal..seal + 4] == 0x8000_0008u32.to_le_bytes() {
-            bytes.truncate(seal);
+    for every in [false, true] {
+        let dir = fresh_dir();
+        build(&dir).await;
+        let files = segments(&dir);
+        // Back to version 1: headers say 1, seals go, and the state file is version 1.
+        for file in &files {
+            let mut bytes = std::fs::read(file).unwrap();
+            bytes[4..6].copy_from_slice(&1u16.to_le_bytes());
+            let seal = bytes.len() - 20;
+            if bytes.len() >= 36 && bytes[seal..seal + 4] == 0x8000_0008u32.to_le_bytes() {
+                bytes.truncate(seal);
+            }
+            std::fs::write(file, bytes).unwrap();
         }
-        std::fs::write(file, bytes).unwrap();
+        let first = id_of(&files[0]);
+        std::fs::write(dir.join("STATE"), state_bytes(first, 16 + FRAME as u64)).unwrap();
+        assert!(spill::check(&dir, 64).unwrap().is_clean(), "a clean version 1 queue");
+        let damaged = if every { &files[..] } else { &files[1..2] };
+        for file in damaged {
+            let mut bytes = std::fs::read(file).unwrap();
+            bytes[1] ^= 0x40; // inside the magic
+            std::fs::write(file, bytes).unwrap();
+        }
+        let report = spill::check(&dir, 64).unwrap();
+        let told = (report.damaged_headers, report.truncated_inside);
+        assert_eq!(told, (damaged.len() as u64, 0), "every: {every}, {report:?}");
+        let repaired = spill::repair(&dir, 64).unwrap();
+        assert_eq!(repaired.truncated_inside, 0, "every: {every}, {repaired:?}");
+        assert!(spill::check(&dir, 64).unwrap().is_clean(), "repaired (every: {every})");
+        for file in damaged {
+            let version = &std::fs::read(file).unwrap()[4..6];
+            assert_eq!(version, 1u16.to_le_bytes(), "version 1 again (every: {every})");
+        }
+        let got = delivered(&dir).await;
+        assert_eq!(got, (1..RECORDS).collect::<BTreeSet<_>>(), "every: {every}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
-    let first = id_of(&files[0]);
-    std::fs::write(dir.join("STATE"), state_bytes(first, 16 + FRAME as u64)).unwrap();
-    assert!(spill::check(&dir, 64).unwrap().is_clean(), "a clean version 1 queue");
-    let mut bytes = std::fs::read(&files[1]).unwrap();
-    bytes[1] ^= 0x40; // inside the magic
-    std::fs::write(&files[1], bytes).unwrap();
-    let report = spill::check(&dir, 64).unwrap();
-    assert_eq!((report.damaged_headers, report.truncated_inside), (1, 0), "{report:?}");
-    let repaired = spill::repair(&dir, 64).unwrap();
-    assert_eq!(repaired.truncated_inside, 0, "{repaired:?}");
-    assert!(spill::check(&dir, 64).unwrap().is_clean(), "repaired");
-    assert_eq!(std::fs::read(&files[1]).unwrap()[4..6], 1u16.to_le_bytes(), "version 1 again");
-    let got = delivered(&dir).await;
-    assert_eq!(got, (1..RECORDS).collect::<BTreeSet<_>>());
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Review finding (stop 78, second look): a queue upgraded from version 1 keeps appending to

@@ -277,18 +277,26 @@ pub(crate) fn recover(
     // The versions of the segments whose header is intact (each header is read once, here).
     // One whose header is damaged was written in version 2 if it is sealed or follows a sealed
     // one (only a version 2 writer seals), else in the version of the nearest intact one
-    // before it (else after it; else 2), and a repair writes its header again in that version:
-    // so a version 1 segment is not told as one that lost its seal, before the repair or after.
+    // before it (else after it; else the state file's), and a repair writes its header again in
+    // that version: so a version 1 segment is not told as one that lost its seal, before the
+    // repair or after.
     let mut intact = Vec::new();
     for &id in &ids {
         if let Some(version) = segment_version(&read_head(storage, &segment_name(id))?, id) {
             intact.push((id, version));
         }
     }
+    // With no intact header at all, a version 1 state file tells: only a version 1 writer
+    // leaves one (a version 2 writer rewrites it when it opens, before it writes a segment).
+    let unknown = if state.is_some_and(|state| state.last.is_none()) {
+        1
+    } else {
+        super::format::FORMAT_VERSION
+    };
     let version_near = |id: u64| {
         let before = intact.iter().rev().find(|(other, _)| *other < id);
         let after = intact.iter().find(|(other, _)| *other > id);
-        before.or(after).map_or(super::format::FORMAT_VERSION, |(_, version)| *version)
+        before.or(after).map_or(unknown, |(_, version)| *version)
     };
     // Whether a segment after `id` was made once: the state records the highest id created, and
     // the writer seals a segment before it makes the next. Such a segment is complete when
