@@ -538,6 +538,128 @@ async fn a_room_handed_to_a_waiting_producer_is_not_taken_by_a_submit() {
     assert_eq!(*order.lock().unwrap(), [0, 1, 2, 3, 4]);
 }
 
+/// A per-key pool's key whose `Drop` panics for the number `armed` holds (user code, which the
+/// pool runs under its lock).
+#[derive(Debug, Clone)]
+struct Brittle {
+    n: u32,
+    armed: Arc<AtomicUsize>,
+}
+
+impl PartialEq for Brittle {
+    fn eq(&self, other: &Self) -> bool {
+        self.n == other.n
+    }
+}
+
+impl Eq for Brittle {}
+
+impl std::hash::Hash for Brittle {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.n.hash(state);
+    }
+}
+
+impl lanes::pool::PoolKey for Brittle {
+    fn key_bytes(&self) -> std::borrow::Cow<'_, [u8]> {
+        std::borrow::Cow::Owned(self.n.to_le_bytes().to_vec())
+    }
+}
+
+impl Drop for Brittle {
+    fn drop(&mut self) {
+        if self.armed.load(Ordering::SeqCst) == self.n as usize && !std::thread::panicking() {
+            panic!("drop of key {}", self.n);
+        }
+    }
+}
+
+/// A per-key pool of items `(key, n)` keyed by `Brittle`, with one worker, that records what
+/// it ran.
+fn brittle_pool(
+    queue_size: usize,
+    armed: &Arc<AtomicUsize>,
+) -> (KeyedPool<(u32, u32)>, Arc<Mutex<Vec<u32>>>) {
+    let ran = Arc::new(Mutex::new(Vec::new()));
+    let armed = armed.clone();
+    let pool = KeyedPool::builder()
+        .workers(1)
+        .queue_size(queue_size)
+        .key_of(move |item: &(u32, u32)| Brittle { n: item.0, armed: armed.clone() })
+        .build({
+            let ran = ran.clone();
+            move |_, item: (u32, u32)| {
+                ran.lock().unwrap().push(item.1);
+                async { Res::Ok(()) }
+            }
+        })
+        .unwrap();
+    (pool, ran)
+}
+
+/// Left in stop 77's note: a key's `Drop` runs under the pool's lock. The key a submit looks
+/// up by was dropped after its item was queued: a panic there reached the submitter, who took
+/// the item for refused, while it was queued and ran, uncounted in `submitted` and without a
+/// worker woken for it. It is dropped before anything changes: the submit panics, and the item
+/// is not taken.
+#[tokio::test(start_paused = true)]
+async fn a_submit_whose_key_drop_panics_takes_nothing() {
+    let armed = Arc::new(AtomicUsize::new(usize::MAX));
+    let (pool, ran) = brittle_pool(8, &armed);
+    pool.submit((1, 0)).unwrap();
+    settle().await;
+    armed.store(1, Ordering::SeqCst);
+    // Key 1 is known (queued or idle): the submit's own key for the lookup is dropped.
+    let submit = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.submit((1, 1))));
+    assert!(submit.is_err(), "the key's drop panicked in the submit");
+    armed.store(usize::MAX, Ordering::SeqCst);
+    pool.submit((2, 2)).unwrap();
+    pool.stop(Duration::from_secs(5)).await.expect("every item ends");
+    let stats = pool.stats();
+    assert_eq!(*ran.lock().unwrap(), [0, 2], "the refused item never runs");
+    assert_eq!((stats.submitted, stats.completed), (2, 2), "{stats:?}");
+}
+
+/// Left in stop 77's note: a worker that forgot an idle key (past the idle keys kept) dropped it
+/// under the pool's lock, and a panic there killed the worker: the pool never ran another
+/// item, and `stop` timed out.
+#[tokio::test(start_paused = true)]
+async fn a_forgotten_key_whose_drop_panics_leaves_the_worker_running() {
+    let armed = Arc::new(AtomicUsize::new(0));
+    let (pool, ran) = brittle_pool(64, &armed);
+    // Key 0 goes idle first, so it is the first forgotten once more than 16,384 keys are idle.
+    let keys = 16_384 + 64;
+    for n in 0..keys {
+        pool.submit_wait((n, n)).await.unwrap();
+    }
+    pool.stop(Duration::from_secs(5)).await.expect("every item ends");
+    assert_eq!(ran.lock().unwrap().len(), keys as usize);
+    assert_eq!(pool.stats().completed, u64::from(keys));
+}
+
+/// Left in stop 77's note: an abort drops the pool's idle keys under its lock, and a key whose
+/// drop panicked unwound through it, after it had marked the pool aborted but before it ended
+/// the workers and woke those waiting for the pool: `drained` never returned.
+#[tokio::test(start_paused = true)]
+async fn an_abort_past_a_key_whose_drop_panics_ends_the_pool() {
+    let armed = Arc::new(AtomicUsize::new(usize::MAX));
+    let (pool, _ran) = brittle_pool(8, &armed);
+    pool.submit((3, 0)).unwrap();
+    settle().await;
+    armed.store(3, Ordering::SeqCst);
+    let pool = Arc::new(pool);
+    let drained = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.drained().await }
+    });
+    settle().await;
+    let report = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| pool.abort()));
+    assert!(report.is_ok(), "the abort returns");
+    assert_eq!(pool.phase(), Phase::Aborted);
+    timeout(Duration::from_secs(5), drained).await.expect("drained returns").unwrap();
+    armed.store(usize::MAX, Ordering::SeqCst);
+}
+
 /// A producer handed a room whose item's key function panics (the user's code, run under the
 /// pool's lock) passes the room to the producer behind it: that one gets in although no other
 /// item is ever taken.

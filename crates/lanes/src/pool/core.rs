@@ -17,7 +17,9 @@
 //!   in the key table.
 //! - [`PerKey`] runs a key's `Hash` once, at its push, before it changes anything; the entry
 //!   keeps the hash, and the tables' upkeep (growth, eviction, compaction, shrinking) reads it
-//!   there. So a `Hash` that panics refuses that push and cannot break the tables.
+//!   there. So a `Hash` that panics refuses that push and cannot break the tables. So does
+//!   a key's `Eq`, or the `Drop` of the key a push looks up by (dropped before anything
+//!   changes); a forgotten key's `Drop` that panics is contained.
 
 use std::collections::VecDeque;
 use std::hash::BuildHasher;
@@ -25,6 +27,7 @@ use std::hash::BuildHasher;
 use hashbrown::HashTable;
 
 use super::fnv::{PoolKey, fnv1a64};
+use crate::util::drop_contained;
 
 /// Why a scheduler refused an item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -449,6 +452,9 @@ impl<T, K: PoolKey> PerKey<T, K> {
         };
         listed.remove();
         self.free.push(slot);
+        // The key's `Drop` is user code, run under the pool's lock by a worker or an abort: a
+        // panic there is contained (reported by the panic hook), so neither stops half done.
+        drop_contained(state);
     }
 
     /// Gives memory back once the tables are mostly empty after a burst of keys: the key table
@@ -592,8 +598,11 @@ impl<T: Send + 'static, K: PoolKey> Scheduler<T> for PerKey<T, K> {
         let known = self.index.find(hash, |slot| {
             slab[*slot as usize].as_ref().expect("the key table names entries in use").key == key
         });
-        let (slot, state) = match known {
-            Some(&slot) => {
+        let (slot, state) = match known.copied() {
+            Some(slot) => {
+                // The key looked up by goes before anything changes: its `Drop` is user code,
+                // which may panic (into the submitter, the item not taken).
+                drop(key);
                 let state = slab[slot as usize].as_mut().expect("a listed entry is in use");
                 if state.len() >= self.max_per_key {
                     return Err((Refused::KeyFull, item));

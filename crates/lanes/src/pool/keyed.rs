@@ -291,7 +291,9 @@ impl<T: Send + 'static, F> KeyedPoolBuilder<T, F> {
     /// `key_of` and the key's `Hash`, `Eq`, `Clone`, [`PoolKey::key_bytes`] and `Drop` run
     /// while the pool's lock is held (a spin lock: other submits and the workers wait for it
     /// awake), so they should be quick, and must not call back into the same pool (a submit or
-    /// `stats()` from in there never returns).
+    /// `stats()` from in there never returns). A panic in one of them during a submit reaches
+    /// the submitter, and the item is not taken; a panic in the `Drop` of a key the pool
+    /// forgets (an idle key past those kept, or at an abort) is contained.
     pub fn key_of<K, G>(self, key_of: G) -> KeyedPoolBuilder<T, G>
     where
         K: PoolKey,
