@@ -2307,3 +2307,72 @@ async fn a_full_spill_queue_is_a_full_channel() {
     assert!(matches!(err, EmitError::Spill(_, SpillError::Full { .. })), "{err:?}");
     assert!(err.is_full(), "{err:?}");
 }
+
+/// Review finding (stop 79): `recv_many` with a limit of `usize::MAX` ("everything there is")
+/// added one for a record handed to the waiting read, which overflowed: a panic in a debug
+/// build; in a release build a limit of 0, so the read answered 0 ("closed") on an open channel
+/// and the handed record was never read.
+#[tokio::test(start_paused = true)]
+async fn recv_many_with_an_unbounded_limit_gets_the_record_handed_to_it() {
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let mut consumer = channel.consumer(ConsumerOptions::new()).unwrap();
+    let producer = channel.clone();
+    let emit = tokio::spawn(async move {
+        // The read waits first: the record is handed to it.
+        tokio::task::yield_now().await;
+        producer.emit(7u64).await.unwrap();
+    });
+    let mut buffer = Vec::new();
+    let n = consumer.recv_many(&mut buffer, usize::MAX).await;
+    assert_eq!((n, buffer), (1, vec![7]));
+    emit.await.unwrap();
+    assert!(channel.snapshot().reconciles());
+}
+
+/// Review finding (stop 79): a linger past the clock's range (`Duration::MAX`, "full batches
+/// only") panicked in the consumer as soon as a partial batch was queued (`Instant + Duration`
+/// overflowed). It waits for a full batch, or the close.
+#[tokio::test(start_paused = true)]
+async fn an_endless_linger_waits_for_a_full_batch() {
+    let channel = Channel::new(ChannelConfig::new(8)).unwrap();
+    let options = ConsumerOptions::new().batch_max(3).batch_flush(Duration::MAX);
+    let mut consumer = channel.consumer(options).unwrap();
+    channel.emit(1u64).await.unwrap();
+    let waited = tokio::time::timeout(Duration::from_secs(3600), consumer.next_batch()).await;
+    assert!(waited.is_err(), "a partial batch lingers");
+    channel.emit(2).await.unwrap();
+    channel.emit(3).await.unwrap();
+    let batch = consumer.next_batch().await.expect("a full batch");
+    assert_eq!(&batch[..], &[1, 2, 3]);
+}
+
+/// Review finding (stop 79): a drop-oldest channel that drops records faster than they linger
+/// never had a partial batch due: its linger ran from the oldest record still queued, which
+/// the next emit dropped (at capacity 1, every emit). Every record was dropped, none delivered.
+/// The linger runs from the batch's first record, dropped or not.
+#[tokio::test(start_paused = true)]
+async fn a_drop_oldest_channel_that_overflows_still_delivers_a_lingering_batch() {
+    for capacity in [1, 4] {
+        let config = ChannelConfig::new(capacity).overflow(Overflow::DropOldest);
+        let channel = Channel::new(config).unwrap();
+        let options =
+            ConsumerOptions::new().batch_max(capacity + 1).batch_flush(Duration::from_millis(10));
+        let mut consumer = channel.consumer(options).unwrap();
+        let producer = channel.clone();
+        // A record a millisecond: `capacity` of them never linger 10 ms.
+        let emits = tokio::spawn(async move {
+            for n in 0..1_000u64 {
+                producer.try_emit(n).unwrap();
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        });
+        let started = Instant::now();
+        let batch = tokio::time::timeout(Duration::from_secs(1), consumer.next_batch())
+            .await
+            .unwrap_or_else(|_| panic!("capacity {capacity}: no batch in a second"))
+            .expect("open");
+        assert!(started.elapsed() <= Duration::from_millis(11), "capacity {capacity}");
+        assert!(!batch.is_empty());
+        emits.abort();
+    }
+}

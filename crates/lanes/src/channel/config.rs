@@ -360,7 +360,10 @@ impl<T> ConsumerOptions<T> {
     /// `min(1 ms, batch_flush / 10)` early. The oldest record's enqueue time is sampled (every
     /// 128th record, and any record that finds the channel empty: see
     /// [`ChannelSnapshot::oldest_age_ms`](super::ChannelSnapshot::oldest_age_ms)), so a partial
-    /// batch left behind by a full one may leave earlier still, never later.
+    /// batch left behind by a full one may leave earlier still, never later. A `DropOldest`
+    /// channel's partial batch lingers from its first record, dropped or not (so records
+    /// dropped faster than they linger still leave in batches). `Duration::MAX` means full
+    /// batches only (and what the close flushes): a linger past thirty years is thirty years.
     pub fn batch_flush(mut self, linger: Duration) -> Self {
         self.batch_flush = linger;
         self

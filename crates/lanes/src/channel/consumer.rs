@@ -349,7 +349,7 @@ impl<T: Send + 'static> Consumer<T> {
             let mut st = spin_lock(&self.shared.state);
             // A read takes a record handed to it besides `max` queued ones (a whole buffer
             // then still moves at once); a batch counts it among its `max`.
-            let max = max + usize::from(read && st.core.has_handed());
+            let max = max.saturating_add(usize::from(read && st.core.has_handed()));
             let len = match st.core.due(max, flush, Instant::now) {
                 Due::End => {
                     drop(st);

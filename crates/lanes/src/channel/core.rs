@@ -128,6 +128,9 @@ pub(crate) enum Offer<T> {
     Closed(T),
 }
 
+/// The longest a partial batch lingers: thirty years (tokio's own endless sleep).
+const LINGER_MAX: Duration = Duration::from_secs(86_400 * 365 * 30);
+
 /// Whether a batch is due.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Due {
@@ -159,6 +162,10 @@ pub(crate) struct Core<T, R> {
     /// the first so that a record that finds the channel empty (every record, at capacity 1)
     /// writes one field rather than clearing and pushing a queue.
     stamps: VecDeque<(u64, Instant)>,
+    /// The enqueue time of the oldest record of the partial batch that `DropOldest` took away
+    /// since the last take: the batch's linger runs from it. (Run from the oldest record still
+    /// queued, a channel that drops records faster than they linger never had a batch due.)
+    dropped_from: Option<Instant>,
     closed: bool,
     /// Slots handed to woken producers, not yet used.
     reserved: usize,
@@ -181,6 +188,7 @@ impl<T, R> Core<T, R> {
             head_seq: 0,
             first_stamp: None,
             stamps: VecDeque::new(),
+            dropped_from: None,
             closed: false,
             reserved: 0,
             reader: false,
@@ -333,6 +341,9 @@ impl<T, R> Core<T, R> {
                     return Offer::DroppedNewest(entry);
                 };
                 let receipt = self.receipt_of_head();
+                if self.dropped_from.is_none() {
+                    self.dropped_from = self.first_stamp;
+                }
                 self.advance(1);
                 self.enqueue(entry, now);
                 Offer::DroppedOldest(Entry { record: oldest, receipt })
@@ -374,6 +385,7 @@ impl<T, R> Core<T, R> {
         receipts: &mut impl FnMut(usize, R),
     ) -> usize {
         self.reader = false;
+        self.dropped_from = None;
         let handed = if n > 0 { self.handed.take() } else { None };
         let at = out.held();
         let first = self.head_seq;
@@ -486,8 +498,12 @@ impl<T, R> Core<T, R> {
     /// for it (about 40 instructions a call, two calls per record at capacity 1).
     #[inline(never)]
     fn lingering(&self, max: usize, flush: Duration, now: Instant) -> Due {
+        // A linger past any instant (`Duration::MAX`, for "only full batches") is thirty years,
+        // as tokio's endless sleep: added to an instant, it would overflow.
+        let flush = flush.min(LINGER_MAX);
         let early = TIMER_TICK.min(flush / 10);
-        let deadline = self.oldest_enqueued().map_or(now, |at| at + flush - early);
+        let oldest = self.dropped_from.or(self.oldest_enqueued());
+        let deadline = oldest.map_or(now, |at| at + flush - early);
         if now >= deadline { Due::Now(self.buf.len().min(max)) } else { Due::At(deadline) }
     }
 
@@ -740,6 +756,13 @@ mod tests {
             let (mut seq, mut stamps) = (0u64, Vec::<(u64, Instant)>::new());
             let mut reserved = 0usize;
             let mut read = Read::default();
+            // The oldest sampled time of a partial batch that drop-oldest took records from
+            // since the last take: its linger runs from there.
+            let mut dropped_from: Option<Instant> = None;
+            // The oldest record's time, as sampled: the last stamp at or before the head.
+            let sampled = |stamps: &[(u64, Instant)], head: u64| {
+                stamps.iter().rev().find(|(s, _)| *s <= head).unwrap().1
+            };
 
             let mut closed = false;
             let (mut next, mut taken, mut dropped, mut spilled) =
@@ -804,7 +827,8 @@ mod tests {
                             }
                             Offer::DroppedOldest(r) => {
                                 prop_assert!(full && overflow == OverflowKind::DropOldest);
-                                let (oldest, _) = model.pop_front().unwrap();
+                                let (oldest, head) = model.pop_front().unwrap();
+                                dropped_from = dropped_from.or(Some(sampled(&stamps, head)));
                                 // The oldest leaves with its own receipt.
                                 prop_assert!(is_entry(&r, oldest));
                                 let r = r.record.id();
@@ -884,6 +908,7 @@ mod tests {
                         }
                         want.extend((0..rest).map(|_| model.pop_front().unwrap().0));
                         read.waits = false;
+                        dropped_from = None;
                         prop_assert_eq!(got, want.len());
                         prop_assert_eq!(&out, &want);
                         taken.extend(out);
@@ -916,10 +941,7 @@ mod tests {
                                 Due::Now(model.len().min(max))
                             }
                             Some(&(_, head)) => {
-                                // The oldest record's time, as sampled: the last stamp at or
-                                // before the head.
-                                let oldest =
-                                    stamps.iter().rev().find(|(s, _)| *s <= head).unwrap().1;
+                                let oldest = dropped_from.unwrap_or_else(|| sampled(&stamps, head));
                                 let early = TIMER_TICK.min(flush / 10);
                                 let deadline = oldest + flush - early;
                                 if now >= deadline {
