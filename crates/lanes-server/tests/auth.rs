@@ -37,6 +37,21 @@ async fn send(
     common::request(&c, method.parse().unwrap(), serve.url(path), token, body).await
 }
 
+/// As `send` without a token, with the answer's `Retry-After` header.
+async fn send_for_retry(
+    serve: &Serve,
+    method: &str,
+    path: &str,
+    body: Value,
+) -> (u16, Value, Option<String>) {
+    let c = reqwest::Client::new();
+    let response = c.request(method.parse().unwrap(), serve.url(path)).json(&body).send().await;
+    let response = response.expect("the server answers");
+    let status = response.status().as_u16();
+    let retry = response.headers().get("retry-after").map(|v| v.to_str().unwrap().to_owned());
+    (status, response.json().await.unwrap(), retry)
+}
+
 /// Sends `head` (and no more) to `addr`; the first bytes of the answer, which must come within
 /// 3 s.
 fn first_answer(addr: &str, head: &str) -> String {
@@ -205,9 +220,11 @@ async fn the_limit_and_client_caps_answer_their_typed_errors() {
         .await;
         assert_eq!(status, 200);
     }
-    let (status, body) =
-        send(&serve, "PUT", "/v1/limits/c", None, Some(json!({"concurrent": 1}))).await;
+    // Every 429 carries a `Retry-After` (review finding, stop 79: these three had none).
+    let (status, body, retry) =
+        send_for_retry(&serve, "PUT", "/v1/limits/c", json!({"concurrent": 1})).await;
     assert_eq!((status, body["code"].as_str()), (429, Some("too_many_limits")), "{body}");
+    assert_eq!(retry.as_deref(), Some("1"), "too_many_limits");
     // Redefining an existing limit is not a new one.
     let (status, _) =
         send(&serve, "PUT", "/v1/limits/a", None, Some(json!({"concurrent": 3}))).await;
@@ -218,21 +235,25 @@ async fn the_limit_and_client_caps_answer_their_typed_errors() {
         assert_eq!(status, 200);
     }
     let body = json!({"client": "z", "wait_ms": 0});
-    let (status, answer) = send(&serve, "POST", "/v1/limits/a/acquire", None, Some(body)).await;
+    let (status, answer, retry) =
+        send_for_retry(&serve, "POST", "/v1/limits/a/acquire", body).await;
     assert_eq!((status, answer["code"].as_str()), (429, Some("too_many_clients")), "{answer}");
+    assert_eq!(retry.as_deref(), Some("1"), "too_many_clients");
     // A full waiting room has its code too (review finding, stop 73: it had none).
     let waiters = Serve::start(&["--max-waiters", "1"]);
     let (status, _) =
         send(&waiters, "PUT", "/v1/limits/a", None, Some(json!({"concurrent": 1}))).await;
     assert_eq!(status, 200);
     let mut codes = Vec::new();
+    let mut retry = None;
     for client in ["x", "y", "z"] {
         let body = json!({"client": client, "wait_ms": 0});
-        let (status, answer) =
-            send(&waiters, "POST", "/v1/limits/a/acquire", None, Some(body)).await;
-        codes.push((status, answer["code"].as_str().map(str::to_owned)));
+        let answer = send_for_retry(&waiters, "POST", "/v1/limits/a/acquire", body).await;
+        codes.push((answer.0, answer.1["code"].as_str().map(str::to_owned)));
+        retry = answer.2;
     }
     assert_eq!(codes[2], (429, Some("too_many_waiters".to_owned())), "{codes:?}");
+    assert_eq!(retry.as_deref(), Some("1"), "too_many_waiters");
 }
 
 /// Review finding (stop 73): settings the server cannot work with were accepted: a huge

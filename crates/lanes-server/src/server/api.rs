@@ -50,7 +50,7 @@ fn check_client(client: &str) -> Result<(), ApiError> {
     responses(
         (status = 200, description = "The limit as defined.", body = wire::Limit),
         (status = 400, description = "A field out of range (`field` names it).", body = wire::ErrorBody),
-        (status = 429, description = "A new limit past `--max-limits` (`too_many_limits`).", body = wire::ErrorBody),
+        (status = 429, description = "A new limit past `--max-limits` (`too_many_limits`); `Retry-After` 1.", body = wire::ErrorBody),
         (status = 503, description = "The backend (Redis) does not answer.", body = wire::ErrorBody),
     ),
     security(("bearer" = [])))]

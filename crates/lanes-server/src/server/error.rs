@@ -107,6 +107,11 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        // Every 429 carries a `Retry-After` (the API promises it): a refusal for too many
+        // waiters, limits or clients knows no better time than a second.
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            return (self.status, [("retry-after", "1")], Json(self.body)).into_response();
+        }
         (self.status, Json(self.body)).into_response()
     }
 }
