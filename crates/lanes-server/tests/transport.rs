@@ -304,6 +304,37 @@ async fn readiness_follows_the_backend() {
     }
 }
 
+/// Review finding (stop 79): `/readyz`, which needs no token, listed every limit: on Redis a
+/// call per limit, on every probe. It asks the backend one thing.
+#[tokio::test]
+async fn a_readiness_probe_costs_one_call_whatever_the_limits() {
+    let redis = redis_common::DedicatedRedis::start();
+    let serve = Serve::start(&["--redis", &redis.url()]);
+    let c = reqwest::Client::new();
+    for n in 0..40 {
+        let define = c.put(serve.url(&format!("/v1/limits/l{n}")));
+        let define = define.json(&serde_json::json!({"concurrent": 1})).send().await.unwrap();
+        assert_eq!(define.status(), 200);
+    }
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let calls = |stats: &str| -> u64 {
+        let line = stats.lines().find(|line| line.starts_with("cmdstat_fcall:"));
+        let calls = line.and_then(|line| line.split(['=', ',']).nth(1));
+        calls.map_or(0, |calls| calls.parse().unwrap())
+    };
+    let mut stats = redis::cmd("INFO");
+    stats.arg("commandstats");
+    let before: String = stats.query_async(&mut conn).await.unwrap();
+    for _ in 0..5 {
+        assert_eq!(c.get(serve.url("/readyz")).send().await.unwrap().status(), 200);
+    }
+    let after: String = stats.query_async(&mut conn).await.unwrap();
+    // Five probes: a call each (and room for the server's own background calls meanwhile).
+    let made = calls(&after) - calls(&before);
+    assert!(made < 20, "five probes made {made} calls over 40 limits");
+}
+
 /// A release forgets the ticket, then gives the permit back to the backend (stop 74's note
 /// left this order as a risk). A client that gives up on the answer while Redis is frozen must
 /// not leave the permit held to its lease's end: the release still reaches Redis.
