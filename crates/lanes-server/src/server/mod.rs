@@ -6,9 +6,9 @@
 //! sessions, which the server keeps only to know who owns which ticket and which clients are
 //! alive: each ticket is its creator's, and another client acting on it is refused (409). The
 //! protocol itself — the first ask, the long-poll (a call of `lanes::limit::drive`), leases and
-//! their renewal — is the backend's, written once in `lanes::limit`. A client with no request in
-//! flight that is not heard from for the queue grace loses its queued tickets; its permits end
-//! with their leases unless renewed (`POST /v1/clients/{client}/renew`).
+//! their renewal — is the backend's, written once in `lanes::limit`. A queued ticket nobody asks
+//! about for the queue grace (no long-poll on it in flight) is withdrawn; permits end with their
+//! leases unless renewed (`POST /v1/clients/{client}/renew`).
 
 mod api;
 mod auth;
@@ -76,7 +76,7 @@ pub struct ServeOptions {
     pub reask: Duration,
     /// The most tickets waiting per limit (429 beyond).
     pub max_waiters: usize,
-    /// How long a client with no request in flight keeps its queued tickets.
+    /// How long a queued ticket nobody asks about (no long-poll on it in flight) keeps its place.
     pub queue_grace: Duration,
     /// The longest lease a client may ask for (and, on Redis, how long grants wait after Redis
     /// lost its state: every lease that could still be believed held has ended by then).
@@ -369,7 +369,7 @@ pub struct Settings {
     /// [default: 60000].
     #[arg(long, env = "LANES_MAX_LEASE_MS")]
     pub max_lease_ms: Option<u64>,
-    /// How long a client with no request in flight keeps its queued tickets [default: 2000].
+    /// How long a queued ticket nobody asks about keeps its place [default: 2000].
     #[arg(long, env = "LANES_QUEUE_GRACE_MS")]
     pub queue_grace_ms: Option<u64>,
     /// The most bytes of a request body [default: 65536].

@@ -69,8 +69,8 @@ pub(crate) enum TooMany {
         description = "Limits over HTTP: a counting semaphore and a token bucket per limit in front \
             of a fair wait queue (priority level, then weighted turns between fairness keys, then \
             arrival). Permits are leases held by clients; a client renews every lease it holds with \
-            one request. A client not heard from for the queue grace loses its queued tickets, and \
-            its permits when their leases end. With API tokens, every endpoint but `/`, `/healthz` \
+            one request. A queued ticket nobody asks about for the queue grace is withdrawn, and a \
+            permit ends with its lease unless renewed. With API tokens, every endpoint but `/`, `/healthz` \
             and `/readyz` needs `Authorization: Bearer`: `read` may GET, `client` may also acquire, \
             release and renew as its bound client ids, `admin` may do everything."
     ),
