@@ -746,9 +746,10 @@ pub(crate) async fn healthz() -> Response {
     Json(Health { status: "ok" }).into_response()
 }
 
-/// Readiness: the backend answers within a second (no token needed). One call whatever the
-/// limits (the state of one name), so that a probe nobody authenticates costs the backend as
-/// little as a health check should.
+/// Readiness: the backend answers within a second (no token needed).
+///
+/// One call whatever the limits (the state of one name), so that a probe nobody authenticates
+/// costs the backend as little as a health check should.
 #[utoipa::path(get, path = "/readyz", tag = "observe",
     responses(
         (status = 200, description = "Ready.", body = super::openapi::Ready),
