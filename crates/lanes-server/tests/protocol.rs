@@ -72,6 +72,13 @@ async fn state(c: &reqwest::Client, s: &Serve, limit: &str) -> (u64, u64) {
     (reply.body["in_use"].as_u64().unwrap(), reply.body["waiting"].as_u64().unwrap())
 }
 
+/// The ids of the clients the server keeps a session for (the snapshot's first 200).
+async fn clients(c: &reqwest::Client, s: &Serve) -> Vec<String> {
+    let snapshot = get(c, s, "/v1/snapshot").await;
+    let list = snapshot.body["server"]["client_list"].as_array().cloned().unwrap_or_default();
+    list.iter().filter_map(|e| e["client"].as_str().map(str::to_owned)).collect()
+}
+
 /// Waits (up to `within`) for a limit to be idle, and asserts it is.
 async fn settles_idle(c: &reqwest::Client, s: &Serve, limit: &str, within: Duration) {
     settles_to(c, s, limit, (0, 0), within).await;
@@ -685,12 +692,13 @@ async fn lapsed_permits_of_a_busy_client(args: &[&str]) {
     };
     assert_eq!(tickets_of_w().await, 20);
     let deadline = Instant::now() + Duration::from_secs(6);
-    loop {
-        // Busy: a try and its release, every 100 ms.
-        let busy = json!({"client": "w", "ticket": 999_999, "queue": false});
-        let tried = post(&c, &serve, "/v1/limits/lapse/acquire", busy).await;
+    for busy in 1_000_000.. {
+        // Busy: a try and its release, every 100 ms (each a ticket of its own: a released
+        // ticket's number answers 410 to its owner for a while).
+        let tried = json!({"client": "w", "ticket": busy, "queue": false});
+        let tried = post(&c, &serve, "/v1/limits/lapse/acquire", tried).await;
         assert_eq!(tried.status, 200, "{tried:?}");
-        let release = json!({"client": "w", "ticket": 999_999});
+        let release = json!({"client": "w", "ticket": busy});
         post(&c, &serve, "/v1/limits/lapse/release", release).await;
         let left = tickets_of_w().await;
         if left == 0 {
@@ -703,6 +711,73 @@ async fn lapsed_permits_of_a_busy_client(args: &[&str]) {
 
 embedded!(lapsed_permits_of_a_busy_client_are_forgotten, lapsed_permits_of_a_busy_client);
 on_redis!(lapsed_permits_of_a_busy_client_are_forgotten_redis, lapsed_permits_of_a_busy_client);
+
+// ---- 10b. A finished ticket asked about again ----------------------------------------------
+
+/// Review finding (stop 79): the server forgot a ticket as soon as it finished (at once on a
+/// release, within a second of a lapse or a withdrawal), and a later ask with its number was a
+/// first ask: a look that came after its own release took a new permit nobody knew it held, a
+/// holder whose lease had ended was granted again (another may have held the permit between),
+/// and a ticket withdrawn for the grace was queued again at the back. Each answers 410 to its
+/// owner; another client may still take the number as its own.
+async fn a_finished_ticket_answers_gone(args: &[&str]) {
+    let serve = Serve::start(args);
+    let c = http();
+    assert_eq!(put(&c, &serve, "/v1/limits/done", json!({"concurrent": 1})).await.status, 200);
+    let acquire = |body: Value| post(&c, &serve, "/v1/limits/done/acquire", body);
+    // Released, then looked at.
+    let held = acquire(json!({"client": "a", "ticket": 7})).await;
+    assert_eq!(held.status, 200, "{held:?}");
+    let released = post(&c, &serve, "/v1/limits/done/release", json!({"client": "a", "ticket": 7}));
+    assert_eq!(released.await.body["released"], true);
+    let late = acquire(json!({"client": "a", "ticket": 7})).await;
+    assert_eq!((late.status, &late.body["ticket"]), (410, &json!(7)), "released: {late:?}");
+    // Its lease ended (and the server found it so), then asked again.
+    let held = acquire(json!({"client": "a", "ticket": 8, "lease_ms": 100})).await;
+    assert_eq!(held.status, 200, "{held:?}");
+    settles_idle(&c, &serve, "done", Duration::from_secs(5)).await;
+    let forgotten = Instant::now() + Duration::from_secs(5);
+    while clients(&c, &serve).await.contains(&"a".to_owned()) {
+        assert!(Instant::now() < forgotten, "the lapsed permit's record stays");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let late = acquire(json!({"client": "a", "ticket": 8})).await;
+    assert_eq!(late.status, 410, "lapsed: {late:?}");
+    // Queued, never asked about for the grace (withdrawn), then asked again.
+    let held = acquire(json!({"client": "h", "ticket": 1})).await;
+    assert_eq!(held.status, 200, "{held:?}");
+    let queued = acquire(json!({"client": "a", "ticket": 9, "wait_ms": 0})).await;
+    assert_eq!(queued.status, 202, "{queued:?}");
+    let withdrawn = Instant::now() + Duration::from_secs(5);
+    while clients(&c, &serve).await.contains(&"a".to_owned()) {
+        assert!(Instant::now() < withdrawn, "the abandoned ticket stays");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let late = acquire(json!({"client": "a", "ticket": 9, "wait_ms": 0})).await;
+    assert_eq!(late.status, 410, "withdrawn: {late:?}");
+    assert_eq!(state(&c, &serve, "done").await, (1, 0), "nothing queued again");
+    // The memory is the owner's: another client takes the number as its own.
+    let other = acquire(json!({"client": "b", "ticket": 9, "wait_ms": 0})).await;
+    assert_eq!(other.status, 202, "{other:?}");
+    // A refused try and a failed first ask leave nothing, the number neither.
+    let tried = acquire(json!({"client": "a", "ticket": 10, "queue": false})).await;
+    assert_eq!(tried.status, 429, "{tried:?}");
+    let tried = acquire(json!({"client": "a", "ticket": 10, "queue": false})).await;
+    assert_eq!(tried.status, 429, "tried again: {tried:?}");
+}
+
+embedded!(
+    a_finished_ticket_answers_gone_to_its_owner,
+    a_finished_ticket_answers_gone,
+    "--queue-grace-ms",
+    "300"
+);
+on_redis!(
+    a_finished_ticket_answers_gone_to_its_owner_redis,
+    a_finished_ticket_answers_gone,
+    "--queue-grace-ms",
+    "300"
+);
 
 // ---- 11. Unknown limits ----------------------------------------------------------------------
 

@@ -179,6 +179,7 @@ impl Drop for InFlight {
 fn refusal(limit: &str, refused: Refused) -> ApiError {
     match refused {
         Refused::NotYours(ticket) => ApiError::not_yours(limit, ticket),
+        Refused::Finished(ticket) => ApiError::finished(limit, ticket),
         Refused::TooManyClients(max) => ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
             format!("this server keeps at most {max} clients (--max-clients)"),
@@ -205,7 +206,8 @@ fn not_yet(status: StatusCode, body: impl Serialize, retry_after: Duration) -> R
 /// The first ask with a ticket queues it (with the priority of that ask); asking again with the
 /// same client and ticket only looks (long-polling up to `wait_ms`) and never queues it again:
 /// a granted ticket answers 200 with the same fencing token, a finished one (released,
-/// withdrawn, lease ended) 410. A ticket belongs to the client that created it: another client
+/// withdrawn, lease ended) 410, for the longest lease after it finished (a number is used once;
+/// a refused try or a first ask the backend failed leaves it free). A ticket belongs to the client that created it: another client
 /// naming it gets 409. With `"queue": false` the ask is a try: granted at once or 429, leaving
 /// no ticket behind. 202 and 429 carry a `Retry-After` header (seconds).
 #[utoipa::path(post, path = "/v1/limits/{name}/acquire", tag = "permits", params(("name" = String, Path, description = "The limit's name (1 to 200 bytes, no control characters).")),
@@ -329,7 +331,7 @@ pub(crate) async fn acquire(
                 // before it failed (a check in its wait that found the backend out of reach),
                 // and a retry of the same ticket starts afresh. (A ticket the backend does not
                 // know is released as a no-op.)
-                let _ = app.sessions().forget(&body.client, &name, ticket, only);
+                let _ = app.sessions().forget(&body.client, &name, ticket, only, None);
                 give_back_later(&app, &name, begun.backend);
             }
             return Err(ApiError::limit(&name, &err));
@@ -343,7 +345,13 @@ pub(crate) async fn acquire(
                 match app.backend.renew(&name, &[begun.backend], lease).await {
                     Ok(gone) if gone.is_empty() => {}
                     Ok(_) => {
-                        let _ = app.sessions().forget(&body.client, &name, ticket, only);
+                        let _ = app.sessions().forget(
+                            &body.client,
+                            &name,
+                            ticket,
+                            only,
+                            Some(Instant::now()),
+                        );
                         let _ = app.backend.release(&name, begun.backend).await;
                         return Err(ApiError::finished(&name, ticket));
                     }
@@ -360,11 +368,11 @@ pub(crate) async fn acquire(
             Ok(Json(wire::Granted::new(ticket, grant.fencing_token, millis(lease))).into_response())
         }
         Answer::Finished => {
-            let _ = app.sessions().forget(&body.client, &name, ticket, only);
+            let _ = app.sessions().forget(&body.client, &name, ticket, only, Some(Instant::now()));
             Err(ApiError::finished(&name, ticket))
         }
         Answer::Queued | Answer::RetryAfter(_) if !queue => {
-            let _ = app.sessions().forget(&body.client, &name, ticket, only);
+            let _ = app.sessions().forget(&body.client, &name, ticket, only, None);
             if !begun.fresh {
                 // A try naming a ticket that was queued before: the try leaves nothing.
                 app.backend
@@ -500,7 +508,7 @@ pub(crate) async fn release(
     principal.act_as(&body.client)?;
     let known = app
         .sessions()
-        .forget(&body.client, &name, body.ticket, None)
+        .forget(&body.client, &name, body.ticket, None, Some(Instant::now()))
         .map_err(|refused| refusal(&name, refused))?;
     let released = match known {
         Some(backend_ticket) => {
@@ -665,7 +673,8 @@ async fn renew_limit(
             // record goes: a handler dropped in between leaves the record, which the sweep
             // finds, rather than a backend ticket nobody knows.
             let _ = app.backend.release(&limit, backend).await;
-            let _ = app.sessions().forget(client, &limit, ticket, Some(backend));
+            let _ =
+                app.sessions().forget(client, &limit, ticket, Some(backend), Some(Instant::now()));
             app.event("lease_lost");
             lost.push(wire::LostTicket { limit: limit.clone(), ticket });
         } else {

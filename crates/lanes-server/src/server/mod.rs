@@ -529,7 +529,7 @@ impl Server {
         let (shutdown, shutdown_rx) = watch::channel(false);
         let app = Arc::new(App {
             backend,
-            sessions: Mutex::new(Sessions::new(options.max_clients)),
+            sessions: Mutex::new(Sessions::new(options.max_clients, options.max_lease)),
             registry,
             prometheus: crate::embed::prometheus(),
             events: events.clone(),
@@ -752,7 +752,9 @@ async fn sweep(app: std::sync::Weak<App>) {
                 Ok(lanes::Answer::Finished) | Err(lanes::LimitError::UnknownLimit(_)) => {}
                 _ => continue,
             }
-            let _ = app.sessions().forget(&lapsed.client, &lapsed.limit, lapsed.ticket, only);
+            let finished = Some(Instant::now());
+            let _ =
+                app.sessions().forget(&lapsed.client, &lapsed.limit, lapsed.ticket, only, finished);
             app.event("lease_expired");
         }
     }

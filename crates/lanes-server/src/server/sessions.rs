@@ -23,11 +23,17 @@
 //!    creator, once its ask is back, gives the backend ticket back itself if the record went
 //!    meanwhile. So no backend ticket is ever left with no record (a queued one nobody owns
 //!    would stop its limit's line for good).
+//! 5. A ticket that finished (released, withdrawn, or its permit found lapsed) is remembered
+//!    for its owner for the longest lease, the latest [`FINISHED_KEPT`] of them: its owner
+//!    asking about it again is refused ([`Refused::Finished`], 410) rather than given a new
+//!    ticket under the old number (a look that came late, after a release or a lapse, would
+//!    otherwise queue or take a permit nobody knows it holds). Another client may take the
+//!    number as its own, as before (the memory is its owner's only).
 //!
 //! Pure: time is an argument, no I/O.
 
 use std::collections::hash_map::RandomState;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::BuildHasher;
 use std::time::Duration;
 
@@ -84,7 +90,12 @@ pub(crate) enum Refused {
     NotYours(u64),
     /// A new client, and the server keeps this many already.
     TooManyClients(usize),
+    /// Its owner asks about a ticket that finished (invariant 5).
+    Finished(u64),
 }
+
+/// Finished tickets remembered at most (invariant 5): about 100 bytes each.
+pub(crate) const FINISHED_KEPT: usize = 65_536;
 
 /// What a renewal of one client covers ([`Sessions::tickets_of`]).
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -112,17 +123,61 @@ pub(crate) struct Sessions {
     drawn: u64,
     /// The most clients with a session.
     max_clients: usize,
+    /// Finished tickets, `(limit, ticket)` → (owner, when it finished), and their order
+    /// (invariant 5). An entry of the order whose time differs from the map's is stale (the
+    /// number finished again since).
+    finished: HashMap<(String, u64), (String, Instant)>,
+    finished_order: VecDeque<((String, u64), Instant)>,
+    /// How long a finished ticket is remembered: the longest lease.
+    finished_for: Duration,
 }
 
 impl Sessions {
-    pub(crate) fn new(max_clients: usize) -> Self {
+    /// Sessions for at most `max_clients` clients, remembering finished tickets for
+    /// `finished_for` (the longest lease).
+    pub(crate) fn new(max_clients: usize, finished_for: Duration) -> Self {
         Self {
             tickets: HashMap::new(),
             clients: HashMap::new(),
             keys: RandomState::new(),
             drawn: 0,
             max_clients,
+            finished: HashMap::new(),
+            finished_order: VecDeque::new(),
+            finished_for,
         }
+    }
+
+    /// Remembers that ticket `key` of `client` finished at `now` (invariant 5), and forgets
+    /// those finished longer ago than the longest lease, and the oldest past the most kept.
+    fn finish(&mut self, key: (String, u64), client: String, now: Instant) {
+        self.finished_order.push_back((key.clone(), now));
+        self.finished.insert(key, (client, now));
+        let horizon = now.checked_sub(self.finished_for);
+        while let Some((_, at)) = self.finished_order.front() {
+            let expired = horizon.is_some_and(|horizon| *at <= horizon);
+            if !expired && self.finished.len() <= FINISHED_KEPT {
+                break;
+            }
+            let (key, at) = self.finished_order.pop_front().expect("looked at above");
+            if self.finished.get(&key).is_some_and(|(_, finished)| *finished == at) {
+                self.finished.remove(&key);
+            }
+        }
+        // Stale entries of the order (numbers that finished again) are dropped once they
+        // outnumber the live ones.
+        if self.finished_order.len() > 2 * self.finished.len() + 64 {
+            let finished = &self.finished;
+            self.finished_order
+                .retain(|(key, at)| finished.get(key).is_some_and(|(_, done)| done == at));
+        }
+    }
+
+    /// Whether `client`'s ticket `key` finished less than the longest lease before `now`.
+    fn has_finished(&self, key: &(String, u64), client: &str, now: Instant) -> bool {
+        self.finished
+            .get(key)
+            .is_some_and(|(owner, at)| owner == client && now < *at + self.finished_for)
     }
 }
 
@@ -155,6 +210,11 @@ impl Sessions {
             let first_ask_elsewhere = owned.first_ask;
             self.touch(client, now).in_flight += 1;
             return Ok(Begun { ticket: number, backend, fresh: false, first_ask_elsewhere, lease });
+        }
+        if let Some(number) = ticket
+            && self.has_finished(&(limit.to_owned(), number), client, now)
+        {
+            return Err(Refused::Finished(number));
         }
         if !self.clients.contains_key(client) && self.clients.len() >= self.max_clients {
             return Err(Refused::TooManyClients(self.max_clients));
@@ -255,9 +315,12 @@ impl Sessions {
         }
     }
 
-    /// Forgets a ticket of `client` (released, withdrawn or finished); its backend ticket if it
-    /// existed. With `only` given, only if its record names that backend ticket (invariant 4:
-    /// what a request found finished is that backend ticket, not a newer one under its number).
+    /// Forgets a ticket of `client`; its backend ticket if it existed. With `finished` (the time
+    /// it was released, withdrawn or found lapsed), it is remembered as finished (invariant 5);
+    /// without (a first ask that failed, a try refused: both leave nothing), its number may be
+    /// asked with afresh. With `only` given, only if its record names that backend ticket
+    /// (invariant 4: what a request found finished is that backend ticket, not a newer one
+    /// under its number).
     ///
     /// # Errors
     ///
@@ -268,6 +331,7 @@ impl Sessions {
         limit: &str,
         ticket: u64,
         only: Option<u64>,
+        finished: Option<Instant>,
     ) -> Result<Option<u64>, Refused> {
         let key = (limit.to_owned(), ticket);
         match self.tickets.get(&key) {
@@ -283,6 +347,9 @@ impl Sessions {
             session.tickets.remove(&key);
         }
         self.drop_if_idle(client);
+        if let Some(now) = finished {
+            self.finish(key, owned.client, now);
+        }
         Ok(Some(owned.backend))
     }
 
@@ -346,6 +413,7 @@ impl Sessions {
                 session.tickets.remove(&key);
             }
             self.drop_if_idle(&owned.client);
+            self.finish(key.clone(), owned.client.clone(), now);
             withdraw.push(Lapsed {
                 client: owned.client,
                 limit: key.0,
@@ -464,7 +532,7 @@ mod tests {
 
     #[test]
     fn a_new_client_is_refused_past_the_most_clients_and_a_known_one_is_not() {
-        let mut sessions = Sessions::new(1);
+        let mut sessions = Sessions::new(1, Duration::from_secs(60));
         let now = Instant::now();
         let mut alloc = counter();
         assert!(sessions.begin("a", "db", Some(1), LEASE, now, &mut alloc).is_ok());
@@ -475,9 +543,51 @@ mod tests {
         assert!(sessions.begin("a", "db", Some(3), LEASE, now, &mut alloc).is_ok());
     }
 
+    /// Invariant 5: a finished ticket is refused to its owner for the longest lease, and no
+    /// longer; the memory keeps the latest `FINISHED_KEPT`, and a refused try or a failed first
+    /// ask (forgotten without a time) leaves the number free.
+    #[test]
+    fn a_finished_ticket_is_remembered_for_its_owner_within_bounds() {
+        let horizon = Duration::from_secs(60);
+        let mut sessions = Sessions::new(usize::MAX, horizon);
+        let start = Instant::now();
+        let mut alloc = counter();
+        let begin = |s: &mut Sessions, client: &str, n: u64, at: Instant, alloc: &mut _| {
+            s.begin(client, "db", Some(n), LEASE, at, alloc)
+        };
+        begin(&mut sessions, "a", 1, start, &mut alloc).unwrap();
+        assert!(sessions.forget("a", "db", 1, None, Some(start)).unwrap().is_some());
+        let soon = start + horizon - Duration::from_millis(1);
+        assert_eq!(begin(&mut sessions, "a", 1, soon, &mut alloc), Err(Refused::Finished(1)));
+        assert!(begin(&mut sessions, "b", 1, soon, &mut alloc).unwrap().fresh, "not b's");
+        sessions.forget("b", "db", 1, None, None).unwrap();
+        assert!(begin(&mut sessions, "a", 1, start + horizon, &mut alloc).unwrap().fresh);
+        sessions.forget("a", "db", 1, None, None).unwrap();
+        assert!(begin(&mut sessions, "a", 1, start + horizon, &mut alloc).unwrap().fresh);
+        // Bounded: past the most kept, the oldest go first; the order's stale entries too.
+        let total = FINISHED_KEPT as u64 + 10;
+        for n in 10..10 + total {
+            begin(&mut sessions, "c", n, start, &mut alloc).unwrap();
+            sessions.forget("c", "db", n, None, Some(start)).unwrap();
+        }
+        assert_eq!(sessions.finished.len(), FINISHED_KEPT);
+        assert!(sessions.finished_order.len() <= 2 * FINISHED_KEPT + 64);
+        assert!(begin(&mut sessions, "c", 10, start, &mut alloc).unwrap().fresh, "the oldest went");
+        let last = 10 + total - 1;
+        assert_eq!(
+            begin(&mut sessions, "c", last, start, &mut alloc),
+            Err(Refused::Finished(last))
+        );
+        // Expired entries go as later ones finish.
+        let later = start + horizon + Duration::from_secs(1);
+        begin(&mut sessions, "c", 5, later, &mut alloc).unwrap();
+        sessions.forget("c", "db", 5, None, Some(later)).unwrap();
+        assert_eq!(sessions.finished.len(), 1, "only the latest is within the horizon");
+    }
+
     #[test]
     fn a_ticket_belongs_to_its_creator() {
-        let mut sessions = Sessions::new(usize::MAX);
+        let mut sessions = Sessions::new(usize::MAX, Duration::from_secs(60));
         let now = Instant::now();
         let mut alloc = counter();
         let a = sessions.begin("alice", "db", Some(1), LEASE, now, &mut alloc).unwrap();
@@ -486,23 +596,23 @@ mod tests {
             sessions.begin("mallory", "db", Some(1), LEASE, now, &mut alloc),
             Err(Refused::NotYours(1))
         );
-        assert_eq!(sessions.forget("mallory", "db", 1, None), Err(Refused::NotYours(1)));
+        assert_eq!(sessions.forget("mallory", "db", 1, None, None), Err(Refused::NotYours(1)));
         let again = sessions.begin("alice", "db", Some(1), LEASE, now, &mut alloc).unwrap();
         assert_eq!((again.backend, again.fresh), (a.backend, false));
         // Another limit's ticket 1 is another ticket.
         assert!(sessions.begin("mallory", "other", Some(1), LEASE, now, &mut alloc).is_ok());
-        assert_eq!(sessions.forget("alice", "db", 1, None), Ok(Some(a.backend)));
-        assert_eq!(sessions.forget("alice", "db", 1, None), Ok(None));
+        assert_eq!(sessions.forget("alice", "db", 1, None, None), Ok(Some(a.backend)));
+        assert_eq!(sessions.forget("alice", "db", 1, None, None), Ok(None));
     }
 
     #[test]
     fn server_chosen_numbers_never_collide_with_live_tickets() {
-        let mut sessions = Sessions::new(usize::MAX);
+        let mut sessions = Sessions::new(usize::MAX, Duration::from_secs(60));
         let now = Instant::now();
         let mut alloc = counter();
         let drawn = sessions.begin("x", "db", None, LEASE, now, &mut alloc).unwrap();
         assert!(drawn.ticket < 1 << 53);
-        sessions.forget("x", "db", drawn.ticket, None).unwrap();
+        sessions.forget("x", "db", drawn.ticket, None, None).unwrap();
         let explicit = sessions.begin("x", "db", Some(drawn.ticket + 2), LEASE, now, &mut alloc);
         let explicit = explicit.unwrap();
         for _ in 0..1000 {
@@ -515,7 +625,7 @@ mod tests {
 
     #[test]
     fn abandoned_tickets_go_after_the_grace() {
-        let mut sessions = Sessions::new(usize::MAX);
+        let mut sessions = Sessions::new(usize::MAX, Duration::from_secs(60));
         let start = Instant::now();
         let mut alloc = counter();
         let held = sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc).unwrap();
@@ -531,7 +641,7 @@ mod tests {
         assert_eq!(withdraw.iter().map(|l| l.backend).collect::<Vec<_>>(), [queued.backend]);
         assert_eq!(probe.iter().map(|l| l.backend).collect::<Vec<_>>(), [held.backend]);
         assert_eq!(sessions.clients(), 1, "the permit keeps the session");
-        sessions.forget("a", "db", 1, None).unwrap();
+        sessions.forget("a", "db", 1, None, Some(start)).unwrap();
         assert_eq!(sessions.clients(), 0);
     }
 
@@ -539,7 +649,7 @@ mod tests {
     /// that kept sending requests and let its leases lapse piled up records for good.
     #[test]
     fn a_permit_past_its_lease_is_asked_about_whatever_its_client_does() {
-        let mut sessions = Sessions::new(usize::MAX);
+        let mut sessions = Sessions::new(usize::MAX, Duration::from_secs(60));
         let start = Instant::now();
         let mut alloc = counter();
         let held = sessions.begin("a", "db", Some(1), LEASE, start, &mut alloc).unwrap();
@@ -566,7 +676,7 @@ mod tests {
     /// held anything else; and a named ticket the server no longer had was not reported lost.
     #[test]
     fn a_renewal_naming_its_tickets_renews_only_those_and_reports_the_unknown() {
-        let mut sessions = Sessions::new(usize::MAX);
+        let mut sessions = Sessions::new(usize::MAX, Duration::from_secs(60));
         let start = Instant::now();
         let mut alloc = counter();
         let mut held = Vec::new();
@@ -595,7 +705,7 @@ mod tests {
     /// the backend knew it; either left a backend ticket that no record names (invariant 4).
     #[test]
     fn a_record_changes_only_for_its_own_backend_ticket() {
-        let mut sessions = Sessions::new(usize::MAX);
+        let mut sessions = Sessions::new(usize::MAX, Duration::from_secs(60));
         let start = Instant::now();
         let mut alloc = counter();
         let first = sessions.begin("a", "db", Some(7), LEASE, start, &mut alloc).unwrap();
@@ -615,20 +725,25 @@ mod tests {
             sessions.tickets_of("a", None, start).map(|r| r.renew),
             Some(vec![("db".to_owned(), 7, first.backend, LEASE)])
         );
-        // Released, and asked for again under the same number: a new backend ticket.
-        assert_eq!(sessions.forget("a", "db", 7, None), Ok(Some(first.backend)));
+        // Forgotten without finishing (its first ask failed, or a try was refused), and asked
+        // for again under the same number: a new backend ticket. (A released one would be
+        // refused: invariant 5.)
+        assert_eq!(sessions.forget("a", "db", 7, None, None), Ok(Some(first.backend)));
         let renewed = sessions.begin("a", "db", Some(7), LEASE, start, &mut alloc).unwrap();
         assert!(renewed.fresh && renewed.backend != first.backend);
         // What the old request saw of the old backend ticket changes nothing of the new one.
         sessions.end("a", "db", third, start);
         assert!(!sessions.granted("db", 7, first.backend, start));
-        assert_eq!(sessions.forget("a", "db", 7, Some(first.backend)), Ok(None));
+        assert_eq!(sessions.forget("a", "db", 7, Some(first.backend), Some(start)), Ok(None));
         assert!(!sessions.first_asked("db", first));
         // The new ticket's own request is still in flight: its ticket is not withdrawn.
         let (withdraw, _) = sessions.sweep(start + GRACE * 2, GRACE);
         assert!(withdraw.is_empty(), "{withdraw:?}");
         assert!(sessions.first_asked("db", renewed));
         assert!(sessions.granted("db", 7, renewed.backend, start));
-        assert_eq!(sessions.forget("a", "db", 7, Some(renewed.backend)), Ok(Some(renewed.backend)));
+        assert_eq!(
+            sessions.forget("a", "db", 7, Some(renewed.backend), Some(start)),
+            Ok(Some(renewed.backend))
+        );
     }
 }
