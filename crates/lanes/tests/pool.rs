@@ -574,12 +574,12 @@ impl Drop for Brittle {
     }
 }
 
+/// What a pool ran, in order.
+type Ran = Arc<Mutex<Vec<u32>>>;
+
 /// A per-key pool of items `(key, n)` keyed by `Brittle`, with one worker, that records what
 /// it ran.
-fn brittle_pool(
-    queue_size: usize,
-    armed: &Arc<AtomicUsize>,
-) -> (KeyedPool<(u32, u32)>, Arc<Mutex<Vec<u32>>>) {
+fn brittle_pool(queue_size: usize, armed: &Arc<AtomicUsize>) -> (KeyedPool<(u32, u32)>, Ran) {
     let ran = Arc::new(Mutex::new(Vec::new()));
     let armed = armed.clone();
     let pool = KeyedPool::builder()
