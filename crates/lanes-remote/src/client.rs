@@ -5,8 +5,8 @@
 //! Every operation of the trait is one request (`POST /v1/limits/{name}/acquire` for the first
 //! ask, a re-ask, a try and a long-poll; `/release`; `POST /v1/clients/{client}/renew`). The
 //! server keeps each ticket under the client id that created it; this client picks its own
-//! ticket numbers (from a random start, below 2^53) and sends them, so the first ask and every
-//! later look name the same ticket.
+//! ticket numbers (each used once, below 2^53, none telling the next: [`TicketNumbers`]) and
+//! sends them, so the first ask and every later look name the same ticket.
 //!
 //! # Invariants
 //!
@@ -57,9 +57,51 @@ use tokio::time::Instant;
 use crate::ConfigError;
 use crate::wire::{self, Reason};
 
-/// Ticket numbers stay below 2^53, so every JSON implementation carries them exactly; they
-/// start below 2^52, leaving 2^52 tickets per client.
-const TICKET_START_MASK: u64 = (1 << 52) - 1;
+/// A client's ticket numbers: the `n`th is a permutation of `n` keyed at random (a four-round
+/// Feistel network over 54 bits, SipHash rounds, walked back into `1..2^53`). So each is drawn
+/// once (a number is used once: the server answers a finished one 410), each stays below 2^53
+/// (every JSON implementation carries it exactly), and none tells another. (Numbered on from a
+/// random start, one number seen by a stranger, in a snapshot's client ids say, told every
+/// later one, which the stranger could take first: a ticket number belongs to the client that
+/// asks with it first, and this client's asks then met 409.)
+#[derive(Debug)]
+struct TicketNumbers {
+    drawn: AtomicU64,
+    key: RandomState,
+}
+
+impl TicketNumbers {
+    const HALF: u32 = 27;
+    const LIMIT: u64 = 1 << 53;
+
+    fn new() -> Self {
+        Self { drawn: AtomicU64::new(1), key: RandomState::new() }
+    }
+
+    /// The next number: in `1..2^53`, never drawn before by this client.
+    fn next(&self) -> u64 {
+        // 2^53 draws is out of reach: a number drawn a second time needs that many first.
+        let mut number = self.drawn.fetch_add(1, Ordering::Relaxed) % Self::LIMIT;
+        // A permutation of `0..2^54`, walked along its cycle until it lands in `1..2^53`: a
+        // permutation of that range (about two steps a number).
+        loop {
+            number = self.permute(number);
+            if number != 0 && number < Self::LIMIT {
+                return number;
+            }
+        }
+    }
+
+    fn permute(&self, x: u64) -> u64 {
+        let mask = (1 << Self::HALF) - 1;
+        let (mut left, mut right) = (x >> Self::HALF, x & mask);
+        for round in 0..4u8 {
+            let mixed = self.key.hash_one((round, right)) & mask;
+            (left, right) = (right, left ^ mixed);
+        }
+        (left << Self::HALF) | right
+    }
+}
 
 /// A client of a `lanes serve`: use a shared server exactly like a local
 /// [`Limits`](lanes::Limits).
@@ -104,7 +146,7 @@ pub(crate) struct Inner {
     pub(crate) base: String,
     http: reqwest::Client,
     pub(crate) client: String,
-    tickets: AtomicU64,
+    tickets: TicketNumbers,
     pub(crate) lease: Duration,
     /// Every ticket asked for and not finished (invariant 1), by `(limit, ticket)`.
     live: Mutex<HashMap<(String, u64), Live>>,
@@ -502,21 +544,23 @@ impl RemoteLimits {
         {
             return Err(ConfigError::InvalidClientId(client));
         }
+        // This instance of the client, apart from others under the same id (a share is each
+        // instance's own).
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let start =
-            RandomState::new().hash_one((std::process::id(), nanos, &client)) & TICKET_START_MASK;
+        let instance = RandomState::new().hash_one((std::process::id(), nanos, &client))
+            & (TicketNumbers::LIMIT - 1);
         let inner = Arc::new(Inner {
             base,
             http,
             client,
-            tickets: AtomicU64::new(start.max(1)),
+            tickets: TicketNumbers::new(),
             lease,
             live: Mutex::new(HashMap::new()),
             travelling: Mutex::new(HashMap::new()),
             lost: LostLeases::default(),
-            shares: crate::leased::Shares::new(start),
+            shares: crate::leased::Shares::new(instance),
             renewer: Mutex::new(None),
             runtime: Mutex::new(tokio::runtime::Handle::current()),
             token: std::sync::OnceLock::new(),
@@ -936,7 +980,7 @@ impl fmt::Debug for RemoteLimits {
 
 impl LimitBackend for RemoteLimits {
     fn ticket(&self) -> u64 {
-        self.inner.tickets.fetch_add(1, Ordering::Relaxed)
+        self.inner.tickets.next()
     }
 
     fn define<'a>(
@@ -1265,6 +1309,29 @@ impl LimitBackend for RemoteLimits {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review finding (stop 79): numbered on from a random start, one ticket number seen told
+    /// every later one. Each is drawn once, in `1..2^53`, and the numbers drawn one after
+    /// another neither follow each other nor keep a step.
+    #[test]
+    fn ticket_numbers_are_used_once_and_tell_nothing_of_the_next() {
+        let numbers = TicketNumbers::new();
+        let drawn: Vec<u64> = (0..200_000).map(|_| numbers.next()).collect();
+        assert!(drawn.iter().all(|n| (1..1 << 53).contains(n)));
+        let distinct: HashSet<u64> = drawn.iter().copied().collect();
+        assert_eq!(distinct.len(), drawn.len(), "a number drawn twice");
+        let steps: HashSet<u64> = drawn.windows(2).map(|w| w[1].wrapping_sub(w[0])).collect();
+        assert!(steps.len() > drawn.len() - 100, "{} steps repeat", drawn.len() - steps.len());
+        // Each of the 53 bits is set in about half of the numbers.
+        for bit in 0..53 {
+            let set = drawn.iter().filter(|n| *n >> bit & 1 == 1).count();
+            assert!((95_000..105_000).contains(&set), "bit {bit}: set in {set}");
+        }
+        // Another client's numbers are others.
+        let other = TicketNumbers::new();
+        let theirs: Vec<u64> = (0..1000).map(|_| other.next()).collect();
+        assert_ne!(theirs[..], drawn[..1000]);
+    }
 
     #[test]
     fn a_server_url_is_http_or_https_with_a_host() {

@@ -728,3 +728,44 @@ async fn a_try_released_while_it_travels_is_given_back() {
     assert_eq!(answer, lanes::Answer::Finished, "released meanwhile");
     db_empties(&serve, "held for nobody").await;
 }
+
+/// Review finding (stop 79): `RemoteLimits` numbered its tickets on from a random start, and a
+/// ticket asked with its own lease lives under the client id `{client}~{ticket}`, which the
+/// snapshot lists to any reader. A stranger who read one number knew the next ones and asked
+/// with them first: a ticket number belongs to the client that asks with it first, so this
+/// client's next asks met 409. Its numbers now tell nothing of each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ticket_number_seen_tells_a_stranger_nothing_of_the_next() {
+    use std::time::Duration;
+    let serve = Serve::start(&[]);
+    let alice = RemoteLimits::with_client(serve.base.clone(), "alice", Duration::from_secs(10));
+    let alice = alice.unwrap();
+    alice.define("db", lanes::LimitSpec::concurrent(100)).await.unwrap();
+    let priority = lanes::Priority::default();
+    let lease = Some(Duration::from_secs(5));
+    let first = alice.ticket();
+    let granted = alice.acquire("db", first, &priority, lease).await.unwrap();
+    assert!(matches!(granted, lanes::Answer::Granted(_)), "{granted:?}");
+    // The stranger reads alice's ticket off the snapshot, and takes the numbers after it.
+    let http = reqwest::Client::new();
+    let (_, snapshot) =
+        common::request(&http, reqwest::Method::GET, serve.url("/v1/snapshot"), None, None).await;
+    let listed = snapshot["server"]["client_list"].as_array().unwrap();
+    let seen: u64 = listed
+        .iter()
+        .find_map(|entry| entry["client"].as_str()?.strip_prefix("alice~")?.parse().ok())
+        .expect("alice's ticket listed");
+    assert_eq!(seen, first);
+    for number in seen + 1..seen + 9 {
+        let squat = serde_json::json!({"client": "mallory", "ticket": number, "wait_ms": 0});
+        let url = serve.url("/v1/limits/db/acquire");
+        let (status, body) =
+            common::request(&http, reqwest::Method::POST, url, None, Some(squat)).await;
+        assert_eq!(status, 200, "{body}");
+    }
+    for _ in 0..8 {
+        let ticket = alice.ticket();
+        let answer = alice.acquire("db", ticket, &priority, lease).await;
+        assert!(matches!(answer, Ok(lanes::Answer::Granted(_))), "ticket {ticket}: {answer:?}");
+    }
+}
