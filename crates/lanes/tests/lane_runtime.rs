@@ -439,6 +439,62 @@ fn a_subscriber_that_panics_as_a_dropped_run_ends_leaves_nothing_owned() {
     assert_eq!((lane.owned, lane.failed.canceled), (0, 2), "{lane:?}");
 }
 
+/// Review finding (stop 79): a background run admitted into a busy lane's inbox (no limit, no
+/// queue timeout) was owned before its ticket was made, and the subscriber's `admitted` event
+/// came in between: a panic there left the run in the inbox with nothing to end it. Its grant
+/// then started nothing and kept the lane's one slot for good, and the set never drained. That
+/// event is contained now: the run goes on. On the locked path the ticket is made before the
+/// event, and the panic ends the run, canceled, its finalizer not called (the spawn answered a
+/// panic, not a handle); the ticket's own event, in that unwinding, is contained (a second
+/// panic there aborted the process).
+#[test]
+fn a_subscriber_that_panics_as_a_run_is_inboxed_leaves_nothing_owned() {
+    let set = common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap();
+    let runtime = current_thread();
+    runtime.block_on(async {
+        // The locked path first (the lane is idle): the same panic ends that run too.
+        let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tracing::subscriber::with_default(PanicsOnEvent, || {
+                set.spawn("a", Run::new(|_cx| async { Ok::<_, BoxError>(0u32) }))
+            })
+        }));
+        assert!(admitted.is_err(), "the subscriber panicked");
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let open = gate.clone();
+        let busy = Run::new(move |_cx| async move {
+            open.notified().await;
+            Ok::<_, BoxError>(1u32)
+        });
+        set.spawn("a", busy).unwrap();
+        // The slot is taken: the next background run goes to the inbox.
+        tokio::task::yield_now().await;
+        let finalized = Arc::new(AtomicUsize::new(0));
+        let counted = finalized.clone();
+        let inboxed = Run::new(|_cx| async { Ok::<_, BoxError>(2u32) }).finalizer(
+            move |_outcome: Outcome<u32>| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { Ok::<_, BoxError>(()) }
+            },
+        );
+        let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tracing::subscriber::with_default(PanicsOnEvent, || set.spawn("a", inboxed))
+        }));
+        assert!(admitted.is_ok_and(|admitted| admitted.is_ok()), "its event is contained");
+        gate.notify_one();
+        // The lane's slot comes back, and the next run takes it.
+        let next = set.run("a", Run::new(|_cx| async { Ok::<_, BoxError>(3u32) })).unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(5), next).await;
+        assert_eq!(next.expect("the lane's slot came back").unwrap(), 3);
+        set.close();
+        let drained = tokio::time::timeout(Duration::from_secs(5), set.drained()).await;
+        assert!(drained.is_ok(), "drained");
+        assert_eq!(finalized.load(Ordering::SeqCst), 1, "finalized once");
+    });
+    assert_quiescent(&set);
+    let lane = &set.snapshot().lanes[0];
+    assert_eq!((lane.completed, lane.failed.canceled), (3, 1), "{lane:?}");
+}
+
 /// A value whose drop panics: a job's capture written carelessly.
 struct PanicsOnDrop;
 

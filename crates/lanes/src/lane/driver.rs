@@ -432,8 +432,9 @@ impl Next {
     /// Grants `slot` to the run of `signal`: a parked one is carried (or started on its home,
     /// [`push`](Self::push)), one with a task of its own is woken. Inline: on every run's
     /// release (`release_execution`); out of line it cost 25 instructions a run (cachegrind,
-    /// `fixed lane 8 4` minus `2`), a choice the compiler made or not as unrelated code moved.
-    #[inline]
+    /// `fixed lane 8 4` minus `2`), a choice the compiler made or not as unrelated code moved
+    /// (stop 79: a change in `abandon`, which is cold, moved it out of line), so it is forced.
+    #[inline(always)]
     pub(super) fn push_granted(&mut self, signal: &RunSignal, slot: usize, starts: Starts<'_>) {
         if let Some(run) = signal.grant(slot) {
             self.push(run, signal.home(), starts);
@@ -592,7 +593,15 @@ impl Ticket {
         }
         self.signal = None;
         self.shared.complete(self.info.lane, Some(Reason::Canceled));
-        // After the run is over: a subscriber that panics here leaves nothing owned.
+        // After the run is over: a subscriber that panics here leaves nothing owned. Contained:
+        // a ticket may be dropped by an unwinding panic (a subscriber's own, at the run's
+        // admission), where a second panic out of this drop would abort the process.
+        let _ = crate::util::call_contained(|| self.tell_abandoned());
+    }
+
+    /// The event of an abandoned run (out of line, as `abandon` is cold).
+    #[inline(never)]
+    fn tell_abandoned(&self) {
         tracing::debug!(
             lane = %self.lane_name(),
             run = self.info.run_id.get(),
