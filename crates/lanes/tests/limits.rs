@@ -1114,3 +1114,40 @@ async fn a_try_whose_answer_was_lost_gives_its_ticket_back() {
     assert_eq!(info.in_use, 0, "the lost grant was given back: {info:?}");
     let _permit = limits.acquire("db", Priority::default()).await.expect("the permit is free");
 }
+
+/// Review finding (stop 79): `LocalLimits` as a `Limits`' backend (`with_backend`, the way to
+/// give it `with_max_limits`) gave a dropped permit back through a task spawned for it, or,
+/// dropped on a thread without a runtime, never: in-process permits have no lease, so the
+/// limit was held for good. A waiting acquire dropped there was not withdrawn either, and once
+/// it reached the head of the line nobody behind it was ever granted. Both go back at once.
+#[test]
+fn a_local_backends_permit_dropped_without_a_runtime_goes_back_at_once() {
+    // 'static: a waiting acquire (which borrows it) is dropped on another thread.
+    let limits: &'static Limits = Box::leak(Box::new(Limits::with_backend(
+        lanes::limit::LocalLimits::new().with_max_limits(8),
+    )));
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let permit = runtime.block_on(async {
+        limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+        limits.acquire("db", Priority::default()).await.unwrap()
+    });
+    std::thread::spawn(move || drop(permit)).join().unwrap();
+    let info = runtime.block_on(limits.info("db")).unwrap().unwrap();
+    assert_eq!(info.in_use, 0, "given back at its drop: {info:?}");
+    // A waiting acquire, dropped on a thread without a runtime, leaves the line.
+    let held = runtime.block_on(limits.acquire("db", Priority::default())).unwrap();
+    let mut waiting = Box::pin(limits.acquire("db", Priority::default()));
+    let waker = std::task::Waker::noop();
+    let polled = runtime
+        .block_on(async { waiting.as_mut().poll(&mut std::task::Context::from_waker(waker)) });
+    assert!(polled.is_pending(), "it waits");
+    std::thread::spawn(move || drop(waiting)).join().unwrap();
+    let info = runtime.block_on(limits.info("db")).unwrap().unwrap();
+    assert_eq!((info.in_use, info.waiting), (1, 0), "withdrawn at its drop: {info:?}");
+    drop(held);
+    let next = runtime.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), limits.acquire("db", Priority::default()))
+            .await
+    });
+    assert!(next.is_ok_and(|permit| permit.is_ok()), "the line goes on");
+}

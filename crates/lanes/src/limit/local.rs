@@ -1490,6 +1490,14 @@ impl LimitBackend for LocalLimits {
         Box::pin(std::future::ready(Ok(self.release_now(name, ticket))))
     }
 
+    /// At once, wherever the permit (or the waiting acquire) is dropped: in process there is
+    /// nothing to wait for. (The default, a release in a spawned task, never ran on a thread
+    /// without a runtime, and a permit without a lease was then held for good.)
+    fn release_local(&self, name: &str, ticket: u64) -> bool {
+        self.release_now(name, ticket);
+        true
+    }
+
     fn renew<'a>(
         &'a self,
         name: &'a str,
