@@ -29,6 +29,11 @@ const MIN_SWEEP: usize = 64;
 /// make room within it.
 const CAP_SWEEP_GAP: u64 = 100_000_000;
 
+/// Under `max_keys`, the fewest keys a shard keeps: its part of the cap (`max / shards`). Keys
+/// spread unevenly over shards; with parts this large the first refusal comes about 5% before
+/// the cap (at 1 key a part it came at about a tenth of it).
+const SHARD_KEYS_MIN: usize = 1024;
+
 /// A [`LimitSpec`] applied to each key on its own, in process: a rate limit per client
 /// address, a concurrency limit per tenant, without defining a limit per key.
 ///
@@ -417,8 +422,9 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
         self
     }
 
-    /// At most `max_keys` keys kept at once (split evenly over the limit's shards, so a new
-    /// key may be refused a little before the whole limit keeps `max_keys`). A new key that
+    /// At most `max_keys` keys kept at once: exactly, under 2,048; a larger cap is split evenly
+    /// over the limit's shards (each keeps at least 1,024 keys), so a new key may be refused a
+    /// little before the whole limit keeps `max_keys` (keys hash unevenly: about 5% short). A new key that
     /// finds its shard full of keys in use is refused with [`LimitError::TooManyKeys`] (for
     /// `check` and `try_acquire`, inside [`TryAcquireError::Limit`]); keys already kept are
     /// served as before. A full shard looks for idle keys again after a quarter of its share
@@ -498,8 +504,11 @@ impl<K: Hash + Eq + Send + Sync + 'static> KeyedLimitBuilder<K> {
             .next_power_of_two()
             .min(256);
         if let Some(max) = self.max_keys {
-            // No more shards than keys, so that each has room for one and all for `max`.
-            shards = shards.min(1 << max.ilog2());
+            // Each shard keeps its part of `max`: split thinner than `SHARD_KEYS_MIN` a shard,
+            // keys that hash unevenly were refused well before `max` (on 16 cores, 64 shards
+            // of one key each for `max_keys(100)`: about the tenth key refused). A cap under
+            // twice that is one shard's, exact.
+            shards = shards.min(1 << (max / SHARD_KEYS_MIN).max(1).ilog2());
         }
         let rules = Rules::new(&self.spec);
         let shared = Arc::new(Shared {
