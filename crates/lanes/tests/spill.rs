@@ -3,7 +3,8 @@
 //! crash simulation against a reference model.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use lanes::spill::{self, Fault, MemStorage, SpillError, SpillOptions, SpillQueue, SyncPolicy};
@@ -652,4 +653,181 @@ async fn a_batch_that_fails_partway_returns_what_it_read_and_skips_nothing() {
     assert_eq!(got, (0..got.len() as u64).map(big).collect::<Vec<_>>());
     let err = reader.try_next_batch(100).await.unwrap_err();
     assert!(matches!(err, SpillError::Corrupt { .. }), "{err:?}");
+}
+
+/// A `MemStorage` that counts the bytes read and the state writes, and can fail the latter.
+#[derive(Debug, Clone, Default)]
+struct Watched {
+    inner: MemStorage,
+    read: Arc<AtomicU64>,
+    state_writes: Arc<AtomicU64>,
+    fail_state: Arc<AtomicBool>,
+}
+
+impl spill::Storage for Watched {
+    fn list(&self) -> std::io::Result<Vec<String>> {
+        self.inner.list()
+    }
+    fn list_other(&self) -> std::io::Result<Vec<String>> {
+        self.inner.list_other()
+    }
+    fn exists(&self) -> bool {
+        self.inner.exists()
+    }
+    fn create_dir(&self) -> std::io::Result<()> {
+        self.inner.create_dir()
+    }
+    fn lock(&self) -> std::io::Result<Box<dyn std::fmt::Debug + Send + Sync>> {
+        self.inner.lock()
+    }
+    fn is_owned(&self) -> std::io::Result<bool> {
+        self.inner.is_owned()
+    }
+    fn len(&self, name: &str) -> std::io::Result<u64> {
+        self.inner.len(name)
+    }
+    fn read_at(&self, name: &str, offset: u64, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.read.fetch_add(buf.len() as u64, Ordering::SeqCst);
+        self.inner.read_at(name, offset, buf)
+    }
+    fn read_all(&self, name: &str) -> std::io::Result<Vec<u8>> {
+        self.inner.read_all(name)
+    }
+    fn create(&self, name: &str) -> std::io::Result<Box<dyn spill::AppendFile>> {
+        self.inner.create(name)
+    }
+    fn open_append(&self, name: &str) -> std::io::Result<Box<dyn spill::AppendFile>> {
+        self.inner.open_append(name)
+    }
+    fn truncate(&self, name: &str, len: u64) -> std::io::Result<()> {
+        self.inner.truncate(name, len)
+    }
+    fn remove(&self, name: &str) -> std::io::Result<()> {
+        self.inner.remove(name)
+    }
+    fn write_atomic(&self, name: &str, data: &[u8]) -> std::io::Result<()> {
+        self.state_writes.fetch_add(1, Ordering::SeqCst);
+        if self.fail_state.load(Ordering::SeqCst) {
+            return Err(std::io::Error::other("injected state write failure"));
+        }
+        self.inner.write_atomic(name, data)
+    }
+    fn sync_dir(&self) -> std::io::Result<()> {
+        self.inner.sync_dir()
+    }
+}
+
+/// Review finding (stop 79): a disk too full for a whole segment's reservation (`fallocate`,
+/// 64 MiB by default) failed the queue at its next rotation, though it had room for records,
+/// and then every open: the backlog could not even be opened to drain it. A reservation that
+/// fails costs only the reservation.
+#[tokio::test]
+async fn a_disk_too_full_for_a_segments_reservation_still_takes_records_and_opens() {
+    let storage = MemStorage::new();
+    storage.inject(Fault::FailReserve);
+    let options = || SpillOptions::default().segment_size(512).max_record(400);
+    let (queue, _) = SpillQueue::open_with(storage.clone(), options()).await.expect("opens");
+    // Past several rotations, each of which reserves its new segment.
+    for i in 0..100 {
+        queue.append(record(i)).await.expect("the record fits");
+    }
+    queue.close().await.unwrap();
+    let (queue, _) = SpillQueue::open_with(storage, options()).await.expect("opens again");
+    assert_eq!(read_all(&queue).await, (0..100).map(record).collect::<Vec<_>>());
+}
+
+/// Review finding (stop 79): `next_batch` answered `Closed` as soon as the close began, while
+/// the writer still wrote the appends accepted before it: a consumer that took `Closed` for
+/// "everything read" stopped short. It answers `Closed` once the writer finished, and every
+/// record it wrote was read. A second `close` waits for the first (it answered `Ok` at once,
+/// while the writer still held the directory, and a reopen found it locked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_close_lets_the_reader_read_every_accepted_record_and_a_second_close_waits() {
+    const N: u64 = 5_000;
+    let storage = MemStorage::new();
+    let options = || SpillOptions::default().sync(SyncPolicy::Always);
+    let (queue, _) = SpillQueue::open_with(storage.clone(), options()).await.unwrap();
+    let mut reader = queue.reader().unwrap();
+    let consumer = tokio::spawn(async move {
+        let mut read = 0;
+        loop {
+            match reader.next_batch(100).await {
+                Ok(batch) => read += batch.len() as u64,
+                Err(SpillError::Closed) => return read,
+                Err(err) => panic!("{err}"),
+            }
+        }
+    });
+    let pending: Vec<_> = (0..N).map(|i| queue.start_append([record(i)]).unwrap()).collect();
+    lanes::Lifecycle::close(&queue);
+    queue.close().await.expect("the close the first began");
+    let reopened = SpillQueue::open_with(storage.clone(), options()).await;
+    assert!(reopened.is_ok(), "the directory is free once close returns: {reopened:?}");
+    drop(reopened);
+    assert_eq!(consumer.await.unwrap(), N, "every accepted record read before Closed");
+    drop(pending);
+}
+
+/// Review finding (stop 79): a commit refused because the queue had closed still moved the
+/// reader's acknowledged position, so its retry answered `Ok`, and the records came back at
+/// the next open. A refused commit moves nothing.
+#[tokio::test]
+async fn a_commit_refused_after_the_close_stays_refused() {
+    let storage = MemStorage::new();
+    let queue = append_some(&storage, SyncPolicy::Always, 0, 10).await;
+    let mut reader = queue.reader().unwrap();
+    let batch = reader.next_batch(10).await.unwrap();
+    assert_eq!(batch.len(), 10);
+    queue.close().await.unwrap();
+    let last = batch[9].position();
+    assert!(matches!(reader.commit(last).await, Err(SpillError::Closed)));
+    assert!(matches!(reader.commit(last).await, Err(SpillError::Closed)), "still refused");
+    assert_eq!(queue.len(), 10, "nothing acknowledged");
+    drop((reader, queue));
+    let (queue, _) = SpillQueue::open_with(storage, SpillOptions::default()).await.unwrap();
+    assert_eq!(read_all(&queue).await.len(), 10, "delivered again, as told");
+}
+
+/// Review finding (stop 79): under `SyncPolicy::Interval`, a queue that had failed skipped its
+/// ticks' syncs, so the next tick, timed from the last sync that ran, came at once, every turn:
+/// the writer spun until closed, retrying a failing state write each turn. It ticks once an
+/// interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_queue_under_an_interval_does_not_spin() {
+    let storage = Watched::default();
+    let options = SpillOptions::default().sync(SyncPolicy::Interval(Duration::from_millis(100)));
+    let (queue, _) = SpillQueue::open_with(storage.clone(), options).await.unwrap();
+    queue.append(b"a").await.unwrap();
+    let mut reader = queue.reader().unwrap();
+    let read = reader.next_batch(1).await.unwrap();
+    storage.inner.inject(Fault::FailAppendAfter(0));
+    assert!(queue.append(b"b").await.is_err(), "the queue failed");
+    storage.fail_state.store(true, Ordering::SeqCst);
+    let committed = tokio::spawn(async move { reader.commit(read[0].position()).await });
+    let before = storage.state_writes.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let made = storage.state_writes.load(Ordering::SeqCst) - before;
+    assert!(made <= 20, "{made} state writes in half a second, at one tick each 100 ms");
+    committed.abort();
+    drop(queue);
+}
+
+/// Review finding (stop 79): each read was sized by `max_record` (8 MiB by default), whatever
+/// it wanted: a reader taking one record at a time read, and threw away, up to 8 MiB a call,
+/// quadratic over a backlog. A read is sized by the records it wants.
+#[tokio::test]
+async fn a_reader_taking_one_record_at_a_time_reads_little_more_than_it_takes() {
+    const N: u64 = 2_000;
+    let storage = Watched::default();
+    let (queue, _) = SpillQueue::open_with(storage.clone(), SpillOptions::default()).await.unwrap();
+    for i in 0..N {
+        queue.append(record(i)).await.unwrap();
+    }
+    let mut reader = queue.reader().unwrap();
+    let before = storage.read.load(Ordering::SeqCst);
+    for _ in 0..N {
+        assert_eq!(reader.try_next_batch(1).await.unwrap().len(), 1);
+    }
+    let per_record = (storage.read.load(Ordering::SeqCst) - before) / N;
+    assert!(per_record <= 8 << 10, "{per_record} bytes read a record");
 }

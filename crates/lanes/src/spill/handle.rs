@@ -259,7 +259,7 @@ impl SpillQueue {
                     && storage.len(&segment_name(last.id))? == last.valid_end =>
             {
                 let mut file = storage.open_append(&segment_name(last.id))?;
-                file.reserve(options.segment_size)?;
+                reserve(&mut *file, options.segment_size);
                 (last.id, last.valid_end, file)
             }
             _ => {
@@ -502,14 +502,23 @@ impl SpillQueue {
 
     /// Flushes and syncs everything, persists the committed position, and stops the writer.
     /// Appends after this fail with [`SpillError::Closed`]; the directory is free once this
-    /// returns.
+    /// returns (a close another caller began is waited for).
     ///
     /// # Errors
     ///
     /// An I/O error of the final sync.
     pub async fn close(&self) -> Result<(), SpillError> {
         match self.begin_close() {
-            None => Ok(()),
+            // Closed by another caller (or the `Lifecycle` close): done once that close is,
+            // failed if the queue failed. (Before, `Ok` at once, while the writer still wrote
+            // and held the directory: a reopen right after found it locked.)
+            None => {
+                self.drained().await;
+                match lock(&self.inner.shared).failed.clone() {
+                    Some(cause) => Err(SpillError::Failed(cause)),
+                    None => Ok(()),
+                }
+            }
             Some(answer) => answer.await.map_err(|_| SpillError::Closed)?,
         }
     }
@@ -526,11 +535,13 @@ impl SpillQueue {
         }
         let (reply, answer) = oneshot::channel();
         let sent = self.inner.mailbox.close(reply);
-        self.inner.data.notify_waiters();
         if sent.is_err() {
             // The writer is gone already (it failed): nothing more will be made durable.
             self.inner.finished.send_replace(true);
         }
+        // After `finished`: a reader woken here reads it (the writer wakes them again when it
+        // finishes).
+        self.inner.data.notify_waiters();
         Some(answer)
     }
 
@@ -599,8 +610,18 @@ impl Observe for Inner {
     }
 }
 
-/// Creates segment `id` with its header, extended to `reserve` bytes (see
-/// [`AppendFile::reserve`]), durably.
+/// Reserves `len` bytes of `file` (see [`AppendFile::reserve`]), if the disk has them: a
+/// failure costs only the reservation. (Fatal, a disk too full for a whole segment failed the
+/// queue at its next rotation, and then every open, though it had room for records: the
+/// backlog could not even be opened to drain it.)
+fn reserve(file: &mut dyn AppendFile, len: u64) {
+    if let Err(err) = file.reserve(len) {
+        tracing::debug!(error = %err, "segment space not reserved; appends grow the file");
+    }
+}
+
+/// Creates segment `id` with its header, extended to `reserve` bytes if the disk has them
+/// (see [`AppendFile::reserve`]), durably.
 pub(super) fn create_segment(
     storage: &dyn Storage,
     id: u64,
@@ -608,7 +629,7 @@ pub(super) fn create_segment(
 ) -> std::io::Result<Box<dyn AppendFile>> {
     let mut file = storage.create(&segment_name(id))?;
     file.append(&format::segment_header(id))?;
-    file.reserve(reserve)?;
+    self::reserve(&mut *file, reserve);
     file.sync()?;
     storage.sync_dir()?;
     Ok(file)

@@ -62,11 +62,16 @@ impl SpillReader {
         loop {
             let mut notified = pin!(inner.data.notified());
             notified.as_mut().enable();
+            // Read before the batch: once the writer finished, every record it wrote is there
+            // to read. (Closed as soon as the close began, a reader stopped before the last
+            // accepted appends were written, and a drain that took `Closed` for "all read"
+            // left them behind.)
+            let finished = *inner.finished.borrow();
             let batch = self.try_next_batch(max).await?;
             if !batch.is_empty() {
                 return Ok(batch);
             }
-            if lock(&self.inner.shared).closed {
+            if finished {
                 return Err(SpillError::Closed);
             }
             notified.await;
@@ -97,14 +102,11 @@ impl SpillReader {
                 break None;
             };
             let storage = self.inner.storage.clone();
-            let max_record = self.inner.options.max_record;
             let want = max.max(1) - out.len();
-            let read = tokio::task::spawn_blocking(move || {
-                read_frames(&*storage, &plan, want, max_record)
-            })
-            .await
-            .map_err(|_| SpillError::Closed)
-            .and_then(|read| read);
+            let read = tokio::task::spawn_blocking(move || read_frames(&*storage, &plan, want))
+                .await
+                .map_err(|_| SpillError::Closed)
+                .and_then(|read| read);
             let read = match read {
                 Ok(read) => read,
                 Err(err) => break Some(err),
@@ -183,6 +185,22 @@ impl SpillReader {
         if to > self.cursor {
             return Err(SpillError::NotRead { position: to, read_to: self.cursor });
         }
+        if to <= lock(&self.inner.shared).committed {
+            // Counted already; sent again all the same: the writer persists it unless it did
+            // (the state write of the first commit may have failed). A closed queue persisted
+            // it as it closed: the writer took it (below), and takes every commit it took
+            // before it stops.
+            return match self.send_commit(to).await {
+                Err(SpillError::Closed) => Ok(()),
+                done => done,
+            };
+        }
+        // On its way to the writer before anything is counted: a commit the writer can no
+        // longer take (the queue closed) moves nothing, and a retry says `Closed` again.
+        // (Counted first, a refused commit still moved the position, and its retry, finding
+        // it done, answered `Ok` for records that came back at the next open.)
+        let (reply, answer) = oneshot::channel();
+        self.inner.mailbox.commit(to, reply).map_err(|_| SpillError::Closed)?;
         let (mut records, mut bytes) = (0u64, 0u64);
         while let Some((end, len)) = self.unacked.front().copied() {
             if end > to {
@@ -194,36 +212,20 @@ impl SpillReader {
         }
         let acked = {
             let mut shared = lock(&self.inner.shared);
-            if to <= shared.committed {
-                None
-            } else {
-                shared.committed = to;
-                shared.records -= records.min(shared.records);
-                let acked = bytes.min(shared.bytes);
-                shared.bytes -= acked;
-                shared.acknowledged += records;
-                Some(acked)
-            }
-        };
-        let Some(acked) = acked else {
-            // Counted already; sent again all the same: the writer persists it unless it did
-            // (the state write of the first commit may have failed). A closed queue persisted
-            // it as it closed.
-            return match self.send_commit(to).await {
-                Err(SpillError::Closed) => Ok(()),
-                done => done,
-            };
+            shared.committed = to;
+            shared.records -= records.min(shared.records);
+            let acked = bytes.min(shared.bytes);
+            shared.bytes -= acked;
+            shared.acknowledged += records;
+            acked
         };
         // After the lock (the recorder is user code, which may call into this queue), by the
         // difference (as appends move it after their own lock, the moves add up in any order),
-        // and contained: unwound from here, the commit would never be sent, and a retry would
-        // find it done (its records would come back after a restart).
+        // and contained.
         let _ = call_contained(|| self.inner.metrics.unacked_bytes.decrement(acked as f64));
-        let (reply, answer) = oneshot::channel();
-        let sent = self.inner.mailbox.commit(to, reply);
-        // Counted once the commit is on its way.
+        // Counted once the commit is on its way (a recorder's panic here reaches the caller,
+        // the commit sent all the same).
         self.inner.metrics.acked.increment(records);
-        sent.map_err(|_| SpillError::Closed)?;
         answer.await.map_err(|_| SpillError::Closed)?
     }
 
@@ -254,15 +256,16 @@ struct Read {
 }
 
 /// Reads up to `want` whole frames of `plan`'s range.
-fn read_frames(
-    storage: &dyn Storage,
-    plan: &Plan,
-    want: usize,
-    max_record: u32,
-) -> Result<Read, SpillError> {
+fn read_frames(storage: &dyn Storage, plan: &Plan, want: usize) -> Result<Read, SpillError> {
+    // A read's size follows what it wants: 4 KiB a record wanted, 4 KiB to 1 MiB. (Sized
+    // by `max_record` instead, 8 MiB by default, a reader taking one record at a time read and
+    // threw away up to 8 MiB a call: quadratic over a backlog.) A first frame longer than the
+    // read is read whole below.
     const CHUNK: u64 = 1 << 20;
+    const PER_RECORD: u64 = 4 << 10;
     let name = segment_name(plan.segment);
-    let len = (plan.to - plan.from).min(CHUNK.max(HEADER as u64 + u64::from(max_record)));
+    let chunk = (want as u64).saturating_mul(PER_RECORD).clamp(PER_RECORD, CHUNK);
+    let len = (plan.to - plan.from).min(chunk);
     let mut buf = vec![0u8; len as usize];
     let n = storage.read_at(&name, plan.from, &mut buf)?;
     buf.truncate(n);

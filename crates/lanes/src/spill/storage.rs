@@ -21,7 +21,8 @@ pub trait AppendFile: Send + fmt::Debug {
     /// appends go: appends then write in place, and a sync need not record a new file size
     /// (on ext4, an `fdatasync` after an in-place write costs about two thirds of one after a
     /// write that grows the file). Recovery reads a zero tail as space never written. The
-    /// default does nothing.
+    /// default does nothing. An error only costs the queue the reservation: it appends on
+    /// (a disk too full for a whole segment may still hold records).
     fn reserve(&mut self, len: u64) -> io::Result<()> {
         let _ = len;
         Ok(())
@@ -408,6 +409,9 @@ pub enum Fault {
     /// The next sync panics (a [`Storage`] written carelessly): armed on an open queue, the
     /// queue fails as if the sync had failed.
     PanicSync,
+    /// Every [`AppendFile::reserve`] fails with `ENOSPC` from now on (a disk too full for a
+    /// segment's worth of space, which may still hold a record), until another fault is armed.
+    FailReserve,
 }
 
 #[derive(Debug, Default)]
@@ -546,6 +550,14 @@ impl AppendFile for MemAppend {
 
     fn sync(&mut self) -> io::Result<()> {
         mem_sync(&self.state, self.generation, &self.name)
+    }
+
+    fn reserve(&mut self, _len: u64) -> io::Result<()> {
+        let state = live(&self.state, self.generation)?;
+        if state.fault == Some(Fault::FailReserve) {
+            return Err(io::Error::from_raw_os_error(28)); // ENOSPC
+        }
+        Ok(())
     }
 
     fn syncer(&self) -> io::Result<Option<Arc<dyn FileSync>>> {

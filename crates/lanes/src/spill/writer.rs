@@ -224,11 +224,13 @@ impl Writer {
         self.sync().and_then(|()| self.persist())
     }
 
-    /// The close is done: the directory's lock goes and `drained` resolves.
+    /// The close is done: the directory's lock goes and `drained` resolves, and readers
+    /// waiting for records learn that no more will come.
     fn closed(&mut self) {
         drop(self.lock.take());
         if let Some(inner) = self.inner.upgrade() {
             inner.finished.send_replace(true);
+            inner.data.notify_waiters();
         }
     }
 
@@ -248,6 +250,11 @@ impl Writer {
                 let left = every.saturating_sub(self.last_sync.elapsed());
                 if left.is_zero() {
                     taken.tick = true;
+                    // The next tick is an interval on, whether this one's sync runs or not:
+                    // once the queue failed its syncs are skipped, and a tick timed from the
+                    // last sync that ran came at once, every turn (the writer spun until
+                    // closed, retrying a failed state write each turn).
+                    self.last_sync = Instant::now();
                     break;
                 }
                 inbox = self.wait(inbox, 1, Some(left));
