@@ -138,17 +138,28 @@ local function run_id()
   return boot
 end
 
--- Since when this server may have served the limit: no earlier than its start, or now if
+-- When this server was first seen promoted, by the replication id it had before
+-- (`master_replid2`, new at each promotion): the first call after a promotion dates it (a
+-- little late, never early), for as long as this library is loaded.
+local promoted = {}
+
+-- Since when this server may have served the limit: no earlier than its start, or, if
 -- `second_repl_offset` is set (it was promoted from a replica, and began serving at the
--- promotion, which nothing dates; or it loaded replication data with its snapshot) or `INFO`
--- cannot be read. Its uptime is the difference of two whole-second clocks, its start's
+-- promotion, which nothing dates; or it loaded replication data with its snapshot), when a
+-- call first saw that (so a limit made new stops being held a lease after that, not for as
+-- long as the server runs); now if `INFO` cannot be read. Its uptime is the difference of two
+-- whole-second clocks, its start's
 -- (`stat_starttime`) and the last command's, never later than now's second: so the start's
 -- second is at most now's minus the uptime, and the start is before the second after that (a
 -- start at 12.99 s read at 13.01 s says 1: the start is before 13 s). Never after now.
 local function serving_since(now)
   local server, repl = redis.pcall('INFO', 'server'), redis.pcall('INFO', 'replication')
   if type(server) ~= 'string' or type(repl) ~= 'string' then return now end
-  if string.match(repl, 'second_repl_offset:(%-?%d+)') ~= '-1' then return now end
+  if string.match(repl, 'second_repl_offset:(%-?%d+)') ~= '-1' then
+    local before = string.match(repl, 'master_replid2:(%w+)') or ''
+    if not promoted[before] then promoted[before] = now end
+    return math.min(now, promoted[before])
+  end
   local uptime = tonumber(string.match(server, 'uptime_in_seconds:(%d+)') or '')
   if not uptime then return now end
   return math.min(now, (math.floor(now / 1000000) - uptime + 1) * 1000000)

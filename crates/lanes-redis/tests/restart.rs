@@ -441,3 +441,56 @@ async fn a_kill_and_empty_restart_mid_hammer_keeps_the_bound() {
         lost.load(Ordering::Relaxed)
     );
 }
+
+/// Review finding (stop 79): a server promoted from a replica (`second_repl_offset` set, as
+/// after any failover) was taken to have begun serving *now* at every call, for as long as it
+/// ran: every limit made new on it waited the longest lease before its first grant, days after
+/// the failover. The promotion is dated by the first call that sees it: a limit made new a
+/// lease after that is granted at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_replica_holds_new_limits_only_in_the_lease_after_its_promotion() {
+    // Each in a directory of its own: the sync's snapshot goes there, not to the working one.
+    let primary = DedicatedRedis::start_with_snapshots();
+    let replica = DedicatedRedis::start_with_snapshots();
+    let info = |redis: &DedicatedRedis| {
+        let client = redis::Client::open(redis.url()).unwrap();
+        async move {
+            let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+            redis::cmd("INFO").arg("replication").query_async::<String>(&mut conn).await.unwrap()
+        }
+    };
+    let command = |redis: &DedicatedRedis, args: &[String]| {
+        let client = redis::Client::open(redis.url()).unwrap();
+        let args = args.to_vec();
+        async move {
+            let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+            redis::cmd(&args[0]).arg(&args[1..]).query_async::<()>(&mut conn).await.unwrap();
+        }
+    };
+    let follow = ["REPLICAOF".to_owned(), "127.0.0.1".to_owned(), primary.port.to_string()];
+    command(&replica, &follow).await;
+    let synced = Instant::now() + Duration::from_secs(10);
+    while !info(&replica).await.contains("master_link_status:up") {
+        assert!(Instant::now() < synced, "the replica never synced");
+        sleep(Duration::from_millis(50)).await;
+    }
+    command(&replica, &["REPLICAOF".to_owned(), "NO".to_owned(), "ONE".to_owned()]).await;
+    assert!(!info(&replica).await.contains("second_repl_offset:-1"), "promoted");
+    let limits = Limits::with_backend(client(&replica).await);
+    // Right after the promotion a new limit is held (its writes on the old primary may be lost).
+    let asked = Instant::now();
+    limits.define("early", LimitSpec::concurrent(1)).await.unwrap();
+    let _early = timeout(Duration::from_secs(5), limits.acquire("early", Priority::default()))
+        .await
+        .expect("granted within the hold")
+        .unwrap();
+    assert!(asked.elapsed() >= LEASE - Duration::from_millis(150), "held after the promotion");
+    // A lease after it, a new limit is not.
+    sleep(LEASE).await;
+    let asked = Instant::now();
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let granted = timeout(Duration::from_secs(5), limits.acquire("db", Priority::default())).await;
+    assert!(granted.expect("granted").is_ok());
+    let took = asked.elapsed();
+    assert!(took < Duration::from_millis(400), "held a lease after the promotion: {took:?}");
+}
