@@ -831,3 +831,24 @@ async fn a_reader_taking_one_record_at_a_time_reads_little_more_than_it_takes() 
     let per_record = (storage.read.load(Ordering::SeqCst) - before) / N;
     assert!(per_record <= 8 << 10, "{per_record} bytes read a record");
 }
+
+/// Review finding (stop 79): a commit of any position up to what the reader had read was
+/// taken, one inside a record too (of another queue, say): it was persisted, and every reader
+/// made after it failed `Corrupt` until the queue was opened again. Only a position the reader
+/// handed out is taken.
+#[tokio::test]
+async fn a_commit_of_a_position_inside_a_record_is_refused() {
+    let storage = MemStorage::new();
+    let queue = append_some(&storage, SyncPolicy::Always, 0, 10).await;
+    let mut reader = queue.reader().unwrap();
+    let batch = reader.next_batch(10).await.unwrap();
+    let inside = spill::Position { offset: batch[4].position().offset - 3, ..batch[4].position() };
+    let refused = reader.commit(inside).await;
+    assert!(matches!(refused, Err(SpillError::NotRead { .. })), "{refused:?}");
+    reader.commit(batch[4].position()).await.expect("a record's position");
+    drop(reader);
+    let mut reader = queue.reader().unwrap();
+    let rest = reader.next_batch(10).await.expect("a later reader reads on");
+    assert_eq!(rest.len(), 5);
+    queue.close().await.unwrap();
+}

@@ -49,8 +49,9 @@ pub enum SpillError {
         /// Where.
         position: super::Position,
     },
-    /// A commit past what the reader has read (a position of another queue, say): it would
-    /// acknowledge records nobody read.
+    /// A commit past what the reader has read, or of a position it never handed out (a
+    /// position of another queue, say): it would acknowledge records nobody read, or leave the
+    /// committed position inside a record.
     NotRead {
         /// The position asked for.
         position: super::Position,

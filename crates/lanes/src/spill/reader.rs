@@ -180,12 +180,23 @@ impl SpillReader {
     /// # Errors
     ///
     /// An I/O error persisting the state file, [`SpillError::NotRead`] for a position past
-    /// what this reader has read, or [`SpillError::Closed`].
+    /// what this reader has read or that it never handed out (not a record's), or
+    /// [`SpillError::Closed`].
     pub async fn commit(&mut self, to: Position) -> Result<(), SpillError> {
         if to > self.cursor {
             return Err(SpillError::NotRead { position: to, read_to: self.cursor });
         }
-        if to <= lock(&self.inner.shared).committed {
+        let committed = lock(&self.inner.shared).committed;
+        // A position this reader handed out (a record's, or where its reads stand), or one
+        // committed already. (Any position up to the cursor was taken: one inside a frame, of
+        // another queue say, was persisted, and every reader made after it failed `Corrupt`
+        // until the queue was opened again.)
+        let handed_out =
+            to == self.cursor || self.unacked.binary_search_by(|(end, _)| end.cmp(&to)).is_ok();
+        if to > committed && !handed_out {
+            return Err(SpillError::NotRead { position: to, read_to: self.cursor });
+        }
+        if to <= committed {
             // Counted already; sent again all the same: the writer persists it unless it did
             // (the state write of the first commit may have failed). A closed queue persisted
             // it as it closed: the writer took it (below), and takes every commit it took
