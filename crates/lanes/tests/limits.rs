@@ -1151,3 +1151,121 @@ fn a_local_backends_permit_dropped_without_a_runtime_goes_back_at_once() {
     });
     assert!(next.is_ok_and(|permit| permit.is_ok()), "the line goes on");
 }
+
+/// A backend that, as `lanes serve` does, answers a ticket number it finished `Finished` for
+/// good: here it finishes the first ticket it is asked for (a withdrawal for the queue grace).
+#[derive(Debug)]
+struct FinishesForGood {
+    local: Arc<lanes::limit::LocalLimits>,
+    finished: std::sync::Mutex<Option<u64>>,
+    asks: AtomicUsize,
+}
+
+impl FinishesForGood {
+    /// Whether `ticket` is the finished one (and, past 100 asks, a refusal: a caller spinning
+    /// on its answers fails rather than hangs the test).
+    fn finished(&self, ticket: u64) -> bool {
+        assert!(self.asks.load(Ordering::SeqCst) <= 100, "asked 100 times: spinning");
+        let mut finished = self.finished.lock().unwrap();
+        *finished.get_or_insert(ticket) == ticket
+    }
+}
+
+impl LimitBackend for FinishesForGood {
+    fn ticket(&self) -> u64 {
+        self.local.ticket()
+    }
+    fn define<'a>(
+        &'a self,
+        name: &'a str,
+        spec: LimitSpec,
+    ) -> BoxFuture<'a, Result<(), LimitError>> {
+        self.local.define(name, spec)
+    }
+    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>> {
+        self.local.remove(name)
+    }
+    fn acquire<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        priority: &'a Priority,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        self.asks.fetch_add(1, Ordering::SeqCst);
+        if self.finished(ticket) {
+            return Box::pin(async { Ok(Answer::Finished) });
+        }
+        self.local.acquire(name, ticket, priority, lease)
+    }
+    fn try_acquire<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        self.local.try_acquire(name, ticket, lease)
+    }
+    fn check<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+        lease: Option<Duration>,
+    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        self.asks.fetch_add(1, Ordering::SeqCst);
+        if self.finished(ticket) {
+            return Box::pin(async { Ok(Answer::Finished) });
+        }
+        self.local.check(name, ticket, lease)
+    }
+    fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
+        self.local.wait(name, ticket, at_most)
+    }
+    fn release<'a>(
+        &'a self,
+        name: &'a str,
+        ticket: u64,
+    ) -> BoxFuture<'a, Result<lanes::limit::Released, LimitError>> {
+        self.local.release(name, ticket)
+    }
+    fn renew<'a>(
+        &'a self,
+        name: &'a str,
+        tickets: &'a [u64],
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Vec<u64>, LimitError>> {
+        self.local.renew(name, tickets, lease)
+    }
+    fn info<'a>(
+        &'a self,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<lanes::LimitInfo>, LimitError>> {
+        self.local.info(name)
+    }
+    fn list(&self) -> BoxFuture<'_, Result<Vec<lanes::LimitInfo>, LimitError>> {
+        self.local.list()
+    }
+}
+
+/// Review finding (stop 79): an acquire whose ticket the backend answered finished while it
+/// still waited asked again under the same number. `lanes serve` answers a finished number
+/// 410 for the longest lease, so the acquire spun on those answers, back to back, and past its
+/// deadline. It asks anew with a ticket of its own.
+#[tokio::test(start_paused = true)]
+async fn an_acquire_whose_ticket_finished_asks_again_with_a_new_one() {
+    let backend = Arc::new(FinishesForGood {
+        local: Arc::new(lanes::limit::LocalLimits::new()),
+        finished: std::sync::Mutex::new(None),
+        asks: AtomicUsize::new(0),
+    });
+    let limits = Limits::from_backend(backend.clone());
+    limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
+    let acquired = tokio::time::timeout(
+        Duration::from_secs(5),
+        limits.acquire_timeout("db", Priority::default(), Duration::from_secs(1)),
+    )
+    .await
+    .expect("no spin past the deadline");
+    assert!(acquired.is_ok(), "granted under a new ticket: {acquired:?}");
+    assert!(backend.asks.load(Ordering::SeqCst) <= 3, "asked {:?} times", backend.asks);
+}

@@ -384,11 +384,15 @@ impl Limits {
             AcquireError::Timeout(deadline.saturating_duration_since(started.unwrap_or(deadline)))
         };
         let name: Arc<str> = Arc::from(name);
-        let ticket = backend.ticket();
-        let mut withdraw =
-            Withdraw { backend: backend.clone(), name: name.clone(), ticket, armed: true };
+        let mut withdraw = Withdraw {
+            backend: backend.clone(),
+            name: name.clone(),
+            ticket: backend.ticket(),
+            armed: true,
+        };
         let mut first = Some(priority);
         loop {
+            let ticket = withdraw.ticket;
             let answer = drive(&**backend, &name, ticket, first.take(), None, deadline)
                 .await
                 .map_err(AcquireError::Limit)?;
@@ -398,9 +402,18 @@ impl Limits {
                     let release = Backend::Dyn(backend.clone());
                     return Ok(Permit::of_ticket(release, name, ticket, grant));
                 }
-                // Its owner is still waiting, so the store lost the ticket (a restart):
-                // ask anew, first ask again.
-                Answer::Finished => first = Some(priority),
+                // Its owner is still waiting, so the store lost the ticket (a restart), or
+                // withdrew it (a server's queue grace): ask anew, with a ticket of its own. (A
+                // number is used once: `lanes serve` answers a finished one 410 for a while,
+                // and asked again under it, this loop spun on those answers.)
+                Answer::Finished => {
+                    if let Some(deadline) = deadline.filter(|deadline| Instant::now() >= *deadline)
+                    {
+                        return Err(timed_out(deadline));
+                    }
+                    withdraw.ticket = backend.ticket();
+                    first = Some(priority);
+                }
                 Answer::Queued | Answer::RetryAfter(_) => {
                     let deadline = deadline.expect("drive returns pending only at one");
                     return Err(timed_out(deadline));
