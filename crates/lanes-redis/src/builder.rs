@@ -191,13 +191,16 @@ impl RedisLimitsBuilder {
             .await
             .map_err(backend)?;
         let library = Library::new();
-        let _: String =
-            library.load().query_async(&mut conn.live()).await.map_err(|err| {
-                match err.to_string().contains("unknown command") {
-                    true => LimitError::backend("lanes-redis needs Redis 7.0 or later (Functions)"),
-                    false => backend(err),
-                }
-            })?;
+        let loaded: Result<String, _> = library.load().query_async(&mut conn.live()).await;
+        match loaded {
+            Err(err) if err.to_string().contains("unknown command") => {
+                return Err(LimitError::backend(
+                    "lanes-redis needs Redis 7.0 or later (Functions)",
+                ));
+            }
+            Err(err) if !crate::wire::already_loaded(&err) => return Err(backend(err)),
+            _ => {}
+        }
         let inner = Arc::new(Inner {
             conn,
             cluster: self.target.is_cluster(),

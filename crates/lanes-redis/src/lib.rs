@@ -419,7 +419,11 @@ impl Inner {
         if let Err(CallError::Other(err)) = &result
             && err.to_string().contains("Function not found")
         {
-            self.command::<String>(&self.library.load()).await?;
+            match self.command::<String>(&self.library.load()).await {
+                Err(CallError::Other(err)) if wire::already_loaded(&err) => {}
+                Err(err) => return Err(err),
+                Ok(_) => {}
+            }
             result = self.command(&fcall).await;
         }
         result

@@ -120,12 +120,21 @@ impl Library {
         Self { name, code }
     }
 
-    /// Loads it (on every primary of a cluster), replacing a library of the same code.
+    /// Loads it (on every primary of a cluster). A library of the same name has the same code:
+    /// it is kept ([`already_loaded`] tells the error), and with it the library's own state (when
+    /// a promotion was first seen: reloaded at every client's start, a promoted server was
+    /// dated anew each time, and new limits held again).
     pub(crate) fn load(&self) -> redis::Cmd {
         let mut load = redis::cmd("FUNCTION");
-        load.arg("LOAD").arg("REPLACE").arg(&self.code);
+        load.arg("LOAD").arg(&self.code);
         load
     }
+}
+
+/// Whether a load failed only because the library was there already (loaded by another client
+/// of this version, or by this one meanwhile).
+pub(crate) fn already_loaded(err: &impl std::fmt::Display) -> bool {
+    err.to_string().contains("already exists")
 }
 
 /// An argument of a function call written straight into the command (a number without a
@@ -266,7 +275,11 @@ impl Inner {
             && err.to_string().contains("Function not found")
         {
             // A Redis that restarted empty (or a node that never had it): load it again.
-            self.command::<String>(&self.library.load()).await?;
+            match self.command::<String>(&self.library.load()).await {
+                Err(CallError::Other(err)) if already_loaded(&err) => {}
+                Err(err) => return Err(err),
+                Ok(_) => {}
+            }
             result = self.query(&fcall).await;
         }
         if result.is_ok() {

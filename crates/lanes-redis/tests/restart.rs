@@ -485,8 +485,10 @@ async fn a_promoted_replica_holds_new_limits_only_in_the_lease_after_its_promoti
         .expect("granted within the hold")
         .unwrap();
     assert!(asked.elapsed() >= LEASE - Duration::from_millis(150), "held after the promotion");
-    // A lease after it, a new limit is not.
+    // A lease after it, a new limit is not, though another client started meanwhile (each
+    // start loaded the library again, and with it forgot the promotion's date).
     sleep(LEASE).await;
+    let limits = Limits::with_backend(client(&replica).await);
     let asked = Instant::now();
     limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
     let granted = timeout(Duration::from_secs(5), limits.acquire("db", Priority::default())).await;
