@@ -421,6 +421,57 @@ impl tracing::Subscriber for PanicsOnEvent {
     fn exit(&self, _: &tracing::span::Id) {}
 }
 
+/// A subscriber whose `enabled` panics (a filter written carelessly).
+struct PanicsWhenAsked;
+
+impl tracing::Subscriber for PanicsWhenAsked {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        panic!("the subscriber's filter panics");
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, _: &tracing::Event<'_>) {}
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// Review finding (stop 79, second look): the inbox path's event was contained, but the test of
+/// whether it was wanted ran the subscriber's `enabled` outside the containment, with the run
+/// owned and its ticket not made yet. A filter that panics there is contained too.
+#[test]
+fn a_subscriber_whose_filter_panics_as_a_run_is_inboxed_leaves_nothing_owned() {
+    let set = common::one_lane("a", LaneLimits::new(1, 4)).build().unwrap();
+    let runtime = current_thread();
+    runtime.block_on(async {
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let open = gate.clone();
+        set.spawn(
+            "a",
+            Run::new(move |_cx| async move {
+                open.notified().await;
+                Ok::<_, BoxError>(1u32)
+            }),
+        )
+        .unwrap();
+        tokio::task::yield_now().await;
+        let inboxed = Run::new(|_cx| async { Ok::<_, BoxError>(2u32) });
+        let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            tracing::subscriber::with_default(PanicsWhenAsked, || set.spawn("a", inboxed))
+        }));
+        // The filter is asked elsewhere on the way too (its panic may reach the caller there):
+        // what matters is that no run is left owned with nothing to end it.
+        drop(admitted);
+        gate.notify_one();
+        set.close();
+        let drained = tokio::time::timeout(Duration::from_secs(5), set.drained()).await;
+        assert!(drained.is_ok(), "drained");
+    });
+    assert_quiescent(&set);
+}
+
 /// Runs their runtime drops end in that drop (a ticket's `abandon`), counted canceled, and
 /// their event comes after: a subscriber that panics on it leaves no run owned. (Before stop 66
 /// the event came first, and the panic left both runs owned for good.)

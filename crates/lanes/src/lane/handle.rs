@@ -1269,7 +1269,9 @@ impl SetShared {
             // made yet, so a panic out of it left the run in the inbox with nothing to end it,
             // holding the slot its grant gave it for good. (Made after the ticket, the event
             // cost the inbox path 25 instructions a run: `fixed lane 8`.)
-            if tracing::enabled!(tracing::Level::TRACE) {
+            // (The level test reads only static and global filters; the subscriber's own
+            // `enabled`, which may panic too, runs inside the containment.)
+            if tracing::level_enabled!(tracing::Level::TRACE) {
                 let _ = crate::util::call_contained(|| {
                     tracing::trace!(lane = %lane.name, run = run_id.get(), "admitted");
                 });
