@@ -852,3 +852,27 @@ async fn a_commit_of_a_position_inside_a_record_is_refused() {
     assert_eq!(rest.len(), 5);
     queue.close().await.unwrap();
 }
+
+/// Review finding (stop 79, second look): a commit whose state write failed, retried after a
+/// close whose own state write failed too, answered `Ok`, and its records came back at the next
+/// open. A retry after the close is `Ok` only if the state file holds the position.
+#[tokio::test]
+async fn a_commit_retried_after_a_close_that_could_not_persist_it_is_refused() {
+    let storage = Watched::default();
+    let (queue, _) = SpillQueue::open_with(storage.clone(), SpillOptions::default()).await.unwrap();
+    for i in 0..10 {
+        queue.append(record(i)).await.unwrap();
+    }
+    let mut reader = queue.reader().unwrap();
+    let batch = reader.next_batch(10).await.unwrap();
+    storage.fail_state.store(true, Ordering::SeqCst);
+    let last = batch[9].position();
+    assert!(reader.commit(last).await.is_err(), "its state write failed");
+    let _ = queue.close().await;
+    let retried = reader.commit(last).await;
+    assert!(matches!(retried, Err(SpillError::Closed)), "{retried:?}");
+    storage.fail_state.store(false, Ordering::SeqCst);
+    drop((reader, queue));
+    let (queue, _) = SpillQueue::open_with(storage, SpillOptions::default()).await.unwrap();
+    assert_eq!(read_all(&queue).await.len(), 10, "delivered again, as the refusal told");
+}

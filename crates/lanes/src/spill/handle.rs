@@ -56,6 +56,8 @@ pub(super) struct QueueState {
     /// The segment appends go to.
     pub(super) active: u64,
     pub(super) committed: Position,
+    /// The committed position the state file holds (the writer's last successful write).
+    pub(super) persisted: Position,
     pub(super) records: u64,
     pub(super) bytes: u64,
     pub(super) failed: Option<Arc<str>>,
@@ -287,6 +289,7 @@ impl SpillQueue {
             extents,
             active,
             committed,
+            persisted: committed,
             records: report.records,
             bytes: report.bytes,
             failed: None,

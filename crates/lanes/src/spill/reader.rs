@@ -198,11 +198,12 @@ impl SpillReader {
         }
         if to <= committed {
             // Counted already; sent again all the same: the writer persists it unless it did
-            // (the state write of the first commit may have failed). A closed queue persisted
-            // it as it closed: the writer took it (below), and takes every commit it took
-            // before it stops.
+            // (the state write of the first commit may have failed). A closed queue took it
+            // (below) and tried to persist it as it closed: done if the state file holds it.
+            // (Taken for done whenever the queue had closed, a retry after a close whose own
+            // state write failed answered `Ok`, and the records came back at the next open.)
             return match self.send_commit(to).await {
-                Err(SpillError::Closed) => Ok(()),
+                Err(SpillError::Closed) if to <= lock(&self.inner.shared).persisted => Ok(()),
                 done => done,
             };
         }

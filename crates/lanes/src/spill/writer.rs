@@ -513,6 +513,7 @@ impl Writer {
         let covered: Vec<u64> = match self.inner.upgrade() {
             Some(inner) => {
                 let mut shared = lock(&inner.shared);
+                shared.persisted = self.persisted;
                 let ids: Vec<u64> = shared
                     .extents
                     .range(..self.persisted.segment)
