@@ -1024,23 +1024,55 @@ async fn a_timeout_past_the_clocks_range_waits_as_long_as_it_takes() {
     waiting.await.unwrap().expect("granted once the permit came back");
 }
 
-/// A backend whose answers to a try are lost after it granted (a connection reset, say).
-#[derive(Debug)]
-struct LosesTryAnswers(Arc<lanes::limit::LocalLimits>);
+/// How a [`Faulty`] backend misbehaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// Its answers to a try are lost after it granted (a connection reset, say).
+    LosesTryAnswers,
+    /// As `lanes serve` does, it answers a ticket number it finished `Finished` for good: here
+    /// it finishes the first ticket it is asked for (a withdrawal for the queue grace).
+    FinishesForGood,
+}
 
-impl LimitBackend for LosesTryAnswers {
+/// The in-process backend with a [`Fault`].
+#[derive(Debug)]
+struct Faulty {
+    local: Arc<lanes::limit::LocalLimits>,
+    fault: Fault,
+    finished: std::sync::Mutex<Option<u64>>,
+    asks: AtomicUsize,
+}
+
+impl Faulty {
+    fn new(local: Arc<lanes::limit::LocalLimits>, fault: Fault) -> Self {
+        Self { local, fault, finished: std::sync::Mutex::new(None), asks: AtomicUsize::new(0) }
+    }
+
+    /// Whether an ask of `ticket` is answered finished (and, past 100 asks, a refusal: a
+    /// caller spinning on its answers fails rather than hangs the test).
+    fn finished(&self, ticket: u64) -> bool {
+        if self.fault != Fault::FinishesForGood {
+            return false;
+        }
+        assert!(self.asks.fetch_add(1, Ordering::SeqCst) < 100, "asked 100 times: spinning");
+        let mut finished = self.finished.lock().unwrap();
+        *finished.get_or_insert(ticket) == ticket
+    }
+}
+
+impl LimitBackend for Faulty {
     fn ticket(&self) -> u64 {
-        self.0.ticket()
+        self.local.ticket()
     }
     fn define<'a>(
         &'a self,
         name: &'a str,
         spec: LimitSpec,
     ) -> BoxFuture<'a, Result<(), LimitError>> {
-        self.0.define(name, spec)
+        self.local.define(name, spec)
     }
     fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>> {
-        self.0.remove(name)
+        self.local.remove(name)
     }
     fn acquire<'a>(
         &'a self,
@@ -1049,7 +1081,10 @@ impl LimitBackend for LosesTryAnswers {
         priority: &'a Priority,
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        self.0.acquire(name, ticket, priority, lease)
+        if self.finished(ticket) {
+            return Box::pin(async { Ok(Answer::Finished) });
+        }
+        self.local.acquire(name, ticket, priority, lease)
     }
     fn try_acquire<'a>(
         &'a self,
@@ -1057,8 +1092,11 @@ impl LimitBackend for LosesTryAnswers {
         ticket: u64,
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
+        if self.fault != Fault::LosesTryAnswers {
+            return self.local.try_acquire(name, ticket, lease);
+        }
         Box::pin(async move {
-            self.0.try_acquire(name, ticket, lease).await?;
+            self.local.try_acquire(name, ticket, lease).await?;
             Err(LimitError::backend("the answer was lost"))
         })
     }
@@ -1068,17 +1106,20 @@ impl LimitBackend for LosesTryAnswers {
         ticket: u64,
         lease: Option<Duration>,
     ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        self.0.check(name, ticket, lease)
+        if self.finished(ticket) {
+            return Box::pin(async { Ok(Answer::Finished) });
+        }
+        self.local.check(name, ticket, lease)
     }
     fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
-        self.0.wait(name, ticket, at_most)
+        self.local.wait(name, ticket, at_most)
     }
     fn release<'a>(
         &'a self,
         name: &'a str,
         ticket: u64,
     ) -> BoxFuture<'a, Result<lanes::limit::Released, LimitError>> {
-        self.0.release(name, ticket)
+        self.local.release(name, ticket)
     }
     fn renew<'a>(
         &'a self,
@@ -1086,16 +1127,16 @@ impl LimitBackend for LosesTryAnswers {
         tickets: &'a [u64],
         lease: Duration,
     ) -> BoxFuture<'a, Result<Vec<u64>, LimitError>> {
-        self.0.renew(name, tickets, lease)
+        self.local.renew(name, tickets, lease)
     }
     fn info<'a>(
         &'a self,
         name: &'a str,
     ) -> BoxFuture<'a, Result<Option<lanes::LimitInfo>, LimitError>> {
-        self.0.info(name)
+        self.local.info(name)
     }
     fn list(&self) -> BoxFuture<'_, Result<Vec<lanes::LimitInfo>, LimitError>> {
-        self.0.list()
+        self.local.list()
     }
 }
 
@@ -1105,7 +1146,7 @@ impl LimitBackend for LosesTryAnswers {
 #[tokio::test]
 async fn a_try_whose_answer_was_lost_gives_its_ticket_back() {
     let local = Arc::new(lanes::limit::LocalLimits::new());
-    let limits = Limits::with_backend(LosesTryAnswers(local.clone()));
+    let limits = Limits::with_backend(Faulty::new(local.clone(), Fault::LosesTryAnswers));
     limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
     let err = limits.try_acquire("db", Priority::default()).await.unwrap_err();
     assert!(err.to_string().contains("lost"), "{err}");
@@ -1152,112 +1193,14 @@ fn a_local_backends_permit_dropped_without_a_runtime_goes_back_at_once() {
     assert!(next.is_ok_and(|permit| permit.is_ok()), "the line goes on");
 }
 
-/// A backend that, as `lanes serve` does, answers a ticket number it finished `Finished` for
-/// good: here it finishes the first ticket it is asked for (a withdrawal for the queue grace).
-#[derive(Debug)]
-struct FinishesForGood {
-    local: Arc<lanes::limit::LocalLimits>,
-    finished: std::sync::Mutex<Option<u64>>,
-    asks: AtomicUsize,
-}
-
-impl FinishesForGood {
-    /// Whether `ticket` is the finished one (and, past 100 asks, a refusal: a caller spinning
-    /// on its answers fails rather than hangs the test).
-    fn finished(&self, ticket: u64) -> bool {
-        assert!(self.asks.load(Ordering::SeqCst) <= 100, "asked 100 times: spinning");
-        let mut finished = self.finished.lock().unwrap();
-        *finished.get_or_insert(ticket) == ticket
-    }
-}
-
-impl LimitBackend for FinishesForGood {
-    fn ticket(&self) -> u64 {
-        self.local.ticket()
-    }
-    fn define<'a>(
-        &'a self,
-        name: &'a str,
-        spec: LimitSpec,
-    ) -> BoxFuture<'a, Result<(), LimitError>> {
-        self.local.define(name, spec)
-    }
-    fn remove<'a>(&'a self, name: &'a str) -> BoxFuture<'a, Result<(), LimitError>> {
-        self.local.remove(name)
-    }
-    fn acquire<'a>(
-        &'a self,
-        name: &'a str,
-        ticket: u64,
-        priority: &'a Priority,
-        lease: Option<Duration>,
-    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        self.asks.fetch_add(1, Ordering::SeqCst);
-        if self.finished(ticket) {
-            return Box::pin(async { Ok(Answer::Finished) });
-        }
-        self.local.acquire(name, ticket, priority, lease)
-    }
-    fn try_acquire<'a>(
-        &'a self,
-        name: &'a str,
-        ticket: u64,
-        lease: Option<Duration>,
-    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        self.local.try_acquire(name, ticket, lease)
-    }
-    fn check<'a>(
-        &'a self,
-        name: &'a str,
-        ticket: u64,
-        lease: Option<Duration>,
-    ) -> BoxFuture<'a, Result<Answer, LimitError>> {
-        self.asks.fetch_add(1, Ordering::SeqCst);
-        if self.finished(ticket) {
-            return Box::pin(async { Ok(Answer::Finished) });
-        }
-        self.local.check(name, ticket, lease)
-    }
-    fn wait<'a>(&'a self, name: &'a str, ticket: u64, at_most: Duration) -> BoxFuture<'a, ()> {
-        self.local.wait(name, ticket, at_most)
-    }
-    fn release<'a>(
-        &'a self,
-        name: &'a str,
-        ticket: u64,
-    ) -> BoxFuture<'a, Result<lanes::limit::Released, LimitError>> {
-        self.local.release(name, ticket)
-    }
-    fn renew<'a>(
-        &'a self,
-        name: &'a str,
-        tickets: &'a [u64],
-        lease: Duration,
-    ) -> BoxFuture<'a, Result<Vec<u64>, LimitError>> {
-        self.local.renew(name, tickets, lease)
-    }
-    fn info<'a>(
-        &'a self,
-        name: &'a str,
-    ) -> BoxFuture<'a, Result<Option<lanes::LimitInfo>, LimitError>> {
-        self.local.info(name)
-    }
-    fn list(&self) -> BoxFuture<'_, Result<Vec<lanes::LimitInfo>, LimitError>> {
-        self.local.list()
-    }
-}
-
 /// Review finding (stop 79): an acquire whose ticket the backend answered finished while it
 /// still waited asked again under the same number. `lanes serve` answers a finished number
 /// 410 for the longest lease, so the acquire spun on those answers, back to back, and past its
 /// deadline. It asks anew with a ticket of its own.
 #[tokio::test(start_paused = true)]
 async fn an_acquire_whose_ticket_finished_asks_again_with_a_new_one() {
-    let backend = Arc::new(FinishesForGood {
-        local: Arc::new(lanes::limit::LocalLimits::new()),
-        finished: std::sync::Mutex::new(None),
-        asks: AtomicUsize::new(0),
-    });
+    let local = Arc::new(lanes::limit::LocalLimits::new());
+    let backend = Arc::new(Faulty::new(local, Fault::FinishesForGood));
     let limits = Limits::from_backend(backend.clone());
     limits.define("db", LimitSpec::concurrent(1)).await.unwrap();
     let acquired = tokio::time::timeout(
